@@ -1,0 +1,228 @@
+"""The wire format between the daemon and a runner child: one module, both sides import it.
+
+A runner talks to its parent through three pipes:
+
+- stdin: the run spec, one JSON object (see ``subagent.spec``), terminated by a newline
+  or by EOF.
+- stderr: events, one JSON object per line, flushed per event (``encode_event``).
+- stdout: the final result, one JSON object (``encode_result``), written once at the end.
+
+Invariants: this module is a stdlib-only leaf (the daemon imports it without paying for
+``openai`` or ``mcp``); decoding never raises on bad input, it returns a ``BadLine``
+value; every record here is plain JSON data so it can go to the journal unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "WIRE_VERSION",
+    "EventKind",
+    "ToolCallState",
+    "RunStatus",
+    "ToolCallRecord",
+    "Event",
+    "BadLine",
+    "ExitCode",
+    "MAX_EVENT_LINE_BYTES",
+    "encode_event",
+    "decode_event_line",
+    "encode_result",
+    "decode_result",
+    "make_event",
+]
+
+WIRE_VERSION: Final = 1
+
+# A longer stderr line is not an event: the reader cuts it and reports a BadLine.
+MAX_EVENT_LINE_BYTES: Final = 1024 * 1024
+
+
+class EventKind(enum.StrEnum):
+    """Kinds of event a runner writes on stderr. Fields listed are beyond ``event``/``ts``."""
+
+    RUNNER_STARTED = "runner_started"  # pid, pgid, run_id, provider
+    STEP_STARTED = "step_started"  # step
+    ASSISTANT_TEXT = "assistant_text"  # step, text (the model's text of this step, complete)
+    TOOL_CALL = "tool_call"  # record: ToolCallRecord as dict; sent on every state change
+    PROCESS_GROUP = "process_group"  # pgid, pid, kind ("mcp_server"|"command"), name, alive: bool
+    STEP_SNAPSHOT = "step_snapshot"  # step, progress (str), tool_calls: [record dicts], _id
+    STOP_REQUESTED = "stop_requested"  # reason ("signal"|"timeout"), during ("model"|"tool"|"idle")
+    STEERING = "steering"  # state ("queued"|"applied"|"unapplied"), text, step
+    LOG = "log"  # level, message
+
+
+class ToolCallState(enum.StrEnum):
+    """The lifecycle of one tool call, kept separate from the run's state."""
+
+    NOT_STARTED = "not_started"  # never executed: the stop came first, or its arguments were cut
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # cancelled while running: output so far is known
+    UNKNOWN = "unknown"  # outcome unknown: the tool was running when we lost it
+
+
+TERMINAL_TOOL_STATES: Final = frozenset(
+    {
+        ToolCallState.NOT_STARTED,
+        ToolCallState.SUCCEEDED,
+        ToolCallState.FAILED,
+        ToolCallState.CANCELLED,
+        ToolCallState.UNKNOWN,
+    }
+)
+
+
+class RunStatus(enum.StrEnum):
+    """The status a runner reports in its final result."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ExitCode(enum.IntEnum):
+    """Runner exit codes. The daemon maps them to run outcomes; each error class has its own."""
+
+    COMPLETED = 0
+    FAILED = 1  # the run failed (model error, max steps without an answer, ...)
+    BAD_SPEC = 2  # the spec on stdin was not a valid run spec: nothing ran
+    CANCELLED = 3  # stopped by SIGTERM or by its deadline (result.reason says which)
+    TOOL_SETUP = 4  # a tool could not be set up (an MCP server failed to start, unknown tool)
+    MODEL_ERROR = 5  # the model provider failed (connection, auth, bad response)
+    TOOL_PROTOCOL = 6  # a tool broke its protocol (e.g. non-JSON on an MCP server's stdout)
+    INTERNAL = 70  # a bug in the runner (EX_SOFTWARE)
+
+
+@dataclass(slots=True)
+class ToolCallRecord:
+    """What is known about one tool call the model made.
+
+    ``arguments`` is the raw argument text as the model streamed it, complete or not;
+    a call whose arguments were cut is ``NOT_STARTED`` with ``reason`` saying so and is
+    never executed.
+    """
+
+    id: str
+    name: str
+    arguments: str
+    step: int
+    state: ToolCallState = ToolCallState.NOT_STARTED
+    reason: str | None = None  # why not started / failed / cancelled / unknown
+    output: str | None = None  # known output, bounded
+    output_truncated: bool = False
+    error: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state"] = str(self.state)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ToolCallRecord:
+        return cls(
+            id=str(d["id"]),
+            name=str(d["name"]),
+            arguments=str(d.get("arguments", "")),
+            step=int(d.get("step", 0)),
+            state=ToolCallState(d.get("state", ToolCallState.NOT_STARTED)),
+            reason=d.get("reason"),
+            output=d.get("output"),
+            output_truncated=bool(d.get("output_truncated", False)),
+            error=d.get("error"),
+            started_at=d.get("started_at"),
+            finished_at=d.get("finished_at"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decoded stderr event: its kind, its wall-clock time and its other fields."""
+
+    kind: EventKind
+    ts: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": str(self.kind), "ts": self.ts, **self.data}
+
+
+@dataclass(frozen=True, slots=True)
+class BadLine:
+    """A stderr line that is not a valid event: kept as a value, never raised."""
+
+    text: str
+    problem: str
+
+
+def make_event(kind: EventKind, **data: Any) -> Event:
+    return Event(kind=kind, ts=time.time(), data=data)
+
+
+def encode_event(event: Event) -> bytes:
+    """One event as one newline-terminated JSON line (no embedded newlines)."""
+    return (json.dumps(event.to_dict(), separators=(",", ":"), default=str) + "\n").encode()
+
+
+def decode_event_line(line: bytes | str) -> Event | BadLine:
+    """Decode one stderr line. Garbage (a traceback, a library's print) becomes a BadLine."""
+    if isinstance(line, bytes):
+        text = line.decode("utf-8", errors="replace")
+    else:
+        text = line
+    text = text.rstrip("\r\n")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return BadLine(text=text, problem="not json")
+    if not isinstance(obj, dict):
+        return BadLine(text=text, problem=f"expected a json object, got {type(obj).__name__}")
+    kind = obj.pop("event", None)
+    try:
+        ev_kind = EventKind(kind)
+    except ValueError:
+        return BadLine(text=text, problem=f"unknown event kind {kind!r}")
+    ts = obj.pop("ts", None)
+    if not isinstance(ts, (int, float)):
+        ts = time.time()
+    return Event(kind=ev_kind, ts=float(ts), data=obj)
+
+
+def encode_result(result: dict[str, Any]) -> bytes:
+    """The final result as one JSON line for stdout.
+
+    Fields: ``v``, ``status`` (RunStatus), ``reason`` (None, "signal", "timeout", an error
+    code), ``final_text``, ``progress`` (assistant content so far), ``steps``,
+    ``tool_calls`` (record dicts), ``usage`` ({prompt_tokens, completion_tokens} where
+    known), ``error`` ({code, message} or None), ``unapplied_steering`` (texts).
+    """
+    out = {"v": WIRE_VERSION, **result}
+    return (json.dumps(out, separators=(",", ":"), default=str) + "\n").encode()
+
+
+def decode_result(data: bytes | str) -> dict[str, Any] | BadLine:
+    """Decode what a runner wrote on stdout: the last JSON object line wins."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "status" in obj:
+            try:
+                RunStatus(obj["status"])
+            except ValueError:
+                return BadLine(text=line, problem=f"unknown status {obj['status']!r}")
+            return obj
+    return BadLine(text=text[-500:], problem="no result object on stdout")
