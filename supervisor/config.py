@@ -1,0 +1,153 @@
+"""Daemon configuration: one frozen dataclass.
+
+Precedence, lowest first: built-in defaults, the TOML file (``<state_dir>/agentd.toml`` or
+``--config``), ``AGENTD_*`` environment variables, then explicit overrides (CLI flags).
+Durations end in ``_s``. Validation raises ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.errors import ConfigError
+
+__all__ = ["Config", "default_state_dir", "TOKEN_FILE", "ENDPOINT_FILE", "JOURNAL_FILE"]
+
+TOKEN_FILE = "token"  # 0600, the control socket's shared secret
+ENDPOINT_FILE = "daemon.json"  # {"url", "host", "port", "pid"} of the running daemon
+JOURNAL_FILE = "agentd.sqlite3"
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("AGENTD_STATE_DIR")
+    if env:
+        return Path(env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/agentd")
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "agentd"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    state_dir: Path = field(default_factory=default_state_dir)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port, published in <state_dir>/daemon.json
+    # Browser origins allowed on the control socket; a connection with any other Origin
+    # header is refused. Clients that send no Origin (CLI, programs) are not browsers.
+    allowed_origins: tuple[str, ...] = ()
+    # Path B: how long a runner gets between SIGTERM and SIGKILL of its whole tree.
+    grace_s: float = 10.0
+    # Runs allowed to be live at once; more wait in the queue.
+    max_concurrent: int = 64
+    # Default wall-clock limit of a run; None: none. A timeout is a cancel, reason "timeout".
+    default_timeout_s: float | None = None
+    # The interpreter that runs ``python -m subagent.runner``.
+    runner_python: str = sys.executable
+    # Warm runners kept pre-spawned (imports done, waiting for a spec); 0 disables the pool.
+    pool_size: int = 0
+    # Largest control message accepted, in bytes.
+    max_message_bytes: int = 1024 * 1024
+    # Where run directories live; default <state_dir>/runs.
+    runs_dir: Path | None = None
+    # Use a cgroup v2 per run where one can be created ("auto"), never ("off").
+    cgroups: str = "auto"
+
+    @property
+    def token_path(self) -> Path:
+        return self.state_dir / TOKEN_FILE
+
+    @property
+    def endpoint_path(self) -> Path:
+        return self.state_dir / ENDPOINT_FILE
+
+    @property
+    def journal_path(self) -> Path:
+        return self.state_dir / JOURNAL_FILE
+
+    @property
+    def run_root(self) -> Path:
+        return self.runs_dir if self.runs_dir is not None else self.state_dir / "runs"
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        state_dir: Path | str | None = None,
+        config_file: Path | str | None = None,
+        environ: dict[str, str] | None = None,
+        **overrides: Any,
+    ) -> Config:
+        """Build a Config from defaults, a TOML file, the environment and overrides."""
+        env = dict(os.environ if environ is None else environ)
+        values: dict[str, Any] = {}
+        sd = Path(state_dir) if state_dir is not None else None
+        if sd is None and env.get("AGENTD_STATE_DIR"):
+            sd = Path(env["AGENTD_STATE_DIR"])
+        if sd is None:
+            sd = default_state_dir()
+        path = Path(config_file) if config_file is not None else sd / "agentd.toml"
+        if config_file is not None or path.exists():
+            try:
+                with open(path, "rb") as f:
+                    values.update(tomllib.load(f))
+            except OSError as exc:
+                raise ConfigError("config_file", f"cannot read {str(path)!r}: {exc}") from exc
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError("config_file", f"{str(path)!r} is not valid toml: {exc}") from exc
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in names:
+            key = "AGENTD_" + name.upper()
+            if key in env and name != "state_dir":
+                values[name] = env[key]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        values["state_dir"] = sd
+        unknown = set(values) - names
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], "unknown setting")
+        return cls(**_coerce(cls, values))
+
+
+def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        v = values[f.name]
+        try:
+            if f.name in {"state_dir", "runs_dir"}:
+                v = None if v in (None, "") else Path(v)
+            elif f.name in {"port", "max_concurrent", "pool_size", "max_message_bytes"}:
+                v = int(v)
+                if v < 0:
+                    raise ValueError("must be >= 0")
+            elif f.name in {"grace_s"}:
+                v = float(v)
+                if v < 0:
+                    raise ValueError("must be >= 0")
+            elif f.name == "default_timeout_s":
+                v = None if v in (None, "", "none") else float(v)
+            elif f.name == "allowed_origins":
+                if isinstance(v, str):
+                    v = tuple(o.strip() for o in v.split(",") if o.strip())
+                else:
+                    v = tuple(str(o) for o in v)
+            elif f.name == "cgroups":
+                v = str(v)
+                if v not in {"auto", "off"}:
+                    raise ValueError("expected 'auto' or 'off'")
+            else:
+                v = str(v)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f.name, f"bad value {values[f.name]!r}: {exc}") from exc
+        out[f.name] = v
+    if out.get("max_concurrent", 1) == 0:
+        raise ConfigError("max_concurrent", "must be at least 1")
+    return out
