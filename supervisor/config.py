@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class Config:
     default_timeout_s: float | None = None
     # The interpreter that runs ``python -m subagent.runner``.
     runner_python: str = sys.executable
+    # The whole runner command line, if not ``<runner_python> -m subagent.runner``
+    # (a space-separated string in TOML/env; tests use it to run small child scripts).
+    runner_command: tuple[str, ...] = ()
     # Warm runners kept pre-spawned (imports done, waiting for a spec); 0 disables the pool.
     pool_size: int = 0
     # Largest control message accepted, in bytes.
@@ -71,6 +75,10 @@ class Config:
     @property
     def journal_path(self) -> Path:
         return self.state_dir / JOURNAL_FILE
+
+    @property
+    def runner_argv(self) -> tuple[str, ...]:
+        return self.runner_command or (self.runner_python, "-m", "subagent.runner")
 
     @property
     def run_root(self) -> Path:
@@ -134,6 +142,8 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                     raise ValueError("must be >= 0")
             elif f.name == "default_timeout_s":
                 v = None if v in (None, "", "none") else float(v)
+            elif f.name == "runner_command":
+                v = tuple(shlex.split(v)) if isinstance(v, str) else tuple(str(a) for a in v)
             elif f.name == "allowed_origins":
                 if isinstance(v, str):
                     v = tuple(o.strip() for o in v.split(",") if o.strip())
