@@ -1,0 +1,92 @@
+"""The daemon: journal, containment, run manager, control socket, signals, shutdown.
+
+``serve`` owns every long-lived task. Start-up order: state dir, journal, containment,
+recovery of runs left by a previous daemon, the runs nursery, the control socket, then
+READY=1 to systemd. On SIGTERM/SIGINT (or ``stop`` set, for in-process use): STOPPING=1,
+no more spawns, every run cancelled through both paths and its terminal fact written,
+then everything closes. The daemon never dies of a client's mistake: the control socket
+turns those into error replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import trio
+
+from supervisor import _sdnotify, control
+from supervisor.config import Config
+from supervisor.containment import Containment
+from supervisor.journal import Journal
+from supervisor.runs import RunManager
+
+__all__ = ["serve"]
+
+logger = logging.getLogger(__name__)
+
+# How often the STATUS= line for systemd is refreshed.
+STATUS_INTERVAL_S = 5.0
+
+
+async def serve(
+    config: Config,
+    *,
+    stop: trio.Event | None = None,
+    task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the daemon until SIGTERM/SIGINT, or until ``stop`` is set when given."""
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    notifier = _sdnotify.Notifier.from_env()
+    journal = await Journal.open(config.journal_path)
+    containment = await trio.to_thread.run_sync(Containment.setup, config)
+    manager = RunManager(config, journal, containment)
+    try:
+        async with trio.open_nursery() as nursery:
+            await manager.recover()
+            await nursery.start(manager.run)
+            port = await nursery.start(control.serve_control, config, manager)
+            token = control.write_token(config.token_path)
+            endpoint = control.write_endpoint(config.endpoint_path, host=config.host, port=port, pid=os.getpid())
+            logger.info("agentd listening on %s (state dir %s)", endpoint["url"], config.state_dir)
+            notifier.send("READY=1", f"STATUS=listening on {endpoint['url']}, 0 live runs")
+            if notifier.watchdog_interval_s() is not None:
+                nursery.start_soon(_sdnotify.watchdog_loop, notifier)
+            nursery.start_soon(_status_loop, notifier, manager)
+            task_status.started({"port": port, "url": endpoint["url"], "token": token, "manager": manager})
+            await _wait_for_stop(stop)
+            logger.info("agentd stopping: cancelling %d live runs", manager.live_count)
+            notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {manager.live_count} runs")
+            await manager.shutdown()
+            nursery.cancel_scope.cancel(reason="daemon shutdown")
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                config.endpoint_path.unlink()
+            except FileNotFoundError:
+                pass
+            await journal.aclose()
+            await trio.to_thread.run_sync(containment.close)
+
+
+async def _wait_for_stop(stop: trio.Event | None) -> None:
+    if stop is not None:
+        await stop.wait()
+        return
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logger.info("received %s", signal.Signals(signum).name)
+            return
+
+
+async def _status_loop(notifier: _sdnotify.Notifier, manager: RunManager) -> None:
+    last = -1
+    while True:
+        n = manager.live_count
+        if n != last:
+            notifier.send(f"STATUS=running, {n} live runs")
+            last = n
+        await trio.sleep(STATUS_INTERVAL_S)

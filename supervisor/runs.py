@@ -1,0 +1,587 @@
+"""The run manager: every run's life from spawn to its one terminal fact.
+
+Each run is one Trio task in the manager's nursery. The runner child's pipes are pumped
+by tasks *outside* the run's cancel scope, so a stop does not deafen us: the runner's
+last snapshot and final JSON written during its grace are still read. Cancel goes two
+ways on purpose (DESIGN.md): path A at cancel time (``process.soft_stop``: SIGTERM to the
+runner's group), and path B when the run's scope is cancelled: the scope unwinds into a
+shielded ``process.terminate_and_kill`` (SIGTERM, grace, SIGKILL the whole tree, reap).
+
+Invariants: one cancel token per run, retired exactly once when the terminal fact is
+written; the terminal fact is a compare-and-set in the journal, so a cancel racing a
+completion yields one outcome, the true one; a run that completed while its stop was in
+flight is recorded as completed; a stop is never recorded as failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
+from supervisor import process
+from supervisor.config import Config
+from supervisor.containment import Containment
+from supervisor.errors import RunNotFound, SpawnError
+from supervisor.journal import Journal
+from supervisor.progress import LineSplitter
+from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.token import CancelToken
+
+__all__ = ["RunManager"]
+
+logger = logging.getLogger(__name__)
+
+# After the runner exits, how long its pipes may stay open (a descendant may hold them).
+DRAIN_AFTER_EXIT_S = 2.0
+# Largest final-result document read from a runner's stdout.
+MAX_RESULT_BYTES = 16 * 1024 * 1024
+# Buffered events per live subscriber; a subscriber that falls further behind is dropped
+# (it reconnects and replays from its last sequence number).
+SUBSCRIBER_BUFFER = 4096
+# Margin on top of the grace for waiting on every run to end at shutdown.
+SHUTDOWN_MARGIN_S = 5.0
+
+
+@dataclass(eq=False)
+class _Run:
+    run_id: str
+    session_id: str | None
+    spec: dict[str, Any]
+    timeout_s: float | None
+    token: CancelToken
+    state: RunState = RunState.QUEUED
+    run_dir: Path | None = None
+    tree: process.Tree | None = None
+    scope: trio.CancelScope | None = None
+    queue_scope: trio.CancelScope | None = None
+    partial: dict[str, Any] | None = None
+    stdout: bytearray = field(default_factory=bytearray)
+    stdout_overflow: bool = False
+    cancel_at: float | None = None  # trio clock
+    cancel_wall: float | None = None
+    path_a: list[str] = field(default_factory=list)
+    subscribers: set[trio.MemorySendChannel[dict[str, Any]]] = field(default_factory=set)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    done: trio.Event = field(default_factory=trio.Event)
+    readopted: bool = False
+
+
+class RunManager:
+    """Implements the control socket's Backend over the journal and the process layer."""
+
+    def __init__(self, config: Config, journal: Journal, containment: Containment) -> None:
+        self.config = config
+        self.journal = journal
+        self.containment = containment
+        self._live: dict[str, _Run] = {}
+        self._limiter = trio.CapacityLimiter(config.max_concurrent)
+        self._nursery: trio.Nursery | None = None
+        self._accepting = False
+
+    # ------------------------------------------------------------------ service
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the runs nursery until cancelled. Call ``shutdown()`` first to stop runs."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._accepting = True
+            task_status.started()
+            await trio.sleep_forever()
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    async def shutdown(self, reason: str = "shutdown") -> None:
+        """Stop accepting runs, cancel every live run (both paths) and wait for them."""
+        self._accepting = False
+        runs = list(self._live.values())
+        for run in runs:
+            await self.cancel(run.run_id, reason=reason)
+        with trio.move_on_after(self.config.grace_s + SHUTDOWN_MARGIN_S):
+            for run in runs:
+                await run.done.wait()
+        left = [r.run_id for r in runs if not r.done.is_set()]
+        if left:
+            logger.warning("shutdown: runs still not ended after the grace: %s", left)
+
+    # ------------------------------------------------------------------ backend
+
+    async def spawn(
+        self,
+        spec: dict[str, Any],
+        *,
+        session_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        if not self._accepting or self._nursery is None:
+            raise SpawnError("the daemon is not accepting runs (shutting down)")
+        if not isinstance(spec, dict):
+            raise SpawnError(f"spec must be a json object, got {type(spec).__name__}")
+        run_id = "r-" + uuid.uuid4().hex[:16]
+        spec = dict(spec)
+        spec["run_id"] = run_id
+        if session_id is not None:
+            spec["session_id"] = session_id
+        else:
+            session_id = spec.get("session_id")
+        if timeout_s is None:
+            timeout_s = self.config.default_timeout_s
+        _validate_spec(spec)
+        run = _Run(
+            run_id=run_id,
+            session_id=session_id,
+            spec=spec,
+            timeout_s=timeout_s,
+            token=CancelToken(run_id),
+        )
+        await self.journal.create_run(
+            run_id, session_id=session_id, spec=spec, created_at=time.time(), timeout_s=timeout_s
+        )
+        self._live[run_id] = run
+        await self._record(run, "state", {"state": str(RunState.QUEUED)})
+        self._nursery.start_soon(self._lifecycle, run, name=f"run {run_id}")
+        return {"run_id": run_id, "state": str(run.state), "session_id": session_id}
+
+    async def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
+        run = self._live.get(run_id)
+        if run is None:
+            row = await self.journal.get_run(run_id)
+            if row is None:
+                raise RunNotFound(run_id)
+            return {"run_id": run_id, "was_active": False, "state": row["state"]}
+        was_active = run.token.cancel(reason)
+        if was_active and run.token.first_cancel:
+            run.cancel_at = trio.current_time()
+            run.cancel_wall = time.time()
+            # Path A, before any await: fire and forget, whole-group soft stop.
+            if run.tree is not None:
+                run.path_a = process.soft_stop(run.tree)
+            # Path B: unwinding the run's scope ends in terminate_and_kill.
+            if run.scope is not None:
+                run.scope.cancel()
+            if run.queue_scope is not None:
+                run.queue_scope.cancel()
+            if run.state in (RunState.STARTING, RunState.RUNNING):
+                await self._transition(run, RunState.CANCELLING, reason=reason)
+        return {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
+
+    async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
+        hits = [r for r in list(self._live.values()) if r.session_id == session_id]
+        out = [await self.cancel(r.run_id, reason=reason) for r in hits]
+        return {"session_id": session_id, "was_active": any(o["was_active"] for o in out), "runs": out}
+
+    async def status(self, run_id: str) -> dict[str, Any]:
+        row = await self.journal.get_run(run_id)
+        if row is None:
+            raise RunNotFound(run_id)
+        run = self._live.get(run_id)
+        row["live"] = run is not None
+        if run is not None:
+            row["state"] = str(run.state)
+            if run.partial is not None:
+                row["partial_snapshot"] = run.partial
+        return row
+
+    async def list_runs(
+        self, *, limit: int = 50, state: str | None = None, session_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        states = [RunState(state)] if state else None
+        rows = await self.journal.list_runs(limit=limit, states=states, session_id=session_id)
+        for row in rows:
+            run = self._live.get(row["id"])
+            row["live"] = run is not None
+            if run is not None:
+                row["state"] = str(run.state)
+        return rows
+
+    async def events_after(self, run_id: str, after_seq: int, limit: int = 1000) -> list[dict[str, Any]]:
+        if run_id not in self._live and await self.journal.get_run(run_id) is None:
+            raise RunNotFound(run_id)
+        return await self.journal.events_after(run_id, after_seq, limit)
+
+    @asynccontextmanager
+    async def subscribe(self, run_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[dict[str, Any]]]:
+        send, recv = trio.open_memory_channel[dict[str, Any]](SUBSCRIBER_BUFFER)
+        run = self._live.get(run_id)
+        if run is None:
+            if await self.journal.get_run(run_id) is None:
+                raise RunNotFound(run_id)
+            send.close()  # terminal already: nothing live will come
+            async with recv:
+                yield recv
+            return
+        run.subscribers.add(send)
+        try:
+            async with recv:
+                yield recv
+        finally:
+            run.subscribers.discard(send)
+            send.close()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _lifecycle(self, run: _Run) -> None:
+        acquired = False
+        try:
+            with trio.CancelScope() as run.queue_scope:
+                if not run.token.cancelled:
+                    await self._limiter.acquire_on_behalf_of(run)
+                    acquired = True
+            run.queue_scope = None
+            if run.token.cancelled:
+                await self._finish(
+                    run,
+                    RunState.CANCELLED,
+                    reason=run.token.reason,
+                    result=None,
+                    partial=False,
+                    error=None,
+                    receipt={"note": "cancelled while queued: never started", **self._receipt_head(run)},
+                )
+                return
+            await self._execute(run)
+        except Exception as exc:
+            logger.exception("run %s: supervision failed", run.run_id)
+            with trio.CancelScope(shield=True):
+                await self._finish(
+                    run,
+                    RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+                    reason=run.token.reason or "internal",
+                    result=run.partial,
+                    partial=run.partial is not None,
+                    error={"code": "internal", "message": f"supervision failed: {exc!r}"},
+                    receipt=self._receipt_head(run),
+                )
+        finally:
+            if acquired:
+                self._limiter.release_on_behalf_of(run)
+            if not run.done.is_set():  # only on a bug: never leave waiters hanging
+                run.token.retire()
+                run.done.set()
+                self._live.pop(run.run_id, None)
+
+    async def _execute(self, run: _Run) -> None:
+        run_dir = self.config.run_root / run.run_id
+        await trio.to_thread.run_sync(_make_run_dir, run_dir)
+        run.run_dir = run_dir
+        await self._transition(run, RunState.STARTING)
+        env = dict(os.environ)
+        env.update(
+            AGENTD_RUN_ID=run.run_id,
+            AGENTD_RUN_DIR=str(run_dir),
+            TMPDIR=str(run_dir / "tmp"),
+        )
+        tree_id = "t-" + uuid.uuid4().hex[:16]
+        try:
+            tree = await process.spawn_tree(
+                list(self.config.runner_argv),
+                env=env,
+                cwd=run_dir,
+                tree_id=tree_id,
+                containment=self.containment,
+            )
+        except (OSError, SpawnError) as exc:
+            logger.warning("run %s: could not start the runner: %s", run.run_id, exc)
+            await self._finish(
+                run,
+                RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+                reason=run.token.reason or "spawn_failed",
+                result=None,
+                partial=False,
+                error={"code": "spawn_failed", "message": str(exc)},
+                receipt=None,
+            )
+            await trio.to_thread.run_sync(_remove_dir, run_dir)
+            return
+        run.tree = tree
+        await self.journal.record_process(
+            run.run_id,
+            pid=tree.pid,
+            pid_start_time=tree.start_time,
+            pgid=tree.pgid,
+            tree_id=tree.tree_id,
+            cgroup=str(tree.cgroup) if tree.cgroup else None,
+            containment=tree.containment,
+            run_dir=str(run_dir),
+        )
+        receipt: dict[str, Any] = {}
+        pumps_done = trio.Event()
+        async with trio.open_nursery() as io:
+            io.start_soon(self._pumps, run, tree, pumps_done)
+            if run.timeout_s is not None:
+                io.start_soon(self._timeout, run, run.timeout_s)
+            with trio.CancelScope() as run.scope:
+                if run.token.cancelled:  # the stop came while we were spawning
+                    run.path_a = process.soft_stop(tree)
+                    run.scope.cancel()
+                try:
+                    await tree.process.wait()
+                finally:
+                    # Path B (scope cancelled) or the runner ended by itself: either way
+                    # the whole tree is ended and confirmed dead here, shielded and bounded.
+                    with trio.CancelScope(shield=True):
+                        stop = await process.terminate_and_kill(tree, grace_s=self.config.grace_s)
+                        receipt = stop.to_dict()
+            with trio.move_on_after(DRAIN_AFTER_EXIT_S):
+                await pumps_done.wait()
+            if not pumps_done.is_set():
+                logger.warning("run %s: pipes still open %.1fs after exit; stopped reading", run.run_id, DRAIN_AFTER_EXIT_S)
+                receipt["pipes_held_open"] = True
+            io.cancel_scope.cancel()
+        await self._conclude(run, tree, receipt)
+        await trio.to_thread.run_sync(_remove_dir, run_dir)
+        self.containment.remove(tree)
+
+    async def _timeout(self, run: _Run, timeout_s: float) -> None:
+        await trio.sleep(timeout_s)
+        await self.cancel(run.run_id, reason="timeout")
+
+    async def _conclude(self, run: _Run, tree: process.Tree, receipt: dict[str, Any]) -> None:
+        code = tree.process.returncode
+        result = decode_result(bytes(run.stdout))
+        if isinstance(result, BadLine) and run.run_dir is not None:
+            result = _read_result_file(run.run_dir / "result.json")
+        full_receipt = {**self._receipt_head(run), "exit_code": code, "path_b": receipt}
+        if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
+            full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
+        if isinstance(result, dict):
+            status = result.get("status")
+            if status == RunStatus.COMPLETED:
+                state = RunState.COMPLETED
+            elif status == RunStatus.CANCELLED:
+                state = RunState.CANCELLED
+            else:
+                state = RunState.CANCELLED if run.token.cancelled else RunState.FAILED
+            await self._finish(
+                run,
+                state,
+                reason=(run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")),
+                result=result,
+                partial=False,
+                error=result.get("error"),
+                receipt=full_receipt,
+            )
+            return
+        # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot.
+        if run.token.cancelled:
+            state, reason, error = RunState.CANCELLED, run.token.reason, None
+        else:
+            state, reason = RunState.FAILED, "runner_died"
+            error = {
+                "code": _exit_name(code),
+                "message": f"runner exited with code {code} without a result ({result.problem})",
+            }
+        await self._finish(
+            run,
+            state,
+            reason=reason,
+            result=run.partial,
+            partial=run.partial is not None,
+            error=error,
+            receipt=full_receipt,
+        )
+
+    def _receipt_head(self, run: _Run) -> dict[str, Any]:
+        return {
+            "cancel_reason": run.token.reason,
+            "cancel_requested_wall": run.cancel_wall,
+            "path_a": run.path_a,
+            "containment": run.tree.containment if run.tree else None,
+        }
+
+    # ------------------------------------------------------------------ pipes
+
+    async def _pumps(self, run: _Run, tree: process.Tree, done: trio.Event) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(self._feed_stdin, run, tree)
+            n.start_soon(self._pump_stdout, run, tree)
+            n.start_soon(self._pump_stderr, run, tree)
+        done.set()
+
+    async def _feed_stdin(self, run: _Run, tree: process.Tree) -> None:
+        stdin = tree.process.stdin
+        if stdin is None:
+            return
+        data = (json.dumps(run.spec) + "\n").encode()
+        try:
+            await stdin.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await stdin.aclose()
+
+    async def _pump_stdout(self, run: _Run, tree: process.Tree) -> None:
+        stream = tree.process.stdout
+        if stream is None:
+            return
+        try:
+            async for chunk in stream:
+                if len(run.stdout) + len(chunk) > MAX_RESULT_BYTES:
+                    run.stdout_overflow = True
+                    continue
+                run.stdout += chunk
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _pump_stderr(self, run: _Run, tree: process.Tree) -> None:
+        stream = tree.process.stderr
+        if stream is None:
+            return
+        splitter = LineSplitter()
+        try:
+            async for chunk in stream:
+                for item in splitter.feed(chunk):
+                    await self._on_item(run, tree, item)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        for item in splitter.close():
+            await self._on_item(run, tree, item)
+
+    async def _on_item(self, run: _Run, tree: process.Tree, item: Event | BadLine) -> None:
+        if isinstance(item, BadLine):
+            await self._record(run, "stderr", {"text": item.text, "problem": item.problem})
+            return
+        data = item.data
+        kind = item.kind
+        try:
+            if kind == EventKind.RUNNER_STARTED:
+                if run.state == RunState.STARTING:
+                    await self._transition(run, RunState.RUNNING)
+            elif kind == EventKind.PROCESS_GROUP:
+                pgid = int(data["pgid"])
+                if data.get("alive", True):
+                    tree.add_group(pgid)
+                    await self.journal.add_group(run.run_id, pgid, str(data.get("kind", "")), str(data.get("name", "")))
+                else:
+                    tree.discard_group(pgid)
+                    await self.journal.remove_group(run.run_id, pgid)
+            elif kind == EventKind.TOOL_CALL:
+                record = data.get("record")
+                if isinstance(record, dict) and "id" in record:
+                    await self.journal.upsert_tool_call(run.run_id, record)
+            elif kind == EventKind.STEP_SNAPSHOT:
+                # The partial-result cache: a stale writer's _id does not match; a
+                # terminal run keeps its result.
+                if data.get("_id") == run.run_id and run.state not in TERMINAL_STATES:
+                    run.partial = data
+                    await self.journal.set_partial(run.run_id, data)
+        except (KeyError, TypeError, ValueError) as exc:
+            await self._record(run, "stderr", {"text": json.dumps(item.to_dict())[:2000], "problem": f"bad {kind} event: {exc!r}"})
+            return
+        await self._record(run, str(kind), data, ts=item.ts)
+
+    # ------------------------------------------------------------------ journal + fan-out
+
+    async def _record(self, run: _Run, kind: str, data: dict[str, Any], ts: float | None = None) -> int:
+        ts = time.time() if ts is None else ts
+        async with run.lock:
+            seq = await self.journal.append_event(run.run_id, kind, data, ts)
+            msg = {"run_id": run.run_id, "seq": seq, "ts": ts, "kind": kind, "data": data}
+            for send in list(run.subscribers):
+                try:
+                    send.send_nowait(msg)
+                except trio.WouldBlock:
+                    logger.warning("run %s: dropping a subscriber that fell %d events behind", run.run_id, SUBSCRIBER_BUFFER)
+                    run.subscribers.discard(send)
+                    send.close()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    run.subscribers.discard(send)
+        return seq
+
+    async def _transition(self, run: _Run, new: RunState, *, reason: str | None = None) -> bool:
+        if run.state in TERMINAL_STATES:
+            return False
+        ok = await self.journal.transition(run.run_id, new, reason=reason)
+        if ok:
+            run.state = new
+            data: dict[str, Any] = {"state": str(new)}
+            if reason:
+                data["reason"] = reason
+            await self._record(run, "state", data)
+        return ok
+
+    async def _finish(
+        self,
+        run: _Run,
+        state: RunState,
+        *,
+        reason: str | None,
+        result: dict[str, Any] | None,
+        partial: bool,
+        error: dict[str, Any] | None,
+        receipt: dict[str, Any] | None,
+    ) -> None:
+        with trio.CancelScope(shield=True):
+            ok = await self.journal.finish(
+                run.run_id, state, reason=reason, result=result, partial=partial, error=error, receipt=receipt
+            )
+            run.token.retire()
+            if ok:
+                run.state = state
+                data: dict[str, Any] = {"state": str(state), "partial": partial}
+                if reason:
+                    data["reason"] = reason
+                await self._record(run, "state", data)
+            else:
+                row = await self.journal.get_run(run.run_id)
+                if row is not None:
+                    run.state = RunState(row["state"])
+            for send in list(run.subscribers):
+                send.close()
+            run.subscribers.clear()
+            self._live.pop(run.run_id, None)
+            run.done.set()
+
+
+def _validate_spec(spec: dict[str, Any]) -> None:
+    """Reject a bad spec at spawn time, with the runner's own validator (stdlib only)."""
+    try:
+        from subagent.spec import RunSpec, SpecError
+    except ImportError:  # the runner package is not there: the runner will say so
+        return
+    try:
+        RunSpec.from_dict(spec)
+    except SpecError as exc:
+        raise SpawnError(f"invalid run spec: {exc}") from exc
+
+
+def _make_run_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=False, mode=0o700)
+    (path / "tmp").mkdir(mode=0o700)
+
+
+def _remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _read_result_file(path: Path) -> dict[str, Any] | BadLine:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return BadLine(text="", problem="no result on stdout and no result.json")
+    return decode_result(data)
+
+
+def _exit_name(code: int | None) -> str:
+    if code is None:
+        return "unknown_exit"
+    if code < 0:
+        return f"signal_{-code}"
+    try:
+        return ExitCode(code).name.lower()
+    except ValueError:
+        return f"exit_{code}"

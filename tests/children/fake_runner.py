@@ -1,0 +1,88 @@
+"""A stand-in runner for daemon tests: speaks the wire format, behaves as told.
+
+The behaviour comes from the spec's ``task``, a JSON object:
+  snapshots: int      step_snapshot events to emit before waiting (default 1)
+  ignore_term: bool   ignore SIGTERM (then only SIGKILL ends it)
+  wait: bool          after the snapshots, block until SIGTERM (default true)
+  exit_code: int      exit code when it ends by itself (default 0)
+  no_result: bool     never write the final JSON
+  garbage: bool       write non-JSON noise on stderr first
+  tree: bool          start tests/children/tree_family.py-like descendants
+  hold_stdout: bool   leave a detached grandchild holding stdout open after exit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from subagent.events import EventKind, encode_event, encode_result, make_event
+
+stop = False
+
+
+def on_term(signum, frame):  # noqa: ARG001
+    global stop
+    stop = True
+
+
+def emit(kind, **data):
+    sys.stderr.buffer.write(encode_event(make_event(kind, **data)))
+    sys.stderr.buffer.flush()
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.readline())
+    b = json.loads(spec["task"]) if spec.get("task", "").startswith("{") else {}
+    run_id = spec["run_id"]
+    if b.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, on_term)
+    if b.get("garbage"):
+        sys.stderr.write("Traceback (most recent call last):\n  garbage {{{\n")
+        sys.stderr.flush()
+    emit(EventKind.RUNNER_STARTED, pid=os.getpid(), pgid=os.getpgrp(), run_id=run_id, provider="fake")
+    if b.get("tree"):
+        here = os.path.dirname(os.path.abspath(__file__))
+        # a grandchild in our group, a setsid() one, a double-forked one
+        code = (
+            "import os,time,subprocess,sys\n"
+            "subprocess.Popen([sys.executable,'-c','import time; time.sleep(300)'])\n"
+            "subprocess.Popen([sys.executable,'-c','import os,time; os.setsid(); time.sleep(300)'])\n"
+            "if os.fork()==0:\n"
+            "    os.setsid()\n"
+            "    if os.fork()==0:\n"
+            "        time.sleep(300)\n"
+            "    os._exit(0)\n"
+            "time.sleep(300)\n"
+        )
+        p = subprocess.Popen([sys.executable, "-c", code])
+        emit(EventKind.LOG, level="info", message=f"tree started {p.pid}")
+    if b.get("hold_stdout"):
+        subprocess.Popen(
+            [sys.executable, "-c", "import os,time; os.setsid(); time.sleep(300)"],
+            stdout=sys.stdout,
+        )
+    progress = ""
+    for i in range(1, int(b.get("snapshots", 1)) + 1):
+        progress += f"step {i} done. "
+        emit(EventKind.STEP_SNAPSHOT, step=i, progress=progress, tool_calls=[], _id=run_id)
+    if b.get("wait", True):
+        while not stop:
+            signal.pause()
+    if b.get("no_result"):
+        sys.exit(int(b.get("exit_code", 0)))
+    status = "cancelled" if stop else "completed"
+    sys.stdout.buffer.write(
+        encode_result({"status": status, "reason": "signal" if stop else None, "final_text": "done" if not stop else None, "progress": progress, "steps": int(b.get("snapshots", 1)), "tool_calls": [], "usage": {}, "error": None})
+    )
+    sys.stdout.flush()
+    sys.exit(3 if stop else int(b.get("exit_code", 0)))
+
+
+if __name__ == "__main__":
+    main()

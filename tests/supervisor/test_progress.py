@@ -1,0 +1,36 @@
+from subagent.events import BadLine, Event, EventKind, encode_event, make_event
+from supervisor.progress import LineSplitter
+
+
+def test_events_split_across_chunks_are_reassembled() -> None:
+    line = encode_event(make_event(EventKind.STEP_STARTED, step=1))
+    s = LineSplitter()
+    assert s.feed(line[:5]) == []
+    out = s.feed(line[5:] + encode_event(make_event(EventKind.STEP_STARTED, step=2)))
+    assert [e.data["step"] for e in out if isinstance(e, Event)] == [1, 2]
+
+
+def test_garbage_becomes_bad_lines_and_does_not_stop_the_stream() -> None:
+    s = LineSplitter()
+    out = s.feed(b"Traceback (most recent call last):\n[1,2]\n{\"event\":\"nope\"}\n\xff\xfe\n")
+    out += s.feed(encode_event(make_event(EventKind.LOG, level="info", message="ok")))
+    assert [type(x) for x in out] == [BadLine, BadLine, BadLine, BadLine, Event]
+    assert "unknown event kind" in out[2].problem
+
+
+def test_an_overlong_line_is_reported_once_and_the_next_line_still_parses() -> None:
+    s = LineSplitter(max_line=100)
+    out = s.feed(b"x" * 150)
+    out += s.feed(b"y" * 150)
+    out += s.feed(b"\n" + encode_event(make_event(EventKind.STEP_STARTED, step=3)))
+    assert len(out) == 2
+    assert isinstance(out[0], BadLine) and "longer than 100" in out[0].problem
+    assert isinstance(out[1], Event) and out[1].data["step"] == 3
+
+
+def test_an_unterminated_last_line_is_decoded_at_close() -> None:
+    s = LineSplitter()
+    line = encode_event(make_event(EventKind.STEP_STARTED, step=9)).rstrip(b"\n")
+    assert s.feed(line) == []
+    out = s.close()
+    assert isinstance(out[0], Event) and out[0].data["step"] == 9
