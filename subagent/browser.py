@@ -1,0 +1,363 @@
+"""The browser preset: one run's Chromium, driven through ``@playwright/mcp`` over stdio.
+
+``browser_server_config(run_dir, options)`` returns the ``mcpServers`` entry the runner adds
+as server ``"browser"``: ``node`` started directly (never ``npx``, whose wrapper can swallow
+the stdin close that tells the server to quit), headless, ``--isolated``, the Chromium this
+machine has, and every file the browser writes kept under ``<run_dir>/browser``: its
+profile and temp files (TMPDIR), crashpad's database and caches (XDG dirs), the server's
+output files and config. Removing the run dir therefore removes all of it, even after a
+SIGKILL that gave Chromium no chance to clean up.
+
+Invariants: stdlib only at import (the daemon calls ``check_browser`` at spawn time to reject
+a run whose browser cannot start); a missing piece is a ``BrowserSetupError`` naming what
+is missing and what to install; nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "BROWSER_SERVER_NAME",
+    "BrowserSetupError",
+    "BrowserSetup",
+    "browser_server_config",
+    "browser_dir",
+    "check_browser",
+    "find_chromium",
+    "find_node",
+    "find_playwright_mcp",
+    "OPTION_KEYS",
+]
+
+# The name the runner gives the preset's MCP server; its tools appear as ``browser__<tool>``
+# or however the runner namespaces them.
+BROWSER_SERVER_NAME: Final = "browser"
+
+# Debian's package puts the real binary here; /usr/bin/chromium is a shell wrapper.
+DEBIAN_CHROMIUM: Final = pathlib.Path("/usr/lib/chromium/chromium")
+
+# Where ``python -m playwright install chromium`` puts its browsers unless told otherwise.
+PLAYWRIGHT_BROWSERS_DEFAULT: Final = pathlib.Path("~/.cache/ms-playwright")
+
+# The checkout this module lives in: ``scripts/setup`` runs ``npm ci`` here.
+CHECKOUT_ROOT: Final = pathlib.Path(__file__).resolve().parent.parent
+PLAYWRIGHT_MCP_CLI: Final = pathlib.Path("node_modules/@playwright/mcp/cli.js")
+
+# Chromium switches on top of Playwright's defaults (which already include
+# --disable-background-networking, --disable-component-update, --disable-sync, ...): no
+# pings, no reporting, no crash uploads. A run's browser talks to the pages it is sent to.
+QUIET_CHROMIUM_ARGS: Final = (
+    "--no-pings",
+    "--disable-domain-reliability",
+    "--disable-crash-reporter",
+    "--disable-breakpad",
+    "--no-first-run",
+    "--no-default-browser-check",
+)
+
+# The keys a spec's ``"browser": {...}`` may hold.
+OPTION_KEYS: Final = frozenset(
+    {
+        "executable_path",  # str: the Chromium binary; else AGENTD_CHROMIUM, Debian's, Playwright's
+        "headless",  # bool, default true
+        "sandbox",  # bool, default false (Chromium's sandbox cannot run as root)
+        "args",  # [str]: extra Chromium switches
+        "viewport",  # "WIDTHxHEIGHT"
+        "allowed_origins",  # [str]: origins the browser may request
+        "blocked_origins",  # [str]: origins it may not
+        "timeout_action_ms",  # int: per action
+        "timeout_navigation_ms",  # int: per navigation
+        "image_responses",  # "allow" | "omit" | "only"; default "omit" (the runner is text-only)
+        "caps",  # [str]: extra @playwright/mcp capabilities ("vision", "pdf", "devtools")
+    }
+)
+_IMAGE_RESPONSES: Final = ("allow", "omit", "only")
+_CAPS: Final = frozenset({"vision", "pdf", "devtools"})
+_VIEWPORT_RE: Final = re.compile(r"^[1-9][0-9]{1,4}x[1-9][0-9]{1,4}$")
+
+
+class BrowserSetupError(Exception):
+    """The browser preset cannot be set up: ``what`` is missing or wrong, ``hint`` fixes it.
+
+    The runner maps it to ``ExitCode.TOOL_SETUP``; the daemon rejects the spawn with it.
+    """
+
+    def __init__(self, what: str, hint: str) -> None:
+        super().__init__(f"{what}: {hint}")
+        self.what = what
+        self.hint = hint
+
+
+@dataclass(frozen=True, slots=True)
+class BrowserSetup:
+    """What a browser run needs, resolved and checked: paths exist, options are valid."""
+
+    node: pathlib.Path
+    playwright_mcp: pathlib.Path  # its cli.js
+    chromium: pathlib.Path
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _is_executable_file(path: pathlib.Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _playwright_chromiums() -> list[pathlib.Path]:
+    """Playwright-managed Chromium binaries, newest revision first, full browser before shell."""
+    base = os.environ.get("PLAYWRIGHT_BROWSERS_PATH")
+    root = pathlib.Path(base) if base and base != "0" else PLAYWRIGHT_BROWSERS_DEFAULT.expanduser()
+
+    def revision(p: str) -> int:
+        m = re.search(r"-(\d+)/", p.removeprefix(str(root)))
+        return int(m.group(1)) if m else 0
+
+    found: list[pathlib.Path] = []
+    for pattern in ("chromium-*/chrome-linux*/chrome", "chromium_headless_shell-*/chrome-*/*headless_shell"):
+        hits = sorted(glob.glob(str(root / pattern)), key=revision, reverse=True)
+        found += [pathlib.Path(h) for h in hits if _is_executable_file(pathlib.Path(h))]
+    return found
+
+
+def find_chromium(config_path: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Find the Chromium binary a browser run will use.
+
+    Order: ``config_path`` (a spec option or daemon config), env ``AGENTD_CHROMIUM``, Debian's
+    ``/usr/lib/chromium/chromium``, a Playwright-managed Chromium under ``~/.cache/ms-playwright``
+    (or ``PLAYWRIGHT_BROWSERS_PATH``). An explicit path that is not an executable file is an
+    error, never a silent fallback.
+
+    Raises:
+        BrowserSetupError: no Chromium found, or the explicit one is not executable.
+    """
+    for source, value in (("browser option executable_path", config_path), ("AGENTD_CHROMIUM", os.environ.get("AGENTD_CHROMIUM"))):
+        if value is None or str(value) == "":
+            continue
+        path = pathlib.Path(value).expanduser()
+        if not _is_executable_file(path):
+            raise BrowserSetupError(
+                f"chromium not found at {str(path)!r} (from {source})",
+                "point it at a Chromium binary, or unset it to use /usr/lib/chromium/chromium "
+                "(apt-get install chromium)",
+            )
+        return path
+    if _is_executable_file(DEBIAN_CHROMIUM):
+        return DEBIAN_CHROMIUM
+    managed = _playwright_chromiums()
+    if managed:
+        return managed[0]
+    raise BrowserSetupError(
+        f"chromium not found (looked for {str(DEBIAN_CHROMIUM)!r} and a Playwright-managed "
+        f"browser under {str(PLAYWRIGHT_BROWSERS_DEFAULT)!r})",
+        "install it: apt-get install chromium (as root), or set AGENTD_CHROMIUM to a Chromium binary",
+    )
+
+
+def find_node() -> pathlib.Path:
+    """Find ``node``: env ``AGENTD_NODE``, else ``node`` on PATH.
+
+    Raises:
+        BrowserSetupError: no node found.
+    """
+    explicit = os.environ.get("AGENTD_NODE")
+    if explicit:
+        path = pathlib.Path(explicit).expanduser()
+        if not _is_executable_file(path):
+            raise BrowserSetupError(
+                f"node not found at {explicit!r} (from AGENTD_NODE)",
+                "point AGENTD_NODE at a node binary (Node.js 18 or newer), or unset it",
+            )
+        return path
+    which = shutil.which("node")
+    if which is None:
+        raise BrowserSetupError(
+            "node not found on PATH",
+            "install Node.js 18 or newer (apt-get install nodejs npm), then run scripts/setup",
+        )
+    return pathlib.Path(which)
+
+
+def find_playwright_mcp() -> pathlib.Path:
+    """Find ``@playwright/mcp``'s ``cli.js``: env ``AGENTD_PLAYWRIGHT_MCP`` (the file or its
+    package directory), else the checkout's ``node_modules`` (installed by ``scripts/setup``).
+
+    Raises:
+        BrowserSetupError: not installed.
+    """
+    explicit = os.environ.get("AGENTD_PLAYWRIGHT_MCP")
+    if explicit:
+        path = pathlib.Path(explicit).expanduser()
+        if path.is_dir():
+            path = path / "cli.js"
+        if not path.is_file():
+            raise BrowserSetupError(
+                f"@playwright/mcp not found at {explicit!r} (from AGENTD_PLAYWRIGHT_MCP)",
+                "point it at node_modules/@playwright/mcp (or its cli.js), or unset it",
+            )
+        return path
+    path = CHECKOUT_ROOT / PLAYWRIGHT_MCP_CLI
+    if not path.is_file():
+        raise BrowserSetupError(
+            f"@playwright/mcp is not installed (no {str(path)!r})",
+            f"run scripts/setup (or: cd {str(CHECKOUT_ROOT)!r} && npm ci)",
+        )
+    return path
+
+
+def _str_list(value: Any, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v and "\x00" not in v for v in value):
+        raise BrowserSetupError(f"browser option {key!r}", f"expected a list of non-empty strings, got {value!r}")
+    return list(value)
+
+
+def _pos_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BrowserSetupError(f"browser option {key!r}", f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _check_options(options: Mapping[str, Any] | bool | None) -> dict[str, Any]:
+    """Validate a spec's ``browser`` value; ``true``/``None`` mean no options."""
+    if options is None or options is True:
+        return {}
+    if options is False or not isinstance(options, Mapping):
+        raise BrowserSetupError("browser options", f"expected true or an object, got {options!r}")
+    unknown = sorted(set(options) - OPTION_KEYS)
+    if unknown:
+        raise BrowserSetupError(f"browser option {unknown[0]!r}", f"unknown; expected one of {sorted(OPTION_KEYS)!r}")
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key == "executable_path":
+            if not isinstance(value, str) or not value:
+                raise BrowserSetupError(f"browser option {key!r}", f"expected a path, got {value!r}")
+        elif key in ("headless", "sandbox"):
+            if not isinstance(value, bool):
+                raise BrowserSetupError(f"browser option {key!r}", f"expected true or false, got {value!r}")
+        elif key in ("args", "allowed_origins", "blocked_origins"):
+            value = _str_list(value, key)
+        elif key == "caps":
+            value = _str_list(value, key)
+            bad = sorted(set(value) - _CAPS)
+            if bad:
+                raise BrowserSetupError(f"browser option {key!r}", f"expected some of {sorted(_CAPS)!r}, got {bad[0]!r}")
+        elif key == "viewport":
+            if not isinstance(value, str) or not _VIEWPORT_RE.match(value):
+                raise BrowserSetupError(f"browser option {key!r}", f"expected 'WIDTHxHEIGHT' like '1280x720', got {value!r}")
+        elif key in ("timeout_action_ms", "timeout_navigation_ms"):
+            value = _pos_int(value, key)
+        elif key == "image_responses":
+            if value not in _IMAGE_RESPONSES:
+                raise BrowserSetupError(f"browser option {key!r}", f"expected one of {list(_IMAGE_RESPONSES)!r}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def check_browser(options: Mapping[str, Any] | bool | None = None) -> BrowserSetup:
+    """Validate the options and find node, @playwright/mcp and Chromium, without writing
+    anything or starting a process: what the daemon calls at spawn time.
+
+    Raises:
+        BrowserSetupError: a bad option, or a missing piece (the message says what to install).
+    """
+    opts = _check_options(options)
+    return BrowserSetup(
+        node=find_node(),
+        playwright_mcp=find_playwright_mcp(),
+        chromium=find_chromium(opts.get("executable_path")),
+        options=opts,
+    )
+
+
+def browser_dir(run_dir: pathlib.Path) -> pathlib.Path:
+    """Where a run's browser keeps everything it writes."""
+    return pathlib.Path(run_dir) / "browser"
+
+
+def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bool | None) -> dict[str, Any]:
+    """The ``mcpServers`` entry that runs this run's browser.
+
+    Creates ``<run_dir>/browser`` with the server's config file, output dir, temp dir and XDG
+    dirs. The env holds only what the preset needs plus every ``AGENTD_*`` variable of this
+    process (the containment marker); the caller adds its own on top.
+
+    Args:
+        run_dir: the run's own directory, removed when the run ends.
+        options: the spec's ``browser`` value: ``true`` or an object with ``OPTION_KEYS``.
+
+    Returns:
+        ``{"command", "args", "env", "cwd"}`` for an MCP stdio client.
+
+    Raises:
+        BrowserSetupError: a bad option or a missing node / @playwright/mcp / Chromium.
+    """
+    setup = check_browser(options)
+    opts = setup.options
+    base = browser_dir(pathlib.Path(run_dir)).absolute()
+    dirs = {
+        "tmp": base / "tmp",  # profile (playwright_chromiumdev_profile-*), sockets, artifacts
+        "output": base / "output",  # snapshots, console logs, screenshots
+        "config": base / "xdg" / "config",  # crashpad's "Crash Reports" database
+        "cache": base / "xdg" / "cache",
+        "data": base / "xdg" / "data",
+    }
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+
+    headless = bool(opts.get("headless", True))
+    sandbox = bool(opts.get("sandbox", False))
+    launch: dict[str, Any] = {
+        "executablePath": str(setup.chromium),
+        "headless": headless,
+        "chromiumSandbox": sandbox,
+        "args": [*QUIET_CHROMIUM_ARGS, *opts.get("args", [])],
+    }
+    config: dict[str, Any] = {
+        "browser": {"browserName": "chromium", "isolated": True, "launchOptions": launch},
+        "outputDir": str(dirs["output"]),
+        "imageResponses": opts.get("image_responses", "omit"),
+    }
+    config_path = base / "playwright-mcp.json"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+    # The flags repeat the config file on purpose: `ps` shows what the browser runs with.
+    args = [
+        str(setup.playwright_mcp),
+        "--config", str(config_path),
+        "--browser", "chromium",
+        "--executable-path", str(setup.chromium),
+        "--isolated",
+        "--output-dir", str(dirs["output"]),
+        "--image-responses", str(config["imageResponses"]),
+    ]  # fmt: skip
+    if headless:
+        args.append("--headless")
+    args.append("--sandbox" if sandbox else "--no-sandbox")
+    if "viewport" in opts:
+        args += ["--viewport-size", opts["viewport"]]
+    if "allowed_origins" in opts:
+        args += ["--allowed-origins", ";".join(opts["allowed_origins"])]
+    if "blocked_origins" in opts:
+        args += ["--blocked-origins", ";".join(opts["blocked_origins"])]
+    if "timeout_action_ms" in opts:
+        args += ["--timeout-action", str(opts["timeout_action_ms"])]
+    if "timeout_navigation_ms" in opts:
+        args += ["--timeout-navigation", str(opts["timeout_navigation_ms"])]
+    if "caps" in opts:
+        args += ["--caps", ",".join(opts["caps"])]
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
+    env |= {
+        "TMPDIR": str(dirs["tmp"]),
+        "XDG_CONFIG_HOME": str(dirs["config"]),
+        "XDG_CACHE_HOME": str(dirs["cache"]),
+        "XDG_DATA_HOME": str(dirs["data"]),
+    }
+    return {"command": str(setup.node), "args": args, "env": env, "cwd": str(base)}
