@@ -1,0 +1,400 @@
+"""A fake OpenAI-compatible chat server: real HTTP/1.1 + SSE, playing a model script.
+
+It speaks just enough of the Chat Completions API for the ``openai`` SDK:
+``POST .../chat/completions`` with ``stream: true`` answers ``chat.completion.chunk``
+events (text deltas, tool-call deltas with argument fragments, finish, usage, ``[DONE]``)
+in chunked transfer encoding; ``stream: false`` answers one ``chat.completion``;
+``GET .../models`` lists the model. The script format and the choice of turn are
+``subagent.script``'s, so this server and the ``scripted`` provider play the same thing.
+
+Invariants: every request is logged (``requests``) with whether the client closed the
+connection before the response was complete (``client_closed``: the proof that a stop
+aborted the stream); a ``cut`` closes the connection mid-body without the terminating
+chunk; state changes wake both trio waiters (``wait_for``) and thread waiters
+(``wait_for_sync``). Run it with ``nursery.start(server.serve)``, ``server.start_in_thread()``,
+or ``python -m subagent.fake_openai --script FILE`` (prints the base URL on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import trio
+
+from subagent.script import DEFAULT_SCRIPT, Script, history_position, plan
+
+__all__ = ["FakeOpenAI", "LoggedRequest"]
+
+# Bounds how long the server waits for a request's head and body (seconds).
+REQUEST_READ_TIMEOUT_S: Final = 10.0
+MAX_HEAD_BYTES: Final = 64 * 1024
+MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+# How long start_in_thread() waits for the listener (seconds).
+THREAD_START_TIMEOUT_S: Final = 10.0
+
+
+@dataclass
+class LoggedRequest:
+    """One HTTP request the server received, and what became of its response."""
+
+    n: int
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    turn_index: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    response_complete: bool = False
+    client_closed: bool = False  # the client closed the connection before the response ended
+    closed_at: float | None = None
+    cut: bool = False  # the script cut the stream (server side)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class FakeOpenAI:
+    """A scripted OpenAI-compatible server. One instance serves one script."""
+
+    def __init__(self, script: Script | dict[str, Any] | None = None, *, model: str = "fake-model", host: str = "127.0.0.1") -> None:
+        if script is None:
+            script = DEFAULT_SCRIPT
+        self.script = script if isinstance(script, Script) else Script.from_dict(script)
+        self.model = model
+        self.host = host
+        self.port: int | None = None
+        self.requests: list[LoggedRequest] = []
+        self._counter = itertools.count(1)
+        self._changed = trio.Event()
+        self._cond = threading.Condition()
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._cancel: trio.CancelScope | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server is not listening yet")
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def chat_requests(self) -> list[LoggedRequest]:
+        return [r for r in self.requests if r.path.endswith("/chat/completions")]
+
+    # --- waiting -------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+        with self._cond:
+            self._cond.notify_all()
+
+    async def wait_for(self, predicate: Callable[[FakeOpenAI], bool]) -> None:
+        """Wait (in the server's trio run) until ``predicate(self)`` holds. Bound it with fail_after."""
+        while not predicate(self):
+            await self._changed.wait()
+
+    def wait_for_sync(self, predicate: Callable[[FakeOpenAI], bool], timeout_s: float) -> bool:
+        """Wait from another thread; returns whether the predicate held in time."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self), timeout=timeout_s)
+
+    # --- serving -------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[FakeOpenAI] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host=self.host)
+        self.port = listeners[0].socket.getsockname()[1]
+        self._trio_token = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as scope:
+            self._cancel = scope
+            async with trio.open_nursery() as nursery:
+                task_status.started(self)
+                await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+
+    def start_in_thread(self) -> FakeOpenAI:
+        """Serve from a daemon thread (for code that is not under trio). Stop with ``stop()``."""
+        ready = threading.Event()
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.serve)
+                ready.set()
+
+        self._thread = threading.Thread(target=trio.run, args=(main,), name="fake-openai", daemon=True)
+        self._thread.start()
+        if not ready.wait(THREAD_START_TIMEOUT_S):
+            raise RuntimeError("the fake OpenAI server did not start")
+        return self
+
+    def stop(self) -> None:
+        """Stop a server started with ``start_in_thread`` (idempotent)."""
+        if self._thread is None or self._trio_token is None or self._cancel is None:
+            return
+        scope = self._cancel
+        try:
+            trio.from_thread.run_sync(scope.cancel, trio_token=self._trio_token)
+        except trio.RunFinishedError:
+            pass
+        self._thread.join(THREAD_START_TIMEOUT_S)
+        self._thread = None
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        buf = bytearray()  # bytes read but not yet consumed (keep-alive, pipelining)
+        try:
+            while True:
+                parsed: tuple[str, str, dict[str, str], bytes] | None = None
+                with trio.move_on_after(REQUEST_READ_TIMEOUT_S):
+                    parsed = await _read_request(stream, buf)
+                if parsed is None:
+                    return
+                method, path, headers, body_bytes = parsed
+                try:
+                    body: Any = json.loads(body_bytes) if body_bytes else None
+                except ValueError:
+                    body = body_bytes.decode("utf-8", "replace")
+                req = LoggedRequest(next(self._counter), method, path, headers, body)
+                self.requests.append(req)
+                self._notify()
+                try:
+                    keep = await self._respond(stream, req, buf)
+                finally:
+                    self._notify()
+                if not keep:
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError, _ClientGone):
+            return
+        finally:
+            with trio.move_on_after(1, shield=True):
+                await stream.aclose()
+
+    async def _respond(self, stream: trio.SocketStream, req: LoggedRequest, buf: bytearray) -> bool:
+        """Answer one request. Returns whether the connection stays usable."""
+        if req.method == "GET" and req.path.rstrip("/").endswith("/models"):
+            await _send_json(stream, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+            req.response_complete = True
+            return True
+        if req.method != "POST" or not req.path.rstrip("/").endswith("/chat/completions") or not isinstance(req.body, dict):
+            await _send_json(stream, 404, {"error": {"message": f"no route for {req.method} {req.path}", "type": "invalid_request_error"}})
+            req.response_complete = True
+            return True
+        messages = req.body.get("messages") or []
+        turn_index, last_output = history_position(messages)
+        req.turn_index = turn_index
+        pieces = plan(self.script, turn_index, last_output)
+        if not req.body.get("stream"):
+            await _send_json(stream, 200, self._whole_completion(pieces))
+            req.response_complete = True
+            return True
+        include_usage = bool((req.body.get("stream_options") or {}).get("include_usage"))
+
+        gone = trio.Event()
+
+        async def watch(cancel: trio.CancelScope) -> None:
+            # The client sends nothing more while it reads a stream: bytes here are a
+            # pipelined request, EOF is the client closing the connection.
+            while True:
+                try:
+                    data = await stream.receive_some(65536)
+                except trio.ClosedResourceError:
+                    return  # we closed it ourselves (a scripted cut)
+                except trio.BrokenResourceError:
+                    data = b""
+                if not data:
+                    gone.set()
+                    cancel.cancel()
+                    return
+                buf.extend(data)
+
+        completed = False
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as writer_scope:
+                nursery.start_soon(watch, writer_scope)
+                try:
+                    completed = await self._stream(stream, req, pieces, include_usage)
+                except _ClientGone:
+                    gone.set()
+            nursery.cancel_scope.cancel()
+        if gone.is_set() and not req.response_complete and not req.cut:
+            req.client_closed = True
+            req.closed_at = time.monotonic()
+            return False
+        return completed
+
+    async def _stream(self, stream: trio.SocketStream, req: LoggedRequest, pieces: list[Any], include_usage: bool) -> bool:
+        cid = f"chatcmpl-fake-{req.n}"
+        created = int(time.time())
+        head = (
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            "transfer-encoding: chunked\r\n\r\n"
+        )
+        await _send(stream, head.encode())
+        first = True
+
+        async def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
+            nonlocal first
+            if first:
+                delta = {"role": "assistant", **delta}
+                first = False
+            obj = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+            await _send_event(stream, obj)
+
+        for p in pieces:
+            if p.kind == "delay":
+                await trio.sleep(p.seconds)
+            elif p.kind == "text":
+                await chunk({"content": p.text})
+            elif p.kind == "tool_start":
+                await chunk({"tool_calls": [{"index": p.index, "id": p.id, "type": "function", "function": {"name": p.name, "arguments": ""}}]})
+            elif p.kind == "tool_args":
+                await chunk({"tool_calls": [{"index": p.index, "function": {"arguments": p.text}}]})
+            elif p.kind == "cut":
+                req.cut = True
+                # No terminating chunk: the client sees the body end mid-message.
+                await stream.aclose()
+                return False
+            elif p.kind == "error":
+                await _send_event(stream, {"error": {"message": p.text, "type": "server_error", "code": None}})
+                await _send(stream, b"0\r\n\r\n")
+                req.response_complete = True
+                return True
+            elif p.kind == "hang":
+                await trio.sleep_forever()
+            elif p.kind == "finish":
+                await chunk({}, finish=p.text)
+                if include_usage:
+                    usage = dict(p.usage or {"prompt_tokens": 0, "completion_tokens": 0})
+                    usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+                    await _send_event(stream, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model, "choices": [], "usage": usage})
+                await _send_chunk(stream, b"data: [DONE]\n\n")
+                await _send(stream, b"0\r\n\r\n")
+                req.response_complete = True
+                return True
+        return False
+
+    def _whole_completion(self, pieces: list[Any]) -> dict[str, Any]:
+        text, calls, finish = "", {}, "stop"
+        for p in pieces:
+            if p.kind == "text":
+                text += p.text
+            elif p.kind == "tool_start":
+                calls[p.index] = {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": ""}}
+            elif p.kind == "tool_args":
+                calls[p.index]["function"]["arguments"] += p.text
+            elif p.kind == "finish":
+                finish = p.text
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        }
+
+
+async def _read_until(stream: Any, buf: bytearray, sep: bytes, limit: int) -> bytes | None:
+    while True:
+        i = buf.find(sep)
+        if i >= 0:
+            head = bytes(buf[:i])
+            del buf[: i + len(sep)]
+            return head
+        if len(buf) > limit:
+            raise ValueError("request head too large")
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buf += data
+
+
+async def _read_request(stream: Any, buf: bytearray) -> tuple[str, str, dict[str, str], bytes] | None:
+    head = await _read_until(stream, buf, b"\r\n\r\n", MAX_HEAD_BYTES)
+    if head is None:
+        return None
+    method, path, headers = _parse_head(head)
+    length = int(headers.get("content-length", "0") or 0)
+    if length > MAX_BODY_BYTES:
+        raise ValueError("request body too large")
+    while len(buf) < length:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buf += data
+    body = bytes(buf[:length])
+    del buf[:length]
+    return method, path, headers, body
+
+
+def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        raise ValueError(f"bad request line {lines[0]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return parts[0], parts[1], headers
+
+
+async def _send(stream: Any, data: bytes) -> None:
+    try:
+        await stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        raise _ClientGone() from None
+
+
+async def _send_chunk(stream: Any, data: bytes) -> None:
+    await _send(stream, b"%x\r\n%s\r\n" % (len(data), data))
+
+
+async def _send_event(stream: Any, obj: dict[str, Any]) -> None:
+    await _send_chunk(stream, b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _send_json(stream: Any, status: int, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj).encode()
+    reason = {200: "OK", 404: "Not Found"}.get(status, "Error")
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    await _send(stream, head.encode() + body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m subagent.fake_openai [--script FILE]``: serve until killed; print the base URL."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--script", help="a model script (JSON); default: the built-in script")
+    ap.add_argument("--model", default="fake-model")
+    args = ap.parse_args(argv)
+    script = Script.load(args.script) if args.script else None
+
+    async def run() -> None:
+        server = FakeOpenAI(script, model=args.model)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            print(server.base_url, flush=True)
+
+    trio.run(run)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

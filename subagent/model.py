@@ -1,0 +1,165 @@
+"""What a model turn is, and how a stream of deltas becomes one.
+
+``TurnAssembler`` is the only place that decides whether a tool call is complete: a call
+is executable only if the stream *finished* (a finish_reason arrived) and its arguments
+parse as a JSON object. A stream that was cut or aborted leaves every call of that turn
+unexecutable; the call that was still streaming is marked ``arguments_incomplete`` and
+its text is kept as received, never repaired. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = [
+    "ModelError",
+    "DraftCall",
+    "ModelTurn",
+    "TurnAssembler",
+    "Provider",
+    "REASON_ARGS_INCOMPLETE",
+    "REASON_TURN_INCOMPLETE",
+]
+
+REASON_ARGS_INCOMPLETE = "arguments_incomplete: the stream was cut inside this call's arguments"
+REASON_TURN_INCOMPLETE = "turn_incomplete: the model's stream ended before its turn finished"
+REASON_ABORTED_IN_ARGS = "arguments_incomplete: the stop aborted the stream inside this call's arguments"
+REASON_ABORTED_TURN = "stopped_before_start: the stop aborted the model's turn"
+
+
+class ModelError(Exception):
+    """The model provider failed (connection, auth, bad response, scripted error)."""
+
+    def __init__(self, message: str, *, kind: str = "model_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+
+
+@dataclass(slots=True)
+class DraftCall:
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+    # Set by TurnAssembler.result(): None when executable, else why not.
+    problem: str | None = None
+    parsed: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class ModelTurn:
+    text: str
+    calls: list[DraftCall]
+    finished: bool  # a finish_reason arrived: the turn is whole
+    aborted: bool  # the stop aborted it
+    finish_reason: str | None
+    usage: dict[str, int] | None
+
+    @property
+    def whole(self) -> bool:
+        return self.finished and not self.aborted
+
+
+@dataclass(slots=True)
+class TurnAssembler:
+    """Accumulates one streamed turn. Providers feed it; the loop reads ``result()``."""
+
+    text_parts: list[str] = field(default_factory=list)
+    calls: dict[int, DraftCall] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    received_any: bool = False
+    _last_index: int | None = None
+
+    def text(self, delta: str) -> None:
+        if delta:
+            self.received_any = True
+            self.text_parts.append(delta)
+
+    def tool_delta(self, index: int, *, id: str | None = None, name: str | None = None, arguments: str | None = None) -> None:
+        self.received_any = True
+        call = self.calls.get(index)
+        if call is None:
+            call = self.calls[index] = DraftCall(index=index)
+        if id:
+            call.id = id
+        if name:
+            # Some servers repeat the name in every delta; others send it once.
+            call.name = name if not call.name or call.name == name else call.name + name
+        if arguments:
+            call.arguments += arguments
+        self._last_index = index
+
+    def finish(self, reason: str | None) -> None:
+        self.received_any = True
+        self.finish_reason = reason or "stop"
+
+    def add_usage(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        self.usage = {
+            "prompt_tokens": int(prompt_tokens or 0),
+            "completion_tokens": int(completion_tokens or 0),
+        }
+
+    def result(self, *, aborted: bool = False) -> ModelTurn:
+        finished = self.finish_reason is not None and not aborted
+        calls = [self.calls[i] for i in sorted(self.calls)]
+        for n, call in enumerate(calls):
+            if not call.id:
+                call.id = f"call_auto_{n + 1}"
+            if finished:
+                call.problem, call.parsed = _check_arguments(call)
+            elif call.index == self._last_index:
+                call.problem = REASON_ABORTED_IN_ARGS if aborted else REASON_ARGS_INCOMPLETE
+                if aborted and _parses(call.arguments):
+                    # The arguments happened to be whole, but the turn was not.
+                    call.problem = REASON_ABORTED_TURN
+            else:
+                call.problem = REASON_ABORTED_TURN if aborted else REASON_TURN_INCOMPLETE
+        return ModelTurn(
+            text="".join(self.text_parts),
+            calls=calls,
+            finished=finished,
+            aborted=aborted,
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+        )
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_arguments(call: DraftCall) -> tuple[str | None, dict[str, Any] | None]:
+    if not call.name:
+        return "invalid_call: the model sent a tool call without a name", None
+    text = call.arguments.strip() or "{}"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"invalid_arguments: not valid JSON ({exc.msg} at char {exc.pos})", None
+    if not isinstance(value, dict):
+        return f"invalid_arguments: expected a JSON object, got {type(value).__name__}", None
+    return None, value
+
+
+class Provider(Protocol):
+    """A model behind a streaming chat API.
+
+    ``stream_turn`` feeds deltas into ``sink`` as they arrive and returns when the stream
+    ends (finished or cut: the sink tells which). It raises ``ModelError`` only when the
+    request failed before any delta arrived, or when the model reported an error.
+    Cancelling it aborts the request at once and closes its connection.
+    """
+
+    name: str
+
+    async def stream_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler) -> None: ...
+
+    async def aclose(self) -> None: ...

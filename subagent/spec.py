@@ -1,0 +1,329 @@
+"""The run spec: what the daemon asks one runner to do, validated from JSON.
+
+Invariants: stdlib only and cheap (the daemon calls ``RunSpec.from_dict`` at spawn time to
+reject bad specs before any process starts); every value is checked, unknown keys are
+errors; a valid spec is a frozen value and ``RunSpec.from_dict(spec.to_dict()) == spec``.
+The provider default ("openai" when ``OPENAI_API_KEY`` is set, else "scripted") is
+resolved at validation time, from the environment passed in (``os.environ`` by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "SpecError",
+    "ModelSpec",
+    "McpServerSpec",
+    "Limits",
+    "RunSpec",
+    "BUILTIN_TOOLS",
+    "PROVIDERS",
+    "parse_spec_text",
+]
+
+BUILTIN_TOOLS: Final = frozenset({"run_command"})
+PROVIDERS: Final = frozenset({"scripted", "openai"})
+
+DEFAULT_MAX_STEPS: Final = 20
+# Bounds one run_command call: the command's group is stopped when it runs out (seconds).
+DEFAULT_COMMAND_TIMEOUT_S: Final = 120.0
+DEFAULT_MAX_OUTPUT_BYTES: Final = 65536
+
+
+class SpecError(ValueError):
+    """A run spec is invalid. ``field`` is a dotted path to the offending value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+def _check_keys(d: Mapping[str, Any], where: str, allowed: set[str]) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise SpecError(
+            f"{where}.{unknown[0]}" if where else unknown[0],
+            f"unknown key {unknown[0]!r} (expected one of {sorted(allowed)!r})",
+        )
+
+
+def _obj(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise SpecError(where, f"expected an object, got {type(v).__name__}")
+    for k in v:
+        if not isinstance(k, str):  # pragma: no cover - json keys are always str
+            raise SpecError(where, f"expected string keys, got {k!r}")
+    return v
+
+
+def _str(v: Any, where: str, *, empty: bool = False) -> str:
+    if not isinstance(v, str):
+        raise SpecError(where, f"expected a string, got {type(v).__name__}")
+    if not empty and not v.strip():
+        raise SpecError(where, "expected a non-empty string")
+    if "\x00" in v:
+        raise SpecError(where, "string contains a NUL byte")
+    return v
+
+
+def _opt_str(d: Mapping[str, Any], key: str, where: str) -> str | None:
+    v = d.get(key)
+    return None if v is None else _str(v, f"{where}{key}")
+
+
+def _num(v: Any, where: str, *, positive: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SpecError(where, f"expected a number, got {type(v).__name__}")
+    f = float(v)
+    if f != f or f in (float("inf"), float("-inf")):
+        raise SpecError(where, f"expected a finite number, got {v!r}")
+    if positive and f <= 0:
+        raise SpecError(where, f"expected a positive number, got {v!r}")
+    return f
+
+
+def _int(v: Any, where: str, *, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SpecError(where, f"expected an integer, got {type(v).__name__}")
+    if v < minimum:
+        raise SpecError(where, f"expected an integer >= {minimum}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    provider: str
+    name: str | None = None
+    base_url: str | None = None
+    script: Mapping[str, Any] | None = None
+    script_path: str | None = None
+    request_timeout_s: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, env: Mapping[str, str]) -> ModelSpec:
+        d = _obj(d, "model")
+        _check_keys(
+            d, "model", {"provider", "name", "base_url", "script", "script_path", "request_timeout_s"}
+        )
+        provider = d.get("provider")
+        if provider is None:
+            provider = "openai" if env.get("OPENAI_API_KEY") else "scripted"
+        provider = _str(provider, "model.provider")
+        if provider not in PROVIDERS:
+            raise SpecError("model.provider", f"expected one of {sorted(PROVIDERS)!r}, got {provider!r}")
+        script = d.get("script")
+        if script is not None:
+            script = _obj(script, "model.script")
+            # Validated fully by subagent.script (also stdlib): a bad script is a bad spec.
+            from subagent.script import Script, ScriptError
+
+            try:
+                Script.from_dict(script)
+            except ScriptError as exc:
+                raise SpecError(f"model.script.{exc.field}".rstrip("."), exc.message) from None
+        script_path = _opt_str(d, "script_path", "model.")
+        if script is not None and script_path is not None:
+            raise SpecError("model.script_path", "give either model.script or model.script_path, not both")
+        if provider != "scripted" and (script is not None or script_path is not None):
+            raise SpecError("model.script", f"a script needs provider 'scripted', got {provider!r}")
+        timeout = d.get("request_timeout_s")
+        return cls(
+            provider=provider,
+            name=_opt_str(d, "name", "model."),
+            base_url=_opt_str(d, "base_url", "model."),
+            script=script,
+            script_path=script_path,
+            request_timeout_s=None if timeout is None else _num(timeout, "model.request_timeout_s"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"provider": self.provider}
+        for k in ("name", "base_url", "script", "script_path", "request_timeout_s"):
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class McpServerSpec:
+    """One entry of the Claude Desktop ``mcpServers`` shape (stdio servers)."""
+
+    command: str
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> McpServerSpec:
+        d = _obj(d, where)
+        # "type": "stdio" appears in some clients' files; accept it for the "works unchanged" promise.
+        _check_keys(d, where, {"command", "args", "env", "cwd", "type"})
+        if d.get("type", "stdio") != "stdio":
+            raise SpecError(f"{where}.type", f"only stdio servers are supported, got {d.get('type')!r}")
+        if "command" not in d:
+            raise SpecError(f"{where}.command", "missing required key 'command'")
+        args = d.get("args", [])
+        if not isinstance(args, list):
+            raise SpecError(f"{where}.args", f"expected a list of strings, got {type(args).__name__}")
+        env = _obj(d.get("env", {}), f"{where}.env")
+        return cls(
+            command=_str(d["command"], f"{where}.command"),
+            args=tuple(_str(a, f"{where}.args[{i}]", empty=True) for i, a in enumerate(args)),
+            env={k: _str(v, f"{where}.env.{k}", empty=True) for k, v in env.items()},
+            cwd=_opt_str(d, "cwd", f"{where}."),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"command": self.command, "args": list(self.args), "env": dict(self.env)}
+        if self.cwd is not None:
+            out["cwd"] = self.cwd
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_steps: int = DEFAULT_MAX_STEPS
+    deadline_s: float | None = None
+    command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Limits:
+        d = _obj(d, "limits")
+        _check_keys(d, "limits", {"max_steps", "deadline_s", "command_timeout_s", "max_output_bytes"})
+        deadline = d.get("deadline_s")
+        return cls(
+            max_steps=_int(d.get("max_steps", DEFAULT_MAX_STEPS), "limits.max_steps"),
+            deadline_s=None if deadline is None else _num(deadline, "limits.deadline_s"),
+            command_timeout_s=_num(
+                d.get("command_timeout_s", DEFAULT_COMMAND_TIMEOUT_S), "limits.command_timeout_s"
+            ),
+            max_output_bytes=_int(
+                d.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES), "limits.max_output_bytes", minimum=64
+            ),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "max_steps": self.max_steps,
+            "command_timeout_s": self.command_timeout_s,
+            "max_output_bytes": self.max_output_bytes,
+        }
+        if self.deadline_s is not None:
+            out["deadline_s"] = self.deadline_s
+        return out
+
+
+_TOP_KEYS: Final = {
+    "run_id",
+    "session_id",
+    "task",
+    "system_prompt",
+    "model",
+    "builtin_tools",
+    "mcpServers",
+    "browser",
+    "limits",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """A validated run spec. Build it with ``from_dict`` (or ``parse_spec_text``)."""
+
+    task: str
+    model: ModelSpec
+    run_id: str | None = None
+    session_id: str | None = None
+    system_prompt: str | None = None
+    builtin_tools: tuple[str, ...] = ("run_command",)
+    mcp_servers: Mapping[str, McpServerSpec] = field(default_factory=dict)
+    browser: bool | Mapping[str, Any] = False
+    limits: Limits = field(default_factory=Limits)
+
+    @classmethod
+    def from_dict(cls, d: Any, env: Mapping[str, str] | None = None) -> RunSpec:
+        """Validate a decoded JSON spec.
+
+        Args:
+            d: the decoded JSON value.
+            env: environment used for defaults (``OPENAI_API_KEY``); ``os.environ`` if None.
+
+        Raises:
+            SpecError: the spec is invalid; ``field`` names the offending value.
+        """
+        env = os.environ if env is None else env
+        d = _obj(d, "")
+        _check_keys(d, "", _TOP_KEYS)
+        if "task" not in d:
+            raise SpecError("task", "missing required key 'task'")
+        tools = d.get("builtin_tools", ["run_command"])
+        if not isinstance(tools, list):
+            raise SpecError("builtin_tools", f"expected a list of strings, got {type(tools).__name__}")
+        for i, t in enumerate(tools):
+            if t not in BUILTIN_TOOLS:
+                raise SpecError(f"builtin_tools[{i}]", f"unknown built-in tool {t!r} (known: {sorted(BUILTIN_TOOLS)!r})")
+        servers_raw = _obj(d.get("mcpServers", {}), "mcpServers")
+        servers: dict[str, McpServerSpec] = {}
+        for name, entry in servers_raw.items():
+            if not name or "__" in name or not name.replace("-", "_").isidentifier():
+                raise SpecError(f"mcpServers.{name}", f"server names must be identifiers without '__', got {name!r}")
+            servers[name] = McpServerSpec.from_dict(entry, f"mcpServers.{name}")
+        browser = d.get("browser", False)
+        if isinstance(browser, dict):
+            browser = dict(_obj(browser, "browser"))
+        elif not isinstance(browser, bool):
+            raise SpecError("browser", f"expected true, false or an object, got {type(browser).__name__}")
+        if browser is not False and "browser" in servers:
+            raise SpecError("mcpServers.browser", "the name 'browser' is taken by the browser preset")
+        return cls(
+            task=_str(d["task"], "task"),
+            model=ModelSpec.from_dict(d.get("model", {}), env),
+            run_id=_opt_str(d, "run_id", ""),
+            session_id=_opt_str(d, "session_id", ""),
+            system_prompt=_opt_str(d, "system_prompt", ""),
+            builtin_tools=tuple(dict.fromkeys(tools)),
+            mcp_servers=servers,
+            browser=browser,
+            limits=Limits.from_dict(d.get("limits", {})),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "task": self.task,
+            "model": self.model.to_dict(),
+            "builtin_tools": list(self.builtin_tools),
+            "mcpServers": {k: v.to_dict() for k, v in self.mcp_servers.items()},
+            "browser": self.browser if isinstance(self.browser, bool) else dict(self.browser),
+            "limits": self.limits.to_dict(),
+        }
+        for k in ("run_id", "session_id", "system_prompt"):
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def parse_spec_text(text: str, env: Mapping[str, str] | None = None) -> RunSpec:
+    """Parse the spec as the runner reads it (one JSON document).
+
+    Raises:
+        SpecError: not JSON, or not a valid spec.
+    """
+    if not text.strip():
+        raise SpecError("", "expected a JSON run spec on stdin, got nothing")
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise SpecError("", f"expected a JSON run spec on stdin, got invalid JSON ({exc})") from None
+    return RunSpec.from_dict(obj, env)
