@@ -176,6 +176,15 @@ async def test_watchdog_loop_pings_at_half_the_interval(
     await receiver.bind(path)
     n = Notifier.from_env({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "8000000"})
     arrivals: list[tuple[float, bytes]] = []
+    with receiver, n:
+        await _collect_pings(receiver, n, arrivals)
+    assert arrivals == [(0.0, b"WATCHDOG=1"), (4.0, b"WATCHDOG=1"), (8.0, b"WATCHDOG=1"),
+                        (12.0, b"WATCHDOG=1")]
+
+
+async def _collect_pings(
+    receiver: trio.socket.SocketType, n: Notifier, arrivals: list[tuple[float, bytes]]
+) -> None:
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
         interval = await nursery.start(watchdog_loop, n)
@@ -185,10 +194,6 @@ async def test_watchdog_loop_pings_at_half_the_interval(
                 data = await receiver.recv(65536)
                 arrivals.append((trio.current_time() - t0, data))
         nursery.cancel_scope.cancel()
-    receiver.close()
-    n.close()
-    assert arrivals == [(0.0, b"WATCHDOG=1"), (4.0, b"WATCHDOG=1"), (8.0, b"WATCHDOG=1"),
-                        (12.0, b"WATCHDOG=1")]
 
 
 async def test_watchdog_loop_returns_at_once_when_off(autojump_clock: trio.abc.Clock) -> None:
