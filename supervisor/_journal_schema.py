@@ -1,0 +1,213 @@
+"""The journal's SQLite schema, its migrations and how a connection is opened.
+
+Migrations are append-only: schema version N is ``PRAGMA user_version = N`` after
+``MIGRATIONS[:N]`` ran, each in its own transaction, so a crash mid-migration leaves the
+previous version intact. A file from a newer agentd is refused, never downgraded.
+Everything here runs on the journal's worker thread (see ``supervisor.journal``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from typing import Final
+
+from supervisor.errors import JournalError
+from supervisor.states import TERMINAL_STATES, RunState
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "BUSY_TIMEOUT_MS", "connect", "migrate"]
+
+logger = logging.getLogger(__name__)
+
+# How long a statement waits for a lock held by another connection (a second process
+# reading the file, an external backup) before it fails, in milliseconds. The daemon's
+# own writes are serialised on one thread and never wait for each other.
+BUSY_TIMEOUT_MS: Final = 5_000
+
+_ALL_STATES = ", ".join(f"'{s.value}'" for s in RunState)
+_TERMINAL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL_STATES))
+
+# Version 1: runs and their event log. ``last_seq`` is the per-run sequence counter; it
+# lives on the run row so that assigning a number and inserting the event are one
+# transaction (gapless) and survive restarts.
+_V1 = f"""
+CREATE TABLE runs (
+    id               TEXT PRIMARY KEY NOT NULL,
+    session_id       TEXT,
+    state            TEXT NOT NULL CHECK (state IN ({_ALL_STATES})),
+    reason           TEXT,
+    created_at       REAL NOT NULL,
+    started_at       REAL,
+    ended_at         REAL,
+    timeout_s        REAL,
+    spec             TEXT NOT NULL,
+    result           TEXT,
+    partial          INTEGER NOT NULL DEFAULT 0,
+    partial_snapshot TEXT,
+    error            TEXT,
+    receipt          TEXT,
+    pid              INTEGER,
+    pid_start_time   REAL,
+    pgid             INTEGER,
+    tree_id          TEXT,
+    cgroup           TEXT,
+    containment      TEXT,
+    run_dir          TEXT,
+    last_seq         INTEGER NOT NULL DEFAULT 0
+) STRICT;
+CREATE INDEX runs_by_created ON runs (created_at);
+CREATE INDEX runs_by_session ON runs (session_id, created_at);
+
+CREATE TABLE events (
+    run_id TEXT NOT NULL REFERENCES runs (id),
+    seq    INTEGER NOT NULL,
+    ts     REAL NOT NULL,
+    kind   TEXT NOT NULL,
+    data   TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq)
+) STRICT, WITHOUT ROWID;
+"""
+
+# Version 2: tool-call records, the process groups a run owns, and the guard that makes a
+# terminal run final in the database itself. The guard backs up the WHERE clauses of the
+# journal's compare-and-set updates: any statement, from any code, that would change a
+# terminal run's facts aborts. Only the event counter may move (late events are history),
+# and a receipt may be filled in once if the terminal write carried none.
+_V2 = f"""
+CREATE TABLE tool_calls (
+    run_id     TEXT NOT NULL REFERENCES runs (id),
+    call_id    TEXT NOT NULL,
+    step       INTEGER NOT NULL,
+    state      TEXT NOT NULL,
+    rank       INTEGER NOT NULL,
+    record     TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (run_id, call_id)
+) STRICT;
+
+CREATE TABLE process_groups (
+    run_id   TEXT NOT NULL REFERENCES runs (id),
+    pgid     INTEGER NOT NULL,
+    kind     TEXT NOT NULL,
+    name     TEXT NOT NULL,
+    alive    INTEGER NOT NULL DEFAULT 1,
+    added_at REAL NOT NULL,
+    ended_at REAL,
+    PRIMARY KEY (run_id, pgid)
+) STRICT;
+
+CREATE INDEX runs_live ON runs (created_at) WHERE state NOT IN ({_TERMINAL});
+
+CREATE TRIGGER runs_terminal_is_final
+BEFORE UPDATE ON runs
+WHEN OLD.state IN ({_TERMINAL}) AND (
+       NEW.id IS NOT OLD.id
+    OR NEW.session_id IS NOT OLD.session_id
+    OR NEW.state IS NOT OLD.state
+    OR NEW.reason IS NOT OLD.reason
+    OR NEW.created_at IS NOT OLD.created_at
+    OR NEW.started_at IS NOT OLD.started_at
+    OR NEW.ended_at IS NOT OLD.ended_at
+    OR NEW.timeout_s IS NOT OLD.timeout_s
+    OR NEW.spec IS NOT OLD.spec
+    OR NEW.result IS NOT OLD.result
+    OR NEW.partial IS NOT OLD.partial
+    OR NEW.partial_snapshot IS NOT OLD.partial_snapshot
+    OR NEW.error IS NOT OLD.error
+    OR (OLD.receipt IS NOT NULL AND NEW.receipt IS NOT OLD.receipt)
+    OR NEW.pid IS NOT OLD.pid
+    OR NEW.pid_start_time IS NOT OLD.pid_start_time
+    OR NEW.pgid IS NOT OLD.pgid
+    OR NEW.tree_id IS NOT OLD.tree_id
+    OR NEW.cgroup IS NOT OLD.cgroup
+    OR NEW.containment IS NOT OLD.containment
+    OR NEW.run_dir IS NOT OLD.run_dir
+    OR NEW.last_seq < OLD.last_seq
+)
+BEGIN
+    SELECT RAISE(ABORT, 'agentd journal: a terminal run is final');
+END;
+
+CREATE TRIGGER runs_live_not_deleted
+BEFORE DELETE ON runs
+WHEN OLD.state NOT IN ({_TERMINAL})
+BEGIN
+    SELECT RAISE(ABORT, 'agentd journal: a live run cannot be deleted');
+END;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+
+def connect(path: str, *, target: int = SCHEMA_VERSION) -> sqlite3.Connection:
+    """Open the journal file in WAL mode and migrate it to ``target``.
+
+    Raises:
+        JournalError: the file cannot be opened, is not a database, is damaged, is in a
+            directory we cannot write, or carries a schema newer than this code.
+    """
+    try:
+        # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+        conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error as exc:
+        raise JournalError(f"cannot open journal {path!r}: {exc}", path=path) from exc
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise JournalError(
+                f"journal {path!r}: expected journal_mode wal, got {mode!r}", path=path
+            )
+        # NORMAL between durable writes; the journal switches to FULL for the commits that
+        # carry terminal facts (see supervisor.journal).
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA trusted_schema = OFF")
+        migrate(conn, path=path, target=target)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise JournalError(f"journal {path!r} is unusable: {exc}", path=path) from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def migrate(conn: sqlite3.Connection, *, path: str, target: int = SCHEMA_VERSION) -> int:
+    """Bring the schema to version ``target``; returns the version found before.
+
+    Raises:
+        JournalError: the file's schema is newer than ``SCHEMA_VERSION``.
+        sqlite3.Error: a migration failed (it was rolled back).
+    """
+    found = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if found > SCHEMA_VERSION:
+        raise JournalError(
+            f"journal {path!r} has schema version {found}, newer than this agentd's "
+            f"{SCHEMA_VERSION}: refusing to open it",
+            path=path,
+        )
+    if found == 0 and _has_foreign_tables(conn):
+        raise JournalError(
+            f"journal {path!r} is an sqlite database that agentd did not create", path=path
+        )
+    for version in range(found + 1, target + 1):
+        logger.info("journal %s: migrating schema to version %d", path, version)
+        try:
+            # executescript commits any open transaction first, so the BEGIN is inside it:
+            # the DDL and the new user_version commit together or not at all.
+            conn.executescript(
+                f"BEGIN IMMEDIATE;\n{MIGRATIONS[version - 1]}\n"
+                f"PRAGMA user_version = {version};\nCOMMIT;"
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    return found
+
+
+def _has_foreign_tables(conn: sqlite3.Connection) -> bool:
+    row = conn.execute("SELECT count(*) FROM sqlite_schema WHERE type = 'table'").fetchone()
+    return bool(row[0])

@@ -1,0 +1,539 @@
+"""The journal's operations: synchronous, one transaction each, on one sqlite3 connection.
+
+Only the journal's worker thread calls into a ``Store`` (see ``supervisor.journal``), so
+its connection never crosses threads and its writes never race each other. Every
+compare-and-set is in the WHERE clause of the UPDATE that makes it; the schema's trigger
+``runs_terminal_is_final`` backs that up. Commits that carry facts recovery depends on
+(run creation, state changes, terminal writes, pids and groups) are made with
+``synchronous = FULL``; the high-volume ones (events, tool-call records, partial
+snapshots) with NORMAL: they survive a daemon crash, and a power loss can drop only a
+suffix of them, never one that a later FULL commit covered, so sequence numbers stay
+gapless.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final, TypedDict
+
+from subagent.events import TERMINAL_TOOL_STATES, ToolCallState
+from supervisor.errors import JournalError, RunNotFound
+from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
+
+__all__ = [
+    "STATE_EVENT",
+    "RunRecord",
+    "EventRecord",
+    "GroupRecord",
+    "Store",
+    "tool_call_rank",
+    "dumps",
+]
+
+# The kind of the event the journal appends, in the same transaction, whenever a run's
+# state changes: ``{"state": ..., "reason": ...}`` (and ``"partial"`` when terminal).
+# Subscribers see state changes in order with everything else, under one sequence.
+STATE_EVENT: Final = "run_state"
+
+# A tool-call record only moves forward: not started (announced) < running < outcome
+# unknown < a known outcome. A not-started record that carries a reason is a decision
+# ("never executed: the stop came first"), so it ranks with the known outcomes.
+_RANK_PENDING: Final = 0
+_RANK_RUNNING: Final = 1
+_RANK_UNKNOWN: Final = 2
+_RANK_FINAL: Final = 3
+
+_TERMINAL_VALUES: Final = tuple(sorted(s.value for s in TERMINAL_STATES))
+_LIVE_VALUES: Final = tuple(sorted(s.value for s in LIVE_STATES))
+
+
+class GroupRecord(TypedDict):
+    pgid: int
+    kind: str
+    name: str
+    alive: bool
+    added_at: float
+    ended_at: float | None
+
+
+class EventRecord(TypedDict):
+    seq: int
+    ts: float
+    kind: str
+    data: dict[str, Any]
+
+
+class RunRecord(TypedDict):
+    id: str
+    session_id: str | None
+    state: RunState
+    reason: str | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    timeout_s: float | None
+    spec: dict[str, Any]
+    result: dict[str, Any] | None
+    partial: bool
+    partial_snapshot: dict[str, Any] | None
+    error: dict[str, Any] | None
+    receipt: dict[str, Any] | None
+    pid: int | None
+    pid_start_time: float | None
+    pgid: int | None
+    tree_id: str | None
+    cgroup: str | None
+    containment: str | None
+    run_dir: str | None
+    last_seq: int
+    groups: list[GroupRecord]
+    tool_calls: list[dict[str, Any]]
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def tool_call_rank(record: dict[str, Any]) -> int:
+    """Where a tool-call record stands in its lifecycle (see ``_RANK_*``).
+
+    Raises:
+        ValueError: the record has no ``id`` or an unknown ``state``.
+    """
+    if not isinstance(record.get("id"), str) or not record["id"]:
+        raise ValueError(f"expected a tool-call record with a string id, got {record!r}")
+    state = ToolCallState(record.get("state", ToolCallState.NOT_STARTED))
+    if state is ToolCallState.NOT_STARTED:
+        return _RANK_FINAL if record.get("reason") else _RANK_PENDING
+    if state is ToolCallState.RUNNING:
+        return _RANK_RUNNING
+    if state is ToolCallState.UNKNOWN:
+        return _RANK_UNKNOWN
+    assert state in TERMINAL_TOOL_STATES
+    return _RANK_FINAL
+
+
+def _sources(new: RunState) -> tuple[str, ...]:
+    """The states a run may be in for a move to ``new`` to be allowed (never terminal)."""
+    return tuple(old.value for old, targets in ALLOWED.items() if new in targets)
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ", ".join("?" * len(values))
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+_RUN_COLUMNS: Final = (
+    "id, session_id, state, reason, created_at, started_at, ended_at, timeout_s, spec, "
+    "result, partial, partial_snapshot, error, receipt, pid, pid_start_time, pgid, "
+    "tree_id, cgroup, containment, run_dir, last_seq"
+)
+
+
+class Store:
+    """The journal's operations on a connection owned by the calling thread."""
+
+    def __init__(self, conn: sqlite3.Connection, path: str) -> None:
+        self._conn = conn
+        self._path = path
+        self._full = False  # the connection's current synchronous mode is FULL
+
+    @contextmanager
+    def _tx(self, *, durable: bool) -> Iterator[sqlite3.Connection]:
+        conn = self._conn
+        if durable != self._full:
+            # Outside any transaction: it applies to the commit below.
+            conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
+            self._full = durable
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A consistent snapshot across several SELECTs."""
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            conn.execute("COMMIT")
+
+    def _require_run(self, conn: sqlite3.Connection, run_id: str) -> None:
+        if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
+            raise RunNotFound(run_id)
+
+    def _append(
+        self, conn: sqlite3.Connection, run_id: str, items: Sequence[tuple[str, str, float]]
+    ) -> list[int]:
+        if not items:
+            self._require_run(conn, run_id)
+            return []
+        rows = conn.execute(
+            "UPDATE runs SET last_seq = last_seq + ? WHERE id = ? RETURNING last_seq",
+            (len(items), run_id),
+        ).fetchall()
+        if not rows:
+            raise RunNotFound(run_id)
+        last = int(rows[0][0])
+        first = last - len(items) + 1
+        conn.executemany(
+            "INSERT INTO events (run_id, seq, ts, kind, data) VALUES (?, ?, ?, ?, ?)",
+            [(run_id, first + i, ts, kind, data) for i, (kind, data, ts) in enumerate(items)],
+        )
+        return list(range(first, last + 1))
+
+    def _state_event(
+        self, conn: sqlite3.Connection, run_id: str, ts: float, **data: object
+    ) -> None:
+        self._append(conn, run_id, [(STATE_EVENT, dumps(data), ts)])
+
+    # -- runs ------------------------------------------------------------------------
+
+    def create_run(
+        self,
+        run_id: str,
+        session_id: str | None,
+        spec: str,
+        created_at: float,
+        timeout_s: float | None,
+    ) -> None:
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                "INSERT INTO runs (id, session_id, state, created_at, timeout_s, spec) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (run_id, session_id, RunState.QUEUED.value, created_at, timeout_s, spec),
+            )
+            if cur.rowcount != 1:
+                raise JournalError(
+                    f"journal {self._path!r}: a run with id {run_id!r} already exists",
+                    path=self._path,
+                )
+            self._state_event(conn, run_id, created_at, state=RunState.QUEUED.value, reason=None)
+
+    def transition(self, run_id: str, new: RunState, reason: str | None, at: float) -> bool:
+        sources = _sources(new)
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                "UPDATE runs SET state = ?, reason = coalesce(?, reason), "
+                "started_at = CASE WHEN ? IN ('starting', 'running') "
+                "THEN coalesce(started_at, ?) ELSE started_at END "
+                f"WHERE id = ? AND state IN ({_marks(sources)}) "
+                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                (new.value, reason, new.value, at, run_id, *sources, *_TERMINAL_VALUES),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            self._state_event(conn, run_id, at, state=new.value, reason=reason)
+            return True
+
+    def finish(
+        self,
+        run_id: str,
+        state: RunState,
+        reason: str | None,
+        result: str | None,
+        partial: bool,
+        error: str | None,
+        receipt: str | None,
+        at: float,
+        *,
+        settle_reason: str | None = None,
+    ) -> bool:
+        sources = _sources(state)
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                "UPDATE runs SET state = ?, reason = ?, ended_at = ?, "
+                # No result but partial: the result is the last snapshot, taken here, in
+                # the same statement, so no snapshot can slip in between.
+                "result = CASE WHEN ? IS NULL AND ? THEN partial_snapshot ELSE ? END, "
+                "partial = ?, error = ?, receipt = coalesce(?, receipt) "
+                f"WHERE id = ? AND state IN ({_marks(sources)}) "
+                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                (
+                    state.value,
+                    reason,
+                    at,
+                    result,
+                    partial,
+                    result,
+                    int(partial),
+                    error,
+                    receipt,
+                    run_id,
+                    *sources,
+                    *_TERMINAL_VALUES,
+                ),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            if settle_reason is not None:
+                self._settle(conn, run_id, settle_reason, at)
+            self._state_event(
+                conn, run_id, at, state=state.value, reason=reason, partial=partial
+            )
+            return True
+
+    def set_partial(self, run_id: str, snapshot_id: object, snapshot: str) -> bool:
+        with self._tx(durable=False) as conn:
+            cur = conn.execute(
+                "UPDATE runs SET partial_snapshot = ? WHERE id = ? AND id IS ? "
+                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                (snapshot, run_id, snapshot_id if isinstance(snapshot_id, str) else None,
+                 *_TERMINAL_VALUES),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            return True
+
+    def set_receipt(self, run_id: str, receipt: str) -> bool:
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                "UPDATE runs SET receipt = ? WHERE id = ? AND "
+                f"(state NOT IN ({_marks(_TERMINAL_VALUES)}) OR receipt IS NULL)",
+                (receipt, run_id, *_TERMINAL_VALUES),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            return True
+
+    def record_process(self, run_id: str, fields: dict[str, object]) -> bool:
+        names = list(fields)
+        sets = ", ".join(f"{name} = coalesce(?, {name})" for name in names)
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                f"UPDATE runs SET {sets} WHERE id = ? "
+                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                (*(fields[n] for n in names), run_id, *_TERMINAL_VALUES),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            return True
+
+    # -- process groups --------------------------------------------------------------
+
+    def add_group(self, run_id: str, pgid: int, kind: str, name: str, at: float) -> None:
+        with self._tx(durable=True) as conn:
+            self._require_run(conn, run_id)
+            # A pgid can be reused by a new group after the old one ended.
+            conn.execute(
+                "INSERT INTO process_groups (run_id, pgid, kind, name, alive, added_at) "
+                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (run_id, pgid) DO UPDATE SET "
+                "kind = excluded.kind, name = excluded.name, alive = 1, "
+                "added_at = excluded.added_at, ended_at = NULL",
+                (run_id, pgid, kind, name, at),
+            )
+
+    def end_group(self, run_id: str, pgid: int, at: float) -> bool:
+        with self._tx(durable=False) as conn:
+            cur = conn.execute(
+                "UPDATE process_groups SET alive = 0, ended_at = ? "
+                "WHERE run_id = ? AND pgid = ? AND alive = 1",
+                (at, run_id, pgid),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            return True
+
+    # -- events ----------------------------------------------------------------------
+
+    def append_events(self, run_id: str, items: Sequence[tuple[str, str, float]]) -> list[int]:
+        with self._tx(durable=False) as conn:
+            return self._append(conn, run_id, items)
+
+    def events_after(self, run_id: str, after_seq: int, limit: int) -> list[EventRecord]:
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (run_id, after_seq, limit),
+            ).fetchall()
+            if not rows:
+                self._require_run(conn, run_id)
+        return [
+            EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data))
+            for seq, ts, kind, data in rows
+        ]
+
+    # -- tool calls ------------------------------------------------------------------
+
+    def upsert_tool_call(
+        self, run_id: str, call_id: str, step: int, state: str, rank: int, record: str,
+        at: float,
+    ) -> bool:
+        with self._tx(durable=False) as conn:
+            self._require_run(conn, run_id)
+            cur = conn.execute(
+                "INSERT INTO tool_calls (run_id, call_id, step, state, rank, record, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, call_id) DO UPDATE SET "
+                "step = excluded.step, state = excluded.state, rank = excluded.rank, "
+                "record = excluded.record, updated_at = excluded.updated_at "
+                "WHERE excluded.rank > tool_calls.rank "
+                f"OR (excluded.rank = tool_calls.rank AND tool_calls.rank < {_RANK_FINAL})",
+                (run_id, call_id, step, state, rank, record, at),
+            )
+            return cur.rowcount == 1
+
+    def settle_tool_calls(self, run_id: str, reason: str, at: float) -> int:
+        with self._tx(durable=False) as conn:
+            self._require_run(conn, run_id)
+            return self._settle(conn, run_id, reason, at)
+
+    def _settle(self, conn: sqlite3.Connection, run_id: str, reason: str, at: float) -> int:
+        """Running calls become outcome-unknown; announced ones never ran."""
+        running = conn.execute(
+            "UPDATE tool_calls SET state = ?, rank = ?, updated_at = ?, "
+            "record = json_set(record, '$.state', ?, '$.reason', ?) "
+            "WHERE run_id = ? AND rank = ?",
+            (
+                ToolCallState.UNKNOWN.value,
+                _RANK_UNKNOWN,
+                at,
+                ToolCallState.UNKNOWN.value,
+                reason,
+                run_id,
+                _RANK_RUNNING,
+            ),
+        ).rowcount
+        pending = conn.execute(
+            "UPDATE tool_calls SET rank = ?, updated_at = ?, "
+            "record = json_set(record, '$.state', ?, '$.reason', ?) "
+            "WHERE run_id = ? AND rank = ?",
+            (_RANK_FINAL, at, ToolCallState.NOT_STARTED.value, reason, run_id, _RANK_PENDING),
+        ).rowcount
+        return running + pending
+
+    def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+        with self._read() as conn:
+            self._require_run(conn, run_id)
+            return self._tool_calls(conn, [run_id])[run_id]
+
+    def _tool_calls(
+        self, conn: sqlite3.Connection, run_ids: Sequence[str]
+    ) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {r: [] for r in run_ids}
+        for run_id, record in conn.execute(
+            f"SELECT run_id, record FROM tool_calls WHERE run_id IN ({_marks(run_ids)}) "
+            "ORDER BY step, rowid",
+            tuple(run_ids),
+        ):
+            out[run_id].append(json.loads(record))
+        return out
+
+    def _groups(
+        self, conn: sqlite3.Connection, run_ids: Sequence[str]
+    ) -> dict[str, list[GroupRecord]]:
+        out: dict[str, list[GroupRecord]] = {r: [] for r in run_ids}
+        for run_id, pgid, kind, name, alive, added_at, ended_at in conn.execute(
+            "SELECT run_id, pgid, kind, name, alive, added_at, ended_at FROM process_groups "
+            f"WHERE run_id IN ({_marks(run_ids)}) ORDER BY added_at, pgid",
+            tuple(run_ids),
+        ):
+            out[run_id].append(
+                GroupRecord(
+                    pgid=pgid,
+                    kind=kind,
+                    name=name,
+                    alive=bool(alive),
+                    added_at=added_at,
+                    ended_at=ended_at,
+                )
+            )
+        return out
+
+    # -- reading runs ----------------------------------------------------------------
+
+    def _runs(self, conn: sqlite3.Connection, where: str, params: Sequence[object]) -> list[RunRecord]:
+        rows = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs {where}", tuple(params)).fetchall()
+        ids = [row[0] for row in rows]
+        groups: dict[str, list[GroupRecord]] = {}
+        calls: dict[str, list[dict[str, Any]]] = {}
+        # SQLite caps host parameters (32766 here); chunk to stay far below it.
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            groups.update(self._groups(conn, chunk))
+            calls.update(self._tool_calls(conn, chunk))
+        return [_run_record(row, groups[row[0]], calls[row[0]]) for row in rows]
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        with self._read() as conn:
+            runs = self._runs(conn, "WHERE id = ?", (run_id,))
+        return runs[0] if runs else None
+
+    def list_runs(
+        self, limit: int, states: Sequence[RunState] | None, session_id: str | None
+    ) -> list[RunRecord]:
+        clauses: list[str] = []
+        params: list[object] = []
+        if states is not None:
+            clauses.append(f"state IN ({_marks(states)})")
+            params.extend(s.value for s in states)
+        if session_id is not None:
+            clauses.append("session_id = ?")
+            params.append(session_id)
+        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        with self._read() as conn:
+            return self._runs(
+                conn, f"{where} ORDER BY created_at DESC, rowid DESC LIMIT ?", (*params, limit)
+            )
+
+    def live_runs(self) -> list[RunRecord]:
+        with self._read() as conn:
+            return self._runs(
+                conn,
+                f"WHERE state IN ({_marks(_LIVE_VALUES)}) ORDER BY created_at, rowid",
+                _LIVE_VALUES,
+            )
+
+
+def _run_record(
+    row: Sequence[Any], groups: list[GroupRecord], tool_calls: list[dict[str, Any]]
+) -> RunRecord:
+    (
+        run_id, session_id, state, reason, created_at, started_at, ended_at, timeout_s,
+        spec, result, partial, partial_snapshot, error, receipt, pid, pid_start_time,
+        pgid, tree_id, cgroup, containment, run_dir, last_seq,
+    ) = row  # fmt: skip
+    return RunRecord(
+        id=run_id,
+        session_id=session_id,
+        state=RunState(state),
+        reason=reason,
+        created_at=created_at,
+        started_at=started_at,
+        ended_at=ended_at,
+        timeout_s=timeout_s,
+        spec=json.loads(spec),
+        result=_loads(result),
+        partial=bool(partial),
+        partial_snapshot=_loads(partial_snapshot),
+        error=_loads(error),
+        receipt=_loads(receipt),
+        pid=pid,
+        pid_start_time=pid_start_time,
+        pgid=pgid,
+        tree_id=tree_id,
+        cgroup=cgroup,
+        containment=containment,
+        run_dir=run_dir,
+        last_seq=last_seq,
+        groups=groups,
+        tool_calls=tool_calls,
+    )

@@ -1,0 +1,473 @@
+"""The durable store: runs, their events, tool-call records and terminal facts, in SQLite.
+
+Invariants: one worker thread owns the only sqlite3 connection and runs every call in
+submission order, one transaction each; a run's terminal state is written once
+(compare-and-set in SQL, backed by a trigger) and nothing changes it afterwards; event
+sequence numbers are assigned in the database per run, start at 1, have no gaps and
+survive restarts; a call that returned has committed, and one that carried a terminal
+fact (or a state, a pid, a group) was fsynced first. Errors reach callers as
+``JournalError`` (naming the file) or ``RunNotFound``, never as sqlite3 exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import Any, Generic, TypeVar, final
+
+import trio
+
+from supervisor._journal_schema import SCHEMA_VERSION, connect
+from supervisor._journal_store import (
+    STATE_EVENT,
+    EventRecord,
+    GroupRecord,
+    RunRecord,
+    Store,
+    dumps,
+    tool_call_rank,
+)
+from supervisor.errors import AgentdError, JournalError
+from supervisor.states import TERMINAL_STATES, RunState
+
+__all__ = [
+    "Journal",
+    "RunRecord",
+    "EventRecord",
+    "GroupRecord",
+    "STATE_EVENT",
+    "SCHEMA_VERSION",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Job(Generic[T]):
+    """One call for the worker thread, and the way its outcome gets back to Trio."""
+
+    __slots__ = ("fn", "token", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[Store], T]) -> None:
+        self.fn = fn
+        self.token = trio.lowlevel.current_trio_token()
+        self.done = trio.Event()
+        self.value: T | None = None
+        self.error: BaseException | None = None
+
+    def finish(self) -> None:
+        # Event.set is not thread-safe: it runs on the Trio thread.
+        self.token.run_sync_soon(self.done.set)
+
+
+class _Worker:
+    """The thread that owns the connection. sqlite3 objects never leave it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"agentd-journal:{path}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: _Job[Any]) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Ask the thread to close the connection once every job before this one ran."""
+        self._jobs.put(None)
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _serve(self) -> None:
+        conn: sqlite3.Connection | None = None
+        open_error: JournalError | None = None
+        try:
+            conn = connect(self.path)
+        except JournalError as exc:
+            open_error = exc
+        store = Store(conn, self.path) if conn is not None else None
+        try:
+            while (job := self._jobs.get()) is not None:
+                if store is None:
+                    job.error = open_error
+                else:
+                    self._run(store, job)
+                job.finish()
+        finally:
+            if conn is not None:
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    logger.exception("journal %s: closing the connection failed", self.path)
+
+    def _run(self, store: Store, job: _Job[Any]) -> None:
+        try:
+            job.value = job.fn(store)
+        except AgentdError as exc:
+            job.error = exc
+        except sqlite3.Error as exc:
+            error = JournalError(f"journal {self.path!r}: {exc}", path=self.path)
+            error.__cause__ = exc
+            job.error = error
+        except Exception as exc:  # a bug: hand it to the caller rather than kill the thread
+            job.error = exc
+
+
+@final
+class Journal:
+    """The daemon's durable store. Open it with ``await Journal.open(path)``.
+
+    Every method is a call on the journal's worker thread. Once a call is submitted it
+    is not cancellable: it runs to completion and returns its outcome, and a caller whose
+    scope was cancelled meanwhile sees ``Cancelled`` at its next checkpoint. A write that
+    returned is committed, so a terminal fact is never half-written by a stop.
+    """
+
+    def __init__(self, worker: _Worker) -> None:
+        # Private: the worker must be running and its connection open (see ``open``).
+        self._worker = worker
+        self._closing = False
+        self._closed = trio.Event()
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike[str]) -> Journal:
+        """Open (creating or migrating) the journal at ``path``.
+
+        Raises:
+            JournalError: the file is not a usable agentd journal (not a database,
+                damaged, unwritable, or from a newer agentd). It names the path.
+        """
+        worker = _Worker(os.fspath(path))
+        worker.start()
+        journal = cls(worker)
+        try:
+            await journal._call(lambda store: None)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await journal.aclose()
+            raise
+        return journal
+
+    @property
+    def path(self) -> str:
+        return self._worker.path
+
+    async def aclose(self) -> None:
+        """Let queued calls finish, close the connection and end the thread. Idempotent."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            self._worker.stop()
+            await trio.to_thread.run_sync(self._worker.join)
+        finally:
+            self._closed.set()
+
+    async def __aenter__(self) -> Journal:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _call(self, fn: Callable[[Store], T]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closing:
+            raise JournalError(f"journal {self.path!r} is closed", path=self.path)
+        job = _Job(fn)
+        self._worker.submit(job)
+        with trio.CancelScope(shield=True):
+            await job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.value  # type: ignore[return-value]  # set whenever error is None
+
+    # -- runs ------------------------------------------------------------------------
+
+    async def create_run(
+        self,
+        run_id: str,
+        *,
+        session_id: str | None,
+        spec: Mapping[str, Any],
+        created_at: float,
+        timeout_s: float | None,
+    ) -> None:
+        """Record a new run in state ``queued`` (durably), with its first state event.
+
+        Raises:
+            JournalError: a run with this id exists.
+        """
+        spec_json = dumps(dict(spec))
+        await self._call(
+            lambda s: s.create_run(run_id, session_id, spec_json, created_at, timeout_s)
+        )
+
+    async def transition(
+        self, run_id: str, new: RunState, *, reason: str | None = None, at: float | None = None
+    ) -> bool:
+        """Move a live run to the live state ``new`` if ``states.ALLOWED`` permits it.
+
+        Compare-and-set: returns False, changing nothing, when the run's current state
+        does not allow the move (a terminal run allows none). ``reason`` replaces the
+        stored one when given. Entering starting/running sets ``started_at`` once.
+        Terminal states are written only by ``finish``.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        if new in TERMINAL_STATES:
+            raise ValueError(f"expected a live state, got {new!r}: use finish()")
+        ts = time.time() if at is None else at
+        return await self._call(lambda s: s.transition(run_id, new, reason, ts))
+
+    async def finish(
+        self,
+        run_id: str,
+        state: RunState,
+        *,
+        reason: str | None,
+        result: Mapping[str, Any] | None,
+        partial: bool,
+        error: Mapping[str, Any] | None = None,
+        receipt: Mapping[str, Any] | None = None,
+        ended_at: float | None = None,
+    ) -> bool:
+        """Write the run's terminal fact, once, durably (fsynced before returning).
+
+        Compare-and-set: returns True for the one call that ended the run; any later
+        call (a cancel racing a completion) returns False and changes nothing. With
+        ``result=None`` and ``partial=True`` the result is the last partial snapshot,
+        taken atomically with the write. ``receipt`` (if given) is stored with it.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        if state not in TERMINAL_STATES:
+            raise ValueError(f"expected a terminal state, got {state!r}")
+        args = (
+            None if result is None else dumps(dict(result)),
+            partial,
+            None if error is None else dumps(dict(error)),
+            None if receipt is None else dumps(dict(receipt)),
+            time.time() if ended_at is None else ended_at,
+        )
+        return await self._call(lambda s: s.finish(run_id, state, reason, *args))
+
+    async def mark_lost(
+        self,
+        run_id: str,
+        *,
+        reason: str,
+        partial_result: Mapping[str, Any] | None = None,
+        error: Mapping[str, Any] | None = None,
+        ended_at: float | None = None,
+    ) -> bool:
+        """Recovery: end a run whose process is gone as ``lost``, marked partial.
+
+        Its result is ``partial_result`` if given, else its last stored snapshot. In the
+        same transaction its running tool calls become ``unknown`` and its announced
+        ones ``not_started``, both with ``reason``. Returns False if it was terminal.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        result = None if partial_result is None else dumps(dict(partial_result))
+        err = None if error is None else dumps(dict(error))
+        ts = time.time() if ended_at is None else ended_at
+        return await self._call(
+            lambda s: s.finish(
+                run_id, RunState.LOST, reason, result, True, err, None, ts,
+                settle_reason=reason,
+            )
+        )
+
+    async def set_partial(self, run_id: str, snapshot: Mapping[str, Any]) -> bool:
+        """Store the run's latest partial result (a ``step_snapshot``).
+
+        Accepted only while the run is live and only if ``snapshot["_id"] == run_id``: a
+        stale run's write and a write after the terminal result are refused (False).
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        data = dumps(dict(snapshot))
+        snap_id = snapshot.get("_id")
+        return await self._call(lambda s: s.set_partial(run_id, snap_id, data))
+
+    async def set_receipt(self, run_id: str, receipt: Mapping[str, Any]) -> bool:
+        """Store the stop receipt: any time while live, once after the run is terminal.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        data = dumps(dict(receipt))
+        return await self._call(lambda s: s.set_receipt(run_id, data))
+
+    async def record_process(
+        self,
+        run_id: str,
+        *,
+        pid: int | None = None,
+        pid_start_time: float | None = None,
+        pgid: int | None = None,
+        tree_id: str | None = None,
+        cgroup: str | None = None,
+        containment: str | None = None,
+        run_dir: str | None = None,
+    ) -> bool:
+        """Record (durably) what recovery needs to find the run's processes.
+
+        Fields left None keep their stored value, so intent (tree_id, run_dir, cgroup)
+        can be recorded before the spawn and pid/pgid after. Refused (False) once the
+        run is terminal.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        fields: dict[str, object] = {
+            "pid": pid,
+            "pid_start_time": pid_start_time,
+            "pgid": pgid,
+            "tree_id": tree_id,
+            "cgroup": cgroup,
+            "containment": containment,
+            "run_dir": run_dir,
+        }
+        return await self._call(lambda s: s.record_process(run_id, fields))
+
+    async def add_group(
+        self, run_id: str, pgid: int, kind: str, name: str, *, at: float | None = None
+    ) -> None:
+        """Record (durably) a live process group the run owns (an MCP server, a command).
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        ts = time.time() if at is None else at
+        await self._call(lambda s: s.add_group(run_id, pgid, kind, name, ts))
+
+    async def end_group(self, run_id: str, pgid: int, *, at: float | None = None) -> bool:
+        """Mark a group dead. False if it was not known alive.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        ts = time.time() if at is None else at
+        return await self._call(lambda s: s.end_group(run_id, pgid, ts))
+
+    # -- events ----------------------------------------------------------------------
+
+    async def append_event(
+        self, run_id: str, kind: str, data: Mapping[str, Any], ts: float | None = None
+    ) -> int:
+        """Append one event; returns its sequence number. Never changes the run's state.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        (seq,) = await self.append_events(run_id, [(kind, data, ts)])
+        return seq
+
+    async def append_events(
+        self, run_id: str, events: Iterable[tuple[str, Mapping[str, Any], float | None]]
+    ) -> list[int]:
+        """Append ``(kind, data, ts)`` events in one transaction; returns their numbers.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        now = time.time()
+        items = [
+            (str(kind), dumps(dict(data)), now if ts is None else float(ts))
+            for kind, data, ts in events
+        ]
+        return await self._call(lambda s: s.append_events(run_id, items))
+
+    async def events_after(
+        self, run_id: str, after_seq: int = 0, limit: int = 1000
+    ) -> list[EventRecord]:
+        """Events with ``seq > after_seq`` in order, at most ``limit`` of them.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        return await self._call(lambda s: s.events_after(run_id, after_seq, limit))
+
+    # -- tool calls ------------------------------------------------------------------
+
+    async def upsert_tool_call(self, run_id: str, record: Mapping[str, Any]) -> bool:
+        """Insert or update a tool-call record (a ``ToolCallRecord`` dict) by its id.
+
+        Records only move forward (not started < running < unknown < a known outcome):
+        a late record behind the stored one is refused (False), and a known outcome
+        (succeeded, failed, cancelled, or not_started with a reason) is final.
+
+        Raises:
+            ValueError: the record has no string ``id`` or an unknown ``state``.
+            RunNotFound: no run has this id.
+        """
+        rec = dict(record)
+        rank = tool_call_rank(rec)
+        state = str(rec.get("state", "not_started"))
+        step = int(rec.get("step", 0))
+        data = dumps(rec)
+        ts = time.time()
+        return await self._call(
+            lambda s: s.upsert_tool_call(run_id, rec["id"], step, state, rank, data, ts)
+        )
+
+    async def settle_tool_calls(self, run_id: str, *, reason: str) -> int:
+        """Close open records of an ended run: running ones become ``unknown``, announced
+        ones ``not_started``, with ``reason``. Returns how many changed.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        ts = time.time()
+        return await self._call(lambda s: s.settle_tool_calls(run_id, reason, ts))
+
+    async def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's tool-call records, by step then first appearance.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        return await self._call(lambda s: s.tool_calls(run_id))
+
+    # -- reading runs ----------------------------------------------------------------
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        return await self._call(lambda s: s.get_run(run_id))
+
+    async def list_runs(
+        self,
+        *,
+        limit: int = 50,
+        states: Iterable[RunState] | None = None,
+        session_id: str | None = None,
+    ) -> list[RunRecord]:
+        """The newest runs first, optionally only those in ``states`` or one session."""
+        wanted = None if states is None else [RunState(s) for s in states]
+        return await self._call(lambda s: s.list_runs(limit, wanted, session_id))
+
+    async def live_runs(self) -> list[RunRecord]:
+        """Every run not in a terminal state, oldest first: what recovery looks at."""
+        return await self._call(lambda s: s.live_runs())
