@@ -1,0 +1,501 @@
+"""The control socket's wire protocol: message types, encode/decode, validation, Backend.
+
+Pure: no I/O, no trio at run time (the CLI's client imports this module). Every message
+is one JSON object in one websocket text frame.
+
+    request   {"id": any, "op": <Op>, ...args}
+    reply     {"id", "ok": true, "result": ...} | {"id", "ok": false, "error": {"code", "message"}}
+    pushed    {"op": "event", "sub", "run_id", "seq", "ts", "kind", "data"}
+              {"op": "end", "sub", "run_id", "state", "last_seq"}   (the run is terminal)
+
+Decoding never raises on bad input: it returns a ``BadRequest`` value carrying the error
+code, so the server answers every malformed message and lives on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import re
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Protocol, Union
+
+from supervisor.errors import AgentdError, ControlProtocolError, RunNotFound, SpawnError
+from supervisor.states import RunState
+
+if TYPE_CHECKING:
+    import trio
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Op",
+    "ErrorCode",
+    "Backend",
+    "SpawnRequest",
+    "CancelRequest",
+    "StatusRequest",
+    "ListRequest",
+    "EventsRequest",
+    "SubscribeRequest",
+    "UnsubscribeRequest",
+    "PingRequest",
+    "Request",
+    "BadRequest",
+    "decode_request",
+    "encode_request",
+    "encode_reply",
+    "encode_error",
+    "encode_event",
+    "encode_end",
+    "decode_server_message",
+    "error_from_reply",
+    "error_code_for",
+    "sniff_id",
+    "DEFAULT_LIST_LIMIT",
+    "MAX_LIST_LIMIT",
+    "DEFAULT_EVENTS_LIMIT",
+    "MAX_EVENTS_LIMIT",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+DEFAULT_LIST_LIMIT: Final = 50
+MAX_LIST_LIMIT: Final = 1000
+DEFAULT_EVENTS_LIMIT: Final = 1000
+MAX_EVENTS_LIMIT: Final = 10000
+# Identifiers (run ids, session ids, reasons) longer than this are refused as bad args.
+MAX_ID_CHARS: Final = 256
+
+
+class Op(enum.StrEnum):
+    SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number}
+    CANCEL = "cancel"  # {run_id: str, reason?: str} | {session_id: str, reason?: str}
+    STATUS = "status"  # {run_id?: str}; without run_id: the daemon and its live runs
+    LIST = "list"  # {limit?: int, state?: RunState, session_id?: str}
+    EVENTS = "events"  # {run_id: str, after_seq?: int, limit?: int}: one page of the journal
+    SUBSCRIBE = "subscribe"  # {run_id: str, after_seq?: int}: replay, then live, then "end"
+    UNSUBSCRIBE = "unsubscribe"  # {sub: str}
+    PING = "ping"  # {}
+
+
+class ErrorCode(enum.StrEnum):
+    BAD_JSON = "bad_json"  # not JSON (or not UTF-8, or nested too deep)
+    BAD_MESSAGE = "bad_message"  # JSON, but not an object
+    UNKNOWN_OP = "unknown_op"
+    BAD_ARGS = "bad_args"  # a missing or ill-typed argument
+    TOO_LARGE = "too_large"  # above Config.max_message_bytes
+    NOT_FOUND = "not_found"  # no run with that id
+    BAD_SPEC = "bad_spec"  # the backend refused the spec (SpawnError)
+    UNSUPPORTED = "unsupported"  # the backend lacks an optional operation
+    REFUSED = "refused"  # another AgentdError from the backend
+    INTERNAL = "internal"  # a bug: logged on the server, the connection lives on
+    # Client-side only, never sent by the server:
+    UNAUTHORIZED = "unauthorized"  # the handshake was refused (401/403)
+    CONNECTION_LOST = "connection_lost"
+    BAD_REPLY = "bad_reply"
+
+
+class Backend(Protocol):
+    """What the control socket needs from the run manager (``supervisor.runs.RunManager``).
+
+    Run dicts and event dicts are plain JSON data. Event dicts are
+    ``{"seq", "ts", "kind", "data"}`` (``run_id`` may be present), ``seq`` strictly
+    increasing per run from 1. Two rules make replay gap-free: an event is durable (visible
+    to ``events_after``) before it is delivered live, and a subscription channel closes
+    after the run's terminal event (or earlier, if the backend drops a slow subscriber;
+    the control socket then catches up from the journal and subscribes again).
+
+    Optional methods, used when present: ``cancel_session(session_id, *, reason)`` and
+    ``summary() -> dict`` (shown by ``status`` without a run id).
+    """
+
+    async def spawn(
+        self, spec: dict[str, Any], *, session_id: str | None, timeout_s: float | None
+    ) -> dict[str, Any]:
+        """Start a run. Returns at least ``{"run_id", "state"}``. Raises SpawnError."""
+        ...
+
+    async def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
+        """Returns ``{"run_id", "was_active", "state"}``. Raises RunNotFound."""
+        ...
+
+    async def status(self, run_id: str) -> dict[str, Any]:
+        """The run as a dict (state, result, partial, receipt, ...). Raises RunNotFound."""
+        ...
+
+    async def list_runs(
+        self, *, limit: int, state: str | None, session_id: str | None
+    ) -> list[dict[str, Any]]: ...
+
+    async def events_after(self, run_id: str, after_seq: int, limit: int) -> list[dict[str, Any]]:
+        """Journal events with ``seq > after_seq``, in order, at most ``limit``. Raises RunNotFound."""
+        ...
+
+    def subscribe(
+        self, run_id: str
+    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[dict[str, Any]]]:
+        """Live events from now on; the channel ends after the terminal event. Raises RunNotFound."""
+        ...
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnRequest:
+    id: Any
+    spec: dict[str, Any]
+    session_id: str | None = None
+    timeout_s: float | None = None
+    op: Op = field(default=Op.SPAWN, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    id: Any
+    run_id: str | None = None  # exactly one of run_id, session_id
+    session_id: str | None = None
+    reason: str = "user"
+    op: Op = field(default=Op.CANCEL, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    id: Any
+    run_id: str | None = None
+    op: Op = field(default=Op.STATUS, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ListRequest:
+    id: Any
+    limit: int = DEFAULT_LIST_LIMIT
+    state: str | None = None
+    session_id: str | None = None
+    op: Op = field(default=Op.LIST, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EventsRequest:
+    id: Any
+    run_id: str
+    after_seq: int = 0
+    limit: int = DEFAULT_EVENTS_LIMIT
+    op: Op = field(default=Op.EVENTS, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeRequest:
+    id: Any
+    run_id: str
+    after_seq: int = 0
+    op: Op = field(default=Op.SUBSCRIBE, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeRequest:
+    id: Any
+    sub: str
+    op: Op = field(default=Op.UNSUBSCRIBE, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PingRequest:
+    id: Any
+    op: Op = field(default=Op.PING, init=False)
+
+
+Request = Union[
+    SpawnRequest,
+    CancelRequest,
+    StatusRequest,
+    ListRequest,
+    EventsRequest,
+    SubscribeRequest,
+    UnsubscribeRequest,
+    PingRequest,
+]
+
+
+@dataclass(frozen=True, slots=True)
+class BadRequest:
+    """A message that cannot be served, as a value: the server replies with this error."""
+
+    id: Any
+    code: ErrorCode
+    message: str
+
+
+class _Bad(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _message_size(message: str | bytes) -> int:
+    if isinstance(message, bytes):
+        return len(message)
+    # A str of n chars is n..4n bytes in UTF-8; encode only when it matters.
+    return len(message) if message.isascii() else len(message.encode("utf-8", "surrogatepass"))
+
+
+_ID_RE: Final = re.compile(r'\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}"|-?\d{1,19})\s*[,}]')
+
+
+def sniff_id(message: str | bytes) -> Any:
+    """Best effort: the request id of a message too large to parse, if it comes first."""
+    head = message[:1024]
+    if isinstance(head, bytes):
+        head = head.decode("utf-8", "replace")
+    m = _ID_RE.match(head)
+    if m is None:
+        return None
+    try:
+        return json.loads(m.group(1))
+    except ValueError:
+        return None
+
+
+def decode_request(message: str | bytes, *, max_bytes: int) -> Request | BadRequest:
+    """Decode and validate one client message. Never raises on bad input."""
+    if _message_size(message) > max_bytes:
+        return BadRequest(
+            sniff_id(message),
+            ErrorCode.TOO_LARGE,
+            f"expected a message of at most {max_bytes} bytes, got {_message_size(message)}",
+        )
+    try:
+        text = message.decode("utf-8") if isinstance(message, bytes) else message
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return BadRequest(None, ErrorCode.BAD_JSON, f"expected a json object, got invalid json ({exc})")
+    except RecursionError:
+        return BadRequest(None, ErrorCode.BAD_JSON, "expected a json object, got json nested too deep")
+    if not isinstance(obj, dict):
+        return BadRequest(None, ErrorCode.BAD_MESSAGE, f"expected a json object, got {_kind(obj)}")
+    rid = obj.get("id")
+    op = obj.get("op")
+    if not isinstance(op, str):
+        return BadRequest(rid, ErrorCode.BAD_ARGS, f"expected 'op' to be a string, got {_kind(op)}")
+    try:
+        parsed = Op(op)
+    except ValueError:
+        return BadRequest(rid, ErrorCode.UNKNOWN_OP, f"unknown op {op!r} (known: {', '.join(Op)})")
+    try:
+        return _PARSERS[parsed](rid, obj)
+    except _Bad as exc:
+        return BadRequest(rid, exc.code, exc.message)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid json")
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def _ident(obj: Mapping[str, Any], key: str, *, required: bool) -> str | None:
+    v = obj.get(key)
+    if v is None:
+        if required:
+            raise _Bad(ErrorCode.BAD_ARGS, f"missing required argument {key!r}")
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected {key!r} to be a non-empty string, got {_kind(v)}")
+    if len(v) > MAX_ID_CHARS:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected {key!r} of at most {MAX_ID_CHARS} chars, got {len(v)}")
+    return v
+
+
+def _int(obj: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = obj.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected {key!r} to be an integer, got {_kind(v)}")
+    if not lo <= v <= hi:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected {key!r} in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _spawn(rid: Any, obj: Mapping[str, Any]) -> SpawnRequest:
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected 'spec' to be an object, got {_kind(spec)}")
+    timeout = obj.get("timeout_s")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' to be a number, got {_kind(timeout)}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' > 0, got {timeout!r}")
+        timeout = float(timeout)
+    return SpawnRequest(rid, spec, _ident(obj, "session_id", required=False), timeout)
+
+
+def _cancel(rid: Any, obj: Mapping[str, Any]) -> CancelRequest:
+    run_id = _ident(obj, "run_id", required=False)
+    session_id = _ident(obj, "session_id", required=False)
+    if (run_id is None) == (session_id is None):
+        raise _Bad(ErrorCode.BAD_ARGS, "expected exactly one of 'run_id' or 'session_id'")
+    reason = _ident(obj, "reason", required=False) or "user"
+    return CancelRequest(rid, run_id, session_id, reason)
+
+
+def _status(rid: Any, obj: Mapping[str, Any]) -> StatusRequest:
+    return StatusRequest(rid, _ident(obj, "run_id", required=False))
+
+
+def _list(rid: Any, obj: Mapping[str, Any]) -> ListRequest:
+    state = obj.get("state")
+    if state is not None:
+        try:
+            state = str(RunState(state))
+        except ValueError:
+            raise _Bad(
+                ErrorCode.BAD_ARGS, f"expected 'state' in {[str(s) for s in RunState]}, got {state!r}"
+            ) from None
+    return ListRequest(
+        rid,
+        _int(obj, "limit", DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT),
+        state,
+        _ident(obj, "session_id", required=False),
+    )
+
+
+def _events(rid: Any, obj: Mapping[str, Any]) -> EventsRequest:
+    run_id = _ident(obj, "run_id", required=True)
+    assert run_id is not None
+    return EventsRequest(
+        rid,
+        run_id,
+        _int(obj, "after_seq", 0, 0, 2**62),
+        _int(obj, "limit", DEFAULT_EVENTS_LIMIT, 1, MAX_EVENTS_LIMIT),
+    )
+
+
+def _subscribe(rid: Any, obj: Mapping[str, Any]) -> SubscribeRequest:
+    run_id = _ident(obj, "run_id", required=True)
+    assert run_id is not None
+    return SubscribeRequest(rid, run_id, _int(obj, "after_seq", 0, 0, 2**62))
+
+
+def _unsubscribe(rid: Any, obj: Mapping[str, Any]) -> UnsubscribeRequest:
+    sub = _ident(obj, "sub", required=True)
+    assert sub is not None
+    return UnsubscribeRequest(rid, sub)
+
+
+def _ping(rid: Any, obj: Mapping[str, Any]) -> PingRequest:
+    return PingRequest(rid)
+
+
+_PARSERS: Final[dict[Op, Any]] = {
+    Op.SPAWN: _spawn,
+    Op.CANCEL: _cancel,
+    Op.STATUS: _status,
+    Op.LIST: _list,
+    Op.EVENTS: _events,
+    Op.SUBSCRIBE: _subscribe,
+    Op.UNSUBSCRIBE: _unsubscribe,
+    Op.PING: _ping,
+}
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def _dumps(obj: Any) -> str:
+    # default=str: a backend value that is not JSON (a Path, a datetime) is sent as text
+    # rather than failing the reply.
+    return json.dumps(obj, separators=(",", ":"), default=str)
+
+
+def encode_request(rid: Any, op: str, **args: Any) -> str:
+    return _dumps({"id": rid, "op": op, **{k: v for k, v in args.items() if v is not None}})
+
+
+def encode_reply(rid: Any, result: Any) -> str:
+    return _dumps({"id": rid, "ok": True, "result": result})
+
+
+def encode_error(rid: Any, code: str, message: str) -> str:
+    return _dumps({"id": rid, "ok": False, "error": {"code": str(code), "message": message}})
+
+
+def encode_event(sub: str, run_id: str, event: Mapping[str, Any]) -> str:
+    return _dumps(
+        {
+            "op": "event",
+            "sub": sub,
+            "run_id": run_id,
+            "seq": event["seq"],
+            "ts": event.get("ts"),
+            "kind": event.get("kind"),
+            "data": event.get("data", {}),
+        }
+    )
+
+
+def encode_end(sub: str, run_id: str, state: str, last_seq: int) -> str:
+    return _dumps({"op": "end", "sub": sub, "run_id": run_id, "state": state, "last_seq": last_seq})
+
+
+def decode_server_message(text: str | bytes) -> dict[str, Any]:
+    """Decode one server message for a client.
+
+    Raises:
+        ControlProtocolError: ``bad_reply`` when it is not a JSON object.
+    """
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ControlProtocolError(ErrorCode.BAD_REPLY, f"expected a json object from the daemon, got invalid json ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ControlProtocolError(ErrorCode.BAD_REPLY, f"expected a json object from the daemon, got {_kind(obj)}")
+    return obj
+
+
+def error_code_for(exc: BaseException) -> tuple[ErrorCode, str]:
+    """Map a backend exception to the error reply it becomes (server side)."""
+    if isinstance(exc, RunNotFound):
+        return ErrorCode.NOT_FOUND, str(exc)
+    if isinstance(exc, SpawnError):
+        return ErrorCode.BAD_SPEC, str(exc)
+    if isinstance(exc, ControlProtocolError):
+        try:
+            return ErrorCode(exc.code), str(exc)
+        except ValueError:
+            return ErrorCode.REFUSED, str(exc)
+    if isinstance(exc, AgentdError):
+        return ErrorCode.REFUSED, str(exc)
+    return ErrorCode.INTERNAL, "internal error in the daemon (see its log)"
+
+
+def error_from_reply(error: Any, *, run_id: str | None = None) -> AgentdError:
+    """Turn an error reply's ``error`` object into the exception a client raises."""
+    if not isinstance(error, dict):
+        return ControlProtocolError(ErrorCode.BAD_REPLY, f"expected an error object, got {_kind(error)}")
+    code = str(error.get("code", ErrorCode.INTERNAL))
+    message = str(error.get("message", ""))
+    if code == ErrorCode.NOT_FOUND and run_id is not None:
+        return RunNotFound(run_id)
+    if code == ErrorCode.BAD_SPEC:
+        return SpawnError(message)
+    return ControlProtocolError(code, message)

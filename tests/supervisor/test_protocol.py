@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from supervisor import protocol
+from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
+from supervisor.protocol import BadRequest, ErrorCode, decode_request
+
+MAX = 1024 * 1024
+
+
+def dec(obj: object) -> protocol.Request | BadRequest:
+    return decode_request(json.dumps(obj), max_bytes=MAX)
+
+
+def test_a_spawn_request_decodes_with_its_arguments() -> None:
+    req = dec({"id": 7, "op": "spawn", "spec": {"task": "x"}, "session_id": "s", "timeout_s": 3})
+    assert req == protocol.SpawnRequest(7, {"task": "x"}, "s", 3.0)
+
+
+def test_defaults_fill_optional_arguments() -> None:
+    assert dec({"id": "a", "op": "list"}) == protocol.ListRequest("a", 50, None, None)
+    assert dec({"op": "events", "run_id": "r"}) == protocol.EventsRequest(None, "r", 0, 1000)
+    assert dec({"op": "subscribe", "run_id": "r", "after_seq": 4}) == protocol.SubscribeRequest(None, "r", 4)
+    assert dec({"op": "cancel", "run_id": "r"}) == protocol.CancelRequest(None, "r", None, "user")
+    assert dec({"op": "status"}) == protocol.StatusRequest(None, None)
+    assert dec({"id": 1, "op": "ping"}) == protocol.PingRequest(1)
+
+
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ("{not json", ErrorCode.BAD_JSON),
+        ("[1, 2]", ErrorCode.BAD_MESSAGE),
+        ('"op"', ErrorCode.BAD_MESSAGE),
+        ("null", ErrorCode.BAD_MESSAGE),
+        ('{"id": 1}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "explode"}', ErrorCode.UNKNOWN_OP),
+        ('{"id": 1, "op": "status", "run_id": 5}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "status", "run_id": "  "}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "spawn"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "spawn", "spec": "task"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": -1}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": true}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": NaN}', ErrorCode.BAD_JSON),
+        ('{"id": 1, "op": "cancel"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_id": "r", "session_id": "s"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "list", "limit": 0}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "list", "limit": "5"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "list", "state": "sleeping"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "events", "run_id": "r", "after_seq": -1}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "subscribe"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "unsubscribe"}', ErrorCode.BAD_ARGS),
+    ],
+)
+def test_bad_messages_become_error_values_not_exceptions(text: str, code: ErrorCode) -> None:
+    req = decode_request(text, max_bytes=MAX)
+    assert isinstance(req, BadRequest)
+    assert req.code == code, req.message
+    assert req.message
+
+
+def test_an_error_value_keeps_the_request_id_when_there_is_one() -> None:
+    req = decode_request('{"id": "abc", "op": "nope"}', max_bytes=MAX)
+    assert isinstance(req, BadRequest) and req.id == "abc"
+
+
+def test_deeply_nested_json_is_a_bad_json_reply_not_a_recursion_error() -> None:
+    req = decode_request("[" * 200_000 + "]" * 200_000, max_bytes=10 * MAX)
+    assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_JSON
+
+
+def test_invalid_utf8_in_a_binary_frame_is_bad_json() -> None:
+    req = decode_request(b'{"op": "ping", "x": "\xff"}', max_bytes=MAX)
+    assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_JSON
+
+
+def test_a_message_over_the_limit_is_too_large_and_keeps_a_leading_id() -> None:
+    big = json.dumps({"id": 42, "op": "spawn", "spec": {"task": "x" * 2000}})
+    req = decode_request(big, max_bytes=1000)
+    assert isinstance(req, BadRequest) and req.code == ErrorCode.TOO_LARGE and req.id == 42
+    assert "1000" in req.message
+
+
+def test_the_size_limit_counts_utf8_bytes_not_characters() -> None:
+    text = json.dumps({"op": "ping", "pad": "é" * 600}, ensure_ascii=False)
+    assert len(text) < 1000 < len(text.encode())
+    req = decode_request(text, max_bytes=1000)
+    assert isinstance(req, BadRequest) and req.code == ErrorCode.TOO_LARGE
+
+
+@pytest.mark.parametrize(
+    ("head", "expected"),
+    [('{"id": "x1", "op"', "x1"), ('{"id":12,', 12), ('{"op": "ping", "id": 3', None), ("garbage", None)],
+)
+def test_sniff_id_finds_only_a_leading_id(head: str, expected: object) -> None:
+    assert protocol.sniff_id(head + " " * 10) == expected
+
+
+def test_replies_and_pushed_messages_round_trip_as_json() -> None:
+    assert json.loads(protocol.encode_reply(1, {"a": 1})) == {"id": 1, "ok": True, "result": {"a": 1}}
+    assert json.loads(protocol.encode_error("q", ErrorCode.NOT_FOUND, "no")) == {
+        "id": "q",
+        "ok": False,
+        "error": {"code": "not_found", "message": "no"},
+    }
+    ev = json.loads(protocol.encode_event("1", "r", {"seq": 3, "ts": 1.5, "kind": "log", "data": {"m": 1}}))
+    assert ev == {"op": "event", "sub": "1", "run_id": "r", "seq": 3, "ts": 1.5, "kind": "log", "data": {"m": 1}}
+    end = json.loads(protocol.encode_end("1", "r", "completed", 9))
+    assert end == {"op": "end", "sub": "1", "run_id": "r", "state": "completed", "last_seq": 9}
+    req = json.loads(protocol.encode_request(5, "list", limit=3, state=None))
+    assert req == {"id": 5, "op": "list", "limit": 3}
+
+
+def test_backend_errors_map_to_codes_and_back() -> None:
+    assert protocol.error_code_for(RunNotFound("r1"))[0] == ErrorCode.NOT_FOUND
+    assert protocol.error_code_for(SpawnError("bad"))[0] == ErrorCode.BAD_SPEC
+    code, message = protocol.error_code_for(KeyError("secret detail"))
+    assert code == ErrorCode.INTERNAL and "secret" not in message
+    err = protocol.error_from_reply({"code": "not_found", "message": "x"}, run_id="r1")
+    assert isinstance(err, RunNotFound) and err.run_id == "r1"
+    assert isinstance(protocol.error_from_reply({"code": "bad_spec", "message": "x"}), SpawnError)
+    other = protocol.error_from_reply({"code": "bad_args", "message": "m"})
+    assert isinstance(other, ControlProtocolError) and other.code == "bad_args"
+
+
+def test_decode_server_message_refuses_non_objects() -> None:
+    assert protocol.decode_server_message('{"a": 1}') == {"a": 1}
+    with pytest.raises(ControlProtocolError):
+        protocol.decode_server_message("[1]")
+    with pytest.raises(ControlProtocolError):
+        protocol.decode_server_message("nope")
+
+
+def test_the_protocol_module_imports_no_trio() -> None:
+    code = "import sys, supervisor.protocol; print(sorted(m for m in ('trio', 'trio_websocket') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
