@@ -6,7 +6,9 @@ the stdin close that tells the server to quit), headless, ``--isolated``, the Ch
 machine has, and every file the browser writes kept under ``<run_dir>/browser``: its
 profile and temp files (TMPDIR), crashpad's database and caches (XDG dirs), the server's
 output files and config. Removing the run dir therefore removes all of it, even after a
-SIGKILL that gave Chromium no chance to clean up.
+SIGKILL that gave Chromium no chance to clean up. (When the run dir is too deep for
+Chromium's socket path, TMPDIR is a short symlink in /tmp to the run's tmp dir:
+``release_browser_dir`` removes it.)
 
 Invariants: stdlib only at import (the daemon calls ``check_browser`` at spawn time to reject
 a run whose browser cannot start); a missing piece is a ``BrowserSetupError`` naming what
@@ -16,6 +18,7 @@ is missing and what to install; nothing here starts a process.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import pathlib
@@ -31,7 +34,9 @@ __all__ = [
     "BrowserSetup",
     "browser_server_config",
     "browser_dir",
+    "browser_tmpdir",
     "check_browser",
+    "release_browser_dir",
     "find_chromium",
     "find_node",
     "find_playwright_mcp",
@@ -63,6 +68,18 @@ QUIET_CHROMIUM_ARGS: Final = (
     "--no-first-run",
     "--no-default-browser-check",
 )
+
+# Chromium binds its singleton socket at $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket
+# and aborts ("Socket path too long") past the 107 usable bytes of sun_path. A run dir deep
+# enough (a pytest tmp dir, ~/.local/state/agentd/runs/<id>) crosses that, so a longer
+# TMPDIR is reached through a short symlink in LINK_ROOT instead: the files stay in the run
+# dir, only the link lives outside it (removed by ``release_browser_dir``, and dangling ones
+# by the next ``browser_server_config``).
+SOCKET_PATH_MAX: Final = 107
+_CHROMIUM_SOCKET_SUFFIX: Final = len("/org.chromium.Chromium.XXXXXX/SingletonSocket")
+MAX_TMPDIR_CHARS: Final = SOCKET_PATH_MAX - _CHROMIUM_SOCKET_SUFFIX - 4
+LINK_ROOT: Final = pathlib.Path("/tmp")
+LINK_PREFIX: Final = "agentd-browser-"
 
 # The keys a spec's ``"browser": {...}`` may hold.
 OPTION_KEYS: Final = frozenset(
@@ -281,6 +298,72 @@ def browser_dir(run_dir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(run_dir) / "browser"
 
 
+def _sweep_dangling_links(root: pathlib.Path) -> None:
+    """Remove our links whose run dir is gone (a run whose cleanup never ran)."""
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(LINK_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        link = root / name
+        if link.is_symlink() and not link.exists():
+            try:
+                link.unlink()
+            except OSError:
+                pass
+
+
+def _link_path(tmp: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(LINK_ROOT) / (LINK_PREFIX + hashlib.sha256(str(tmp).encode()).hexdigest()[:16])
+
+
+def _short_tmpdir(tmp: pathlib.Path) -> pathlib.Path:
+    """``tmp`` itself when Chromium's socket path fits, else a short symlink to it."""
+    if len(str(tmp)) <= MAX_TMPDIR_CHARS:
+        return tmp
+    root = pathlib.Path(LINK_ROOT)
+    _sweep_dangling_links(root)
+    link = _link_path(tmp)
+    if len(str(link)) > MAX_TMPDIR_CHARS:
+        raise BrowserSetupError(
+            f"no short temp dir for chromium (its socket path must stay under {SOCKET_PATH_MAX} bytes)",
+            f"use a shorter run dir than {str(tmp.parent.parent)!r}",
+        )
+    if link.is_symlink() or link.exists():
+        if link.is_symlink() and os.readlink(link) == str(tmp):
+            return link
+        link.unlink()
+    try:
+        link.symlink_to(tmp, target_is_directory=True)
+    except OSError as exc:
+        raise BrowserSetupError(
+            f"cannot create the browser's short temp link {str(link)!r}: {exc.strerror}",
+            f"make {str(root)!r} writable, or use a shorter run dir",
+        ) from exc
+    return link
+
+
+def browser_tmpdir(run_dir: pathlib.Path) -> pathlib.Path:
+    """The TMPDIR the run's browser was given: its tmp dir or the short link to it."""
+    tmp = browser_dir(pathlib.Path(run_dir)).absolute() / "tmp"
+    return tmp if len(str(tmp)) <= MAX_TMPDIR_CHARS else _link_path(tmp)
+
+
+def release_browser_dir(run_dir: pathlib.Path) -> None:
+    """Remove what the preset made outside the run dir (the short temp link, if any).
+
+    Call it when the run ends, before or after removing the run dir; idempotent.
+    """
+    tmp = browser_dir(pathlib.Path(run_dir)).absolute() / "tmp"
+    link = browser_tmpdir(run_dir)
+    if link != tmp and link.is_symlink() and os.readlink(link) == str(tmp):
+        try:
+            link.unlink()
+        except FileNotFoundError:
+            pass
+    _sweep_dangling_links(pathlib.Path(LINK_ROOT))
+
+
 def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bool | None) -> dict[str, Any]:
     """The ``mcpServers`` entry that runs this run's browser.
 
@@ -355,7 +438,7 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
 
     env = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
     env |= {
-        "TMPDIR": str(dirs["tmp"]),
+        "TMPDIR": str(_short_tmpdir(dirs["tmp"])),
         "XDG_CONFIG_HOME": str(dirs["config"]),
         "XDG_CACHE_HOME": str(dirs["cache"]),
         "XDG_DATA_HOME": str(dirs["data"]),

@@ -1,0 +1,191 @@
+"""Shared by the real-Chromium tests: a local site to browse and a leftover-process check.
+
+``LocalSite`` serves pages on 127.0.0.1 from a thread; its ``/slow`` page holds its response
+until released (or the site closes), so a test can have a browser mid-navigation and know
+it is, without sleeping. ``leftover_browser_processes`` finds what a test left behind:
+processes carrying the test's env mark, everything in their sessions (Chromium's helpers
+overwrite /proc/PID/environ with their title, so an env scan alone misses them), and any
+chromium/node process whose command line names the test's directory.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import pathlib
+import shutil
+import threading
+import time
+from collections.abc import Iterable
+
+import psutil
+
+from tests import conftest
+
+NODE_MODULES_CLI = pathlib.Path(__file__).resolve().parent.parent / "node_modules/@playwright/mcp/cli.js"
+CHROMIUM = pathlib.Path("/usr/lib/chromium/chromium")
+
+# How long a run's processes may take to be gone after its terminal state (seconds).
+LEFTOVER_DEADLINE_S = 10.0
+
+
+def require_browser() -> None:
+    """Skip (fail in CI) unless node, @playwright/mcp and a Chromium are here."""
+    conftest.require(shutil.which("node") is not None, "node (apt-get install nodejs)")
+    conftest.require(NODE_MODULES_CLI.is_file(), "node_modules/@playwright/mcp (run scripts/setup)")
+    conftest.require(
+        CHROMIUM.is_file() or bool(os.environ.get("AGENTD_CHROMIUM")), "chromium (apt-get install chromium)"
+    )
+
+
+PAGES = {
+    "/": (
+        "<!doctype html><html><head><title>agentd test home</title></head><body>"
+        "<h1>Welcome to the zebra archive</h1>"
+        "<p id='secret'>The password is tangerine-42.</p>"
+        "<a href='/second'>Second page</a> <a href='/slow'>Slow page</a>"
+        "</body></html>"
+    ),
+    "/second": (
+        "<!doctype html><html><head><title>second</title></head><body>"
+        "<h2>Second page</h2><p>Giraffes are tall.</p></body></html>"
+    ),
+}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        path = self.path.split("?", 1)[0]
+        self.server.site._hit(path)
+        if path == "/slow":
+            # Held until the test releases it or the site closes: a navigation in flight.
+            self.server.site._release.wait(timeout=120)
+            body = "<!doctype html><html><body><h1>Finally loaded</h1></body></html>"
+        elif path in self.server.site.pages:
+            body = self.server.site.pages[path]
+        else:
+            self.send_error(404)
+            return
+        data = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except OSError:
+            pass
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    site: LocalSite
+
+
+class LocalSite:
+    """A tiny web site on 127.0.0.1:<ephemeral port>, served from a thread."""
+
+    def __init__(self, pages: dict[str, str] | None = None) -> None:
+        self.pages = dict(PAGES if pages is None else pages)
+        self._release = threading.Event()
+        self._lock = threading.Lock()
+        self._hits: dict[str, threading.Event] = {}
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.site = self
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def _event(self, path: str) -> threading.Event:
+        with self._lock:
+            return self._hits.setdefault(path, threading.Event())
+
+    def _hit(self, path: str) -> None:
+        self._event(path).set()
+
+    def wait_for_request(self, path: str, timeout: float) -> bool:
+        """Block (call it via trio.to_thread) until the browser requested ``path``."""
+        return self._event(path).wait(timeout)
+
+    def release_slow(self) -> None:
+        self._release.set()
+
+    def __enter__(self) -> LocalSite:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def leftover_browser_processes(mark: str, fragments: Iterable[str] = ()) -> list[psutil.Process]:
+    """Live processes that belong to a test: its env mark, their sessions, or a command line
+    naming one of ``fragments`` (the test's tmp dir, a run dir). Our own session is never
+    counted: pytest itself carries the mark."""
+    frags = [f for f in fragments if f]
+    my_sid = os.getsid(0)
+    marked = {p.pid for p in conftest.marked_processes(mark)}
+    sids: set[int] = set()
+    for pid in marked:
+        try:
+            sid = os.getsid(pid)
+        except OSError:
+            continue
+        if sid != my_sid:
+            sids.add(sid)
+    found: dict[int, psutil.Process] = {}
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid == me:
+            continue
+        hit = p.pid in marked
+        if not hit:
+            try:
+                hit = os.getsid(p.pid) in sids
+            except OSError:
+                continue
+        if not hit and frags:
+            cmdline = " ".join(p.info.get("cmdline") or ())
+            hit = any(f in cmdline for f in frags)
+        if hit and _alive(p):
+            found[p.pid] = p
+    return list(found.values())
+
+
+def wait_no_browser_left(mark: str, fragments: Iterable[str] = (), deadline_s: float = LEFTOVER_DEADLINE_S) -> None:
+    """Fail (after killing them) if the test's processes are not all gone within the deadline.
+
+    A polling wait is the only way to watch for the death of processes we are not the parent
+    of; it is bounded and never used to synchronise with the code under test.
+    """
+    frags = list(fragments)
+    end = time.monotonic() + deadline_s
+    left = leftover_browser_processes(mark, frags)
+    while left and time.monotonic() < end:
+        time.sleep(0.1)
+        left = leftover_browser_processes(mark, frags)
+    if left:
+        text = conftest.describe(left)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        raise AssertionError(f"processes left behind: {text}")

@@ -1,0 +1,388 @@
+"""The browser preset: flags, paths under the run dir, clear errors; then real Chromium
+through the mcp SDK against the preset (marked ``chromium``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import stat
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from subagent import browser
+from subagent.browser import BrowserSetupError, browser_server_config, check_browser, find_chromium
+
+# --- fakes: executables that exist, so the unit tests need no real node or Chromium -----
+
+
+def _exe(path: pathlib.Path) -> pathlib.Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def link_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[pathlib.Path]:
+    """Short temp links go to a short private dir, removed with everything in it."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="al", dir="/tmp"))
+    monkeypatch.setattr(browser, "LINK_ROOT", root)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root)
+
+
+@pytest.fixture
+def fake_tools(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, pathlib.Path]:
+    tools = {
+        "node": _exe(tmp_path / "bin" / "node"),
+        "chromium": _exe(tmp_path / "chromium" / "chromium"),
+        "cli": tmp_path / "node_modules" / "@playwright" / "mcp" / "cli.js",
+    }
+    tools["cli"].parent.mkdir(parents=True)
+    tools["cli"].write_text("// fake\n")
+    monkeypatch.setenv("AGENTD_NODE", str(tools["node"]))
+    monkeypatch.setenv("AGENTD_CHROMIUM", str(tools["chromium"]))
+    monkeypatch.setenv("AGENTD_PLAYWRIGHT_MCP", str(tools["cli"].parent))
+    return tools
+
+
+@pytest.fixture
+def nothing_installed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without Chromium, node or the npm install."""
+    for var in ("AGENTD_NODE", "AGENTD_CHROMIUM", "AGENTD_PLAYWRIGHT_MCP"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", tmp_path / "no" / "chromium")
+    monkeypatch.setenv("PLAYWRIGHT_BROWSERS_PATH", str(tmp_path / "no-ms-playwright"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setattr(browser, "CHECKOUT_ROOT", tmp_path / "fresh-clone")
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_preset_runs_node_directly_headless_isolated_with_the_found_chromium(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]
+) -> None:
+    cfg = browser_server_config(tmp_path / "run", True)
+    assert set(cfg) == {"command", "args", "env", "cwd"}
+    assert cfg["command"] == str(fake_tools["node"])
+    args = cfg["args"]
+    assert args[0] == str(fake_tools["cli"])
+    assert "npx" not in " ".join([cfg["command"], *args])
+    for flag in ("--headless", "--isolated", "--no-sandbox"):
+        assert flag in args
+    assert _flag(args, "--browser") == "chromium"
+    assert _flag(args, "--executable-path") == str(fake_tools["chromium"])
+    assert _flag(args, "--image-responses") == "omit"
+
+
+def test_everything_the_browser_writes_is_under_the_run_dir(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]
+) -> None:
+    run_dir = tmp_path / "runs" / "r1"
+    cfg = browser_server_config(run_dir, {})
+    paths = [
+        cfg["cwd"],
+        _flag(cfg["args"], "--output-dir"),
+        _flag(cfg["args"], "--config"),
+        *(cfg["env"][k] for k in ("TMPDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME")),
+    ]
+    for p in paths:
+        assert pathlib.Path(p).is_absolute()
+        assert pathlib.Path(p).resolve().is_relative_to(run_dir.resolve()), p
+        assert pathlib.Path(p).exists(), p
+    config = json.loads(pathlib.Path(_flag(cfg["args"], "--config")).read_text())
+    assert config["outputDir"] == _flag(cfg["args"], "--output-dir")
+    assert config["browser"]["isolated"] is True
+    launch = config["browser"]["launchOptions"]
+    assert launch["executablePath"] == str(fake_tools["chromium"])
+    assert launch["headless"] is True and launch["chromiumSandbox"] is False
+    for quiet in ("--no-pings", "--disable-domain-reliability"):
+        assert quiet in launch["args"]
+
+
+def test_env_carries_agentd_markers_and_nothing_else_from_the_caller(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTD_TREE", "tree-123")
+    monkeypatch.setenv("SECRET_TOKEN", "do-not-pass")
+    env = browser_server_config(tmp_path / "run", True)["env"]
+    assert env["AGENTD_TREE"] == "tree-123"
+    assert env["AGENTD_TEST_MARK"] == os.environ["AGENTD_TEST_MARK"]
+    assert "SECRET_TOKEN" not in env
+    assert all(isinstance(v, str) for v in env.values())
+
+
+def test_options_become_flags_and_chromium_args(tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]) -> None:
+    other = _exe(tmp_path / "other" / "chrome")
+    cfg = browser_server_config(
+        tmp_path / "run",
+        {
+            "executable_path": str(other),
+            "headless": False,
+            "sandbox": True,
+            "args": ["--lang=de"],
+            "viewport": "1024x768",
+            "allowed_origins": ["http://127.0.0.1:*", "https://example.org"],
+            "blocked_origins": ["https://ads.example"],
+            "timeout_action_ms": 2000,
+            "timeout_navigation_ms": 9000,
+            "image_responses": "allow",
+            "caps": ["pdf"],
+        },
+    )
+    args = cfg["args"]
+    assert _flag(args, "--executable-path") == str(other)
+    assert "--headless" not in args and "--sandbox" in args and "--no-sandbox" not in args
+    assert _flag(args, "--viewport-size") == "1024x768"
+    assert _flag(args, "--allowed-origins") == "http://127.0.0.1:*;https://example.org"
+    assert _flag(args, "--blocked-origins") == "https://ads.example"
+    assert _flag(args, "--timeout-action") == "2000"
+    assert _flag(args, "--timeout-navigation") == "9000"
+    assert _flag(args, "--image-responses") == "allow"
+    assert _flag(args, "--caps") == "pdf"
+    launch = json.loads(pathlib.Path(_flag(args, "--config")).read_text())["browser"]["launchOptions"]
+    assert launch["args"][-1] == "--lang=de"
+    assert launch["headless"] is False and launch["chromiumSandbox"] is True
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"headles": True}, "'headles'"),
+        ({"viewport": "big"}, "'viewport'"),
+        ({"args": "--x"}, "'args'"),
+        ({"timeout_action_ms": 0}, "'timeout_action_ms'"),
+        ({"image_responses": "never"}, "'image_responses'"),
+        ({"caps": ["telepathy"]}, "'caps'"),
+        (False, "browser options"),
+        ("yes", "browser options"),
+    ],
+)
+def test_bad_options_are_named_in_the_error(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path], options: object, field: str
+) -> None:
+    with pytest.raises(BrowserSetupError) as info:
+        browser_server_config(tmp_path / "run", options)  # type: ignore[arg-type]
+    assert field in info.value.what
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_chromium_says_what_to_install(nothing_installed: None) -> None:
+    with pytest.raises(BrowserSetupError) as info:
+        find_chromium()
+    assert "chromium not found" in info.value.what
+    assert "apt-get install chromium" in info.value.hint
+    assert "apt-get install chromium" in str(info.value)
+
+
+def test_an_explicit_chromium_that_is_not_there_is_an_error_not_a_fallback(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", _exe(tmp_path / "debian" / "chromium"))
+    monkeypatch.setenv("AGENTD_CHROMIUM", str(tmp_path / "typo"))
+    with pytest.raises(BrowserSetupError) as info:
+        find_chromium()
+    assert str(tmp_path / "typo") in info.value.what and "AGENTD_CHROMIUM" in info.value.what
+    with pytest.raises(BrowserSetupError, match="executable_path"):
+        find_chromium(tmp_path / "also-typo")
+
+
+def test_chromium_search_order(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, nothing_installed: None) -> None:
+    managed_root = tmp_path / "ms-playwright"
+    monkeypatch.setenv("PLAYWRIGHT_BROWSERS_PATH", str(managed_root))
+    old = _exe(managed_root / "chromium-1100" / "chrome-linux" / "chrome")
+    new = _exe(managed_root / "chromium-1200" / "chrome-linux64" / "chrome")
+    _exe(managed_root / "chromium_headless_shell-1300" / "chrome-linux" / "headless_shell")
+    assert old.exists()
+    assert find_chromium() == new  # the newest full Chromium Playwright manages
+    debian = _exe(tmp_path / "debian" / "chromium")
+    monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", debian)
+    assert find_chromium() == debian  # Debian's before Playwright's
+    env_one = _exe(tmp_path / "env" / "chromium")
+    monkeypatch.setenv("AGENTD_CHROMIUM", str(env_one))
+    assert find_chromium() == env_one  # the environment before Debian's
+    explicit = _exe(tmp_path / "explicit" / "chromium")
+    assert find_chromium(explicit) == explicit  # an explicit option before everything
+
+
+def test_missing_node_and_npm_install_say_what_to_run(nothing_installed: None) -> None:
+    with pytest.raises(BrowserSetupError) as info:
+        browser.find_node()
+    assert "node not found" in info.value.what and "nodejs" in info.value.hint
+    with pytest.raises(BrowserSetupError) as info:
+        browser.find_playwright_mcp()
+    assert "@playwright/mcp" in info.value.what
+    assert "scripts/setup" in info.value.hint and "npm ci" in info.value.hint
+
+
+def test_spawn_time_check_reports_the_first_missing_piece_without_writing(
+    tmp_path: pathlib.Path, nothing_installed: None
+) -> None:
+    with pytest.raises(BrowserSetupError, match="node"):
+        check_browser(True)
+    with pytest.raises(BrowserSetupError, match="node"):
+        browser_server_config(tmp_path / "run", True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_checkout_install_is_found_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTD_PLAYWRIGHT_MCP", raising=False)
+    cli = browser.CHECKOUT_ROOT / browser.PLAYWRIGHT_MCP_CLI
+    if not cli.is_file():
+        with pytest.raises(BrowserSetupError, match="scripts/setup"):
+            browser.find_playwright_mcp()
+    else:
+        assert browser.find_playwright_mcp() == cli
+
+
+def test_a_short_run_dir_is_tmpdir_itself_and_a_deep_one_gets_a_short_link(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]
+) -> None:
+    short_root = pathlib.Path(tempfile.mkdtemp(prefix="ab", dir="/tmp"))
+    try:
+        short = short_root / "r"
+        env = browser_server_config(short, True)["env"]
+        assert env["TMPDIR"] == str(short / "browser" / "tmp")
+        assert browser.browser_tmpdir(short) == short / "browser" / "tmp"
+
+        deep = tmp_path / ("d" * 80) / "run"
+        tmpdir = pathlib.Path(browser_server_config(deep, True)["env"]["TMPDIR"])
+        assert len(str(tmpdir)) + len("/org.chromium.Chromium.XXXXXX/SingletonSocket") < 108
+        assert tmpdir.is_symlink() and tmpdir.resolve() == (deep / "browser" / "tmp").resolve()
+        assert browser.browser_tmpdir(deep) == tmpdir
+        # Idempotent for the same run, and released when the run ends.
+        assert browser_server_config(deep, True)["env"]["TMPDIR"] == str(tmpdir)
+        browser.release_browser_dir(deep)
+        assert not tmpdir.is_symlink()
+        browser.release_browser_dir(deep)
+
+        # A link whose run dir vanished without a release is swept by the next run.
+        gone = tmp_path / ("g" * 80) / "run"
+        stale = pathlib.Path(browser_server_config(gone, True)["env"]["TMPDIR"])
+        shutil.rmtree(gone)
+        assert stale.is_symlink()
+        browser_server_config(deep, True)
+        assert not stale.is_symlink()
+    finally:
+        browser.release_browser_dir(tmp_path / ("d" * 80) / "run")
+        shutil.rmtree(short_root)
+
+
+# --- real Chromium through the mcp SDK ------------------------------------------------
+
+
+def _snapshot_text(result: object) -> str:
+    return "\n".join(getattr(c, "text", "") for c in getattr(result, "content", []))
+
+
+@pytest.mark.chromium
+async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
+    tmp_path: pathlib.Path, no_process_left_behind: str
+) -> None:
+    from tests import browser_support as bs
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    bs.require_browser()
+    run_dir = tmp_path / "run"
+    cfg = browser_server_config(run_dir, {"timeout_navigation_ms": 20000})
+    with bs.LocalSite() as site:
+        with trio.fail_after(60):
+            async with stdio_client(StdioServerParameters(**cfg)) as (r, w):
+                async with ClientSession(r, w) as session:
+                    await session.initialize()
+                    tools = {t.name for t in (await session.list_tools()).tools}
+                    assert {"browser_navigate", "browser_snapshot", "browser_click"} <= tools
+                    await session.call_tool("browser_navigate", {"url": site.url + "/"})
+                    snap = _snapshot_text(await session.call_tool("browser_snapshot", {}))
+                    assert "Welcome to the zebra archive" in snap, snap
+                    assert "tangerine-42" in snap
+                    await session.call_tool("browser_navigate", {"url": site.url + "/second"})
+                    snap = _snapshot_text(await session.call_tool("browser_snapshot", {}))
+                    assert "Giraffes are tall." in snap
+    await trio.to_thread.run_sync(
+        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]]
+    )
+    # The profile lived in the run's TMPDIR; its output went to the run's output dir.
+    assert list((run_dir / "browser" / "output").glob("*")), "no output files where the preset put them"
+    assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
+    browser.release_browser_dir(run_dir)
+    assert not pathlib.Path(cfg["env"]["TMPDIR"]).is_symlink()
+
+
+@pytest.mark.chromium
+async def test_a_killed_browser_server_leaves_its_profile_only_in_the_run_dir(
+    tmp_path: pathlib.Path, no_process_left_behind: str
+) -> None:
+    """SIGKILL of node's group and Chromium's session: nothing survives, and the profile
+    Chromium could not clean up is in <run_dir>/browser/tmp, so removing the run dir is enough."""
+    from tests import browser_support as bs
+    import psutil
+
+    bs.require_browser()
+    run_dir = tmp_path / "run"
+    cfg = browser_server_config(run_dir, True)
+    proc = await trio.lowlevel.open_process(
+        [cfg["command"], *cfg["args"]],
+        env={**os.environ, **cfg["env"]},
+        cwd=cfg["cwd"],
+        stdin=-1,
+        stdout=-1,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        lines = b""
+
+        async def request(obj: dict[str, object]) -> dict[str, object]:
+            nonlocal lines
+            await proc.stdin.send_all((json.dumps(obj) + "\n").encode())  # type: ignore[union-attr]
+            while True:
+                while b"\n" not in lines:
+                    chunk = await proc.stdout.receive_some()  # type: ignore[union-attr]
+                    assert chunk, "server closed stdout"
+                    lines += chunk
+                line, lines = lines.split(b"\n", 1)
+                msg = json.loads(line)
+                if msg.get("id") == obj["id"]:
+                    return msg
+
+        with trio.fail_after(60):
+            await request({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})  # fmt: skip
+            await proc.stdin.send_all(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
+            reply = await request({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                "name": "browser_navigate", "arguments": {"url": "data:text/html,<h1>kill me</h1>"}}})  # fmt: skip
+            assert "kill me" in json.dumps(reply)
+        chromium = [p for p in psutil.Process(proc.pid).children(recursive=True) if os.getsid(p.pid) != proc.pid]
+        assert chromium, "Chromium should run in a session of its own"
+        sessions = {os.getsid(p.pid) for p in chromium}
+        os.killpg(proc.pid, signal.SIGKILL)
+        for sid in sessions:
+            try:
+                os.killpg(sid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        proc.kill()
+        with trio.move_on_after(5, shield=True):
+            await proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                await stream.aclose()
+    await trio.to_thread.run_sync(
+        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]]
+    )
+    profiles = list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
+    assert profiles, "a killed Chromium cannot remove its profile: it must be under the run dir"
+    browser.release_browser_dir(run_dir)
