@@ -460,7 +460,9 @@ class Store:
 
     # -- reading runs ----------------------------------------------------------------
 
-    def _runs(self, conn: sqlite3.Connection, where: str, params: Sequence[object]) -> list[RunRecord]:
+    def _runs(
+        self, conn: sqlite3.Connection, where: str, params: Sequence[object]
+    ) -> list[RunRecord]:
         rows = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs {where}", tuple(params)).fetchall()
         ids = [row[0] for row in rows]
         groups: dict[str, list[GroupRecord]] = {}

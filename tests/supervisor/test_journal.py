@@ -1,0 +1,701 @@
+"""The durable store, on real SQLite files in tmp_path."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from supervisor import _journal_schema
+from supervisor.errors import JournalError, RunNotFound
+from supervisor.journal import SCHEMA_VERSION, STATE_EVENT, Journal
+from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
+
+S = RunState
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "agentd.sqlite3"
+
+
+@pytest.fixture
+async def journal(db: Path) -> AsyncIterator[Journal]:
+    async with await Journal.open(db) as j:
+        yield j
+
+
+async def new_run(
+    j: Journal, run_id: str = "r1", *, state: RunState = S.QUEUED, session_id: str = "s1",
+    created_at: float = T0,
+) -> str:
+    await j.create_run(
+        run_id, session_id=session_id, spec={"prompt": "hi"}, created_at=created_at,
+        timeout_s=30.0,
+    )
+    path = {S.QUEUED: [], S.STARTING: [S.STARTING], S.RUNNING: [S.STARTING, S.RUNNING],
+            S.CANCELLING: [S.STARTING, S.RUNNING, S.CANCELLING]}[state]
+    for step in path:
+        assert await j.transition(run_id, step)
+    return run_id
+
+
+def raw(db: Path) -> sqlite3.Connection:
+    """A second, independent connection, as another program would open the file."""
+    return sqlite3.connect(db, isolation_level=None)
+
+
+def tool_call(call_id: str, state: str, *, step: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"id": call_id, "name": "run_command", "arguments": "{}", "step": step,
+            "state": state, **extra}
+
+
+# -- opening, migrations, damaged files ----------------------------------------------
+
+
+async def test_a_new_file_gets_the_latest_schema_in_wal_mode(db: Path) -> None:
+    async with await Journal.open(db):
+        pass
+    conn = raw(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
+    assert {"runs", "events", "tool_calls", "process_groups"} <= tables
+    conn.close()
+
+
+async def test_reopening_keeps_everything_and_migrates_nothing(
+    db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with await Journal.open(db) as j:
+        await new_run(j, state=S.RUNNING)
+    caplog.set_level("INFO", logger=_journal_schema.__name__)
+    async with await Journal.open(db) as j:
+        run = await j.get_run("r1")
+    assert run is not None and run["state"] is S.RUNNING
+    assert not [r for r in caplog.records if "migrating" in r.getMessage()]
+
+
+async def test_a_journal_from_an_older_schema_is_migrated_and_keeps_its_runs(db: Path) -> None:
+    conn = _journal_schema.connect(str(db), target=1)
+    conn.execute(
+        "INSERT INTO runs (id, session_id, state, created_at, spec, last_seq) "
+        "VALUES ('old', 's', 'running', 1.0, '{}', 1)"
+    )
+    conn.execute("INSERT INTO events VALUES ('old', 1, 1.0, 'log', '{\"m\": 1}')")
+    assert "tool_calls" not in {
+        r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")
+    }
+    conn.close()
+
+    async with await Journal.open(db) as j:
+        run = await j.get_run("old")
+        assert run is not None and run["state"] is S.RUNNING and run["tool_calls"] == []
+        assert await j.upsert_tool_call("old", tool_call("c1", "running"))
+        assert await j.append_event("old", "log", {"m": 2}) == 2
+        assert await j.finish("old", S.COMPLETED, reason=None, result={}, partial=False)
+    conn = raw(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET state = 'running' WHERE id = 'old'")
+    conn.close()
+
+
+async def test_a_file_that_is_not_a_database_is_a_journal_error_naming_the_path(
+    db: Path,
+) -> None:
+    db.write_bytes(b"this is not sqlite\n" * 500)
+    with pytest.raises(JournalError) as info:
+        await Journal.open(db)
+    assert info.value.path == str(db)
+    assert str(db) in str(info.value)
+    assert isinstance(info.value.__cause__, sqlite3.DatabaseError)
+
+
+async def test_a_damaged_journal_is_a_journal_error_not_a_sqlite_exception(db: Path) -> None:
+    async with await Journal.open(db) as j:
+        await new_run(j)
+        await j.append_events("r1", [("log", {"text": "x" * 2000}, None)] * 50)
+    data = bytearray(db.read_bytes())
+    assert len(data) > 4096 * 4
+    data[4096 : len(data)] = b"\xa5" * (len(data) - 4096)  # every page after the header
+    db.write_bytes(bytes(data))
+    with pytest.raises(JournalError) as info:
+        j = await Journal.open(db)
+        try:
+            await j.list_runs()
+            await j.events_after("r1", 0)
+        finally:
+            await j.aclose()
+    assert info.value.path == str(db)
+
+
+async def test_a_journal_from_a_newer_agentd_is_refused(db: Path) -> None:
+    async with await Journal.open(db):
+        pass
+    conn = raw(db)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(JournalError, match="newer"):
+        await Journal.open(db)
+
+
+async def test_a_foreign_sqlite_database_is_refused(db: Path) -> None:
+    conn = raw(db)
+    conn.execute("CREATE TABLE accounts (id INTEGER)")
+    conn.close()
+    with pytest.raises(JournalError, match="did not create"):
+        await Journal.open(db)
+
+
+async def test_an_unusable_location_is_a_journal_error(tmp_path: Path) -> None:
+    with pytest.raises(JournalError) as info:
+        await Journal.open(tmp_path / "missing-dir" / "j.sqlite3")
+    assert "missing-dir" in str(info.value)
+
+
+async def test_aclose_is_idempotent_and_later_calls_are_refused(db: Path) -> None:
+    j = await Journal.open(db)
+    await j.aclose()
+    await j.aclose()
+    with pytest.raises(JournalError, match="closed"):
+        await j.get_run("r1")
+
+
+# -- runs: compare-and-set, terminal facts --------------------------------------------
+
+
+async def test_a_new_run_is_queued_with_every_field_readable(journal: Journal) -> None:
+    await journal.create_run(
+        "r1", session_id="s1", spec={"prompt": "hi", "n": [1, 2]}, created_at=T0, timeout_s=9.5
+    )
+    run = await journal.get_run("r1")
+    assert run == {
+        "id": "r1", "session_id": "s1", "state": S.QUEUED, "reason": None,
+        "created_at": T0, "started_at": None, "ended_at": None, "timeout_s": 9.5,
+        "spec": {"prompt": "hi", "n": [1, 2]}, "result": None, "partial": False,
+        "partial_snapshot": None, "error": None, "receipt": None, "pid": None,
+        "pid_start_time": None, "pgid": None, "tree_id": None, "cgroup": None,
+        "containment": None, "run_dir": None, "last_seq": 1, "groups": [], "tool_calls": [],
+    }
+    assert await journal.get_run("nope") is None
+    with pytest.raises(JournalError, match="already exists"):
+        await journal.create_run("r1", session_id=None, spec={}, created_at=T0, timeout_s=None)
+
+
+async def test_transitions_follow_the_allowed_table(journal: Journal) -> None:
+    await new_run(journal)
+    assert not await journal.transition("r1", S.RUNNING)  # queued -> running skips starting
+    assert not await journal.transition("r1", S.QUEUED)
+    assert await journal.transition("r1", S.STARTING, at=T0 + 1)
+    assert await journal.transition("r1", S.RUNNING, reason="spawned", at=T0 + 2)
+    assert not await journal.transition("r1", S.RUNNING)
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert (run["state"], run["reason"], run["started_at"]) == (S.RUNNING, "spawned", T0 + 1)
+    with pytest.raises(ValueError, match="finish"):
+        await journal.transition("r1", S.COMPLETED)
+    with pytest.raises(ValueError, match="terminal"):
+        await journal.finish("r1", S.RUNNING, reason=None, result=None, partial=False)
+
+
+async def test_a_queued_run_cannot_complete_without_starting(journal: Journal) -> None:
+    await new_run(journal)
+    assert not await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False)
+    assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
+
+
+async def test_a_cancel_racing_a_completion_gives_one_terminal_fact(journal: Journal) -> None:
+    await new_run(journal, state=S.CANCELLING)
+    outcomes: list[tuple[RunState, bool]] = []
+
+    async def end(state: RunState) -> None:
+        ok = await journal.finish(
+            "r1", state, reason=str(state), result={"by": str(state)}, partial=False
+        )
+        outcomes.append((state, ok))
+
+    async with trio.open_nursery() as nursery:
+        for state in (S.COMPLETED, S.CANCELLED, S.CANCELLED, S.FAILED, S.LOST):
+            nursery.start_soon(end, state)
+    assert len(outcomes) == 5
+    winners = [s for s, ok in outcomes if ok]
+    assert len(winners) == 1
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert run["state"] is winners[0]
+    assert run["result"] == {"by": str(winners[0])}
+    terminal_events = [
+        e for e in await journal.events_after("r1", 0)
+        if e["kind"] == STATE_EVENT and e["data"]["state"] in TERMINAL_STATES
+    ]
+    assert len(terminal_events) == 1
+
+
+@pytest.mark.parametrize("terminal", sorted(TERMINAL_STATES))
+async def test_nothing_moves_a_run_out_of_a_terminal_state(
+    journal: Journal, db: Path, terminal: RunState
+) -> None:
+    await new_run(journal, state=S.RUNNING)
+    assert await journal.finish("r1", terminal, reason="end", result={"r": 1}, partial=False)
+    before = await journal.get_run("r1")
+    for state in LIVE_STATES:
+        assert not await journal.transition("r1", state, reason="late")
+    for state in TERMINAL_STATES:
+        assert not await journal.finish(
+            "r1", state, reason="late", result={"r": 2}, partial=True, receipt={"x": 1}
+        )
+    assert not await journal.mark_lost("r1", reason="late", partial_result={"r": 3})
+    assert not await journal.set_partial("r1", {"_id": "r1", "p": 1})
+    assert not await journal.record_process("r1", pid=42)
+    after = await journal.get_run("r1")
+    assert after == before
+
+    # The database refuses too, whoever writes to it.
+    conn = raw(db)
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET state = 'running' WHERE id = 'r1'")
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET result = NULL WHERE id = 'r1'")
+    conn.close()
+
+
+async def test_the_where_clause_alone_keeps_a_terminal_run_final(
+    journal: Journal, db: Path
+) -> None:
+    await new_run(journal, state=S.RUNNING)
+    assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
+    conn = raw(db)
+    conn.execute("DROP TRIGGER runs_terminal_is_final")
+    conn.close()
+    for state in LIVE_STATES:
+        assert not await journal.transition("r1", state)
+    assert not await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False)
+    run = await journal.get_run("r1")
+    assert run is not None and (run["state"], run["result"]) == (S.CANCELLED, None)
+
+
+async def test_unknown_runs_are_run_not_found(journal: Journal) -> None:
+    calls = [
+        journal.transition("nope", S.STARTING),
+        journal.finish("nope", S.CANCELLED, reason=None, result=None, partial=False),
+        journal.mark_lost("nope", reason="gone"),
+        journal.append_event("nope", "log", {}),
+        journal.events_after("nope", 0),
+        journal.set_partial("nope", {"_id": "nope"}),
+        journal.set_receipt("nope", {}),
+        journal.record_process("nope", pid=1),
+        journal.add_group("nope", 1, "command", "sh"),
+        journal.end_group("nope", 1),
+        journal.upsert_tool_call("nope", tool_call("c1", "running")),
+        journal.tool_calls("nope"),
+    ]
+    for call in calls:
+        with pytest.raises(RunNotFound) as info:
+            await call
+        assert info.value.run_id == "nope"
+
+
+async def test_a_call_submitted_before_a_cancel_still_completes(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    release = threading.Event()
+    blocker = trio.Event()
+
+    async def hold_worker() -> None:
+        await journal._call(lambda store: release.wait(10))
+        blocker.set()
+
+    returned: list[bool] = []
+    async with trio.open_nursery() as nursery:
+        try:
+            nursery.start_soon(hold_worker)
+            await trio.testing.wait_all_tasks_blocked()
+            scope = trio.CancelScope()
+            nursery.start_soon(_finish_in, journal, scope, returned)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel(reason="test: stop while the terminal write is queued")
+            await trio.testing.wait_all_tasks_blocked()
+            assert returned == []  # still waiting for the worker, cancel or not
+        finally:
+            release.set()
+    assert returned == [True]
+    run = await journal.get_run("r1")
+    assert run is not None and run["state"] is S.COMPLETED
+
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await journal.transition("r1", S.CANCELLING)  # cancelled before submission
+    assert scope.cancelled_caught
+
+
+async def _finish_in(journal: Journal, scope: trio.CancelScope, out: list[bool]) -> None:
+    with scope:
+        out.append(
+            await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False)
+        )
+        await trio.lowlevel.checkpoint()
+        out.append(False)  # not reached: the cancel lands at the next checkpoint
+
+
+# -- partial results, receipts, processes, groups ---------------------------------------
+
+
+async def test_partial_snapshots_are_guarded_by_id_and_by_the_terminal_result(
+    journal: Journal,
+) -> None:
+    await new_run(journal, state=S.RUNNING)
+    assert await journal.set_partial("r1", {"_id": "r1", "progress": "step 1"})
+    assert not await journal.set_partial("r1", {"_id": "r0", "progress": "stale run"})
+    assert not await journal.set_partial("r1", {"progress": "no id"})
+    run = await journal.get_run("r1")
+    assert run is not None and run["partial_snapshot"] == {"_id": "r1", "progress": "step 1"}
+
+    assert await journal.finish(
+        "r1", S.COMPLETED, reason=None, result={"final_text": "done"}, partial=False
+    )
+    assert not await journal.set_partial("r1", {"_id": "r1", "progress": "late snapshot"})
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert (run["result"], run["partial"]) == ({"final_text": "done"}, False)
+    assert run["partial_snapshot"] == {"_id": "r1", "progress": "step 1"}
+
+
+async def test_finishing_without_a_result_takes_the_last_snapshot_marked_partial(
+    journal: Journal,
+) -> None:
+    await new_run(journal, state=S.CANCELLING)
+    await journal.set_partial("r1", {"_id": "r1", "progress": "one"})
+    await journal.set_partial("r1", {"_id": "r1", "progress": "two"})
+    assert await journal.finish(
+        "r1", S.CANCELLED, reason="user", result=None, partial=True,
+        receipt={"escalated": True}, error=None, ended_at=T0 + 5,
+    )
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert run["result"] == {"_id": "r1", "progress": "two"}
+    assert (run["partial"], run["ended_at"], run["receipt"]) == (True, T0 + 5, {"escalated": True})
+
+
+async def test_mark_lost_uses_the_last_snapshot_and_settles_open_tool_calls(
+    journal: Journal,
+) -> None:
+    await new_run(journal, "a", state=S.RUNNING)
+    await journal.set_partial("a", {"_id": "a", "progress": "so far"})
+    await journal.upsert_tool_call("a", tool_call("done", "succeeded", output="ok"))
+    await journal.upsert_tool_call("a", tool_call("busy", "running"))
+    await journal.upsert_tool_call("a", tool_call("next", "not_started", step=2))
+    assert await journal.mark_lost("a", reason="daemon restarted; process gone")
+    run = await journal.get_run("a")
+    assert run is not None
+    assert (run["state"], run["partial"]) == (S.LOST, True)
+    assert run["result"] == {"_id": "a", "progress": "so far"}
+    states = {c["id"]: (c["state"], c.get("reason")) for c in run["tool_calls"]}
+    assert states == {
+        "done": ("succeeded", None),
+        "busy": ("unknown", "daemon restarted; process gone"),
+        "next": ("not_started", "daemon restarted; process gone"),
+    }
+    assert not await journal.mark_lost("a", reason="again")
+
+    await new_run(journal, "b", state=S.STARTING)
+    assert await journal.mark_lost("b", reason="gone", partial_result={"progress": "mine"})
+    run = await journal.get_run("b")
+    assert run is not None and run["result"] == {"progress": "mine"} and run["partial"]
+
+
+async def test_a_receipt_can_be_filled_in_once_after_the_end(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    assert await journal.set_receipt("r1", {"path_a": "sent"})
+    assert await journal.set_receipt("r1", {"path_a": "sent", "path_b": "reaped"})
+    assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
+    run = await journal.get_run("r1")
+    assert run is not None and run["receipt"] == {"path_a": "sent", "path_b": "reaped"}
+    assert not await journal.set_receipt("r1", {"other": 1})
+
+    await new_run(journal, "r2", state=S.RUNNING)
+    assert await journal.finish("r2", S.CANCELLED, reason="user", result=None, partial=False)
+    assert await journal.set_receipt("r2", {"latency_s": 0.2})
+    assert not await journal.set_receipt("r2", {"latency_s": 9})
+    run = await journal.get_run("r2")
+    assert run is not None and run["receipt"] == {"latency_s": 0.2}
+
+
+async def test_process_facts_are_recorded_in_steps_and_frozen_at_the_end(
+    journal: Journal,
+) -> None:
+    await new_run(journal, state=S.STARTING)
+    assert await journal.record_process(
+        "r1", tree_id="t-1", run_dir="/runs/r1", cgroup="/sys/fs/cgroup/x", containment="cgroup"
+    )
+    assert await journal.record_process("r1", pid=4242, pid_start_time=123.5, pgid=4242)
+    run = await journal.get_run("r1")
+    assert run is not None
+    facts = {k: v for k, v in run.items() if k in {
+        "pid", "pid_start_time", "pgid", "tree_id", "cgroup", "containment", "run_dir"}}
+    assert facts == {
+        "pid": 4242, "pid_start_time": 123.5, "pgid": 4242, "tree_id": "t-1",
+        "cgroup": "/sys/fs/cgroup/x", "containment": "cgroup", "run_dir": "/runs/r1",
+    }
+    assert await journal.finish("r1", S.FAILED, reason="spawn", result=None, partial=False)
+    assert not await journal.record_process("r1", pid=1, run_dir="/elsewhere")
+    run = await journal.get_run("r1")
+    assert run is not None and (run["pid"], run["run_dir"]) == (4242, "/runs/r1")
+
+
+async def test_process_groups_are_known_until_they_end(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    await journal.add_group("r1", 100, "mcp_server", "playwright", at=T0)
+    await journal.add_group("r1", 200, "command", "sh -c make", at=T0 + 1)
+    assert await journal.end_group("r1", 200, at=T0 + 2)
+    assert not await journal.end_group("r1", 200)
+    assert not await journal.end_group("r1", 999)
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert run["groups"] == [
+        {"pgid": 100, "kind": "mcp_server", "name": "playwright", "alive": True,
+         "added_at": T0, "ended_at": None},
+        {"pgid": 200, "kind": "command", "name": "sh -c make", "alive": False,
+         "added_at": T0 + 1, "ended_at": T0 + 2},
+    ]
+    await journal.add_group("r1", 200, "command", "second use of the pgid", at=T0 + 3)
+    run = await journal.get_run("r1")
+    assert run is not None and run["groups"][1]["alive"] and run["groups"][1]["ended_at"] is None
+
+
+# -- tool calls ----------------------------------------------------------------------------
+
+
+async def test_tool_call_records_only_move_forward(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    up = journal.upsert_tool_call
+    assert await up("r1", tool_call("c1", "not_started"))
+    assert await up("r1", tool_call("c1", "running", started_at=1.0))
+    assert await up("r1", tool_call("c1", "running", started_at=1.0, output="partial"))
+    assert await up("r1", tool_call("c1", "succeeded", output="all"))
+    assert not await up("r1", tool_call("c1", "running", output="late"))
+    assert not await up("r1", tool_call("c1", "cancelled", output="late"))
+    assert not await up("r1", tool_call("c1", "unknown"))
+
+    # Outcome unknown can learn the truth; a decided not-started call stays not started.
+    assert await up("r1", tool_call("c2", "unknown", step=2))
+    assert not await up("r1", tool_call("c2", "running", step=2))
+    assert await up("r1", tool_call("c2", "failed", step=2, error="boom"))
+    assert await up("r1", tool_call("c3", "not_started", step=2, reason="arguments cut"))
+    assert not await up("r1", tool_call("c3", "running", step=2))
+
+    calls = await journal.tool_calls("r1")
+    assert [(c["id"], c["state"]) for c in calls] == [
+        ("c1", "succeeded"), ("c2", "failed"), ("c3", "not_started")
+    ]
+    assert calls[0]["output"] == "all"
+    with pytest.raises(ValueError):
+        await up("r1", {"state": "running"})
+    with pytest.raises(ValueError):
+        await up("r1", tool_call("c4", "exploded"))
+
+
+async def test_tool_calls_are_kept_after_the_run_ends_without_touching_it(
+    journal: Journal,
+) -> None:
+    await new_run(journal, state=S.CANCELLING)
+    await journal.upsert_tool_call("r1", tool_call("c1", "running"))
+    assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=True)
+    assert await journal.upsert_tool_call("r1", tool_call("c1", "cancelled", output="half"))
+    assert await journal.settle_tool_calls("r1", reason="run ended") == 0
+    run = await journal.get_run("r1")
+    assert run is not None and run["state"] is S.CANCELLED
+    assert run["tool_calls"][0]["state"] == "cancelled"
+
+
+# -- events --------------------------------------------------------------------------------
+
+
+async def test_state_changes_are_events_in_the_same_sequence(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    await journal.append_event("r1", "log", {"message": "hello"}, T0 + 3)
+    await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False)
+    events = await journal.events_after("r1", 0)
+    assert [(e["seq"], e["kind"], e["data"].get("state")) for e in events] == [
+        (1, STATE_EVENT, "queued"),
+        (2, STATE_EVENT, "starting"),
+        (3, STATE_EVENT, "running"),
+        (4, "log", None),
+        (5, STATE_EVENT, "completed"),
+    ]
+    assert events[3] == {"seq": 4, "ts": T0 + 3, "kind": "log", "data": {"message": "hello"}}
+
+
+async def test_sequence_numbers_are_gapless_per_run_and_survive_a_reopen(db: Path) -> None:
+    async with await Journal.open(db) as j:
+        await new_run(j, "a")
+        await new_run(j, "b")
+        assert await j.append_event("a", "log", {"i": 0}) == 2
+        assert await j.append_events("a", [("log", {"i": i}, None) for i in (1, 2, 3)]) == [3, 4, 5]
+        assert await j.append_event("b", "log", {"i": 0}) == 2
+        assert await j.append_events("a", []) == []
+    async with await Journal.open(db) as j:
+        assert await j.append_event("a", "log", {"i": 4}) == 6
+        events = await j.events_after("a", 0)
+        assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
+        assert [e["data"]["i"] for e in events[1:]] == [0, 1, 2, 3, 4]
+        run = await j.get_run("a")
+        assert run is not None and run["last_seq"] == 6
+
+
+async def test_events_after_replays_from_any_point_in_pages(journal: Journal) -> None:
+    await new_run(journal)
+    await journal.append_events("r1", [("log", {"i": i}, T0 + i) for i in range(2, 26)])
+    assert [e["seq"] for e in await journal.events_after("r1", 20)] == [21, 22, 23, 24, 25]
+    assert await journal.events_after("r1", 25) == []
+    seen: list[int] = []
+    after = 0
+    while page := await journal.events_after("r1", after, limit=7):
+        seen += [e["seq"] for e in page]
+        after = page[-1]["seq"]
+    assert seen == list(range(1, 26))
+
+
+async def test_events_after_the_end_are_history_and_never_reopen_the_run(
+    journal: Journal,
+) -> None:
+    await new_run(journal, state=S.RUNNING)
+    await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
+    seq = await journal.append_event("r1", "step_snapshot", {"_id": "r1", "step": 9})
+    await journal.append_events("r1", [(STATE_EVENT, {"state": "running"}, None)])
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert (run["state"], run["last_seq"], run["partial_snapshot"]) == (
+        S.CANCELLED, seq + 1, None
+    )
+
+
+async def test_concurrent_appends_from_many_tasks_keep_sequences_gapless(
+    journal: Journal,
+) -> None:
+    runs = ["a", "b", "c"]
+    for run_id in runs:
+        await new_run(journal, run_id)
+    got: dict[str, list[int]] = {r: [] for r in runs}
+
+    async def writer(n: int) -> None:
+        run_id = runs[n % len(runs)]
+        mine: list[int] = []
+        for i in range(10):
+            if i % 3 == 0:
+                mine += await journal.append_events(
+                    run_id, [("log", {"w": n, "i": i, "k": k}, None) for k in range(3)]
+                )
+            else:
+                mine.append(await journal.append_event(run_id, "log", {"w": n, "i": i}))
+            await trio.lowlevel.checkpoint()
+        assert mine == sorted(mine)
+        got[run_id] += mine
+
+    async with trio.open_nursery() as nursery:
+        for n in range(30):
+            nursery.start_soon(writer, n)
+    for run_id in runs:
+        # 10 writers per run, each 4 batches of 3 and 6 singles: 18 events; seq 1 is queued.
+        assert sorted(got[run_id]) == list(range(2, 2 + 10 * 18))
+        events = await journal.events_after(run_id, 0, limit=10_000)
+        assert [e["seq"] for e in events] == list(range(1, 2 + 10 * 18))
+
+
+async def test_ten_thousand_events_append_in_batches_quickly_enough(
+    journal: Journal, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await new_run(journal)
+    batch = [("step_snapshot", {"progress": "x" * 200, "step": i}, None) for i in range(100)]
+    start = time.perf_counter()
+    for _ in range(100):
+        await journal.append_events("r1", batch)
+    batched = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(500):
+        await journal.append_event("r1", "log", {"i": i})
+    single = (time.perf_counter() - start) / 500
+    start = time.perf_counter()
+    for i in range(50):  # a durable (fsynced) write each
+        await journal.create_run(f"d{i}", session_id=None, spec={}, created_at=T0, timeout_s=None)
+    durable = (time.perf_counter() - start) / 50
+    run = await journal.get_run("r1")
+    assert run is not None and run["last_seq"] == 1 + 10_000 + 500
+    with capsys.disabled():
+        print(
+            f"\njournal: 10k events in 100 batches {batched * 1000:.0f} ms; "
+            f"one event per call {single * 1e6:.0f} us; durable write {durable * 1e6:.0f} us"
+        )
+
+
+# -- listing and recovery --------------------------------------------------------------
+
+
+async def test_list_and_live_runs(journal: Journal) -> None:
+    await new_run(journal, "q", created_at=T0 + 1)
+    await new_run(journal, "r", state=S.RUNNING, session_id="s2", created_at=T0 + 2)
+    await new_run(journal, "done", state=S.RUNNING, created_at=T0 + 3)
+    await journal.finish("done", S.COMPLETED, reason=None, result={}, partial=False)
+    await new_run(journal, "c", state=S.CANCELLING, created_at=T0 + 4)
+    await journal.add_group("c", 7, "command", "sleep")
+
+    assert [r["id"] for r in await journal.list_runs()] == ["c", "done", "r", "q"]
+    assert [r["id"] for r in await journal.list_runs(limit=2)] == ["c", "done"]
+    assert [r["id"] for r in await journal.list_runs(states=[S.COMPLETED, S.QUEUED])] == [
+        "done", "q"
+    ]
+    assert [r["id"] for r in await journal.list_runs(session_id="s2")] == ["r"]
+    live = await journal.live_runs()
+    assert [r["id"] for r in live] == ["q", "r", "c"]
+    assert live[2]["groups"][0]["pgid"] == 7
+
+
+# -- durability ----------------------------------------------------------------------------
+
+_CHILD = """
+import os, signal, sys, trio
+from supervisor.journal import Journal
+from supervisor.states import RunState as S
+
+async def main(path):
+    j = await Journal.open(path)
+    await j.create_run("r1", session_id="s", spec={}, created_at=1.0, timeout_s=None)
+    await j.transition("r1", S.STARTING)
+    await j.transition("r1", S.RUNNING)
+    await j.set_partial("r1", {"_id": "r1", "progress": "p"})
+    ok = await j.finish("r1", S.CANCELLED, reason="user", result=None, partial=True)
+    assert ok
+    seq = await j.append_event("r1", "log", {"after": "finish"})
+    assert seq == 5, seq
+    # No aclose, no flush, no atexit: the process dies the instant the call returned.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+trio.run(main, sys.argv[1])
+"""
+
+
+async def test_a_terminal_fact_survives_a_sigkill_right_after_the_call_returns(
+    db: Path,
+) -> None:
+    with trio.fail_after(30):
+        proc = await trio.run_process(
+            [sys.executable, "-c", _CHILD, str(db)], check=False, capture_stderr=True
+        )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert Path(f"{db}-wal").exists()  # nothing checkpointed or cleaned up: a real crash
+    async with await Journal.open(db) as j:
+        run = await j.get_run("r1")
+        assert run is not None
+        assert (run["state"], run["reason"], run["partial"]) == (S.CANCELLED, "user", True)
+        assert run["result"] == {"_id": "r1", "progress": "p"}
+        events = await j.events_after("r1", 0)
+        assert events[-1]["seq"] == 5 and events[-1]["data"] == {"after": "finish"}
