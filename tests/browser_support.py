@@ -189,3 +189,38 @@ def wait_no_browser_left(mark: str, fragments: Iterable[str] = (), deadline_s: f
             except psutil.Error:
                 pass
         raise AssertionError(f"processes left behind: {text}")
+
+
+# --- driving a runner (python -m subagent.runner) directly --------------------------
+
+
+def runner_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("subagent.runner") is not None
+
+
+def scripted_browser_spec(url: str, *, then: list[dict[str, object]] | None = None, **browser: object) -> dict[str, object]:
+    """A scripted run: open ``url``, snapshot it, answer with the password the page shows.
+
+    ``then`` adds turns after the snapshot (e.g. a navigation to ``/slow`` to be cancelled in).
+    """
+    turns: list[dict[str, object]] = [
+        {"text": "Opening the page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": url}}]},
+        {"text": "Reading what it says.", "tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
+        *(then or []),
+    ]
+    return {
+        "task": "Open the page and tell me the password it shows.",
+        "model": {
+            "provider": "scripted",
+            "script": {
+                "turns": turns,
+                "extract": r"The password is ([a-z0-9-]+)",
+                "final": "The page says the password is {{match}}.",
+            },
+        },
+        "builtin_tools": [],
+        "browser": dict(browser) if browser else True,
+        "limits": {"max_steps": 10},
+    }

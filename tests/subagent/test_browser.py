@@ -3,14 +3,18 @@ through the mcp SDK against the preset (marked ``chromium``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 import trio
@@ -385,4 +389,165 @@ async def test_a_killed_browser_server_leaves_its_profile_only_in_the_run_dir(
     )
     profiles = list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     assert profiles, "a killed Chromium cannot remove its profile: it must be under the run dir"
+    browser.release_browser_dir(run_dir)
+
+
+# --- real Chromium through the runner (python -m subagent.runner) ---------------------
+
+
+class _Runner:
+    """A runner child with its pipes: events collected from stderr, the result from stdout."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        self.events: list[Any] = []
+        self.bad_lines: list[Any] = []
+        self.stdout = b""
+        self._changed = trio.Event()
+
+    async def pump(self) -> None:
+        from subagent.events import BadLine, decode_event_line
+
+        async def err() -> None:
+            buf = b""
+            assert self.proc.stderr is not None
+            async for chunk in self.proc.stderr:
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    item = decode_event_line(line)
+                    (self.bad_lines if isinstance(item, BadLine) else self.events).append(item)
+                self._changed.set()
+                self._changed = trio.Event()
+
+        async def out() -> None:
+            assert self.proc.stdout is not None
+            async for chunk in self.proc.stdout:
+                self.stdout += chunk
+
+        async with trio.open_nursery() as n:
+            n.start_soon(err)
+            n.start_soon(out)
+
+    async def wait_event(self, kind: str) -> Any:
+        while True:
+            for ev in self.events:
+                if str(ev.kind) == kind:
+                    return ev
+            await self._changed.wait()
+
+
+async def _run_runner(
+    spec: dict[str, Any], run_dir: pathlib.Path, body: Callable[[_Runner], Awaitable[None]] | None = None
+) -> tuple[_Runner, dict[str, Any]]:
+    from subagent.events import decode_result
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "tmp").mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "AGENTD_RUN_ID": "r-browser-test",
+        "AGENTD_RUN_DIR": str(run_dir),
+        "AGENTD_TREE": "t-" + os.environ["AGENTD_TEST_MARK"][:12],
+        "TMPDIR": str(run_dir / "tmp"),
+    }
+    env.pop("OPENAI_API_KEY", None)
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "subagent.runner"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=run_dir,
+        start_new_session=True,
+    )
+    runner = _Runner(proc)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runner.pump)
+            assert proc.stdin is not None
+            await proc.stdin.send_all(json.dumps(spec).encode() + b"\n")
+            await proc.stdin.aclose()
+            if body is not None:
+                await body(runner)
+            await proc.wait()
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with trio.move_on_after(5, shield=True):
+                await proc.wait()
+    result = decode_result(runner.stdout)
+    assert isinstance(result, dict), f"no result: {result!r}; events: {runner.events[-5:]!r}"
+    return runner, result
+
+
+@pytest.mark.chromium
+async def test_runner_browses_a_local_page_and_answers_from_its_snapshot(
+    tmp_path: pathlib.Path, no_process_left_behind: str
+) -> None:
+    from tests import browser_support as bs
+
+    bs.require_browser()
+    from tests import conftest
+
+    conftest.require(bs.runner_available(), "subagent.runner")
+    run_dir = tmp_path / "run"
+    with bs.LocalSite() as site:
+        with trio.fail_after(90):
+            runner, result = await _run_runner(bs.scripted_browser_spec(site.url + "/"), run_dir)
+    assert runner.proc.returncode == 0, result
+    assert result["status"] == "completed", result
+    assert "tangerine-42" in result["final_text"]
+    names = [(c["name"], c["state"]) for c in result["tool_calls"]]
+    assert [n for n, _ in names][:2] == ["browser_navigate", "browser_snapshot"] or all(
+        "browser" in n for n, _ in names
+    ), names
+    assert all(state == "succeeded" for _, state in names), names
+    assert any(str(e.kind) == "step_snapshot" for e in runner.events)
+    tmpdir = browser.browser_tmpdir(run_dir)
+    await trio.to_thread.run_sync(
+        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
+    )
+    assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
+    browser.release_browser_dir(run_dir)
+
+
+@pytest.mark.chromium
+async def test_runner_sigterm_mid_browse_is_cancelled_with_partial_result_and_nothing_left(
+    tmp_path: pathlib.Path, no_process_left_behind: str
+) -> None:
+    from tests import browser_support as bs
+    from tests import conftest
+
+    bs.require_browser()
+    conftest.require(bs.runner_available(), "subagent.runner")
+    run_dir = tmp_path / "run"
+    with bs.LocalSite() as site:
+        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        spec = bs.scripted_browser_spec(site.url + "/", then=[slow])
+
+        async def cancel_mid_browse(runner: _Runner) -> None:
+            # The browser is on its way to /slow (the server holds the response): stop now.
+            assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)
+            os.killpg(runner.proc.pid, signal.SIGTERM)
+            stop = await runner.wait_event("stop_requested")
+            assert stop.data.get("reason") == "signal"
+            site.release_slow()  # the running tool may finish; nothing new starts
+
+        with trio.fail_after(90):
+            runner, result = await _run_runner(spec, run_dir, cancel_mid_browse)
+    assert result["status"] == "cancelled", result
+    assert result.get("reason") == "signal"
+    assert runner.proc.returncode == 3
+    states = {c["name"]: c["state"] for c in result["tool_calls"]}
+    assert states.get("browser_snapshot") == "succeeded", result["tool_calls"]
+    assert "tangerine-42" in json.dumps(result), "the partial result lost what was read before the stop"
+    snapshots = [e for e in runner.events if str(e.kind) == "step_snapshot"]
+    assert snapshots, "no step_snapshot: the daemon would have no partial result after a SIGKILL"
+    tmpdir = browser.browser_tmpdir(run_dir)
+    await trio.to_thread.run_sync(
+        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
+    )
+    assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     browser.release_browser_dir(run_dir)
