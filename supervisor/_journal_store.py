@@ -94,7 +94,9 @@ class RunRecord(TypedDict):
 
 
 def dumps(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    # Lenient like the wire format (``subagent.events``): what it cannot encode, it
+    # writes as text. ASCII output keeps lone surrogates from failing the SQLite insert.
+    return json.dumps(value, separators=(",", ":"), default=str)
 
 
 def tool_call_rank(record: dict[str, Any]) -> int:
@@ -398,27 +400,27 @@ class Store:
 
     def _settle(self, conn: sqlite3.Connection, run_id: str, reason: str, at: float) -> int:
         """Running calls become outcome-unknown; announced ones never ran."""
-        running = conn.execute(
-            "UPDATE tool_calls SET state = ?, rank = ?, updated_at = ?, "
-            "record = json_set(record, '$.state', ?, '$.reason', ?) "
-            "WHERE run_id = ? AND rank = ?",
-            (
-                ToolCallState.UNKNOWN.value,
-                _RANK_UNKNOWN,
-                at,
-                ToolCallState.UNKNOWN.value,
-                reason,
-                run_id,
-                _RANK_RUNNING,
-            ),
-        ).rowcount
-        pending = conn.execute(
-            "UPDATE tool_calls SET rank = ?, updated_at = ?, "
-            "record = json_set(record, '$.state', ?, '$.reason', ?) "
-            "WHERE run_id = ? AND rank = ?",
-            (_RANK_FINAL, at, ToolCallState.NOT_STARTED.value, reason, run_id, _RANK_PENDING),
-        ).rowcount
-        return running + pending
+        # Rewritten here rather than with SQL json_set: records are Python's JSON (which
+        # may hold NaN), not necessarily SQLite's.
+        rows = conn.execute(
+            "SELECT call_id, rank, record FROM tool_calls "
+            "WHERE run_id = ? AND rank IN (?, ?)",
+            (run_id, _RANK_PENDING, _RANK_RUNNING),
+        ).fetchall()
+        for call_id, rank, text in rows:
+            record = json.loads(text)
+            if rank == _RANK_RUNNING:
+                state, new_rank = ToolCallState.UNKNOWN, _RANK_UNKNOWN
+            else:
+                state, new_rank = ToolCallState.NOT_STARTED, _RANK_FINAL
+            record["state"] = state.value
+            record["reason"] = reason
+            conn.execute(
+                "UPDATE tool_calls SET state = ?, rank = ?, record = ?, updated_at = ? "
+                "WHERE run_id = ? AND call_id = ?",
+                (state.value, new_rank, dumps(record), at, run_id, call_id),
+            )
+        return len(rows)
 
     def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
         with self._read() as conn:

@@ -62,9 +62,12 @@ class _Job(Generic[T]):
         self.value: T | None = None
         self.error: BaseException | None = None
 
-    def finish(self) -> None:
+    def resolve(self) -> None:
         # Event.set is not thread-safe: it runs on the Trio thread.
-        self.token.run_sync_soon(self.done.set)
+        try:
+            self.token.run_sync_soon(self.done.set)
+        except trio.RunFinishedError:
+            pass  # the caller's Trio run is gone; nobody is waiting any more
 
 
 class _Worker:
@@ -104,7 +107,7 @@ class _Worker:
                     job.error = open_error
                 else:
                     self._run(store, job)
-                job.finish()
+                job.resolve()
         finally:
             if conn is not None:
                 try:
@@ -358,6 +361,9 @@ class Journal:
     ) -> None:
         """Record (durably) a live process group the run owns (an MCP server, a command).
 
+        Accepted after the run ended too: leftovers must stay known to the sweep.
+        A pgid seen again (reused after its group ended) is alive again.
+
         Raises:
             RunNotFound: no run has this id.
         """
@@ -409,6 +415,8 @@ class Journal:
         Raises:
             RunNotFound: no run has this id.
         """
+        if limit < 1:
+            raise ValueError(f"expected a limit of at least 1, got {limit!r}")
         return await self._call(lambda s: s.events_after(run_id, after_seq, limit))
 
     # -- tool calls ------------------------------------------------------------------

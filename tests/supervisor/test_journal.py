@@ -7,7 +7,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -637,6 +637,19 @@ async def test_ten_thousand_events_append_in_batches_quickly_enough(
         )
 
 
+async def test_data_json_cannot_encode_is_kept_as_text(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    seq = await journal.append_event("r1", "log", {"path": Path("/x"), "nan": float("nan")})
+    (event,) = await journal.events_after("r1", seq - 1)
+    assert event["data"]["path"] == "/x" and event["data"]["nan"] != event["data"]["nan"]
+    await journal.upsert_tool_call("r1", tool_call("c1", "running", started_at=float("nan")))
+    assert await journal.mark_lost("r1", reason="gone")
+    (call,) = await journal.tool_calls("r1")
+    assert call["state"] == "unknown"
+    with pytest.raises(ValueError, match="limit"):
+        await journal.events_after("r1", 0, limit=0)
+
+
 # -- listing and recovery --------------------------------------------------------------
 
 
@@ -660,6 +673,44 @@ async def test_list_and_live_runs(journal: Journal) -> None:
 
 
 # -- durability ----------------------------------------------------------------------------
+
+
+async def test_facts_recovery_needs_are_committed_fsynced_and_the_stream_is_not(
+    journal: Journal,
+) -> None:
+    async def mode_of_last_commit() -> int:
+        # The mode is set before each BEGIN and left as is: it is the last commit's mode.
+        return int(await journal._call(
+            lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]
+        ))
+
+    full, normal = 2, 1
+    writes: list[tuple[Callable[[], Awaitable[object]], int]] = [
+        (lambda: new_run(journal), full),
+        (lambda: journal.append_event("r1", "log", {}), normal),
+        (lambda: journal.transition("r1", S.STARTING), full),
+        (lambda: journal.record_process("r1", pid=10, pgid=10), full),
+        (lambda: journal.transition("r1", S.RUNNING), full),
+        (lambda: journal.upsert_tool_call("r1", tool_call("c1", "running")), normal),
+        (lambda: journal.add_group("r1", 11, "command", "sh"), full),
+        (lambda: journal.set_partial("r1", {"_id": "r1"}), normal),
+        (lambda: journal.end_group("r1", 11), normal),
+        (lambda: journal.set_receipt("r1", {"a": 1}), full),
+        (lambda: journal.append_events("r1", [("log", {}, None)]), normal),
+        (lambda: journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False), full),
+        (lambda: journal.append_event("r1", "log", {}), normal),
+    ]
+    got = []
+    for write, _ in writes:
+        await write()
+        got.append(await mode_of_last_commit())
+    assert got == [mode for _, mode in writes]
+
+    await new_run(journal, "r2", state=S.RUNNING)
+    await journal.append_event("r2", "log", {})
+    assert await journal.mark_lost("r2", reason="gone")
+    assert await mode_of_last_commit() == full
+
 
 _CHILD = """
 import os, signal, sys, trio
