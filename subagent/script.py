@@ -201,9 +201,9 @@ DEFAULT_SCRIPT: Final[dict[str, Any]] = {
         {
             "text": "Now let me count the files here.",
             "tool_calls": [{"name": "run_command", "arguments": {"command": "ls -A | wc -l"}}],
-            "extract": "(\\d+)\\s*$",
         },
     ],
+    "extract": "(\\d+)\\s*$",
     "final": "Scripted run finished: this directory holds {{match}} entries.",
 }
 

@@ -1,0 +1,169 @@
+"""The built-in ``run_command`` tool: one foreground shell command in its own process group.
+
+Invariants: the command runs as ``/bin/sh -c`` in a new session (pgid == pid, reported
+alive=True before any output is read and alive=False only once the whole group is gone);
+captured output is bounded (the head is kept, the rest counted and dropped); when the
+shell exits, whatever it left in its group, or that escaped the group but carries this
+command's marker variable, is ended: nothing a command starts outlives its call. A
+timeout or an interrupt (the runner's second SIGTERM) ends the group and returns the
+output captured so far. The child gets the runner's environment minus ``OPENAI_*``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import trio
+
+from subagent.groups import sweep_marked, terminate_group
+
+__all__ = ["CommandOutcome", "run_command", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "format_outcome"]
+
+# After the shell exits, how long a descendant holding the pipe may keep writing (seconds).
+DRAIN_AFTER_EXIT_S: Final = 0.5
+# Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds).
+COMMAND_KILL_GRACE_S: Final = 2.0
+READ_CHUNK_BYTES: Final = 65536
+# Marks every process a command starts, so escapers can be found after the group kill.
+SUBTREE_VAR: Final = "AGENTD_SUBTREE"
+
+_seq = itertools.count(1)
+
+RUN_COMMAND_TOOL: Final[dict[str, Any]] = {
+    "type": "function",
+    "function": {
+        "name": "run_command",
+        "description": (
+            "Run a shell command (/bin/sh -c) in the run's working directory and return its exit "
+            "code and combined stdout/stderr (bounded). Foreground only: anything the command "
+            "leaves running is stopped when it exits."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The shell command line."},
+                "timeout_s": {"type": "number", "description": "Optional timeout in seconds (capped by the run's limit)."},
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@dataclass(slots=True)
+class CommandOutcome:
+    pid: int | None
+    exit_code: int | None
+    output: str
+    truncated: bool
+    timed_out: bool = False
+    interrupted: bool = False
+    spawn_error: str | None = None
+
+
+def format_outcome(o: CommandOutcome) -> str:
+    """The text the model sees."""
+    if o.spawn_error is not None:
+        return f"error: could not start the command: {o.spawn_error}"
+    head = f"[exit code {o.exit_code}]" if o.exit_code is not None else "[no exit code]"
+    if o.timed_out:
+        head += " [timed out: the command was stopped]"
+    if o.interrupted:
+        head += " [interrupted by a stop: the command was stopped]"
+    if o.truncated:
+        head += " [output truncated]"
+    return f"{head}\n{o.output}"
+
+
+def _child_env(marker: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    env[SUBTREE_VAR] = marker
+    return env
+
+
+async def run_command(
+    command: str,
+    *,
+    timeout_s: float,
+    max_output_bytes: int,
+    interrupt: trio.CancelScope,
+    on_group: Callable[[int, bool], None],
+    cwd: str | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> CommandOutcome:
+    """Run one command to its end (or timeout, or interrupt) and report what happened.
+
+    ``interrupt`` is a fresh cancel scope owned by the caller; cancelling it stops the
+    command. ``on_group(pgid, alive)`` is called when the group appears and when it is gone.
+    """
+    marker = f"{os.getpid()}-cmd-{next(_seq)}"
+    env = _child_env(marker)
+    if extra_env:
+        env.update(extra_env)
+    captured = bytearray()
+    total = 0
+    try:
+        proc = await trio.lowlevel.open_process(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
+        )
+    except OSError as exc:
+        return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
+    pgid = proc.pid
+    on_group(pgid, True)
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    eof = trio.Event()
+
+    async def reader() -> None:
+        nonlocal total
+        try:
+            while data := await stdout.receive_some(READ_CHUNK_BYTES):
+                total += len(data)
+                room = max_output_bytes - len(captured)
+                if room > 0:
+                    captured.extend(data[:room])
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        eof.set()
+
+    timed_out = False
+    try:
+        with trio.move_on_after(timeout_s) as timer:
+            with interrupt:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(reader)
+                    await proc.wait()
+                    with trio.move_on_after(DRAIN_AFTER_EXIT_S):
+                        await eof.wait()
+                    nursery.cancel_scope.cancel(reason="command exited; output drained")
+        timed_out = timer.cancelled_caught
+    finally:
+        # Whatever happened, nothing of this command survives it (shielded, bounded).
+        with trio.CancelScope(shield=True):
+            await terminate_group(pgid, grace_s=COMMAND_KILL_GRACE_S, what="command group")
+            with trio.move_on_after(COMMAND_KILL_GRACE_S):
+                await proc.wait()
+            await sweep_marked(SUBTREE_VAR, marker)
+            with trio.move_on_after(0.1):
+                await stdout.aclose()
+            on_group(pgid, False)
+    return CommandOutcome(
+        pid=pgid,
+        exit_code=proc.returncode,
+        output=captured.decode("utf-8", errors="replace"),
+        truncated=total > len(captured),
+        timed_out=timed_out,
+        interrupted=interrupt.cancelled_caught,
+    )

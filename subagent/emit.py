@@ -1,0 +1,158 @@
+"""The runner's only writer of stderr and stdout.
+
+Invariants: every stderr line is one JSON event (``events.encode_event``), written whole
+and at once (``os.write`` loop on fd 2); once stderr is broken (the daemon died) the
+runner keeps going and appends events to ``$AGENTD_RUN_DIR/events.jsonl`` instead;
+Python logging, warnings, unraisable exceptions and stray writes to ``sys.stderr`` become
+``log`` events, so nothing else can reach fd 2. The result goes to stdout once and is
+also written atomically to ``$AGENTD_RUN_DIR/result.json``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Final
+
+from subagent.events import Event, EventKind, encode_event, encode_result
+
+__all__ = ["Emitter", "install_stderr_guards", "EVENTS_FALLBACK", "RESULT_FILE"]
+
+EVENTS_FALLBACK: Final = "events.jsonl"
+RESULT_FILE: Final = "result.json"
+# A log message longer than this is cut (characters): one event stays one sane line.
+MAX_LOG_MESSAGE_CHARS: Final = 8192
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class Emitter:
+    """Writes events (stderr or the fallback file) and the final result."""
+
+    def __init__(self, run_dir: Path | None, *, err_fd: int = 2, out_fd: int = 1) -> None:
+        self.run_dir = run_dir
+        self._err_fd = err_fd
+        self._out_fd = out_fd
+        self._stderr_broken = False
+        self._lock = threading.Lock()  # logging may call from worker threads
+        self.run_id: str | None = None
+
+    @property
+    def stderr_broken(self) -> bool:
+        return self._stderr_broken
+
+    def emit(self, event_kind: EventKind, /, **data: Any) -> None:
+        # Not make_event(): process_group events carry a field named 'kind'.
+        line = encode_event(Event(kind=event_kind, ts=time.time(), data=data))
+        with self._lock:
+            if not self._stderr_broken:
+                try:
+                    _write_all(self._err_fd, line)
+                    return
+                except (BrokenPipeError, OSError):
+                    # The daemon is gone (EPIPE) or fd 2 is unusable: keep running, keep a record.
+                    self._stderr_broken = True
+            self._append_fallback(line)
+
+    def _append_fallback(self, line: bytes) -> None:
+        if self.run_dir is None:
+            return
+        try:
+            with open(self.run_dir / EVENTS_FALLBACK, "ab") as f:
+                f.write(line)
+        except OSError:
+            pass  # nowhere left to write: the run itself goes on
+
+    def log(self, level: str, message: str, **extra: Any) -> None:
+        if len(message) > MAX_LOG_MESSAGE_CHARS:
+            message = message[:MAX_LOG_MESSAGE_CHARS] + "...[cut]"
+        self.emit(EventKind.LOG, level=level, message=message, **extra)
+
+    def result(self, result: dict[str, Any]) -> None:
+        """Write the final result: the run dir's file first (atomic), then stdout."""
+        data = encode_result(result)
+        if self.run_dir is not None:
+            tmp = self.run_dir / f".{RESULT_FILE}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.run_dir / RESULT_FILE)
+            except OSError as exc:
+                self.log("warning", f"could not write {RESULT_FILE}: {exc}")
+        try:
+            _write_all(self._out_fd, data)
+        except OSError:
+            pass  # the daemon is gone; result.json is the record
+
+
+class _LogHandler(logging.Handler):
+    def __init__(self, emitter: Emitter) -> None:
+        super().__init__(logging.DEBUG)
+        self._emitter = emitter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.exc_info and record.exc_info[1] is not None:
+                exc = record.exc_info[1]
+                message = f"{message}: {type(exc).__name__}: {exc}"
+            self._emitter.log(record.levelname.lower(), message, logger=record.name)
+        except Exception:  # never let logging break the run
+            pass
+
+
+class _StderrToLog(io.TextIOBase):
+    """Replaces ``sys.stderr``: whole lines become ``log`` events."""
+
+    def __init__(self, emitter: Emitter) -> None:
+        self._emitter = emitter
+        self._buf = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self._buf += s
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            if line.strip():
+                self._emitter.log("warning", line, source="stderr")
+        return len(s)
+
+    def flush(self) -> None:
+        if self._buf.strip():
+            self._emitter.log("warning", self._buf, source="stderr")
+        self._buf = ""
+
+    def fileno(self) -> int:
+        # Code that wants a real fd (a child's stderr) must not get ours.
+        raise io.UnsupportedOperation("sys.stderr is routed into log events")
+
+
+def install_stderr_guards(emitter: Emitter) -> None:
+    """Route logging, warnings, unraisable errors and ``sys.stderr`` into log events."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(_LogHandler(emitter))
+    root.setLevel(logging.WARNING)
+    logging.getLogger("subagent").setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    sys.stderr = _StderrToLog(emitter)
+
+    def unraisable(u: Any) -> None:
+        emitter.log("warning", f"unraisable exception: {u.exc_type.__name__}: {u.exc_value}", source="unraisable")
+
+    sys.unraisablehook = unraisable

@@ -1,0 +1,248 @@
+"""The agent loop: model turn, complete tool calls, results back, until an end.
+
+Invariants (seed 004, DESIGN "Cancellation"): the stop flag is read at the start of
+each step, before each tool call and after each tool batch; a tool that started runs to
+its end; a model turn in flight is aborted at once by a stop. Only calls of a *whole*
+turn with valid arguments run; a call cut mid-arguments is never run and never repaired.
+Every tool call gets a record (emitted on every state change) and a tool message in the
+history that says what really happened. After each batch one ``step_snapshot`` carries
+the progress so far. The loop returns a ``RunOutcome``; it never writes the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from subagent.emit import Emitter
+from subagent.events import EventKind, ExitCode, RunStatus, ToolCallRecord, ToolCallState
+from subagent.model import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
+from subagent.spec import RunSpec
+from subagent.stop import StopControl
+from subagent.tools import ToolBox
+
+__all__ = ["AgentLoop", "RunOutcome", "DEFAULT_SYSTEM_PROMPT"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a sub-agent that completes one task using the tools you are given. "
+    "When the task is done, answer with a short summary and no tool call."
+)
+REASON_STOPPED_BEFORE_START = "stopped_before_start: a stop was requested before this call started"
+
+
+@dataclass
+class RunOutcome:
+    status: RunStatus
+    exit_code: ExitCode
+    reason: str | None = None
+    final_text: str | None = None
+    error: dict[str, str] | None = None
+
+
+@dataclass
+class AgentLoop:
+    spec: RunSpec
+    provider: Provider
+    tools: ToolBox
+    stop: StopControl
+    emitter: Emitter
+    run_id: str | None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    records: list[ToolCallRecord] = field(default_factory=list)
+    progress_parts: list[str] = field(default_factory=list)
+    usage: dict[str, int] = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
+    usage_known: bool = False
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.messages = [
+            {"role": "system", "content": self.spec.system_prompt or DEFAULT_SYSTEM_PROMPT},
+            {"role": "user", "content": self.spec.task},
+        ]
+
+    @property
+    def progress(self) -> str:
+        return "\n\n".join(p for p in self.progress_parts if p)
+
+    # --- events --------------------------------------------------------------------
+
+    def _emit_record(self, rec: ToolCallRecord) -> None:
+        self.emitter.emit(EventKind.TOOL_CALL, record=rec.to_dict())
+
+    def _snapshot(self) -> None:
+        self.emitter.emit(
+            EventKind.STEP_SNAPSHOT,
+            step=self.steps,
+            progress=self.progress,
+            tool_calls=[r.to_dict() for r in self.records],
+            _id=self.run_id,
+        )
+
+    def _cancelled(self) -> RunOutcome:
+        return RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=self.stop.reason)
+
+    # --- the loop ------------------------------------------------------------------
+
+    async def run(self) -> RunOutcome:
+        schemas = self.tools.schemas()
+        while True:
+            if self.stop.requested:
+                return self._cancelled()
+            if self.steps >= self.spec.limits.max_steps:
+                msg = f"the model did not answer within max_steps={self.spec.limits.max_steps}"
+                return RunOutcome(RunStatus.FAILED, ExitCode.FAILED, reason="max_steps", error={"code": "max_steps", "message": msg})
+            self.steps += 1
+            self.emitter.emit(EventKind.STEP_STARTED, step=self.steps)
+            sink = TurnAssembler()
+            aborted = False
+            try:
+                with self.stop.model_request() as scope:
+                    await self.provider.stream_turn(self.messages, schemas, sink)
+                aborted = scope.cancelled_caught
+            except ModelError as exc:
+                turn = sink.result(aborted=True)
+                self._take_turn(turn, failed=f"model_error: {exc.message}")
+                return RunOutcome(
+                    RunStatus.FAILED, ExitCode.MODEL_ERROR, reason="model_error", error={"code": exc.kind, "message": exc.message}
+                )
+            turn = sink.result(aborted=aborted)
+            if aborted:
+                self._take_turn(turn)
+                return self._cancelled()
+            records = self._take_turn(turn)
+            if not turn.finished:
+                # A cut stream: nothing of this turn runs; the model is told and asked again.
+                self.emitter.log("warning", f"step {self.steps}: the model's stream ended before its turn finished")
+                self._snapshot()
+                continue
+            if not turn.calls:
+                return RunOutcome(RunStatus.COMPLETED, ExitCode.COMPLETED, final_text=turn.text)
+            await self._run_batch(turn.calls, records)
+            self._snapshot()
+            broken = self.tools.protocol_errors()
+            if broken:
+                server, line = broken[0]
+                msg = f"mcp server {server!r} broke the protocol: it wrote a non-JSON line on stdout: {line}"
+                return RunOutcome(RunStatus.FAILED, ExitCode.TOOL_PROTOCOL, reason="tool_protocol", error={"code": "tool_protocol", "message": msg})
+            if self.stop.requested:
+                return self._cancelled()
+
+    def _take_turn(self, turn: ModelTurn, *, failed: str | None = None) -> list[ToolCallRecord]:
+        """Record the turn: text, usage, one record per call, and the assistant message.
+
+        Calls that cannot run (cut, aborted, invalid) get their final record and their
+        tool message here; runnable calls get theirs from ``_run_batch``.
+        """
+        if turn.usage is not None:
+            self.usage_known = True
+            for k in ("prompt_tokens", "completion_tokens"):
+                self.usage[k] += turn.usage.get(k, 0)
+        if turn.text:
+            self.progress_parts.append(turn.text)
+            self.emitter.emit(EventKind.ASSISTANT_TEXT, step=self.steps, text=turn.text, complete=turn.whole)
+        message: dict[str, Any] = {"role": "assistant", "content": turn.text or None}
+        if turn.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    # History must stay valid for the next request: a call that never ran
+                    # shows empty arguments; its record keeps the text as streamed.
+                    "function": {"name": c.name or "unknown", "arguments": c.arguments if c.parsed is not None else "{}"},
+                }
+                for c in turn.calls
+            ]
+        if turn.text or turn.calls:
+            self.messages.append(message)
+        records = []
+        results: list[tuple[str, str]] = []
+        for c in turn.calls:
+            rec = ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments, step=self.steps)
+            self.records.append(rec)
+            records.append(rec)
+            problem = failed or c.problem
+            if problem is not None:
+                invalid = problem.startswith(("invalid_arguments", "invalid_call"))
+                rec.state = ToolCallState.FAILED if invalid else ToolCallState.NOT_STARTED
+                rec.reason = problem
+                rec.finished_at = time.time()
+                self._emit_record(rec)
+                results.append((c.id, f"not executed: {problem}"))
+        for cid, text in results:
+            self.messages.append({"role": "tool", "tool_call_id": cid, "content": text})
+        return records
+
+    async def _run_batch(self, calls: list[DraftCall], records: list[ToolCallRecord]) -> None:
+        for call, rec in zip(calls, records, strict=True):
+            if rec.reason is not None:
+                continue  # already final (invalid); its tool message is in the history
+            text = self._run_one_prepare(call, rec)
+            if text is None:
+                text = await self._run_one(call, rec)
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+
+    def _run_one_prepare(self, call: DraftCall, rec: ToolCallRecord) -> str | None:
+        if self.stop.requested:
+            rec.state, rec.reason, rec.finished_at = ToolCallState.NOT_STARTED, REASON_STOPPED_BEFORE_START, time.time()
+            self._emit_record(rec)
+            return f"not executed: {REASON_STOPPED_BEFORE_START}"
+        if not self.tools.has(call.name):
+            known = ", ".join(self.tools.names()) or "none"
+            rec.state, rec.reason, rec.finished_at = ToolCallState.FAILED, "unknown_tool", time.time()
+            rec.error = f"unknown tool {call.name!r} (available: {known})"
+            self._emit_record(rec)
+            return f"error: {rec.error}"
+        return None
+
+    async def _run_one(self, call: DraftCall, rec: ToolCallRecord) -> str:
+        assert call.parsed is not None
+        rec.state, rec.started_at = ToolCallState.RUNNING, time.time()
+        self._emit_record(rec)
+        interrupt = self.stop.tool_interrupt()
+        try:
+            outcome = await self.tools.execute(call.name, call.parsed, interrupt)
+        finally:
+            self.stop.tool_done()
+        rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated
+        rec.error, rec.reason, rec.finished_at = outcome.error, outcome.reason, time.time()
+        self._emit_record(rec)
+        return _history_text(rec, stop_reason=self.stop.reason)
+
+    def result(self, outcome: RunOutcome, **extra: Any) -> dict[str, Any]:
+        for rec in self.records:
+            if rec.state == ToolCallState.RUNNING:
+                # Only an internal error leaves a call running: we cannot say how it ended.
+                rec.state, rec.reason, rec.finished_at = ToolCallState.UNKNOWN, "runner_failed: the runner failed during this call", time.time()
+                self._emit_record(rec)
+        return {
+            "status": str(outcome.status),
+            "reason": outcome.reason,
+            "final_text": outcome.final_text,
+            "progress": self.progress,
+            "steps": self.steps,
+            "tool_calls": [r.to_dict() for r in self.records],
+            "usage": dict(self.usage) if self.usage_known else None,
+            "error": outcome.error,
+            "unapplied_steering": [],
+            "messages": self.messages,
+            **extra,
+        }
+
+
+def _history_text(rec: ToolCallRecord, *, stop_reason: str | None) -> str:
+    """What the model is told about a call that ran: the truth, including a stop."""
+    body = rec.output if rec.output is not None else ""
+    if rec.state == ToolCallState.SUCCEEDED:
+        note = "" if stop_reason is None else "\n[this call finished before the run was stopped]"
+        return f"{body}{note}"
+    if rec.state == ToolCallState.FAILED:
+        return f"error: {rec.error or rec.reason}\n{body}".rstrip()
+    if rec.state == ToolCallState.CANCELLED:
+        known = f"\noutput before the interruption:\n{body}" if body else ""
+        return f"interrupted: {rec.reason}{known}"
+    return f"outcome unknown: {rec.reason or rec.error}" + (f"\n{body}" if body else "")
+

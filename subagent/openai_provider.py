@@ -1,0 +1,134 @@
+"""The ``openai`` provider: Chat Completions over the real ``openai.AsyncOpenAI``, streaming.
+
+Works with OpenAI and any OpenAI-compatible server (vLLM, Ollama, llama.cpp server).
+Invariants: deltas go into the ``TurnAssembler`` as they arrive (tool-call argument
+fragments included); a cancel of ``stream_turn`` (a stop) closes the response at once,
+and with it the HTTP connection, so the server stops generating; a transport failure
+after the first delta is a *cut* turn (the assembler sees no finish), before it a
+``ModelError``. SDK exceptions never leave this module untranslated. This module is the
+only importer of ``openai``; the runner imports it only for provider "openai".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+import openai
+import trio
+
+from subagent.model import ModelError, TurnAssembler
+
+__all__ = ["OpenAIProvider", "DEFAULT_MODEL"]
+
+DEFAULT_MODEL: Final = "gpt-4o-mini"
+# Bounds one whole model request when the spec gives no request_timeout_s (seconds).
+DEFAULT_REQUEST_TIMEOUT_S: Final = 600.0
+# Bounds connecting to the server (seconds).
+CONNECT_TIMEOUT_S: Final = 10.0
+# Retries of a failed request (before any delta arrived); the SDK backs off between them.
+MAX_RETRIES: Final = 2
+# Used when a base_url is given without a key: local servers usually need none.
+PLACEHOLDER_KEY: Final = "sk-no-key-required"
+# Bounds closing an aborted response (seconds): the socket close itself is immediate.
+ABORT_CLOSE_TIMEOUT_S: Final = 1.0
+
+
+class OpenAIProvider:
+    name = "openai"
+
+    def __init__(
+        self,
+        *,
+        model: str | None,
+        base_url: str | None,
+        request_timeout_s: float | None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if env is None else env
+        key = env.get("OPENAI_API_KEY")
+        base_url = base_url or env.get("OPENAI_BASE_URL") or None
+        if not key:
+            if base_url is None:
+                raise ModelError("provider 'openai' needs OPENAI_API_KEY (or a base_url for a local server)", kind="model_config")
+            key = PLACEHOLDER_KEY
+        self.model = model or env.get("OPENAI_MODEL") or DEFAULT_MODEL
+        self.base_url = base_url
+        timeout = request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S
+        self._client = openai.AsyncOpenAI(
+            api_key=key,
+            base_url=base_url,
+            timeout=openai.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
+            max_retries=MAX_RETRIES,
+        )
+
+    async def stream_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler) -> None:
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            stream = await self._client.chat.completions.create(**kwargs)
+        except openai.APIStatusError as exc:
+            raise ModelError(f"the model server answered {exc.status_code}: {_message(exc)}", kind="model_http") from None
+        except openai.APIError as exc:
+            raise ModelError(f"the model request failed: {_message(exc)}", kind="model_connection") from None
+        try:
+            async for chunk in stream:
+                _feed(sink, chunk)
+        except openai.APIError as exc:
+            if not sink.received_any or isinstance(exc, openai.APIStatusError) or _is_stream_error(exc):
+                raise ModelError(f"the model stream failed: {_message(exc)}", kind="model_stream") from None
+            # The connection broke mid-turn: a cut. The assembler saw no finish.
+            return
+        finally:
+            # On a stop this runs under the cancelled scope: shield the close, bound it.
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(ABORT_CLOSE_TIMEOUT_S):
+                    await stream.close()
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(ABORT_CLOSE_TIMEOUT_S):
+                await self._client.close()
+
+
+def _is_stream_error(exc: Exception) -> bool:
+    # An {"error": ...} event inside the stream is the server's verdict, not a cut.
+    return type(exc) is openai.APIError
+
+
+def _message(exc: Exception) -> str:
+    msg = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    cause = exc.__cause__
+    if cause is not None and str(cause):
+        msg = f"{msg} ({type(cause).__name__}: {cause})"
+    return msg
+
+
+def _feed(sink: TurnAssembler, chunk: Any) -> None:
+    usage = getattr(chunk, "usage", None)
+    if usage is not None:
+        sink.add_usage(getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None))
+    for choice in getattr(chunk, "choices", None) or []:
+        if getattr(choice, "index", 0) != 0:
+            continue
+        delta = choice.delta
+        if delta is not None:
+            if delta.content:
+                sink.text(delta.content)
+            for tc in delta.tool_calls or []:
+                fn = tc.function
+                sink.tool_delta(
+                    tc.index,
+                    id=tc.id,
+                    name=fn.name if fn is not None else None,
+                    arguments=fn.arguments if fn is not None else None,
+                )
+        if choice.finish_reason:
+            sink.finish(choice.finish_reason)

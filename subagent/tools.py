@@ -1,0 +1,171 @@
+"""The tools one run offers the model, and the execution of one call.
+
+Invariants: a tool name the model sees maps to exactly one executor (built-in, or one
+MCP server's tool: exposed under its own name when that is unique, always also as
+``<server>__<tool>``); ``execute`` never raises for a tool's own failure: it returns a
+``ToolOutcome`` whose state says what really happened (succeeded, failed, cancelled by a
+second stop, or unknown when we stopped waiting but the tool may still act); outputs are
+bounded to ``limits.max_output_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from subagent.commands import RUN_COMMAND_TOOL, format_outcome, run_command
+from subagent.events import ToolCallState
+from subagent.spec import Limits
+
+if TYPE_CHECKING:
+    from subagent.mcp_tools import McpServer
+
+__all__ = ["ToolOutcome", "ToolBox", "bound_text"]
+
+logger = logging.getLogger(__name__)
+
+_NAME_OK = re.compile(r"[^A-Za-z0-9_-]")
+
+
+@dataclass(slots=True)
+class ToolOutcome:
+    state: ToolCallState
+    output: str | None  # known output (bounded)
+    truncated: bool = False
+    error: str | None = None
+    reason: str | None = None
+
+
+def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
+    data = text.encode("utf-8", "replace")
+    if len(data) <= max_bytes:
+        return text, False
+    return data[:max_bytes].decode("utf-8", "ignore"), True
+
+
+def _safe_name(name: str) -> str:
+    return _NAME_OK.sub("_", name)[:64]
+
+
+class ToolBox:
+    def __init__(
+        self,
+        *,
+        builtins: tuple[str, ...],
+        limits: Limits,
+        servers: Mapping[str, McpServer],
+        on_group: Callable[[int, bool, str, str], None],
+    ) -> None:
+        self.limits = limits
+        self.servers = dict(servers)
+        self._on_group = on_group
+        self._builtins = set(builtins)
+        # name -> (server, tool name, tool object); both plain and qualified names resolve.
+        self._mcp: dict[str, tuple[str, str, Any]] = {}
+        self._exposed: list[str] = sorted(self._builtins)
+        counts: dict[str, int] = {}
+        for s in servers.values():
+            for t in s.tools:
+                counts[_safe_name(t.name)] = counts.get(_safe_name(t.name), 0) + 1
+        for s in servers.values():
+            for t in s.tools:
+                entry = (s.name, t.name, t)
+                qualified = _safe_name(f"{s.name}__{t.name}")
+                plain = _safe_name(t.name)
+                self._mcp[qualified] = entry
+                if counts[plain] == 1 and plain not in self._builtins:
+                    self._mcp[plain] = entry
+                    self._exposed.append(plain)
+                else:
+                    self._exposed.append(qualified)
+
+    def names(self) -> list[str]:
+        return list(self._exposed)
+
+    def has(self, name: str) -> bool:
+        return name in self._builtins or name in self._mcp
+
+    def schemas(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if "run_command" in self._builtins:
+            out.append(RUN_COMMAND_TOOL)
+        for name in self._exposed:
+            if name in self._builtins:
+                continue
+            server, _tool, t = self._mcp[name]
+            schema = dict(getattr(t, "input_schema", None) or {"type": "object", "properties": {}})
+            schema.setdefault("type", "object")
+            out.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": (getattr(t, "description", None) or f"{server} tool {t.name}")[:1024],
+                        "parameters": schema,
+                    },
+                }
+            )
+        return out
+
+    def protocol_errors(self) -> list[tuple[str, str]]:
+        return [(s.name, e) for s in self.servers.values() for e in s.protocol_errors]
+
+    async def execute(self, name: str, arguments: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
+        if name == "run_command" and "run_command" in self._builtins:
+            return await self._run_command(arguments, interrupt)
+        server_name, tool, _ = self._mcp[name]
+        return await self._call_mcp(server_name, tool, arguments, interrupt)
+
+    async def _run_command(self, args: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
+        command = args.get("command")
+        if not isinstance(command, str) or not command.strip():
+            return ToolOutcome(ToolCallState.FAILED, None, error="invalid_arguments: 'command' must be a non-empty string", reason="invalid_arguments")
+        timeout = self.limits.command_timeout_s
+        asked = args.get("timeout_s")
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
+            timeout = min(timeout, float(asked))
+        outcome = await run_command(
+            command,
+            timeout_s=timeout,
+            max_output_bytes=self.limits.max_output_bytes,
+            interrupt=interrupt,
+            on_group=lambda pgid, alive: self._on_group(pgid, alive, "command", command[:200]),
+        )
+        text = format_outcome(outcome)
+        if outcome.spawn_error is not None:
+            return ToolOutcome(ToolCallState.FAILED, text, error=outcome.spawn_error, reason="spawn_failed")
+        if outcome.interrupted:
+            return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason="interrupted: a second stop ended the command")
+        if outcome.timed_out:
+            return ToolOutcome(ToolCallState.FAILED, text, outcome.truncated, error=f"timed out after {timeout:g} s", reason="timeout")
+        return ToolOutcome(ToolCallState.SUCCEEDED, text, outcome.truncated)
+
+    async def _call_mcp(self, server_name: str, tool: str, args: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
+        from mcp.shared.exceptions import MCPError
+
+        server = self.servers[server_name]
+        timeout = self.limits.command_timeout_s
+        result: tuple[bool, str] | None = None
+        try:
+            with trio.move_on_after(timeout) as timer:
+                with interrupt:
+                    result = await server.call(tool, args)
+        except MCPError as exc:
+            return ToolOutcome(ToolCallState.FAILED, None, error=f"mcp error: {exc}", reason="mcp_error")
+        except Exception as exc:  # the transport broke: the server may or may not have acted
+            logger.warning("mcp call %s.%s broke: %s", server_name, tool, exc)
+            return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"{type(exc).__name__}: {exc}", reason="connection_lost: the server's connection ended during the call")
+        if interrupt.cancelled_caught:
+            return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: a second stop abandoned the call; the server may have acted")
+        if timer.cancelled_caught or result is None:
+            return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"no answer within {timeout:g} s", reason="timeout: stopped waiting; the server may still act")
+        is_error, text = result
+        bounded, truncated = bound_text(text, self.limits.max_output_bytes)
+        if is_error:
+            return ToolOutcome(ToolCallState.FAILED, bounded, truncated, error="the tool reported an error", reason="tool_error")
+        return ToolOutcome(ToolCallState.SUCCEEDED, bounded, truncated)
