@@ -1,0 +1,136 @@
+"""Acceptance 1: the installed unit passes `systemd-analyze verify` with warnings as errors.
+
+systemd-analyze prints each warning (unknown key, deprecated setting, missing executable,
+bad URL, ...) on stderr, and systemd 252 also exits non-zero for most of them; the check
+here fails on any output at all, whatever the exit code. It runs on the host (no systemd
+needed, only systemd-analyze) and inside the test container on the unit installed by
+scripts/install-systemd in /etc/systemd/system, where systemctl also reports what it loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+from tests.systemd.container import CHECKOUT, Container
+
+INSTALL = CHECKOUT / "scripts" / "install-systemd"
+AGENTD = CHECKOUT / ".venv" / "bin" / "agentd"
+
+
+def verify(unit: Path, *, run: object = subprocess.run) -> tuple[int, str]:
+    r = run(  # type: ignore[operator]
+        ["systemd-analyze", "verify", "--recursive-errors=no", str(unit)],
+        capture_output=True, text=True, timeout=60,
+    )
+    return r.returncode, (r.stdout + r.stderr).strip()
+
+
+def install(unit_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(INSTALL), "--unit-dir", str(unit_dir), "--no-env-file", "--no-reload", *args],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+
+
+@pytest.fixture
+def analyze() -> None:
+    require(shutil.which("systemd-analyze") is not None, "systemd-analyze (apt-get install systemd)")
+    require(AGENTD.exists(), f"{AGENTD} (run scripts/setup)")
+
+
+def test_installed_unit_verifies_clean(analyze: None, tmp_path: Path) -> None:
+    install(tmp_path)
+    unit = tmp_path / "agentd.service"
+    text = unit.read_text()
+    assert f"ExecStart={AGENTD} serve\n" in text
+    assert "/opt/agentd" not in text
+    assert verify(unit) == (0, "")
+
+
+def test_installed_unit_with_drop_ins_verifies_clean(analyze: None, tmp_path: Path) -> None:
+    install(tmp_path, "--grace", "12.5", "--watchdog", "4")
+    dropins = tmp_path / "agentd.service.d"
+    assert (dropins / "10-grace.conf").read_text() == (
+        "[Service]\nEnvironment=AGENTD_GRACE_S=12.5\nTimeoutStopSec=33s\n"
+    )
+    assert (dropins / "10-watchdog.conf").read_text() == "[Service]\nWatchdogSec=4s\n"
+    assert verify(tmp_path / "agentd.service") == (0, "")
+    install(tmp_path, "--watchdog", "0")
+    assert not (dropins / "10-watchdog.conf").exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "[Service]\nNoSuchSetting=1\n",  # unknown key
+        "[Service]\nMemoryLimit=1G\n",  # deprecated: a warning only
+        "[Service]\nExecStart=\nExecStart=/nonexistent/agentd serve\n",  # missing binary
+    ],
+)
+def test_the_check_catches_warnings(analyze: None, tmp_path: Path, damage: str) -> None:
+    install(tmp_path)
+    (tmp_path / "agentd.service.d").mkdir()
+    (tmp_path / "agentd.service.d" / "damage.conf").write_text(damage)
+    rc, out = verify(tmp_path / "agentd.service")
+    assert out != ""
+
+
+def test_path_with_space_and_percent_is_quoted(analyze: None, tmp_path: Path) -> None:
+    odd = tmp_path / "my venv 100%" / "agentd"
+    odd.parent.mkdir()
+    odd.write_text("#!/bin/sh\n")
+    odd.chmod(0o755)
+    install(tmp_path, "--agentd", str(odd))
+    text = (tmp_path / "agentd.service").read_text()
+    assert f'ExecStart="{str(odd).replace("%", "%%")}" serve\n' in text
+    assert verify(tmp_path / "agentd.service") == (0, "")
+
+
+def test_install_refuses_a_missing_agentd(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [str(INSTALL), "--unit-dir", str(tmp_path), "--agentd", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2
+    assert "is not an executable" in r.stderr
+    assert not (tmp_path / "agentd.service").exists()
+
+
+@pytest.mark.systemd
+def test_unit_installed_in_a_real_systemd(container: Container) -> None:
+    c = container
+    r = c.run([str(INSTALL)])
+    assert "installed /etc/systemd/system/agentd.service" in r.stderr
+    assert "systemd is not running" not in r.stderr  # daemon-reload ran
+    rc = c.run(["systemd-analyze", "verify", "--recursive-errors=no",
+                "/etc/systemd/system/agentd.service"], check=False)
+    assert (rc.returncode, rc.stdout + rc.stderr) == (0, "")
+    props = c.show(
+        "agentd.service", "LoadState", "Type", "NotifyAccess", "KillMode", "Delegate",
+        "TimeoutStopUSec", "StateDirectory", "RuntimeDirectory", "ExecStart", "WatchdogUSec",
+        "Environment", "EnvironmentFiles", "NoNewPrivileges", "ProtectSystem", "PrivateTmp",
+        "ProtectHome", "OOMPolicy",
+    )
+    assert props["LoadState"] == "loaded"
+    assert props["Type"] == "notify"
+    assert props["NotifyAccess"] == "main"
+    assert props["KillMode"] == "mixed"
+    assert props["Delegate"] == "yes"
+    assert props["TimeoutStopUSec"] == "30s"
+    assert props["StateDirectory"] == "agentd"
+    assert props["RuntimeDirectory"] == "agentd"
+    assert f"path={AGENTD} ; argv[]={AGENTD} serve ;" in props["ExecStart"]
+    assert props["WatchdogUSec"] in {"0", "infinity"}  # off
+    assert props["Environment"] == "AGENTD_STATE_DIR=/var/lib/agentd"
+    assert props["EnvironmentFiles"] == "/etc/agentd/agentd.env (ignore_errors=yes)"
+    assert (props["NoNewPrivileges"], props["ProtectSystem"], props["PrivateTmp"]) == ("yes", "strict", "yes")
+    assert props["ProtectHome"] == "read-only"
+    assert props["OOMPolicy"] == "continue"
+    assert c.run(["stat", "-c", "%a", "/etc/agentd/agentd.env"]).stdout.strip() == "600"
+    c.run([str(INSTALL), "--uninstall"])
+    assert c.show("agentd.service", "LoadState")["LoadState"] == "not-found"
