@@ -24,7 +24,6 @@ from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 
 __all__ = [
-    "STATE_EVENT",
     "RunRecord",
     "EventRecord",
     "GroupRecord",
@@ -32,11 +31,6 @@ __all__ = [
     "tool_call_rank",
     "dumps",
 ]
-
-# The kind of the event the journal appends, in the same transaction, whenever a run's
-# state changes: ``{"state": ..., "reason": ...}`` (and ``"partial"`` when terminal).
-# Subscribers see state changes in order with everything else, under one sequence.
-STATE_EVENT: Final = "run_state"
 
 # A tool-call record only moves forward: not started (announced) < running < outcome
 # unknown < a known outcome. A not-started record that carries a reason is a decision
@@ -196,11 +190,6 @@ class Store:
         )
         return list(range(first, last + 1))
 
-    def _state_event(
-        self, conn: sqlite3.Connection, run_id: str, ts: float, **data: object
-    ) -> None:
-        self._append(conn, run_id, [(STATE_EVENT, dumps(data), ts)])
-
     # -- runs ------------------------------------------------------------------------
 
     def create_run(
@@ -222,7 +211,6 @@ class Store:
                     f"journal {self._path!r}: a run with id {run_id!r} already exists",
                     path=self._path,
                 )
-            self._state_event(conn, run_id, created_at, state=RunState.QUEUED.value, reason=None)
 
     def transition(self, run_id: str, new: RunState, reason: str | None, at: float) -> bool:
         sources = _sources(new)
@@ -238,7 +226,6 @@ class Store:
             if cur.rowcount == 0:
                 self._require_run(conn, run_id)
                 return False
-            self._state_event(conn, run_id, at, state=new.value, reason=reason)
             return True
 
     def finish(
@@ -284,9 +271,6 @@ class Store:
                 return False
             if settle_reason is not None:
                 self._settle(conn, run_id, settle_reason, at)
-            self._state_event(
-                conn, run_id, at, state=state.value, reason=reason, partial=partial
-            )
             return True
 
     def set_partial(self, run_id: str, snapshot_id: object, snapshot: str) -> bool:
@@ -342,7 +326,7 @@ class Store:
                 (run_id, pgid, kind, name, at),
             )
 
-    def end_group(self, run_id: str, pgid: int, at: float) -> bool:
+    def remove_group(self, run_id: str, pgid: int, at: float) -> bool:
         with self._tx(durable=False) as conn:
             cur = conn.execute(
                 "UPDATE process_groups SET alive = 0, ended_at = ? "

@@ -25,7 +25,6 @@ import trio
 
 from supervisor._journal_schema import SCHEMA_VERSION, connect
 from supervisor._journal_store import (
-    STATE_EVENT,
     EventRecord,
     GroupRecord,
     RunRecord,
@@ -41,7 +40,6 @@ __all__ = [
     "RunRecord",
     "EventRecord",
     "GroupRecord",
-    "STATE_EVENT",
     "SCHEMA_VERSION",
 ]
 
@@ -213,7 +211,7 @@ class Journal:
         created_at: float,
         timeout_s: float | None,
     ) -> None:
-        """Record a new run in state ``queued`` (durably), with its first state event.
+        """Record a new run in state ``queued`` (durably).
 
         Raises:
             JournalError: a run with this id exists.
@@ -370,14 +368,16 @@ class Journal:
         ts = time.time() if at is None else at
         await self._call(lambda s: s.add_group(run_id, pgid, kind, name, ts))
 
-    async def end_group(self, run_id: str, pgid: int, *, at: float | None = None) -> bool:
-        """Mark a group dead. False if it was not known alive.
+    async def remove_group(self, run_id: str, pgid: int, *, at: float | None = None) -> bool:
+        """The group ended: it leaves the run's live groups (its record stays, not alive).
+
+        Returns False if it was not known alive.
 
         Raises:
             RunNotFound: no run has this id.
         """
         ts = time.time() if at is None else at
-        return await self._call(lambda s: s.end_group(run_id, pgid, ts))
+        return await self._call(lambda s: s.remove_group(run_id, pgid, ts))
 
     # -- events ----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import trio.testing
 
 from supervisor import _journal_schema
 from supervisor.errors import JournalError, RunNotFound
-from supervisor.journal import SCHEMA_VERSION, STATE_EVENT, Journal
+from supervisor.journal import SCHEMA_VERSION, Journal
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
 S = RunState
@@ -186,7 +186,7 @@ async def test_a_new_run_is_queued_with_every_field_readable(journal: Journal) -
         "spec": {"prompt": "hi", "n": [1, 2]}, "result": None, "partial": False,
         "partial_snapshot": None, "error": None, "receipt": None, "pid": None,
         "pid_start_time": None, "pgid": None, "tree_id": None, "cgroup": None,
-        "containment": None, "run_dir": None, "last_seq": 1, "groups": [], "tool_calls": [],
+        "containment": None, "run_dir": None, "last_seq": 0, "groups": [], "tool_calls": [],
     }
     assert await journal.get_run("nope") is None
     with pytest.raises(JournalError, match="already exists"):
@@ -235,11 +235,6 @@ async def test_a_cancel_racing_a_completion_gives_one_terminal_fact(journal: Jou
     assert run is not None
     assert run["state"] is winners[0]
     assert run["result"] == {"by": str(winners[0])}
-    terminal_events = [
-        e for e in await journal.events_after("r1", 0)
-        if e["kind"] == STATE_EVENT and e["data"]["state"] in TERMINAL_STATES
-    ]
-    assert len(terminal_events) == 1
 
 
 @pytest.mark.parametrize("terminal", sorted(TERMINAL_STATES))
@@ -296,7 +291,7 @@ async def test_unknown_runs_are_run_not_found(journal: Journal) -> None:
         journal.set_receipt("nope", {}),
         journal.record_process("nope", pid=1),
         journal.add_group("nope", 1, "command", "sh"),
-        journal.end_group("nope", 1),
+        journal.remove_group("nope", 1),
         journal.upsert_tool_call("nope", tool_call("c1", "running")),
         journal.tool_calls("nope"),
     ]
@@ -456,9 +451,9 @@ async def test_process_groups_are_known_until_they_end(journal: Journal) -> None
     await new_run(journal, state=S.RUNNING)
     await journal.add_group("r1", 100, "mcp_server", "playwright", at=T0)
     await journal.add_group("r1", 200, "command", "sh -c make", at=T0 + 1)
-    assert await journal.end_group("r1", 200, at=T0 + 2)
-    assert not await journal.end_group("r1", 200)
-    assert not await journal.end_group("r1", 999)
+    assert await journal.remove_group("r1", 200, at=T0 + 2)
+    assert not await journal.remove_group("r1", 200)
+    assert not await journal.remove_group("r1", 999)
     run = await journal.get_run("r1")
     assert run is not None
     assert run["groups"] == [
@@ -520,41 +515,39 @@ async def test_tool_calls_are_kept_after_the_run_ends_without_touching_it(
 # -- events --------------------------------------------------------------------------------
 
 
-async def test_state_changes_are_events_in_the_same_sequence(journal: Journal) -> None:
+async def test_event_numbers_start_at_one_and_only_appends_take_them(
+    journal: Journal,
+) -> None:
     await new_run(journal, state=S.RUNNING)
-    await journal.append_event("r1", "log", {"message": "hello"}, T0 + 3)
+    assert await journal.append_event("r1", "log", {"message": "hello"}, T0 + 3) == 1
+    await journal.set_partial("r1", {"_id": "r1"})
     await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False)
+    assert await journal.append_event("r1", "state", {"state": "completed"}) == 2
     events = await journal.events_after("r1", 0)
-    assert [(e["seq"], e["kind"], e["data"].get("state")) for e in events] == [
-        (1, STATE_EVENT, "queued"),
-        (2, STATE_EVENT, "starting"),
-        (3, STATE_EVENT, "running"),
-        (4, "log", None),
-        (5, STATE_EVENT, "completed"),
-    ]
-    assert events[3] == {"seq": 4, "ts": T0 + 3, "kind": "log", "data": {"message": "hello"}}
+    assert events[0] == {"seq": 1, "ts": T0 + 3, "kind": "log", "data": {"message": "hello"}}
+    assert [e["seq"] for e in events] == [1, 2]
 
 
 async def test_sequence_numbers_are_gapless_per_run_and_survive_a_reopen(db: Path) -> None:
     async with await Journal.open(db) as j:
         await new_run(j, "a")
         await new_run(j, "b")
-        assert await j.append_event("a", "log", {"i": 0}) == 2
-        assert await j.append_events("a", [("log", {"i": i}, None) for i in (1, 2, 3)]) == [3, 4, 5]
-        assert await j.append_event("b", "log", {"i": 0}) == 2
+        assert await j.append_event("a", "log", {"i": 0}) == 1
+        assert await j.append_events("a", [("log", {"i": i}, None) for i in (1, 2, 3)]) == [2, 3, 4]
+        assert await j.append_event("b", "log", {"i": 0}) == 1
         assert await j.append_events("a", []) == []
     async with await Journal.open(db) as j:
-        assert await j.append_event("a", "log", {"i": 4}) == 6
+        assert await j.append_event("a", "log", {"i": 4}) == 5
         events = await j.events_after("a", 0)
-        assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
-        assert [e["data"]["i"] for e in events[1:]] == [0, 1, 2, 3, 4]
+        assert [e["seq"] for e in events] == [1, 2, 3, 4, 5]
+        assert [e["data"]["i"] for e in events] == [0, 1, 2, 3, 4]
         run = await j.get_run("a")
-        assert run is not None and run["last_seq"] == 6
+        assert run is not None and run["last_seq"] == 5
 
 
 async def test_events_after_replays_from_any_point_in_pages(journal: Journal) -> None:
     await new_run(journal)
-    await journal.append_events("r1", [("log", {"i": i}, T0 + i) for i in range(2, 26)])
+    await journal.append_events("r1", [("log", {"i": i}, T0 + i) for i in range(1, 26)])
     assert [e["seq"] for e in await journal.events_after("r1", 20)] == [21, 22, 23, 24, 25]
     assert await journal.events_after("r1", 25) == []
     seen: list[int] = []
@@ -571,7 +564,7 @@ async def test_events_after_the_end_are_history_and_never_reopen_the_run(
     await new_run(journal, state=S.RUNNING)
     await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
     seq = await journal.append_event("r1", "step_snapshot", {"_id": "r1", "step": 9})
-    await journal.append_events("r1", [(STATE_EVENT, {"state": "running"}, None)])
+    await journal.append_events("r1", [("state", {"state": "running"}, None)])
     run = await journal.get_run("r1")
     assert run is not None
     assert (run["state"], run["last_seq"], run["partial_snapshot"]) == (
@@ -605,10 +598,10 @@ async def test_concurrent_appends_from_many_tasks_keep_sequences_gapless(
         for n in range(30):
             nursery.start_soon(writer, n)
     for run_id in runs:
-        # 10 writers per run, each 4 batches of 3 and 6 singles: 18 events; seq 1 is queued.
-        assert sorted(got[run_id]) == list(range(2, 2 + 10 * 18))
+        # 10 writers per run, each 4 batches of 3 and 6 singles: 18 events.
+        assert sorted(got[run_id]) == list(range(1, 1 + 10 * 18))
         events = await journal.events_after(run_id, 0, limit=10_000)
-        assert [e["seq"] for e in events] == list(range(1, 2 + 10 * 18))
+        assert [e["seq"] for e in events] == list(range(1, 1 + 10 * 18))
 
 
 async def test_ten_thousand_events_append_in_batches_quickly_enough(
@@ -629,7 +622,7 @@ async def test_ten_thousand_events_append_in_batches_quickly_enough(
         await journal.create_run(f"d{i}", session_id=None, spec={}, created_at=T0, timeout_s=None)
     durable = (time.perf_counter() - start) / 50
     run = await journal.get_run("r1")
-    assert run is not None and run["last_seq"] == 1 + 10_000 + 500
+    assert run is not None and run["last_seq"] == 10_000 + 500
     with capsys.disabled():
         print(
             f"\njournal: 10k events in 100 batches {batched * 1000:.0f} ms; "
@@ -694,7 +687,7 @@ async def test_facts_recovery_needs_are_committed_fsynced_and_the_stream_is_not(
         (lambda: journal.upsert_tool_call("r1", tool_call("c1", "running")), normal),
         (lambda: journal.add_group("r1", 11, "command", "sh"), full),
         (lambda: journal.set_partial("r1", {"_id": "r1"}), normal),
-        (lambda: journal.end_group("r1", 11), normal),
+        (lambda: journal.remove_group("r1", 11), normal),
         (lambda: journal.set_receipt("r1", {"a": 1}), full),
         (lambda: journal.append_events("r1", [("log", {}, None)]), normal),
         (lambda: journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False), full),
@@ -726,7 +719,7 @@ async def main(path):
     ok = await j.finish("r1", S.CANCELLED, reason="user", result=None, partial=True)
     assert ok
     seq = await j.append_event("r1", "log", {"after": "finish"})
-    assert seq == 5, seq
+    assert seq == 1, seq
     # No aclose, no flush, no atexit: the process dies the instant the call returned.
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -749,4 +742,4 @@ async def test_a_terminal_fact_survives_a_sigkill_right_after_the_call_returns(
         assert (run["state"], run["reason"], run["partial"]) == (S.CANCELLED, "user", True)
         assert run["result"] == {"_id": "r1", "progress": "p"}
         events = await j.events_after("r1", 0)
-        assert events[-1]["seq"] == 5 and events[-1]["data"] == {"after": "finish"}
+        assert events[-1]["seq"] == 1 and events[-1]["data"] == {"after": "finish"}
