@@ -93,8 +93,8 @@ class LocalSite:
     def __init__(self, pages: dict[str, str] | None = None) -> None:
         self.pages = dict(PAGES if pages is None else pages)
         self._release = threading.Event()
-        self._lock = threading.Lock()
-        self._hits: dict[str, threading.Event] = {}
+        self._cond = threading.Condition()
+        self._counts: dict[str, int] = {}
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.site = self
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -103,16 +103,19 @@ class LocalSite:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def _event(self, path: str) -> threading.Event:
-        with self._lock:
-            return self._hits.setdefault(path, threading.Event())
-
     def _hit(self, path: str) -> None:
-        self._event(path).set()
+        with self._cond:
+            self._counts[path] = self._counts.get(path, 0) + 1
+            self._cond.notify_all()
 
-    def wait_for_request(self, path: str, timeout: float) -> bool:
-        """Block (call it via trio.to_thread) until the browser requested ``path``."""
-        return self._event(path).wait(timeout)
+    def requests(self, path: str) -> int:
+        with self._cond:
+            return self._counts.get(path, 0)
+
+    def wait_for_request(self, path: str, timeout: float, count: int = 1) -> bool:
+        """Block (call it via trio.to_thread) until ``path`` was requested ``count`` times."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._counts.get(path, 0) >= count, timeout)
 
     def release_slow(self) -> None:
         self._release.set()
