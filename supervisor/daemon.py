@@ -10,6 +10,7 @@ turns those into error replies.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from typing import Any
 
 import trio
 
-from supervisor import _sdnotify, control
+from supervisor import _sdnotify, _statefiles, control
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.journal import Journal
@@ -46,15 +47,13 @@ async def serve(
     manager = RunManager(config, journal, containment)
     try:
         async with trio.open_nursery() as nursery:
-            await manager.recover()
             await nursery.start(manager.run)
-            port = await nursery.start(control.serve_control, config, manager)
-            token = control.write_token(config.token_path)
-            endpoint = control.write_endpoint(config.endpoint_path, host=config.host, port=port, pid=os.getpid())
+            token = _statefiles.write_token(config.token_path)
+            port = await nursery.start(functools.partial(control.serve_control, config, manager, token=token))
+            endpoint = _statefiles.write_endpoint(config.endpoint_path, host=config.host, port=port, pid=os.getpid())
             logger.info("agentd listening on %s (state dir %s)", endpoint["url"], config.state_dir)
             notifier.send("READY=1", f"STATUS=listening on {endpoint['url']}, 0 live runs")
-            if notifier.watchdog_interval_s() is not None:
-                nursery.start_soon(_sdnotify.watchdog_loop, notifier)
+            await nursery.start(_sdnotify.watchdog_loop, notifier)
             nursery.start_soon(_status_loop, notifier, manager)
             task_status.started({"port": port, "url": endpoint["url"], "token": token, "manager": manager})
             await _wait_for_stop(stop)
@@ -64,10 +63,7 @@ async def serve(
             nursery.cancel_scope.cancel(reason="daemon shutdown")
     finally:
         with trio.CancelScope(shield=True):
-            try:
-                config.endpoint_path.unlink()
-            except FileNotFoundError:
-                pass
+            _statefiles.remove_endpoint(config.endpoint_path, pid=os.getpid())
             await journal.aclose()
             await trio.to_thread.run_sync(containment.close)
 

@@ -15,6 +15,7 @@ flight is recorded as completed; a stop is never recorded as failed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,8 @@ MAX_RESULT_BYTES = 16 * 1024 * 1024
 # Buffered events per live subscriber; a subscriber that falls further behind is dropped
 # (it reconnects and replays from its last sequence number).
 SUBSCRIBER_BUFFER = 4096
+# How often a re-adopted run's events.jsonl is read (its stderr went with the old daemon).
+TAIL_POLL_S = 0.2
 # Margin on top of the grace for waiting on every run to end at shutdown.
 SHUTDOWN_MARGIN_S = 5.0
 
@@ -76,6 +79,7 @@ class _Run:
     lock: trio.Lock = field(default_factory=trio.Lock)
     done: trio.Event = field(default_factory=trio.Event)
     readopted: bool = False
+    tail_offset: int = 0
 
 
 class RunManager:
@@ -96,9 +100,15 @@ class RunManager:
         """Own the runs nursery until cancelled. Call ``shutdown()`` first to stop runs."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            for run in await self.recover():
+                nursery.start_soon(self._adopted_lifecycle, run, name=f"run {run.run_id} (re-adopted)")
             self._accepting = True
             task_status.started()
             await trio.sleep_forever()
+
+    async def recover(self) -> list[_Run]:
+        """Re-adopt or lose the runs a previous daemon left live (called by ``run``)."""
+        return await _recover_runs(self)
 
     @property
     def live_count(self) -> int:
@@ -211,6 +221,13 @@ class RunManager:
         if run_id not in self._live and await self.journal.get_run(run_id) is None:
             raise RunNotFound(run_id)
         return await self.journal.events_after(run_id, after_seq, limit)
+
+    async def wait_terminal(self, run_id: str) -> dict[str, Any]:
+        """Wait until the run has its terminal fact; return its status."""
+        run = self._live.get(run_id)
+        if run is not None:
+            await run.done.wait()
+        return await self.status(run_id)
 
     @asynccontextmanager
     async def subscribe(self, run_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[dict[str, Any]]]:
@@ -341,7 +358,7 @@ class RunManager:
                 logger.warning("run %s: pipes still open %.1fs after exit; stopped reading", run.run_id, DRAIN_AFTER_EXIT_S)
                 receipt["pipes_held_open"] = True
             io.cancel_scope.cancel()
-        await self._conclude(run, tree, receipt)
+        await self._conclude(run, tree.process.returncode, receipt)
         await trio.to_thread.run_sync(_remove_dir, run_dir)
         self.containment.remove(tree)
 
@@ -349,8 +366,7 @@ class RunManager:
         await trio.sleep(timeout_s)
         await self.cancel(run.run_id, reason="timeout")
 
-    async def _conclude(self, run: _Run, tree: process.Tree, receipt: dict[str, Any]) -> None:
-        code = tree.process.returncode
+    async def _conclude(self, run: _Run, code: int | None, receipt: dict[str, Any]) -> None:
         result = decode_result(bytes(run.stdout))
         if isinstance(result, BadLine) and run.run_dir is not None:
             result = _read_result_file(run.run_dir / "result.json")
@@ -358,6 +374,12 @@ class RunManager:
         if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
             full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
         if isinstance(result, dict):
+            for record in result.get("tool_calls") or []:
+                if isinstance(record, dict) and isinstance(record.get("id"), str):
+                    try:
+                        await self.journal.upsert_tool_call(run.run_id, record)
+                    except ValueError:
+                        logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
             status = result.get("status")
             if status == RunStatus.COMPLETED:
                 state = RunState.COMPLETED
@@ -375,7 +397,11 @@ class RunManager:
                 receipt=full_receipt,
             )
             return
-        # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot.
+        # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
+        # a tool that was running has an unknown outcome, one only announced never ran.
+        await self.journal.settle_tool_calls(
+            run.run_id, reason="the runner ended without reporting this call's outcome"
+        )
         if run.token.cancelled:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
         else:
@@ -393,6 +419,63 @@ class RunManager:
             error=error,
             receipt=full_receipt,
         )
+
+    async def _adopted_lifecycle(self, run: _Run) -> None:
+        """A run re-adopted after a restart: no pipes; its events come from events.jsonl."""
+        tree = run.tree
+        assert tree is not None
+        receipt: dict[str, Any] = {}
+        try:
+            async with trio.open_nursery() as io:
+                io.start_soon(self._tail_events_file, run, tree)
+                if run.timeout_s is not None:
+                    io.start_soon(self._timeout, run, run.timeout_s)
+                with trio.CancelScope() as run.scope:
+                    if run.token.cancelled:
+                        run.scope.cancel()
+                    try:
+                        await process._wait_leader(tree)  # noqa: SLF001
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            receipt = (await process.terminate_and_kill(tree, grace_s=self.config.grace_s)).to_dict()
+                io.cancel_scope.cancel()
+            await self._tail_events_file(run, tree, follow=False)
+            await self._conclude(run, None, receipt)
+        except Exception as exc:
+            logger.exception("run %s: supervision of a re-adopted run failed", run.run_id)
+            await self._finish(
+                run,
+                RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+                reason=run.token.reason or "internal",
+                result=run.partial,
+                partial=run.partial is not None,
+                error={"code": "internal", "message": f"supervision failed: {exc!r}"},
+                receipt=receipt,
+            )
+        finally:
+            if run.run_dir is not None:
+                await trio.to_thread.run_sync(_remove_dir, run.run_dir)
+
+    async def _tail_events_file(self, run: _Run, tree: process.AnyTree, *, follow: bool = True) -> None:
+        """Read the events a runner appends to events.jsonl once its stderr is gone."""
+        if run.run_dir is None:
+            return
+        path = run.run_dir / "events.jsonl"
+        splitter = LineSplitter()
+        while True:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(run.tail_offset)
+                    data = f.read()
+            except OSError:
+                data = b""
+            if data:
+                run.tail_offset += len(data)
+                for item in splitter.feed(data):
+                    await self._on_item(run, tree, item)
+            if not follow:
+                return
+            await trio.sleep(TAIL_POLL_S)
 
     def _receipt_head(self, run: _Run) -> dict[str, Any]:
         return {
@@ -467,7 +550,6 @@ class RunManager:
                     tree.add_group(pgid)
                     await self.journal.add_group(run.run_id, pgid, str(data.get("kind", "")), str(data.get("name", "")))
                 else:
-                    tree.discard_group(pgid)
                     await self.journal.remove_group(run.run_id, pgid)
             elif kind == EventKind.TOOL_CALL:
                 record = data.get("record")
@@ -545,6 +627,65 @@ class RunManager:
             run.subscribers.clear()
             self._live.pop(run.run_id, None)
             run.done.set()
+
+
+# ---------------------------------------------------------------------- recovery
+
+
+async def _recover_runs(self: RunManager) -> list[_Run]:
+    """Runs a previous daemon left live: re-adopt the provably same, sweep and lose the rest."""
+    adopted: list[_Run] = []
+    for row in await self.journal.live_runs():
+        run_id = row["id"]
+        pid, tree_id = row["pid"], row["tree_id"]
+        if pid is None or tree_id is None:
+            await self.journal.mark_lost(run_id, reason="the daemon restarted before the run's process started")
+            logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
+            continue
+        groups = [g["pgid"] for g in row["groups"] if g["alive"]]
+        found = await trio.to_thread.run_sync(
+            functools.partial(
+                process.find_tree,
+                tree_id,
+                pid=pid,
+                start_time=row["pid_start_time"],
+                cgroup=row["cgroup"],
+                groups=groups,
+                containment=row["containment"],
+            )
+        )
+        run = _Run(
+            run_id=run_id,
+            session_id=row["session_id"],
+            spec=row["spec"],
+            timeout_s=row["timeout_s"],
+            token=CancelToken(run_id),
+            state=RunState(row["state"]),
+            run_dir=Path(row["run_dir"]) if row["run_dir"] else None,
+            tree=found.tree,
+            partial=row["partial_snapshot"],
+            readopted=True,
+        )
+        if found.leader_alive:
+            logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
+            self._live[run_id] = run
+            await self._record(run, "daemon", {"note": "re-adopted after a daemon restart", "members": found.members})
+            adopted.append(run)
+            continue
+        stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
+        result = _read_result_file(run.run_dir / "result.json") if run.run_dir else None
+        snapshot = result if isinstance(result, dict) else row["partial_snapshot"]
+        await self.journal.mark_lost(
+            run_id,
+            reason="the runner was gone when the daemon restarted",
+            partial_result=snapshot,
+        )
+        await self.journal.set_receipt(run_id, {"recovery": stop.to_dict(), "swept": found.members})
+        await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
+        if run.run_dir is not None:
+            await trio.to_thread.run_sync(_remove_dir, run.run_dir)
+        logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
+    return adopted
 
 
 def _validate_spec(spec: dict[str, Any]) -> None:

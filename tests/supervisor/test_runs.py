@@ -1,0 +1,260 @@
+"""The run manager with real runner children (a stand-in runner speaking the wire format).
+
+The daemon runs in-process (``serve`` with a ``stop`` event) on a real SQLite file and
+real processes; the stand-in runner lets each test pick the child's behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.daemon import serve
+from supervisor.errors import RunNotFound
+from supervisor.runs import RunManager
+
+CHILDREN = Path(__file__).parent.parent / "children"
+FAKE = [sys.executable, str(CHILDREN / "fake_runner.py")]
+
+
+def task(**behaviour: Any) -> dict[str, Any]:
+    return {"task": json.dumps(behaviour)}
+
+
+def tree_alive(tree_id: str) -> list[int]:
+    needle = f"AGENTD_TREE={tree_id}".encode()
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read():
+                    continue
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                found.append(pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+class Daemon:
+    def __init__(self, manager: RunManager, config: Config) -> None:
+        self.m = manager
+        self.config = config
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Daemon]:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={}
+    )
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        yield Daemon(info["manager"], config)
+        stop.set()
+
+
+async def test_a_run_that_finishes_is_completed_with_the_runners_result(daemon: Daemon) -> None:
+    with trio.fail_after(10):
+        r = await daemon.m.spawn(task(wait=False, snapshots=2))
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed"
+    assert st["result"]["final_text"] == "done"
+    assert not st["partial"]
+    events = await daemon.m.events_after(r["run_id"], 0)
+    seqs = [e["seq"] for e in events]
+    assert seqs == list(range(1, len(seqs) + 1))
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("step_snapshot") == 2
+    assert [e["data"]["state"] for e in events if e["kind"] == "state"] == [
+        "queued", "starting", "running", "completed"
+    ]
+
+
+async def test_a_child_that_ignores_sigterm_is_killed_at_the_grace_and_keeps_its_snapshot(
+    daemon: Daemon,
+) -> None:
+    with trio.fail_after(15):
+        r = await daemon.m.spawn(task(ignore_term=True, snapshots=3))
+        await _wait_event(daemon, r["run_id"], "step_snapshot", count=3)
+        c = await daemon.m.cancel(r["run_id"])
+        assert c["was_active"] is True
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "cancelled"
+    assert st["partial"] is True
+    assert st["result"]["progress"] == "step 1 done. step 2 done. step 3 done. "
+    receipt = st["receipt"]["path_b"]
+    assert receipt["escalated"] is True
+    assert tree_alive(st["tree_id"]) == []
+
+
+async def test_cancel_ends_a_tree_with_group_setsid_and_double_forked_descendants(
+    daemon: Daemon,
+) -> None:
+    with trio.fail_after(15):
+        r = await daemon.m.spawn(task(tree=True))
+        await _wait_event(daemon, r["run_id"], "log")
+        st0 = await daemon.m.status(r["run_id"])
+        with trio.fail_after(5):
+            while len(tree_alive(st0["tree_id"])) < 5:  # runner, child, 3 descendants
+                await trio.sleep(0.02)
+        await daemon.m.cancel(r["run_id"])
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "cancelled"
+    assert st["result"]["status"] == "cancelled"  # the runner answered SIGTERM itself
+    assert tree_alive(st["tree_id"]) == []
+
+
+async def test_five_cancels_at_once_give_one_terminal_fact_and_spare_the_next_turn(
+    daemon: Daemon,
+) -> None:
+    with trio.fail_after(15):
+        r = await daemon.m.spawn(task(snapshots=1), session_id="s-1")
+        await _wait_event(daemon, r["run_id"], "step_snapshot")
+        replies: list[dict[str, Any]] = []
+
+        async def press() -> None:
+            replies.append(await daemon.m.cancel(r["run_id"]))
+
+        async with trio.open_nursery() as n:
+            for _ in range(5):
+                n.start_soon(press)
+        nxt = await daemon.m.spawn(task(snapshots=1), session_id="s-1")
+        st = await daemon.m.wait_terminal(r["run_id"])
+        late = await daemon.m.cancel(r["run_id"])
+        await _wait_event(daemon, nxt["run_id"], "step_snapshot")
+        nxt_status = await daemon.m.status(nxt["run_id"])
+        assert nxt_status["state"] == "running"
+        await daemon.m.cancel(nxt["run_id"])
+        await daemon.m.wait_terminal(nxt["run_id"])
+    assert all(x["was_active"] for x in replies)
+    assert st["state"] == "cancelled"
+    assert late == {"run_id": r["run_id"], "was_active": False, "state": "cancelled"}
+    events = await daemon.m.events_after(r["run_id"], 0)
+    terminal = [e for e in events if e["kind"] == "state" and e["data"]["state"] in {"cancelled", "completed", "failed", "lost"}]
+    assert len(terminal) == 1
+
+
+async def test_cancel_after_completion_reports_inactive_and_changes_nothing(daemon: Daemon) -> None:
+    with trio.fail_after(10):
+        r = await daemon.m.spawn(task(wait=False))
+        await daemon.m.wait_terminal(r["run_id"])
+        c = await daemon.m.cancel(r["run_id"])
+    assert c["was_active"] is False
+    assert c["state"] == "completed"
+    assert (await daemon.m.status(r["run_id"]))["state"] == "completed"
+
+
+async def test_a_descendant_holding_stdout_open_does_not_hang_the_run(daemon: Daemon) -> None:
+    with trio.fail_after(10):
+        r = await daemon.m.spawn(task(wait=False, hold_stdout=True))
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed"
+    assert tree_alive(st["tree_id"]) == []
+
+
+async def test_garbage_on_stderr_is_recorded_and_the_run_goes_on(daemon: Daemon) -> None:
+    with trio.fail_after(10):
+        r = await daemon.m.spawn(task(wait=False, garbage=True))
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed"
+    events = await daemon.m.events_after(r["run_id"], 0)
+    bad = [e for e in events if e["kind"] == "stderr"]
+    assert bad and bad[0]["data"]["problem"] == "not json"
+
+
+async def test_a_runner_that_dies_without_a_result_fails_with_its_last_snapshot(daemon: Daemon) -> None:
+    with trio.fail_after(10):
+        r = await daemon.m.spawn(task(wait=False, no_result=True, exit_code=5, snapshots=2))
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "failed"
+    assert st["partial"] is True
+    assert st["result"]["step"] == 2
+    assert st["error"]["code"] == "model_error"
+
+
+async def test_a_timeout_is_a_cancel_with_reason_timeout(daemon: Daemon) -> None:
+    with trio.fail_after(10):
+        r = await daemon.m.spawn(task(), timeout_s=0.3)
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert st["state"] == "cancelled"
+    assert st["reason"] == "timeout"
+
+
+async def test_unknown_run_ids_are_a_clear_error(daemon: Daemon) -> None:
+    with pytest.raises(RunNotFound):
+        await daemon.m.cancel("r-nope")
+    with pytest.raises(RunNotFound):
+        await daemon.m.status("r-nope")
+
+
+async def test_cancelling_a_queued_run_never_starts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, max_concurrent=1, environ={}
+    )
+    stop = trio.Event()
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+            m: RunManager = info["manager"]
+            first = await m.spawn(task())
+            queued = await m.spawn(task())
+            await _wait_event(Daemon(m, config), first["run_id"], "step_snapshot")
+            assert (await m.status(queued["run_id"]))["state"] == "queued"
+            c = await m.cancel(queued["run_id"])
+            st = await m.wait_terminal(queued["run_id"])
+            await m.cancel(first["run_id"])
+            await m.wait_terminal(first["run_id"])
+            stop.set()
+    assert c["was_active"] is True
+    assert st["state"] == "cancelled"
+    assert st["pid"] is None
+
+
+async def test_daemon_shutdown_cancels_every_live_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={})
+    stop = trio.Event()
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+            m: RunManager = info["manager"]
+            ids = [(await m.spawn(task()))["run_id"] for _ in range(3)]
+            for rid in ids:
+                await _wait_event(Daemon(m, config), rid, "step_snapshot")
+            stop.set()
+    from supervisor.journal import Journal
+
+    j = await Journal.open(config.journal_path)
+    try:
+        states = [(await j.get_run(rid))["state"] for rid in ids]
+    finally:
+        await j.aclose()
+    assert states == ["cancelled"] * 3
+
+
+async def _wait_event(d: Daemon, run_id: str, kind: str, count: int = 1) -> None:
+    """Wait (bounded by the caller's fail_after) until the run has ``count`` events of a kind."""
+    async with d.m.subscribe(run_id) as live:
+        seen = [e for e in await d.m.events_after(run_id, 0) if e["kind"] == kind]
+        last = max([0] + [e["seq"] for e in await d.m.events_after(run_id, 0)])
+        n = len(seen)
+        if n >= count:
+            return
+        async for msg in live:
+            if msg["seq"] > last and msg["kind"] == kind:
+                n += 1
+                if n >= count:
+                    return
+    raise AssertionError(f"run {run_id} ended before {count} {kind!r} events")
