@@ -9,6 +9,7 @@ Everything here runs on the journal's worker thread (see ``supervisor.journal``)
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 from typing import Final
 
@@ -147,6 +148,12 @@ def connect(path: str, *, target: int = SCHEMA_VERSION) -> sqlite3.Connection:
         JournalError: the file cannot be opened, is not a database, is damaged, is in a
             directory we cannot write, or carries a schema newer than this code.
     """
+    try:
+        # Specs and results may hold secrets: a new journal is private to its owner, and
+        # SQLite gives the -wal and -shm files the main file's mode.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path!r}: {exc}", path=path) from exc
     try:
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
         conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)

@@ -86,6 +86,13 @@ async def test_reopening_keeps_everything_and_migrates_nothing(
     assert not [r for r in caplog.records if "migrating" in r.getMessage()]
 
 
+async def test_a_new_journal_is_private_to_its_owner(db: Path) -> None:
+    async with await Journal.open(db) as j:
+        await new_run(j)
+        assert db.stat().st_mode & 0o777 == 0o600
+        assert Path(f"{db}-wal").stat().st_mode & 0o777 == 0o600
+
+
 async def test_a_journal_from_an_older_schema_is_migrated_and_keeps_its_runs(db: Path) -> None:
     conn = _journal_schema.connect(str(db), target=1)
     conn.execute(
@@ -162,6 +169,34 @@ async def test_an_unusable_location_is_a_journal_error(tmp_path: Path) -> None:
     with pytest.raises(JournalError) as info:
         await Journal.open(tmp_path / "missing-dir" / "j.sqlite3")
     assert "missing-dir" in str(info.value)
+
+
+async def test_aclose_lets_calls_already_submitted_finish(db: Path) -> None:
+    j = await Journal.open(db)
+    await new_run(j)
+    release = threading.Event()
+    seqs: list[int] = []
+
+    async def append(i: int) -> None:
+        seqs.append(await j.append_event("r1", "log", {"i": i}))
+
+    async with trio.open_nursery() as nursery:
+        try:
+            nursery.start_soon(j._call, lambda store: release.wait(10))
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(3):
+                nursery.start_soon(append, i)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(j.aclose)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(JournalError, match="closed"):
+                await j.append_event("r1", "log", {"i": "after close"})
+        finally:
+            release.set()
+    assert sorted(seqs) == [1, 2, 3]
+    async with await Journal.open(db) as j:
+        # Trio starts tasks in no set order: which append got which number varies.
+        assert sorted(e["data"]["i"] for e in await j.events_after("r1", 0)) == [0, 1, 2]
 
 
 async def test_aclose_is_idempotent_and_later_calls_are_refused(db: Path) -> None:
