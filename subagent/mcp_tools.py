@@ -3,8 +3,9 @@
 Invariants: each server's pid (== its pgid: the SDK starts it with start_new_session)
 is reported through ``on_group`` the moment it is spawned, before the handshake, via the
 SDK's seam ``mcp.client.stdio._create_platform_compatible_process``; a server's stderr
-goes to a file (never the runner's stderr); on close the SDK's own shutdown runs with a
-bounded wait, then the whole group and any marked escaper are ended, and only then is the
+goes to a file (never the runner's stderr); on close the SDK's own shutdown runs (shielded, every
+wait bounded by the SDK: about 6 s at worst; no scope of ours may wrap it, as it exits
+a task group entered earlier), then the whole group and any marked escaper are ended, and only then is the
 group reported gone. A non-JSON line on a server's stdout is a protocol break: the SDK
 skips the line (and hands it to the session's message handler); we record it on the
 server (``protocol_errors``) so the loop can end the run with ``TOOL_PROTOCOL``.
@@ -38,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 # Bounds the handshake and the first tools/list of one server (seconds).
 MCP_START_TIMEOUT_S: Final = 30.0
-# Bounds the SDK's own close (stdin close, wait, its group kill) before ours (seconds).
-MCP_CLOSE_TIMEOUT_S: Final = 3.0
 # Between SIGTERM and SIGKILL for a server's group (seconds).
 MCP_KILL_GRACE_S: Final = 2.0
 # How much of a server's stderr an error message quotes (bytes).
@@ -191,7 +190,7 @@ async def start_server(
     token = _on_spawn.set(spawned)
     try:
         # The contexts outlive this call, so no cancel scope of ours may wrap their entry.
-        read, write = await stack.enter_async_context(_bounded_close(_stdio.stdio_client(params, errlog=errlog)))
+        read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=errlog))
         session = await stack.enter_async_context(ClientSession(read, write, message_handler=on_message))
         with abortable("setup") as abort:
             with trio.fail_after(MCP_START_TIMEOUT_S):
@@ -229,21 +228,6 @@ def _bad_line_text(exc: Exception) -> str:
         except Exception:
             pass
     return repr(str(exc)[:200])
-
-
-class _bounded_close:
-    """Enter an async context manager; bound its exit (the SDK's close) in time, shielded."""
-
-    def __init__(self, cm: Any) -> None:
-        self._cm = cm
-
-    async def __aenter__(self) -> Any:
-        return await self._cm.__aenter__()
-
-    async def __aexit__(self, *exc: Any) -> bool | None:
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + MCP_CLOSE_TIMEOUT_S
-            return await self._cm.__aexit__(*exc)
 
 
 def tool_specs(servers: Mapping[str, McpServer]) -> list[tuple[str, str, Any]]:

@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     install_stderr_guards(emitter)
     if args.warm:
         _warm_imports()
+        emitter.log("info", "warm: waiting for the spec on stdin", warm=True)
     try:
         _waiting_for_spec = True
         if _early_signals:

@@ -60,23 +60,27 @@ class ScriptedCall:
     arguments: Any  # an object (sent as JSON) or a raw string (sent as is)
     id: str | None = None
     cut_after: int | None = None  # stream only this many characters of arguments, then cut
+    hang_after: int | None = None  # stream this many characters of arguments, then go silent
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> ScriptedCall:
-        d = _check(d, where, {"name", "arguments", "id", "cut_after"})
+        d = _check(d, where, {"name", "arguments", "id", "cut_after", "hang_after"})
         name = d.get("name")
         if not isinstance(name, str) or not name:
             raise ScriptError(f"{where}.name", f"expected a non-empty string, got {name!r}")
         args = d.get("arguments", {})
         if not isinstance(args, (dict, str)):
             raise ScriptError(f"{where}.arguments", f"expected an object or a string, got {type(args).__name__}")
-        cut = d.get("cut_after")
-        if cut is not None and (isinstance(cut, bool) or not isinstance(cut, int) or cut < 0):
-            raise ScriptError(f"{where}.cut_after", f"expected an integer >= 0, got {cut!r}")
+        cut, hang = d.get("cut_after"), d.get("hang_after")
+        for key, v in (("cut_after", cut), ("hang_after", hang)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ScriptError(f"{where}.{key}", f"expected an integer >= 0, got {v!r}")
+        if cut is not None and hang is not None:
+            raise ScriptError(f"{where}.hang_after", "give cut_after or hang_after, not both")
         cid = d.get("id")
         if cid is not None and not isinstance(cid, str):
             raise ScriptError(f"{where}.id", f"expected a string, got {cid!r}")
-        return cls(name=name, arguments=args, id=cid, cut_after=cut)
+        return cls(name=name, arguments=args, id=cid, cut_after=cut, hang_after=hang)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +132,9 @@ class Turn:
                     raise ScriptError(f"{where}.usage.{k}", f"expected an integer >= 0, got {v!r}")
         parsed = tuple(ScriptedCall.from_dict(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls))
         for i, c in enumerate(parsed[:-1]):
-            if c.cut_after is not None:
-                raise ScriptError(f"{where}.tool_calls[{i}].cut_after", "only the last call of a turn can be cut")
+            if c.cut_after is not None or c.hang_after is not None:
+                key = "cut_after" if c.cut_after is not None else "hang_after"
+                raise ScriptError(f"{where}.tool_calls[{i}].{key}", "only the last call of a turn can be cut or hang")
         return cls(
             text=text,
             tool_calls=parsed,
@@ -288,10 +293,11 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
         raw = args if isinstance(args, str) else json.dumps(args, separators=(",", ":"))
         cid = call.id or f"call_{turn_index + 1}_{i + 1}"
         chunk(Piece("tool_start", index=i, id=cid, name=call.name))
-        if call.cut_after is not None:
-            for part in _split(raw[: call.cut_after], size):
+        stop_at = call.cut_after if call.cut_after is not None else call.hang_after
+        if stop_at is not None:
+            for part in _split(raw[:stop_at], size):
                 chunk(Piece("tool_args", index=i, text=part))
-            pieces.append(Piece("cut"))
+            pieces.append(Piece("cut" if call.cut_after is not None else "hang"))
             return pieces
         for part in _split(raw, size):
             chunk(Piece("tool_args", index=i, text=part))

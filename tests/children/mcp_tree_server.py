@@ -1,0 +1,73 @@
+"""A small MCP stdio server (official SDK) that owns a process tree, for runner tests.
+
+At startup it spawns a child, which spawns a grandchild; both sleep. Tools:
+``tree`` returns {"server", "child", "grandchild"} pids; ``echo`` echoes; ``garble``
+writes a non-JSON line on stdout (a protocol break) and then answers normally;
+``slow`` sleeps ``seconds`` then answers. Options: ``--escape`` makes the grandchild
+call setsid() (it leaves the group: only the marker sweep can find it);
+``--stderr-noise`` writes to stderr at startup; ``--banner`` prints a non-JSON line on
+stdout before serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+GRANDCHILD = "import os, sys, time\nif sys.argv[1] == '1': os.setsid()\ntime.sleep(600)\n"
+CHILD = (
+    "import subprocess, sys, time\n"
+    "g = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], stdin=subprocess.DEVNULL)\n"
+    "print(g.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def main() -> None:
+    escape = "--escape" in sys.argv
+    if "--stderr-noise" in sys.argv:
+        print("mcp_tree_server: starting, this goes to stderr", file=sys.stderr, flush=True)
+    if "--banner" in sys.argv:
+        os.write(1, b"hello from a server that prints a banner\n")
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, GRANDCHILD, "1" if escape else "0"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    grandchild = int(child.stdout.readline())
+
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("tree")
+
+    @server.tool()
+    def tree() -> str:
+        """Pids of this server's process tree."""
+        return json.dumps({"server": os.getpid(), "child": child.pid, "grandchild": grandchild})
+
+    @server.tool()
+    def echo(text: str) -> str:
+        """Echo the text back."""
+        return text
+
+    @server.tool()
+    def garble() -> str:
+        """Write a non-JSON line on stdout, then answer."""
+        os.write(1, b"this is not json-rpc\n")
+        return "garbled"
+
+    @server.tool()
+    def slow(seconds: float) -> str:
+        """Sleep, then answer."""
+        time.sleep(seconds)
+        return f"slept {seconds}"
+
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Acceptance tests of ``python -m subagent.runner`` with the scripted model (real processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import trio
+
+from subagent.events import EventKind, ExitCode, ToolCallState, decode_result
+from tests.subagent.harness import spec, start_runner
+
+TWO_COMMANDS = {
+    "turns": [
+        {"text": "first", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo one"}}]},
+        {"text": "second", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo two; echo err >&2"}}]},
+    ],
+    "final": "answer: {{last_output}}",
+}
+
+
+async def test_scripted_run_calls_run_command_twice_and_completes(tmp_path: Path) -> None:
+    async with start_runner(spec(script=TWO_COMMANDS), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    assert result["status"] == "completed"
+    states = [t["state"] for t in result["tool_calls"]]
+    assert states == ["succeeded", "succeeded"]
+    assert "one" in result["tool_calls"][0]["output"]
+    assert "two" in result["tool_calls"][1]["output"] and "err" in result["tool_calls"][1]["output"]
+    assert result["final_text"].startswith("answer: [exit code 0]")
+    assert result["steps"] == 3
+    assert result["progress"].split("\n\n")[:2] == ["first", "second"]
+    # Every stderr line was a valid event (finish() asserts it); the shape is right too.
+    kinds = [e.kind for e in r.events]
+    assert kinds[0] == EventKind.RUNNER_STARTED
+    assert kinds.count(EventKind.STEP_SNAPSHOT) == 2
+    groups = r.of(EventKind.PROCESS_GROUP)
+    assert [g.data["alive"] for g in groups] == [True, False, True, False]
+    assert all(g.data["kind"] == "command" for g in groups)
+    # The result is also in the run dir, identical.
+    on_disk = decode_result((r.run_dir / "result.json").read_bytes())
+    assert on_disk == result
+    # The history gives every tool call a result.
+    tool_msgs = [m for m in result["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_msgs] == [t["id"] for t in result["tool_calls"]]
+
+
+async def test_default_script_runs_without_any_configuration(tmp_path: Path) -> None:
+    async with start_runner({"task": "look around"}, tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    assert result["provider"] == "scripted"
+    assert [t["state"] for t in result["tool_calls"]] == ["succeeded", "succeeded"]
+    assert "entries" in result["final_text"]
+
+
+async def test_a_scripted_run_without_mcp_imports_neither_openai_nor_mcp(tmp_path: Path) -> None:
+    async with start_runner(spec(script={"turns": [], "final": "hi"}), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    assert result["imported"] == {"openai": False, "mcp": False}
+
+
+async def test_sigterm_while_the_model_streams_cancels_at_once(tmp_path: Path) -> None:
+    script = {"turns": [{"text": "thinking", "chunk_size": 2, "chunk_delay_s": 5}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.STEP_STARTED)
+        t0 = trio.current_time()
+        r.signal()
+        rc, result = await r.finish()
+        elapsed = trio.current_time() - t0
+    assert rc == ExitCode.CANCELLED
+    assert result["status"] == "cancelled" and result["reason"] == "signal"
+    assert elapsed < 1.0
+    stop = r.of(EventKind.STOP_REQUESTED)
+    assert len(stop) == 1 and stop[0].data == {"reason": "signal", "during": "model"}
+    # The partial text is kept as progress, marked incomplete.
+    assert result["progress"] == "th"
+    assert r.of(EventKind.ASSISTANT_TEXT)[0].data["complete"] is False
+
+
+async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path) -> None:
+    script = {
+        "turns": [
+            {"text": "working", "tool_calls": [
+                {"name": "run_command", "arguments": {"command": "sleep 2; echo slept"}},
+                {"name": "run_command", "arguments": {"command": "echo must-not-run"}},
+            ]},
+            {"text": "must not be asked", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo nope"}}]},
+        ]
+    }
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
+    first, second = result["tool_calls"]
+    assert first["state"] == "succeeded" and "slept" in first["output"]
+    assert second["state"] == "not_started" and second["reason"].startswith("stopped_before_start")
+    assert result["steps"] == 1  # no further model call
+    assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "tool"
+    snaps = r.of(EventKind.STEP_SNAPSHOT)
+    assert snaps[-1].data["progress"] == "working"
+    assert [t["state"] for t in snaps[-1].data["tool_calls"]] == ["succeeded", "not_started"]
+    assert snaps[-1].data["_id"] == "run-test"
+    # Only one command ever started.
+    assert len([g for g in r.of(EventKind.PROCESS_GROUP) if g.data["alive"]]) == 1
+    history = [m for m in result["messages"] if m["role"] == "tool"]
+    assert "finished before the run was stopped" in history[0]["content"]
+    assert history[1]["content"].startswith("not executed: stopped_before_start")
+
+
+async def test_second_sigterm_interrupts_the_running_command(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "echo started; sleep 30"}}]}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            group = await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
+        r.signal()
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.STOP_REQUESTED)
+        r.signal()
+        rc, result = await r.finish(timeout_s=10)
+    assert rc == ExitCode.CANCELLED
+    (rec,) = result["tool_calls"]
+    assert rec["state"] == "cancelled"
+    assert "started" in rec["output"]
+    assert not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_call_cut_inside_its_arguments_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    script = {
+        "turns": [
+            {"text": "let me", "tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}, "cut_after": 13}]},
+        ],
+        "final": "after the cut: {{last_output}}",
+    }
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert not marker.exists()
+    rec = result["tool_calls"][0]
+    assert rec["state"] == ToolCallState.NOT_STARTED
+    assert rec["reason"].startswith("arguments_incomplete")
+    assert rec["arguments"] == '{"command":"t'  # as streamed, not repaired
+    assert rc == ExitCode.COMPLETED
+    # The model was told, and the history stays valid JSON for the next request.
+    assert "not executed: arguments_incomplete" in result["final_text"]
+    call = next(m for m in result["messages"] if m.get("tool_calls"))
+    assert json.loads(call["tool_calls"][0]["function"]["arguments"]) == {}
+    assert not r.of(EventKind.PROCESS_GROUP)
+
+
+async def test_stop_inside_streamed_arguments_aborts_and_never_runs_the_call(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    call = {"name": "run_command", "arguments": {"command": f"touch {marker}"}, "hang_after": 14}
+    async with start_runner(spec(script={"turns": [{"tool_calls": [call]}]}), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.STEP_STARTED)
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    rec = result["tool_calls"][0]
+    assert rec["state"] == "not_started" and rec["reason"].startswith("arguments_incomplete")
+    assert rec["arguments"] == '{"command":"to'
+    assert not marker.exists()
+
+
+async def test_unknown_tool_fails_that_call_and_the_model_is_told(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "no_such_tool", "arguments": {}}]}], "final": "told: {{last_output}}"}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    rec = result["tool_calls"][0]
+    assert rec["state"] == "failed" and rec["reason"] == "unknown_tool"
+    assert "run_command" in rec["error"]
+    assert result["final_text"].startswith("told: error: unknown tool 'no_such_tool'")
+
+
+async def test_invalid_arguments_fail_the_call_without_running_it(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": "{not json"}]}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    rec = result["tool_calls"][0]
+    assert rec["state"] == "failed" and rec["reason"].startswith("invalid_arguments")
+
+
+@pytest.mark.parametrize(
+    "stdin, field",
+    [
+        (b"this is not json\n", ""),
+        (b"[1, 2]\n", ""),
+        (b'{"model": {"provider": "scripted"}}\n', "task"),
+        (b'{"task": "x", "colour": "red"}\n', "colour"),
+        (b'{"task": "x", "limits": {"max_steps": 0}}\n', "limits.max_steps"),
+        (b'{"task": "x", "model": {"script": {"turns": [{"txet": "typo"}]}}}\n', "model.script.turns[0]"),
+        (b"", ""),
+    ],
+)
+async def test_a_bad_spec_exits_bad_spec_with_one_clear_line(tmp_path: Path, stdin: bytes, field: str) -> None:
+    async with start_runner(stdin, tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.BAD_SPEC
+    (event,) = r.events
+    assert event.kind == EventKind.LOG and event.data["level"] == "error"
+    assert event.data["message"].startswith("error: bad run spec:")
+    assert event.data["field"] == field
+    assert result["status"] == "failed" and result["reason"] == "bad_spec"
+
+
+async def test_a_spec_spread_over_lines_is_read_until_eof(tmp_path: Path) -> None:
+    text = json.dumps(spec(script={"final": "multi"}), indent=2).encode()
+    async with start_runner(text, tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED and result["final_text"] == "multi"
+
+
+async def test_the_first_line_is_enough_when_stdin_stays_open(tmp_path: Path) -> None:
+    async with start_runner(spec(script={"final": "one line"}), tmp_path, stdin_close=False) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED and result["final_text"] == "one line"
+
+
+async def test_a_model_error_fails_the_run_with_model_error(tmp_path: Path) -> None:
+    script = {"turns": [{"text": "partial", "error": "rate limited"}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.MODEL_ERROR
+    assert result["status"] == "failed" and result["error"]["message"] == "scripted model error: rate limited"
+    assert result["progress"] == "partial"
+
+
+async def test_max_steps_without_an_answer_fails(tmp_path: Path) -> None:
+    loop_turn = {"tool_calls": [{"name": "run_command", "arguments": {"command": "true"}}]}
+    script = {"turns": [loop_turn] * 5}
+    async with start_runner(spec(script=script, limits={"max_steps": 2}), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.FAILED and result["reason"] == "max_steps"
+    assert result["steps"] == 2 and len(result["tool_calls"]) == 2
+
+
+async def test_deadline_stops_the_run_with_reason_timeout(tmp_path: Path) -> None:
+    script = {"turns": [{"text": "slow", "delay_s": 30}]}
+    async with start_runner(spec(script=script, limits={"deadline_s": 0.5}), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    assert result["status"] == "cancelled" and result["reason"] == "timeout"
+    assert r.of(EventKind.STOP_REQUESTED)[0].data["reason"] == "timeout"
+
+
+async def test_command_timeout_and_output_bound_are_enforced(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [
+        {"name": "run_command", "arguments": {"command": "head -c 5000 /dev/zero | tr '\\0' x; echo"}},
+        {"name": "run_command", "arguments": {"command": "echo before; sleep 30", "timeout_s": 0.5}},
+    ]}]}
+    async with start_runner(spec(script=script, limits={"max_output_bytes": 100}), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    big, slow = result["tool_calls"]
+    assert big["state"] == "succeeded" and big["output_truncated"] is True
+    assert slow["state"] == "failed" and slow["reason"] == "timeout" and "before" in slow["output"]
+
+
+async def test_a_command_leaves_nothing_behind(tmp_path: Path) -> None:
+    pidfile = tmp_path / "bg.pid"
+    cmd = f"(sleep 300 & echo $! > {pidfile}); (setsid sleep 301 &); echo done"
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": cmd}}]}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED and result["tool_calls"][0]["state"] == "succeeded"
+    pid = int(pidfile.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # The setsid escaper is found by its marker; conftest fails the test if anything is left.
+
+
+async def test_events_go_to_the_run_dir_when_stderr_is_broken(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 0.3; echo ok"}}]}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.PROCESS_GROUP)
+        # The daemon "dies": its end of the stderr pipe closes.
+        assert r.proc.stderr is not None
+        await r.proc.stderr.aclose()
+        with trio.fail_after(20):
+            await r.proc.wait()
+            await r.stdout_eof.wait()
+    assert r.proc.returncode == ExitCode.COMPLETED
+    lines = (r.run_dir / "events.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["event"] for line in lines]
+    assert "step_snapshot" in kinds
+    assert decode_result((r.run_dir / "result.json").read_bytes())["status"] == "completed"
+
+
+async def test_warm_runner_waits_for_its_spec_then_runs(tmp_path: Path) -> None:
+    async with start_runner(spec(script={"final": "warm"}), tmp_path, args=("--warm",)) as r:
+        rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.COMPLETED and result["final_text"] == "warm"
+    assert result["imported"] == {"openai": True, "mcp": True}
+
+
+async def test_sigterm_before_any_spec_ends_a_warm_runner(tmp_path: Path) -> None:
+    async with start_runner(b"", tmp_path, args=("--warm",), stdin_close=False) as r:
+        with trio.fail_after(20):
+            await r.wait_event(EventKind.LOG, lambda e: e.data.get("warm") is True)
+        r.signal()
+        rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
