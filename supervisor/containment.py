@@ -1,0 +1,521 @@
+"""Containment: where each process tree lives, how to find all its members, and who reaps them.
+
+Each tree gets the best layer available, and its label says which one:
+  "cgroup"           a cgroup v2 leaf ``<own cgroup>/agentd-<instance>/<tree_id>``; the final
+                     kill is ``cgroup.kill``, so escapers (setsid, double fork) end too.
+  "subreaper+sweep"  no cgroup: the daemon is a child subreaper (orphans re-parent to it, not
+                     to PID 1) and members are swept from /proc by marker, session/group, ancestry.
+  "group"            neither: process groups plus the marker sweep.
+The sweep also runs on cgroup trees. This module only reads /proc and cgroupfs and reaps
+adopted zombies; it sends no signal (``process.py`` sends them all, ``cgroup.kill`` included).
+"""
+
+# Reaping without stealing. Trio (and any Popen in the daemon) waits for its own children
+# by pid; a ``waitpid(-1)`` here would take their exit codes (Popen then reports 0). So we
+# only ever ``waitpid(pid, WNOHANG)`` a zombie child that provably was not forked by the
+# daemon: its session is neither ours nor its own (a process the daemon forks keeps our
+# session or, after setsid, leads its own), or it sits in one of our tree cgroups, or we
+# saw it alive carrying one of our tree markers. Tree leaders, which are Trio's, are never
+# reaped here.
+#
+# Pids here wrap at 32768, so a pid alone is no identity: a Proc carries its start time in
+# clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act.
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, final
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
+    from supervisor.process import Tree
+
+__all__ = [
+    "MARKER_VAR",
+    "CGROUP",
+    "SUBREAPER_SWEEP",
+    "GROUP",
+    "Containment",
+    "Proc",
+    "scan_processes",
+    "read_proc",
+    "read_marker",
+    "cgroup_pids",
+    "tree_members",
+    "reap_adopted_zombies",
+]
+
+logger = logging.getLogger(__name__)
+
+MARKER_VAR: Final = "AGENTD_TREE"
+CGROUP: Final = "cgroup"
+SUBREAPER_SWEEP: Final = "subreaper+sweep"
+GROUP: Final = "group"
+
+_PR_SET_CHILD_SUBREAPER: Final = 36
+_PROC: Final = Path("/proc")
+
+# The subreaper flag is per process; several Containments in one process (tests) share it.
+_subreaper_lock = threading.Lock()
+_subreaper_users = 0
+
+
+# ----------------------------------------------------------------------------- /proc
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    """One line of the process table, as read from ``/proc/<pid>/stat``."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str  # "R", "S", "T" (stopped), "Z" (zombie), ...
+    start_ticks: int  # start time since boot in clock ticks: with pid, the identity
+
+    @property
+    def dead(self) -> bool:
+        """A zombie is dead: it runs no code and holds no resources but its pid."""
+        return self.state in ("Z", "X", "x")
+
+
+def read_proc(pid: int) -> Proc | None:
+    """Return the process table entry of ``pid``, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: split after the last ")".
+    rest = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return Proc(
+            pid=pid,
+            state=rest[0].decode(),
+            ppid=int(rest[1]),
+            pgid=int(rest[2]),
+            sid=int(rest[3]),
+            start_ticks=int(rest[19]),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def scan_processes() -> dict[int, Proc]:
+    """Read the whole process table (a few ms for a few hundred processes)."""
+    procs: dict[int, Proc] = {}
+    for name in os.listdir(_PROC):
+        if name.isdigit():
+            p = read_proc(int(name))
+            if p is not None:
+                procs[p.pid] = p
+    return procs
+
+
+def read_marker(pid: int) -> str | None:
+    """The ``AGENTD_TREE`` value in the environment ``pid`` started with, if readable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:  # gone, a zombie (no memory left), or not ours to read
+        return None
+    needle = MARKER_VAR.encode() + b"="
+    for item in env.split(b"\0"):
+        if item.startswith(needle):
+            return item[len(needle) :].decode(errors="replace")
+    return None
+
+
+def read_cgroup(pid: int) -> str | None:
+    """The cgroup v2 path of ``pid`` (``0::/path``), zombies included."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            for line in f.read().decode(errors="replace").splitlines():
+                if line.startswith("0::"):
+                    return line[3:]
+    except OSError:
+        return None
+    return None
+
+
+def cgroup_pids(path: Path | None) -> set[int]:
+    """Pids in the cgroup ``path`` and every cgroup below it (a member may nest its own)."""
+    found: set[int] = set()
+    if path is None:
+        return found
+    for dirpath, _dirs, _files in os.walk(path):
+        try:
+            with open(os.path.join(dirpath, "cgroup.procs"), "rb") as f:
+                found.update(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def tree_members(
+    tree_id: str,
+    *,
+    groups: Iterable[int] = (),
+    cgroup: Path | None = None,
+    procs: dict[int, Proc] | None = None,
+) -> dict[int, Proc]:
+    """Every process that belongs to a tree, zombies included.
+
+    A member is in the tree's cgroup, or in one of its process groups or sessions, or
+    carries ``AGENTD_TREE=<tree_id>``, or descends from a member. The calling process is
+    never a member (its children, adopted orphans included, are found by the other rules).
+    """
+    if procs is None:
+        procs = scan_processes()
+    me = os.getpid()
+    wanted = set(groups)
+    members: set[int] = {pid for pid in cgroup_pids(cgroup) if pid in procs}
+    for p in procs.values():
+        if p.pid in members or p.pid in (me, 1):
+            continue
+        if p.pgid in wanted or p.sid in wanted:
+            members.add(p.pid)
+        elif not p.dead and read_marker(p.pid) == tree_id:
+            members.add(p.pid)
+    # Descendants: a member's children that scrubbed the marker and left the group.
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    todo = list(members)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in members and child != me:
+                members.add(child)
+                todo.append(child)
+    members.discard(me)
+    return {pid: procs[pid] for pid in members}
+
+
+def reap_adopted_zombies(
+    *,
+    seen: Mapping[int, int] | None = None,
+    exclude: Container[int] = (),
+    subtree: str | None = None,
+    procs: dict[int, Proc] | None = None,
+) -> list[int]:
+    """Reap zombie children of this process that provably were not forked by it.
+
+    Provably adopted: ``seen`` (pid -> start ticks, recorded while it ran as a tree
+    member), or born in another session, or in the cgroup subtree ``subtree``
+    ("/a/b/"). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
+    """
+    if procs is None:
+        procs = scan_processes()
+    me = os.getpid()
+    my_sid = os.getsid(0)
+    reaped: list[int] = []
+    for p in procs.values():
+        if p.ppid != me or not p.dead or p.pid in exclude:
+            continue
+        if not (
+            (seen is not None and seen.get(p.pid) == p.start_ticks)
+            or p.sid not in (my_sid, p.pid)
+            or (subtree is not None and (read_cgroup(p.pid) or "").startswith(subtree))
+        ):
+            continue
+        try:
+            got, _status = os.waitpid(p.pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if got == p.pid:
+            reaped.append(p.pid)
+    return reaped
+
+
+# ----------------------------------------------------------------------------- cgroupfs
+
+
+def _cgroup2_mount() -> tuple[Path, str] | None:
+    """(mount point, root inside the hierarchy) of the cgroup2 filesystem, if mounted."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if sep and right.split(" ", 1)[0] == "cgroup2":
+            fields = left.split()
+            return Path(fields[4]), fields[3]
+    return None
+
+
+def _own_cgroup_dir() -> Path | None:
+    """This process's cgroup v2 directory, or None without a usable cgroup2 mount."""
+    mount = _cgroup2_mount()
+    own = read_cgroup(os.getpid())
+    if mount is None or own is None:
+        return None
+    point, root = mount
+    if root != "/" and own.startswith(root):
+        own = own[len(root) :]
+    return point / own.lstrip("/")
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _rmdir_tree(path: Path) -> bool:
+    """rmdir a cgroup and the cgroups below it, deepest first; True if all went."""
+    ok = True
+    for dirpath, _dirs, _files in os.walk(path, topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            ok = False
+            logger.debug("cgroup %s not removed: %s", dirpath, exc)
+    return ok
+
+
+def _set_subreaper(on: bool) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.prctl(_PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1 if on else 0), 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    if rc != 0:
+        logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    p = read_proc(pid)
+    return p is not None and not p.dead
+
+
+# ----------------------------------------------------------------------------- Containment
+
+
+@final
+@dataclass(eq=False)
+class Containment:
+    """The daemon's containment, made once by ``Containment.setup``.
+
+    Attributes:
+        root: this daemon's cgroup subtree (``.../agentd-<instance>``) or None.
+        subreaper: whether this process is a child subreaper.
+        mode: the label trees get when their cgroup can be made.
+    """
+
+    root: Path | None
+    subreaper: bool
+    _leaders: dict[int, Tree] = field(default_factory=dict)
+    _tree_ids: set[str] = field(default_factory=set)
+    _adopted: dict[int, int] = field(default_factory=dict)  # pid -> start ticks
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _closed: bool = False
+
+    @property
+    def mode(self) -> str:
+        if self.root is not None:
+            return CGROUP
+        return self.fallback_mode
+
+    @property
+    def fallback_mode(self) -> str:
+        return SUBREAPER_SWEEP if self.subreaper else GROUP
+
+    @classmethod
+    def setup(
+        cls,
+        config: Config | None = None,
+        *,
+        cgroups: str | None = None,
+        subreaper: bool = True,
+        instance: str | None = None,
+    ) -> Containment:
+        """Become a child subreaper and make this daemon's cgroup subtree where possible.
+
+        Blocking (cgroupfs writes): call it through ``trio.to_thread.run_sync``.
+        Never raises for a missing or read-only cgroup2 mount: the daemon degrades to
+        "subreaper+sweep" (or "group") and says so in a log line.
+
+        Args:
+            config: ``config.cgroups`` ("auto" or "off") is read from it.
+            cgroups: overrides ``config.cgroups``.
+            subreaper: False leaves the subreaper flag alone (tests of the "group" mode).
+            instance: names the subtree ``agentd-<instance>``; default the daemon's pid.
+        """
+        want = cgroups if cgroups is not None else (config.cgroups if config is not None else "auto")
+        is_reaper = False
+        if subreaper and os.name == "posix" and hasattr(os, "waitpid"):
+            global _subreaper_users
+            with _subreaper_lock:
+                is_reaper = _subreaper_users > 0 or _set_subreaper(True)
+                if is_reaper:
+                    _subreaper_users += 1
+        root = None
+        if want == "auto":
+            root = _make_subtree(instance or str(os.getpid()))
+        self = cls(root=root, subreaper=is_reaper)
+        logger.info(
+            "containment: %s (cgroup subtree %s, subreaper %s)",
+            self.mode,
+            root,
+            "on" if is_reaper else "off",
+        )
+        return self
+
+    def prepare(self, tree_id: str) -> Path | None:
+        """Make the cgroup leaf for a new tree; None when this daemon has no cgroups."""
+        with self._lock:
+            self._tree_ids.add(tree_id)
+        if self.root is None:
+            return None
+        path = self.root / tree_id
+        try:
+            path.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            logger.warning("tree %s: cannot create cgroup %s (%s); using %s", tree_id, path, exc, self.fallback_mode)
+            return None
+        return path
+
+    def label(self, cgroup: Path | None) -> str:
+        """The containment label of a tree that got ``cgroup`` (None: it got none)."""
+        return CGROUP if cgroup is not None else self.fallback_mode
+
+    def track(self, tree: Tree) -> None:
+        """Note a spawned tree: its leader is Trio's child and must never be reaped here."""
+        with self._lock:
+            self._leaders[tree.pid] = tree
+            self._tree_ids.add(tree.tree_id)
+
+    def remove(self, tree: Tree) -> bool:
+        """Forget a finished tree and rmdir its cgroup when empty. True if nothing is left."""
+        with self._lock:
+            if self._leaders.get(tree.pid) is tree and tree.leader_reaped:
+                del self._leaders[tree.pid]
+            self._tree_ids.discard(tree.tree_id)
+        if tree.cgroup is None:
+            return True
+        return _rmdir_tree(tree.cgroup)
+
+    def reap_adopted(self) -> list[int]:
+        """Reap zombie children that were adopted, never one of Trio's. Returns their pids.
+
+        Also remembers live adopted children that carry one of our markers, so they can
+        be reaped once they die and no longer show their environment.
+        """
+        if not self.subreaper:
+            return []
+        me = os.getpid()
+        subtree = self._subtree_prefix()
+        with self._lock:
+            for pid, tree in list(self._leaders.items()):
+                if tree.leader_reaped:  # Trio has its exit status; the pid may be reused
+                    del self._leaders[pid]
+            procs = scan_processes()
+            for p in procs.values():
+                if p.ppid == me and not p.dead and p.pid not in self._leaders and p.pid not in self._adopted:
+                    if read_marker(p.pid) in self._tree_ids:
+                        self._adopted[p.pid] = p.start_ticks
+            reaped = reap_adopted_zombies(seen=self._adopted, exclude=self._leaders, subtree=subtree, procs=procs)
+            for pid in list(self._adopted):
+                if pid in reaped or pid not in procs:
+                    del self._adopted[pid]
+        if reaped:
+            logger.debug("reaped adopted zombies %s", reaped)
+        return reaped
+
+    def is_leader(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self._leaders
+
+    def _subtree_prefix(self) -> str | None:
+        if self.root is None:
+            return None
+        mount = _cgroup2_mount()
+        if mount is None:
+            return None
+        return "/" + str(self.root.relative_to(mount[0])).strip("/") + "/"
+
+    def close(self) -> None:
+        """Reap what was adopted, remove the (empty) subtree, drop the subreaper flag.
+
+        Idempotent. A tree cgroup that still holds processes is left (and logged).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.reap_adopted()
+        if self.root is not None and not _rmdir_tree(self.root):
+            logger.warning("cgroup subtree %s not removed: processes are still in it", self.root)
+        if self.subreaper:
+            global _subreaper_users
+            with _subreaper_lock:
+                _subreaper_users -= 1
+                if _subreaper_users == 0:
+                    _set_subreaper(False)
+
+
+def _make_subtree(instance: str) -> Path | None:
+    """Create ``<own cgroup>/agentd-<instance>``; None (logged) when that is not possible."""
+    own = _own_cgroup_dir()
+    if own is None:
+        logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
+        return None
+    _remove_stale_subtrees(own)
+    try:
+        subtree_control = (own / "cgroup.subtree_control").read_text().split()
+    except OSError as exc:
+        logger.info("cgroup %s unreadable (%s): no cgroups", own, exc)
+        return None
+    if subtree_control and own != own.parent and read_cgroup(os.getpid()) != "/":
+        # Controllers are enabled below our cgroup (systemd Delegate=yes can do this), so by
+        # the no-internal-process rule our cgroup cannot hold us and child cgroups at once:
+        # move the daemon into a leaf of its own first.
+        leaf = own / "daemon"
+        try:
+            leaf.mkdir(exist_ok=True)
+            _write(leaf / "cgroup.procs", b"0")
+        except OSError as exc:
+            logger.info("cannot move the daemon into %s (%s): no cgroups", leaf, exc)
+            return None
+    root = own / f"agentd-{instance}"
+    try:
+        root.mkdir(exist_ok=True)
+    except OSError as exc:
+        logger.info("cannot create cgroup %s (%s): trees are contained by subreaper and sweep", root, exc)
+        return None
+    if not (root / "cgroup.kill").exists():
+        logger.info("cgroup.kill missing (kernel < 5.14): the final kill walks cgroup.procs")
+    return root
+
+
+def _remove_stale_subtrees(own: Path) -> None:
+    """rmdir empty ``agentd-<pid>[-x]`` subtrees left by daemons that are no longer running.
+
+    A subtree that still holds processes stays: a restarted daemon re-adopts or sweeps them.
+    """
+    try:
+        names = [d.name for d in own.iterdir() if d.is_dir() and d.name.startswith("agentd-")]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name.removeprefix("agentd-").split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_alive(int(pid_text)):
+            continue
+        if not cgroup_pids(own / name):
+            _rmdir_tree(own / name)

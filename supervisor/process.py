@@ -1,0 +1,757 @@
+"""Process control: spawn a runner's tree, stop it (path A and path B), find it after a restart.
+
+The only module that sends signals (killpg, pidfd_send_signal, ``cgroup.kill``, taskkill).
+  spawn_tree(argv, *, env, cwd, tree_id, containment) -> Tree       new session + cgroup
+  soft_stop(tree) -> list[str]                     path A: SIGTERM, fire and forget
+  await terminate_and_kill(tree, *, grace_s) -> StopReceipt          path B: shielded, bounded
+  alive_members(tree) / await wait_tree_gone(tree, timeout)         liveness of a whole tree
+  find_tree(...) -> Found / await kill_orphaned_tree(...)           after a daemon restart
+  await drain_bounded(stream, sink, *, process) -> bool             pipes after exit, bounded
+"""
+
+# Identity. Pids wrap at 32768 on this kind of host, so a pid alone names nobody. A tree's
+# leader is Trio's child until Trio reaps it, so its pid (= its pgid) cannot be reused
+# before that. Every other process is signalled through a pidfd opened after checking the
+# start time it had when it was found. A known group is signalled only while its leader
+# is the process we learned about or is gone (a group's number is not reused while the
+# group has members).
+#
+# Path B, in order: SIGTERM the runner's group; wait up to the grace for the runner to
+# exit (the runner owns its tools and lets a running one finish); then SIGKILL what is
+# left: the cgroup, every known group, every swept member (leftovers after the runner
+# exited on its own are orphans and get no grace of their own); then wait, bounded, until
+# no member runs (zombies are dead), and reap the zombies we adopted.
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol, TypeAlias, final
+
+import psutil
+import trio
+
+from supervisor import _windows
+from supervisor.containment import (
+    CGROUP,
+    GROUP,
+    MARKER_VAR,
+    SUBREAPER_SWEEP,
+    Containment,
+    cgroup_pids,
+    Proc,
+    reap_adopted_zombies,
+    read_proc,
+    scan_processes,
+    tree_members,
+)
+from supervisor.errors import SpawnError
+
+__all__ = [
+    "DRAIN_AFTER_EXIT_S",
+    "TERMINATE_MARGIN_S",
+    "KILL_WAIT_S",
+    "Tree",
+    "AdoptedTree",
+    "AnyTree",
+    "Found",
+    "StopReceipt",
+    "SignalSent",
+    "spawn_tree",
+    "soft_stop",
+    "terminate_and_kill",
+    "alive_members",
+    "wait_tree_gone",
+    "find_tree",
+    "kill_orphaned_tree",
+    "drain_bounded",
+]
+
+logger = logging.getLogger(__name__)
+
+# After the runner exits, how long its pipes are still read: a descendant may hold them.
+DRAIN_AFTER_EXIT_S: Final = 2.0
+# terminate_and_kill's own deadline is grace_s + this: it bounds the kill, death and reap
+# waits below together, so the routine ends even if the kernel misbehaves.
+TERMINATE_MARGIN_S: Final = 5.0
+# After SIGKILL, how long we wait for every member to be dead before naming survivors.
+KILL_WAIT_S: Final = 3.0
+# How often a tree is re-swept while waiting for death (cgroup.kill takes ~70 ms).
+POLL_S: Final = 0.02
+# Windows: after ``taskkill /F /T``, how long we wait for the runner to exit.
+WINDOWS_KILL_WAIT_S: Final = 5.0
+# find_tree: a recorded psutil create_time matches within this (it is derived from the
+# boot time, which the kernel recomputes from the wall clock).
+START_TIME_TOLERANCE_S: Final = 1.0
+
+_POSIX: Final = os.name == "posix"
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+@dataclass(eq=False)
+class _TreeBase:
+    tree_id: str
+    pid: int  # the runner, leader of its session and group
+    pgid: int  # == pid, recorded at spawn; never asked of the kernel later
+    start_time: float  # psutil create_time of the leader: identity across a daemon restart
+    cgroup: Path | None
+    containment: str  # "cgroup", "subreaper+sweep" or "group"
+    # Known process groups (the runner's, and those its PROCESS_GROUP events name), each
+    # with the start ticks of its leader when we learned of it (None: leader already gone).
+    groups: dict[int, int | None] = field(default_factory=dict)
+    _leader_ticks: int | None = None
+
+    def add_group(self, pgid: int) -> None:
+        """Remember another process group of this tree (an MCP server, a command)."""
+        if pgid <= 1 or pgid in self.groups:
+            return
+        leader = read_proc(pgid)
+        self.groups[pgid] = leader.start_ticks if leader is not None and leader.pgid == pgid else None
+
+    @property
+    def leader_reaped(self) -> bool:
+        return False
+
+
+@final
+@dataclass(eq=False)
+class Tree(_TreeBase):
+    """A tree this daemon spawned; ``process`` is Trio's handle on the runner (its pipes too)."""
+
+    process: trio.Process = field(kw_only=True)
+
+    @property
+    def leader_reaped(self) -> bool:
+        return self.process.returncode is not None
+
+
+@final
+@dataclass(eq=False)
+class AdoptedTree(_TreeBase):
+    """A tree found again after a daemon restart: no pipes, no exit status."""
+
+
+AnyTree: TypeAlias = Tree | AdoptedTree
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What ``find_tree`` saw: the tree (usable with every stop routine) and its state."""
+
+    tree: AdoptedTree
+    leader_alive: bool  # the recorded pid still runs and is provably the same process
+    members: list[int]  # live members, the leader included when alive
+
+
+@dataclass(frozen=True, slots=True)
+class SignalSent:
+    signal: str  # "SIGTERM", "SIGKILL", "cgroup.kill", "taskkill", "taskkill /F"
+    target: str  # "group", "pid", "cgroup", "tree"
+    id: str  # pgid, pid or cgroup path
+    at_s: float  # seconds after the routine started
+    result: str  # "sent", "gone" (ESRCH/ENOENT), "eperm" (maybe alive), or an error text
+    what: str = ""  # the process's command line, for pid targets
+
+
+@dataclass(slots=True)
+class StopReceipt:
+    """What path B did and saw. ``to_dict()`` is JSON-ready.
+
+    Times: ``started_at`` and ``tree_dead_at`` are on the Trio clock (``trio.current_time``);
+    ``at_s``, ``waited_s`` and ``tree_dead_after_s`` are seconds after ``started_at``.
+    """
+
+    tree_id: str
+    pid: int
+    pgid: int
+    containment: str
+    cgroup: str | None
+    grace_s: float  # the grace asked for
+    started_at: float
+    waited_s: float = 0.0  # SIGTERM to SIGKILL (or to the runner's exit): the effective grace
+    escalated: bool = False  # the runner outlived the grace and was SIGKILLed
+    leader: str = "unknown"  # "exited" in the grace, "killed", "gone" before we started
+    signals: list[SignalSent] = field(default_factory=list)
+    killed: list[dict[str, Any]] = field(default_factory=list)  # members SIGKILLed by pid
+    tree_dead_at: float | None = None
+    tree_dead_after_s: float | None = None
+    survivors: list[dict[str, Any]] = field(default_factory=list)  # pid + cmdline
+    reaped: list[int] = field(default_factory=list)  # adopted zombies reaped here
+    timed_out: bool = False  # the routine's own deadline ended it
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- spawn
+
+
+async def spawn_tree(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | os.PathLike[str] | None,
+    tree_id: str,
+    containment: Containment | None,
+) -> Tree:
+    """Start ``argv`` as the leader of a new tree: new session, pipes, marker, cgroup.
+
+    The child gets stdin/stdout/stderr pipes, ``env`` (None: this process's environment)
+    plus ``AGENTD_TREE=<tree_id>``, and joins the tree's cgroup before it runs a single
+    instruction of ``argv`` (so before it can fork). There is no checkpoint after the child
+    exists: put its cleanup in place before your next ``await``.
+
+    Raises:
+        SpawnError: the child could not be started (the cause is chained).
+    """
+    if not argv:
+        raise SpawnError("expected a command to run, got an empty argv")
+    if not tree_id or "\0" in tree_id or "/" in tree_id:
+        raise SpawnError(f"expected a tree id without '/' or NUL, got {tree_id!r}")
+    child_env = dict(os.environ if env is None else env)
+    child_env[MARKER_VAR] = tree_id
+    cgroup = containment.prepare(tree_id) if containment is not None else None
+    try:
+        try:
+            proc = await _open_leader(argv, child_env, cwd, cgroup)
+        except subprocess.SubprocessError:
+            # Only the preexec hook raises this: the child could not join its cgroup and
+            # never ran argv, so starting it again without one is safe.
+            logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
+            if containment is not None and cgroup is not None:
+                _rmdir_quietly(cgroup)
+            cgroup = None
+            proc = await _open_leader(argv, child_env, cwd, None)
+    except OSError as exc:
+        if cgroup is not None:
+            _rmdir_quietly(cgroup)
+        raise SpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+    # No await from here on: the caller must own the child before the next checkpoint.
+    leader = read_proc(proc.pid) if _POSIX else None
+    try:
+        start_time = psutil.Process(proc.pid).create_time()
+    except psutil.Error:
+        start_time = time.time()
+    if containment is not None:
+        label = containment.label(cgroup)
+    else:
+        label = CGROUP if cgroup is not None else GROUP
+    tree = Tree(
+        tree_id=tree_id,
+        pid=proc.pid,
+        pgid=proc.pid,
+        start_time=start_time,
+        cgroup=cgroup,
+        containment=label,
+        process=proc,
+        _leader_ticks=leader.start_ticks if leader is not None else None,
+    )
+    tree.groups[tree.pgid] = tree._leader_ticks
+    if containment is not None:
+        containment.track(tree)
+    logger.debug("tree %s: spawned pid %d (%s) containment %s", tree_id, proc.pid, argv[0], label)
+    return tree
+
+
+async def _open_leader(
+    argv: Sequence[str],
+    env: dict[str, str],
+    cwd: str | os.PathLike[str] | None,
+    cgroup: Path | None,
+) -> trio.Process:
+    options: dict[str, Any] = {}
+    if _POSIX:
+        options["start_new_session"] = True
+        if cgroup is not None:
+            options["preexec_fn"] = _joiner(os.fsencode(cgroup / "cgroup.procs"))
+    else:
+        options["creationflags"] = getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)
+    return await trio.lowlevel.open_process(
+        list(argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        **options,
+    )
+
+
+def _joiner(procs_file: bytes) -> Callable[[], None]:
+    # Runs in the forked child before exec: raw syscalls only, nothing that takes a lock.
+    def join_cgroup() -> None:
+        fd = os.open(procs_file, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")  # "0": the writing process itself
+        finally:
+            os.close(fd)
+
+    return join_cgroup
+
+
+def _rmdir_quietly(path: Path) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> str:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "eperm"
+    return "sent"
+
+
+def _kill_proc(p: Proc, sig: signal.Signals) -> str:
+    """Signal exactly the process ``p`` describes, never a later owner of its pid."""
+    try:
+        fd = os.pidfd_open(p.pid)
+    except ProcessLookupError:
+        return "gone"
+    except OSError:  # no pidfd support: check, then signal by pid (a tiny window remains)
+        now = read_proc(p.pid)
+        if now is None or now.start_ticks != p.start_ticks:
+            return "gone"
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError:
+            return "eperm"
+        return "sent"
+    try:
+        now = read_proc(p.pid)
+        if now is None or now.start_ticks != p.start_ticks:
+            return "gone"
+        signal.pidfd_send_signal(fd, sig)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "eperm"
+    finally:
+        os.close(fd)
+    return "sent"
+
+
+def _cgroup_kill(path: Path) -> str:
+    """SIGKILL every process in a cgroup and below it, forks in flight included."""
+    try:
+        fd = os.open(path / "cgroup.kill", os.O_WRONLY)
+    except FileNotFoundError:
+        if not path.exists():
+            return "gone"
+        return _cgroup_kill_by_pid(path)  # kernel < 5.14
+    except OSError as exc:
+        return f"error: {exc.strerror}"
+    try:
+        os.write(fd, b"1")
+    except OSError as exc:
+        return f"error: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return "sent"
+
+
+def _cgroup_kill_by_pid(path: Path) -> str:
+    for pid in cgroup_pids(path):
+        p = read_proc(pid)
+        if p is not None:
+            _kill_proc(p, signal.SIGKILL)
+    return "sent"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+
+
+def _live_groups(tree: AnyTree) -> list[int]:
+    """The tree's groups that may still exist and are provably still the tree's."""
+    out: list[int] = []
+    for pgid, ticks in tree.groups.items():
+        leader = read_proc(pgid)
+        if leader is None:
+            out.append(pgid)  # leaderless: the number stays reserved while members remain
+        elif leader.pgid != pgid:
+            continue  # the number now names a non-leader: that group cannot exist
+        elif ticks is not None and leader.start_ticks == ticks:
+            out.append(pgid)
+    return out
+
+
+def _leader_alive(tree: AnyTree) -> bool:
+    if isinstance(tree, Tree):
+        if tree.process.returncode is not None:
+            return False
+        p = read_proc(tree.pid)  # our unreaped child: its pid cannot have been reused
+        return p is not None and not p.dead
+    if tree._leader_ticks is None:  # not provably the recorded process
+        return False
+    p = read_proc(tree.pid)
+    return p is not None and not p.dead and p.start_ticks == tree._leader_ticks
+
+
+def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
+    members = tree_members(tree.tree_id, groups=_live_groups(tree), cgroup=tree.cgroup, procs=procs)
+    if tree._leader_ticks is not None:
+        lead = members.get(tree.pid)
+        if lead is not None and lead.start_ticks != tree._leader_ticks:
+            del members[tree.pid]
+    return members
+
+
+# ----------------------------------------------------------------------------- path A
+
+
+def soft_stop(tree: AnyTree) -> list[str]:
+    """Path A: SIGTERM the runner's group now; fire and forget, idempotent, never raises.
+
+    The runner is the cooperative owner of its tools (it lets a running tool finish), so
+    only its group is signalled while it lives; once it is gone, every known group is.
+    Returns one line per signal, e.g. ``"SIGTERM group 4242: sent"`` ("gone": nothing
+    there; "eperm": maybe alive, not ours to signal).
+    """
+    if not _POSIX:
+        return [_windows_fire(_windows.soft_kill_command(tree.pid))]
+    if _leader_alive(tree):
+        targets = [tree.pgid]
+    else:
+        targets = _live_groups(tree)
+    return [f"SIGTERM group {g}: {_killpg(g, signal.SIGTERM)}" for g in targets]
+
+
+def _windows_fire(cmd: list[str]) -> str:
+    try:
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as exc:
+        return f"{' '.join(cmd)}: {exc}"
+    return f"{' '.join(cmd)}: sent"
+
+
+# ----------------------------------------------------------------------------- path B
+
+
+async def terminate_and_kill(tree: AnyTree, *, grace_s: float) -> StopReceipt:
+    """Path B: SIGTERM, grace, SIGKILL the whole tree, confirm death, reap. Never raises.
+
+    Safe to call under a cancelled scope and more than once: it runs shielded, under its
+    own deadline of ``grace_s + TERMINATE_MARGIN_S``, and every wait inside is bounded.
+    Logs a WARNING when it escalates, naming the process and how long it ignored SIGTERM.
+
+    Args:
+        tree: a spawned or re-adopted tree.
+        grace_s: how long the runner may take to exit after SIGTERM.
+
+    Returns:
+        The receipt: signals sent (to what, when), escalation, effective grace, when the
+        tree was dead, and any survivor that could not be ended.
+    """
+    grace_s = max(0.0, grace_s)
+    receipt = StopReceipt(
+        tree_id=tree.tree_id,
+        pid=tree.pid,
+        pgid=tree.pgid,
+        containment=tree.containment,
+        cgroup=str(tree.cgroup) if tree.cgroup is not None else None,
+        grace_s=grace_s,
+        started_at=trio.current_time(),
+    )
+    with trio.move_on_after(grace_s + TERMINATE_MARGIN_S, shield=True) as scope:
+        if _POSIX:
+            await _posix_terminate(tree, grace_s, receipt)
+        else:
+            await _windows_terminate(tree, grace_s, receipt)
+    if scope.cancelled_caught:
+        receipt.timed_out = True
+        if _POSIX and not receipt.survivors:
+            receipt.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+        logger.warning("tree %s: stop routine hit its deadline; survivors %s", tree.tree_id, receipt.survivors)
+    return receipt
+
+
+def _describe(p: Proc) -> dict[str, Any]:
+    return {"pid": p.pid, "cmdline": _cmdline(p.pid), "state": p.state}
+
+
+async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> None:
+    def at() -> float:
+        return trio.current_time() - r.started_at
+
+    def record(sig: str, target: str, ident: object, result: str, what: str = "") -> None:
+        r.signals.append(SignalSent(sig, target, str(ident), round(at(), 4), result, what))
+
+    if _leader_alive(tree):
+        record("SIGTERM", "group", tree.pgid, _killpg(tree.pgid, signal.SIGTERM))
+        with trio.move_on_after(grace_s):
+            await _wait_leader(tree)
+        r.waited_s = round(at(), 4)
+        if _leader_alive(tree):
+            r.escalated = True
+            r.leader = "killed"
+            logger.warning(
+                "tree %s: runner pid %d (%s) ignored SIGTERM for %.1f s; sending SIGKILL to the tree",
+                tree.tree_id,
+                tree.pid,
+                _cmdline(tree.pid),
+                r.waited_s,
+            )
+        else:
+            r.leader = "exited"
+    else:
+        r.leader = "gone"
+
+    # Kill phase: every mechanism once, then re-sweep until nothing of the tree runs.
+    # Members are noted first, while they still show marker and cgroup, so that their
+    # zombies can be told from Trio's children afterwards.
+    seen_before = {p.pid: p.start_ticks for p in (await trio.to_thread.run_sync(_members, tree)).values()}
+    if tree.cgroup is not None:
+        record("cgroup.kill", "cgroup", tree.cgroup, _cgroup_kill(tree.cgroup))
+    for g in _live_groups(tree):
+        record("SIGKILL", "group", g, _killpg(g, signal.SIGKILL))
+    killed: dict[int, int] = {}  # pid -> start ticks, so a recycled pid is not re-killed
+    seen = dict(seen_before)
+    leftovers_logged = False
+    with trio.move_on_after(KILL_WAIT_S):
+        while True:
+            members = await trio.to_thread.run_sync(_members, tree)
+            seen.update((p.pid, p.start_ticks) for p in members.values())
+            alive = [p for p in members.values() if not p.dead]
+            if not alive:
+                r.tree_dead_at = trio.current_time()
+                r.tree_dead_after_s = round(at(), 4)
+                break
+            fresh = [p for p in alive if killed.get(p.pid) != p.start_ticks]
+            if fresh and r.leader == "exited" and not leftovers_logged:
+                leftovers_logged = True
+                logger.warning(
+                    "tree %s: %d processes outlived the runner, killing them: %s",
+                    tree.tree_id,
+                    len(fresh),
+                    ", ".join(f"pid {p.pid} ({_cmdline(p.pid)})" for p in fresh[:5]),
+                )
+            for p in fresh:
+                what = _cmdline(p.pid)
+                result = _kill_proc(p, signal.SIGKILL)
+                record("SIGKILL", "pid", p.pid, result, what)
+                killed[p.pid] = p.start_ticks
+                if result == "sent":
+                    r.killed.append({"pid": p.pid, "cmdline": what, "state": p.state})
+            await trio.sleep(POLL_S)
+    if r.tree_dead_at is None:
+        r.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+        logger.warning("tree %s: still alive %.1f s after SIGKILL: %s", tree.tree_id, KILL_WAIT_S, r.survivors)
+
+    # Reap: the runner through Trio, adopted zombies by pid (never Trio's children).
+    if isinstance(tree, Tree):
+        with trio.move_on_after(KILL_WAIT_S):
+            await tree.process.wait()
+    # Never the runner: Trio reaps its own child (and a re-adopted runner is not ours).
+    r.reaped = await trio.to_thread.run_sync(lambda: reap_adopted_zombies(seen=seen, exclude={tree.pid}))
+
+
+async def _wait_leader(tree: AnyTree) -> None:
+    """Return when the runner has exited; callers bound it with a deadline."""
+    if isinstance(tree, Tree):
+        await tree.process.wait()
+        return
+    try:
+        fd = os.pidfd_open(tree.pid)
+    except ProcessLookupError:
+        return
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0 and _leader_alive(tree):
+            await trio.lowlevel.wait_readable(fd)  # readable once the process has exited
+        while _leader_alive(tree):
+            await trio.sleep(POLL_S)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+async def _windows_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> None:
+    def at() -> float:
+        return round(trio.current_time() - r.started_at, 4)
+
+    async def run(cmd: list[str], name: str) -> None:
+        try:
+            done = await trio.run_process(cmd, check=False, capture_stdout=True, capture_stderr=True)
+            result = "sent" if done.returncode == 0 else f"exit {done.returncode}"
+        except OSError as exc:
+            result = f"error: {exc}"
+        r.signals.append(SignalSent(name, "tree", str(tree.pid), at(), result))
+
+    if not isinstance(tree, Tree):  # no handle on a re-adopted tree's exit: force it
+        await run(_windows.hard_kill_command(tree.pid), "taskkill /F")
+        return
+    if tree.process.returncode is None:
+        await run(_windows.soft_kill_command(tree.pid), "taskkill")
+        with trio.move_on_after(grace_s):
+            await tree.process.wait()
+        r.waited_s = at()
+    r.leader = "exited" if tree.process.returncode is not None else "killed"
+    r.escalated = tree.process.returncode is None
+    if r.escalated:
+        logger.warning("tree %s: pid %d ignored taskkill for %.1f s; forcing", tree.tree_id, tree.pid, r.waited_s)
+    await run(_windows.hard_kill_command(tree.pid), "taskkill /F")
+    with trio.move_on_after(WINDOWS_KILL_WAIT_S):
+        await tree.process.wait()
+    if tree.process.returncode is not None:
+        r.tree_dead_at = trio.current_time()
+        r.tree_dead_after_s = at()
+    else:
+        r.survivors = [{"pid": tree.pid, "cmdline": "", "state": "?"}]
+
+
+# ----------------------------------------------------------------------------- liveness
+
+
+def alive_members(tree: AnyTree) -> list[int]:
+    """Pids of the tree's members that still run (zombies are dead), sorted."""
+    if not _POSIX:
+        return [tree.pid] if isinstance(tree, Tree) and tree.process.returncode is None else []
+    return sorted(p.pid for p in _members(tree).values() if not p.dead)
+
+
+async def wait_tree_gone(tree: AnyTree, timeout: float) -> bool:
+    """Wait until no member of the tree runs; False if some still did after ``timeout``."""
+    with trio.move_on_after(timeout):
+        while await trio.to_thread.run_sync(alive_members, tree):
+            await trio.sleep(POLL_S)
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------- restart
+
+
+def find_tree(
+    tree_id: str,
+    *,
+    pid: int,
+    start_time: float | None,
+    cgroup: str | os.PathLike[str] | None,
+    groups: Sequence[int] = (),
+    containment: str | None = None,
+) -> Found:
+    """Find a tree recorded by an earlier daemon: is its runner the same process, who is left?
+
+    The runner counts as alive only if ``pid`` runs and its psutil create_time is
+    ``start_time`` (within ``START_TIME_TOLERANCE_S``). Members are found by cgroup, marker,
+    session/group (the runner's group only while it is provably the same) and ancestry.
+    Blocking (a /proc scan): call it through ``trio.to_thread.run_sync`` in async code.
+    """
+    leader = read_proc(pid)
+    alive = False
+    if leader is not None and not leader.dead and start_time is not None:
+        try:
+            alive = abs(psutil.Process(pid).create_time() - start_time) <= START_TIME_TOLERANCE_S
+        except psutil.Error:
+            alive = False
+    path = Path(cgroup) if cgroup else None
+    if path is not None and not path.is_dir():
+        path = None
+    label = containment or (CGROUP if path is not None else SUBREAPER_SWEEP)
+    tree = AdoptedTree(
+        tree_id=tree_id,
+        pid=pid,
+        pgid=pid,
+        start_time=start_time if start_time is not None else 0.0,
+        cgroup=path,
+        containment=label,
+        _leader_ticks=leader.start_ticks if alive and leader is not None else None,
+    )
+    # The runner's group: signalled only while its leader is provably the recorded runner
+    # or gone with the group leaderless (see _live_groups).
+    tree.groups[pid] = tree._leader_ticks
+    for g in groups:
+        tree.add_group(g)
+    members = sorted(p.pid for p in _members(tree, scan_processes()).values() if not p.dead)
+    return Found(tree=tree, leader_alive=alive, members=members)
+
+
+async def kill_orphaned_tree(
+    tree_id: str,
+    *,
+    pid: int,
+    start_time: float | None,
+    cgroup: str | os.PathLike[str] | None,
+    groups: Sequence[int] = (),
+    grace_s: float = 0.0,
+) -> StopReceipt:
+    """Sweep a lost tree (cgroup + marker + provable groups) and end all of it."""
+    found = await trio.to_thread.run_sync(
+        lambda: find_tree(tree_id, pid=pid, start_time=start_time, cgroup=cgroup, groups=groups)
+    )
+    return await terminate_and_kill(found.tree, grace_s=grace_s)
+
+
+# ----------------------------------------------------------------------------- pipes
+
+
+class _Exits(Protocol):
+    async def wait(self) -> object: ...
+
+
+
+async def drain_bounded(
+    stream: trio.abc.ReceiveStream,
+    sink: Callable[[bytes], Awaitable[object]],
+    *,
+    process: _Exits,
+    after_exit_s: float = DRAIN_AFTER_EXIT_S,
+) -> bool:
+    """Read ``stream`` into ``sink`` until EOF, or until ``after_exit_s`` after ``process`` exits.
+
+    A descendant that inherited the pipe can hold it open long after the runner is gone;
+    this bounds how long that can keep a run from ending. Closes the stream when cut.
+
+    Returns:
+        True if EOF was reached, False if reading was cut off after the bound.
+    """
+    eof = False
+    async with trio.open_nursery() as nursery:
+
+        async def read() -> None:
+            nonlocal eof
+            try:
+                while chunk := await stream.receive_some():
+                    await sink(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            eof = True
+            nursery.cancel_scope.cancel(reason="pipe reached eof")
+
+        async def cut() -> None:
+            await process.wait()
+            await trio.sleep(after_exit_s)
+            nursery.cancel_scope.cancel(reason=f"pipe still open {after_exit_s} s after the process exited")
+
+        nursery.start_soon(read)
+        nursery.start_soon(cut)
+    if not eof:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+    return eof
+

@@ -1,0 +1,466 @@
+"""Real-process tests of spawn, path A and path B (supervisor/process.py).
+
+Children live in tests/children/tree_*.py and report their pids on stdout; every wait is
+bounded by fail_after, and nothing sleeps to synchronise. Each tree is checked by pid and
+start time, so a recycled pid cannot pass for a survivor or a corpse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import trio
+
+from supervisor import process
+from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, read_cgroup, read_proc
+from supervisor.process import Tree
+from tests import conftest
+
+CHILDREN = Path(__file__).resolve().parents[1] / "children"
+GRACE_S = 0.5
+# Scheduling slack allowed on top of an exact bound, for real processes on a loaded host.
+SLACK_S = 0.5
+
+MakeContainment = Callable[[str], Containment]
+
+
+@pytest.fixture
+def make_containment() -> Iterator[MakeContainment]:
+    made: list[Containment] = []
+
+    def make(mode: str) -> Containment:
+        instance = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if mode == CGROUP:
+            c = Containment.setup(cgroups="auto", instance=instance)
+            made.append(c)
+            conftest.require(c.root is not None, "a writable cgroup2 mount")
+        elif mode == SUBREAPER_SWEEP:
+            c = Containment.setup(cgroups="off", instance=instance)
+            made.append(c)
+            conftest.require(c.subreaper, "prctl(PR_SET_CHILD_SUBREAPER)")
+        else:
+            c = Containment.setup(cgroups="off", subreaper=False, instance=instance)
+            made.append(c)
+        assert c.mode == mode
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+_spawned: list[Tree] = []
+
+
+@pytest.fixture(autouse=True)
+async def close_every_tree() -> AsyncIterator[None]:
+    """End each test's trees and close their pipes, so nothing outlives the test."""
+    yield
+    trees = list(_spawned)
+    _spawned.clear()
+    with trio.fail_after(10):
+        for tree in trees:
+            await process.terminate_and_kill(tree, grace_s=0)
+            await tree.process.aclose()
+
+
+def new_tree_id() -> str:
+    return "t-" + uuid.uuid4().hex[:12]
+
+
+async def spawn_argv(argv: list[str], containment: Containment | None, **kw: Any) -> Tree:
+    kw.setdefault("env", None)
+    kw.setdefault("cwd", None)
+    kw.setdefault("tree_id", new_tree_id())
+    tree = await process.spawn_tree(argv, containment=containment, **kw)
+    _spawned.append(tree)
+    return tree
+
+
+async def spawn(script: str, *args: str, containment: Containment | None) -> Tree:
+    return await spawn_argv([sys.executable, str(CHILDREN / script), *args], containment)
+
+
+async def read_line(tree: Tree) -> bytes:
+    assert tree.process.stdout is not None
+    buf = b""
+    with trio.fail_after(10):
+        while b"\n" not in buf:
+            chunk = await tree.process.stdout.receive_some()
+            assert chunk, f"stdout closed before a full line: {buf!r}"
+            buf += chunk
+    return buf.split(b"\n", 1)[0]
+
+
+def identities(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for kind, pid in pids.items():
+        p = read_proc(pid)
+        assert p is not None and not p.dead, f"{kind} {pid} not running before the stop"
+        out[kind] = (pid, p.start_ticks)
+    return out
+
+
+def running(ident: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The ones still running: same pid and start time, and not a zombie."""
+    alive = {}
+    for kind, (pid, ticks) in ident.items():
+        p = read_proc(pid)
+        if p is not None and p.start_ticks == ticks and not p.dead:
+            alive[kind] = pid
+    return alive
+
+
+# ----------------------------------------------------------------------------- path B
+
+
+async def test_a_child_ignoring_sigterm_is_sigkilled_at_the_grace(
+    make_containment: MakeContainment, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_ignore_term.py", containment=c)
+    assert await read_line(tree) == b"ready"
+    caplog.set_level(logging.WARNING, logger="supervisor.process")
+    with trio.fail_after(GRACE_S + 5):
+        receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert receipt.escalated
+    assert receipt.leader == "killed"
+    assert receipt.grace_s == GRACE_S
+    assert GRACE_S <= receipt.waited_s < GRACE_S + SLACK_S
+    first = receipt.signals[0]
+    assert (first.signal, first.target, first.id, first.result) == ("SIGTERM", "group", str(tree.pgid), "sent")
+    kills = [s for s in receipt.signals if s.signal == "SIGKILL"]
+    assert kills and all(s.at_s >= GRACE_S for s in kills)
+    assert receipt.tree_dead_after_s is not None and receipt.tree_dead_after_s < GRACE_S + SLACK_S
+    assert receipt.survivors == []
+    assert tree.process.returncode == -signal.SIGKILL
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"pid {tree.pid}" in m and "ignored SIGTERM for 0.5 s" in m for m in warnings), warnings
+    json.dumps(receipt.to_dict())  # the receipt goes into the journal as JSON
+
+
+async def test_a_runner_that_honours_sigterm_exits_in_the_grace_without_escalation(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn_argv([sys.executable, "-c", "import signal, sys; print('ready', flush=True); signal.pause()"], c)
+    assert await read_line(tree) == b"ready"
+    with trio.fail_after(5):
+        receipt = await process.terminate_and_kill(tree, grace_s=10)
+    assert not receipt.escalated
+    assert receipt.leader == "exited"
+    assert receipt.waited_s < 10
+    assert tree.process.returncode == -signal.SIGTERM
+    assert receipt.survivors == []
+
+
+@pytest.mark.parametrize("mode", [CGROUP, SUBREAPER_SWEEP, GROUP])
+async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
+    mode: str, make_containment: MakeContainment
+) -> None:
+    c = make_containment(mode)
+    tree = await spawn("tree_escapers.py", "--ignore-term", "--stop", containment=c)
+    pids = json.loads(await read_line(tree))
+    assert set(pids) == {"leader", "group", "setsid", "daemon", "stopped"}
+    ident = identities(pids)
+    assert read_proc(pids["stopped"]).state == "T"  # type: ignore[union-attr]
+    assert read_proc(pids["setsid"]).sid == pids["setsid"]  # type: ignore[union-attr]
+    assert read_proc(pids["daemon"]).sid not in (tree.pgid, pids["daemon"])  # type: ignore[union-attr]
+    assert tree.containment == mode
+    assert set(process.alive_members(tree)) == set(pids.values())
+
+    with trio.fail_after(GRACE_S + 6):
+        receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+
+    assert running(ident) == {}
+    assert receipt.survivors == []
+    assert receipt.escalated
+    assert process.alive_members(tree) == []
+    if mode == CGROUP:
+        assert any(s.signal == "cgroup.kill" and s.result == "sent" for s in receipt.signals)
+    if mode != GROUP:  # with the subreaper the escapers were ours: their zombies are reaped
+        for kind in ("setsid", "daemon", "stopped"):
+            assert read_proc(pids[kind]) is None or read_proc(pids[kind]).start_ticks != ident[kind][1]  # type: ignore[union-attr]
+
+
+async def test_only_a_cgroup_catches_an_escaper_that_scrubs_its_environment(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(CGROUP)
+    tree = await spawn("tree_escapers.py", "--ignore-term", "--scrubbed", containment=c)
+    pids = json.loads(await read_line(tree))
+    ident = identities(pids)
+    scrubbed = pids["scrubbed"]
+    try:
+        assert read_cgroup(scrubbed) == read_cgroup(tree.pid)
+        with trio.fail_after(GRACE_S + 6):
+            receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+        assert running(ident) == {}
+        assert receipt.survivors == []
+    finally:  # it carries no test mark: the suite-wide leak check cannot see it
+        if running({"s": ident["scrubbed"]}):
+            os.kill(scrubbed, signal.SIGKILL)
+
+
+async def test_leftovers_are_killed_at_once_when_the_runner_has_exited(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_escapers.py", "--ignore-term", "--exit-leader", containment=c)
+    pids = json.loads(await read_line(tree))
+    with trio.fail_after(5):
+        assert await tree.process.wait() == 0
+    ident = identities({k: v for k, v in pids.items() if k != "leader"})
+    start = trio.current_time()
+    with trio.fail_after(5):
+        receipt = await process.terminate_and_kill(tree, grace_s=30)
+    assert trio.current_time() - start < SLACK_S * 2  # no grace for orphans
+    assert receipt.leader == "gone"
+    assert not receipt.escalated
+    assert not any(s.signal == "SIGTERM" for s in receipt.signals)
+    assert {k["pid"] for k in receipt.killed} >= set(ident[k][0] for k in ("setsid", "daemon"))
+    assert running(ident) == {}
+
+
+async def test_path_b_runs_to_the_end_under_a_cancelled_scope(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_ignore_term.py", containment=c)
+    assert await read_line(tree) == b"ready"
+    with trio.CancelScope() as outer:
+        outer.cancel(reason="the run's scope unwinds")
+        with trio.fail_after(GRACE_S + 5):
+            receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert receipt.escalated and receipt.survivors == [] and not receipt.timed_out
+    assert tree.process.returncode == -signal.SIGKILL
+
+
+async def test_path_b_is_safe_to_repeat_on_a_dead_tree(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_ignore_term.py", containment=c)
+    assert await read_line(tree) == b"ready"
+    with trio.fail_after(GRACE_S + 5):
+        await process.terminate_and_kill(tree, grace_s=0)
+        again = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert again.leader == "gone"
+    assert again.killed == [] and again.survivors == []
+    assert again.tree_dead_after_s is not None
+
+
+# ----------------------------------------------------------------------------- path A
+
+
+async def test_soft_stop_is_idempotent_and_harmless_on_a_dead_tree(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn_argv([sys.executable, "-c", "import signal; print('ready', flush=True); signal.pause()"], c)
+    assert await read_line(tree) == b"ready"
+    first = process.soft_stop(tree)
+    second = process.soft_stop(tree)
+    assert first == [f"SIGTERM group {tree.pgid}: sent"]
+    assert len(second) == 1  # the group again (or nothing there): never an exception
+    with trio.fail_after(5):
+        assert await tree.process.wait() == -signal.SIGTERM
+    after = process.soft_stop(tree)
+    assert all(line.endswith(": gone") for line in after), after
+    with trio.fail_after(5):
+        receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert receipt.leader == "gone" and receipt.survivors == []
+
+
+async def test_soft_stop_reaches_known_groups_once_the_runner_is_gone(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    # The leader starts a helper in a session of its own (as the mcp SDK does for its
+    # servers), prints the helper's pid, and exits.
+    code = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+    )
+    tree = await spawn_argv([sys.executable, "-c", code], c)
+    helper = int(await read_line(tree))
+    tree.add_group(helper)
+    with trio.fail_after(5):
+        await tree.process.wait()
+    ident = identities({"helper": helper})
+    lines = process.soft_stop(tree)
+    assert f"SIGTERM group {helper}: sent" in lines
+    with trio.fail_after(5):
+        assert await process.wait_tree_gone(tree, 4)
+    assert running(ident) == {}
+    with trio.fail_after(5):
+        await process.terminate_and_kill(tree, grace_s=GRACE_S)
+
+
+# ----------------------------------------------------------------------------- spawn
+
+
+async def test_the_leader_is_in_its_cgroup_before_it_runs_a_single_instruction(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(CGROUP)
+    tree = await spawn_argv(["cat", "/proc/self/cgroup"], c)
+    assert tree.cgroup is not None and tree.containment == CGROUP
+    assert tree.cgroup.parent == c.root
+    out = b""
+    assert tree.process.stdout is not None
+    with trio.fail_after(5):
+        async for chunk in tree.process.stdout:
+            out += chunk
+        await tree.process.wait()
+    assert f"0::/{tree.cgroup.relative_to(c.root.parent)}".encode() in out  # type: ignore[union-attr]
+    assert c.remove(tree) and not tree.cgroup.exists()
+
+
+async def test_spawn_sets_marker_session_and_identity(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    code = "import os; print(os.environ['AGENTD_TREE'], os.getsid(0), os.getpgid(0), flush=True)"
+    tree = await spawn_argv([sys.executable, "-c", code], c, env={**os.environ, "EXTRA": "1"}, cwd="/", tree_id="t-marker")
+    assert await read_line(tree) == f"t-marker {tree.pid} {tree.pid}".encode()
+    assert tree.pgid == tree.pid and tree.containment == SUBREAPER_SWEEP and tree.cgroup is None
+    assert abs(tree.start_time - __import__("time").time()) < 60
+    with trio.fail_after(5):
+        await tree.process.wait()
+
+
+async def test_a_command_that_cannot_start_is_a_spawn_error(make_containment: MakeContainment) -> None:
+    from supervisor.errors import SpawnError
+
+    c = make_containment(SUBREAPER_SWEEP)
+    with pytest.raises(SpawnError, match="no/such/program"):
+        await process.spawn_tree(["/no/such/program"], env=None, cwd=None, tree_id=new_tree_id(), containment=c)
+    with pytest.raises(SpawnError):
+        await process.spawn_tree([], env=None, cwd=None, tree_id=new_tree_id(), containment=c)
+
+
+# ----------------------------------------------------------------------------- restart
+
+
+async def test_find_tree_proves_identity_and_kill_orphaned_tree_sweeps_it(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(CGROUP)
+    tree = await spawn("tree_escapers.py", "--ignore-term", containment=c)
+    pids = json.loads(await read_line(tree))
+    ident = identities(pids)
+    found = await trio.to_thread.run_sync(
+        lambda: process.find_tree(tree.tree_id, pid=tree.pid, start_time=tree.start_time, cgroup=tree.cgroup)
+    )
+    assert found.leader_alive
+    assert set(found.members) == set(pids.values())
+    impostor = process.find_tree(tree.tree_id, pid=tree.pid, start_time=tree.start_time - 3600, cgroup=None)
+    assert not impostor.leader_alive
+    assert process.soft_stop(impostor.tree) == []  # never signals a pid it cannot prove
+    with trio.fail_after(10):
+        receipt = await process.kill_orphaned_tree(
+            tree.tree_id, pid=tree.pid, start_time=tree.start_time, cgroup=tree.cgroup
+        )
+        await tree.process.wait()
+    assert running(ident) == {}
+    assert receipt.survivors == []
+
+
+async def test_kill_orphaned_tree_finds_members_by_marker_without_a_cgroup(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(GROUP)
+    tree = await spawn("tree_escapers.py", "--ignore-term", "--exit-leader", containment=c)
+    pids = json.loads(await read_line(tree))
+    with trio.fail_after(5):
+        await tree.process.wait()
+    ident = identities({k: v for k, v in pids.items() if k != "leader"})
+    found = process.find_tree(tree.tree_id, pid=tree.pid, start_time=tree.start_time, cgroup=None)
+    assert not found.leader_alive
+    assert set(found.members) == {pid for pid, _ in ident.values()}
+    with trio.fail_after(10):
+        receipt = await process.kill_orphaned_tree(tree.tree_id, pid=tree.pid, start_time=tree.start_time, cgroup=None)
+    assert running(ident) == {}
+    assert receipt.leader == "gone" and receipt.survivors == []
+
+
+# ----------------------------------------------------------------------------- pipes
+
+
+async def test_a_descendant_holding_stdout_cannot_hang_draining(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_holds_stdout.py", containment=c)
+    got = bytearray()
+
+    async def sink(chunk: bytes) -> None:
+        got.extend(chunk)
+
+    assert tree.process.stdout is not None
+    bound = 0.3
+    with trio.fail_after(5):
+        eof = await process.drain_bounded(tree.process.stdout, sink, process=tree.process, after_exit_s=bound)
+    assert not eof
+    assert b"leader done" in got
+    holder = int(got.split(b"holder ", 1)[1].split()[0])
+    ident = identities({"holder": holder})
+    with trio.fail_after(5):
+        receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert running(ident) == {}
+    assert receipt.leader == "gone"
+
+
+async def test_draining_reads_to_eof_when_nothing_holds_the_pipe(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn_argv([sys.executable, "-c", "import sys; sys.stdout.write('x' * 100000)"], c)
+    got = bytearray()
+
+    async def sink(chunk: bytes) -> None:
+        got.extend(chunk)
+
+    assert tree.process.stdout is not None
+    with trio.fail_after(5):
+        assert await process.drain_bounded(tree.process.stdout, sink, process=tree.process)
+    assert bytes(got) == b"x" * 100000
+
+
+class FakeStream(trio.abc.ReceiveStream):
+    """A pipe whose writer never closes, delivering scripted chunks."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.closed = False
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self.chunks:
+            await trio.sleep(1)
+            return self.chunks.pop(0)
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeProcess:
+    def __init__(self, exits_at: float) -> None:
+        self.exits_at = exits_at
+
+    async def wait(self) -> int:
+        await trio.sleep_until(self.exits_at)
+        return 0
+
+
+async def test_draining_is_cut_exactly_the_bound_after_exit(autojump_clock: Any) -> None:
+    start = trio.current_time()
+    stream = FakeStream([b"a", b"b", b"c"])
+    got: list[bytes] = []
+
+    async def sink(chunk: bytes) -> None:
+        got.append(chunk)
+
+    fake: Any = FakeProcess(exits_at=start + 1.5)
+    eof = await process.drain_bounded(stream, sink, process=fake, after_exit_s=2.0)
+    assert not eof and stream.closed
+    assert trio.current_time() - start == pytest.approx(3.5)
+    assert got == [b"a", b"b", b"c"]  # chunks at 1, 2 and 3 s still arrived inside the bound
