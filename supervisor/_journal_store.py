@@ -164,7 +164,8 @@ class Store:
         try:
             yield conn
         finally:
-            conn.execute("COMMIT")
+            if conn.in_transaction:
+                conn.execute("COMMIT")
 
     def _require_run(self, conn: sqlite3.Connection, run_id: str) -> None:
         if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:

@@ -123,6 +123,7 @@ class _Worker:
             error.__cause__ = exc
             job.error = error
         except Exception as exc:  # a bug: hand it to the caller rather than kill the thread
+            logger.exception("journal %s: a call failed unexpectedly", self.path)
             job.error = exc
 
 
