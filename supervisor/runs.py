@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +34,7 @@ from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import RunNotFound, SpawnError
 from supervisor.journal import Journal
+from supervisor.pool import WarmPool, new_tree, remove_dir
 from supervisor.progress import LineSplitter
 from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.token import CancelToken
@@ -93,6 +92,7 @@ class RunManager:
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
+        self._pool = WarmPool(config, containment) if config.pool_size > 0 else None
 
     # ------------------------------------------------------------------ service
 
@@ -102,6 +102,8 @@ class RunManager:
             self._nursery = nursery
             for run in await self.recover():
                 nursery.start_soon(self._adopted_lifecycle, run, name=f"run {run.run_id} (re-adopted)")
+            if self._pool is not None:
+                await nursery.start(self._pool.run)
             self._accepting = True
             task_status.started()
             await trio.sleep_forever()
@@ -291,38 +293,25 @@ class RunManager:
                 self._live.pop(run.run_id, None)
 
     async def _execute(self, run: _Run) -> None:
-        run_dir = self.config.run_root / run.run_id
-        await trio.to_thread.run_sync(_make_run_dir, run_dir)
-        run.run_dir = run_dir
         await self._transition(run, RunState.STARTING)
-        env = dict(os.environ)
-        env.update(
-            AGENTD_RUN_ID=run.run_id,
-            AGENTD_RUN_DIR=str(run_dir),
-            TMPDIR=str(run_dir / "tmp"),
-        )
-        tree_id = "t-" + uuid.uuid4().hex[:16]
-        try:
-            tree = await process.spawn_tree(
-                list(self.config.runner_argv),
-                env=env,
-                cwd=run_dir,
-                tree_id=tree_id,
-                containment=self.containment,
-            )
-        except (OSError, SpawnError) as exc:
-            logger.warning("run %s: could not start the runner: %s", run.run_id, exc)
-            await self._finish(
-                run,
-                RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
-                reason=run.token.reason or "spawn_failed",
-                result=None,
-                partial=False,
-                error={"code": "spawn_failed", "message": str(exc)},
-                receipt=None,
-            )
-            await trio.to_thread.run_sync(_remove_dir, run_dir)
-            return
+        warm = self._pool.take() if self._pool is not None else None
+        if warm is None:
+            try:
+                warm = await new_tree(self.config, self.containment, warm=False)
+            except (OSError, SpawnError) as exc:
+                logger.warning("run %s: could not start the runner: %s", run.run_id, exc)
+                await self._finish(
+                    run,
+                    RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+                    reason=run.token.reason or "spawn_failed",
+                    result=None,
+                    partial=False,
+                    error={"code": "spawn_failed", "message": str(exc)},
+                    receipt=None,
+                )
+                return
+        tree, run_dir = warm.tree, warm.run_dir
+        run.run_dir = run_dir
         run.tree = tree
         await self.journal.record_process(
             run.run_id,
@@ -359,7 +348,7 @@ class RunManager:
                 receipt["pipes_held_open"] = True
             io.cancel_scope.cancel()
         await self._conclude(run, tree.process.returncode, receipt)
-        await trio.to_thread.run_sync(_remove_dir, run_dir)
+        await trio.to_thread.run_sync(remove_dir, run_dir)
         self.containment.remove(tree)
 
     async def _timeout(self, run: _Run, timeout_s: float) -> None:
@@ -454,7 +443,7 @@ class RunManager:
             )
         finally:
             if run.run_dir is not None:
-                await trio.to_thread.run_sync(_remove_dir, run.run_dir)
+                await trio.to_thread.run_sync(remove_dir, run.run_dir)
 
     async def _tail_events_file(self, run: _Run, tree: process.AnyTree, *, follow: bool = True) -> None:
         """Read the events a runner appends to events.jsonl once its stderr is gone."""
@@ -683,7 +672,7 @@ async def _recover_runs(self: RunManager) -> list[_Run]:
         await self.journal.set_receipt(run_id, {"recovery": stop.to_dict(), "swept": found.members})
         await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
         if run.run_dir is not None:
-            await trio.to_thread.run_sync(_remove_dir, run.run_dir)
+            await trio.to_thread.run_sync(remove_dir, run.run_dir)
         logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
     return adopted
 
@@ -698,15 +687,6 @@ def _validate_spec(spec: dict[str, Any]) -> None:
         RunSpec.from_dict(spec)
     except SpecError as exc:
         raise SpawnError(f"invalid run spec: {exc}") from exc
-
-
-def _make_run_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=False, mode=0o700)
-    (path / "tmp").mkdir(mode=0o700)
-
-
-def _remove_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_result_file(path: Path) -> dict[str, Any] | BadLine:

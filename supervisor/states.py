@@ -31,7 +31,9 @@ LIVE_STATES: Final = frozenset(
 )
 
 ALLOWED: Final[dict[RunState, frozenset[RunState]]] = {
-    RunState.QUEUED: frozenset({RunState.STARTING, RunState.CANCELLED, RunState.LOST}),
+    RunState.QUEUED: frozenset(
+        {RunState.STARTING, RunState.CANCELLED, RunState.FAILED, RunState.LOST}
+    ),
     RunState.STARTING: frozenset(
         {RunState.RUNNING, RunState.CANCELLING, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
     ),

@@ -258,3 +258,29 @@ async def _wait_event(d: Daemon, run_id: str, kind: str, count: int = 1) -> None
                 if n >= count:
                     return
     raise AssertionError(f"run {run_id} ended before {count} {kind!r} events")
+
+
+async def test_a_warm_pool_hands_out_prespawned_runners_and_ends_them_at_shutdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, pool_size=2, environ={}
+    )
+    stop = trio.Event()
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+            m: RunManager = info["manager"]
+            pool = m._pool
+            assert pool is not None
+            while pool.ready < 2:
+                await trio.sleep(0.01)
+            warm_pids = {w.tree.pid for w in pool._ready}
+            r = await m.spawn(task(wait=False))
+            st = await m.wait_terminal(r["run_id"])
+            assert st["state"] == "completed"
+            assert st["pid"] in warm_pids
+            while pool.ready < 2:  # refilled
+                await trio.sleep(0.01)
+            stop.set()
+    assert not any((tmp_path / "state" / "runs").iterdir())

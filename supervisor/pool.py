@@ -1,0 +1,143 @@
+"""Warm runners: pre-spawned ``python -m subagent.runner --warm`` processes.
+
+A cold runner pays for Python, trio, and (for real models and MCP tools) over two seconds
+of ``openai``/``mcp`` imports before its first step. A warm runner has done that already
+and blocks reading its spec on stdin, so a spawn that takes one starts work at once.
+
+Each warm runner is a full tree from the start: its own session, its own cgroup, its
+marker, its run directory (named by the tree id). Taking one hands that tree to a run;
+the pool refills in the background. At shutdown, or if a warm runner dies while idle,
+its tree is ended and its directory removed. A daemon that dies leaves its warm runners
+reading an EOF, on which they exit.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from supervisor import process
+from supervisor.config import Config
+from supervisor.containment import Containment
+from supervisor.errors import SpawnError
+
+__all__ = ["WarmPool", "Warm", "new_tree", "runner_env"]
+
+logger = logging.getLogger(__name__)
+
+# After a failed warm spawn, wait this long before trying again.
+RESPAWN_BACKOFF_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    tree: process.Tree
+    run_dir: Path
+
+
+def runner_env(run_dir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.pop("AGENTD_RUN_ID", None)
+    env.update(AGENTD_RUN_DIR=str(run_dir), TMPDIR=str(run_dir / "tmp"))
+    return env
+
+
+async def new_tree(
+    config: Config,
+    containment: Containment,
+    *,
+    warm: bool,
+    extra_env: Mapping[str, str] | None = None,
+) -> Warm:
+    """Make a run directory and start a runner tree in it (cold, or waiting warm)."""
+    tree_id = "t-" + uuid.uuid4().hex[:16]
+    run_dir = config.run_root / tree_id
+    await trio.to_thread.run_sync(_make_run_dir, run_dir)
+    env = runner_env(run_dir)
+    if extra_env:
+        env.update(extra_env)
+    argv = list(config.runner_argv) + (["--warm"] if warm else [])
+    try:
+        tree = await process.spawn_tree(argv, env=env, cwd=run_dir, tree_id=tree_id, containment=containment)
+    except BaseException:
+        await trio.to_thread.run_sync(remove_dir, run_dir)
+        raise
+    return Warm(tree=tree, run_dir=run_dir)
+
+
+class WarmPool:
+    def __init__(self, config: Config, containment: Containment) -> None:
+        self.config = config
+        self.containment = containment
+        self.size = config.pool_size
+        self._ready: collections.deque[Warm] = collections.deque()
+        self._dead: list[Warm] = []
+        self._wake = trio.Event()
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def take(self) -> Warm | None:
+        """A warm runner still alive, or None (the caller starts a cold one)."""
+        while self._ready:
+            w = self._ready.popleft()
+            self._wake.set()
+            if w.tree.process.returncode is None:
+                return w
+            self._dead.append(w)
+        return None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                await self._bury()
+                if len(self._ready) < self.size:
+                    try:
+                        self._ready.append(await new_tree(self.config, self.containment, warm=True))
+                    except (OSError, SpawnError) as exc:
+                        logger.warning("warm pool: could not start a runner: %s", exc)
+                        await trio.sleep(RESPAWN_BACKOFF_S)
+                    continue
+                self._wake = trio.Event()
+                with trio.move_on_after(RESPAWN_BACKOFF_S * 5):  # also notice idle deaths
+                    await self._wake.wait()
+                for w in list(self._ready):
+                    if w.tree.process.returncode is not None:
+                        self._ready.remove(w)
+                        self._dead.append(w)
+        finally:
+            with trio.CancelScope(shield=True):
+                self._dead.extend(self._ready)
+                self._ready.clear()
+                await self._bury()
+
+    async def _bury(self) -> None:
+        while self._dead:
+            w = self._dead.pop()
+            if w.tree.process.stdin is not None:
+                with trio.CancelScope(shield=True):
+                    await w.tree.process.stdin.aclose()
+            await process.terminate_and_kill(w.tree, grace_s=0.0)
+            with trio.move_on_after(process.KILL_WAIT_S):
+                await w.tree.process.wait()
+            self.containment.remove(w.tree)
+            await trio.to_thread.run_sync(remove_dir, w.run_dir)
+
+
+def _make_run_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=False, mode=0o700)
+    (path / "tmp").mkdir(mode=0o700)
+
+
+def remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
