@@ -1,0 +1,138 @@
+"""The ``openai`` provider end to end: a real runner against the fake OpenAI SSE server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from subagent.events import EventKind, ExitCode
+from subagent.fake_openai import FakeOpenAI
+from tests.subagent.harness import runner_env, start_runner
+
+TWO_COMMANDS = {
+    "chunk_size": 5,
+    "turns": [
+        {"text": "first", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo one"}}]},
+        {"text": "second", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo two"}}], "usage": {"prompt_tokens": 7, "completion_tokens": 3}},
+    ],
+    "final": "answer: {{last_output}}",
+}
+
+
+def openai_spec(server: FakeOpenAI, **limits: Any) -> dict[str, Any]:
+    return {
+        "task": "do it",
+        "run_id": "run-openai",
+        "model": {"provider": "openai", "name": "fake-model", "base_url": server.base_url, "request_timeout_s": 30},
+        "limits": limits or {"max_steps": 10},
+    }
+
+
+@asynccontextmanager
+async def fake_server(script: dict[str, Any]) -> AsyncIterator[FakeOpenAI]:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI(script).serve)
+        yield server
+        nursery.cancel_scope.cancel()
+
+
+def env_with_key(tmp_path: Path) -> dict[str, str]:
+    return runner_env(tmp_path / "run", run_id="run-openai", OPENAI_API_KEY="sk-test")
+
+
+async def test_openai_provider_runs_the_same_conversation_with_streamed_tool_arguments(tmp_path: Path) -> None:
+    async with fake_server(TWO_COMMANDS) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    assert result["provider"] == "openai"
+    assert [t["state"] for t in result["tool_calls"]] == ["succeeded", "succeeded"]
+    assert result["tool_calls"][0]["arguments"] == '{"command":"echo one"}'
+    assert result["final_text"] == "answer: [exit code 0]\ntwo\n"
+    assert result["usage"] == {"prompt_tokens": 7, "completion_tokens": 3}
+    reqs = server.chat_requests
+    assert [q.turn_index for q in reqs] == [0, 1, 2]
+    assert all(q.body["stream"] is True and q.body["tools"][0]["function"]["name"] == "run_command" for q in reqs)
+    assert reqs[0].headers["authorization"] == "Bearer sk-test"
+    # The second request carried the first call's result, paired by id.
+    tool_msg = next(m for m in reqs[1].body["messages"] if m["role"] == "tool")
+    assert tool_msg["tool_call_id"] == "call_1_1" and "one" in tool_msg["content"]
+    assert not any(q.client_closed for q in reqs)
+
+
+async def _sigterm_mid_stream(tmp_path: Path, turn: dict[str, Any], ready: Callable[[FakeOpenAI], bool]) -> tuple[FakeOpenAI, Any, dict[str, Any], float]:
+    async with fake_server({"turns": [turn]}) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            with trio.fail_after(15):
+                await server.wait_for(ready)
+            t0 = trio.current_time()
+            r.signal()
+            rc, result = await r.finish()
+            elapsed = trio.current_time() - t0
+            with trio.fail_after(5):
+                await server.wait_for(lambda s: s.chat_requests[-1].client_closed)
+    assert rc == ExitCode.CANCELLED
+    return server, r, result, elapsed
+
+
+async def test_sigterm_while_the_model_streams_closes_the_connection_within_a_second(tmp_path: Path) -> None:
+    turn = {"text": "a long answer that never ends", "chunk_size": 4, "hang": True}
+    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: len(s.chat_requests) == 1)
+    assert elapsed < 1.0
+    assert result["status"] == "cancelled" and result["reason"] == "signal"
+    assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "model"
+    assert len(server.chat_requests) == 1
+
+
+async def test_sigterm_inside_streamed_tool_arguments_never_runs_the_call(tmp_path: Path) -> None:
+    turn = {"tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "hang_after": 15}], "chunk_size": 3}
+    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: len(s.chat_requests) == 1)
+    assert elapsed < 1.0
+    (rec,) = result["tool_calls"]
+    assert rec["state"] == "not_started" and rec["reason"].startswith("arguments_incomplete")
+    assert not (r.run_dir / "ran").exists()
+
+
+async def test_a_stream_cut_inside_tool_arguments_never_runs_and_the_model_is_asked_again(tmp_path: Path) -> None:
+    script = {
+        "turns": [{"text": "trying", "tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "cut_after": 14}], "chunk_size": 4}],
+        "final": "after the cut: {{last_output}}",
+    }
+    async with fake_server(script) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    (rec,) = result["tool_calls"]
+    assert rec["state"] == "not_started"
+    assert rec["reason"] == "arguments_incomplete: the stream was cut inside this call's arguments"
+    assert rec["arguments"] == '{"command":"to'
+    assert not (r.run_dir / "ran").exists()
+    assert server.chat_requests[0].cut and len(server.chat_requests) == 2
+    assert "not executed" in result["final_text"]
+
+
+async def test_a_model_server_error_is_a_model_error(tmp_path: Path) -> None:
+    async with fake_server({"turns": [{"text": "x", "error": "overloaded"}]}) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish()
+    assert rc == ExitCode.MODEL_ERROR
+    assert "overloaded" in result["error"]["message"]
+
+
+async def test_no_reachable_model_server_is_a_model_error(tmp_path: Path) -> None:
+    spec = {"task": "t", "model": {"provider": "openai", "base_url": "http://127.0.0.1:9/v1", "request_timeout_s": 5}}
+    async with start_runner(spec, tmp_path, env=env_with_key(tmp_path)) as r:
+        rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.MODEL_ERROR
+    assert result["error"]["code"] == "model_connection"
+
+
+async def test_openai_without_key_or_base_url_fails_clearly(tmp_path: Path) -> None:
+    async with start_runner({"task": "t", "model": {"provider": "openai"}}, tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.MODEL_ERROR
+    assert "OPENAI_API_KEY" in result["error"]["message"]
