@@ -10,6 +10,7 @@ turns those into error replies.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ import trio
 from supervisor import _sdnotify, _statefiles, control
 from supervisor.config import Config
 from supervisor.containment import Containment
+from supervisor.errors import DaemonAlreadyRunning
 from supervisor.journal import Journal
 from supervisor.runs import RunManager
 
@@ -28,6 +30,7 @@ __all__ = ["serve"]
 
 logger = logging.getLogger(__name__)
 
+LOCK_FILE = "daemon.lock"
 # How often the STATUS= line for systemd is refreshed.
 STATUS_INTERVAL_S = 5.0
 
@@ -41,6 +44,33 @@ async def serve(
     """Run the daemon until SIGTERM/SIGINT, or until ``stop`` is set when given."""
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     config.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = _lock_state_dir(config)
+    try:
+        await _serve_locked(config, stop, task_status)
+    finally:
+        os.close(lock)
+
+
+def _lock_state_dir(config: Config) -> int:
+    """One daemon per state dir: a second one would share the journal and the runs."""
+    path = config.state_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+        raise DaemonAlreadyRunning(str(config.state_dir), other) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+async def _serve_locked(
+    config: Config, stop: trio.Event | None, task_status: trio.TaskStatus[dict[str, Any]]
+) -> None:
     notifier = _sdnotify.Notifier.from_env()
     journal = await Journal.open(config.journal_path)
     containment = await trio.to_thread.run_sync(Containment.setup, config)

@@ -6,7 +6,8 @@
      ├─ RunNotFound            no run with that id (run_id)
      ├─ JournalError           the durable store failed (path)
      ├─ ControlProtocolError   a malformed control message (code)
-     └─ DaemonNotRunning       the CLI found no daemon (state_dir)
+     ├─ DaemonNotRunning       the CLI found no daemon (state_dir)
+     └─ DaemonAlreadyRunning   another daemon holds the state dir (state_dir, pid)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "JournalError",
     "ControlProtocolError",
     "DaemonNotRunning",
+    "DaemonAlreadyRunning",
 ]
 
 
@@ -65,3 +67,11 @@ class DaemonNotRunning(AgentdError):
             msg += f" ({detail})"
         super().__init__(msg)
         self.state_dir = state_dir
+
+
+class DaemonAlreadyRunning(AgentdError):
+    def __init__(self, state_dir: str, pid: str = "") -> None:
+        who = f" (pid {pid})" if pid else ""
+        super().__init__(f"another agentd daemon{who} is already using state dir {state_dir!r}")
+        self.state_dir = state_dir
+        self.pid = pid

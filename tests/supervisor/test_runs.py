@@ -284,3 +284,10 @@ async def test_a_warm_pool_hands_out_prespawned_runners_and_ends_them_at_shutdow
                 await trio.sleep(0.01)
             stop.set()
     assert not any((tmp_path / "state" / "runs").iterdir())
+
+
+async def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: Daemon) -> None:
+    from supervisor.errors import DaemonAlreadyRunning
+
+    with pytest.raises(DaemonAlreadyRunning, match="already using state dir"):
+        await serve(daemon.config, stop=trio.Event())
