@@ -1,0 +1,516 @@
+"""The control socket: a trio-websocket server that serves ``protocol`` messages.
+
+Access: every handshake presents the daemon's token (``Authorization: Bearer`` or
+``?token=``), compared in constant time; a browser ``Origin`` not on
+``Config.allowed_origins`` is refused with 403, a missing or wrong token with 401.
+A malformed, oversized or unknown message gets an error reply and a handler's bug an
+``internal`` one: nothing a client sends ends the connection or the daemon (only a frame
+above the hard cap, which trio-websocket closes with 1009). A connection that goes away
+ends its subscriptions and nothing else: runs are stopped only by an explicit ``cancel``,
+and a spawn or cancel already in flight completes.
+
+Subscribe = replay from the journal after ``after_seq``, then live, with no gap and no
+duplicate: the live channel is opened first and drained into a local buffer, the journal
+is replayed, then live events are forwarded if newer than the last one sent; a jump in
+``seq`` (a dropped event) is filled from the journal, which holds every event before it
+is delivered live.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
+
+from supervisor import protocol
+from supervisor._statefiles import (
+    endpoint_url,
+    new_token,
+    read_endpoint,
+    read_token,
+    remove_endpoint,
+    write_endpoint,
+    write_token,
+)
+from supervisor.config import Config
+from supervisor.errors import ControlProtocolError
+from supervisor.protocol import BadRequest, ErrorCode, Op
+from supervisor.states import LIVE_STATES, TERMINAL_STATES
+
+__all__ = [
+    "serve_control",
+    "check_access",
+    "hard_message_cap",
+    "new_token",
+    "write_token",
+    "read_token",
+    "endpoint_url",
+    "write_endpoint",
+    "read_endpoint",
+    "remove_endpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+# Bounds a client's opening handshake (connect to a complete HTTP upgrade request).
+CONNECT_TIMEOUT_S: Final = 5.0
+# Bounds the closing handshake when either side closes.
+DISCONNECT_TIMEOUT_S: Final = 2.0
+# A client that has not taken one message off the socket for this long is disconnected,
+# so a stalled reader cannot hold buffers (its runs go on; it may reconnect and replay).
+SEND_TIMEOUT_S: Final = 30.0
+# Frames up to this many times Config.max_message_bytes (at least 64 MiB) are read whole,
+# so an oversized message gets a ``too_large`` reply; above it trio-websocket closes 1009.
+HARD_CAP_FACTOR: Final = 16
+HARD_CAP_MIN_BYTES: Final = 64 * 1024 * 1024
+# Requests served at once on one connection; the reader waits when all are busy.
+MAX_IN_FLIGHT: Final = 32
+MAX_SUBSCRIPTIONS: Final = 256
+# Live events buffered per subscription while it replays or the client is slow; beyond
+# this they are dropped here and re-read from the journal (never lost, never duplicated).
+LIVE_BUFFER: Final = 4096
+# Journal page size when replaying or filling a gap.
+REPLAY_PAGE: Final = 500
+# A live channel that closes with the run still live is reopened this many times in a
+# row without a new event before the subscription ends with the run's current state.
+MAX_EMPTY_REOPENS: Final = 3
+RECEIVE_BYTES: Final = 64 * 1024
+
+
+def hard_message_cap(config: Config) -> int:
+    return max(HARD_CAP_MIN_BYTES, config.max_message_bytes * HARD_CAP_FACTOR)
+
+
+def check_access(
+    headers: list[tuple[bytes, bytes]],
+    target: str,
+    *,
+    token: str | None,
+    allowed_origins: tuple[str, ...],
+) -> tuple[int, str] | None:
+    """Decide a handshake. Returns None to accept, or ``(http_status, reason)`` to refuse."""
+    origin: str | None = None
+    auth: str | None = None
+    for name, value in headers:
+        key = name.decode("latin-1").lower()
+        if key == "origin":
+            origin = value.decode("latin-1").strip()
+        elif key == "authorization":
+            auth = value.decode("latin-1").strip()
+    if origin is not None:
+        allowed = {o.rstrip("/").lower() for o in allowed_origins}
+        if origin.rstrip("/").lower() not in allowed:
+            return 403, f"origin {origin!r} is not allowed"
+    presented: str | None = None
+    if auth is not None:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            presented = value.strip()
+    if presented is None:
+        values = parse_qs(urlsplit(target).query).get("token")
+        if values:
+            presented = values[0]
+    if token is None:
+        return 401, "the daemon has no token yet"
+    if presented is None:
+        return 401, "missing token"
+    if not hmac.compare_digest(presented.encode(), token.encode()):
+        return 401, "wrong token"
+    return None
+
+
+class _TokenSource:
+    """The token: fixed, or re-read from the token file whenever the file changes."""
+
+    def __init__(self, path: os.PathLike[str] | str, fixed: str | None) -> None:
+        self._path = path
+        self._fixed = fixed
+        self._key: tuple[int, int, int] | None = None
+        self._token: str | None = None
+
+    def get(self) -> str | None:
+        if self._fixed is not None:
+            return self._fixed
+        # A stat per handshake: a local file, microseconds; not worth a thread hop.
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._key:
+            try:
+                self._token = read_token(self._path)
+            except (OSError, ValueError):
+                return None
+            self._key = key
+        return self._token
+
+
+def _peer_name(request: WebSocketRequest) -> str:
+    try:
+        remote = request.remote
+    except OSError:
+        return "?"
+    return str(remote) if isinstance(remote, str) else f"{remote.address}:{remote.port}"
+
+
+class _Gone(Exception):
+    """The client went away (or stalled and was dropped) while we were sending."""
+
+
+class _Server:
+    def __init__(self, config: Config, backend: protocol.Backend, tokens: _TokenSource) -> None:
+        self.config = config
+        self.backend = backend
+        self.tokens = tokens
+        self.started_at = time.time()
+        self.port = 0
+        self.connections = 0
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        # A task root: whatever happens with one client, the server goes on. (Even a
+        # property like `remote` raises OSError once the socket is closed.)
+        peer = _peer_name(request)
+        try:
+            refusal = check_access(
+                request.headers,
+                request.path,
+                token=self.tokens.get(),
+                allowed_origins=self.config.allowed_origins,
+            )
+            if refusal is not None:
+                status, reason = refusal
+                logger.warning("control: refused %s: %s", peer, reason)
+                headers = [(b"WWW-Authenticate", b"Bearer")] if status == 401 else []
+                await request.reject(status, extra_headers=headers, body=(reason + "\n").encode())
+                return
+            ws = await request.accept()
+        except ConnectionClosed:
+            return
+        except Exception:
+            logger.exception("control: handshake with %s failed", peer)
+            return
+        self.connections += 1
+        logger.info("control: connection from %s", peer)
+        try:
+            await _Connection(self, ws, peer).run()
+        except Exception:
+            logger.exception("control: connection from %s failed", peer)
+        finally:
+            self.connections -= 1
+            logger.info("control: %s disconnected", peer)
+
+    def daemon_info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "protocol": protocol.PROTOCOL_VERSION,
+            "version": _version(),
+            "started_at": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "url": endpoint_url(self.config.host, self.port),
+            "state_dir": str(self.config.state_dir),
+            "connections": self.connections,
+        }
+
+
+_VERSION: str | None = None
+
+
+def _version() -> str:
+    global _VERSION
+    if _VERSION is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            _VERSION = version("agentd")
+        except PackageNotFoundError:
+            _VERSION = "unknown"
+    return _VERSION
+
+
+class _Connection:
+    def __init__(self, server: _Server, ws: WebSocketConnection, peer: str) -> None:
+        self.server = server
+        self.peer = peer
+        self.backend = server.backend
+        self.ws = ws
+        self.max_bytes = server.config.max_message_bytes
+        self.subs: dict[str, trio.CancelScope] = {}
+        self.next_sub = 0
+        self.in_flight = trio.Semaphore(MAX_IN_FLIGHT)
+
+    async def run(self) -> None:
+        # Requests run in `requests`, which is NOT cancelled when the client goes: a spawn
+        # or cancel in flight completes (its reply just has nowhere to go). Subscriptions
+        # run in `subs_nursery`, cancelled on disconnect: they only read.
+        async with trio.open_nursery() as requests:
+            async with trio.open_nursery() as subs_nursery:
+                try:
+                    await self._read_loop(requests, subs_nursery)
+                finally:
+                    subs_nursery.cancel_scope.cancel(reason="control connection closed")
+
+    async def _read_loop(self, requests: trio.Nursery, subs_nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                message = await self.ws.get_message()
+            except ConnectionClosed:
+                return
+            req = protocol.decode_request(message, max_bytes=self.max_bytes)
+            del message
+            try:
+                if isinstance(req, BadRequest):
+                    logger.info("control: %s from %s: %s", req.code, self.peer, req.message)
+                    await self._send(protocol.encode_error(req.id, req.code, req.message))
+                elif isinstance(req, protocol.SubscribeRequest):
+                    await self._start_subscription(req, subs_nursery)
+                elif isinstance(req, protocol.UnsubscribeRequest):
+                    scope = self.subs.pop(req.sub, None)
+                    if scope is not None:
+                        scope.cancel(reason="unsubscribed")
+                    await self._send(
+                        protocol.encode_reply(req.id, {"sub": req.sub, "was_active": scope is not None})
+                    )
+                else:
+                    await self.in_flight.acquire()
+                    requests.start_soon(self._serve, req)
+            except _Gone:
+                return
+
+    async def _send(self, text: str) -> None:
+        with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+            try:
+                await self.ws.send_message(text)
+            except ConnectionClosed:
+                raise _Gone() from None
+        if scope.cancelled_caught:
+            logger.warning(
+                "control: %s read nothing for %.0f s; disconnecting it", self.peer, SEND_TIMEOUT_S
+            )
+            # A frame may be half written: the stream is unusable, close it (bounded).
+            with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                await self.ws.aclose(1008, "client too slow")
+            raise _Gone()
+
+    async def _serve(self, req: protocol.Request) -> None:
+        try:
+            try:
+                result = await self._dispatch(req)
+            except Exception as exc:
+                code, message = protocol.error_code_for(exc)
+                if code is ErrorCode.INTERNAL:
+                    logger.exception("control: %s request %r failed", req.op, req.id)
+                reply = protocol.encode_error(req.id, code, message)
+            else:
+                try:
+                    reply = protocol.encode_reply(req.id, result)
+                except (TypeError, ValueError):
+                    logger.exception("control: %s result is not json", req.op)
+                    reply = protocol.encode_error(
+                        req.id, ErrorCode.INTERNAL, "internal error in the daemon (see its log)"
+                    )
+            await self._send(reply)
+        except _Gone:
+            pass
+        finally:
+            self.in_flight.release()
+
+    async def _dispatch(self, req: protocol.Request) -> Any:
+        b = self.backend
+        if isinstance(req, protocol.SpawnRequest):
+            return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s)
+        if isinstance(req, protocol.CancelRequest):
+            if req.run_id is not None:
+                return await b.cancel(req.run_id, reason=req.reason)
+            cancel_session = getattr(b, "cancel_session", None)
+            if cancel_session is None:
+                raise _unsupported("cancel by session")
+            return await cancel_session(req.session_id, reason=req.reason)
+        if isinstance(req, protocol.StatusRequest):
+            if req.run_id is not None:
+                return await b.status(req.run_id)
+            return await self._daemon_status()
+        if isinstance(req, protocol.ListRequest):
+            runs = await b.list_runs(limit=req.limit, state=req.state, session_id=req.session_id)
+            return {"runs": runs}
+        if isinstance(req, protocol.EventsRequest):
+            events = await b.events_after(req.run_id, req.after_seq, req.limit)
+            return {"run_id": req.run_id, "events": events}
+        if isinstance(req, protocol.PingRequest):
+            return {"pong": True, **self.server.daemon_info()}
+        raise AssertionError(f"unhandled op {req.op!r}")
+
+    async def _daemon_status(self) -> dict[str, Any]:
+        live: list[dict[str, Any]] = []
+        for state in sorted(LIVE_STATES):
+            live.extend(await self.backend.list_runs(limit=protocol.DEFAULT_LIST_LIMIT, state=str(state), session_id=None))
+        out: dict[str, Any] = {"daemon": self.server.daemon_info(), "live_runs": live}
+        summary = getattr(self.backend, "summary", None)
+        if summary is not None:
+            out["summary"] = await summary()
+        return out
+
+    # ------------------------------------------------------------------ subscriptions
+
+    async def _start_subscription(self, req: protocol.SubscribeRequest, nursery: trio.Nursery) -> None:
+        if len(self.subs) >= MAX_SUBSCRIPTIONS:
+            await self._send(
+                protocol.encode_error(
+                    req.id, ErrorCode.REFUSED, f"expected at most {MAX_SUBSCRIPTIONS} subscriptions per connection"
+                )
+            )
+            return
+        self.next_sub += 1
+        sub = str(self.next_sub)
+        # Registered before the task starts, so an unsubscribe right behind it finds it.
+        scope = trio.CancelScope()
+        self.subs[sub] = scope
+        nursery.start_soon(self._subscription, req, sub, scope, name=f"subscription {sub} {req.run_id}")
+
+    async def _subscription(self, req: protocol.SubscribeRequest, sub: str, scope: trio.CancelScope) -> None:
+        acked = False
+        run_id = req.run_id
+        try:
+            with scope:
+                last = req.after_seq
+                empty_reopens = 0
+                while True:
+                    before = last
+                    async with self.backend.subscribe(run_id) as live:
+                        if not acked:
+                            await self._send(
+                                protocol.encode_reply(req.id, {"sub": sub, "run_id": run_id, "after_seq": last})
+                            )
+                            acked = True
+                        last = await self._follow(sub, run_id, last, live)
+                    # The live channel ended: the run is terminal (or we were dropped).
+                    last = await self._catch_up(sub, run_id, last)
+                    state = str((await self.backend.status(run_id)).get("state"))
+                    empty_reopens = 0 if last > before else empty_reopens + 1
+                    if state in TERMINAL_STATES or empty_reopens > MAX_EMPTY_REOPENS:
+                        await self._send(protocol.encode_end(sub, run_id, state, last))
+                        return
+                    logger.info("control: run %s: live events ended while %s; resubscribing", run_id, state)
+        except _Gone:
+            return
+        except Exception as exc:
+            code, message = protocol.error_code_for(exc)
+            if code is ErrorCode.INTERNAL:
+                logger.exception("control: subscription %s to run %s failed", sub, run_id)
+            try:
+                if not acked:
+                    await self._send(protocol.encode_error(req.id, code, message))
+                else:
+                    await self._send(
+                        _end_with_error(sub, run_id, code, message)
+                    )
+            except _Gone:
+                pass
+        finally:
+            if self.subs.get(sub) is scope:
+                del self.subs[sub]
+
+    async def _follow(
+        self, sub: str, run_id: str, last: int, live: trio.MemoryReceiveChannel[dict[str, Any]]
+    ) -> int:
+        async with trio.open_nursery() as nursery:
+            buffer_send, buffer_recv = trio.open_memory_channel[dict[str, Any]](LIVE_BUFFER)
+            nursery.start_soon(_drain, live, buffer_send, run_id)
+            last = await self._catch_up(sub, run_id, last)
+            async with buffer_recv:
+                async for event in buffer_recv:
+                    seq = event["seq"]
+                    if seq <= last:
+                        continue
+                    if seq > last + 1:
+                        last = await self._catch_up(sub, run_id, last)
+                        if seq <= last:
+                            continue
+                        logger.warning(
+                            "control: run %s: events %d..%d are not in the journal yet", run_id, last + 1, seq - 1
+                        )
+                    await self._send(protocol.encode_event(sub, run_id, event))
+                    last = seq
+        return last
+
+    async def _catch_up(self, sub: str, run_id: str, last: int) -> int:
+        while True:
+            page = await self.backend.events_after(run_id, last, REPLAY_PAGE)
+            for event in page:
+                if event["seq"] > last:
+                    await self._send(protocol.encode_event(sub, run_id, event))
+                    last = event["seq"]
+            if len(page) < REPLAY_PAGE:
+                return last
+
+
+async def _drain(
+    live: trio.MemoryReceiveChannel[dict[str, Any]],
+    buffer: trio.MemorySendChannel[dict[str, Any]],
+    run_id: str,
+) -> None:
+    # Never blocks on the client: the backend's channel is always read promptly.
+    dropped = 0
+    async with buffer:
+        async for event in live:
+            try:
+                buffer.send_nowait(event)
+            except trio.WouldBlock:
+                dropped += 1
+    if dropped:
+        logger.info("control: run %s: %d live events dropped for a slow client (re-read from the journal)", run_id, dropped)
+
+
+def _end_with_error(sub: str, run_id: str, code: str, message: str) -> str:
+    return protocol._dumps(
+        {"op": "end", "sub": sub, "run_id": run_id, "state": None, "error": {"code": str(code), "message": message}}
+    )
+
+
+def _unsupported(what: str) -> Exception:
+    return ControlProtocolError(ErrorCode.UNSUPPORTED, f"this daemon does not support {what}")
+
+
+async def serve_control(
+    config: Config,
+    backend: protocol.Backend,
+    *,
+    token: str | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the control socket on ``config.host:config.port`` until cancelled.
+
+    Args:
+        config: host, port (0: ephemeral), allowed origins, message size limit, token path.
+        backend: the run manager.
+        token: the token clients must present; None: the one in ``config.token_path``,
+            re-read when the file changes (a connection before it exists is refused).
+        task_status: started with the bound port once connections are accepted.
+    """
+    listeners = await trio.open_tcp_listeners(config.port, host=config.host or None)
+    if len(listeners) > 1:
+        # "localhost" may resolve to two addresses; with port 0 they would get different
+        # ports and only one can be published. Serve the first.
+        for extra in listeners[1:]:
+            await extra.aclose()
+        listeners = listeners[:1]
+    server = _Server(config, backend, _TokenSource(config.token_path, token))
+    server.port = listeners[0].socket.getsockname()[1]
+    ws_server = WebSocketServer(
+        server.handle,
+        listeners,
+        max_message_size=hard_message_cap(config),
+        receive_buffer_size=RECEIVE_BYTES,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        disconnect_timeout=DISCONNECT_TIMEOUT_S,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ws_server.run)
+        logger.info("control: listening on %s", endpoint_url(config.host, server.port))
+        task_status.started(server.port)
