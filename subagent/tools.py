@@ -160,6 +160,9 @@ class ToolBox:
         except Exception as exc:  # the transport broke: the server may or may not have acted
             logger.warning("mcp call %s.%s broke: %s", server_name, tool, exc)
             return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"{type(exc).__name__}: {exc}", reason="connection_lost: the server's connection ended during the call")
+        # The SDK hands a bad stdout line to the session's handler in a task of its own,
+        # queued before the answer that followed it: one checkpoint lets it be recorded.
+        await trio.lowlevel.checkpoint()
         if interrupt.cancelled_caught:
             return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: a second stop abandoned the call; the server may have acted")
         if timer.cancelled_caught or result is None:

@@ -42,6 +42,10 @@ def main() -> None:
 
     from mcp.server.mcpserver import MCPServer
 
+    # mcp 2 points fd 1 at stderr while it serves (protecting the wire from prints), so
+    # keep our own handle on the wire to break the protocol on purpose.
+    wire = os.dup(1)
+
     server = MCPServer("tree")
 
     @server.tool()
@@ -57,7 +61,7 @@ def main() -> None:
     @server.tool()
     def garble() -> str:
         """Write a non-JSON line on stdout, then answer."""
-        os.write(1, b"this is not json-rpc\n")
+        os.write(wire, b"this is not json-rpc\n")
         return "garbled"
 
     @server.tool()

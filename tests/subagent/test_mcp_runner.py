@@ -1,0 +1,140 @@
+"""MCP servers under the runner: process trees end with the run, setup and protocol errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+
+from subagent.events import EventKind, ExitCode
+from tests.subagent.harness import CHILDREN, spec, start_runner
+
+TREE_SERVER = str(CHILDREN / "mcp_tree_server.py")
+
+
+def tree_spec(script: dict[str, Any], *server_args: str, **more: Any) -> dict[str, Any]:
+    servers = {"tree": {"command": sys.executable, "args": [TREE_SERVER, *server_args]}}
+    return spec(script=script, mcpServers=servers, **more)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def tree_pids(result: dict[str, Any]) -> list[int]:
+    rec = next(t for t in result["tool_calls"] if t["name"] == "tree")
+    return list(json.loads(rec["output"]).values())
+
+
+async def test_completed_run_leaves_no_process_of_the_server_tree(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "tree", "arguments": {}}]}], "final": "pids {{last_output}}"}
+    async with start_runner(tree_spec(script, "--stderr-noise"), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    pids = tree_pids(result)
+    assert len(pids) == 3 and not any(alive(p) for p in pids)
+    groups = r.of(EventKind.PROCESS_GROUP)
+    assert [(g.data["kind"], g.data["alive"]) for g in groups] == [("mcp_server", True), ("mcp_server", False)]
+    assert groups[0].data["pgid"] == pids[0]  # the server leads its own group
+    # The server's stderr went to a file in the run dir, not to our stderr.
+    assert "this goes to stderr" in (r.run_dir / "mcp-tree.stderr.log").read_text()
+    assert result["imported"]["mcp"] is True and result["imported"]["openai"] is False
+
+
+async def test_sigterm_during_an_mcp_call_lets_it_finish_and_ends_the_tree(tmp_path: Path) -> None:
+    script = {"turns": [
+        {"tool_calls": [{"name": "tree", "arguments": {}}]},
+        {"tool_calls": [{"name": "slow", "arguments": {"seconds": 1.0}}]},
+        {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
+    ]}
+    async with start_runner(tree_spec(script), tmp_path) as r:
+        with trio.fail_after(20):
+            await r.wait_event(EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == "slow" and e.data["record"]["state"] == "running")
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    states = {t["name"]: t["state"] for t in result["tool_calls"]}
+    assert states == {"tree": "succeeded", "slow": "succeeded"}
+    assert not any(alive(p) for p in tree_pids(result))
+    assert r.of(EventKind.PROCESS_GROUP)[-1].data["alive"] is False
+
+
+async def test_sigterm_while_the_model_streams_ends_the_server_tree(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "tree", "arguments": {}}]}, {"text": "hm", "hang": True}]}
+    async with start_runner(tree_spec(script), tmp_path) as r:
+        with trio.fail_after(20):
+            await r.wait_event(EventKind.STEP_STARTED, lambda e: e.data["step"] == 2)
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    assert not any(alive(p) for p in tree_pids(result))
+
+
+async def test_an_escaped_grandchild_is_found_by_its_marker(tmp_path: Path) -> None:
+    script = {"turns": [{"tool_calls": [{"name": "tree", "arguments": {}}]}]}
+    async with start_runner(tree_spec(script, "--escape"), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    assert not any(alive(p) for p in tree_pids(result))
+
+
+async def test_a_server_that_cannot_start_is_tool_setup(tmp_path: Path) -> None:
+    servers = {"broken": {"command": "/nonexistent/mcp-server", "args": []}}
+    async with start_runner(spec(script={"final": "x"}, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.TOOL_SETUP
+    assert result["status"] == "failed" and result["reason"] == "tool_setup"
+    assert "mcp server 'broken'" in result["error"]["message"] and "/nonexistent/mcp-server" in result["error"]["message"]
+    errors = [e for e in r.of(EventKind.LOG) if e.data["level"] == "error"]
+    assert errors and errors[-1].data["message"].startswith("error: ")
+
+
+async def test_a_server_that_dies_at_startup_is_tool_setup_with_its_stderr(tmp_path: Path) -> None:
+    code = "import sys; print('missing config file', file=sys.stderr); sys.exit(3)"
+    servers = {"dies": {"command": sys.executable, "args": ["-c", code]}}
+    async with start_runner(spec(script={"final": "x"}, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.TOOL_SETUP
+    assert "missing config file" in result["error"]["message"]
+    assert r.of(EventKind.PROCESS_GROUP)[-1].data["alive"] is False
+
+
+async def test_a_non_json_line_from_a_server_ends_the_run_with_tool_protocol(tmp_path: Path) -> None:
+    # The SDK skips the line and the call still gets its answer; we end the run after the
+    # batch, because a server that writes garbage on its protocol channel cannot be trusted.
+    script = {"turns": [
+        {"tool_calls": [{"name": "tree", "arguments": {}}]},
+        {"tool_calls": [{"name": "garble", "arguments": {}}]},
+        {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
+    ]}
+    async with start_runner(tree_spec(script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.TOOL_PROTOCOL
+    assert result["status"] == "failed" and result["reason"] == "tool_protocol"
+    assert "this is not json-rpc" in result["error"]["message"]
+    assert [(t["name"], t["state"]) for t in result["tool_calls"]] == [("tree", "succeeded"), ("garble", "succeeded")]
+    assert not any(alive(p) for p in tree_pids(result))
+
+
+async def test_a_banner_on_stdout_before_the_handshake_is_tool_protocol(tmp_path: Path) -> None:
+    async with start_runner(tree_spec({"final": "x"}, "--banner"), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.TOOL_PROTOCOL
+    assert "hello from a server" in result["error"]["message"]
+
+
+async def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path) -> None:
+    # A sitecustomize-free way to hide the module: point the preset at a run dir it rejects
+    # is browser.py's business; here we only check the mapping of its errors.
+    bad = {"executable_path": "/nonexistent/chromium"}
+    async with start_runner(spec(script={"final": "x"}, browser=bad), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.TOOL_SETUP, result
+    assert result["error"]["message"].startswith("error: browser setup failed")
