@@ -1,0 +1,502 @@
+"""A small synchronous client for the control socket: what the ``agentd`` CLI uses.
+
+Stdlib only, so a CLI command pays for neither trio nor a websocket library: the
+websocket here is the client half of RFC 6455 that the control protocol needs (text
+frames, ping/pong, close), over a plain socket. The daemon is found through its state
+dir: the endpoint file (where it listens, its pid) and the 0600 token file.
+
+``Client.follow`` subscribes to a run's events and, when the connection drops, reconnects
+(re-reading the endpoint, the daemon may have restarted) and resumes after the last
+sequence number it yielded: every event once, in order. Leaving never cancels the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from supervisor import protocol
+from supervisor._statefiles import read_endpoint, read_token
+from supervisor.config import ENDPOINT_FILE, TOKEN_FILE, default_state_dir
+from supervisor.errors import ControlProtocolError, DaemonNotRunning
+from supervisor.protocol import ErrorCode
+
+__all__ = ["Client", "Follow", "ConnectionLost", "Unauthorized", "locate", "START_HINT"]
+
+START_HINT: Final = "start one with `agentd serve` (or `systemctl start agentd`)"
+
+# Bounds connecting and the opening handshake.
+CONNECT_TIMEOUT_S: Final = 5.0
+# Bounds one request's round trip (a spawn included: it returns once the run is queued).
+REQUEST_TIMEOUT_S: Final = 30.0
+# How long follow() keeps trying to reconnect after the connection drops.
+RECONNECT_TIMEOUT_S: Final = 30.0
+# Backoff between reconnect attempts: first at once, then doubling up to the cap.
+RECONNECT_BACKOFF_S: Final = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)
+# A server frame larger than this is refused (the daemon never sends one).
+MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
+_GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+class ConnectionLost(ControlProtocolError):
+    """The connection to the daemon broke (or timed out) before the reply came."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.CONNECTION_LOST, message)
+
+
+class Unauthorized(ControlProtocolError):
+    """The daemon refused the handshake: wrong token, or an origin it does not allow."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(ErrorCode.UNAUTHORIZED, message)
+        self.status = status
+
+
+# ----------------------------------------------------------------------------- websocket
+
+
+def _mask(data: bytes, key: bytes) -> bytes:
+    n = len(data)
+    if n == 0:
+        return b""
+    # XOR as one big integer: fast for a 10 MB message, where a byte loop is not.
+    k = (key * (n // 4 + 1))[:n]
+    return (int.from_bytes(data, "little") ^ int.from_bytes(k, "little")).to_bytes(n, "little")
+
+
+def encode_frame(opcode: int, payload: bytes, *, mask_key: bytes | None = None) -> bytes:
+    """One final, masked client frame (RFC 6455 §5.2)."""
+    key = os.urandom(4) if mask_key is None else mask_key
+    n = len(payload)
+    if n < 126:
+        head = struct.pack("!BB", 0x80 | opcode, 0x80 | n)
+    elif n < 1 << 16:
+        head = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, n)
+    else:
+        head = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, n)
+    return head + key + _mask(payload, key)
+
+
+class _WebSocket:
+    def __init__(self, sock: socket.socket, buffered: bytes) -> None:
+        self._sock = sock
+        self._buf = bytearray(buffered)
+        self.closed = False
+
+    @classmethod
+    def connect(cls, url: str, headers: dict[str, str], timeout_s: float) -> _WebSocket:
+        """Open the TCP connection and do the opening handshake.
+
+        Raises:
+            OSError: the TCP connection failed (ConnectionRefusedError: nothing listens).
+            Unauthorized: the server refused the handshake with 401/403.
+            ConnectionLost: anything else went wrong in the handshake.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "ws" or parts.hostname is None or parts.port is None:
+            raise ValueError(f"expected a ws://host:port/ url, got {url!r}")
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            key = base64.b64encode(os.urandom(16)).decode()
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            lines = [
+                f"GET {target} HTTP/1.1",
+                f"Host: {host}:{parts.port}",
+                "Upgrade: websocket",
+                "Connection: Upgrade",
+                f"Sec-WebSocket-Key: {key}",
+                "Sec-WebSocket-Version: 13",
+                *(f"{k}: {v}" for k, v in headers.items()),
+            ]
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise ConnectionLost(f"the daemon at {url} closed the connection during the handshake")
+                data += chunk
+                if len(data) > 65536:
+                    raise ConnectionLost(f"expected an http upgrade reply from {url}, got {data[:80]!r}")
+            head, _, rest = data.partition(b"\r\n\r\n")
+            status_line, *header_lines = head.decode("latin-1").split("\r\n")
+            try:
+                status = int(status_line.split(" ", 2)[1])
+            except (IndexError, ValueError):
+                raise ConnectionLost(f"expected an http status line from {url}, got {status_line!r}") from None
+            reply_headers = {}
+            for line in header_lines:
+                name, _, value = line.partition(":")
+                reply_headers[name.strip().lower()] = value.strip()
+            if status in (401, 403):
+                body = rest.decode("utf-8", "replace").strip()
+                raise Unauthorized(status, f"the daemon refused the connection (http {status}: {body or 'no reason'})")
+            if status != 101:
+                raise ConnectionLost(f"expected http 101 from {url}, got {status_line!r}")
+            accept = base64.b64encode(hashlib.sha1(key.encode() + _GUID).digest()).decode()
+            if reply_headers.get("sec-websocket-accept") != accept:
+                raise ConnectionLost(f"the server at {url} answered with a bad Sec-WebSocket-Accept")
+            return cls(sock, rest)
+        except BaseException:
+            sock.close()
+            raise
+
+    def send_text(self, text: str) -> None:
+        self._send(0x1, text.encode("utf-8"))
+
+    def _send(self, opcode: int, payload: bytes) -> None:
+        try:
+            self._sock.sendall(encode_frame(opcode, payload))
+        except OSError as exc:
+            self.close()
+            raise ConnectionLost(f"lost the connection to the daemon while sending: {exc}") from exc
+
+    def _read(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            try:
+                chunk = self._sock.recv(max(65536, n - len(self._buf)))
+            except TimeoutError as exc:
+                raise ConnectionLost("timed out waiting for the daemon") from exc
+            except OSError as exc:
+                self.close()
+                raise ConnectionLost(f"lost the connection to the daemon: {exc}") from exc
+            if not chunk:
+                self.close()
+                raise ConnectionLost("the daemon closed the connection")
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    def recv_text(self, timeout_s: float | None) -> str:
+        """The next complete message (text, or binary decoded as UTF-8).
+
+        Raises:
+            ConnectionLost: closed, broken, or nothing within ``timeout_s``.
+        """
+        if self.closed:
+            raise ConnectionLost("the connection to the daemon is closed")
+        self._sock.settimeout(timeout_s)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            b0, b1 = self._read(2)
+            fin, opcode = b0 & 0x80, b0 & 0x0F
+            n = b1 & 0x7F
+            if n == 126:
+                (n,) = struct.unpack("!H", self._read(2))
+            elif n == 127:
+                (n,) = struct.unpack("!Q", self._read(8))
+            mask_key = self._read(4) if b1 & 0x80 else None
+            if n > MAX_FRAME_BYTES or size + n > MAX_FRAME_BYTES:
+                self.close()
+                raise ConnectionLost(f"expected a frame of at most {MAX_FRAME_BYTES} bytes, got {n}")
+            payload = self._read(n)
+            if mask_key is not None:
+                payload = _mask(payload, mask_key)
+            if opcode == 0x8:  # close: answer it, then report
+                code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else 1005
+                reason = payload[2:].decode("utf-8", "replace")
+                try:
+                    self._sock.sendall(encode_frame(0x8, payload[:2]))
+                except OSError:
+                    pass
+                self.close()
+                raise ConnectionLost(f"the daemon closed the connection ({code}{': ' + reason if reason else ''})")
+            if opcode == 0x9:
+                self._send(0xA, payload)
+                continue
+            if opcode == 0xA:
+                continue
+            if opcode in (0x0, 0x1, 0x2):
+                parts.append(payload)
+                size += n
+                if fin:
+                    return b"".join(parts).decode("utf-8", "replace")
+                continue
+            self.close()
+            raise ConnectionLost(f"unexpected websocket opcode {opcode:#x} from the daemon")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._sock.settimeout(0.2)
+            self._sock.sendall(encode_frame(0x8, struct.pack("!H", 1000)))
+        except OSError:
+            pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- locating
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def locate(state_dir: Path | str | None = None) -> tuple[str, str]:
+    """The daemon's URL and token, from its state dir.
+
+    Raises:
+        DaemonNotRunning: no endpoint file, or it names a dead process.
+        Unauthorized: the token file cannot be read (another user's daemon).
+    """
+    sd = Path(state_dir) if state_dir is not None else default_state_dir()
+    endpoint_path = sd / ENDPOINT_FILE
+    try:
+        info = read_endpoint(endpoint_path)
+    except FileNotFoundError:
+        raise DaemonNotRunning(str(sd), START_HINT) from None
+    except (OSError, ValueError) as exc:
+        raise DaemonNotRunning(str(sd), f"cannot read {str(endpoint_path)!r}: {exc}; {START_HINT}") from exc
+    pid = info.get("pid")
+    if isinstance(pid, int) and pid > 0 and not _pid_alive(pid):
+        raise DaemonNotRunning(str(sd), f"stale endpoint file: pid {pid} is gone; {START_HINT}")
+    token_path = sd / TOKEN_FILE
+    try:
+        token = read_token(token_path)
+    except PermissionError:
+        raise Unauthorized(0, f"cannot read the token file {str(token_path)!r}: permission denied") from None
+    except (OSError, ValueError) as exc:
+        raise DaemonNotRunning(str(sd), f"cannot read the token file {str(token_path)!r}: {exc}") from exc
+    return str(info["url"]), token
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class Client:
+    """A connection to the daemon, opened on first use. Methods mirror the control ops.
+
+    Every method raises ``DaemonNotRunning`` when no daemon can be reached,
+    ``RunNotFound`` for an unknown run, ``SpawnError`` for a refused spec,
+    ``ConnectionLost`` when the connection breaks, and ``ControlProtocolError`` for any
+    other error reply (its ``code`` says which).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        state_dir: Path | str | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self._url = url
+        self._token = token
+        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        self.timeout_s = timeout_s
+        self._ws: _WebSocket | None = None
+        self._ids = itertools.count(1)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._ws is not None:
+            self._ws.close()
+            self._ws = None
+
+    def _open(self) -> _WebSocket:
+        if self._url is not None and self._token is not None:
+            url, token = self._url, self._token
+        else:
+            url, token = locate(self.state_dir)
+        try:
+            return _WebSocket.connect(url, {"Authorization": f"Bearer {token}"}, CONNECT_TIMEOUT_S)
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            raise DaemonNotRunning(str(self.state_dir), f"nothing answers at {url} ({exc.strerror}); {START_HINT}") from exc
+        except TimeoutError as exc:
+            raise DaemonNotRunning(str(self.state_dir), f"no answer from {url} within {CONNECT_TIMEOUT_S} s") from exc
+        except OSError as exc:
+            raise DaemonNotRunning(str(self.state_dir), f"cannot connect to {url}: {exc}") from exc
+
+    def connect(self) -> None:
+        if self._ws is None or self._ws.closed:
+            self._ws = self._open()
+
+    def request(self, op: str, **args: Any) -> Any:
+        """Send one request and return its result.
+
+        Raises:
+            see the class docstring.
+        """
+        self.connect()
+        assert self._ws is not None
+        rid = next(self._ids)
+        self._ws.send_text(protocol.encode_request(rid, op, **args))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close()
+                raise ConnectionLost(f"no reply to {op!r} within {self.timeout_s} s")
+            msg = protocol.decode_server_message(self._ws.recv_text(remaining))
+            if msg.get("id") != rid or "ok" not in msg:
+                continue  # a pushed message or a stale reply
+            if msg["ok"] is True:
+                return msg.get("result")
+            raise protocol.error_from_reply(msg.get("error"), run_id=args.get("run_id"))
+
+    def ping(self) -> dict[str, Any]:
+        return self.request("ping")
+
+    def spawn(
+        self, spec: dict[str, Any], *, session_id: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        return self.request("spawn", spec=spec, session_id=session_id, timeout_s=timeout_s)
+
+    def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
+        return self.request("cancel", run_id=run_id, reason=reason)
+
+    def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
+        return self.request("cancel", session_id=session_id, reason=reason)
+
+    def status(self, run_id: str | None = None) -> dict[str, Any]:
+        return self.request("status", run_id=run_id)
+
+    def list_runs(
+        self, *, limit: int = protocol.DEFAULT_LIST_LIMIT, state: str | None = None, session_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        return self.request("list", limit=limit, state=state, session_id=session_id)["runs"]
+
+    def events(
+        self, run_id: str, *, after_seq: int = 0, limit: int = protocol.DEFAULT_EVENTS_LIMIT
+    ) -> list[dict[str, Any]]:
+        return self.request("events", run_id=run_id, after_seq=after_seq, limit=limit)["events"]
+
+    def iter_events(self, run_id: str, *, after_seq: int = 0) -> Iterator[dict[str, Any]]:
+        """Every journaled event after ``after_seq``, page by page."""
+        while True:
+            page = self.events(run_id, after_seq=after_seq)
+            yield from page
+            if len(page) < protocol.DEFAULT_EVENTS_LIMIT:
+                return
+            after_seq = page[-1]["seq"]
+
+    def follow(
+        self,
+        run_id: str,
+        *,
+        after_seq: int = 0,
+        reconnect: bool = True,
+        reconnect_timeout_s: float = RECONNECT_TIMEOUT_S,
+    ) -> Follow:
+        """Iterate over a run's events after ``after_seq``, replayed then live, until it ends."""
+        return Follow(self, run_id, after_seq, reconnect, reconnect_timeout_s)
+
+
+class Follow:
+    """A run's events: iterate for event dicts; afterwards ``state`` is its terminal state.
+
+    On its own connection. ``last_seq`` is the last event yielded, ``reconnects`` how
+    many times a dropped connection was resumed.
+    """
+
+    def __init__(self, client: Client, run_id: str, after_seq: int, reconnect: bool, reconnect_timeout_s: float) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.last_seq = after_seq
+        self.state: str | None = None
+        self.reconnects = 0
+        self._reconnect = reconnect
+        self._reconnect_timeout_s = reconnect_timeout_s
+        self._ws: _WebSocket | None = None
+
+    def close(self) -> None:
+        if self._ws is not None:
+            self._ws.close()
+            self._ws = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            self._subscribe()  # a first failure is reported as is: no daemon, no such run
+            while self.state is None:
+                try:
+                    if self._ws is None:
+                        self._subscribe()
+                    yield from self._pump()
+                except (ConnectionLost, DaemonNotRunning):
+                    self.close()
+                    if not self._reconnect:
+                        raise
+                    self._resume()
+        finally:
+            self.close()
+
+    def _subscribe(self) -> None:
+        ws = self.client._open()
+        self._ws = ws
+        ws.send_text(protocol.encode_request(1, "subscribe", run_id=self.run_id, after_seq=self.last_seq))
+        while True:
+            msg = protocol.decode_server_message(ws.recv_text(self.client.timeout_s))
+            if msg.get("id") == 1 and "ok" in msg:
+                if msg["ok"] is not True:
+                    raise protocol.error_from_reply(msg.get("error"), run_id=self.run_id)
+                self._sub = msg["result"]["sub"]
+                return
+
+    def _pump(self) -> Iterator[dict[str, Any]]:
+        assert self._ws is not None
+        while True:
+            # No timeout: a run may be quiet for a long time; a dead daemon shows as EOF.
+            msg = protocol.decode_server_message(self._ws.recv_text(None))
+            op = msg.get("op")
+            if op == "event":
+                seq = msg.get("seq")
+                if not isinstance(seq, int) or seq <= self.last_seq:
+                    continue
+                self.last_seq = seq
+                yield {k: msg.get(k) for k in ("run_id", "seq", "ts", "kind", "data")}
+            elif op == "end":
+                error = msg.get("error")
+                if error is not None:
+                    raise protocol.error_from_reply(error, run_id=self.run_id)
+                self.state = str(msg.get("state"))
+                return
+
+    def _resume(self) -> None:
+        deadline = time.monotonic() + self._reconnect_timeout_s
+        last_exc: Exception | None = None
+        for delay in itertools.chain(RECONNECT_BACKOFF_S, itertools.repeat(RECONNECT_BACKOFF_S[-1])):
+            if time.monotonic() + delay > deadline:
+                break
+            if delay:
+                time.sleep(delay)  # backoff between attempts, not synchronisation
+            try:
+                self._subscribe()
+            except (ConnectionLost, DaemonNotRunning) as exc:
+                self.close()
+                last_exc = exc
+                continue
+            self.reconnects += 1
+            return
+        raise ConnectionLost(
+            f"lost the connection to the daemon while following run {self.run_id!r} and could not "
+            f"reconnect within {self._reconnect_timeout_s} s (last event seen: {self.last_seq}): {last_exc}"
+        )

@@ -1,0 +1,201 @@
+"""The CLI's synchronous client against the real control server (fake backend, own thread)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor import client as client_mod
+from supervisor import control
+from supervisor.client import Client, ConnectionLost, Unauthorized
+from supervisor.errors import ControlProtocolError, DaemonNotRunning, RunNotFound, SpawnError
+from tests.supervisor.control_thread import ServerThread
+from tests.supervisor.fake_backend import FakeBackend
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerThread]:
+    with ServerThread(tmp_path) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerThread) -> Iterator[Client]:
+    with Client(state_dir=server.config.state_dir, timeout_s=10) as c:
+        yield c
+
+
+def test_frames_are_masked_and_sized_per_rfc6455() -> None:
+    key = b"\x01\x02\x03\x04"
+    small = client_mod.encode_frame(0x1, b"hi", mask_key=key)
+    assert small[:2] == b"\x81\x82" and small[2:6] == key
+    assert client_mod._mask(small[6:], key) == b"hi"
+    medium = client_mod.encode_frame(0x1, b"x" * 300, mask_key=key)
+    assert medium[1] == 0x80 | 126 and int.from_bytes(medium[2:4], "big") == 300
+    big = client_mod.encode_frame(0x2, b"y" * 70000, mask_key=key)
+    assert big[1] == 0x80 | 127 and int.from_bytes(big[2:10], "big") == 70000
+
+
+def test_ops_round_trip_through_the_real_server(server: ServerThread, client: Client) -> None:
+    assert client.ping()["pong"] is True
+    spawned = client.spawn({"task": "hi"}, session_id="s1", timeout_s=9)
+    run_id = spawned["run_id"]
+    assert client.status(run_id)["state"] == "running"
+    assert [r["run_id"] for r in client.list_runs(session_id="s1")] == [run_id]
+    assert client.status()["live_runs"][0]["run_id"] == run_id
+    assert [e["seq"] for e in client.events(run_id)] == [1]
+    assert client.cancel(run_id) == {"run_id": run_id, "was_active": True, "state": "cancelled"}
+    assert client.cancel(run_id)["was_active"] is False
+    assert server.backend.spawns == [{"spec": {"task": "hi"}, "session_id": "s1", "timeout_s": 9.0}]
+
+
+def test_errors_arrive_as_typed_exceptions(client: Client) -> None:
+    with pytest.raises(RunNotFound) as nf:
+        client.status("r-missing")
+    assert nf.value.run_id == "r-missing"
+    with pytest.raises(SpawnError):
+        client.spawn({"task": " "})
+    with pytest.raises(ControlProtocolError) as bad:
+        client.request("teleport")
+    assert bad.value.code == "unknown_op"
+    assert client.ping()["pong"] is True  # the same connection still works
+
+
+def test_a_10_mb_request_gets_a_too_large_reply(client: Client) -> None:
+    with pytest.raises(ControlProtocolError) as info:
+        client.spawn({"task": "x" * (10 * 1024 * 1024)})
+    assert info.value.code == "too_large"
+    assert client.ping()["pong"] is True
+
+
+def test_iter_events_pages_through_a_long_journal(server: ServerThread, client: Client) -> None:
+    run = server.call(server.backend.add_run)
+    for _ in range(2500):
+        server.call(server.backend.emit, run, "log", {})
+    assert [e["seq"] for e in client.iter_events(run, after_seq=5)] == list(range(6, 2502))
+
+
+def test_follow_replays_then_follows_live_until_the_end(server: ServerThread, client: Client) -> None:
+    b = server.backend
+    run = server.call(b.add_run)
+    server.call(b.emit, run, "log", {"n": 1})
+    follow = client.follow(run)
+    seqs = []
+    for event in follow:
+        seqs.append(event["seq"])
+        assert event["run_id"] == run
+        if event["seq"] == 2:
+            server.call(b.emit, run, "log", {"n": 2})
+        elif event["seq"] == 3:
+            server.call(b.finish, run, "completed")
+    assert seqs == [1, 2, 3, 4]
+    assert follow.state == "completed" and follow.last_seq == 4 and follow.reconnects == 0
+
+
+def test_follow_resumes_after_a_dropped_connection_without_gaps_or_duplicates(
+    server: ServerThread, client: Client
+) -> None:
+    b = server.backend
+    run = server.call(b.add_run)
+    for _ in range(3):
+        server.call(b.emit, run, "log", {})
+    follow = client.follow(run)
+    seqs = []
+    for event in follow:
+        seqs.append(event["seq"])
+        if event["seq"] == 2:
+            assert follow._ws is not None
+            follow._ws._sock.shutdown(socket.SHUT_RDWR)  # the network drops us
+            server.call(b.emit, run, "log", {})  # seq 5, while we are away
+        if event["seq"] == 5:
+            server.call(b.finish, run, "completed")
+    assert seqs == [1, 2, 3, 4, 5, 6]
+    assert follow.reconnects == 1 and follow.state == "completed"
+    assert b.cancels == []
+
+
+def test_follow_survives_a_daemon_restart_on_a_new_port(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    first = ServerThread(tmp_path, backend).start()
+    second: ServerThread | None = None
+    try:
+        run = first.call(backend.add_run)
+        seqs = []
+        follow = Client(state_dir=tmp_path).follow(run)
+        for event in follow:
+            seqs.append(event["seq"])
+            if event["seq"] == 1:
+                first.stop()
+                second = ServerThread(tmp_path, backend).start()  # new port, new token
+                second.call(backend.emit, run, "log", {})
+                second.call(backend.finish, run, "failed")
+        assert seqs == [1, 2, 3] and follow.state == "failed" and follow.reconnects == 1
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_follow_gives_up_after_the_reconnect_timeout(server: ServerThread, client: Client) -> None:
+    run = server.call(server.backend.add_run)
+    follow = client.follow(run, reconnect_timeout_s=0.3)
+    with pytest.raises(ConnectionLost) as info:
+        for _event in follow:
+            server.stop()
+    assert "could not reconnect" in str(info.value) and "last event seen: 1" in str(info.value)
+
+
+def test_following_an_unknown_run_raises_at_once(client: Client) -> None:
+    with pytest.raises(RunNotFound):
+        list(client.follow("r-nope"))
+
+
+# --------------------------------------------------------------------------- finding the daemon
+
+
+def test_no_endpoint_file_means_no_daemon_with_a_hint(tmp_path: Path) -> None:
+    with pytest.raises(DaemonNotRunning) as info:
+        Client(state_dir=tmp_path).ping()
+    assert "agentd serve" in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_an_endpoint_of_a_dead_process_is_stale(tmp_path: Path) -> None:
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(child.stdout)
+    control.write_token(tmp_path / "token")
+    control.write_endpoint(tmp_path / "daemon.json", host="127.0.0.1", port=1, pid=dead_pid)
+    with pytest.raises(DaemonNotRunning) as info:
+        Client(state_dir=tmp_path).ping()
+    assert "stale" in str(info.value) and str(dead_pid) in str(info.value)
+
+
+def test_an_endpoint_where_nothing_listens_means_no_daemon(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    control.write_token(tmp_path / "token")
+    control.write_endpoint(tmp_path / "daemon.json", host="127.0.0.1", port=port, pid=os.getpid())
+    with pytest.raises(DaemonNotRunning) as info:
+        Client(state_dir=tmp_path).ping()
+    assert "nothing answers" in str(info.value) and "agentd serve" in str(info.value)
+
+
+def test_a_wrong_token_is_refused(server: ServerThread) -> None:
+    with pytest.raises(Unauthorized) as info:
+        Client(server.url, "wrong-token").ping()
+    assert info.value.status == 401 and "wrong token" in str(info.value)
+
+
+def test_the_client_module_imports_neither_trio_nor_openai_nor_mcp() -> None:
+    code = (
+        "import sys, supervisor.client; "
+        "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'openai', 'mcp') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
