@@ -24,6 +24,8 @@ import os
 import pathlib
 import re
 import shutil
+import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -35,7 +37,9 @@ __all__ = [
     "browser_server_config",
     "browser_dir",
     "browser_tmpdir",
+    "browser_processes",
     "check_browser",
+    "end_browser_processes",
     "release_browser_dir",
     "find_chromium",
     "find_node",
@@ -80,6 +84,10 @@ _CHROMIUM_SOCKET_SUFFIX: Final = len("/org.chromium.Chromium.XXXXXX/SingletonSoc
 MAX_TMPDIR_CHARS: Final = SOCKET_PATH_MAX - _CHROMIUM_SOCKET_SUFFIX - 4
 LINK_ROOT: Final = pathlib.Path("/tmp")
 LINK_PREFIX: Final = "agentd-browser-"
+
+# How long ``end_browser_processes`` waits for SIGKILLed processes to be gone (seconds).
+BROWSER_KILL_WAIT_S: Final = 2.0
+_POLL_S: Final = 0.02
 
 # The keys a spec's ``"browser": {...}`` may hold.
 OPTION_KEYS: Final = frozenset(
@@ -444,3 +452,75 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
         "XDG_DATA_HOME": str(dirs["data"]),
     }
     return {"command": str(setup.node), "args": args, "env": env, "cwd": str(base)}
+
+
+# --- finding a run's browser processes by their command lines ---------------------------
+#
+# Chromium's zygote, gpu, utility and renderer processes rewrite their argv/environ area
+# for the process title, so /proc/PID/environ no longer shows the AGENTD_* marker they
+# inherited: a marker sweep misses them, and when the browser main process dies (SIGKILL,
+# or a sweep that found it by its marker) they are reparented and left behind, stopped if
+# the browser was stopped. Their command lines still name the profile dir, which the preset
+# put under the run's browser dir (or its short TMPDIR link): that is how we find them.
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _dead(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
+
+
+def browser_processes(run_dir: pathlib.Path) -> list[int]:
+    """Live processes whose command line names this run's browser dirs: the node server,
+    Chromium and all its helpers, crashpad handlers. Linux (/proc) only; [] elsewhere."""
+    if not os.path.isdir("/proc"):
+        return []
+    base = browser_dir(pathlib.Path(run_dir)).absolute()
+    needles = {(str(base) + "/").encode(), (str(browser_tmpdir(run_dir)) + "/").encode()}
+    me = str(os.getpid())
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
+        cmd = _cmdline(pid)
+        if cmd and any(n in cmd for n in needles) and not _dead(pid):
+            found.append(int(pid))
+    return sorted(found)
+
+
+def end_browser_processes(run_dir: pathlib.Path, *, wait_s: float = BROWSER_KILL_WAIT_S) -> list[int]:
+    """SIGKILL whatever is left of this run's browser; the last resort after a normal close.
+
+    SIGKILL, not SIGTERM: a stopped (SIGSTOP) or wedged Chromium never handles SIGTERM, and
+    by the time this runs the server had its chance to close the browser. Blocking (polls
+    up to ``wait_s``): call it from a thread under Trio.
+
+    Returns:
+        The pids still alive after ``wait_s`` (normally none).
+    """
+    deadline = time.monotonic() + wait_s
+    pids = browser_processes(run_dir)
+    while pids:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                pass  # not ours; reported below if it stays
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+        pids = browser_processes(run_dir)
+    return pids

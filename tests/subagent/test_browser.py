@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 import trio
 
@@ -32,7 +33,7 @@ def _exe(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def link_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[pathlib.Path]:
     """Short temp links go to a short private dir, removed with everything in it."""
     root = pathlib.Path(tempfile.mkdtemp(prefix="al", dir="/tmp"))
@@ -44,7 +45,9 @@ def link_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[pathlib.Path]:
 
 
 @pytest.fixture
-def fake_tools(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, pathlib.Path]:
+def fake_tools(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, link_root: pathlib.Path
+) -> dict[str, pathlib.Path]:
     tools = {
         "node": _exe(tmp_path / "bin" / "node"),
         "chromium": _exe(tmp_path / "chromium" / "chromium"),
@@ -291,7 +294,7 @@ def _snapshot_text(result: object) -> str:
 
 @pytest.mark.chromium
 async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
-    tmp_path: pathlib.Path, no_process_left_behind: str
+    tmp_path: pathlib.Path, no_process_left_behind: str, link_root: pathlib.Path
 ) -> None:
     from tests import browser_support as bs
     from mcp import ClientSession
@@ -325,13 +328,14 @@ async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
 
 
 @pytest.mark.chromium
-async def test_a_killed_browser_server_leaves_its_profile_only_in_the_run_dir(
-    tmp_path: pathlib.Path, no_process_left_behind: str
+async def test_a_stopped_browser_whose_server_and_main_process_were_killed_is_still_found_and_ended(
+    tmp_path: pathlib.Path, no_process_left_behind: str, link_root: pathlib.Path
 ) -> None:
-    """SIGKILL of node's group and Chromium's session: nothing survives, and the profile
-    Chromium could not clean up is in <run_dir>/browser/tmp, so removing the run dir is enough."""
+    """The leak this preset exists to prevent: SIGSTOP the browser, SIGKILL node's group and the
+    browser main process (what a group kill plus a marker sweep reaches). Chromium's helpers
+    survive, stopped and reparented, without the marker in /proc/PID/environ; the profile
+    Chromium could not remove is under the run dir. ``end_browser_processes`` ends them."""
     from tests import browser_support as bs
-    import psutil
 
     bs.require_browser()
     run_dir = tmp_path / "run"
@@ -340,8 +344,8 @@ async def test_a_killed_browser_server_leaves_its_profile_only_in_the_run_dir(
         [cfg["command"], *cfg["args"]],
         env={**os.environ, **cfg["env"]},
         cwd=cfg["cwd"],
-        stdin=-1,
-        stdout=-1,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         start_new_session=True,
     )
     try:
@@ -368,17 +372,29 @@ async def test_a_killed_browser_server_leaves_its_profile_only_in_the_run_dir(
             reply = await request({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
                 "name": "browser_navigate", "arguments": {"url": "data:text/html,<h1>kill me</h1>"}}})  # fmt: skip
             assert "kill me" in json.dumps(reply)
-        chromium = [p for p in psutil.Process(proc.pid).children(recursive=True) if os.getsid(p.pid) != proc.pid]
-        assert chromium, "Chromium should run in a session of its own"
-        sessions = {os.getsid(p.pid) for p in chromium}
+        found = set(browser.browser_processes(run_dir))
+        assert proc.pid in found, "the node server is found by its command line"
+        chromium = [p for p in found if p != proc.pid and os.getsid(p) != proc.pid]
+        assert chromium, "Chromium runs in a session of its own"
+        main = os.getsid(chromium[0])
+        assert main in found
+        os.killpg(main, signal.SIGSTOP)
         os.killpg(proc.pid, signal.SIGKILL)
-        for sid in sessions:
-            try:
-                os.killpg(sid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        os.kill(main, signal.SIGKILL)
+        with trio.fail_after(10):
+            while main in browser.browser_processes(run_dir) or proc.pid in browser.browser_processes(run_dir):
+                await trio.sleep(0.05)
+        helpers = browser.browser_processes(run_dir)
+        assert helpers, "expected Chromium's stopped helpers to outlive their browser (the leak)"
+        unmarked = set(helpers) - {p.pid for p in conftest_marked(no_process_left_behind)}
+        assert unmarked, "Chromium's helpers were expected to have lost the env marker"
+        left = await trio.to_thread.run_sync(browser.end_browser_processes, run_dir)
+        assert left == []
+        assert browser.browser_processes(run_dir) == []
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await trio.to_thread.run_sync(browser.end_browser_processes, run_dir)
         with trio.move_on_after(5, shield=True):
             await proc.wait()
         for stream in (proc.stdin, proc.stdout):
@@ -390,6 +406,12 @@ async def test_a_killed_browser_server_leaves_its_profile_only_in_the_run_dir(
     profiles = list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     assert profiles, "a killed Chromium cannot remove its profile: it must be under the run dir"
     browser.release_browser_dir(run_dir)
+
+
+def conftest_marked(mark: str) -> list[Any]:
+    from tests import conftest
+
+    return conftest.marked_processes(mark)
 
 
 # --- real Chromium through the runner (python -m subagent.runner) ---------------------
@@ -551,3 +573,47 @@ async def test_runner_sigterm_mid_browse_is_cancelled_with_partial_result_and_no
     )
     assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     browser.release_browser_dir(run_dir)
+
+
+@pytest.mark.chromium
+async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
+    tmp_path: pathlib.Path, no_process_left_behind: str
+) -> None:
+    """A wedged browser: every Chromium process stopped, then SIGTERM. The running navigation
+    times out (3 s here), the run is cancelled, and the runner ends the whole browser,
+    including the helpers that lost the env marker."""
+    from tests import browser_support as bs
+    from tests import conftest
+
+    bs.require_browser()
+    conftest.require(bs.runner_available(), "subagent.runner")
+    run_dir = tmp_path / "run"
+    with bs.LocalSite() as site:
+        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        spec = bs.scripted_browser_spec(site.url + "/", then=[slow], timeout_navigation_ms=3000)
+
+        async def stop_browser_then_cancel(runner: _Runner) -> None:
+            assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)
+            ev = await runner.wait_event("process_group")
+            node_sid = ev.data["pgid"]
+            chromium_sids = {os.getsid(p) for p in browser.browser_processes(run_dir)} - {node_sid}
+            assert chromium_sids
+            for sid in chromium_sids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(sid, signal.SIGSTOP)
+            stopped = [p for p in browser.browser_processes(run_dir) if psutil.Process(p).status() == psutil.STATUS_STOPPED]
+            assert len(stopped) >= 4, "the browser and its helpers should all be stopped now"
+            os.killpg(runner.proc.pid, signal.SIGTERM)
+
+        with trio.fail_after(90):
+            runner, result = await _run_runner(spec, run_dir, stop_browser_then_cancel)
+    assert result["status"] == "cancelled", result
+    assert "tangerine-42" in json.dumps(result)
+    tmpdir = browser.browser_tmpdir(run_dir)
+    try:
+        await trio.to_thread.run_sync(
+            bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
+        )
+    finally:
+        browser.end_browser_processes(run_dir)
+        browser.release_browser_dir(run_dir)
