@@ -34,6 +34,7 @@ if __name__ == "__main__":  # before anything slow: a SIGTERM now must not kill 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import AsyncExitStack  # noqa: E402
@@ -50,7 +51,9 @@ from subagent.spec import McpServerSpec, RunSpec, SpecError, parse_spec_text  # 
 from subagent.stop import StopControl  # noqa: E402
 from subagent.tools import ToolBox  # noqa: E402
 
-__all__ = ["main", "read_spec_text"]
+__all__ = ["main", "read_spec_text", "run"]
+
+logger = logging.getLogger(__name__)
 
 
 class SetupFailure(Exception):
@@ -96,7 +99,26 @@ def _make_provider(spec: RunSpec) -> Provider:
         raise SetupFailure(ExitCode.MODEL_ERROR, exc.kind, f"error: {exc.message}") from None
 
 
-def _server_specs(spec: RunSpec, run_dir: Path | None) -> dict[str, McpServerSpec]:
+# Bounds the last-resort sweep of a run's browser processes after its server closed (seconds).
+BROWSER_SWEEP_TIMEOUT_S = 10.0
+
+
+async def _end_browser(browser: Any, base: Path) -> None:
+    # Chromium's helpers lose the env marker and live in their own session: the preset
+    # finds them by profile path. Runs after the browser server's own close.
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(BROWSER_SWEEP_TIMEOUT_S):
+            end = getattr(browser, "end_browser_processes", None)
+            if end is not None:
+                left = await trio.to_thread.run_sync(end, base, abandon_on_cancel=True)
+                if left:
+                    logger.warning("browser processes still alive after the sweep: %s", left)
+            release = getattr(browser, "release_browser_dir", None)
+            if release is not None:
+                await trio.to_thread.run_sync(release, base, abandon_on_cancel=True)
+
+
+def _server_specs(spec: RunSpec, run_dir: Path | None, stack: AsyncExitStack) -> dict[str, McpServerSpec]:
     servers = dict(spec.mcp_servers)
     if spec.browser is not False:
         try:
@@ -104,8 +126,11 @@ def _server_specs(spec: RunSpec, run_dir: Path | None) -> dict[str, McpServerSpe
         except ImportError as exc:
             raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: the browser preset is not available: {exc}") from None
         options = {} if spec.browser is True else dict(spec.browser)
+        base = run_dir or Path.cwd()
+        # Pushed before the server starts, so it runs after the server is closed.
+        stack.push_async_callback(_end_browser, browser, base)
         try:
-            entry = browser.browser_server_config(run_dir or Path.cwd(), options)
+            entry = browser.browser_server_config(base, options)
             servers["browser"] = McpServerSpec.from_dict(entry, "browser")
         except (SpecError, Exception) as exc:  # BrowserSetupError and friends: a setup failure
             raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: browser setup failed: {exc}") from None
@@ -180,7 +205,7 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None, early_st
                     try:
                         provider = _make_provider(spec)
                         stack.push_async_callback(provider.aclose)
-                        servers = await _start_servers(_server_specs(spec, run_dir), stack, run_dir, stop, emitter)
+                        servers = await _start_servers(_server_specs(spec, run_dir, stack), stack, run_dir, stop, emitter)
                         tools = ToolBox(
                             builtins=spec.builtin_tools,
                             limits=spec.limits,
