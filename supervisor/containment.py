@@ -264,14 +264,6 @@ def _own_cgroup_dir() -> Path | None:
     return point / own.lstrip("/")
 
 
-def _write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
 def _rmdir_tree(path: Path) -> bool:
     """rmdir a cgroup and the cgroups below it, deepest first; True if all went."""
     ok = True
@@ -439,9 +431,34 @@ class Containment:
             logger.debug("reaped adopted zombies %s", reaped)
         return reaped
 
-    def is_leader(self, pid: int) -> bool:
+    @property
+    def tracked_trees(self) -> int:
+        """Trees prepared or spawned and not yet removed."""
         with self._lock:
-            return pid in self._leaders
+            return len(self._tree_ids)
+
+    def strays(self) -> list[Proc]:
+        """Live adopted children that no tree's sweep can place (e.g. a double-forked
+        daemon that also emptied its environment). Only a subreaper has any."""
+        if not self.subreaper:
+            return []
+        me = os.getpid()
+        my_sid = os.getsid(0)
+        subtree = self._subtree_prefix()
+        with self._lock:
+            leaders = set(self._leaders)
+            remembered = dict(self._adopted)
+        out: list[Proc] = []
+        for p in scan_processes().values():
+            if p.ppid != me or p.dead or p.pid in leaders:
+                continue
+            if (
+                remembered.get(p.pid) == p.start_ticks
+                or p.sid not in (my_sid, p.pid)
+                or (subtree is not None and (read_cgroup(p.pid) or "").startswith(subtree))
+            ):
+                out.append(p)
+        return out
 
     def _subtree_prefix(self) -> str | None:
         if self.root is None:
@@ -476,23 +493,17 @@ def _make_subtree(instance: str) -> Path | None:
     if own is None:
         logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
         return None
-    _remove_stale_subtrees(own)
-    try:
-        subtree_control = (own / "cgroup.subtree_control").read_text().split()
-    except OSError as exc:
-        logger.info("cgroup %s unreadable (%s): no cgroups", own, exc)
+    if not _delegated(own):
+        logger.warning(
+            "cgroup %s belongs to systemd and is not delegated (Delegate=yes missing?): no cgroups", own
+        )
         return None
-    if subtree_control and own != own.parent and read_cgroup(os.getpid()) != "/":
-        # Controllers are enabled below our cgroup (systemd Delegate=yes can do this), so by
-        # the no-internal-process rule our cgroup cannot hold us and child cgroups at once:
-        # move the daemon into a leaf of its own first.
-        leaf = own / "daemon"
-        try:
-            leaf.mkdir(exist_ok=True)
-            _write(leaf / "cgroup.procs", b"0")
-        except OSError as exc:
-            logger.info("cannot move the daemon into %s (%s): no cgroups", leaf, exc)
-            return None
+    # We never enable controllers in our subtree, so the no-internal-process rule does
+    # not apply: the daemon stays in its own cgroup next to agentd-<instance> (measured:
+    # a process in a non-root cgroup whose child holds another works while
+    # cgroup.subtree_control is empty). Were controllers ever enabled there, the daemon
+    # would first have to move itself into a leaf.
+    _remove_stale_subtrees(own)
     root = own / f"agentd-{instance}"
     try:
         root.mkdir(exist_ok=True)
@@ -502,6 +513,19 @@ def _make_subtree(instance: str) -> Path | None:
     if not (root / "cgroup.kill").exists():
         logger.info("cgroup.kill missing (kernel < 5.14): the final kill walks cgroup.procs")
     return root
+
+
+def _delegated(own: Path) -> bool:
+    """May we create cgroups below ``own``? Not in a systemd unit's cgroup without Delegate=."""
+    if not any(part.endswith((".service", ".scope")) for part in own.parts):
+        return True  # not a systemd unit: the root of a container or of this host
+    for name in ("trusted.delegate", "user.delegate"):  # set by systemd >= 251 on delegation
+        try:
+            if os.getxattr(own, name) == b"1":
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _remove_stale_subtrees(own: Path) -> None:

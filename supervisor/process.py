@@ -71,6 +71,7 @@ __all__ = [
     "wait_tree_gone",
     "find_tree",
     "kill_orphaned_tree",
+    "kill_strays",
     "drain_bounded",
 ]
 
@@ -131,7 +132,9 @@ class Tree(_TreeBase):
 
     @property
     def leader_reaped(self) -> bool:
-        return self.process.returncode is not None
+        """Trio has waited for the runner. Reads /proc, not Trio: callable from any thread."""
+        p = read_proc(self.pid)
+        return p is None or p.start_ticks != self._leader_ticks
 
 
 @final
@@ -400,11 +403,9 @@ def _live_groups(tree: AnyTree) -> list[int]:
 
 
 def _leader_alive(tree: AnyTree) -> bool:
-    if isinstance(tree, Tree):
-        if tree.process.returncode is not None:
-            return False
-        p = read_proc(tree.pid)  # our unreaped child: its pid cannot have been reused
-        return p is not None and not p.dead
+    # /proc, not Trio's returncode (which polls and needs the Trio thread). A spawned
+    # runner's pid cannot be reused before Trio reaps it; a re-adopted one must match the
+    # start time we proved.
     if tree._leader_ticks is None:  # not provably the recorded process
         return False
     p = read_proc(tree.pid)
@@ -641,6 +642,36 @@ async def wait_tree_gone(tree: AnyTree, timeout: float) -> bool:
             await trio.sleep(POLL_S)
         return True
     return False
+
+
+async def kill_strays(containment: Containment, *, only_if_idle: bool = True) -> list[dict[str, Any]]:
+    """SIGKILL adopted orphans that no tree claims, then reap them; returns what was killed.
+
+    Every process a subreaper adopts descends from something this daemon started, but
+    one that left its session, its ancestry and its environment cannot be traced to a
+    tree. With ``only_if_idle`` this acts only while no tree is tracked (every run has
+    ended); call it with ``only_if_idle=False`` at shutdown after every run is stopped.
+    """
+    if not _POSIX or (only_if_idle and containment.tracked_trees):
+        return []
+    strays = await trio.to_thread.run_sync(containment.strays)
+    killed: list[dict[str, Any]] = []
+    for p in strays:
+        what = _cmdline(p.pid)
+        if _kill_proc(p, signal.SIGKILL) == "sent":
+            killed.append({"pid": p.pid, "cmdline": what})
+    if killed:
+        logger.warning("killed %d adopted orphans no tree claimed: %s", len(killed), killed[:5])
+        with trio.move_on_after(KILL_WAIT_S):
+            while any(_still_running(p) for p in strays):
+                await trio.sleep(POLL_S)
+        await trio.to_thread.run_sync(containment.reap_adopted)
+    return killed
+
+
+def _still_running(p: Proc) -> bool:
+    now = read_proc(p.pid)
+    return now is not None and now.start_ticks == p.start_ticks and not now.dead
 
 
 # ----------------------------------------------------------------------------- restart

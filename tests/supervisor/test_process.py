@@ -63,14 +63,23 @@ _spawned: list[Tree] = []
 
 @pytest.fixture(autouse=True)
 async def close_every_tree() -> AsyncIterator[None]:
-    """End each test's trees and close their pipes, so nothing outlives the test."""
+    """End each test's trees and close their pipes, so nothing outlives the test.
+
+    Cleanup only: pytest-trio drops exceptions raised in async fixture teardown.
+    """
     yield
     trees = list(_spawned)
     _spawned.clear()
     with trio.fail_after(10):
         for tree in trees:
             await process.terminate_and_kill(tree, grace_s=0)
-            await tree.process.aclose()
+            await close_pipes(tree)
+
+
+async def close_pipes(tree: Tree) -> None:
+    for stream in (tree.process.stdin, tree.process.stdout, tree.process.stderr):
+        if stream is not None:
+            await stream.aclose()
 
 
 def new_tree_id() -> str:
@@ -464,3 +473,32 @@ async def test_draining_is_cut_exactly_the_bound_after_exit(autojump_clock: Any)
     assert not eof and stream.closed
     assert trio.current_time() - start == pytest.approx(3.5)
     assert got == [b"a", b"b", b"c"]  # chunks at 1, 2 and 3 s still arrived inside the bound
+
+
+# ----------------------------------------------------------------------------- strays
+
+
+async def test_an_untraceable_adopted_orphan_is_killed_once_no_tree_is_left(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_escapers.py", "--ignore-term", "--scrubbed", containment=c)
+    pids = json.loads(await read_line(tree))
+    ident = identities(pids)
+    try:
+        with trio.fail_after(GRACE_S + 6):
+            await process.terminate_and_kill(tree, grace_s=GRACE_S)
+        # No marker, no session or group of the tree, no living ancestor in it: the
+        # sweep cannot place it, but the subreaper has it.
+        assert running(ident) == {"scrubbed": pids["scrubbed"]}
+        assert [p.pid for p in c.strays()] == [pids["scrubbed"]]
+        assert await process.kill_strays(c) == []  # a tree is still tracked: hands off
+        c.remove(tree)
+        with trio.fail_after(5):
+            killed = await process.kill_strays(c)
+        assert [k["pid"] for k in killed] == [pids["scrubbed"]]
+        assert running(ident) == {}
+        assert read_proc(pids["scrubbed"]) is None  # and reaped
+    finally:  # it carries no test mark: the suite-wide leak check cannot see it
+        if running({"s": ident["scrubbed"]}):
+            os.kill(pids["scrubbed"], signal.SIGKILL)

@@ -1,0 +1,203 @@
+"""Containment set-up, cgroup bookkeeping and adopted-zombie reaping (supervisor/containment.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from supervisor import containment as containment_mod
+from supervisor import process
+from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, read_proc
+from tests import conftest
+
+
+@pytest.fixture
+def made() -> Iterator[list[Containment]]:
+    out: list[Containment] = []
+    yield out
+    for c in out:
+        c.close()
+
+
+def setup(made: list[Containment], **kw: object) -> Containment:
+    c = Containment.setup(instance=f"{os.getpid()}-{uuid.uuid4().hex[:8]}", **kw)  # type: ignore[arg-type]
+    made.append(c)
+    return c
+
+
+def is_subreaper() -> bool:
+    value = ctypes.c_int(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(37, ctypes.byref(value), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
+    return bool(value.value)
+
+
+async def exited(pid: int) -> None:
+    """Return once ``pid`` has exited (is a zombie or gone), without reaping it."""
+    fd = os.pidfd_open(pid)
+    try:
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def test_without_cgroups_trees_get_subreaper_and_sweep(made: list[Containment]) -> None:
+    c = setup(made, cgroups="off")
+    assert c.root is None and c.subreaper
+    assert c.mode == SUBREAPER_SWEEP
+    assert c.prepare("t-1") is None
+    assert c.label(None) == SUBREAPER_SWEEP
+    assert is_subreaper()
+
+
+def test_without_subreaper_trees_get_groups_only(made: list[Containment]) -> None:
+    c = setup(made, cgroups="off", subreaper=False)
+    assert c.mode == GROUP and c.reap_adopted() == [] and c.strays() == []
+
+
+def test_the_subreaper_flag_is_dropped_when_the_last_containment_closes() -> None:
+    a = Containment.setup(cgroups="off")
+    b = Containment.setup(cgroups="off")
+    assert is_subreaper()
+    a.close()
+    assert is_subreaper()
+    b.close()
+    b.close()  # idempotent
+    assert not is_subreaper()
+
+
+def test_cgroups_are_made_per_tree_and_removed(made: list[Containment]) -> None:
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    assert c.root is not None
+    assert c.mode == CGROUP and c.root.name.startswith(f"agentd-{os.getpid()}-")
+    assert (c.root / "cgroup.procs").exists()
+    path = c.prepare("t-abc")
+    assert path == c.root / "t-abc" and (path / "cgroup.kill").exists()
+    assert c.tracked_trees == 1
+    c.close()
+    assert not c.root.exists()
+
+
+def test_an_unwritable_cgroup_mount_degrades_to_subreaper_and_sweep(
+    made: list[Containment], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(containment_mod, "_own_cgroup_dir", lambda: Path("/proc/self"))
+    c = setup(made, cgroups="auto")
+    assert c.root is None and c.mode == SUBREAPER_SWEEP
+
+
+def test_a_systemd_unit_without_delegation_gets_no_cgroups(
+    made: list[Containment], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    unit = tmp_path / "system.slice" / "agentd.service"
+    unit.mkdir(parents=True)
+    monkeypatch.setattr(containment_mod, "_own_cgroup_dir", lambda: unit)
+    c = setup(made, cgroups="auto")
+    assert c.root is None
+    assert list(unit.iterdir()) == []
+
+
+def test_stale_empty_subtrees_of_dead_daemons_are_removed(made: list[Containment]) -> None:
+    probe = setup(made, cgroups="auto")
+    conftest.require(probe.root is not None, "a writable cgroup2 mount")
+    assert probe.root is not None
+    own = probe.root.parent
+    stale = own / "agentd-99999999-stale"  # above pid_max: that daemon is surely gone
+    (stale / "t-old").mkdir(parents=True)
+    busy = own / "agentd-99999998-busy"
+    (busy / "t-live").mkdir(parents=True)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (busy / "t-live" / "cgroup.procs").write_text(str(child.pid))
+        setup(made, cgroups="auto")
+        assert not stale.exists()
+        assert (busy / "t-live").exists()  # holds a process: a restarted daemon may re-adopt it
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        for d in (busy / "t-live", busy, stale / "t-old", stale):
+            if d.exists():
+                d.rmdir()
+
+
+ADOPTER = r"""
+import os, sys
+def orphan(double):
+    pid = os.fork()
+    if pid:
+        return pid
+    os.setsid()
+    if double and os.fork():
+        os._exit(0)
+    print(os.getpid(), flush=True)
+    os.read(0, 1)  # exits at EOF on stdin
+    os._exit(0)
+orphan(False)
+os.waitpid(orphan(True), 0)  # the middle of the double fork exits at once
+"""
+
+
+async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made: list[Containment]) -> None:
+    c = setup(made, cgroups="off")
+    tree = await process.spawn_tree(
+        [sys.executable, "-c", ADOPTER], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
+    )
+    assert tree.process.stdout is not None and tree.process.stdin is not None
+    out = b""
+    with trio.fail_after(5):
+        while out.count(b"\n") < 2:
+            out += await tree.process.stdout.receive_some()
+        await tree.process.wait()
+    setsid_pid, daemon_pid = (int(x) for x in out.split())
+    for pid in (setsid_pid, daemon_pid):
+        p = read_proc(pid)
+        assert p is not None and p.ppid == os.getpid()  # adopted by us, not by PID 1
+    assert read_proc(setsid_pid).sid == setsid_pid  # type: ignore[union-attr]
+    assert c.reap_adopted() == []  # alive: noted (marker), not reaped
+
+    # Trio's own children, exited but not yet waited for: same session and a new one.
+    same = await trio.lowlevel.open_process(["sh", "-c", "exit 7"])
+    own = await trio.lowlevel.open_process(["sh", "-c", "exit 9"], start_new_session=True)
+    await tree.process.stdin.aclose()
+    for pid in (same.pid, own.pid, setsid_pid, daemon_pid):
+        await exited(pid)
+
+    assert sorted(c.reap_adopted()) == sorted([setsid_pid, daemon_pid])
+    with trio.fail_after(5):
+        assert await same.wait() == 7
+        assert await own.wait() == 9
+    assert read_proc(setsid_pid) is None and read_proc(daemon_pid) is None
+    for stream in (tree.process.stdout, tree.process.stderr):
+        assert stream is not None
+        await stream.aclose()
+
+
+async def test_a_reaping_loop_does_not_steal_trio_run_process_exit_codes(made: list[Containment]) -> None:
+    c = setup(made, cgroups="off")
+    done = trio.Event()
+
+    async def reap_loop() -> None:
+        while not done.is_set():
+            c.reap_adopted()
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reap_loop)
+        with trio.fail_after(10):
+            for code in (3, 5, 0):
+                result = await trio.run_process(["sh", "-c", f"exit {code}"], check=False)
+                assert result.returncode == code
+                result = await trio.run_process(["sh", "-c", f"exit {code}"], check=False, start_new_session=True)
+                assert result.returncode == code
+        done.set()
