@@ -32,7 +32,7 @@ from supervisor.protocol import ErrorCode
 
 __all__ = ["Client", "Follow", "ConnectionLost", "Unauthorized", "locate", "START_HINT"]
 
-START_HINT: Final = "start one with `agentd serve` (or `systemctl start agentd`)"
+START_HINT: Final = "start one with `agentd serve` or `systemctl start agentd`"
 
 # Bounds connecting and the opening handshake.
 CONNECT_TIMEOUT_S: Final = 5.0

@@ -6,6 +6,7 @@ while the test thread drives the fake backend through ``call`` (trio.from_thread
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,11 @@ THREAD_TIMEOUT_S = 10.0
 
 
 class ServerThread:
-    def __init__(self, state_dir: Path, backend: FakeBackend | None = None, **cfg: Any) -> None:
+    def __init__(
+        self, state_dir: Path, backend: FakeBackend | None = None, *, fixed_token: str | None = None, **cfg: Any
+    ) -> None:
         self.backend = backend or FakeBackend()
+        self.fixed_token = fixed_token
         self.config = Config(state_dir=state_dir, port=0, **cfg)
         self.port = 0
         self.token = ""
@@ -55,9 +59,9 @@ class ServerThread:
     def url(self) -> str:
         return control.endpoint_url(self.config.host, self.port)
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a sync function on the server's loop (e.g. ``backend.emit``)."""
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._trio_token)
+        return trio.from_thread.run_sync(functools.partial(fn, *args, **kwargs), trio_token=self._trio_token)
 
     def stop(self) -> None:
         if self._thread.is_alive() and self._scope is not None:
@@ -83,5 +87,7 @@ class ServerThread:
             self._scope = nursery.cancel_scope
             self._trio_token = trio.lowlevel.current_trio_token()
             self.backend.nursery = nursery
-            self.port = await nursery.start(control.serve_control, self.config, self.backend)
+            self.port = await nursery.start(
+                functools.partial(control.serve_control, self.config, self.backend, token=self.fixed_token)
+            )
             self._started.set()

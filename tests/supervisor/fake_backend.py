@@ -120,6 +120,8 @@ class FakeBackend:
         await trio.lowlevel.checkpoint()
         if not isinstance(spec.get("task"), str) or not spec["task"].strip():
             raise SpawnError("task: expected a non-empty string")
+        if "model" in spec and not isinstance(spec["model"], dict):
+            raise SpawnError(f"model: expected an object, got {type(spec['model']).__name__}")
         self.spawns.append({"spec": spec, "session_id": session_id, "timeout_s": timeout_s})
         run_id = self.add_run(spec, session_id=session_id)
         self.runs[run_id].timeout_s = timeout_s

@@ -1,0 +1,331 @@
+"""The agentd CLI through click's CliRunner, against a control server with a fake backend."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from supervisor import client as client_mod
+from supervisor.cli import ExitCode, build_spec, cli, format_event
+from tests.supervisor.control_thread import ServerThread
+
+STEPS: list[tuple[str, dict[str, Any]]] = [
+    ("runner_started", {"pid": 4242, "provider": "scripted"}),
+    ("step_started", {"step": 1}),
+    ("tool_call", {"record": {"name": "run_command", "state": "running"}}),
+    ("tool_call", {"record": {"name": "run_command", "state": "succeeded"}}),
+    ("step_snapshot", {"step": 1, "progress": "listed the files"}),
+    ("assistant_text", {"step": 2, "text": "All done."}),
+]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerThread]:
+    with ServerThread(tmp_path / "state") as srv:
+        srv.backend.autoplay["ok"] = (STEPS, "completed")
+        srv.backend.autoplay["fails"] = (STEPS[:2], "failed")
+        yield srv
+
+
+def run(server: ServerThread | Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    state_dir = server if isinstance(server, Path) else server.config.state_dir
+    return CliRunner(env=env).invoke(cli, ["--state-dir", str(state_dir), *args], catch_exceptions=False)
+
+
+def write_spec(tmp_path: Path, spec: dict[str, Any]) -> str:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- light import path
+
+
+def test_importing_the_cli_imports_no_trio_openai_or_mcp() -> None:
+    code = (
+        "import sys, supervisor.cli; "
+        "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'openai', 'mcp', 'httpx2') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_status_round_trip_in_a_fresh_process_stays_off_the_heavy_imports(server: ServerThread) -> None:
+    code = (
+        "import sys\n"
+        "from supervisor.cli import cli\n"
+        f"cli.main(['--state-dir', {str(server.config.state_dir)!r}, '--json', 'status'], standalone_mode=False)\n"
+        "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'openai', 'mcp') if m in sys.modules))\n"
+    )
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    elapsed = time.monotonic() - started
+    first, last = out.stdout.strip().splitlines()
+    assert json.loads(first)["daemon"]["pid"] > 0
+    assert last == "[]"
+    assert elapsed < 2.0  # generous for CI; measured ~60 ms here
+
+
+# --------------------------------------------------------------------------- spawn
+
+
+def test_spawn_prints_the_run_id_and_passes_options_into_the_spec(server: ServerThread, tmp_path: Path) -> None:
+    script = tmp_path / "script.json"
+    script.write_text("{}")
+    res = run(server, "spawn", "list the files", "--script", str(script), "--max-steps", "3", "--session", "s1", "--timeout", "60")
+    assert res.exit_code == 0, res.output
+    run_id = res.stdout.strip()
+    assert run_id in server.backend.runs
+    sent = server.backend.spawns[-1]
+    assert sent["session_id"] == "s1" and sent["timeout_s"] == 60.0
+    assert sent["spec"] == {
+        "task": "list the files",
+        "model": {"script_path": str(script.resolve()), "provider": "scripted"},
+        "limits": {"max_steps": 3},
+    }
+
+
+def test_spawn_wait_follows_the_run_to_completion_with_progress_lines(server: ServerThread, tmp_path: Path) -> None:
+    """The CLI side of acceptance 1: spawn, watch it run, completed, exit 0."""
+    res = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": "ok"}), "--wait")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    run_id = lines[0]
+    assert run_id.startswith("r-")
+    text = res.stdout
+    for expected in ("state: running", "runner started (pid 4242", "step 1", "tool run_command succeeded",
+                     "snapshot after step 1: listed the files", "assistant: All done.", "state: completed"):
+        assert expected in text, (expected, text)
+    assert lines[-1] == f"run {run_id} completed"
+
+
+@pytest.mark.parametrize(("autoplay", "code"), [("ok", ExitCode.OK), ("fails", ExitCode.RUN_FAILED)])
+def test_spawn_wait_exit_code_reflects_the_outcome(server: ServerThread, tmp_path: Path, autoplay: str, code: int) -> None:
+    res = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": autoplay}), "--wait")
+    assert res.exit_code == code, res.output
+
+
+def test_spawn_wait_json_is_one_object_per_line(server: ServerThread, tmp_path: Path) -> None:
+    res = run(server, "--json", "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": "ok"}), "--wait")
+    assert res.exit_code == 0, res.output
+    objs = [json.loads(line) for line in res.stdout.splitlines()]
+    assert objs[0]["state"] == "running" and objs[0]["run_id"].startswith("r-")
+    seqs = [o["seq"] for o in objs[1:-1]]
+    assert seqs == list(range(1, len(STEPS) + 3))
+    assert objs[-1] == {"end": True, "run_id": objs[0]["run_id"], "state": "completed", "last_seq": seqs[-1]}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "expected a TASK"),
+        (["--spec", "/nonexistent/spec.json"], "cannot read spec file"),
+        (["x", "--script", "/nonexistent/script.json"], "does not exist"),
+        (["x", "--mcp-config", "/nonexistent/mcp.json"], "cannot read mcp config"),
+    ],
+)
+def test_spawn_user_errors_are_one_line_and_exit_2(server: ServerThread, args: list[str], message: str) -> None:
+    res = run(server, "spawn", *args)
+    assert res.exit_code == ExitCode.USAGE
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: ") and message in res.stderr
+    assert not server.backend.spawns
+
+
+def test_a_spec_the_daemon_refuses_exits_5(server: ServerThread, tmp_path: Path) -> None:
+    res = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "x", "model": "gpt"}))
+    assert res.exit_code == ExitCode.REFUSED
+    assert res.stderr.startswith("error: the daemon refused the spec: model")
+
+
+def test_build_spec_reads_claude_desktop_mcp_files_and_merges_options(tmp_path: Path) -> None:
+    mcp = tmp_path / "mcp.json"
+    mcp.write_text(json.dumps({"mcpServers": {"fs": {"command": "npx", "args": ["fs"]}}}))
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"task": "old", "model": {"provider": "openai", "name": "a"}, "limits": {"deadline_s": 5}}))
+    spec = build_spec("new", spec_file=spec_file, model="b", mcp_config=mcp, browser=True, max_steps=4)
+    assert spec == {
+        "task": "new",
+        "model": {"provider": "openai", "name": "b"},
+        "limits": {"deadline_s": 5, "max_steps": 4},
+        "mcpServers": {"fs": {"command": "npx", "args": ["fs"]}},
+        "browser": True,
+    }
+
+
+def test_build_spec_refuses_an_mcp_file_without_mcp_servers(tmp_path: Path) -> None:
+    from supervisor.cli import CliError
+
+    mcp = tmp_path / "mcp.json"
+    mcp.write_text(json.dumps({"servers": {}}))
+    with pytest.raises(CliError) as info:
+        build_spec("t", mcp_config=mcp)
+    assert info.value.exit_code == ExitCode.USAGE and "mcpServers" in info.value.message
+
+
+# --------------------------------------------------------------------------- watch and logs
+
+
+def test_watch_resumes_after_a_dropped_connection_printing_each_event_once(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = server.backend
+    run_id = server.call(b.add_run)
+    for kind, data in STEPS:
+        server.call(b.emit, run_id, kind, data)
+    real_recv = client_mod._WebSocket.recv_text
+    seen = {"events": 0}
+
+    def drop_after_the_second_event(self: Any, timeout_s: float | None) -> str:
+        msg = real_recv(self, timeout_s)
+        if '"op":"event"' in msg:
+            seen["events"] += 1
+            if seen["events"] == 2:
+                self._sock.shutdown(socket.SHUT_RDWR)  # the network drops us mid-stream
+                server.call(b.emit, run_id, "log", {"message": "while you were away"})
+                server.call(b.finish, run_id, "cancelled")
+        return msg
+
+    monkeypatch.setattr(client_mod._WebSocket, "recv_text", drop_after_the_second_event)
+    res = run(server, "watch", run_id)
+    assert res.exit_code == ExitCode.RUN_CANCELLED, res.output
+    seqs = [int(line.split()[0][1:]) for line in res.stdout.splitlines() if line.startswith("#")]
+    assert seqs == list(range(1, len(STEPS) + 4))
+    assert "while you were away" in res.stdout
+    assert "connection to the daemon dropped; resumed after #" in res.stderr
+    assert b.cancels == []
+
+
+def test_watch_of_a_live_run_ends_at_its_terminal_state(server: ServerThread, tmp_path: Path) -> None:
+    spawned = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": "fails"}))
+    run_id = spawned.stdout.strip()
+    res = run(server, "watch", run_id)
+    assert res.exit_code == ExitCode.RUN_FAILED
+    assert res.stdout.splitlines()[-1] == f"run {run_id} failed"
+
+
+def test_logs_prints_the_journal_and_json_lines(server: ServerThread) -> None:
+    b = server.backend
+    run_id = server.call(b.add_run)
+    server.call(b.emit, run_id, "log", {"level": "warning", "message": "disk almost full"})
+    res = run(server, "logs", run_id)
+    assert res.exit_code == 0
+    assert "[warning] disk almost full" in res.stdout and "state: running" in res.stdout
+    res = run(server, "--json", "logs", run_id, "--after", "1")
+    assert [json.loads(line)["seq"] for line in res.stdout.splitlines()] == [2]
+
+
+def test_logs_follow_continues_until_the_end(server: ServerThread, tmp_path: Path) -> None:
+    spawned = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": "ok"}))
+    res = run(server, "logs", "-f", spawned.stdout.strip())
+    assert res.exit_code == 0 and "state: completed" in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("event", "line"),
+    [
+        ({"seq": 3, "kind": "state", "data": {"state": "cancelling", "reason": "user"}}, "state: cancelling (user)"),
+        ({"seq": 4, "kind": "process_group", "data": {"pgid": 77, "kind": "mcp_server", "name": "browser", "alive": False}},
+         "process group 77 (mcp_server browser) ended"),
+        ({"seq": 5, "kind": "stop_requested", "data": {"reason": "signal", "during": "tool"}}, "stop requested (signal, during tool)"),
+        ({"seq": 6, "kind": "something_new", "data": {"a": 1}}, 'something_new {"a": 1}'),
+    ],
+)
+def test_format_event_makes_one_readable_line(event: dict[str, Any], line: str) -> None:
+    text = format_event({**event, "ts": 0})
+    assert text.endswith(line) and text.startswith(f"#{event['seq']}") and "\n" not in text
+
+
+# --------------------------------------------------------------------------- cancel, status, list
+
+
+def test_cancel_prints_was_active_and_the_terminal_state(server: ServerThread) -> None:
+    run_id = server.call(server.backend.add_run)
+    res = run(server, "cancel", run_id)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == f"{run_id}: stop sent (was active); cancelled"
+    res = run(server, "--json", "cancel", run_id)
+    assert json.loads(res.stdout) == {"run_id": run_id, "was_active": False, "state": "cancelled"}
+    res = run(server, "cancel", run_id)
+    assert res.stdout.strip() == f"{run_id}: was not active (state: cancelled)"
+    assert server.backend.cancels == [(run_id, "user")] * 3
+
+
+def test_cancel_no_wait_and_cancel_by_session(server: ServerThread) -> None:
+    a = server.call(server.backend.add_run, session_id="s9")
+    res = run(server, "--json", "cancel", "--session", "s9", "--reason", "stop button")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["was_active"] is True and out["final"] == {a: "cancelled"}
+    assert server.backend.cancels == [(a, "stop button")]
+    res = run(server, "cancel")
+    assert res.exit_code == ExitCode.USAGE
+
+
+def test_status_of_a_run_and_of_the_daemon(server: ServerThread) -> None:
+    run_id = server.call(server.backend.add_run, {"task": "summarise the logs"})
+    res = run(server, "status", run_id)
+    assert res.exit_code == 0
+    assert any(line.split() == ["state", "running"] for line in res.stdout.splitlines())
+    assert "summarise the logs" in res.stdout
+    res = run(server, "status")
+    assert res.exit_code == 0
+    assert res.stdout.startswith("agentd ") and "1 live run:" in res.stdout and run_id in res.stdout
+    res = run(server, "--json", "status", run_id)
+    assert json.loads(res.stdout)["state"] == "running"
+
+
+def test_list_shows_a_table_and_filters(server: ServerThread) -> None:
+    b = server.backend
+    live = server.call(b.add_run, {"task": "one"}, session_id="s1")
+    done = server.call(b.add_run, {"task": "two"})
+    server.call(b.finish, done, "completed")
+    res = run(server, "list")
+    lines = res.stdout.splitlines()
+    assert lines[0].split() == ["RUN", "STATE", "SESSION", "CREATED", "TASK"]
+    assert lines[1].split()[:3] == [done, "completed", "-"] and lines[2].split()[:3] == [live, "running", "s1"]
+    res = run(server, "--json", "list", "--state", "running")
+    assert [r["run_id"] for r in json.loads(res.stdout)["runs"]] == [live]
+    res = run(server, "list", "--session", "nobody")
+    assert res.stdout.strip() == "no runs"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_no_daemon_says_how_to_start_one_and_exits_3(tmp_path: Path) -> None:
+    res = run(tmp_path, "status")
+    assert res.exit_code == ExitCode.NO_DAEMON
+    assert res.stderr.startswith("error: no agentd daemon is running") and "agentd serve" in res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.output
+
+
+def test_the_state_dir_comes_from_the_environment(server: ServerThread) -> None:
+    res = CliRunner(env={"AGENTD_STATE_DIR": str(server.config.state_dir)}).invoke(cli, ["status"])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("command", [["status", "r-nope"], ["cancel", "r-nope"], ["watch", "r-nope"], ["logs", "r-nope"]])
+def test_an_unknown_run_exits_4_with_one_line(server: ServerThread, command: list[str]) -> None:
+    res = run(server, *command)
+    assert res.exit_code == ExitCode.NOT_FOUND
+    assert res.stderr == "error: no run with id 'r-nope'\n"
+
+
+def test_a_wrong_token_exits_5(tmp_path: Path) -> None:
+    with ServerThread(tmp_path, fixed_token="the-servers-token") as srv:
+        res = run(srv, "status")  # the CLI presents the token file's, another one
+    assert res.exit_code == ExitCode.REFUSED and "refused the connection (http 401" in res.stderr
+
+
+def test_serve_with_an_unreadable_config_file_exits_2(tmp_path: Path) -> None:
+    res = run(tmp_path, "serve", "--config", str(tmp_path / "missing.toml"))
+    assert res.exit_code == ExitCode.USAGE and res.stderr.startswith("error: config config_file")
