@@ -109,6 +109,7 @@ class Container:
     root: Path
     workdir: Path  # host dir for nspawn's log and notify socket
     binds_ro: Sequence[Path] = field(default_factory=read_only_binds)
+    extra_args: Sequence[str] = ()  # more systemd-nspawn options
     name: str = field(default_factory=lambda: f"agentd-test-{uuid.uuid4().hex[:8]}")
     proc: subprocess.Popen[bytes] | None = None
     leader: int | None = None  # the container's PID 1, as seen from the host
@@ -135,6 +136,7 @@ class Container:
                 "--volatile=overlay", "--private-network", "--console=read-only",
                 "--notify-ready=yes", "--link-journal=no",
                 *[f"--bind-ro={p}" for p in self.binds_ro],
+                *self.extra_args,
             ]
             argv = self._in_own_cgroup(argv)
             env = {"PATH": os.environ.get("PATH", CONTAINER_PATH), "NOTIFY_SOCKET": str(notify_path)}

@@ -14,23 +14,18 @@ installed by scripts/install-systemd.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from tests.systemd.container import CHECKOUT, Container, python_in_container
+from tests.systemd.agentd_support import (
+    INSTALL, STATE_DIR, TIMEOUT_STOP_S, UNIT, call, container_processes, install, poll,
+    require_daemon, stop_and_check, stored_run,
+)
+from tests.systemd.container import Container
 
 pytestmark = pytest.mark.systemd
-
-INSTALL = str(CHECKOUT / "scripts" / "install-systemd")
-CLIENT = str(CHECKOUT / "tests" / "systemd" / "control_client.py")
-STATE_DIR = "/var/lib/agentd"
-UNIT = "agentd.service"
-GRACE_S = 5  # install-systemd --grace 5: TimeoutStopSec=25s
-TIMEOUT_STOP_S = GRACE_S + 20
 
 GATE_DIR = "/run/agentd-test-gate"
 GATE = f"""\
@@ -43,7 +38,7 @@ if not os.environ.get("AGENTD_TEST_GATE_PASSED"):
         f.read()
 """
 
-LONG_RUN_SPEC: dict[str, Any] = {
+LONG_RUN_SPEC = {
     "task": "sleep for a long time",
     "model": {
         "provider": "scripted",
@@ -52,17 +47,11 @@ LONG_RUN_SPEC: dict[str, Any] = {
 }
 
 
-def daemon_landed() -> bool:
-    return (CHECKOUT / "supervisor" / "cli.py").exists()
-
-
 @pytest.fixture(scope="module")
 def agentd(container: Container) -> Container:
-    if not daemon_landed():
-        pytest.skip("agentd serve has not landed yet (supervisor/cli.py)")
-    c = container
-    c.run([INSTALL, "--grace", str(GRACE_S)])
-    return c
+    require_daemon()
+    install(container)
+    return container
 
 
 @pytest.fixture
@@ -71,34 +60,6 @@ def service(agentd: Container) -> Iterator[Container]:
     yield agentd
     agentd.systemctl("stop", UNIT, check=False, timeout_s=TIMEOUT_STOP_S + 10)
     agentd.systemctl("reset-failed", UNIT, check=False)
-
-
-def call(c: Container, op: str, **args: Any) -> dict[str, Any]:
-    r = c.run([python_in_container(), CLIENT, "call", STATE_DIR, op, json.dumps(args)])
-    reply = json.loads(r.stdout)
-    assert reply.get("ok") is True, reply
-    return reply["result"]
-
-
-def stored_run(c: Container, run_id: str) -> dict[str, Any]:
-    return json.loads(c.run([python_in_container(), CLIENT, "run", STATE_DIR, run_id]).stdout)
-
-
-def container_processes(c: Container, *needles: str) -> list[str]:
-    """Command lines of processes inside the container that contain any of the needles."""
-    out = c.run(["ps", "-eo", "pid=,args="]).stdout.splitlines()
-    return [line.strip() for line in out if any(n in line for n in needles) and "ps -eo" not in line]
-
-
-def poll(what: str, fn: Any, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_start_is_active_only_after_ready(service: Container) -> None:
@@ -145,21 +106,10 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
     poll("STATUS= to count the run",
          lambda: "1 live run" in c.show(UNIT, "StatusText")["StatusText"], timeout_s=15)
 
-    t0 = time.monotonic()
-    c.systemctl("stop", UNIT, timeout_s=TIMEOUT_STOP_S + 10)
-    took = time.monotonic() - t0
-
-    s = c.show(UNIT, "ActiveState", "Result", "ExecMainStatus", "ExecMainCode")
-    assert (s["ActiveState"], s["Result"], s["ExecMainStatus"]) == ("inactive", "success", "0"), (
-        s, c.journal(UNIT))
-    assert took < TIMEOUT_STOP_S
+    stop_and_check(c)
     run = stored_run(c, run_id)
     assert run["state"] == "cancelled", run
     assert container_processes(c, "sleep 600", "subagent.runner", "agentd serve") == []
-    journal = c.journal(UNIT)
-    # KillMode=mixed: systemd SIGKILLs what the daemon left behind, and says so.
-    assert "Killing process" not in journal, journal
-    assert "left-over process" not in journal, journal
 
 
 def test_watchdog_keeps_the_service_up_over_three_periods(service: Container) -> None:
