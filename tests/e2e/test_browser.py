@@ -35,6 +35,8 @@ pytestmark = pytest.mark.chromium
 # Between the daemon's SIGTERM and SIGKILL of a run's tree: short, so the SIGSTOP and
 # wedged-browser cases escalate quickly (seconds).
 GRACE_S = 2.0
+# How long after the terminal fact the run dir may take to disappear (seconds).
+RUN_DIR_GONE_S = 10.0
 # Bounds one whole scenario, browser start-ups included (seconds; 2 cores, 5 browsers).
 SCENARIO_S = 120.0
 
@@ -44,18 +46,27 @@ class Daemon:
         self.m = manager
         self.config = config
 
-    def run_dir(self, run_id: str) -> Path:
-        return self.config.run_root / run_id
+    async def run_dir(self, run_id: str) -> Path:
+        """The run's own directory, as the daemon recorded it (named by run or tree id)."""
+        status = await self.m.status(run_id)
+        assert status.get("run_dir"), f"no run dir recorded yet: {status!r}"
+        return Path(status["run_dir"])
+
+
+@pytest.fixture(params=["auto"])
+def cgroups(request: pytest.FixtureRequest) -> str:
+    """The daemon's containment: "auto" (a cgroup where it can make one) or "off"."""
+    return str(request.param)
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Daemon]:
+async def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroups: str) -> AsyncIterator[Daemon]:
     bs.require_browser()
     conftest.require(bs.runner_available(), "subagent.runner")
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
     config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=GRACE_S, environ={}
+        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=GRACE_S, cgroups=cgroups, environ={}
     )
     stop = trio.Event()
     async with trio.open_nursery() as n:
@@ -87,6 +98,10 @@ async def _assert_nothing_left(mark: str, run_dirs: list[Path]) -> None:
     for d in run_dirs:
         frags += [str(d), str(browser.browser_tmpdir(d))]
     await trio.to_thread.run_sync(bs.wait_no_browser_left, mark, frags)
+    # The daemon writes the terminal fact first, then removes the run dir.
+    with trio.move_on_after(RUN_DIR_GONE_S):
+        while any(d.exists() for d in run_dirs):
+            await trio.sleep(0.05)
     for d in run_dirs:
         assert not d.exists(), f"run dir {d} is still there: {sorted(p.name for p in d.rglob('*'))[:20]}"
         link = browser.browser_tmpdir(d)
@@ -106,7 +121,7 @@ async def test_a_scripted_run_reads_a_local_page_and_completes(daemon: Daemon, n
     assert st["state"] == "completed", st
     assert "tangerine-42" in st["result"]["final_text"]
     assert not st["partial"]
-    await _assert_nothing_left(no_process_left_behind, [daemon.run_dir(r["run_id"])])
+    await _assert_nothing_left(no_process_left_behind, [await daemon.run_dir(r["run_id"])])
 
 
 async def test_cancelled_while_the_browser_is_open(daemon: Daemon, no_process_left_behind: str) -> None:
@@ -115,7 +130,7 @@ async def test_cancelled_while_the_browser_is_open(daemon: Daemon, no_process_le
         with trio.fail_after(SCENARIO_S):
             r = await daemon.m.spawn(spec)
             assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)
-            run_dir = daemon.run_dir(r["run_id"])
+            run_dir = await daemon.run_dir(r["run_id"])
             assert _browser_processes_of(run_dir), "the browser should be open now"
             c = await daemon.m.cancel(r["run_id"])
             assert c["was_active"] is True
@@ -127,6 +142,7 @@ async def test_cancelled_while_the_browser_is_open(daemon: Daemon, no_process_le
     assert again["was_active"] is False
 
 
+@pytest.mark.parametrize("cgroups", ["auto", "off"], indirect=True)
 @pytest.mark.parametrize("fault", ["browser_sigstopped", "runner_sigkilled"])
 async def test_cancel_after_a_fault_still_leaves_nothing(
     daemon: Daemon, no_process_left_behind: str, fault: str
@@ -136,7 +152,7 @@ async def test_cancel_after_a_fault_still_leaves_nothing(
         with trio.fail_after(SCENARIO_S):
             r = await daemon.m.spawn(spec)
             assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)
-            run_dir = daemon.run_dir(r["run_id"])
+            run_dir = await daemon.run_dir(r["run_id"])
             procs = _browser_processes_of(run_dir)
             assert procs
             if fault == "browser_sigstopped":
@@ -149,6 +165,8 @@ async def test_cancel_after_a_fault_still_leaves_nothing(
                 os.kill(status["pid"], signal.SIGKILL)
             await daemon.m.cancel(r["run_id"])
             st = await daemon.m.wait_terminal(r["run_id"])
+    if daemon.config.cgroups == "off":
+        assert st.get("containment") != "cgroup", st.get("containment")
     if fault == "browser_sigstopped":
         assert st["state"] == "cancelled", st
         assert "tangerine-42" in _partial_text(st)
@@ -182,4 +200,4 @@ async def test_five_browser_runs_cancelled_together(daemon: Daemon, no_process_l
     for run_id in ids:
         row = await daemon.m.journal.get_run(run_id)
         assert row is not None and row["state"] == "cancelled"
-    await _assert_nothing_left(no_process_left_behind, [daemon.run_dir(i) for i in ids])
+    await _assert_nothing_left(no_process_left_behind, [await daemon.run_dir(i) for i in ids])
