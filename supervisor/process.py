@@ -24,16 +24,14 @@ The only module that sends signals (killpg, pidfd_send_signal, ``cgroup.kill``, 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeAlias, final
+from typing import Any, Final
 
 import psutil
 import trio
@@ -52,6 +50,8 @@ from supervisor.containment import (
     scan_processes,
     tree_members,
 )
+from supervisor._drain import DRAIN_AFTER_EXIT_S, drain_bounded
+from supervisor._tree import AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
 from supervisor.errors import SpawnError
 
 __all__ = [
@@ -77,8 +77,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# After the runner exits, how long its pipes are still read: a descendant may hold them.
-DRAIN_AFTER_EXIT_S: Final = 2.0
 # terminate_and_kill's own deadline is grace_s + this: it bounds the kill, death and reap
 # waits below together, so the routine ends even if the kernel misbehaves.
 TERMINATE_MARGIN_S: Final = 5.0
@@ -93,106 +91,6 @@ WINDOWS_KILL_WAIT_S: Final = 5.0
 START_TIME_TOLERANCE_S: Final = 1.0
 
 _POSIX: Final = os.name == "posix"
-
-
-# ----------------------------------------------------------------------------- trees
-
-
-@dataclass(eq=False)
-class _TreeBase:
-    tree_id: str
-    pid: int  # the runner, leader of its session and group
-    pgid: int  # == pid, recorded at spawn; never asked of the kernel later
-    start_time: float  # psutil create_time of the leader: identity across a daemon restart
-    cgroup: Path | None
-    containment: str  # "cgroup", "subreaper+sweep" or "group"
-    # Known process groups (the runner's, and those its PROCESS_GROUP events name), each
-    # with the start ticks of its leader when we learned of it (None: leader already gone).
-    groups: dict[int, int | None] = field(default_factory=dict)
-    _leader_ticks: int | None = None
-
-    def add_group(self, pgid: int) -> None:
-        """Remember another process group of this tree (an MCP server, a command)."""
-        if pgid <= 1 or pgid in self.groups:
-            return
-        leader = read_proc(pgid)
-        self.groups[pgid] = leader.start_ticks if leader is not None and leader.pgid == pgid else None
-
-    @property
-    def leader_reaped(self) -> bool:
-        return False
-
-
-@final
-@dataclass(eq=False)
-class Tree(_TreeBase):
-    """A tree this daemon spawned; ``process`` is Trio's handle on the runner (its pipes too)."""
-
-    process: trio.Process = field(kw_only=True)
-
-    @property
-    def leader_reaped(self) -> bool:
-        """Trio has waited for the runner. Reads /proc, not Trio: callable from any thread."""
-        p = read_proc(self.pid)
-        return p is None or p.start_ticks != self._leader_ticks
-
-
-@final
-@dataclass(eq=False)
-class AdoptedTree(_TreeBase):
-    """A tree found again after a daemon restart: no pipes, no exit status."""
-
-
-AnyTree: TypeAlias = Tree | AdoptedTree
-
-
-@dataclass(frozen=True, slots=True)
-class Found:
-    """What ``find_tree`` saw: the tree (usable with every stop routine) and its state."""
-
-    tree: AdoptedTree
-    leader_alive: bool  # the recorded pid still runs and is provably the same process
-    members: list[int]  # live members, the leader included when alive
-
-
-@dataclass(frozen=True, slots=True)
-class SignalSent:
-    signal: str  # "SIGTERM", "SIGKILL", "cgroup.kill", "taskkill", "taskkill /F"
-    target: str  # "group", "pid", "cgroup", "tree"
-    id: str  # pgid, pid or cgroup path
-    at_s: float  # seconds after the routine started
-    result: str  # "sent", "gone" (ESRCH/ENOENT), "eperm" (maybe alive), or an error text
-    what: str = ""  # the process's command line, for pid targets
-
-
-@dataclass(slots=True)
-class StopReceipt:
-    """What path B did and saw. ``to_dict()`` is JSON-ready.
-
-    Times: ``started_at`` and ``tree_dead_at`` are on the Trio clock (``trio.current_time``);
-    ``at_s``, ``waited_s`` and ``tree_dead_after_s`` are seconds after ``started_at``.
-    """
-
-    tree_id: str
-    pid: int
-    pgid: int
-    containment: str
-    cgroup: str | None
-    grace_s: float  # the grace asked for
-    started_at: float
-    waited_s: float = 0.0  # SIGTERM to SIGKILL (or to the runner's exit): the effective grace
-    escalated: bool = False  # the runner outlived the grace and was SIGKILLed
-    leader: str = "unknown"  # "exited" in the grace, "killed", "gone" before we started
-    signals: list[SignalSent] = field(default_factory=list)
-    killed: list[dict[str, Any]] = field(default_factory=list)  # members SIGKILLed by pid
-    tree_dead_at: float | None = None
-    tree_dead_after_s: float | None = None
-    survivors: list[dict[str, Any]] = field(default_factory=list)  # pid + cmdline
-    reaped: list[int] = field(default_factory=list)  # adopted zombies reaped here
-    timed_out: bool = False  # the routine's own deadline ended it
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # ----------------------------------------------------------------------------- spawn
@@ -256,9 +154,9 @@ async def spawn_tree(
         cgroup=cgroup,
         containment=label,
         process=proc,
-        _leader_ticks=leader.start_ticks if leader is not None else None,
+        leader_ticks=leader.start_ticks if leader is not None else None,
     )
-    tree.groups[tree.pgid] = tree._leader_ticks
+    tree.groups[tree.pgid] = tree.leader_ticks
     if containment is not None:
         containment.track(tree)
     logger.debug("tree %s: spawned pid %d (%s) containment %s", tree_id, proc.pid, argv[0], label)
@@ -406,17 +304,17 @@ def _leader_alive(tree: AnyTree) -> bool:
     # /proc, not Trio's returncode (which polls and needs the Trio thread). A spawned
     # runner's pid cannot be reused before Trio reaps it; a re-adopted one must match the
     # start time we proved.
-    if tree._leader_ticks is None:  # not provably the recorded process
+    if tree.leader_ticks is None:  # not provably the recorded process
         return False
     p = read_proc(tree.pid)
-    return p is not None and not p.dead and p.start_ticks == tree._leader_ticks
+    return p is not None and not p.dead and p.start_ticks == tree.leader_ticks
 
 
 def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
     members = tree_members(tree.tree_id, groups=_live_groups(tree), cgroup=tree.cgroup, procs=procs)
-    if tree._leader_ticks is not None:
+    if tree.leader_ticks is not None:
         lead = members.get(tree.pid)
-        if lead is not None and lead.start_ticks != tree._leader_ticks:
+        if lead is not None and lead.start_ticks != tree.leader_ticks:
             del members[tree.pid]
     return members
 
@@ -711,11 +609,11 @@ def find_tree(
         start_time=start_time if start_time is not None else 0.0,
         cgroup=path,
         containment=label,
-        _leader_ticks=leader.start_ticks if alive and leader is not None else None,
+        leader_ticks=leader.start_ticks if alive and leader is not None else None,
     )
     # The runner's group: signalled only while its leader is provably the recorded runner
     # or gone with the group leaderless (see _live_groups).
-    tree.groups[pid] = tree._leader_ticks
+    tree.groups[pid] = tree.leader_ticks
     for g in groups:
         tree.add_group(g)
     members = sorted(p.pid for p in _members(tree, scan_processes()).values() if not p.dead)
@@ -736,53 +634,3 @@ async def kill_orphaned_tree(
         lambda: find_tree(tree_id, pid=pid, start_time=start_time, cgroup=cgroup, groups=groups)
     )
     return await terminate_and_kill(found.tree, grace_s=grace_s)
-
-
-# ----------------------------------------------------------------------------- pipes
-
-
-class _Exits(Protocol):
-    async def wait(self) -> object: ...
-
-
-
-async def drain_bounded(
-    stream: trio.abc.ReceiveStream,
-    sink: Callable[[bytes], Awaitable[object]],
-    *,
-    process: _Exits,
-    after_exit_s: float = DRAIN_AFTER_EXIT_S,
-) -> bool:
-    """Read ``stream`` into ``sink`` until EOF, or until ``after_exit_s`` after ``process`` exits.
-
-    A descendant that inherited the pipe can hold it open long after the runner is gone;
-    this bounds how long that can keep a run from ending. Closes the stream when cut.
-
-    Returns:
-        True if EOF was reached, False if reading was cut off after the bound.
-    """
-    eof = False
-    async with trio.open_nursery() as nursery:
-
-        async def read() -> None:
-            nonlocal eof
-            try:
-                while chunk := await stream.receive_some():
-                    await sink(chunk)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            eof = True
-            nursery.cancel_scope.cancel(reason="pipe reached eof")
-
-        async def cut() -> None:
-            await process.wait()
-            await trio.sleep(after_exit_s)
-            nursery.cancel_scope.cancel(reason=f"pipe still open {after_exit_s} s after the process exited")
-
-        nursery.start_soon(read)
-        nursery.start_soon(cut)
-    if not eof:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
-    return eof
-

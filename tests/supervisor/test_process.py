@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -295,7 +296,7 @@ async def test_soft_stop_reaches_known_groups_once_the_runner_is_gone(make_conta
     )
     tree = await spawn_argv([sys.executable, "-c", code], c)
     helper = int(await read_line(tree))
-    tree.add_group(helper)
+    assert tree.add_group(helper)
     with trio.fail_after(5):
         await tree.process.wait()
     ident = identities({"helper": helper})
@@ -306,6 +307,28 @@ async def test_soft_stop_reaches_known_groups_once_the_runner_is_gone(make_conta
     assert running(ident) == {}
     with trio.fail_after(5):
         await process.terminate_and_kill(tree, grace_s=GRACE_S)
+
+
+async def test_a_reported_group_that_is_not_the_trees_is_refused(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_ignore_term.py", containment=c)
+    assert await read_line(tree) == b"ready"
+    stranger = await trio.lowlevel.open_process(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert not tree.add_group(stranger.pid)  # no marker, no cgroup: not ours
+        assert not tree.add_group(os.getpgrp())  # never the daemon's own group
+        assert not tree.add_group(1)
+        assert set(tree.groups) == {tree.pgid}
+        with trio.fail_after(GRACE_S + 5):
+            await process.terminate_and_kill(tree, grace_s=0)
+        assert stranger.returncode is None and stranger.poll() is None
+    finally:
+        assert stranger.stdin is not None
+        await stranger.stdin.aclose()
+        with trio.fail_after(5):
+            await stranger.wait()
 
 
 # ----------------------------------------------------------------------------- spawn
