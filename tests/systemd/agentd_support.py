@@ -14,6 +14,7 @@ from tests.systemd.container import CHECKOUT, Container, python_in_container
 T = TypeVar("T")
 
 INSTALL = str(CHECKOUT / "scripts" / "install-systemd")
+AGENTD = str(CHECKOUT / ".venv" / "bin" / "agentd")
 CLIENT = str(CHECKOUT / "tests" / "systemd" / "control_client.py")
 STATE_DIR = "/var/lib/agentd"
 UNIT = "agentd.service"
@@ -37,6 +38,12 @@ def call(c: Container, op: str, **args: Any) -> dict[str, Any]:
     reply = json.loads(r.stdout)
     assert reply.get("ok") is True, reply
     return reply["result"]
+
+
+def cli(c: Container, *args: str, input: str | None = None) -> Any:
+    """`agentd --json ARGS` inside the container (the checkout's venv); its JSON output."""
+    r = c.run([AGENTD, "--json", *args], input=input, env={"AGENTD_STATE_DIR": STATE_DIR})
+    return json.loads(r.stdout)
 
 
 def stored_run(c: Container, run_id: str) -> dict[str, Any]:

@@ -14,13 +14,14 @@ installed by scripts/install-systemd.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.systemd.agentd_support import (
-    INSTALL, STATE_DIR, TIMEOUT_STOP_S, UNIT, call, container_processes, install, poll,
+    INSTALL, STATE_DIR, TIMEOUT_STOP_S, UNIT, call, cli, container_processes, install, poll,
     require_daemon, stop_and_check, stored_run,
 )
 from tests.systemd.container import Container
@@ -96,10 +97,12 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
     c = service
     c.systemctl("start", UNIT, timeout_s=60)
     assert c.show(UNIT, "TimeoutStopUSec")["TimeoutStopUSec"] == f"{TIMEOUT_STOP_S}s"
-    run_id = call(c, "spawn", spec=LONG_RUN_SPEC)["run_id"]
+    c.write("/run/agentd-test/long-run.json", json.dumps(LONG_RUN_SPEC))
+    run_id = cli(c, "spawn", "--spec", "/run/agentd-test/long-run.json")["run_id"]
 
-    # Seen running: the store says so and the tool's command is a live process.
-    poll("the run to be running", lambda: call(c, "status", run_id=run_id)["state"] == "running")
+    # Seen running: the daemon says so (CLI and control socket) and the tool's command is a
+    # live process.
+    poll("the run to be running", lambda: cli(c, "status", run_id)["state"] == "running")
     poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
     status = call(c, "status")
     assert [r["id"] for r in status["live_runs"]] == [run_id]
