@@ -140,6 +140,14 @@ class _WebSocket:
                 name, _, value = line.partition(":")
                 reply_headers[name.strip().lower()] = value.strip()
             if status in (401, 403):
+                # The reason may follow the headers in a later segment: read what was announced.
+                length = reply_headers.get("content-length", "0")
+                want = min(int(length), 4096) if length.isdigit() else 0
+                while len(rest) < want:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    rest += chunk
                 body = rest.decode("utf-8", "replace").strip()
                 raise Unauthorized(status, f"the daemon refused the connection (http {status}: {body or 'no reason'})")
             if status != 101:
