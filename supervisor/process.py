@@ -31,7 +31,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import psutil
 import trio
@@ -67,6 +67,7 @@ __all__ = [
     "spawn_tree",
     "soft_stop",
     "terminate_and_kill",
+    "wait_leader",
     "alive_members",
     "wait_tree_gone",
     "find_tree",
@@ -91,6 +92,8 @@ WINDOWS_KILL_WAIT_S: Final = 5.0
 START_TIME_TOLERANCE_S: Final = 1.0
 
 _POSIX: Final = os.name == "posix"
+
+T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------- spawn
@@ -207,6 +210,12 @@ def _rmdir_quietly(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- signals
+
+
+async def _blocking(fn: Callable[..., T], *args: Any) -> T:
+    """Run a /proc scan off the Trio thread (a seam: clock-driven tests run it inline)."""
+    return await trio.to_thread.run_sync(fn, *args)
+
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> str:
@@ -402,7 +411,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
     if _leader_alive(tree):
         record("SIGTERM", "group", tree.pgid, _killpg(tree.pgid, signal.SIGTERM))
         with trio.move_on_after(grace_s):
-            await _wait_leader(tree)
+            await wait_leader(tree)
         r.waited_s = round(at(), 4)
         if _leader_alive(tree):
             r.escalated = True
@@ -422,7 +431,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
     # Kill phase: every mechanism once, then re-sweep until nothing of the tree runs.
     # Members are noted first, while they still show marker and cgroup, so that their
     # zombies can be told from Trio's children afterwards.
-    seen_before = {p.pid: p.start_ticks for p in (await trio.to_thread.run_sync(_members, tree)).values()}
+    seen_before = {p.pid: p.start_ticks for p in (await _blocking(_members, tree)).values()}
     if tree.cgroup is not None:
         record("cgroup.kill", "cgroup", tree.cgroup, _cgroup_kill(tree.cgroup))
     for g in _live_groups(tree):
@@ -432,7 +441,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
     leftovers_logged = False
     with trio.move_on_after(KILL_WAIT_S):
         while True:
-            members = await trio.to_thread.run_sync(_members, tree)
+            members = await _blocking(_members, tree)
             seen.update((p.pid, p.start_ticks) for p in members.values())
             alive = [p for p in members.values() if not p.dead]
             if not alive:
@@ -465,11 +474,11 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
         with trio.move_on_after(KILL_WAIT_S):
             await tree.process.wait()
     # Never the runner: Trio reaps its own child (and a re-adopted runner is not ours).
-    r.reaped = await trio.to_thread.run_sync(lambda: reap_adopted_zombies(seen=seen, exclude={tree.pid}))
+    r.reaped = await _blocking(lambda: reap_adopted_zombies(seen=seen, exclude={tree.pid}))
 
 
-async def _wait_leader(tree: AnyTree) -> None:
-    """Return when the runner has exited; callers bound it with a deadline."""
+async def wait_leader(tree: AnyTree) -> None:
+    """Return when the runner has exited (a re-adopted one too); bound it with a deadline."""
     if isinstance(tree, Tree):
         await tree.process.wait()
         return
@@ -487,6 +496,9 @@ async def _wait_leader(tree: AnyTree) -> None:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+_wait_leader = wait_leader  # the old private name, still used by runs.py
 
 
 async def _windows_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> None:
@@ -536,7 +548,7 @@ def alive_members(tree: AnyTree) -> list[int]:
 async def wait_tree_gone(tree: AnyTree, timeout: float) -> bool:
     """Wait until no member of the tree runs; False if some still did after ``timeout``."""
     with trio.move_on_after(timeout):
-        while await trio.to_thread.run_sync(alive_members, tree):
+        while await _blocking(alive_members, tree):
             await trio.sleep(POLL_S)
         return True
     return False

@@ -167,6 +167,7 @@ async def test_a_runner_that_honours_sigterm_exits_in_the_grace_without_escalati
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=10)
     assert not receipt.escalated
+    assert process.soft_stop(tree) == [f"SIGTERM group {tree.pgid}: gone"]
     assert receipt.leader == "exited"
     assert receipt.waited_s < 10
     assert tree.process.returncode == -signal.SIGTERM
@@ -349,6 +350,21 @@ async def test_the_leader_is_in_its_cgroup_before_it_runs_a_single_instruction(
         await tree.process.wait()
     assert f"0::/{tree.cgroup.relative_to(c.root.parent)}".encode() in out  # type: ignore[union-attr]
     assert c.remove(tree) and not tree.cgroup.exists()
+
+
+async def test_a_tree_that_cannot_join_its_cgroup_runs_without_one(
+    make_containment: MakeContainment, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = make_containment(CGROUP)
+    assert c.root is not None
+    monkeypatch.setattr(c, "prepare", lambda tree_id: c.root / "no-such-parent" / tree_id)  # type: ignore[operator]
+    tree = await spawn("tree_ignore_term.py", containment=c)
+    assert await read_line(tree) == b"ready"  # started once more, without the cgroup
+    assert tree.cgroup is None and tree.containment == SUBREAPER_SWEEP
+    assert "could not join cgroup" in caplog.text
+    with trio.fail_after(GRACE_S + 5):
+        receipt = await process.terminate_and_kill(tree, grace_s=0)
+    assert receipt.survivors == [] and receipt.cgroup is None
 
 
 async def test_spawn_sets_marker_session_and_identity(make_containment: MakeContainment) -> None:
