@@ -73,6 +73,22 @@ def read_only_binds() -> list[Path]:
     return out
 
 
+HOSTROOT = "/hostroot"
+
+
+def hostroot_args(extra_paths: Iterable[Path] = (), dest: str = HOSTROOT) -> list[str]:
+    """nspawn options that put a writable, throw-away overlay of the host's root file system
+    at ``dest`` inside the container (plus read-only binds for the paths that live on other
+    file systems). A unit with ``RootDirectory=/hostroot`` then runs the host's own Chromium,
+    node and venv under the container's systemd and the unit's hardening."""
+    args = [f"--overlay=/::{dest}"]
+    root_dev = os.stat("/").st_dev
+    for p in [*read_only_binds(), *extra_paths]:
+        if p.exists() and os.stat(p).st_dev != root_dev:
+            args.append(f"--bind-ro={p}:{dest}{p}")
+    return args
+
+
 def namespace_of(pid: int, ns: str = "pid") -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/{ns}")
