@@ -1,13 +1,11 @@
-"""Containment: where each process tree lives, how to find all its members, and who reaps them.
+"""Containment: where each tree lives, how to find all of it, who reaps what it leaves.
 
-Each tree gets the best layer available, and its label says which one:
-  "cgroup"           a cgroup v2 leaf ``<own cgroup>/agentd-<instance>/<tree_id>``; the final
-                     kill is ``cgroup.kill``, so escapers (setsid, double fork) end too.
-  "subreaper+sweep"  no cgroup: the daemon is a child subreaper (orphans re-parent to it, not
-                     to PID 1) and members are swept from /proc by marker, session/group, ancestry.
-  "group"            neither: process groups plus the marker sweep.
-The sweep also runs on cgroup trees. This module only reads /proc and cgroupfs and reaps
-adopted zombies; it sends no signal (``process.py`` sends them all, ``cgroup.kill`` included).
+Labels, best first: "cgroup" (a leaf ``<own cgroup>/agentd-<instance>/<tree_id>``, ended by
+``cgroup.kill``), "subreaper+sweep" (orphans re-parent to the daemon; members are swept
+from /proc by marker, session/group and ancestry), "group" (groups + marker sweep only).
+API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.track(tree)``, ``.remove(tree)``,
+``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``; and /proc
+readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` included.
 """
 
 # Reaping without stealing. Trio (and any Popen in the daemon) waits for its own children
@@ -32,9 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
+import trio
+
 if TYPE_CHECKING:
+    from supervisor._tree import AnyTree, Tree
     from supervisor.config import Config
-    from supervisor.process import Tree
 
 __all__ = [
     "MARKER_VAR",
@@ -57,6 +57,9 @@ MARKER_VAR: Final = "AGENTD_TREE"
 CGROUP: Final = "cgroup"
 SUBREAPER_SWEEP: Final = "subreaper+sweep"
 GROUP: Final = "group"
+
+# How often Containment.run reaps adopted zombies (a zombie is dead but holds its pid).
+REAP_INTERVAL_S: Final = 1.0
 
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PROC: Final = Path("/proc")
@@ -394,15 +397,42 @@ class Containment:
             self._leaders[tree.pid] = tree
             self._tree_ids.add(tree.tree_id)
 
-    def remove(self, tree: Tree) -> bool:
-        """Forget a finished tree and rmdir its cgroup when empty. True if nothing is left."""
+    def remove(self, tree: AnyTree) -> bool:
+        """Forget a finished tree and rmdir its cgroup when empty. True if nothing is left.
+
+        A re-adopted tree's cgroup sits in an earlier daemon's subtree: that subtree goes
+        too once empty.
+        """
         with self._lock:
             if self._leaders.get(tree.pid) is tree and tree.leader_reaped:
                 del self._leaders[tree.pid]
             self._tree_ids.discard(tree.tree_id)
         if tree.cgroup is None:
             return True
-        return _rmdir_tree(tree.cgroup)
+        ok = _rmdir_tree(tree.cgroup)
+        parent = tree.cgroup.parent
+        if ok and parent != self.root and parent.name.startswith("agentd-"):
+            try:
+                parent.rmdir()
+            except OSError:
+                pass  # other trees of that daemon are still there
+        return ok
+
+    async def run(
+        self,
+        *,
+        interval_s: float = REAP_INTERVAL_S,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Reap adopted zombies every ``interval_s`` until cancelled (a daemon service).
+
+        The first pass is done before ``task_status.started()``.
+        """
+        await trio.to_thread.run_sync(self.reap_adopted)
+        task_status.started()
+        while True:
+            await trio.sleep(interval_s)
+            await trio.to_thread.run_sync(self.reap_adopted)
 
     def reap_adopted(self) -> list[int]:
         """Reap zombie children that were adopted, never one of Trio's. Returns their pids.

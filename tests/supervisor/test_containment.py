@@ -201,3 +201,42 @@ async def test_a_reaping_loop_does_not_steal_trio_run_process_exit_codes(made: l
                 result = await trio.run_process(["sh", "-c", f"exit {code}"], check=False, start_new_session=True)
                 assert result.returncode == code
         done.set()
+
+
+async def test_the_reaping_service_reaps_before_it_reports_started(made: list[Containment]) -> None:
+    c = setup(made, cgroups="off")
+    tree = await process.spawn_tree(
+        [sys.executable, "-c", ADOPTER], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
+    )
+    assert tree.process.stdout is not None and tree.process.stdin is not None
+    out = b""
+    with trio.fail_after(5):
+        while out.count(b"\n") < 2:
+            out += await tree.process.stdout.receive_some()
+        await tree.process.wait()
+    pids = [int(x) for x in out.split()]
+    await tree.process.stdin.aclose()
+    for pid in pids:
+        await exited(pid)
+    daemon = read_proc(pids[1])
+    assert daemon is not None and daemon.dead and daemon.ppid == os.getpid()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.run)
+        assert read_proc(pids[1]) is None  # born in another session: provably adopted
+        nursery.cancel_scope.cancel(reason="test over")
+    c.reap_adopted()
+    for stream in (tree.process.stdout, tree.process.stderr):
+        assert stream is not None
+        await stream.aclose()
+
+
+def test_removing_a_readopted_tree_removes_the_old_daemons_empty_subtree(made: list[Containment]) -> None:
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    assert c.root is not None
+    old = c.root.parent / "agentd-99999997-old"
+    (old / "t-gone").mkdir(parents=True)
+    found = process.find_tree("t-gone", pid=99999, start_time=0.0, cgroup=old / "t-gone")
+    assert not found.leader_alive and found.members == [] and found.tree.cgroup == old / "t-gone"
+    assert c.remove(found.tree)
+    assert not old.exists()
