@@ -92,6 +92,8 @@ WINDOWS_KILL_WAIT_S: Final = 5.0
 START_TIME_TOLERANCE_S: Final = 1.0
 
 _POSIX: Final = os.name == "posix"
+# Linux: identity, sweeps and reaping read /proc. Elsewhere only groups are signalled.
+_HAVE_PROC: Final = os.path.exists("/proc/self/stat")
 
 T = TypeVar("T")
 
@@ -313,6 +315,13 @@ def _leader_alive(tree: AnyTree) -> bool:
     # /proc, not Trio's returncode (which polls and needs the Trio thread). A spawned
     # runner's pid cannot be reused before Trio reaps it; a re-adopted one must match the
     # start time we proved.
+    if not _HAVE_PROC:  # e.g. macOS: ask Trio, or psutil for a re-adopted runner
+        if isinstance(tree, Tree):
+            return tree.process.returncode is None
+        try:
+            return abs(psutil.Process(tree.pid).create_time() - tree.start_time) <= START_TIME_TOLERANCE_S
+        except psutil.Error:
+            return False
     if tree.leader_ticks is None:  # not provably the recorded process
         return False
     p = read_proc(tree.pid)
