@@ -458,7 +458,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
                 r.tree_dead_after_s = round(at(), 4)
                 break
             fresh = [p for p in alive if killed.get(p.pid) != p.start_ticks]
-            if fresh and r.leader == "exited" and not leftovers_logged:
+            if fresh and not r.escalated and not leftovers_logged:
                 leftovers_logged = True
                 logger.warning(
                     "tree %s: %d processes outlived the runner, killing them: %s",
