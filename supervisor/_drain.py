@@ -17,7 +17,6 @@ class _Exits(Protocol):
     async def wait(self) -> object: ...
 
 
-
 async def drain_bounded(
     stream: trio.abc.ReceiveStream,
     sink: Callable[[bytes], Awaitable[object]],
@@ -29,30 +28,34 @@ async def drain_bounded(
 
     A descendant that inherited the pipe can hold it open long after the runner is gone;
     this bounds how long that can keep a run from ending. Closes the stream when cut.
+    An exception from ``sink`` propagates as itself (not in an ExceptionGroup).
 
     Returns:
         True if EOF was reached, False if reading was cut off after the bound.
     """
     eof = False
-    async with trio.open_nursery() as nursery:
+    failure: Exception | None = None
+    read_scope = trio.CancelScope()
 
-        async def read() -> None:
-            nonlocal eof
+    async def cut() -> None:
+        await process.wait()
+        await trio.sleep(after_exit_s)
+        read_scope.cancel(reason=f"pipe still open {after_exit_s} s after the process exited")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cut)
+        with read_scope:
             try:
                 while chunk := await stream.receive_some():
                     await sink(chunk)
+                eof = True
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            eof = True
-            nursery.cancel_scope.cancel(reason="pipe reached eof")
-
-        async def cut() -> None:
-            await process.wait()
-            await trio.sleep(after_exit_s)
-            nursery.cancel_scope.cancel(reason=f"pipe still open {after_exit_s} s after the process exited")
-
-        nursery.start_soon(read)
-        nursery.start_soon(cut)
+                eof = True
+            except Exception as exc:  # the sink's own error: re-raised below, not in a group
+                failure = exc
+        nursery.cancel_scope.cancel(reason="draining is over")
+    if failure is not None:
+        raise failure
     if not eof:
         with trio.CancelScope(shield=True):
             await stream.aclose()

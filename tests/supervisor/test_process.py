@@ -541,3 +541,12 @@ async def test_an_untraceable_adopted_orphan_is_killed_once_no_tree_is_left(
     finally:  # it carries no test mark: the suite-wide leak check cannot see it
         if running({"s": ident["scrubbed"]}):
             os.kill(pids["scrubbed"], signal.SIGKILL)
+
+
+async def test_a_failing_sink_propagates_as_itself(autojump_clock: Any) -> None:
+    async def sink(chunk: bytes) -> None:
+        raise ValueError(f"cannot store {chunk!r}")
+
+    fake: Any = FakeProcess(exits_at=trio.current_time() + 100)
+    with pytest.raises(ValueError, match="cannot store b'a'"):
+        await process.drain_bounded(FakeStream([b"a"]), sink, process=fake)
