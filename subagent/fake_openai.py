@@ -56,6 +56,7 @@ class LoggedRequest:
     client_closed: bool = False  # the client closed the connection before the response ended
     closed_at: float | None = None
     cut: bool = False  # the script cut the stream (server side)
+    hanging: bool = False  # everything before a "hang" was sent; the stream is now silent
 
 
 class _ClientGone(Exception):
@@ -273,6 +274,8 @@ class FakeOpenAI:
                 req.response_complete = True
                 return True
             elif p.kind == "hang":
+                req.hanging = True
+                self._notify()
                 await trio.sleep_forever()
             elif p.kind == "finish":
                 await chunk({}, finish=p.text)

@@ -62,6 +62,7 @@ async def test_openai_provider_runs_the_same_conversation_with_streamed_tool_arg
     tool_msg = next(m for m in reqs[1].body["messages"] if m["role"] == "tool")
     assert tool_msg["tool_call_id"] == "call_1_1" and "one" in tool_msg["content"]
     assert not any(q.client_closed for q in reqs)
+    assert not r.of(EventKind.LOG), [e.data for e in r.of(EventKind.LOG)]
 
 
 async def _sigterm_mid_stream(tmp_path: Path, turn: dict[str, Any], ready: Callable[[FakeOpenAI], bool]) -> tuple[FakeOpenAI, Any, dict[str, Any], float]:
@@ -81,8 +82,9 @@ async def _sigterm_mid_stream(tmp_path: Path, turn: dict[str, Any], ready: Calla
 
 async def test_sigterm_while_the_model_streams_closes_the_connection_within_a_second(tmp_path: Path) -> None:
     turn = {"text": "a long answer that never ends", "chunk_size": 4, "hang": True}
-    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: len(s.chat_requests) == 1)
+    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging)
     assert elapsed < 1.0
+    assert result["progress"] == "a long answer that never ends"
     assert result["status"] == "cancelled" and result["reason"] == "signal"
     assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "model"
     assert len(server.chat_requests) == 1
@@ -90,7 +92,7 @@ async def test_sigterm_while_the_model_streams_closes_the_connection_within_a_se
 
 async def test_sigterm_inside_streamed_tool_arguments_never_runs_the_call(tmp_path: Path) -> None:
     turn = {"tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "hang_after": 15}], "chunk_size": 3}
-    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: len(s.chat_requests) == 1)
+    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging)
     assert elapsed < 1.0
     (rec,) = result["tool_calls"]
     assert rec["state"] == "not_started" and rec["reason"].startswith("arguments_incomplete")

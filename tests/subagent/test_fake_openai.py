@@ -1,0 +1,92 @@
+"""The fake OpenAI-compatible server, through the real ``openai`` SDK."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import trio
+
+from subagent.fake_openai import FakeOpenAI
+
+# The SDK leaves its inner async generators unexhausted after [DONE]; trio reports them at
+# GC as ResourceWarnings. That is the SDK's business, not the server's.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+SCRIPT = {
+    "turns": [
+        {"text": "hello", "tool_calls": [{"name": "f", "arguments": {"a": 1}}], "chunk_size": 2, "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+        {"text": "cut", "tool_calls": [{"name": "f", "arguments": {"a": 1}, "cut_after": 3}]},
+        {"text": "forever", "hang": True},
+    ]
+}
+
+
+def client(server: FakeOpenAI) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="k", base_url=server.base_url, max_retries=0)
+
+
+async def test_streams_chunks_with_tool_argument_fragments_and_usage() -> None:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI(SCRIPT).serve)
+        c = client(server)
+        stream = await c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [ch async for ch in stream]
+        await c.close()
+        nursery.cancel_scope.cancel()
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    fragments = [tc.function.arguments for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert fragments[0] == "" and "".join(fragments) == '{"a":1}' and len(fragments) > 2
+    assert chunks[-2].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert server.requests[0].response_complete and not server.requests[0].client_closed
+
+
+async def test_a_cut_breaks_the_body_and_is_logged_as_a_cut_not_a_client_close() -> None:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI(SCRIPT).serve)
+        c = client(server)
+        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "hello"}]
+        stream = await c.chat.completions.create(model="m", messages=messages, stream=True)
+        got = []
+        try:
+            async for ch in stream:
+                got.append(ch)
+        except openai.APIConnectionError:
+            pass
+        else:  # pragma: no cover - the body must not end cleanly
+            raise AssertionError("the cut stream ended cleanly")
+        await c.close()
+        nursery.cancel_scope.cancel()
+    req = server.requests[0]
+    assert req.turn_index == 1 and req.cut and not req.client_closed and not req.response_complete
+
+
+async def test_a_client_that_closes_mid_stream_is_recorded() -> None:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI(SCRIPT).serve)
+        c = client(server)
+        messages = [{"role": "user", "content": "x"}] + [{"role": "assistant", "content": "a"}] * 2
+        stream = await c.chat.completions.create(model="m", messages=messages, stream=True)
+        first = await stream.__anext__()
+        assert first.choices[0].delta.content
+        await stream.close()
+        with trio.fail_after(5):
+            await server.wait_for(lambda s: s.requests[0].client_closed)
+        await c.close()
+        nursery.cancel_scope.cancel()
+
+
+def test_runs_in_a_thread_for_code_outside_trio_and_answers_non_streaming() -> None:
+    import httpx2
+
+    server = FakeOpenAI({"final": "plain"}).start_in_thread()
+    try:
+        r = httpx2.post(server.base_url + "/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert r.json()["choices"][0]["message"]["content"] == "plain"
+        assert httpx2.get(server.base_url + "/models").json()["data"][0]["id"] == "fake-model"
+        assert httpx2.get(server.base_url + "/nope").status_code == 404
+        assert server.wait_for_sync(lambda s: len(s.requests) == 3, timeout_s=5)
+    finally:
+        server.stop()

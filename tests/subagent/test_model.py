@@ -1,0 +1,63 @@
+"""TurnAssembler: which streamed tool calls may run, and why the others may not."""
+
+from __future__ import annotations
+
+from subagent.model import REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE, TurnAssembler
+
+
+def test_a_finished_turn_with_valid_arguments_is_runnable() -> None:
+    a = TurnAssembler()
+    a.text("hi ")
+    a.text("there")
+    a.tool_delta(0, id="c1", name="f", arguments='{"x"')
+    a.tool_delta(0, arguments=": 1}")
+    a.tool_delta(1, id="c2", name="g")
+    a.finish("tool_calls")
+    turn = a.result()
+    assert turn.whole and turn.text == "hi there"
+    assert [(c.id, c.name, c.parsed, c.problem) for c in turn.calls] == [("c1", "f", {"x": 1}, None), ("c2", "g", {}, None)]
+
+
+def test_a_cut_stream_marks_the_streaming_call_incomplete_and_the_others_unrun() -> None:
+    a = TurnAssembler()
+    a.tool_delta(0, id="c1", name="f", arguments="{}")
+    a.tool_delta(1, id="c2", name="g", arguments='{"path": "/ho')
+    turn = a.result()
+    assert not turn.finished
+    first, second = turn.calls
+    assert first.problem == REASON_TURN_INCOMPLETE and first.parsed is None
+    assert second.problem == REASON_ARGS_INCOMPLETE and second.arguments == '{"path": "/ho'
+
+
+def test_an_abort_never_makes_a_call_runnable_even_with_whole_arguments() -> None:
+    a = TurnAssembler()
+    a.tool_delta(0, id="c1", name="f", arguments="{}")
+    turn = a.result(aborted=True)
+    assert turn.aborted and turn.calls[0].parsed is None
+    assert turn.calls[0].problem.startswith("stopped_before_start")
+    b = TurnAssembler()
+    b.tool_delta(0, id="c1", name="f", arguments='{"a": ')
+    assert b.result(aborted=True).calls[0].problem.startswith("arguments_incomplete")
+
+
+def test_invalid_or_non_object_arguments_are_reported_not_repaired() -> None:
+    a = TurnAssembler()
+    a.tool_delta(0, id="c1", name="f", arguments="{oops")
+    a.tool_delta(1, id="c2", name="f", arguments="[1]")
+    a.tool_delta(2, id="c3", arguments="{}")
+    a.finish("tool_calls")
+    problems = [c.problem for c in a.result().calls]
+    assert problems[0].startswith("invalid_arguments: not valid JSON")
+    assert problems[1] == "invalid_arguments: expected a JSON object, got list"
+    assert problems[2].startswith("invalid_call")
+
+
+def test_missing_ids_are_filled_and_usage_is_kept() -> None:
+    a = TurnAssembler()
+    a.tool_delta(0, name="f")
+    a.add_usage(10, None)
+    a.finish(None)
+    turn = a.result()
+    assert turn.calls[0].id == "call_auto_1"
+    assert turn.usage == {"prompt_tokens": 10, "completion_tokens": 0}
+    assert turn.finish_reason == "stop"
