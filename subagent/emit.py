@@ -4,7 +4,8 @@ Invariants: every stderr line is one JSON event (``events.encode_event``), writt
 and at once (``os.write`` loop on fd 2); once stderr is broken (the daemon died) the
 runner keeps going and appends events to ``$AGENTD_RUN_DIR/events.jsonl`` instead;
 Python logging, warnings, unraisable exceptions and stray writes to ``sys.stderr`` become
-``log`` events, so nothing else can reach fd 2. The result goes to stdout once and is
+``log`` events, so nothing else can reach fd 2; a line never exceeds
+``MAX_EVENT_LINE_BYTES`` (long strings in it are cut). The result goes to stdout once and is
 also written atomically to ``$AGENTD_RUN_DIR/result.json``.
 """
 
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from subagent.events import Event, EventKind, encode_event, encode_result
+from subagent.events import MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result
 
 __all__ = ["Emitter", "install_stderr_guards", "EVENTS_FALLBACK", "RESULT_FILE"]
 
@@ -27,6 +28,17 @@ EVENTS_FALLBACK: Final = "events.jsonl"
 RESULT_FILE: Final = "result.json"
 # A log message longer than this is cut (characters): one event stays one sane line.
 MAX_LOG_MESSAGE_CHARS: Final = 8192
+
+
+def _shrink(value: Any, cap: int) -> Any:
+    """A copy of a JSON value with every string longer than ``cap`` characters cut."""
+    if isinstance(value, str):
+        return value if len(value) <= cap else value[:cap] + "...[cut]"
+    if isinstance(value, dict):
+        return {k: _shrink(v, cap) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shrink(v, cap) for v in value]
+    return value
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -53,7 +65,14 @@ class Emitter:
 
     def emit(self, event_kind: EventKind, /, **data: Any) -> None:
         # Not make_event(): process_group events carry a field named 'kind'.
-        line = encode_event(Event(kind=event_kind, ts=time.time(), data=data))
+        event = Event(kind=event_kind, ts=time.time(), data=data)
+        line = encode_event(event)
+        limit = MAX_EVENT_LINE_BYTES - 1024
+        cap = MAX_LOG_MESSAGE_CHARS * 8
+        while len(line) > limit and cap >= 16:
+            # A longer line would reach the daemon as a BadLine: cut long strings until it fits.
+            line = encode_event(Event(kind=event_kind, ts=event.ts, data=_shrink(data, cap)))
+            cap //= 2
         with self._lock:
             if not self._stderr_broken:
                 try:

@@ -78,7 +78,7 @@ class AgentLoop:
             EventKind.STEP_SNAPSHOT,
             step=self.steps,
             progress=self.progress,
-            tool_calls=[r.to_dict() for r in self.records],
+            tool_calls=[_snapshot_record(r) for r in self.records],
             _id=self.run_id,
         )
 
@@ -231,6 +231,20 @@ class AgentLoop:
             "messages": self.messages,
             **extra,
         }
+
+
+# A snapshot repeats every record so far: keep each output short there (the full output
+# went out in the call's own tool_call event and is in the result).
+SNAPSHOT_OUTPUT_CHARS = 2000
+
+
+def _snapshot_record(rec: ToolCallRecord) -> dict[str, Any]:
+    d = rec.to_dict()
+    out = d.get("output")
+    if isinstance(out, str) and len(out) > SNAPSHOT_OUTPUT_CHARS:
+        d["output"] = out[:SNAPSHOT_OUTPUT_CHARS]
+        d["output_truncated"] = True
+    return d
 
 
 def _history_text(rec: ToolCallRecord, *, stop_reason: str | None) -> str:

@@ -33,6 +33,8 @@ DEFAULT_MAX_STEPS: Final = 20
 # Bounds one run_command call: the command's group is stopped when it runs out (seconds).
 DEFAULT_COMMAND_TIMEOUT_S: Final = 120.0
 DEFAULT_MAX_OUTPUT_BYTES: Final = 65536
+# A tool's output travels in one stderr event line, which the daemon caps at 1 MiB.
+MAX_MAX_OUTPUT_BYTES: Final = 512 * 1024
 
 
 class SpecError(ValueError):
@@ -88,11 +90,13 @@ def _num(v: Any, where: str, *, positive: bool = True) -> float:
     return f
 
 
-def _int(v: Any, where: str, *, minimum: int = 1) -> int:
+def _int(v: Any, where: str, *, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise SpecError(where, f"expected an integer, got {type(v).__name__}")
     if v < minimum:
         raise SpecError(where, f"expected an integer >= {minimum}, got {v!r}")
+    if maximum is not None and v > maximum:
+        raise SpecError(where, f"expected an integer <= {maximum}, got {v!r}")
     return v
 
 
@@ -206,7 +210,7 @@ class Limits:
                 d.get("command_timeout_s", DEFAULT_COMMAND_TIMEOUT_S), "limits.command_timeout_s"
             ),
             max_output_bytes=_int(
-                d.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES), "limits.max_output_bytes", minimum=64
+                d.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES), "limits.max_output_bytes", minimum=64, maximum=MAX_MAX_OUTPUT_BYTES
             ),
         )
 

@@ -74,6 +74,7 @@ def test_claude_desktop_file_shape_is_accepted_unchanged() -> None:
         ({"task": "t", "limits": {"deadline_s": -1}}, "limits.deadline_s"),
         ({"task": "t", "limits": {"deadline_s": float("nan")}}, "limits.deadline_s"),
         ({"task": "t", "limits": {"max_output_bytes": 10}}, "limits.max_output_bytes"),
+        ({"task": "t", "limits": {"max_output_bytes": 10**9}}, "limits.max_output_bytes"),
         ({"task": "t", "limits": {"steps": 3}}, "limits.steps"),
         ({"task": "t\x00"}, "task"),
     ],

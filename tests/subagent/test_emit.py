@@ -1,0 +1,73 @@
+"""The emitter: one valid line per event, bounded; fallback file; atomic result file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from subagent.emit import Emitter
+from subagent.events import MAX_EVENT_LINE_BYTES, EventKind, decode_event_line, decode_result
+
+
+def _pipe() -> tuple[int, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    return r, w
+
+
+def _read_all(fd: int) -> bytes:
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_an_event_is_one_decodable_line(tmp_path: Path) -> None:
+    r, w = _pipe()
+    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    e.emit(EventKind.PROCESS_GROUP, pgid=5, pid=5, kind="command", name="x\ny", alive=True)
+    data = _read_all(r)
+    assert data.count(b"\n") == 1
+    ev = decode_event_line(data)
+    assert not hasattr(ev, "problem") and ev.data["kind"] == "command"  # type: ignore[union-attr]
+    os.close(r)
+    os.close(w)
+
+
+def test_an_oversized_event_is_cut_to_fit_a_line(tmp_path: Path) -> None:
+    r, w = _pipe()
+    os.close(r)  # nobody reads: events go to the fallback file
+    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    huge = "x" * (MAX_EVENT_LINE_BYTES * 2)
+    e.emit(EventKind.STEP_SNAPSHOT, step=1, progress=huge, tool_calls=[{"output": huge}], _id="r")
+    assert e.stderr_broken
+    (line,) = (tmp_path / "events.jsonl").read_bytes().splitlines()
+    assert len(line) < MAX_EVENT_LINE_BYTES
+    assert json.loads(line)["progress"].endswith("...[cut]")
+    os.close(w)
+
+
+def test_the_result_goes_to_stdout_and_atomically_to_the_run_dir(tmp_path: Path) -> None:
+    r, w = _pipe()
+    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    e.result({"status": "completed", "final_text": "ok"})
+    assert decode_result(_read_all(r))["final_text"] == "ok"  # type: ignore[index]
+    assert decode_result((tmp_path / "result.json").read_bytes())["status"] == "completed"  # type: ignore[index]
+    assert not list(tmp_path.glob(".*tmp"))
+    os.close(r)
+    os.close(w)
+
+
+def test_a_broken_stdout_does_not_lose_the_result_file(tmp_path: Path) -> None:
+    r, w = _pipe()
+    os.close(r)
+    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    e.result({"status": "cancelled"})
+    assert decode_result((tmp_path / "result.json").read_bytes())["status"] == "cancelled"  # type: ignore[index]
+    os.close(w)
