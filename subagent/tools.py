@@ -29,6 +29,7 @@ __all__ = ["ToolOutcome", "ToolBox", "bound_text"]
 
 logger = logging.getLogger(__name__)
 
+_LOST = "connection_lost: the server's connection ended during the call"
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -147,6 +148,7 @@ class ToolBox:
 
     async def _call_mcp(self, server_name: str, tool: str, args: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
         from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED
 
         server = self.servers[server_name]
         timeout = self.limits.command_timeout_s
@@ -156,10 +158,13 @@ class ToolBox:
                 with interrupt:
                     result = await server.call(tool, args)
         except MCPError as exc:
-            return ToolOutcome(ToolCallState.FAILED, None, error=f"mcp error: {exc}", reason="mcp_error")
+            if exc.code == CONNECTION_CLOSED:
+                # The call was sent; whether the server acted before it went away is unknown.
+                return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"mcp error: {exc.error.message}", reason=_LOST)
+            return ToolOutcome(ToolCallState.FAILED, None, error=f"mcp error {exc.code}: {exc.error.message}", reason="mcp_error")
         except Exception as exc:  # the transport broke: the server may or may not have acted
             logger.warning("mcp call %s.%s broke: %s", server_name, tool, exc)
-            return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"{type(exc).__name__}: {exc}", reason="connection_lost: the server's connection ended during the call")
+            return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"{type(exc).__name__}: {exc}", reason=_LOST)
         # The SDK hands a bad stdout line to the session's handler in a task of its own,
         # queued before the answer that followed it: one checkpoint lets it be recorded.
         await trio.lowlevel.checkpoint()

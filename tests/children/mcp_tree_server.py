@@ -3,7 +3,8 @@
 At startup it spawns a child, which spawns a grandchild; both sleep. Tools:
 ``tree`` returns {"server", "child", "grandchild"} pids; ``echo`` echoes; ``garble``
 writes a non-JSON line on stdout (a protocol break) and then answers normally;
-``slow`` sleeps ``seconds`` then answers. Options: ``--escape`` makes the grandchild
+``slow`` sleeps ``seconds`` then answers; ``die`` exits the server at once, mid-call.
+Options: ``--slow-start`` sleeps 30 s before the handshake; ``--escape`` makes the grandchild
 call setsid() (it leaves the group: only the marker sweep can find it);
 ``--stderr-noise`` writes to stderr at startup; ``--banner`` prints a non-JSON line on
 stdout before serving.
@@ -28,6 +29,8 @@ CHILD = (
 
 def main() -> None:
     escape = "--escape" in sys.argv
+    if "--slow-start" in sys.argv:
+        time.sleep(30)
     if "--stderr-noise" in sys.argv:
         print("mcp_tree_server: starting, this goes to stderr", file=sys.stderr, flush=True)
     if "--banner" in sys.argv:
@@ -69,6 +72,11 @@ def main() -> None:
         """Sleep, then answer."""
         time.sleep(seconds)
         return f"slept {seconds}"
+
+    @server.tool()
+    def die() -> str:
+        """Exit the server without answering."""
+        os._exit(1)
 
     server.run()
 

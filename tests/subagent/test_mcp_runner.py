@@ -138,3 +138,29 @@ async def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path) -> 
         rc, result = await r.finish()
     assert rc == ExitCode.TOOL_SETUP, result
     assert result["error"]["message"].startswith("error: browser setup failed")
+
+
+async def test_sigterm_during_a_slow_server_startup_cancels_at_once(tmp_path: Path) -> None:
+    async with start_runner(tree_spec({"final": "x"}, "--slow-start"), tmp_path) as r:
+        with trio.fail_after(20):
+            group = await r.wait_event(EventKind.PROCESS_GROUP)
+        r.signal()
+        rc, result = await r.finish(timeout_s=15)
+    assert rc == ExitCode.CANCELLED and result["reason"] == "signal"
+    assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "setup"
+    assert not alive(group.data["pgid"])
+    assert r.of(EventKind.PROCESS_GROUP)[-1].data["alive"] is False
+
+
+async def test_a_server_that_dies_mid_call_gives_an_unknown_outcome_and_the_run_goes_on(tmp_path: Path) -> None:
+    script = {"turns": [
+        {"tool_calls": [{"name": "tree", "arguments": {}}]},
+        {"tool_calls": [{"name": "die", "arguments": {}}]},
+    ], "final": "after: {{last_output}}"}
+    async with start_runner(tree_spec(script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    rec = result["tool_calls"][1]
+    assert rec["state"] == "unknown" and rec["reason"].startswith("connection_lost")
+    assert result["final_text"].startswith("after: outcome unknown")
+    assert not any(alive(p) for p in tree_pids(result))  # its orphaned children too
