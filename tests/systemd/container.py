@@ -14,6 +14,8 @@ never carry the test mark, so the suite-wide check cannot see them.
 
 nspawn runs in a cgroup of its own under the caller's (removed afterwards), so containers of
 concurrent test sessions do not share a cgroup tree; this host may have no systemd at all.
+The container's systemd runs on cgroup v2 alone whenever the host has a cgroup2 mount, even
+on a hybrid host (``cgroup_mode``), since that is what current systems run.
 """
 
 from __future__ import annotations
@@ -74,6 +76,21 @@ def read_only_binds() -> list[Path]:
 
 
 HOSTROOT = "/hostroot"
+
+
+def cgroup_mode() -> str:
+    """How the container's systemd sees cgroups: "unified" (cgroup v2 only, as on current
+    distributions and, with this, also on a hybrid host like this one) or "host" (whatever
+    nspawn picks from the host). AGENTD_TEST_SYSTEMD_CGROUP overrides."""
+    want = os.environ.get("AGENTD_TEST_SYSTEMD_CGROUP", "unified")
+    if want == "unified":
+        try:
+            with open("/proc/self/mountinfo") as f:
+                if any(" - cgroup2 " in line for line in f):
+                    return "unified"
+        except OSError:
+            pass
+    return "host"
 
 
 def hostroot_args(extra_paths: Iterable[Path] = (), dest: str = HOSTROOT) -> list[str]:
@@ -156,6 +173,8 @@ class Container:
             ]
             argv = self._in_own_cgroup(argv)
             env = {"PATH": os.environ.get("PATH", CONTAINER_PATH), "NOTIFY_SOCKET": str(notify_path)}
+            if cgroup_mode() == "unified":
+                env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -106,6 +106,11 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
     poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
     status = call(c, "status")
     assert [r["id"] for r in status["live_runs"]] == [run_id]
+    # Delegate=yes, and no hardening option takes /sys/fs/cgroup away: the run has its own
+    # cgroup under the service's.
+    run = cli(c, "status", run_id)
+    assert run["containment"] == "cgroup", run
+    assert "/system.slice/agentd.service/" in run["cgroup"], run
     poll("STATUS= to count the run",
          lambda: "1 live run" in c.show(UNIT, "StatusText")["StatusText"], timeout_s=15)
 
