@@ -151,11 +151,14 @@ async def start_server(
     """
     server = McpServer(name=name)
     marker = f"{os.getpid()}-mcp-{name}"
-    errlog: IO[bytes]
+    errlog: IO[bytes] | None = None
     if run_dir is not None:
-        server.stderr_path = run_dir / f"mcp-{name}.stderr.log"
-        errlog = open(server.stderr_path, "ab")
-    else:
+        try:
+            errlog = open(run_dir / f"mcp-{name}.stderr.log", "ab")
+            server.stderr_path = run_dir / f"mcp-{name}.stderr.log"
+        except OSError as exc:
+            logger.warning("cannot write mcp server %r stderr into the run dir: %s", name, exc)
+    if errlog is None:
         errlog = tempfile.NamedTemporaryFile(prefix=f"mcp-{name}-", suffix=".stderr.log", delete=False)
         server.stderr_path = Path(errlog.name)
     stack.callback(errlog.close)

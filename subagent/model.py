@@ -25,6 +25,7 @@ __all__ = [
 
 REASON_ARGS_INCOMPLETE = "arguments_incomplete: the stream was cut inside this call's arguments"
 REASON_TURN_INCOMPLETE = "turn_incomplete: the model's stream ended before its turn finished"
+REASON_ARGS_AT_LIMIT = "arguments_incomplete: the model hit its output limit inside this call's arguments"
 REASON_ABORTED_IN_ARGS = "arguments_incomplete: the stop aborted the stream inside this call's arguments"
 REASON_ABORTED_TURN = "stopped_before_start: the stop aborted the model's turn"
 
@@ -106,6 +107,12 @@ class TurnAssembler:
     def result(self, *, aborted: bool = False) -> ModelTurn:
         finished = self.finish_reason is not None and not aborted
         calls = [self.calls[i] for i in sorted(self.calls)]
+        if finished and calls and self.finish_reason == "length":
+            # The model hit its output limit: the last call's arguments may be cut short.
+            for call in calls:
+                call.problem = REASON_ARGS_AT_LIMIT if call.index == self._last_index else REASON_TURN_INCOMPLETE
+                call.id = call.id or f"call_auto_{call.index + 1}"
+            return ModelTurn("".join(self.text_parts), calls, False, False, self.finish_reason, self.usage)
         for n, call in enumerate(calls):
             if not call.id:
                 call.id = f"call_auto_{n + 1}"

@@ -61,3 +61,21 @@ def test_missing_ids_are_filled_and_usage_is_kept() -> None:
     assert turn.calls[0].id == "call_auto_1"
     assert turn.usage == {"prompt_tokens": 10, "completion_tokens": 0}
     assert turn.finish_reason == "stop"
+
+
+def test_a_turn_cut_by_the_output_limit_runs_none_of_its_calls() -> None:
+    a = TurnAssembler()
+    a.tool_delta(0, id="c1", name="f", arguments="{}")
+    a.tool_delta(1, id="c2", name="f", arguments='{"a": "lo')
+    a.finish("length")
+    turn = a.result()
+    assert not turn.finished
+    assert [c.problem.split(":")[0] for c in turn.calls] == ["turn_incomplete", "arguments_incomplete"]
+    assert "output limit" in turn.calls[1].problem
+
+
+def test_a_text_answer_cut_by_the_output_limit_is_still_an_answer() -> None:
+    a = TurnAssembler()
+    a.text("long answ")
+    a.finish("length")
+    assert a.result().finished
