@@ -12,7 +12,7 @@ sequence number it yielded: every event once, in order. Leaving never cancels th
 
 from __future__ import annotations
 
-import base64
+import binascii
 import hashlib
 import itertools
 import os
@@ -108,7 +108,7 @@ class _WebSocket:
         sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            key = base64.b64encode(os.urandom(16)).decode()
+            key = binascii.b2a_base64(os.urandom(16), newline=False).decode()
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
             lines = [
@@ -152,7 +152,7 @@ class _WebSocket:
                 raise Unauthorized(status, f"the daemon refused the connection (http {status}: {body or 'no reason'})")
             if status != 101:
                 raise ConnectionLost(f"expected http 101 from {url}, got {status_line!r}")
-            accept = base64.b64encode(hashlib.sha1(key.encode() + _GUID).digest()).decode()
+            accept = binascii.b2a_base64(hashlib.sha1(key.encode() + _GUID).digest(), newline=False).decode()
             if reply_headers.get("sec-websocket-accept") != accept:
                 raise ConnectionLost(f"the server at {url} answered with a bad Sec-WebSocket-Accept")
             return cls(sock, rest)

@@ -235,7 +235,7 @@ def _message_size(message: str | bytes) -> int:
     return len(message) if message.isascii() else len(message.encode("utf-8", "surrogatepass"))
 
 
-_ID_RE: Final = re.compile(r'\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}"|-?\d{1,19})\s*[,}]')
+_ID_PATTERN: Final = r'\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}"|-?\d{1,19})\s*[,}]'
 
 
 def sniff_id(message: str | bytes) -> Any:
@@ -243,7 +243,7 @@ def sniff_id(message: str | bytes) -> Any:
     head = message[:1024]
     if isinstance(head, bytes):
         head = head.decode("utf-8", "replace")
-    m = _ID_RE.match(head)
+    m = re.match(_ID_PATTERN, head)  # compiled on first use (re caches it), not at import
     if m is None:
         return None
     try:
