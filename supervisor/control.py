@@ -197,14 +197,14 @@ class _Server:
             logger.exception("control: handshake with %s failed", peer)
             return
         self.connections += 1
-        logger.info("control: connection from %s", peer)
+        logger.debug("control: connection from %s", peer)
         try:
             await _Connection(self, ws, peer).run()
         except Exception:
             logger.exception("control: connection from %s failed", peer)
         finally:
             self.connections -= 1
-            logger.info("control: %s disconnected", peer)
+            logger.debug("control: %s disconnected", peer)
 
     def daemon_info(self) -> dict[str, Any]:
         return {

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -329,3 +332,77 @@ def test_a_wrong_token_exits_5(tmp_path: Path) -> None:
 def test_serve_with_an_unreadable_config_file_exits_2(tmp_path: Path) -> None:
     res = run(tmp_path, "serve", "--config", str(tmp_path / "missing.toml"))
     assert res.exit_code == ExitCode.USAGE and res.stderr.startswith("error: config config_file")
+
+
+# --------------------------------------------------------------------------- the real daemon
+
+# Bounds the real daemon's start (READY=1) and its exit after SIGTERM.
+DAEMON_START_S = 30.0
+DAEMON_STOP_S = 30.0
+
+
+@pytest.fixture
+def real_daemon(tmp_path: Path) -> Iterator[Path]:
+    """`agentd serve` as a subprocess; ready when it sends READY=1 on $NOTIFY_SOCKET."""
+    short = Path(tempfile.mkdtemp(prefix="agentd-n-", dir="/tmp"))  # AF_UNIX paths are short
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short / "notify"))
+    notify.settimeout(DAEMON_START_S)
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    env["NOTIFY_SOCKET"] = str(short / "notify")
+    log = open(tmp_path / "daemon.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "--state-dir", str(state_dir), "serve", "--grace", "2"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + DAEMON_START_S
+        while True:
+            notify.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                msg = notify.recv(4096)
+            except TimeoutError:
+                pytest.fail(f"the daemon did not become ready: {(tmp_path / 'daemon.log').read_text()}")
+            if b"READY=1" in msg.split(b"\n"):
+                break
+        yield state_dir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(DAEMON_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        notify.close()
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_spawn_wait_runs_to_completion_on_the_real_daemon_with_the_scripted_model(real_daemon: Path) -> None:
+    """Acceptance 1 through the CLI: spawn -> running -> completed, end to end."""
+    res = run(real_daemon, "spawn", "count the files", "--wait")
+    assert res.exit_code == 0, res.output
+    run_id = res.stdout.splitlines()[0]
+    for expected in ("state: queued", "state: running", "tool run_command succeeded", "state: completed"):
+        assert expected in res.stdout, (expected, res.stdout)
+    assert res.stdout.splitlines()[-1] == f"run {run_id} completed"
+    status = json.loads(run(real_daemon, "--json", "status", run_id).stdout)
+    assert status["state"] == "completed" and status["result"]["status"] == "completed"
+    listed = json.loads(run(real_daemon, "--json", "list").stdout)["runs"]
+    assert [r.get("run_id") or r.get("id") for r in listed] == [run_id]
+
+
+def test_cancel_on_the_real_daemon_prints_was_active_and_the_terminal_state(real_daemon: Path, tmp_path: Path) -> None:
+    script = tmp_path / "hang.json"
+    script.write_text(json.dumps({"turns": [{"text": "thinking", "hang": True}]}))
+    run_id = run(real_daemon, "spawn", "wait forever", "--script", str(script)).stdout.strip()
+    follow = client_mod.Client(state_dir=real_daemon).follow(run_id)
+    for event in follow:
+        if event["kind"] == "step_started":
+            res = run(real_daemon, "cancel", run_id)
+            assert res.exit_code == 0, res.output
+            assert res.stdout.strip() == f"{run_id}: stop sent (was active); cancelled"
+    assert follow.state == "cancelled"
+    again = run(real_daemon, "--json", "cancel", run_id)
+    assert json.loads(again.stdout) == {"run_id": run_id, "was_active": False, "state": "cancelled"}
