@@ -1,13 +1,12 @@
-"""MCP servers over stdio through the official SDK: start, list tools, call, and end them.
+"""MCP servers over stdio through the official SDK: handshake, list tools, call.
 
-Invariants: each server's pid (== its pgid: the SDK starts it with start_new_session)
-is reported through ``on_group`` the moment it is spawned, before the handshake, via the
-SDK's seam ``mcp.client.stdio._create_platform_compatible_process``; a server's stderr
-goes to a file (never the runner's stderr); on close the SDK's own shutdown runs (shielded, every
-wait bounded by the SDK: about 6 s at worst; no scope of ours may wrap it, as it exits
-a task group entered earlier), then the whole group and any marked escaper are ended, and only then is the
-group reported gone. A non-JSON line on a server's stdout is a protocol break: the SDK
-skips the line (and hands it to the session's message handler); we record it on the
+Invariants: the server process was already spawned by ``subagent.mcp_spawn`` (which
+also owns ending its group); it is handed to the SDK through the SDK's seam
+``mcp.client.stdio._create_platform_compatible_process``, so the SDK's transport and its
+own shutdown (stdin close, bounded wait, group kill: shielded, every wait bounded by the
+SDK, about 6 s at worst; no scope of ours may wrap it, as it exits a task group entered
+earlier) apply unchanged. A non-JSON line on a server's stdout is a protocol break: the
+SDK skips the line and hands it to the session's message handler; we record it on the
 server (``protocol_errors``) so the loop can end the run with ``TOOL_PROTOCOL``.
 This module imports ``mcp``; the runner imports it only when the spec has MCP servers.
 """
@@ -18,19 +17,17 @@ import contextvars
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import Any, Final
 
 import mcp.client.stdio as _stdio
 import trio
 from mcp import ClientSession, StdioServerParameters
 
-from subagent.commands import SUBTREE_VAR
-from subagent.groups import sweep_marked, terminate_group
+from subagent.mcp_spawn import Prespawned
 from subagent.spec import McpServerSpec
 
 __all__ = ["McpServer", "McpSetupError", "start_server", "ToolResultText"]
@@ -39,25 +36,22 @@ logger = logging.getLogger(__name__)
 
 # Bounds the handshake and the first tools/list of one server (seconds).
 MCP_START_TIMEOUT_S: Final = 30.0
-# Between SIGTERM and SIGKILL for a server's group (seconds).
-MCP_KILL_GRACE_S: Final = 2.0
 # How much of a server's stderr an error message quotes (bytes).
 STDERR_TAIL_BYTES: Final = 2000
 
-_on_spawn: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar("_on_spawn", default=None)
+_handover: contextvars.ContextVar[Any | None] = contextvars.ContextVar("_handover", default=None)
 _sdk_spawn = _stdio._create_platform_compatible_process
 
 
-async def _spawn_and_report(*args: Any, **kwargs: Any) -> Any:
-    process = await _sdk_spawn(*args, **kwargs)
-    report = _on_spawn.get()
-    if report is not None:
-        report(process.pid)
-    return process
+async def _spawn_or_hand_over(*args: Any, **kwargs: Any) -> Any:
+    process = _handover.get()
+    if process is not None:
+        return process
+    return await _sdk_spawn(*args, **kwargs)
 
 
-# The SDK's documented test seam; wrapping it is how we learn each server's pgid.
-_stdio._create_platform_compatible_process = _spawn_and_report
+# The SDK's documented seam: it is how a process we spawned earlier reaches the SDK.
+_stdio._create_platform_compatible_process = _spawn_or_hand_over
 
 
 class McpSetupError(Exception):
@@ -76,7 +70,6 @@ class McpServer:
     tools: list[Any] = field(default_factory=list)
     stderr_path: Path | None = None
     protocol_errors: list[str] = field(default_factory=list)
-    closed: bool = False
 
     def stderr_tail(self) -> str:
         if self.stderr_path is None:
@@ -116,18 +109,6 @@ def ToolResultText(result: Any) -> str:
     return "\n".join(parts)
 
 
-def server_env(spec: McpServerSpec, marker: str) -> dict[str, str]:
-    """What we add to the SDK's default env: AGENTD_*, TMPDIR, the spec's env, our marker."""
-    ours = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
-    env = dict(ours)
-    if "TMPDIR" in os.environ:
-        env["TMPDIR"] = os.environ["TMPDIR"]
-    env.update(spec.env)
-    env.update(ours)  # containment markers cannot be overridden by a spec
-    env[SUBTREE_VAR] = marker
-    return env
-
-
 def _describe_exc(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe_exc(e) for e in exc.exceptions)
@@ -136,47 +117,23 @@ def _describe_exc(exc: BaseException) -> str:
 
 
 async def start_server(
-    name: str,
+    spawned: Prespawned,
     spec: McpServerSpec,
     stack: AsyncExitStack,
     *,
-    run_dir: Path | None,
-    on_group: Callable[[int, bool], None],
     abortable: Callable[[str], AbstractContextManager[trio.CancelScope]],
 ) -> McpServer:
-    """Start one server inside ``stack`` (which closes it) and list its tools.
+    """Connect the SDK to a spawned server inside ``stack``, handshake, list its tools.
 
     Raises:
         McpSetupError: it could not be spawned, broke the handshake, or died.
     """
-    server = McpServer(name=name)
-    marker = f"{os.getpid()}-mcp-{name}"
-    errlog: IO[bytes] | None = None
-    if run_dir is not None:
-        try:
-            errlog = open(run_dir / f"mcp-{name}.stderr.log", "ab")
-            server.stderr_path = run_dir / f"mcp-{name}.stderr.log"
-        except OSError as exc:
-            logger.warning("cannot write mcp server %r stderr into the run dir: %s", name, exc)
-    if errlog is None:
-        errlog = tempfile.NamedTemporaryFile(prefix=f"mcp-{name}-", suffix=".stderr.log", delete=False)
-        server.stderr_path = Path(errlog.name)
-    stack.callback(errlog.close)
-
-    async def finish() -> None:
-        # Runs after the SDK's own close: the group and escapers go, whatever happened.
-        server.closed = True
-        if server.pgid is not None:
-            await terminate_group(server.pgid, grace_s=MCP_KILL_GRACE_S, what=f"mcp server {name!r} group")
-        await sweep_marked(SUBTREE_VAR, marker)
-        if server.pgid is not None:
-            on_group(server.pgid, False)
-
-    stack.push_async_callback(finish)
-
-    def spawned(pid: int) -> None:
-        server.pgid = pid
-        on_group(pid, True)
+    name = spawned.name
+    server = McpServer(name=name, pgid=spawned.pgid, stderr_path=spawned.stderr_path)
+    if spawned.error is not None or spawned.process is None:
+        exc = spawned.error
+        why = (exc.strerror or str(exc)) if exc is not None else "no process"
+        raise McpSetupError(name, f"cannot start {spec.command!r}: {why}{_tail(server)}")
 
     async def on_message(message: Any) -> None:
         if isinstance(message, Exception):
@@ -184,16 +141,11 @@ async def start_server(
             server.protocol_errors.append(line)
             logger.error("mcp server %r wrote a non-JSON-RPC line on stdout: %s", name, line)
 
-    params = StdioServerParameters(
-        command=spec.command,
-        args=list(spec.args),
-        env=server_env(spec, marker),
-        cwd=spec.cwd,
-    )
-    token = _on_spawn.set(spawned)
+    params = StdioServerParameters(command=spec.command, args=list(spec.args), cwd=spec.cwd)
+    token = _handover.set(spawned.process)
     try:
         # The contexts outlive this call, so no cancel scope of ours may wrap their entry.
-        read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=errlog))
+        read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=spawned.errlog))
         session = await stack.enter_async_context(ClientSession(read, write, message_handler=on_message))
         with abortable("setup") as abort:
             with trio.fail_after(MCP_START_TIMEOUT_S):
@@ -203,12 +155,12 @@ async def start_server(
             raise McpSetupError(name, "startup aborted by a stop")
     except trio.TooSlowError:
         raise McpSetupError(name, f"did not answer the handshake within {MCP_START_TIMEOUT_S:g} s{_tail(server)}") from None
-    except OSError as exc:
-        raise McpSetupError(name, f"cannot start {spec.command!r}: {exc.strerror or exc}{_tail(server)}") from None
+    except McpSetupError:
+        raise
     except Exception as exc:
         raise McpSetupError(name, f"failed during startup: {_describe_exc(exc)}{_tail(server)}") from None
     finally:
-        _on_spawn.reset(token)
+        _handover.reset(token)
     if server.protocol_errors:
         raise McpSetupError(name, f"wrote non-JSON on stdout during startup: {server.protocol_errors[0]}", protocol=True)
     server.session = session

@@ -142,18 +142,24 @@ async def _start_servers(
 ) -> dict[str, Any]:
     if not specs:
         return {}
-    from subagent.mcp_tools import McpSetupError, start_server
+    from subagent.mcp_spawn import prespawn
 
-    servers = {}
+    # Spawn every server first, then pay for importing mcp while they boot.
+    spawned = []
     for name, s in specs.items():
-        if stop.requested:
-            break
 
         def on_group(pgid: int, alive: bool, name: str = name) -> None:
             emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind="mcp_server", name=name, alive=alive)
 
+        spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group))
+    from subagent.mcp_tools import McpSetupError, start_server
+
+    servers = {}
+    for p in spawned:
+        if stop.requested:
+            break
         try:
-            servers[name] = await start_server(name, s, stack, run_dir=run_dir, on_group=on_group, abortable=stop.abortable)
+            servers[p.name] = await start_server(p, specs[p.name], stack, abortable=stop.abortable)
         except McpSetupError as exc:
             if stop.requested:
                 break  # the stop aborted the startup: not a setup failure
@@ -205,7 +211,9 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None, early_st
                     try:
                         provider = _make_provider(spec)
                         stack.push_async_callback(provider.aclose)
+                        stop.phase = "setup"
                         servers = await _start_servers(_server_specs(spec, run_dir, stack), stack, run_dir, stop, emitter)
+                        stop.phase = "idle"
                         tools = ToolBox(
                             builtins=spec.builtin_tools,
                             limits=spec.limits,

@@ -28,6 +28,7 @@ class StopControl:
         self._on_first_stop = on_first_stop
         self._model_scope: trio.CancelScope | None = None
         self._abort_kind = "model"
+        self.phase = "idle"  # what the run is doing outside a model request or a tool
         self._tool_scope: trio.CancelScope | None = None
 
     @property
@@ -40,7 +41,7 @@ class StopControl:
             return self._abort_kind
         if self._tool_scope is not None:
             return "tool"
-        return "idle"
+        return self.phase
 
     def request(self, reason: str) -> None:
         """Ask the run to stop. Idempotent for the flag; a repeat may interrupt a tool."""

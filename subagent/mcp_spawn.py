@@ -1,0 +1,120 @@
+"""Spawning MCP server processes before the ``mcp`` SDK is imported.
+
+Importing ``mcp`` costs over half a second; a server (``node``, a Python SDK server)
+needs about as long to boot. So the runner spawns every server first, exactly as the
+SDK's ``_create_platform_compatible_process`` would on POSIX (``anyio.open_process``,
+new session, stderr to a file), reports its group at once, then imports ``mcp`` while the
+servers boot, and hands each process to the SDK through that seam (``subagent.mcp_tools``).
+Invariants: no ``mcp`` import here; the environment is the SDK's default inherited set
+plus ours (``server_env``), so a server sees what it would have seen from the SDK alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Final
+
+import anyio
+
+from subagent.commands import SUBTREE_VAR
+from subagent.groups import sweep_marked, terminate_group
+from subagent.spec import McpServerSpec
+
+__all__ = ["Prespawned", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
+
+logger = logging.getLogger(__name__)
+
+# Between SIGTERM and SIGKILL for a server's group when it is ended (seconds).
+MCP_KILL_GRACE_S: Final = 2.0
+
+# How long we wait to reap a server leader after its group was ended (seconds).
+REAP_WAIT_S: Final = 1.0
+
+# mcp.client.stdio.DEFAULT_INHERITED_ENV_VARS on POSIX (checked by a test against the SDK).
+SDK_INHERITED_ENV_VARS: Final = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER")
+
+
+@dataclass
+class Prespawned:
+    name: str
+    marker: str
+    stderr_path: Path
+    errlog: IO[bytes]
+    process: Any | None = None  # anyio.abc.Process
+    error: OSError | None = None
+
+    @property
+    def pgid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+
+def server_env(spec: McpServerSpec, marker: str) -> dict[str, str]:
+    """The SDK's default env, then AGENTD_* and TMPDIR, the spec's env, our marker.
+
+    AGENTD_* is applied again last: a spec cannot override the containment markers.
+    """
+    env = {k: os.environ[k] for k in SDK_INHERITED_ENV_VARS if k in os.environ and not os.environ[k].startswith("()")}
+    ours = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
+    env.update(ours)
+    if "TMPDIR" in os.environ:
+        env["TMPDIR"] = os.environ["TMPDIR"]
+    env.update(spec.env)
+    env.update(ours)
+    env[SUBTREE_VAR] = marker
+    return env
+
+
+def _open_errlog(name: str, run_dir: Path | None) -> tuple[IO[bytes], Path]:
+    if run_dir is not None:
+        path = run_dir / f"mcp-{name}.stderr.log"
+        try:
+            return open(path, "ab"), path
+        except OSError as exc:
+            logger.warning("cannot write mcp server %r stderr into the run dir: %s", name, exc)
+    f = tempfile.NamedTemporaryFile(prefix=f"mcp-{name}-", suffix=".stderr.log", delete=False)
+    return f, Path(f.name)
+
+
+async def prespawn(
+    name: str, spec: McpServerSpec, stack: AsyncExitStack, *, run_dir: Path | None, on_group: Callable[[int, bool], None]
+) -> Prespawned:
+    """Start one server process; ``stack`` ends its group (and escapers) on close.
+
+    Never raises for a spawn failure: ``error`` holds it. The cleanup is registered before
+    the spawn, so it runs after the SDK's own close of this server (LIFO).
+    """
+    errlog, path = _open_errlog(name, run_dir)
+    stack.callback(errlog.close)
+    p = Prespawned(name=name, marker=f"{os.getpid()}-mcp-{name}", stderr_path=path, errlog=errlog)
+
+    async def end() -> None:
+        if p.process is not None:
+            await terminate_group(p.process.pid, grace_s=MCP_KILL_GRACE_S, what=f"mcp server {name!r} group")
+            with anyio.CancelScope(shield=True), anyio.move_on_after(REAP_WAIT_S):
+                # Reading returncode reaps the leader (the SDK may never have adopted it).
+                while p.process.returncode is None:
+                    await anyio.sleep(0.01)
+        await sweep_marked(SUBTREE_VAR, p.marker)
+        if p.process is not None:
+            on_group(p.process.pid, False)
+
+    stack.push_async_callback(end)
+    try:
+        p.process = await anyio.open_process(
+            [spec.command, *spec.args],
+            env=server_env(spec, p.marker),
+            stderr=errlog,
+            cwd=spec.cwd,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        p.error = exc
+        return p
+    on_group(p.process.pid, True)
+    return p
