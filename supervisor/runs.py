@@ -190,6 +190,21 @@ class RunManager:
                 await self._transition(run, RunState.CANCELLING, reason=reason)
         return {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
 
+    async def summary(self) -> dict[str, Any]:
+        """The daemon at a glance, for ``status`` without a run id."""
+        counts: dict[str, int] = {}
+        for run in self._live.values():
+            counts[str(run.state)] = counts.get(str(run.state), 0) + 1
+        return {
+            "live": len(self._live),
+            "by_state": counts,
+            "max_concurrent": self.config.max_concurrent,
+            "grace_s": self.config.grace_s,
+            "containment": self.containment.mode,
+            "warm_runners": self._pool.ready if self._pool is not None else 0,
+            "accepting": self._accepting,
+        }
+
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
         hits = [r for r in list(self._live.values()) if r.session_id == session_id]
         out = [await self.cancel(r.run_id, reason=reason) for r in hits]
