@@ -14,6 +14,7 @@ import http.server
 import os
 import pathlib
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -129,6 +130,47 @@ class LocalSite:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class TrapProxy:
+    """A listener posing as an HTTP proxy: it records the first line of every request a
+    browser sends it (``CONNECT update.googleapis.com:443 ...``) and answers nothing.
+    Chromium bypasses the proxy for loopback, so local test pages load directly."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.1)  # so the thread sees _stop: close() does not wake accept()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def arg(self) -> str:
+        return f"--proxy-server=http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.requests.append(conn.recv(1024).split(b"\r\n", 1)[0].decode(errors="replace"))
+                except OSError:
+                    pass
+
+    def __enter__(self) -> TrapProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
 
 
 def _alive(p: psutil.Process) -> bool:

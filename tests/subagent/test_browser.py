@@ -287,6 +287,9 @@ def test_a_short_run_dir_is_tmpdir_itself_and_a_deep_one_gets_a_short_link(
 
 # --- real Chromium through the mcp SDK ------------------------------------------------
 
+# How long a browser is watched for requests nobody asked for (seconds after start).
+QUIET_WINDOW_S = 5.0
+
 
 def _snapshot_text(result: object) -> str:
     return "\n".join(getattr(c, "text", "") for c in getattr(result, "content", []))
@@ -302,12 +305,13 @@ async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
 
     bs.require_browser()
     run_dir = tmp_path / "run"
-    cfg = browser_server_config(run_dir, {"timeout_navigation_ms": 20000})
-    with bs.LocalSite() as site:
+    with bs.LocalSite() as site, bs.TrapProxy() as trap:
+        cfg = browser_server_config(run_dir, {"timeout_navigation_ms": 20000, "args": [trap.arg]})
         with trio.fail_after(60):
             async with stdio_client(StdioServerParameters(**cfg)) as (r, w):
                 async with ClientSession(r, w) as session:
                     await session.initialize()
+                    started = trio.current_time()
                     tools = {t.name for t in (await session.list_tools()).tools}
                     assert {"browser_navigate", "browser_snapshot", "browser_click"} <= tools
                     await session.call_tool("browser_navigate", {"url": site.url + "/"})
@@ -317,6 +321,10 @@ async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
                     await session.call_tool("browser_navigate", {"url": site.url + "/second"})
                     snap = _snapshot_text(await session.call_tool("browser_snapshot", {}))
                     assert "Giraffes are tall." in snap
+                    # An observation window, not a synchronisation: without the preset's
+                    # quiet switches Chromium phones Google within ~3 s of starting.
+                    await trio.sleep_until(started + QUIET_WINDOW_S)
+        assert trap.requests == [], f"the browser reached for the network on its own: {trap.requests}"
     await trio.to_thread.run_sync(
         bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]]
     )
