@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,9 @@ CGROUP: Final = "cgroup"
 SUBREAPER_SWEEP: Final = "subreaper+sweep"
 GROUP: Final = "group"
 
+# An empty agentd-<pid> subtree of a dead daemon is removed at setup once it is this old
+# (younger ones may belong to a daemon in another pid namespace, still setting up).
+STALE_AFTER_S: Final = 60.0
 # How often Containment.run reaps adopted zombies (a zombie is dead but holds its pid).
 REAP_INTERVAL_S: Final = 1.0
 
@@ -404,6 +408,7 @@ class Containment:
         too once empty.
         """
         with self._lock:
+            self._remember_groups(tree)
             if self._leaders.get(tree.pid) is tree and tree.leader_reaped:
                 del self._leaders[tree.pid]
             self._tree_ids.discard(tree.tree_id)
@@ -446,6 +451,7 @@ class Containment:
         subtree = self._subtree_prefix()
         with self._lock:
             for pid, tree in list(self._leaders.items()):
+                self._remember_groups(tree)
                 if tree.leader_reaped:  # Trio has its exit status; the pid may be reused
                     del self._leaders[pid]
             procs = scan_processes()
@@ -454,12 +460,19 @@ class Containment:
                     if read_marker(p.pid) in self._tree_ids:
                         self._adopted[p.pid] = p.start_ticks
             reaped = reap_adopted_zombies(seen=self._adopted, exclude=self._leaders, subtree=subtree, procs=procs)
-            for pid in list(self._adopted):
-                if pid in reaped or pid not in procs:
+            for pid, ticks in list(self._adopted.items()):
+                if pid in reaped or pid not in procs or procs[pid].start_ticks != ticks:
                     del self._adopted[pid]
         if reaped:
             logger.debug("reaped adopted zombies %s", reaped)
         return reaped
+
+    def _remember_groups(self, tree: AnyTree) -> None:
+        # The leaders of a tree's other groups (MCP servers, commands) lead their own
+        # sessions, so once orphaned and dead nothing else tells them from Trio's children.
+        for pgid, ticks in list(tree.groups.items()):  # the Trio thread may be adding
+            if pgid != tree.pid and ticks is not None:
+                self._adopted.setdefault(pgid, ticks)
 
     @property
     def tracked_trees(self) -> int:
@@ -567,9 +580,15 @@ def _remove_stale_subtrees(own: Path) -> None:
         names = [d.name for d in own.iterdir() if d.is_dir() and d.name.startswith("agentd-")]
     except OSError:
         return
+    now = time.time()
     for name in names:
         pid_text = name.removeprefix("agentd-").split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_alive(int(pid_text)):
+            continue
+        try:
+            if now - (own / name).stat().st_mtime < STALE_AFTER_S:
+                continue  # fresh: maybe a daemon whose pid we cannot see, mid-setup
+        except OSError:
             continue
         if not cgroup_pids(own / name):
             _rmdir_tree(own / name)

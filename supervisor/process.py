@@ -447,6 +447,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
         record("SIGKILL", "group", g, _killpg(g, signal.SIGKILL))
     killed: dict[int, int] = {}  # pid -> start ticks, so a recycled pid is not re-killed
     seen = dict(seen_before)
+    seen.update((g, t) for g, t in tree.groups.items() if g != tree.pid and t is not None)
     leftovers_logged = False
     with trio.move_on_after(KILL_WAIT_S):
         while True:
