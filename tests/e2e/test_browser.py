@@ -201,3 +201,15 @@ async def test_five_browser_runs_cancelled_together(daemon: Daemon, no_process_l
         row = await daemon.m.journal.get_run(run_id)
         assert row is not None and row["state"] == "cancelled"
     await _assert_nothing_left(no_process_left_behind, [await daemon.run_dir(i) for i in ids])
+
+
+async def test_a_browser_run_without_chromium_is_refused_at_spawn_naming_what_to_install(
+    daemon: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.errors import SpawnError
+
+    monkeypatch.setenv("AGENTD_CHROMIUM", str(tmp_path / "no-chromium-here"))
+    with pytest.raises(SpawnError) as info:
+        await daemon.m.spawn(bs.scripted_browser_spec("http://127.0.0.1:9/"))
+    assert "apt-get install chromium" in str(info.value)
+    assert await daemon.m.list_runs() == []

@@ -625,3 +625,20 @@ async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
     finally:
         browser.end_browser_processes(run_dir)
         browser.release_browser_dir(run_dir)
+
+
+async def test_runner_without_chromium_fails_setup_with_what_to_install(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests import browser_support as bs
+    from tests import conftest
+
+    conftest.require(bs.runner_available(), "subagent.runner")
+    monkeypatch.setenv("AGENTD_CHROMIUM", str(tmp_path / "no-chromium-here"))
+    spec = bs.scripted_browser_spec("http://127.0.0.1:9/")
+    with trio.fail_after(30):
+        runner, result = await _run_runner(spec, tmp_path / "run")
+    assert runner.proc.returncode == 4  # ExitCode.TOOL_SETUP
+    assert result["status"] == "failed"
+    assert "apt-get install chromium" in json.dumps(result), result
+    assert result["tool_calls"] == []
