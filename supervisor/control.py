@@ -40,7 +40,7 @@ from supervisor._statefiles import (
 )
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError
-from supervisor.protocol import BadRequest, ErrorCode, Op
+from supervisor.protocol import BadRequest, ErrorCode
 from supervisor.states import LIVE_STATES, TERMINAL_STATES
 
 __all__ = [
@@ -397,6 +397,10 @@ class _Connection:
                         await self._send(protocol.encode_end(sub, run_id, state, last))
                         return
                     logger.info("control: run %s: live events ended while %s; resubscribing", run_id, state)
+            if not acked:  # an unsubscribe overtook it: the request still gets its reply
+                await self._send(
+                    protocol.encode_error(req.id, ErrorCode.REFUSED, "unsubscribed before the subscription started")
+                )
         except _Gone:
             return
         except Exception as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
+from supervisor import _wsclient
 from supervisor import client as client_mod
 from supervisor.cli import ExitCode, build_spec, cli, format_event
 from tests.supervisor.control_thread import ServerThread
@@ -184,7 +185,7 @@ def test_watch_resumes_after_a_dropped_connection_printing_each_event_once(
     run_id = server.call(b.add_run)
     for kind, data in STEPS:
         server.call(b.emit, run_id, kind, data)
-    real_recv = client_mod._WebSocket.recv_text
+    real_recv = _wsclient.WebSocket.recv_text
     seen = {"events": 0}
 
     def drop_after_the_second_event(self: Any, timeout_s: float | None) -> str:
@@ -197,7 +198,7 @@ def test_watch_resumes_after_a_dropped_connection_printing_each_event_once(
                 server.call(b.finish, run_id, "cancelled")
         return msg
 
-    monkeypatch.setattr(client_mod._WebSocket, "recv_text", drop_after_the_second_event)
+    monkeypatch.setattr(_wsclient.WebSocket, "recv_text", drop_after_the_second_event)
     res = run(server, "watch", run_id)
     assert res.exit_code == ExitCode.RUN_CANCELLED, res.output
     seqs = [int(line.split()[0][1:]) for line in res.stdout.splitlines() if line.startswith("#")]

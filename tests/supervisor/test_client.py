@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import client as client_mod
+from supervisor import _wsclient
 from supervisor import control
 from supervisor.client import Client, ConnectionLost, Unauthorized
 from supervisor.errors import ControlProtocolError, DaemonNotRunning, RunNotFound, SpawnError
@@ -33,12 +33,12 @@ def client(server: ServerThread) -> Iterator[Client]:
 
 def test_frames_are_masked_and_sized_per_rfc6455() -> None:
     key = b"\x01\x02\x03\x04"
-    small = client_mod.encode_frame(0x1, b"hi", mask_key=key)
+    small = _wsclient.encode_frame(0x1, b"hi", mask_key=key)
     assert small[:2] == b"\x81\x82" and small[2:6] == key
-    assert client_mod._mask(small[6:], key) == b"hi"
-    medium = client_mod.encode_frame(0x1, b"x" * 300, mask_key=key)
+    assert _wsclient._mask(small[6:], key) == b"hi"
+    medium = _wsclient.encode_frame(0x1, b"x" * 300, mask_key=key)
     assert medium[1] == 0x80 | 126 and int.from_bytes(medium[2:4], "big") == 300
-    big = client_mod.encode_frame(0x2, b"y" * 70000, mask_key=key)
+    big = _wsclient.encode_frame(0x2, b"y" * 70000, mask_key=key)
     assert big[1] == 0x80 | 127 and int.from_bytes(big[2:10], "big") == 70000
 
 

@@ -485,6 +485,30 @@ async def test_unsubscribe_stops_the_pushes(server: Server) -> None:
     assert not b.runs[run].subscribers
 
 
+async def test_an_unsubscribe_overtaking_its_subscribe_still_answers_both(server: Server) -> None:
+    run = server.backend.add_run()
+    entered = trio.Event()
+    real_subscribe = server.backend.subscribe
+
+    @asynccontextmanager
+    async def slow_subscribe(run_id: str) -> AsyncIterator[Any]:
+        entered.set()
+        await trio.sleep_forever()  # the backend is busy; only a cancel gets us out
+        async with real_subscribe(run_id) as live:  # pragma: no cover
+            yield live
+
+    server.backend.subscribe = slow_subscribe  # type: ignore[method-assign]
+    async with connect(server) as peer:
+        await peer.send({"id": 1, "op": "subscribe", "run_id": run})
+        with trio.fail_after(WAIT_S):
+            await entered.wait()
+        await peer.send({"id": 2, "op": "unsubscribe", "sub": "1"})
+        replies = {m["id"]: m for m in (await peer.recv(), await peer.recv())}
+        assert replies[2]["result"] == {"sub": "1", "was_active": True}
+        assert replies[1]["ok"] is False and replies[1]["error"]["code"] == "refused"
+        assert (await peer.ok("ping"))["pong"] is True
+
+
 async def test_two_subscriptions_on_one_connection_are_told_apart(server: Server) -> None:
     b = server.backend
     r1, r2 = b.add_run(), b.add_run()
