@@ -41,8 +41,10 @@ class _TreeBase:
         """Remember another process group of this tree (an MCP server, a command).
 
         The runner reports these, so a report is checked, not trusted: the group's leader
-        must be running now and carry this tree's marker or sit in its cgroup. A group we
-        could not check is not added (its members are still found by the sweep).
+        must be running now and descend from the runner, or carry this tree's marker, or
+        sit in its cgroup. (Ancestry comes first: for an instant after exec a process's
+        environment reads empty.) A group we could not check is not added; its members
+        are still found by the sweep.
         Returns whether the group is known now.
         """
         if pgid in self.groups:
@@ -52,14 +54,28 @@ class _TreeBase:
         leader = read_proc(pgid)
         if leader is None or leader.dead or leader.pgid != pgid:
             return False
-        ours = read_marker(pgid) == self.tree_id or (
-            self.cgroup is not None and pgid in cgroup_pids(self.cgroup)
+        ours = (
+            self._descends_from_runner(leader.ppid)
+            or read_marker(pgid) == self.tree_id
+            or (self.cgroup is not None and pgid in cgroup_pids(self.cgroup))
         )
         if not ours:
             logger.warning("tree %s: group %d is not the tree's; not adding it", self.tree_id, pgid)
             return False
         self.groups[pgid] = leader.start_ticks
         return True
+
+    def _descends_from_runner(self, pid: int) -> bool:
+        for _ in range(64):  # a parent chain, bounded in case of a loop during reparenting
+            if pid <= 1:
+                return False
+            p = read_proc(pid)
+            if p is None:
+                return False
+            if pid == self.pid:
+                return self.leader_ticks is not None and p.start_ticks == self.leader_ticks
+            pid = p.ppid
+        return False
 
     @property
     def leader_reaped(self) -> bool:

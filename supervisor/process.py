@@ -449,15 +449,25 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
     seen = dict(seen_before)
     seen.update((g, t) for g, t in tree.groups.items() if g != tree.pid and t is not None)
     leftovers_logged = False
+    confirmed = False
     with trio.move_on_after(KILL_WAIT_S):
         while True:
             members = await _blocking(_members, tree)
             seen.update((p.pid, p.start_ticks) for p in members.values())
             alive = [p for p in members.values() if not p.dead]
             if not alive:
-                r.tree_dead_at = trio.current_time()
-                r.tree_dead_after_s = round(at(), 4)
-                break
+                if r.tree_dead_at is None:
+                    r.tree_dead_at = trio.current_time()
+                    r.tree_dead_after_s = round(at(), 4)
+                # Confirm with a second sweep: a process caught mid-exec shows an empty
+                # environment for an instant, so one sweep could miss it.
+                if confirmed:
+                    break
+                confirmed = True
+                await trio.sleep(POLL_S)
+                continue
+            r.tree_dead_at = r.tree_dead_after_s = None
+            confirmed = False
             fresh = [p for p in alive if killed.get(p.pid) != p.start_ticks]
             if fresh and not r.escalated and not leftovers_logged:
                 leftovers_logged = True

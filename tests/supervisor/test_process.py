@@ -310,6 +310,26 @@ async def test_soft_stop_reaches_known_groups_once_the_runner_is_gone(make_conta
         await process.terminate_and_kill(tree, grace_s=GRACE_S)
 
 
+async def test_a_reported_group_is_accepted_by_ancestry_without_a_marker(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    code = (
+        "import os, subprocess, sys, signal\n"
+        "env = {'AGENTD_TEST_MARK': os.environ['AGENTD_TEST_MARK']}\n"  # no AGENTD_TREE
+        "p = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'],"
+        " start_new_session=True, env=env)\n"
+        "print(p.pid, flush=True)\n"
+        "signal.pause()\n"
+    )
+    tree = await spawn_argv([sys.executable, "-c", code], c)
+    helper = int(await read_line(tree))
+    assert tree.add_group(helper)
+    assert helper in tree.groups
+    with trio.fail_after(GRACE_S + 5):
+        receipt = await process.terminate_and_kill(tree, grace_s=0)
+    assert receipt.survivors == []
+    assert any(s.signal == "SIGKILL" and s.target == "group" and s.id == str(helper) for s in receipt.signals)
+
+
 async def test_a_reported_group_that_is_not_the_trees_is_refused(make_containment: MakeContainment) -> None:
     c = make_containment(SUBREAPER_SWEEP)
     tree = await spawn("tree_ignore_term.py", containment=c)
