@@ -498,23 +498,74 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-_STATUS_ORDER = ("run_id", "id", "state", "session_id", "task", "created_at", "started_at", "ended_at", "live", "reason")
+def _tool_summary(calls: Any) -> str:
+    if not isinstance(calls, list) or not calls:
+        return "none"
+    counts: dict[str, int] = {}
+    for c in calls:
+        if isinstance(c, dict):
+            key = f"{c.get('name')} {c.get('state')}"
+            counts[key] = counts.get(key, 0) + 1
+    parts = [f"{n}x {k}" if n > 1 else k for k, n in counts.items()]
+    return f"{len(calls)}: " + _short(", ".join(parts), 120)
+
+
+def _receipt_summary(receipt: Any) -> str | None:
+    if not isinstance(receipt, dict):
+        return None
+    parts = []
+    if receipt.get("cancel_reason"):
+        parts.append(f"reason {receipt['cancel_reason']}")
+    if isinstance(receipt.get("cancel_to_tree_dead_s"), (int, float)):
+        parts.append(f"cancel to tree dead {receipt['cancel_to_tree_dead_s']:.2f} s")
+    path_b = receipt.get("path_b") if isinstance(receipt.get("path_b"), dict) else {}
+    if path_b.get("escalated"):
+        parts.append("escalated to SIGKILL")
+    survivors = path_b.get("survivors")
+    if survivors:
+        parts.append(f"{len(survivors)} survivor(s)")
+    elif path_b:
+        parts.append("no survivors")
+    if receipt.get("exit_code") is not None:
+        parts.append(f"exit code {receipt['exit_code']}")
+    return ", ".join(parts) or _short(json.dumps(receipt, default=str), 120)
 
 
 def _print_run(run: dict[str, Any]) -> None:
-    keys = [k for k in _STATUS_ORDER if k in run] + sorted(k for k in run if k not in _STATUS_ORDER)
-    if "run_id" in run and "id" in run:
-        keys.remove("id")
-    width = max((len(k) for k in keys), default=0)
-    for k in keys:
-        v = run[k]
-        if k.endswith("_at") and isinstance(v, (int, float)):
-            text = f"{_when(v)} ({v})"
-        elif isinstance(v, (dict, list)):
-            text = _short(json.dumps(v, default=str), 160)
-        else:
-            text = str(v)
-        click.echo(f"{k.ljust(width)}  {text}")
+    """The facts a person asks about a run; ``--json`` has the whole record."""
+    rows: list[tuple[str, str]] = [("run", _run_id(run))]
+    state = str(run.get("state"))
+    rows.append(("state", state + (f" ({run['reason']})" if run.get("reason") else "")))
+    if run.get("session_id"):
+        rows.append(("session", str(run["session_id"])))
+    if _task(run):
+        rows.append(("task", _task(run)))
+    times = [f"{k.removesuffix('_at')} {_when(run.get(k))}" for k in ("created_at", "started_at", "ended_at") if run.get(k)]
+    if isinstance(run.get("started_at"), (int, float)) and isinstance(run.get("ended_at"), (int, float)):
+        times.append(f"took {run['ended_at'] - run['started_at']:.1f} s")
+    if times:
+        rows.append(("time", ", ".join(times)))
+    if run.get("pid") is not None:
+        rows.append(("process", f"pid {run.get('pid')}, pgid {run.get('pgid')}"))
+    if run.get("containment"):
+        rows.append(("containment", str(run["containment"])))
+    result = run.get("result")
+    if isinstance(result, dict):
+        text = result.get("final_text") or result.get("progress") or ""
+        rows.append(("result", f"{result.get('status')}" + (f": {_short(text, 100)}" if text else "")))
+    if run.get("partial"):
+        rows.append(("partial", "yes: the result is the last step snapshot"))
+    if run.get("error"):
+        rows.append(("error", _short(json.dumps(run["error"], default=str), 120)))
+    rows.append(("tool calls", _tool_summary(run.get("tool_calls"))))
+    receipt = _receipt_summary(run.get("receipt"))
+    if receipt:
+        rows.append(("teardown", receipt))
+    if run.get("last_seq") is not None:
+        rows.append(("events", f"{run['last_seq']} (agentd logs {_run_id(run)})"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k.ljust(width)}  {v}")
 
 
 @cli.command()

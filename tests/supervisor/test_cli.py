@@ -407,3 +407,6 @@ def test_cancel_on_the_real_daemon_prints_was_active_and_the_terminal_state(real
     assert follow.state == "cancelled"
     again = run(real_daemon, "--json", "cancel", run_id)
     assert json.loads(again.stdout) == {"run_id": run_id, "was_active": False, "state": "cancelled"}
+    shown = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in run(real_daemon, "status", run_id).stdout.splitlines()}
+    assert shown["state"] == "cancelled (user)"
+    assert "cancel to tree dead" in shown["teardown"] and "no survivors" in shown["teardown"]
