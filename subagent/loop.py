@@ -109,9 +109,14 @@ class AgentLoop:
                 return RunOutcome(
                     RunStatus.FAILED, ExitCode.MODEL_ERROR, reason="model_error", error={"code": exc.kind, "message": exc.message}
                 )
+            if not aborted and not sink.received_any:
+                msg = "the model's stream ended without sending anything"
+                return RunOutcome(RunStatus.FAILED, ExitCode.MODEL_ERROR, reason="model_error", error={"code": "model_stream", "message": msg})
             turn = sink.result(aborted=aborted)
             if aborted:
                 self._take_turn(turn)
+                if turn.text or turn.calls:
+                    self._snapshot()  # the partial turn is progress too
                 return self._cancelled()
             records = self._take_turn(turn)
             if not turn.finished:

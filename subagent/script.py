@@ -93,6 +93,7 @@ class Turn:
     chunk_size: int | None = None
     error: str | None = None
     hang: bool = False
+    cut: bool = False
     usage: Mapping[str, int] | None = None
 
     @classmethod
@@ -102,7 +103,7 @@ class Turn:
         d = _check(
             d,
             where,
-            {"text", "tool_calls", "extract", "delay_s", "chunk_delay_s", "chunk_size", "error", "hang", "usage"},
+            {"text", "tool_calls", "extract", "delay_s", "chunk_delay_s", "chunk_size", "error", "hang", "cut", "usage"},
         )
         text = d.get("text", "")
         if not isinstance(text, str):
@@ -144,6 +145,7 @@ class Turn:
             chunk_size=size,
             error=error,
             hang=bool(d.get("hang", False)),
+            cut=bool(d.get("cut", False)),
             usage=usage,
         )
 
@@ -303,6 +305,9 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
             chunk(Piece("tool_args", index=i, text=part))
     if turn.error is not None:
         pieces.append(Piece("error", text=turn.error))
+        return pieces
+    if turn.cut:
+        pieces.append(Piece("cut"))
         return pieces
     if turn.hang:
         pieces.append(Piece("hang"))

@@ -138,3 +138,12 @@ async def test_openai_without_key_or_base_url_fails_clearly(tmp_path: Path) -> N
         rc, result = await r.finish()
     assert rc == ExitCode.MODEL_ERROR
     assert "OPENAI_API_KEY" in result["error"]["message"]
+
+
+
+async def test_an_empty_stream_is_a_model_error(tmp_path: Path) -> None:
+    async with fake_server({"turns": [{"cut": True}]}) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish()
+    assert rc == ExitCode.MODEL_ERROR, result
+    assert len(server.chat_requests) == 1

@@ -310,3 +310,18 @@ async def test_sigterm_before_any_spec_ends_a_warm_runner(tmp_path: Path) -> Non
         r.signal()
         rc, result = await r.finish(timeout_s=30)
     assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
+
+
+async def test_a_text_turn_cut_short_is_not_an_answer_and_the_model_is_asked_again(tmp_path: Path) -> None:
+    script = {"turns": [{"text": "The answer is", "cut": True}], "final": "The answer is 42."}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED and result["final_text"] == "The answer is 42."
+    assert result["steps"] == 2
+    assert [e.data["complete"] for e in r.of(EventKind.ASSISTANT_TEXT)] == [False, True]
+
+
+async def test_an_empty_stream_is_a_model_error(tmp_path: Path) -> None:
+    async with start_runner(spec(script={"turns": [{"cut": True}]}), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.MODEL_ERROR and result["error"]["code"] == "model_stream"
