@@ -147,7 +147,8 @@ def orphan(double):
     os.setsid()
     if double and os.fork():
         os._exit(0)
-    print("daemon" if double else "setsid", os.getpid(), flush=True)
+    kind = "daemon" if double else "setsid"
+    os.write(1, f"{kind} {os.getpid()}\n".encode())  # one write: print() may interleave
     os.read(0, 1)  # exits at EOF on stdin
     os._exit(0)
 orphan(False)
