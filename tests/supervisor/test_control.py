@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import stat
 from collections.abc import AsyncIterator
@@ -271,6 +272,38 @@ async def test_a_silent_connection_is_dropped_after_the_handshake_timeout(
     with trio.fail_after(WAIT_S):
         assert await stream.receive_some() == b""
     await stream.aclose()
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "SEND_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(control, "DISCONNECT_TIMEOUT_S", 0.3)
+    srv = await start_server(nursery, tmp_path)
+    b = srv.backend
+    run = b.add_run()
+    for _ in range(2000):  # 32 MB: more than the socket buffers hold
+        b.emit(run, "log", {"message": "x" * 16384})
+    dropped = trio.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "read nothing" in record.getMessage():
+                dropped.set()
+
+    handler = Watch()
+    logging.getLogger("supervisor.control").addHandler(handler)
+    try:
+        async with connect(srv) as stalled:
+            await stalled.ok("subscribe", run_id=run)
+            # Now read nothing: trio-websocket's reader stops once its one-slot queue is full.
+            with trio.fail_after(WAIT_S):
+                await dropped.wait()
+            async with connect(srv) as other:
+                assert (await other.ok("status", run_id=run))["state"] == "running"
+    finally:
+        logging.getLogger("supervisor.control").removeHandler(handler)
+    assert b.cancels == []
 
 
 # --------------------------------------------------------------------------- operations
