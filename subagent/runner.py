@@ -182,7 +182,7 @@ def _imported() -> dict[str, bool]:
     return {"openai": "openai" in sys.modules, "mcp": "mcp" in sys.modules}
 
 
-async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None, early_stop: bool = False) -> int:
+async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None) -> int:
     """Run one spec to its end; write the result; return the exit code."""
     run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
     emitter.run_id = run_id
@@ -205,7 +205,7 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None, early_st
                     session_id=spec.session_id,
                     provider=spec.model.provider,
                 )
-                if early_stop:
+                if _early_signals:  # a SIGTERM that came before trio's receiver took over
                     stop.request("signal")
                 async with AsyncExitStack() as stack:
                     try:
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         error = {"code": "bad_spec", "message": message, "field": exc.field}
         emitter.result(_empty_result(RunOutcome(RunStatus.FAILED, ExitCode.BAD_SPEC, reason="bad_spec", error=error), {}))
         return int(ExitCode.BAD_SPEC)
-    return trio.run(lambda: run(spec, emitter, run_dir=run_dir, early_stop=bool(_early_signals)))
+    return trio.run(lambda: run(spec, emitter, run_dir=run_dir))
 
 
 if __name__ == "__main__":
