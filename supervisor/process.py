@@ -357,9 +357,13 @@ def soft_stop(tree: AnyTree) -> list[str]:
     return [f"SIGTERM group {g}: {_killpg(g, signal.SIGTERM)}" for g in targets]
 
 
+_fired: list[subprocess.Popen[bytes]] = []  # fire-and-forget taskkills, kept until done
+
+
 def _windows_fire(cmd: list[str]) -> str:
+    _fired[:] = [p for p in _fired if p.poll() is None]
     try:
-        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _fired.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     except OSError as exc:
         return f"{' '.join(cmd)}: {exc}"
     return f"{' '.join(cmd)}: sent"
