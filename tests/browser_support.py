@@ -132,6 +132,24 @@ class LocalSite:
         self._thread.join(timeout=5)
 
 
+def read_with_own_browser(url: str, selector: str) -> str:
+    """The text of ``selector`` at ``url``, read by a browser of the test's own (Python
+    Playwright, sync API: call it through trio.to_thread). An independent witness for what
+    a sub-agent reported."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(
+            executable_path=os.environ.get("AGENTD_CHROMIUM") or str(CHROMIUM), headless=True, args=["--no-sandbox"]
+        )
+        try:
+            page = b.new_page()
+            page.goto(url)
+            return page.inner_text(selector)
+        finally:
+            b.close()
+
+
 class TrapProxy:
     """A listener posing as an HTTP proxy: it records the first line of every request a
     browser sends it (``CONNECT update.googleapis.com:443 ...``) and answers nothing.
