@@ -1,12 +1,12 @@
 """Process control: spawn a runner's tree, stop it (path A and path B), find it after a restart.
 
 The only module that sends signals (killpg, pidfd_send_signal, ``cgroup.kill``, taskkill).
-  spawn_tree(argv, *, env, cwd, tree_id, containment) -> Tree       new session + cgroup
-  soft_stop(tree) -> list[str]                     path A: SIGTERM, fire and forget
-  await terminate_and_kill(tree, *, grace_s) -> StopReceipt          path B: shielded, bounded
-  alive_members(tree) / await wait_tree_gone(tree, timeout)         liveness of a whole tree
-  find_tree(...) -> Found / await kill_orphaned_tree(...)           after a daemon restart
-  await drain_bounded(stream, sink, *, process) -> bool             pipes after exit, bounded
+  await spawn_tree(argv, *, env, cwd, tree_id, containment) -> Tree   new session + cgroup
+  soft_stop(tree) -> list[str]                   path A: SIGTERM now, fire and forget
+  await terminate_and_kill(tree, *, grace_s) -> StopReceipt  path B: shielded, bounded
+  alive_members(tree), await wait_tree_gone(tree, timeout), await wait_leader(tree)
+  find_tree(...) -> Found, await kill_orphaned_tree(...), await kill_strays(containment)
+  await drain_bounded(stream, sink, *, process) -> bool  (from _drain; pipes after exit)
 """
 
 # Identity. Pids wrap at 32768 on this kind of host, so a pid alone names nobody. A tree's
