@@ -38,7 +38,8 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
-            os.fchmod(fd, mode)  # the umask may have narrowed it; never widened past mode
+            if hasattr(os, "fchmod"):  # POSIX: the umask may have narrowed it; never widened
+                os.fchmod(fd, mode)
             os.write(fd, data)
             os.fsync(fd)
         finally:

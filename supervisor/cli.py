@@ -99,7 +99,11 @@ class _Group(click.Group):
             raise CliError("interrupted (runs go on; stop one with `agentd cancel RUN`)", ExitCode.INTERRUPTED) from None
         except BrokenPipeError:
             # `agentd logs RUN | head`: the reader left; not an error worth a traceback.
-            sys.stderr.close()
+            # Point stdout at devnull so the interpreter's final flush does not fail too.
+            import os
+
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
             raise SystemExit(0) from None
 
 

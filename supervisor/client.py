@@ -42,6 +42,8 @@ RECONNECT_BACKOFF_S: Final = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":
+        return True  # os.kill(pid, 0) would TerminateProcess there; let the connect decide
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

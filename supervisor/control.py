@@ -477,6 +477,15 @@ def _end_with_error(sub: str, run_id: str, code: str, message: str) -> str:
     )
 
 
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def _unsupported(what: str) -> Exception:
     return ControlProtocolError(ErrorCode.UNSUPPORTED, f"this daemon does not support {what}")
 
@@ -514,6 +523,13 @@ async def serve_control(
         connect_timeout=CONNECT_TIMEOUT_S,
         disconnect_timeout=DISCONNECT_TIMEOUT_S,
     )
+    address = listeners[0].socket.getsockname()[0]
+    if not _is_loopback(address):
+        logger.warning(
+            "control: listening on %s, which is not a loopback address: anyone who can reach it "
+            "and holds the token controls every run",
+            address,
+        )
     async with trio.open_nursery() as nursery:
         await nursery.start(ws_server.run)
         logger.info("control: listening on %s", endpoint_url(config.host, server.port))
