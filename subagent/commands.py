@@ -5,7 +5,7 @@ alive=True before any output is read and alive=False only once the whole group i
 captured output is bounded (the head is kept, the rest counted and dropped); when the
 shell exits, whatever it left in its group, or that escaped the group but carries this
 command's marker variable, is ended: nothing a command starts outlives its call. A
-timeout or an interrupt (the runner's second SIGTERM) ends the group and returns the
+timeout or an interrupt (a repeated SIGINT to the runner) ends the group and returns the
 output captured so far. The child gets the runner's environment minus ``OPENAI_*``.
 """
 

@@ -1,6 +1,7 @@
 """``python -m subagent.runner [--warm]``: one sub-agent run, from spec on stdin to result.
 
-Invariants: SIGTERM/SIGINT only set the stop flag (a handler is installed before the
+Invariants: SIGTERM only sets the stop flag, however often it comes (a repeated SIGINT
+also interrupts the running tool) (a handler is installed before the
 heavy imports; trio's signal receiver takes over in the main task), except while
 ``--warm`` waits for its spec, when a signal ends the process at once; stderr carries
 only JSON events; every path that got a spec ends with one result on stdout (and in
@@ -168,9 +169,15 @@ async def _start_servers(
     return servers
 
 
-async def _watch_signals(signals: Any, stop: StopControl) -> None:
-    async for _ in signals:
-        stop.request("signal")
+async def _watch_signals(signals: Any, stop: StopControl, emitter: Emitter) -> None:
+    # SIGTERM is idempotent (the daemon's path A and path B both send one). SIGINT: the
+    # first is a stop like SIGTERM, a repeat also interrupts the running tool (ctrl-C twice).
+    async for signum in signals:
+        if signum == signal.SIGINT and stop.requested:
+            if stop.interrupt_tool():
+                emitter.log("warning", "a repeated SIGINT interrupts the running tool")
+        else:
+            stop.request("signal")
 
 
 async def _deadline(seconds: float, stop: StopControl) -> None:
@@ -194,7 +201,7 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None) -> int:
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_signals, signals, stop)
+                nursery.start_soon(_watch_signals, signals, stop, emitter)
                 if spec.limits.deadline_s is not None:
                     nursery.start_soon(_deadline, spec.limits.deadline_s, stop)
                 emitter.emit(

@@ -2,9 +2,9 @@
 
 Invariants: a stop only *sets* the flag (once: the first reason wins and is reported in
 one ``stop_requested`` event); the agent loop reads it at the start of each step and
-after each tool batch. The one thing a first stop interrupts at once is a model request
-in flight (no side effects; aborting closes its connection). A running tool finishes;
-only a second stop interrupts it (its record says so). Pure trio, no signals here: the
+after each tool batch. The one thing a stop interrupts at once is a model request in
+flight (no side effects; aborting closes its connection). A running tool finishes; only
+an explicit ``interrupt_tool`` (a repeated SIGINT) ends it early (its record says so). Pure trio, no signals here: the
 runner's main task turns SIGTERM into ``request("signal")``, the deadline task into
 ``request("timeout")``.
 """
@@ -44,7 +44,11 @@ class StopControl:
         return self.phase
 
     def request(self, reason: str) -> None:
-        """Ask the run to stop. Idempotent for the flag; a repeat may interrupt a tool."""
+        """Ask the run to stop. Idempotent: asking again changes nothing.
+
+        The daemon's two cancel paths both send SIGTERM, so a repeated SIGTERM must not
+        escalate; escalation is ``interrupt_tool`` (a repeated SIGINT) or SIGKILL.
+        """
         self.count += 1
         if self.reason is None:
             self.reason = reason
@@ -53,9 +57,13 @@ class StopControl:
             self.stopped.set()
             if self._model_scope is not None:
                 self._model_scope.cancel(reason=f"stop ({reason}) aborts the model request")
-        elif reason == "signal" and self._tool_scope is not None:
-            # A second SIGTERM: the user insists; interrupt the running tool.
-            self._tool_scope.cancel(reason="second stop interrupts the running tool")
+
+    def interrupt_tool(self) -> bool:
+        """Interrupt the running tool (its record says so). Returns whether one was running."""
+        if self._tool_scope is None:
+            return False
+        self._tool_scope.cancel(reason="an explicit interrupt ends the running tool")
+        return True
 
     def model_request(self) -> contextlib.AbstractContextManager[trio.CancelScope]:
         """Scope for one model request: cancelled at once by a stop (also one already set)."""

@@ -3,8 +3,8 @@
 Invariants: a tool name the model sees maps to exactly one executor (built-in, or one
 MCP server's tool: exposed under its own name when that is unique, always also as
 ``<server>__<tool>``); ``execute`` never raises for a tool's own failure: it returns a
-``ToolOutcome`` whose state says what really happened (succeeded, failed, cancelled by a
-second stop, or unknown when we stopped waiting but the tool may still act); outputs are
+``ToolOutcome`` whose state says what really happened (succeeded, failed, cancelled by an
+explicit interrupt, or unknown when we stopped waiting but the tool may still act); outputs are
 bounded to ``limits.max_output_bytes``.
 """
 
@@ -141,7 +141,7 @@ class ToolBox:
         if outcome.spawn_error is not None:
             return ToolOutcome(ToolCallState.FAILED, text, error=outcome.spawn_error, reason="spawn_failed")
         if outcome.interrupted:
-            return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason="interrupted: a second stop ended the command")
+            return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason="interrupted: an explicit interrupt ended the command")
         if outcome.timed_out:
             return ToolOutcome(ToolCallState.FAILED, text, outcome.truncated, error=f"timed out after {timeout:g} s", reason="timeout")
         return ToolOutcome(ToolCallState.SUCCEEDED, text, outcome.truncated)
@@ -169,7 +169,7 @@ class ToolBox:
         # queued before the answer that followed it: one checkpoint lets it be recorded.
         await trio.lowlevel.checkpoint()
         if interrupt.cancelled_caught:
-            return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: a second stop abandoned the call; the server may have acted")
+            return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: an explicit interrupt abandoned the call; the server may have acted")
         if timer.cancelled_caught or result is None:
             return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"no answer within {timeout:g} s", reason="timeout: stopped waiting; the server may still act")
         is_error, text = result

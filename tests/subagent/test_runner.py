@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import psutil
@@ -115,19 +116,35 @@ async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path
     assert history[1]["content"].startswith("not executed: stopped_before_start")
 
 
-async def test_second_sigterm_interrupts_the_running_command(tmp_path: Path) -> None:
+async def test_repeated_sigterm_changes_nothing_the_command_still_finishes(tmp_path: Path) -> None:
+    # The daemon's path A and path B both send SIGTERM: the second must not escalate.
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 1; echo finished"}}]}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
+        r.signal()
+        r.signal()
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    (rec,) = result["tool_calls"]
+    assert rec["state"] == "succeeded" and "finished" in rec["output"]
+    assert len(r.of(EventKind.STOP_REQUESTED)) == 1
+
+
+async def test_a_repeated_sigint_interrupts_the_running_command(tmp_path: Path) -> None:
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "echo started; sleep 30"}}]}]}
     async with start_runner(spec(script=script), tmp_path) as r:
         with trio.fail_after(10):
             group = await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
-        r.signal()
+        r.signal(signal.SIGINT)
         with trio.fail_after(10):
             await r.wait_event(EventKind.STOP_REQUESTED)
-        r.signal()
+        r.signal(signal.SIGINT)
         rc, result = await r.finish(timeout_s=10)
     assert rc == ExitCode.CANCELLED
     (rec,) = result["tool_calls"]
-    assert rec["state"] == "cancelled"
+    assert rec["state"] == "cancelled" and rec["reason"].startswith("interrupted")
     assert "started" in rec["output"]
     assert not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
 
