@@ -47,7 +47,7 @@ async def drain_bounded(
         with read_scope:
             try:
                 while chunk := await stream.receive_some():
-                    await sink(chunk)
+                    await sink(bytes(chunk))
                 eof = True
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 eof = True

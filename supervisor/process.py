@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-import psutil
+import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
 from supervisor import _windows
@@ -318,14 +318,20 @@ def _leader_alive(tree: AnyTree) -> bool:
     if not _HAVE_PROC:  # e.g. macOS: ask Trio, or psutil for a re-adopted runner
         if isinstance(tree, Tree):
             return tree.process.returncode is None
-        try:
-            return abs(psutil.Process(tree.pid).create_time() - tree.start_time) <= START_TIME_TOLERANCE_S
-        except psutil.Error:
-            return False
+        return _started_at(tree.pid, tree.start_time)
     if tree.leader_ticks is None:  # not provably the recorded process
         return False
     p = read_proc(tree.pid)
     return p is not None and not p.dead and p.start_ticks == tree.leader_ticks
+
+
+def _started_at(pid: int, start_time: float) -> bool:
+    """Does ``pid`` run and has it the psutil create_time ``start_time``?"""
+    try:
+        created: float = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return False
+    return abs(created - start_time) <= START_TIME_TOLERANCE_S
 
 
 def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
@@ -630,10 +636,7 @@ def find_tree(
     leader = read_proc(pid)
     alive = False
     if leader is not None and not leader.dead and start_time is not None:
-        try:
-            alive = abs(psutil.Process(pid).create_time() - start_time) <= START_TIME_TOLERANCE_S
-        except psutil.Error:
-            alive = False
+        alive = _started_at(pid, start_time)
     path = Path(cgroup) if cgroup else None
     if path is not None and not path.is_dir():
         path = None

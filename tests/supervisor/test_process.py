@@ -368,7 +368,7 @@ async def test_the_leader_is_in_its_cgroup_before_it_runs_a_single_instruction(
         async for chunk in tree.process.stdout:
             out += chunk
         await tree.process.wait()
-    assert f"0::/{tree.cgroup.relative_to(c.root.parent)}".encode() in out  # type: ignore[union-attr]
+    assert f"0::/{tree.cgroup.relative_to(c.root.parent)}".encode() in out
     assert c.remove(tree) and not tree.cgroup.exists()
 
 
@@ -377,7 +377,7 @@ async def test_a_tree_that_cannot_join_its_cgroup_runs_without_one(
 ) -> None:
     c = make_containment(CGROUP)
     assert c.root is not None
-    monkeypatch.setattr(c, "prepare", lambda tree_id: c.root / "no-such-parent" / tree_id)  # type: ignore[operator]
+    monkeypatch.setattr(c, "prepare", lambda tree_id: c.root / "no-such-parent" / tree_id)
     tree = await spawn("tree_ignore_term.py", containment=c)
     assert await read_line(tree) == b"ready"  # started once more, without the cgroup
     assert tree.cgroup is None and tree.containment == SUBREAPER_SWEEP
