@@ -191,6 +191,13 @@ class FakeOpenAI:
         turn_index, last_output = history_position(messages)
         req.turn_index = turn_index
         pieces = plan(self.script, turn_index, last_output)
+        if pieces and pieces[-1].kind == "http_error":
+            for p in pieces[:-1]:
+                await trio.sleep(p.seconds)
+            err = pieces[-1]
+            await _send_json(stream, err.index, {"error": {"message": err.text, "type": "server_error", "code": None}})
+            req.response_complete = True
+            return True
         if not req.body.get("stream"):
             await _send_json(stream, 200, self._whole_completion(pieces))
             req.response_complete = True
@@ -374,7 +381,7 @@ async def _send_event(stream: Any, obj: dict[str, Any]) -> None:
 
 async def _send_json(stream: Any, status: int, obj: dict[str, Any]) -> None:
     body = json.dumps(obj).encode()
-    reason = {200: "OK", 404: "Not Found"}.get(status, "Error")
+    reason = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}.get(status, "Error")
     head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
     await _send(stream, head.encode() + body)
 

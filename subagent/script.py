@@ -94,6 +94,7 @@ class Turn:
     error: str | None = None
     hang: bool = False
     cut: bool = False
+    http_status: int | None = None
     usage: Mapping[str, int] | None = None
 
     @classmethod
@@ -103,7 +104,7 @@ class Turn:
         d = _check(
             d,
             where,
-            {"text", "tool_calls", "extract", "delay_s", "chunk_delay_s", "chunk_size", "error", "hang", "cut", "usage"},
+            {"text", "tool_calls", "extract", "delay_s", "chunk_delay_s", "chunk_size", "error", "hang", "cut", "http_status", "usage"},
         )
         text = d.get("text", "")
         if not isinstance(text, str):
@@ -125,6 +126,9 @@ class Turn:
         error = d.get("error")
         if error is not None and not isinstance(error, str):
             raise ScriptError(f"{where}.error", f"expected a string, got {error!r}")
+        status = d.get("http_status")
+        if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599):
+            raise ScriptError(f"{where}.http_status", f"expected an HTTP error status 400..599, got {status!r}")
         usage = d.get("usage")
         if usage is not None:
             usage = _check(usage, f"{where}.usage", {"prompt_tokens", "completion_tokens"})
@@ -146,6 +150,7 @@ class Turn:
             error=error,
             hang=bool(d.get("hang", False)),
             cut=bool(d.get("cut", False)),
+            http_status=status,
             usage=usage,
         )
 
@@ -223,7 +228,8 @@ class Piece:
 
     kind: "delay" (seconds), "text" (text), "tool_start" (index, id, name),
     "tool_args" (index, text), "cut" (the stream breaks here), "error" (text),
-    "hang" (the stream stays open, silent), "finish" (text = finish_reason, usage).
+    "hang" (the stream stays open, silent), "finish" (text = finish_reason, usage),
+    "http_error" (index = status, text = message): the request fails before any stream.
     """
 
     kind: str
@@ -282,6 +288,9 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
     pieces: list[Piece] = []
     if turn.delay_s:
         pieces.append(Piece("delay", seconds=turn.delay_s))
+    if turn.http_status is not None:
+        pieces.append(Piece("http_error", index=turn.http_status, text=turn.error or f"scripted HTTP {turn.http_status}"))
+        return pieces
 
     def chunk(p: Piece) -> None:
         if gap and any(x.kind in ("text", "tool_start", "tool_args") for x in pieces):

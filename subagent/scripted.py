@@ -39,6 +39,8 @@ class ScriptedProvider:
                 return
             elif piece.kind == "error":
                 raise ModelError(f"scripted model error: {piece.text}")
+            elif piece.kind == "http_error":
+                raise ModelError(f"the model server answered {piece.index}: {piece.text}", kind="model_http")
             elif piece.kind == "hang":
                 await trio.sleep_forever()
             elif piece.kind == "finish":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -147,3 +148,27 @@ async def test_an_empty_stream_is_a_model_error(tmp_path: Path) -> None:
             rc, result = await r.finish()
     assert rc == ExitCode.MODEL_ERROR, result
     assert len(server.chat_requests) == 1
+
+
+async def test_a_stop_during_retry_backoff_ends_at_once_without_another_request(tmp_path: Path) -> None:
+    async with fake_server({"turns": [{"http_status": 503, "error": "busy"}]}) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            with trio.fail_after(15):
+                await server.wait_for(lambda s: any(q.response_complete for q in s.chat_requests))
+            t0 = time.monotonic()  # the clock of LoggedRequest.started_at
+            r.signal()
+            rc, result = await r.finish()
+            elapsed = time.monotonic() - t0
+    assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
+    assert elapsed < 1.0
+    # The SDK's next retry (after a backoff of ~0.4 s or more) never happened.
+    assert all(q.started_at < t0 for q in server.chat_requests)
+
+
+async def test_persistent_server_errors_end_as_a_model_error_after_the_retries(tmp_path: Path) -> None:
+    async with fake_server({"turns": [{"http_status": 500, "error": "down"}]}) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.MODEL_ERROR
+    assert result["error"]["code"] == "model_http" and "500" in result["error"]["message"]
+    assert len(server.chat_requests) == 3  # the first try and MAX_RETRIES=2
