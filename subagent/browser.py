@@ -10,9 +10,14 @@ SIGKILL that gave Chromium no chance to clean up. (When the run dir is too deep 
 Chromium's socket path, TMPDIR is a short symlink in /tmp to the run's tmp dir:
 ``release_browser_dir`` removes it.)
 
+``end_browser_processes(run_dir)`` is the last-resort teardown: Chromium's helpers lose the
+AGENTD_* marker from /proc/PID/environ, so they are found by the run's paths in their
+command lines instead.
+
 Invariants: stdlib only at import (the daemon calls ``check_browser`` at spawn time to reject
 a run whose browser cannot start); a missing piece is a ``BrowserSetupError`` naming what
-is missing and what to install; nothing here starts a process.
+is missing and what to install; nothing here starts a process, and only
+``end_browser_processes`` sends signals.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ import os
 import pathlib
 import re
 import shutil
-import signal
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from subagent import _cmdline_procs
 
 __all__ = [
     "BROWSER_SERVER_NAME",
@@ -91,10 +96,6 @@ _CHROMIUM_SOCKET_SUFFIX: Final = len("/org.chromium.Chromium.XXXXXX/SingletonSoc
 MAX_TMPDIR_CHARS: Final = SOCKET_PATH_MAX - _CHROMIUM_SOCKET_SUFFIX - 4
 LINK_ROOT: Final = pathlib.Path("/tmp")
 LINK_PREFIX: Final = "agentd-browser-"
-
-# How long ``end_browser_processes`` waits for SIGKILLed processes to be gone (seconds).
-BROWSER_KILL_WAIT_S: Final = 2.0
-_POLL_S: Final = 0.02
 
 # The keys a spec's ``"browser": {...}`` may hold.
 OPTION_KEYS: Final = frozenset(
@@ -461,7 +462,7 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
     return {"command": str(setup.node), "args": args, "env": env, "cwd": str(base)}
 
 
-# --- finding a run's browser processes by their command lines ---------------------------
+# --- a run's browser processes, by their command lines -------------------------------
 #
 # Chromium's zygote, gpu, utility and renderer processes rewrite their argv/environ area
 # for the process title, so /proc/PID/environ no longer shows the AGENTD_* marker they
@@ -471,42 +472,20 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
 # put under the run's browser dir (or its short TMPDIR link): that is how we find them.
 
 
-def _cmdline(pid: str) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def _dead(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
+def _run_paths(run_dir: pathlib.Path) -> list[str]:
+    base = browser_dir(pathlib.Path(run_dir)).absolute()
+    return [str(base) + "/", str(browser_tmpdir(run_dir)) + "/"]
 
 
 def browser_processes(run_dir: pathlib.Path) -> list[int]:
     """Live processes whose command line names this run's browser dirs: the node server,
     Chromium and all its helpers, crashpad handlers. Linux (/proc) only; [] elsewhere."""
-    if not os.path.isdir("/proc"):
-        return []
-    base = browser_dir(pathlib.Path(run_dir)).absolute()
-    needles = {(str(base) + "/").encode(), (str(browser_tmpdir(run_dir)) + "/").encode()}
-    me = str(os.getpid())
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid == me:
-            continue
-        cmd = _cmdline(pid)
-        if cmd and any(n in cmd for n in needles) and not _dead(pid):
-            found.append(int(pid))
-    return sorted(found)
+    return _cmdline_procs.naming(_run_paths(run_dir))
 
 
-def end_browser_processes(run_dir: pathlib.Path, *, wait_s: float = BROWSER_KILL_WAIT_S) -> list[int]:
+def end_browser_processes(
+    run_dir: pathlib.Path, *, wait_s: float = _cmdline_procs.KILL_WAIT_S
+) -> list[int]:
     """SIGKILL whatever is left of this run's browser; the last resort after a normal close.
 
     SIGKILL, not SIGTERM: a stopped (SIGSTOP) or wedged Chromium never handles SIGTERM, and
@@ -516,18 +495,4 @@ def end_browser_processes(run_dir: pathlib.Path, *, wait_s: float = BROWSER_KILL
     Returns:
         The pids still alive after ``wait_s`` (normally none).
     """
-    deadline = time.monotonic() + wait_s
-    pids = browser_processes(run_dir)
-    while pids:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                pass  # not ours; reported below if it stays
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(_POLL_S)
-        pids = browser_processes(run_dir)
-    return pids
+    return _cmdline_procs.kill_naming(_run_paths(run_dir), wait_s=wait_s)

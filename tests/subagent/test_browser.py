@@ -642,3 +642,14 @@ async def test_runner_without_chromium_fails_setup_with_what_to_install(
     assert result["status"] == "failed"
     assert "apt-get install chromium" in json.dumps(result), result
     assert result["tool_calls"] == []
+
+
+def test_the_preset_imports_only_the_stdlib() -> None:
+    """The daemon imports it at spawn time: no trio, mcp, psutil or playwright behind it."""
+    code = (
+        "import sys, subagent.browser; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'trio', 'mcp', 'anyio', 'psutil', 'playwright', 'pydantic', 'openai', 'supervisor'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
