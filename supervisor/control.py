@@ -41,7 +41,7 @@ from supervisor._statefiles import (
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError
 from supervisor.protocol import BadRequest, ErrorCode
-from supervisor.states import LIVE_STATES, TERMINAL_STATES
+from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
 __all__ = [
     "serve_control",
@@ -348,7 +348,7 @@ class _Connection:
 
     async def _daemon_status(self) -> dict[str, Any]:
         live: list[dict[str, Any]] = []
-        for state in sorted(LIVE_STATES):
+        for state in (s for s in RunState if s in LIVE_STATES):
             live.extend(await self.backend.list_runs(limit=protocol.DEFAULT_LIST_LIMIT, state=str(state), session_id=None))
         out: dict[str, Any] = {"daemon": self.server.daemon_info(), "live_runs": live}
         summary = getattr(self.backend, "summary", None)
@@ -423,24 +423,39 @@ class _Connection:
     async def _follow(
         self, sub: str, run_id: str, last: int, live: trio.MemoryReceiveChannel[dict[str, Any]]
     ) -> int:
+        # The forwarder's own failures (_Gone, RunNotFound) leave the nursery unwrapped:
+        # trio would raise them as an ExceptionGroup, which the callers do not expect.
+        failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             buffer_send, buffer_recv = trio.open_memory_channel[dict[str, Any]](LIVE_BUFFER)
             nursery.start_soon(_drain, live, buffer_send, run_id)
-            last = await self._catch_up(sub, run_id, last)
-            async with buffer_recv:
-                async for event in buffer_recv:
-                    seq = event["seq"]
+            try:
+                last = await self._forward(sub, run_id, last, buffer_recv)
+            except Exception as exc:
+                failure = exc
+                nursery.cancel_scope.cancel(reason="subscription ended")
+        if failure is not None:
+            raise failure
+        return last
+
+    async def _forward(
+        self, sub: str, run_id: str, last: int, buffer: trio.MemoryReceiveChannel[dict[str, Any]]
+    ) -> int:
+        last = await self._catch_up(sub, run_id, last)
+        async with buffer:
+            async for event in buffer:
+                seq = event["seq"]
+                if seq <= last:
+                    continue
+                if seq > last + 1:
+                    last = await self._catch_up(sub, run_id, last)
                     if seq <= last:
                         continue
-                    if seq > last + 1:
-                        last = await self._catch_up(sub, run_id, last)
-                        if seq <= last:
-                            continue
-                        logger.warning(
-                            "control: run %s: events %d..%d are not in the journal yet", run_id, last + 1, seq - 1
-                        )
-                    await self._send(protocol.encode_event(sub, run_id, event))
-                    last = seq
+                    logger.warning(
+                        "control: run %s: events %d..%d are not in the journal yet", run_id, last + 1, seq - 1
+                    )
+                await self._send(protocol.encode_event(sub, run_id, event))
+                last = seq
         return last
 
     async def _catch_up(self, sub: str, run_id: str, last: int) -> int:
@@ -467,6 +482,8 @@ async def _drain(
                 buffer.send_nowait(event)
             except trio.WouldBlock:
                 dropped += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the forwarder is gone; so is this subscription
     if dropped:
         logger.info("control: run %s: %d live events dropped for a slow client (re-read from the journal)", run_id, dropped)
 

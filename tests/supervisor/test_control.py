@@ -21,6 +21,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket
 
 from supervisor import control
 from supervisor.config import Config
+from supervisor.errors import RunNotFound
 
 TOKEN = "test-token-123"
 ORIGIN_OK = "http://app.example:3000"
@@ -306,6 +307,23 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
     assert b.cancels == []
 
 
+async def test_a_client_leaving_mid_stream_is_not_an_error(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = server.backend
+    run = b.add_run()
+    for _ in range(500):
+        b.emit(run, "log", {"message": "x" * 8192})
+    async with connect(server) as peer:
+        await peer.ok("subscribe", run_id=run)
+        assert (await peer.recv())["seq"] == 1
+        await peer.ws._stream.aclose()  # the network goes away while the replay streams
+    async with connect(server) as peer:  # the server noticed, and serves on
+        assert (await peer.ok("status", run_id=run))["state"] == "running"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert b.cancels == []
+
+
 # --------------------------------------------------------------------------- operations
 
 
@@ -502,6 +520,24 @@ async def test_a_gap_in_live_seqs_is_filled_from_the_journal(nursery: trio.Nurse
         b.finish(run, "completed")
         seqs, end = await peer.events_until_end()
     assert seqs == list(range(2, 53)) and end["last_seq"] == 52
+
+
+async def test_a_run_vanishing_from_the_journal_mid_subscription_ends_it_with_an_error(server: Server) -> None:
+    b = server.backend
+    run = b.add_run()
+
+    async def gone(run_id: str, after_seq: int, limit: int) -> list[dict[str, Any]]:
+        raise RunNotFound(run_id)
+
+    async with connect(server) as peer:
+        await peer.ok("subscribe", run_id=run)
+        assert (await peer.recv())["seq"] == 1
+        b.events_after = gone  # type: ignore[method-assign]
+        # A live event past a gap makes the forwarder read the journal, which now fails.
+        for send in b.runs[run].subscribers:
+            send.send_nowait({"run_id": run, "seq": 5, "ts": 0.0, "kind": "log", "data": {}})
+        end = await peer.recv()
+    assert end["op"] == "end" and end["state"] is None and end["error"]["code"] == "not_found"
 
 
 async def test_unsubscribe_stops_the_pushes(server: Server) -> None:
