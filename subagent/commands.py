@@ -26,6 +26,8 @@ __all__ = ["CommandOutcome", "run_command", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "
 
 # After the shell exits, how long a descendant holding the pipe may keep writing (seconds).
 DRAIN_AFTER_EXIT_S: Final = 0.5
+# After the group is gone, how long the last buffered output may take to drain (seconds).
+FINAL_DRAIN_S: Final = 0.2
 # Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds).
 COMMAND_KILL_GRACE_S: Final = 2.0
 READ_CHUNK_BYTES: Final = 65536
@@ -138,27 +140,33 @@ async def run_command(
             pass
         eof.set()
 
-    timed_out = False
-    try:
-        with trio.move_on_after(timeout_s) as timer:
-            with interrupt:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(reader)
+    async with trio.open_nursery() as nursery:
+        # The reader lives outside the timeout and the interrupt: what the command wrote
+        # before it was stopped is still read (bounded), and returned as known output.
+        nursery.start_soon(reader)
+        try:
+            with trio.move_on_after(timeout_s) as timer:
+                with interrupt:
                     await proc.wait()
+        finally:
+            # Whatever happened, nothing of this command survives it (shielded, bounded).
+            with trio.CancelScope(shield=True):
+                if proc.returncode is None:
+                    await terminate_group(pgid, grace_s=COMMAND_KILL_GRACE_S, what="command group")
+                    with trio.move_on_after(COMMAND_KILL_GRACE_S):
+                        await proc.wait()
+                else:
                     with trio.move_on_after(DRAIN_AFTER_EXIT_S):
                         await eof.wait()
-                    nursery.cancel_scope.cancel(reason="command exited; output drained")
-        timed_out = timer.cancelled_caught
-    finally:
-        # Whatever happened, nothing of this command survives it (shielded, bounded).
-        with trio.CancelScope(shield=True):
-            await terminate_group(pgid, grace_s=COMMAND_KILL_GRACE_S, what="command group")
-            with trio.move_on_after(COMMAND_KILL_GRACE_S):
-                await proc.wait()
-            await sweep_marked(SUBTREE_VAR, marker)
-            with trio.move_on_after(0.1):
-                await stdout.aclose()
-            on_group(pgid, False)
+                    await terminate_group(pgid, grace_s=COMMAND_KILL_GRACE_S, what="command group")
+                await sweep_marked(SUBTREE_VAR, marker)
+                with trio.move_on_after(FINAL_DRAIN_S):
+                    await eof.wait()
+                nursery.cancel_scope.cancel(reason="command ended; output drained")
+                with trio.move_on_after(0.1):
+                    await stdout.aclose()
+                on_group(pgid, False)
+    timed_out = timer.cancelled_caught
     return CommandOutcome(
         pid=pgid,
         exit_code=proc.returncode,

@@ -1,0 +1,81 @@
+"""run_command in-process: groups, escalation, bounded output, interrupts (real processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagent import commands
+from subagent.commands import CommandOutcome, format_outcome, run_command
+
+
+async def _run(cmd: str, *, timeout_s: float = 10, max_output_bytes: int = 1000, interrupt: trio.CancelScope | None = None, cwd: str | None = None) -> tuple[CommandOutcome, list[tuple[int, bool]]]:
+    seen: list[tuple[int, bool]] = []
+    out = await run_command(
+        cmd,
+        timeout_s=timeout_s,
+        max_output_bytes=max_output_bytes,
+        interrupt=interrupt or trio.CancelScope(),
+        on_group=lambda pgid, alive: seen.append((pgid, alive)),
+        cwd=cwd,
+    )
+    return out, seen
+
+
+async def test_exit_code_and_combined_output_are_returned() -> None:
+    out, seen = await _run("echo out; echo err >&2; exit 3")
+    assert out.exit_code == 3 and out.output == "out\nerr\n" and not out.truncated
+    assert seen == [(out.pid, True), (out.pid, False)]
+    assert format_outcome(out).startswith("[exit code 3]\n")
+
+
+async def test_output_is_bounded_and_marked_truncated() -> None:
+    out, _ = await _run("head -c 100000 /dev/zero", max_output_bytes=100)
+    assert len(out.output) == 100 and out.truncated and out.exit_code == 0
+
+
+async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commands, "COMMAND_KILL_GRACE_S", 0.3)
+    with trio.fail_after(10):
+        out, seen = await _run("trap '' TERM; echo armed; sleep 30 & wait; sleep 30", timeout_s=0.3)
+    assert out.timed_out and "armed" in out.output
+    assert seen[-1][1] is False
+
+
+async def test_an_interrupt_stops_the_command_and_keeps_its_output(tmp_path: Path) -> None:
+    interrupt = trio.CancelScope()
+    flag = tmp_path / "flag"
+    result: list[CommandOutcome] = []
+
+    async def go() -> None:
+        out, _ = await _run(f"echo partial; touch {flag}; sleep 30", interrupt=interrupt)
+        result.append(out)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(go)
+        with trio.fail_after(10):
+            while not flag.exists():  # the echo is in the pipe once the flag exists
+                await trio.sleep(0.01)
+        interrupt.cancel()
+    (out,) = result
+    assert out.interrupted and out.output == "partial\n"
+
+
+async def test_output_written_just_before_a_timeout_is_kept() -> None:
+    out, _ = await _run("echo early; exec sleep 30", timeout_s=0.5)
+    assert out.timed_out and out.output == "early\n"
+
+
+async def test_a_bad_working_directory_is_a_spawn_error_not_a_crash() -> None:
+    out, seen = await _run("true", cwd="/nonexistent/dir")
+    assert out.spawn_error is not None and seen == []
+    assert format_outcome(out).startswith("error: could not start the command")
+
+
+async def test_the_command_does_not_see_openai_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("AGENTD_RUN_ID", "r-1")
+    out, _ = await _run("echo key=${OPENAI_API_KEY:-none} run=$AGENTD_RUN_ID marker=${AGENTD_SUBTREE:+set}")
+    assert out.output.strip() == "key=none run=r-1 marker=set"
