@@ -272,6 +272,9 @@ def test_cancel_no_wait_and_cancel_by_session(server: ServerThread) -> None:
     assert server.backend.cancels == [(a, "stop button")]
     res = run(server, "cancel")
     assert res.exit_code == ExitCode.USAGE
+    b = server.call(server.backend.add_run)
+    res = run(server, "cancel", "--no-wait", b)
+    assert res.exit_code == 0 and res.stdout.strip() == f"{b}: stop sent (was active) (state: cancelled)"
 
 
 def test_status_of_a_run_and_of_the_daemon(server: ServerThread) -> None:
