@@ -10,7 +10,6 @@ Every failure of the connection is ``ConnectionLost``; a refused handshake is
 from __future__ import annotations
 
 import binascii
-import hashlib
 import os
 import socket
 import struct
@@ -62,6 +61,15 @@ def encode_frame(opcode: int, payload: bytes, *, mask_key: bytes | None = None) 
     else:
         head = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, n)
     return head + key + _mask(payload, key)
+
+
+def _sha1(data: bytes) -> bytes:
+    try:
+        # CPython's builtin SHA-1: hashlib would load OpenSSL (~2 ms of every CLI call).
+        from _sha1 import sha1
+    except ImportError:  # pragma: no cover - a build without it
+        from hashlib import sha1
+    return sha1(data).digest()
 
 
 class WebSocket:
@@ -129,7 +137,7 @@ class WebSocket:
                 raise Unauthorized(status, f"the daemon refused the connection (http {status}: {body or 'no reason'})")
             if status != 101:
                 raise ConnectionLost(f"expected http 101 from {url}, got {status_line!r}")
-            accept = binascii.b2a_base64(hashlib.sha1(key.encode() + _GUID).digest(), newline=False).decode()
+            accept = binascii.b2a_base64(_sha1(key.encode() + _GUID), newline=False).decode()
             if reply_headers.get("sec-websocket-accept") != accept:
                 raise ConnectionLost(f"the server at {url} answered with a bad Sec-WebSocket-Accept")
             return cls(sock, rest)
