@@ -507,7 +507,7 @@ class Containment:
         if self.root is None:
             return None
         mount = _cgroup2_mount()
-        if mount is None:
+        if mount is None or not self.root.is_relative_to(mount[0]):
             return None
         return "/" + str(self.root.relative_to(mount[0])).strip("/") + "/"
 

@@ -108,6 +108,22 @@ def test_a_systemd_unit_without_delegation_gets_no_cgroups(
     assert list(unit.iterdir()) == []
 
 
+def test_a_systemd_unit_with_delegation_gets_its_subtree(
+    made: list[Containment], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Measured under systemd 252 with this repo's unit settings (PrivateUsers=yes, no
+    # capabilities): trusted.delegate is unreadable there, user.delegate reads b"1".
+    unit = tmp_path / "system.slice" / "agentd.service"
+    unit.mkdir(parents=True)
+    try:
+        os.setxattr(unit, "user.delegate", b"1")
+    except OSError:
+        pytest.skip("no user xattrs on this filesystem")
+    monkeypatch.setattr(containment_mod, "_own_cgroup_dir", lambda: unit)
+    c = setup(made, cgroups="auto")
+    assert c.root is not None and c.root.parent == unit and c.mode == CGROUP
+
+
 def test_stale_empty_subtrees_of_dead_daemons_are_removed(made: list[Containment]) -> None:
     probe = setup(made, cgroups="auto")
     conftest.require(probe.root is not None, "a writable cgroup2 mount")
