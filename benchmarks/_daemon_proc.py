@@ -1,0 +1,77 @@
+"""A daemon as its own process (``agentd serve``) for benchmarks that measure its CPU/RSS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import AGENTD
+
+
+class DaemonProc:
+    """``agentd serve`` on a fresh state dir; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, state_dir: Path, *, nice: int = 0, **settings: Any) -> None:
+        self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, AGENTD_STATE_DIR=str(state_dir))
+        for k, v in settings.items():
+            env["AGENTD_" + k.upper()] = str(v)
+        self.log_path = state_dir.parent / f"{state_dir.name}.log"
+        self.log = open(self.log_path, "wb")
+        self.p = subprocess.Popen(
+            [AGENTD, "serve", "--log-level", "warning"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
+        self.pid = self.p.pid
+        endpoint = state_dir / "daemon.json"
+        deadline = time.monotonic() + 30
+        while True:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"agentd serve exited with {self.p.returncode}: {self.log_tail()}")
+            try:
+                info = json.loads(endpoint.read_text())
+                if info.get("pid") == self.pid:
+                    self.url = info["url"]
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"agentd serve did not come up in 30 s: {self.log_tail()}")
+            time.sleep(0.05)
+        self.token = (state_dir / "token").read_text().strip()
+
+    def client(self, timeout_s: float = 120.0) -> Any:
+        from supervisor.client import Client
+
+        return Client(self.url, self.token, state_dir=self.state_dir, timeout_s=timeout_s)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.p.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.p.wait()
+        self.log.close()
+        return self.p.returncode
