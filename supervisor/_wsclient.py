@@ -90,12 +90,15 @@ class WebSocket:
         parts = urlsplit(url)
         if parts.scheme != "ws" or parts.hostname is None or parts.port is None:
             raise ValueError(f"expected a ws://host:port/ url, got {url!r}")
-        sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
+        host = parts.hostname
+        # A str host goes through the idna codec in getaddrinfo (imports unicodedata,
+        # ~1.5 ms per CLI call); an ASCII host is the same name as bytes.
+        sock = socket.create_connection((host.encode() if host.isascii() else host, parts.port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             key = binascii.b2a_base64(os.urandom(16), newline=False).decode()
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            host = f"[{host}]" if ":" in host else host
             lines = [
                 f"GET {target} HTTP/1.1",
                 f"Host: {host}:{parts.port}",
