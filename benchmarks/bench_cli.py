@@ -1,0 +1,110 @@
+"""CLI round trip: a cold ``agentd status <run>`` process against a running daemon.
+
+Each sample is a fresh process (``.venv/bin/agentd status RUN_ID``) from exec to exit.
+Baselines, interleaved sample by sample: ``python -c pass`` and ``python -c 'import click'``
+with the same interpreter. The CLI's heaviest imports (``-X importtime``) are listed to
+show where its time goes.
+
+    .venv/bin/python benchmarks/bench_cli.py [--quick] [--reps N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import AGENTD, PY, final_sweep, header, install_mark, line, machine, row, summary, write_json  # noqa: E402
+from benchmarks._daemon_proc import DaemonProc  # noqa: E402
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - t0, p.returncode
+
+
+def import_profile(argv: list[str], env: dict[str, str], top: int = 8) -> list[tuple[str, float]]:
+    """The top-level imports of a command with their cumulative time (-X importtime)."""
+    p = subprocess.run([PY, "-X", "importtime", *argv], env=env, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rows = []
+    for ln in p.stderr.splitlines():
+        if not ln.startswith("import time:") or ln.count("|") != 2:
+            continue
+        _, cum, raw = ln[len("import time:"):].split("|")
+        try:
+            cum_us = int(cum.strip())
+        except ValueError:
+            continue
+        if len(raw) - len(raw.lstrip(" ")) == 1:  # top level: one space; nested ones are indented
+            rows.append((raw.strip(), cum_us / 1e6))
+    total = sum(c for _, c in rows)
+    rows.sort(key=lambda r: -r[1])
+    return [("(all top-level imports)", total)] + rows[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 samples: for the smoke test")
+    ap.add_argument("--reps", type=int, default=None, help="samples of each (default 30)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    reps = args.reps or (3 if args.quick else 30)
+    mark = install_mark()
+    m = machine()
+    line(f"bench_cli on {m['cpus']} x {m['cpu']}, {m['mem_total_gib']} GiB, load {m['loadavg'][0]:.2f}")
+    out: dict[str, Any] = {"machine": m, "reps": reps}
+    d = None
+    tmp = tempfile.TemporaryDirectory(prefix="agentd-bench-cli-")
+    try:
+        d = DaemonProc(Path(tmp.name) / "state")
+        env = dict(os.environ, AGENTD_STATE_DIR=str(d.state_dir))
+        with d.client() as c:
+            run_id = c.spawn({"task": "benchmark", "model": {"provider": "scripted", "script": {"turns": [], "final": "ok"}}})["run_id"]
+        rc_first = subprocess.run([AGENTD, "status", run_id], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        if rc_first.returncode != 0:
+            line(f"  !! agentd status failed: {rc_first.stderr.decode(errors='replace')[-500:]}")
+        samples: dict[str, list[float]] = {"status": [], "status_json": [], "status_daemon": [], "pass": [], "click": []}
+        codes: set[int] = set()
+        for _ in range(reps):
+            t, rc = timed([AGENTD, "status", run_id], env)
+            samples["status"].append(t)
+            codes.add(rc)
+            t, rc = timed([AGENTD, "--json", "status", run_id], env)
+            samples["status_json"].append(t)
+            t, rc = timed([AGENTD, "status"], env)
+            samples["status_daemon"].append(t)
+            samples["pass"].append(timed([PY, "-c", "pass"], env)[0])
+            samples["click"].append(timed([PY, "-c", "import click"], env)[0])
+        header(f"cold CLI process, {reps} samples each (interleaved)")
+        line(row("agentd status RUN_ID", summary(samples["status"]), f"exit codes {sorted(codes)}"))
+        line(row("agentd --json status RUN_ID", summary(samples["status_json"])))
+        line(row("agentd status (the daemon, no run id)", summary(samples["status_daemon"])))
+        line(row("baseline: python -c pass", summary(samples["pass"])))
+        line(row("baseline: python -c 'import click'", summary(samples["click"])))
+        prof = import_profile([AGENTD, "status", run_id], env)
+        line("  heaviest imports of `agentd status` (-X importtime, cumulative, one sample):")
+        for name, s in prof:
+            line(f"    {name:<40} {s * 1000:7.1f} ms")
+        out.update({"samples": samples, "imports": prof,
+                    "summary": {k: summary(v) for k, v in samples.items()}})
+    finally:
+        if d is not None:
+            d.stop()
+        tmp.cleanup()
+        header("cleanup")
+        out["survivors"] = final_sweep(mark)
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
