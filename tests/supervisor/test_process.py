@@ -254,6 +254,19 @@ async def test_path_b_runs_to_the_end_under_a_cancelled_scope(make_containment: 
     assert tree.process.returncode == -signal.SIGKILL
 
 
+async def test_wait_tree_gone_says_false_while_a_member_lives(make_containment: MakeContainment) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_ignore_term.py", containment=c)
+    assert await read_line(tree) == b"ready"
+    with trio.fail_after(5):
+        assert not await process.wait_tree_gone(tree, 0.2)
+        process.soft_stop(tree)  # ignored: SIGTERM does nothing here
+        assert not await process.wait_tree_gone(tree, 0.2)
+        await process.terminate_and_kill(tree, grace_s=0)
+        assert await process.wait_tree_gone(tree, 1)
+    assert process.alive_members(tree) == []
+
+
 async def test_path_b_is_safe_to_repeat_on_a_dead_tree(make_containment: MakeContainment) -> None:
     c = make_containment(SUBREAPER_SWEEP)
     tree = await spawn("tree_ignore_term.py", containment=c)
