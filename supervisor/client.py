@@ -34,6 +34,8 @@ CONNECT_TIMEOUT_S: Final = 5.0
 REQUEST_TIMEOUT_S: Final = 30.0
 # How long follow() keeps trying to reconnect after the connection drops.
 RECONNECT_TIMEOUT_S: Final = 30.0
+# Requests that change nothing: safe to send again after a dropped connection.
+_READ_ONLY_OPS: Final = frozenset({"status", "list", "events", "ping"})
 # Backoff between reconnect attempts: first at once, then doubling up to the cap.
 RECONNECT_BACKOFF_S: Final = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -140,25 +142,42 @@ class Client:
     def request(self, op: str, **args: Any) -> Any:
         """Send one request and return its result.
 
+        A read-only request (status, list, events, ping) that finds its connection dropped
+        since the last use (a daemon restart) is sent once more on a fresh one; spawn and
+        cancel are not, since the daemon may have acted on them.
+
         Raises:
             see the class docstring.
         """
+        reused = self._ws is not None and not self._ws.closed
+        try:
+            return self._request_once(op, args)
+        except ConnectionLost:
+            if not reused or op not in _READ_ONLY_OPS:
+                raise
+        return self._request_once(op, args)
+
+    def _request_once(self, op: str, args: dict[str, Any]) -> Any:
         self.connect()
         assert self._ws is not None
+        ws = self._ws
         rid = next(self._ids)
-        self._ws.send_text(protocol.encode_request(rid, op, **args))
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.close()
-                raise ConnectionLost(f"no reply to {op!r} within {self.timeout_s} s")
-            msg = protocol.decode_server_message(self._ws.recv_text(remaining))
-            if msg.get("id") != rid or "ok" not in msg:
-                continue  # a pushed message or a stale reply
-            if msg["ok"] is True:
-                return msg.get("result")
-            raise protocol.error_from_reply(msg.get("error"), run_id=args.get("run_id"))
+        try:
+            ws.send_text(protocol.encode_request(rid, op, **args))
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConnectionLost(f"no reply to {op!r} within {self.timeout_s} s")
+                msg = protocol.decode_server_message(ws.recv_text(remaining))
+                if msg.get("id") != rid or "ok" not in msg:
+                    continue  # a pushed message or a stale reply
+                if msg["ok"] is True:
+                    return msg.get("result")
+                raise protocol.error_from_reply(msg.get("error"), run_id=args.get("run_id"))
+        except ConnectionLost:
+            self.close()
+            raise
 
     def ping(self) -> dict[str, Any]:
         return self.request("ping")

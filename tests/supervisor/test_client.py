@@ -156,6 +156,23 @@ def test_following_an_unknown_run_raises_at_once(client: Client) -> None:
         list(client.follow("r-nope"))
 
 
+def test_a_long_lived_client_survives_a_daemon_restart_for_reads_but_not_for_spawns(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    with ServerThread(tmp_path, backend) as first:
+        client = Client(state_dir=tmp_path)
+        run = first.call(backend.add_run)
+        assert client.status(run)["state"] == "running"
+    with ServerThread(tmp_path, backend):  # restarted: new port, new token
+        assert client.status(run)["state"] == "running"  # reconnected transparently
+        client.close()
+        client.connect()
+    with ServerThread(tmp_path, backend):
+        with pytest.raises(ConnectionLost):
+            client.spawn({"task": "maybe twice"})  # not resent: it may have been acted on
+        assert client.spawn({"task": "once"})["run_id"]
+        client.close()
+
+
 # --------------------------------------------------------------------------- finding the daemon
 
 
