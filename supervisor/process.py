@@ -83,6 +83,9 @@ logger = logging.getLogger(__name__)
 TERMINATE_MARGIN_S: Final = 5.0
 # After SIGKILL, how long we wait for every member to be dead before naming survivors.
 KILL_WAIT_S: Final = 3.0
+# Then how long Trio gets to reap the runner (dead by now, unless stuck in the kernel).
+# KILL_WAIT_S + REAP_WAIT_S stays inside TERMINATE_MARGIN_S.
+REAP_WAIT_S: Final = 1.0
 # How often a tree is re-swept while waiting for death (cgroup.kill takes ~70 ms).
 POLL_S: Final = 0.02
 # Windows: after ``taskkill /F /T``, how long we wait for the runner to exit.
@@ -501,7 +504,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
 
     # Reap: the runner through Trio, adopted zombies by pid (never Trio's children).
     if isinstance(tree, Tree):
-        with trio.move_on_after(KILL_WAIT_S):
+        with trio.move_on_after(REAP_WAIT_S):
             await tree.process.wait()
     # Never the runner: Trio reaps its own child (and a re-adopted runner is not ours).
     r.reaped = await _blocking(lambda: reap_adopted_zombies(seen=seen, exclude={tree.pid}))
