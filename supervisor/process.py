@@ -88,8 +88,10 @@ KILL_WAIT_S: Final = 3.0
 REAP_WAIT_S: Final = 1.0
 # How often a tree is re-swept while waiting for death (cgroup.kill takes ~70 ms).
 POLL_S: Final = 0.02
-# Windows: after ``taskkill /F /T``, how long we wait for the runner to exit.
+# Windows: after ``taskkill /F /T``, how long we wait for the runner to exit; the margin
+# there also covers running taskkill twice.
 WINDOWS_KILL_WAIT_S: Final = 5.0
+WINDOWS_TERMINATE_MARGIN_S: Final = 15.0
 # find_tree: a recorded psutil create_time matches within this (it is derived from the
 # boot time, which the kernel recomputes from the wall clock).
 START_TIME_TOLERANCE_S: Final = 1.0
@@ -406,7 +408,8 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float) -> StopReceipt:
         grace_s=grace_s,
         started_at=trio.current_time(),
     )
-    with trio.move_on_after(grace_s + TERMINATE_MARGIN_S, shield=True) as scope:
+    margin = TERMINATE_MARGIN_S if _POSIX else WINDOWS_TERMINATE_MARGIN_S
+    with trio.move_on_after(grace_s + margin, shield=True) as scope:
         if _POSIX:
             await _posix_terminate(tree, grace_s, receipt)
         else:
