@@ -224,7 +224,6 @@ async def _blocking(fn: Callable[..., T], *args: Any) -> T:
     return await trio.to_thread.run_sync(fn, *args)
 
 
-
 def _killpg(pgid: int, sig: signal.Signals) -> str:
     try:
         os.killpg(pgid, sig)
@@ -305,7 +304,7 @@ def _cmdline(pid: int) -> str:
 def _live_groups(tree: AnyTree) -> list[int]:
     """The tree's groups that may still exist and are provably still the tree's."""
     out: list[int] = []
-    for pgid, ticks in tree.groups.items():
+    for pgid, ticks in list(tree.groups.items()):  # scans run in a thread; add_group may not
         leader = read_proc(pgid)
         if leader is None:
             out.append(pgid)  # leaderless: the number stays reserved while members remain
