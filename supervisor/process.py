@@ -304,7 +304,7 @@ def _cmdline(pid: int) -> str:
 def _live_groups(tree: AnyTree) -> list[int]:
     """The tree's groups that may still exist and are provably still the tree's."""
     out: list[int] = []
-    for pgid, ticks in list(tree.groups.items()):  # scans run in a thread; add_group may not
+    for pgid, ticks in list(tree.groups.items()):  # scans run in a worker thread while add_group may run
         leader = read_proc(pgid)
         if leader is None:
             out.append(pgid)  # leaderless: the number stays reserved while members remain
