@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor import protocol
 from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
@@ -140,3 +142,32 @@ def test_the_protocol_module_imports_no_trio() -> None:
     code = "import sys, supervisor.protocol; print(sorted(m for m in ('trio', 'trio_websocket') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    op=st.sampled_from([*[str(o) for o in protocol.Op], "nope", ""]) | st.integers() | st.none(),
+    args=st.dictionaries(
+        st.sampled_from(["id", "run_id", "session_id", "spec", "after_seq", "limit", "state", "sub", "timeout_s", "reason"]),
+        _json_values,
+        max_size=6,
+    ),
+)
+def test_any_json_object_decodes_to_a_request_or_an_error_value(op: object, args: dict[str, object]) -> None:
+    req = decode_request(json.dumps({**args, "op": op}), max_bytes=MAX)
+    assert isinstance(req, (BadRequest, *protocol.Request.__args__))  # type: ignore[attr-defined]
+    if isinstance(req, BadRequest):
+        assert isinstance(req.code, ErrorCode) and req.message
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(st.binary(max_size=200) | st.text(max_size=200))
+def test_any_bytes_or_text_decode_without_raising(message: bytes | str) -> None:
+    decode_request(message, max_bytes=100)
