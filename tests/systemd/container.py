@@ -186,13 +186,17 @@ class Container:
             self.shutdown(check=False)
             raise
         ready.close()
-        self.leader = self._find_leader(t0 + timeout_s)
-        self.pidns = namespace_of(self.leader)
-        state = self.run(["systemctl", "is-system-running", "--wait"], check=False,
-                         timeout_s=max(1.0, t0 + timeout_s - time.monotonic()))
-        if state.stdout.strip() != "running":
-            failed = self.run(["systemctl", "--failed", "--no-legend"], check=False).stdout
-            raise ContainerError(f"container booted {state.stdout.strip()!r}; failed units: {failed}")
+        try:
+            self.leader = self._find_leader(t0 + timeout_s)
+            self.pidns = namespace_of(self.leader)
+            state = self.run(["systemctl", "is-system-running", "--wait"], check=False,
+                             timeout_s=max(1.0, t0 + timeout_s - time.monotonic()))
+            if state.stdout.strip() != "running":
+                failed = self.run(["systemctl", "--failed", "--no-legend"], check=False).stdout
+                raise ContainerError(f"container booted {state.stdout.strip()!r}; failed units: {failed}")
+        except BaseException:
+            self.shutdown(check=False)
+            raise
         self.boot_s = time.monotonic() - t0
 
     def _wait_ready(self, sock: socket.socket, deadline: float) -> None:

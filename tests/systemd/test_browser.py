@@ -26,7 +26,7 @@ from tests.systemd.agentd_support import (
     TIMEOUT_STOP_S, UNIT, cli, container_processes, install, poll, require_daemon,
     stop_and_check, stored_run,
 )
-from tests.systemd.conftest import require_container_tools
+from tests.systemd.conftest import boot, require_container_tools
 from tests.systemd.container import HOSTROOT, Container, hostroot_args, image_root
 
 pytestmark = [pytest.mark.systemd, pytest.mark.chromium]
@@ -44,7 +44,7 @@ def hostroot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     extra = [Path(node).resolve().parent] if node else []
     c = Container(image_root(), tmp_path_factory.mktemp("nspawn"),
                   extra_args=hostroot_args([bs.CHROMIUM.parent, *extra]))
-    c.boot()
+    boot(c)
     try:
         install(c)
         c.write(f"/etc/systemd/system/{UNIT}.d/50-hostroot.conf",
