@@ -583,3 +583,39 @@ async def test_a_failing_sink_propagates_as_itself(autojump_clock: Any) -> None:
     fake: Any = FakeProcess(exits_at=trio.current_time() + 100)
     with pytest.raises(ValueError, match="cannot store b'a'"):
         await process.drain_bounded(FakeStream([b"a"]), sink, process=fake)
+
+
+# ----------------------------------------------------------------------------- chromium
+
+CHROMIUM = Path("/usr/lib/chromium/chromium")
+
+
+@pytest.mark.chromium
+@pytest.mark.parametrize("mode", [CGROUP, SUBREAPER_SWEEP])
+async def test_a_stopped_chromium_with_its_helper_sessions_is_ended(
+    mode: str, make_containment: MakeContainment, tmp_path: Path
+) -> None:
+    conftest.require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
+    c = make_containment(mode)
+    tree = await spawn_argv(
+        [str(CHROMIUM), "--headless", "--no-sandbox", f"--user-data-dir={tmp_path}", "--remote-debugging-port=0",
+         "about:blank"],
+        c,
+    )
+    assert tree.process.stderr is not None
+    err = b""
+    with trio.fail_after(30):
+        while b"DevTools listening" not in err:
+            chunk = await tree.process.stderr.receive_some()
+            assert chunk, err
+            err += chunk
+    members = process.alive_members(tree)
+    sessions = {read_proc(pid).sid for pid in members}  # type: ignore[union-attr]
+    assert len(members) >= 3 and len(sessions) >= 2  # crashpad lives in sessions of its own
+    ident = identities({str(pid): pid for pid in members})
+    for pid in members:  # frozen: SIGTERM cannot end any of it
+        os.kill(pid, signal.SIGSTOP)
+    with trio.fail_after(GRACE_S + 6):
+        receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert receipt.escalated and receipt.survivors == []
+    assert running(ident) == {}
