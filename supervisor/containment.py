@@ -8,6 +8,17 @@ API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.track(tree)``, ``.
 readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` included.
 """
 
+# What each label guarantees at the final kill.
+# - cgroup: every process any member forks is in the tree's cgroup (or one below it), however
+#   it escapes (setsid, double fork, an emptied environment); cgroup.kill ends them all,
+#   forks in flight included. Only a privileged member moving itself out could escape.
+# - subreaper+sweep: a process is found if it kept the marker (inherited unless scrubbed),
+#   stayed in a known session/group, or descends from a live member. Orphans re-parent to
+#   the daemon, so their zombies are reaped here. One that scrubbed its environment, left
+#   the session and lost its ancestors cannot be traced to a tree: ``strays()`` lists it,
+#   ``process.kill_strays`` ends it once no tree is live (and at shutdown).
+# - group: the same sweep without re-parenting: such strays go to PID 1 and are not found.
+#
 # Reaping without stealing. Trio (and any Popen in the daemon) waits for its own children
 # by pid; a ``waitpid(-1)`` here would take their exit codes (Popen then reports 0). So we
 # only ever ``waitpid(pid, WNOHANG)`` a zombie child that provably was not forked by the
