@@ -57,6 +57,7 @@ __all__ = [
     "Proc",
     "scan_processes",
     "read_proc",
+    "parse_stat",
     "read_marker",
     "cgroup_pids",
     "tree_members",
@@ -111,6 +112,11 @@ def read_proc(pid: int) -> Proc | None:
             raw = f.read()
     except OSError:
         return None
+    return parse_stat(pid, raw)
+
+
+def parse_stat(pid: int, raw: bytes) -> Proc | None:
+    """Parse a ``/proc/<pid>/stat`` line; None if it is not one."""
     # The command name may contain spaces and parentheses: split after the last ")".
     rest = raw[raw.rfind(b")") + 2 :].split()
     try:
