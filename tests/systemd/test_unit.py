@@ -137,6 +137,7 @@ def test_unit_installed_in_a_real_systemd(container: Container) -> None:
     r = c.run([str(INSTALL)])
     assert "installed /etc/systemd/system/agentd.service" in r.stderr
     assert "systemd is not running" not in r.stderr  # daemon-reload ran
+    assert "systemd-analyze verify: clean" in r.stderr
     rc = c.run(["systemd-analyze", "verify", "--recursive-errors=no",
                 "/etc/systemd/system/agentd.service"], check=False)
     assert (rc.returncode, rc.stdout + rc.stderr) == (0, "")
