@@ -20,6 +20,7 @@ from subagent.emit import Emitter
 from subagent.events import EventKind, ExitCode, RunStatus, ToolCallRecord, ToolCallState
 from subagent.model import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
 from subagent.spec import RunSpec
+from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
 from subagent.tools import ToolBox
 
@@ -51,6 +52,7 @@ class AgentLoop:
     stop: StopControl
     emitter: Emitter
     run_id: str | None
+    steering: SteeringQueue | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     records: list[ToolCallRecord] = field(default_factory=list)
     progress_parts: list[str] = field(default_factory=list)
@@ -97,6 +99,7 @@ class AgentLoop:
                 return RunOutcome(RunStatus.FAILED, ExitCode.FAILED, reason="max_steps", error={"code": "max_steps", "message": msg})
             self.steps += 1
             self.emitter.emit(EventKind.STEP_STARTED, step=self.steps)
+            self._apply_steering()
             sink = TurnAssembler()
             aborted = False
             try:
@@ -125,6 +128,8 @@ class AgentLoop:
                 self._snapshot()
                 continue
             if not turn.calls:
+                if self.steering is not None and self.steering.pending and not self.stop.requested:
+                    continue  # new input arrived: the next step applies it
                 return RunOutcome(RunStatus.COMPLETED, ExitCode.COMPLETED, final_text=turn.text)
             await self._run_batch(turn.calls, records)
             self._snapshot()
@@ -135,6 +140,12 @@ class AgentLoop:
                 return RunOutcome(RunStatus.FAILED, ExitCode.TOOL_PROTOCOL, reason="tool_protocol", error={"code": "tool_protocol", "message": msg})
             if self.stop.requested:
                 return self._cancelled()
+
+    def _apply_steering(self) -> None:
+        if self.steering is None:
+            return
+        for text in self.steering.take(self.steps):
+            self.messages.append({"role": "user", "content": text})
 
     def _take_turn(self, turn: ModelTurn, *, failed: str | None = None) -> list[ToolCallRecord]:
         """Record the turn: text, usage, one record per call, and the assistant message.
@@ -232,7 +243,6 @@ class AgentLoop:
             "tool_calls": [r.to_dict() for r in self.records],
             "usage": dict(self.usage) if self.usage_known else None,
             "error": outcome.error,
-            "unapplied_steering": [],
             "messages": self.messages,
             **extra,
         }

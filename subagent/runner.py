@@ -40,7 +40,7 @@ import os  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import AsyncExitStack  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import IO, Any  # noqa: E402
+from typing import Any  # noqa: E402
 
 import trio  # noqa: E402
 
@@ -49,6 +49,7 @@ from subagent.events import EventKind, ExitCode, RunStatus  # noqa: E402
 from subagent.loop import AgentLoop, RunOutcome  # noqa: E402
 from subagent.model import ModelError, Provider  # noqa: E402
 from subagent.spec import McpServerSpec, RunSpec, SpecError, parse_spec_text  # noqa: E402
+from subagent.steering import SteeringQueue, read_steering  # noqa: E402
 from subagent.stop import StopControl  # noqa: E402
 from subagent.tools import ToolBox  # noqa: E402
 
@@ -65,17 +66,29 @@ class SetupFailure(Exception):
         self.message = message
 
 
-def read_spec_text(stream: IO[bytes]) -> str:
-    """The spec: the first line if it is a JSON document, else all of stdin until EOF."""
-    first = stream.readline()
+def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
+    """The spec, and the bytes read past it (steering lines, see ``subagent.steering``).
+
+    The spec is the first line if that is a whole JSON document, else all of stdin until
+    EOF. Unbuffered reads, so nothing after the spec line is swallowed by a buffer.
+    """
+    buf = b""
+    while b"\n" not in buf:
+        data = os.read(fd, 65536)
+        if not data:
+            return buf.decode("utf-8", errors="replace"), b""
+        buf += data
+    first, _, rest = buf.partition(b"\n")
     text = first.decode("utf-8", errors="replace")
     if text.strip():
         try:
             json.loads(text)
-            return text
+            return text, rest
         except ValueError:
             pass
-    return text + stream.read().decode("utf-8", errors="replace")
+    while data := os.read(fd, 65536):
+        rest += data
+    return (first + b"\n" + rest).decode("utf-8", errors="replace"), b""
 
 
 def _make_provider(spec: RunSpec) -> Provider:
@@ -189,7 +202,7 @@ def _imported() -> dict[str, bool]:
     return {"openai": "openai" in sys.modules, "mcp": "mcp" in sys.modules}
 
 
-async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None) -> int:
+async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None, stdin_leftover: bytes | None = None) -> int:
     """Run one spec to its end; write the result; return the exit code."""
     run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
     emitter.run_id = run_id
@@ -198,12 +211,21 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None) -> int:
     )
     loop: AgentLoop | None = None
     outcome = RunOutcome(RunStatus.FAILED, ExitCode.INTERNAL, reason="internal")
+    steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, stop, emitter)
                 if spec.limits.deadline_s is not None:
                     nursery.start_soon(_deadline, spec.limits.deadline_s, stop)
+                if stdin_leftover is not None:
+                    nursery.start_soon(
+                        read_steering,
+                        stdin_leftover,
+                        steering,
+                        lambda: loop.steps if loop is not None else 0,
+                        lambda msg: emitter.log("warning", msg),
+                    )
                 emitter.emit(
                     EventKind.RUNNER_STARTED,
                     pid=os.getpid(),
@@ -229,7 +251,9 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None) -> int:
                                 EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive
                             ),
                         )
-                        loop = AgentLoop(spec=spec, provider=provider, tools=tools, stop=stop, emitter=emitter, run_id=run_id)
+                        loop = AgentLoop(
+                            spec=spec, provider=provider, tools=tools, stop=stop, emitter=emitter, run_id=run_id, steering=steering
+                        )
                         outcome = await loop.run()
                     except SetupFailure as exc:
                         emitter.log("error", exc.message, code=exc.code)
@@ -246,6 +270,7 @@ async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None) -> int:
     if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
         outcome = RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=stop.reason)
     extra = {"run_id": run_id, "session_id": spec.session_id, "provider": spec.model.provider, "imported": _imported()}
+    extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
     result = loop.result(outcome, **extra) if loop is not None else _empty_result(outcome, extra)
     emitter.result(result)
     return int(outcome.exit_code)
@@ -290,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         _waiting_for_spec = True
         if _early_signals:
             raise _StoppedBeforeSpec()
-        text = read_spec_text(sys.stdin.buffer)
+        text, leftover = read_spec_text()
         _waiting_for_spec = False
     except _StoppedBeforeSpec:
         emitter.log("info", "stopped before a spec arrived")
@@ -304,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         error = {"code": "bad_spec", "message": message, "field": exc.field}
         emitter.result(_empty_result(RunOutcome(RunStatus.FAILED, ExitCode.BAD_SPEC, reason="bad_spec", error=error), {}))
         return int(ExitCode.BAD_SPEC)
-    return trio.run(lambda: run(spec, emitter, run_dir=run_dir))
+    return trio.run(lambda: run(spec, emitter, run_dir=run_dir, stdin_leftover=leftover))
 
 
 if __name__ == "__main__":
