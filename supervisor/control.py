@@ -380,6 +380,7 @@ class _Connection:
             with scope:
                 last = req.after_seq
                 empty_reopens = 0
+                terminal_seen = False
                 while True:
                     before = last
                     async with self.backend.subscribe(run_id) as live:
@@ -389,11 +390,21 @@ class _Connection:
                             )
                             acked = True
                         last = await self._follow(sub, run_id, last, live)
-                    # The live channel ended: the run is terminal (or we were dropped).
+                    # The live channel ended: the run is terminal, or the backend dropped us.
                     last = await self._catch_up(sub, run_id, last)
+                    if terminal_seen:
+                        # A subscription opened after the terminal state was reported has
+                        # closed: the terminal event is journaled and sent (see Backend).
+                        await self._send(protocol.encode_end(sub, run_id, state, last))
+                        return
                     state = str((await self.backend.status(run_id)).get("state"))
+                    if state in TERMINAL_STATES:
+                        # Reported terminal, but its last event may still be on its way to
+                        # the journal (we were between subscriptions): one more round.
+                        terminal_seen = True
+                        continue
                     empty_reopens = 0 if last > before else empty_reopens + 1
-                    if state in TERMINAL_STATES or empty_reopens > MAX_EMPTY_REOPENS:
+                    if empty_reopens > MAX_EMPTY_REOPENS:
                         await self._send(protocol.encode_end(sub, run_id, state, last))
                         return
                     logger.info("control: run %s: live events ended while %s; resubscribing", run_id, state)

@@ -102,10 +102,11 @@ class Backend(Protocol):
 
     Run dicts and event dicts are plain JSON data. Event dicts are
     ``{"seq", "ts", "kind", "data"}`` (``run_id`` may be present), ``seq`` strictly
-    increasing per run from 1. Two rules make replay gap-free: an event is durable (visible
-    to ``events_after``) before it is delivered live, and a subscription channel closes
-    after the run's terminal event (or earlier, if the backend drops a slow subscriber;
-    the control socket then catches up from the journal and subscribes again).
+    increasing per run from 1. Three rules make replay gap-free: an event is durable
+    (visible to ``events_after``) before it is delivered live; a subscription channel
+    closes only after the run's terminal event is durable (or earlier, if the backend
+    drops a slow subscriber: the control socket then catches up from the journal and
+    subscribes again); and ``subscribe`` on a run already terminal yields a closed channel.
 
     Optional methods, used when present: ``cancel_session(session_id, *, reason)`` and
     ``summary() -> dict`` (shown by ``status`` without a run id).
