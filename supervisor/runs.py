@@ -79,6 +79,8 @@ class _Run:
     done: trio.Event = field(default_factory=trio.Event)
     readopted: bool = False
     tail_offset: int = 0
+    stdin: trio.abc.SendStream | None = None
+    stdin_lock: trio.Lock = field(default_factory=trio.Lock)
 
 
 class RunManager:
@@ -189,6 +191,31 @@ class RunManager:
             if run.state in (RunState.STARTING, RunState.RUNNING):
                 await self._transition(run, RunState.CANCELLING, reason=reason)
         return {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
+
+    async def steer(self, run_id: str, text: str) -> dict[str, Any]:
+        """Extra input for a running turn, applied by the runner at its next step boundary.
+
+        Steering is a queue separate from cancel: it is refused once a stop is under way
+        (``accepted: false``), and input the runner never applied is reported in its
+        result's ``unapplied_steering`` and ``steering`` events.
+        """
+        run = self._live.get(run_id)
+        if run is None:
+            row = await self.journal.get_run(run_id)
+            if row is None:
+                raise RunNotFound(run_id)
+            return {"run_id": run_id, "accepted": False, "state": row["state"], "why": "the run has ended"}
+        if run.token.cancelled or run.stdin is None:
+            why = "a stop is under way" if run.token.cancelled else "the runner is not reading input yet"
+            return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": why}
+        line = (json.dumps({"steer": text}) + "\n").encode()
+        try:
+            async with run.stdin_lock:
+                await run.stdin.send_all(line)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": "the runner closed its input"}
+        await self._record(run, "steer_sent", {"text": text})
+        return {"run_id": run_id, "accepted": True, "state": str(run.state)}
 
     async def summary(self) -> dict[str, Any]:
         """The daemon at a glance, for ``status`` without a run id."""
@@ -341,6 +368,7 @@ class RunManager:
         receipt: dict[str, Any] = {}
         pumps_done = trio.Event()
         async with trio.open_nursery() as io:
+            io.start_soon(self._feed_stdin, run, tree)
             io.start_soon(self._pumps, run, tree, pumps_done)
             if run.timeout_s is not None:
                 io.start_soon(self._timeout, run, run.timeout_s)
@@ -493,21 +521,24 @@ class RunManager:
 
     async def _pumps(self, run: _Run, tree: process.Tree, done: trio.Event) -> None:
         async with trio.open_nursery() as n:
-            n.start_soon(self._feed_stdin, run, tree)
             n.start_soon(self._pump_stdout, run, tree)
             n.start_soon(self._pump_stderr, run, tree)
         done.set()
 
     async def _feed_stdin(self, run: _Run, tree: process.Tree) -> None:
+        """The spec, then steering lines, on the runner's stdin; closed when the run ends."""
         stdin = tree.process.stdin
         if stdin is None:
             return
-        data = (json.dumps(run.spec) + "\n").encode()
         try:
-            await stdin.send_all(data)
+            async with run.stdin_lock:
+                await stdin.send_all((json.dumps(run.spec) + "\n").encode())
+            run.stdin = stdin
+            await trio.sleep_forever()  # until the run ends and cancels the pumps
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
+            run.stdin = None
             with trio.CancelScope(shield=True):
                 await stdin.aclose()
 

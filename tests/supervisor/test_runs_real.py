@@ -1,0 +1,93 @@
+"""The run manager with the real runner (scripted model): steering and stop semantics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.daemon import serve
+from supervisor.runs import RunManager
+
+
+@pytest.fixture
+async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunManager]:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    config = Config.load(state_dir=tmp_path / "state", grace_s=5, environ={})
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        yield info["manager"]
+        stop.set()
+
+
+def gated_script(turns_after: list[dict[str, Any]]) -> dict[str, Any]:
+    """A first turn whose command waits for a file named ``go`` in the run's directory."""
+    wait = "while [ ! -f go ]; do sleep 0.02; done; echo gate open"
+    return {
+        "turns": [{"text": "Waiting at the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": wait}}]}]
+        + turns_after,
+        "final": "All done.",
+    }
+
+
+async def wait_kind(m: RunManager, run_id: str, pred: Any) -> dict[str, Any]:
+    async with m.subscribe(run_id) as live:
+        for e in await m.events_after(run_id, 0):
+            if pred(e):
+                return e
+        async for e in live:
+            if pred(e):
+                return e
+    raise AssertionError("run ended first")
+
+
+def running_tool(e: dict[str, Any]) -> bool:
+    return e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running"
+
+
+async def test_steering_is_applied_at_the_next_step_boundary(manager: RunManager) -> None:
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_kind(manager, rid, running_tool)
+        reply = await manager.steer(rid, "also check the disk")
+        assert reply["accepted"] is True
+        run_dir = Path((await manager.status(rid))["run_dir"])
+        (run_dir / "go").touch()
+        st = await manager.wait_terminal(rid)
+    assert st["state"] == "completed"
+    events = await manager.events_after(rid, 0)
+    steering = [e["data"]["state"] for e in events if e["kind"] == "steering"]
+    assert steering == ["queued", "applied"]
+    users = [m for m in st["result"]["messages"] if m.get("role") == "user"]
+    assert any("also check the disk" in json.dumps(m) for m in users)
+
+
+async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steering(manager: RunManager) -> None:
+    with trio.fail_after(30):
+        script = gated_script([{"text": "never", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo no"}}]}])
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": script}})
+        rid = r["run_id"]
+        await wait_kind(manager, rid, running_tool)
+        assert (await manager.steer(rid, "do more"))["accepted"] is True
+        await wait_kind(manager, rid, lambda e: e["kind"] == "steering")
+        cancel = await manager.cancel(rid)
+        assert cancel["was_active"] is True
+        assert (await manager.steer(rid, "too late"))["accepted"] is False
+        await wait_kind(manager, rid, lambda e: e["kind"] == "stop_requested")
+        run_dir = Path((await manager.status(rid))["run_dir"])
+        (run_dir / "go").touch()  # the running tool finishes after the stop
+        st = await manager.wait_terminal(rid)
+    assert st["state"] == "cancelled"
+    assert st["partial"] is False  # the runner wrote its own result
+    calls = st["tool_calls"]
+    assert [c["state"] for c in calls] == ["succeeded"]
+    assert "gate open" in calls[0]["output"]
+    assert st["result"]["unapplied_steering"] == ["do more"]
+    assert st["receipt"]["path_b"]["escalated"] is False
