@@ -120,7 +120,7 @@ class SignalSent:
     target: str  # "group", "pid", "cgroup", "tree"
     id: str  # pgid, pid or cgroup path
     at_s: float  # seconds after the routine started
-    result: str  # "sent", "gone" (ESRCH/ENOENT), "eperm" (maybe alive), or an error text
+    result: str  # "sent", "gone" (ESRCH/ENOENT), "eperm" (maybe alive), "refused", an error
     what: str = ""  # the process's command line, for pid targets
 
 

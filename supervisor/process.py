@@ -225,6 +225,8 @@ async def _blocking(fn: Callable[..., T], *args: Any) -> T:
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> str:
+    if pgid <= 1 or pgid == os.getpgrp():  # 0 would be our own group, 1 init's
+        return "refused"
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:
@@ -305,6 +307,8 @@ def _live_groups(tree: AnyTree) -> list[int]:
     """The tree's groups that may still exist and are provably still the tree's."""
     out: list[int] = []
     for pgid, ticks in list(tree.groups.items()):  # scans run in a worker thread while add_group may run
+        if pgid <= 1:
+            continue
         leader = read_proc(pgid)
         if leader is None:
             out.append(pgid)  # leaderless: the number stays reserved while members remain
@@ -637,7 +641,12 @@ def find_tree(
     ``start_time`` (within ``START_TIME_TOLERANCE_S``). Members are found by cgroup, marker,
     session/group (the runner's group only while it is provably the same) and ancestry.
     Blocking (a /proc scan): call it through ``trio.to_thread.run_sync`` in async code.
+
+    Raises:
+        ValueError: ``pid`` is 0 or 1 (never a runner; killpg(0) would hit the daemon).
     """
+    if pid <= 1:
+        raise ValueError(f"expected the recorded runner pid, got {pid!r}")
     leader = read_proc(pid)
     alive = False
     if leader is not None and not leader.dead and start_time is not None:

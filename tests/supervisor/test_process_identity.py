@@ -47,3 +47,14 @@ def test_only_groups_that_are_provably_the_trees_are_signalled(monkeypatch: pyte
     assert process._live_groups(tree) == [200, 500, 600, 700]
     # A group learned with its leader already gone is never trusted to a new leader.
     assert process._live_groups(tree_with({300: None})) == []
+
+
+def test_no_signal_ever_goes_to_group_0_1_or_our_own() -> None:
+    import os
+    import signal
+
+    for pgid in (0, 1, -5, os.getpgrp()):
+        assert process._killpg(pgid, signal.SIGTERM) == "refused"
+    assert process._live_groups(tree_with({0: None, 1: None})) == []
+    with pytest.raises(ValueError, match="expected the recorded runner pid"):
+        process.find_tree("t", pid=0, start_time=None, cgroup=None)
