@@ -70,13 +70,12 @@ def test_a_status_round_trip_in_a_fresh_process_stays_off_the_heavy_imports(serv
         f"cli.main(['--state-dir', {str(server.config.state_dir)!r}, '--json', 'status'], standalone_mode=False)\n"
         "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'openai', 'mcp') if m in sys.modules))\n"
     )
-    started = time.monotonic()
+    # The latency itself (~65 ms here, of which python 21 and click 23) is not asserted:
+    # wall time on a loaded CI machine says little; the imports are what keep it low.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    elapsed = time.monotonic() - started
     first, last = out.stdout.strip().splitlines()
     assert json.loads(first)["daemon"]["pid"] > 0
     assert last == "[]"
-    assert elapsed < 2.0  # generous for CI; measured ~60 ms here
 
 
 # --------------------------------------------------------------------------- spawn
