@@ -267,8 +267,15 @@ def _kill_proc(p: Proc, sig: signal.Signals) -> str:
     return "sent"
 
 
+def _is_tree_cgroup(path: Path) -> bool:
+    """A tree's cgroup lies inside some daemon's agentd-* subtree and does not hold us."""
+    return path.parent.name.startswith("agentd-") and os.getpid() not in cgroup_pids(path)
+
+
 def _cgroup_kill(path: Path) -> str:
     """SIGKILL every process in a cgroup and below it, forks in flight included."""
+    if not _is_tree_cgroup(path):
+        return "refused"
     try:
         fd = os.open(path / "cgroup.kill", os.O_WRONLY)
     except FileNotFoundError:
@@ -653,6 +660,9 @@ def find_tree(
         alive = _started_at(pid, start_time)
     path = Path(cgroup) if cgroup else None
     if path is not None and not path.is_dir():
+        path = None
+    if path is not None and not _is_tree_cgroup(path):
+        logger.warning("tree %s: recorded cgroup %s is not a tree's; ignoring it", tree_id, path)
         path = None
     label = containment or (CGROUP if path is not None else SUBREAPER_SWEEP)
     tree = AdoptedTree(

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+from pathlib import Path
+
 import pytest
 
 from supervisor import process
-from supervisor.containment import Proc, parse_stat
+from supervisor.containment import Containment, Proc, parse_stat
 from supervisor.process import AdoptedTree
+from tests import conftest
 
 STAT = b"4242 (a) b (c) d) S 1 4200 4200 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 123456 0 0"
 
@@ -50,7 +55,6 @@ def test_only_groups_that_are_provably_the_trees_are_signalled(monkeypatch: pyte
 
 
 def test_no_signal_ever_goes_to_group_0_1_or_our_own() -> None:
-    import os
     import signal
 
     for pgid in (0, 1, -5, os.getpgrp()):
@@ -58,3 +62,20 @@ def test_no_signal_ever_goes_to_group_0_1_or_our_own() -> None:
     assert process._live_groups(tree_with({0: None, 1: None})) == []
     with pytest.raises(ValueError, match="expected the recorded runner pid"):
         process.find_tree("t", pid=0, start_time=None, cgroup=None)
+
+
+def test_a_cgroup_that_is_not_a_trees_is_never_killed_or_swept(tmp_path: Path) -> None:
+    assert process._cgroup_kill(tmp_path / "system.slice" / "agentd.service") == "refused"
+    found = process.find_tree("t", pid=99999, start_time=None, cgroup=tmp_path)  # not in agentd-*
+    assert found.tree.cgroup is None
+    c = Containment.setup(cgroups="auto", subreaper=False, instance=f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        conftest.require(c.root is not None, "a writable cgroup2 mount")
+        assert c.root is not None
+        # A journal naming the daemon's own cgroup or its subtree root: never a tree's.
+        assert process._cgroup_kill(c.root.parent) == "refused"
+        assert process._cgroup_kill(c.root) == "refused"
+        leaf = c.prepare("t-x")
+        assert leaf is not None and process._is_tree_cgroup(leaf)
+    finally:
+        c.close()
