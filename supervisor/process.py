@@ -650,10 +650,13 @@ def find_tree(
     Blocking (a /proc scan): call it through ``trio.to_thread.run_sync`` in async code.
 
     Raises:
-        ValueError: ``pid`` is 0 or 1 (never a runner; killpg(0) would hit the daemon).
+        ValueError: ``pid`` is 0 or 1 (never a runner; killpg(0) would hit the daemon), or
+            ``tree_id`` is empty.
     """
     if pid <= 1:
         raise ValueError(f"expected the recorded runner pid, got {pid!r}")
+    if not tree_id:
+        raise ValueError(f"expected the recorded tree id, got {tree_id!r}")
     leader = read_proc(pid)
     alive = False
     if leader is not None and not leader.dead and start_time is not None:
