@@ -25,6 +25,7 @@ from supervisor.errors import (
     AgentdError,
     ConfigError,
     ControlProtocolError,
+    DaemonAlreadyRunning,
     DaemonNotRunning,
     RunNotFound,
     SpawnError,
@@ -46,6 +47,7 @@ class ExitCode(enum.IntEnum):
     DISCONNECTED = 6  # the connection dropped and could not be resumed
     RUN_CANCELLED = 7  # the run was cancelled (by a user or a timeout)
     RUN_LOST = 8  # the daemon restarted and found the run's process gone
+    ALREADY_RUNNING = 9  # serve: another daemon holds this state dir
     INTERRUPTED = 130  # Ctrl-C: the CLI stopped watching; the run goes on
 
 
@@ -76,6 +78,8 @@ def _translate(exc: AgentdError) -> CliError:
 
     if isinstance(exc, DaemonNotRunning):
         return CliError(str(exc), ExitCode.NO_DAEMON)
+    if isinstance(exc, DaemonAlreadyRunning):
+        return CliError(str(exc), ExitCode.ALREADY_RUNNING)
     if isinstance(exc, RunNotFound):
         return CliError(str(exc), ExitCode.NOT_FOUND)
     if isinstance(exc, SpawnError):
@@ -199,6 +203,15 @@ def serve(
         trio.run(serve_daemon, config)
     except KeyboardInterrupt:
         click.get_current_context().exit(ExitCode.INTERRUPTED)
+    except BaseExceptionGroup as group:
+        # An expected failure raised inside the daemon's nurseries arrives wrapped.
+        expected, rest = group.split(AgentdError)
+        if expected is None or rest is not None:
+            raise
+        first: BaseException = expected
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
 
 
 # ----------------------------------------------------------------------------- spawn

@@ -412,3 +412,13 @@ def test_cancel_on_the_real_daemon_prints_was_active_and_the_terminal_state(real
     shown = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in run(real_daemon, "status", run_id).stdout.splitlines()}
     assert shown["state"] == "cancelled (user)"
     assert "cancel to tree dead" in shown["teardown"] and "no survivors" in shown["teardown"]
+
+
+def test_a_second_daemon_on_the_same_state_dir_exits_9_with_one_line(real_daemon: Path) -> None:
+    second = subprocess.run(
+        [sys.executable, "-m", "supervisor", "--state-dir", str(real_daemon), "serve"],
+        capture_output=True, text=True, timeout=DAEMON_START_S,
+    )
+    assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
+    assert second.stderr.startswith("error: another agentd daemon") and second.stderr.count("\n") == 1
+    assert run(real_daemon, "status").exit_code == 0  # the first one is untouched
