@@ -10,6 +10,7 @@ It forks, each descendant reporting its pid back over a pipe:
 then prints one JSON line {"leader": pid, "group": pid, ...} on stdout.
 --ignore-term: the leader and every descendant ignore SIGTERM.
 --exit-leader: the leader exits right after printing (its descendants stay).
+--leader-honours-term: the leader alone dies of SIGTERM (its descendants still ignore it).
 """
 
 import json
@@ -84,6 +85,8 @@ with os.fdopen(report_r) as reports:
 os.waitpid(children["daemon"], 0)
 if "stopped" in children:
     os.waitpid(children["stopped"], os.WUNTRACED)  # returns once it is stopped
+if "--leader-honours-term" in args:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 print(json.dumps(pids), flush=True)
 if "--exit-leader" in args:
     sys.exit(0)

@@ -242,6 +242,25 @@ async def test_leftovers_are_killed_at_once_when_the_runner_has_exited(
     assert running(ident) == {}
 
 
+async def test_what_outlives_a_runner_that_obeyed_sigterm_is_killed_without_more_grace(
+    make_containment: MakeContainment, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    tree = await spawn("tree_escapers.py", "--ignore-term", "--leader-honours-term", containment=c)
+    pids = json.loads(await read_line(tree))
+    ident = identities(pids)
+    with trio.fail_after(5):
+        receipt = await process.terminate_and_kill(tree, grace_s=30)
+    assert receipt.leader == "exited" and not receipt.escalated
+    assert receipt.waited_s < SLACK_S
+    assert tree.process.returncode == -signal.SIGTERM
+    # The grandchild left in the runner's group goes with the group; the escapers by pid.
+    assert any(s.signal == "SIGKILL" and s.id == str(tree.pgid) and s.result == "sent" for s in receipt.signals)
+    assert {k["pid"] for k in receipt.killed} >= {pids["setsid"], pids["daemon"]}
+    assert running(ident) == {}
+    assert "outlived the runner" in caplog.text
+
+
 async def test_path_b_runs_to_the_end_under_a_cancelled_scope(make_containment: MakeContainment) -> None:
     c = make_containment(SUBREAPER_SWEEP)
     tree = await spawn("tree_ignore_term.py", containment=c)
