@@ -138,7 +138,14 @@ class Obj:
 pass_obj = click.make_pass_decorator(Obj)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+_EPILOG = """\b
+Exit codes: 0 ok (run completed), 1 run failed, 2 usage or bad file,
+3 no daemon, 4 no such run, 5 refused by the daemon, 6 connection lost,
+7 run cancelled, 8 run lost, 9 daemon already running, 130 interrupted.
+Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_EPILOG)
 @click.option(
     "--state-dir",
     envvar="AGENTD_STATE_DIR",
