@@ -69,11 +69,15 @@ def poll(what: str, fn: Callable[[], T], timeout_s: float = 30.0, every_s: float
         time.sleep(every_s)
 
 
-def stop_and_check(c: Container) -> float:
+def stop_and_check(c: Container, *, while_stopping: Callable[[], None] | None = None) -> float:
     """`systemctl stop agentd`; assert a clean stop (inactive, Result=success, exit 0, and
-    nothing left for systemd's final SIGKILL); return how long it took."""
+    nothing left for systemd's final SIGKILL); return how long it took. ``while_stopping``
+    runs after the stop is queued, while the daemon winds down."""
     t0 = time.monotonic()
-    c.systemctl("stop", UNIT, timeout_s=TIMEOUT_STOP_S + 10)
+    if while_stopping is not None:
+        c.systemctl("stop", "--no-block", UNIT)
+        while_stopping()
+    c.systemctl("stop", UNIT, timeout_s=TIMEOUT_STOP_S + 10)  # waits for the queued job
     took = time.monotonic() - t0
     s = c.show(UNIT, "ActiveState", "Result", "ExecMainStatus")
     assert (s["ActiveState"], s["Result"], s["ExecMainStatus"]) == ("inactive", "success", "0"), (

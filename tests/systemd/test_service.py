@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.systemd.agentd_support import (
-    INSTALL, STATE_DIR, TIMEOUT_STOP_S, UNIT, call, cli, container_processes, install, poll,
+    GRACE_S, INSTALL, STATE_DIR, TIMEOUT_STOP_S, UNIT, call, cli, container_processes, install, poll,
     require_daemon, stop_and_check, stored_run,
 )
 from tests.systemd.container import Container
@@ -114,7 +114,14 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
     poll("STATUS= to count the run",
          lambda: "1 live run" in c.show(UNIT, "StatusText")["StatusText"], timeout_s=15)
 
-    stop_and_check(c)
+    def stopping() -> None:
+        # STOPPING=1 and its STATUS= arrive while the daemon waits out the run's grace.
+        s = poll("STATUS= to say the daemon is stopping",
+                 lambda: (s := c.show(UNIT, "ActiveState", "StatusText"))["StatusText"].startswith("stopping") and s,
+                 timeout_s=GRACE_S)
+        assert s["ActiveState"] == "deactivating", s
+
+    stop_and_check(c, while_stopping=stopping)
     run = stored_run(c, run_id)
     assert run["state"] == "cancelled", run
     assert container_processes(c, "sleep 600", "subagent.runner", "agentd serve") == []
