@@ -479,6 +479,25 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
     obj.emit(out, human)
 
 
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("text")
+@click.pass_obj
+def steer(obj: Obj, run_id: str, text: str) -> None:
+    """Give a running run extra input, applied at its next step (not a stop)."""
+    result = obj.client().steer(run_id, text)
+
+    def human() -> None:
+        if result.get("accepted"):
+            click.echo(f"{run_id}: queued for the next step")
+        else:
+            click.echo(f"{run_id}: not accepted ({result.get('why', 'not running')}; state: {result.get('state')})")
+
+    obj.emit(result, human)
+    if not result.get("accepted"):
+        click.get_current_context().exit(ExitCode.REFUSED)
+
+
 # ----------------------------------------------------------------------------- status, list
 
 

@@ -193,6 +193,10 @@ class Client:
     def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
         return self.request("cancel", session_id=session_id, reason=reason)
 
+    def steer(self, run_id: str, text: str) -> dict[str, Any]:
+        """Extra input for a running turn: ``{"run_id", "accepted", "state"}``."""
+        return self.request("steer", run_id=run_id, text=text)
+
     def status(self, run_id: str | None = None) -> dict[str, Any]:
         return self.request("status", run_id=run_id)
 

@@ -344,6 +344,11 @@ class _Connection:
             return {"run_id": req.run_id, "events": events}
         if isinstance(req, protocol.PingRequest):
             return {"pong": True, **self.server.daemon_info()}
+        if isinstance(req, protocol.SteerRequest):
+            steer = getattr(b, "steer", None)
+            if steer is None:
+                raise _unsupported("steering")
+            return await steer(req.run_id, req.text)
         raise AssertionError(f"unhandled op {req.op!r}")
 
     async def _daemon_status(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "SubscribeRequest",
     "UnsubscribeRequest",
     "PingRequest",
+    "SteerRequest",
     "Request",
     "BadRequest",
     "decode_request",
@@ -78,6 +79,7 @@ class Op(enum.StrEnum):
     SUBSCRIBE = "subscribe"  # {run_id: str, after_seq?: int}: replay, then live, then "end"
     UNSUBSCRIBE = "unsubscribe"  # {sub: str}
     PING = "ping"  # {}
+    STEER = "steer"  # {run_id: str, text: str}: extra input for the running turn
 
 
 class ErrorCode(enum.StrEnum):
@@ -108,8 +110,9 @@ class Backend(Protocol):
     drops a slow subscriber: the control socket then catches up from the journal and
     subscribes again); and ``subscribe`` on a run already terminal yields a closed channel.
 
-    Optional methods, used when present: ``cancel_session(session_id, *, reason)`` and
-    ``summary() -> dict`` (shown by ``status`` without a run id).
+    Optional methods, used when present: ``cancel_session(session_id, *, reason)``,
+    ``steer(run_id, text) -> {"run_id", "accepted", "state"}`` and ``summary() -> dict``
+    (shown by ``status`` without a run id).
     """
 
     async def spawn(
@@ -162,6 +165,13 @@ class CancelRequest(NamedTuple):
     op: Op = Op.CANCEL
 
 
+class SteerRequest(NamedTuple):
+    id: Any
+    run_id: str
+    text: str
+    op: Op = Op.STEER
+
+
 class StatusRequest(NamedTuple):
     id: Any
     run_id: str | None = None
@@ -211,6 +221,7 @@ Request = Union[
     SubscribeRequest,
     UnsubscribeRequest,
     PingRequest,
+    SteerRequest,
 ]
 
 
@@ -351,6 +362,15 @@ def _cancel(rid: Any, obj: Mapping[str, Any]) -> CancelRequest:
     return CancelRequest(rid, run_id, session_id, reason)
 
 
+def _steer(rid: Any, obj: Mapping[str, Any]) -> SteerRequest:
+    run_id = _ident(obj, "run_id", required=True)
+    text = obj.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected 'text' to be a non-empty string, got {_kind(text)}")
+    assert run_id is not None
+    return SteerRequest(rid, run_id, text)
+
+
 def _status(rid: Any, obj: Mapping[str, Any]) -> StatusRequest:
     return StatusRequest(rid, _ident(obj, "run_id", required=False))
 
@@ -408,6 +428,7 @@ _PARSERS: Final[dict[Op, Any]] = {
     Op.SUBSCRIBE: _subscribe,
     Op.UNSUBSCRIBE: _unsubscribe,
     Op.PING: _ping,
+    Op.STEER: _steer,
 }
 
 

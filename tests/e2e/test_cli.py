@@ -128,3 +128,40 @@ async def test_cli_errors_are_one_line_with_distinct_codes(served: Path, tmp_pat
     code, out, err = await agentd("--state-dir", str(tmp_path / "nowhere"), "status")
     assert code == 3
     assert "agentd serve" in err
+
+
+async def test_steer_through_the_cli_reaches_a_running_run_and_is_refused_after_it(
+    served: Path, tmp_path: Path
+) -> None:
+    wait = "while [ ! -f go ]; do sleep 0.02; done"
+    script = tmp_path / "gate.json"
+    script.write_text(json.dumps({
+        "turns": [{"text": "At the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": wait}}]}],
+        "final": "Finished.",
+    }))
+    with trio.fail_after(60):
+        run_id = (await agentd("spawn", "gated", "--script", str(script)))[1].strip()
+        await trio.to_thread.run_sync(_wait_for_gate, served, run_id)
+        code, out, err = await agentd("--json", "steer", run_id, "mind the logs")
+        assert code == 0, err
+        assert json.loads(out)["accepted"] is True
+        status = json.loads((await agentd("--json", "status", run_id))[1])
+        (Path(status["run_dir"]) / "go").touch()
+        code, out, err = await agentd("watch", run_id)
+        assert code == 0, err
+        code, out, err = await agentd("steer", run_id, "too late")
+    assert code == 5
+    assert "not accepted" in out
+    events = [json.loads(line) for line in (await agentd("--json", "logs", run_id))[1].splitlines()]
+    assert [e["data"]["state"] for e in events if e["kind"] == "steering"] == ["queued", "applied"]
+
+
+def _wait_for_gate(state_dir: Path, run_id: str) -> None:
+    client = Client(state_dir=state_dir)
+    try:
+        for ev in client.follow(run_id):
+            if ev["kind"] == "tool_call" and ev["data"]["record"]["state"] == "running":
+                return
+    finally:
+        client.close()
+    raise AssertionError(f"run {run_id} ended before its gate")

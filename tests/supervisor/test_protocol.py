@@ -171,3 +171,12 @@ def test_any_json_object_decodes_to_a_request_or_an_error_value(op: object, args
 @given(st.binary(max_size=200) | st.text(max_size=200))
 def test_any_bytes_or_text_decode_without_raising(message: bytes | str) -> None:
     decode_request(message, max_bytes=100)
+
+
+def test_a_steer_request_needs_a_run_and_some_text() -> None:
+    req = decode_request(json.dumps({"id": 7, "op": "steer", "run_id": "r-1", "text": "look at b"}))
+    assert isinstance(req, protocol.SteerRequest)
+    assert (req.run_id, req.text) == ("r-1", "look at b")
+    for bad in ({"run_id": "r-1"}, {"run_id": "r-1", "text": "  "}, {"text": "x"}):
+        got = decode_request(json.dumps({"id": 8, "op": "steer", **bad}))
+        assert isinstance(got, BadRequest) and got.code == ErrorCode.BAD_ARGS
