@@ -174,9 +174,9 @@ def test_any_bytes_or_text_decode_without_raising(message: bytes | str) -> None:
 
 
 def test_a_steer_request_needs_a_run_and_some_text() -> None:
-    req = decode_request(json.dumps({"id": 7, "op": "steer", "run_id": "r-1", "text": "look at b"}))
+    req = dec({"id": 7, "op": "steer", "run_id": "r-1", "text": "look at b"})
     assert isinstance(req, protocol.SteerRequest)
     assert (req.run_id, req.text) == ("r-1", "look at b")
     for bad in ({"run_id": "r-1"}, {"run_id": "r-1", "text": "  "}, {"text": "x"}):
-        got = decode_request(json.dumps({"id": 8, "op": "steer", **bad}))
+        got = dec({"id": 8, "op": "steer", **bad})
         assert isinstance(got, BadRequest) and got.code == ErrorCode.BAD_ARGS
