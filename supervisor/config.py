@@ -11,7 +11,6 @@ import dataclasses
 import os
 import shlex
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +102,8 @@ class Config:
             sd = default_state_dir()
         path = Path(config_file) if config_file is not None else sd / "agentd.toml"
         if config_file is not None or path.exists():
+            import tomllib  # only when there is a file: the CLI's status path stays light
+
             try:
                 with open(path, "rb") as f:
                     values.update(tomllib.load(f))
