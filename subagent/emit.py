@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from subagent.events import MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result
 
-__all__ = ["Emitter", "install_stderr_guards", "EVENTS_FALLBACK", "RESULT_FILE"]
+__all__ = ["Emitter", "install_stderr_guards", "bare_result", "EVENTS_FALLBACK", "RESULT_FILE"]
 
 EVENTS_FALLBACK: Final = "events.jsonl"
 RESULT_FILE: Final = "result.json"
@@ -175,3 +175,19 @@ def install_stderr_guards(emitter: Emitter) -> None:
         emitter.log("warning", f"unraisable exception: {u.exc_type.__name__}: {u.exc_value}", source="unraisable")
 
     sys.unraisablehook = unraisable
+
+
+def bare_result(status: str, reason: str | None, error: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A result for a run that never reached its loop (bad spec, setup failure, early stop)."""
+    return {
+        "status": status,
+        "reason": reason,
+        "final_text": None,
+        "progress": "",
+        "steps": 0,
+        "tool_calls": [],
+        "usage": None,
+        "error": error,
+        "unapplied_steering": [],
+        **(extra or {}),
+    }

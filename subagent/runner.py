@@ -1,19 +1,19 @@
 """``python -m subagent.runner [--warm]``: one sub-agent run, from spec on stdin to result.
 
-Invariants: SIGTERM only sets the stop flag, however often it comes (a repeated SIGINT
-also interrupts the running tool) (a handler is installed before the
-heavy imports; trio's signal receiver takes over in the main task), except while
-``--warm`` waits for its spec, when a signal ends the process at once; stderr carries
-only JSON events; every path that got a spec ends with one result on stdout (and in
-``$AGENTD_RUN_DIR/result.json``) and an ``ExitCode``; MCP servers and command groups are
-ended before the result is written. Imports follow the spec: a scripted run without MCP
+This module is the entry only: early signal handling, stderr guards, reading and
+validating the spec, the exit code. ``subagent.run`` does the run.
+Invariants: SIGTERM only sets the stop flag, however often it comes (a handler is
+installed before anything slow; trio's receiver takes over during the run), except while
+``--warm`` waits for its spec, when a signal ends the process at once; the stderr guards
+are installed before any non-stdlib import, so even an import error reaches stderr as a
+JSON ``log`` event and exits ``INTERNAL``; every path ends with one result on stdout (and
+in ``$AGENTD_RUN_DIR/result.json``). Imports follow the spec: a scripted run without MCP
 servers imports neither ``openai`` nor ``mcp``.
 """
 
 from __future__ import annotations
 
 import signal
-import sys
 
 _early_signals: list[int] = []
 _waiting_for_spec = False
@@ -35,35 +35,15 @@ if __name__ == "__main__":  # before anything slow: a SIGTERM now must not kill 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
 import os  # noqa: E402
 import traceback  # noqa: E402
-from contextlib import AsyncExitStack  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
-import trio  # noqa: E402
+from subagent.emit import Emitter, bare_result, install_stderr_guards  # noqa: E402
+from subagent.events import ExitCode, RunStatus  # noqa: E402
+from subagent.spec import SpecError, parse_spec_text  # noqa: E402
 
-from subagent.emit import Emitter, install_stderr_guards  # noqa: E402
-from subagent.events import EventKind, ExitCode, RunStatus  # noqa: E402
-from subagent.loop import AgentLoop, RunOutcome  # noqa: E402
-from subagent.model import ModelError, Provider  # noqa: E402
-from subagent.spec import McpServerSpec, RunSpec, SpecError, parse_spec_text  # noqa: E402
-from subagent.steering import SteeringQueue, read_steering  # noqa: E402
-from subagent.stop import StopControl  # noqa: E402
-from subagent.tools import ToolBox  # noqa: E402
-
-__all__ = ["main", "read_spec_text", "run"]
-
-logger = logging.getLogger(__name__)
-
-
-class SetupFailure(Exception):
-    def __init__(self, exit_code: ExitCode, code: str, message: str) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.code = code
-        self.message = message
+__all__ = ["main", "read_spec_text"]
 
 
 def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
@@ -91,215 +71,25 @@ def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
     return (first + b"\n" + rest).decode("utf-8", errors="replace"), b""
 
 
-def _make_provider(spec: RunSpec) -> Provider:
-    m = spec.model
-    if m.provider == "scripted":
-        from subagent.script import Script, ScriptError
-        from subagent.scripted import ScriptedProvider
-
-        try:
-            if m.script is not None:
-                return ScriptedProvider(Script.from_dict(dict(m.script)))
-            if m.script_path is not None:
-                return ScriptedProvider(Script.load(m.script_path))
-        except ScriptError as exc:
-            raise SetupFailure(ExitCode.BAD_SPEC, "bad_spec", f"error: bad model script: {exc}") from None
-        return ScriptedProvider()
-    from subagent.openai_provider import OpenAIProvider
-
-    try:
-        return OpenAIProvider(model=m.name, base_url=m.base_url, request_timeout_s=m.request_timeout_s)
-    except ModelError as exc:
-        raise SetupFailure(ExitCode.MODEL_ERROR, exc.kind, f"error: {exc.message}") from None
-
-
-# Bounds the last-resort sweep of a run's browser processes after its server closed (seconds).
-BROWSER_SWEEP_TIMEOUT_S = 10.0
-
-
-async def _end_browser(browser: Any, base: Path) -> None:
-    # Chromium's helpers lose the env marker and live in their own session: the preset
-    # finds them by profile path. Runs after the browser server's own close.
-    with trio.CancelScope(shield=True):
-        with trio.move_on_after(BROWSER_SWEEP_TIMEOUT_S):
-            end = getattr(browser, "end_browser_processes", None)
-            if end is not None:
-                left = await trio.to_thread.run_sync(end, base, abandon_on_cancel=True)
-                if left:
-                    logger.warning("browser processes still alive after the sweep: %s", left)
-            release = getattr(browser, "release_browser_dir", None)
-            if release is not None:
-                await trio.to_thread.run_sync(release, base, abandon_on_cancel=True)
-
-
-def _server_specs(spec: RunSpec, run_dir: Path | None, stack: AsyncExitStack) -> dict[str, McpServerSpec]:
-    servers = dict(spec.mcp_servers)
-    if spec.browser is not False:
-        try:
-            from subagent import browser
-        except ImportError as exc:
-            raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: the browser preset is not available: {exc}") from None
-        options = {} if spec.browser is True else dict(spec.browser)
-        base = run_dir or Path.cwd()
-        # Pushed before the server starts, so it runs after the server is closed.
-        stack.push_async_callback(_end_browser, browser, base)
-        try:
-            entry = browser.browser_server_config(base, options)
-            servers["browser"] = McpServerSpec.from_dict(entry, "browser")
-        except (SpecError, Exception) as exc:  # BrowserSetupError and friends: a setup failure
-            raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: browser setup failed: {exc}") from None
-    return servers
-
-
-async def _start_servers(
-    specs: dict[str, McpServerSpec], stack: AsyncExitStack, run_dir: Path | None, stop: StopControl, emitter: Emitter
-) -> dict[str, Any]:
-    if not specs:
-        return {}
-    from subagent.mcp_spawn import prespawn
-
-    # Spawn every server first, then pay for importing mcp while they boot.
-    spawned = []
-    for name, s in specs.items():
-
-        def on_group(pgid: int, alive: bool, name: str = name) -> None:
-            emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind="mcp_server", name=name, alive=alive)
-
-        spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group))
-    from subagent.mcp_tools import McpSetupError, start_server
-
-    servers = {}
-    for p in spawned:
-        if stop.requested:
-            break
-        try:
-            servers[p.name] = await start_server(p, specs[p.name], stack, abortable=stop.abortable)
-        except McpSetupError as exc:
-            if stop.requested:
-                break  # the stop aborted the startup: not a setup failure
-            code = ExitCode.TOOL_PROTOCOL if exc.protocol else ExitCode.TOOL_SETUP
-            raise SetupFailure(code, "tool_protocol" if exc.protocol else "tool_setup", f"error: {exc}") from None
-    return servers
-
-
-async def _watch_signals(signals: Any, stop: StopControl, emitter: Emitter) -> None:
-    # SIGTERM is idempotent (the daemon's path A and path B both send one). SIGINT: the
-    # first is a stop like SIGTERM, a repeat also interrupts the running tool (ctrl-C twice).
-    async for signum in signals:
-        if signum == signal.SIGINT and stop.requested:
-            if stop.interrupt_tool():
-                emitter.log("warning", "a repeated SIGINT interrupts the running tool")
-        else:
-            stop.request("signal")
-
-
-async def _deadline(seconds: float, stop: StopControl) -> None:
-    await trio.sleep(seconds)
-    stop.request("timeout")
-
-
-def _imported() -> dict[str, bool]:
-    return {"openai": "openai" in sys.modules, "mcp": "mcp" in sys.modules}
-
-
-async def run(spec: RunSpec, emitter: Emitter, *, run_dir: Path | None, stdin_leftover: bytes | None = None) -> int:
-    """Run one spec to its end; write the result; return the exit code."""
-    run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
-    emitter.run_id = run_id
-    stop = StopControl(
-        on_first_stop=lambda reason, during: emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during)
-    )
-    loop: AgentLoop | None = None
-    outcome = RunOutcome(RunStatus.FAILED, ExitCode.INTERNAL, reason="internal")
-    steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
-    try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_signals, signals, stop, emitter)
-                if spec.limits.deadline_s is not None:
-                    nursery.start_soon(_deadline, spec.limits.deadline_s, stop)
-                if stdin_leftover is not None:
-                    nursery.start_soon(
-                        read_steering,
-                        stdin_leftover,
-                        steering,
-                        lambda: loop.steps if loop is not None else 0,
-                        lambda msg: emitter.log("warning", msg),
-                    )
-                emitter.emit(
-                    EventKind.RUNNER_STARTED,
-                    pid=os.getpid(),
-                    pgid=os.getpgid(0),
-                    run_id=run_id,
-                    session_id=spec.session_id,
-                    provider=spec.model.provider,
-                )
-                if _early_signals:  # a SIGTERM that came before trio's receiver took over
-                    stop.request("signal")
-                async with AsyncExitStack() as stack:
-                    try:
-                        provider = _make_provider(spec)
-                        stack.push_async_callback(provider.aclose)
-                        stop.phase = "setup"
-                        servers = await _start_servers(_server_specs(spec, run_dir, stack), stack, run_dir, stop, emitter)
-                        stop.phase = "idle"
-                        tools = ToolBox(
-                            builtins=spec.builtin_tools,
-                            limits=spec.limits,
-                            servers=servers,
-                            on_group=lambda pgid, alive, kind, name: emitter.emit(
-                                EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive
-                            ),
-                        )
-                        loop = AgentLoop(
-                            spec=spec, provider=provider, tools=tools, stop=stop, emitter=emitter, run_id=run_id, steering=steering
-                        )
-                        outcome = await loop.run()
-                    except SetupFailure as exc:
-                        emitter.log("error", exc.message, code=exc.code)
-                        outcome = RunOutcome(
-                            RunStatus.FAILED, exc.exit_code, reason=exc.code, error={"code": exc.code, "message": exc.message}
-                        )
-                nursery.cancel_scope.cancel(reason="run finished")
-    except Exception as exc:
-        text = "".join(traceback.format_exception(exc))
-        emitter.log("error", f"error: internal error in the runner: {type(exc).__name__}: {exc}", code="internal", traceback=text)
-        outcome = RunOutcome(
-            RunStatus.FAILED, ExitCode.INTERNAL, reason="internal", error={"code": "internal", "message": f"{type(exc).__name__}: {exc}"}
-        )
-    if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
-        outcome = RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=stop.reason)
-    extra = {"run_id": run_id, "session_id": spec.session_id, "provider": spec.model.provider, "imported": _imported()}
-    extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
-    result = loop.result(outcome, **extra) if loop is not None else _empty_result(outcome, extra)
-    emitter.result(result)
-    return int(outcome.exit_code)
-
-
-def _empty_result(outcome: RunOutcome, extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "status": str(outcome.status),
-        "reason": outcome.reason,
-        "final_text": None,
-        "progress": "",
-        "steps": 0,
-        "tool_calls": [],
-        "usage": None,
-        "error": outcome.error,
-        "unapplied_steering": [],
-        **extra,
-    }
-
-
 def _warm_imports() -> None:
     import mcp.client.stdio  # noqa: F401
     import openai  # noqa: F401
 
     import subagent.mcp_tools  # noqa: F401
     import subagent.openai_provider  # noqa: F401
+    import subagent.run  # noqa: F401
+
+
+def _internal(emitter: Emitter, exc: BaseException) -> int:
+    text = "".join(traceback.format_exception(exc))
+    message = f"error: internal error in the runner: {type(exc).__name__}: {exc}"
+    emitter.log("error", message, code="internal", traceback=text)
+    emitter.result(bare_result(str(RunStatus.FAILED), "internal", {"code": "internal", "message": message}))
+    return int(ExitCode.INTERNAL)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The whole runner process; returns its exit code (``events.ExitCode``)."""
     global _waiting_for_spec
     ap = argparse.ArgumentParser(prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin.")
     ap.add_argument("--warm", action="store_true", help="import openai and mcp first, then wait for the spec")
@@ -308,28 +98,37 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(run_dir_env) if run_dir_env else None
     emitter = Emitter(run_dir)
     install_stderr_guards(emitter)
-    if args.warm:
-        _warm_imports()
-        emitter.log("info", "warm: waiting for the spec on stdin", warm=True)
     try:
-        _waiting_for_spec = True
-        if _early_signals:
-            raise _StoppedBeforeSpec()
-        text, leftover = read_spec_text()
-        _waiting_for_spec = False
-    except _StoppedBeforeSpec:
-        emitter.log("info", "stopped before a spec arrived")
-        emitter.result(_empty_result(RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason="signal"), {}))
-        return int(ExitCode.CANCELLED)
-    try:
-        spec = parse_spec_text(text)
-    except SpecError as exc:
-        message = f"error: bad run spec: {exc}"
-        emitter.log("error", message, code="bad_spec", field=exc.field)
-        error = {"code": "bad_spec", "message": message, "field": exc.field}
-        emitter.result(_empty_result(RunOutcome(RunStatus.FAILED, ExitCode.BAD_SPEC, reason="bad_spec", error=error), {}))
-        return int(ExitCode.BAD_SPEC)
-    return trio.run(lambda: run(spec, emitter, run_dir=run_dir, stdin_leftover=leftover))
+        if args.warm:
+            _warm_imports()
+            emitter.log("info", "warm: waiting for the spec on stdin", warm=True)
+        try:
+            _waiting_for_spec = True
+            if _early_signals:
+                raise _StoppedBeforeSpec()
+            text, leftover = read_spec_text()
+            _waiting_for_spec = False
+        except _StoppedBeforeSpec:
+            emitter.log("info", "stopped before a spec arrived")
+            emitter.result(bare_result(str(RunStatus.CANCELLED), "signal", None))
+            return int(ExitCode.CANCELLED)
+        try:
+            spec = parse_spec_text(text)
+        except SpecError as exc:
+            message = f"error: bad run spec: {exc}"
+            emitter.log("error", message, code="bad_spec", field=exc.field)
+            error = {"code": "bad_spec", "message": message, "field": exc.field}
+            emitter.result(bare_result(str(RunStatus.FAILED), "bad_spec", error))
+            return int(ExitCode.BAD_SPEC)
+        import trio
+
+        from subagent.run import run
+
+        return trio.run(
+            lambda: run(spec, emitter, run_dir=run_dir, stdin_leftover=leftover, early_stop=lambda: bool(_early_signals))
+        )
+    except Exception as exc:  # the task root: anything here is a runner bug
+        return _internal(emitter, exc)
 
 
 if __name__ == "__main__":

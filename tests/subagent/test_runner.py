@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import trio
 
 from subagent.events import EventKind, ExitCode, ToolCallState, decode_result
-from tests.subagent.harness import spec, start_runner
+from tests.subagent.harness import runner_env, spec, start_runner
 
 TWO_COMMANDS = {
     "turns": [
@@ -342,3 +343,19 @@ async def test_an_empty_stream_is_a_model_error(tmp_path: Path) -> None:
     async with start_runner(spec(script={"turns": [{"cut": True}]}), tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.MODEL_ERROR and result["error"]["code"] == "model_stream"
+
+
+async def test_even_a_broken_install_reports_as_json_with_exit_internal(tmp_path: Path) -> None:
+    # Shadow trio with a module that fails to import: the runner must still speak JSON.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "trio.py").write_text("raise ImportError('trio is broken here')\n")
+    run_dir = tmp_path / "run"
+    env = runner_env(run_dir)
+    env["PYTHONPATH"] = f"{shadow}{os.pathsep}{env['PYTHONPATH']}"
+    async with start_runner(spec(), tmp_path, env=env) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.INTERNAL
+    assert result["status"] == "failed" and result["reason"] == "internal"
+    (event,) = r.events
+    assert event.data["message"].startswith("error: internal error in the runner: ImportError: trio is broken here")
