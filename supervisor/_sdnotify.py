@@ -93,7 +93,8 @@ class Notifier:
         data = "\n".join(fields).encode()
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # Not inherited by children (PEP 446: Python sockets are close-on-exec).
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 self._sock.settimeout(SEND_TIMEOUT_S)
             self._sock.sendto(data, self._target)
         except OSError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,9 @@ import pytest
 import trio
 
 from supervisor._sdnotify import Notifier, watchdog_loop
+
+# systemd's socket is an AF_UNIX datagram socket: Linux (and other Unixes) only.
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no AF_UNIX datagram sockets")
 
 
 @pytest.fixture
