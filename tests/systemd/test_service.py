@@ -111,6 +111,10 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
     run = cli(c, "status", run_id)
     assert run["containment"] == "cgroup", run
     assert "/system.slice/agentd.service/" in run["cgroup"], run
+    # The daemon keeps the notify socket to itself: its runners do not inherit it.
+    runner_env = c.run(["cat", f"/proc/{run['pid']}/environ"]).stdout.split("\0")
+    assert any(v.startswith("AGENTD_TREE=") for v in runner_env), " ".join(runner_env)
+    assert not [v for v in runner_env if v.startswith(("NOTIFY_SOCKET=", "WATCHDOG_"))]
     poll("STATUS= to count the run",
          lambda: "1 live run" in c.show(UNIT, "StatusText")["StatusText"], timeout_s=15)
 
