@@ -43,7 +43,10 @@ THREAD_START_TIMEOUT_S: Final = 10.0
 
 @dataclass
 class LoggedRequest:
-    """One HTTP request the server received, and what became of its response."""
+    """One HTTP request the server received, and what became of its response.
+
+    ``started_at`` and ``closed_at`` are ``time.monotonic()`` values.
+    """
 
     n: int
     method: str

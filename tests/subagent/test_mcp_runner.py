@@ -46,6 +46,7 @@ async def test_completed_run_leaves_no_process_of_the_server_tree(tmp_path: Path
     # The server's stderr went to a file in the run dir, not to our stderr.
     assert "this goes to stderr" in (r.run_dir / "mcp-tree.stderr.log").read_text()
     assert result["imported"]["mcp"] is True and result["imported"]["openai"] is False
+    assert not r.of(EventKind.LOG), [e.data for e in r.of(EventKind.LOG)]  # a clean run is quiet
 
 
 async def test_sigterm_during_an_mcp_call_lets_it_finish_and_ends_the_tree(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ async def test_scripted_run_calls_run_command_twice_and_completes(tmp_path: Path
     # The result is also in the run dir, identical.
     on_disk = decode_result((r.run_dir / "result.json").read_bytes())
     assert on_disk == result
+    assert not r.of(EventKind.LOG), [e.data for e in r.of(EventKind.LOG)]  # a clean run is quiet
     # The history gives every tool call a result.
     tool_msgs = [m for m in result["messages"] if m["role"] == "tool"]
     assert [m["tool_call_id"] for m in tool_msgs] == [t["id"] for t in result["tool_calls"]]
