@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import trio
 
 from subagent.events import EventKind, ExitCode
@@ -131,9 +133,7 @@ async def test_a_banner_on_stdout_before_the_handshake_is_tool_protocol(tmp_path
     assert "hello from a server" in result["error"]["message"]
 
 
-async def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path) -> None:
-    # A sitecustomize-free way to hide the module: point the preset at a run dir it rejects
-    # is browser.py's business; here we only check the mapping of its errors.
+async def test_a_browser_preset_that_cannot_find_chromium_is_tool_setup(tmp_path: Path) -> None:
     bad = {"executable_path": "/nonexistent/chromium"}
     async with start_runner(spec(script={"final": "x"}, browser=bad), tmp_path) as r:
         rc, result = await r.finish()
@@ -165,3 +165,17 @@ async def test_a_server_that_dies_mid_call_gives_an_unknown_outcome_and_the_run_
     assert rec["state"] == "unknown" and rec["reason"].startswith("connection_lost")
     assert result["final_text"].startswith("after: outcome unknown")
     assert not any(alive(p) for p in tree_pids(result))  # its orphaned children too
+
+
+def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subagent
+    from subagent.run import SetupFailure, _server_specs
+    from subagent.spec import RunSpec
+
+    monkeypatch.setitem(sys.modules, "subagent.browser", None)  # import fails
+    monkeypatch.delattr(subagent, "browser", raising=False)
+    spec_obj = RunSpec.from_dict({"task": "t", "browser": True}, env={})
+    with pytest.raises(SetupFailure) as info:
+        _server_specs(spec_obj, tmp_path, AsyncExitStack())
+    assert info.value.exit_code == ExitCode.TOOL_SETUP
+    assert info.value.message.startswith("error: the browser preset is not available")
