@@ -229,11 +229,21 @@ class AgentLoop:
         return _history_text(rec, stop_reason=self.stop.reason)
 
     def result(self, outcome: RunOutcome, **extra: Any) -> dict[str, Any]:
+        # Only an internal error can leave a call running or unstarted without a reason:
+        # say so in its record and give it a tool message, so the history stays whole.
         for rec in self.records:
             if rec.state == ToolCallState.RUNNING:
-                # Only an internal error leaves a call running: we cannot say how it ended.
-                rec.state, rec.reason, rec.finished_at = ToolCallState.UNKNOWN, "runner_failed: the runner failed during this call", time.time()
-                self._emit_record(rec)
+                rec.state, rec.reason = ToolCallState.UNKNOWN, "runner_failed: the runner failed during this call"
+            elif rec.state == ToolCallState.NOT_STARTED and rec.reason is None:
+                rec.reason = "runner_failed: the run ended before this call started"
+            else:
+                continue
+            rec.finished_at = time.time()
+            self._emit_record(rec)
+        answered = {m.get("tool_call_id") for m in self.messages if m.get("role") == "tool"}
+        for rec in self.records:
+            if rec.id not in answered:
+                self.messages.append({"role": "tool", "tool_call_id": rec.id, "content": _history_text(rec, stop_reason=None)})
         return {
             "status": str(outcome.status),
             "reason": outcome.reason,
@@ -273,5 +283,7 @@ def _history_text(rec: ToolCallRecord, *, stop_reason: str | None) -> str:
     if rec.state == ToolCallState.CANCELLED:
         known = f"\noutput before the interruption:\n{body}" if body else ""
         return f"interrupted: {rec.reason}{known}"
+    if rec.state == ToolCallState.NOT_STARTED:
+        return f"not executed: {rec.reason}"
     return f"outcome unknown: {rec.reason or rec.error}" + (f"\n{body}" if body else "")
 
