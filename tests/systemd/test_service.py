@@ -150,3 +150,32 @@ def test_watchdog_keeps_the_service_up_over_three_periods(service: Container) ->
         assert c.show(UNIT, "Result")["Result"] == "success"
     finally:
         c.run([INSTALL, "--watchdog", "0"])
+
+
+def test_a_hung_daemon_is_restarted_and_its_runs_end_lost(service: Container) -> None:
+    """The watchdog's point: a daemon whose event loop stops (here: SIGSTOP) is killed with
+    everything in its cgroup and restarted; the new daemon finds the run's process gone and
+    records it `lost`."""
+    c = service
+    c.run([INSTALL, "--watchdog", "1"])
+    c.write(f"/run/systemd/system/{UNIT}.d/50-abort.conf", "[Service]\nTimeoutAbortSec=2s\n")
+    c.systemctl("daemon-reload")
+    try:
+        c.systemctl("start", UNIT, timeout_s=60)
+        c.write("/run/agentd-test/long-run.json", json.dumps(LONG_RUN_SPEC))
+        run_id = cli(c, "spawn", "--spec", "/run/agentd-test/long-run.json")["run_id"]
+        poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
+        first = int(c.show(UNIT, "MainPID")["MainPID"])
+        c.run(["kill", "-STOP", str(first)])
+        s = poll("the restart",
+                 lambda: (s := c.show(UNIT, "NRestarts", "ActiveState", "MainPID"))["NRestarts"] == "1"
+                 and s["ActiveState"] == "active" and s, timeout_s=30, every_s=0.2)
+        assert int(s["MainPID"]) != first
+        assert "Watchdog timeout" in c.journal(UNIT)
+        assert container_processes(c, "sleep 600", "subagent.runner") == []
+        run = poll("the run's terminal state",
+                   lambda: (r := cli(c, "status", run_id))["state"] != "running" and r, timeout_s=15)
+        assert run["state"] == "lost", run
+    finally:
+        c.run(["rm", "-f", f"/run/systemd/system/{UNIT}.d/50-abort.conf"])
+        c.run([INSTALL, "--watchdog", "0"])
