@@ -17,7 +17,8 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterable
+import signal
+from collections.abc import Callable, Iterable
 
 import psutil
 
@@ -189,6 +190,40 @@ class TrapProxy:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close()
+
+
+def stop_sessions_of(find: Callable[[], list[int]], *, keep: Iterable[int] = (), deadline_s: float = 5.0) -> list[int]:
+    """SIGSTOP every session (process group) the processes ``find()`` returns belong to, except
+    the sessions in ``keep``, until all of them show as stopped: a wedged browser. Blocking.
+
+    Returns the stopped pids. A helper forked while we signal is caught by the next round.
+    """
+    keep = set(keep)
+    end = time.monotonic() + deadline_s
+    while True:
+        pids = []
+        for pid in find():
+            try:
+                if os.getsid(pid) not in keep:
+                    pids.append(pid)
+            except OSError:
+                continue
+        for sid in {os.getsid(p) for p in pids if psutil.pid_exists(p)}:
+            try:
+                os.killpg(sid, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+        states = {}
+        for pid in pids:
+            try:
+                states[pid] = psutil.Process(pid).status()
+            except psutil.Error:
+                continue
+        if states and all(st == psutil.STATUS_STOPPED for st in states.values()):
+            return sorted(states)
+        if time.monotonic() > end:
+            raise AssertionError(f"could not stop the browser: {states}")
+        time.sleep(0.02)
 
 
 def _alive(p: psutil.Process) -> bool:

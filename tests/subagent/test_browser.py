@@ -16,7 +16,6 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import psutil
 import pytest
 import trio
 
@@ -604,12 +603,9 @@ async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
             assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)
             ev = await runner.wait_event("process_group")
             node_sid = ev.data["pgid"]
-            chromium_sids = {os.getsid(p) for p in browser.browser_processes(run_dir)} - {node_sid}
-            assert chromium_sids
-            for sid in chromium_sids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(sid, signal.SIGSTOP)
-            stopped = [p for p in browser.browser_processes(run_dir) if psutil.Process(p).status() == psutil.STATUS_STOPPED]
+            stopped = await trio.to_thread.run_sync(
+                lambda: bs.stop_sessions_of(lambda: browser.browser_processes(run_dir), keep=[node_sid])
+            )
             assert len(stopped) >= 4, "the browser and its helpers should all be stopped now"
             os.killpg(runner.proc.pid, signal.SIGTERM)
 
