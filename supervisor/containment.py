@@ -192,14 +192,15 @@ def tree_members(
 ) -> dict[int, Proc]:
     """Every process that belongs to a tree, zombies included.
 
-    A member is in the tree's cgroup, or in one of its process groups or sessions, or
-    carries ``AGENTD_TREE=<tree_id>``, or descends from a member. The calling process is
-    never a member (its children, adopted orphans included, are found by the other rules).
+    A member is in the tree's cgroup, or carries ``AGENTD_TREE=<tree_id>``, or is in one of
+    the tree's groups or sessions (those given, and those of any other member), or descends
+    from a member. The calling process is never a member, nor is anything in its session.
     """
     if procs is None:
         procs = scan_processes()
     me = os.getpid()
-    wanted = set(groups)
+    ours = {0, 1, os.getsid(0), os.getpgrp()}  # never the daemon's session or group
+    wanted = set(groups) - ours
     members: set[int] = {pid for pid in cgroup_pids(cgroup) if pid in procs}
     for p in procs.values():
         if p.pid in members or p.pid in (me, 1):
@@ -208,17 +209,28 @@ def tree_members(
             members.add(p.pid)
         elif not p.dead and read_marker(p.pid) == tree_id:
             members.add(p.pid)
-    # Descendants: a member's children that scrubbed the marker and left the group.
-    children: dict[int, list[int]] = {}
+    by_parent: dict[int, list[int]] = {}
+    by_group: dict[int, list[int]] = {}
     for p in procs.values():
-        children.setdefault(p.ppid, []).append(p.pid)
+        by_parent.setdefault(p.ppid, []).append(p.pid)
+        by_group.setdefault(p.pgid, []).append(p.pid)
+        if p.sid != p.pgid:
+            by_group.setdefault(p.sid, []).append(p.pid)
+    # Close over ancestry (children that scrubbed the marker and left the group) and over
+    # the groups and sessions of members: Chromium's helpers show no environment at all
+    # (setproctitle reuses it) and outlive their parent in the browser's session.
     todo = list(members)
     while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in members and child != me:
-                members.add(child)
-                todo.append(child)
-    members.discard(me)
+        p = procs[todo.pop()]
+        related = list(by_parent.get(p.pid, ()))
+        for g in (p.pgid, p.sid):
+            if g not in ours and g not in wanted:
+                wanted.add(g)
+                related.extend(by_group.get(g, ()))
+        for pid in related:
+            if pid not in members and pid not in (me, 1):
+                members.add(pid)
+                todo.append(pid)
     return {pid: procs[pid] for pid in members}
 
 

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from supervisor import process
-from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, read_cgroup, read_proc
+from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, Proc, read_cgroup, read_proc
 from supervisor.process import Tree
 from tests import conftest
 
@@ -130,6 +130,13 @@ def running(ident: dict[str, tuple[int, int]]) -> dict[str, int]:
     return alive
 
 
+def sigkilled(receipt: process.StopReceipt, before: Proc | None) -> bool:
+    """Did path B SIGKILL this process (as read before the stop), by pid, group or session?"""
+    assert before is not None
+    ids = {str(before.pid), str(before.pgid), str(before.sid)}
+    return any(s.signal == "SIGKILL" and s.result == "sent" and s.id in ids for s in receipt.signals)
+
+
 # ----------------------------------------------------------------------------- path B
 
 
@@ -203,6 +210,33 @@ async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
             assert read_proc(pids[kind]) is None or read_proc(pids[kind]).start_ticks != ident[kind][1]  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("mode", [SUBREAPER_SWEEP, GROUP])
+async def test_helpers_without_a_marker_are_found_by_the_session_of_their_dead_parent(
+    mode: str, make_containment: MakeContainment
+) -> None:
+    c = make_containment(mode)
+    tree = await spawn("tree_hidden_helpers.py", containment=c)
+    pids = json.loads(await read_line(tree))
+    ident = identities(pids)
+    helper = read_proc(pids["helper"])
+    assert helper is not None and helper.sid == pids["browser"] and helper.ppid != pids["browser"]
+    assert pids["helper"] in process.alive_members(tree)  # by the marked browser's session
+    assert pids["browser"] in tree.groups  # ... which the tree now remembers
+    # The browser dies first (a crash, or the MCP server's end): now the helper has no
+    # marker, no living ancestor in the tree, and a session whose leader is gone.
+    os.kill(pids["browser"], signal.SIGKILL)
+    fd = os.pidfd_open(pids["browser"])
+    try:
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+    with trio.fail_after(GRACE_S + 6):
+        receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
+    assert running(ident) == {}
+    assert receipt.survivors == []
+
+
 async def test_only_a_cgroup_catches_an_escaper_that_scrubs_its_environment(
     make_containment: MakeContainment,
 ) -> None:
@@ -231,6 +265,7 @@ async def test_leftovers_are_killed_at_once_when_the_runner_has_exited(
     with trio.fail_after(5):
         assert await tree.process.wait() == 0
     ident = identities({k: v for k, v in pids.items() if k != "leader"})
+    before = {k: read_proc(v) for k, v in pids.items()}
     start = trio.current_time()
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=30)
@@ -238,7 +273,8 @@ async def test_leftovers_are_killed_at_once_when_the_runner_has_exited(
     assert receipt.leader == "gone"
     assert not receipt.escalated
     assert not any(s.signal == "SIGTERM" for s in receipt.signals)
-    assert {k["pid"] for k in receipt.killed} >= set(ident[k][0] for k in ("setsid", "daemon"))
+    for kind in ("setsid", "daemon"):
+        assert sigkilled(receipt, before[kind]), kind
     assert running(ident) == {}
 
 
@@ -249,14 +285,14 @@ async def test_what_outlives_a_runner_that_obeyed_sigterm_is_killed_without_more
     tree = await spawn("tree_escapers.py", "--ignore-term", "--leader-honours-term", containment=c)
     pids = json.loads(await read_line(tree))
     ident = identities(pids)
+    before = {k: read_proc(v) for k, v in pids.items()}
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=30)
     assert receipt.leader == "exited" and not receipt.escalated
     assert receipt.waited_s < SLACK_S
     assert tree.process.returncode == -signal.SIGTERM
-    # The grandchild left in the runner's group goes with the group; the escapers by pid.
-    assert any(s.signal == "SIGKILL" and s.id == str(tree.pgid) and s.result == "sent" for s in receipt.signals)
-    assert {k["pid"] for k in receipt.killed} >= {pids["setsid"], pids["daemon"]}
+    for kind in ("group", "setsid", "daemon"):
+        assert sigkilled(receipt, before[kind]), kind
     assert running(ident) == {}
     assert "outlived the runner" in caplog.text
 
@@ -457,7 +493,9 @@ async def test_find_tree_proves_identity_and_kill_orphaned_tree_sweeps_it(
     assert set(found.members) == set(pids.values())
     impostor = process.find_tree(tree.tree_id, pid=tree.pid, start_time=tree.start_time - 3600, cgroup=None)
     assert not impostor.leader_alive
-    assert process.soft_stop(impostor.tree) == []  # never signals a pid it cannot prove
+    # Never the recorded pid's group on an unproven start time (the escapers' own sessions,
+    # found by their marker, are the tree's and may be signalled).
+    assert not any(line.startswith(f"SIGTERM group {tree.pid}:") for line in process.soft_stop(impostor.tree))
     with trio.fail_after(10):
         receipt = await process.kill_orphaned_tree(
             tree.tree_id, pid=tree.pid, start_time=tree.start_time, cgroup=tree.cgroup
