@@ -26,6 +26,13 @@ def require_container_tools() -> None:
     for tool in ("systemd-nspawn", "nsenter"):
         require(shutil.which(tool) is not None, f"{tool} (apt-get install systemd-container)")
     require(prepared(), f"the test image at {image_root()} (run tests/systemd/prepare as root)")
+    real = venv_python().resolve()
+    if str(real).startswith("/usr/"):  # Debian's python3: the image must have the same one
+        require(
+            (image_root() / str(real).lstrip("/")).exists(),
+            f"{real} (the venv's interpreter) in the bookworm test image; "
+            "a venv made from another Debian release's python3 cannot run there",
+        )
 
 
 def boot(c: Container) -> None:
