@@ -28,6 +28,8 @@ __all__ = ["CommandOutcome", "run_command", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "
 DRAIN_AFTER_EXIT_S: Final = 0.5
 # After the group is gone, how long the last buffered output may take to drain (seconds).
 FINAL_DRAIN_S: Final = 0.2
+# Bounds closing our end of the command's stdout pipe (seconds).
+PIPE_CLOSE_TIMEOUT_S: Final = 0.1
 # Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds).
 COMMAND_KILL_GRACE_S: Final = 2.0
 READ_CHUNK_BYTES: Final = 65536
@@ -163,7 +165,7 @@ async def run_command(
                 with trio.move_on_after(FINAL_DRAIN_S):
                     await eof.wait()
                 nursery.cancel_scope.cancel(reason="command ended; output drained")
-                with trio.move_on_after(0.1):
+                with trio.move_on_after(PIPE_CLOSE_TIMEOUT_S):
                     await stdout.aclose()
                 on_group(pgid, False)
     timed_out = timer.cancelled_caught

@@ -37,6 +37,8 @@ __all__ = ["FakeOpenAI", "LoggedRequest"]
 REQUEST_READ_TIMEOUT_S: Final = 10.0
 MAX_HEAD_BYTES: Final = 64 * 1024
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+# Bounds closing one client connection (seconds).
+CLOSE_TIMEOUT_S: Final = 1.0
 # How long start_in_thread() waits for the listener (seconds).
 THREAD_START_TIMEOUT_S: Final = 10.0
 
@@ -177,7 +179,7 @@ class FakeOpenAI:
         except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError, _ClientGone):
             return
         finally:
-            with trio.move_on_after(1, shield=True):
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await stream.aclose()
 
     async def _respond(self, stream: trio.SocketStream, req: LoggedRequest, buf: bytearray) -> bool:

@@ -35,6 +35,7 @@ MCP_KILL_GRACE_S: Final = 2.0
 
 # How long we wait to reap a server leader after its group was ended (seconds).
 REAP_WAIT_S: Final = 1.0
+REAP_POLL_S: Final = 0.01
 
 # mcp.client.stdio.DEFAULT_INHERITED_ENV_VARS on POSIX (checked by a test against the SDK).
 SDK_INHERITED_ENV_VARS: Final = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER")
@@ -99,7 +100,7 @@ async def prespawn(
             with anyio.CancelScope(shield=True), anyio.move_on_after(REAP_WAIT_S):
                 # Reading returncode reaps the leader (the SDK may never have adopted it).
                 while p.process.returncode is None:
-                    await anyio.sleep(0.01)
+                    await anyio.sleep(REAP_POLL_S)
         await sweep_marked(SUBTREE_VAR, p.marker)
         if p.process is not None:
             on_group(p.process.pid, False)
