@@ -350,6 +350,24 @@ class Container:
         out = self.systemctl("show", unit, "-p", ",".join(props)).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
+    def watch_watchdog(self, unit: str, periods: int = 3) -> list[int]:
+        """Watch a unit with WatchdogSec= for ``periods`` full periods; fail the moment it is
+        not active or has restarted. Returns the distinct WatchdogTimestampMonotonic values
+        seen (one per WATCHDOG=1 that systemd took; sampling may miss some under load)."""
+        period_s = _seconds(self.show(unit, "WatchdogUSec")["WatchdogUSec"])
+        assert period_s > 0, f"{unit} has no watchdog"
+        seen: list[int] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < periods * period_s + 0.2:
+            s = self.show(unit, "ActiveState", "WatchdogTimestampMonotonic", "NRestarts", "Result")
+            assert (s["ActiveState"], s["NRestarts"], s["Result"]) == ("active", "0", "success"), (
+                s, self.journal(unit))
+            ts = int(s["WatchdogTimestampMonotonic"])
+            if not seen or ts != seen[-1]:
+                seen.append(ts)
+            time.sleep(0.1)
+        return seen
+
     def write(self, path: str, text: str, mode: str = "0644") -> None:
         self.run(["sh", "-ec", 'mkdir -p "$(dirname "$1")"; cat >"$1"; chmod "$2" "$1"', "sh", path, mode],
                  input=text)
@@ -376,6 +394,18 @@ class Container:
             return self.log_path.read_text(errors="replace")[-4000:]
         except OSError:
             return "(no log)"
+
+
+def _seconds(timespan: str) -> float:
+    """A systemctl show timespan ("1s", "500ms", "1min 30s", "infinity", "0") in seconds."""
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+    if timespan in {"", "0", "infinity"}:
+        return 0.0
+    total = 0.0
+    for part in timespan.split():
+        num = part.rstrip("abcdefghijklmnopqrstuvwxyz")
+        total += float(num) * units[part[len(num):] or "s"]
+    return total
 
 
 def _tracking_cgroups() -> list[tuple[Path, str]]:
