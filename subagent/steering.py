@@ -65,7 +65,10 @@ async def read_steering(
 ) -> None:
     """Read steering lines from stdin (after the spec) until EOF. Runs as a task."""
     buf = bytearray(leftover)
-    stream: Any = trio.lowlevel.FdStream(os.dup(fd))
+    try:
+        stream: Any = trio.lowlevel.FdStream(os.dup(fd))
+    except OSError:
+        return  # no stdin at all: nothing to steer with
     async with stream:
         while True:
             while b"\n" in buf:
