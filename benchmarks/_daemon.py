@@ -22,12 +22,45 @@ from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import serve  # noqa: E402
 
 
+class WarningCounter(logging.Handler):
+    """Counts the daemon's warnings by their message pattern (run and tree ids cut out)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import re
+
+        msg = re.sub(r"\b(r|t)-[0-9a-f]{16}\b", r"\1-*", record.getMessage())
+        msg = re.sub(r"\d+(\.\d+)?", "N", msg)[:120]
+        self.counts[msg] = self.counts.get(msg, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        out, self.counts = self.counts, {}
+        return out
+
+
+WARNINGS = WarningCounter()
+
+
 def quiet_logs(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if verbose else logging.ERROR,
-        stream=sys.stderr,
-        format="  [daemon %(levelname)s] %(name)s: %(message)s",
-    )
+    """Daemon logs: warnings are counted (``WARNINGS``), and printed only when verbose."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING if verbose else logging.ERROR)
+    handler.setFormatter(logging.Formatter("  [daemon %(levelname)s] %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    for name in ("supervisor", "subagent"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.WARNING)
+        lg.addHandler(WARNINGS)
+
+
+def show_warnings(print_line: Any) -> dict[str, int]:
+    counts = WARNINGS.take()
+    for msg, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print_line(f"  daemon warning x{n}: {msg}")
+    return counts
 
 
 @asynccontextmanager

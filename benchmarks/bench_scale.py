@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from benchmarks._common import (  # noqa: E402
     PY,
     PidId,
     alive,
+    cmdline,
     final_sweep,
     header,
     install_mark,
@@ -141,75 +144,133 @@ def wait_live(mark: str, d: DaemonProc, n: int, timeout_s: float) -> float | Non
     return None
 
 
-def one_size(mark: str, d: DaemonProc, n: int, idle_s: float, session: str, grace: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"size": n}
+def daemon_cpu_ns(pid: int) -> int:
+    """On-CPU time of every thread of ``pid`` in ns (/proc/<pid>/task/*/schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def grow(mark: str, d: DaemonProc, c: Any, n: int, session: str) -> dict[str, Any]:
+    """Spawn runs until ``n`` are live in their command; returns how long it took."""
+    have = len(sleepers(run_members(mark, d.pid)))
+    t0 = time.perf_counter()
+    for _ in range(max(0, n - have)):
+        c.spawn(spec(), session_id=session)
+    requests_s = time.perf_counter() - t0
+    took = wait_live(mark, d, n, timeout_s=max(120.0, n * 0.6))
+    members = run_members(mark, d.pid)
+    out = {"spawned": n - have, "spawn_requests_s": requests_s,
+           "all_live_s": None if took is None else requests_s + took,
+           "live_in_command": len(sleepers(members)), "processes": len(members)}
+    line(f"  {out['spawned']} more runs requested in {requests_s:.1f} s; {out['live_in_command']} waiting in their "
+         f"command after {'-' if took is None else round(out['all_live_s'], 1)} s ({len(members)} processes; "
+         "spawned at nice 10)")
+    return out
+
+
+def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     daemon = psutil.Process(d.pid)
-    with d.client() as c:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            c.spawn(spec(), session_id=session)
-        out["spawn_requests_s"] = time.perf_counter() - t0
-        took = wait_live(mark, d, n, timeout_s=max(120.0, n * 0.6))
-        out["all_live_s"] = None if took is None else out["spawn_requests_s"] + took
-        members = run_members(mark, d.pid)
-        out["live_in_command"] = len(sleepers(members))
-        line(f"  {n} runs requested in {out['spawn_requests_s']:.1f} s; {out['live_in_command']} waiting in their "
-             f"command after {out['all_live_s'] if out['all_live_s'] is None else round(out['all_live_s'], 1)} s "
-             f"({len(members)} processes)")
-        renice([d.pid] + [p.pid for p in members], 0)
-        time.sleep(2.0)  # let the spawn work settle
-        out["daemon_idle_cpu_s"] = idle_cpu(d.pid, idle_s)
-        mi = daemon.memory_full_info()
-        out["daemon_rss"], out["daemon_uss"] = mi.rss, mi.uss
-        out["daemon_threads"] = daemon.num_threads()
-        out["daemon_fds"] = daemon.num_fds()
-        rs = runners(members)
-        sample = rs[:: max(1, len(rs) // 25)][:25]
-        mems = [m for m in (mem(p) for p in sample) if m]
-        out["runner_rss"] = [m[0] for m in mems]
-        out["runner_uss"] = [m[1] for m in mems]
-        out["all_trees_uss"] = tree_uss([p.pid for p in members])
-        line(f"  daemon: CPU {out['daemon_idle_cpu_s'] * 1000:.0f} ms over {idle_s:g} s idle; "
-             f"RSS {out['daemon_rss'] / MIB:.0f} MiB, USS {out['daemon_uss'] / MIB:.0f} MiB; "
-             f"{out['daemon_threads']} threads, {out['daemon_fds']} fds")
+    members = run_members(mark, d.pid)
+    renice([d.pid] + [p.pid for p in members], 0)
+    time.sleep(2.0)  # let the spawn work settle
+    ns0, c0 = daemon_cpu_ns(d.pid), cpu_s(d.pid)
+    time.sleep(idle_s)
+    out["daemon_idle_cpu_s"] = cpu_s(d.pid) - c0
+    out["daemon_idle_cpu_sched_s"] = (daemon_cpu_ns(d.pid) - ns0) / 1e9
+    mi = daemon.memory_full_info()
+    out["daemon_rss"], out["daemon_uss"] = mi.rss, mi.uss
+    out["daemon_threads"] = daemon.num_threads()
+    out["daemon_fds"] = daemon.num_fds()
+    rs = runners(members)
+    sample = rs[:: max(1, len(rs) // 25)][:25]
+    mems = [m for m in (mem(p) for p in sample) if m]
+    out["runner_rss"] = [m[0] for m in mems]
+    out["runner_uss"] = [m[1] for m in mems]
+    out["all_trees_uss"] = tree_uss([p.pid for p in members])
+    out["processes"] = len(members)
+    line(f"  daemon: CPU {out['daemon_idle_cpu_s'] * 1000:.0f} ms (psutil cpu_times, 10 ms ticks) / "
+         f"{out['daemon_idle_cpu_sched_s'] * 1000:.1f} ms (schedstat) over {idle_s:g} s idle; "
+         f"RSS {out['daemon_rss'] / MIB:.0f} MiB, USS {out['daemon_uss'] / MIB:.0f} MiB; "
+         f"{out['daemon_threads']} threads, {out['daemon_fds']} fds")
+    if mems:
         line(f"  runner: RSS p50 {sorted(out['runner_rss'])[len(mems) // 2] / MIB:.1f} MiB, "
              f"USS p50 {sorted(out['runner_uss'])[len(mems) // 2] / MIB:.1f} MiB (sample of {len(mems)}); "
-             f"all trees USS {out['all_trees_uss'] / MIB:.0f} MiB")
-
-        # cancel-all: one request cancels the whole session; clock stops when every
-        # process of every tree (found before the cancel) is dead.
-        members = run_members(mark, d.pid)
-        t0 = time.perf_counter()
-        reply = c.cancel_session(session)
-        out["cancel_reply_s"] = time.perf_counter() - t0
-        left = [p for p in members if alive(p)]
-        deadline = t0 + 60
-        while left and time.perf_counter() < deadline:
-            time.sleep(0.02)
-            left = [p for p in left if alive(p)]
-        out["cancel_all_dead_s"] = None if left else time.perf_counter() - t0
-        out["grace_s"] = grace
-        out["cancelled_runs"] = len(reply.get("runs", []))
-        # every run terminal
-        t_term = None
-        while time.perf_counter() < deadline + 30:
-            runs = c.list_runs(session_id=session, limit=1000)
-            if all(r["state"] in ("cancelled", "completed", "failed", "lost") for r in runs):
-                t_term = time.perf_counter() - t0
-                out["states"] = sorted({r["state"] for r in runs})
-                break
-            time.sleep(0.1)
-        out["cancel_all_terminal_s"] = t_term
-    survivors = [p for p in run_members(mark, d.pid) if alive(p)]
-    out["survivors"] = [p.pid for p in survivors]
-    kill_all(survivors)
-    line(f"  cancel-all: reply {out['cancel_reply_s'] * 1000:.0f} ms ({out['cancelled_runs']} runs); "
-         f"all {len(members)} processes dead after "
-         f"{'-' if out['cancel_all_dead_s'] is None else round(out['cancel_all_dead_s'], 2)} s "
-         f"(grace {grace:g} s); "
-         f"all runs terminal after {'-' if t_term is None else round(t_term, 2)} s "
-         f"{out.get('states')}; survivors {len(out['survivors'])}")
+             f"all {len(members)} processes of the trees: USS {out['all_trees_uss'] / MIB:.0f} MiB")
     return out
+
+
+def cancel_all(mark: str, d: DaemonProc, session: str, grace: float, deadline_s: float) -> dict[str, Any]:
+    """One cancel of the whole session; the clock stops when every process found before
+    it is dead and when every run is terminal (polled side by side)."""
+    out: dict[str, Any] = {"grace_s": grace}
+    members = run_members(mark, d.pid)
+    reply: dict[str, Any] = {}
+
+    def send() -> None:
+        with d.client(timeout_s=deadline_s) as c:
+            t = time.perf_counter()
+            try:
+                reply["result"] = c.cancel_session(session)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                reply["error"] = repr(exc)
+            reply["took"] = time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=send, daemon=True)
+    th.start()
+    left = list(members)
+    dead_at = term_at = None
+    next_list = t0
+    with d.client(timeout_s=30) as c:
+        while time.perf_counter() - t0 < deadline_s and (dead_at is None or term_at is None):
+            time.sleep(0.02)
+            if dead_at is None:
+                left = [p for p in left if alive(p)]
+                if not left:
+                    dead_at = time.perf_counter() - t0
+            if term_at is None and time.perf_counter() >= next_list:
+                next_list = time.perf_counter() + 0.25
+                try:
+                    runs = c.list_runs(session_id=session, limit=1000)
+                except Exception:  # noqa: BLE001 - a slow daemon: try again
+                    continue
+                if runs and all(r["state"] in ("cancelled", "completed", "failed", "lost") for r in runs):
+                    term_at = time.perf_counter() - t0
+                    out["states"] = sorted({r["state"] for r in runs})
+    th.join(5)
+    out.update({"processes": len(members), "cancel_reply_s": reply.get("took"), "cancel_error": reply.get("error"),
+                "cancelled_runs": len((reply.get("result") or {}).get("runs", [])),
+                "all_dead_s": dead_at, "all_terminal_s": term_at})
+    still = [p for p in left if alive(p)]
+    out["survivors"] = [{"pid": p.pid, "cmdline": cmdline(p.pid)} for p in still]
+    kill_all(still)
+    fmt = lambda x: "-" if x is None else f"{x:.2f} s"  # noqa: E731
+    line(f"  cancel-all (one cancel of the session): reply after {fmt(out['cancel_reply_s'])}; all {len(members)} "
+         f"processes dead after {fmt(dead_at)} (grace {grace:g} s); all runs terminal after {fmt(term_at)} "
+         f"{out.get('states', '')}; survivors at {deadline_s:g} s: {len(still)}")
+    for sv in out["survivors"][:5]:
+        line(f"     survivor pid {sv['pid']}: {sv['cmdline']}")
+    return out
+
+
+def daemon_warnings(d: DaemonProc) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for ln in d.log_tail(50_000_000).splitlines():
+        if " WARNING " not in ln and " ERROR " not in ln:
+            continue
+        msg = re.sub(r"\b(r|t)-[0-9a-f]{16}\b", r"\1-*", ln.split(": ", 1)[-1])
+        msg = re.sub(r"\d+(\.\d+)?", "N", msg)[:120]
+        counts[msg] = counts.get(msg, 0) + 1
+    for msg, n in sorted(counts.items(), key=lambda kv: -kv[1])[:8]:
+        line(f"  daemon log x{n}: {msg}")
+    return counts
 
 
 def per_run_probe(mark: str, d: DaemonProc) -> dict[str, Any]:
@@ -242,16 +303,22 @@ def bare_python_mem() -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="sizes 3 and 5, 1 s idle: for the smoke test")
+    ap.add_argument("--quick", action="store_true", help="sizes 2 and 3, 0.5 s idle, grace 0.5 s: for the smoke test")
     ap.add_argument("--sizes", default=None, help="comma-separated run counts (default 200,500)")
     ap.add_argument("--idle", type=float, default=None, help="idle window for the daemon's CPU, s (default 10)")
-    ap.add_argument("--grace", type=float, default=2.0,
+    ap.add_argument("--grace", type=float, default=None,
                     help="the daemon's grace (default 2 s): a run inside a command lets it finish, so the "
                          "grace bounds cancel-all")
+    ap.add_argument("--cancel-deadline", type=float, default=None,
+                    help="how long cancel-all may take before what still runs counts as survivors (default 120 s)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    sizes = [int(x) for x in (args.sizes or ("3,5" if args.quick else "200,500")).split(",")]
-    idle_s = args.idle if args.idle is not None else (1.0 if args.quick else 10.0)
+    sizes = [int(x) for x in (args.sizes or ("2,3" if args.quick else "200,500")).split(",")]
+    idle_s = args.idle if args.idle is not None else (0.5 if args.quick else 10.0)
+    if args.grace is None:
+        args.grace = 0.5 if args.quick else 2.0
+    if args.cancel_deadline is None:
+        args.cancel_deadline = 30.0 if args.quick else 120.0
     mark = install_mark()
     m = machine()
     line(f"bench_scale on {m['cpus']} x {m['cpu']}, {m['mem_total_gib']} GiB, load {m['loadavg'][0]:.2f}")
@@ -265,12 +332,15 @@ def main() -> None:
             header("baselines")
             time.sleep(1.0)
             renice([d.pid], 0)
+            ns0 = daemon_cpu_ns(d.pid)
             base_idle = idle_cpu(d.pid, idle_s)
+            base_sched = (daemon_cpu_ns(d.pid) - ns0) / 1e9
             dm = psutil.Process(d.pid).memory_full_info()
             bare = bare_python_mem()
-            out["baseline"] = {"daemon_idle_cpu_s": base_idle, "daemon_rss": dm.rss, "daemon_uss": dm.uss,
+            out["baseline"] = {"daemon_idle_cpu_s": base_idle, "daemon_idle_cpu_sched_s": base_sched, "daemon_rss": dm.rss, "daemon_uss": dm.uss,
                                "bare_python_rss": bare[0], "bare_python_uss": bare[1]}
-            line(f"  daemon with no run: CPU {base_idle * 1000:.0f} ms over {idle_s:g} s; RSS {dm.rss / MIB:.0f} MiB, "
+            line(f"  daemon with no run: CPU {base_idle * 1000:.0f} ms (cpu_times) / {base_sched * 1000:.1f} ms (schedstat) "
+                 f"over {idle_s:g} s; RSS {dm.rss / MIB:.0f} MiB, "
                  f"USS {dm.uss / MIB:.0f} MiB")
             line(f"  bare `python -c 'time.sleep()'`: RSS {bare[0] / MIB:.1f} MiB, USS {bare[1] / MIB:.1f} MiB")
             renice([d.pid], 10)
@@ -281,16 +351,16 @@ def main() -> None:
             line(f"  one run's tree: {probe['tree_processes']} processes, USS {probe['tree_uss'] / MIB:.1f} MiB "
                  f"(runner RSS {(probe['runner_rss'] or 0) / MIB:.1f} MiB, USS {(probe['runner_uss'] or 0) / MIB:.1f} MiB); "
                  f"MemAvailable {avail / 2**30:.1f} GiB -> room for about {fit} runs (reserve {RESERVE_BYTES / 2**30:.0f} GiB, x1.3)")
-            for i, n in enumerate(sizes):
-                size = n
-                if n > fit:
-                    size = fit
-                    line(f"  !! {n} runs do not fit in memory here; scaling down to {size}")
-                header(f"{size} live runs" + (f" (asked {n})" if size != n else ""))
-                renice([d.pid], 10)
-                res = one_size(mark, d, size, idle_s, session=f"scale-{i}", grace=args.grace)
-                res["asked"] = n
-                out["results"].append(res)
+            with d.client() as c:
+                for n in sizes:
+                    size = min(n, fit)
+                    header(f"{size} live runs" + (f" (asked {n}: scaled down to fit in memory)" if size != n else ""))
+                    renice([d.pid], 10)
+                    res = {"asked": n, "size": size, **grow(mark, d, c, size, "scale"), **measure(mark, d, idle_s)}
+                    out["results"].append(res)
+            header(f"cancel-all of {out['results'][-1]['size']} live runs")
+            out["cancel_all"] = cancel_all(mark, d, "scale", args.grace, deadline_s=args.cancel_deadline)
+            out["daemon_warnings"] = daemon_warnings(d)
     finally:
         if d is not None:
             d.stop()

@@ -46,6 +46,7 @@ from benchmarks._daemon import (  # noqa: E402
     in_process_daemon,
     quiet_logs,
     scripted_spec,
+    show_warnings,
     wait_event,
     wait_pool_warm,
 )
@@ -191,8 +192,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             cold_burst = await burst(m, args.burst)
             line(row(f"spawn -> first step, {args.burst} at once (delivered)", summary(cold_burst["delivered"]),
                      f"missing={cold_burst['missing']}"))
+            line(row("  of which: runner emitted it", summary(cold_burst["emitted"])))
             line(row(f"baseline: {args.burst} Popen `python -c pass` at once", summary(b_pass)))
-        out["cold"] = {"sequential": cold_seq, "burst": cold_burst, "burst_popen_pass": b_pass}
+        out["cold"] = {"sequential": cold_seq, "burst": cold_burst, "burst_popen_pass": b_pass,
+                       "warnings": show_warnings(line)}
 
         header(f"agentd, warm pool (pool_size {args.pool} one at a time, {args.burst} for the burst)")
         async with in_process_daemon(Path(tmp) / "warm", pool_size=args.pool, max_concurrent=max(64, args.burst)) as d:
@@ -205,7 +208,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             line(row("spawn -> first step, one at a time (delivered)", summary(warm_seq["delivered"])))
             line(row("  of which: runner emitted it", summary(warm_seq["emitted"])))
             line(row("baseline: Popen `python -c pass` (same phase)", summary(base["popen_pass"][n_before:])))
-        out["warm"] = {"sequential": warm_seq, "fill_s": fill}
+        out["warm"] = {"sequential": warm_seq, "fill_s": fill, "warnings": show_warnings(line)}
 
         async with in_process_daemon(Path(tmp) / "warmburst", pool_size=args.burst, max_concurrent=max(64, args.burst)) as d:
             m = d["manager"]
@@ -217,7 +220,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                      f"missing={warm_burst['missing']}"))
             line(row("  of which: runner emitted it", summary(warm_burst["emitted"])))
             line(row(f"baseline: {args.burst} Popen `python -c pass` at once", summary(b_pass2)))
-        out["warm"].update({"burst": warm_burst, "burst_fill_s": fill, "burst_popen_pass": b_pass2})
+            if warm_burst["missing"]:
+                line(f"  !! {warm_burst['missing']} of {args.burst} runs ended without a step_started in their journal "
+                     "(see the daemon warnings below)")
+        out["warm"].update({"burst": warm_burst, "burst_fill_s": fill, "burst_popen_pass": b_pass2,
+                            "burst_warnings": show_warnings(line)})
     out["baselines"] = base
     return out
 

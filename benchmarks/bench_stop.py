@@ -62,7 +62,7 @@ from benchmarks._common import (  # noqa: E402
     wait_dead,
     write_json,
 )
-from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, wait_event  # noqa: E402
+from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, show_warnings, wait_event  # noqa: E402
 from subagent.fake_openai import FakeOpenAI  # noqa: E402
 
 FAKE_RUNNER = [PY, str(CHILDREN / "fake_runner.py")]
@@ -264,7 +264,7 @@ def report(label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grac
     line(f"  survivors: agentd {sum(len(r['survivors']) for r in d)} over {len(d)} reps; "
          f"baseline killpg {sum(len(r['survivors']) for r in b)} over {len(b)} reps "
          f"(members per tree {sorted({r['members'] for r in b})})")
-    return {"agentd": d, "baseline": b}
+    return {"agentd": d, "baseline": b, "warnings": show_warnings(line)}
 
 
 async def scenario_a(m: Any, reps: int, fake: FakeOpenAI, grace: float) -> dict[str, Any]:
@@ -413,10 +413,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             os.environ.pop("OPENAI_API_KEY", None)
             await trio.to_thread.run_sync(fake.stop)
-        async with in_process_daemon(Path(tmp) / "fake", grace_s=2.0, runner_command=tuple(FAKE_RUNNER)) as d:
+        g = args.stubborn_grace
+        async with in_process_daemon(Path(tmp) / "fake", grace_s=g, runner_command=tuple(FAKE_RUNNER)) as d:
             m = d["manager"]
-            out["c"] = await scenario_c(m, max(1, min(reps, args.stubborn_reps)), 2.0)
-            out["d2"] = await scenario_d2(m, reps, 2.0)
+            out["c"] = await scenario_c(m, max(1, min(reps, args.stubborn_reps)), g)
+            out["d2"] = await scenario_d2(m, reps, g)
     return out
 
 
@@ -425,13 +426,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one repetition each (seconds): for the smoke test")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default 5)")
     ap.add_argument("--stubborn-reps", type=int, default=3, help="repetitions of (c), 2 s each (default 3)")
-    ap.add_argument("--grace", type=float, default=None, help="the daemon's grace for a, b, d (default 10; --quick: 2)")
+    ap.add_argument("--grace", type=float, default=None, help="the daemon's grace for a, b, d (default 10; --quick: 0.5)")
+    ap.add_argument("--stubborn-grace", type=float, default=None, help="the grace for c and d2 (default 2; --quick: 0.5)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--verbose", action="store_true", help="show the daemon's warnings")
     args = ap.parse_args()
     args.reps = args.reps or (1 if args.quick else 5)
     if args.grace is None:
-        args.grace = 2.0 if args.quick else 10.0
+        args.grace = 0.5 if args.quick else 10.0
+    if args.stubborn_grace is None:
+        args.stubborn_grace = 0.5 if args.quick else 2.0
     quiet_logs(args.verbose)
     mark = install_mark()
     m = machine()

@@ -1,0 +1,91 @@
+"""Experiment: cancel-all of N live runs, and what a cgroup-only member scan would change.
+
+Today every stop routine (``process.terminate_and_kill``) finds a tree's members with
+``containment.tree_members``, which reads the whole process table and the environment of
+every process on the machine, every 20 ms while it waits for death: with N trees being
+stopped at once that is O(N x all processes). With ``--cgroup-scan`` this process's
+``process.tree_members`` is given only the pids of the tree's cgroup when it has one (a
+stand-in for the fix: "a tree with a cgroup is its cgroup: read cgroup.procs, not /proc").
+No file is edited. The daemon runs in-process with cgroup containment.
+
+    .venv/bin/python benchmarks/experiments/cancel_all.py [N] [--cgroup-scan] [--grace S]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import trio  # noqa: E402
+
+from benchmarks._common import MARK_VAR, alive, final_sweep, install_mark, pids_with  # noqa: E402
+from benchmarks._daemon import in_process_daemon, quiet_logs, show_warnings  # noqa: E402
+from benchmarks.bench_scale import SLEEP_ARG, sleepers, spec  # noqa: E402
+from supervisor import containment, process  # noqa: E402
+
+_orig = process.tree_members
+
+
+def cgroup_only(tree_id, *, groups=(), cgroup=None, procs=None):  # type: ignore[no-untyped-def]
+    if cgroup is not None and procs is None:
+        procs = {}
+        for pid in containment.cgroup_pids(cgroup):
+            p = containment.read_proc(pid)
+            if p is not None:
+                procs[pid] = p
+    return _orig(tree_id, groups=groups, cgroup=cgroup, procs=procs)
+
+
+async def main(n: int, grace: float, mark: str) -> None:
+    if "--cgroup-scan" in sys.argv:
+        process.tree_members = cgroup_only  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp:
+        async with in_process_daemon(Path(tmp), grace_s=grace, max_concurrent=n + 10) as d:
+            m = d["manager"]
+            print("containment:", m.containment.mode, "| member scan:", "cgroup only" if "--cgroup-scan" in sys.argv else "as today")
+            for _ in range(n):
+                await m.spawn(spec(), session_id="all")
+            with trio.fail_after(300):
+                while len(await trio.to_thread.run_sync(lambda: sleepers(pids_with(MARK_VAR, mark)))) < n:
+                    await trio.sleep(0.5)
+            await trio.sleep(2)
+            members = await trio.to_thread.run_sync(lambda: pids_with(MARK_VAR, mark))
+            dead_at: list[float] = []
+
+            def watch(t0: float) -> None:
+                left = list(members)
+                while left and time.perf_counter() - t0 < 120:
+                    time.sleep(0.02)
+                    left = [p for p in left if alive(p)]
+                if not left:
+                    dead_at.append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            th = threading.Thread(target=watch, args=(t0,), daemon=True)
+            th.start()
+            await m.cancel_session("all")
+            reply = time.perf_counter() - t0
+            for row in await m.list_runs(limit=1000, session_id="all"):
+                await m.wait_terminal(row["id"])
+            terminal = time.perf_counter() - t0
+            await trio.to_thread.run_sync(th.join, 130)
+            print(f"{n} runs ({len(members)} processes), grace {grace:g} s: cancel_session returned after {reply:.2f} s; "
+                  f"all terminal after {terminal:.2f} s; all processes dead after "
+                  f"{dead_at[0] if dead_at else float('nan'):.2f} s")
+            show_warnings(print)
+
+
+if __name__ == "__main__":
+    quiet_logs("--verbose" in sys.argv)
+    mark = install_mark()
+    n = int(next((a for a in sys.argv[1:] if a.isdigit()), "100"))
+    grace = float(sys.argv[sys.argv.index("--grace") + 1]) if "--grace" in sys.argv else 2.0
+    try:
+        trio.run(main, n, grace, mark)
+    finally:
+        final_sweep(mark)
