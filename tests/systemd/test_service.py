@@ -172,3 +172,18 @@ def test_a_hung_daemon_is_restarted_and_its_runs_end_lost(service: Container) ->
     finally:
         c.run(["rm", "-f", f"/run/systemd/system/{UNIT}.d/50-abort.conf"])
         c.run([INSTALL, "--watchdog", "0"])
+
+
+def test_install_enable_now_and_uninstall(service: Container) -> None:
+    c = service
+    c.run([INSTALL, "--enable", "--now"])
+    assert c.systemctl("is-enabled", UNIT).stdout.strip() == "enabled"
+    assert c.systemctl("is-active", UNIT).stdout.strip() == "active"
+    assert call(c, "ping")["pong"] is True
+    c.run([INSTALL, "--uninstall"])
+    s = c.show(UNIT, "LoadState", "ActiveState")
+    assert s == {"LoadState": "not-found", "ActiveState": "inactive"}, s
+    assert c.run(["test", "-e", "/etc/systemd/system/multi-user.target.wants/agentd.service"],
+                 check=False).returncode != 0
+    assert container_processes(c, "agentd serve") == []
+    install(c)  # as the module found it
