@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from subagent.background import BackgroundCommands
 from subagent.emit import Emitter, bare_result
 from subagent.events import EventKind, ExitCode, RunStatus
 from subagent.loop import AgentLoop, RunOutcome
@@ -207,13 +208,18 @@ async def run(
                         stop.phase = "setup"
                         servers = await _start_servers(_server_specs(spec, run_dir, stack), stack, run_dir, stop, emitter)
                         stop.phase = "idle"
+                        def on_group(pgid: int, alive: bool, kind: str, name: str) -> None:
+                            emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive)
+
+                        background = None
+                        if "run_command" in spec.builtin_tools:
+                            background = BackgroundCommands(
+                                run_dir, lambda pgid, alive, name: on_group(pgid, alive, "command", f"[background] {name}"), spec.limits.max_output_bytes
+                            )
+                            await nursery.start(background.run)
+                            stack.push_async_callback(background.aclose)
                         tools = ToolBox(
-                            builtins=spec.builtin_tools,
-                            limits=spec.limits,
-                            servers=servers,
-                            on_group=lambda pgid, alive, kind, name: emitter.emit(
-                                EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive
-                            ),
+                            builtins=spec.builtin_tools, limits=spec.limits, servers=servers, on_group=on_group, background=background
                         )
                         loop = AgentLoop(
                             spec=spec, provider=provider, tools=tools, stop=stop, emitter=emitter, run_id=run_id, steering=steering

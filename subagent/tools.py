@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from subagent.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
 from subagent.commands import RUN_COMMAND_TOOL, format_outcome, run_command
 from subagent.events import ToolCallState
 from subagent.spec import Limits
@@ -49,6 +50,22 @@ def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
     return data[:max_bytes].decode("utf-8", "ignore"), True
 
 
+def _run_command_schema(with_background: bool) -> dict[str, Any]:
+    if not with_background:
+        return RUN_COMMAND_TOOL
+    fn = dict(RUN_COMMAND_TOOL["function"])
+    params = dict(fn["parameters"])
+    params["properties"] = {
+        **params["properties"],
+        "background": {
+            "type": "boolean",
+            "description": "Start it in the background and return at once with an id (read it with command_output); it is stopped when the run ends.",
+        },
+    }
+    fn["parameters"] = params
+    return {"type": "function", "function": fn}
+
+
 def _safe_name(name: str) -> str:
     return _NAME_OK.sub("_", name)[:64]
 
@@ -61,11 +78,15 @@ class ToolBox:
         limits: Limits,
         servers: Mapping[str, McpServer],
         on_group: Callable[[int, bool, str, str], None],
+        background: BackgroundCommands | None = None,
     ) -> None:
         self.limits = limits
+        self.background = background
         self.servers = dict(servers)
         self._on_group = on_group
         self._builtins = set(builtins)
+        if "run_command" in self._builtins and background is not None:
+            self._builtins.add("command_output")
         # name -> (server, tool name, tool object); both plain and qualified names resolve.
         self._mcp: dict[str, tuple[str, str, Any]] = {}
         self._exposed: list[str] = sorted(self._builtins)
@@ -94,7 +115,9 @@ class ToolBox:
     def schemas(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if "run_command" in self._builtins:
-            out.append(RUN_COMMAND_TOOL)
+            out.append(_run_command_schema(self.background is not None))
+        if "command_output" in self._builtins:
+            out.append(COMMAND_OUTPUT_TOOL)
         for name in self._exposed:
             if name in self._builtins:
                 continue
@@ -118,9 +141,27 @@ class ToolBox:
 
     async def execute(self, name: str, arguments: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
         if name == "run_command" and "run_command" in self._builtins:
+            if arguments.get("background") is True and self.background is not None:
+                return await self._start_background(arguments)
             return await self._run_command(arguments, interrupt)
+        if name == "command_output" and "command_output" in self._builtins and self.background is not None:
+            known, text = self.background.output(str(arguments.get("id", "")))
+            bounded, truncated = bound_text(text, self.limits.max_output_bytes)
+            if not known:
+                return ToolOutcome(ToolCallState.FAILED, bounded, error=text, reason="unknown_command_id")
+            return ToolOutcome(ToolCallState.SUCCEEDED, bounded, truncated)
         server_name, tool, _ = self._mcp[name]
         return await self._call_mcp(server_name, tool, arguments, interrupt)
+
+    async def _start_background(self, args: dict[str, Any]) -> ToolOutcome:
+        assert self.background is not None
+        command = args.get("command")
+        if not isinstance(command, str) or not command.strip():
+            return ToolOutcome(ToolCallState.FAILED, None, error="invalid_arguments: 'command' must be a non-empty string", reason="invalid_arguments")
+        text = await self.background.start(command)
+        if text.startswith("error:"):
+            return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
+        return ToolOutcome(ToolCallState.SUCCEEDED, text)
 
     async def _run_command(self, args: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
         command = args.get("command")

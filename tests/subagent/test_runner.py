@@ -360,3 +360,25 @@ async def test_even_a_broken_install_reports_as_json_with_exit_internal(tmp_path
     assert result["status"] == "failed" and result["reason"] == "internal"
     (event,) = r.events
     assert event.data["message"].startswith("error: internal error in the runner: ImportError: trio is broken here")
+
+
+async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tmp_path: Path) -> None:
+    script = {
+        "turns": [
+            {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo serving; exec sleep 300", "background": True}}]},
+            {"tool_calls": [{"name": "command_output", "arguments": {"id": "bg1"}}, {"name": "command_output", "arguments": {"id": "bg9"}}]},
+        ],
+        "final": "done",
+    }
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED
+    start, read, unknown = result["tool_calls"]
+    assert start["state"] == "succeeded" and start["output"].startswith("started in the background: id bg1")
+    assert read["state"] == "succeeded" and read["output"].startswith("[running]")
+    assert unknown["state"] == "failed" and unknown["reason"] == "unknown_command_id"
+    groups = [(g.data["name"], g.data["alive"]) for g in r.of(EventKind.PROCESS_GROUP)]
+    assert groups == [("[background] echo serving; exec sleep 300", True), ("[background] echo serving; exec sleep 300", False)]
+    pgid = r.of(EventKind.PROCESS_GROUP)[0].data["pgid"]
+    assert not psutil.pid_exists(pgid) or psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE
+    assert (r.run_dir / "command-bg1.log").read_text() == "serving\n"

@@ -1,0 +1,146 @@
+"""Background commands: ``run_command`` with ``background: true``, read with ``command_output``.
+
+A background command starts like a foreground one (``/bin/sh -c``, new session, marker
+variable) but the call returns at once with an id; its output goes to a file in the run
+dir and ``command_output`` reads its state and the last ``max_output_bytes`` of it.
+Invariants: every background group is reported alive at spawn and gone once it really
+is; when the shell exits, what it left in its group is ended; when the run ends
+(``aclose``, from the run's exit stack) every background group still alive is ended,
+SIGTERM then SIGKILL: nothing a run started outlives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Final
+
+import trio
+
+from subagent.commands import COMMAND_KILL_GRACE_S, SUBTREE_VAR, _child_env
+from subagent.groups import sweep_marked, terminate_group
+
+__all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
+
+# Bounds ending all background commands at the end of a run: their groups get
+# COMMAND_KILL_GRACE_S each, in parallel, then the marker sweeps (seconds).
+CLOSE_TIMEOUT_S: Final = 3 * COMMAND_KILL_GRACE_S + 2.0
+
+COMMAND_OUTPUT_TOOL: Final = {
+    "type": "function",
+    "function": {
+        "name": "command_output",
+        "description": "State (running or exit code) and the latest output of a background command started with run_command.",
+        "parameters": {
+            "type": "object",
+            "properties": {"id": {"type": "string", "description": "The id run_command returned."}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@dataclass
+class _Job:
+    id: str
+    command: str
+    pgid: int
+    log: Path
+    proc: trio.Process
+    exit_code: int | None = None
+    done: bool = False
+
+
+class BackgroundCommands:
+    """Owns the run's background commands; ``run(task_status=...)`` is its service task."""
+
+    def __init__(self, run_dir: Path | None, on_group: Callable[[int, bool, str], None], max_output_bytes: int) -> None:
+        self._dir = run_dir
+        self._on_group = on_group
+        self._max = max_output_bytes
+        self._jobs: dict[str, _Job] = {}
+        self._seq = itertools.count(1)
+        self._nursery: trio.Nursery | None = None
+        self._finished = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._finished.set()
+
+    async def start(self, command: str) -> str:
+        """Start a command in the background; returns the text the model sees."""
+        assert self._nursery is not None, "BackgroundCommands.run is not running"
+        job_id = f"bg{next(self._seq)}"
+        marker = f"{os.getpid()}-{job_id}"
+        log_file: IO[bytes]
+        if self._dir is not None:
+            log = self._dir / f"command-{job_id}.log"
+            log_file = open(log, "wb")
+        else:
+            log_file = tempfile.NamedTemporaryFile(prefix=f"command-{job_id}-", suffix=".log", delete=False)
+            log = Path(log_file.name)
+        try:
+            with log_file:
+                proc = await trio.lowlevel.open_process(
+                    ["/bin/sh", "-c", command],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=_child_env(marker),
+                )
+        except OSError as exc:
+            return f"error: could not start the command: {type(exc).__name__}: {exc}"
+        job = _Job(job_id, command, proc.pid, log, proc)
+        self._jobs[job_id] = job
+        self._on_group(proc.pid, True, command[:200])
+        self._nursery.start_soon(self._watch, job, marker)
+        return f"started in the background: id {job_id}, pid {proc.pid}; read it with command_output"
+
+    async def _watch(self, job: _Job, marker: str) -> None:
+        try:
+            await job.proc.wait()
+            job.exit_code = job.proc.returncode
+        finally:
+            with trio.CancelScope(shield=True):
+                await terminate_group(job.pgid, grace_s=COMMAND_KILL_GRACE_S, what="background command group")
+                with trio.move_on_after(COMMAND_KILL_GRACE_S):
+                    await job.proc.wait()
+                await sweep_marked(SUBTREE_VAR, marker)
+                job.done = True
+                self._on_group(job.pgid, False, job.command[:200])
+
+    def output(self, job_id: str) -> tuple[bool, str]:
+        """(known id, text for the model): state and the tail of the output."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return False, f"error: no background command {job_id!r} (known: {', '.join(self._jobs) or 'none'})"
+        try:
+            size = job.log.stat().st_size
+            with open(job.log, "rb") as f:
+                f.seek(max(0, size - self._max))
+                data = f.read(self._max)
+        except OSError as exc:
+            return True, f"error: cannot read its output: {exc}"
+        state = "[running]" if not job.done else f"[exit code {job.exit_code}]"
+        cut = " [earlier output dropped]" if size > self._max else ""
+        return True, f"{state}{cut}\n{data.decode('utf-8', 'replace')}"
+
+    async def aclose(self) -> None:
+        """End every background command (the run is ending) and wait for it. Shielded, bounded."""
+        if self._nursery is None:
+            return
+        self._nursery.cancel_scope.cancel(reason="the run ends: its background commands end")
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+            await self._finished.wait()
