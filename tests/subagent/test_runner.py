@@ -382,3 +382,18 @@ async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tm
     pgid = r.of(EventKind.PROCESS_GROUP)[0].data["pgid"]
     assert not psutil.pid_exists(pgid) or psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE
     assert (r.run_dir / "command-bg1.log").read_text() == "serving\n"
+
+
+async def test_a_stop_ends_background_commands_too(tmp_path: Path) -> None:
+    script = {"turns": [
+        {"tool_calls": [{"name": "run_command", "arguments": {"command": "trap '' TERM; sleep 300", "background": True}}]},
+        {"text": "waiting", "hang": True},
+    ]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.STEP_STARTED, lambda e: e.data["step"] == 2)
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    alive = [g.data["alive"] for g in r.of(EventKind.PROCESS_GROUP)]
+    assert alive == [True, False]  # ended even though it ignores SIGTERM (SIGKILL after the grace)
