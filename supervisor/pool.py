@@ -140,4 +140,8 @@ def _make_run_dir(path: Path) -> None:
 
 
 def remove_dir(path: Path) -> None:
+    """Remove a run directory, and the short browser TMPDIR link that may point into it."""
+    from subagent.browser import release_browser_dir
+
+    release_browser_dir(path)
     shutil.rmtree(path, ignore_errors=True)

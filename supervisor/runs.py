@@ -733,6 +733,14 @@ def _validate_spec(spec: dict[str, Any]) -> None:
         RunSpec.from_dict(spec)
     except SpecError as exc:
         raise SpawnError(f"invalid run spec: {exc}") from exc
+    if spec.get("browser"):
+        # A missing Chromium or node is a clear error now, not a failed run later.
+        from subagent.browser import BrowserSetupError, check_browser
+
+        try:
+            check_browser(spec["browser"])
+        except BrowserSetupError as exc:
+            raise SpawnError(f"invalid run spec: browser: {exc}") from exc
 
 
 def _read_result_file(path: Path) -> dict[str, Any] | BadLine:
