@@ -233,13 +233,33 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def leftover_browser_processes(mark: str, fragments: Iterable[str] = ()) -> list[psutil.Process]:
-    """Live processes that belong to a test: its env mark, their sessions, or a command line
-    naming one of ``fragments`` (the test's tmp dir, a run dir). Our own session is never
-    counted: pytest itself carries the mark."""
+def _env_marked(needles: list[bytes]) -> set[int]:
+    me = os.getpid()
+    found = set()
+    for pid in psutil.pids():
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = b"\0" + f.read() + b"\0"
+        except OSError:
+            continue
+        if any(n in env for n in needles):
+            found.add(pid)
+    return found
+
+
+def leftover_browser_processes(
+    mark: str | None, fragments: Iterable[str] = (), env: Iterable[str] = ()
+) -> list[psutil.Process]:
+    """Live processes that belong to a test or a run: an env marker (``AGENTD_TEST_MARK=mark``
+    and any ``VAR=value`` in ``env``, e.g. a run's ``AGENTD_TREE``), everything in the sessions
+    of those, or a command line naming one of ``fragments`` (a run dir, its browser temp dir).
+    Our own session is never counted: pytest itself carries the test's mark."""
     frags = [f for f in fragments if f]
+    wanted = [*([f"{conftest.MARK_VAR}={mark}"] if mark else []), *env]
+    marked = _env_marked([b"\0" + w.encode() + b"\0" for w in wanted]) if wanted else set()
     my_sid = os.getsid(0)
-    marked = {p.pid for p in conftest.marked_processes(mark)}
     sids: set[int] = set()
     for pid in marked:
         try:
@@ -267,18 +287,23 @@ def leftover_browser_processes(mark: str, fragments: Iterable[str] = ()) -> list
     return list(found.values())
 
 
-def wait_no_browser_left(mark: str, fragments: Iterable[str] = (), deadline_s: float = LEFTOVER_DEADLINE_S) -> None:
-    """Fail (after killing them) if the test's processes are not all gone within the deadline.
+def wait_no_browser_left(
+    mark: str | None,
+    fragments: Iterable[str] = (),
+    deadline_s: float = LEFTOVER_DEADLINE_S,
+    env: Iterable[str] = (),
+) -> None:
+    """Fail (after killing them) if these processes are not all gone within the deadline.
 
     A polling wait is the only way to watch for the death of processes we are not the parent
     of; it is bounded and never used to synchronise with the code under test.
     """
-    frags = list(fragments)
+    frags, envs = list(fragments), list(env)
     end = time.monotonic() + deadline_s
-    left = leftover_browser_processes(mark, frags)
+    left = leftover_browser_processes(mark, frags, envs)
     while left and time.monotonic() < end:
         time.sleep(0.1)
-        left = leftover_browser_processes(mark, frags)
+        left = leftover_browser_processes(mark, frags, envs)
     if left:
         text = conftest.describe(left)
         for p in left:
