@@ -35,9 +35,8 @@ async def test_the_demo_runs_green_and_leaves_nothing(no_process_left_behind: st
     out = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, out[-4000:]
     assert "The top story on the Harbor Gazette: Lighthouse keeper spots 42 dolphins" in out
-    assert re.search(r"run r-\w+ completed", out), out[-2000:]
-    assert re.search(r"run r-\w+ cancelled", out), out[-2000:]
-    assert "progress so far:" in out and "browser_snapshot" in out
+    # The demo itself fails unless the second run's watch ended "cancelled" (exit code 7).
+    assert "state: cancelled" in out and "progress so far:" in out and "browser_snapshot" in out
     assert "nothing left running" in out
     state = re.search(r"state dir (/tmp/agd\.\w+)", out)
     assert state is not None
