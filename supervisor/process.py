@@ -358,7 +358,7 @@ def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, P
     # Remember the groups and sessions members lead (Chromium's browser leads the session
     # its helpers stay in): once the leader is gone they are still found by number.
     for p in members.values():
-        if not p.dead and p.pid in (p.pgid, p.sid) and p.pid not in tree.groups:
+        if p.pid in (p.pgid, p.sid) and p.pid not in tree.groups:  # a zombie leader too
             tree.groups[p.pid] = p.start_ticks
     return members
 

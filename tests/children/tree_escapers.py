@@ -73,7 +73,7 @@ children = {
 if "--stop" in args:
     children["stopped"] = spawn("stopped", setsid=True, stop=True)
 if "--scrubbed" in args:
-    spawn("scrubbed", setsid=True, double=True, scrub=True)
+    children["scrubbed-middle"] = spawn("scrubbed", setsid=True, double=True, scrub=True)
 os.close(report_w)
 
 pids = {"leader": os.getpid()}
@@ -83,6 +83,8 @@ with os.fdopen(report_r) as reports:
         pids[kind] = int(pid)
 # The middle processes of the double forks exit at once: reap them.
 os.waitpid(children["daemon"], 0)
+if "scrubbed-middle" in children:
+    os.waitpid(children["scrubbed-middle"], 0)
 if "stopped" in children:
     os.waitpid(children["stopped"], os.WUNTRACED)  # returns once it is stopped
 if "--leader-honours-term" in args:

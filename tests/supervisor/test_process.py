@@ -29,7 +29,7 @@ from tests import conftest
 CHILDREN = Path(__file__).resolve().parents[1] / "children"
 GRACE_S = 0.5
 # Scheduling slack allowed on top of an exact bound, for real processes on a loaded host.
-SLACK_S = 0.5
+SLACK_S = 1.0
 
 MakeContainment = Callable[[str], Containment]
 
@@ -157,7 +157,8 @@ async def test_a_child_ignoring_sigterm_is_sigkilled_at_the_grace(
     assert (first.signal, first.target, first.id, first.result) == ("SIGTERM", "group", str(tree.pgid), "sent")
     kills = [s for s in receipt.signals if s.signal == "SIGKILL"]
     assert kills and all(s.at_s >= GRACE_S for s in kills)
-    assert receipt.tree_dead_after_s is not None and receipt.tree_dead_after_s < GRACE_S + SLACK_S
+    assert receipt.tree_dead_after_s is not None
+    assert GRACE_S <= receipt.tree_dead_after_s < GRACE_S + process.KILL_WAIT_S
     assert receipt.survivors == []
     assert tree.process.returncode == -signal.SIGKILL
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -269,7 +270,7 @@ async def test_leftovers_are_killed_at_once_when_the_runner_has_exited(
     start = trio.current_time()
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=30)
-    assert trio.current_time() - start < SLACK_S * 2  # no grace for orphans
+    assert trio.current_time() - start < 5  # no grace (30 s) for orphans
     assert receipt.leader == "gone"
     assert not receipt.escalated
     assert not any(s.signal == "SIGTERM" for s in receipt.signals)
@@ -289,7 +290,7 @@ async def test_what_outlives_a_runner_that_obeyed_sigterm_is_killed_without_more
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=30)
     assert receipt.leader == "exited" and not receipt.escalated
-    assert receipt.waited_s < SLACK_S
+    assert receipt.waited_s < 5  # the runner's exit ended the grace (30 s)
     assert tree.process.returncode == -signal.SIGTERM
     for kind in ("group", "setsid", "daemon"):
         assert sigkilled(receipt, before[kind]), kind
