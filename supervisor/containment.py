@@ -13,9 +13,11 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 #   it escapes (setsid, double fork, an emptied environment); cgroup.kill ends them all,
 #   forks in flight included. Only a privileged member moving itself out could escape.
 # - subreaper+sweep: a process is found if it kept the marker (inherited unless scrubbed),
-#   stayed in a known session/group, or descends from a live member. Orphans re-parent to
-#   the daemon, so their zombies are reaped here. One that scrubbed its environment, left
-#   the session and lost its ancestors cannot be traced to a tree: ``strays()`` lists it,
+#   or shares a group or session with a member (those are remembered once seen, so
+#   Chromium's helpers, which show no environment, are found after their browser dies),
+#   or descends from a member. Orphans re-parent to the daemon, so their zombies are reaped
+#   here. One that scrubbed its environment, left the session and lost its ancestors before
+#   any sweep saw it cannot be traced to a tree: ``strays()`` lists it, and
 #   ``process.kill_strays`` ends it once no tree is live (and at shutdown).
 # - group: the same sweep without re-parenting: such strays go to PID 1 and are not found.
 #
@@ -24,8 +26,8 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 # only ever ``waitpid(pid, WNOHANG)`` a zombie child that provably was not forked by the
 # daemon: its session is neither ours nor its own (a process the daemon forks keeps our
 # session or, after setsid, leads its own), or it sits in one of our tree cgroups, or we
-# saw it alive carrying one of our tree markers. Tree leaders, which are Trio's, are never
-# reaped here.
+# saw it alive as a tree member (marker, or leader of a tree's group). Tree leaders, which
+# are Trio's, are never reaped here.
 #
 # Pids here wrap at 32768, so a pid alone is no identity: a Proc carries its start time in
 # clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act.
