@@ -36,6 +36,7 @@ if __name__ == "__main__":  # before anything slow: a SIGTERM now must not kill 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -91,13 +92,15 @@ def _internal(emitter: Emitter, exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The whole runner process; returns its exit code (``events.ExitCode``)."""
     global _waiting_for_spec
-    ap = argparse.ArgumentParser(prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin.")
-    ap.add_argument("--warm", action="store_true", help="import openai and mcp first, then wait for the spec")
-    args = ap.parse_args(argv)
     run_dir_env = os.environ.get("AGENTD_RUN_DIR")
     run_dir = Path(run_dir_env) if run_dir_env else None
     emitter = Emitter(run_dir)
-    install_stderr_guards(emitter)
+    install_stderr_guards(emitter)  # first: even a usage error must reach stderr as JSON
+    ap = argparse.ArgumentParser(prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin.")
+    ap.add_argument("--warm", action="store_true", help="import openai and mcp first, then wait for the spec")
+    args = ap.parse_args(argv)
+    # stdout carries the result alone (written with os.write): a library's print goes to the log.
+    sys.stdout = sys.stderr
     try:
         if args.warm:
             _warm_imports()
