@@ -71,7 +71,15 @@ class _ClientGone(Exception):
 class FakeOpenAI:
     """A scripted OpenAI-compatible server. One instance serves one script."""
 
-    def __init__(self, script: Script | dict[str, Any] | None = None, *, model: str = "fake-model", host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        script: Script | dict[str, Any] | None = None,
+        *,
+        model: str = "fake-model",
+        host: str = "127.0.0.1",
+        reject_stream_options: bool = False,
+    ) -> None:
+        self.reject_stream_options = reject_stream_options  # play an older compatible server
         if script is None:
             script = DEFAULT_SCRIPT
         self.script = script if isinstance(script, Script) else Script.from_dict(script)
@@ -190,6 +198,10 @@ class FakeOpenAI:
             return True
         if req.method != "POST" or not req.path.rstrip("/").endswith("/chat/completions") or not isinstance(req.body, dict):
             await _send_json(stream, 404, {"error": {"message": f"no route for {req.method} {req.path}", "type": "invalid_request_error"}})
+            req.response_complete = True
+            return True
+        if self.reject_stream_options and "stream_options" in req.body:
+            await _send_json(stream, 400, {"error": {"message": "unknown field: stream_options", "type": "invalid_request_error"}})
             req.response_complete = True
             return True
         messages = req.body.get("messages") or []
@@ -386,7 +398,7 @@ async def _send_event(stream: Any, obj: dict[str, Any]) -> None:
 
 async def _send_json(stream: Any, status: int, obj: dict[str, Any]) -> None:
     body = json.dumps(obj).encode()
-    reason = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}.get(status, "Error")
+    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}.get(status, "Error")
     head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
     await _send(stream, head.encode() + body)
 

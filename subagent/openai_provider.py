@@ -55,6 +55,7 @@ class OpenAIProvider:
             key = PLACEHOLDER_KEY
         self.model = model or env.get("OPENAI_MODEL") or DEFAULT_MODEL
         self.base_url = base_url
+        self._usage_option = True  # stream_options.include_usage, until a server rejects it
         timeout = request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S
         self._client = openai.AsyncOpenAI(
             api_key=key,
@@ -64,16 +65,21 @@ class OpenAIProvider:
         )
 
     async def stream_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler) -> None:
-        kwargs: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True}
+        if self._usage_option:
+            kwargs["stream_options"] = {"include_usage": True}
         if tools:
             kwargs["tools"] = tools
         try:
-            stream = await self._client.chat.completions.create(**kwargs)
+            try:
+                stream = await self._client.chat.completions.create(**kwargs)
+            except openai.BadRequestError as exc:
+                if "stream_options" not in kwargs or "stream_options" not in str(exc):
+                    raise
+                # Some OpenAI-compatible servers reject stream_options: ask without it.
+                self._usage_option = False
+                del kwargs["stream_options"]
+                stream = await self._client.chat.completions.create(**kwargs)
         except openai.APIStatusError as exc:
             raise ModelError(f"the model server answered {exc.status_code}: {_message(exc)}", kind="model_http") from None
         except openai.APIError as exc:

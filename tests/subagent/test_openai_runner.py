@@ -34,9 +34,9 @@ def openai_spec(server: FakeOpenAI, **limits: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def fake_server(script: dict[str, Any]) -> AsyncIterator[FakeOpenAI]:
+async def fake_server(script: dict[str, Any], **options: Any) -> AsyncIterator[FakeOpenAI]:
     async with trio.open_nursery() as nursery:
-        server = await nursery.start(FakeOpenAI(script).serve)
+        server = await nursery.start(FakeOpenAI(script, **options).serve)
         yield server
         nursery.cancel_scope.cancel()
 
@@ -172,3 +172,14 @@ async def test_persistent_server_errors_end_as_a_model_error_after_the_retries(t
     assert rc == ExitCode.MODEL_ERROR
     assert result["error"]["code"] == "model_http" and "500" in result["error"]["message"]
     assert len(server.chat_requests) == 3  # the first try and MAX_RETRIES=2
+
+
+async def test_a_server_that_rejects_stream_options_still_works(tmp_path: Path) -> None:
+    async with fake_server(TWO_COMMANDS, reject_stream_options=True) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    assert result["usage"] is None  # unknown, not invented
+    bodies = [q.body for q in server.chat_requests]
+    assert "stream_options" in bodies[0] and all("stream_options" not in b for b in bodies[1:])
+    assert len(bodies) == 4  # the rejected one, then three turns
