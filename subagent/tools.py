@@ -203,6 +203,10 @@ class ToolBox:
                 # The call was sent; whether the server acted before it went away is unknown.
                 return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"mcp error: {exc.error.message}", reason=_LOST)
             return ToolOutcome(ToolCallState.FAILED, None, error=f"mcp error {exc.code}: {exc.error.message}", reason="mcp_error")
+        except RuntimeError as exc:
+            # The SDK checked the answer and rejected it (output schema, unexpected result
+            # kind): the tool ran, but what it returned is unusable.
+            return ToolOutcome(ToolCallState.FAILED, None, error=str(exc), reason="invalid_result")
         except Exception as exc:  # the transport broke: the server may or may not have acted
             logger.warning("mcp call %s.%s broke: %s", server_name, tool, exc)
             return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"{type(exc).__name__}: {exc}", reason=_LOST)
