@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -191,9 +192,10 @@ async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
     pids = json.loads(await read_line(tree))
     assert set(pids) == {"leader", "group", "setsid", "daemon", "stopped"}
     ident = identities(pids)
-    assert read_proc(pids["stopped"]).state == "T"  # type: ignore[union-attr]
-    assert read_proc(pids["setsid"]).sid == pids["setsid"]  # type: ignore[union-attr]
-    assert read_proc(pids["daemon"]).sid not in (tree.pgid, pids["daemon"])  # type: ignore[union-attr]
+    now = {kind: read_proc(pid) for kind, pid in pids.items()}
+    assert now["stopped"] is not None and now["stopped"].state == "T"
+    assert now["setsid"] is not None and now["setsid"].sid == pids["setsid"]
+    assert now["daemon"] is not None and now["daemon"].sid not in (tree.pgid, pids["daemon"])
     assert tree.containment == mode
     assert set(process.alive_members(tree)) == set(pids.values())
 
@@ -208,7 +210,8 @@ async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
         assert any(s.signal == "cgroup.kill" and s.result == "sent" for s in receipt.signals)
     if mode != GROUP:  # with the subreaper the escapers were ours: their zombies are reaped
         for kind in ("setsid", "daemon", "stopped"):
-            assert read_proc(pids[kind]) is None or read_proc(pids[kind]).start_ticks != ident[kind][1]  # type: ignore[union-attr]
+            gone = read_proc(pids[kind])
+            assert gone is None or gone.start_ticks != ident[kind][1], kind
 
 
 @pytest.mark.parametrize("mode", [SUBREAPER_SWEEP, GROUP])
@@ -462,7 +465,7 @@ async def test_spawn_sets_marker_session_and_identity(make_containment: MakeCont
     tree = await spawn_argv([sys.executable, "-c", code], c, env={**os.environ, "EXTRA": "1"}, cwd="/", tree_id="t-marker")
     assert await read_line(tree) == f"t-marker {tree.pid} {tree.pid}".encode()
     assert tree.pgid == tree.pid and tree.containment == SUBREAPER_SWEEP and tree.cgroup is None
-    assert abs(tree.start_time - __import__("time").time()) < 60
+    assert abs(tree.start_time - time.time()) < 60
     with trio.fail_after(5):
         await tree.process.wait()
 
