@@ -126,6 +126,11 @@ def cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+def cpu_text(s: float) -> str:
+    """psutil cpu_times count 10 ms clock ticks: 0 means under one tick."""
+    return "< 10 ms (0 ticks)" if s < 0.005 else f"{s * 1000:.0f} ms"
+
+
 def idle_cpu(pid: int, seconds: float) -> float:
     c0 = cpu_s(pid)
     time.sleep(seconds)
@@ -142,18 +147,6 @@ def wait_live(mark: str, d: DaemonProc, n: int, timeout_s: float) -> float | Non
             raise RuntimeError(f"the daemon exited: {d.log_tail()}")
         time.sleep(0.5)
     return None
-
-
-def daemon_cpu_ns(pid: int) -> int:
-    """On-CPU time of every thread of ``pid`` in ns (/proc/<pid>/task/*/schedstat)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
 
 
 def grow(mark: str, d: DaemonProc, c: Any, n: int, session: str) -> dict[str, Any]:
@@ -180,10 +173,7 @@ def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
     members = run_members(mark, d.pid)
     renice([d.pid] + [p.pid for p in members], 0)
     time.sleep(2.0)  # let the spawn work settle
-    ns0, c0 = daemon_cpu_ns(d.pid), cpu_s(d.pid)
-    time.sleep(idle_s)
-    out["daemon_idle_cpu_s"] = cpu_s(d.pid) - c0
-    out["daemon_idle_cpu_sched_s"] = (daemon_cpu_ns(d.pid) - ns0) / 1e9
+    out["daemon_idle_cpu_s"] = idle_cpu(d.pid, idle_s)
     mi = daemon.memory_full_info()
     out["daemon_rss"], out["daemon_uss"] = mi.rss, mi.uss
     out["daemon_threads"] = daemon.num_threads()
@@ -195,8 +185,7 @@ def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
     out["runner_uss"] = [m[1] for m in mems]
     out["all_trees_uss"] = tree_uss([p.pid for p in members])
     out["processes"] = len(members)
-    line(f"  daemon: CPU {out['daemon_idle_cpu_s'] * 1000:.0f} ms (psutil cpu_times, 10 ms ticks) / "
-         f"{out['daemon_idle_cpu_sched_s'] * 1000:.1f} ms (schedstat) over {idle_s:g} s idle; "
+    line(f"  daemon: CPU {cpu_text(out['daemon_idle_cpu_s'])} over {idle_s:g} s idle; "
          f"RSS {out['daemon_rss'] / MIB:.0f} MiB, USS {out['daemon_uss'] / MIB:.0f} MiB; "
          f"{out['daemon_threads']} threads, {out['daemon_fds']} fds")
     if mems:
@@ -332,15 +321,12 @@ def main() -> None:
             header("baselines")
             time.sleep(1.0)
             renice([d.pid], 0)
-            ns0 = daemon_cpu_ns(d.pid)
             base_idle = idle_cpu(d.pid, idle_s)
-            base_sched = (daemon_cpu_ns(d.pid) - ns0) / 1e9
             dm = psutil.Process(d.pid).memory_full_info()
             bare = bare_python_mem()
-            out["baseline"] = {"daemon_idle_cpu_s": base_idle, "daemon_idle_cpu_sched_s": base_sched, "daemon_rss": dm.rss, "daemon_uss": dm.uss,
+            out["baseline"] = {"daemon_idle_cpu_s": base_idle, "daemon_rss": dm.rss, "daemon_uss": dm.uss,
                                "bare_python_rss": bare[0], "bare_python_uss": bare[1]}
-            line(f"  daemon with no run: CPU {base_idle * 1000:.0f} ms (cpu_times) / {base_sched * 1000:.1f} ms (schedstat) "
-                 f"over {idle_s:g} s; RSS {dm.rss / MIB:.0f} MiB, "
+            line(f"  daemon with no run: CPU {cpu_text(base_idle)} over {idle_s:g} s; RSS {dm.rss / MIB:.0f} MiB, "
                  f"USS {dm.uss / MIB:.0f} MiB")
             line(f"  bare `python -c 'time.sleep()'`: RSS {bare[0] / MIB:.1f} MiB, USS {bare[1] / MIB:.1f} MiB")
             renice([d.pid], 10)

@@ -66,7 +66,9 @@ from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, sho
 from subagent.fake_openai import FakeOpenAI  # noqa: E402
 
 FAKE_RUNNER = [PY, str(CHILDREN / "fake_runner.py")]
-ESCAPERS = f"exec {PY} {CHILDREN / 'tree_escapers.py'}"
+# (d): the escapers' leader exits at once; its setsid/double-forked descendants stay; the
+# command itself goes on for COMMAND_S (its own step), and is let finish by the stop.
+ESCAPERS = f"{PY} {CHILDREN / 'tree_escapers.py'} --exit-leader; sleep {COMMAND_S:g}"
 COMMAND_S = 2.0  # (b): the command's own duration
 CANCEL_INTO_S = 0.5  # (b): how far into the command the cancel comes
 HANG_SCRIPT = {"turns": [{"text": "Let me think about this for a long while", "hang": True}]}
@@ -353,24 +355,34 @@ async def scenario_c(m: Any, reps: int, grace: float) -> dict[str, Any]:
 async def scenario_d(m: Any, reps: int, grace: float) -> dict[str, Any]:
     spec = scripted_spec([{"tool_calls": [{"name": "run_command", "arguments": {"command": ESCAPERS}}]}])
 
-    async def ready(m: Any, run_id: str) -> None:
-        await wait_event(m, run_id, "tool_call", pred=lambda e: _running_call(e["data"]), timeout_s=30)
+    async def ready(m: Any, run_id: str) -> dict[str, Any]:
+        ev = await wait_event(m, run_id, "tool_call", pred=lambda e: _running_call(e["data"]), timeout_s=30)
+        started = ((ev or {}).get("data") or {}).get("record", {}).get("started_at") or time.time()
+        await trio.sleep(max(0.0, started + CANCEL_INTO_S - time.time()))
+        return {"cmd_started_wall": started}
 
     d, b = [], []
     for _ in range(reps):
-        d.append(await daemon_stop(m, spec, ready, members_at_least=5))
+        r = await daemon_stop(m, spec, ready, members_at_least=5)
+        left = max(0.0, r["cmd_started_wall"] + COMMAND_S - r["cancel_wall"])
+        r["own_step_left"] = left
+        if r["cancel_to_tree_dead"] is not None:
+            r["beyond_own_step"] = r["cancel_to_tree_dead"] - (left if "succeeded" in r["tool_states"] else 0.0)
+        d.append(r)
 
         def base() -> dict[str, Any]:
             x = Bare([PY, "-m", "subagent.runner"], json.dumps(spec) + "\n")
-            x.wait_event(_ev("tool_call", _running_call))
+            ev = x.wait_event(_ev("tool_call", _running_call))
+            started = (ev or {}).get("record", {}).get("started_at") or time.time()
             deadline = time.monotonic() + 20
             while len(x.members()) < 5 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.3)  # let the descendants reach their setsid()
+            time.sleep(max(0.0, started + CANCEL_INTO_S - time.time()))
             return x.killpg_stop(grace)
 
         b.append(await trio.to_thread.run_sync(base))
-    return report("(d) real runner, run_command starts setsid + double-forked descendants", d, b)
+    return report(f"(d) real runner, run_command leaves setsid + double-forked descendants, then `sleep {COMMAND_S:g}`; "
+                  f"cancelled {CANCEL_INTO_S:g} s in", d, b)
 
 
 async def scenario_d2(m: Any, reps: int, grace: float) -> dict[str, Any]:
