@@ -61,6 +61,7 @@ __all__ = [
     "read_proc",
     "parse_stat",
     "read_marker",
+    "marker_of",
     "cgroup_pids",
     "tree_members",
     "reap_adopted_zombies",
@@ -81,6 +82,12 @@ REAP_INTERVAL_S: Final = 1.0
 
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PROC: Final = Path("/proc")
+
+# The last process table read, shared by concurrent sweeps (see scan_processes),
+# and each process's marker by (pid, start ticks): environments are read once.
+_scan_lock = threading.Lock()
+_last_scan: tuple[float, dict[int, Proc]] | None = None
+_markers: dict[tuple[int, int], str | None] = {}
 
 # The subreaper flag is per process; several Containments in one process (tests) share it.
 _subreaper_lock = threading.Lock()
@@ -110,10 +117,15 @@ class Proc:
 def read_proc(pid: int) -> Proc | None:
     """Return the process table entry of ``pid``, or None if there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return parse_stat(pid, raw)
 
 
@@ -134,24 +146,66 @@ def parse_stat(pid: int, raw: bytes) -> Proc | None:
         return None
 
 
-def scan_processes() -> dict[int, Proc]:
-    """Read the whole process table (a few ms for a few hundred processes)."""
-    procs: dict[int, Proc] = {}
-    for name in os.listdir(_PROC):
-        if name.isdigit():
-            p = read_proc(int(name))
-            if p is not None:
-                procs[p.pid] = p
-    return procs
+def scan_processes(*, shared: bool = True) -> dict[int, Proc]:
+    """Read the whole process table (~20-60 us a process). Do not mutate the result.
+
+    Args:
+        shared: callers that ask while another thread is reading the table wait for, and
+            share, the next read that starts after they asked: many trees stopping at once
+            cost one walk of /proc per round, not one each. The result never predates the
+            call. False: read now, alone.
+    """
+    global _last_scan
+    asked = time.monotonic()
+    with _scan_lock:
+        if shared and _last_scan is not None and _last_scan[0] >= asked:
+            return _last_scan[1]
+        started = time.monotonic()
+        procs: dict[int, Proc] = {}
+        for name in os.listdir(_PROC):
+            if name.isdigit():
+                p = read_proc(int(name))
+                if p is not None:
+                    procs[p.pid] = p
+        _last_scan = (started, procs)
+        for key in [k for k in _markers if procs.get(k[0]) is None or procs[k[0]].start_ticks != k[1]]:
+            _markers.pop(key, None)
+        return procs
 
 
 def read_marker(pid: int) -> str | None:
-    """The ``AGENTD_TREE`` value in the environment ``pid`` started with, if readable."""
+    """The ``AGENTD_TREE`` value in the environment of ``pid``, if readable."""
+    return _parse_marker(_read_environ(pid))
+
+
+def marker_of(p: Proc) -> str | None:
+    """``read_marker``, remembered per process (pid and start time).
+
+    An environment is read once per process, not once per sweep. Not remembered: an empty
+    read (a process caught mid-exec shows none), and "no marker" for our own children
+    (between fork and exec a new runner still shows the daemon's environment).
+    """
+    key = (p.pid, p.start_ticks)
+    try:
+        return _markers[key]
+    except KeyError:
+        pass
+    env = _read_environ(p.pid)
+    value = _parse_marker(env)
+    if env and (value is not None or p.ppid != os.getpid()):
+        _markers[key] = value
+    return value
+
+
+def _read_environ(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
+            return f.read()
     except OSError:  # gone, a zombie (no memory left), or not ours to read
-        return None
+        return b""
+
+
+def _parse_marker(env: bytes) -> str | None:
     needle = MARKER_VAR.encode() + b"="
     for item in env.split(b"\0"):
         if item.startswith(needle):
@@ -209,7 +263,7 @@ def tree_members(
             continue
         if p.pgid in wanted or p.sid in wanted:
             members.add(p.pid)
-        elif not p.dead and read_marker(p.pid) == tree_id:
+        elif not p.dead and marker_of(p) == tree_id:
             members.add(p.pid)
     by_parent: dict[int, list[int]] = {}
     by_group: dict[int, list[int]] = {}

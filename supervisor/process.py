@@ -349,6 +349,12 @@ def _started_at(pid: int, start_time: float) -> bool:
     return abs(created - start_time) <= START_TIME_TOLERANCE_S
 
 
+def _scan_members(tree: AnyTree) -> tuple[dict[int, Proc], dict[int, Proc]]:
+    """A (shared) read of the process table, and the tree's members in it."""
+    procs = scan_processes()
+    return procs, _members(tree, procs)
+
+
 def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
     members = tree_members(tree.tree_id, groups=_live_groups(tree), cgroup=tree.cgroup, procs=procs)
     if tree.leader_ticks is not None:
@@ -481,9 +487,10 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
     seen.update((g, t) for g, t in tree.groups.items() if g != tree.pid and t is not None)
     leftovers_logged = False
     confirmed = False
+    procs: dict[int, Proc] | None = None  # the last table read: its zombies are reaped below
     with trio.move_on_after(KILL_WAIT_S):
         while True:
-            members = await _blocking(_members, tree)
+            procs, members = await _blocking(_scan_members, tree)
             seen.update((p.pid, p.start_ticks) for p in members.values())
             alive = [p for p in members.values() if not p.dead]
             if not alive:
@@ -525,7 +532,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
         with trio.move_on_after(REAP_WAIT_S):
             await tree.process.wait()
     # Never the runner: Trio reaps its own child (and a re-adopted runner is not ours).
-    r.reaped = await _blocking(lambda: reap_adopted_zombies(seen=seen, exclude={tree.pid}))
+    r.reaped = await _blocking(lambda: reap_adopted_zombies(seen=seen, exclude={tree.pid}, procs=procs))
 
 
 async def wait_leader(tree: AnyTree) -> None:

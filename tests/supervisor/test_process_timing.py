@@ -46,6 +46,7 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
 
     monkeypatch.setattr(process, "_blocking", inline)
     monkeypatch.setattr(process, "_members", lambda tree, procs=None: {PID: STUCK})
+    monkeypatch.setattr(process, "_scan_members", lambda tree: ({PID: STUCK}, {PID: STUCK}))
     monkeypatch.setattr(process, "_leader_alive", lambda tree: True)
     monkeypatch.setattr(process, "_live_groups", lambda tree: [PID])
     monkeypatch.setattr(process, "wait_leader", never_exits)
