@@ -79,3 +79,24 @@ def test_a_cgroup_that_is_not_a_trees_is_never_killed_or_swept(tmp_path: Path) -
         assert leaf is not None and process._is_tree_cgroup(leaf)
     finally:
         c.close()
+
+
+def test_a_marker_is_remembered_but_not_an_empty_or_a_pre_exec_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor import containment as cm
+
+    envs: dict[int, bytes] = {}
+    monkeypatch.setattr(cm, "_read_environ", lambda pid: envs.get(pid, b""))
+    monkeypatch.setattr(cm, "_markers", {})
+    stranger = Proc(pid=900001, ppid=1, pgid=900001, sid=900001, state="S", start_ticks=1)
+    child = Proc(pid=900002, ppid=os.getpid(), pgid=900002, sid=900002, state="S", start_ticks=1)
+
+    assert cm.marker_of(stranger) is None  # mid-exec: nothing readable, nothing remembered
+    envs[stranger.pid] = b"A=1\0AGENTD_TREE=t-1\0"
+    assert cm.marker_of(stranger) == "t-1"
+    envs[stranger.pid] = b"A=1\0"  # an exec that drops it: still the tree's
+    assert cm.marker_of(stranger) == "t-1"
+
+    envs[child.pid] = b"A=1\0"  # our child between fork and exec: the daemon's environment
+    assert cm.marker_of(child) is None
+    envs[child.pid] = b"AGENTD_TREE=t-2\0"  # after exec
+    assert cm.marker_of(child) == "t-2"
