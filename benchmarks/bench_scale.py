@@ -114,16 +114,18 @@ def tree_uss(pids: list[int]) -> int:
 
 
 def renice(pids: list[int], value: int) -> None:
+    """Set the nice value of every thread of each process (setpriority on a pid reaches
+    only its main thread; threads started while it was niced keep their own value)."""
     for pid in pids:
         try:
-            os.setpriority(os.PRIO_PROCESS, pid, value)
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
-            pass
-
-
-def cpu_s(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, value)
+            except OSError:
+                pass
 
 
 def cpu_text(s: float) -> str:
