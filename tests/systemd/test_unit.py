@@ -171,3 +171,33 @@ def test_unit_installed_in_a_real_systemd(container: Container) -> None:
     assert float(m.group(1)) <= MAX_EXPOSURE, score
     c.run([str(INSTALL), "--uninstall"])
     assert c.show("agentd.service", "LoadState")["LoadState"] == "not-found"
+
+
+def test_print_writes_nothing(tmp_path: Path) -> None:
+    r = subprocess.run([str(INSTALL), "--print", "--unit-dir", str(tmp_path / "units")],
+                       capture_output=True, text=True, timeout=60, check=True)
+    assert f"ExecStart={AGENTD} serve\n" in r.stdout
+    assert "[Install]\nWantedBy=multi-user.target\n" in r.stdout
+    assert not (tmp_path / "units").exists()
+
+
+@pytest.mark.parametrize("args", [["--grace", "ten"], ["--watchdog", "-1"], ["--frobnicate"],
+                                  ["--agentd", "relative/agentd"]])
+def test_bad_options_are_refused(tmp_path: Path, args: list[str]) -> None:
+    r = subprocess.run([str(INSTALL), "--unit-dir", str(tmp_path), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(("install-systemd:", "Install systemd/agentd.service")), r.stderr
+    assert not (tmp_path / "agentd.service").exists()
+
+
+def test_env_file_is_created_once_and_kept(tmp_path: Path) -> None:
+    env = tmp_path / "etc" / "agentd.env"
+    args = [str(INSTALL), "--unit-dir", str(tmp_path / "u"), "--env-file", str(env), "--no-reload"]
+    subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
+    assert env.read_text() == (CHECKOUT / "systemd" / "agentd.env.example").read_text()
+    assert env.stat().st_mode & 0o777 == 0o600
+    env.write_text("AGENTD_GRACE_S=3\n")
+    subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
+    assert env.read_text() == "AGENTD_GRACE_S=3\n"
+    assert f"EnvironmentFile=-{env}\n" in (tmp_path / "u" / "agentd.service").read_text()
