@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from supervisor import _sdnotify, _statefiles, control
+from supervisor import _sdnotify, _statefiles, control, process
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import DaemonAlreadyRunning
@@ -77,6 +77,7 @@ async def _serve_locked(
     manager = RunManager(config, journal, containment)
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(containment.run)
             await nursery.start(manager.run)
             token = _statefiles.write_token(config.token_path)
             port = await nursery.start(functools.partial(control.serve_control, config, manager, token=token))
@@ -90,6 +91,9 @@ async def _serve_locked(
             logger.info("agentd stopping: cancelling %d live runs", manager.live_count)
             notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {manager.live_count} runs")
             await manager.shutdown()
+            strays = await process.kill_strays(containment, only_if_idle=False)
+            if strays:
+                logger.warning("shutdown: killed %d untraceable orphans: %s", len(strays), strays)
             nursery.cancel_scope.cancel(reason="daemon shutdown")
     finally:
         with trio.CancelScope(shield=True):

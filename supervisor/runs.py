@@ -393,6 +393,11 @@ class RunManager:
         await self._conclude(run, tree.process.returncode, receipt)
         await trio.to_thread.run_sync(remove_dir, run_dir)
         self.containment.remove(tree)
+        # An orphan that shed every trace of its tree can only be ended when no tree is
+        # live to claim it.
+        strays = await process.kill_strays(self.containment, only_if_idle=True)
+        if strays:
+            logger.warning("run %s: killed %d untraceable orphans: %s", run.run_id, len(strays), strays)
 
     async def _timeout(self, run: _Run, timeout_s: float) -> None:
         await trio.sleep(timeout_s)
@@ -466,7 +471,7 @@ class RunManager:
                     if run.token.cancelled:
                         run.scope.cancel()
                     try:
-                        await process._wait_leader(tree)  # noqa: SLF001
+                        await process.wait_leader(tree)
                     finally:
                         with trio.CancelScope(shield=True):
                             receipt = (await process.terminate_and_kill(tree, grace_s=self.config.grace_s)).to_dict()
@@ -487,6 +492,7 @@ class RunManager:
         finally:
             if run.run_dir is not None:
                 await trio.to_thread.run_sync(remove_dir, run.run_dir)
+            self.containment.remove(tree)
 
     async def _tail_events_file(self, run: _Run, tree: process.AnyTree, *, follow: bool = True) -> None:
         """Read the events a runner appends to events.jsonl once its stderr is gone."""
@@ -719,6 +725,7 @@ async def _recover_runs(self: RunManager) -> list[_Run]:
         await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
         if run.run_dir is not None:
             await trio.to_thread.run_sync(remove_dir, run.run_dir)
+        self.containment.remove(found.tree)
         logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
     return adopted
 
