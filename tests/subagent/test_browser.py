@@ -528,11 +528,8 @@ async def test_runner_browses_a_local_page_and_answers_from_its_snapshot(
     assert runner.proc.returncode == 0, result
     assert result["status"] == "completed", result
     assert "tangerine-42" in result["final_text"]
-    names = [(c["name"], c["state"]) for c in result["tool_calls"]]
-    assert [n for n, _ in names][:2] == ["browser_navigate", "browser_snapshot"] or all(
-        "browser" in n for n, _ in names
-    ), names
-    assert all(state == "succeeded" for _, state in names), names
+    calls = [(c["name"], c["state"]) for c in result["tool_calls"]]
+    assert calls == [("browser_navigate", "succeeded"), ("browser_snapshot", "succeeded")], calls
     assert any(str(e.kind) == "step_snapshot" for e in runner.events)
     tmpdir = browser.browser_tmpdir(run_dir)
     await trio.to_thread.run_sync(
