@@ -128,6 +128,11 @@ def renice(pids: list[int], value: int) -> None:
                 pass
 
 
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def cpu_text(s: float) -> str:
     """psutil cpu_times count 10 ms clock ticks: 0 means under one tick."""
     return "< 10 ms (0 ticks)" if s < 0.005 else f"{s * 1000:.0f} ms"

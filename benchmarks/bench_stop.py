@@ -66,11 +66,11 @@ from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, sho
 from subagent.fake_openai import FakeOpenAI  # noqa: E402
 
 FAKE_RUNNER = [PY, str(CHILDREN / "fake_runner.py")]
+COMMAND_S = 2.0  # (b), (d): the command's own duration
+CANCEL_INTO_S = 0.5  # (b), (d): how far into the command the cancel comes
 # (d): the escapers' leader exits at once; its setsid/double-forked descendants stay; the
 # command itself goes on for COMMAND_S (its own step), and is let finish by the stop.
 ESCAPERS = f"{PY} {CHILDREN / 'tree_escapers.py'} --exit-leader; sleep {COMMAND_S:g}"
-COMMAND_S = 2.0  # (b): the command's own duration
-CANCEL_INTO_S = 0.5  # (b): how far into the command the cancel comes
 HANG_SCRIPT = {"turns": [{"text": "Let me think about this for a long while", "hang": True}]}
 
 
