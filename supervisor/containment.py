@@ -476,6 +476,11 @@ class Containment:
             return None
         return path
 
+    def discard(self, tree_id: str) -> None:
+        """Forget a prepared tree that never started (its cgroup is the caller's to remove)."""
+        with self._lock:
+            self._tree_ids.discard(tree_id)
+
     def label(self, cgroup: Path | None) -> str:
         """The containment label of a tree that got ``cgroup`` (None: it got none)."""
         return CGROUP if cgroup is not None else self.fallback_mode

@@ -142,10 +142,14 @@ async def spawn_tree(
                 _rmdir_quietly(cgroup)
             cgroup = None
             proc = await _open_leader(argv, child_env, cwd, None)
-    except OSError as exc:
+    except BaseException as exc:  # OSError, or a cancel before the child existed
         if cgroup is not None:
             _rmdir_quietly(cgroup)
-        raise SpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+        if containment is not None:
+            containment.discard(tree_id)
+        if isinstance(exc, OSError):
+            raise SpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+        raise
     # No await from here on: the caller must own the child before the next checkpoint.
     leader = read_proc(proc.pid) if _POSIX else None
     try:

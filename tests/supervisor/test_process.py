@@ -474,10 +474,12 @@ async def test_a_command_that_cannot_start_is_a_spawn_error(make_containment: Ma
     from supervisor.errors import SpawnError
 
     c = make_containment(SUBREAPER_SWEEP)
+    assert c.tracked_trees == 0
     with pytest.raises(SpawnError, match="no/such/program"):
         await process.spawn_tree(["/no/such/program"], env=None, cwd=None, tree_id=new_tree_id(), containment=c)
     with pytest.raises(SpawnError):
         await process.spawn_tree([], env=None, cwd=None, tree_id=new_tree_id(), containment=c)
+    assert c.tracked_trees == 0  # a tree that never started is not waited for
 
 
 # ----------------------------------------------------------------------------- restart
