@@ -123,8 +123,8 @@ async def _assert_nothing_left(daemon: Daemon, run_ids: list[str]) -> None:
     for d in run_dirs:
         assert not d.exists(), f"run dir {d} is still there: {sorted(p.name for p in d.rglob('*'))[:20]}"
         link = browser.browser_tmpdir(d)
-        assert not link.exists(), f"{link} still leads to a profile dir"
-        browser.release_browser_dir(d)
+        if link != d / "browser" / "tmp":  # a deep run dir: Chromium got a short link
+            assert not link.is_symlink(), f"the daemon did not release the short TMPDIR link {link}"
 
 
 def _partial_text(status: dict[str, Any]) -> str:
