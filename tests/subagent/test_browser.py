@@ -646,3 +646,33 @@ def test_the_preset_imports_only_the_stdlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_end_browser_processes_kills_what_names_the_run_even_stopped_and_only_that(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]
+) -> None:
+    """Stand-ins for Chromium's helpers: processes whose command line names the run's profile
+    dir, one of them SIGSTOPped. A process naming another run is left alone."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    for d in (run_dir, other):
+        browser_server_config(d, True)
+    sleeper = "import sys, time; time.sleep(60)"
+    mine = [
+        subprocess.Popen([sys.executable, "-c", sleeper, f"--user-data-dir={browser.browser_tmpdir(run_dir)}/profile-{i}"])
+        for i in range(2)
+    ]
+    theirs = subprocess.Popen([sys.executable, "-c", sleeper, f"--user-data-dir={browser.browser_tmpdir(other)}/profile"])
+    try:
+        os.kill(mine[0].pid, signal.SIGSTOP)
+        with trio.fail_after(10):
+            while sorted(browser.browser_processes(run_dir)) != sorted(p.pid for p in mine):
+                await trio.sleep(0.01)
+        assert await trio.to_thread.run_sync(browser.end_browser_processes, run_dir) == []
+        for p in mine:
+            assert p.wait(timeout=5) == -signal.SIGKILL
+        assert theirs.poll() is None
+        assert browser.browser_processes(other) == [theirs.pid]
+    finally:
+        for p in [*mine, theirs]:
+            p.kill()
+            p.wait()
