@@ -154,7 +154,14 @@ def _playwright_chromiums() -> list[pathlib.Path]:
         return int(m.group(1)) if m else 0
 
     found: list[pathlib.Path] = []
-    for pattern in ("chromium-*/chrome-linux*/chrome", "chromium_headless_shell-*/chrome-*/*headless_shell"):
+    # Layouts of Playwright 1.4x-1.6x: chrome-linux64/chrome (chrome-linux/chrome before), and
+    # chrome-headless-shell-linux64/chrome-headless-shell (chrome-linux/headless_shell before).
+    patterns = (
+        "chromium-*/chrome-linux*/chrome",
+        "chromium_headless_shell-*/chrome-headless-shell-linux*/chrome-headless-shell",
+        "chromium_headless_shell-*/chrome-linux/headless_shell",
+    )
+    for pattern in patterns:
         hits = sorted(glob.glob(str(root / pattern)), key=revision, reverse=True)
         found += [pathlib.Path(h) for h in hits if _is_executable_file(pathlib.Path(h))]
     return found

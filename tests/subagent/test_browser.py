@@ -208,9 +208,13 @@ def test_chromium_search_order(tmp_path: pathlib.Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("PLAYWRIGHT_BROWSERS_PATH", str(managed_root))
     old = _exe(managed_root / "chromium-1100" / "chrome-linux" / "chrome")
     new = _exe(managed_root / "chromium-1200" / "chrome-linux64" / "chrome")
-    _exe(managed_root / "chromium_headless_shell-1300" / "chrome-linux" / "headless_shell")
+    _exe(managed_root / "chromium_headless_shell-1300" / "chrome-headless-shell-linux64" / "chrome-headless-shell")
     assert old.exists()
     assert find_chromium() == new  # the newest full Chromium Playwright manages
+    (managed_root / "chromium-1100").rename(managed_root / "x-1100")
+    (managed_root / "chromium-1200").rename(managed_root / "x-1200")
+    shell = managed_root / "chromium_headless_shell-1300" / "chrome-headless-shell-linux64" / "chrome-headless-shell"
+    assert find_chromium() == shell  # a headless shell when that is all there is
     debian = _exe(tmp_path / "debian" / "chromium")
     monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", debian)
     assert find_chromium() == debian  # Debian's before Playwright's
