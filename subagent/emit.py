@@ -26,6 +26,8 @@ __all__ = ["Emitter", "install_stderr_guards", "bare_result", "EVENTS_FALLBACK",
 
 EVENTS_FALLBACK: Final = "events.jsonl"
 RESULT_FILE: Final = "result.json"
+# The largest result we write (bytes); the daemon reads up to 16 MiB of stdout.
+MAX_RESULT_BYTES: Final = 8 * 1024 * 1024
 # A log message longer than this is cut (characters): one event stays one sane line.
 MAX_LOG_MESSAGE_CHARS: Final = 8192
 
@@ -100,6 +102,11 @@ class Emitter:
     def result(self, result: dict[str, Any]) -> None:
         """Write the final result: the run dir's file first (atomic), then stdout."""
         data = encode_result(result)
+        cap = MAX_LOG_MESSAGE_CHARS * 8
+        while len(data) > MAX_RESULT_BYTES and cap >= 16:
+            # The daemon reads at most 16 MiB: cut long strings (outputs, history) to fit.
+            data = encode_result({**_shrink(result, cap), "result_truncated": True})
+            cap //= 2
         if self.run_dir is not None:
             tmp = self.run_dir / f".{RESULT_FILE}.tmp"
             try:

@@ -71,3 +71,17 @@ def test_a_broken_stdout_does_not_lose_the_result_file(tmp_path: Path) -> None:
     e.result({"status": "cancelled"})
     assert decode_result((tmp_path / "result.json").read_bytes())["status"] == "cancelled"  # type: ignore[index]
     os.close(w)
+
+
+def test_an_oversized_result_is_cut_to_fit_and_says_so(tmp_path: Path) -> None:
+    from subagent import emit
+
+    out = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)  # a file: nobody needs to read it
+    e = Emitter(tmp_path, err_fd=out, out_fd=out)
+    huge = "y" * (emit.MAX_RESULT_BYTES + 10)
+    e.result({"status": "completed", "messages": [{"role": "tool", "content": huge}]})
+    data = (tmp_path / "result.json").read_bytes()
+    assert len(data) <= emit.MAX_RESULT_BYTES
+    decoded = decode_result(data)
+    assert decoded["result_truncated"] is True and decoded["status"] == "completed"  # type: ignore[index]
+    os.close(out)
