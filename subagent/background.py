@@ -83,11 +83,14 @@ class BackgroundCommands:
         assert self._nursery is not None, "BackgroundCommands.run is not running"
         job_id = f"bg{next(self._seq)}"
         marker = f"{os.getpid()}-{job_id}"
-        log_file: IO[bytes]
+        log_file: IO[bytes] | None = None
         if self._dir is not None:
             log = self._dir / f"command-{job_id}.log"
-            log_file = open(log, "wb")
-        else:
+            try:
+                log_file = open(log, "wb")
+            except OSError:
+                log_file = None  # an unusable run dir: a temp file will do
+        if log_file is None:
             log_file = tempfile.NamedTemporaryFile(prefix=f"command-{job_id}-", suffix=".log", delete=False)
             log = Path(log_file.name)
         try:
