@@ -111,6 +111,7 @@ OPTION_KEYS: Final = frozenset(
         "timeout_navigation_ms",  # int: per navigation
         "image_responses",  # "allow" | "omit" | "only"; default "omit" (the runner is text-only)
         "caps",  # [str]: extra @playwright/mcp capabilities ("vision", "pdf", "devtools")
+        "webmcp",  # bool, default false: expose tools that pages register (WebMCP) to the model
     }
 )
 _IMAGE_RESPONSES: Final = ("allow", "omit", "only")
@@ -278,7 +279,7 @@ def _check_options(options: Mapping[str, Any] | bool | None) -> dict[str, Any]:
         if key == "executable_path":
             if not isinstance(value, str) or not value:
                 raise BrowserSetupError(f"browser option {key!r}", f"expected a path, got {value!r}")
-        elif key in ("headless", "sandbox"):
+        elif key in ("headless", "sandbox", "webmcp"):
             if not isinstance(value, bool):
                 raise BrowserSetupError(f"browser option {key!r}", f"expected true or false, got {value!r}")
         elif key in ("args", "allowed_origins", "blocked_origins"):
@@ -429,6 +430,8 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
         "browser": {"browserName": "chromium", "isolated": True, "launchOptions": launch},
         "outputDir": str(dirs["output"]),
         "imageResponses": opts.get("image_responses", "omit"),
+        # Off unless asked: a page must not add tools to the model's toolbox mid-run.
+        "webmcp": bool(opts.get("webmcp", False)),
     }
     config_path = base / "playwright-mcp.json"
     config_path.write_text(json.dumps(config, indent=2) + "\n")
@@ -443,6 +446,8 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
         "--output-dir", str(dirs["output"]),
         "--image-responses", str(config["imageResponses"]),
     ]  # fmt: skip
+    if not config["webmcp"]:
+        args.append("--no-webmcp")
     if headless:
         args.append("--headless")
     args.append("--sandbox" if sandbox else "--no-sandbox")

@@ -84,7 +84,7 @@ def test_preset_runs_node_directly_headless_isolated_with_the_found_chromium(
     args = cfg["args"]
     assert args[0] == str(fake_tools["cli"])
     assert "npx" not in " ".join([cfg["command"], *args])
-    for flag in ("--headless", "--isolated", "--no-sandbox"):
+    for flag in ("--headless", "--isolated", "--no-sandbox", "--no-webmcp"):
         assert flag in args
     assert _flag(args, "--browser") == "chromium"
     assert _flag(args, "--executable-path") == str(fake_tools["chromium"])
@@ -144,6 +144,7 @@ def test_options_become_flags_and_chromium_args(tmp_path: pathlib.Path, fake_too
             "timeout_navigation_ms": 9000,
             "image_responses": "allow",
             "caps": ["pdf"],
+            "webmcp": True,
         },
     )
     args = cfg["args"]
@@ -156,6 +157,7 @@ def test_options_become_flags_and_chromium_args(tmp_path: pathlib.Path, fake_too
     assert _flag(args, "--timeout-navigation") == "9000"
     assert _flag(args, "--image-responses") == "allow"
     assert _flag(args, "--caps") == "pdf"
+    assert "--no-webmcp" not in args
     launch = json.loads(pathlib.Path(_flag(args, "--config")).read_text())["browser"]["launchOptions"]
     assert launch["args"][-1] == "--lang=de"
     assert launch["headless"] is False and launch["chromiumSandbox"] is True
