@@ -2,7 +2,8 @@
 
 Invariants: which turn plays is derived from the history alone (the number of
 assistant turns so far), exactly as ``subagent.fake_openai`` does over HTTP; delays are
-real ``trio.sleep`` calls, so a stop can land mid-stream; importing this module costs
+real ``trio.sleep`` calls, so a stop can land mid-stream, but only there (pieces between
+two delays are delivered at once); importing this module costs
 nothing beyond trio (no ``openai``, no ``mcp``).
 """
 
@@ -47,8 +48,9 @@ class ScriptedProvider:
                 if piece.usage is not None:
                     sink.add_usage(piece.usage.get("prompt_tokens"), piece.usage.get("completion_tokens"))
                 sink.finish(piece.text)
-            # Every piece is a checkpoint, as a network read would be.
-            await trio.lowlevel.checkpoint()
+        # Pieces with no delay between them arrive together, as one network read would
+        # deliver them: a stop lands only at a delay or a hang, which keeps tests exact.
+        await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
         return None
