@@ -295,13 +295,16 @@ def reap_adopted_zombies(
     seen: Mapping[int, int] | None = None,
     exclude: Container[int] = (),
     subtree: str | None = None,
+    settled: Container[str] = (),
     procs: dict[int, Proc] | None = None,
 ) -> list[int]:
     """Reap zombie children of this process that provably were not forked by it.
 
     Provably adopted: ``seen`` (pid -> start ticks, recorded while it ran as a tree
     member), or born in another session, or in the cgroup subtree ``subtree``
-    ("/a/b/"). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
+    ("/a/b/"), in the cgroup of a ``settled`` tree (one whose leader is known: while a
+    tree is being spawned, a zombie in its cgroup may be the leader Trio has not been told
+    about yet). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
     """
     if procs is None:
         procs = scan_processes()
@@ -314,7 +317,7 @@ def reap_adopted_zombies(
         if not (
             (seen is not None and seen.get(p.pid) == p.start_ticks)
             or p.sid not in (my_sid, p.pid)
-            or (subtree is not None and (read_cgroup(p.pid) or "").startswith(subtree))
+            or _in_settled_tree(p.pid, subtree, settled)
         ):
             continue
         try:
@@ -324,6 +327,16 @@ def reap_adopted_zombies(
         if got == p.pid:
             reaped.append(p.pid)
     return reaped
+
+
+def _in_settled_tree(pid: int, subtree: str | None, settled: Container[str]) -> bool:
+    """Is ``pid`` in the cgroup (below ``subtree``) of a tree in ``settled``?"""
+    if subtree is None:
+        return False
+    path = read_cgroup(pid) or ""
+    if not path.startswith(subtree):
+        return False
+    return path[len(subtree) :].split("/", 1)[0] in settled
 
 
 # ----------------------------------------------------------------------------- cgroupfs
@@ -405,6 +418,8 @@ class Containment:
     subreaper: bool
     _leaders: dict[int, Tree] = field(default_factory=dict)
     _tree_ids: set[str] = field(default_factory=set)
+    _pending: set[str] = field(default_factory=set)  # prepared, leader not tracked yet
+    _leftover: set[str] = field(default_factory=set)  # removed, but their cgroup was not empty
     _adopted: dict[int, int] = field(default_factory=dict)  # pid -> start ticks
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _closed: bool = False
@@ -464,6 +479,7 @@ class Containment:
         """Make the cgroup leaf for a new tree; None when this daemon has no cgroups."""
         with self._lock:
             self._tree_ids.add(tree_id)
+            self._pending.add(tree_id)
         if self.root is None:
             return None
         path = self.root / tree_id
@@ -480,6 +496,7 @@ class Containment:
         """Forget a prepared tree that never started (its cgroup is the caller's to remove)."""
         with self._lock:
             self._tree_ids.discard(tree_id)
+            self._pending.discard(tree_id)
 
     def label(self, cgroup: Path | None) -> str:
         """The containment label of a tree that got ``cgroup`` (None: it got none)."""
@@ -490,6 +507,7 @@ class Containment:
         with self._lock:
             self._leaders[tree.pid] = tree
             self._tree_ids.add(tree.tree_id)
+            self._pending.discard(tree.tree_id)
 
     def remove(self, tree: AnyTree) -> bool:
         """Forget a finished tree and rmdir its cgroup when empty. True if nothing is left.
@@ -505,6 +523,11 @@ class Containment:
         if tree.cgroup is None:
             return True
         ok = _rmdir_tree(tree.cgroup)
+        with self._lock:
+            if ok:
+                self._leftover.discard(tree.tree_id)
+            else:
+                self._leftover.add(tree.tree_id)
         parent = tree.cgroup.parent
         if ok and parent != self.root and parent.name.startswith("agentd-"):
             try:
@@ -544,12 +567,21 @@ class Containment:
                 self._remember_groups(tree)
                 if tree.leader_reaped:  # Trio has its exit status; the pid may be reused
                     del self._leaders[pid]
-            procs = scan_processes()
-            for p in procs.values():
-                if p.ppid == me and not p.dead and p.pid not in self._leaders and p.pid not in self._adopted:
-                    if read_marker(p.pid) in self._tree_ids:
-                        self._adopted[p.pid] = p.start_ticks
-            reaped = reap_adopted_zombies(seen=self._adopted, exclude=self._leaders, subtree=subtree, procs=procs)
+            leaders = set(self._leaders)
+            # Not a pending tree's: its marked child, or a zombie in its cgroup, may be the
+            # leader Trio has not been told about yet.
+            settled = (self._tree_ids - self._pending) | self._leftover
+            seen = dict(self._adopted)
+        # The table is read without the lock: prepare() and track() run on the Trio thread.
+        procs = scan_processes()
+        for p in procs.values():
+            if p.ppid == me and not p.dead and p.pid not in leaders and p.pid not in seen:
+                if marker_of(p) in settled:
+                    seen[p.pid] = p.start_ticks
+        reaped = reap_adopted_zombies(seen=seen, exclude=leaders, subtree=subtree, settled=settled, procs=procs)
+        with self._lock:
+            for pid, ticks in seen.items():
+                self._adopted.setdefault(pid, ticks)
             for pid, ticks in list(self._adopted.items()):
                 if pid in reaped or pid not in procs or procs[pid].start_ticks != ticks:
                     del self._adopted[pid]
@@ -580,6 +612,7 @@ class Containment:
         subtree = self._subtree_prefix()
         with self._lock:
             leaders = set(self._leaders)
+            settled = (self._tree_ids - self._pending) | self._leftover
             remembered = dict(self._adopted)
         out: list[Proc] = []
         for p in scan_processes().values():
@@ -588,7 +621,7 @@ class Containment:
             if (
                 remembered.get(p.pid) == p.start_ticks
                 or p.sid not in (my_sid, p.pid)
-                or (subtree is not None and (read_cgroup(p.pid) or "").startswith(subtree))
+                or _in_settled_tree(p.pid, subtree, settled)
             ):
                 out.append(p)
         return out

@@ -269,3 +269,29 @@ def test_removing_a_readopted_tree_removes_the_old_daemons_empty_subtree(made: l
     assert not found.leader_alive and found.members == [] and found.tree.cgroup == old / "t-gone"
     assert c.remove(found.tree)
     assert not old.exists()
+
+
+async def test_a_leader_being_spawned_is_never_reaped_before_trio_knows_it(made: list[Containment]) -> None:
+    # The window: the runner exists (and may already have exited) but spawn_tree has not
+    # handed it to track() yet. It sits in its tree's cgroup and carries the marker.
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    tid = "t-" + uuid.uuid4().hex
+    cgroup = c.prepare(tid)
+    assert cgroup is not None
+    procs_file = os.fsencode(cgroup / "cgroup.procs")
+
+    def join() -> None:
+        fd = os.open(procs_file, os.O_WRONLY)
+        os.write(fd, b"0")
+        os.close(fd)
+
+    leader = await trio.lowlevel.open_process(
+        ["sh", "-c", "exit 5"], start_new_session=True, preexec_fn=join, env={**os.environ, "AGENTD_TREE": tid}
+    )
+    await exited(leader.pid)
+    assert (containment_mod.read_cgroup(leader.pid) or "").endswith(f"/{tid}")
+    assert c.reap_adopted() == [] and c.strays() == []
+    with trio.fail_after(5):
+        assert await leader.wait() == 5
+    c.discard(tid)
