@@ -85,7 +85,8 @@ async def test_sigterm_while_the_model_streams_closes_the_connection_within_a_se
     turn = {"text": "a long answer that never ends", "chunk_size": 4, "hang": True}
     server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging)
     assert elapsed < 1.0
-    assert result["progress"] == "a long answer that never ends"
+    # What arrived before the stop is kept (the signal may win the race with the last bytes).
+    assert "a long answer that never ends".startswith(result["progress"])
     assert result["status"] == "cancelled" and result["reason"] == "signal"
     assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "model"
     assert len(server.chat_requests) == 1
@@ -95,9 +96,13 @@ async def test_sigterm_inside_streamed_tool_arguments_never_runs_the_call(tmp_pa
     turn = {"tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "hang_after": 15}], "chunk_size": 3}
     server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging)
     assert elapsed < 1.0
-    (rec,) = result["tool_calls"]
-    assert rec["state"] == "not_started" and rec["reason"].startswith("arguments_incomplete")
+    # The runner may not have read the last fragments when the signal won the race; the
+    # scripted twin of this test (test_runner.py) pins the exact record.
+    assert len(result["tool_calls"]) <= 1
+    for rec in result["tool_calls"]:
+        assert rec["state"] == "not_started" and rec["reason"].startswith("arguments_incomplete")
     assert not (r.run_dir / "ran").exists()
+    assert not [g for g in r.of(EventKind.PROCESS_GROUP)]  # nothing was ever started
 
 
 async def test_a_stream_cut_inside_tool_arguments_never_runs_and_the_model_is_asked_again(tmp_path: Path) -> None:
