@@ -17,7 +17,7 @@ import contextvars
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ from mcp import ClientSession, StdioServerParameters
 from subagent.mcp_spawn import Prespawned
 from subagent.spec import McpServerSpec
 
-__all__ = ["McpServer", "McpSetupError", "start_server", "ToolResultText"]
+__all__ = ["McpServer", "McpSetupError", "start_server", "tool_result_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +87,10 @@ class McpServer:
         """Call a tool; returns (is_error, text). Raises on transport or protocol failure."""
         assert self.session is not None
         result = await self.session.call_tool(tool, arguments)
-        return bool(getattr(result, "is_error", False)), ToolResultText(result)
+        return bool(getattr(result, "is_error", False)), tool_result_text(result)
 
 
-def ToolResultText(result: Any) -> str:
+def tool_result_text(result: Any) -> str:
     """The text a model sees for a CallToolResult: text parts, then structured content."""
     parts: list[str] = []
     for item in getattr(result, "content", None) or []:
@@ -180,11 +180,7 @@ def _bad_line_text(exc: Exception) -> str:
             for e in errors():
                 if "input" in e:
                     return repr(str(e["input"])[:200])
-        except Exception:
-            pass
+        except (TypeError, ValueError, AttributeError):
+            pass  # not pydantic's shape: fall back to the message
     return repr(str(exc)[:200])
 
-
-def tool_specs(servers: Mapping[str, McpServer]) -> list[tuple[str, str, Any]]:
-    """(server, tool name, tool) for every tool of every server."""
-    return [(s.name, t.name, t) for s in servers.values() for t in s.tools]
