@@ -43,8 +43,6 @@ __all__ = ["RunManager"]
 
 logger = logging.getLogger(__name__)
 
-# After the runner exits, how long its pipes may stay open (a descendant may hold them).
-DRAIN_AFTER_EXIT_S = 2.0
 # Largest final-result document read from a runner's stdout.
 MAX_RESULT_BYTES = 16 * 1024 * 1024
 # Buffered events per live subscriber; a subscriber that falls further behind is dropped
@@ -81,6 +79,7 @@ class _Run:
     tail_offset: int = 0
     stdin: trio.abc.SendStream | None = None
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
+    pipes_held_open: bool = False
 
 
 class RunManager:
@@ -355,39 +354,39 @@ class RunManager:
         tree, run_dir = warm.tree, warm.run_dir
         run.run_dir = run_dir
         run.tree = tree
-        await self.journal.record_process(
-            run.run_id,
-            pid=tree.pid,
-            pid_start_time=tree.start_time,
-            pgid=tree.pgid,
-            tree_id=tree.tree_id,
-            cgroup=str(tree.cgroup) if tree.cgroup else None,
-            containment=tree.containment,
-            run_dir=str(run_dir),
-        )
         receipt: dict[str, Any] = {}
-        pumps_done = trio.Event()
         async with trio.open_nursery() as io:
             io.start_soon(self._feed_stdin, run, tree)
-            io.start_soon(self._pumps, run, tree, pumps_done)
             if run.timeout_s is not None:
                 io.start_soon(self._timeout, run, run.timeout_s)
-            with trio.CancelScope() as run.scope:
-                if run.token.cancelled:  # the stop came while we were spawning
-                    run.path_a = process.soft_stop(tree)
-                    run.scope.cancel()
-                try:
-                    await tree.process.wait()
-                finally:
-                    # Path B (scope cancelled) or the runner ended by itself: either way
-                    # the whole tree is ended and confirmed dead here, shielded and bounded.
-                    with trio.CancelScope(shield=True):
-                        stop = await process.terminate_and_kill(tree, grace_s=self.config.grace_s)
-                        receipt = stop.to_dict()
-            with trio.move_on_after(DRAIN_AFTER_EXIT_S):
-                await pumps_done.wait()
-            if not pumps_done.is_set():
-                logger.warning("run %s: pipes still open %.1fs after exit; stopped reading", run.run_id, DRAIN_AFTER_EXIT_S)
+            # The pipes are read outside the run's scope (a stop must not deafen us) and
+            # for at most process.DRAIN_AFTER_EXIT_S after the runner exits.
+            async with trio.open_nursery() as pumps:
+                pumps.start_soon(self._pump_stdout, run, tree)
+                pumps.start_soon(self._pump_stderr, run, tree)
+                with trio.CancelScope() as run.scope:
+                    if run.token.cancelled:  # the stop came while we were spawning
+                        run.path_a = process.soft_stop(tree)
+                        run.scope.cancel()
+                    try:
+                        await self.journal.record_process(
+                            run.run_id,
+                            pid=tree.pid,
+                            pid_start_time=tree.start_time,
+                            pgid=tree.pgid,
+                            tree_id=tree.tree_id,
+                            cgroup=str(tree.cgroup) if tree.cgroup else None,
+                            containment=tree.containment,
+                            run_dir=str(run_dir),
+                        )
+                        await tree.process.wait()
+                    finally:
+                        # Path B (scope cancelled) or the runner ended by itself: either
+                        # way the whole tree is ended and confirmed dead, shielded, bounded.
+                        with trio.CancelScope(shield=True):
+                            stop = await process.terminate_and_kill(tree, grace_s=self.config.grace_s)
+                            receipt = stop.to_dict()
+            if run.pipes_held_open:
                 receipt["pipes_held_open"] = True
             io.cancel_scope.cancel()
         await self._conclude(run, tree.process.returncode, receipt)
@@ -525,12 +524,6 @@ class RunManager:
 
     # ------------------------------------------------------------------ pipes
 
-    async def _pumps(self, run: _Run, tree: process.Tree, done: trio.Event) -> None:
-        async with trio.open_nursery() as n:
-            n.start_soon(self._pump_stdout, run, tree)
-            n.start_soon(self._pump_stderr, run, tree)
-        done.set()
-
     async def _feed_stdin(self, run: _Run, tree: process.Tree) -> None:
         """The spec, then steering lines, on the runner's stdin; closed when the run ends."""
         stdin = tree.process.stdin
@@ -549,29 +542,29 @@ class RunManager:
                 await stdin.aclose()
 
     async def _pump_stdout(self, run: _Run, tree: process.Tree) -> None:
-        stream = tree.process.stdout
-        if stream is None:
+        if tree.process.stdout is None:
             return
-        try:
-            async for chunk in stream:
-                if len(run.stdout) + len(chunk) > MAX_RESULT_BYTES:
-                    run.stdout_overflow = True
-                    continue
+
+        async def sink(chunk: bytes) -> None:
+            if len(run.stdout) + len(chunk) > MAX_RESULT_BYTES:
+                run.stdout_overflow = True
+            else:
                 run.stdout += chunk
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+
+        if not await process.drain_bounded(tree.process.stdout, sink, process=tree.process):
+            run.pipes_held_open = True
 
     async def _pump_stderr(self, run: _Run, tree: process.Tree) -> None:
-        stream = tree.process.stderr
-        if stream is None:
+        if tree.process.stderr is None:
             return
         splitter = LineSplitter()
-        try:
-            async for chunk in stream:
-                for item in splitter.feed(chunk):
-                    await self._on_item(run, tree, item)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+
+        async def sink(chunk: bytes) -> None:
+            for item in splitter.feed(chunk):
+                await self._on_item(run, tree, item)
+
+        if not await process.drain_bounded(tree.process.stderr, sink, process=tree.process):
+            run.pipes_held_open = True
         for item in splitter.close():
             await self._on_item(run, tree, item)
 
