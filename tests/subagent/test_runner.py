@@ -397,3 +397,16 @@ async def test_a_stop_ends_background_commands_too(tmp_path: Path) -> None:
     assert rc == ExitCode.CANCELLED
     alive = [g.data["alive"] for g in r.of(EventKind.PROCESS_GROUP)]
     assert alive == [True, False]  # ended even though it ignores SIGTERM (SIGKILL after the grace)
+
+
+async def test_a_deadline_during_a_command_lets_it_finish_like_a_stop(tmp_path: Path) -> None:
+    script = {"turns": [
+        {"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 1; echo finished"}}]},
+        {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo never"}}]},
+    ]}
+    async with start_runner(spec(script=script, limits={"deadline_s": 0.3}), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED and result["reason"] == "timeout"
+    (rec,) = result["tool_calls"]
+    assert rec["state"] == "succeeded" and "finished" in rec["output"]
+    assert r.of(EventKind.STOP_REQUESTED)[0].data == {"reason": "timeout", "during": "tool"}
