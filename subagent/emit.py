@@ -16,11 +16,10 @@ import logging
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Final
 
-from subagent.events import MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result
+from subagent.events import MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result, make_event
 
 __all__ = ["Emitter", "install_stderr_guards", "bare_result", "EVENTS_FALLBACK", "RESULT_FILE"]
 
@@ -66,8 +65,7 @@ class Emitter:
         return self._stderr_broken
 
     def emit(self, event_kind: EventKind, /, **data: Any) -> None:
-        # Not make_event(): process_group events carry a field named 'kind'.
-        event = Event(kind=event_kind, ts=time.time(), data=data)
+        event = make_event(event_kind, **data)
         line = encode_event(event)
         limit = MAX_EVENT_LINE_BYTES - 1024
         cap = MAX_LOG_MESSAGE_CHARS * 8

@@ -163,7 +163,8 @@ class BadLine:
     problem: str
 
 
-def make_event(kind: EventKind, **data: Any) -> Event:
+def make_event(kind: EventKind, /, **data: Any) -> Event:
+    # Positional-only: process_group events carry a data field named "kind".
     return Event(kind=kind, ts=time.time(), data=data)
 
 

@@ -85,3 +85,10 @@ def test_an_oversized_result_is_cut_to_fit_and_says_so(tmp_path: Path) -> None:
     decoded = decode_result(data)
     assert decoded["result_truncated"] is True and decoded["status"] == "completed"  # type: ignore[index]
     os.close(out)
+
+
+def test_make_event_accepts_a_data_field_named_kind() -> None:
+    from subagent.events import make_event
+
+    ev = make_event(EventKind.PROCESS_GROUP, pgid=1, pid=1, kind="command", name="x", alive=True)
+    assert ev.kind == EventKind.PROCESS_GROUP and ev.data["kind"] == "command"
