@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -71,14 +72,18 @@ def server_env(spec: McpServerSpec, marker: str) -> dict[str, str]:
     return env
 
 
+def _file_safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
 def _open_errlog(name: str, run_dir: Path | None) -> tuple[IO[bytes], Path]:
     if run_dir is not None:
-        path = run_dir / f"mcp-{name}.stderr.log"
+        path = run_dir / f"mcp-{_file_safe(name)}.stderr.log"
         try:
             return open(path, "ab"), path
         except OSError as exc:
             logger.warning("cannot write mcp server %r stderr into the run dir: %s", name, exc)
-    f = tempfile.NamedTemporaryFile(prefix=f"mcp-{name}-", suffix=".stderr.log", delete=False)
+    f = tempfile.NamedTemporaryFile(prefix=f"mcp-{_file_safe(name)}-", suffix=".stderr.log", delete=False)
     return f, Path(f.name)
 
 

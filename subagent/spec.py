@@ -277,8 +277,12 @@ class RunSpec:
         servers_raw = _obj(d.get("mcpServers", {}), "mcpServers")
         servers: dict[str, McpServerSpec] = {}
         for name, entry in servers_raw.items():
-            if not name or "__" in name or not name.replace("-", "_").isidentifier():
-                raise SpecError(f"mcpServers.{name}", f"server names must be identifiers without '__', got {name!r}")
+            # Names from other clients' files are kept as they are; only what would break
+            # tool naming (``<server>__<tool>``) or a file name is refused.
+            if not name.strip() or "__" in name or len(name) > 64 or any(c in name for c in "/\x00\n"):
+                raise SpecError(
+                    f"mcpServers.{name}", f"server names must be 1..64 characters without '__', '/' or newlines, got {name!r}"
+                )
             servers[name] = McpServerSpec.from_dict(entry, f"mcpServers.{name}")
         browser = d.get("browser", False)
         if isinstance(browser, dict):

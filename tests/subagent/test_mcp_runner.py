@@ -179,3 +179,12 @@ def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path, monkeypat
         _server_specs(spec_obj, tmp_path, AsyncExitStack())
     assert info.value.exit_code == ExitCode.TOOL_SETUP
     assert info.value.message.startswith("error: the browser preset is not available")
+
+
+async def test_a_server_name_from_another_client_works_as_is(tmp_path: Path) -> None:
+    servers = {"my tree.v2": {"command": sys.executable, "args": [TREE_SERVER, "--stderr-noise"]}}
+    script = {"turns": [{"tool_calls": [{"name": "my_tree_v2__echo", "arguments": {"text": "hi"}}]}], "final": "{{last_output}}"}
+    async with start_runner(spec(script=script, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED and result["final_text"] == "hi"
+    assert (r.run_dir / "mcp-my_tree.v2.stderr.log").exists()

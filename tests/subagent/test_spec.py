@@ -42,9 +42,14 @@ def test_full_spec_round_trips() -> None:
 
 
 def test_claude_desktop_file_shape_is_accepted_unchanged() -> None:
-    desktop = {"mcpServers": {"filesystem": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/tmp"]}}}
+    desktop = {"mcpServers": {
+        "filesystem": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/tmp"]},
+        "brave-search": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-brave-search"], "env": {"BRAVE_API_KEY": "k"}},
+        "My Server.v2": {"command": "/opt/srv"},
+    }}
     s = RunSpec.from_dict({"task": "t", **desktop}, env={})
     assert s.mcp_servers["filesystem"].command == "npx"
+    assert set(s.mcp_servers) == {"filesystem", "brave-search", "My Server.v2"}
 
 
 @pytest.mark.parametrize(
@@ -67,7 +72,9 @@ def test_claude_desktop_file_shape_is_accepted_unchanged() -> None:
         ({"task": "t", "mcpServers": {"a": {"command": "x", "args": "y"}}}, "mcpServers.a.args"),
         ({"task": "t", "mcpServers": {"a": {"command": "x", "env": {"K": 1}}}}, "mcpServers.a.env.K"),
         ({"task": "t", "mcpServers": {"a": {"command": "x", "type": "sse"}}}, "mcpServers.a.type"),
-        ({"task": "t", "mcpServers": {"a b": {"command": "x"}}}, "mcpServers.a b"),
+        ({"task": "t", "mcpServers": {"a__b": {"command": "x"}}}, "mcpServers.a__b"),
+        ({"task": "t", "mcpServers": {"a/b": {"command": "x"}}}, "mcpServers.a/b"),
+        ({"task": "t", "mcpServers": {" ": {"command": "x"}}}, "mcpServers. "),
         ({"task": "t", "mcpServers": {"browser": {"command": "x"}}, "browser": True}, "mcpServers.browser"),
         ({"task": "t", "browser": "yes"}, "browser"),
         ({"task": "t", "limits": {"max_steps": True}}, "limits.max_steps"),
