@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
+    sys.stderr.flush()  # a partial line a library left in the log wrapper becomes an event
     # Everything is closed and the result is written (unbuffered, os.write): skip the
     # interpreter's teardown of openai/mcp modules, which costs a noticeable part of a
     # second after a stop.
