@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from subagent.events import EventKind, ExitCode
-from tests.subagent.harness import CHILDREN, spec, start_runner
+from tests.subagent.harness import CHILDREN, runner_env, spec, start_runner
 
 TREE_SERVER = str(CHILDREN / "mcp_tree_server.py")
 
@@ -188,3 +188,17 @@ async def test_a_server_name_from_another_client_works_as_is(tmp_path: Path) -> 
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED and result["final_text"] == "hi"
     assert (r.run_dir / "mcp-my_tree.v2.stderr.log").exists()
+
+
+async def test_a_run_in_python_dev_mode_leaks_nothing(tmp_path: Path) -> None:
+    # Dev mode turns unclosed files, sockets and processes into ResourceWarnings, which
+    # the runner reports as log events: a clean run has none.
+    script = {"turns": [
+        {"tool_calls": [{"name": "tree", "arguments": {}}, {"name": "run_command", "arguments": {"command": "echo x"}}]},
+        {"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 30", "background": True}}]},
+    ]}
+    env = runner_env(tmp_path / "run", PYTHONDEVMODE="1")
+    async with start_runner(tree_spec(script), tmp_path, env=env) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    assert not r.of(EventKind.LOG), [e.data["message"][:300] for e in r.of(EventKind.LOG)]
