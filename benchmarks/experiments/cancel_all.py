@@ -36,12 +36,14 @@ _orig = process.tree_members
 
 
 def cgroup_only(tree_id, *, groups=(), cgroup=None, procs=None):  # type: ignore[no-untyped-def]
-    if cgroup is not None and procs is None:
-        procs = {}
+    if cgroup is not None:
+        table = procs or {}
+        mine = {}
         for pid in containment.cgroup_pids(cgroup):
-            p = containment.read_proc(pid)
+            p = table.get(pid) or containment.read_proc(pid)
             if p is not None:
-                procs[pid] = p
+                mine[pid] = p
+        procs = mine
     return _orig(tree_id, groups=groups, cgroup=cgroup, procs=procs)
 
 
