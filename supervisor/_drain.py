@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Final, Protocol
 
@@ -24,35 +25,51 @@ async def drain_bounded(
     process: _Exits,
     after_exit_s: float = DRAIN_AFTER_EXIT_S,
 ) -> bool:
-    """Read ``stream`` into ``sink`` until EOF, or until ``after_exit_s`` after ``process`` exits.
+    """Read ``stream`` into ``sink`` until EOF, or until it stays silent ``after_exit_s``
+    after ``process`` exited.
 
     A descendant that inherited the pipe can hold it open long after the runner is gone;
-    this bounds how long that can keep a run from ending. Closes the stream when cut.
-    An exception from ``sink`` propagates as itself (not in an ExceptionGroup).
+    this bounds how long that can keep a run from ending. Only a *silent* pipe is cut:
+    data still arriving, and a ``sink`` still busy with what was read (journaling it on a
+    loaded machine), are never cut short, so no event the runner wrote is dropped.
+    Closes the stream when cut. An exception from ``sink`` propagates as itself.
 
     Returns:
         True if EOF was reached, False if reading was cut off after the bound.
     """
+    exited = False
+    reading: trio.CancelScope | None = None
+
+    async def watch_exit() -> None:
+        nonlocal exited
+        await process.wait()
+        exited = True
+        if reading is not None:
+            reading.deadline = trio.current_time() + after_exit_s
+
     eof = False
     failure: Exception | None = None
-    read_scope = trio.CancelScope()
-
-    async def cut() -> None:
-        await process.wait()
-        await trio.sleep(after_exit_s)
-        read_scope.cancel(reason=f"pipe still open {after_exit_s} s after the process exited")
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(cut)
-        with read_scope:
+        nursery.start_soon(watch_exit)
+        while True:
+            scope = trio.CancelScope(deadline=trio.current_time() + after_exit_s if exited else math.inf)
+            reading = scope
+            with scope:
+                try:
+                    chunk = await stream.receive_some()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    chunk = b""
+            reading = None
+            if scope.cancelled_caught:
+                break  # silent for after_exit_s since the exit: cut
+            if not chunk:
+                eof = True
+                break
             try:
-                while chunk := await stream.receive_some():
-                    await sink(bytes(chunk))
-                eof = True
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                eof = True
+                await sink(bytes(chunk))
             except Exception as exc:  # the sink's own error: re-raised below, not in a group
                 failure = exc
+                break
         nursery.cancel_scope.cancel(reason="draining is over")
     if failure is not None:
         raise failure

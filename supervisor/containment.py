@@ -79,6 +79,9 @@ GROUP: Final = "group"
 STALE_AFTER_S: Final = 60.0
 # How often Containment.run reaps adopted zombies (a zombie is dead but holds its pid).
 REAP_INTERVAL_S: Final = 1.0
+# With no zombie child waiting, the reaper reads the whole process table only every this
+# many passes (to note live adopted children while they still show their marker).
+FULL_SCAN_EVERY: Final = 10
 
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PROC: Final = Path("/proc")
@@ -290,6 +293,16 @@ def tree_members(
     return {pid: procs[pid] for pid in members}
 
 
+def _zombie_child_waiting() -> bool:
+    """Is any child of ours a zombie? ``waitid(WNOWAIT)`` peeks without reaping it."""
+    try:
+        return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False
+    except OSError:
+        return True  # cannot tell: scan
+
+
 def reap_adopted_zombies(
     *,
     seen: Mapping[int, int] | None = None,
@@ -423,6 +436,7 @@ class Containment:
     _adopted: dict[int, int] = field(default_factory=dict)  # pid -> start ticks
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _closed: bool = False
+    _passes: int = 0
 
     @property
     def mode(self) -> str:
@@ -572,7 +586,13 @@ class Containment:
             # leader Trio has not been told about yet.
             settled = (self._tree_ids - self._pending) | self._leftover
             seen = dict(self._adopted)
-        # The table is read without the lock: prepare() and track() run on the Trio thread.
+        # The whole table costs the idle daemon in proportion to the machine's process
+        # count, so it is read only when some child of ours is a zombie (a peek that reaps
+        # nothing), and otherwise every FULL_SCAN_EVERY passes, to note live adopted
+        # children. Read without the lock: prepare() and track() run on the Trio thread.
+        self._passes += 1
+        if self._passes % FULL_SCAN_EVERY != 1 and not _zombie_child_waiting():
+            return []
         procs = scan_processes()
         for p in procs.values():
             if p.ppid == me and not p.dead and p.pid not in leaders and p.pid not in seen:

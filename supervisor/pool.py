@@ -35,12 +35,19 @@ logger = logging.getLogger(__name__)
 
 # After a failed warm spawn, wait this long before trying again.
 RESPAWN_BACKOFF_S = 1.0
+# How long a warm runner may take to import everything and say it is waiting.
+WARM_READY_TIMEOUT_S = 60.0
+# At shutdown, how long an idle warm runner gets to exit on the EOF of its stdin.
+BURY_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class Warm:
     tree: process.Tree
     run_dir: Path
+    # What the warm runner wrote on stderr while it got ready (its "waiting" log event):
+    # the run reads it first, so no event is lost.
+    early_stderr: bytes = b""
 
 
 def runner_env(run_dir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -102,11 +109,20 @@ class WarmPool:
             while True:
                 await self._bury()
                 if len(self._ready) < self.size:
+                    # One at a time, each only once ready: a burst that takes the whole
+                    # pool must not be followed by as many cold imports at once.
                     try:
-                        self._ready.append(await new_tree(self.config, self.containment, warm=True))
+                        warm = await new_tree(self.config, self.containment, warm=True)
                     except (OSError, SpawnError) as exc:
                         logger.warning("warm pool: could not start a runner: %s", exc)
                         await trio.sleep(RESPAWN_BACKOFF_S)
+                        continue
+                    ready = await _wait_ready(warm)
+                    if ready is None:
+                        self._dead.append(warm)
+                        await trio.sleep(RESPAWN_BACKOFF_S)
+                    else:
+                        self._ready.append(ready)
                     continue
                 self._wake = trio.Event()
                 with trio.move_on_after(RESPAWN_BACKOFF_S * 5):  # also notice idle deaths
@@ -127,11 +143,32 @@ class WarmPool:
             if w.tree.process.stdin is not None:
                 with trio.CancelScope(shield=True):
                     await w.tree.process.stdin.aclose()
-            await process.terminate_and_kill(w.tree, grace_s=0.0)
-            with trio.move_on_after(process.KILL_WAIT_S):
+            with trio.move_on_after(BURY_WAIT_S):  # an idle warm runner exits on EOF
                 await w.tree.process.wait()
+            await process.terminate_and_kill(w.tree, grace_s=0.0)
             self.containment.remove(w.tree)
             await trio.to_thread.run_sync(remove_dir, w.run_dir)
+
+
+async def _wait_ready(warm: Warm) -> Warm | None:
+    """Read the warm runner's stderr up to its first event line (it says it is waiting)."""
+    stderr = warm.tree.process.stderr
+    if stderr is None:
+        return warm
+    buf = bytearray()
+    with trio.move_on_after(WARM_READY_TIMEOUT_S):
+        while b"\n" not in buf:
+            try:
+                chunk = await stderr.receive_some()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                logger.warning("warm pool: runner pid %d exited before it was ready", warm.tree.pid)
+                return None
+            buf += chunk
+        return Warm(tree=warm.tree, run_dir=warm.run_dir, early_stderr=bytes(buf))
+    logger.warning("warm pool: runner pid %d not ready after %.0f s", warm.tree.pid, WARM_READY_TIMEOUT_S)
+    return None
 
 
 def _make_run_dir(path: Path) -> None:

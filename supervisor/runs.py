@@ -80,6 +80,7 @@ class _Run:
     stdin: trio.abc.SendStream | None = None
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
     pipes_held_open: bool = False
+    early_stderr: bytes = b""
 
 
 class RunManager:
@@ -121,8 +122,7 @@ class RunManager:
         """Stop accepting runs, cancel every live run (both paths) and wait for them."""
         self._accepting = False
         runs = list(self._live.values())
-        for run in runs:
-            await self.cancel(run.run_id, reason=reason)
+        await self._cancel_many([r.run_id for r in runs], reason)
         with trio.move_on_after(self.config.grace_s + SHUTDOWN_MARGIN_S):
             for run in runs:
                 await run.done.wait()
@@ -232,9 +232,21 @@ class RunManager:
         }
 
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
-        hits = [r for r in list(self._live.values()) if r.session_id == session_id]
-        out = [await self.cancel(r.run_id, reason=reason) for r in hits]
+        hits = [r.run_id for r in list(self._live.values()) if r.session_id == session_id]
+        out = await self._cancel_many(hits, reason)
         return {"session_id": session_id, "was_active": any(o["was_active"] for o in out), "runs": out}
+
+    async def _cancel_many(self, run_ids: list[str], reason: str) -> list[dict[str, Any]]:
+        """Cancel side by side: every run's path A goes out before any journal write."""
+        out: dict[str, dict[str, Any]] = {}
+
+        async def one(run_id: str) -> None:
+            out[run_id] = await self.cancel(run_id, reason=reason)
+
+        async with trio.open_nursery() as n:
+            for run_id in run_ids:
+                n.start_soon(one, run_id)
+        return [out[r] for r in run_ids]
 
     async def status(self, run_id: str) -> dict[str, Any]:
         row = await self.journal.get_run(run_id)
@@ -353,6 +365,7 @@ class RunManager:
                 return
         tree, run_dir = warm.tree, warm.run_dir
         run.run_dir = run_dir
+        run.early_stderr = warm.early_stderr
         run.tree = tree
         receipt: dict[str, Any] = {}
         async with trio.open_nursery() as io:
@@ -562,6 +575,9 @@ class RunManager:
         async def sink(chunk: bytes) -> None:
             for item in splitter.feed(chunk):
                 await self._on_item(run, tree, item)
+
+        if run.early_stderr:
+            await sink(run.early_stderr)
 
         if not await process.drain_bounded(tree.process.stderr, sink, process=tree.process):
             run.pipes_held_open = True

@@ -35,7 +35,12 @@ def emit(kind, **data):
 
 
 def main() -> None:
-    spec = json.loads(sys.stdin.readline())
+    if "--warm" in sys.argv:
+        emit(EventKind.LOG, level="info", message="warm: waiting for the spec on stdin", warm=True)
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(2)  # EOF before a spec: a warm runner the daemon no longer needs
+    spec = json.loads(line)
     b = json.loads(spec["task"]) if spec.get("task", "").startswith("{") else {}
     run_id = spec["run_id"]
     if b.get("ignore_term"):
