@@ -27,7 +27,13 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
-def marked_processes(mark: str) -> list[psutil.Process]:
+# Chromium's helper processes reuse their environment area for the process title, so
+# they show no mark; they are recognised by their command line instead.
+UNMARKABLE = (b"/usr/lib/chromium/", b"chrome_crashpad_handler", b"/chrome-linux/chrome")
+
+
+def marked_processes(mark: str, since: float | None = None) -> list[psutil.Process]:
+    """Processes carrying the mark, and (with ``since``) unmarkable ones born since then."""
     me = os.getpid()
     found: list[psutil.Process] = []
     needle = f"{MARK_VAR}={mark}".encode()
@@ -40,7 +46,8 @@ def marked_processes(mark: str) -> list[psutil.Process]:
         except OSError:
             continue
         if needle not in env:
-            continue
+            if since is None or MARK_VAR.encode() in env or not _unmarkable_since(pid, since):
+                continue
         try:
             p = psutil.Process(pid)
             if p.status() == psutil.STATUS_ZOMBIE:
@@ -49,6 +56,15 @@ def marked_processes(mark: str) -> list[psutil.Process]:
             continue
         found.append(p)
     return found
+
+
+def _unmarkable_since(pid: int, since: float) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        return any(u in cmd for u in UNMARKABLE) and psutil.Process(pid).create_time() >= since
+    except (OSError, psutil.Error):
+        return False
 
 
 def describe(procs: list[psutil.Process]) -> str:
@@ -65,12 +81,13 @@ def describe(procs: list[psutil.Process]) -> str:
 def no_process_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK_VAR, mark)
+    since = time.time() - 0.05
     yield mark
     deadline = time.monotonic() + LEFTOVER_DEADLINE_S
-    left = marked_processes(mark)
+    left = marked_processes(mark, since)
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = marked_processes(mark)
+        left = marked_processes(mark, since)
     if left:
         text = describe(left)
         for p in left:
