@@ -64,7 +64,7 @@ async def test_an_interrupt_stops_the_command_and_keeps_its_output(tmp_path: Pat
 
 
 async def test_output_written_just_before_a_timeout_is_kept() -> None:
-    out, _ = await _run("echo early; exec sleep 30", timeout_s=0.5)
+    out, _ = await _run("echo early; exec sleep 30", timeout_s=1.5)  # ample time for the echo
     assert out.timed_out and out.output == "early\n"
 
 
