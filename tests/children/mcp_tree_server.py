@@ -3,7 +3,7 @@
 At startup it spawns a child, which spawns a grandchild; both sleep. Tools:
 ``tree`` returns {"server", "child", "grandchild"} pids; ``echo`` echoes; ``garble``
 writes a non-JSON line on stdout (a protocol break) and then answers normally;
-``slow`` sleeps ``seconds`` then answers; ``die`` exits the server at once, mid-call.
+``slow`` sleeps ``seconds`` then answers; ``wait_for`` answers once ``path`` exists; ``die`` exits the server at once, mid-call.
 Options: ``--slow-start`` sleeps 30 s before the handshake; ``--escape`` makes the grandchild
 call setsid() (it leaves the group: only the marker sweep can find it);
 ``--stderr-noise`` writes to stderr at startup; ``--banner`` prints a non-JSON line on
@@ -72,6 +72,13 @@ def main() -> None:
         """Sleep, then answer."""
         time.sleep(seconds)
         return f"slept {seconds}"
+
+    @server.tool()
+    def wait_for(path: str) -> str:
+        """Wait until the file exists, then answer."""
+        while not os.path.exists(path):
+            time.sleep(0.02)
+        return f"saw {path}"
 
     @server.tool()
     def die() -> str:

@@ -52,19 +52,23 @@ async def test_completed_run_leaves_no_process_of_the_server_tree(tmp_path: Path
 
 
 async def test_sigterm_during_an_mcp_call_lets_it_finish_and_ends_the_tree(tmp_path: Path) -> None:
+    flag = tmp_path / "go"
     script = {"turns": [
         {"tool_calls": [{"name": "tree", "arguments": {}}]},
-        {"tool_calls": [{"name": "slow", "arguments": {"seconds": 1.0}}]},
+        {"tool_calls": [{"name": "wait_for", "arguments": {"path": str(flag)}}]},
         {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
     ]}
     async with start_runner(tree_spec(script), tmp_path) as r:
         with trio.fail_after(20):
-            await r.wait_event(EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == "slow" and e.data["record"]["state"] == "running")
+            await r.wait_event(EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == "wait_for" and e.data["record"]["state"] == "running")
         r.signal()
+        with trio.fail_after(10):
+            stop = await r.wait_event(EventKind.STOP_REQUESTED)
+        flag.touch()  # the running call may finish now
         rc, result = await r.finish()
-    assert rc == ExitCode.CANCELLED
+    assert rc == ExitCode.CANCELLED and stop.data["during"] == "tool"
     states = {t["name"]: t["state"] for t in result["tool_calls"]}
-    assert states == {"tree": "succeeded", "slow": "succeeded"}
+    assert states == {"tree": "succeeded", "wait_for": "succeeded"}
     assert not any(alive(p) for p in tree_pids(result))
     assert r.of(EventKind.PROCESS_GROUP)[-1].data["alive"] is False
 
