@@ -303,13 +303,16 @@ async def test_a_command_leaves_nothing_behind(tmp_path: Path) -> None:
 
 
 async def test_events_go_to_the_run_dir_when_stderr_is_broken(tmp_path: Path) -> None:
-    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 0.3; echo ok"}}]}]}
+    flag = tmp_path / "go"
+    command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo ok"
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
     async with start_runner(spec(script=script), tmp_path) as r:
         with trio.fail_after(10):
             await r.wait_event(EventKind.PROCESS_GROUP)
         # The daemon "dies": its end of the stderr pipe closes.
         assert r.proc.stderr is not None
         await r.proc.stderr.aclose()
+        flag.touch()
         with trio.fail_after(20):
             await r.proc.wait()
             await r.stdout_eof.wait()
