@@ -15,7 +15,6 @@ flight is recorded as completed; a stop is never recorded as failed.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -29,7 +28,7 @@ from typing import Any
 import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
-from supervisor import process
+from supervisor import process, recovery
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import RunNotFound, SpawnError
@@ -48,8 +47,6 @@ MAX_RESULT_BYTES = 16 * 1024 * 1024
 # Buffered events per live subscriber; a subscriber that falls further behind is dropped
 # (it reconnects and replays from its last sequence number).
 SUBSCRIBER_BUFFER = 4096
-# How often a re-adopted run's events.jsonl is read (its stderr went with the old daemon).
-TAIL_POLL_S = 0.2
 # Margin on top of the grace for waiting on every run to end at shutdown.
 SHUTDOWN_MARGIN_S = 5.0
 
@@ -103,7 +100,7 @@ class RunManager:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for run in await self.recover():
-                nursery.start_soon(self._adopted_lifecycle, run, name=f"run {run.run_id} (re-adopted)")
+                nursery.start_soon(recovery.adopted_lifecycle, self, run, name=f"run {run.run_id} (re-adopted)")
             if self._pool is not None:
                 await nursery.start(self._pool.run)
             self._accepting = True
@@ -112,7 +109,7 @@ class RunManager:
 
     async def recover(self) -> list[_Run]:
         """Re-adopt or lose the runs a previous daemon left live (called by ``run``)."""
-        return await _recover_runs(self)
+        return await recovery.recover_runs(self)
 
     @property
     def live_count(self) -> int:
@@ -327,16 +324,7 @@ class RunManager:
             await self._execute(run)
         except Exception as exc:
             logger.exception("run %s: supervision failed", run.run_id)
-            with trio.CancelScope(shield=True):
-                await self._finish(
-                    run,
-                    RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
-                    reason=run.token.reason or "internal",
-                    result=run.partial,
-                    partial=run.partial is not None,
-                    error={"code": "internal", "message": f"supervision failed: {exc!r}"},
-                    receipt=self._receipt_head(run),
-                )
+            await self._finish_internal_error(run, exc, self._receipt_head(run))
         finally:
             if acquired:
                 self._limiter.release_on_behalf_of(run)
@@ -418,7 +406,7 @@ class RunManager:
     async def _conclude(self, run: _Run, code: int | None, receipt: dict[str, Any]) -> None:
         result = decode_result(bytes(run.stdout))
         if isinstance(result, BadLine) and run.run_dir is not None:
-            result = _read_result_file(run.run_dir / "result.json")
+            result = recovery.read_result_file(run.run_dir / "result.json")
         full_receipt = {**self._receipt_head(run), "exit_code": code, "path_b": receipt}
         if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
             full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
@@ -469,63 +457,17 @@ class RunManager:
             receipt=full_receipt,
         )
 
-    async def _adopted_lifecycle(self, run: _Run) -> None:
-        """A run re-adopted after a restart: no pipes; its events come from events.jsonl."""
-        tree = run.tree
-        assert tree is not None
-        receipt: dict[str, Any] = {}
-        try:
-            async with trio.open_nursery() as io:
-                io.start_soon(self._tail_events_file, run, tree)
-                if run.timeout_s is not None:
-                    io.start_soon(self._timeout, run, run.timeout_s)
-                with trio.CancelScope() as run.scope:
-                    if run.token.cancelled:
-                        run.scope.cancel()
-                    try:
-                        await process.wait_leader(tree)
-                    finally:
-                        with trio.CancelScope(shield=True):
-                            receipt = (await process.terminate_and_kill(tree, grace_s=self.config.grace_s)).to_dict()
-                io.cancel_scope.cancel()
-            await self._tail_events_file(run, tree, follow=False)
-            await self._conclude(run, None, receipt)
-        except Exception as exc:
-            logger.exception("run %s: supervision of a re-adopted run failed", run.run_id)
-            await self._finish(
-                run,
-                RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
-                reason=run.token.reason or "internal",
-                result=run.partial,
-                partial=run.partial is not None,
-                error={"code": "internal", "message": f"supervision failed: {exc!r}"},
-                receipt=receipt,
-            )
-        finally:
-            if run.run_dir is not None:
-                await trio.to_thread.run_sync(remove_dir, run.run_dir)
-            self.containment.remove(tree)
-
-    async def _tail_events_file(self, run: _Run, tree: process.AnyTree, *, follow: bool = True) -> None:
-        """Read the events a runner appends to events.jsonl once its stderr is gone."""
-        if run.run_dir is None:
-            return
-        path = run.run_dir / "events.jsonl"
-        splitter = LineSplitter()
-        while True:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(run.tail_offset)
-                    data = f.read()
-            except OSError:
-                data = b""
-            if data:
-                run.tail_offset += len(data)
-                for item in splitter.feed(data):
-                    await self._on_item(run, tree, item)
-            if not follow:
-                return
-            await trio.sleep(TAIL_POLL_S)
+    async def _finish_internal_error(self, run: _Run, exc: Exception, receipt: dict[str, Any]) -> None:
+        """A bug in supervision still ends the run once: cancelled if a stop was asked."""
+        await self._finish(
+            run,
+            RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+            reason=run.token.reason or "internal",
+            result=run.partial,
+            partial=run.partial is not None,
+            error={"code": "internal", "message": f"supervision failed: {exc!r}"},
+            receipt=receipt,
+        )
 
     def _receipt_head(self, run: _Run) -> dict[str, Any]:
         return {
@@ -679,66 +621,6 @@ class RunManager:
             run.done.set()
 
 
-# ---------------------------------------------------------------------- recovery
-
-
-async def _recover_runs(self: RunManager) -> list[_Run]:
-    """Runs a previous daemon left live: re-adopt the provably same, sweep and lose the rest."""
-    adopted: list[_Run] = []
-    for row in await self.journal.live_runs():
-        run_id = row["id"]
-        pid, tree_id = row["pid"], row["tree_id"]
-        if pid is None or tree_id is None:
-            await self.journal.mark_lost(run_id, reason="the daemon restarted before the run's process started")
-            logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
-            continue
-        groups = [g["pgid"] for g in row["groups"] if g["alive"]]
-        found = await trio.to_thread.run_sync(
-            functools.partial(
-                process.find_tree,
-                tree_id,
-                pid=pid,
-                start_time=row["pid_start_time"],
-                cgroup=row["cgroup"],
-                groups=groups,
-                containment=row["containment"],
-            )
-        )
-        run = _Run(
-            run_id=run_id,
-            session_id=row["session_id"],
-            spec=row["spec"],
-            timeout_s=row["timeout_s"],
-            token=CancelToken(run_id),
-            state=RunState(row["state"]),
-            run_dir=Path(row["run_dir"]) if row["run_dir"] else None,
-            tree=found.tree,
-            partial=row["partial_snapshot"],
-            readopted=True,
-        )
-        if found.leader_alive:
-            logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
-            self._live[run_id] = run
-            await self._record(run, "daemon", {"note": "re-adopted after a daemon restart", "members": found.members})
-            adopted.append(run)
-            continue
-        stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
-        result = _read_result_file(run.run_dir / "result.json") if run.run_dir else None
-        snapshot = result if isinstance(result, dict) else row["partial_snapshot"]
-        await self.journal.mark_lost(
-            run_id,
-            reason="the runner was gone when the daemon restarted",
-            partial_result=snapshot,
-        )
-        await self.journal.set_receipt(run_id, {"recovery": stop.to_dict(), "swept": found.members})
-        await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
-        if run.run_dir is not None:
-            await trio.to_thread.run_sync(remove_dir, run.run_dir)
-        self.containment.remove(found.tree)
-        logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
-    return adopted
-
-
 def _validate_spec(spec: dict[str, Any]) -> None:
     """Reject a bad spec at spawn time, with the runner's own validator (stdlib only)."""
     try:
@@ -757,14 +639,6 @@ def _validate_spec(spec: dict[str, Any]) -> None:
             check_browser(spec["browser"])
         except BrowserSetupError as exc:
             raise SpawnError(f"invalid run spec: browser: {exc}") from exc
-
-
-def _read_result_file(path: Path) -> dict[str, Any] | BadLine:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return BadLine(text="", problem="no result on stdout and no result.json")
-    return decode_result(data)
 
 
 def _exit_name(code: int | None) -> str:

@@ -1,0 +1,152 @@
+"""Runs a previous daemon left live: re-adopted when provably the same, otherwise lost.
+
+At start the journal's live runs are checked against the process table: a runner whose
+pid still runs with the recorded start time is re-adopted (its pipes went with the old
+daemon, so its events are read from ``events.jsonl`` in its run dir and its result from
+``result.json``; both cancel paths still reach its tree); any other run's leftovers are
+swept and it is marked ``lost`` with its last partial result. Nothing terminal changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from subagent.events import BadLine, decode_result
+from supervisor import process
+from supervisor.pool import remove_dir
+from supervisor.progress import LineSplitter
+from supervisor.states import RunState
+from supervisor.token import CancelToken
+
+if TYPE_CHECKING:
+    from supervisor.runs import RunManager, _Run
+
+__all__ = ["recover_runs", "adopted_lifecycle", "read_result_file"]
+
+logger = logging.getLogger(__name__)
+
+# How often a re-adopted run's events.jsonl is read (its stderr went with the old daemon).
+TAIL_POLL_S = 0.2
+
+
+async def recover_runs(self: RunManager) -> list[_Run]:
+    """Runs a previous daemon left live: re-adopt the provably same, sweep and lose the rest."""
+    adopted: list[_Run] = []
+    for row in await self.journal.live_runs():
+        run_id = row["id"]
+        pid, tree_id = row["pid"], row["tree_id"]
+        if pid is None or tree_id is None:
+            await self.journal.mark_lost(run_id, reason="the daemon restarted before the run's process started")
+            logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
+            continue
+        groups = [g["pgid"] for g in row["groups"] if g["alive"]]
+        found = await trio.to_thread.run_sync(
+            functools.partial(
+                process.find_tree,
+                tree_id,
+                pid=pid,
+                start_time=row["pid_start_time"],
+                cgroup=row["cgroup"],
+                groups=groups,
+                containment=row["containment"],
+            )
+        )
+        from supervisor.runs import _Run as Run
+
+        run = Run(
+            run_id=run_id,
+            session_id=row["session_id"],
+            spec=row["spec"],
+            timeout_s=row["timeout_s"],
+            token=CancelToken(run_id),
+            state=RunState(row["state"]),
+            run_dir=Path(row["run_dir"]) if row["run_dir"] else None,
+            tree=found.tree,
+            partial=row["partial_snapshot"],
+            readopted=True,
+        )
+        if found.leader_alive:
+            logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
+            self._live[run_id] = run
+            await self._record(run, "daemon", {"note": "re-adopted after a daemon restart", "members": found.members})
+            adopted.append(run)
+            continue
+        stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
+        result = read_result_file(run.run_dir / "result.json") if run.run_dir else None
+        snapshot = result if isinstance(result, dict) else row["partial_snapshot"]
+        await self.journal.mark_lost(
+            run_id,
+            reason="the runner was gone when the daemon restarted",
+            partial_result=snapshot,
+        )
+        await self.journal.set_receipt(run_id, {"recovery": stop.to_dict(), "swept": found.members})
+        await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
+        if run.run_dir is not None:
+            await trio.to_thread.run_sync(remove_dir, run.run_dir)
+        self.containment.remove(found.tree)
+        logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
+    return adopted
+
+
+async def adopted_lifecycle(self: RunManager, run: _Run) -> None:
+    """A run re-adopted after a restart: no pipes; its events come from events.jsonl."""
+    tree = run.tree
+    assert tree is not None
+    receipt: dict[str, Any] = {}
+    try:
+        async with trio.open_nursery() as io:
+            io.start_soon(tail_events_file, self, run, tree)
+            if run.timeout_s is not None:
+                io.start_soon(self._timeout, run, run.timeout_s)
+            with trio.CancelScope() as run.scope:
+                if run.token.cancelled:
+                    run.scope.cancel()
+                try:
+                    await process.wait_leader(tree)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        receipt = (await process.terminate_and_kill(tree, grace_s=self.config.grace_s)).to_dict()
+            io.cancel_scope.cancel()
+        await tail_events_file(self, run, tree, follow=False)
+        await self._conclude(run, None, receipt)
+    except Exception as exc:
+        logger.exception("run %s: supervision of a re-adopted run failed", run.run_id)
+        await self._finish_internal_error(run, exc, receipt)
+    finally:
+        if run.run_dir is not None:
+            await trio.to_thread.run_sync(remove_dir, run.run_dir)
+        self.containment.remove(tree)
+
+async def tail_events_file(self: RunManager, run: _Run, tree: process.AnyTree, *, follow: bool = True) -> None:
+    """Read the events a runner appends to events.jsonl once its stderr is gone."""
+    if run.run_dir is None:
+        return
+    path = run.run_dir / "events.jsonl"
+    splitter = LineSplitter()
+    while True:
+        try:
+            with open(path, "rb") as f:
+                f.seek(run.tail_offset)
+                data = f.read()
+        except OSError:
+            data = b""
+        if data:
+            run.tail_offset += len(data)
+            for item in splitter.feed(data):
+                await self._on_item(run, tree, item)
+        if not follow:
+            return
+        await trio.sleep(TAIL_POLL_S)
+
+
+def read_result_file(path: Path) -> dict[str, Any] | BadLine:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return BadLine(text="", problem="no result on stdout and no result.json")
+    return decode_result(data)
