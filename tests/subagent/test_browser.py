@@ -595,8 +595,8 @@ async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
     tmp_path: pathlib.Path, no_process_left_behind: str
 ) -> None:
     """A wedged browser: every Chromium process stopped, then SIGTERM. The running navigation
-    times out (5 s here: the browser is stopped within ms of its request, far inside that), the run is cancelled, and the runner ends the whole browser,
-    including the helpers that lost the env marker."""
+    times out (5 s here; the browser is stopped within ms of its request), the run is
+    cancelled, and the runner ends the whole browser, helpers that lost the env marker too."""
     from tests import browser_support as bs
     from tests import conftest
 
