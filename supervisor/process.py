@@ -426,7 +426,7 @@ def _windows_fire(cmd: list[str]) -> str:
 # ----------------------------------------------------------------------------- path B
 
 
-async def terminate_and_kill(tree: AnyTree, *, grace_s: float) -> StopReceipt:
+async def terminate_and_kill(tree: AnyTree, *, grace_s: float, sigterm_sent: bool = False) -> StopReceipt:
     """Path B: SIGTERM, grace, SIGKILL the whole tree, confirm death, reap. Never raises.
 
     Safe to call under a cancelled scope and more than once: it runs shielded, under its
@@ -436,6 +436,8 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float) -> StopReceipt:
     Args:
         tree: a spawned or re-adopted tree.
         grace_s: how long the runner may take to exit after SIGTERM.
+        sigterm_sent: path A already sent the runner's group SIGTERM: do not send a second
+            one (two can reach the runner apart; one stop must look like one).
 
     Returns:
         The receipt: signals sent (to what, when), escalation, effective grace, when the
@@ -454,11 +456,16 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float) -> StopReceipt:
     margin = TERMINATE_MARGIN_S if _POSIX else WINDOWS_TERMINATE_MARGIN_S
     with trio.move_on_after(grace_s + margin, shield=True) as scope:
         if _POSIX:
-            await _posix_terminate(tree, grace_s, receipt)
+            await _posix_terminate(tree, grace_s, receipt, sigterm_sent)
         else:
             await _windows_terminate(tree, grace_s, receipt)
     if scope.cancelled_caught:
         receipt.timed_out = True
+        if _POSIX:  # late is bad, leaky is worse: one last kill that needs no scan
+            if tree.cgroup is not None:
+                _cgroup_kill(tree.cgroup)
+            for g in _live_groups(tree):
+                _killpg(g, signal.SIGKILL)
         if _POSIX and not receipt.survivors:
             receipt.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
         logger.warning("tree %s: stop routine hit its deadline; survivors %s", tree.tree_id, receipt.survivors)
@@ -469,7 +476,7 @@ def _describe(p: Proc) -> dict[str, Any]:
     return {"pid": p.pid, "cmdline": _cmdline(p.pid), "state": p.state}
 
 
-async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> None:
+async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigterm_sent: bool = False) -> None:
     def at() -> float:
         return trio.current_time() - r.started_at
 
@@ -477,7 +484,10 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> Non
         r.signals.append(SignalSent(sig, target, str(ident), round(at(), 4), result, what))
 
     if _leader_alive(tree):
-        record("SIGTERM", "group", tree.pgid, _killpg(tree.pgid, signal.SIGTERM))
+        if sigterm_sent:
+            record("SIGTERM", "group", tree.pgid, "sent by path A")
+        else:
+            record("SIGTERM", "group", tree.pgid, _killpg(tree.pgid, signal.SIGTERM))
         with trio.move_on_after(grace_s):
             await wait_leader(tree)
         r.waited_s = round(at(), 4)

@@ -385,7 +385,9 @@ class RunManager:
                         # Path B (scope cancelled) or the runner ended by itself: either
                         # way the whole tree is ended and confirmed dead, shielded, bounded.
                         with trio.CancelScope(shield=True):
-                            stop = await process.terminate_and_kill(tree, grace_s=self.config.grace_s)
+                            stop = await process.terminate_and_kill(
+                                tree, grace_s=self.config.grace_s, sigterm_sent=bool(run.path_a)
+                            )
                             receipt = stop.to_dict()
             if run.pipes_held_open:
                 receipt["pipes_held_open"] = True

@@ -95,6 +95,9 @@ async def test_a_child_that_ignores_sigterm_is_killed_at_the_grace_and_keeps_its
     assert st["result"]["progress"] == "step 1 done. step 2 done. step 3 done. "
     receipt = st["receipt"]["path_b"]
     assert receipt["escalated"] is True
+    # One stop, one SIGTERM: path A sent it, path B only waited the grace and killed.
+    assert [x["result"] for x in receipt["signals"] if x["signal"] == "SIGTERM"] == ["sent by path A"]
+    assert st["receipt"]["path_a"] and st["receipt"]["path_a"][0].startswith("SIGTERM group")
     assert tree_alive(st["tree_id"]) == []
 
 
