@@ -201,3 +201,19 @@ def test_env_file_is_created_once_and_kept(tmp_path: Path) -> None:
     subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
     assert env.read_text() == "AGENTD_GRACE_S=3\n"
     assert f"EnvironmentFile=-{env}\n" in (tmp_path / "u" / "agentd.service").read_text()
+
+
+def test_a_python_under_tmp_is_bound_into_the_private_tmp(analyze: None, tmp_path: Path) -> None:
+    # tmp_path is under /tmp, which PrivateTmp=yes replaces with an empty one for the service.
+    python = tmp_path / "prefix" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    fake = tmp_path / "venv" / "bin" / "agentd"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f"#!{python}\n")
+    fake.chmod(0o755)
+    install(tmp_path / "units", "--agentd", str(fake))
+    text = (tmp_path / "units" / "agentd.service").read_text()
+    assert f"PrivateTmp=yes\nBindReadOnlyPaths={tmp_path / 'prefix'}\n" in text
+    assert verify(tmp_path / "units" / "agentd.service") == (0, "")
