@@ -170,6 +170,9 @@ async def run(
     ``early_stop()``: whether a SIGTERM came before trio's signal receiver took over.
     """
     run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
+    if run_id:
+        # A warm runner was started before its run had an id: pass it on to every child.
+        os.environ["AGENTD_RUN_ID"] = run_id
     emitter.run_id = run_id
     stop = StopControl(
         on_first_stop=lambda reason, during: emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during)

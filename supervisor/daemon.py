@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = "daemon.lock"
 # How often the STATUS= line for systemd is refreshed.
-STATUS_INTERVAL_S = 5.0
+STATUS_INTERVAL_S = 1.0
 
 
 async def serve(
@@ -117,6 +117,6 @@ async def _status_loop(notifier: _sdnotify.Notifier, manager: RunManager) -> Non
     while True:
         n = manager.live_count
         if n != last:
-            notifier.send(f"STATUS=running, {n} live runs")
+            notifier.send(f"STATUS=running, {n} live run{'' if n == 1 else 's'}")
             last = n
         await trio.sleep(STATUS_INTERVAL_S)

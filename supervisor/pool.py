@@ -87,6 +87,7 @@ class WarmPool:
         self.size = config.pool_size
         self._ready: collections.deque[Warm] = collections.deque()
         self._dead: list[Warm] = []
+        self._starting: Warm | None = None
         self._wake = trio.Event()
 
     @property
@@ -117,7 +118,9 @@ class WarmPool:
                         logger.warning("warm pool: could not start a runner: %s", exc)
                         await trio.sleep(RESPAWN_BACKOFF_S)
                         continue
+                    self._starting = warm  # buried at shutdown if still getting ready
                     ready = await _wait_ready(warm)
+                    self._starting = None
                     if ready is None:
                         self._dead.append(warm)
                         await trio.sleep(RESPAWN_BACKOFF_S)
@@ -133,6 +136,9 @@ class WarmPool:
                         self._dead.append(w)
         finally:
             with trio.CancelScope(shield=True):
+                if self._starting is not None:
+                    self._dead.append(self._starting)
+                    self._starting = None
                 self._dead.extend(self._ready)
                 self._ready.clear()
                 await self._bury()

@@ -338,7 +338,9 @@ class RunManager:
         warm = self._pool.take() if self._pool is not None else None
         if warm is None:
             try:
-                warm = await new_tree(self.config, self.containment, warm=False)
+                warm = await new_tree(
+                    self.config, self.containment, warm=False, extra_env={"AGENTD_RUN_ID": run.run_id}
+                )
             except (OSError, SpawnError) as exc:
                 logger.warning("run %s: could not start the runner: %s", run.run_id, exc)
                 await self._finish(

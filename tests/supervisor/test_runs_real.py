@@ -91,3 +91,22 @@ async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steerin
     assert "gate open" in calls[0]["output"]
     assert st["result"]["unapplied_steering"] == ["do more"]
     assert st["receipt"]["path_b"]["escalated"] is False
+
+
+@pytest.mark.parametrize("pool_size", [0, 1])
+async def test_the_runs_id_reaches_its_commands_cold_or_warm(tmp_path: Path, pool_size: int) -> None:
+    config = Config.load(state_dir=tmp_path / "state", grace_s=5, pool_size=pool_size, environ={})
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "echo id=$AGENTD_RUN_ID"}}]}]}
+    stop = trio.Event()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+            m: RunManager = info["manager"]
+            if pool_size:
+                while m._pool is None or m._pool.ready < 1:
+                    await trio.sleep(0.05)
+            r = await m.spawn({"task": "t", "model": {"provider": "scripted", "script": script}})
+            st = await m.wait_terminal(r["run_id"])
+            stop.set()
+    assert st["state"] == "completed"
+    assert f"id={r['run_id']}" in st["tool_calls"][0]["output"]
