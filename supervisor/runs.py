@@ -469,7 +469,7 @@ class RunManager:
             reason=run.token.reason or "internal",
             result=run.partial,
             partial=run.partial is not None,
-            error={"code": "internal", "message": f"supervision failed: {exc!r}"},
+            error={"code": "internal", "message": f"supervision failed: {_leaf_errors(exc)}"},
             receipt=receipt,
         )
 
@@ -623,6 +623,13 @@ class RunManager:
             run.subscribers.clear()
             self._live.pop(run.run_id, None)
             run.done.set()
+
+
+def _leaf_errors(exc: BaseException) -> str:
+    """What actually failed inside an exception group, for the run's record."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_leaf_errors(e) for e in exc.exceptions)
+    return repr(exc)
 
 
 def _validate_spec(spec: dict[str, Any]) -> None:
