@@ -85,15 +85,20 @@ def endpoint_url(host: str, port: int) -> str:
 
 
 def write_endpoint(
-    path: Path | str, *, host: str, port: int, pid: int | None = None
+    path: Path | str, *, host: str, port: int, pid: int | None = None, dashboard_url: str | None = None
 ) -> dict[str, Any]:
-    """Publish where the daemon listens: ``{"url", "host", "port", "pid"}``. Returns it."""
-    info = {
+    """Publish where the daemon listens: ``{"url", "host", "port", "pid"}``. Returns it.
+
+    ``dashboard_url``, when the daemon serves its web dashboard, is published too.
+    """
+    info: dict[str, Any] = {
         "url": endpoint_url(host, port),
         "host": host,
         "port": port,
         "pid": os.getpid() if pid is None else pid,
     }
+    if dashboard_url is not None:
+        info["dashboard_url"] = dashboard_url
     _write_atomic(Path(path), (json.dumps(info) + "\n").encode(), 0o644)
     return info
 

@@ -654,5 +654,43 @@ def list_(obj: Obj, state: str | None, session_id: str | None, limit: int) -> No
     obj.emit({"runs": runs}, lambda: _table(runs) if runs else click.echo("no runs"))
 
 
+
+# ----------------------------------------------------------------------------- dashboard
+
+
+@cli.command()
+@click.option("--open", "open_browser", is_flag=True, help="Also open the link in a web browser ($BROWSER).")
+@pass_obj
+def dashboard(obj: Obj, open_browser: bool) -> None:
+    """Print a one-time login link to the daemon's web dashboard."""
+    from supervisor import _dashlink
+    from supervisor._statefiles import read_endpoint
+    from supervisor.client import locate
+    from supervisor.config import ENDPOINT_FILE, default_state_dir
+
+    state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
+    _, token = locate(state_dir)
+    try:
+        dashboard_url = read_endpoint(state_dir / ENDPOINT_FILE).get("dashboard_url")
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read the daemon's endpoint: {exc}", ExitCode.NO_DAEMON) from exc
+    if not isinstance(dashboard_url, str):
+        raise CliError("this daemon serves no dashboard (its config says dashboard = \"off\")", ExitCode.REFUSED)
+    url = _dashlink.login_url(dashboard_url, _dashlink.mint_login_token(token))
+    opened: bool | None = None
+    if open_browser:
+        import webbrowser
+
+        opened = webbrowser.open(url)
+
+    def human() -> None:
+        click.echo(url)
+        click.echo(f"(a one-time link, valid {_dashlink.LOGIN_TTL_S // 60} minutes)", err=True)
+        if opened is False:
+            click.echo("could not open a browser: open the link above by hand", err=True)
+
+    obj.emit({"url": url, "expires_in_s": _dashlink.LOGIN_TTL_S, "opened": opened}, human)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

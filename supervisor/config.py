@@ -62,6 +62,10 @@ class Config:
     runs_dir: Path | None = None
     # Use a cgroup v2 per run where one can be created ("auto"), never ("off").
     cgroups: str = "auto"
+    # The web dashboard ("on": served on `host`, its URL published in daemon.json; "off").
+    dashboard: str = "on"
+    # The dashboard's port; 0: an ephemeral port, published in <state_dir>/daemon.json.
+    dashboard_port: int = 0
 
     @property
     def token_path(self) -> Path:
@@ -133,7 +137,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
         try:
             if f.name in {"state_dir", "runs_dir"}:
                 v = None if v in (None, "") else Path(v)
-            elif f.name in {"port", "max_concurrent", "pool_size", "max_message_bytes"}:
+            elif f.name in {"port", "max_concurrent", "pool_size", "max_message_bytes", "dashboard_port"}:
                 v = int(v)
                 if v < 0:
                     raise ValueError("must be >= 0")
@@ -154,6 +158,10 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 v = str(v)
                 if v not in {"auto", "off"}:
                     raise ValueError("expected 'auto' or 'off'")
+            elif f.name == "dashboard":
+                v = {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else str(v)
+                if v not in {"on", "off"}:
+                    raise ValueError("expected 'on' or 'off'")
             else:
                 v = str(v)
         except (TypeError, ValueError) as exc:

@@ -2,7 +2,9 @@
 
 Access: every handshake presents the daemon's token (``Authorization: Bearer`` or
 ``?token=``), compared in constant time; a browser ``Origin`` not on
-``Config.allowed_origins`` is refused with 403, a missing or wrong token with 401.
+``Config.allowed_origins`` is refused with 403, a missing or wrong token with 401. The
+daemon's own dashboard page is let in by its session cookie instead of the token
+(``session_ok``: its origin and a signed-in session, see ``supervisor.dashboard``).
 A malformed, oversized or unknown message gets an error reply and a handler's bug an
 ``internal`` one: nothing a client sends ends the connection or the daemon (only a frame
 above the hard cap, which trio-websocket closes with 1009). A connection that goes away
@@ -22,6 +24,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -83,6 +86,10 @@ MAX_EMPTY_REOPENS: Final = 3
 RECEIVE_BYTES: Final = 64 * 1024
 
 
+# session_ok(origin, cookie_header) -> bool: see check_access.
+SessionCheck = Callable[[str, str | None], bool]
+
+
 def hard_message_cap(config: Config) -> int:
     return max(HARD_CAP_MIN_BYTES, config.max_message_bytes * HARD_CAP_FACTOR)
 
@@ -93,16 +100,28 @@ def check_access(
     *,
     token: str | None,
     allowed_origins: tuple[str, ...],
+    session_ok: SessionCheck | None = None,
 ) -> tuple[int, str] | None:
-    """Decide a handshake. Returns None to accept, or ``(http_status, reason)`` to refuse."""
+    """Decide a handshake. Returns None to accept, or ``(http_status, reason)`` to refuse.
+
+    ``session_ok(origin, cookie_header)``, when given, accepts a browser that presents no
+    token but a dashboard session from the dashboard's own origin.
+    """
     origin: str | None = None
     auth: str | None = None
+    cookie: str | None = None
     for name, value in headers:
         key = name.decode("latin-1").lower()
         if key == "origin":
             origin = value.decode("latin-1").strip()
         elif key == "authorization":
             auth = value.decode("latin-1").strip()
+        elif key == "cookie":
+            # Browsers send one Cookie header; should there be several, join them.
+            text = value.decode("latin-1")
+            cookie = text if cookie is None else f"{cookie}; {text}"
+    if session_ok is not None and origin is not None and session_ok(origin, cookie):
+        return None
     if origin is not None:
         allowed = {o.rstrip("/").lower() for o in allowed_origins}
         if origin.rstrip("/").lower() not in allowed:
@@ -165,10 +184,17 @@ class _Gone(Exception):
 
 
 class _Server:
-    def __init__(self, config: Config, backend: protocol.Backend, tokens: _TokenSource) -> None:
+    def __init__(
+        self,
+        config: Config,
+        backend: protocol.Backend,
+        tokens: _TokenSource,
+        session_ok: SessionCheck | None = None,
+    ) -> None:
         self.config = config
         self.backend = backend
         self.tokens = tokens
+        self.session_ok = session_ok
         self.started_at = time.time()
         self.port = 0
         self.connections = 0
@@ -183,6 +209,7 @@ class _Server:
                 request.path,
                 token=self.tokens.get(),
                 allowed_origins=self.config.allowed_origins,
+                session_ok=self.session_ok,
             )
             if refusal is not None:
                 status, reason = refusal
@@ -528,6 +555,7 @@ async def serve_control(
     backend: protocol.Backend,
     *,
     token: str | None = None,
+    session_ok: SessionCheck | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control socket on ``config.host:config.port`` until cancelled.
@@ -537,6 +565,7 @@ async def serve_control(
         backend: the run manager.
         token: the token clients must present; None: the one in ``config.token_path``,
             re-read when the file changes (a connection before it exists is refused).
+        session_ok: accepts a dashboard session instead of the token (``check_access``).
         task_status: started with the bound port once connections are accepted.
     """
     listeners = await trio.open_tcp_listeners(config.port, host=config.host or None)
@@ -546,7 +575,7 @@ async def serve_control(
         for extra in listeners[1:]:
             await extra.aclose()
         listeners = listeners[:1]
-    server = _Server(config, backend, _TokenSource(config.token_path, token))
+    server = _Server(config, backend, _TokenSource(config.token_path, token), session_ok)
     server.port = listeners[0].socket.getsockname()[1]
     ws_server = WebSocketServer(
         server.handle,

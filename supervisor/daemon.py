@@ -1,8 +1,8 @@
 """The daemon: journal, containment, run manager, control socket, signals, shutdown.
 
 ``serve`` owns every long-lived task. Start-up order: state dir, journal, containment,
-recovery of runs left by a previous daemon, the runs nursery, the control socket, then
-READY=1 to systemd. On SIGTERM/SIGINT (or ``stop`` set, for in-process use): STOPPING=1,
+recovery of runs left by a previous daemon, the runs nursery, the control socket, the web
+dashboard (unless ``dashboard = "off"``), then READY=1 to systemd. On SIGTERM/SIGINT (or ``stop`` set, for in-process use): STOPPING=1,
 no more spawns, every run cancelled through both paths and its terminal fact written,
 then everything closes. The daemon never dies of a client's mistake: the control socket
 turns those into error replies.
@@ -80,13 +80,36 @@ async def _serve_locked(
             await nursery.start(containment.run)
             await nursery.start(manager.run)
             token = _statefiles.write_token(config.token_path)
-            port = await nursery.start(functools.partial(control.serve_control, config, manager, token=token))
-            endpoint = _statefiles.write_endpoint(config.endpoint_path, host=config.host, port=port, pid=os.getpid())
+            sessions = None
+            if config.dashboard == "on":
+                from supervisor import dashboard
+
+                sessions = dashboard.Sessions(token)
+            port = await nursery.start(
+                functools.partial(
+                    control.serve_control,
+                    config,
+                    manager,
+                    token=token,
+                    session_ok=sessions.handshake_ok if sessions is not None else None,
+                )
+            )
+            dashboard_url = None
+            if sessions is not None:
+                dash_port = await nursery.start(
+                    functools.partial(dashboard.serve_dashboard, config, sessions, control_port=port)
+                )
+                dashboard_url = dashboard.dashboard_url(config.host, dash_port)
+            endpoint = _statefiles.write_endpoint(
+                config.endpoint_path, host=config.host, port=port, pid=os.getpid(), dashboard_url=dashboard_url
+            )
             logger.info("agentd listening on %s (state dir %s)", endpoint["url"], config.state_dir)
             notifier.send("READY=1", f"STATUS=listening on {endpoint['url']}, 0 live runs")
             await nursery.start(_sdnotify.watchdog_loop, notifier)
             nursery.start_soon(_status_loop, notifier, manager)
-            task_status.started({"port": port, "url": endpoint["url"], "token": token, "manager": manager})
+            task_status.started(
+                {"port": port, "url": endpoint["url"], "token": token, "manager": manager, "dashboard_url": dashboard_url}
+            )
             await _wait_for_stop(stop)
             logger.info("agentd stopping: cancelling %d live runs", manager.live_count)
             notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {manager.live_count} runs")

@@ -1,0 +1,105 @@
+// One run's events as list items: one <li> per journal event, carrying its seq, so what
+// the page shows can be compared with the journal. Unknown kinds (added by later daemons)
+// are shown with their data, never dropped.
+
+import { fmtClock, fmtDuration, h, short } from "./dom.js";
+
+const TOOL_MARK = {
+  running: "▶",
+  succeeded: "✔",
+  failed: "✖",
+  cancelled: "■",
+  unknown: "?",
+  not_started: "∅",
+};
+
+export function toolLine(rec) {
+  const bits = [`${TOOL_MARK[rec.state] ?? "•"} ${rec.name}`];
+  if (rec.state === "running") bits.push(short(rec.arguments, 160));
+  else bits.push(rec.state.replace("_", " "));
+  if (rec.started_at && rec.finished_at) bits.push(`in ${fmtDuration(rec.finished_at - rec.started_at)}`);
+  return bits.join(" ");
+}
+
+function toolBody(rec) {
+  const parts = [];
+  if (rec.reason) parts.push(h("span", { class: "reason", text: rec.reason }));
+  if (rec.error) parts.push(h("span", { class: "reason", text: `error: ${rec.error}` }));
+  if (rec.output !== null && rec.output !== undefined && rec.state !== "running") {
+    parts.push(
+      h(
+        "details",
+        {},
+        h("summary", { text: `Output${rec.output_truncated ? " (truncated)" : ""}` }),
+        h("pre", { text: rec.output }),
+      ),
+    );
+  }
+  return parts;
+}
+
+const STEERING_TEXT = {
+  queued: "queued",
+  applied: "applied",
+  unapplied: "never applied",
+};
+
+/** The human text and extra nodes for one event. */
+export function describe(ev) {
+  const d = ev.data ?? {};
+  switch (ev.kind) {
+    case "state": {
+      let text = `State: ${d.state}`;
+      if (d.reason) text += ` (${d.reason})`;
+      if (d.partial) text += " · partial result kept";
+      return { text };
+    }
+    case "runner_started":
+      return { text: `Runner started: pid ${d.pid}, model ${d.provider ?? "?"}` };
+    case "step_started":
+      return { text: `Step ${d.step}` };
+    case "assistant_text":
+      return {
+        text: `Model text, step ${d.step}${d.complete === false ? " (cut)" : ""}`,
+        extra: [h("span", { class: "text", text: d.text ?? "" })],
+      };
+    case "tool_call": {
+      const rec = d.record ?? {};
+      return { text: toolLine(rec), extra: toolBody(rec) };
+    }
+    case "process_group":
+      return {
+        text: `${d.kind ?? "process"} group ${d.pgid} ${d.alive === false ? "ended" : "started"}: ${short(d.name, 100)}`,
+      };
+    case "step_snapshot":
+      return { text: `Partial result saved after step ${d.step}` };
+    case "stop_requested": {
+      const during = { tool: "a tool call", model: "a model request (aborted)", idle: "no work" }[d.during] ?? d.during;
+      return { text: `The runner got the stop (${d.reason}) during ${during}` };
+    }
+    case "steering":
+      return { text: `Steering ${STEERING_TEXT[d.state] ?? d.state}${d.step ? ` at step ${d.step}` : ""}: ${short(d.text, 200)}` };
+    case "steer_sent":
+      return { text: `Steering sent: ${short(d.text, 200)}` };
+    case "log":
+      return { text: `Log ${d.level ?? ""}: ${short(d.message, 300)}` };
+    case "stderr":
+      return { text: `Runner stderr${d.problem ? ` (${d.problem})` : ""}: ${short(d.text, 300)}` };
+    default:
+      return { text: `${ev.kind}: ${short(JSON.stringify(d), 300)}` };
+  }
+}
+
+export function renderEvent(ev) {
+  const { text, extra } = describe(ev);
+  const attrs = { dataset: { seq: String(ev.seq), kind: ev.kind } };
+  if (ev.kind === "state") attrs.dataset.state = ev.data?.state ?? "";
+  return h(
+    "li",
+    attrs,
+    h("span", { class: "seq", text: `#${ev.seq}` }),
+    h("time", { class: "time", text: fmtClock(ev.ts) }),
+    h("span", { class: "what", text }),
+    extra ?? [],
+  );
+}

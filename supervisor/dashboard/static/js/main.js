@@ -1,0 +1,40 @@
+// The dashboard's entry point: one connection to the control socket, two views, a router.
+//
+// Routes (in the address's #fragment, so a reload stays where it was):
+//   #/                       the runs list (#/?state=running&session=s1 filters it)
+//   #/run/<run id>           one run
+// A session view (#/session/<id>: transcript, "New turn") comes with conversations
+// (issue 11); sessions.js holds its slot.
+
+import { Connection } from "./conn.js";
+import { RunView } from "./run.js";
+import { RunsView } from "./runs.js";
+
+const conn = new Connection(document.getElementById("conn"));
+const runsView = new RunsView(conn);
+const runView = new RunView(conn);
+
+function route() {
+  const hash = location.hash.replace(/^#/, "") || "/";
+  const [path, query = ""] = hash.split("?", 2);
+  const run = /^\/run\/([^/]+)$/.exec(path);
+  let heading;
+  if (run) {
+    runsView.unmount();
+    runView.mount(decodeURIComponent(run[1]));
+    heading = document.getElementById("run-title");
+  } else {
+    runView.unmount();
+    runsView.unmount();
+    runsView.mount(new URLSearchParams(query));
+    heading = document.getElementById("runs-title");
+  }
+  // Move focus to the new view's heading, for keyboard and screen-reader users (not on
+  // the first load: focus stays at the top of the page then).
+  if (route.started) heading.focus();
+  route.started = true;
+}
+
+window.addEventListener("hashchange", route);
+route();
+conn.start();

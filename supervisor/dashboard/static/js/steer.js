@@ -1,0 +1,110 @@
+// The steering box: extra input for a running turn, and whether each piece was applied.
+//
+// What is shown comes from the run's events (so a reload shows the same): the daemon's
+// "steer_sent" when it passed the text to the runner, then the runner's "steering" events
+// (queued, applied at step N, or never applied when the run ended first). Steering carries
+// no id, so events are matched to what was sent by text, first in first out. A refusal
+// (the run is stopping or ended) is not journaled: it is shown from the reply.
+
+import { clear, h } from "./dom.js";
+
+const LABEL = {
+  refused: "not accepted",
+  sent: "sent",
+  queued: "queued for the next step",
+  applied: "applied",
+  unapplied: "never applied (the run ended first)",
+  unknown: "sent; connection lost before the answer",
+};
+
+export class SteerModel {
+  constructor() {
+    this.items = []; // {text, state, step, why}
+  }
+
+  feed(ev) {
+    const d = ev.data ?? {};
+    if (ev.kind === "steer_sent") {
+      this.items.push({ text: d.text, state: "sent", step: null });
+      return true;
+    }
+    if (ev.kind !== "steering") return false;
+    const order = ["sent", "queued", "applied", "unapplied"];
+    const target = order.indexOf(d.state);
+    // The oldest item with this text that has not reached this state yet.
+    let item = this.items.find((it) => it.text === d.text && order.indexOf(it.state) < target && order.indexOf(it.state) >= 0);
+    if (!item) {
+      item = { text: d.text, state: d.state, step: null };
+      this.items.push(item);
+    }
+    item.state = d.state;
+    if (d.step) item.step = d.step;
+    return true;
+  }
+}
+
+export class SteerBox {
+  constructor({ form, textarea, button, list }, { send }) {
+    this.form = form;
+    this.textarea = textarea;
+    this.button = button;
+    this.list = list;
+    this.send = send;
+    this.model = new SteerModel();
+    this.local = []; // refusals and unknown outcomes, not in the journal
+    this.live = false;
+    this.onSubmit = (e) => {
+      e.preventDefault();
+      this.submit();
+    };
+    form.addEventListener("submit", this.onSubmit);
+    this.render();
+  }
+
+  destroy() {
+    this.form.removeEventListener("submit", this.onSubmit);
+  }
+
+  setLive(live, state = null) {
+    this.live = live;
+    this.textarea.disabled = !live;
+    this.button.disabled = !live;
+    // An ended run takes no more input: the form goes, what was sent stays listed.
+    this.form.hidden = !live && state !== null && !["queued", "starting", "running", "cancelling", "awaiting_approval"].includes(state);
+  }
+
+  async submit() {
+    const text = this.textarea.value.trim();
+    if (!text || !this.live) return;
+    this.button.disabled = true;
+    try {
+      const reply = await this.send(text);
+      if (reply.accepted) {
+        this.textarea.value = "";
+      } else {
+        this.local.push({ text, state: "refused", why: reply.why ?? reply.state });
+      }
+    } catch (err) {
+      this.local.push({ text, state: err.code === "connection_lost" ? "unknown" : "refused", why: err.message });
+    } finally {
+      this.button.disabled = !this.live;
+      this.render();
+    }
+  }
+
+  feed(ev) {
+    if (this.model.feed(ev)) this.render();
+  }
+
+  render() {
+    clear(this.list);
+    for (const it of [...this.model.items, ...this.local]) {
+      let label = LABEL[it.state] ?? it.state;
+      if (it.state === "applied" && it.step) label += ` at step ${it.step}`;
+      if (it.why) label += `: ${it.why}`;
+      this.list.append(
+        h("li", { dataset: { state: it.state } }, h("span", { class: `tag tag-${it.state}`, text: label }), it.text),
+      );
+    }
+  }
+}

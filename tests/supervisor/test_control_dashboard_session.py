@@ -1,0 +1,116 @@
+"""The control socket lets the dashboard's page in by its session cookie, and no one else.
+
+The one addition to ``supervisor.control`` for the dashboard: ``session_ok`` (here the real
+``dashboard.Sessions.handshake_ok``) accepts a browser handshake that carries a signed-in
+session cookie from the dashboard's own origin, instead of the token. Everything else
+about access stays as it was: a foreign origin is refused even with a valid cookie.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import trio
+from tests.supervisor.fake_backend import FakeBackend
+from trio_websocket import open_websocket_url
+
+from supervisor import _dashlink, control
+from supervisor.config import Config
+from supervisor.dashboard import Sessions
+
+TOKEN = "control-token-for-the-session-test"
+DASH_PORT = 45678
+DASH_ORIGIN = f"http://127.0.0.1:{DASH_PORT}"
+WAIT_S = 5.0
+
+
+def signed_in_sessions() -> tuple[Sessions, str]:
+    sessions = Sessions(TOKEN)
+    sessions.bind(DASH_PORT)
+    sid = sessions.redeem(_dashlink.mint_login_token(TOKEN))
+    return sessions, f"{sessions.cookie_name}={sid}"
+
+
+def headers(origin: str | None, cookie: str | None) -> list[tuple[bytes, bytes]]:
+    out = []
+    if origin is not None:
+        out.append((b"Origin", origin.encode()))
+    if cookie is not None:
+        out.append((b"Cookie", cookie.encode()))
+    return out
+
+
+def test_check_access_takes_a_dashboard_session_from_the_dashboard_origin_instead_of_the_token() -> None:
+    sessions, cookie = signed_in_sessions()
+    check = partial(control.check_access, token=TOKEN, allowed_origins=(), session_ok=sessions.handshake_ok)
+    assert check(headers(DASH_ORIGIN, cookie), "/") is None
+    assert check(headers(f"http://localhost:{DASH_PORT}", f"theme=dark; {cookie}"), "/") is None
+
+
+def test_check_access_refuses_a_session_cookie_from_a_foreign_origin_or_without_one() -> None:
+    sessions, cookie = signed_in_sessions()
+    check = partial(control.check_access, token=TOKEN, allowed_origins=(), session_ok=sessions.handshake_ok)
+    for origin in ("http://evil.example", f"http://127.0.0.1:{DASH_PORT + 1}", "null"):
+        refusal = check(headers(origin, cookie), "/")
+        assert refusal is not None and refusal[0] == 403, origin
+    for bad_cookie in (None, f"{sessions.cookie_name}=forged", "other=1"):
+        refusal = check(headers(DASH_ORIGIN, bad_cookie), "/")
+        assert refusal is not None and refusal[0] == 403, bad_cookie  # the dashboard origin is not an allowed origin
+    # A cookie alone (no Origin: not a browser) is no credential.
+    refusal = check(headers(None, cookie), "/")
+    assert refusal is not None and refusal[0] == 401
+    # An ended session is refused.
+    sessions.end(cookie.split("=", 1)[1])
+    assert check(headers(DASH_ORIGIN, cookie), "/") is not None
+
+
+def test_check_access_is_unchanged_without_a_session_check() -> None:
+    _, cookie = signed_in_sessions()
+    refusal = control.check_access(headers(DASH_ORIGIN, cookie), "/", token=TOKEN, allowed_origins=())
+    assert refusal is not None and refusal[0] == 403
+    assert control.check_access([(b"Authorization", f"Bearer {TOKEN}".encode())], "/", token=TOKEN, allowed_origins=()) is None
+
+
+async def _status(port: int, extra: list[tuple[bytes, bytes]]) -> int:
+    lines = [
+        "GET / HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version: 13",
+    ] + [f"{k.decode()}: {v.decode()}" for k, v in extra]
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        with trio.fail_after(WAIT_S):
+            while b"\r\n" not in data:
+                chunk = await stream.receive_some()
+                assert chunk, data
+                data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+async def test_a_real_handshake_with_the_session_cookie_is_served_and_a_foreign_one_refused(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    sessions, cookie = signed_in_sessions()
+    backend = FakeBackend()
+    backend.nursery = nursery
+    config = Config(state_dir=tmp_path, port=0)
+    port = await nursery.start(
+        partial(control.serve_control, config, backend, token=TOKEN, session_ok=sessions.handshake_ok)
+    )
+    assert await _status(port, headers("http://evil.example", cookie)) == 403
+    assert await _status(port, headers(DASH_ORIGIN, None)) == 403
+    assert await _status(port, headers(DASH_ORIGIN, cookie)) == 101
+    async with open_websocket_url(
+        f"ws://127.0.0.1:{port}/", extra_headers=headers(DASH_ORIGIN, cookie), connect_timeout=WAIT_S, disconnect_timeout=WAIT_S
+    ) as ws:
+        await ws.send_message(json.dumps({"id": 1, "op": "ping"}))
+        with trio.fail_after(WAIT_S):
+            reply = json.loads(await ws.get_message())
+    assert reply["ok"] is True and reply["result"]["pong"] is True

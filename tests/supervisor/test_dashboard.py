@@ -1,0 +1,299 @@
+"""The dashboard's sign-in and routes, without sockets: login links, sessions, refusals, CSP."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from supervisor import _dashlink
+from supervisor.dashboard._app import DashboardApp, Request, Response
+from supervisor.dashboard._server import load_static
+from supervisor.dashboard._sessions import SESSION_IDLE_S, LoginRefused, Sessions
+
+TOKEN = "control-token-abc"
+PORT = 41234
+CONTROL_PORT = 41000
+HOST = f"127.0.0.1:{PORT}"
+ORIGIN = f"http://{HOST}"
+STATIC = Path(__file__).resolve().parents[2] / "supervisor" / "dashboard" / "static"
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sessions(wall: Clock | None = None, mono: Clock | None = None) -> Sessions:
+    s = Sessions(TOKEN, wall_clock=wall or Clock(1_700_000_000.0), clock=mono or Clock())
+    s.bind(PORT)
+    return s
+
+
+def app(s: Sessions | None = None) -> DashboardApp:
+    return DashboardApp(s or sessions(), load_static(), control_port=CONTROL_PORT)
+
+
+def req(method: str, target: str, **headers: str) -> Request:
+    hs = {"host": HOST, **{k.replace("_", "-"): v for k, v in headers.items()}}
+    return Request(method, target, tuple(hs.items()))
+
+
+def header(resp: Response, name: str) -> str | None:
+    for k, v in resp.headers:
+        if k.lower() == name.lower():
+            return v
+    return None
+
+
+def signed_in(a: DashboardApp) -> str:
+    """Log in through /login; returns the Cookie header value to send."""
+    login = _dashlink.mint_login_token(TOKEN, now=a.sessions._wall())
+    resp = a.handle(req("GET", f"/login?t={login}"))
+    assert resp.status == 303
+    cookie = header(resp, "set-cookie")
+    assert cookie is not None
+    return cookie.split(";", 1)[0]
+
+
+# ------------------------------------------------------------------------- login links
+
+
+def test_a_login_token_is_accepted_for_the_token_it_was_minted_with_only() -> None:
+    login = _dashlink.mint_login_token(TOKEN, now=100.0)
+    claim = _dashlink.check_login_token(TOKEN, login, now=101.0)
+    assert isinstance(claim, _dashlink.LoginClaim)
+    assert claim.expires_at == 100 + _dashlink.LOGIN_TTL_S
+    assert "wrong login token" in str(_dashlink.check_login_token("another-daemons-token", login, now=101.0))
+
+
+def test_a_login_token_expires_and_a_tampered_one_is_refused() -> None:
+    login = _dashlink.mint_login_token(TOKEN, now=100.0)
+    assert _dashlink.check_login_token(TOKEN, login, now=100.0 + _dashlink.LOGIN_TTL_S + 1) == "expired login token"
+    v, exp, nonce, mac = login.split(".")
+    longer = f"{v}.{int(exp) + 3600}.{nonce}.{mac}"
+    assert "wrong login token" in str(_dashlink.check_login_token(TOKEN, longer, now=101.0))
+    for garbage in ("", "v1", "v2.1.2.3", "v1.x.n.m", "v1.1.n.m.extra", login.replace(".", "", 1)):
+        assert isinstance(_dashlink.check_login_token(TOKEN, garbage, now=101.0), str)
+
+
+def test_a_login_token_minted_for_too_long_is_refused_even_with_the_right_mac() -> None:
+    login = _dashlink.mint_login_token(TOKEN, now=100.0, ttl_s=86400)
+    assert _dashlink.check_login_token(TOKEN, login, now=101.0) == "login token valid for too long"
+
+
+def test_the_login_url_carries_the_one_time_token_not_the_control_token() -> None:
+    login = _dashlink.mint_login_token(TOKEN)
+    url = _dashlink.login_url("http://127.0.0.1:5000/", login)
+    assert url == f"http://127.0.0.1:5000/login?t={login}"
+    assert TOKEN not in url
+
+
+# ------------------------------------------------------------------------- sessions
+
+
+def test_a_login_link_works_once() -> None:
+    wall = Clock(1_700_000_000.0)
+    s = sessions(wall)
+    login = _dashlink.mint_login_token(TOKEN, now=wall.t)
+    sid = s.redeem(login)
+    assert s.session_of(f"{s.cookie_name}={sid}") == sid
+    with pytest.raises(LoginRefused, match="already used"):
+        s.redeem(login)
+    with pytest.raises(LoginRefused, match="expired"):
+        wall.t += _dashlink.LOGIN_TTL_S + 1
+        s.redeem(_dashlink.mint_login_token(TOKEN, now=wall.t - _dashlink.LOGIN_TTL_S - 2))
+
+
+def test_a_session_is_found_among_other_cookies_and_ends_when_idle_or_signed_out() -> None:
+    mono = Clock()
+    s = sessions(mono=mono)
+    sid = s.redeem(_dashlink.mint_login_token(TOKEN, now=s._wall()))
+    # Other apps on localhost set cookies too (cookies ignore ports), some malformed.
+    header_value = f'jupyter="a b; c"; agentd_session_1={sid}x; {s.cookie_name}={sid}; theme=dark'
+    assert s.session_of(header_value) == sid
+    assert s.session_of(f"{s.cookie_name}=not-a-session") is None
+    assert s.session_of(None) is None
+    mono.t += SESSION_IDLE_S - 1
+    assert s.session_of(f"{s.cookie_name}={sid}") == sid  # use renews it
+    mono.t += SESSION_IDLE_S + 1
+    assert s.session_of(f"{s.cookie_name}={sid}") is None
+    sid2 = s.redeem(_dashlink.mint_login_token(TOKEN, now=s._wall()))
+    assert s.end(sid2) is True
+    assert s.session_of(f"{s.cookie_name}={sid2}") is None
+
+
+def test_the_session_cookie_is_httponly_samesite_strict_and_named_for_this_dashboard() -> None:
+    s = sessions()
+    cookie = s.set_cookie("abc")
+    assert cookie.startswith(f"agentd_session_{PORT}=abc;")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+    assert "Max-Age=0" in s.clear_cookie()
+
+
+def test_only_the_dashboards_own_origin_and_host_names_are_accepted() -> None:
+    s = sessions()
+    for ok in (f"http://127.0.0.1:{PORT}", f"http://localhost:{PORT}", f"http://[::1]:{PORT}", f"HTTP://LOCALHOST:{PORT}/"):
+        assert s.origin_ok(ok), ok
+    for bad in (
+        f"http://127.0.0.1:{PORT + 1}",
+        f"https://127.0.0.1:{PORT}",
+        f"http://evil.example:{PORT}",
+        "null",
+        f"http://127.0.0.1.evil.example:{PORT}",
+    ):
+        assert not s.origin_ok(bad), bad
+    assert s.host_ok(f"localhost:{PORT}") and s.host_ok(HOST)
+    assert not s.host_ok(f"evil.example:{PORT}") and not s.host_ok("127.0.0.1") and not s.host_ok(None)
+
+
+def test_the_control_socket_check_needs_both_the_origin_and_a_session() -> None:
+    s = sessions()
+    sid = s.redeem(_dashlink.mint_login_token(TOKEN, now=s._wall()))
+    cookie = f"{s.cookie_name}={sid}"
+    assert s.handshake_ok(ORIGIN, cookie)
+    assert not s.handshake_ok("http://evil.example", cookie)
+    assert not s.handshake_ok(ORIGIN, None)
+    assert not s.handshake_ok(ORIGIN, f"{s.cookie_name}=forged")
+
+
+# ------------------------------------------------------------------------- routes
+
+
+def test_without_a_session_the_page_says_how_to_sign_in() -> None:
+    a = app()
+    resp = a.handle(req("GET", "/"))
+    assert resp.status == 401
+    assert b"agentd dashboard" in resp.body
+    api = a.handle(req("GET", "/api/session"))
+    assert api.status == 401
+
+
+def test_login_sets_the_cookie_and_redirects_so_the_link_leaves_the_address_bar() -> None:
+    a = app()
+    cookie = signed_in(a)
+    page = a.handle(req("GET", "/", cookie=cookie))
+    assert page.status == 200
+    assert b'<script type="module" src="/static/js/main.js">' in page.body
+    api = a.handle(req("GET", "/api/session", cookie=cookie))
+    assert api.status == 200
+    assert b'"control_url": "ws://127.0.0.1:41000/"' in api.body
+
+
+@pytest.mark.parametrize("target", ["/login", "/login?t=", "/login?t=v1.9999999999.abc.def", "/login?t=garbage"])
+def test_a_missing_or_wrong_login_token_is_refused(target: str) -> None:
+    resp = app().handle(req("GET", target))
+    assert resp.status == 401
+    assert header(resp, "set-cookie") is None
+
+
+def test_a_used_login_token_is_refused() -> None:
+    a = app()
+    login = _dashlink.mint_login_token(TOKEN, now=a.sessions._wall())
+    assert a.handle(req("GET", f"/login?t={login}")).status == 303
+    again = a.handle(req("GET", f"/login?t={login}"))
+    assert again.status == 401 and header(again, "set-cookie") is None
+
+
+def test_a_foreign_host_header_is_refused_even_with_a_session() -> None:
+    a = app()
+    cookie = signed_in(a)
+    for host in ("evil.example:41234", "127.0.0.1:80", "", "localhost"):
+        resp = a.handle(Request("GET", "/", (("host", host), ("cookie", cookie))))
+        assert resp.status == 421, host
+    assert a.handle(Request("GET", "/", (("cookie", cookie),))).status == 421
+
+
+def test_every_response_has_a_strict_csp_allowing_only_the_control_socket() -> None:
+    a = app()
+    cookie = signed_in(a)
+    for target in ("/", "/static/js/main.js", "/nope", "/login?t=x"):
+        csp = header(a.handle(req("GET", target, cookie=cookie)), "content-security-policy")
+        assert csp is not None, target
+        assert "default-src 'none'" in csp and "script-src 'self';" in csp and "style-src 'self';" in csp
+        assert "unsafe" not in csp
+        assert "connect-src 'self' ws://127.0.0.1:41000;" in csp
+        assert "frame-ancestors 'none'" in csp
+    resp = a.handle(req("GET", "/", cookie=cookie))
+    assert header(resp, "x-content-type-options") == "nosniff"
+    assert header(resp, "referrer-policy") == "no-referrer"
+    assert header(resp, "cache-control") == "no-store"
+
+
+def test_a_cross_site_post_is_refused_and_the_session_survives() -> None:
+    a = app()
+    cookie = signed_in(a)
+    for headers in (
+        {"origin": "http://evil.example", "cookie": cookie},
+        {"origin": f"http://127.0.0.1:{PORT + 1}", "cookie": cookie},  # same site, other origin
+        {"origin": "null", "cookie": cookie},
+        {"sec_fetch_site": "cross-site", "cookie": cookie},
+        {"cookie": cookie},  # neither Origin nor Sec-Fetch-Site: not provably same-origin
+    ):
+        resp = a.handle(req("POST", "/logout", **headers))
+        assert resp.status == 403, headers
+        assert header(resp, "set-cookie") is None
+    for path in ("/", "/api/session", "/anything", "/login"):
+        assert a.handle(req("POST", path, origin="http://evil.example", cookie=cookie)).status == 403
+    assert a.handle(req("GET", "/api/session", cookie=cookie)).status == 200
+
+
+def test_a_same_origin_post_without_a_session_is_refused() -> None:
+    a = app()
+    assert a.handle(req("POST", "/logout", origin=ORIGIN)).status == 403
+    assert a.handle(req("POST", "/logout", origin=ORIGIN, cookie="agentd_session_41234=forged")).status == 403
+
+
+def test_sign_out_from_the_page_ends_the_session() -> None:
+    a = app()
+    cookie = signed_in(a)
+    resp = a.handle(req("POST", "/logout", origin=ORIGIN, cookie=cookie))
+    assert resp.status == 303 and "Max-Age=0" in (header(resp, "set-cookie") or "")
+    assert a.handle(req("GET", "/api/session", cookie=cookie)).status == 401
+    cookie2 = signed_in(a)
+    assert a.handle(req("POST", "/logout", sec_fetch_site="same-origin", cookie=cookie2)).status == 303
+
+
+def test_static_files_have_their_types_and_nothing_else_is_served() -> None:
+    a = app()
+    assert a.handle(req("GET", "/static/app.css")).content_type.startswith("text/css")
+    assert a.handle(req("GET", "/static/js/conn.js")).content_type.startswith("text/javascript")
+    for target in ("/static/../_app.py", "/static/js/../../__init__.py", "/static/nope.js", "/static/", "/etc/passwd"):
+        assert a.handle(req("GET", target)).status == 404, target
+    assert a.handle(req("GET", "/logout")).status == 405
+
+
+# ------------------------------------------------------------------------- the files
+
+
+def test_the_page_has_no_inline_script_or_style_and_fetches_nothing_from_the_internet() -> None:
+    files = load_static()
+    assert {"index.html", "signed-out.html", "app.css", "js/main.js", "js/conn.js", "js/stop.js"} <= set(files)
+    for name, body in files.items():
+        text = body.decode()
+        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", text), name
+        if name.endswith(".html"):
+            for tag in re.findall(r"<script\b[^>]*>", text):
+                assert "src=" in tag, f"{name}: inline script {tag}"
+            assert "<style" not in text and " style=" not in text, name
+            assert not re.search(r"\son[a-z]+=", text), f"{name}: inline event handler"
+            for ref in re.findall(r'(?:src|href)="(/static/[^"]+)"', text):
+                assert ref[len("/static/") :] in files, f"{name} refers to missing {ref}"
+        if name.endswith(".js"):
+            for spec in re.findall(r'^import .* from "([^"]+)";', text, re.M):
+                assert spec.startswith("./") and spec[2:] in {n[3:] for n in files if n.startswith("js/")}, f"{name}: {spec}"
+            assert "innerHTML" not in text and "eval(" not in text, name
+
+
+def test_the_package_data_covers_every_static_file() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((STATIC.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["supervisor.dashboard"]
+    shipped = {str(p.relative_to(STATIC.parent)) for pat in patterns for p in STATIC.parent.glob(pat)}
+    on_disk = {str(p.relative_to(STATIC.parent)) for p in STATIC.rglob("*") if p.is_file()}
+    assert on_disk == shipped

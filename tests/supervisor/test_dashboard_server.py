@@ -1,0 +1,134 @@
+"""The dashboard's HTTP server over real sockets: keep-alive, limits, bad clients."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+
+from supervisor import _dashlink
+from supervisor.config import Config
+from supervisor.dashboard import Sessions, serve_dashboard
+from supervisor.dashboard import _server
+
+TOKEN = "token-for-the-server-test"
+WAIT_S = 5.0
+
+
+class Served:
+    def __init__(self, port: int, sessions: Sessions) -> None:
+        self.port = port
+        self.sessions = sessions
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+async def served(nursery: trio.Nursery, tmp_path: Path) -> Served:
+    sessions = Sessions(TOKEN)
+    port = await nursery.start(partial(serve_dashboard, Config(state_dir=tmp_path), sessions, control_port=4321))
+    return Served(port, sessions)
+
+
+async def read_response(
+    stream: trio.SocketStream, buf: bytearray, *, head: bool = False
+) -> tuple[int, dict[str, str], bytes]:
+    """One response off ``stream`` (``buf`` keeps what was read beyond it)."""
+    with trio.fail_after(WAIT_S):
+        while b"\r\n\r\n" not in buf:
+            chunk = await stream.receive_some()
+            assert chunk, bytes(buf)
+            buf += chunk
+        top, _, rest = bytes(buf).partition(b"\r\n\r\n")
+        lines = top.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        hs = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = 0 if head else int(hs.get("content-length", "0"))
+        while len(rest) < length:
+            chunk = await stream.receive_some()
+            assert chunk
+            rest += chunk
+    buf[:] = rest[length:]
+    return status, hs, rest[:length]
+
+
+async def request(port: int, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(raw)
+        return await read_response(stream, bytearray())
+
+
+async def test_the_server_signs_in_by_link_and_keeps_the_connection_alive(served: Served) -> None:
+    login = _dashlink.mint_login_token(TOKEN)
+    stream = await trio.open_tcp_stream("127.0.0.1", served.port)
+    buf = bytearray()
+    async with stream:
+        await stream.send_all(f"GET /login?t={login} HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode())
+        status, hs, _ = await read_response(stream, buf)
+        assert status == 303 and hs["location"] == "/"
+        cookie = hs["set-cookie"].split(";", 1)[0]
+        # Same connection, two requests pipelined.
+        await stream.send_all(
+            f"GET / HTTP/1.1\r\nHost: {served.host}\r\nCookie: {cookie}\r\n\r\n"
+            f"HEAD /static/app.css HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode()
+        )
+        status, hs, body = await read_response(stream, buf)
+        assert status == 200 and b"<title>agentd</title>" in body
+        assert "content-security-policy" in hs
+        status, hs, body = await read_response(stream, buf, head=True)
+        assert status == 200 and body == b"" and int(hs["content-length"]) > 0 and buf == b""
+
+
+async def test_garbage_gets_400_and_the_server_goes_on(served: Served) -> None:
+    status, _, _ = await request(served.port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert status == 400
+    status, _, _ = await request(served.port, f"GET / HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode())
+    assert status == 401
+
+
+async def test_an_oversized_head_or_body_is_refused(served: Served) -> None:
+    big = "x" * (_server.MAX_HEAD_BYTES + 10)
+    status, _, _ = await request(served.port, f"GET / HTTP/1.1\r\nHost: {served.host}\r\nX-Big: {big}\r\n\r\n".encode())
+    assert status == 431
+    body = b"a" * (_server.MAX_BODY_BYTES + 1)
+    status, _, _ = await request(
+        served.port,
+        f"POST /logout HTTP/1.1\r\nHost: {served.host}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body,
+    )
+    assert status == 413
+
+
+async def test_a_client_that_sends_nothing_is_dropped_at_the_request_timeout(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_server, "REQUEST_TIMEOUT_S", 0.2)
+    stream = await trio.open_tcp_stream("127.0.0.1", served.port)
+    async with stream:
+        await stream.send_all(b"GET / HTTP/1.1\r\n")  # and never the rest
+        with trio.fail_after(WAIT_S):
+            assert await stream.receive_some() == b""  # closed by the server
+
+
+async def test_connections_beyond_the_limit_are_closed_at_once(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_server, "MAX_CONNECTIONS", 2)
+    # The limiter is built at serve time: start a second server with the patched limit.
+    async with trio.open_nursery() as nursery:
+        sessions = Sessions(TOKEN)
+        port = await nursery.start(partial(serve_dashboard, Config(state_dir=Path("/nonexistent")), sessions, control_port=1))
+        held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+        # Make sure both are being served (a request each) before the third comes.
+        for s in held:
+            await s.send_all(f"GET /static/app.css HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            status, _, _ = await read_response(s, bytearray())
+            assert status == 200
+        third = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(WAIT_S):
+            assert await third.receive_some() == b""
+        for s in [*held, third]:
+            await s.aclose()
+        nursery.cancel_scope.cancel()
