@@ -82,7 +82,10 @@ class DashboardApp:
     def _check_state_change(self, req: Request, sid: str | None) -> Response | None:
         origin = req.header("origin")
         fetch_site = req.header("sec-fetch-site")
-        same_origin = self.sessions.origin_ok(origin) if origin is not None else fetch_site == "same-origin"
+        # Sec-Fetch-Site is set by the browser alone (scripts cannot); it speaks for a
+        # request whose Origin is absent or "null" (Chromium sends "null" on a form POST
+        # under some referrer policies).
+        same_origin = self.sessions.origin_ok(origin) or (origin in (None, "null") and fetch_site == "same-origin")
         if not same_origin:
             return _text(403, f"refused: a {req.method} must come from the dashboard's own page (origin {origin!r})\n")
         if sid is None:
@@ -149,7 +152,8 @@ class DashboardApp:
             ),
             ("X-Content-Type-Options", "nosniff"),
             ("X-Frame-Options", "DENY"),
-            ("Referrer-Policy", "no-referrer"),
+            # Nothing leaves with a referrer (the page links nowhere else anyway).
+            ("Referrer-Policy", "same-origin"),
             ("Cross-Origin-Opener-Policy", "same-origin"),
             ("Cross-Origin-Resource-Policy", "same-origin"),
             ("Cache-Control", "no-store"),

@@ -220,7 +220,7 @@ def test_every_response_has_a_strict_csp_allowing_only_the_control_socket() -> N
         assert "frame-ancestors 'none'" in csp
     resp = a.handle(req("GET", "/", cookie=cookie))
     assert header(resp, "x-content-type-options") == "nosniff"
-    assert header(resp, "referrer-policy") == "no-referrer"
+    assert header(resp, "referrer-policy") == "same-origin"
     assert header(resp, "cache-control") == "no-store"
 
 
@@ -231,6 +231,8 @@ def test_a_cross_site_post_is_refused_and_the_session_survives() -> None:
         {"origin": "http://evil.example", "cookie": cookie},
         {"origin": f"http://127.0.0.1:{PORT + 1}", "cookie": cookie},  # same site, other origin
         {"origin": "null", "cookie": cookie},
+        {"origin": "null", "sec_fetch_site": "cross-site", "cookie": cookie},
+        {"origin": "http://evil.example", "sec_fetch_site": "same-origin", "cookie": cookie},
         {"sec_fetch_site": "cross-site", "cookie": cookie},
         {"cookie": cookie},  # neither Origin nor Sec-Fetch-Site: not provably same-origin
     ):
@@ -256,6 +258,8 @@ def test_sign_out_from_the_page_ends_the_session() -> None:
     assert a.handle(req("GET", "/api/session", cookie=cookie)).status == 401
     cookie2 = signed_in(a)
     assert a.handle(req("POST", "/logout", sec_fetch_site="same-origin", cookie=cookie2)).status == 303
+    cookie3 = signed_in(a)
+    assert a.handle(req("POST", "/logout", origin="null", sec_fetch_site="same-origin", cookie=cookie3)).status == 303
 
 
 def test_static_files_have_their_types_and_nothing_else_is_served() -> None:

@@ -10,6 +10,9 @@
 
 const BACKOFF_MS = [0, 250, 500, 1000, 2000, 4000];
 const REQUEST_TIMEOUT_MS = 30000;
+// A socket not open after this long is given up and tried again (a blocked or hung
+// connect fires no event at all in Chromium).
+const CONNECT_TIMEOUT_MS = 5000;
 
 export class RequestError extends Error {
   constructor(code, message) {
@@ -89,7 +92,14 @@ export class Connection {
       return;
     }
     this.ws = ws;
+    const connectTimer = setTimeout(() => {
+      if (this.ws !== ws || ws.readyState === WebSocket.OPEN) return;
+      this.ws = null;
+      ws.close();
+      this._dropped();
+    }, CONNECT_TIMEOUT_MS);
     ws.onopen = () => {
+      clearTimeout(connectTimer);
       if (this.ws !== ws) return;
       this.attempt = 0;
       this._setState("open", "Connected");
@@ -102,6 +112,7 @@ export class Connection {
       if (this.ws === ws) this._onMessage(msg.data);
     };
     ws.onclose = () => {
+      clearTimeout(connectTimer);
       if (this.ws !== ws) return;
       this.ws = null;
       this._dropped();

@@ -174,6 +174,7 @@ class RunPage {
     this._renderTools();
     this._setState(status.state);
     this.stop.finish(status);
+    this.steer.finish();
     this.approvals.onStatus(status);
     this.transcript.onStatus(status);
     this._renderFacts();

@@ -96,6 +96,13 @@ export class SteerBox {
     if (this.model.feed(ev)) this.render();
   }
 
+  /** The run has ended: what it never applied, it never will (even if it was killed
+   * before it could say so). */
+  finish() {
+    for (const it of this.model.items) if (it.state === "sent" || it.state === "queued") it.state = "unapplied";
+    this.render();
+  }
+
   render() {
     clear(this.list);
     for (const it of [...this.model.items, ...this.local]) {

@@ -1,0 +1,591 @@
+"""The web dashboard, in real Chromium (Python Playwright, sync API) against a real `agentd serve`.
+
+One daemon and one browser for the module; each test has its own browser context, signed
+in through the link `agentd dashboard` prints. Runs are real runners with the scripted
+model; a run is held at a known point by a command that waits for a gate file, so nothing
+here sleeps to synchronise. A small script added to every page (``TEST_HOOKS``, the test's
+own, not the product's) records the frames the page sends and can drop the page's
+websocket, keep it from reconnecting, or hold back pushed events: how a test makes a
+connection drop, or a Stop arrive late, on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor.client import Client
+from tests.browser_support import CHROMIUM, LocalSite
+from tests.conftest import require
+
+pytestmark = pytest.mark.chromium
+
+AGENTD = str(Path(sys.executable).with_name("agentd"))
+CHILDREN = Path(__file__).resolve().parent.parent / "children"
+# Grace of the module's daemon: a stop that must wait for a command (today's runner lets a
+# running tool finish) ends at the grace; kept short for the suite's time.
+GRACE_S = 3
+# Bound on any one wait in these tests (seconds); a wait is for an event, never a sleep.
+WAIT_S = 30
+
+TEST_HOOKS = """
+(() => {
+  const Native = window.WebSocket;
+  const t = (window.__agentdTest = { sockets: [], sent: [], block: false, hold: false, held: [] });
+  const pushed = (e) => { try { const m = JSON.parse(e.data); return m.op === "event" || m.op === "end"; } catch { return false; } };
+  class TestSocket extends Native {
+    constructor(url, protocols) {
+      // Blocked: the dashboard's own port, which is no websocket: refused at once.
+      super(t.block ? location.origin.replace("http", "ws") + "/no-socket-here" : url, protocols);
+      t.sockets.push(this);
+    }
+    send(data) { t.sent.push(String(data)); return super.send(data); }
+    set onmessage(fn) {
+      super.onmessage = (e) => {
+        if ((t.hold || t.held.length) && pushed(e)) t.held.push(() => fn.call(this, e));
+        else fn.call(this, e);
+      };
+    }
+    get onmessage() { return super.onmessage; }
+  }
+  t.release = () => { t.hold = false; const q = t.held; t.held = []; for (const f of q) f(); };
+  t.drop = () => { for (const s of t.sockets) if (s.readyState <= 1) s.close(); };
+  t.sentOps = (op) => t.sent.map((s) => JSON.parse(s)).filter((m) => m.op === op);
+  window.WebSocket = TestSocket;
+})();
+"""
+
+
+@dataclass
+class Daemon:
+    state_dir: Path
+    env: dict[str, str]
+    dashboard_url: str
+    control_url: str
+    log: list[str] = field(default_factory=list)
+
+    def agentd(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([AGENTD, *args], env=self.env, capture_output=True, text=True, timeout=WAIT_S)
+        if check:
+            assert r.returncode == 0, f"agentd {args}: {r.returncode} {r.stderr}"
+        return r
+
+    def login_url(self) -> str:
+        return self.agentd("dashboard").stdout.strip()
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        return json.loads(self.agentd("--json", "status", run_id).stdout)
+
+    def journal_seqs(self, run_id: str) -> list[int]:
+        with Client(state_dir=self.state_dir) as c:
+            return [e["seq"] for e in c.events(run_id, after_seq=0, limit=10000)]
+
+    def wait_for(self, run_id: str, pred: Any) -> dict[str, Any]:
+        """Follow the run's events until ``pred(event)``; returns that event."""
+        with Client(state_dir=self.state_dir) as c:
+            for ev in c.follow(run_id):
+                if pred(ev):
+                    return ev
+        raise AssertionError(f"run {run_id} ended before the awaited event")
+
+
+def _tool_running(needle: str) -> Any:
+    def pred(ev: dict[str, Any]) -> bool:
+        rec = ev["data"].get("record") if ev["kind"] == "tool_call" else None
+        return bool(rec and needle in rec["arguments"] + rec["name"] and rec["state"] == "running")
+
+    return pred
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
+    state = tmp_path_factory.mktemp("dashboard") / "state"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "AGENTD_TEST_MARK")}
+    env.update(AGENTD_STATE_DIR=str(state), AGENTD_GRACE_S=str(GRACE_S))
+    proc = subprocess.Popen([AGENTD, "serve"], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line)
+            if "agentd listening on" in line:
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(WAIT_S) and proc.poll() is None, "".join(log)
+        info = json.loads((state / "daemon.json").read_text())
+        yield Daemon(state, env, info["dashboard_url"], info["url"], log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        reader.join(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert code == 0, "".join(log[-30:])
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_live(daemon: Daemon) -> Iterator[None]:
+    """A test that fails midway still leaves no run behind: its live runs are cancelled."""
+    yield
+    with Client(state_dir=daemon.state_dir) as c:
+        live = [r["id"] for r in c.status()["live_runs"]]
+        for run_id in live:
+            c.cancel(run_id, reason="test teardown")
+        for run_id in live:
+            for _ in c.follow(run_id, after_seq=2**62):
+                pass
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    try:
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, chromium_sandbox=False)
+        try:
+            # Chromium starts its GPU, network and storage helpers with the first page and
+            # keeps them for its life: start them now, so no test is blamed for them.
+            warm = b.new_context()
+            warm.new_page().goto("about:blank")
+            warm.close()
+            yield b
+        finally:
+            b.close()
+    finally:
+        pw.stop()
+
+
+@dataclass
+class Tab:
+    context: Any
+    page: Any
+    errors: list[str]
+    requests: list[str]
+
+
+def _open_tab(browser: Any) -> Tab:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_init_script(TEST_HOOKS)
+    page = context.new_page()
+    page.set_default_timeout(WAIT_S * 1000)
+    tab = Tab(context, page, [], [])
+    page.on("pageerror", lambda e: tab.errors.append(f"pageerror: {e}"))
+    page.on(
+        "console",
+        lambda m: tab.errors.append(f"console: {m.text} ({m.location.get('url', '')})") if m.type == "error" else None,
+    )
+    page.on("request", lambda r: tab.requests.append(r.url))
+    page.on("websocket", lambda w: tab.requests.append(w.url))
+    return tab
+
+
+@pytest.fixture
+def tab(browser: Any, daemon: Daemon) -> Iterator[Tab]:
+    """A signed-in page on the runs list."""
+    t = _open_tab(browser)
+    try:
+        t.page.goto(daemon.login_url())
+        t.page.wait_for_selector("#conn[data-state=open]")
+        yield t
+        own = (daemon.dashboard_url, daemon.dashboard_url.replace("http:", "ws:"), daemon.control_url)
+        foreign = [u for u in t.requests if not u.startswith(own)]
+        assert foreign == [], "the page fetched something not its own"
+        assert [e for e in t.errors if "/no-socket-here" not in e] == []
+    finally:
+        t.context.close()
+
+
+def gated_script(tmp_path: Path, *gates: str, final: str = "All done.") -> Path:
+    """A script whose turn i runs a command that waits for the file ``gates[i]``."""
+    turns = [
+        {"text": f"Waiting for {g}.", "tool_calls": [{"name": "run_command", "arguments": {"command": f"while [ ! -f {tmp_path / g} ]; do sleep 0.02; done; echo passed {g}"}}]}
+        for g in gates
+    ]
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"turns": turns, "final": final}))
+    return path
+
+
+def open_gate(tmp_path: Path, gate: str) -> None:
+    (tmp_path / gate).write_text("go\n")
+
+
+def dom_seqs(page: Any) -> list[int]:
+    return page.eval_on_selector_all("#events li", "els => els.map(li => Number(li.dataset.seq))")
+
+
+def fmt_duration(s: float) -> str:
+    """The page's own formatting (dom.js fmtDuration), for comparing with the receipt."""
+    s = max(0.0, s)
+    if s < 1:
+        return f"{round(s * 1000)} ms"
+    if s < 10:
+        return f"{float(f'{s:.2f}'):g} s"
+    if s < 60:
+        return f"{float(f'{s:.1f}'):g} s"
+    return f"{int(s // 60)} min {int(s % 60)} s"
+
+
+def assert_nothing_left(status: dict[str, Any]) -> None:
+    """The run's runner and every process group it reported are gone."""
+    pid = status.get("pid")
+    assert pid, status
+    try:
+        p = psutil.Process(pid)
+        assert p.create_time() != status.get("pid_start_time") or p.status() == psutil.STATUS_ZOMBIE, "runner alive"
+    except psutil.NoSuchProcess:
+        pass
+    pgids = {pid} | {g["pgid"] for g in status.get("groups", [])}
+    left = [p.pid for p in psutil.process_iter() if _pgid(p.pid) in pgids and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"processes of the run left: {left}"
+    assert (status["receipt"].get("path_b") or {}).get("survivors") == []
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------ runs list
+
+
+def test_a_run_spawned_from_the_cli_appears_within_a_second_and_its_steps_stream_in(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    page = tab.page
+    script = gated_script(tmp_path, "gate1", "gate2")
+    run_id = daemon.agentd("spawn", "list me", "--script", str(script), "--session", "s-list").stdout.strip()
+    row = page.locator(f"tr[data-run-id='{run_id}']")
+    row.wait_for(timeout=1000)  # the acceptance: on the page within 1 s
+    daemon.wait_for(run_id, _tool_running("gate1"))
+    page.wait_for_function(
+        "id => { const r = document.querySelector(`tr[data-run-id='${id}']`); return r && /run_command/.test(r.cells[6].textContent) }",
+        arg=run_id,
+    )
+    cells = row.locator("td").all_inner_texts()
+    assert cells[0] == run_id and cells[1] == "running" and cells[2] == "s-list" and cells[3] == "list me"
+    assert cells[5] == "1" and cells[6].startswith('run_command {"command":"while')
+    assert cells[7] in ("cgroup", "subreaper+sweep", "group")
+    # Filters: by state and by session, kept in the address.
+    page.get_by_label("State", exact=True).select_option("completed")
+    row.wait_for(state="detached")
+    assert "state=completed" in page.url
+    page.get_by_label("State", exact=True).select_option("running")
+    row.wait_for()
+    page.get_by_label("Session", exact=True).fill("another-session")
+    row.wait_for(state="detached")
+    page.get_by_label("Session", exact=True).fill("s-list")
+    row.wait_for()
+    # Into the run: its steps stream in as they happen.
+    page.get_by_role("link", name=run_id).click()
+    page.get_by_role("heading", name=f"Run {run_id}").wait_for()
+    page.locator("#events li[data-kind=tool_call]", has_text="gate1").first.wait_for()
+    assert page.locator("#events li[data-kind=step_started]").count() == 1
+    open_gate(tmp_path, "gate1")
+    page.locator("#events li[data-kind=step_started]", has_text="Step 2").wait_for()
+    page.locator("#events li[data-kind=assistant_text]", has_text="Waiting for gate2.").wait_for()
+    open_gate(tmp_path, "gate2")
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    page.locator("#result", has_text="All done.").wait_for()
+    assert page.locator("#result-title").inner_text() == "Result"
+    assert dom_seqs(page) == daemon.journal_seqs(run_id)
+    assert page.get_by_role("button", name="Stop").is_disabled()  # nothing to stop
+
+
+# ------------------------------------------------------------------------------ stop
+
+
+def test_stop_inside_a_command_goes_to_stopping_at_once_then_shows_the_receipt_the_cli_agrees_with(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    page = tab.page
+    script = tmp_path / "sleep.json"
+    script.write_text(json.dumps({
+        "turns": [{"text": "Sleeping.", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo started; sleep 300 & sleep 300; wait"}}]}],
+        "final": "never",
+    }))
+    run_id = daemon.agentd("spawn", "stop me", "--script", str(script)).stdout.strip()
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    page.locator("#events li[data-kind=process_group]", has_text="sleep 300").wait_for()
+    stop = page.get_by_role("button", name="Stop")
+    assert stop.is_enabled()
+    # Pressed twice in one go: at once a disabled "Stopping…", and one cancel sent.
+    label, disabled = page.evaluate(
+        "() => { const b = document.getElementById('stop'); b.click(); const r = [b.textContent, b.disabled]; b.click(); return r; }"
+    )
+    assert (label, disabled) == ("Stopping…", True)
+    assert page.get_by_role("button", name="Stopping…").is_disabled()
+    page.locator("#stop-steps li", has_text="Stop sent to the runner (reason: user)").wait_for()
+    page.locator("#stop[data-phase=done]").wait_for()
+    assert page.evaluate("() => __agentdTest.sentOps('cancel').length") == 1
+    text = page.locator("#stop-status").inner_text()
+
+    status = daemon.status(run_id)
+    assert status["state"] == "cancelled" and status["reason"] == "user"
+    receipt = status["receipt"]
+    took = fmt_duration(receipt["cancel_to_tree_dead_s"])
+    if receipt["path_b"]["escalated"]:
+        assert text.startswith(f"Cancelled at the grace ({took}) · escalated to SIGKILL"), text
+    else:
+        assert text.startswith(f"Stopped in {took}"), text
+    assert text.endswith("· 0 left"), text
+    assert re.search(r"· \d+ process(es)? ended ·", text), text
+    # The page shows the receipt itself, every field of it.
+    page.locator("#receipt-details summary").click()
+    details = page.locator("#receipt").inner_text()
+    for key in ("cancel_reason", "cancel_to_tree_dead_s", "path_b", "escalated", "survivors", "signals"):
+        assert key in details
+    assert page.locator("#receipt-summary").inner_text() == text
+    assert page.locator("#run-facts").inner_text().split("\n")[1].startswith("cancelled")
+    assert_nothing_left(status)
+    # One stop: the daemon journaled one "cancelling".
+    with Client(state_dir=daemon.state_dir) as c:
+        cancelling = [e for e in c.events(run_id) if e["kind"] == "state" and e["data"]["state"] == "cancelling"]
+    assert len(cancelling) == 1
+
+
+def test_stop_on_a_destructive_tool_shows_it_finishing_then_the_final_state(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    page = tab.page
+    servers = tmp_path / "mcp.json"
+    servers.write_text(json.dumps({"mcpServers": {"writer": {"command": sys.executable, "args": [str(CHILDREN / "mcp_write_server.py")]}}}))
+    record, gate = tmp_path / "record.txt", tmp_path / "write-gate"
+    script = tmp_path / "write.json"
+    script.write_text(json.dumps({
+        "turns": [{"text": "Writing the record.", "tool_calls": [{"name": "commit_write", "arguments": {"path": str(record), "gate": str(gate)}}]}],
+        "final": "Written.",
+    }))
+    run_id = daemon.agentd("spawn", "write it", "--script", str(script), "--mcp-config", str(servers)).stdout.strip()
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    page.locator("#events li[data-kind=tool_call]", has_text="commit_write").first.wait_for()
+    page.get_by_role("button", name="Stop").click()
+    # The write is allowed to finish: the page says so while it runs.
+    page.locator("#stop-steps li", has_text="commit_write is still running").wait_for()
+    page.locator("#stop-status", has_text="Waiting for commit_write").wait_for()
+    assert page.get_by_role("button", name="Stopping…").is_disabled()
+    assert not record.exists()
+    gate.write_text("go\n")
+    page.locator("#stop[data-phase=done]").wait_for()
+    text = page.locator("#stop-status").inner_text()
+    status = daemon.status(run_id)
+    assert status["state"] == "cancelled", status["state"]
+    (call,) = [c for c in status["tool_calls"] if c["name"] == "commit_write"]
+    assert call["state"] == "succeeded"  # it finished after the stop: recorded as it was
+    assert record.read_text() == "written\n"  # cancel is not rollback
+    assert text.startswith("Stopped · the commit_write call finished first ("), text
+    page.locator("#stop-steps li", has_text="commit_write finished after the stop (succeeded").wait_for()
+    page.locator("#tools li[data-state=succeeded]", has_text="commit_write").wait_for()
+    assert_nothing_left(status)
+
+
+def test_a_late_stop_says_the_run_had_already_ended(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
+    page = tab.page
+    run_id = daemon.agentd("spawn", "finish first", "--script", str(gated_script(tmp_path, "gate"))).stdout.strip()
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    page.locator("#events li[data-kind=tool_call]", has_text="gate").first.wait_for()
+    # The page stops hearing events; meanwhile the run completes.
+    page.evaluate("() => { __agentdTest.hold = true; }")
+    open_gate(tmp_path, "gate")
+    with Client(state_dir=daemon.state_dir) as c:
+        for _ in c.follow(run_id):  # to the run's end
+            pass
+    assert daemon.status(run_id)["state"] == "completed"
+    page.get_by_role("button", name="Stop").click()
+    page.locator("#stop-status", has_text="The run had already ended (completed): nothing to stop").wait_for()
+    page.evaluate("() => __agentdTest.release()")
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    page.locator("#stop[data-phase=done]").wait_for()
+    assert page.locator("#stop-status").inner_text() == "The run had already ended (completed): nothing to stop"
+    assert daemon.status(run_id)["state"] == "completed"
+
+
+# ------------------------------------------------------------------------------ steering
+
+
+def test_steering_from_the_page_shows_whether_it_was_applied(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
+    page = tab.page
+    run_id = daemon.agentd("spawn", "steer me", "--script", str(gated_script(tmp_path, "g1", "g2"))).stdout.strip()
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
+    page.get_by_label("Extra input for the running turn").fill("also count the hidden files")
+    page.get_by_role("button", name="Send").click()
+    item = page.locator("#steer-list li", has_text="also count the hidden files")
+    item.locator(".tag", has_text="queued for the next step").wait_for()
+    open_gate(tmp_path, "g1")
+    item.locator(".tag", has_text="applied at step 2").wait_for()
+    page.get_by_label("Extra input for the running turn").fill("never mind")
+    page.get_by_role("button", name="Send").click()
+    page.locator("#steer-list li", has_text="never mind").locator(".tag", has_text="queued").wait_for()
+    page.get_by_role("button", name="Stop").click()
+    page.locator("#stop-steps li", has_text="The runner got the stop").wait_for()
+    open_gate(tmp_path, "g2")  # the running command ends; the runner reports what it never applied
+    page.locator("#steer-list li", has_text="never mind").locator(".tag", has_text="never applied").wait_for()
+    page.locator("#stop[data-phase=done]").wait_for()
+    assert page.locator("#steer-form").is_hidden()  # an ended run takes no more input
+
+
+# ------------------------------------------------------------------------------ reconnects
+
+
+def test_reload_and_a_dropped_connection_resume_without_gap_or_duplicate_and_closing_never_stops(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    page = tab.page
+    run_id = daemon.agentd("spawn", "resume me", "--script", str(gated_script(tmp_path, "g1", "g2", "g3"))).stdout.strip()
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
+    # Reload mid-run: the events shown are the journal's, each once.
+    page.reload()
+    page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
+    journal = daemon.journal_seqs(run_id)
+    page.wait_for_function("n => document.querySelectorAll('#events li').length >= n", arg=len(journal))
+    assert dom_seqs(page) == journal == list(range(1, len(journal) + 1))
+    # Drop the connection and keep it down while the run moves on.
+    last_seen = dom_seqs(page)[-1]
+    page.evaluate("() => { __agentdTest.block = true; __agentdTest.drop(); }")
+    page.locator("#conn[data-state=reconnecting]").wait_for()
+    open_gate(tmp_path, "g1")
+    daemon.wait_for(run_id, _tool_running("g2"))
+    assert dom_seqs(page)[-1] == last_seen  # the page has not seen what happened meanwhile
+    page.evaluate("() => { __agentdTest.block = false; }")
+    page.locator("#conn[data-state=open]").wait_for()
+    page.locator("#events li[data-kind=tool_call]", has_text="g2").first.wait_for()
+    journal = daemon.journal_seqs(run_id)
+    page.wait_for_function("n => document.querySelectorAll('#events li').length >= n", arg=len(journal))
+    assert dom_seqs(page) == journal
+    resumed = page.evaluate("id => __agentdTest.sentOps('subscribe').filter(m => m.run_id === id).map(m => m.after_seq)", run_id)
+    assert resumed[-1] == last_seen and 0 in resumed
+    # Closing the page never stops the run.
+    page.close()
+    with Client(state_dir=daemon.state_dir) as c:
+        deadline = time.monotonic() + WAIT_S
+        while c.status()["daemon"]["connections"] > 1:  # the page's socket is gone (ours is 1)
+            assert time.monotonic() < deadline, "the page's connection never closed"
+            c.ping()
+        assert c.status(run_id)["state"] == "running"
+    open_gate(tmp_path, "g2")
+    daemon.wait_for(run_id, _tool_running("g3"))
+    open_gate(tmp_path, "g3")
+    with Client(state_dir=daemon.state_dir) as c:
+        for _ in c.follow(run_id):
+            pass
+    assert daemon.status(run_id)["state"] == "completed"
+
+
+# ------------------------------------------------------------------------------ access
+
+
+def test_no_or_wrong_or_used_login_tokens_are_refused_and_the_cookie_is_httponly_strict(
+    daemon: Daemon, browser: Any
+) -> None:
+    t = _open_tab(browser)
+    try:
+        page = t.page
+        for url in (daemon.dashboard_url, f"{daemon.dashboard_url}login?t=v1.9999999999.x.y", f"{daemon.dashboard_url}login"):
+            resp = page.goto(url)
+            assert resp is not None and resp.status == 401, url
+            assert page.get_by_role("heading", name="Not signed in").is_visible()
+        assert t.context.cookies() == []
+        link = daemon.login_url()
+        resp = page.goto(link)
+        assert resp is not None and resp.status == 200 and page.url == daemon.dashboard_url
+        (cookie,) = t.context.cookies()
+        assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+        assert "agentd_session" not in page.evaluate("() => document.cookie")
+        assert "login" not in page.url and "t=" not in page.url  # the link left the address bar
+        other = _open_tab(browser)
+        try:
+            resp = other.page.goto(link)  # the same link, a second time
+            assert resp is not None and resp.status == 401
+        finally:
+            other.context.close()
+        # Sign out from the page (a same-origin POST): the session ends.
+        page.wait_for_selector("#conn[data-state=open]")
+        page.get_by_role("button", name="Sign out").click()
+        page.get_by_role("heading", name="Not signed in").wait_for()
+        assert page.evaluate("async () => (await fetch('/api/session')).status") == 401
+    finally:
+        t.context.close()
+
+
+def test_a_foreign_origin_and_a_cross_site_post_are_refused(daemon: Daemon, tab: Tab) -> None:
+    page = tab.page
+    evil = f"""<!doctype html><html><body><h1>evil</h1>
+<form id="f" method="post" action="{daemon.dashboard_url}logout"><button>go</button></form>
+<script>
+  const ws = new WebSocket("{daemon.control_url}");
+  ws.onopen = () => {{ document.title = "ws open"; }};
+  ws.onclose = () => {{ document.title = "ws refused"; }};
+</script></body></html>"""
+    with LocalSite({"/evil": evil}) as site:
+        port = site.url.rsplit(":", 1)[1]
+        # Same site (127.0.0.1), other origin: the cookie goes along, the Origin check refuses.
+        # Cross site (localhost): the SameSite=Strict cookie does not even go along.
+        for origin in (site.url, f"http://localhost:{port}"):
+            page.goto(f"{origin}/evil")
+            page.wait_for_function("() => document.title.startsWith('ws ')")
+            assert page.title() == "ws refused", origin
+            with page.expect_navigation() as nav:
+                page.click("#f button")
+            resp = nav.value
+            assert resp is not None and resp.status == 403, origin
+    # What the evil pages fetched, and the errors they met, are not the dashboard's doing.
+    tab.requests.clear()
+    tab.errors.clear()
+    page.goto(daemon.dashboard_url)
+    page.wait_for_selector("#conn[data-state=open]")  # still signed in: the POSTs did nothing
+    tab.errors[:] = [e for e in tab.errors if site.url not in e and f"localhost:{port}" not in e]
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def test_agentd_dashboard_prints_a_one_time_link_and_opens_it_with_the_users_browser(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    opened = tmp_path / "opened.txt"
+    fake = tmp_path / "fake-browser"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(opened)!r}, 'w').write(sys.argv[1])\n")
+    fake.chmod(0o755)
+    env = {**daemon.env, "BROWSER": str(fake)}
+    r = subprocess.run([AGENTD, "--json", "dashboard", "--open"], env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["opened"] is True and opened.read_text() == out["url"]
+    assert out["url"].startswith(f"{daemon.dashboard_url}login?t=v1.")
+    token = (daemon.state_dir / "token").read_text().strip()
+    assert token not in out["url"]
+    r = subprocess.run(
+        [AGENTD, "--state-dir", str(tmp_path / "nothing-here"), "dashboard"], env=daemon.env, capture_output=True, text=True
+    )
+    assert r.returncode == 3 and r.stderr.startswith("error: no agentd daemon")
