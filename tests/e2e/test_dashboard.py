@@ -589,3 +589,85 @@ def test_agentd_dashboard_prints_a_one_time_link_and_opens_it_with_the_users_bro
         [AGENTD, "--state-dir", str(tmp_path / "nothing-here"), "dashboard"], env=daemon.env, capture_output=True, text=True
     )
     assert r.returncode == 3 and r.stderr.startswith("error: no agentd daemon")
+
+
+# ------------------------------------------------------------------------------ the page's logic
+
+
+JS_CASES = r"""
+async () => {
+  const { stopSummary, processesEnded } = await import("/static/js/receipt.js");
+  const { StopModel } = await import("/static/js/stop.js");
+  const { SteerModel } = await import("/static/js/steer.js");
+  const { fmtDuration } = await import("/static/js/dom.js");
+  const out = {};
+  const pb = (extra) => ({ escalated: false, leader: "exited", pid: 10, killed: [], reaped: [], survivors: [], ...extra });
+  out.fast = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 0.043, processes_ended: 7, path_b: pb({}) } });
+  out.counted = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 0.2,
+    path_b: pb({ leader: "killed", killed: [{ pid: 10 }, { pid: 11 }], reaped: [11, 12] }) } });
+  out.grace = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 10.02,
+    path_b: pb({ escalated: true, survivors: [{ pid: 99, cmdline: "stuck" }] }) } });
+  out.finished = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 1.3, path_b: pb({}) } },
+    { finishedFirst: [{ name: "write", afterS: 1.2 }] });
+  out.queued = stopSummary({ state: "cancelled", receipt: { note: "cancelled while queued: never started" } });
+  out.completed = stopSummary({ state: "completed", receipt: { path_b: pb({}) } }, { pressed: true });
+  out.unknownCount = processesEnded({ path_b: { leader: "gone" } });
+  // A stop as a later daemon may tell it: interrupted tool, an event kind not known today.
+  const m = new StopModel();
+  const ev = (seq, kind, data, ts) => ({ seq, kind, data, ts });
+  m.feed(ev(1, "tool_call", { record: { id: "c1", name: "run_command", state: "running", arguments: "{}" } }, 100.0));
+  m.feed(ev(2, "stop_requested", { reason: "signal", during: "tool" }, 100.001));
+  m.feed(ev(3, "state", { state: "cancelling", reason: "user" }, 100.002));
+  m.feed(ev(4, "tool_call", { record: { id: "c1", name: "run_command", state: "cancelled", reason: "interrupted by the stop after 40 ms", arguments: "{}" } }, 100.041));
+  m.feed(ev(5, "stop_escalated", { message: "SIGKILL to 2 processes at the grace" }, 110.0));
+  m.feed(ev(6, "state", { state: "cancelled" }, 110.01));
+  out.steps = m.steps.map((s) => s.text);
+  out.firstAt = m.steps[0].atS;
+  const s = new SteerModel();
+  for (const [k, d] of [["steer_sent", { text: "a" }], ["steer_sent", { text: "a" }], ["steering", { state: "queued", text: "a", step: 1 }],
+                        ["steering", { state: "applied", text: "a", step: 2 }], ["steering", { state: "queued", text: "a", step: 2 }],
+                        ["steering", { state: "unapplied", text: "a", step: 2 }]]) s.feed({ kind: k, data: d });
+  out.steer = s.items.map((i) => `${i.state}@${i.step}`);
+  out.durations = [0.0434, 0.9996, 1.2, 2, 2.034, 12.34, 75, 4000].map(fmtDuration);
+  return out;
+}
+"""
+
+
+def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_yet(daemon: Daemon, browser: Any) -> None:
+    t = _open_tab(browser)
+    try:
+        t.page.goto(daemon.dashboard_url)  # signed out is fine: the modules are the page's own files
+        out = t.page.evaluate(JS_CASES)
+    finally:
+        t.context.close()
+    assert out["fast"] == "Stopped in 43 ms · 7 processes ended · 0 left"
+    assert out["counted"] == "Stopped in 200 ms · 3 processes ended · 0 left"
+    assert out["grace"] == "Cancelled at the grace (10 s) · escalated to SIGKILL · 1 process ended · 1 process could not be confirmed"
+    assert out["finished"] == "Stopped · the write call finished first (1.2 s) · 1 process ended · 0 left"
+    assert out["queued"] == "Cancelled before it started · nothing was running"
+    assert out["completed"] == "Completed before the stop took effect"
+    assert out["unknownCount"] is None
+    assert out["steps"] == [
+        "Stop sent to the runner (reason: user)",
+        "The runner got the stop during a tool call",
+        "run_command is still running: waiting for it",
+        "run_command interrupted: interrupted by the stop after 40 ms",
+        'stop_escalated: SIGKILL to 2 processes at the grace',
+        "Run cancelled (outcome recorded)",
+    ]
+    assert out["firstAt"] == 0
+    assert out["steer"] == ["applied@2", "unapplied@2"]
+    assert out["durations"] == ["43 ms", "1000 ms", "1.2 s", "2 s", "2.03 s", "12.3 s", "1 min 15 s", "1 h 6 min"]
+    assert [fmt_duration(x) for x in (0.0434, 1.2, 2, 2.034, 12.34, 75)] == [out["durations"][i] for i in (0, 2, 3, 4, 5, 6)]
+
+
+def test_scripts_screenshot_writes_the_readme_image(tmp_path: Path) -> None:
+    require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
+    out = tmp_path / "dashboard.png"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([str(root / "scripts" / "screenshot"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (1280, 1000)

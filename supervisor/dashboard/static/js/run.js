@@ -222,10 +222,12 @@ class RunPage {
     const box = clear($("result"));
     const s = this.status;
     const terminal = s && !LIVE.has(s.state) && this.ended;
-    $("result-title").textContent = terminal && s.result && !s.partial ? "Result" : "Partial result";
+    const whole = terminal && s.result && !s.partial && s.state === "completed";
+    $("result-title").textContent = whole ? "Result" : "Partial result";
     if (terminal && s.result) {
       const r = s.result;
       if (s.partial) box.append(h("p", { class: "muted", text: "The run ended before its final result: this is its last snapshot." }));
+      else if (s.state !== "completed") box.append(h("p", { class: "muted", text: `The run ${s.state} with this progress:` }));
       if (r.final_text) box.append(h("p", { text: r.final_text }));
       else if (r.progress) box.append(h("p", { text: r.progress }));
       if (Array.isArray(r.unapplied_steering) && r.unapplied_steering.length) {

@@ -29,10 +29,10 @@ export class SteerModel {
       return true;
     }
     if (ev.kind !== "steering") return false;
-    const order = ["sent", "queued", "applied", "unapplied"];
-    const target = order.indexOf(d.state);
-    // The oldest item with this text that has not reached this state yet.
-    let item = this.items.find((it) => it.text === d.text && order.indexOf(it.state) < target && order.indexOf(it.state) >= 0);
+    // Each text moves sent -> queued -> applied | unapplied; the oldest item that can take
+    // this step does.
+    const from = d.state === "queued" ? ["sent"] : ["sent", "queued"];
+    let item = this.items.find((it) => it.text === d.text && from.includes(it.state));
     if (!item) {
       item = { text: d.text, state: d.state, step: null };
       this.items.push(item);

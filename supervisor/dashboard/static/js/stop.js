@@ -70,7 +70,7 @@ export class StopModel {
       }
       if (!LIVE.has(d.state)) {
         this.terminal = d.state;
-        if (this.stopSeen) this._step(ev.ts, `Run ${d.state}`);
+        if (this.stopSeen) this._step(ev.ts, `Run ${d.state} (outcome recorded)`);
         return true;
       }
       return false;
