@@ -3,8 +3,10 @@
 Invariants: stdlib only and cheap (the daemon calls ``RunSpec.from_dict`` at spawn time to
 reject bad specs before any process starts); every value is checked, unknown keys are
 errors; a valid spec is a frozen value and ``RunSpec.from_dict(spec.to_dict()) == spec``.
-The provider default ("openai" when ``OPENAI_API_KEY`` is set, else "scripted") is
-resolved at validation time, from the environment passed in (``os.environ`` by default).
+The provider default ("openai" when a model ``name`` is given or ``OPENAI_API_KEY`` is
+set, else "scripted") is resolved at validation time, from the environment passed in
+(``os.environ`` by default): a model asked for by name is never silently replaced by the
+scripted one.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class ModelSpec:
         )
         provider = d.get("provider")
         if provider is None:
-            provider = "openai" if env.get("OPENAI_API_KEY") else "scripted"
+            # A named model is a real one: without a key the run fails, it is not played.
+            provider = "openai" if d.get("name") is not None or env.get("OPENAI_API_KEY") else "scripted"
         provider = _str(provider, "model.provider")
         if provider not in PROVIDERS:
             raise SpecError("model.provider", f"expected one of {sorted(PROVIDERS)!r}, got {provider!r}")

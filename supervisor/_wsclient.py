@@ -1,29 +1,40 @@
-"""The client half of RFC 6455 that the control protocol needs, over a plain socket.
+"""The CLI's websocket to the daemon: a blocking socket driven by ``h11`` and ``wsproto``.
 
-Stdlib only (the CLI must not pay for trio or a websocket library): the opening
-handshake with its Sec-WebSocket-Accept check, masked text frames out, text/binary
-frames in (fragmented or not), ping answered with pong, close answered and reported.
+The opening handshake is an HTTP/1.1 upgrade spoken with ``h11``; after the 101 the
+connection is ``wsproto``'s (frames, masking, fragments, ping/pong, close). Not
+``wsproto.WSConnection``: its client handshake encodes the Host header with the ``idna``
+codec, whose import (``stringprep``'s tables) costs ~4 ms of every CLI call; the checks it
+makes on the 101 (Upgrade, Connection, Sec-WebSocket-Accept) are made here with
+wsproto's own helpers instead. Both libraries are imported on the first ``connect``, so a
+command that never reaches the daemon (``--help``, a usage error, ``logs``) does not pay.
+
 Every failure of the connection is ``ConnectionLost``; a refused handshake is
 ``Unauthorized``. Blocking, with per-call timeouts.
 """
 
 from __future__ import annotations
 
-import binascii
-import os
 import socket
-import struct
-from typing import Final
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 from supervisor.errors import ControlProtocolError
 from supervisor.protocol import ErrorCode
 
-__all__ = ["WebSocket", "ConnectionLost", "Unauthorized", "encode_frame", "MAX_FRAME_BYTES"]
+if TYPE_CHECKING:
+    import wsproto.connection
 
-# A server frame larger than this is refused (the daemon never sends one).
+__all__ = ["WebSocket", "ConnectionLost", "Unauthorized", "MAX_FRAME_BYTES", "MAX_HANDSHAKE_BYTES"]
+
+# A server message larger than this is refused (the daemon never sends one).
 MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
-_GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+# The upgrade reply's head, and the body of a refusal that is read for its reason.
+MAX_HANDSHAKE_BYTES: Final = 64 * 1024
+MAX_REFUSAL_BODY_BYTES: Final = 4096
+RECV_BYTES: Final = 65536
+# Bounds sending our close frame when we hang up.
+CLOSE_SEND_TIMEOUT_S: Final = 0.2
 
 
 class ConnectionLost(ControlProtocolError):
@@ -41,41 +52,13 @@ class Unauthorized(ControlProtocolError):
         self.status = status
 
 
-def _mask(data: bytes, key: bytes) -> bytes:
-    n = len(data)
-    if n == 0:
-        return b""
-    # XOR as one big integer: fast for a 10 MB message, where a byte loop is not.
-    k = (key * (n // 4 + 1))[:n]
-    return (int.from_bytes(data, "little") ^ int.from_bytes(k, "little")).to_bytes(n, "little")
-
-
-def encode_frame(opcode: int, payload: bytes, *, mask_key: bytes | None = None) -> bytes:
-    """One final, masked client frame (RFC 6455 §5.2)."""
-    key = os.urandom(4) if mask_key is None else mask_key
-    n = len(payload)
-    if n < 126:
-        head = struct.pack("!BB", 0x80 | opcode, 0x80 | n)
-    elif n < 1 << 16:
-        head = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, n)
-    else:
-        head = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, n)
-    return head + key + _mask(payload, key)
-
-
-def _sha1(data: bytes) -> bytes:
-    try:
-        # CPython's builtin SHA-1: hashlib would load OpenSSL (~2 ms of every CLI call).
-        from _sha1 import sha1
-    except ImportError:  # pragma: no cover - a build without it
-        from hashlib import sha1
-    return sha1(data).digest()
-
-
 class WebSocket:
-    def __init__(self, sock: socket.socket, buffered: bytes) -> None:
+    def __init__(self, sock: socket.socket, conn: wsproto.connection.Connection) -> None:
         self._sock = sock
-        self._buf = bytearray(buffered)
+        self._conn = conn
+        # Events are taken one at a time, so each is handled in the state it arrived in (a
+        # ping before a close is answered). The handshake's trailing bytes may hold some.
+        self._events: Iterator[Any] = conn.events()
         self.closed = False
 
     @classmethod
@@ -91,89 +74,51 @@ class WebSocket:
         if parts.scheme != "ws" or parts.hostname is None or parts.port is None:
             raise ValueError(f"expected a ws://host:port/ url, got {url!r}")
         host = parts.hostname
-        # A str host goes through the idna codec in getaddrinfo (imports unicodedata,
-        # ~1.5 ms per CLI call); an ASCII host is the same name as bytes.
+        # A str host goes through the idna codec in getaddrinfo (see the module
+        # docstring); an ASCII host is the same name as bytes.
         sock = socket.create_connection((host.encode() if host.isascii() else host, parts.port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            key = binascii.b2a_base64(os.urandom(16), newline=False).decode()
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            host = f"[{host}]" if ":" in host else host
-            lines = [
-                f"GET {target} HTTP/1.1",
-                f"Host: {host}:{parts.port}",
-                "Upgrade: websocket",
-                "Connection: Upgrade",
-                f"Sec-WebSocket-Key: {key}",
-                "Sec-WebSocket-Version: 13",
-                *(f"{k}: {v}" for k, v in headers.items()),
-            ]
-            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    raise ConnectionLost(f"the daemon at {url} closed the connection during the handshake")
-                data += chunk
-                if len(data) > 65536:
-                    raise ConnectionLost(f"expected an http upgrade reply from {url}, got {data[:80]!r}")
-            head, _, rest = data.partition(b"\r\n\r\n")
-            status_line, *header_lines = head.decode("latin-1").split("\r\n")
-            try:
-                status = int(status_line.split(" ", 2)[1])
-            except (IndexError, ValueError):
-                raise ConnectionLost(f"expected an http status line from {url}, got {status_line!r}") from None
-            reply_headers = {}
-            for line in header_lines:
-                name, _, value = line.partition(":")
-                reply_headers[name.strip().lower()] = value.strip()
-            if status in (401, 403):
-                # The reason may follow the headers in a later segment: read what was announced.
-                length = reply_headers.get("content-length", "0")
-                want = min(int(length), 4096) if length.isdigit() else 0
-                while len(rest) < want:
-                    chunk = sock.recv(4096)
-                    if not chunk:
-                        break
-                    rest += chunk
-                body = rest.decode("utf-8", "replace").strip()
-                raise Unauthorized(status, f"the daemon refused the connection (http {status}: {body or 'no reason'})")
-            if status != 101:
-                raise ConnectionLost(f"expected http 101 from {url}, got {status_line!r}")
-            accept = binascii.b2a_base64(_sha1(key.encode() + _GUID), newline=False).decode()
-            if reply_headers.get("sec-websocket-accept") != accept:
-                raise ConnectionLost(f"the server at {url} answered with a bad Sec-WebSocket-Accept")
-            return cls(sock, rest)
+            authority = f"[{host}]:{parts.port}" if ":" in host else f"{host}:{parts.port}"
+            return cls(sock, _handshake(sock, url, authority, target, headers))
         except BaseException:
             sock.close()
             raise
 
     def send_text(self, text: str) -> None:
-        self._send(0x1, text.encode("utf-8"))
+        from wsproto.events import TextMessage
 
-    def _send(self, opcode: int, payload: bytes) -> None:
+        self._send(TextMessage(data=text))
+
+    def _send(self, event: Any) -> None:
+        from wsproto.utilities import LocalProtocolError
+
+        if self.closed:
+            raise ConnectionLost("the connection to the daemon is closed")
         try:
-            self._sock.sendall(encode_frame(opcode, payload))
+            self._sock.sendall(self._conn.send(event))
+        except LocalProtocolError as exc:  # the daemon already closed its side
+            self.close()
+            raise ConnectionLost(f"the connection to the daemon is closing: {exc}") from None
         except OSError as exc:
             self.close()
             raise ConnectionLost(f"lost the connection to the daemon while sending: {exc}") from exc
 
-    def _read(self, n: int) -> bytes:
-        while len(self._buf) < n:
+    def _next_event(self) -> Any:
+        """The connection's next event, reading the socket as needed."""
+        while (event := next(self._events, None)) is None:
             try:
-                chunk = self._sock.recv(max(65536, n - len(self._buf)))
+                data = self._sock.recv(RECV_BYTES)
             except TimeoutError as exc:
                 raise ConnectionLost("timed out waiting for the daemon") from exc
             except OSError as exc:
                 self.close()
                 raise ConnectionLost(f"lost the connection to the daemon: {exc}") from exc
-            if not chunk:
-                self.close()
-                raise ConnectionLost("the daemon closed the connection")
-            self._buf += chunk
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
+            # b"" is EOF: wsproto turns None into a close with code 1006.
+            self._conn.receive_data(data or None)
+            self._events = self._conn.events()
+        return event
 
     def recv_text(self, timeout_s: float | None) -> str:
         """The next complete message (text, or binary decoded as UTF-8).
@@ -181,59 +126,115 @@ class WebSocket:
         Raises:
             ConnectionLost: closed, broken, or nothing within ``timeout_s``.
         """
+        from wsproto.connection import ConnectionState
+        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         self._sock.settimeout(timeout_s)
-        parts: list[bytes] = []
+        parts: list[str] = []
         size = 0
         while True:
-            b0, b1 = self._read(2)
-            fin, opcode = b0 & 0x80, b0 & 0x0F
-            n = b1 & 0x7F
-            if n == 126:
-                (n,) = struct.unpack("!H", self._read(2))
-            elif n == 127:
-                (n,) = struct.unpack("!Q", self._read(8))
-            mask_key = self._read(4) if b1 & 0x80 else None
-            if n > MAX_FRAME_BYTES or size + n > MAX_FRAME_BYTES:
+            event = self._next_event()
+            if isinstance(event, (TextMessage, BytesMessage)):
+                data = event.data if isinstance(event, TextMessage) else bytes(event.data).decode("utf-8", "replace")
+                size += len(data)
+                if size > MAX_FRAME_BYTES:
+                    self.close()
+                    raise ConnectionLost(f"expected a message of at most {MAX_FRAME_BYTES} bytes from the daemon")
+                parts.append(data)
+                if event.message_finished:
+                    return "".join(parts)
+            elif isinstance(event, Ping):
+                self._send(event.response())
+            elif isinstance(event, CloseConnection):
+                if self._conn.state is ConnectionState.REMOTE_CLOSING:
+                    try:  # answer the close, as RFC 6455 asks; the socket goes anyway
+                        self._sock.sendall(self._conn.send(event.response()))
+                    except OSError:
+                        pass
                 self.close()
-                raise ConnectionLost(f"expected a frame of at most {MAX_FRAME_BYTES} bytes, got {n}")
-            payload = self._read(n)
-            if mask_key is not None:
-                payload = _mask(payload, mask_key)
-            if opcode == 0x8:  # close: answer it, then report
-                code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else 1005
-                reason = payload[2:].decode("utf-8", "replace")
-                try:
-                    self._sock.sendall(encode_frame(0x8, payload[:2]))
-                except OSError:
-                    pass
-                self.close()
-                raise ConnectionLost(f"the daemon closed the connection ({code}{': ' + reason if reason else ''})")
-            if opcode == 0x9:
-                self._send(0xA, payload)
-                continue
-            if opcode == 0xA:
-                continue
-            if opcode in (0x0, 0x1, 0x2):
-                parts.append(payload)
-                size += n
-                if fin:
-                    return b"".join(parts).decode("utf-8", "replace")
-                continue
-            self.close()
-            raise ConnectionLost(f"unexpected websocket opcode {opcode:#x} from the daemon")
+                if event.code == 1006:  # no close frame: the TCP connection just ended
+                    raise ConnectionLost("the daemon closed the connection")
+                reason = f": {event.reason}" if event.reason else ""
+                raise ConnectionLost(f"the daemon closed the connection ({event.code}{reason})")
+            # a Pong: nothing to do
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        from wsproto.connection import ConnectionState
+        from wsproto.events import CloseConnection
+
         try:
-            self._sock.settimeout(0.2)
-            self._sock.sendall(encode_frame(0x8, struct.pack("!H", 1000)))
+            if self._conn.state is ConnectionState.OPEN:
+                self._sock.settimeout(CLOSE_SEND_TIMEOUT_S)
+                self._sock.sendall(self._conn.send(CloseConnection(code=1000)))
         except OSError:
             pass
         try:
             self._sock.close()
         except OSError:
             pass
+
+
+def _handshake(
+    sock: socket.socket, url: str, authority: str, target: str, headers: dict[str, str]
+) -> wsproto.connection.Connection:
+    """The HTTP/1.1 upgrade (RFC 6455 §4.1) on ``sock``; the websocket after the 101."""
+    import h11
+    from wsproto.connection import Connection, ConnectionType
+    from wsproto.utilities import generate_accept_token, generate_nonce, split_comma_header
+
+    http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HANDSHAKE_BYTES)
+    nonce = generate_nonce()
+    request = h11.Request(
+        method="GET",
+        target=target,
+        headers=[
+            ("Host", authority),
+            ("Upgrade", "websocket"),
+            ("Connection", "Upgrade"),
+            ("Sec-WebSocket-Key", nonce),
+            ("Sec-WebSocket-Version", "13"),
+            *headers.items(),
+        ],
+    )
+    sock.sendall(http.send(request) or b"")
+    refusal: h11.Response | None = None
+    body = b""
+    while True:
+        try:
+            event = http.next_event()
+        except h11.RemoteProtocolError as exc:
+            if refusal is not None:  # a refusal cut short: its status is what matters
+                break
+            raise ConnectionLost(f"expected an http upgrade reply from {url}: {exc}") from None
+        if event is h11.NEED_DATA:
+            data = sock.recv(RECV_BYTES)
+            if not data and refusal is None:
+                raise ConnectionLost(f"the daemon at {url} closed the connection during the handshake")
+            http.receive_data(data)
+            continue
+        if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+            reply = {name: value for name, value in event.headers}  # h11 lowercases names
+            if reply.get(b"upgrade", b"").lower() != b"websocket" or "upgrade" not in [
+                t.lower() for t in split_comma_header(reply.get(b"connection", b""))
+            ]:
+                raise ConnectionLost(f"the server at {url} answered 101 without upgrading to a websocket")
+            if reply.get(b"sec-websocket-accept") != generate_accept_token(nonce):
+                raise ConnectionLost(f"the server at {url} answered with a bad Sec-WebSocket-Accept")
+            trailing, _closed = http.trailing_data
+            return Connection(ConnectionType.CLIENT, trailing_data=trailing)
+        if isinstance(event, h11.Response):
+            refusal = event
+        elif isinstance(event, h11.Data):
+            body = (body + event.data)[:MAX_REFUSAL_BODY_BYTES]
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)) or event is h11.PAUSED:
+            break
+    status = refusal.status_code if refusal is not None else 0
+    if status in (401, 403):
+        text = body.decode("utf-8", "replace").strip()
+        raise Unauthorized(status, f"the daemon refused the connection (http {status}: {text or 'no reason'})")
+    raise ConnectionLost(f"expected http 101 from {url}, got http {status}")

@@ -1,17 +1,23 @@
 """The ``agentd`` command line: a thin shell over the control client and the daemon.
 
 The only module that prints or picks exit codes. Its import path stays light: a command
-that talks to a running daemon imports click, the stdlib client and nothing else (no
-trio, no openai, no mcp); ``serve`` imports the daemon when it runs. Every expected
-failure prints one line ``error: ...`` and exits with its own code (``ExitCode``);
-``--json`` turns every command's output into JSON (one object per line for streams).
+that talks to a running daemon imports click, the client (its websocket is ``wsproto``
+and ``h11``, imported on connect) and nothing else (no trio, no openai, no mcp); ``serve``
+imports the daemon when it runs; ``logs`` reads the journal file itself. Every expected
+failure, a usage error included, prints one line ``error: ...`` and exits with its own
+code (``ExitCode``); ``--json`` turns every command's output into JSON (one object per
+line for streams). The global options (``--json``, ``--state-dir``) are accepted before
+or after the command: ``_Group`` adds them to every command registered on it, so a
+command added later (``@cli.command()``, a subgroup's commands) gets them too.
 Leaving ``watch`` (Ctrl-C, a dropped connection) never stops a run: only ``cancel`` does.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +33,7 @@ from supervisor.errors import (
     ControlProtocolError,
     DaemonAlreadyRunning,
     DaemonNotRunning,
+    JournalError,
     RunNotFound,
     SpawnError,
 )
@@ -38,10 +45,10 @@ __all__ = ["main", "cli", "ExitCode", "build_spec"]
 
 
 class ExitCode(enum.IntEnum):
-    OK = 0  # also: the run completed (spawn --wait, watch)
+    OK = 0  # also: the run completed (spawn --wait, watch, cancel)
     RUN_FAILED = 1  # the run failed
-    USAGE = 2  # bad option or argument, unreadable or invalid file, bad config
-    NO_DAEMON = 3  # no daemon answers for this state dir
+    USAGE = 2  # bad option or argument, unreadable or invalid file, bad config, a port serve cannot bind
+    NO_DAEMON = 3  # no daemon answers for this state dir (logs: no readable journal there)
     NOT_FOUND = 4  # no such run
     REFUSED = 5  # the daemon refused the request: bad spec, bad token, its own error
     DISCONNECTED = 6  # the connection dropped and could not be resumed
@@ -73,6 +80,16 @@ class CliError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+def _usage_error(exc: click.UsageError) -> CliError:
+    """click's usage error (usage line, hint, message: three lines) as one line with a hint."""
+    message = exc.format_message().strip()
+    if message[:1].isupper() and message[1:2].islower():
+        message = message[0].lower() + message[1:]
+    message = message.removesuffix(".")
+    command = exc.ctx.command_path if exc.ctx is not None else "agentd"
+    return CliError(f"{message} (try '{command} --help')", ExitCode.USAGE)
+
+
 def _translate(exc: AgentdError) -> CliError:
     from supervisor.client import ConnectionLost
 
@@ -88,15 +105,73 @@ def _translate(exc: AgentdError) -> CliError:
         return CliError(str(exc), ExitCode.DISCONNECTED)
     if isinstance(exc, ConfigError):
         return CliError(str(exc), ExitCode.USAGE)
+    if isinstance(exc, JournalError):  # logs, reading the file: nothing usable at this state dir
+        return CliError(str(exc), ExitCode.NO_DAEMON)
     if isinstance(exc, ControlProtocolError):
         return CliError(f"{exc} ({exc.code})", ExitCode.REFUSED)
     return CliError(str(exc), ExitCode.REFUSED)
 
 
+def _set_state_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        ctx.find_object(Obj).state_dir = value  # type: ignore[union-attr]
+
+
+def _set_json(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_object(Obj).as_json = True  # type: ignore[union-attr]
+
+
+_STATE_DIR_HELP = "The daemon's state dir (token, endpoint, journal). Env: AGENTD_STATE_DIR."
+_JSON_HELP = "Machine-readable output (JSON; one object per line for streams)."
+
+
+def _global_options() -> list[click.Parameter]:
+    """``--state-dir`` and ``--json`` as a command's own options (after its name)."""
+    return [
+        click.Option(
+            ["--state-dir"],
+            type=click.Path(file_okay=False, path_type=Path),
+            expose_value=False,
+            callback=_set_state_dir,
+            help=_STATE_DIR_HELP,
+        ),
+        click.Option(["--json"], is_flag=True, expose_value=False, callback=_set_json, help=_JSON_HELP),
+    ]
+
+
 class _Group(click.Group):
+    """The command group: global options on every command, errors as one line.
+
+    Every command added (``@cli.command()``, ``cli.add_command``, and the commands of a
+    subgroup made with ``@cli.group()``, which is a ``_Group`` too) gets ``--state-dir``
+    and ``--json`` so they may follow the command's name; an expected failure
+    (``AgentdError``) or a usage error becomes one ``error:`` line and its exit code.
+    """
+
+    group_class = type  # subgroups are _Groups: their commands get the global options too
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        if not isinstance(cmd, click.Group):
+            taken = {opt for p in cmd.params for opt in p.opts}
+            cmd.params.extend(p for p in _global_options() if not taken & set(p.opts))
+        super().add_command(cmd, name)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # `agentd` alone: the help text is the answer
+        except click.UsageError as exc:
+            raise _usage_error(exc) from None
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise _usage_error(exc) from None
         except AgentdError as exc:
             raise _translate(exc) from None
         except KeyboardInterrupt:
@@ -104,8 +179,6 @@ class _Group(click.Group):
         except BrokenPipeError:
             # `agentd logs RUN | head`: the reader left; not an error worth a traceback.
             # Point stdout at devnull so the interpreter's final flush does not fail too.
-            import os
-
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             raise SystemExit(0) from None
@@ -139,9 +212,11 @@ pass_obj = click.make_pass_decorator(Obj)
 
 
 _EPILOG = """\b
+--json and --state-dir go before or after the command.
 Exit codes: 0 ok (run completed), 1 run failed, 2 usage or bad file,
 3 no daemon, 4 no such run, 5 refused by the daemon, 6 connection lost,
 7 run cancelled, 8 run lost, 9 daemon already running, 130 interrupted.
+spawn --wait, watch and cancel exit with the run's outcome (0, 1, 7, 8).
 Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
 
 
@@ -150,9 +225,9 @@ Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
     "--state-dir",
     envvar="AGENTD_STATE_DIR",
     type=click.Path(file_okay=False, path_type=Path),
-    help="The daemon's state dir (token, endpoint, journal). Env: AGENTD_STATE_DIR.",
+    help=_STATE_DIR_HELP,
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON; one object per line for streams).")
+@click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 @click.version_option(package_name="agentd", prog_name="agentd")
 @click.pass_context
 def cli(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None:
@@ -162,8 +237,39 @@ def cli(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None:
     ctx.call_on_close(obj.close)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="agentd")
+# Set by commands whose process must end through the interpreter's normal exit (serve).
+_full_teardown = False
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The ``agentd`` console script.
+
+    A client command ends with ``os._exit`` once its output is flushed and its connection
+    closed: the interpreter's teardown of the modules it loaded (click, wsproto, h11) is
+    ~10 ms of a ~60 ms command, and nothing is left for it to do (no atexit handler, no
+    buffered file). ``serve`` exits normally.
+    """
+    try:
+        cli.main(args=argv, prog_name="agentd")
+        code: Any = 0
+    except SystemExit as exc:
+        code = exc.code
+    if _full_teardown:
+        sys.exit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    try:
+        sys.stdout.flush()
+    except OSError:  # the reader left (`agentd logs RUN | head`)
+        pass
+    try:
+        sys.stderr.flush()
+    except OSError:
+        pass
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------- serve
@@ -171,7 +277,11 @@ def main(argv: list[str] | None = None) -> None:
 
 @cli.command()
 @click.option("--host", help="Address to bind (default 127.0.0.1).")
-@click.option("--port", type=int, help="Port to bind (default 0: any free port, published in the state dir).")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    help="Port to bind, 0..65535 (default 0: any free port, published in the state dir).",
+)
 @click.option("--grace", "grace_s", type=float, help="Seconds between SIGTERM and SIGKILL of a run's tree.")
 @click.option("--max-concurrent", type=int, help="Runs allowed at once; more wait in a queue.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), help="TOML config file.")
@@ -188,6 +298,9 @@ def serve(
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or Ctrl-C."""
     import logging
+
+    global _full_teardown
+    _full_teardown = True
 
     from supervisor.config import Config
 
@@ -212,13 +325,43 @@ def serve(
         click.get_current_context().exit(ExitCode.INTERRUPTED)
     except BaseExceptionGroup as group:
         # An expected failure raised inside the daemon's nurseries arrives wrapped.
-        expected, rest = group.split(AgentdError)
-        if expected is None or rest is not None:
+        leaves = _leaves(group)
+        if not all(isinstance(e, AgentdError) or _is_listen_error(e) for e in leaves):
             raise
-        first: BaseException = expected
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+        if isinstance(leaves[0], AgentdError):
+            raise leaves[0] from None
+        raise _listen_error(config.host, config.port, leaves[0]) from None
+    except OSError as exc:
+        if not _is_listen_error(exc):
+            raise
+        raise _listen_error(config.host, config.port, exc) from None
+
+
+# Errors of binding the control socket: a user's choice of host or port, not a bug.
+_LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside nested groups, in order."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _is_listen_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _LISTEN_ERRNOS
+
+
+def _listen_error(host: str, port: int, exc: BaseException) -> CliError:
+    assert isinstance(exc, OSError)
+    why = os.strerror(exc.errno) if exc.errno else str(exc)
+    hint = {
+        errno.EADDRINUSE: "another program holds it; pick another with --port, or 0 for any free port",
+        errno.EACCES: "ports below 1024 need privileges; pick another with --port",
+        errno.EADDRNOTAVAIL: "no interface has that address; check --host",
+    }.get(exc.errno or 0, "")
+    return CliError(f"cannot listen on {host}:{port}: {why.lower()} ({hint})", ExitCode.USAGE)
 
 
 # ----------------------------------------------------------------------------- spawn
@@ -311,6 +454,12 @@ def build_spec(
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), help="Stop the run after this many seconds.")
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most model turns the run may take.")
 @click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path), help="A whole run spec as JSON.")
+@click.option(
+    "--model-key-env",
+    metavar="VAR",
+    help="Read this run's model API key from environment variable VAR (of this shell) and hand it to "
+    "the runner only: it is never written to the journal, events or logs.",
+)
 @click.option("--wait", is_flag=True, help="Follow the run to its end; the exit code reflects the outcome.")
 @pass_obj
 def spawn(
@@ -325,9 +474,21 @@ def spawn(
     timeout_s: float | None,
     max_steps: int | None,
     spec_file: Path | None,
+    model_key_env: str | None,
     wait: bool,
 ) -> None:
-    """Start a sub-agent on TASK and print its run id."""
+    """Start a sub-agent on TASK and print its run id.
+
+    A model named with --model (or a spec with provider "openai") needs an API key where
+    the runner runs: OPENAI_API_KEY in the daemon's environment (under systemd the file
+    /etc/agentd/agentd.env, see systemd/agentd.env.example), or this run's own key with
+    --model-key-env VAR. Without one the daemon refuses the run (exit 5).
+    """
+    model_key = None
+    if model_key_env is not None:
+        model_key = os.environ.get(model_key_env)
+        if not model_key or not model_key.strip():
+            raise CliError(f"--model-key-env: environment variable {model_key_env!r} is not set or empty in this shell", ExitCode.USAGE)
     spec = build_spec(
         task,
         spec_file=spec_file,
@@ -339,7 +500,7 @@ def spawn(
         max_steps=max_steps,
     )
     client = obj.client()
-    result = client.spawn(spec, session_id=session_id, timeout_s=timeout_s)
+    result = client.spawn(spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key)
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))
     if wait:
@@ -381,8 +542,14 @@ def format_event(event: dict[str, Any]) -> str:
         text = f"stop requested ({d.get('reason')}, during {d.get('during')})"
     elif kind == "steering":
         text = f"steering {d.get('state')}: {_short(d.get('text', ''), 80)}"
+    elif kind == "steer_sent":
+        text = f"steering sent: {_short(d.get('text', ''), 80)}"
     elif kind == "log":
-        text = f"[{d.get('level', 'info')}] {_short(d.get('message', ''))}"
+        level = str(d.get("level", "info"))
+        message = str(d.get("message", ""))
+        if message.lower().startswith(f"{level.lower()}: "):  # "[error] error: ..." says it twice
+            message = message[len(level) + 2 :]
+        text = f"[{level}] {_short(message)}"
     else:
         text = f"{kind} {_short(json.dumps(d, default=str), 90)}"
     ts = event.get("ts")
@@ -420,17 +587,32 @@ def watch(obj: Obj, run_id: str, after_seq: int) -> None:
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--after", "after_seq", type=click.IntRange(min=0), default=0, help="Start after this event number.")
-@click.option("-f", "--follow", "follow", is_flag=True, help="Keep printing new events until the run ends.")
+@click.option("-f", "--follow", "follow", is_flag=True, help="Keep printing new events until the run ends (needs the daemon).")
 @pass_obj
 def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
-    """Print a run's events from the journal."""
-    client = obj.client()
+    """Print a run's events from the journal.
+
+    Reads the journal file in the state dir directly (read-only): no daemon is needed.
+    With -f, a run still live is followed through the daemon until it ends, and the exit
+    code is its outcome, as for watch.
+    """
+    from supervisor._journal_read import JournalReader
+    from supervisor.config import JOURNAL_FILE, default_state_dir
+
+    state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     last = after_seq
-    for event in client.iter_events(run_id, after_seq=after_seq):
-        last = event["seq"]
-        obj.emit(event, lambda: click.echo(format_event(event)))
-    if follow:
+    with JournalReader(state_dir / JOURNAL_FILE) as journal:
+        for event in journal.events_after(run_id, after_seq):
+            last = event["seq"]
+            obj.emit(event, lambda: click.echo(format_event(event)))
+        state = journal.run_state(run_id)
+    if not follow:
+        return
+    if state not in OUTCOME_EXIT:
         _follow_to_end(obj, run_id, after_seq=last)
+    end = {"end": True, "run_id": run_id, "state": state, "last_seq": last}
+    obj.emit(end, lambda: click.echo(f"run {run_id} {state}"))
+    click.get_current_context().exit(OUTCOME_EXIT[state])
 
 
 # ----------------------------------------------------------------------------- cancel
@@ -443,20 +625,26 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
 @click.option("--no-wait", is_flag=True, help="Return once the stop is sent, without waiting for the end.")
 @pass_obj
 def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no_wait: bool) -> None:
-    """Stop a run: print whether it was active and, once reached, its terminal state."""
+    """Stop a run: print whether it was active and, once reached, its terminal state.
+
+    The exit code is the run's outcome, like watch: 0 completed (it ended before the stop
+    reached it), 1 failed, 7 cancelled, 8 lost; for --session, the first of lost, failed,
+    cancelled that one of its runs ended in. With --no-wait: 0 once the stop is sent.
+    """
     if (run_id is None) == (session_id is None):
         raise CliError("expected a RUN or --session, not both and not neither", ExitCode.USAGE)
     client = obj.client()
     if session_id is not None:
         result = client.cancel_session(session_id, reason=reason)
         runs = [r for r in result.get("runs", []) if isinstance(r, dict)]
-        targets = [str(r["run_id"]) for r in runs if r.get("was_active")]
     else:
         assert run_id is not None
         result = client.cancel(run_id, reason=reason)
         runs = [result]
-        targets = [run_id] if result.get("was_active") else []
     final: dict[str, str] = {str(r["run_id"]): str(r.get("state")) for r in runs}
+    # Wait for every run not yet ended: the one this stop reached, and one an earlier
+    # stop is still ending (was_active false, state cancelling).
+    targets = [rid for rid, state in final.items() if state not in OUTCOME_EXIT]
     if not no_wait:
         for rid in targets:
             follow = client.follow(rid, after_seq=_ONLY_THE_END)
@@ -477,6 +665,11 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
             click.echo(f"session {session_id}: no live run")
 
     obj.emit(out, human)
+    if not no_wait:
+        codes = {OUTCOME_EXIT.get(state, ExitCode.RUN_FAILED) for state in final.values()}
+        for code in (ExitCode.RUN_LOST, ExitCode.RUN_FAILED, ExitCode.RUN_CANCELLED):
+            if code in codes:
+                click.get_current_context().exit(code)
 
 
 @cli.command()
@@ -574,6 +767,23 @@ def _receipt_summary(receipt: Any) -> str | None:
     return ", ".join(parts) or _short(json.dumps(receipt, default=str), 120)
 
 
+def _model(spec: Any) -> str | None:
+    """The provider and model a run uses, from its spec (the daemon fills in the provider)."""
+    if not isinstance(spec, dict):
+        return None
+    m = spec.get("model")
+    m = m if isinstance(m, dict) else {}
+    provider = m.get("provider")
+    if provider is None:
+        return None
+    if provider == "scripted":
+        if m.get("script_path"):
+            return f"scripted (script {m['script_path']})"
+        return "scripted (inline script)" if m.get("script") is not None else "scripted (the built-in script)"
+    where = f" at {m['base_url']}" if m.get("base_url") else ""
+    return f"{provider} {m['name']}{where}" if m.get("name") else f"{provider} (its default model){where}"
+
+
 def _print_run(run: dict[str, Any]) -> None:
     """The facts a person asks about a run; ``--json`` has the whole record."""
     rows: list[tuple[str, str]] = [("run", _run_id(run))]
@@ -583,6 +793,9 @@ def _print_run(run: dict[str, Any]) -> None:
         rows.append(("session", str(run["session_id"])))
     if _task(run):
         rows.append(("task", _task(run)))
+    model = _model(run.get("spec"))
+    if model:
+        rows.append(("model", model))
     times = [f"{k.removesuffix('_at')} {_when(run.get(k))}" for k in ("created_at", "started_at", "ended_at") if run.get(k)]
     if isinstance(run.get("started_at"), (int, float)) and isinstance(run.get("ended_at"), (int, float)):
         times.append(f"took {run['ended_at'] - run['started_at']:.1f} s")

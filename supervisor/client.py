@@ -1,7 +1,7 @@
 """A small synchronous client for the control socket: what the ``agentd`` CLI uses.
 
-Stdlib only, so a CLI command pays for neither trio nor a websocket library (the
-websocket is ``_wsclient``, a plain socket). The daemon is found through its state dir:
+No trio: the websocket is ``_wsclient``, a blocking socket driven by ``h11`` and
+``wsproto`` (imported on the first connect). The daemon is found through its state dir:
 the endpoint file (where it listens, its pid) and the 0600 token file.
 
 ``Client.follow`` subscribes to a run's events and, when the connection drops, reconnects
@@ -183,9 +183,16 @@ class Client:
         return self.request("ping")
 
     def spawn(
-        self, spec: dict[str, Any], *, session_id: str | None = None, timeout_s: float | None = None
+        self,
+        spec: dict[str, Any],
+        *,
+        session_id: str | None = None,
+        timeout_s: float | None = None,
+        model_key: str | None = None,
     ) -> dict[str, Any]:
-        return self.request("spawn", spec=spec, session_id=session_id, timeout_s=timeout_s)
+        """Start a run. ``model_key``: this run's model API key, handed to its runner only
+        (never journaled); the daemon's own ``OPENAI_API_KEY`` is used without it."""
+        return self.request("spawn", spec=spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key)
 
     def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
         return self.request("cancel", run_id=run_id, reason=reason)

@@ -141,6 +141,8 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 v = int(v)
                 if v < 0:
                     raise ValueError("must be >= 0")
+                if f.name == "port" and v > 65535:
+                    raise ValueError("must be <= 65535")
             elif f.name in {"grace_s"}:
                 v = float(v)
                 if v < 0:

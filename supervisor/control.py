@@ -351,7 +351,9 @@ class _Connection:
     async def _dispatch(self, req: protocol.Request) -> Any:
         b = self.backend
         if isinstance(req, protocol.SpawnRequest):
-            return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s)
+            if req.model_key is None:
+                return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s)
+            return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s, model_key=req.model_key)
         if isinstance(req, protocol.CancelRequest):
             if req.run_id is not None:
                 return await b.cancel(req.run_id, reason=req.reason)

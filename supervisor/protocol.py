@@ -34,6 +34,8 @@ __all__ = [
     "ErrorCode",
     "Backend",
     "SpawnRequest",
+    "Secret",
+    "MAX_MODEL_KEY_CHARS",
     "CancelRequest",
     "StatusRequest",
     "ListRequest",
@@ -71,7 +73,7 @@ MAX_ID_CHARS: Final = 256
 
 
 class Op(enum.StrEnum):
-    SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number}
+    SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number, model_key?: str}
     CANCEL = "cancel"  # {run_id: str, reason?: str} | {session_id: str, reason?: str}
     STATUS = "status"  # {run_id?: str}; without run_id: the daemon and its live runs
     LIST = "list"  # {limit?: int, state?: RunState, session_id?: str}
@@ -118,7 +120,12 @@ class Backend(Protocol):
     async def spawn(
         self, spec: dict[str, Any], *, session_id: str | None, timeout_s: float | None
     ) -> dict[str, Any]:
-        """Start a run. Returns at least ``{"run_id", "state"}``. Raises SpawnError."""
+        """Start a run. Returns at least ``{"run_id", "state"}``. Raises SpawnError.
+
+        A spawn that carries a model key calls it with one more keyword, ``model_key`` (a
+        ``Secret``, the run's model API key: for its runner's environment only, never to be
+        journaled or logged); one without a key does not pass it.
+        """
         ...
 
     async def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
@@ -149,12 +156,42 @@ class Backend(Protocol):
 # to create, a NamedTuple a tenth of that.
 
 
+class Secret:
+    """A value that never shows itself: its repr, str and JSON (``default=str``) are
+    redacted. ``reveal()`` is for the one place that hands it on."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret(<redacted>)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+# A model API key longer than this is refused as a bad argument.
+MAX_MODEL_KEY_CHARS: Final = 4096
+
+
 class SpawnRequest(NamedTuple):
     id: Any
     spec: dict[str, Any]
     session_id: str | None = None
     timeout_s: float | None = None
     op: Op = Op.SPAWN
+    # This run's model API key: handed to its runner's environment only, never journaled.
+    model_key: Secret | None = None
 
 
 class CancelRequest(NamedTuple):
@@ -350,7 +387,22 @@ def _spawn(rid: Any, obj: Mapping[str, Any]) -> SpawnRequest:
         if not math.isfinite(timeout) or timeout <= 0:
             raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' > 0, got {timeout!r}")
         timeout = float(timeout)
-    return SpawnRequest(rid, spec, _ident(obj, "session_id", required=False), timeout)
+    return SpawnRequest(
+        rid, spec, _ident(obj, "session_id", required=False), timeout, model_key=_model_key(obj.get("model_key"))
+    )
+
+
+def _model_key(v: Any) -> Secret | None:
+    # The messages name the argument, never its value.
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected 'model_key' to be a non-empty string, got {_kind(v)}")
+    if len(v) > MAX_MODEL_KEY_CHARS:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected 'model_key' of at most {MAX_MODEL_KEY_CHARS} chars, got {len(v)}")
+    if any(c in v for c in "\x00\r\n"):
+        raise _Bad(ErrorCode.BAD_ARGS, "expected 'model_key' without NUL or line breaks")
+    return Secret(v)
 
 
 def _cancel(rid: Any, obj: Mapping[str, Any]) -> CancelRequest:

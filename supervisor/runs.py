@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
 from supervisor import process, recovery
 from supervisor.config import Config
+from supervisor.protocol import Secret
 from supervisor.containment import Containment
 from supervisor.errors import RunNotFound, SpawnError
 from supervisor.journal import Journal
@@ -78,6 +80,8 @@ class _Run:
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
     pipes_held_open: bool = False
     early_stderr: bytes = b""
+    # This run's own model API key: for its runner's environment only, never journaled.
+    model_key: Secret | None = field(default=None, repr=False)
 
 
 class RunManager:
@@ -135,7 +139,13 @@ class RunManager:
         *,
         session_id: str | None = None,
         timeout_s: float | None = None,
+        model_key: Secret | None = None,
     ) -> dict[str, Any]:
+        """Start a run. ``model_key``: its own model API key (see ``_validate_spec``).
+
+        Raises:
+            SpawnError: not accepting runs, or a spec the run cannot carry out.
+        """
         if not self._accepting or self._nursery is None:
             raise SpawnError("the daemon is not accepting runs (shutting down)")
         if not isinstance(spec, dict):
@@ -149,13 +159,18 @@ class RunManager:
             session_id = spec.get("session_id")
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
-        _validate_spec(spec)
+        provider = _validate_spec(spec, model_key)
+        if provider is not None:
+            # The provider chosen here, from this daemon's environment, is the one the run
+            # uses and the one status shows: the runner does not choose again.
+            spec["model"] = {**(spec.get("model") or {}), "provider": provider}
         run = _Run(
             run_id=run_id,
             session_id=session_id,
             spec=spec,
             timeout_s=timeout_s,
             token=CancelToken(run_id),
+            model_key=model_key,
         )
         await self.journal.create_run(
             run_id, session_id=session_id, spec=spec, created_at=time.time(), timeout_s=timeout_s
@@ -335,12 +350,15 @@ class RunManager:
 
     async def _execute(self, run: _Run) -> None:
         await self._transition(run, RunState.STARTING)
-        warm = self._pool.take() if self._pool is not None else None
+        # A warm runner's environment was set before its spec came: a run with its own
+        # model key starts cold, with the key in its runner's environment.
+        warm = self._pool.take() if self._pool is not None and run.model_key is None else None
         if warm is None:
+            extra_env = {"AGENTD_RUN_ID": run.run_id}
+            if run.model_key is not None:
+                extra_env["OPENAI_API_KEY"] = run.model_key.reveal()
             try:
-                warm = await new_tree(
-                    self.config, self.containment, warm=False, extra_env={"AGENTD_RUN_ID": run.run_id}
-                )
+                warm = await new_tree(self.config, self.containment, warm=False, extra_env=extra_env)
             except (OSError, SpawnError) as exc:
                 logger.warning("run %s: could not start the runner: %s", run.run_id, exc)
                 await self._finish(
@@ -632,16 +650,34 @@ def _leaf_errors(exc: BaseException) -> str:
     return repr(exc)
 
 
-def _validate_spec(spec: dict[str, Any]) -> None:
-    """Reject a bad spec at spawn time, with the runner's own validator (stdlib only)."""
+def _validate_spec(spec: dict[str, Any], model_key: Secret | None = None) -> str | None:
+    """Reject a bad spec at spawn time, with the runner's own validator (stdlib only).
+
+    Returns the model provider the run will use (None if the runner package is absent).
+    A model that cannot be used is refused here, never replaced: provider "openai" with
+    no API key (neither this daemon's ``OPENAI_API_KEY`` nor the run's own ``model_key``)
+    and no base URL of a local server is a SpawnError saying where the key goes.
+    """
     try:
         from subagent.spec import RunSpec, SpecError
     except ImportError:  # the runner package is not there: the runner will say so
-        return
+        return None
+    env = dict(os.environ)
+    if model_key is not None:
+        env["OPENAI_API_KEY"] = model_key.reveal()
     try:
-        RunSpec.from_dict(spec)
+        parsed = RunSpec.from_dict(spec, env)
     except SpecError as exc:
         raise SpawnError(f"invalid run spec: {exc}") from exc
+    model = parsed.model
+    if model.provider == "openai" and not env.get("OPENAI_API_KEY") and not (model.base_url or env.get("OPENAI_BASE_URL")):
+        asked = f"model {model.name!r}" if model.name else "provider 'openai'"
+        raise SpawnError(
+            f"invalid run spec: model: {asked} needs an API key and the daemon has none: set OPENAI_API_KEY "
+            "in the daemon's environment (under systemd: /etc/agentd/agentd.env, see systemd/agentd.env.example, "
+            "then restart agentd), or give this run its own with `agentd spawn --model-key-env VAR`; "
+            "for a local OpenAI-compatible server set model.base_url or OPENAI_BASE_URL instead"
+        )
     if spec.get("browser"):
         # A missing Chromium or node is a clear error now, not a failed run later.
         from subagent.browser import BrowserSetupError, check_browser
@@ -650,6 +686,7 @@ def _validate_spec(spec: dict[str, Any]) -> None:
             check_browser(spec["browser"])
         except BrowserSetupError as exc:
             raise SpawnError(f"invalid run spec: browser: {exc}") from exc
+    return model.provider
 
 
 def _exit_name(code: int | None) -> str:

@@ -23,6 +23,11 @@ def test_provider_defaults_to_openai_when_a_key_is_set() -> None:
     assert RunSpec.from_dict({"task": "t"}, env={"OPENAI_API_KEY": "sk"}).model.provider == "openai"
 
 
+def test_a_model_named_without_a_provider_is_an_openai_one_never_the_scripted_one() -> None:
+    m = RunSpec.from_dict({"task": "t", "model": {"name": "gpt-4o-mini"}}, env={}).model
+    assert m.provider == "openai" and m.name == "gpt-4o-mini"
+
+
 def test_full_spec_round_trips() -> None:
     d = {
         "run_id": "r1",

@@ -42,7 +42,7 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
 
 def run(server: ServerThread | Path, *args: str, env: dict[str, str] | None = None) -> Result:
     state_dir = server if isinstance(server, Path) else server.config.state_dir
-    return CliRunner(env=env).invoke(cli, ["--state-dir", str(state_dir), *args], catch_exceptions=False)
+    return CliRunner(env=env).invoke(cli, ["--state-dir", str(state_dir), *args], catch_exceptions=False, prog_name="agentd")
 
 
 def write_spec(tmp_path: Path, spec: dict[str, Any]) -> str:
@@ -68,7 +68,7 @@ def test_a_status_round_trip_in_a_fresh_process_stays_off_the_heavy_imports(serv
         "import sys\n"
         "from supervisor.cli import cli\n"
         f"cli.main(['--state-dir', {str(server.config.state_dir)!r}, '--json', 'status'], standalone_mode=False)\n"
-        "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'openai', 'mcp') if m in sys.modules))\n"
+        "print(sorted(m for m in ('trio', 'trio_websocket', 'openai', 'mcp', 'httpx2') if m in sys.modules))\n"
     )
     # The latency itself (~65 ms here, of which python 21 and click 23) is not asserted:
     # wall time on a loaded CI machine says little; the imports are what keep it low.
@@ -215,21 +215,64 @@ def test_watch_of_a_live_run_ends_at_its_terminal_state(server: ServerThread, tm
     assert res.stdout.splitlines()[-1] == f"run {run_id} failed"
 
 
-def test_logs_prints_the_journal_and_json_lines(server: ServerThread) -> None:
-    b = server.backend
-    run_id = server.call(b.add_run)
-    server.call(b.emit, run_id, "log", {"level": "warning", "message": "disk almost full"})
-    res = run(server, "logs", run_id)
-    assert res.exit_code == 0
+def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, final: str | None = None) -> str:
+    """A real journal file with one run and its events, written and closed: no daemon."""
+    import trio
+
+    from supervisor.journal import Journal
+    from supervisor.states import RunState
+
+    async def write() -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        journal = await Journal.open(state_dir / "agentd.sqlite3")
+        try:
+            await journal.create_run("r-1", session_id=None, spec={"task": "t"}, created_at=time.time(), timeout_s=None)
+            for kind, data in events:
+                await journal.append_event("r-1", kind, data)
+            if final is not None:
+                await journal.finish("r-1", RunState(final), reason=None, result=None, partial=False, error=None, receipt=None)
+        finally:
+            await journal.aclose()
+
+    trio.run(write)
+    return "r-1"
+
+
+def test_logs_reads_the_journal_file_with_no_daemon(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    run_id = make_journal(state, [("state", {"state": "running"}), ("log", {"level": "warning", "message": "disk almost full"})])
+    assert not (state / "daemon.json").exists()  # nothing to connect to
+    res = run(state, "logs", run_id)
+    assert res.exit_code == 0, res.output
     assert "[warning] disk almost full" in res.stdout and "state: running" in res.stdout
-    res = run(server, "--json", "logs", run_id, "--after", "1")
+    res = run(state, "logs", run_id, "--after", "1", "--json")
     assert [json.loads(line)["seq"] for line in res.stdout.splitlines()] == [2]
+    assert json.loads(res.stdout)["data"] == {"level": "warning", "message": "disk almost full"}
 
 
-def test_logs_follow_continues_until_the_end(server: ServerThread, tmp_path: Path) -> None:
-    spawned = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": "ok"}))
-    res = run(server, "logs", "-f", spawned.stdout.strip())
+def test_logs_of_an_unknown_run_or_without_a_journal_is_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    res = run(state, "logs", "r-1")
+    assert res.exit_code == ExitCode.NO_DAEMON and res.stderr.startswith("error: no journal at")
+    assert res.stderr.count("\n") == 1
+    make_journal(state, [])
+    res = run(state, "logs", "r-nope")
+    assert res.exit_code == ExitCode.NOT_FOUND and res.stderr == "error: no run with id 'r-nope'\n"
+
+
+def test_logs_follow_of_an_ended_run_needs_no_daemon_and_exits_with_its_outcome(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    run_id = make_journal(state, [("log", {"message": "x"})], final="failed")
+    res = run(state, "logs", "-f", run_id)
+    assert res.exit_code == ExitCode.RUN_FAILED, res.output
+    assert res.stdout.splitlines()[-1] == f"run {run_id} failed"
+
+
+def test_logs_follow_continues_through_the_daemon_until_the_end(real_daemon: Path) -> None:
+    spawned = run(real_daemon, "spawn", "count the files")
+    res = run(real_daemon, "logs", "-f", spawned.stdout.strip())
     assert res.exit_code == 0 and "state: completed" in res.stdout
+    assert res.stdout.splitlines()[-1] == f"run {spawned.stdout.strip()} completed"
 
 
 @pytest.mark.parametrize(
@@ -240,6 +283,8 @@ def test_logs_follow_continues_until_the_end(server: ServerThread, tmp_path: Pat
          "process group 77 (mcp_server browser) ended"),
         ({"seq": 5, "kind": "stop_requested", "data": {"reason": "signal", "during": "tool"}}, "stop requested (signal, during tool)"),
         ({"seq": 6, "kind": "something_new", "data": {"a": 1}}, 'something_new {"a": 1}'),
+        ({"seq": 7, "kind": "log", "data": {"level": "error", "message": "error: bad run spec: task"}}, "[error] bad run spec: task"),
+        ({"seq": 8, "kind": "steer_sent", "data": {"text": "mind the logs"}}, "steering sent: mind the logs"),
     ],
 )
 def test_format_event_makes_one_readable_line(event: dict[str, Any], line: str) -> None:
@@ -253,19 +298,29 @@ def test_format_event_makes_one_readable_line(event: dict[str, Any], line: str) 
 def test_cancel_prints_was_active_and_the_terminal_state(server: ServerThread) -> None:
     run_id = server.call(server.backend.add_run)
     res = run(server, "cancel", run_id)
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == ExitCode.RUN_CANCELLED, res.output  # the README: 7 for a run that ends cancelled
     assert res.stdout.strip() == f"{run_id}: stop sent (was active); cancelled"
     res = run(server, "--json", "cancel", run_id)
     assert json.loads(res.stdout) == {"run_id": run_id, "was_active": False, "state": "cancelled"}
+    assert res.exit_code == ExitCode.RUN_CANCELLED
     res = run(server, "cancel", run_id)
     assert res.stdout.strip() == f"{run_id}: was not active (state: cancelled)"
     assert server.backend.cancels == [(run_id, "user")] * 3
 
 
+@pytest.mark.parametrize(("state", "code"), [("completed", ExitCode.OK), ("failed", ExitCode.RUN_FAILED), ("lost", ExitCode.RUN_LOST)])
+def test_cancel_of_a_run_that_already_ended_exits_with_its_outcome(server: ServerThread, state: str, code: int) -> None:
+    run_id = server.call(server.backend.add_run)
+    server.call(server.backend.finish, run_id, state)
+    res = run(server, "cancel", run_id)
+    assert res.exit_code == code, res.output
+    assert res.stdout.strip() == f"{run_id}: was not active (state: {state})"
+
+
 def test_cancel_no_wait_and_cancel_by_session(server: ServerThread) -> None:
     a = server.call(server.backend.add_run, session_id="s9")
     res = run(server, "--json", "cancel", "--session", "s9", "--reason", "stop button")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == ExitCode.RUN_CANCELLED, res.output
     out = json.loads(res.stdout)
     assert out["was_active"] is True and out["final"] == {a: "cancelled"}
     assert server.backend.cancels == [(a, "stop button")]
@@ -304,6 +359,115 @@ def test_list_shows_a_table_and_filters(server: ServerThread) -> None:
     assert res.stdout.strip() == "no runs"
 
 
+# --------------------------------------------------------------------------- global options, usage errors
+
+
+def run_bare(*args: str, env: dict[str, str] | None = None) -> Result:
+    """The CLI with exactly these arguments (no --state-dir put in front)."""
+    return CliRunner(env=env).invoke(cli, list(args), catch_exceptions=False, prog_name="agentd")
+
+
+def test_global_options_work_after_the_command_too(server: ServerThread, tmp_path: Path) -> None:
+    """The README's `agentd status RUN --json`, and every other command the same way."""
+    sd = str(server.config.state_dir)
+    run_id = server.call(server.backend.add_run, {"task": "summarise"})
+    res = run_bare("status", run_id, "--json", "--state-dir", sd)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["state"] == "running"
+    res = run_bare("list", "--state-dir", sd, "--json")
+    assert [r["run_id"] for r in json.loads(res.stdout)["runs"]] == [run_id]
+    res = run_bare("spawn", "--spec", write_spec(tmp_path, {"task": "go"}), "--json", "--state-dir", sd)
+    assert json.loads(res.stdout)["run_id"].startswith("r-")
+    res = run_bare("--json", "status", "--state-dir", sd)
+    assert json.loads(res.stdout)["daemon"]["pid"] > 0
+    res = run_bare("status", "--state-dir", str(tmp_path / "nowhere"))  # after the command: it wins
+    assert res.exit_code == ExitCode.NO_DAEMON
+
+
+def test_a_command_added_later_gets_the_global_options(server: ServerThread) -> None:
+    """What `agentd fleet ...` or `agentd dashboard` will rely on: register, and they work."""
+    import click
+
+    from supervisor.cli import pass_obj
+
+    @cli.command("test-echo")
+    @pass_obj
+    def echo_obj(obj: Any) -> None:
+        obj.emit({"state_dir": str(obj.state_dir)}, lambda: click.echo(f"state dir {obj.state_dir}"))
+
+    try:
+        res = run_bare("test-echo", "--json", "--state-dir", "/x")
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout) == {"state_dir": "/x"}
+    finally:
+        cli.commands.pop("test-echo")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["stauts"], "error: no such command 'stauts'. Did you mean 'status'? (try 'agentd --help')"),
+        (["status", "--jsn"], "error: no such option '--jsn'"),
+        (["watch"], "error: missing argument 'RUN' (try 'agentd watch --help')"),
+        (["list", "--state", "bogus"], "error: invalid value for '--state': 'bogus' is not one of"),
+        (["serve", "--port", "99999"], "error: invalid value for '--port': 99999 is not in the range 0<=x<=65535"),
+        (["--bogus", "status"], "error: no such option '--bogus'"),
+        (["spawn", "x", "--max-steps", "0"], "error: invalid value for '--max-steps'"),
+    ],
+)
+def test_usage_errors_are_one_error_line_with_a_hint_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    res = run_bare("--state-dir", str(tmp_path), *args) if args[0] != "--bogus" else run_bare(*args)
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr.startswith(message), res.stderr
+    assert res.stderr.count("\n") == 1 and "(try 'agentd" in res.stderr and "Usage:" not in res.stderr
+    assert res.stdout == ""
+
+
+def test_serve_refuses_a_port_out_of_range_from_the_environment_too(tmp_path: Path) -> None:
+    res = run_bare("--state-dir", str(tmp_path), "serve", env={"AGENTD_PORT": "70000"})
+    assert res.exit_code == ExitCode.USAGE
+    assert res.stderr == "error: config port: bad value '70000': must be <= 65535\n"
+
+
+def test_serve_on_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "supervisor", "--state-dir", str(tmp_path / "state"), "serve", "--port", str(port)],
+            capture_output=True, text=True, timeout=DAEMON_START_S,
+        )
+    assert out.returncode == ExitCode.USAGE, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port}: address already in use "
+        "(another program holds it; pick another with --port, or 0 for any free port)"
+    )
+    assert "Traceback" not in out.stderr and "ExceptionGroup" not in out.stderr
+
+
+def test_model_key_env_that_is_not_set_is_a_usage_error(server: ServerThread) -> None:
+    res = run(server, "spawn", "x", "--model", "gpt-4o-mini", "--model-key-env", "AGENTD_TEST_NO_SUCH_VAR")
+    assert res.exit_code == ExitCode.USAGE
+    assert res.stderr == "error: --model-key-env: environment variable 'AGENTD_TEST_NO_SUCH_VAR' is not set or empty in this shell\n"
+    assert not server.backend.spawns
+
+
+@pytest.mark.parametrize(
+    ("model", "shown"),
+    [
+        ({"provider": "openai", "name": "gpt-4o-mini"}, "openai gpt-4o-mini"),
+        ({"provider": "openai"}, "openai (its default model)"),
+        ({"provider": "openai", "name": "m", "base_url": "http://h/v1"}, "openai m at http://h/v1"),
+        ({"provider": "scripted"}, "scripted (the built-in script)"),
+        ({"provider": "scripted", "script_path": "/s.json"}, "scripted (script /s.json)"),
+        ({"provider": "scripted", "script": {}}, "scripted (inline script)"),
+    ],
+)
+def test_status_names_the_provider_and_model(model: dict[str, Any], shown: str) -> None:
+    from supervisor.cli import _model
+
+    assert _model({"task": "t", "model": model}) == shown
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -319,7 +483,7 @@ def test_the_state_dir_comes_from_the_environment(server: ServerThread) -> None:
     assert res.exit_code == 0, res.output
 
 
-@pytest.mark.parametrize("command", [["status", "r-nope"], ["cancel", "r-nope"], ["watch", "r-nope"], ["logs", "r-nope"]])
+@pytest.mark.parametrize("command", [["status", "r-nope"], ["cancel", "r-nope"], ["watch", "r-nope"]])
 def test_an_unknown_run_exits_4_with_one_line(server: ServerThread, command: list[str]) -> None:
     res = run(server, *command)
     assert res.exit_code == ExitCode.NOT_FOUND
@@ -404,7 +568,7 @@ def test_cancel_on_the_real_daemon_prints_was_active_and_the_terminal_state(real
     for event in follow:
         if event["kind"] == "step_started":
             res = run(real_daemon, "cancel", run_id)
-            assert res.exit_code == 0, res.output
+            assert res.exit_code == ExitCode.RUN_CANCELLED, res.output
             assert res.stdout.strip() == f"{run_id}: stop sent (was active); cancelled"
     assert follow.state == "cancelled"
     again = run(real_daemon, "--json", "cancel", run_id)

@@ -6,8 +6,10 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,15 +33,112 @@ def client(server: ServerThread) -> Iterator[Client]:
         yield c
 
 
-def test_frames_are_masked_and_sized_per_rfc6455() -> None:
-    key = b"\x01\x02\x03\x04"
-    small = _wsclient.encode_frame(0x1, b"hi", mask_key=key)
-    assert small[:2] == b"\x81\x82" and small[2:6] == key
-    assert _wsclient._mask(small[6:], key) == b"hi"
-    medium = _wsclient.encode_frame(0x1, b"x" * 300, mask_key=key)
-    assert medium[1] == 0x80 | 126 and int.from_bytes(medium[2:4], "big") == 300
-    big = _wsclient.encode_frame(0x2, b"y" * 70000, mask_key=key)
-    assert big[1] == 0x80 | 127 and int.from_bytes(big[2:10], "big") == 70000
+class RawServer:
+    """One websocket connection served by wsproto's server side, on a thread.
+
+    ``play(send)`` runs after the handshake: ``send(event)`` queues one wsproto event. The
+    101 and everything queued go out in one write, so the client finds its first messages
+    in the bytes that end the handshake. ``received`` collects what the client sent.
+    """
+
+    def __init__(self, play: Callable[[Callable[[Any], None]], None], *, accept_key: bytes | None = None) -> None:
+        self.play = play
+        self.accept_key = accept_key
+        self.received: list[Any] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"ws://127.0.0.1:{self.listener.getsockname()[1]}/"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import AcceptConnection, CloseConnection, Request
+
+        sock, _ = self.listener.accept()
+        sock.settimeout(10)
+        with sock:
+            ws = WSConnection(ConnectionType.SERVER)
+            while True:
+                data = sock.recv(65536)
+                ws.receive_data(data or None)
+                events = list(ws.events())
+                if any(isinstance(e, Request) for e in events):
+                    break
+            if self.accept_key is not None:  # a server that gets the handshake wrong
+                sock.sendall(
+                    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    b"Sec-WebSocket-Accept: " + self.accept_key + b"\r\n\r\n"
+                )
+                return
+            out = bytearray(ws.send(AcceptConnection()))
+            self.play(lambda event: out.extend(ws.send(event)))
+            sock.sendall(out)
+            while True:  # record what the client answers, until it closes
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    return
+                ws.receive_data(data or None)
+                for event in ws.events():
+                    self.received.append(event)
+                    if isinstance(event, CloseConnection):
+                        return
+                if not data:
+                    return
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.listener.close()
+
+
+def test_pings_are_answered_and_fragments_and_binary_messages_arrive_whole() -> None:
+    from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessage
+
+    def play(send: Callable[[Any], None]) -> None:
+        send(Ping(payload=b"are you there"))
+        send(TextMessage(data="hel", message_finished=False))
+        send(TextMessage(data="lo", message_finished=True))
+        send(BytesMessage(data="wörld".encode(), message_finished=True))
+        send(CloseConnection(code=1001, reason="going away"))
+
+    server = RawServer(play)
+    try:
+        ws = _wsclient.WebSocket.connect(server.url, {}, 10)
+        assert ws.recv_text(10) == "hello"
+        assert ws.recv_text(10) == "wörld"
+        with pytest.raises(ConnectionLost) as info:
+            ws.recv_text(10)
+        assert "(1001: going away)" in str(info.value) and ws.closed
+    finally:
+        server.close()
+    kinds = [type(e) for e in server.received]
+    assert kinds == [Pong, CloseConnection]
+    assert server.received[0].payload == b"are you there"
+    assert server.received[1].code == 1001  # the close was answered
+
+
+def test_a_message_over_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wsproto.events import TextMessage
+
+    monkeypatch.setattr(_wsclient, "MAX_FRAME_BYTES", 8)
+    server = RawServer(lambda send: send(TextMessage(data="x" * 9)))
+    try:
+        ws = _wsclient.WebSocket.connect(server.url, {}, 10)
+        with pytest.raises(ConnectionLost) as info:
+            ws.recv_text(10)
+        assert "at most 8 bytes" in str(info.value) and ws.closed
+    finally:
+        server.close()
+
+
+def test_a_bad_accept_token_fails_the_handshake() -> None:
+    server = RawServer(lambda send: None, accept_key=b"AAAAAAAAAAAAAAAAAAAAAAAAAAA=")
+    try:
+        with pytest.raises(ConnectionLost) as info:
+            _wsclient.WebSocket.connect(server.url, {}, 10)
+        assert "bad Sec-WebSocket-Accept" in str(info.value)
+    finally:
+        server.close()
 
 
 def test_ops_round_trip_through_the_real_server(server: ServerThread, client: Client) -> None:
@@ -210,9 +309,10 @@ def test_a_wrong_token_is_refused(server: ServerThread) -> None:
 
 
 def test_the_client_module_imports_neither_trio_nor_openai_nor_mcp() -> None:
+    # wsproto and h11 come on the first connect: a command that never connects skips them.
     code = (
         "import sys, supervisor.client; "
-        "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'openai', 'mcp') if m in sys.modules))"
+        "print(sorted(m for m in ('trio', 'trio_websocket', 'wsproto', 'h11', 'openai', 'mcp') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

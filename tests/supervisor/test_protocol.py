@@ -24,6 +24,23 @@ def test_a_spawn_request_decodes_with_its_arguments() -> None:
     assert req == protocol.SpawnRequest(7, {"task": "x"}, "s", 3.0)
 
 
+def test_a_spawn_model_key_is_a_secret_that_never_shows_itself() -> None:
+    key = "sk-test-do-not-print-1234"
+    req = dec({"id": 1, "op": "spawn", "spec": {"task": "x"}, "model_key": key})
+    assert isinstance(req, protocol.SpawnRequest) and isinstance(req.model_key, protocol.Secret)
+    assert req.model_key.reveal() == key
+    for text in (repr(req), str(req.model_key), json.dumps(req._asdict(), default=str)):
+        assert key not in text and "redacted" in text
+
+
+@pytest.mark.parametrize("bad", ["", "  ", 42, "a\nb", "a\x00b", "k" * (protocol.MAX_MODEL_KEY_CHARS + 1)])
+def test_a_bad_model_key_is_refused_without_echoing_it(bad: object) -> None:
+    req = dec({"id": 1, "op": "spawn", "spec": {"task": "x"}, "model_key": bad})
+    assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_ARGS and "model_key" in req.message
+    if isinstance(bad, str) and bad.strip():
+        assert bad not in req.message
+
+
 def test_defaults_fill_optional_arguments() -> None:
     assert dec({"id": "a", "op": "list"}) == protocol.ListRequest("a", 50, None, None)
     assert dec({"op": "events", "run_id": "r"}) == protocol.EventsRequest(None, "r", 0, 1000)
