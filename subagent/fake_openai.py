@@ -1,4 +1,4 @@
-"""A fake OpenAI-compatible chat server: real HTTP/1.1 + SSE, playing a model script.
+"""A fake OpenAI-compatible chat server: real HTTP/1.1 (``h11``) + SSE, playing a model script.
 
 It speaks just enough of the Chat Completions API for the ``openai`` SDK:
 ``POST .../chat/completions`` with ``stream: true`` answers ``chat.completion.chunk``
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import h11
 import trio
 
 from subagent.script import DEFAULT_SCRIPT, Script, history_position, plan
@@ -36,6 +37,7 @@ __all__ = ["FakeOpenAI", "LoggedRequest"]
 # Bounds how long the server waits for a request's head and body (seconds).
 REQUEST_READ_TIMEOUT_S: Final = 10.0
 MAX_HEAD_BYTES: Final = 64 * 1024
+RECV_BYTES: Final = 65536
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 # Bounds closing one client connection (seconds).
 CLOSE_TIMEOUT_S: Final = 1.0
@@ -162,46 +164,53 @@ class FakeOpenAI:
         self._thread = None
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        buf = bytearray()  # bytes read but not yet consumed (keep-alive, pipelining)
+        # One h11 connection per socket: keep-alive and pipelined requests included.
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         try:
             while True:
-                parsed: tuple[str, str, dict[str, str], bytes] | None = None
+                parsed: tuple[h11.Request, bytes] | None = None
                 with trio.move_on_after(REQUEST_READ_TIMEOUT_S):
-                    parsed = await _read_request(stream, buf)
+                    parsed = await _read_request(stream, conn)
                 if parsed is None:
                     return
-                method, path, headers, body_bytes = parsed
+                head, body_bytes = parsed
                 try:
                     body: Any = json.loads(body_bytes) if body_bytes else None
                 except ValueError:
                     body = body_bytes.decode("utf-8", "replace")
-                req = LoggedRequest(next(self._counter), method, path, headers, body)
+                headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in head.headers}
+                req = LoggedRequest(next(self._counter), head.method.decode("ascii"), head.target.decode("latin-1"), headers, body)
                 self.requests.append(req)
                 self._notify()
                 try:
-                    keep = await self._respond(stream, req, buf)
+                    keep = await self._respond(stream, conn, req)
                 finally:
                     self._notify()
-                if not keep:
+                if not keep or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     return
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError, _ClientGone):
+                conn.start_next_cycle()
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # a bad request gets its 400
+                with trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await _send_json(stream, conn, exc.error_status_hint, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError, ValueError, _ClientGone):
             return
         finally:
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await stream.aclose()
 
-    async def _respond(self, stream: trio.SocketStream, req: LoggedRequest, buf: bytearray) -> bool:
+    async def _respond(self, stream: trio.SocketStream, conn: h11.Connection, req: LoggedRequest) -> bool:
         """Answer one request. Returns whether the connection stays usable."""
         if req.method == "GET" and req.path.rstrip("/").endswith("/models"):
-            await _send_json(stream, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+            await _send_json(stream, conn, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
             req.response_complete = True
             return True
         if req.method != "POST" or not req.path.rstrip("/").endswith("/chat/completions") or not isinstance(req.body, dict):
-            await _send_json(stream, 404, {"error": {"message": f"no route for {req.method} {req.path}", "type": "invalid_request_error"}})
+            await _send_json(stream, conn, 404, {"error": {"message": f"no route for {req.method} {req.path}", "type": "invalid_request_error"}})
             req.response_complete = True
             return True
         if self.reject_stream_options and "stream_options" in req.body:
-            await _send_json(stream, 400, {"error": {"message": "unknown field: stream_options", "type": "invalid_request_error"}})
+            await _send_json(stream, conn, 400, {"error": {"message": "unknown field: stream_options", "type": "invalid_request_error"}})
             req.response_complete = True
             return True
         messages = req.body.get("messages") or []
@@ -212,11 +221,11 @@ class FakeOpenAI:
             for p in pieces[:-1]:
                 await trio.sleep(p.seconds)
             err = pieces[-1]
-            await _send_json(stream, err.index, {"error": {"message": err.text, "type": "server_error", "code": None}})
+            await _send_json(stream, conn, err.index, {"error": {"message": err.text, "type": "server_error", "code": None}})
             req.response_complete = True
             return True
         if not req.body.get("stream"):
-            await _send_json(stream, 200, self._whole_completion(pieces))
+            await _send_json(stream, conn, 200, self._whole_completion(pieces))
             req.response_complete = True
             return True
         include_usage = bool((req.body.get("stream_options") or {}).get("include_usage"))
@@ -225,10 +234,11 @@ class FakeOpenAI:
 
         async def watch(cancel: trio.CancelScope) -> None:
             # The client sends nothing more while it reads a stream: bytes here are a
-            # pipelined request, EOF is the client closing the connection.
+            # pipelined request (h11 keeps them for the next cycle), EOF is the client
+            # closing the connection.
             while True:
                 try:
-                    data = await stream.receive_some(65536)
+                    data = await stream.receive_some(RECV_BYTES)
                 except trio.ClosedResourceError:
                     return  # we closed it ourselves (a scripted cut)
                 except trio.BrokenResourceError:
@@ -237,14 +247,14 @@ class FakeOpenAI:
                     gone.set()
                     cancel.cancel()
                     return
-                buf.extend(data)
+                conn.receive_data(data)
 
         completed = False
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as writer_scope:
                 nursery.start_soon(watch, writer_scope)
                 try:
-                    completed = await self._stream(stream, req, pieces, include_usage)
+                    completed = await self._stream(stream, conn, req, pieces, include_usage)
                 except _ClientGone:
                     gone.set()
             nursery.cancel_scope.cancel()
@@ -254,14 +264,16 @@ class FakeOpenAI:
             return False
         return completed
 
-    async def _stream(self, stream: trio.SocketStream, req: LoggedRequest, pieces: list[Any], include_usage: bool) -> bool:
+    async def _stream(
+        self, stream: trio.SocketStream, conn: h11.Connection, req: LoggedRequest, pieces: list[Any], include_usage: bool
+    ) -> bool:
         cid = f"chatcmpl-fake-{req.n}"
         created = int(time.time())
-        head = (
-            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-            "transfer-encoding: chunked\r\n\r\n"
+        head = h11.Response(
+            status_code=200,
+            headers=[("content-type", "text/event-stream"), ("cache-control", "no-cache"), ("transfer-encoding", "chunked")],
         )
-        await _send(stream, head.encode())
+        await _send(stream, conn, head)
         first = True
 
         async def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
@@ -276,7 +288,7 @@ class FakeOpenAI:
                 "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
             }
-            await _send_event(stream, obj)
+            await _send_event(stream, conn, obj)
 
         for p in pieces:
             if p.kind == "delay":
@@ -293,8 +305,8 @@ class FakeOpenAI:
                 await stream.aclose()
                 return False
             elif p.kind == "error":
-                await _send_event(stream, {"error": {"message": p.text, "type": "server_error", "code": None}})
-                await _send(stream, b"0\r\n\r\n")
+                await _send_event(stream, conn, {"error": {"message": p.text, "type": "server_error", "code": None}})
+                await _send(stream, conn, h11.EndOfMessage())
                 req.response_complete = True
                 return True
             elif p.kind == "hang":
@@ -306,9 +318,9 @@ class FakeOpenAI:
                 if include_usage:
                     usage = dict(p.usage or {"prompt_tokens": 0, "completion_tokens": 0})
                     usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-                    await _send_event(stream, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model, "choices": [], "usage": usage})
-                await _send_chunk(stream, b"data: [DONE]\n\n")
-                await _send(stream, b"0\r\n\r\n")
+                    await _send_event(stream, conn, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model, "choices": [], "usage": usage})
+                await _send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
+                await _send(stream, conn, h11.EndOfMessage())
                 req.response_complete = True
                 return True
         return False
@@ -336,71 +348,47 @@ class FakeOpenAI:
         }
 
 
-async def _read_until(stream: Any, buf: bytearray, sep: bytes, limit: int) -> bytes | None:
+async def _read_request(stream: Any, conn: h11.Connection) -> tuple[h11.Request, bytes] | None:
+    """The next request and its body; None when the client closed the connection first."""
+    head: h11.Request | None = None
+    body = bytearray()
     while True:
-        i = buf.find(sep)
-        if i >= 0:
-            head = bytes(buf[:i])
-            del buf[: i + len(sep)]
-            return head
-        if len(buf) > limit:
-            raise ValueError("request head too large")
-        data = await stream.receive_some(65536)
-        if not data:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(RECV_BYTES))
+        elif isinstance(event, h11.Request):
+            head = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > MAX_BODY_BYTES:
+                raise ValueError("request body too large")
+        elif isinstance(event, h11.EndOfMessage):
+            assert head is not None
+            return head, bytes(body)
+        else:  # ConnectionClosed (or PAUSED, which a new cycle never starts with)
             return None
-        buf += data
 
 
-async def _read_request(stream: Any, buf: bytearray) -> tuple[str, str, dict[str, str], bytes] | None:
-    head = await _read_until(stream, buf, b"\r\n\r\n", MAX_HEAD_BYTES)
-    if head is None:
-        return None
-    method, path, headers = _parse_head(head)
-    length = int(headers.get("content-length", "0") or 0)
-    if length > MAX_BODY_BYTES:
-        raise ValueError("request body too large")
-    while len(buf) < length:
-        data = await stream.receive_some(65536)
-        if not data:
-            return None
-        buf += data
-    body = bytes(buf[:length])
-    del buf[:length]
-    return method, path, headers, body
-
-
-def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3:
-        raise ValueError(f"bad request line {lines[0]!r}")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return parts[0], parts[1], headers
-
-
-async def _send(stream: Any, data: bytes) -> None:
+async def _send(stream: Any, conn: h11.Connection, event: h11.Event) -> None:
+    data = conn.send(event)
+    if not data:
+        return
     try:
         await stream.send_all(data)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         raise _ClientGone() from None
 
 
-async def _send_chunk(stream: Any, data: bytes) -> None:
-    await _send(stream, b"%x\r\n%s\r\n" % (len(data), data))
+async def _send_event(stream: Any, conn: h11.Connection, obj: dict[str, Any]) -> None:
+    await _send(stream, conn, h11.Data(data=b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"))
 
 
-async def _send_event(stream: Any, obj: dict[str, Any]) -> None:
-    await _send_chunk(stream, b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def _send_json(stream: Any, status: int, obj: dict[str, Any]) -> None:
+async def _send_json(stream: Any, conn: h11.Connection, status: int, obj: dict[str, Any]) -> None:
     body = json.dumps(obj).encode()
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}.get(status, "Error")
-    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-    await _send(stream, head.encode() + body)
+    headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    await _send(stream, conn, h11.Response(status_code=status, headers=headers))
+    await _send(stream, conn, h11.Data(data=body))
+    await _send(stream, conn, h11.EndOfMessage())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,8 +5,8 @@ connection is ``wsproto``'s (frames, masking, fragments, ping/pong, close). Not
 ``wsproto.WSConnection``: its client handshake encodes the Host header with the ``idna``
 codec, whose import (``stringprep``'s tables) costs ~4 ms of every CLI call; the checks it
 makes on the 101 (Upgrade, Connection, Sec-WebSocket-Accept) are made here with
-wsproto's own helpers instead. Both libraries are imported on the first ``connect``, so a
-command that never reaches the daemon (``--help``, a usage error, ``logs``) does not pay.
+wsproto's own helpers instead. (The CLI imports the client, and so this module, only for a
+command that talks to the daemon.)
 
 Every failure of the connection is ``ConnectionLost``; a refused handshake is
 ``Unauthorized``. Blocking, with per-call timeouts.
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 from urllib.parse import urlsplit
+
+import h11
+from wsproto.connection import Connection, ConnectionState, ConnectionType
+from wsproto.events import BytesMessage, CloseConnection, Event, Ping, TextMessage
+from wsproto.utilities import LocalProtocolError, generate_accept_token, generate_nonce, split_comma_header
 
 from supervisor.errors import ControlProtocolError
 from supervisor.protocol import ErrorCode
-
-if TYPE_CHECKING:
-    import wsproto.connection
 
 __all__ = ["WebSocket", "ConnectionLost", "Unauthorized", "MAX_FRAME_BYTES", "MAX_HANDSHAKE_BYTES"]
 
@@ -53,12 +55,12 @@ class Unauthorized(ControlProtocolError):
 
 
 class WebSocket:
-    def __init__(self, sock: socket.socket, conn: wsproto.connection.Connection) -> None:
+    def __init__(self, sock: socket.socket, conn: Connection) -> None:
         self._sock = sock
         self._conn = conn
         # Events are taken one at a time, so each is handled in the state it arrived in (a
         # ping before a close is answered). The handshake's trailing bytes may hold some.
-        self._events: Iterator[Any] = conn.events()
+        self._events: Iterator[Event] = conn.events()
         self.closed = False
 
     @classmethod
@@ -87,13 +89,9 @@ class WebSocket:
             raise
 
     def send_text(self, text: str) -> None:
-        from wsproto.events import TextMessage
-
         self._send(TextMessage(data=text))
 
-    def _send(self, event: Any) -> None:
-        from wsproto.utilities import LocalProtocolError
-
+    def _send(self, event: Event) -> None:
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         try:
@@ -105,7 +103,7 @@ class WebSocket:
             self.close()
             raise ConnectionLost(f"lost the connection to the daemon while sending: {exc}") from exc
 
-    def _next_event(self) -> Any:
+    def _next_event(self) -> Event:
         """The connection's next event, reading the socket as needed."""
         while (event := next(self._events, None)) is None:
             try:
@@ -126,25 +124,25 @@ class WebSocket:
         Raises:
             ConnectionLost: closed, broken, or nothing within ``timeout_s``.
         """
-        from wsproto.connection import ConnectionState
-        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
-
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         self._sock.settimeout(timeout_s)
-        parts: list[str] = []
-        size = 0
+        text: list[str] = []
+        binary: list[bytes] = []
+        size = 0  # a text message is counted in characters (wsproto decodes it as it comes)
         while True:
             event = self._next_event()
             if isinstance(event, (TextMessage, BytesMessage)):
-                data = event.data if isinstance(event, TextMessage) else bytes(event.data).decode("utf-8", "replace")
-                size += len(data)
+                size += len(event.data)
                 if size > MAX_FRAME_BYTES:
                     self.close()
                     raise ConnectionLost(f"expected a message of at most {MAX_FRAME_BYTES} bytes from the daemon")
-                parts.append(data)
+                if isinstance(event, TextMessage):
+                    text.append(event.data)
+                else:
+                    binary.append(bytes(event.data))
                 if event.message_finished:
-                    return "".join(parts)
+                    return "".join(text) if text else b"".join(binary).decode("utf-8", "replace")
             elif isinstance(event, Ping):
                 self._send(event.response())
             elif isinstance(event, CloseConnection):
@@ -164,9 +162,6 @@ class WebSocket:
         if self.closed:
             return
         self.closed = True
-        from wsproto.connection import ConnectionState
-        from wsproto.events import CloseConnection
-
         try:
             if self._conn.state is ConnectionState.OPEN:
                 self._sock.settimeout(CLOSE_SEND_TIMEOUT_S)
@@ -181,12 +176,8 @@ class WebSocket:
 
 def _handshake(
     sock: socket.socket, url: str, authority: str, target: str, headers: dict[str, str]
-) -> wsproto.connection.Connection:
+) -> Connection:
     """The HTTP/1.1 upgrade (RFC 6455 §4.1) on ``sock``; the websocket after the 101."""
-    import h11
-    from wsproto.connection import Connection, ConnectionType
-    from wsproto.utilities import generate_accept_token, generate_nonce, split_comma_header
-
     http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HANDSHAKE_BYTES)
     nonce = generate_nonce()
     request = h11.Request(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import gc
 import json
 import os
 import sys
@@ -192,9 +193,7 @@ class Obj:
 
     def client(self) -> Client:
         if self._client is None:
-            from supervisor.client import Client
-
-            self._client = Client(state_dir=self.state_dir)
+            self._client = _import_client()(state_dir=self.state_dir)
         return self._client
 
     def close(self) -> None:
@@ -209,6 +208,23 @@ class Obj:
 
 
 pass_obj = click.make_pass_decorator(Obj)
+
+
+def _import_client() -> type[Client]:
+    """``supervisor.client.Client``, imported with the cyclic GC paused.
+
+    The import (the client, ``wsproto``, ``h11``: ~15 ms) makes tens of thousands of
+    objects, none of them garbage; the collector's passes over them cost ~1-2 ms of a cold
+    command (measured with benchmarks/bench_cli.py).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        from supervisor.client import Client
+    finally:
+        if was_enabled:
+            gc.enable()
+    return Client
 
 
 _EPILOG = """\b

@@ -90,3 +90,37 @@ def test_runs_in_a_thread_for_code_outside_trio_and_answers_non_streaming() -> N
         assert server.wait_for_sync(lambda s: len(s.requests) == 3, timeout_s=5)
     finally:
         server.stop()
+
+
+async def _exchange(server: FakeOpenAI, data: bytes) -> bytes:
+    """Send raw bytes, read until the server closes (or 5 s)."""
+    assert server.port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        await stream.send_all(data)
+        await stream.send_eof()
+        out = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                out += chunk
+    return out
+
+
+async def test_pipelined_requests_on_one_connection_each_get_their_answer() -> None:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI({"final": "x"}).serve)
+        get = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+        out = await _exchange(server, get + b"GET /v1/nope HTTP/1.1\r\nhost: x\r\n\r\n")
+        nursery.cancel_scope.cancel()
+    assert out.startswith(b"HTTP/1.1 200 ") and out.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 404 " in out
+    assert [r.path for r in server.requests] == ["/v1/models", "/v1/nope"]
+
+
+async def test_a_malformed_request_gets_a_400_and_the_server_lives_on() -> None:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI({"final": "x"}).serve)
+        out = await _exchange(server, b"NOT HTTP AT ALL\r\n\r\n")
+        again = await _exchange(server, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        nursery.cancel_scope.cancel()
+    assert out.startswith(b"HTTP/1.1 400 ")
+    assert again.startswith(b"HTTP/1.1 200 ") and b"fake-model" in again
