@@ -103,7 +103,7 @@ async def terminate_group(
         _signal_group(pgid, signal.SIGTERM)
         if await _wait_gone(pgid, grace_s):
             return True
-        logger.warning("%s %d ignored SIGTERM for %.1f s; sending SIGKILL", what, pgid, grace_s)
+        logger.warning("%s %d still running %.1f s after SIGTERM; sending SIGKILL", what, pgid, grace_s)
         _signal_group(pgid, signal.SIGKILL)
         if await _wait_gone(pgid, reap_s):
             return True

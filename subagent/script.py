@@ -216,7 +216,7 @@ DEFAULT_SCRIPT: Final[dict[str, Any]] = {
         },
     ],
     "extract": "(\\d+)\\s*$",
-    "final": "Scripted run finished: this directory holds {{match}} entries.",
+    "final": "Scripted run finished: entries in this directory: {{match}}.",
 }
 
 # --- playing --------------------------------------------------------------------------

@@ -111,8 +111,9 @@ async def _serve_locked(
                 {"port": port, "url": endpoint["url"], "token": token, "manager": manager, "dashboard_url": dashboard_url}
             )
             await _wait_for_stop(stop)
-            logger.info("agentd stopping: cancelling %d live runs", manager.live_count)
-            notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {manager.live_count} runs")
+            n = manager.live_count
+            logger.info("agentd stopping: cancelling %d live run%s", n, "" if n == 1 else "s")
+            notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {n} run{'' if n == 1 else 's'}")
             await manager.shutdown()
             strays = await process.kill_strays(containment, only_if_idle=False)
             if strays:

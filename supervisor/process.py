@@ -431,7 +431,8 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float, sigterm_sent: boo
 
     Safe to call under a cancelled scope and more than once: it runs shielded, under its
     own deadline of ``grace_s + TERMINATE_MARGIN_S``, and every wait inside is bounded.
-    Logs a WARNING when it escalates, naming the process and how long it ignored SIGTERM.
+    Logs a WARNING when it escalates, naming the process and how long it ran after SIGTERM
+    (a runner may be letting a non-interruptible tool finish: not "ignoring" the stop).
 
     Args:
         tree: a spawned or re-adopted tree.
@@ -495,7 +496,7 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
             r.escalated = True
             r.leader = "killed"
             logger.warning(
-                "tree %s: runner pid %d (%s) ignored SIGTERM for %.1f s; sending SIGKILL to the tree",
+                "tree %s: runner pid %d (%s) still running %.1f s after SIGTERM (the grace); sending SIGKILL to the tree",
                 tree.tree_id,
                 tree.pid,
                 _cmdline(tree.pid),
