@@ -2,16 +2,21 @@
 
 Each sample is a fresh process (``.venv/bin/agentd status RUN_ID``) from exec to exit.
 Baselines, interleaved sample by sample: ``python -c pass`` and ``python -c 'import click'``
-with the same interpreter. The CLI's heaviest imports (``-X importtime``) are listed to
-show where its time goes.
+with the same interpreter, and with ``--baseline-tree DIR`` the same ``agentd status
+RUN_ID`` run from another checkout's ``supervisor``/``subagent`` (``PYTHONPATH=DIR``, e.g.
+``git archive main supervisor subagent | tar -x -C DIR``): a before/after comparison in
+one run, with the median of the per-pair differences (robust to a machine whose load
+changes during the run). The CLI's heaviest imports (``-X importtime``) are listed to show
+where its time goes.
 
-    .venv/bin/python benchmarks/bench_cli.py [--quick] [--reps N] [--json FILE]
+    .venv/bin/python benchmarks/bench_cli.py [--quick] [--reps N] [--baseline-tree DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 samples: for the smoke test")
     ap.add_argument("--reps", type=int, default=None, help="samples of each (default 30)")
+    ap.add_argument("--baseline-tree", default=None, help="another checkout's root (its supervisor/ and subagent/): "
+                    "its `agentd status RUN_ID`, interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 30)
@@ -75,10 +82,19 @@ def main() -> None:
             line(f"  !! agentd status failed: {rc_first.stderr.decode(errors='replace')[-500:]}")
         samples: dict[str, list[float]] = {"status": [], "status_json": [], "status_daemon": [], "pass": [], "click": []}
         codes: set[int] = set()
+        base_env = None
+        if args.baseline_tree:
+            base_env = dict(env, PYTHONPATH=str(Path(args.baseline_tree).resolve()))
+            samples["status_baseline_tree"] = []
+            timed([AGENTD, "status", run_id], base_env)  # a first run writes its bytecode
         for _ in range(reps):
             t, rc = timed([AGENTD, "status", run_id], env)
             samples["status"].append(t)
             codes.add(rc)
+            if base_env is not None:
+                t, rc = timed([AGENTD, "status", run_id], base_env)
+                samples["status_baseline_tree"].append(t)
+                codes.add(rc)
             t, rc = timed([AGENTD, "--json", "status", run_id], env)
             samples["status_json"].append(t)
             t, rc = timed([AGENTD, "status"], env)
@@ -91,6 +107,12 @@ def main() -> None:
         line(row("agentd status (the daemon, no run id)", summary(samples["status_daemon"])))
         line(row("baseline: python -c pass", summary(samples["pass"])))
         line(row("baseline: python -c 'import click'", summary(samples["click"])))
+        if base_env is not None:
+            line(row(f"baseline: agentd status RUN_ID from {args.baseline_tree}", summary(samples["status_baseline_tree"])))
+            diffs = [a - b for a, b in zip(samples["status"], samples["status_baseline_tree"])]
+            out["status_minus_baseline_tree_p50"] = statistics.median(diffs)
+            line(f"  this tree minus the baseline tree, median of {len(diffs)} interleaved pairs: "
+                 f"{statistics.median(diffs) * 1000:+.1f} ms")
         prof = import_profile([AGENTD, "status", run_id], env)
         line("  heaviest imports of `agentd status` (-X importtime, cumulative, one sample):")
         for name, s in prof:

@@ -232,7 +232,7 @@ _EPILOG = """\b
 Exit codes: 0 ok (run completed), 1 run failed, 2 usage or bad file,
 3 no daemon, 4 no such run, 5 refused by the daemon, 6 connection lost,
 7 run cancelled, 8 run lost, 9 daemon already running, 130 interrupted.
-spawn --wait, watch and cancel exit with the run's outcome (0, 1, 7, 8).
+spawn --wait, watch, cancel and logs -f exit with the run's outcome (0, 1, 7, 8).
 Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
 
 
@@ -253,24 +253,21 @@ def cli(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None:
     ctx.call_on_close(obj.close)
 
 
-# Set by commands whose process must end through the interpreter's normal exit (serve).
-_full_teardown = False
-
-
 def main(argv: list[str] | None = None) -> NoReturn:
     """The ``agentd`` console script.
 
     A client command ends with ``os._exit`` once its output is flushed and its connection
     closed: the interpreter's teardown of the modules it loaded (click, wsproto, h11) is
     ~10 ms of a ~60 ms command, and nothing is left for it to do (no atexit handler, no
-    buffered file). ``serve`` exits normally.
+    buffered file). A process that ran trio (``serve``: the daemon, its threads, its log)
+    exits the normal way.
     """
     try:
         cli.main(args=argv, prog_name="agentd")
         code: Any = 0
     except SystemExit as exc:
         code = exc.code
-    if _full_teardown:
+    if "trio" in sys.modules:
         sys.exit(code)
     if code is None:
         code = 0
@@ -314,9 +311,6 @@ def serve(
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or Ctrl-C."""
     import logging
-
-    global _full_teardown
-    _full_teardown = True
 
     from supervisor.config import Config
 
