@@ -2,7 +2,7 @@
 
 The only module that prints or picks exit codes. Its import path stays light: a command
 that talks to a running daemon imports click, the client (its websocket is ``wsproto``
-and ``h11``, imported on connect) and nothing else (no trio, no openai, no mcp); ``serve``
+and ``h11``) and nothing else (no trio, no openai, no mcp); ``serve``
 imports the daemon when it runs; ``logs`` reads the journal file itself. Every expected
 failure, a usage error included, prints one line ``error: ...`` and exits with its own
 code (``ExitCode``); ``--json`` turns every command's output into JSON (one object per

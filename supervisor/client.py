@@ -1,7 +1,7 @@
 """A small synchronous client for the control socket: what the ``agentd`` CLI uses.
 
 No trio: the websocket is ``_wsclient``, a blocking socket driven by ``h11`` and
-``wsproto`` (imported on the first connect). The daemon is found through its state dir:
+``wsproto``. The daemon is found through its state dir:
 the endpoint file (where it listens, its pid) and the 0600 token file.
 
 ``Client.follow`` subscribes to a run's events and, when the connection drops, reconnects

@@ -31,12 +31,12 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
 from supervisor import process, recovery
 from supervisor.config import Config
-from supervisor.protocol import Secret
 from supervisor.containment import Containment
 from supervisor.errors import RunNotFound, SpawnError
 from supervisor.journal import Journal
 from supervisor.pool import WarmPool, new_tree, remove_dir
 from supervisor.progress import LineSplitter
+from supervisor.protocol import Secret
 from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.token import CancelToken
 
