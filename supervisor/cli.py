@@ -244,10 +244,21 @@ Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
     help=_STATE_DIR_HELP,
 )
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
+@click.option(
+    "--fleet",
+    "use_fleet",
+    is_flag=True,
+    envvar="AGENTD_FLEET",
+    help="Talk to the fleet front (`agentd fleet serve`, state dir <state dir>/fleet) instead of this machine's daemon.",
+)
 @click.version_option(package_name="agentd", prog_name="agentd")
 @click.pass_context
-def cli(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None:
+def cli(ctx: click.Context, state_dir: Path | None, as_json: bool, use_fleet: bool = False) -> None:
     """agentd: run AI sub-agents as supervised processes, and stop them for real."""
+    if use_fleet:
+        from supervisor.fleet.cli import fleet_state_dir
+
+        state_dir = fleet_state_dir(state_dir)
     obj = Obj(state_dir, as_json)
     ctx.obj = obj
     ctx.call_on_close(obj.close)
@@ -913,6 +924,17 @@ def dashboard(obj: Obj, open_browser: bool) -> None:
             click.echo("could not open a browser: open the link above by hand", err=True)
 
     obj.emit({"url": url, "expires_in_s": _dashlink.LOGIN_TTL_S, "opened": opened}, human)
+
+
+def _add_fleet_commands() -> None:
+    # `agentd fleet ...` lives in its own module (light at import: Ray loads only when a
+    # fleet command runs).
+    from supervisor.fleet.cli import fleet
+
+    cli.add_command(fleet)
+
+
+_add_fleet_commands()
 
 
 if __name__ == "__main__":  # pragma: no cover
