@@ -1,0 +1,216 @@
+"""A local Ray cluster of several nodes on this machine, with the fleet on it.
+
+``FleetCluster.start`` brings up a head and nodes on loopback (``ray.cluster_utils``),
+each advertising agentd's resources, runs ``agentd fleet up`` and the front
+(``agentd fleet serve``) as a user would, and joins as a driver. ``stop`` ends it all:
+the front, ``agentd fleet down`` (every node daemon's own stop), the driver, the nodes,
+then checks by pid that every process it started is gone. Nodes run a stand-in runner
+(``tests/children/fake_runner.py``): the runner is not what these tests are about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor.client import Client
+from tests.conftest import ProcId, _root_pid, descendants, kill_exactly
+
+AGENTD = str(Path(sys.executable).with_name("agentd"))
+FAKE_RUNNER = Path(__file__).resolve().parent.parent / "children" / "fake_runner.py"
+SLOTS_PER_NODE = 4
+# Ray's health checks, fast: a node killed without notice is declared dead in ~1-2 s.
+SYSTEM_CONFIG = {
+    "health_check_period_ms": 300,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 500,
+    "prestart_worker_first_driver": False,
+    "enable_worker_prestart": False,
+}
+ENV = {
+    # Ray resolves 127.0.0.1 to the host's address unless it runs "local only": keep it
+    # all on loopback (head, nodes, drivers, workers inherit this environment).
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+    "AGENTD_GRACE_S": "2",
+    "AGENTD_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}",
+}
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class FleetCluster:
+    root: Path
+    cluster: Any
+    nodes: dict[str, Any]  # node id -> ray Node
+    browser_nodes: set[str]
+    front: subprocess.Popen[bytes] | None = None
+    saved_env: dict[str, str | None] = field(default_factory=dict)
+    before: set[ProcId] = field(default_factory=set)
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def node_dir(self) -> Path:
+        return self.root / "nodes"
+
+    @property
+    def front_dir(self) -> Path:
+        return self.state_dir / "fleet"
+
+    # ---------------------------------------------------------------- setup
+
+    @classmethod
+    def start(cls, *, nodes: int = 3, no_browser: int = 1) -> FleetCluster:
+        # Before Ray is imported: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import.
+        saved = {k: os.environ.get(k) for k in ENV}
+        os.environ.update(ENV)
+        import ray
+        from ray.cluster_utils import Cluster
+
+        from supervisor.fleet import node_resources
+
+        root = Path(tempfile.mkdtemp(prefix="agf-", dir="/tmp"))
+        before = set(descendants(_root_pid()))
+        common = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **common,
+                "include_dashboard": False,
+                "temp_dir": str(root / "ray"),
+                "resources": node_resources(SLOTS_PER_NODE, browser=True),
+                "_system_config": SYSTEM_CONFIG,
+            },
+        )
+        fc = cls(root, cluster, {}, set(), saved_env=saved, before=before)
+        try:
+            fc.nodes[cluster.head_node.node_id] = cluster.head_node
+            fc.browser_nodes.add(cluster.head_node.node_id)
+            for i in range(1, nodes):
+                browser = i > no_browser
+                node = cluster.add_node(**common, resources=node_resources(SLOTS_PER_NODE, browser=browser))
+                fc.nodes[node.node_id] = node
+                if browser:
+                    fc.browser_nodes.add(node.node_id)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace="agentd", log_to_driver=False)
+            fc.cli("fleet", "up", "--address", fc.address, "--node-dir", str(fc.node_dir), timeout=START_TIMEOUT_S)
+            fc.start_front()
+        except BaseException:
+            fc.stop()
+            raise
+        return fc
+
+    def start_front(self) -> None:
+        log = open(self.root / "front.log", "ab")
+        self.front = subprocess.Popen(
+            [AGENTD, "--state-dir", str(self.state_dir), "fleet", "serve", "--address", self.address, "--node-dir", str(self.node_dir)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                info = json.loads((self.front_dir / "daemon.json").read_text())
+                if info.get("pid") == self.front.pid:
+                    return
+            except (OSError, ValueError):
+                pass
+            if self.front.poll() is not None:
+                raise AssertionError(f"the front exited: {(self.root / 'front.log').read_text()[-3000:]}")
+            time.sleep(0.05)  # a file another process writes; polled with a deadline
+        raise AssertionError("the front did not publish its endpoint in time")
+
+    def kill_front(self) -> None:
+        assert self.front is not None
+        self.front.send_signal(signal.SIGKILL)
+        self.front.wait(10)
+
+    # ---------------------------------------------------------------- use
+
+    def cli(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([AGENTD, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"agentd {' '.join(args)} exited {r.returncode}: {r.stderr}")
+        return r
+
+    def client(self) -> Client:
+        return Client(state_dir=self.front_dir, timeout_s=60)
+
+    def agents(self) -> dict[str, dict[str, Any]]:
+        import ray
+
+        from supervisor.fleet._agent import list_agents
+
+        return {node_id: ray.get(a.info.remote(), timeout=60) for node_id, a in list_agents()}
+
+    def node_client(self, node_id: str) -> Client:
+        info = self.agents()[node_id]
+        return Client(info["url"], info["token"], timeout_s=60)
+
+    # ---------------------------------------------------------------- teardown
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            if self.front is not None and self.front.poll() is None:
+                self.front.send_signal(signal.SIGTERM)
+                try:
+                    self.front.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.front.kill()
+                    self.front.wait()
+            if ray.is_initialized():
+                try:
+                    self.cli("fleet", "down", "--address", self.address, timeout=120, check=False)
+                finally:
+                    ray.shutdown()
+        finally:
+            self.cluster.shutdown()
+            for k, v in self.saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            # Everything started since setup must be gone: by pid, bounded.
+            deadline = time.monotonic() + 20
+            left = self._leftovers()
+            while left and time.monotonic() < deadline:
+                time.sleep(0.1)
+                left = self._leftovers()
+            for p in left:
+                kill_exactly(p)
+            shutil.rmtree(self.root, ignore_errors=True)
+            if left:
+                raise AssertionError(f"the fleet left processes behind: {[_name(p.pid) for p in left]}")
+
+    def _leftovers(self) -> list[ProcId]:
+        me = os.getpid()
+        return [p for p, st in descendants(_root_pid()).items() if p not in self.before and st != "Z" and p.pid != me]
+
+
+def _name(pid: int) -> str:
+    try:
+        return f"{pid} {' '.join(psutil.Process(pid).cmdline())[:100]}"
+    except psutil.Error:
+        return f"{pid} (gone)"

@@ -1,0 +1,81 @@
+"""The fleet on a local Ray cluster of three nodes: the acceptance of issue 13.
+
+One cluster for the module (starting one costs seconds): a head and a node offering
+browser runs, one node without (``browser: 0``), four run slots each. Tests run in file
+order; the node-loss test is last because it takes a node away.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import require
+from tests.fleet.cluster import SLOTS_PER_NODE, FleetCluster
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[FleetCluster]:
+    require(importlib.util.find_spec("ray") is not None, "ray (pip install 'agentd[fleet]')")
+    fc = FleetCluster.start()
+    try:
+        yield fc
+    finally:
+        fc.stop()
+
+
+def spec(behaviour: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """A run for the stand-in runner: ``behaviour`` is what it does (see fake_runner.py)."""
+    return {"task": json.dumps(behaviour or {}), **extra}
+
+
+def test_fleet_up_starts_one_agentd_per_node_pinned_there(fleet: FleetCluster) -> None:
+    agents = fleet.agents()
+    assert set(agents) == set(fleet.nodes)
+    assert len({a["state_dir"] for a in agents.values()}) == 3
+    assert len({a["pid"] for a in agents.values()}) == 3
+    for node_id, info in agents.items():
+        assert info["node_id"] == node_id
+        assert info["slots"] == SLOTS_PER_NODE
+        assert bool(info["browser"]) == (node_id in fleet.browser_nodes)
+        with fleet.node_client(node_id) as c:
+            assert c.ping()["pid"] == info["pid"]
+    # Idempotent: a second `up` finds the same agents and daemons.
+    again = json.loads(fleet.cli("--json", "fleet", "up", "--address", fleet.address, "--node-dir", str(fleet.node_dir)).stdout)
+    assert {n["node_id"]: n["pid"] for n in again["nodes"]} == {k: v["pid"] for k, v in agents.items()}
+
+
+def wait_terminal(client: Any, run_id: str) -> str:
+    """Follow a run through the fleet to its end; its terminal state."""
+    follow = client.follow(run_id, after_seq=2**62)
+    for _ in follow:
+        pass
+    assert follow.state is not None
+    return follow.state
+
+
+def test_thirty_runs_land_by_resources_each_in_its_nodes_daemon(fleet: FleetCluster) -> None:
+    with fleet.client() as c:
+        plain = [c.spawn(spec({"wait": False}))["run_id"] for _ in range(20)]
+        browser = [c.spawn(spec({"wait": False}, browser=True))["run_id"] for _ in range(10)]
+        assert len(set(plain + browser)) == 30
+        for run_id in plain + browser:
+            assert wait_terminal(c, run_id) == "completed"
+        statuses = {r: c.status(r) for r in plain + browser}
+    no_browser = set(fleet.nodes) - fleet.browser_nodes
+    assert not [r for r in browser if statuses[r]["node"] in no_browser]
+    assert {s["node"] for s in statuses.values()} == set(fleet.nodes)  # all three used
+    agents = fleet.agents()
+    for run_id, st in statuses.items():
+        # The run is the node daemon's own: in its journal, under its containment.
+        with fleet.node_client(st["node"]) as nc:
+            node_row = nc.status(st["node_run_id"])
+        assert node_row["state"] == "completed"
+        assert node_row["containment"] in ("cgroup", "subreaper+sweep", "group")
+        assert node_row["run_dir"].startswith(agents[st["node"]]["state_dir"])
+        assert st["containment"] == node_row["containment"]
+        assert st["pid"] == node_row["pid"]
