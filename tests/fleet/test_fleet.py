@@ -79,3 +79,61 @@ def test_thirty_runs_land_by_resources_each_in_its_nodes_daemon(fleet: FleetClus
         assert node_row["run_dir"].startswith(agents[st["node"]]["state_dir"])
         assert st["containment"] == node_row["containment"]
         assert st["pid"] == node_row["pid"]
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+FLEET_ONLY = {"id", "run_id", "node", "node_run_id", "node_alive", "lease", "demand", "live"}
+
+
+def test_cancel_through_the_fleet_keeps_the_nodes_contract_and_every_view_matches_its_journal(
+    fleet: FleetCluster,
+) -> None:
+    with fleet.client() as c:
+        run_id = c.spawn(spec({"tree": True, "snapshots": 2}))["run_id"]
+        events = []
+        for ev in c.follow(run_id):  # until the runner has started its tree and snapshots
+            events.append(ev)
+            if ev["kind"] == "step_snapshot" and ev["data"]["step"] == 2:
+                break
+        running = c.status(run_id)
+    assert running["state"] == "running" and running["node_alive"] is True
+    node_id, node_run_id = running["node"], running["node_run_id"]
+    tree_pid = next(int(e["data"]["message"].split()[-1]) for e in events if e["kind"] == "log")
+    assert _alive(running["pid"]) and _alive(tree_pid)
+
+    r = fleet.cli("--fleet", "--json", "cancel", run_id)
+    reply = json.loads(r.stdout.splitlines()[0])
+    assert reply["was_active"] is True and reply["state"] == "cancelled"
+    assert not _alive(running["pid"]) and not _alive(tree_pid)
+
+    status = json.loads(fleet.cli("--fleet", "--json", "status", run_id).stdout)
+    with fleet.node_client(node_id) as nc:
+        node_row = nc.status(node_run_id)
+        node_events = list(nc.iter_events(node_run_id))
+    assert status["state"] == "cancelled" and status["reason"] == "user"
+    assert status["receipt"]["path_b"]["survivors"] == []
+    # The node's own record, through the fleet: receipt, tool calls, containment, all of it.
+    assert {k: v for k, v in status.items() if k not in FLEET_ONLY} == {
+        k: v for k, v in node_row.items() if k not in FLEET_ONLY
+    }
+    logs = [json.loads(line) for line in fleet.cli("--fleet", "--json", "logs", run_id).stdout.splitlines()]
+    assert [(e["seq"], e["kind"], e["data"]) for e in logs] == [(e["seq"], e["kind"], e["data"]) for e in node_events]
+    assert all(e["run_id"] == run_id for e in logs)
+    watch = fleet.cli("--fleet", "--json", "watch", run_id, check=False)
+    assert watch.returncode == 7  # cancelled
+    watched = [json.loads(line) for line in watch.stdout.splitlines()]
+    assert [e["seq"] for e in watched[:-1]] == [e["seq"] for e in node_events]
+    assert watched[-1] == {"end": True, "run_id": run_id, "state": "cancelled", "last_seq": node_events[-1]["seq"]}
+    listed = json.loads(fleet.cli("--fleet", "--json", "list", "--limit", "100").stdout)["runs"]
+    row = next(r for r in listed if r["id"] == run_id)
+    assert (row["state"], row["node"], row["node_run_id"]) == ("cancelled", node_id, node_run_id)
+    again = json.loads(fleet.cli("--fleet", "--json", "cancel", run_id).stdout.splitlines()[0])
+    assert again["was_active"] is False and again["state"] == "cancelled"
