@@ -137,3 +137,49 @@ def test_cancel_through_the_fleet_keeps_the_nodes_contract_and_every_view_matche
     assert (row["state"], row["node"], row["node_run_id"]) == ("cancelled", node_id, node_run_id)
     again = json.loads(fleet.cli("--fleet", "--json", "cancel", run_id).stdout.splitlines()[0])
     assert again["was_active"] is False and again["state"] == "cancelled"
+
+
+def _node_run_count(fleet: FleetCluster) -> int:
+    total = 0
+    for node_id in fleet.agents():
+        with fleet.node_client(node_id) as nc:
+            total += len(nc.list_runs(limit=1000))
+    return total
+
+
+def _wait_state(client: Any, run_id: str, wanted: str) -> dict[str, Any]:
+    for ev in client.follow(run_id):
+        if ev["kind"] == "state" and ev["data"]["state"] == wanted:
+            return client.status(run_id)
+    raise AssertionError(f"run {run_id} ended without reaching {wanted!r}")
+
+
+def test_a_full_fleet_queues_in_ray_and_a_run_cancelled_while_queued_never_starts(fleet: FleetCluster) -> None:
+    slots = SLOTS_PER_NODE * len(fleet.agents())
+    with fleet.client() as c:
+        holding = [c.spawn(spec(), session_id="full")["run_id"] for _ in range(slots)]
+        for run_id in holding:
+            _wait_state(c, run_id, "running")
+        on_nodes = _node_run_count(fleet)
+
+        queued = c.spawn(spec(), session_id="full")["run_id"]
+        st = c.status(queued)
+        assert (st["state"], st["node"], st["node_run_id"]) == ("queued", None, None)
+        reply = c.cancel(queued)
+        assert reply["was_active"] is True
+        assert wait_terminal(c, queued) == "cancelled"
+        st = c.status(queued)
+        assert st["node"] is None and st["node_run_id"] is None
+        assert "never started" in json.dumps(c.events(queued))
+        assert _node_run_count(fleet) == on_nodes  # it never reached a node
+
+        waiting = c.spawn(spec(), session_id="full")["run_id"]
+        assert c.status(waiting)["state"] == "queued"
+        freed = c.status(holding[0])["node"]
+        assert c.cancel(holding[0])["was_active"] is True
+        started = _wait_state(c, waiting, "running")
+        assert started["node"] == freed  # the only node with a free slot
+        out = c.cancel_session("full")
+        assert sorted(r["run_id"] for r in out["runs"] if r["was_active"]) == sorted(holding[1:] + [waiting])
+        for run_id in holding + [waiting]:
+            assert wait_terminal(c, run_id) == "cancelled"
