@@ -1,8 +1,9 @@
 """A local Ray cluster of several nodes on this machine, with the fleet on it.
 
 ``FleetCluster.start`` brings up a head and nodes on loopback (``ray.cluster_utils``),
-each advertising agentd's resources, runs ``agentd fleet up`` and the front
-(``agentd fleet serve``) as a user would, and joins as a driver. ``stop`` ends it all:
+each advertising agentd's resources, runs ``agentd fleet up`` as a user would, and joins
+as a driver; ``start_front`` runs the front (``agentd fleet serve``), one per test (a
+test may kill and restart it: what it starts, it ends). ``stop`` ends it all:
 the front, ``agentd fleet down`` (every node daemon's own stop), the driver, the nodes,
 then checks by pid that every process it started is gone. Nodes run a stand-in runner
 (``tests/children/fake_runner.py``): the runner is not what these tests are about.
@@ -114,7 +115,6 @@ class FleetCluster:
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, namespace="agentd", log_to_driver=False)
             fc.cli("fleet", "up", "--address", fc.address, "--node-dir", str(fc.node_dir), timeout=START_TIMEOUT_S)
-            fc.start_front()
         except BaseException:
             fc.stop()
             raise
@@ -139,6 +139,17 @@ class FleetCluster:
                 raise AssertionError(f"the front exited: {(self.root / 'front.log').read_text()[-3000:]}")
             time.sleep(0.05)  # a file another process writes; polled with a deadline
         raise AssertionError("the front did not publish its endpoint in time")
+
+    def stop_front(self) -> None:
+        """SIGTERM: the front alone ends; runs go on on their nodes."""
+        if self.front is not None and self.front.poll() is None:
+            self.front.send_signal(signal.SIGTERM)
+            try:
+                self.front.wait(30)
+            except subprocess.TimeoutExpired:
+                self.front.kill()
+                self.front.wait()
+        self.front = None
 
     def kill_front(self) -> None:
         assert self.front is not None
@@ -173,13 +184,7 @@ class FleetCluster:
         import ray
 
         try:
-            if self.front is not None and self.front.poll() is None:
-                self.front.send_signal(signal.SIGTERM)
-                try:
-                    self.front.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.front.kill()
-                    self.front.wait()
+            self.stop_front()
             if ray.is_initialized():
                 try:
                     self.cli("fleet", "down", "--address", self.address, timeout=120, check=False)

@@ -28,6 +28,15 @@ def fleet() -> Iterator[FleetCluster]:
         fc.stop()
 
 
+@pytest.fixture(autouse=True)
+def front(fleet: FleetCluster) -> Iterator[None]:
+    fleet.start_front()
+    try:
+        yield
+    finally:
+        fleet.stop_front()
+
+
 def spec(behaviour: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A run for the stand-in runner: ``behaviour`` is what it does (see fake_runner.py)."""
     return {"task": json.dumps(behaviour or {}), **extra}
@@ -183,3 +192,47 @@ def test_a_full_fleet_queues_in_ray_and_a_run_cancelled_while_queued_never_start
         assert sorted(r["run_id"] for r in out["runs"] if r["was_active"]) == sorted(holding[1:] + [waiting])
         for run_id in holding + [waiting]:
             assert wait_terminal(c, run_id) == "cancelled"
+
+
+def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_terminal_fact(fleet: FleetCluster) -> None:
+    from supervisor.fleet._index import Index
+    from supervisor.fleet._serve import INDEX_FILE
+
+    slots = SLOTS_PER_NODE * len(fleet.agents())
+    with fleet.client() as c:
+        done = c.spawn(spec({"wait": False}))["run_id"]
+        assert wait_terminal(c, done) == "completed"
+        live = [c.spawn(spec(), session_id="restart")["run_id"] for _ in range(slots)]
+        for run_id in live:
+            _wait_state(c, run_id, "running")
+        queued = c.spawn(spec(), session_id="restart")["run_id"]
+        placed = {r: c.status(r) for r in live}
+    fleet.kill_front()
+
+    # While no front watches: one run ends on its node (a stop sent there directly).
+    ended = live[0]
+    with fleet.node_client(placed[ended]["node"]) as nc:
+        assert nc.cancel(placed[ended]["node_run_id"])["was_active"] is True
+    fleet.start_front()
+
+    everyone = [done, queued, *live]
+    with fleet.client() as c:
+        assert wait_terminal(c, ended) == "cancelled"
+        assert c.status(done)["state"] == "completed"
+        assert c.status(queued)["state"] in ("queued", "starting", "running")  # it took the freed slot
+        for run_id in live[1:]:
+            st = c.status(run_id)
+            assert st["state"] == "running" and st["node_run_id"] == placed[run_id]["node_run_id"]
+        c.cancel_session("restart")
+        for run_id in everyone:
+            wait_terminal(c, run_id)
+        states = {r: c.status(r)["state"] for r in everyone}
+    assert states[done] == "completed"
+    assert all(states[r] == "cancelled" for r in [queued, *live])
+    index = Index(fleet.front_dir / INDEX_FILE)
+    try:
+        for run_id in everyone:
+            assert index.get(run_id)["state"] == states[run_id]  # type: ignore[index]
+            assert index.terminal_event_count(run_id) == 1, run_id
+    finally:
+        index.close()
