@@ -58,6 +58,15 @@ STOP_TIMEOUT_S: Final = 60.0
 AGENT_CONCURRENCY: Final = 32
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def agent_name(node_id: str) -> str:
     return AGENT_PREFIX + node_id
 
@@ -116,7 +125,7 @@ class NodeAgent:
         cmd = [sys.executable, "-m", "supervisor", "--state-dir", str(self.state_dir), "serve", "--host", self.ip]
         if self.slots > 0:
             cmd += ["--max-concurrent", str(self.slots)]
-        # The death signal is armed in the child for the thread that forks it: this one,
+        # The babysitter's death signal is armed for the thread that forks it: this one,
         # which lives as long as the agent supervises.
         return [sys.executable, "-m", "supervisor.fleet._bound", str(os.getpid()), "--", *cmd]
 
@@ -161,8 +170,10 @@ class NodeAgent:
                 return None
             try:
                 info = read_endpoint(self.state_dir / ENDPOINT_FILE)
-                if info.get("pid") == proc.pid:
-                    return {"url": info["url"], "token": read_token(self.state_dir / TOKEN_FILE), "pid": proc.pid}
+                pid = info.get("pid")
+                # The daemon is the babysitter's child (see _bound).
+                if isinstance(pid, int) and _parent_of(pid) == proc.pid:
+                    return {"url": info["url"], "token": read_token(self.state_dir / TOKEN_FILE), "pid": pid}
             except (OSError, ValueError):
                 pass
             time.sleep(READY_POLL_S)  # a file another process writes: nothing to wait on

@@ -236,3 +236,62 @@ def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_termi
             assert index.terminal_event_count(run_id) == 1, run_id
     finally:
         index.close()
+
+
+def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spares_the_rest(
+    fleet: FleetCluster,
+) -> None:
+    import time
+
+    import psutil
+
+    slots = SLOTS_PER_NODE * len(fleet.agents())
+    with fleet.client() as c:
+        runs = [c.spawn(spec({"snapshots": 1}), session_id="loss")["run_id"] for _ in range(slots)]
+        for run_id in runs:
+            for ev in c.follow(run_id):
+                if ev["kind"] == "step_snapshot":
+                    break
+        where = {r: c.status(r)["node"] for r in runs}
+        head = fleet.cluster.head_node.node_id
+        victim = next(n for n in fleet.nodes if n != head)
+        doomed = [r for r in runs if where[r] == victim]
+        spared = [r for r in runs if where[r] != victim]
+        assert len(doomed) == SLOTS_PER_NODE
+
+        # The machine dies: its daemon says nothing more (frozen, as if gone with it),
+        # Ray's raylet there is killed without notice.
+        daemon = psutil.Process(fleet.agents()[victim]["pid"])
+        daemon.suspend()
+        try:
+            t0 = time.monotonic()
+            fleet.cluster.remove_node(fleet.nodes[victim], allow_graceful=False)
+            for run_id in doomed:
+                assert wait_terminal(c, run_id) == "lost"
+            assert time.monotonic() - t0 < 10.0
+        finally:
+            # Not a real machine: let its daemon finish the stop it was sent (its
+            # agent died, so it got SIGTERM), so that nothing outlives the test.
+            daemon.resume()
+        for run_id in doomed:
+            st = c.status(run_id)
+            assert st["state"] == "lost" and st["node_alive"] is False
+            assert st["partial"] is True and st["result"]["progress"] == "step 1 done. "
+            assert st["error"]["code"] == "node_lost"
+            states = [e["data"]["state"] for e in c.events(run_id) if e["kind"] == "state"]
+            assert states.count("lost") == 1 and states[-1] == "lost"
+            again = c.cancel(run_id)
+            assert again["was_active"] is False and again["state"] == "lost" and "dead" in again["why"]
+        for run_id in spared:
+            st = c.status(run_id)
+            assert st["state"] == "running" and st["node_alive"] is True
+        # New runs go to the nodes that remain (two slots freed there first).
+        for run_id in spared[:2]:
+            c.cancel(run_id)
+            assert wait_terminal(c, run_id) == "cancelled"
+        fresh = [c.spawn(spec(), session_id="loss")["run_id"] for _ in range(2)]
+        for run_id in fresh:
+            assert _wait_state(c, run_id, "running")["node"] != victim
+        c.cancel_session("loss")
+        for run_id in spared + fresh:
+            assert wait_terminal(c, run_id) == "cancelled"
