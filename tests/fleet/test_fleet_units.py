@@ -1,0 +1,69 @@
+"""The fleet's pure parts, and the promise that a single-machine agentd never loads Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.errors import SpawnError
+from supervisor.fleet import BROWSER, SLOTS, node_resources, split_demand
+from supervisor.fleet._index import Index
+
+
+def test_the_single_machine_cli_and_daemon_modules_never_import_ray(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import supervisor, supervisor.cli, supervisor.daemon, supervisor.runs, supervisor.fleet\n"
+        "from click.testing import CliRunner\n"
+        "from supervisor.cli import cli\n"
+        f"r = CliRunner().invoke(cli, ['--state-dir', {str(tmp_path)!r}, 'status'])\n"
+        "assert r.exit_code == 3, r.output\n"
+        "r = CliRunner().invoke(cli, ['fleet', 'resources', '--no-browser', '--max-concurrent', '3'])\n"
+        "assert r.exit_code == 0 and '\"agentd_slots\": 3.0' in r.output, r.output\n"
+        "print('ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_node_advertises_slots_and_browsers_only_where_it_has_one() -> None:
+    assert node_resources(8, browser=True) == {SLOTS: 8.0, BROWSER: 8.0}
+    assert node_resources(8, browser=False) == {SLOTS: 8.0, BROWSER: 0.0}
+    with pytest.raises(ValueError):
+        node_resources(0, browser=True)
+
+
+def test_a_spec_maps_to_a_bundle_and_loses_its_fleet_only_key() -> None:
+    spec, bundle = split_demand({"task": "t", "browser": True, "resources": {"cpu": 0.5, "memory_mb": 256}})
+    assert spec == {"task": "t", "browser": True}
+    assert bundle == {SLOTS: 1.0, BROWSER: 1.0, "CPU": 0.5, "memory": 256.0 * 1024 * 1024}
+    assert split_demand({"task": "t"}) == ({"task": "t"}, {SLOTS: 1.0})
+    for bad in ({"gpu": 1}, {"cpu": -1}, {"cpu": True}, "lots"):
+        with pytest.raises(SpawnError):
+            split_demand({"task": "t", "resources": bad})
+
+
+def test_the_index_writes_a_terminal_fact_once_and_survives_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.sqlite3"
+    index = Index(path)
+    index.create("f-1", session_id=None, spec={"task": "t"}, bundle={SLOTS: 1.0}, created_at=1.0, timeout_s=None)
+    index.set_node("f-1", "n1")
+    index.set_node_run("f-1", "r-1")
+    index.add_events("f-1", [{"seq": 1, "ts": 1.0, "kind": "state", "data": {"state": "running"}}])
+    index.add_events("f-1", [{"seq": 2, "ts": 2.0, "kind": "step_snapshot", "data": {"step": 1, "progress": "p"}}])
+    assert index.finish("f-1", "lost", reason="node_lost", ended_at=3.0, result={"progress": "p"}, partial=True,
+                        event={"kind": "state", "data": {"state": "lost"}}) is True
+    assert index.finish("f-1", "cancelled", reason="user", ended_at=4.0) is False
+    index.close()
+    index = Index(path)
+    row = index.get("f-1")
+    assert row is not None
+    assert (row["state"], row["reason"], row["node_id"], row["node_run_id"], row["last_seq"]) == ("lost", "node_lost", "n1", "r-1", 3)
+    assert row["partial_snapshot"] == {"step": 1, "progress": "p"} and row["partial"] is True
+    assert [e["seq"] for e in index.events_after("f-1", 0, 10)] == [1, 2, 3]
+    assert index.terminal_event_count("f-1") == 1
+    assert index.live() == []
+    index.close()
