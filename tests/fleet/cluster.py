@@ -80,7 +80,7 @@ class FleetCluster:
     # ---------------------------------------------------------------- setup
 
     @classmethod
-    def start(cls, *, nodes: int = 3, no_browser: int = 1) -> FleetCluster:
+    def start(cls, *, nodes: int = 3, no_browser: int = 1, slots: int = SLOTS_PER_NODE) -> FleetCluster:
         # Before Ray is imported: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import.
         saved = {k: os.environ.get(k) for k in ENV}
         os.environ.update(ENV)
@@ -98,7 +98,7 @@ class FleetCluster:
                 **common,
                 "include_dashboard": False,
                 "temp_dir": str(root / "ray"),
-                "resources": node_resources(SLOTS_PER_NODE, browser=True),
+                "resources": node_resources(slots, browser=True),
                 "_system_config": SYSTEM_CONFIG,
             },
         )
@@ -108,7 +108,7 @@ class FleetCluster:
             fc.browser_nodes.add(cluster.head_node.node_id)
             for i in range(1, nodes):
                 browser = i > no_browser
-                node = cluster.add_node(**common, resources=node_resources(SLOTS_PER_NODE, browser=browser))
+                node = cluster.add_node(**common, resources=node_resources(slots, browser=browser))
                 fc.nodes[node.node_id] = node
                 if browser:
                     fc.browser_nodes.add(node.node_id)
