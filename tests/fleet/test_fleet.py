@@ -238,6 +238,36 @@ def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_termi
         index.close()
 
 
+def test_a_node_that_joins_later_gets_its_agentd_and_takes_runs(fleet: FleetCluster) -> None:
+    import time
+
+    import ray
+
+    from supervisor.fleet import node_resources
+    from supervisor.fleet._agent import NAMESPACE, agent_name
+
+    node = fleet.cluster.add_node(
+        node_ip_address="127.0.0.1", num_cpus=4, object_store_memory=80 * 1024 * 1024,
+        resources=node_resources(SLOTS_PER_NODE, browser=False),
+    )
+    try:
+        with fleet.client() as c:
+            # The front sees it join (Ray's node table) and starts its agent and daemon.
+            deadline = time.monotonic() + 60
+            while not any(n["node_id"] == node.node_id and n["agentd"] for n in c.status()["summary"]["nodes"]):
+                assert time.monotonic() < deadline, "the new node got no agentd"
+                time.sleep(0.1)  # polling the front's view, bounded
+            # Only the new node has 2 CPUs to give.
+            run_id = c.spawn(spec({"wait": False}, resources={"cpu": 2}))["run_id"]
+            assert wait_terminal(c, run_id) == "completed"
+            st = c.status(run_id)
+        assert st["node"] == node.node_id
+        info = ray.get(ray.get_actor(agent_name(node.node_id), namespace=NAMESPACE).info.remote(), timeout=60)
+        assert st["run_dir"].startswith(info["state_dir"])
+    finally:
+        fleet.cluster.remove_node(node)  # graceful: its daemon gets its stop and ends
+
+
 def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spares_the_rest(
     fleet: FleetCluster,
 ) -> None:
