@@ -622,6 +622,16 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
 
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     last = after_seq
+    if not (state_dir / JOURNAL_FILE).is_file() and (state_dir / "daemon.json").is_file():
+        # A server with no journal of its own here (the fleet front: `--fleet`): its
+        # events come over the socket.
+        client = obj.client()
+        for event in client.iter_events(run_id, after_seq=after_seq):
+            last = event["seq"]
+            obj.emit(event, lambda: click.echo(format_event(event)))
+        if follow:
+            _follow_to_end(obj, run_id, after_seq=last)
+        return
     with JournalReader(state_dir / JOURNAL_FILE) as journal:
         for event in journal.events_after(run_id, after_seq):
             last = event["seq"]
