@@ -5,11 +5,14 @@ Access: every handshake presents the daemon's token (``Authorization: Bearer`` o
 ``Config.allowed_origins`` is refused with 403, a missing or wrong token with 401. The
 daemon's own dashboard page is let in by its session cookie instead of the token
 (``session_ok``: its origin and a signed-in session, see ``supervisor.dashboard``).
-A malformed, oversized or unknown message gets an error reply and a handler's bug an
-``internal`` one: nothing a client sends ends the connection or the daemon (only a frame
-above the hard cap, which trio-websocket closes with 1009). A connection that goes away
-ends its subscriptions and nothing else: runs are stopped only by an explicit ``cancel``,
-and a spawn or cancel already in flight completes.
+A refused handshake is closed at once. A malformed, oversized or unknown message gets an
+error reply and a handler's bug an ``internal`` one: nothing an authenticated client sends
+ends its connection or the daemon (only a frame above the hard cap, which trio-websocket
+closes with 1009). Every hold a client can take is bounded (``_conn_limits.Limits``):
+connections per peer and in all, the handshake, idleness, requests in flight,
+subscriptions, bytes buffered per subscriber, replay pages in bytes. A connection that
+goes away ends its subscriptions and nothing else: runs are stopped only by an explicit
+``cancel``, and a spawn or cancel already in flight completes.
 
 Subscribe = replay from the journal after ``after_seq``, then live, with no gap and no
 duplicate: the live channel is opened first and drained into a local buffer, the journal
@@ -32,6 +35,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from supervisor import protocol
+from supervisor._conn_limits import Gate, GatedStream, Limits, current_stream, fd_connection_cap
 from supervisor._statefiles import (
     endpoint_url,
     new_token,
@@ -48,6 +52,7 @@ from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
 __all__ = [
     "serve_control",
+    "Limits",
     "check_access",
     "hard_message_cap",
     "new_token",
@@ -61,24 +66,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Bounds a client's opening handshake (connect to a complete HTTP upgrade request).
-CONNECT_TIMEOUT_S: Final = 5.0
 # Bounds the closing handshake when either side closes.
 DISCONNECT_TIMEOUT_S: Final = 2.0
-# A client that has not taken one message off the socket for this long is disconnected,
-# so a stalled reader cannot hold buffers (its runs go on; it may reconnect and replay).
-SEND_TIMEOUT_S: Final = 30.0
 # Frames up to this many times Config.max_message_bytes (at least 64 MiB) are read whole,
 # so an oversized message gets a ``too_large`` reply; above it trio-websocket closes 1009.
 HARD_CAP_FACTOR: Final = 16
 HARD_CAP_MIN_BYTES: Final = 64 * 1024 * 1024
-# Requests served at once on one connection; the reader waits when all are busy.
-MAX_IN_FLIGHT: Final = 32
-MAX_SUBSCRIPTIONS: Final = 256
-# Live events buffered per subscription while it replays or the client is slow; beyond
-# this they are dropped here and re-read from the journal (never lost, never duplicated).
+# Live events buffered per subscription (besides Limits.subscriber_bytes).
 LIVE_BUFFER: Final = 4096
-# Journal page size when replaying or filling a gap.
+# Journal page size, in events, when replaying or filling a gap (and Limits.replay_page_bytes).
 REPLAY_PAGE: Final = 500
 # A live channel that closes with the run still live is reopened this many times in a
 # row without a new event before the subscription ends with the run's current state.
@@ -171,7 +167,9 @@ class _TokenSource:
         return self._token
 
 
-def _peer_name(request: WebSocketRequest) -> str:
+def _peer_name(request: WebSocketRequest, stream: GatedStream | None) -> str:
+    if stream is not None:
+        return stream.peer
     try:
         remote = request.remote
     except OSError:
@@ -189,20 +187,24 @@ class _Server:
         config: Config,
         backend: protocol.Backend,
         tokens: _TokenSource,
+        limits: Limits,
         session_ok: SessionCheck | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
         self.tokens = tokens
+        self.limits = limits
         self.session_ok = session_ok
         self.started_at = time.time()
         self.port = 0
         self.connections = 0
+        self.gate: Gate | None = None
 
     async def handle(self, request: WebSocketRequest) -> None:
         # A task root: whatever happens with one client, the server goes on. (Even a
         # property like `remote` raises OSError once the socket is closed.)
-        peer = _peer_name(request)
+        stream = current_stream.get()
+        peer = _peer_name(request, stream)
         try:
             refusal = check_access(
                 request.headers,
@@ -215,18 +217,26 @@ class _Server:
                 status, reason = refusal
                 logger.warning("control: refused %s: %s", peer, reason)
                 headers = [(b"WWW-Authenticate", b"Bearer")] if status == 401 else []
-                await request.reject(status, extra_headers=headers, body=(reason + "\n").encode())
+                try:
+                    await request.reject(status, extra_headers=headers, body=(reason + "\n").encode())
+                finally:
+                    # trio-websocket leaves a rejected connection open for as long as the
+                    # client keeps it (its reader waits for bytes): close it now.
+                    if stream is not None:
+                        await stream.close_now()
                 return
             ws = await request.accept()
         except ConnectionClosed:
             return
         except Exception:
             logger.exception("control: handshake with %s failed", peer)
+            if stream is not None:
+                await stream.close_now()
             return
         self.connections += 1
         logger.debug("control: connection from %s", peer)
         try:
-            await _Connection(self, ws, peer).run()
+            await _Connection(self, ws, peer, stream).run()
         except Exception:
             logger.exception("control: connection from %s failed", peer)
         finally:
@@ -234,7 +244,7 @@ class _Server:
             logger.debug("control: %s disconnected", peer)
 
     def daemon_info(self) -> dict[str, Any]:
-        return {
+        info: dict[str, Any] = {
             "pid": os.getpid(),
             "protocol": protocol.PROTOCOL_VERSION,
             "version": _version(),
@@ -244,6 +254,14 @@ class _Server:
             "state_dir": str(self.config.state_dir),
             "connections": self.connections,
         }
+        if self.gate is not None:
+            info["connection_limits"] = {
+                "per_peer": self.gate.per_peer,
+                "total": self.gate.total,
+                "open": self.gate.count,
+                "refused": self.gate.refused,
+            }
+        return info
 
 
 _VERSION: str | None = None
@@ -262,15 +280,18 @@ def _version() -> str:
 
 
 class _Connection:
-    def __init__(self, server: _Server, ws: WebSocketConnection, peer: str) -> None:
+    def __init__(self, server: _Server, ws: WebSocketConnection, peer: str, stream: GatedStream | None) -> None:
         self.server = server
         self.peer = peer
         self.backend = server.backend
+        self.limits = server.limits
         self.ws = ws
+        self.stream = stream
         self.max_bytes = server.config.max_message_bytes
         self.subs: dict[str, trio.CancelScope] = {}
         self.next_sub = 0
-        self.in_flight = trio.Semaphore(MAX_IN_FLIGHT)
+        self.in_flight = trio.Semaphore(self.limits.in_flight)
+        self.busy = 0  # requests being served
 
     async def run(self) -> None:
         # Requests run in `requests`, which is NOT cancelled when the client goes: a spawn
@@ -278,10 +299,29 @@ class _Connection:
         # run in `subs_nursery`, cancelled on disconnect: they only read.
         async with trio.open_nursery() as requests:
             async with trio.open_nursery() as subs_nursery:
+                subs_nursery.start_soon(self._idle_watch)
                 try:
                     await self._read_loop(requests, subs_nursery)
                 finally:
                     subs_nursery.cancel_scope.cancel(reason="control connection closed")
+
+    async def _idle_watch(self) -> None:
+        """Close the connection once it is idle: nothing received, asked or subscribed."""
+        if self.stream is None:
+            return
+        idle_s = self.limits.idle_s
+        while True:
+            last = self.stream.last_received
+            await trio.sleep_until(last + idle_s)
+            if self.subs or self.busy or self.stream.last_received != last:
+                if self.stream.last_received == last:
+                    await trio.sleep(idle_s)  # busy: look again after another full period
+                continue
+            logger.info("control: %s idle for %.0f s; closing it", self.peer, idle_s)
+            with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                await self.ws.aclose(1001, "idle")
+            await self.stream.close_now()
+            return
 
     async def _read_loop(self, requests: trio.Nursery, subs_nursery: trio.Nursery) -> None:
         while True:
@@ -306,23 +346,25 @@ class _Connection:
                     )
                 else:
                     await self.in_flight.acquire()
+                    self.busy += 1
                     requests.start_soon(self._serve, req)
             except _Gone:
                 return
 
     async def _send(self, text: str) -> None:
-        with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+        send_s = self.limits.send_s
+        with trio.move_on_after(send_s) as scope:
             try:
                 await self.ws.send_message(text)
             except ConnectionClosed:
                 raise _Gone() from None
         if scope.cancelled_caught:
-            logger.warning(
-                "control: %s read nothing for %.0f s; disconnecting it", self.peer, SEND_TIMEOUT_S
-            )
+            logger.warning("control: %s read nothing for %.0f s; disconnecting it", self.peer, send_s)
             # A frame may be half written: the stream is unusable, close it (bounded).
             with trio.move_on_after(DISCONNECT_TIMEOUT_S):
                 await self.ws.aclose(1008, "client too slow")
+            if self.stream is not None:
+                await self.stream.close_now()
             raise _Gone()
 
     async def _serve(self, req: protocol.Request) -> None:
@@ -337,7 +379,7 @@ class _Connection:
             else:
                 try:
                     reply = protocol.encode_reply(req.id, result)
-                except (TypeError, ValueError):
+                except Exception:  # not json, or nested too deep: a bug, but one reply's
                     logger.exception("control: %s result is not json", req.op)
                     reply = protocol.encode_error(
                         req.id, ErrorCode.INTERNAL, "internal error in the daemon (see its log)"
@@ -346,6 +388,7 @@ class _Connection:
         except _Gone:
             pass
         finally:
+            self.busy -= 1
             self.in_flight.release()
 
     async def _dispatch(self, req: protocol.Request) -> Any:
@@ -369,8 +412,8 @@ class _Connection:
             runs = await b.list_runs(limit=req.limit, state=req.state, session_id=req.session_id)
             return {"runs": runs}
         if isinstance(req, protocol.EventsRequest):
-            events = await b.events_after(req.run_id, req.after_seq, req.limit)
-            return {"run_id": req.run_id, "events": events}
+            events, more = await _page(self.backend, req.run_id, req.after_seq, req.limit, self.limits.events_reply_bytes)
+            return {"run_id": req.run_id, "events": events, "more": more}
         if isinstance(req, protocol.PingRequest):
             return {"pong": True, **self.server.daemon_info()}
         if isinstance(req, protocol.SteerRequest):
@@ -393,11 +436,10 @@ class _Connection:
     # ------------------------------------------------------------------ subscriptions
 
     async def _start_subscription(self, req: protocol.SubscribeRequest, nursery: trio.Nursery) -> None:
-        if len(self.subs) >= MAX_SUBSCRIPTIONS:
+        limit = self.limits.subscriptions
+        if len(self.subs) >= limit:
             await self._send(
-                protocol.encode_error(
-                    req.id, ErrorCode.REFUSED, f"expected at most {MAX_SUBSCRIPTIONS} subscriptions per connection"
-                )
+                protocol.encode_error(req.id, ErrorCode.REFUSED, f"expected at most {limit} subscriptions per connection")
             )
             return
         self.next_sub += 1
@@ -472,10 +514,10 @@ class _Connection:
         # trio would raise them as an ExceptionGroup, which the callers do not expect.
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
-            buffer_send, buffer_recv = trio.open_memory_channel[dict[str, Any]](LIVE_BUFFER)
-            nursery.start_soon(_drain, live, buffer_send, run_id)
+            buffer = _Buffer(LIVE_BUFFER, self.limits.subscriber_bytes)
+            nursery.start_soon(_drain, live, buffer, sub, run_id)
             try:
-                last = await self._forward(sub, run_id, last, buffer_recv)
+                last = await self._forward(sub, run_id, last, buffer)
             except Exception as exc:
                 failure = exc
                 nursery.cancel_scope.cancel(reason="subscription ended")
@@ -483,13 +525,11 @@ class _Connection:
             raise failure
         return last
 
-    async def _forward(
-        self, sub: str, run_id: str, last: int, buffer: trio.MemoryReceiveChannel[dict[str, Any]]
-    ) -> int:
+    async def _forward(self, sub: str, run_id: str, last: int, buffer: _Buffer) -> int:
         last = await self._catch_up(sub, run_id, last)
-        async with buffer:
-            async for event in buffer:
-                seq = event["seq"]
+        async with buffer.recv:
+            async for seq, text in buffer.recv:
+                buffer.taken(text)
                 if seq <= last:
                     continue
                 if seq > last + 1:
@@ -499,38 +539,81 @@ class _Connection:
                     logger.warning(
                         "control: run %s: events %d..%d are not in the journal yet", run_id, last + 1, seq - 1
                     )
-                await self._send(protocol.encode_event(sub, run_id, event))
+                await self._send(text)
                 last = seq
         return last
 
     async def _catch_up(self, sub: str, run_id: str, last: int) -> int:
         while True:
-            page = await self.backend.events_after(run_id, last, REPLAY_PAGE)
+            page, more = await _page(self.backend, run_id, last, REPLAY_PAGE, self.limits.replay_page_bytes)
             for event in page:
                 if event["seq"] > last:
-                    await self._send(protocol.encode_event(sub, run_id, event))
+                    await self._send(_event_text(sub, run_id, event))
                     last = event["seq"]
-            if len(page) < REPLAY_PAGE:
+            if not more:
                 return last
 
 
+async def _page(
+    backend: protocol.Backend, run_id: str, after_seq: int, limit: int, max_bytes: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """A page of the journal bounded in events and bytes, and whether more follow."""
+    events_page = getattr(backend, "events_page", None)
+    if events_page is not None:
+        page, more = await events_page(run_id, after_seq, limit=limit, max_bytes=max_bytes)
+        return page, more
+    page = await backend.events_after(run_id, after_seq, limit)
+    return page, len(page) >= limit
+
+
+class _Buffer:
+    """A subscription's live events, encoded, bounded in count and in bytes."""
+
+    def __init__(self, count: int, max_bytes: int) -> None:
+        self.send, self.recv = trio.open_memory_channel[tuple[int, str]](count)
+        self.max_bytes = max_bytes
+        self.bytes = 0
+
+    def offer(self, seq: int, text: str) -> bool:
+        """Buffer one event; False (dropped) when full in count or bytes."""
+        if self.bytes + len(text) > self.max_bytes and self.bytes > 0:
+            return False
+        self.send.send_nowait((seq, text))  # WouldBlock when full in count
+        self.bytes += len(text)
+        return True
+
+    def taken(self, text: str) -> None:
+        self.bytes -= len(text)
+
+
 async def _drain(
-    live: trio.MemoryReceiveChannel[dict[str, Any]],
-    buffer: trio.MemorySendChannel[dict[str, Any]],
-    run_id: str,
+    live: trio.MemoryReceiveChannel[dict[str, Any]], buffer: _Buffer, sub: str, run_id: str
 ) -> None:
-    # Never blocks on the client: the backend's channel is always read promptly.
+    # Never blocks on the client: the backend's channel is always read promptly. What the
+    # buffer cannot hold is dropped here and re-read from the journal by the forwarder.
     dropped = 0
-    async with buffer:
+    async with buffer.send:
         async for event in live:
             try:
-                buffer.send_nowait(event)
+                if not buffer.offer(event["seq"], _event_text(sub, run_id, event)):
+                    dropped += 1
             except trio.WouldBlock:
                 dropped += 1
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the forwarder is gone; so is this subscription
     if dropped:
         logger.info("control: run %s: %d live events dropped for a slow client (re-read from the journal)", run_id, dropped)
+
+
+def _event_text(sub: str, run_id: str, event: dict[str, Any]) -> str:
+    """The pushed message of one event; one whose data cannot be encoded says so."""
+    try:
+        return protocol.encode_event(sub, run_id, event)
+    except ValueError as exc:
+        logger.warning("control: run %s: event %s cannot be sent as json: %s", run_id, event.get("seq"), exc)
+        return protocol.encode_event(
+            sub, run_id, {**event, "data": {"error": "this event's data cannot be encoded as json"}}
+        )
 
 
 def _end_with_error(sub: str, run_id: str, code: str, message: str) -> str:
@@ -558,6 +641,7 @@ async def serve_control(
     *,
     token: str | None = None,
     session_ok: SessionCheck | None = None,
+    limits: Limits | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control socket on ``config.host:config.port`` until cancelled.
@@ -568,8 +652,10 @@ async def serve_control(
         token: the token clients must present; None: the one in ``config.token_path``,
             re-read when the file changes (a connection before it exists is refused).
         session_ok: accepts a dashboard session instead of the token (``check_access``).
+        limits: connection limits; default ``Limits()``, its total capped by RLIMIT_NOFILE.
         task_status: started with the bound port once connections are accepted.
     """
+    limits = limits or Limits()
     listeners = await trio.open_tcp_listeners(config.port, host=config.host or None)
     if len(listeners) > 1:
         # "localhost" may resolve to two addresses; with port 0 they would get different
@@ -577,14 +663,16 @@ async def serve_control(
         for extra in listeners[1:]:
             await extra.aclose()
         listeners = listeners[:1]
-    server = _Server(config, backend, _TokenSource(config.token_path, token), session_ok)
+    server = _Server(config, backend, _TokenSource(config.token_path, token), limits, session_ok)
     server.port = listeners[0].socket.getsockname()[1]
+    gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total))
+    server.gate = gate
     ws_server = WebSocketServer(
         server.handle,
-        listeners,
+        [gate],
         max_message_size=hard_message_cap(config),
         receive_buffer_size=RECEIVE_BYTES,
-        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_timeout=limits.handshake_s,
         disconnect_timeout=DISCONNECT_TIMEOUT_S,
     )
     address = listeners[0].socket.getsockname()[0]
@@ -596,5 +684,8 @@ async def serve_control(
         )
     async with trio.open_nursery() as nursery:
         await nursery.start(ws_server.run)
-        logger.info("control: listening on %s", endpoint_url(config.host, server.port))
+        logger.info(
+            "control: listening on %s (at most %d connections per peer, %d in all)",
+            endpoint_url(config.host, server.port), gate.per_peer, gate.total,
+        )
         task_status.started(server.port)

@@ -9,7 +9,10 @@ is one JSON object in one websocket text frame.
               {"op": "end", "sub", "run_id", "state", "last_seq"}   (the run is terminal)
 
 Decoding never raises on bad input: it returns a ``BadRequest`` value carrying the error
-code, so the server answers every malformed message and lives on.
+code, so the server answers every malformed message and lives on. It is total: what could
+fail later (a lone surrogate that SQLite cannot store, an integer no float or C long
+holds, an infinity, nesting that would overflow an encoder's recursion) is refused here,
+at the edge. Encoding is total too: a reply is always valid JSON (no NaN, no Infinity).
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ DEFAULT_EVENTS_LIMIT: Final = 1000
 MAX_EVENTS_LIMIT: Final = 10000
 # Identifiers (run ids, session ids, reasons) longer than this are refused as bad args.
 MAX_ID_CHARS: Final = 256
+# Containers nested deeper than this (anywhere in a message) are refused: every later
+# encoder (the reply, the journal, the runner's spec) then stays far from the recursion limit.
+MAX_DEPTH: Final = 64
+# Integers outside a signed 64-bit range are refused: SQLite, C and float conversions
+# downstream raise OverflowError on them.
+MAX_INT: Final = 2**63 - 1
+# A run's timeout_s above this (about 31 years) is refused rather than overflowing a clock.
+MAX_TIMEOUT_S: Final = 1e9
 
 
 class Op(enum.StrEnum):
@@ -113,8 +124,11 @@ class Backend(Protocol):
     subscribes again); and ``subscribe`` on a run already terminal yields a closed channel.
 
     Optional methods, used when present: ``cancel_session(session_id, *, reason)``,
-    ``steer(run_id, text) -> {"run_id", "accepted", "state"}`` and ``summary() -> dict``
-    (shown by ``status`` without a run id).
+    ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``summary() -> dict``
+    (shown by ``status`` without a run id) and ``events_page(run_id, after_seq, *, limit,
+    max_bytes) -> (events, more)``: like ``events_after`` but also bounded in bytes (the
+    encoded size of the events' data; at least one event), ``more`` true when events after
+    the page exist. Without it, replay pages are bounded in events only.
     """
 
     async def spawn(
@@ -296,9 +310,10 @@ def sniff_id(message: str | bytes) -> Any:
     if m is None:
         return None
     try:
-        return json.loads(m.group(1))
+        rid = json.loads(m.group(1))
     except ValueError:
         return None
+    return _safe_id(rid)
 
 
 def decode_request(message: str | bytes, *, max_bytes: int) -> Request | BadRequest:
@@ -311,25 +326,118 @@ def decode_request(message: str | bytes, *, max_bytes: int) -> Request | BadRequ
         )
     try:
         text = message.decode("utf-8") if isinstance(message, bytes) else message
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(
+            text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
+        )
+    except _Bad as exc:
+        return BadRequest(sniff_id(message), exc.code, exc.message)
     except (UnicodeDecodeError, ValueError) as exc:
         return BadRequest(None, ErrorCode.BAD_JSON, f"expected a json object, got invalid json ({exc})")
     except RecursionError:
         return BadRequest(None, ErrorCode.BAD_JSON, "expected a json object, got json nested too deep")
     if not isinstance(obj, dict):
         return BadRequest(None, ErrorCode.BAD_MESSAGE, f"expected a json object, got {_kind(obj)}")
+    problem = _unstorable(obj, text)
+    if problem is not None:
+        return BadRequest(_safe_id(obj.get("id")), ErrorCode.BAD_ARGS, problem)
     rid = obj.get("id")
+    if not _valid_id(rid):
+        return BadRequest(
+            None,
+            ErrorCode.BAD_ARGS,
+            f"expected 'id' to be a string of at most {MAX_ID_CHARS} chars, a number or null, got {_kind(rid)}",
+        )
     op = obj.get("op")
     if not isinstance(op, str):
         return BadRequest(rid, ErrorCode.BAD_ARGS, f"expected 'op' to be a string, got {_kind(op)}")
     try:
         parsed = Op(op)
     except ValueError:
-        return BadRequest(rid, ErrorCode.UNKNOWN_OP, f"unknown op {op!r} (known: {', '.join(Op)})")
+        return BadRequest(rid, ErrorCode.UNKNOWN_OP, f"unknown op {op[:64]!r} (known: {', '.join(Op)})")
     try:
         return _PARSERS[parsed](rid, obj)
     except _Bad as exc:
         return BadRequest(rid, exc.code, exc.message)
+
+
+def _parse_int(digits: str) -> int:
+    # Called by the json scanner for every integer literal, before int() sees it: a
+    # 5,000-digit literal is refused without the quadratic conversion.
+    if len(digits) > 20:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected integers of at most 64 bits, got one of {len(digits)} digits")
+    value = int(digits)
+    if not -MAX_INT - 1 <= value <= MAX_INT:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected integers of at most 64 bits, got {value}")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected finite numbers, got {text[:32]!r} (out of range)")
+    return value
+
+
+def _valid_id(rid: Any) -> bool:
+    if rid is None or isinstance(rid, (bool, int, float)):
+        return True  # numbers are finite and bounded by the parse hooks
+    return isinstance(rid, str) and len(rid) <= MAX_ID_CHARS
+
+
+def _safe_id(rid: Any) -> Any:
+    """The request id to echo in an error reply, or None when it cannot be echoed."""
+    if isinstance(rid, str) and not _encodable(rid):
+        return None
+    return rid if _valid_id(rid) else None
+
+
+def _encodable(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# A JSON string escape that can decode to a lone surrogate (\ud800-\udfff).
+_SURROGATE_ESCAPE: Final = r"\\u[dD][89a-fA-F]"
+
+
+def _unstorable(obj: dict[str, Any], text: str) -> str | None:
+    """Why a decoded message cannot be served safely: too deep, or a lone surrogate.
+
+    Iterative (it must not recurse on what it checks), and only walked when the text could
+    hold either problem: enough brackets for the depth, or a surrogate escape (text from a
+    websocket is valid UTF-8, so a surrogate can only come from a ``\\u`` escape).
+    """
+    deep = text.count("{") + text.count("[") > MAX_DEPTH
+    surrogates = not text.isascii() and not _encodable(text) or re.search(_SURROGATE_ESCAPE, text) is not None
+    if not deep and not surrogates:
+        return None
+    todo: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    while todo:
+        value, depth, where = todo.pop()
+        if isinstance(value, dict):
+            if depth > MAX_DEPTH:
+                return f"expected objects and arrays nested at most {MAX_DEPTH} deep, got deeper in {_shown(where)}"
+            for k, v in value.items():
+                path = f"{where}.{k}" if where else str(k)
+                if not _encodable(k):
+                    return f"expected text without lone surrogates (unpaired \\ud800-\\udfff), got one in a key of {_shown(where or '(top)')}"
+                todo.append((v, depth + 1, path))
+        elif isinstance(value, list):
+            if depth > MAX_DEPTH:
+                return f"expected objects and arrays nested at most {MAX_DEPTH} deep, got deeper in {_shown(where)}"
+            todo.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, str) and not _encodable(value):
+            return f"expected text without lone surrogates (unpaired \\ud800-\\udfff), got one in {_shown(where)}"
+    return None
+
+
+def _shown(path: str) -> str:
+    return repr(path if len(path) <= 80 else path[:77] + "...")
 
 
 def _reject_constant(name: str) -> Any:
@@ -384,8 +492,9 @@ def _spawn(rid: Any, obj: Mapping[str, Any]) -> SpawnRequest:
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' to be a number, got {_kind(timeout)}")
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' > 0, got {timeout!r}")
+        # Compared before any float(): an int compares exactly with a float, at any size.
+        if not 0 < timeout <= MAX_TIMEOUT_S:
+            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}")
         timeout = float(timeout)
     return SpawnRequest(
         rid, spec, _ident(obj, "session_id", required=False), timeout, model_key=_model_key(obj.get("model_key"))
@@ -488,9 +597,35 @@ _PARSERS: Final[dict[Op, Any]] = {
 
 
 def _dumps(obj: Any) -> str:
-    # default=str: a backend value that is not JSON (a Path, a datetime) is sent as text
-    # rather than failing the reply.
-    return json.dumps(obj, separators=(",", ":"), default=str)
+    """Strict JSON text of ``obj``: never NaN or Infinity (they become null).
+
+    default=str: a backend value that is not JSON (a Path, a datetime) is sent as text
+    rather than failing the reply. Lone surrogates are escaped (ensure_ascii).
+
+    Raises:
+        ValueError: ``obj`` is circular or nested beyond the recursion limit.
+    """
+    try:
+        return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False)
+    except ValueError:
+        pass  # NaN or infinity somewhere (or a cycle: the second try says so)
+    except RecursionError:
+        raise ValueError("expected a json value nested less deep than the recursion limit") from None
+    try:
+        return json.dumps(_finite(obj), separators=(",", ":"), default=str, allow_nan=False)
+    except RecursionError:
+        raise ValueError("expected a json value nested less deep than the recursion limit") from None
+
+
+def _finite(obj: Any) -> Any:
+    """A copy of ``obj`` with every non-finite float replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def encode_request(rid: Any, op: str, **args: Any) -> str:

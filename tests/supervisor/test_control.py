@@ -41,11 +41,17 @@ class Server:
         return f"ws://127.0.0.1:{self.port}/"
 
 
-async def start_server(nursery: trio.Nursery, tmp_path: Path, backend: FakeBackend | None = None, **cfg: Any) -> Server:
+async def start_server(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    backend: FakeBackend | None = None,
+    limits: control.Limits | None = None,
+    **cfg: Any,
+) -> Server:
     backend = backend or FakeBackend()
     backend.nursery = nursery
     config = Config(state_dir=tmp_path, port=0, allowed_origins=(ORIGIN_OK,), **cfg)
-    port = await nursery.start(partial(control.serve_control, config, backend, token=TOKEN))
+    port = await nursery.start(partial(control.serve_control, config, backend, token=TOKEN, limits=limits))
     return Server(backend, port, config)
 
 
@@ -269,8 +275,7 @@ async def test_a_handler_bug_becomes_an_internal_error_reply(server: Server, cap
 async def test_a_silent_connection_is_dropped_after_the_handshake_timeout(
     nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "CONNECT_TIMEOUT_S", 0.2)
-    srv = await start_server(nursery, tmp_path)
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(handshake_s=0.2))
     stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
     with trio.fail_after(WAIT_S):
         assert await stream.receive_some() == b""
@@ -280,9 +285,8 @@ async def test_a_silent_connection_is_dropped_after_the_handshake_timeout(
 async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
     nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "SEND_TIMEOUT_S", 0.3)
     monkeypatch.setattr(control, "DISCONNECT_TIMEOUT_S", 0.3)
-    srv = await start_server(nursery, tmp_path)
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(send_s=0.3))
     b = srv.backend
     run = b.add_run()
     for _ in range(2000):  # 32 MB: more than the socket buffers hold

@@ -1,0 +1,186 @@
+"""Connection limits for the daemon's sockets: who may hold how many, and for how long.
+
+A ``Gate`` wraps a TCP listener. It counts open connections per peer address and in all,
+and closes at once (before any byte is read) a connection above either count, so a local
+user without the token cannot pile up connections until the daemon runs out of file
+descriptors. The total is capped further by ``RLIMIT_NOFILE``: half of what is left after
+a reserve goes to connections, the rest stays for runs (pipes, pidfds), the journal and
+/proc scans. Each accepted connection is a ``GatedStream``: it gives its slot back when
+closed, remembers when its peer last sent a byte (for idle timeouts), and can be closed
+by its handler at once (a refused handshake is not left open for the client to keep).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Final, final
+
+import trio
+
+__all__ = ["Limits", "Gate", "GatedStream", "current_stream", "fd_connection_cap"]
+
+logger = logging.getLogger(__name__)
+
+# File descriptors kept out of the connection budget: the interpreter, trio, the journal
+# (database, WAL, shm), the listener, logs, a /proc scan in flight.
+FD_RESERVE: Final = 64
+# Floor of the fd-derived connection cap, so a tiny RLIMIT_NOFILE still admits a CLI.
+MIN_CONNECTIONS: Final = 8
+# At most one "refused: too many connections" line per this many seconds.
+REFUSAL_LOG_INTERVAL_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The control socket's limits. Every duration is in seconds, every size in bytes."""
+
+    # Connect to a complete HTTP upgrade request (trio-websocket's connect timeout).
+    handshake_s: float = 5.0
+    # An authenticated connection with no request in flight and no subscription that
+    # receives nothing (no message, no ping) for this long is closed (1001). Clients that
+    # keep a connection for later send a ping now and then.
+    idle_s: float = 300.0
+    # Open connections (handshaking or authenticated) from one peer address. Every local
+    # client is 127.0.0.1, so on loopback this is the cap for all local users together.
+    per_peer: int = 128
+    # Open connections in all (further capped by RLIMIT_NOFILE, see fd_connection_cap).
+    total: int = 1024
+    # Requests served at once on one connection; the reader waits while all are busy.
+    in_flight: int = 32
+    # Subscriptions open at once on one connection.
+    subscriptions: int = 64
+    # Live events (encoded) buffered per subscription while it replays or its client is
+    # slow; beyond this they are dropped here and re-read from the journal later.
+    subscriber_bytes: int = 1024 * 1024
+    # A journal page read to replay a subscription or fill a gap: at least one event.
+    replay_page_bytes: int = 256 * 1024
+    # The events of one ``events`` reply (at least one event; ``more`` says if it was cut).
+    events_reply_bytes: int = 4 * 1024 * 1024
+    # A client that takes no message off the socket for this long is disconnected.
+    send_s: float = 30.0
+
+
+def fd_connection_cap(total: int) -> int:
+    """``total``, capped so connections cannot take the fds that runs and scans need."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return total
+    if soft == resource.RLIM_INFINITY:
+        return total
+    return max(MIN_CONNECTIONS, min(total, (soft - FD_RESERVE) // 2))
+
+
+# The GatedStream of the connection the current task serves. Set by Gate.accept in the
+# accepting task; trio copies a task's context into the tasks it starts, and
+# trio.serve_listeners starts each connection's handler from the accepting task.
+current_stream: contextvars.ContextVar[GatedStream | None] = contextvars.ContextVar(
+    "agentd_current_stream", default=None
+)
+
+
+@final
+class GatedStream(trio.abc.HalfCloseableStream):
+    """An accepted TCP connection that holds one of its gate's slots until closed."""
+
+    def __init__(self, stream: trio.SocketStream, peer: str, gate: Gate) -> None:
+        self._stream = stream
+        self.peer = peer
+        self._gate = gate
+        self._released = False
+        self.last_received = trio.current_time()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._stream.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self._stream.receive_some(max_bytes)
+        self.last_received = trio.current_time()
+        return data
+
+    async def aclose(self) -> None:
+        self._release()
+        await self._stream.aclose()
+
+    async def close_now(self) -> None:
+        """Close at once: what was sent is flushed to the kernel (FIN, not a reset, unless
+        the peer sent more than was read)."""
+        self._release()
+        try:
+            await self._stream.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        await trio.aclose_forcefully(self._stream)
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._gate.release(self.peer)
+
+
+@final
+class Gate(trio.abc.Listener[trio.abc.Stream]):
+    """A listener that admits at most ``per_peer`` connections per address, ``total`` in all."""
+
+    def __init__(self, inner: trio.SocketListener, *, per_peer: int, total: int) -> None:
+        self.inner = inner
+        self.per_peer = per_peer
+        self.total = total
+        self.open: Counter[str] = Counter()
+        self.refused = 0
+        self._last_log = -float("inf")
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        return self.inner.socket
+
+    @property
+    def count(self) -> int:
+        return sum(self.open.values())
+
+    async def accept(self) -> GatedStream:
+        while True:
+            stream = await self.inner.accept()  # EMFILE etc.: serve_listeners waits, retries
+            try:
+                peer = str(stream.socket.getpeername()[0])
+            except OSError:  # already reset by the peer
+                await trio.aclose_forcefully(stream)
+                continue
+            if self.open[peer] >= self.per_peer or self.count >= self.total:
+                self.refused += 1
+                self._log_refusal(peer)
+                await trio.aclose_forcefully(stream)
+                continue
+            self.open[peer] += 1
+            gated = GatedStream(stream, peer, self)
+            current_stream.set(gated)
+            return gated
+
+    def release(self, peer: str) -> None:
+        self.open[peer] -= 1
+        if self.open[peer] <= 0:
+            del self.open[peer]
+
+    def _log_refusal(self, peer: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= REFUSAL_LOG_INTERVAL_S:
+            self._last_log = now
+            logger.warning(
+                "control: refused a connection from %s: %d open from it, %d in all "
+                "(limits %d per peer, %d in all); %d refused so far",
+                peer, self.open[peer], self.count, self.per_peer, self.total, self.refused,
+            )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
