@@ -90,7 +90,12 @@ class RunRecord(TypedDict):
 def dumps(value: object) -> str:
     # Lenient like the wire format (``subagent.events``): what it cannot encode, it
     # writes as text. ASCII output keeps lone surrogates from failing the SQLite insert.
-    return json.dumps(value, separators=(",", ":"), default=str)
+    # A value nested beyond the recursion limit (a runner's event, say) is stored as a
+    # note that it was, rather than failing the run's bookkeeping.
+    try:
+        return json.dumps(value, separators=(",", ":"), default=str)
+    except RecursionError:
+        return json.dumps({"unstorable": "nested too deep to store as json"})
 
 
 def tool_call_rank(record: dict[str, Any]) -> int:
@@ -241,8 +246,10 @@ class Store:
         at: float,
         *,
         settle_reason: str | None = None,
+        groups_ended_at: float | None = None,
+        any_live: bool = False,
     ) -> bool:
-        sources = _sources(state)
+        sources = _LIVE_VALUES if any_live else _sources(state)
         with self._tx(durable=True) as conn:
             cur = conn.execute(
                 "UPDATE runs SET state = ?, reason = ?, ended_at = ?, "
@@ -272,6 +279,8 @@ class Store:
                 return False
             if settle_reason is not None:
                 self._settle(conn, run_id, settle_reason, at)
+            if groups_ended_at is not None:
+                self._end_groups(conn, run_id, groups_ended_at)
             return True
 
     def set_partial(self, run_id: str, snapshot_id: object, snapshot: str) -> bool:
@@ -339,7 +348,62 @@ class Store:
                 return False
             return True
 
+    def end_groups(self, run_id: str, at: float) -> int:
+        with self._tx(durable=False) as conn:
+            self._require_run(conn, run_id)
+            return self._end_groups(conn, run_id, at)
+
+    def _end_groups(self, conn: sqlite3.Connection, run_id: str, at: float) -> int:
+        cur = conn.execute(
+            "UPDATE process_groups SET alive = 0, ended_at = ? WHERE run_id = ? AND alive = 1",
+            (at, run_id),
+        )
+        return cur.rowcount
+
     # -- events ----------------------------------------------------------------------
+
+    def put_events(self, run_id: str, items: Sequence[tuple[int, str, str, float]]) -> int:
+        with self._tx(durable=False) as conn:
+            self._require_run(conn, run_id)
+            new = 0
+            for seq, kind, data, ts in items:
+                cur = conn.execute(
+                    "INSERT INTO events (run_id, seq, ts, kind, data) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, seq) DO NOTHING",
+                    (run_id, seq, ts, kind, data),
+                )
+                new += cur.rowcount
+            if items:
+                conn.execute(
+                    "UPDATE runs SET last_seq = max(last_seq, ?) WHERE id = ?",
+                    (max(seq for seq, _k, _d, _t in items), run_id),
+                )
+            return new
+
+    def events_page(
+        self, run_id: str, after_seq: int, limit: int, max_bytes: int | None
+    ) -> tuple[list[EventRecord], bool]:
+        out: list[EventRecord] = []
+        size = 0
+        more = False
+        with self._read() as conn:
+            # One row past the limit tells whether more follow; rows are read lazily, so
+            # a page cut by its size reads one row past the cut, not the whole run.
+            cur = conn.execute(
+                "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (run_id, after_seq, limit + 1),
+            )
+            for seq, ts, kind, data in cur:
+                size += len(data)
+                if len(out) >= limit or (out and max_bytes is not None and size > max_bytes):
+                    more = True
+                    break
+                out.append(EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data)))
+            cur.close()
+            if not out:
+                self._require_run(conn, run_id)
+        return out, more
 
     def append_events(self, run_id: str, items: Sequence[tuple[str, str, float]]) -> list[int]:
         with self._tx(durable=False) as conn:

@@ -36,6 +36,9 @@ class _TreeBase:
     groups: dict[int, int | None] = field(default_factory=dict)
     # The runner's start time in clock ticks (/proc/<pid>/stat), None when not proven.
     leader_ticks: int | None = None
+    # Inode numbers of the runner's stdio pipes (empty for a re-adopted tree): an orphan
+    # that holds one open is the tree's, whatever it did to its session and environment.
+    pipes: frozenset[int] = frozenset()
 
     def add_group(self, pgid: int) -> bool:
         """Remember another process group of this tree (an MCP server, a command).

@@ -31,14 +31,32 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 #
 # Pids here wrap at 32768, so a pid alone is no identity: a Proc carries its start time in
 # clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act.
+#
+# Whose subtree is it. A pid says nothing across PID namespaces (two daemons can both be
+# pid 1, and a live daemon's pid may not exist in ours), so a subtree is named
+# ``agentd-<pid>-<random>`` and its owner holds an exclusive flock on its directory for as
+# long as it lives. The lock is on the cgroupfs inode, the same in every namespace; the
+# kernel drops it when the owner dies. A subtree whose lock can be taken and that holds no
+# process is stale; one whose lock is held is never touched. A daemon whose own subtree
+# vanished anyway makes it again, or says so in ``problem`` (shown by ``status``).
+#
+# Session leaders. A subreaper's children are the runners it started (tracked) and the
+# orphans of its trees it adopted. An adopted orphan that called setsid() leads its own
+# session, like a runner: once no tree is being spawned (a runner between fork and track()
+# looks the same), a live untracked session leader among our children is an orphan, and
+# ``strays()`` lists it. A descendant that holds a runner's stdout or stderr belongs to
+# that tree whatever it did to its session and environment (``tree_members(pipes=)``).
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,14 +92,17 @@ CGROUP: Final = "cgroup"
 SUBREAPER_SWEEP: Final = "subreaper+sweep"
 GROUP: Final = "group"
 
-# An empty agentd-<pid> subtree of a dead daemon is removed at setup once it is this old
-# (younger ones may belong to a daemon in another pid namespace, still setting up).
-STALE_AFTER_S: Final = 60.0
 # How often Containment.run reaps adopted zombies (a zombie is dead but holds its pid).
 REAP_INTERVAL_S: Final = 1.0
 # With no zombie child waiting, the reaper reads the whole process table only every this
 # many passes (to note live adopted children while they still show their marker).
 FULL_SCAN_EVERY: Final = 10
+
+# A /proc scan that fails for want of file descriptors (or memory) is logged at most once
+# per this many seconds, and retried at the next pass.
+SCAN_FAILURE_LOG_INTERVAL_S: Final = 30.0
+# errnos that say "try again later" rather than "no such process".
+_EXHAUSTED: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PROC: Final = Path("/proc")
@@ -248,12 +269,17 @@ def tree_members(
     groups: Iterable[int] = (),
     cgroup: Path | None = None,
     procs: dict[int, Proc] | None = None,
+    pipes: Container[int] = (),
+    exclude: Container[int] = (),
 ) -> dict[int, Proc]:
     """Every process that belongs to a tree, zombies included.
 
     A member is in the tree's cgroup, or carries ``AGENTD_TREE=<tree_id>``, or is in one of
     the tree's groups or sessions (those given, and those of any other member), or descends
-    from a member. The calling process is never a member, nor is anything in its session.
+    from a member, or (``pipes``: inode numbers of the runner's stdio pipes) is an orphan
+    adopted by this process, or a descendant of one, that holds one of those pipes. The
+    calling process is never a member, nor is anything in its session; ``exclude`` names
+    children that are never orphans (other trees' runners).
     """
     if procs is None:
         procs = scan_processes()
@@ -275,6 +301,8 @@ def tree_members(
         by_group.setdefault(p.pgid, []).append(p.pid)
         if p.sid != p.pgid:
             by_group.setdefault(p.sid, []).append(p.pid)
+    if pipes:
+        members.update(_pipe_holders(pipes, procs, by_parent, members, exclude))
     # Close over ancestry (children that scrubbed the marker and left the group) and over
     # the groups and sessions of members: Chromium's helpers show no environment at all
     # (setproctitle reuses it) and outlive their parent in the browser's session.
@@ -291,6 +319,55 @@ def tree_members(
                 members.add(pid)
                 todo.append(pid)
     return {pid: procs[pid] for pid in members}
+
+
+def _pipe_holders(
+    pipes: Container[int],
+    procs: dict[int, Proc],
+    by_parent: dict[int, list[int]],
+    members: Container[int],
+    exclude: Container[int],
+) -> set[int]:
+    """Orphans adopted by us (and their descendants) that hold one of ``pipes`` open.
+
+    Only those are looked at: any other descendant of a tree is found by ancestry, and a
+    whole-table read of every fd would cost far more than the sweep.
+    """
+    me = os.getpid()
+    todo = [
+        pid for pid in by_parent.get(me, ())
+        if pid not in members and pid not in exclude and not procs[pid].dead
+    ]
+    found: set[int] = set()
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        if pid not in members and _holds_pipe(pid, pipes):
+            found.add(pid)
+        todo.extend(by_parent.get(pid, ()))
+    return found
+
+
+def _holds_pipe(pid: int, pipes: Container[int]) -> bool:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False  # gone, not ours to read, or out of fds (the next sweep looks again)
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("pipe:[") and target.endswith("]"):
+            try:
+                if int(target[6:-1]) in pipes:
+                    return True
+            except ValueError:
+                continue
+    return False
 
 
 def _zombie_child_waiting() -> bool:
@@ -408,11 +485,6 @@ def _set_subreaper(on: bool) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    p = read_proc(pid)
-    return p is not None and not p.dead
-
-
 # ----------------------------------------------------------------------------- Containment
 
 
@@ -437,6 +509,12 @@ class Containment:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _closed: bool = False
     _passes: int = 0
+    # Why the daemon contains less than it should (its cgroup subtree vanished and could
+    # not be made again, say); None while all is well. Shown by ``status``.
+    problem: str | None = None
+    # The flock on ``root`` that says a live daemon owns it (see the module comment).
+    _root_lock: int | None = None
+    _scan_failed_at: float = -float("inf")
 
     @property
     def mode(self) -> str:
@@ -467,9 +545,10 @@ class Containment:
             config: ``config.cgroups`` ("auto" or "off") is read from it.
             cgroups: overrides ``config.cgroups``.
             subreaper: False leaves the subreaper flag alone (tests of the "group" mode).
-            instance: names the subtree ``agentd-<instance>``; default the daemon's pid.
+            instance: names the subtree ``agentd-<instance>``; default ``<pid>-<random>``.
         """
         want = cgroups if cgroups is not None else (config.cgroups if config is not None else "auto")
+        instance = instance or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         is_reaper = False
         if subreaper and os.name == "posix" and hasattr(os, "waitpid"):
             global _subreaper_users
@@ -477,10 +556,12 @@ class Containment:
                 is_reaper = _subreaper_users > 0 or _set_subreaper(True)
                 if is_reaper:
                     _subreaper_users += 1
-        root = None
+        root, lock = None, None
         if want == "auto":
-            root = _make_subtree(instance or str(os.getpid()))
-        self = cls(root=root, subreaper=is_reaper)
+            made = _make_subtree(instance)
+            if made is not None:
+                root, lock = made
+        self = cls(root=root, subreaper=is_reaper, _root_lock=lock)
         logger.info(
             "containment: %s (cgroup subtree %s, subreaper %s)",
             self.mode,
@@ -498,7 +579,13 @@ class Containment:
             return None
         path = self.root / tree_id
         try:
-            path.mkdir()
+            try:
+                path.mkdir()
+            except FileNotFoundError:
+                if not self.check_subtree():
+                    return None
+                path = self.root / tree_id
+                path.mkdir()
         except FileExistsError:
             pass
         except OSError as exc:
@@ -511,6 +598,38 @@ class Containment:
         with self._lock:
             self._tree_ids.discard(tree_id)
             self._pending.discard(tree_id)
+
+    def check_subtree(self) -> bool:
+        """Is this daemon's cgroup subtree still there? If it vanished, make it again.
+
+        Never silent: a subtree made again is logged, one that cannot be is ``problem``
+        (and the daemon then contains its trees with the fallback mode). Blocking.
+        """
+        root = self.root
+        if root is None:
+            return False
+        with self._lock:
+            try:
+                intact = self._root_lock is not None and os.stat(root).st_ino == os.fstat(self._root_lock).st_ino
+            except OSError:
+                intact = False
+            if intact:
+                return True
+            if self._root_lock is not None:
+                os.close(self._root_lock)
+                self._root_lock = None
+            made = _claim_subtree(root.parent, root.name.removeprefix("agentd-"))
+            if made is None:
+                self.root = None
+                self.problem = (
+                    f"cgroup subtree {root} vanished and cannot be made again; "
+                    f"trees are contained by {self.fallback_mode}"
+                )
+                logger.error("containment: %s", self.problem)
+                return False
+            self.root, self._root_lock = made
+        logger.warning("containment: cgroup subtree %s vanished (removed by someone else); made it again", root)
+        return True
 
     def label(self, cgroup: Path | None) -> str:
         """The containment label of a tree that got ``cgroup`` (None: it got none)."""
@@ -560,11 +679,24 @@ class Containment:
 
         The first pass is done before ``task_status.started()``.
         """
-        await trio.to_thread.run_sync(self.reap_adopted)
+        await trio.to_thread.run_sync(self._pass)
         task_status.started()
         while True:
             await trio.sleep(interval_s)
-            await trio.to_thread.run_sync(self.reap_adopted)
+            await trio.to_thread.run_sync(self._pass)
+
+    def _pass(self) -> None:
+        # A scan that fails (out of fds, say) is logged and retried next pass: a reaper
+        # that died with it would leave zombies, a daemon that died with it every run.
+        try:
+            if self.root is not None:
+                self.check_subtree()
+            self.reap_adopted()
+        except OSError as exc:
+            now = time.monotonic()
+            if now - self._scan_failed_at >= SCAN_FAILURE_LOG_INTERVAL_S:
+                self._scan_failed_at = now
+                logger.warning("containment: a /proc scan failed (%s); retrying every %.0f s", exc, REAP_INTERVAL_S)
 
     def reap_adopted(self) -> list[int]:
         """Reap zombie children that were adopted, never one of Trio's. Returns their pids.
@@ -624,7 +756,12 @@ class Containment:
 
     def strays(self) -> list[Proc]:
         """Live adopted children that no tree's sweep can place (e.g. a double-forked
-        daemon that also emptied its environment). Only a subreaper has any."""
+        daemon that also emptied its environment, or an ``env -i setsid`` command). Only a
+        subreaper has any.
+
+        Raises:
+            OSError: the process table could not be read (out of file descriptors).
+        """
         if not self.subreaper:
             return []
         me = os.getpid()
@@ -634,6 +771,7 @@ class Containment:
             leaders = set(self._leaders)
             settled = (self._tree_ids - self._pending) | self._leftover
             remembered = dict(self._adopted)
+            spawning = bool(self._pending)
         out: list[Proc] = []
         for p in scan_processes().values():
             if p.ppid != me or p.dead or p.pid in leaders:
@@ -642,6 +780,9 @@ class Containment:
                 remembered.get(p.pid) == p.start_ticks
                 or p.sid not in (my_sid, p.pid)
                 or _in_settled_tree(p.pid, subtree, settled)
+                # Leads its own session and is no runner of ours: an orphan that called
+                # setsid() (a runner still being spawned looks the same: not then).
+                or (p.sid == p.pid and not spawning)
             ):
                 out.append(p)
         return out
@@ -662,9 +803,15 @@ class Containment:
         if self._closed:
             return
         self._closed = True
-        self.reap_adopted()
+        try:
+            self.reap_adopted()
+        except OSError as exc:
+            logger.warning("containment: could not reap adopted zombies at close: %s", exc)
         if self.root is not None and not _rmdir_tree(self.root):
             logger.warning("cgroup subtree %s not removed: processes are still in it", self.root)
+        if self._root_lock is not None:
+            os.close(self._root_lock)
+            self._root_lock = None
         if self.subreaper:
             global _subreaper_users
             with _subreaper_lock:
@@ -673,8 +820,8 @@ class Containment:
                     _set_subreaper(False)
 
 
-def _make_subtree(instance: str) -> Path | None:
-    """Create ``<own cgroup>/agentd-<instance>``; None (logged) when that is not possible."""
+def _make_subtree(instance: str) -> tuple[Path, int] | None:
+    """Create and lock ``<own cgroup>/agentd-<instance>``; None (logged) when not possible."""
     own = _own_cgroup_dir()
     if own is None:
         logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
@@ -690,15 +837,49 @@ def _make_subtree(instance: str) -> Path | None:
     # cgroup.subtree_control is empty). Were controllers ever enabled there, the daemon
     # would first have to move itself into a leaf.
     _remove_stale_subtrees(own)
-    root = own / f"agentd-{instance}"
-    try:
-        root.mkdir(exist_ok=True)
-    except OSError as exc:
-        logger.info("cannot create cgroup %s (%s): trees are contained by subreaper and sweep", root, exc)
-        return None
-    if not (root / "cgroup.kill").exists():
+    made = _claim_subtree(own, instance)
+    if made is not None and not (made[0] / "cgroup.kill").exists():
         logger.info("cgroup.kill missing (kernel < 5.14): the final kill walks cgroup.procs")
-    return root
+    return made
+
+
+def _claim_subtree(own: Path, instance: str) -> tuple[Path, int] | None:
+    """mkdir ``own/agentd-<instance>`` and hold its lock; None (logged) if that fails."""
+    root = own / f"agentd-{instance}"
+    for _ in range(3):
+        try:
+            root.mkdir(exist_ok=True)
+        except OSError as exc:
+            logger.info("cannot create cgroup %s (%s): trees are contained by subreaper and sweep", root, exc)
+            return None
+        fd = _lock_dir(root)
+        if fd is None:
+            logger.warning("cgroup %s is locked by another process: not using it", root)
+            return None
+        # Another daemon's clean-up may have removed it between the mkdir and the lock
+        # (it was empty and unlocked then): the lock must be on what the name now names.
+        try:
+            if os.stat(root).st_ino == os.fstat(fd).st_ino:
+                return root, fd
+        except OSError:
+            pass
+        os.close(fd)
+    logger.warning("cgroup %s keeps vanishing: trees are contained by subreaper and sweep", root)
+    return None
+
+
+def _lock_dir(path: Path) -> int | None:
+    """An fd holding an exclusive flock on the directory ``path``; None if it is held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _delegated(own: Path) -> bool:
@@ -715,7 +896,7 @@ def _delegated(own: Path) -> bool:
 
 
 def _remove_stale_subtrees(own: Path) -> None:
-    """rmdir empty ``agentd-<pid>[-x]`` subtrees left by daemons that are no longer running.
+    """rmdir empty ``agentd-*`` subtrees no live daemon owns (nobody holds their lock).
 
     A subtree that still holds processes stays: a restarted daemon re-adopts or sweeps them.
     """
@@ -723,15 +904,13 @@ def _remove_stale_subtrees(own: Path) -> None:
         names = [d.name for d in own.iterdir() if d.is_dir() and d.name.startswith("agentd-")]
     except OSError:
         return
-    now = time.time()
     for name in names:
-        pid_text = name.removeprefix("agentd-").split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_alive(int(pid_text)):
-            continue
+        path = own / name
+        fd = _lock_dir(path)
+        if fd is None:
+            continue  # a live daemon's, in this PID namespace or another
         try:
-            if now - (own / name).stat().st_mtime < STALE_AFTER_S:
-                continue  # fresh: maybe a daemon whose pid we cannot see, mid-setup
-        except OSError:
-            continue
-        if not cgroup_pids(own / name):
-            _rmdir_tree(own / name)
+            if not cgroup_pids(path):
+                _rmdir_tree(path)
+        finally:
+            os.close(fd)

@@ -5,7 +5,8 @@ recovery of runs left by a previous daemon, the runs nursery, the control socket
 dashboard (unless ``dashboard = "off"``), then READY=1 to systemd. On SIGTERM/SIGINT (or ``stop`` set, for in-process use): STOPPING=1,
 no more spawns, every run cancelled through both paths and its terminal fact written,
 then everything closes. The daemon never dies of a client's mistake: the control socket
-turns those into error replies.
+turns those into error replies. A journal that cannot be written makes it *degraded*, not
+dead: ``STATUS=`` and ``status`` say so, and the run manager keeps what waits in memory.
 """
 
 from __future__ import annotations
@@ -115,9 +116,14 @@ async def _serve_locked(
             logger.info("agentd stopping: cancelling %d live run%s", n, "" if n == 1 else "s")
             notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {n} run{'' if n == 1 else 's'}")
             await manager.shutdown()
-            strays = await process.kill_strays(containment, only_if_idle=False)
+            try:
+                strays = await process.kill_strays(containment, only_if_idle=False)
+            except OSError as exc:  # e.g. out of file descriptors: the scan failed
+                logger.warning("shutdown: could not look for untraceable orphans: %s", exc)
+                strays = []
             if strays:
                 logger.warning("shutdown: killed %d untraceable orphans: %s", len(strays), strays)
+            await manager.flush_journal()
             nursery.cancel_scope.cancel(reason="daemon shutdown")
     finally:
         with trio.CancelScope(shield=True):
@@ -137,10 +143,23 @@ async def _wait_for_stop(stop: trio.Event | None) -> None:
 
 
 async def _status_loop(notifier: _sdnotify.Notifier, manager: RunManager) -> None:
-    last = -1
+    last = ""
     while True:
-        n = manager.live_count
-        if n != last:
-            notifier.send(f"STATUS=running, {n} live run{'' if n == 1 else 's'}")
-            last = n
+        text = status_line(manager)
+        if text != last:
+            notifier.send(f"STATUS={text}")
+            last = text
         await trio.sleep(STATUS_INTERVAL_S)
+
+
+def status_line(manager: RunManager) -> str:
+    """The one-line STATUS= for systemd: live runs, and what is degraded if anything."""
+    n = manager.live_count
+    text = f"running, {n} live run{'' if n == 1 else 's'}"
+    backlog = manager.backlog
+    if backlog.degraded:
+        waiting = backlog.describe()["pending_writes"]
+        text = f"degraded: journal not writable ({backlog.error}); {waiting} writes wait in memory; " + text
+    if manager.containment.problem:
+        text = f"degraded: {manager.containment.problem}; " + text
+    return text

@@ -5,6 +5,7 @@
      ├─ SpawnError             a run could not be started (run_id)
      ├─ RunNotFound            no run with that id (run_id)
      ├─ JournalError           the durable store failed (path)
+ │   └─ JournalUnavailable  it cannot be written now (disk full, read-only, I/O error)
      ├─ ControlProtocolError   a malformed control message (code)
      ├─ DaemonNotRunning       the CLI found no daemon (state_dir)
      └─ DaemonAlreadyRunning   another daemon holds the state dir (state_dir, pid)
@@ -18,6 +19,7 @@ __all__ = [
     "SpawnError",
     "RunNotFound",
     "JournalError",
+    "JournalUnavailable",
     "ControlProtocolError",
     "DaemonNotRunning",
     "DaemonAlreadyRunning",
@@ -50,6 +52,14 @@ class JournalError(AgentdError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class JournalUnavailable(JournalError):
+    """The journal cannot be written now (disk full, read-only, I/O error, locked).
+
+    A condition of the store, not of the data: the same write may succeed later. The run
+    manager keeps such facts in memory meanwhile and says so (degraded mode).
+    """
 
 
 class ControlProtocolError(AgentdError):

@@ -6,7 +6,10 @@ submission order, one transaction each; a run's terminal state is written once
 sequence numbers are assigned in the database per run, start at 1, have no gaps and
 survive restarts; a call that returned has committed, and one that carried a terminal
 fact (or a state, a pid, a group) was fsynced first. Errors reach callers as
-``JournalError`` (naming the file) or ``RunNotFound``, never as sqlite3 exceptions.
+``JournalError`` (naming the file) or ``RunNotFound``, never as sqlite3 exceptions; a
+condition of the store rather than of the data (disk full, read-only, I/O error) is a
+``JournalUnavailable``, which the same call may not meet later. Text that SQLite cannot
+store (lone surrogates) is written with those characters escaped, never refused.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Final, Generic, TypeVar, final
 
 import trio
 
@@ -32,7 +35,7 @@ from supervisor._journal_store import (
     dumps,
     tool_call_rank,
 )
-from supervisor.errors import AgentdError, JournalError
+from supervisor.errors import AgentdError, JournalError, JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState
 
 __all__ = [
@@ -46,6 +49,43 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# SQLite's primary result codes that describe the store, not the statement: the same
+# write may succeed once space, permissions or the device come back.
+_UNAVAILABLE_CODES: Final = frozenset({
+    3,  # SQLITE_PERM
+    5,  # SQLITE_BUSY
+    6,  # SQLITE_LOCKED
+    7,  # SQLITE_NOMEM
+    8,  # SQLITE_READONLY
+    10,  # SQLITE_IOERR
+    13,  # SQLITE_FULL
+    14,  # SQLITE_CANTOPEN
+    15,  # SQLITE_PROTOCOL
+})
+
+
+def _journal_error(path: str, exc: sqlite3.Error) -> JournalError:
+    code = getattr(exc, "sqlite_errorcode", None)
+    cls = JournalUnavailable if code is not None and code & 0xFF in _UNAVAILABLE_CODES else JournalError
+    error = cls(f"journal {path!r}: {exc}", path=path)
+    error.__cause__ = exc
+    return error
+
+
+def _text(value: str) -> str:
+    """``value`` as SQLite can bind it: lone surrogates written as ``\\udXXX`` text."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+def _opt_text(value: str | None) -> str | None:
+    return None if value is None else _text(value)
 
 
 class _Job(Generic[T]):
@@ -119,9 +159,7 @@ class _Worker:
         except AgentdError as exc:
             job.error = exc
         except sqlite3.Error as exc:
-            error = JournalError(f"journal {self.path!r}: {exc}", path=self.path)
-            error.__cause__ = exc
-            job.error = error
+            job.error = _journal_error(self.path, exc)
         except Exception as exc:  # a bug: hand it to the caller rather than kill the thread
             logger.exception("journal %s: a call failed unexpectedly", self.path)
             job.error = exc
@@ -219,7 +257,7 @@ class Journal:
         """
         spec_json = dumps(dict(spec))
         await self._call(
-            lambda s: s.create_run(run_id, session_id, spec_json, created_at, timeout_s)
+            lambda s: s.create_run(_text(run_id), _opt_text(session_id), spec_json, created_at, timeout_s)
         )
 
     async def transition(
@@ -238,7 +276,7 @@ class Journal:
         if new in TERMINAL_STATES:
             raise ValueError(f"expected a live state, got {new!r}: use finish()")
         ts = time.time() if at is None else at
-        return await self._call(lambda s: s.transition(run_id, new, reason, ts))
+        return await self._call(lambda s: s.transition(_text(run_id), new, _opt_text(reason), ts))
 
     async def finish(
         self,
@@ -251,6 +289,8 @@ class Journal:
         error: Mapping[str, Any] | None = None,
         receipt: Mapping[str, Any] | None = None,
         ended_at: float | None = None,
+        groups_ended_at: float | None = None,
+        from_any_live_state: bool = False,
     ) -> bool:
         """Write the run's terminal fact, once, durably (fsynced before returning).
 
@@ -258,6 +298,10 @@ class Journal:
         call (a cancel racing a completion) returns False and changes nothing. With
         ``result=None`` and ``partial=True`` the result is the last partial snapshot,
         taken atomically with the write. ``receipt`` (if given) is stored with it.
+        ``groups_ended_at`` (when the stop receipt saw the whole tree dead): every group
+        still recorded alive is marked ended at that time, in the same transaction.
+        ``from_any_live_state``: whatever live state the stored run is in (a fact kept in
+        memory while the journal was down, written after states that may not have been).
 
         Raises:
             RunNotFound: no run has this id.
@@ -271,7 +315,12 @@ class Journal:
             None if receipt is None else dumps(dict(receipt)),
             time.time() if ended_at is None else ended_at,
         )
-        return await self._call(lambda s: s.finish(run_id, state, reason, *args))
+        return await self._call(
+            lambda s: s.finish(
+                _text(run_id), state, _opt_text(reason), *args,
+                groups_ended_at=groups_ended_at, any_live=from_any_live_state,
+            )
+        )
 
     async def mark_lost(
         self,
@@ -296,8 +345,8 @@ class Journal:
         ts = time.time() if ended_at is None else ended_at
         return await self._call(
             lambda s: s.finish(
-                run_id, RunState.LOST, reason, result, True, err, None, ts,
-                settle_reason=reason,
+                _text(run_id), RunState.LOST, _text(reason), result, True, err, None, ts,
+                settle_reason=_text(reason),
             )
         )
 
@@ -312,7 +361,7 @@ class Journal:
         """
         data = dumps(dict(snapshot))
         snap_id = snapshot.get("_id")
-        return await self._call(lambda s: s.set_partial(run_id, snap_id, data))
+        return await self._call(lambda s: s.set_partial(_text(run_id), snap_id, data))
 
     async def set_receipt(self, run_id: str, receipt: Mapping[str, Any]) -> bool:
         """Store the stop receipt: any time while live, once after the run is terminal.
@@ -321,7 +370,7 @@ class Journal:
             RunNotFound: no run has this id.
         """
         data = dumps(dict(receipt))
-        return await self._call(lambda s: s.set_receipt(run_id, data))
+        return await self._call(lambda s: s.set_receipt(_text(run_id), data))
 
     async def record_process(
         self,
@@ -353,7 +402,7 @@ class Journal:
             "containment": containment,
             "run_dir": run_dir,
         }
-        return await self._call(lambda s: s.record_process(run_id, fields))
+        return await self._call(lambda s: s.record_process(_text(run_id), fields))
 
     async def add_group(
         self, run_id: str, pgid: int, kind: str, name: str, *, at: float | None = None
@@ -367,7 +416,7 @@ class Journal:
             RunNotFound: no run has this id.
         """
         ts = time.time() if at is None else at
-        await self._call(lambda s: s.add_group(run_id, pgid, kind, name, ts))
+        await self._call(lambda s: s.add_group(_text(run_id), pgid, _text(kind), _text(name), ts))
 
     async def remove_group(self, run_id: str, pgid: int, *, at: float | None = None) -> bool:
         """The group ended: it leaves the run's live groups (its record stays, not alive).
@@ -378,7 +427,18 @@ class Journal:
             RunNotFound: no run has this id.
         """
         ts = time.time() if at is None else at
-        return await self._call(lambda s: s.remove_group(run_id, pgid, ts))
+        return await self._call(lambda s: s.remove_group(_text(run_id), pgid, ts))
+
+    async def end_groups(self, run_id: str, *, at: float | None = None) -> int:
+        """Every group of the run still recorded alive ended (its tree was seen dead).
+
+        Returns how many changed.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        ts = time.time() if at is None else at
+        return await self._call(lambda s: s.end_groups(_text(run_id), ts))
 
     # -- events ----------------------------------------------------------------------
 
@@ -403,10 +463,40 @@ class Journal:
         """
         now = time.time()
         items = [
-            (str(kind), dumps(dict(data)), now if ts is None else float(ts))
+            (_text(str(kind)), dumps(dict(data)), now if ts is None else float(ts))
             for kind, data, ts in events
         ]
-        return await self._call(lambda s: s.append_events(run_id, items))
+        return await self._call(lambda s: s.append_events(_text(run_id), items))
+
+    async def put_events(
+        self, run_id: str, events: Iterable[tuple[int, str, Mapping[str, Any], float]]
+    ) -> int:
+        """Store ``(seq, kind, data, ts)`` events whose numbers were given out earlier.
+
+        For events kept in memory while the journal could not be written: idempotent (an
+        event already stored under its number stays as it is) and the run's counter moves
+        to at least the highest number. Returns how many were new.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        items = [(int(seq), _text(str(kind)), dumps(dict(data)), float(ts)) for seq, kind, data, ts in events]
+        return await self._call(lambda s: s.put_events(_text(run_id), items))
+
+    async def events_page(
+        self, run_id: str, after_seq: int = 0, *, limit: int = 1000, max_bytes: int | None = None
+    ) -> tuple[list[EventRecord], bool]:
+        """Like ``events_after``, also bounded by the stored size of the events' data.
+
+        Returns the page (at least one event if any follow ``after_seq``) and whether more
+        events follow it.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        if limit < 1:
+            raise ValueError(f"expected a limit of at least 1, got {limit!r}")
+        return await self._call(lambda s: s.events_page(_text(run_id), after_seq, limit, max_bytes))
 
     async def events_after(
         self, run_id: str, after_seq: int = 0, limit: int = 1000
@@ -418,7 +508,7 @@ class Journal:
         """
         if limit < 1:
             raise ValueError(f"expected a limit of at least 1, got {limit!r}")
-        return await self._call(lambda s: s.events_after(run_id, after_seq, limit))
+        return await self._call(lambda s: s.events_after(_text(run_id), after_seq, limit))
 
     # -- tool calls ------------------------------------------------------------------
 
@@ -440,7 +530,7 @@ class Journal:
         data = dumps(rec)
         ts = time.time()
         return await self._call(
-            lambda s: s.upsert_tool_call(run_id, rec["id"], step, state, rank, data, ts)
+            lambda s: s.upsert_tool_call(_text(run_id), _text(rec["id"]), step, _text(state), rank, data, ts)
         )
 
     async def settle_tool_calls(self, run_id: str, *, reason: str) -> int:
@@ -451,7 +541,7 @@ class Journal:
             RunNotFound: no run has this id.
         """
         ts = time.time()
-        return await self._call(lambda s: s.settle_tool_calls(run_id, reason, ts))
+        return await self._call(lambda s: s.settle_tool_calls(_text(run_id), _text(reason), ts))
 
     async def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
         """The run's tool-call records, by step then first appearance.
@@ -459,12 +549,12 @@ class Journal:
         Raises:
             RunNotFound: no run has this id.
         """
-        return await self._call(lambda s: s.tool_calls(run_id))
+        return await self._call(lambda s: s.tool_calls(_text(run_id)))
 
     # -- reading runs ----------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> RunRecord | None:
-        return await self._call(lambda s: s.get_run(run_id))
+        return await self._call(lambda s: s.get_run(_text(run_id)))
 
     async def list_runs(
         self,
@@ -475,7 +565,7 @@ class Journal:
     ) -> list[RunRecord]:
         """The newest runs first, optionally only those in ``states`` or one session."""
         wanted = None if states is None else [RunState(s) for s in states]
-        return await self._call(lambda s: s.list_runs(limit, wanted, session_id))
+        return await self._call(lambda s: s.list_runs(limit, wanted, _opt_text(session_id)))
 
     async def live_runs(self) -> list[RunRecord]:
         """Every run not in a terminal state, oldest first: what recovery looks at."""

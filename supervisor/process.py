@@ -171,6 +171,7 @@ async def spawn_tree(
         leader_ticks=leader.start_ticks if leader is not None else None,
     )
     tree.groups[tree.pgid] = tree.leader_ticks
+    tree.pipes = _pipe_inodes(proc)
     if containment is not None:
         containment.track(tree)
     logger.debug("tree %s: spawned pid %d (%s) containment %s", tree_id, proc.pid, argv[0], label)
@@ -211,6 +212,19 @@ def _joiner(procs_file: bytes) -> Callable[[], None]:
             os.close(fd)
 
     return join_cgroup
+
+
+def _pipe_inodes(proc: trio.Process) -> frozenset[int]:
+    inodes: set[int] = set()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        fileno = getattr(stream, "fileno", None)
+        if fileno is None:
+            continue
+        try:
+            inodes.add(os.fstat(fileno()).st_ino)
+        except (OSError, ValueError):
+            continue
+    return frozenset(inodes)
 
 
 def _rmdir_quietly(path: Path) -> None:
@@ -378,7 +392,13 @@ def _scan_members(tree: AnyTree) -> tuple[dict[int, Proc], dict[int, Proc]]:
 def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
     if procs is None:
         procs = _cgroup_procs(tree)
-    members = tree_members(tree.tree_id, groups=_live_groups(tree), cgroup=tree.cgroup, procs=procs)
+    members = tree_members(
+        tree.tree_id,
+        groups=_live_groups(tree),
+        cgroup=tree.cgroup,
+        procs=procs,
+        pipes=tree.pipes,
+    )
     if tree.leader_ticks is not None:
         lead = members.get(tree.pid)
         if lead is not None and lead.start_ticks != tree.leader_ticks:
@@ -468,7 +488,10 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float, sigterm_sent: boo
             for g in _live_groups(tree):
                 _killpg(g, signal.SIGKILL)
         if _POSIX and not receipt.survivors:
-            receipt.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+            try:
+                receipt.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+            except OSError as exc:
+                receipt.survivors = [{"pid": None, "cmdline": f"unknown ({exc})", "state": "?"}]
         logger.warning("tree %s: stop routine hit its deadline; survivors %s", tree.tree_id, receipt.survivors)
     return receipt
 
@@ -510,7 +533,11 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
     # Kill phase: every mechanism once, then re-sweep until nothing of the tree runs.
     # Members are noted first, while they still show marker and cgroup, so that their
     # zombies can be told from Trio's children afterwards.
-    seen_before = {p.pid: p.start_ticks for p in (await _blocking(_members, tree)).values()}
+    try:
+        seen_before = {p.pid: p.start_ticks for p in (await _blocking(_members, tree)).values()}
+    except OSError as exc:  # out of fds: the kills below need none, the sweep retries
+        logger.warning("tree %s: cannot read the process table (%s); killing what is known", tree.tree_id, exc)
+        seen_before = {}
     if tree.cgroup is not None:
         record("cgroup.kill", "cgroup", tree.cgroup, _cgroup_kill(tree.cgroup))
     for g in _live_groups(tree):
@@ -519,11 +546,19 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
     seen = dict(seen_before)
     seen.update((g, t) for g, t in tree.groups.items() if g != tree.pid and t is not None)
     leftovers_logged = False
+    scan_failed = False
     confirmed = False
     procs: dict[int, Proc] | None = None  # the last table read: its zombies are reaped below
     with trio.move_on_after(KILL_WAIT_S):
         while True:
-            procs, members = await _blocking(_scan_members, tree)
+            try:
+                procs, members = await _blocking(_scan_members, tree)
+            except OSError as exc:  # out of fds, say: look again at the next poll
+                if not scan_failed:
+                    logger.warning("tree %s: cannot read the process table (%s); retrying", tree.tree_id, exc)
+                    scan_failed = True
+                await trio.sleep(POLL_S)
+                continue
             seen.update((p.pid, p.start_ticks) for p in members.values())
             alive = [p for p in members.values() if not p.dead]
             if not alive:
@@ -557,7 +592,10 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
                     r.killed.append({"pid": p.pid, "cmdline": what, "state": p.state})
             await trio.sleep(POLL_S)
     if r.tree_dead_at is None:
-        r.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+        try:
+            r.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+        except OSError as exc:
+            r.survivors = [{"pid": None, "cmdline": f"unknown: the process table could not be read ({exc})", "state": "?"}]
         logger.warning("tree %s: still alive %.1f s after SIGKILL: %s", tree.tree_id, KILL_WAIT_S, r.survivors)
 
     # Reap: the runner through Trio, adopted zombies by pid (never Trio's children).
@@ -570,7 +608,10 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
         table = procs if tree.cgroup is None else {pid: p for pid in seen if (p := read_proc(pid)) is not None}
         return reap_adopted_zombies(seen=seen, exclude={tree.pid}, procs=table)
 
-    r.reaped = await _blocking(reap)
+    try:
+        r.reaped = await _blocking(reap)
+    except OSError as exc:  # the reaping service tries again every second
+        logger.warning("tree %s: could not reap its zombies now: %s", tree.tree_id, exc)
 
 
 async def wait_leader(tree: AnyTree) -> None:
@@ -660,7 +701,11 @@ async def kill_strays(containment: Containment, *, only_if_idle: bool = True) ->
     """
     if not _POSIX or (only_if_idle and containment.tracked_trees):
         return []
-    strays = await trio.to_thread.run_sync(containment.strays)
+    try:
+        strays = await trio.to_thread.run_sync(containment.strays)
+    except OSError as exc:  # out of fds: the next run's end, or shutdown, looks again
+        logger.warning("cannot look for untraceable orphans now: %s", exc)
+        return []
     killed: list[dict[str, Any]] = []
     for p in strays:
         what = _cmdline(p.pid)

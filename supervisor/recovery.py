@@ -35,66 +35,102 @@ TAIL_POLL_S = 0.2
 
 
 async def recover_runs(self: RunManager) -> list[_Run]:
-    """Runs a previous daemon left live: re-adopt the provably same, sweep and lose the rest."""
+    """Runs a previous daemon left live: re-adopt the provably same, sweep and lose the rest.
+
+    One run's failure here is that run's: it is logged and left live in the journal for
+    the next start, and the others are recovered.
+    """
     adopted: list[_Run] = []
     for row in await self.journal.live_runs():
-        run_id = row["id"]
-        pid, tree_id = row["pid"], row["tree_id"]
-        if pid is None or tree_id is None:
-            await self.journal.mark_lost(run_id, reason="the daemon restarted before the run's process started")
-            logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
+        try:
+            run = await _recover_one(self, row)
+        except Exception:
+            logger.exception("run %s: recovering it failed; left for the next start", row["id"])
             continue
-        groups = [g["pgid"] for g in row["groups"] if g["alive"]]
-        found = await trio.to_thread.run_sync(
-            functools.partial(
-                process.find_tree,
-                tree_id,
-                pid=pid,
-                start_time=row["pid_start_time"],
-                cgroup=row["cgroup"],
-                groups=groups,
-                containment=row["containment"],
-            )
-        )
-        from supervisor.runs import _Run as Run
-
-        run = Run(
-            run_id=run_id,
-            session_id=row["session_id"],
-            spec=row["spec"],
-            timeout_s=row["timeout_s"],
-            token=CancelToken(run_id),
-            state=RunState(row["state"]),
-            run_dir=Path(row["run_dir"]) if row["run_dir"] else None,
-            tree=found.tree,
-            partial=row["partial_snapshot"],
-            readopted=True,
-        )
-        if found.leader_alive:
-            logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
-            self._live[run_id] = run
-            await self._record(run, "daemon", {"note": "re-adopted after a daemon restart", "members": found.members})
+        if run is not None:
             adopted.append(run)
-            continue
-        stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
-        result = read_result_file(run.run_dir / "result.json") if run.run_dir else None
-        snapshot = result if isinstance(result, dict) else row["partial_snapshot"]
-        await self.journal.mark_lost(
-            run_id,
-            reason="the runner was gone when the daemon restarted",
-            partial_result=snapshot,
-        )
-        await self.journal.set_receipt(run_id, {"recovery": stop.to_dict(), "swept": found.members})
-        await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
-        if run.run_dir is not None:
-            await trio.to_thread.run_sync(remove_dir, run.run_dir)
-        self.containment.remove(found.tree)
-        logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
     return adopted
 
 
+async def _recover_one(self: RunManager, row: Any) -> _Run | None:
+    run_id = row["id"]
+    pid, tree_id = row["pid"], row["tree_id"]
+    if pid is None or tree_id is None:
+        await self.backlog.write(
+            run_id,
+            lambda j: j.mark_lost(run_id, reason="the daemon restarted before the run's process started"),
+            True,
+            what="lost",
+        )
+        logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
+        return None
+    groups = [g["pgid"] for g in row["groups"] if g["alive"]]
+    found = await trio.to_thread.run_sync(
+        functools.partial(
+            process.find_tree,
+            tree_id,
+            pid=pid,
+            start_time=row["pid_start_time"],
+            cgroup=row["cgroup"],
+            groups=groups,
+            containment=row["containment"],
+        )
+    )
+    from supervisor.runs import _Run as Run
+
+    run = Run(
+        run_id=run_id,
+        session_id=row["session_id"],
+        spec=row["spec"],
+        timeout_s=row["timeout_s"],
+        token=CancelToken(run_id),
+        state=RunState(row["state"]),
+        run_dir=Path(row["run_dir"]) if row["run_dir"] else None,
+        tree=found.tree,
+        partial=row["partial_snapshot"],
+        readopted=True,
+        last_seq=row["last_seq"],
+    )
+    if found.leader_alive:
+        logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
+        self._live[run_id] = run
+        await self._record(run, "daemon", {"note": "re-adopted after a daemon restart", "members": found.members})
+        return run
+    stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
+    result = read_result_file(run.run_dir / "result.json") if run.run_dir else None
+    snapshot = result if isinstance(result, dict) else row["partial_snapshot"]
+    await self.backlog.write(
+        run_id,
+        lambda j: j.mark_lost(
+            run_id, reason="the runner was gone when the daemon restarted", partial_result=snapshot
+        ),
+        True,
+        what="lost",
+    )
+    receipt = {"recovery": stop.to_dict(), "swept": found.members}
+    await self.backlog.write(run_id, lambda j: j.set_receipt(run_id, receipt), True, what="receipt")
+    if not stop.survivors:
+        await self.backlog.write(run_id, lambda j: j.end_groups(run_id), 0, what="groups ended")
+    await self._record(run, "state", {"state": str(RunState.LOST), "partial": True})
+    if run.run_dir is not None:
+        await trio.to_thread.run_sync(remove_dir, run.run_dir)
+    self.containment.remove(found.tree)
+    logger.warning("run %s: lost; swept %d leftover processes", run_id, len(found.members))
+    return None
+
+
 async def adopted_lifecycle(self: RunManager, run: _Run) -> None:
-    """A run re-adopted after a restart: no pipes; its events come from events.jsonl."""
+    """A run re-adopted after a restart: no pipes; its events come from events.jsonl.
+
+    A task root like ``RunManager._lifecycle``: nothing gets out of it.
+    """
+    try:
+        await _adopted_lifecycle(self, run)
+    except Exception:
+        logger.exception("run %s: ending the supervision of a re-adopted run failed", run.run_id)
+
+
+async def _adopted_lifecycle(self: RunManager, run: _Run) -> None:
     tree = run.tree
     assert tree is not None
     receipt: dict[str, Any] = {}
@@ -110,17 +146,19 @@ async def adopted_lifecycle(self: RunManager, run: _Run) -> None:
                     await process.wait_leader(tree)
                 finally:
                     with trio.CancelScope(shield=True):
-                        receipt = (await process.terminate_and_kill(tree, grace_s=self.config.grace_s)).to_dict()
+                        stop = await process.terminate_and_kill(tree, grace_s=self.config.grace_s)
+                        receipt = run.stop_receipt = stop.to_dict()
             io.cancel_scope.cancel()
         await tail_events_file(self, run, tree, follow=False)
         await self._conclude(run, None, receipt)
     except Exception as exc:
         logger.exception("run %s: supervision of a re-adopted run failed", run.run_id)
-        await self._finish_internal_error(run, exc, receipt)
+        await self._finish_internal_error(run, exc, self._receipt_head(run))
     finally:
-        if run.run_dir is not None:
-            await trio.to_thread.run_sync(remove_dir, run.run_dir)
-        self.containment.remove(tree)
+        with trio.CancelScope(shield=True):
+            await self._clean_up(run, tree, run.run_dir)
+        if not run.done.is_set():
+            self._let_go(run)
 
 async def tail_events_file(self: RunManager, run: _Run, tree: process.AnyTree, *, follow: bool = True) -> None:
     """Read the events a runner appends to events.jsonl once its stderr is gone."""

@@ -11,6 +11,13 @@ Invariants: one cancel token per run, retired exactly once when the terminal fac
 written; the terminal fact is a compare-and-set in the journal, so a cancel racing a
 completion yields one outcome, the true one; a run that completed while its stop was in
 flight is recorded as completed; a stop is never recorded as failed.
+
+Fault isolation: a run's task never lets an exception out. A failure in its bookkeeping
+(a pump, a journal write, the conclusion) ends that run's supervision with its tree
+stopped (path B runs in a ``finally``) and an ``internal`` error on its record; other runs
+and the daemon go on. Journal writes go through ``_backlog.Backlog``: while the journal
+cannot be written, runs keep running and their facts, terminal ones included, wait in
+memory (shown by ``status``) until it can.
 """
 
 from __future__ import annotations
@@ -30,14 +37,15 @@ import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
 from supervisor import process, recovery
+from supervisor._backlog import Backlog
 from supervisor.config import Config
 from supervisor.containment import Containment
-from supervisor.errors import RunNotFound, SpawnError
+from supervisor.errors import JournalUnavailable, RunNotFound, SpawnError
 from supervisor.journal import Journal
 from supervisor.pool import WarmPool, new_tree, remove_dir
 from supervisor.progress import LineSplitter
 from supervisor.protocol import Secret
-from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.states import TERMINAL_STATES, RunState, can_transition
 from supervisor.token import CancelToken
 
 __all__ = ["RunManager"]
@@ -82,6 +90,9 @@ class _Run:
     early_stderr: bytes = b""
     # This run's own model API key: for its runner's environment only, never journaled.
     model_key: Secret | None = field(default=None, repr=False)
+    last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)
+    stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
+    final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
 
 
 class RunManager:
@@ -96,6 +107,9 @@ class RunManager:
         self._nursery: trio.Nursery | None = None
         self._accepting = False
         self._pool = WarmPool(config, containment) if config.pool_size > 0 else None
+        self.backlog = Backlog(journal, on_flushed=self._flushed)
+        # Ended runs whose facts still wait for the journal (degraded mode).
+        self._unflushed: dict[str, _Run] = {}
 
     # ------------------------------------------------------------------ service
 
@@ -103,6 +117,7 @@ class RunManager:
         """Own the runs nursery until cancelled. Call ``shutdown()`` first to stop runs."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.backlog.run)
             for run in await self.recover():
                 nursery.start_soon(recovery.adopted_lifecycle, self, run, name=f"run {run.run_id} (re-adopted)")
             if self._pool is not None:
@@ -118,6 +133,17 @@ class RunManager:
     @property
     def live_count(self) -> int:
         return len(self._live)
+
+    async def flush_journal(self) -> None:
+        """At shutdown: write what waits for the journal, or say what is lost."""
+        with trio.CancelScope(shield=True):
+            if not await self.backlog.flush():
+                self.backlog.report_unwritten()
+
+    def _flushed(self, run_id: str) -> None:
+        run = self._unflushed.pop(run_id, None)
+        if run is not None:
+            run.final = None
 
     async def shutdown(self, reason: str = "shutdown") -> None:
         """Stop accepting runs, cancel every live run (both paths) and wait for them."""
@@ -172,9 +198,16 @@ class RunManager:
             token=CancelToken(run_id),
             model_key=model_key,
         )
-        await self.journal.create_run(
-            run_id, session_id=session_id, spec=spec, created_at=time.time(), timeout_s=timeout_s
-        )
+        try:
+            await self.journal.create_run(
+                run_id, session_id=session_id, spec=spec, created_at=time.time(), timeout_s=timeout_s
+            )
+        except JournalUnavailable as exc:
+            self.backlog.note_failure(exc, "a new run")
+            raise JournalUnavailable(
+                f"no new runs while the journal cannot be written ({exc})", path=exc.path
+            ) from exc
+        self.backlog.note_success()
         self._live[run_id] = run
         await self._record(run, "state", {"state": str(RunState.QUEUED)})
         self._nursery.start_soon(self._lifecycle, run, name=f"run {run_id}")
@@ -201,7 +234,10 @@ class RunManager:
                 run.queue_scope.cancel()
             if run.state in (RunState.STARTING, RunState.RUNNING):
                 await self._transition(run, RunState.CANCELLING, reason=reason)
-        return {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
+        out = {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
+        if self.backlog.pending(run_id):
+            out["warning"] = "the journal cannot be written: the stop goes on, but is not durable yet"
+        return out
 
     async def steer(self, run_id: str, text: str) -> dict[str, Any]:
         """Extra input for a running turn, applied by the runner at its next step boundary.
@@ -241,6 +277,8 @@ class RunManager:
             "containment": self.containment.mode,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
             "accepting": self._accepting,
+            "journal": self.backlog.describe(),
+            "containment_problem": self.containment.problem,
         }
 
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
@@ -270,7 +308,17 @@ class RunManager:
             row["state"] = str(run.state)
             if run.partial is not None:
                 row["partial_snapshot"] = run.partial
+        self._overlay_unwritten(row)
         return row
+
+    def _overlay_unwritten(self, row: dict[str, Any]) -> None:
+        """What the journal does not hold yet (degraded mode) overrides what it holds."""
+        run = self._unflushed.get(row["id"])
+        if run is not None and run.final is not None:
+            row.update(run.final)
+            row["last_seq"] = max(row.get("last_seq") or 0, run.last_seq)
+        if self.backlog.pending(row["id"]):
+            row["journal"] = "pending: some facts of this run wait in memory for the journal"
 
     async def list_runs(
         self, *, limit: int = 50, state: str | None = None, session_id: str | None = None
@@ -282,12 +330,30 @@ class RunManager:
             row["live"] = run is not None
             if run is not None:
                 row["state"] = str(run.state)
+            self._overlay_unwritten(row)
         return rows
 
     async def events_after(self, run_id: str, after_seq: int, limit: int = 1000) -> list[dict[str, Any]]:
+        page, _more = await self.events_page(run_id, after_seq, limit=limit, max_bytes=None)
+        return page
+
+    async def events_page(
+        self, run_id: str, after_seq: int, *, limit: int = 1000, max_bytes: int | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Events after ``after_seq`` bounded in number and bytes, and whether more follow.
+
+        Events still waiting for the journal (degraded mode) follow the journal's own.
+        """
         if run_id not in self._live and await self.journal.get_run(run_id) is None:
             raise RunNotFound(run_id)
-        return await self.journal.events_after(run_id, after_seq, limit)
+        page, more = await self.journal.events_page(run_id, after_seq, limit=limit, max_bytes=max_bytes)
+        if not more and self.backlog.pending(run_id):
+            after = page[-1]["seq"] if page else after_seq
+            waiting = self.backlog.pending_events(run_id, after)
+            room = limit - len(page)
+            page = [*page, *waiting[:room]]
+            more = len(waiting) > room
+        return list(page), more
 
     async def wait_terminal(self, run_id: str) -> dict[str, Any]:
         """Wait until the run has its terminal fact; return its status."""
@@ -318,6 +384,13 @@ class RunManager:
     # ------------------------------------------------------------------ lifecycle
 
     async def _lifecycle(self, run: _Run) -> None:
+        # A task root: nothing gets out of it (see the module docstring).
+        try:
+            await self._lifecycle_inner(run)
+        except Exception:
+            logger.exception("run %s: ending its supervision failed", run.run_id)
+
+    async def _lifecycle_inner(self, run: _Run) -> None:
         acquired = False
         try:
             with trio.CancelScope() as run.queue_scope:
@@ -344,9 +417,7 @@ class RunManager:
             if acquired:
                 self._limiter.release_on_behalf_of(run)
             if not run.done.is_set():  # only on a bug: never leave waiters hanging
-                run.token.retire()
-                run.done.set()
-                self._live.pop(run.run_id, None)
+                self._let_go(run)
 
     async def _execute(self, run: _Run) -> None:
         await self._transition(run, RunState.STARTING)
@@ -375,6 +446,15 @@ class RunManager:
         run.run_dir = run_dir
         run.early_stderr = warm.early_stderr
         run.tree = tree
+        try:
+            await self._supervise(run, tree)
+        finally:
+            # Also after a failure in the run's bookkeeping: the tree was stopped (path B
+            # runs in the supervision's finally); what it leaves behind goes too.
+            with trio.CancelScope(shield=True):
+                await self._clean_up(run, tree, run_dir)
+
+    async def _supervise(self, run: _Run, tree: process.Tree) -> None:
         receipt: dict[str, Any] = {}
         async with trio.open_nursery() as io:
             io.start_soon(self._feed_stdin, run, tree)
@@ -390,16 +470,16 @@ class RunManager:
                         run.path_a = process.soft_stop(tree)
                         run.scope.cancel()
                     try:
-                        await self.journal.record_process(
-                            run.run_id,
-                            pid=tree.pid,
-                            pid_start_time=tree.start_time,
-                            pgid=tree.pgid,
-                            tree_id=tree.tree_id,
-                            cgroup=str(tree.cgroup) if tree.cgroup else None,
-                            containment=tree.containment,
-                            run_dir=str(run_dir),
-                        )
+                        fields: dict[str, Any] = {
+                            "pid": tree.pid,
+                            "pid_start_time": tree.start_time,
+                            "pgid": tree.pgid,
+                            "tree_id": tree.tree_id,
+                            "cgroup": str(tree.cgroup) if tree.cgroup else None,
+                            "containment": tree.containment,
+                            "run_dir": str(run.run_dir),
+                        }
+                        await self._write(run, "process record", lambda j: j.record_process(run.run_id, **fields), True)
                         await tree.process.wait()
                     finally:
                         # Path B (scope cancelled) or the runner ended by itself: either
@@ -408,18 +488,25 @@ class RunManager:
                             stop = await process.terminate_and_kill(
                                 tree, grace_s=self.config.grace_s, sigterm_sent=bool(run.path_a)
                             )
-                            receipt = stop.to_dict()
+                            receipt = run.stop_receipt = stop.to_dict()
             if run.pipes_held_open:
                 receipt["pipes_held_open"] = True
             io.cancel_scope.cancel()
         await self._conclude(run, tree.process.returncode, receipt)
-        await trio.to_thread.run_sync(remove_dir, run_dir)
-        self.containment.remove(tree)
-        # An orphan that shed every trace of its tree can only be ended when no tree is
-        # live to claim it.
-        strays = await process.kill_strays(self.containment, only_if_idle=True)
-        if strays:
-            logger.warning("run %s: killed %d untraceable orphans: %s", run.run_id, len(strays), strays)
+
+    async def _clean_up(self, run: _Run, tree: process.AnyTree, run_dir: Path | None) -> None:
+        """Remove what a stopped tree leaves (its dir, its cgroup, untraceable orphans)."""
+        try:
+            if run_dir is not None:
+                await trio.to_thread.run_sync(remove_dir, run_dir)
+            self.containment.remove(tree)
+            # An orphan that shed every trace of its tree can only be ended when no tree
+            # is live to claim it.
+            strays = await process.kill_strays(self.containment, only_if_idle=True)
+            if strays:
+                logger.warning("run %s: killed %d untraceable orphans: %s", run.run_id, len(strays), strays)
+        except Exception:
+            logger.exception("run %s: cleaning up after its tree failed", run.run_id)
 
     async def _timeout(self, run: _Run, timeout_s: float) -> None:
         await trio.sleep(timeout_s)
@@ -436,7 +523,7 @@ class RunManager:
             for record in result.get("tool_calls") or []:
                 if isinstance(record, dict) and isinstance(record.get("id"), str):
                     try:
-                        await self.journal.upsert_tool_call(run.run_id, record)
+                        await self._write(run, "tool call", lambda j, r=record: j.upsert_tool_call(run.run_id, r), True)
                     except ValueError:
                         logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
             status = result.get("status")
@@ -458,8 +545,11 @@ class RunManager:
             return
         # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
         # a tool that was running has an unknown outcome, one only announced never ran.
-        await self.journal.settle_tool_calls(
-            run.run_id, reason="the runner ended without reporting this call's outcome"
+        await self._write(
+            run,
+            "tool calls settled",
+            lambda j: j.settle_tool_calls(run.run_id, reason="the runner ended without reporting this call's outcome"),
+            0,
         )
         if run.token.cancelled:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
@@ -481,6 +571,8 @@ class RunManager:
 
     async def _finish_internal_error(self, run: _Run, exc: Exception, receipt: dict[str, Any]) -> None:
         """A bug in supervision still ends the run once: cancelled if a stop was asked."""
+        if run.stop_receipt is not None and "path_b" not in receipt:
+            receipt = {**receipt, "path_b": run.stop_receipt}
         await self._finish(
             run,
             RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
@@ -562,19 +654,20 @@ class RunManager:
                 pgid = int(data["pgid"])
                 if data.get("alive", True):
                     tree.add_group(pgid)
-                    await self.journal.add_group(run.run_id, pgid, str(data.get("kind", "")), str(data.get("name", "")))
+                    gkind, name = str(data.get("kind", "")), str(data.get("name", ""))
+                    await self._write(run, "process group", lambda j: j.add_group(run.run_id, pgid, gkind, name), None)
                 else:
-                    await self.journal.remove_group(run.run_id, pgid)
+                    await self._write(run, "process group ended", lambda j: j.remove_group(run.run_id, pgid), True)
             elif kind == EventKind.TOOL_CALL:
                 record = data.get("record")
                 if isinstance(record, dict) and "id" in record:
-                    await self.journal.upsert_tool_call(run.run_id, record)
+                    await self._write(run, "tool call", lambda j: j.upsert_tool_call(run.run_id, record), True)
             elif kind == EventKind.STEP_SNAPSHOT:
                 # The partial-result cache: a stale writer's _id does not match; a
                 # terminal run keeps its result.
                 if data.get("_id") == run.run_id and run.state not in TERMINAL_STATES:
                     run.partial = data
-                    await self.journal.set_partial(run.run_id, data)
+                    await self._write(run, "partial result", lambda j: j.set_partial(run.run_id, data), True)
         except (KeyError, TypeError, ValueError) as exc:
             await self._record(run, "stderr", {"text": json.dumps(item.to_dict())[:2000], "problem": f"bad {kind} event: {exc!r}"})
             return
@@ -582,10 +675,17 @@ class RunManager:
 
     # ------------------------------------------------------------------ journal + fan-out
 
-    async def _record(self, run: _Run, kind: str, data: dict[str, Any], ts: float | None = None) -> int:
+    async def _write(self, run: _Run, what: str, direct: Any, predicted: Any) -> Any:
+        """One journal write of the run's, or queued while the journal cannot be written."""
+        return await self.backlog.write(run.run_id, direct, predicted, what=what)
+
+    async def _record(self, run: _Run, kind: str, data: dict[str, Any], ts: float | None = None) -> int | None:
         ts = time.time() if ts is None else ts
         async with run.lock:
-            seq = await self.journal.append_event(run.run_id, kind, data, ts)
+            seq = await self.backlog.append(run.run_id, run.last_seq + 1, kind, data, ts)
+            if seq is None:  # the journal is down and this run's backlog is full: dropped
+                return None
+            run.last_seq = max(run.last_seq, seq)
             msg = {"run_id": run.run_id, "seq": seq, "ts": ts, "kind": kind, "data": data}
             for send in list(run.subscribers):
                 try:
@@ -601,7 +701,12 @@ class RunManager:
     async def _transition(self, run: _Run, new: RunState, *, reason: str | None = None) -> bool:
         if run.state in TERMINAL_STATES:
             return False
-        ok = await self.journal.transition(run.run_id, new, reason=reason)
+        ok = await self._write(
+            run,
+            f"state {new}",
+            lambda j: j.transition(run.run_id, new, reason=reason),
+            can_transition(run.state, new),
+        )
         if ok:
             run.state = new
             data: dict[str, Any] = {"state": str(new)}
@@ -621,26 +726,98 @@ class RunManager:
         error: dict[str, Any] | None,
         receipt: dict[str, Any] | None,
     ) -> None:
+        """Write the run's terminal fact and let the run go. Never raises.
+
+        The fact is written once (compare-and-set), or kept in memory while the journal
+        cannot be written; if it cannot be stored at all (a bug, data no JSON holds), a
+        minimal one is, naming the failure. Whatever happens, the run is let go: its
+        token retired, its subscribers' channels closed, its waiters woken.
+        """
         with trio.CancelScope(shield=True):
-            ok = await self.journal.finish(
-                run.run_id, state, reason=reason, result=result, partial=partial, error=error, receipt=receipt
+            try:
+                ok = await self._write_terminal(run, state, reason, result, partial, error, receipt)
+                run.token.retire()
+                if ok:
+                    run.state = state
+                    data: dict[str, Any] = {"state": str(state), "partial": partial}
+                    if reason:
+                        data["reason"] = reason
+                    await self._record(run, "state", data)
+                elif not self.backlog.pending(run.run_id):
+                    row = await self.journal.get_run(run.run_id)
+                    if row is not None:
+                        run.state = RunState(row["state"])
+            except Exception:
+                logger.exception("run %s: writing its end failed", run.run_id)
+            finally:
+                self._let_go(run)
+
+    async def _write_terminal(
+        self,
+        run: _Run,
+        state: RunState,
+        reason: str | None,
+        result: dict[str, Any] | None,
+        partial: bool,
+        error: dict[str, Any] | None,
+        receipt: dict[str, Any] | None,
+    ) -> bool:
+        ended_at = time.time()
+        groups_ended_at = _groups_ended_at(receipt)
+        predicted = run.state not in TERMINAL_STATES
+        fact: dict[str, Any] = {
+            "state": str(state),
+            "reason": reason,
+            "ended_at": ended_at,
+            "result": result if result is not None or not partial else run.partial,
+            "partial": partial,
+            "error": error,
+            "receipt": receipt,
+        }
+
+        def write(any_live: bool) -> Any:
+            return lambda j: j.finish(
+                run.run_id, state, reason=reason, result=result, partial=partial, error=error,
+                receipt=receipt, ended_at=ended_at, groups_ended_at=groups_ended_at,
+                from_any_live_state=any_live,
             )
-            run.token.retire()
-            if ok:
-                run.state = state
-                data: dict[str, Any] = {"state": str(state), "partial": partial}
-                if reason:
-                    data["reason"] = reason
-                await self._record(run, "state", data)
-            else:
-                row = await self.journal.get_run(run.run_id)
-                if row is not None:
-                    run.state = RunState(row["state"])
-            for send in list(run.subscribers):
-                send.close()
-            run.subscribers.clear()
-            self._live.pop(run.run_id, None)
-            run.done.set()
+
+        try:
+            ok = await self.backlog.write(run.run_id, write(False), predicted, what=f"terminal state {state}", replay=write(True))
+        except Exception:
+            logger.exception("run %s: its terminal fact cannot be stored as it is; storing a minimal one", run.run_id)
+            reason = "internal"
+            result, receipt = None, None
+            error = {"code": "internal", "message": "the run's end could not be recorded in full (see the daemon log)"}
+            fact.update(reason=reason, result=run.partial if partial else None, error=error, receipt=None)
+            ok = await self.backlog.write(
+                run.run_id, write(False), predicted, what=f"terminal state {state} (minimal)", replay=write(True)
+            )
+        if ok and self.backlog.pending(run.run_id):
+            run.final = fact
+            self._unflushed[run.run_id] = run
+        return bool(ok)
+
+    def _let_go(self, run: _Run) -> None:
+        run.token.retire()
+        for send in list(run.subscribers):
+            send.close()
+        run.subscribers.clear()
+        self._live.pop(run.run_id, None)
+        run.done.set()
+
+
+def _groups_ended_at(receipt: dict[str, Any] | None) -> float | None:
+    """The wall time the stop receipt saw the whole tree dead, or None (survivors, unseen)."""
+    if not receipt:
+        return None
+    path_b = receipt.get("path_b", receipt)
+    if not isinstance(path_b, dict) or path_b.get("survivors") or path_b.get("tree_dead_at") is None:
+        return None
+    try:
+        return time.time() - max(0.0, trio.current_time() - float(path_b["tree_dead_at"]))
+    except (TypeError, ValueError, RuntimeError):
+        return time.time()
 
 
 def _leaf_errors(exc: BaseException) -> str:

@@ -6,7 +6,8 @@ It forks, each descendant reporting its pid back over a pipe:
   daemon    a double-forked daemon (fork, setsid, fork, the middle one exits)
   stopped   (--stop) a setsid() descendant that SIGSTOPs itself: SIGTERM cannot end it
   scrubbed  (--scrubbed) a double-forked, setsid() daemon that execs with an empty
-            environment: no marker, so only a cgroup can find it
+            environment and its stdio on /dev/null: no marker, no pipe, so only a cgroup
+            can find it
 then prints one JSON line {"leader": pid, "group": pid, ...} on stdout.
 --ignore-term: the leader and every descendant ignore SIGTERM.
 --exit-leader: the leader exits right after printing (its descendants stay).
@@ -49,6 +50,11 @@ def spawn(kind, setsid=False, double=False, stop=False, scrub=False):
             if os.fork():
                 os._exit(0)
         if scrub:
+            # A real daemon's detachment: its stdio leaves the runner's pipes too (a pipe
+            # holder would still be found through the pipe).
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
             os.execve(
                 sys.executable,
                 [sys.executable, "-c", "import os, signal\n"

@@ -124,34 +124,69 @@ def test_a_systemd_unit_with_delegation_gets_its_subtree(
     assert c.root is not None and c.root.parent == unit and c.mode == CGROUP
 
 
-def test_stale_empty_subtrees_of_dead_daemons_are_removed(made: list[Containment]) -> None:
+def test_a_subtree_nobody_holds_and_that_is_empty_is_removed_and_no_other(made: list[Containment]) -> None:
     probe = setup(made, cgroups="auto")
     conftest.require(probe.root is not None, "a writable cgroup2 mount")
     assert probe.root is not None
     own = probe.root.parent
     tag = uuid.uuid4().hex[:8]
-    long_ago = time.time() - 2 * containment_mod.STALE_AFTER_S
-    stale = own / f"agentd-99999999-stale{tag}"  # above pid_max: that daemon is surely gone
-    fresh = own / f"agentd-99999999-fresh{tag}"
-    busy = own / f"agentd-99999998-busy{tag}"
-    for d in (stale / "t-old", fresh / "t-new", busy / "t-live"):
+    stale = own / f"agentd-99999999-stale{tag}"  # nobody holds it, nothing in it
+    held = own / f"agentd-99999999-held{tag}"  # its pid means nothing here, its lock does
+    busy = own / f"agentd-99999998-busy{tag}"  # nobody holds it, a process is in it
+    for d in (stale / "t-old", held / "t-new", busy / "t-live"):
         d.mkdir(parents=True)
+    lock = containment_mod._lock_dir(held)  # as a live daemon in another pid namespace does
+    assert lock is not None
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         (busy / "t-live" / "cgroup.procs").write_text(str(child.pid))
-        for d in (stale, busy):
-            os.utime(d, (long_ago, long_ago))
         setup(made, cgroups="auto")
         assert not stale.exists()
-        assert (fresh / "t-new").exists()  # young: maybe a daemon still setting up
+        assert (held / "t-new").exists()  # locked: a live daemon's, whatever its name says
         assert (busy / "t-live").exists()  # holds a process: a restarted daemon may re-adopt it
     finally:
+        os.close(lock)
         assert child.stdin is not None
         child.stdin.close()
         child.wait()
-        for d in (busy / "t-live", busy, fresh / "t-new", fresh, stale / "t-old", stale):
+        for d in (busy / "t-live", busy, held / "t-new", held, stale / "t-old", stale):
             if d.exists():
                 d.rmdir()
+
+
+def test_a_live_daemons_subtree_survives_another_daemons_setup_whatever_its_pid(
+    made: list[Containment],
+) -> None:
+    # Named as a daemon that is pid 1 of its own namespace would name it: in ours, pid 1 is
+    # init and 99999999 nobody; neither says anything about the owner. Its lock does.
+    a = setup(made, cgroups="auto")
+    conftest.require(a.root is not None, "a writable cgroup2 mount")
+    other = Containment.setup(cgroups="auto", instance=f"99999999-{uuid.uuid4().hex[:8]}")
+    made.append(other)
+    assert other.root is not None and a.root is not None
+    assert a.root.name != other.root.name
+    setup(made, cgroups="auto")  # a third daemon's clean-up at start
+    assert a.root.is_dir() and other.root.is_dir()
+    assert other.prepare("t-x") == other.root / "t-x"
+
+
+def test_a_subtree_removed_behind_the_daemons_back_is_made_again_or_reported(
+    made: list[Containment], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    assert c.root is not None
+    root = c.root
+    root.rmdir()  # what an old daemon's clean-up did to a live daemon
+    path = c.prepare("t-after")
+    assert path == root / "t-after" and path.is_dir()
+    assert c.mode == CGROUP and c.problem is None
+    (root / "t-after").rmdir()
+    root.rmdir()
+    monkeypatch.setattr(containment_mod, "_claim_subtree", lambda own, instance: None)
+    assert c.prepare("t-later") is None
+    assert c.mode == SUBREAPER_SWEEP
+    assert c.problem is not None and str(root) in c.problem
 
 
 ADOPTER = r"""

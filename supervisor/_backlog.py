@@ -1,0 +1,262 @@
+"""Degraded mode: a run's journal writes, kept in order in memory while the journal is down.
+
+Every write the run manager makes for a run goes through ``Backlog.write``. While the run
+has nothing waiting, the write goes straight to the journal. When the journal cannot be
+written (``JournalUnavailable``: disk full, read-only, an I/O error) the write joins the
+run's queue instead, the daemon is *degraded*, and the caller gets the outcome the write
+would have had: the manager is the run's only writer, so it knows it. From then on that
+run's writes queue behind it, in order, and ``run()`` retries the queues every
+``RETRY_S``; the daemon is healthy again once every queue is empty.
+
+Replays are safe to repeat: events keep the numbers they were given (``put_events`` is
+idempotent), states and terminal facts are compare-and-set. A run's queued events are
+bounded; beyond the bound new events are dropped and counted (a state, a process record
+or a terminal fact is never dropped). What is still queued at shutdown is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import trio
+
+from supervisor.errors import JournalUnavailable, RunNotFound
+from supervisor.journal import EventRecord, Journal
+
+__all__ = ["Backlog"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How often queued writes are retried while the journal cannot be written.
+RETRY_S: Final = 1.0
+# Events of one run kept in memory while the journal cannot be written, in number and in
+# bytes of their JSON; newer ones are dropped (and counted) beyond either.
+MAX_EVENTS_PER_RUN: Final = 10_000
+MAX_EVENT_BYTES_PER_RUN: Final = 16 * 1024 * 1024
+
+Write = Callable[[Journal], Awaitable[Any]]
+
+
+@dataclass(slots=True)
+class _Op:
+    apply: Write
+    what: str
+    event: EventRecord | None = None
+    size: int = 0
+
+
+class Backlog:
+    """The run manager's journal writes, straight through or queued per run (see module)."""
+
+    def __init__(self, journal: Journal, *, on_flushed: Callable[[str], None] | None = None) -> None:
+        self.journal = journal
+        self._on_flushed = on_flushed
+        self._queues: dict[str, deque[_Op]] = {}
+        self._event_bytes: dict[str, int] = {}
+        self._event_count: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
+        self.error: str | None = None  # the last write failure, while degraded
+        self.since: float | None = None  # wall time the daemon became degraded
+        self.flushed = 0  # queued writes written later, in all
+        self._wake = trio.Event()
+        self._flushing = trio.Lock()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def degraded(self) -> bool:
+        return self.since is not None
+
+    def pending(self, run_id: str) -> bool:
+        """Does this run have writes that are not in the journal yet?"""
+        return run_id in self._queues
+
+    def pending_events(self, run_id: str, after_seq: int) -> list[EventRecord]:
+        """The run's queued events with ``seq > after_seq``, in order."""
+        queue = self._queues.get(run_id)
+        if not queue:
+            return []
+        return [op.event for op in queue if op.event is not None and op.event["seq"] > after_seq]
+
+    def describe(self) -> dict[str, Any]:
+        """For ``status``: is the journal writable, and what waits in memory."""
+        return {
+            "writable": not self.degraded,
+            "error": self.error,
+            "degraded_since": self.since,
+            "pending_runs": len(self._queues),
+            "pending_writes": sum(len(q) for q in self._queues.values()),
+            "dropped_events": sum(self._dropped.values()),
+            "flushed_writes": self.flushed,
+        }
+
+    # ------------------------------------------------------------------ writes
+
+    async def write(self, run_id: str, direct: Write, predicted: T, *, what: str, replay: Write | None = None) -> T:
+        """Write now, or queue the write and return ``predicted`` (the journal is down).
+
+        ``replay`` (default ``direct``) is what the flush runs; it must be safe to repeat.
+
+        Raises:
+            Whatever ``direct`` raises except ``JournalUnavailable`` (a bug, or bad data:
+            not a condition of the store).
+        """
+        if run_id not in self._queues:
+            try:
+                value: T = await direct(self.journal)
+            except JournalUnavailable as exc:
+                self._degrade(exc, what, run_id)
+            else:
+                if self.degraded and not self._queues:
+                    self._healthy()
+                return value
+        self._enqueue(run_id, _Op(replay or direct, what))
+        return predicted
+
+    async def append(self, run_id: str, seq: int, kind: str, data: dict[str, Any], ts: float) -> int | None:
+        """Append one event numbered ``seq`` (the run's next); returns its number.
+
+        None: it was dropped (the journal is down and the run's queue is full of events).
+        The journal's number wins when the write goes through.
+        """
+        event = EventRecord(seq=seq, ts=ts, kind=kind, data=data)
+
+        async def direct(j: Journal) -> int:
+            return await j.append_event(run_id, kind, data, ts)
+
+        async def replay(j: Journal) -> int:
+            return await j.put_events(run_id, [(seq, kind, data, ts)])
+
+        if run_id not in self._queues:
+            try:
+                got = await direct(self.journal)
+            except JournalUnavailable as exc:
+                self._degrade(exc, f"event {kind}", run_id)
+            else:
+                if self.degraded and not self._queues:
+                    self._healthy()
+                return got
+        count = self._event_count.get(run_id, 0)
+        size = len(repr(data))  # a cheap bound on its JSON; no second encoding
+        if count >= MAX_EVENTS_PER_RUN or self._event_bytes.get(run_id, 0) + size > MAX_EVENT_BYTES_PER_RUN:
+            dropped = self._dropped[run_id] = self._dropped.get(run_id, 0) + 1
+            if dropped == 1:
+                logger.warning(
+                    "run %s: %d events wait for the journal; dropping newer ones until it can be written",
+                    run_id, count,
+                )
+            return None
+        self._event_count[run_id] = count + 1
+        self._event_bytes[run_id] = self._event_bytes.get(run_id, 0) + size
+        self._enqueue(run_id, _Op(replay, f"event {kind}", event, size))
+        return seq
+
+    def note_failure(self, exc: JournalUnavailable, what: str) -> None:
+        """A write that is not queued (a new run's record) failed: the daemon is degraded
+        until a later write goes through."""
+        self._degrade(exc, what, None)
+
+    def note_success(self) -> None:
+        """A write that is not queued went through."""
+        if self.degraded and not self._queues:
+            self._healthy()
+
+    def _enqueue(self, run_id: str, op: _Op) -> None:
+        self._queues.setdefault(run_id, deque()).append(op)
+        self._wake.set()
+
+    def _degrade(self, exc: JournalUnavailable, what: str, run_id: str | None) -> None:
+        self.error = str(exc)
+        if self.since is None:
+            self.since = time.time()
+            logger.error(
+                "journal cannot be written (%s: %s): degraded; live runs go on, their facts wait "
+                "in memory and are written when it can be",
+                what, exc,
+            )
+        elif run_id is not None and run_id not in self._queues:
+            logger.warning("run %s: journal cannot be written (%s); its facts wait in memory", run_id, what)
+
+    def _healthy(self) -> None:
+        logger.warning(
+            "journal writable again after %.1f s: %d waiting writes written, %d events dropped",
+            time.time() - (self.since or time.time()), self.flushed, sum(self._dropped.values()),
+        )
+        self.since = None
+        self.error = None
+
+    # ------------------------------------------------------------------ flushing
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Retry what waits every ``RETRY_S`` until cancelled (a daemon service)."""
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._queues:
+                await trio.sleep(RETRY_S)
+                await self.flush()
+
+    async def flush(self) -> bool:
+        """Write what waits, run by run, in order. True if nothing waits any more."""
+        async with self._flushing:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
+        wrote = False
+        for run_id in list(self._queues):
+            queue = self._queues[run_id]
+            while queue:
+                op = queue[0]
+                try:
+                    await op.apply(self.journal)
+                except JournalUnavailable as exc:
+                    self.error = str(exc)
+                    return False
+                except RunNotFound:
+                    logger.error("run %s: gone from the journal; dropping its waiting writes", run_id)
+                    queue.clear()
+                    break
+                except Exception:
+                    logger.exception("run %s: a waiting write (%s) fails; dropping it", run_id, op.what)
+                else:
+                    wrote = True
+                if queue and queue[0] is op:
+                    queue.popleft()
+                    if op.event is not None:
+                        self._event_count[run_id] -= 1
+                        self._event_bytes[run_id] -= op.size
+                self.flushed += 1
+            self._forget(run_id)
+        if not self._queues:
+            if self.degraded and wrote:
+                self._healthy()
+            return True
+        return False
+
+    def _forget(self, run_id: str) -> None:
+        if self._queues.get(run_id):
+            return  # refilled while the last write was in flight
+        self._queues.pop(run_id, None)
+        self._event_bytes.pop(run_id, None)
+        self._event_count.pop(run_id, None)
+        dropped = self._dropped.pop(run_id, 0)
+        if dropped:
+            logger.warning("run %s: %d of its events were dropped while the journal could not be written", run_id, dropped)
+        if self._on_flushed is not None:
+            self._on_flushed(run_id)
+
+    def report_unwritten(self) -> None:
+        """At shutdown: say what is lost with the daemon's memory."""
+        for run_id, queue in self._queues.items():
+            logger.error(
+                "run %s: %d writes never reached the journal (%s): after a restart it may be lost",
+                run_id, len(queue), ", ".join(op.what for op in list(queue)[:8]),
+            )
