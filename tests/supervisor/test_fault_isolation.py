@@ -1,0 +1,359 @@
+"""One fault harms one run: hostile frames, a journal that cannot be written, fds run out.
+
+Real daemon processes (``real_daemon``) on real SQLite files, real runner trees (the
+stand-in runner) and a real websocket; the in-process ones inject a bug into one run's
+bookkeeping. In every case the daemon stays up, the other live runs go on and end
+normally, and nothing is ``lost``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.daemon import serve
+from supervisor.runs import RunManager
+from tests.conftest import require
+from tests.supervisor.real_daemon import Client, Daemon, real_daemon
+from tests.supervisor.test_runs import FAKE, task, tree_alive
+
+WAIT_S = 20.0
+
+
+def spec(**behaviour: Any) -> dict[str, Any]:
+    return {"task": json.dumps(behaviour)}
+
+
+async def running_pair(c: Client) -> tuple[str, str]:
+    """Two runs that wait for a stop, both past their first snapshot."""
+    a = (await c.ok("spawn", spec=spec(snapshots=1)))["run_id"]
+    b = (await c.ok("spawn", spec=spec(snapshots=1)))["run_id"]
+    for run in (a, b):
+        assert (await c.wait_kind(run, "step_snapshot"))["op"] == "event"
+    return a, b
+
+
+async def stop_and_check(c: Client, *runs: str) -> None:
+    for run in runs:
+        assert (await c.ok("cancel", run_id=run))["was_active"] is True
+    for run in runs:
+        assert (await c.wait_end(run, WAIT_S))["state"] == "cancelled"
+
+
+# --------------------------------------------------------------------------- hostile strings
+
+SURROGATE_FRAMES = [
+    '{"id":"s","op":"cancel","run_id":"RUN","reason":"\\ud800"}',
+    '{"id":"s","op":"cancel","session_id":"\\udfff"}',
+    '{"id":"s","op":"status","run_id":"RUN\\ud800"}',
+    '{"id":"s","op":"list","session_id":"\\ud800x"}',
+    '{"id":"s","op":"events","run_id":"\\udc00"}',
+    '{"id":"s","op":"subscribe","run_id":"\\ud800"}',
+    '{"id":"s","op":"steer","run_id":"RUN","text":"go \\udbff"}',
+    '{"id":"s","op":"steer","run_id":"\\ud800","text":"go"}',
+    '{"id":"s","op":"spawn","spec":{"task":"x"},"session_id":"\\ud800"}',
+    '{"id":"s","op":"spawn","spec":{"task":"\\ud800"}}',
+    '{"id":"s","op":"spawn","spec":{"task":"x","\\ud800":1}}',
+]
+
+
+async def test_lone_surrogates_are_bad_args_at_the_edge_and_every_live_run_goes_on(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with trio.fail_after(60):
+        async with real_daemon(state) as d, d.connect() as c:
+            a, b = await running_pair(c)
+            for frame in SURROGATE_FRAMES:
+                await c.send_raw(frame.replace("RUN", a))
+                reply = await c.next_reply()
+                assert reply["ok"] is False and reply["error"]["code"] == "bad_args", (frame, reply)
+                assert "surrogate" in reply["error"]["message"]
+            # More than a grace later (the daemon used to exit one grace after such a
+            # cancel): everything still there, on the same connection.
+            await c.ok("ping")
+            for run in (a, b):
+                st = await c.ok("status", run_id=run)
+                assert st["state"] == "running" and psutil.pid_exists(st["pid"])
+            await stop_and_check(c, a, b)
+            assert d.alive()
+        async with real_daemon(state) as d, d.connect() as c:  # and after a restart: not lost
+            for run in (a, b):
+                assert (await c.ok("status", run_id=run))["state"] == "cancelled"
+
+
+# --------------------------------------------------------------------------- in-process faults
+
+
+class InProcess:
+    def __init__(self, manager: RunManager) -> None:
+        self.m = manager
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[InProcess]:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={})
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        yield InProcess(info["manager"])
+        stop.set()
+
+
+async def first(m: RunManager, run_id: str, kind: str) -> dict[str, Any]:
+    async with m.subscribe(run_id) as live:
+        for e in await m.events_after(run_id, 0):
+            if e["kind"] == kind:
+                return e
+        async for e in live:
+            if e["kind"] == kind:
+                return e
+    raise AssertionError(f"run {run_id} ended before a {kind!r} event")
+
+
+async def test_a_bug_in_one_runs_bookkeeping_ends_that_run_alone_with_its_tree_stopped(
+    daemon: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = daemon.m
+    with trio.fail_after(WAIT_S):
+        other = (await m.spawn(task(snapshots=1)))["run_id"]
+        await first(m, other, "step_snapshot")
+        victim: dict[str, str] = {}
+        real_on_item = RunManager._on_item
+
+        async def on_item(self: RunManager, run: Any, tree: Any, item: Any) -> None:
+            if run.run_id == victim.get("id") and getattr(item, "kind", None) == "step_snapshot":
+                raise RuntimeError("injected bookkeeping bug")
+            await real_on_item(self, run, tree, item)
+
+        monkeypatch.setattr(RunManager, "_on_item", on_item)
+        r = await m.spawn(task(snapshots=1, tree=True))
+        victim["id"] = r["run_id"]
+        st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "failed" and st["error"]["code"] == "internal"
+    assert "injected bookkeeping bug" in st["error"]["message"]
+    assert st["receipt"]["path_b"]["survivors"] == []  # its whole tree was stopped
+    assert tree_alive(st["tree_id"]) == []
+    assert (await m.status(other))["state"] == "running"  # the other run goes on
+    with trio.fail_after(WAIT_S):
+        await m.cancel(other)
+        assert (await m.wait_terminal(other))["state"] == "cancelled"
+
+
+async def test_a_terminal_fact_that_cannot_be_stored_as_it_is_is_stored_minimal(
+    daemon: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = daemon.m
+    real_finish = m.journal.finish
+    calls: list[str] = []
+
+    async def finish(run_id: str, state: Any, **kw: Any) -> bool:
+        calls.append(run_id)
+        if len(calls) == 1:
+            raise TypeError("injected: this fact cannot be encoded")
+        return await real_finish(run_id, state, **kw)
+
+    monkeypatch.setattr(m.journal, "finish", finish)
+    with trio.fail_after(WAIT_S):
+        r = await m.spawn(task(wait=False))
+        st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed" and st["reason"] == "internal"
+    assert st["error"]["code"] == "internal"
+    assert calls == [r["run_id"], r["run_id"]]
+
+
+async def test_a_lone_surrogate_reaching_the_run_manager_is_stored_escaped(daemon: InProcess) -> None:
+    m = daemon.m
+    with trio.fail_after(WAIT_S):
+        r = await m.spawn(task(snapshots=1))
+        await first(m, r["run_id"], "step_snapshot")
+        await m.cancel(r["run_id"], reason="stop \ud800")
+        st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "cancelled" and st["reason"] == "stop \\ud800"
+
+
+# --------------------------------------------------------------------------- journal unwritable
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for the test (root only), unmounted after it."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    require(os.geteuid() == 0, "root, to mount a tmpfs")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    require(done.returncode == 0, f"mount -t tmpfs ({done.stderr.decode().strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(path: Path) -> None:
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+async def until(check: Any, timeout_s: float = WAIT_S) -> Any:
+    """Poll a condition the daemon changes on its own clock (its 1 s journal retry)."""
+    with trio.fail_after(timeout_s):
+        while not (value := await check()):
+            await trio.sleep(0.05)
+        return value
+
+
+async def journal_state(c: Client) -> dict[str, Any]:
+    return (await c.ok("status"))["summary"]["journal"]
+
+
+async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_run(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    state = small_tmpfs / "state"
+    env = {"AGENTD_RUNS_DIR": str(tmp_path / "runs")}
+    filler = small_tmpfs / "filler"
+    with trio.fail_after(90):
+        async with real_daemon(state, env=env) as d, d.connect() as c:
+            a, b = await running_pair(c)
+            assert (await journal_state(c))["writable"] is True
+            fill(filler)  # the journal's filesystem is full from here on
+            reply = await c.ok("cancel", run_id=a)
+            assert reply["was_active"] is True and "not durable yet" in reply["warning"]
+            end = await c.wait_end(a, WAIT_S)
+            assert end["state"] == "cancelled"
+            journal = await journal_state(c)
+            assert journal["writable"] is False and "full" in journal["error"]
+            assert journal["pending_writes"] > 0
+            st = await c.ok("status", run_id=a)
+            assert st["state"] == "cancelled" and st["journal"].startswith("pending")
+            refused = await c.call("spawn", spec=spec(snapshots=1))
+            assert refused["ok"] is False and refused["error"]["code"] == "refused"
+            assert "journal cannot be written" in refused["error"]["message"]
+            b_status = await c.ok("status", run_id=b)
+            assert b_status["state"] == "running" and psutil.pid_exists(b_status["pid"])
+            assert "degraded" in d.log_text()
+
+            filler.unlink()  # space again: what waited is written
+            await until(lambda: _writable(c))
+            st = await c.ok("status", run_id=a)
+            assert st["state"] == "cancelled" and "journal" not in st
+            seqs = [e["seq"] for e in (await c.ok("events", run_id=a))["events"]]
+            assert seqs == list(range(1, len(seqs) + 1))
+            await stop_and_check(c, b)
+            assert d.alive()
+        async with real_daemon(state, env=env) as d, d.connect() as c:  # durable: not lost
+            for run in (a, b):
+                st = await c.ok("status", run_id=run)
+                assert st["state"] == "cancelled", st
+            events = (await c.ok("events", run_id=a))["events"]
+            assert events[-1]["kind"] == "state" and events[-1]["data"]["state"] == "cancelled"
+
+
+async def _writable(c: Client) -> bool:
+    return bool((await journal_state(c))["writable"])
+
+
+# --------------------------------------------------------------------------- fd exhaustion
+
+NOFILE = 128
+
+
+def low_nofile() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_a_connection_flood_at_a_low_nofile_limit_leaves_the_daemon_and_its_runs_whole(
+    tmp_path: Path,
+) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    flood_n = 3 * NOFILE
+    if soft < flood_n + 64:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, flood_n + 256), hard))
+    socks: list[socket.socket] = []
+    try:
+        with trio.fail_after(90):
+            async with real_daemon(tmp_path / "state", preexec_fn=low_nofile) as d, d.connect() as c:
+                a, b = await running_pair(c)
+                host, port = d.url.removeprefix("ws://").rstrip("/").rsplit(":", 1)
+                peak = 0
+                for i in range(flood_n):  # held open, never a byte sent
+                    s = socket.socket()
+                    s.setblocking(False)
+                    try:
+                        s.connect((host, int(port)))
+                    except BlockingIOError:
+                        pass
+                    socks.append(s)
+                    if i % 32 == 0:
+                        await trio.sleep(0)  # let the daemon accept (it is another process)
+                        peak = max(peak, open_fds(d.pid))
+                # On the connection it had before: it serves, spawns and stops.
+                quick = (await c.ok("spawn", spec=spec(wait=False)))["run_id"]
+                assert (await c.wait_end(quick, WAIT_S))["state"] == "completed"
+                info = (await c.ok("ping"))["connection_limits"]
+                assert info["refused"] > 0 and info["total"] < NOFILE
+                peak = max(peak, open_fds(d.pid))
+                assert peak < NOFILE
+                await stop_and_check(c, a)
+                for s in socks:
+                    s.close()
+                socks.clear()
+
+                async def slots_free() -> bool:  # handshakes in flight end by their timeout
+                    return (await c.ok("ping"))["connection_limits"]["open"] == 1
+
+                await until(slots_free)
+                async with d.connect() as fresh:  # a new client gets in again
+                    assert (await fresh.ok("status", run_id=b))["state"] == "running"
+                await stop_and_check(c, b)
+                assert d.alive()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_proc_scan_without_a_free_fd_fails_softly_and_is_retried() -> None:
+    # In a child whose fd limit is what it has open already: every /proc scan fails with
+    # EMFILE. The reaping pass logs it and returns; a second pass works once fds are free.
+    code = """
+import logging, os, resource, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from supervisor.containment import Containment
+c = Containment.setup(cgroups="off")
+spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
+used = len(os.listdir("/proc/self/fd")) - 1  # the listing counts its own fd
+resource.setrlimit(resource.RLIMIT_NOFILE, (used, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+c._pass()  # must not raise
+for fd in spare:
+    os.close(fd)
+c._pass()
+c.close()
+print("alive")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent.parent)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "a /proc scan failed" in done.stdout and "Too many open files" in done.stdout
+    assert done.stdout.strip().endswith("alive")
