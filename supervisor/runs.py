@@ -846,6 +846,9 @@ def _validate_spec(spec: dict[str, Any], model_key: Secret | None = None) -> str
         parsed = RunSpec.from_dict(spec, env)
     except SpecError as exc:
         raise SpawnError(f"invalid run spec: {exc}") from exc
+    except Exception as exc:  # the validator tripped on a value (unhashable, overflow...): still bad input
+        logger.info("spec validation raised %r", exc)
+        raise SpawnError(f"invalid run spec: {type(exc).__name__}: {exc}") from exc
     model = parsed.model
     if model.provider == "openai" and not env.get("OPENAI_API_KEY") and not (model.base_url or env.get("OPENAI_BASE_URL")):
         asked = f"model {model.name!r}" if model.name else "provider 'openai'"
