@@ -9,6 +9,8 @@ The behaviour comes from the spec's ``task``, a JSON object:
   garbage: bool       write non-JSON noise on stderr first
   tree: bool          start tests/children/tree_family.py-like descendants
   hold_stdout: bool   leave a detached grandchild holding stdout open after exit
+  hold_stdout_scrubbed: bool  the same, with an empty environment (no marker) and
+                      ignoring SIGTERM: only the pipe it holds ties it to the run
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ def main() -> None:
             [sys.executable, "-c", "import os,time; os.setsid(); time.sleep(300)"],
             stdout=sys.stdout,
         )
+    if b.get("hold_stdout_scrubbed"):
+        # The runner goes on only once the holder has left the session and the
+        # environment (it says so on a pipe), so nothing but the pipe ties it to the run.
+        r, w = os.pipe()
+        code = (
+            "import os, signal, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"os.write({w}, b'x'); os.close({w})\n"
+            "time.sleep(300)\n"
+        )
+        holder = subprocess.Popen(
+            ["/usr/bin/setsid", sys.executable, "-c", code], stdout=sys.stdout, env={}, pass_fds=(w,)
+        )
+        os.close(w)
+        os.read(r, 1)
+        os.close(r)
+        emit(EventKind.LOG, level="info", message=f"holder {holder.pid}")
     progress = ""
     for i in range(1, int(b.get("snapshots", 1)) + 1):
         progress += f"step {i} done. "
