@@ -275,6 +275,7 @@ class RunManager:
             "max_concurrent": self.config.max_concurrent,
             "grace_s": self.config.grace_s,
             "containment": self.containment.mode,
+            "cgroup_subtree": str(self.containment.root) if self.containment.root is not None else None,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
             "accepting": self._accepting,
             "journal": self.backlog.describe(),
