@@ -9,6 +9,8 @@ The behaviour comes from the spec's ``task``, a JSON object:
   garbage: bool       write non-JSON noise on stderr first
   tree: bool          start tests/children/tree_family.py-like descendants
   hold_stdout: bool   leave a detached grandchild holding stdout open after exit
+  group: bool         start a server in a process group of its own, announced with a
+                      process_group event (as an MCP server is); it ignores SIGTERM
   hold_stdout_scrubbed: bool  the same, with an empty environment (no marker) and
                       ignoring SIGTERM: only the pipe it holds ties it to the run
 """
@@ -74,6 +76,15 @@ def main() -> None:
             [sys.executable, "-c", "import os,time; os.setsid(); time.sleep(300)"],
             stdout=sys.stdout,
         )
+    if b.get("group"):
+        server = subprocess.Popen(
+            [sys.executable, "-c", "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+        )
+        data = {"pgid": server.pid, "pid": server.pid, "kind": "mcp_server", "name": "fake", "alive": True}
+        sys.stderr.buffer.write(encode_event(make_event(EventKind.PROCESS_GROUP, **data)))
+        sys.stderr.buffer.flush()
     if b.get("hold_stdout_scrubbed"):
         # The runner goes on only once the holder has left the session and the
         # environment (it says so on a pipe), so nothing but the pipe ties it to the run.

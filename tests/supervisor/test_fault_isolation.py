@@ -357,3 +357,21 @@ print("alive")
     assert done.returncode == 0, done.stderr
     assert "a /proc scan failed" in done.stdout and "Too many open files" in done.stdout
     assert done.stdout.strip().endswith("alive")
+
+
+# --------------------------------------------------------------------------- group records
+
+
+async def test_status_shows_a_runs_groups_ended_once_its_receipt_saw_the_tree_dead(daemon: InProcess) -> None:
+    m = daemon.m
+    with trio.fail_after(WAIT_S):
+        r = await m.spawn(task(snapshots=1, group=True))
+        await first(m, r["run_id"], "step_snapshot")
+        live = await m.status(r["run_id"])
+        assert [g["alive"] for g in live["groups"]] == [True]
+        await m.cancel(r["run_id"])
+        st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "cancelled" and st["receipt"]["path_b"]["survivors"] == []
+    (group,) = st["groups"]
+    assert group["alive"] is False and group["ended_at"] is not None
+    assert group["added_at"] <= group["ended_at"] <= st["ended_at"]
