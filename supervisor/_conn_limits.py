@@ -73,7 +73,7 @@ def fd_connection_cap(total: int) -> int:
         return total
     if soft == resource.RLIM_INFINITY:
         return total
-    return max(MIN_CONNECTIONS, min(total, (soft - FD_RESERVE) // 2))
+    return min(total, max(MIN_CONNECTIONS, (soft - FD_RESERVE) // 2))
 
 
 # The GatedStream of the connection the current task serves. Set by Gate.accept in the

@@ -778,3 +778,81 @@ async def test_a_terminal_fact_survives_a_sigkill_right_after_the_call_returns(
         assert run["result"] == {"_id": "r1", "progress": "p"}
         events = await j.events_after("r1", 0)
         assert events[-1]["seq"] == 1 and events[-1]["data"] == {"after": "finish"}
+
+
+# --------------------------------------------------------------------------- degraded mode (issue 10)
+
+
+async def test_text_sqlite_cannot_bind_is_stored_escaped_not_refused(journal: Journal) -> None:
+    await new_run(journal, "r-\ud800")
+    assert await journal.transition("r-\ud800", RunState.STARTING, reason="why \udfff")
+    row = await journal.get_run("r-\ud800")
+    assert row is not None and row["id"] == "r-\\ud800" and row["reason"] == "why \\udfff"
+    await journal.add_group("r-\ud800", 77, "mcp\ud800", "n")
+    assert (await journal.get_run("r-\ud800"))["groups"][0]["kind"] == "mcp\\ud800"  # type: ignore[index]
+
+
+def test_store_conditions_are_unavailable_and_statement_errors_are_not() -> None:
+    from supervisor import journal as journal_mod
+    from supervisor.errors import JournalUnavailable
+
+    full = sqlite3.OperationalError("database or disk is full")
+    full.sqlite_errorcode = 13  # type: ignore[attr-defined]
+    readonly = sqlite3.OperationalError("attempt to write a readonly database")
+    readonly.sqlite_errorcode = 8 | (1 << 8)  # type: ignore[attr-defined]  # an extended code
+    constraint = sqlite3.IntegrityError("UNIQUE constraint failed")
+    constraint.sqlite_errorcode = 19  # type: ignore[attr-defined]
+    assert isinstance(journal_mod._journal_error("j", full), JournalUnavailable)
+    assert isinstance(journal_mod._journal_error("j", readonly), JournalUnavailable)
+    error = journal_mod._journal_error("j", constraint)
+    assert isinstance(error, JournalError) and not isinstance(error, JournalUnavailable)
+
+
+async def test_events_kept_in_memory_are_put_back_with_their_numbers_idempotently(journal: Journal) -> None:
+    await new_run(journal, "r-1")
+    assert await journal.append_event("r-1", "a", {"n": 1}) == 1
+    assert await journal.put_events("r-1", [(2, "b", {"n": 2}, 2.0), (3, "c", {"n": 3}, 3.0)]) == 2
+    assert await journal.put_events("r-1", [(3, "c", {"n": 3}, 3.0)]) == 0  # a replay changes nothing
+    assert await journal.append_event("r-1", "d", {"n": 4}) == 4  # the counter moved past them
+    assert [e["seq"] for e in await journal.events_after("r-1", 0)] == [1, 2, 3, 4]
+
+
+async def test_an_events_page_is_bounded_in_bytes_and_says_whether_more_follow(journal: Journal) -> None:
+    await new_run(journal, "r-1")
+    await journal.append_events("r-1", [("log", {"m": "x" * 1000}, None) for _ in range(10)])
+    page, more = await journal.events_page("r-1", 0, limit=100, max_bytes=3500)
+    assert [e["seq"] for e in page] == [1, 2, 3] and more
+    page, more = await journal.events_page("r-1", 0, limit=100, max_bytes=10)  # at least one
+    assert [e["seq"] for e in page] == [1] and more
+    page, more = await journal.events_page("r-1", 8, limit=100, max_bytes=None)
+    assert [e["seq"] for e in page] == [9, 10] and not more
+    page, more = await journal.events_page("r-1", 0, limit=10)
+    assert len(page) == 10 and not more
+
+
+async def test_a_terminal_fact_kept_in_memory_is_written_from_whatever_live_state_was_stored(
+    journal: Journal,
+) -> None:
+    await new_run(journal, "r-1")  # stored: queued; in memory it went on to running
+    assert not await journal.finish("r-1", RunState.COMPLETED, reason=None, result={}, partial=False)
+    assert await journal.finish(
+        "r-1", RunState.COMPLETED, reason=None, result={"ok": 1}, partial=False, from_any_live_state=True
+    )
+    assert not await journal.finish(  # and still only once
+        "r-1", RunState.CANCELLED, reason="user", result=None, partial=False, from_any_live_state=True
+    )
+    assert (await journal.get_run("r-1"))["state"] == RunState.COMPLETED  # type: ignore[index]
+
+
+async def test_groups_end_with_the_terminal_fact_when_the_tree_was_seen_dead(journal: Journal) -> None:
+    await new_run(journal, "r-1")
+    await journal.transition("r-1", RunState.STARTING)
+    await journal.add_group("r-1", 100, "mcp_server", "a", at=10.0)
+    await journal.add_group("r-1", 101, "command", "b", at=11.0)
+    await journal.remove_group("r-1", 101, at=12.0)
+    assert await journal.finish(
+        "r-1", RunState.CANCELLED, reason="user", result=None, partial=False, groups_ended_at=20.0
+    )
+    groups = {g["pgid"]: g for g in (await journal.get_run("r-1"))["groups"]}  # type: ignore[index]
+    assert (groups[100]["alive"], groups[100]["ended_at"]) == (False, 20.0)
+    assert (groups[101]["alive"], groups[101]["ended_at"]) == (False, 12.0)  # its own end kept

@@ -197,3 +197,62 @@ def test_a_steer_request_needs_a_run_and_some_text() -> None:
     for bad in ({"run_id": "r-1"}, {"run_id": "r-1", "text": "  "}, {"text": "x"}):
         got = dec({"id": 8, "op": "steer", **bad})
         assert isinstance(got, BadRequest) and got.code == ErrorCode.BAD_ARGS
+
+
+# --------------------------------------------------------------------------- total decoding
+
+DEEP_ID = '{"id": ' + "[" * 975 + "]" * 975 + ', "op": "ping"}'
+
+
+@pytest.mark.parametrize(
+    ("text", "expected_id", "words"),
+    [
+        ('{"id":"s","op":"cancel","run_id":"r-1","reason":"\\ud800"}', "s", "surrogate"),
+        ('{"id":"s","op":"status","run_id":"\\udfff"}', "s", "'run_id'"),
+        ('{"id":"s","op":"spawn","spec":{"task":"x","\\ud800":1}}', "s", "key"),
+        ('{"id":"s","op":"spawn","spec":{"task":"x"},"timeout_s":' + "9" * 310 + "}", "s", "310 digits"),
+        ('{"id":"s","op":"spawn","spec":{"task":"x","limits":{"max_steps":1' + "0" * 300 + "}}}", "s", "64 bits"),
+        ('{"id":"s","op":"spawn","spec":{"task":"x"},"timeout_s":1e300}', "s", "timeout_s"),
+        ('{"id":1e999,"op":"ping"}', None, "finite"),
+        ('{"id":"s","op":"events","run_id":"r","after_seq":-9223372036854775809}', "s", "64 bits"),
+        (DEEP_ID, None, "nested"),
+        ('{"id":{"a":1},"op":"ping"}', None, "'id'"),
+        ('{"id":"\\ud800","op":"ping"}', None, "surrogate"),
+    ],
+)
+def test_what_would_fail_later_is_refused_at_the_edge_as_bad_args(text: str, expected_id: object, words: str) -> None:
+    req = decode_request(text, max_bytes=MAX)
+    assert isinstance(req, BadRequest), req
+    # Nesting near the recursion limit: the parser may give up first (bad_json), else the
+    # depth check does; the stack depth of the caller decides which.
+    assert req.code == ErrorCode.BAD_ARGS or (words == "nested" and req.code == ErrorCode.BAD_JSON), req
+    assert req.id == expected_id and words in req.message, req
+    reply = protocol.encode_error(req.id, req.code, req.message)
+    json.loads(reply, parse_constant=_refuse)  # the reply itself is strict JSON
+
+
+def _refuse(name: str) -> object:
+    raise ValueError(name)
+
+
+def test_paired_surrogates_and_escaped_backslashes_are_fine() -> None:
+    assert dec({"id": "x", "op": "steer", "run_id": "r", "text": "\U0001f600"}) == protocol.SteerRequest("x", "r", "\U0001f600")
+    req = decode_request('{"id":"a\\\\ud800","op":"ping"}', max_bytes=MAX)  # a backslash, then text
+    assert req == protocol.PingRequest("a\\ud800")
+
+
+def test_replies_never_carry_nan_or_infinity() -> None:
+    text = protocol.encode_reply(1, {"a": float("nan"), "b": [float("inf"), -float("inf")], "c": 1.5})
+    assert json.loads(text, parse_constant=_refuse) == {"id": 1, "ok": True, "result": {"a": None, "b": [None, None], "c": 1.5}}
+
+
+def test_encoding_a_value_nested_beyond_the_recursion_limit_is_a_value_error() -> None:
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested"):
+        protocol.encode_reply(1, deep)
+
+
+def test_sniff_id_never_returns_what_cannot_be_echoed() -> None:
+    assert protocol.sniff_id('{"id": "\\ud800", "op": "x"') is None

@@ -1,0 +1,195 @@
+"""The control socket's limits against hostile clients, over real TCP and websockets.
+
+Every hold a client can take has a bound with a named default (``control.Limits``): a
+refused handshake is closed at once, connections per peer and in all, idleness,
+subscriptions per connection, bytes buffered per subscriber, replay pages and ``events``
+replies in bytes. What is over a limit is refused or closed; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from trio_websocket import ConnectionClosed
+
+from supervisor import control
+from supervisor._conn_limits import fd_connection_cap
+from tests.supervisor.fake_backend import FakeBackend
+from tests.supervisor.test_control import TOKEN, WAIT_S, Server, connect, start_server
+
+UPGRADE = (
+    "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
+)
+
+
+class PagedBackend(FakeBackend):
+    """The fake backend with the optional byte-bounded page, recording what was asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pages: list[tuple[int, int]] = []  # (events returned, bytes of their data)
+
+    async def events_page(
+        self, run_id: str, after_seq: int, *, limit: int, max_bytes: int | None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        events = await self.events_after(run_id, after_seq, limit + 1)
+        page: list[dict[str, Any]] = []
+        size = 0
+        for e in events:
+            size += len(json.dumps(e["data"]))
+            if len(page) >= limit or (page and max_bytes is not None and size > max_bytes):
+                break
+            page.append(e)
+        self.pages.append((len(page), sum(len(json.dumps(e["data"])) for e in page)))
+        return page, len(page) < len(events)
+
+
+async def read_until_closed(stream: trio.SocketStream) -> bytes:
+    data = b""
+    with trio.fail_after(WAIT_S):
+        while chunk := await stream.receive_some():
+            data += chunk
+    return data
+
+
+async def test_a_refused_handshake_is_closed_at_once_not_when_the_client_likes(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The handshake timeout is far away: only closing the refusal ends this connection.
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(handshake_s=600))
+    for extra in ("", "Authorization: Bearer wrong\r\n", f"Authorization: Bearer {TOKEN}\r\nOrigin: http://evil\r\n"):
+        stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
+        async with stream:
+            await stream.send_all(UPGRADE.format(extra=extra).encode())
+            with trio.fail_after(2):  # far below the 600 s handshake bound
+                data = await read_until_closed(stream)
+        assert data.split(b" ", 2)[1] in (b"401", b"403"), data
+    async with connect(srv) as peer:
+        assert (await peer.ok("ping"))["connection_limits"]["open"] == 1
+
+
+async def upgrade_status(srv: Server) -> int | None:
+    """The status of an authenticated upgrade over raw TCP; None when closed unanswered."""
+    stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
+    async with stream:
+        await stream.send_all(UPGRADE.format(extra=f"Authorization: Bearer {TOKEN}\r\n").encode())
+        data = b""
+        with trio.fail_after(WAIT_S):
+            while b"\r\n" not in data:
+                chunk = await stream.receive_some()
+                if not chunk:
+                    return None
+                data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+async def test_connections_above_the_per_peer_limit_are_closed_and_the_others_served(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(per_peer=3, handshake_s=600))
+    held = []
+    async with connect(srv) as peer:
+        held = [await trio.open_tcp_stream("127.0.0.1", srv.port) for _ in range(2)]  # 3 with peer
+        extra = await trio.open_tcp_stream("127.0.0.1", srv.port)
+        assert await read_until_closed(extra) == b""  # closed before a byte was read
+        await extra.aclose()
+        info = (await peer.ok("ping"))["connection_limits"]
+        assert info["refused"] >= 1 and info["open"] == 3 and info["per_peer"] == 3
+    # The websocket's slot comes back once it closed; the silent ones still hold theirs.
+    with trio.fail_after(WAIT_S):
+        while (status := await upgrade_status(srv)) is None:
+            await trio.sleep(0.02)
+    assert status == 101
+    for s in held:
+        await s.aclose()
+
+
+def test_the_connection_total_is_capped_by_the_fd_limit() -> None:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = fd_connection_cap(10**9)
+    assert cap == max(8, (soft - 64) // 2) and fd_connection_cap(5) == 5
+
+
+async def test_an_idle_authenticated_connection_is_closed_and_a_subscribed_one_is_not(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(idle_s=0.3))
+    run = srv.backend.add_run()
+    async with connect(srv) as busy, connect(srv) as idle:
+        await busy.ok("subscribe", run_id=run)
+        assert (await busy.recv())["op"] == "event"
+        await idle.ok("ping")
+        with trio.fail_after(WAIT_S), pytest.raises(ConnectionClosed) as info:
+            await idle.ws.get_message()
+        assert info.value.reason.code == 1001
+        await idle.ws._stream.aclose()  # trio-websocket 0.12's client keeps it after a server close
+        # More than idle_s later, the one with a subscription is still served.
+        assert (await busy.ok("ping"))["pong"] is True
+        srv.backend.emit(run, "log", {"message": "still here"})
+        assert (await busy.recv())["data"] == {"message": "still here"}
+
+
+async def reply_to(peer: Any, rid: str) -> dict[str, Any]:
+    while True:
+        msg = await peer.recv()
+        if msg.get("id") == rid:
+            return msg
+
+
+async def test_subscriptions_per_connection_are_capped(nursery: trio.Nursery, tmp_path: Path) -> None:
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(subscriptions=2))
+    run = srv.backend.add_run()
+    async with connect(srv) as peer:
+        for rid in ("s1", "s2", "s3"):
+            await peer.send({"id": rid, "op": "subscribe", "run_id": run})
+        assert (await reply_to(peer, "s1"))["ok"] is True
+        assert (await reply_to(peer, "s2"))["ok"] is True
+        reply = await reply_to(peer, "s3")
+        assert reply["ok"] is False and reply["error"]["code"] == "refused"
+        assert "at most 2 subscriptions" in reply["error"]["message"]
+
+
+async def test_a_slow_subscribers_buffer_is_bounded_in_bytes_and_it_still_gets_every_event_once(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = PagedBackend()
+    srv = await start_server(nursery, tmp_path, backend, limits=control.Limits(subscriber_bytes=20_000))
+    run = backend.add_run()
+    caplog.set_level(logging.INFO, "supervisor.control")
+    async with connect(srv) as peer:
+        await peer.ok("subscribe", run_id=run)
+        assert (await peer.recv())["seq"] == 1
+        for i in range(200):  # ~1 MB while the client reads nothing
+            backend.emit(run, "log", {"message": f"{i:04d}" + "x" * 5000})
+        backend.finish(run, "completed")
+        seqs, end = await peer.events_until_end()
+    assert seqs == list(range(2, 203)) and end["state"] == "completed"
+    assert any("live events dropped for a slow client" in r.getMessage() for r in caplog.records)
+
+
+async def test_replay_pages_and_events_replies_are_bounded_in_bytes(nursery: trio.Nursery, tmp_path: Path) -> None:
+    backend = PagedBackend()
+    limits = control.Limits(replay_page_bytes=50_000, events_reply_bytes=120_000)
+    srv = await start_server(nursery, tmp_path, backend, limits=limits)
+    run = backend.add_run()
+    for i in range(100):
+        backend.emit(run, "log", {"message": "y" * 20_000})
+    backend.finish(run, "completed")
+    async with connect(srv) as peer:
+        await peer.ok("subscribe", run_id=run)
+        seqs, end = await peer.events_until_end()
+        assert seqs == list(range(1, 103)) and end["state"] == "completed"
+        assert max(size for _n, size in backend.pages) <= 50_000
+        page = await peer.ok("events", run_id=run, limit=1000)
+        assert page["more"] is True and 1 <= len(page["events"]) <= 6
+        last = page["events"][-1]["seq"]
+        rest = await peer.ok("events", run_id=run, after_seq=last, limit=1000)
+        assert rest["events"][0]["seq"] == last + 1
