@@ -226,9 +226,18 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
     tmp_path: Path, small_tmpfs: Path
 ) -> None:
     state = small_tmpfs / "state"
-    env = {"AGENTD_RUNS_DIR": str(tmp_path / "runs")}
+    notify = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    await notify.bind(str(tmp_path / "notify"))
+    env = {"AGENTD_RUNS_DIR": str(tmp_path / "runs"), "NOTIFY_SOCKET": str(tmp_path / "notify")}
     filler = small_tmpfs / "filler"
-    with trio.fail_after(90):
+
+    async def status_line(prefix: str) -> str:  # what systemd would show
+        while True:
+            for field in (await notify.recv(4096)).decode().splitlines():
+                if field.startswith("STATUS=" + prefix):
+                    return field
+
+    with notify, trio.fail_after(90):
         async with real_daemon(state, env=env) as d, d.connect() as c:
             a, b = await running_pair(c)
             assert (await journal_state(c))["writable"] is True
@@ -248,9 +257,11 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
             b_status = await c.ok("status", run_id=b)
             assert b_status["state"] == "running" and psutil.pid_exists(b_status["pid"])
             assert "degraded" in d.log_text()
+            assert "journal not writable" in await status_line("degraded")
 
             filler.unlink()  # space again: what waited is written
             await until(lambda: _writable(c))
+            assert "live run" in await status_line("running")  # healthy again
             st = await c.ok("status", run_id=a)
             assert st["state"] == "cancelled" and "journal" not in st
             seqs = [e["seq"] for e in (await c.ok("events", run_id=a))["events"]]
