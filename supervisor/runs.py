@@ -801,6 +801,7 @@ class RunManager:
 
     def _let_go(self, run: _Run) -> None:
         run.token.retire()
+        run.stdout = bytearray()  # up to MAX_RESULT_BYTES, decoded already
         for send in list(run.subscribers):
             send.close()
         run.subscribers.clear()
