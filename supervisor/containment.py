@@ -40,17 +40,21 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 # process is stale; one whose lock is held is never touched. A daemon whose own subtree
 # vanished anyway makes it again, or says so in ``problem`` (shown by ``status``).
 #
-# Session leaders. A subreaper's children are the runners it started (tracked) and the
-# orphans of its trees it adopted. An adopted orphan that called setsid() leads its own
-# session, like a runner: once no tree is being spawned (a runner between fork and track()
-# looks the same), a live untracked session leader among our children is an orphan, and
-# ``strays()`` lists it. A descendant that holds a runner's stdout or stderr belongs to
-# that tree whatever it did to its session and environment (``tree_members(pipes=)``).
+# Session leaders. A subreaper's children are the runners it started (tracked), whatever
+# else the process hosting it forks (a test, a benchmark), and the orphans of its trees it
+# adopted. An adopted orphan that called setsid() leads its own session, like a runner or a
+# host's child started in a new session. What tells them apart is the environment: an
+# orphan that kept its environment carries its tree's marker (and is that tree's), and
+# everything this process forks inherits ``HOST_VAR=<this process>`` (set by ``setup``).
+# So a live untracked session leader among our children with neither is an orphan that
+# scrubbed its environment (``env -i setsid ...``), and ``strays()`` lists it; one started
+# by the host with an explicit environment that lacks HOST_VAR would be taken for one. A
+# descendant that holds a runner's stdout or stderr belongs to that tree whatever it did
+# to its session and environment (``tree_members(pipes=)``).
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import logging
 import os
@@ -88,6 +92,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MARKER_VAR: Final = "AGENTD_TREE"
+# Set in this process's own environment by Containment.setup: every process it forks
+# inherits it, which tells them from adopted orphans (see the module comment).
+HOST_VAR: Final = "AGENTD_FORKED_BY"  # not a Config field name (AGENTD_<field> configures)
 CGROUP: Final = "cgroup"
 SUBREAPER_SWEEP: Final = "subreaper+sweep"
 GROUP: Final = "group"
@@ -101,8 +108,11 @@ FULL_SCAN_EVERY: Final = 10
 # A /proc scan that fails for want of file descriptors (or memory) is logged at most once
 # per this many seconds, and retried at the next pass.
 SCAN_FAILURE_LOG_INTERVAL_S: Final = 30.0
-# errnos that say "try again later" rather than "no such process".
-_EXHAUSTED: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+# A session-leading child of ours this young is never taken for a scrubbed orphan (its
+# environment may read empty for an instant around exec); a later look decides.
+SETTLED_S: Final = 1.0
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PROC: Final = Path("/proc")
@@ -229,12 +239,48 @@ def _read_environ(pid: int) -> bytes:
         return b""
 
 
-def _parse_marker(env: bytes) -> str | None:
-    needle = MARKER_VAR.encode() + b"="
+def _parse_marker(env: bytes, var: str = MARKER_VAR) -> str | None:
+    needle = var.encode() + b"="
     for item in env.split(b"\0"):
         if item.startswith(needle):
             return item[len(needle) :].decode(errors="replace")
     return None
+
+
+def _host_identity() -> str:
+    me = read_proc(os.getpid())
+    return f"{os.getpid()}:{me.start_ticks if me is not None else 0}"
+
+
+def _mark_host() -> str:
+    """Put this process's identity in its environment, for whatever it forks from now on."""
+    identity = _host_identity()
+    os.environ[HOST_VAR] = identity
+    return identity
+
+
+def _scrubbed_orphan(p: Proc, identity: str) -> bool:
+    """Has this child of ours an environment that is neither a tree's nor ours?
+
+    Not one whose environment cannot be read. (Callers leave out one that started less
+    than ``SETTLED_S`` ago: for an instant around exec an environment reads empty.)
+    """
+    try:
+        with open(f"/proc/{p.pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return _parse_marker(env) is None and _parse_marker(env, HOST_VAR) != identity
+
+
+def age_s(p: Proc) -> float:
+    """How long ago ``p`` started, in seconds."""
+    try:
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return uptime - p.start_ticks / _CLOCK_TICKS
 
 
 def read_cgroup(pid: int) -> str | None:
@@ -270,7 +316,6 @@ def tree_members(
     cgroup: Path | None = None,
     procs: dict[int, Proc] | None = None,
     pipes: Container[int] = (),
-    exclude: Container[int] = (),
 ) -> dict[int, Proc]:
     """Every process that belongs to a tree, zombies included.
 
@@ -278,8 +323,7 @@ def tree_members(
     the tree's groups or sessions (those given, and those of any other member), or descends
     from a member, or (``pipes``: inode numbers of the runner's stdio pipes) is an orphan
     adopted by this process, or a descendant of one, that holds one of those pipes. The
-    calling process is never a member, nor is anything in its session; ``exclude`` names
-    children that are never orphans (other trees' runners).
+    calling process is never a member, nor is anything in its session.
     """
     if procs is None:
         procs = scan_processes()
@@ -302,7 +346,7 @@ def tree_members(
         if p.sid != p.pgid:
             by_group.setdefault(p.sid, []).append(p.pid)
     if pipes:
-        members.update(_pipe_holders(pipes, procs, by_parent, members, exclude))
+        members.update(_pipe_holders(pipes, procs, by_parent, members))
     # Close over ancestry (children that scrubbed the marker and left the group) and over
     # the groups and sessions of members: Chromium's helpers show no environment at all
     # (setproctitle reuses it) and outlive their parent in the browser's session.
@@ -326,17 +370,18 @@ def _pipe_holders(
     procs: dict[int, Proc],
     by_parent: dict[int, list[int]],
     members: Container[int],
-    exclude: Container[int],
 ) -> set[int]:
-    """Orphans adopted by us (and their descendants) that hold one of ``pipes`` open.
+    """Orphans adopted by us that show no marker (and their descendants) and hold one of
+    ``pipes`` open.
 
-    Only those are looked at: any other descendant of a tree is found by ancestry, and a
-    whole-table read of every fd would cost far more than the sweep.
+    Only those are looked at: any other descendant of a tree is found by ancestry or its
+    marker (other trees' runners and their orphans show theirs), and reading every fd of
+    every process would cost far more than the sweep.
     """
     me = os.getpid()
     todo = [
         pid for pid in by_parent.get(me, ())
-        if pid not in members and pid not in exclude and not procs[pid].dead
+        if pid not in members and not procs[pid].dead and marker_of(procs[pid]) is None
     ]
     found: set[int] = set()
     seen: set[int] = set()
@@ -514,6 +559,7 @@ class Containment:
     problem: str | None = None
     # The flock on ``root`` that says a live daemon owns it (see the module comment).
     _root_lock: int | None = None
+    _host: str = ""  # this process's HOST_VAR value
     _scan_failed_at: float = -float("inf")
 
     @property
@@ -561,7 +607,7 @@ class Containment:
             made = _make_subtree(instance)
             if made is not None:
                 root, lock = made
-        self = cls(root=root, subreaper=is_reaper, _root_lock=lock)
+        self = cls(root=root, subreaper=is_reaper, _root_lock=lock, _host=_mark_host())
         logger.info(
             "containment: %s (cgroup subtree %s, subreaper %s)",
             self.mode,
@@ -754,10 +800,15 @@ class Containment:
         with self._lock:
             return len(self._tree_ids)
 
-    def strays(self) -> list[Proc]:
+    def strays(self, *, young: list[Proc] | None = None) -> list[Proc]:
         """Live adopted children that no tree's sweep can place (e.g. a double-forked
         daemon that also emptied its environment, or an ``env -i setsid`` command). Only a
         subreaper has any.
+
+        Args:
+            young: a session leader that would count as a scrubbed orphan but started
+                less than ``SETTLED_S`` ago is appended here, not returned: look again
+                once it is older.
 
         Raises:
             OSError: the process table could not be read (out of file descriptors).
@@ -780,11 +831,16 @@ class Containment:
                 remembered.get(p.pid) == p.start_ticks
                 or p.sid not in (my_sid, p.pid)
                 or _in_settled_tree(p.pid, subtree, settled)
-                # Leads its own session and is no runner of ours: an orphan that called
-                # setsid() (a runner still being spawned looks the same: not then).
-                or (p.sid == p.pid and not spawning)
             ):
                 out.append(p)
+            elif p.sid == p.pid and not spawning and _scrubbed_orphan(p, self._host):
+                # Leads its own session, is no runner of ours and shows neither a tree's
+                # marker nor our environment: an orphan that called setsid() and
+                # scrubbed its environment.
+                if age_s(p) >= SETTLED_S:
+                    out.append(p)
+                elif young is not None:
+                    young.append(p)
         return out
 
     def _subtree_prefix(self) -> str | None:

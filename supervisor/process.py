@@ -38,6 +38,9 @@ import trio
 
 from supervisor import _windows
 from supervisor.containment import (
+    HOST_VAR,
+    SETTLED_S,
+    age_s,
     CGROUP,
     GROUP,
     MARKER_VAR,
@@ -130,6 +133,7 @@ async def spawn_tree(
         raise SpawnError(f"expected a tree id without '/' or NUL, got {tree_id!r}")
     child_env = dict(os.environ if env is None else env)
     child_env[MARKER_VAR] = tree_id
+    child_env.pop(HOST_VAR, None)  # what the daemon forks besides trees carries it; trees not
     cgroup = containment.prepare(tree_id) if containment is not None else None
     try:
         try:
@@ -701,8 +705,16 @@ async def kill_strays(containment: Containment, *, only_if_idle: bool = True) ->
     """
     if not _POSIX or (only_if_idle and containment.tracked_trees):
         return []
+    young: list[Proc] = []
     try:
-        strays = await trio.to_thread.run_sync(containment.strays)
+        strays = await trio.to_thread.run_sync(lambda: containment.strays(young=young))
+        if young:
+            # Scrubbed-looking session leaders too young to tell from a process in the
+            # middle of an exec: look again once they are settled.
+            await trio.sleep(max(0.0, SETTLED_S - min(age_s(p) for p in young)))
+            if not (only_if_idle and containment.tracked_trees):  # still nobody to claim them
+                seen = {p.pid for p in strays}
+                strays += [p for p in await trio.to_thread.run_sync(containment.strays) if p.pid not in seen]
     except OSError as exc:  # out of fds: the next run's end, or shutdown, looks again
         logger.warning("cannot look for untraceable orphans now: %s", exc)
         return []

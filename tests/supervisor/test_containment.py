@@ -330,3 +330,42 @@ async def test_a_leader_being_spawned_is_never_reaped_before_trio_knows_it(made:
     with trio.fail_after(5):
         assert await leader.wait() == 5
     c.discard(tid)
+
+
+async def test_a_scrubbed_session_leading_orphan_is_a_stray_and_the_hosts_own_child_is_not(
+    made: list[Containment],
+) -> None:
+    c = setup(made, cgroups="off")
+    # The host's own child in a session of its own, as a test or a benchmark starts one.
+    own = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, start_new_session=True
+    )
+    script = "env -i setsid sh -c 'echo $$; exec sleep 300' </dev/null &"
+    tree = await process.spawn_tree(
+        ["sh", "-c", script], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
+    )
+    assert tree.process.stdout is not None
+    try:
+        with trio.fail_after(5):
+            out = b""
+            while b"\n" not in out:
+                out += await tree.process.stdout.receive_some()
+            await tree.process.wait()
+        orphan = int(out.split()[0])
+        p = read_proc(orphan)
+        assert p is not None and p.ppid == os.getpid() and p.sid == orphan  # adopted, own session
+        c.remove(tree)
+        young: list[containment_mod.Proc] = []
+        found = [q.pid for q in c.strays(young=young)] + [q.pid for q in young]
+        assert orphan in found and own.pid not in found
+        with trio.fail_after(5):
+            killed = await process.kill_strays(c)
+        assert [k["pid"] for k in killed] == [orphan]
+        assert own.poll() is None
+    finally:
+        assert own.stdin is not None
+        own.stdin.close()
+        own.wait()
+        for stream in (tree.process.stdout, tree.process.stderr, tree.process.stdin):
+            if stream is not None:
+                await stream.aclose()
