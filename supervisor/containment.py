@@ -32,13 +32,9 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 # Pids here wrap at 32768, so a pid alone is no identity: a Proc carries its start time in
 # clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act.
 #
-# Whose subtree is it. A pid says nothing across PID namespaces (two daemons can both be
-# pid 1, and a live daemon's pid may not exist in ours), so a subtree is named
-# ``agentd-<pid>-<random>`` and its owner holds an exclusive flock on its directory for as
-# long as it lives. The lock is on the cgroupfs inode, the same in every namespace; the
-# kernel drops it when the owner dies. A subtree whose lock can be taken and that holds no
-# process is stale; one whose lock is held is never touched. A daemon whose own subtree
-# vanished anyway makes it again, or says so in ``problem`` (shown by ``status``).
+# Whose subtree is it: see ``supervisor._cgroupfs`` (a flock on the subtree's directory,
+# which holds across PID namespaces). A daemon whose own subtree vanished anyway makes it
+# again, or says so in ``problem`` (shown by ``status``).
 #
 # Session leaders. A subreaper's children are the runners it started (tracked), whatever
 # else the process hosting it forks (a test, a benchmark), and the orphans of its trees it
@@ -55,7 +51,6 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import logging
 import os
 import threading
@@ -67,6 +62,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
 import trio
+
+from supervisor import _cgroupfs
+from supervisor._cgroupfs import cgroup_pids as cgroup_pids
+from supervisor._cgroupfs import read_cgroup as read_cgroup
 
 if TYPE_CHECKING:
     from supervisor._tree import AnyTree, Tree
@@ -283,32 +282,6 @@ def age_s(p: Proc) -> float:
     return uptime - p.start_ticks / _CLOCK_TICKS
 
 
-def read_cgroup(pid: int) -> str | None:
-    """The cgroup v2 path of ``pid`` (``0::/path``), zombies included."""
-    try:
-        with open(f"/proc/{pid}/cgroup", "rb") as f:
-            for line in f.read().decode(errors="replace").splitlines():
-                if line.startswith("0::"):
-                    return line[3:]
-    except OSError:
-        return None
-    return None
-
-
-def cgroup_pids(path: Path | None) -> set[int]:
-    """Pids in the cgroup ``path`` and every cgroup below it (a member may nest its own)."""
-    found: set[int] = set()
-    if path is None:
-        return found
-    for dirpath, _dirs, _files in os.walk(path):
-        try:
-            with open(os.path.join(dirpath, "cgroup.procs"), "rb") as f:
-                found.update(int(x) for x in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return found
-
-
 def tree_members(
     tree_id: str,
     *,
@@ -474,48 +447,7 @@ def _in_settled_tree(pid: int, subtree: str | None, settled: Container[str]) -> 
     return path[len(subtree) :].split("/", 1)[0] in settled
 
 
-# ----------------------------------------------------------------------------- cgroupfs
-
-
-def _cgroup2_mount() -> tuple[Path, str] | None:
-    """(mount point, root inside the hierarchy) of the cgroup2 filesystem, if mounted."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        if sep and right.split(" ", 1)[0] == "cgroup2":
-            fields = left.split()
-            return Path(fields[4]), fields[3]
-    return None
-
-
-def _own_cgroup_dir() -> Path | None:
-    """This process's cgroup v2 directory, or None without a usable cgroup2 mount."""
-    mount = _cgroup2_mount()
-    own = read_cgroup(os.getpid())
-    if mount is None or own is None:
-        return None
-    point, root = mount
-    if root != "/" and own.startswith(root):
-        own = own[len(root) :]
-    return point / own.lstrip("/")
-
-
-def _rmdir_tree(path: Path) -> bool:
-    """rmdir a cgroup and the cgroups below it, deepest first; True if all went."""
-    ok = True
-    for dirpath, _dirs, _files in os.walk(path, topdown=False):
-        try:
-            os.rmdir(dirpath)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            ok = False
-            logger.debug("cgroup %s not removed: %s", dirpath, exc)
-    return ok
+# ----------------------------------------------------------------------------- subreaper
 
 
 def _set_subreaper(on: bool) -> bool:
@@ -604,7 +536,7 @@ class Containment:
                     _subreaper_users += 1
         root, lock = None, None
         if want == "auto":
-            made = _make_subtree(instance)
+            made = _cgroupfs.make_subtree(instance)
             if made is not None:
                 root, lock = made
         self = cls(root=root, subreaper=is_reaper, _root_lock=lock, _host=_mark_host())
@@ -664,7 +596,7 @@ class Containment:
             if self._root_lock is not None:
                 os.close(self._root_lock)
                 self._root_lock = None
-            made = _claim_subtree(root.parent, root.name.removeprefix("agentd-"))
+            made = _cgroupfs.claim_subtree(root.parent, root.name.removeprefix("agentd-"))
             if made is None:
                 self.root = None
                 self.problem = (
@@ -701,7 +633,7 @@ class Containment:
             self._tree_ids.discard(tree.tree_id)
         if tree.cgroup is None:
             return True
-        ok = _rmdir_tree(tree.cgroup)
+        ok = _cgroupfs.rmdir_tree(tree.cgroup)
         with self._lock:
             if ok:
                 self._leftover.discard(tree.tree_id)
@@ -846,7 +778,7 @@ class Containment:
     def _subtree_prefix(self) -> str | None:
         if self.root is None:
             return None
-        mount = _cgroup2_mount()
+        mount = _cgroupfs.cgroup2_mount()
         if mount is None or not self.root.is_relative_to(mount[0]):
             return None
         return "/" + str(self.root.relative_to(mount[0])).strip("/") + "/"
@@ -863,7 +795,7 @@ class Containment:
             self.reap_adopted()
         except OSError as exc:
             logger.warning("containment: could not reap adopted zombies at close: %s", exc)
-        if self.root is not None and not _rmdir_tree(self.root):
+        if self.root is not None and not _cgroupfs.rmdir_tree(self.root):
             logger.warning("cgroup subtree %s not removed: processes are still in it", self.root)
         if self._root_lock is not None:
             os.close(self._root_lock)
@@ -876,97 +808,3 @@ class Containment:
                     _set_subreaper(False)
 
 
-def _make_subtree(instance: str) -> tuple[Path, int] | None:
-    """Create and lock ``<own cgroup>/agentd-<instance>``; None (logged) when not possible."""
-    own = _own_cgroup_dir()
-    if own is None:
-        logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
-        return None
-    if not _delegated(own):
-        logger.warning(
-            "cgroup %s belongs to systemd and is not delegated (Delegate=yes missing?): no cgroups", own
-        )
-        return None
-    # We never enable controllers in our subtree, so the no-internal-process rule does
-    # not apply: the daemon stays in its own cgroup next to agentd-<instance> (measured:
-    # a process in a non-root cgroup whose child holds another works while
-    # cgroup.subtree_control is empty). Were controllers ever enabled there, the daemon
-    # would first have to move itself into a leaf.
-    _remove_stale_subtrees(own)
-    made = _claim_subtree(own, instance)
-    if made is not None and not (made[0] / "cgroup.kill").exists():
-        logger.info("cgroup.kill missing (kernel < 5.14): the final kill walks cgroup.procs")
-    return made
-
-
-def _claim_subtree(own: Path, instance: str) -> tuple[Path, int] | None:
-    """mkdir ``own/agentd-<instance>`` and hold its lock; None (logged) if that fails."""
-    root = own / f"agentd-{instance}"
-    for _ in range(3):
-        try:
-            root.mkdir(exist_ok=True)
-        except OSError as exc:
-            logger.info("cannot create cgroup %s (%s): trees are contained by subreaper and sweep", root, exc)
-            return None
-        fd = _lock_dir(root)
-        if fd is None:
-            logger.warning("cgroup %s is locked by another process: not using it", root)
-            return None
-        # Another daemon's clean-up may have removed it between the mkdir and the lock
-        # (it was empty and unlocked then): the lock must be on what the name now names.
-        try:
-            if os.stat(root).st_ino == os.fstat(fd).st_ino:
-                return root, fd
-        except OSError:
-            pass
-        os.close(fd)
-    logger.warning("cgroup %s keeps vanishing: trees are contained by subreaper and sweep", root)
-    return None
-
-
-def _lock_dir(path: Path) -> int | None:
-    """An fd holding an exclusive flock on the directory ``path``; None if it is held."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _delegated(own: Path) -> bool:
-    """May we create cgroups below ``own``? Not in a systemd unit's cgroup without Delegate=."""
-    if not any(part.endswith((".service", ".scope")) for part in own.parts):
-        return True  # not a systemd unit: the root of a container or of this host
-    for name in ("trusted.delegate", "user.delegate"):  # set by systemd >= 251 on delegation
-        try:
-            if os.getxattr(own, name) == b"1":
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _remove_stale_subtrees(own: Path) -> None:
-    """rmdir empty ``agentd-*`` subtrees no live daemon owns (nobody holds their lock).
-
-    A subtree that still holds processes stays: a restarted daemon re-adopts or sweeps them.
-    """
-    try:
-        names = [d.name for d in own.iterdir() if d.is_dir() and d.name.startswith("agentd-")]
-    except OSError:
-        return
-    for name in names:
-        path = own / name
-        fd = _lock_dir(path)
-        if fd is None:
-            continue  # a live daemon's, in this PID namespace or another
-        try:
-            if not cgroup_pids(path):
-                _rmdir_tree(path)
-        finally:
-            os.close(fd)

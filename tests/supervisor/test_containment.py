@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from supervisor import _cgroupfs
 from supervisor import containment as containment_mod
 from supervisor import process
 from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, read_proc
@@ -92,7 +93,7 @@ def test_cgroups_are_made_per_tree_and_removed(made: list[Containment]) -> None:
 def test_an_unwritable_cgroup_mount_degrades_to_subreaper_and_sweep(
     made: list[Containment], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(containment_mod, "_own_cgroup_dir", lambda: Path("/proc/self"))
+    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda: Path("/proc/self"))
     c = setup(made, cgroups="auto")
     assert c.root is None and c.mode == SUBREAPER_SWEEP
 
@@ -102,7 +103,7 @@ def test_a_systemd_unit_without_delegation_gets_no_cgroups(
 ) -> None:
     unit = tmp_path / "system.slice" / "agentd.service"
     unit.mkdir(parents=True)
-    monkeypatch.setattr(containment_mod, "_own_cgroup_dir", lambda: unit)
+    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda: unit)
     c = setup(made, cgroups="auto")
     assert c.root is None
     assert list(unit.iterdir()) == []
@@ -119,7 +120,7 @@ def test_a_systemd_unit_with_delegation_gets_its_subtree(
         os.setxattr(unit, "user.delegate", b"1")
     except OSError:
         pytest.skip("no user xattrs on this filesystem")
-    monkeypatch.setattr(containment_mod, "_own_cgroup_dir", lambda: unit)
+    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda: unit)
     c = setup(made, cgroups="auto")
     assert c.root is not None and c.root.parent == unit and c.mode == CGROUP
 
@@ -135,7 +136,7 @@ def test_a_subtree_nobody_holds_and_that_is_empty_is_removed_and_no_other(made: 
     busy = own / f"agentd-99999998-busy{tag}"  # nobody holds it, a process is in it
     for d in (stale / "t-old", held / "t-new", busy / "t-live"):
         d.mkdir(parents=True)
-    lock = containment_mod._lock_dir(held)  # as a live daemon in another pid namespace does
+    lock = _cgroupfs.lock_dir(held)  # as a live daemon in another pid namespace does
     assert lock is not None
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
@@ -183,7 +184,7 @@ def test_a_subtree_removed_behind_the_daemons_back_is_made_again_or_reported(
     assert c.mode == CGROUP and c.problem is None
     (root / "t-after").rmdir()
     root.rmdir()
-    monkeypatch.setattr(containment_mod, "_claim_subtree", lambda own, instance: None)
+    monkeypatch.setattr(_cgroupfs, "claim_subtree", lambda own, instance: None)
     assert c.prepare("t-later") is None
     assert c.mode == SUBREAPER_SWEEP
     assert c.problem is not None and str(root) in c.problem

@@ -20,7 +20,7 @@ import trio
 
 from tests.conftest import require
 from tests.supervisor.real_daemon import Client, Daemon, real_daemon
-from supervisor import containment as containment_mod
+from supervisor import _cgroupfs
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 WAIT_S = 20.0
@@ -59,7 +59,7 @@ async def stop_inner(d: Daemon) -> None:
 
 async def test_two_daemons_one_in_its_own_pid_namespace_never_remove_each_others_subtree(tmp_path: Path) -> None:
     require(can_unshare(), "root and unshare --pid")
-    own = containment_mod._own_cgroup_dir()
+    own = _cgroupfs.own_cgroup_dir()
     require(own is not None and os.access(own, os.W_OK), "a writable cgroup2 mount")
     with trio.fail_after(90):
         async with real_daemon(tmp_path / "a") as a, a.connect() as ca:

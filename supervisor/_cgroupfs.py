@@ -1,0 +1,198 @@
+"""cgroup v2 files, and whose ``agentd-*`` subtree is whose.
+
+Readers (``read_cgroup``, ``cgroup_pids``, ``cgroup2_mount``, ``own_cgroup_dir``) and the
+life of a daemon's subtree: ``make_subtree`` at start (after ``remove_stale_subtrees``),
+``claim_subtree`` again if it vanished, ``rmdir_tree`` at the end. Sends no signal.
+
+Ownership. A pid says nothing across PID namespaces (two daemons can both be pid 1, and a
+live daemon's pid may not exist in ours), so a subtree is named ``agentd-<pid>-<random>``
+and its owner holds an exclusive flock on its directory for as long as it lives. The lock
+is on the cgroupfs inode, the same in every namespace, and the kernel drops it when the
+owner dies. A subtree whose lock can be taken and that holds no process is stale; one
+whose lock is held is never touched, whatever its name says.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+__all__ = [
+    "read_cgroup",
+    "cgroup_pids",
+    "cgroup2_mount",
+    "own_cgroup_dir",
+    "rmdir_tree",
+    "make_subtree",
+    "claim_subtree",
+    "lock_dir",
+    "delegated",
+    "remove_stale_subtrees",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def read_cgroup(pid: int) -> str | None:
+    """The cgroup v2 path of ``pid`` (``0::/path``), zombies included."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            for line in f.read().decode(errors="replace").splitlines():
+                if line.startswith("0::"):
+                    return line[3:]
+    except OSError:
+        return None
+    return None
+
+
+def cgroup_pids(path: Path | None) -> set[int]:
+    """Pids in the cgroup ``path`` and every cgroup below it (a member may nest its own)."""
+    found: set[int] = set()
+    if path is None:
+        return found
+    for dirpath, _dirs, _files in os.walk(path):
+        try:
+            with open(os.path.join(dirpath, "cgroup.procs"), "rb") as f:
+                found.update(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def cgroup2_mount() -> tuple[Path, str] | None:
+    """(mount point, root inside the hierarchy) of the cgroup2 filesystem, if mounted."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if sep and right.split(" ", 1)[0] == "cgroup2":
+            fields = left.split()
+            return Path(fields[4]), fields[3]
+    return None
+
+
+def own_cgroup_dir() -> Path | None:
+    """This process's cgroup v2 directory, or None without a usable cgroup2 mount."""
+    mount = cgroup2_mount()
+    own = read_cgroup(os.getpid())
+    if mount is None or own is None:
+        return None
+    point, root = mount
+    if root != "/" and own.startswith(root):
+        own = own[len(root) :]
+    return point / own.lstrip("/")
+
+
+def rmdir_tree(path: Path) -> bool:
+    """rmdir a cgroup and the cgroups below it, deepest first; True if all went."""
+    ok = True
+    for dirpath, _dirs, _files in os.walk(path, topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            ok = False
+            logger.debug("cgroup %s not removed: %s", dirpath, exc)
+    return ok
+
+
+def make_subtree(instance: str) -> tuple[Path, int] | None:
+    """Create and lock ``<own cgroup>/agentd-<instance>``; None (logged) when not possible."""
+    own = own_cgroup_dir()
+    if own is None:
+        logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
+        return None
+    if not delegated(own):
+        logger.warning(
+            "cgroup %s belongs to systemd and is not delegated (Delegate=yes missing?): no cgroups", own
+        )
+        return None
+    # We never enable controllers in our subtree, so the no-internal-process rule does
+    # not apply: the daemon stays in its own cgroup next to agentd-<instance> (measured:
+    # a process in a non-root cgroup whose child holds another works while
+    # cgroup.subtree_control is empty). Were controllers ever enabled there, the daemon
+    # would first have to move itself into a leaf.
+    remove_stale_subtrees(own)
+    made = claim_subtree(own, instance)
+    if made is not None and not (made[0] / "cgroup.kill").exists():
+        logger.info("cgroup.kill missing (kernel < 5.14): the final kill walks cgroup.procs")
+    return made
+
+
+def claim_subtree(own: Path, instance: str) -> tuple[Path, int] | None:
+    """mkdir ``own/agentd-<instance>`` and hold its lock; None (logged) if that fails."""
+    root = own / f"agentd-{instance}"
+    for _ in range(3):
+        try:
+            root.mkdir(exist_ok=True)
+        except OSError as exc:
+            logger.info("cannot create cgroup %s (%s): trees are contained by subreaper and sweep", root, exc)
+            return None
+        fd = lock_dir(root)
+        if fd is None:
+            logger.warning("cgroup %s is locked by another process: not using it", root)
+            return None
+        # Another daemon's clean-up may have removed it between the mkdir and the lock
+        # (it was empty and unlocked then): the lock must be on what the name now names.
+        try:
+            if os.stat(root).st_ino == os.fstat(fd).st_ino:
+                return root, fd
+        except OSError:
+            pass
+        os.close(fd)
+    logger.warning("cgroup %s keeps vanishing: trees are contained by subreaper and sweep", root)
+    return None
+
+
+def lock_dir(path: Path) -> int | None:
+    """An fd holding an exclusive flock on the directory ``path``; None if it is held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def delegated(own: Path) -> bool:
+    """May we create cgroups below ``own``? Not in a systemd unit's cgroup without Delegate=."""
+    if not any(part.endswith((".service", ".scope")) for part in own.parts):
+        return True  # not a systemd unit: the root of a container or of this host
+    for name in ("trusted.delegate", "user.delegate"):  # set by systemd >= 251 on delegation
+        try:
+            if os.getxattr(own, name) == b"1":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def remove_stale_subtrees(own: Path) -> None:
+    """rmdir empty ``agentd-*`` subtrees no live daemon owns (nobody holds their lock).
+
+    A subtree that still holds processes stays: a restarted daemon re-adopts or sweeps them.
+    """
+    try:
+        names = [d.name for d in own.iterdir() if d.is_dir() and d.name.startswith("agentd-")]
+    except OSError:
+        return
+    for name in names:
+        path = own / name
+        fd = lock_dir(path)
+        if fd is None:
+            continue  # a live daemon's, in this PID namespace or another
+        try:
+            if not cgroup_pids(path):
+                rmdir_tree(path)
+        finally:
+            os.close(fd)
