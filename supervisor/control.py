@@ -563,7 +563,9 @@ async def _page(
         page, more = await events_page(run_id, after_seq, limit=limit, max_bytes=max_bytes)
         return page, more
     page = await backend.events_after(run_id, after_seq, limit)
-    return page, len(page) >= limit
+    # A short page does not prove the end: such a backend may cut its pages by size too
+    # (a fleet front relaying a node's). Only an empty page does.
+    return page, bool(page)
 
 
 class _Buffer:

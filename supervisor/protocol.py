@@ -128,7 +128,8 @@ class Backend(Protocol):
     (shown by ``status`` without a run id) and ``events_page(run_id, after_seq, *, limit,
     max_bytes) -> (events, more)``: like ``events_after`` but also bounded in bytes (the
     encoded size of the events' data; at least one event), ``more`` true when events after
-    the page exist. Without it, replay pages are bounded in events only.
+    the page exist. Without it, replay pages are bounded in events only and read until one
+    comes back empty (a short page may have been cut by size).
     """
 
     async def spawn(

@@ -193,3 +193,25 @@ async def test_replay_pages_and_events_replies_are_bounded_in_bytes(nursery: tri
         last = page["events"][-1]["seq"]
         rest = await peer.ok("events", run_id=run, after_seq=last, limit=1000)
         assert rest["events"][0]["seq"] == last + 1
+
+
+class ShortPages(FakeBackend):
+    """A backend whose pages are cut short by something else than the limit (a relay)."""
+
+    async def events_after(self, run_id: str, after_seq: int, limit: int) -> list[dict[str, Any]]:
+        return await super().events_after(run_id, after_seq, min(limit, 3))
+
+
+async def test_a_backends_short_pages_are_read_on_until_an_empty_one(nursery: trio.Nursery, tmp_path: Path) -> None:
+    backend = ShortPages()
+    srv = await start_server(nursery, tmp_path, backend)
+    run = backend.add_run()
+    for i in range(20):
+        backend.emit(run, "log", {"message": str(i)})
+    backend.finish(run, "completed")
+    async with connect(srv) as peer:
+        await peer.ok("subscribe", run_id=run)
+        seqs, end = await peer.events_until_end()
+        assert seqs == list(range(1, 23)) and end["state"] == "completed"
+        page = await peer.ok("events", run_id=run, after_seq=0, limit=1000)
+        assert len(page["events"]) == 3 and page["more"] is True
