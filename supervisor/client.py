@@ -220,9 +220,12 @@ class Client:
     def iter_events(self, run_id: str, *, after_seq: int = 0) -> Iterator[dict[str, Any]]:
         """Every journaled event after ``after_seq``, page by page."""
         while True:
-            page = self.events(run_id, after_seq=after_seq)
+            reply = self.request("events", run_id=run_id, after_seq=after_seq, limit=protocol.DEFAULT_EVENTS_LIMIT)
+            page = reply["events"]
             yield from page
-            if len(page) < protocol.DEFAULT_EVENTS_LIMIT:
+            # A page is cut by bytes too: ``more`` says so (an older daemon: a full page).
+            more = reply.get("more", len(page) >= protocol.DEFAULT_EVENTS_LIMIT)
+            if not page or not more:
                 return
             after_seq = page[-1]["seq"]
 
