@@ -83,6 +83,8 @@ QUIET_CHROMIUM_ARGS: Final = (
     "--disable-breakpad",
     "--no-first-run",
     "--no-default-browser-check",
+    # Shared memory in TMPDIR (the run's own), not /dev/shm, which a run may not write.
+    "--disable-dev-shm-usage",
 )
 
 # Chromium binds its singleton socket at $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket
@@ -102,7 +104,7 @@ OPTION_KEYS: Final = frozenset(
     {
         "executable_path",  # str: the Chromium binary; else AGENTD_CHROMIUM, Debian's, Playwright's
         "headless",  # bool, default true
-        "sandbox",  # bool, default false (Chromium's sandbox cannot run as root)
+        "sandbox",  # bool, default: on where the run's identity allows it (see subagent.sandbox)
         "args",  # [str]: extra Chromium switches
         "viewport",  # "WIDTHxHEIGHT"
         "allowed_origins",  # [str]: origins the browser may request
@@ -367,9 +369,19 @@ def _short_tmpdir(tmp: pathlib.Path) -> pathlib.Path:
     return link
 
 
-def browser_tmpdir(run_dir: pathlib.Path) -> pathlib.Path:
-    """The TMPDIR the run's browser was given: its tmp dir or the short link to it."""
+def browser_tmpdir(run_dir: pathlib.Path, *, create: bool = False) -> pathlib.Path:
+    """The TMPDIR the run's browser was given: its tmp dir or the short link to it.
+
+    With ``create``, make the dir and the link (the runner does it before its sandbox
+    closes /tmp).
+
+    Raises:
+        BrowserSetupError: with ``create``, the short link cannot be made.
+    """
     tmp = browser_dir(pathlib.Path(run_dir)).absolute() / "tmp"
+    if create:
+        tmp.mkdir(parents=True, exist_ok=True)
+        return _short_tmpdir(tmp)
     return tmp if len(str(tmp)) <= MAX_TMPDIR_CHARS else _link_path(tmp)
 
 
@@ -380,24 +392,31 @@ def release_browser_dir(run_dir: pathlib.Path) -> None:
     """
     tmp = browser_dir(pathlib.Path(run_dir)).absolute() / "tmp"
     link = browser_tmpdir(run_dir)
-    if link != tmp and link.is_symlink() and os.readlink(link) == str(tmp):
-        try:
+    try:
+        if link != tmp and link.is_symlink() and os.readlink(link) == str(tmp):
             link.unlink()
-        except FileNotFoundError:
-            pass
+    except OSError:  # gone, or out of reach inside a run's sandbox: the daemon removes it
+        pass
     _sweep_dangling_links(pathlib.Path(LINK_ROOT))
 
 
-def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bool | None) -> dict[str, Any]:
+def browser_server_config(
+    run_dir: pathlib.Path,
+    options: Mapping[str, Any] | bool | None,
+    *,
+    sandbox: tuple[bool, str | None] = (False, "not known to be possible"),
+) -> dict[str, Any]:
     """The ``mcpServers`` entry that runs this run's browser.
 
     Creates ``<run_dir>/browser`` with the server's config file, output dir, temp dir and XDG
-    dirs. The env holds only what the preset needs plus every ``AGENTD_*`` variable of this
-    process (the containment marker); the caller adds its own on top.
+    dirs. The env holds only what the preset needs; the runner puts it over the tool
+    environment (``subagent.sandbox.tool_env``, which carries the containment markers).
 
     Args:
         run_dir: the run's own directory, removed when the run ends.
         options: the spec's ``browser`` value: ``true`` or an object with ``OPTION_KEYS``.
+        sandbox: whether Chromium's own sandbox can work for this run, and why not
+            (``subagent.sandbox.browser_sandbox``): the default of option ``sandbox``.
 
     Returns:
         ``{"command", "args", "env", "cwd"}`` for an MCP stdio client.
@@ -419,11 +438,14 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
         d.mkdir(parents=True, exist_ok=True)
 
     headless = bool(opts.get("headless", True))
-    sandbox = bool(opts.get("sandbox", False))
+    possible, why_not = sandbox
+    if opts.get("sandbox") is True and not possible:
+        raise BrowserSetupError("browser option 'sandbox'", f"chromium's sandbox cannot work for this run: {why_not}")
+    sandbox_on = bool(opts.get("sandbox", possible))
     launch: dict[str, Any] = {
         "executablePath": str(setup.chromium),
         "headless": headless,
-        "chromiumSandbox": sandbox,
+        "chromiumSandbox": sandbox_on,
         "args": [*QUIET_CHROMIUM_ARGS, *opts.get("args", [])],
     }
     config: dict[str, Any] = {
@@ -450,7 +472,7 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
         args.append("--no-webmcp")
     if headless:
         args.append("--headless")
-    args.append("--sandbox" if sandbox else "--no-sandbox")
+    args.append("--sandbox" if sandbox_on else "--no-sandbox")
     if "viewport" in opts:
         args += ["--viewport-size", opts["viewport"]]
     if "allowed_origins" in opts:
@@ -464,8 +486,9 @@ def browser_server_config(run_dir: pathlib.Path, options: Mapping[str, Any] | bo
     if "caps" in opts:
         args += ["--caps", ",".join(opts["caps"])]
 
-    env = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
-    env |= {
+    # Only what the preset needs: the runner's tool environment (``subagent.sandbox``) is
+    # applied under it, and every AGENTD_* marker on top.
+    env = {
         "TMPDIR": str(_short_tmpdir(dirs["tmp"])),
         "XDG_CONFIG_HOME": str(dirs["config"]),
         "XDG_CACHE_HOME": str(dirs["cache"]),

@@ -6,7 +6,9 @@ captured output is bounded (the head is kept, the rest counted and dropped); whe
 shell exits, whatever it left in its group, or that escaped the group but carries this
 command's marker variable, is ended: nothing a command starts outlives its call. A
 timeout or an interrupt (a repeated SIGINT to the runner) ends the group and returns the
-output captured so far. The child gets the runner's environment minus ``OPENAI_*``.
+output captured so far. The child gets the tool environment (``subagent.sandbox.tool_env``:
+an allowlist, never the model key), and runs in the runner's working directory (the run
+dir, or the spec's ``sandbox.workdir``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Final
 import trio
 
 from subagent.groups import sweep_marked, terminate_group
+from subagent.sandbox import tool_env
 
 __all__ = ["CommandOutcome", "run_command", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "format_outcome"]
 
@@ -86,7 +89,7 @@ def format_outcome(o: CommandOutcome) -> str:
 
 
 def _child_env(marker: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    env = tool_env()
     env[SUBTREE_VAR] = marker
     return env
 

@@ -5,8 +5,9 @@ needs about as long to boot. So the runner spawns every server first, exactly as
 SDK's ``_create_platform_compatible_process`` would on POSIX (``anyio.open_process``,
 new session, stderr to a file), reports its group at once, then imports ``mcp`` while the
 servers boot, and hands each process to the SDK through that seam (``subagent.mcp_tools``).
-Invariants: no ``mcp`` import here; the environment is the SDK's default inherited set
-plus ours (``server_env``), so a server sees what it would have seen from the SDK alone.
+Invariants: no ``mcp`` import here; the environment is the tool environment
+(``subagent.sandbox.tool_env``: an allowlist that covers the SDK's default inherited set)
+plus the server's configured ``env``, never a secret of the runner's (``server_env``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import anyio
 
 from subagent.commands import SUBTREE_VAR
 from subagent.groups import sweep_marked, terminate_group
+from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
 
 __all__ = ["Prespawned", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
@@ -57,17 +59,14 @@ class Prespawned:
 
 
 def server_env(spec: McpServerSpec, marker: str) -> dict[str, str]:
-    """The SDK's default env, then AGENTD_* and TMPDIR, the spec's env, our marker.
+    """The tool environment with the spec's env on top (minus the runner's secrets), our marker.
 
-    AGENTD_* is applied again last: a spec cannot override the containment markers.
+    The run's AGENTD_* markers are applied last: a spec cannot override them.
     """
-    env = {k: os.environ[k] for k in SDK_INHERITED_ENV_VARS if k in os.environ and not os.environ[k].startswith("()")}
-    ours = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
-    env.update(ours)
-    if "TMPDIR" in os.environ:
-        env["TMPDIR"] = os.environ["TMPDIR"]
-    env.update(spec.env)
-    env.update(ours)
+    env = tool_env(spec.env)
+    for k in AGENTD_TOOL_VARS:
+        if k in os.environ:
+            env[k] = os.environ[k]
     env[SUBTREE_VAR] = marker
     return env
 

@@ -86,7 +86,9 @@ async def _end_browser(browser: Any, base: Path) -> None:
                 await trio.to_thread.run_sync(release, base, abandon_on_cancel=True)
 
 
-def _server_specs(spec: RunSpec, run_dir: Path | None, stack: AsyncExitStack) -> dict[str, McpServerSpec]:
+def _server_specs(
+    spec: RunSpec, run_dir: Path | None, stack: AsyncExitStack, sandbox: dict[str, Any] | None = None
+) -> dict[str, McpServerSpec]:
     servers = dict(spec.mcp_servers)
     if spec.browser is not False:
         try:
@@ -98,7 +100,9 @@ def _server_specs(spec: RunSpec, run_dir: Path | None, stack: AsyncExitStack) ->
         # Pushed before the server starts, so it runs after the server is closed.
         stack.push_async_callback(_end_browser, browser, base)
         try:
-            entry = browser.browser_server_config(base, options)
+            from subagent.sandbox import browser_sandbox
+
+            entry = browser.browser_server_config(base, options, sandbox=browser_sandbox(sandbox))
             servers["browser"] = McpServerSpec.from_dict(entry, "browser")
         except Exception as exc:  # BrowserSetupError, a SpecError in its entry: a setup failure
             raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: browser setup failed: {exc}") from None
@@ -163,11 +167,13 @@ async def run(
     run_dir: Path | None,
     stdin_leftover: bytes | None = None,
     early_stop: Callable[[], bool] = lambda: False,
+    sandbox: dict[str, Any] | None = None,
 ) -> int:
     """Run one spec to its end; write the result; return the exit code.
 
     ``stdin_leftover`` (bytes read past the spec) turns on the steering reader on stdin;
-    ``early_stop()``: whether a SIGTERM came before trio's signal receiver took over.
+    ``early_stop()``: whether a SIGTERM came before trio's signal receiver took over;
+    ``sandbox``: the report of ``subagent.sandbox.enter`` (in ``runner_started`` and the result).
     """
     run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
     if run_id:
@@ -201,6 +207,7 @@ async def run(
                     run_id=run_id,
                     session_id=spec.session_id,
                     provider=spec.model.provider,
+                    sandbox=sandbox,
                 )
                 if early_stop():
                     stop.request("signal")
@@ -209,7 +216,7 @@ async def run(
                         provider = _make_provider(spec)
                         stack.push_async_callback(provider.aclose)
                         stop.phase = "setup"
-                        servers = await _start_servers(_server_specs(spec, run_dir, stack), stack, run_dir, stop, emitter)
+                        servers = await _start_servers(_server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter)
                         stop.phase = "idle"
                         def on_group(pgid: int, alive: bool, kind: str, name: str) -> None:
                             emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive)
@@ -243,6 +250,7 @@ async def run(
     if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
         outcome = RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=stop.reason)
     extra = {"run_id": run_id, "session_id": spec.session_id, "provider": spec.model.provider, "imported": _imported()}
+    extra["sandbox"] = sandbox
     extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
     result = loop.result(outcome, **extra) if loop is not None else bare_result(str(outcome.status), outcome.reason, outcome.error, extra)
     emitter.result(result)

@@ -81,6 +81,18 @@ def _warm_imports() -> None:
     import subagent.run  # noqa: F401
 
 
+def _prepare_browser(spec: object, run_dir: Path | None) -> None:
+    # The browser's dirs and its short temp link (in /tmp) are made before the sandbox
+    # closes /tmp; the preset finds them made.
+    if getattr(spec, "browser", False) is not False and run_dir is not None:
+        from subagent import browser
+
+        try:
+            browser.browser_tmpdir(run_dir, create=True)
+        except browser.BrowserSetupError:
+            pass  # the preset reports it when it starts
+
+
 def _internal(emitter: Emitter, exc: BaseException) -> int:
     text = "".join(traceback.format_exception(exc))
     message = f"error: internal error in the runner: {type(exc).__name__}: {exc}"
@@ -123,12 +135,29 @@ def main(argv: list[str] | None = None) -> int:
             error = {"code": "bad_spec", "message": message, "field": exc.field}
             emitter.result(bare_result(str(RunStatus.FAILED), "bad_spec", error))
             return int(ExitCode.BAD_SPEC)
+        from subagent import sandbox
+
+        try:
+            # Before trio (and so before any thread), any tool or any model request.
+            report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_browser(spec, run_dir))
+        except sandbox.SandboxError as exc:
+            message = f"error: {exc}"
+            emitter.log("error", message, code="sandbox")
+            emitter.result(bare_result(str(RunStatus.FAILED), "sandbox", {"code": "sandbox", "message": message}))
+            return int(ExitCode.TOOL_SETUP)
         import trio
 
         from subagent.run import run
 
         return trio.run(
-            lambda: run(spec, emitter, run_dir=run_dir, stdin_leftover=leftover, early_stop=lambda: bool(_early_signals))
+            lambda: run(
+                spec,
+                emitter,
+                run_dir=run_dir,
+                stdin_leftover=leftover,
+                early_stop=lambda: bool(_early_signals),
+                sandbox=report.to_dict(),
+            )
         )
     except Exception as exc:  # the task root: anything here is a runner bug
         return _internal(emitter, exc)

@@ -22,6 +22,7 @@ __all__ = [
     "ModelSpec",
     "McpServerSpec",
     "Limits",
+    "SandboxSpec",
     "RunSpec",
     "BUILTIN_TOOLS",
     "PROVIDERS",
@@ -228,6 +229,53 @@ class Limits:
         return out
 
 
+def _abs_paths(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list):
+        raise SpecError(where, f"expected a list of absolute paths, got {type(v).__name__}")
+    return tuple(_abs_path(p, f"{where}[{i}]") for i, p in enumerate(v))
+
+
+def _abs_path(v: Any, where: str) -> str:
+    p = _str(v, where)
+    if not p.startswith("/"):
+        raise SpecError(where, f"expected an absolute path, got {p!r}")
+    return os.path.normpath(p)
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSpec:
+    """What a run may touch beyond its own directory, granted explicitly (``subagent.sandbox``).
+
+    ``read``: trees its processes may read and execute; ``write``: trees they may also
+    write; ``workdir``: a directory they may write that ``run_command`` also runs in.
+    """
+
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    workdir: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SandboxSpec:
+        d = _obj(d, "sandbox")
+        _check_keys(d, "sandbox", {"read", "write", "workdir"})
+        workdir = d.get("workdir")
+        return cls(
+            read=_abs_paths(d.get("read", []), "sandbox.read"),
+            write=_abs_paths(d.get("write", []), "sandbox.write"),
+            workdir=None if workdir is None else _abs_path(workdir, "sandbox.workdir"),
+        )
+
+    @property
+    def granted(self) -> bool:
+        return bool(self.read or self.write or self.workdir)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"read": list(self.read), "write": list(self.write)}
+        if self.workdir is not None:
+            out["workdir"] = self.workdir
+        return out
+
+
 _TOP_KEYS: Final = {
     "run_id",
     "session_id",
@@ -238,6 +286,7 @@ _TOP_KEYS: Final = {
     "mcpServers",
     "browser",
     "limits",
+    "sandbox",
 }
 
 
@@ -254,6 +303,7 @@ class RunSpec:
     mcp_servers: Mapping[str, McpServerSpec] = field(default_factory=dict)
     browser: bool | Mapping[str, Any] = False
     limits: Limits = field(default_factory=Limits)
+    sandbox: SandboxSpec = field(default_factory=SandboxSpec)
 
     @classmethod
     def from_dict(cls, d: Any, env: Mapping[str, str] | None = None) -> RunSpec:
@@ -304,6 +354,7 @@ class RunSpec:
             mcp_servers=servers,
             browser=browser,
             limits=Limits.from_dict(d.get("limits", {})),
+            sandbox=SandboxSpec.from_dict(d.get("sandbox", {})),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,6 +366,8 @@ class RunSpec:
             "browser": self.browser if isinstance(self.browser, bool) else dict(self.browser),
             "limits": self.limits.to_dict(),
         }
+        if self.sandbox.granted:
+            out["sandbox"] = self.sandbox.to_dict()
         for k in ("run_id", "session_id", "system_prompt"):
             v = getattr(self, k)
             if v is not None:

@@ -52,7 +52,7 @@ async def test_completed_run_leaves_no_process_of_the_server_tree(tmp_path: Path
 
 
 async def test_sigterm_during_an_mcp_call_lets_it_finish_and_ends_the_tree(tmp_path: Path) -> None:
-    flag = tmp_path / "go"
+    flag = tmp_path / "run" / "go"
     script = {"turns": [
         {"tool_calls": [{"name": "tree", "arguments": {}}]},
         {"tool_calls": [{"name": "wait_for", "arguments": {"path": str(flag)}}]},

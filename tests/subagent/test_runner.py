@@ -120,7 +120,7 @@ async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path
 
 async def test_repeated_sigterm_changes_nothing_the_command_still_finishes(tmp_path: Path) -> None:
     # The daemon's path A and path B both send SIGTERM: the second must not escalate.
-    flag = tmp_path / "go"
+    flag = tmp_path / "run" / "go"
     command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
     async with start_runner(spec(script=script), tmp_path) as r:
@@ -157,7 +157,7 @@ async def test_a_repeated_sigint_interrupts_the_running_command(tmp_path: Path) 
 
 
 async def test_a_call_cut_inside_its_arguments_never_runs(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
+    marker = tmp_path / "run" / "ran"
     script = {
         "turns": [
             {"text": "let me", "tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}, "cut_after": 13}]},
@@ -180,7 +180,7 @@ async def test_a_call_cut_inside_its_arguments_never_runs(tmp_path: Path) -> Non
 
 
 async def test_stop_inside_streamed_arguments_aborts_and_never_runs_the_call(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
+    marker = tmp_path / "run" / "ran"
     call = {"name": "run_command", "arguments": {"command": f"touch {marker}"}, "hang_after": 14}
     async with start_runner(spec(script={"turns": [{"tool_calls": [call]}]}), tmp_path) as r:
         with trio.fail_after(10):
@@ -291,7 +291,7 @@ async def test_command_timeout_and_output_bound_are_enforced(tmp_path: Path) -> 
 
 
 async def test_a_command_leaves_nothing_behind(tmp_path: Path) -> None:
-    pidfile = tmp_path / "bg.pid"
+    pidfile = tmp_path / "run" / "bg.pid"
     cmd = f"(sleep 300 & echo $! > {pidfile}); (setsid sleep 301 &); echo done"
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": cmd}}]}]}
     async with start_runner(spec(script=script), tmp_path) as r:
@@ -303,7 +303,7 @@ async def test_a_command_leaves_nothing_behind(tmp_path: Path) -> None:
 
 
 async def test_events_go_to_the_run_dir_when_stderr_is_broken(tmp_path: Path) -> None:
-    flag = tmp_path / "go"
+    flag = tmp_path / "run" / "go"
     command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo ok"
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
     async with start_runner(spec(script=script), tmp_path) as r:
@@ -408,7 +408,7 @@ async def test_a_stop_ends_background_commands_too(tmp_path: Path) -> None:
 
 
 async def test_a_deadline_during_a_command_lets_it_finish_like_a_stop(tmp_path: Path) -> None:
-    flag = tmp_path / "go"
+    flag = tmp_path / "run" / "go"
     script = {"turns": [
         {"tool_calls": [{"name": "run_command", "arguments": {"command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"}}]},
         {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo never"}}]},

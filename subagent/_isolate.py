@@ -1,0 +1,199 @@
+"""The identity half of a run's sandbox: user and mount namespaces, capabilities, dumpability.
+
+Kernel calls through ``ctypes``, stdlib only, Linux only. Each function does one thing and
+raises ``OSError`` (errno set) when the kernel refuses; ``subagent.sandbox`` decides what
+to try and reports what held. Everything here must run while the process has one thread
+(``unshare(CLONE_NEWUSER)`` refuses a threaded process), before trio starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterable
+from typing import Final
+
+__all__ = [
+    "KERNEL_TUNABLES",
+    "enter_user_namespace",
+    "private_mounts",
+    "drop_capabilities",
+    "set_dumpable",
+    "can_nest_user_namespace",
+    "thread_count",
+]
+
+_CLONE_NEWNS: Final = 0x00020000
+_CLONE_NEWUSER: Final = 0x10000000
+_MS_RDONLY: Final = 1
+_MS_NOSUID: Final = 2
+_MS_NODEV: Final = 4
+_MS_REMOUNT: Final = 32
+_MS_BIND: Final = 4096
+_MS_REC: Final = 16384
+_MS_PRIVATE: Final = 1 << 18
+_PR_SET_DUMPABLE: Final = 4
+_PR_CAPBSET_DROP: Final = 24
+_PR_CAP_AMBIENT: Final = 47
+_PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
+_LINUX_CAPABILITY_VERSION_3: Final = 0x20080522
+
+# What systemd's ProtectKernelTunables= makes read-only under /proc: a process that is uid 0
+# on the host (even in a user namespace, even without capabilities) may write most of them.
+KERNEL_TUNABLES: Final = (
+    "/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs", "/proc/acpi",
+    "/proc/apm", "/proc/asound", "/proc/latency_stats", "/proc/mtrr", "/proc/scsi", "/proc/timer_list",
+    "/proc/timer_stats", "/proc/kcore", "/proc/kallsyms",
+)  # fmt: skip
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def _check(res: int, what: str) -> None:
+    if res != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def enter_user_namespace(inner_id: int) -> None:
+    """Move into a new user and mount namespace, as ``inner_id`` (uid and gid) there.
+
+    The host still sees the old uid (file owners, signals); inside, the process is
+    ``inner_id``, and anything it executes has no capability at all. The process keeps
+    every capability inside the new namespace until it executes (for ``private_mounts``).
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    _check(_c().unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{inner_id} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{inner_id} {gid} 1")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+    _check(_c().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target!r}")
+
+
+def _locked_flags(path: str) -> int:
+    # A remount inside a user namespace must keep the flags the host mount has (EPERM otherwise).
+    have = os.statvfs(path).f_flag
+    flags = _MS_NOSUID | _MS_NODEV
+    for st, ms in ((os.ST_NOEXEC, 8), (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21)):
+        if have & st:
+            flags |= ms
+    return flags
+
+
+def _topmost(paths: Iterable[str]) -> list[str]:
+    out: list[str] = []
+    for p in sorted(set(paths), key=len):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def private_mounts(*, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
+    """In this (new) mount namespace: an empty tmpfs on each ``tmpfs`` directory, then
+    ``keep`` (files or directories under them that the run needs: its own directory, the
+    interpreter, ``/etc/resolv.conf``'s target) bound back at their own paths, then
+    ``read_only`` bound read-only over themselves. Missing paths are skipped. Returns what
+    was mounted, in order.
+    """
+    done: list[str] = []
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
+    dirs = [p for p in tmpfs if os.path.isdir(p) and not os.path.islink(p)]
+    wanted = [os.path.realpath(k) for k in keep if os.path.exists(k)]
+    wanted = [k for k in _topmost(wanted) if any(k.startswith(d.rstrip("/") + "/") for d in dirs)]
+    held = [(k, os.path.isdir(k), os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in wanted]
+    try:
+        for path in dirs:
+            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
+            done.append(path)
+        for path, is_dir, fd in held:
+            if is_dir:
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "a"):
+                    pass
+            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None)
+            done.append(path)
+    finally:
+        for _p, _d, fd in held:
+            os.close(fd)
+    for path in read_only:
+        if not os.path.lexists(path) or os.path.islink(path):
+            continue
+        _mount(path, path, None, _MS_BIND | _MS_REC, None)
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
+        done.append(path)
+    return done
+
+
+def drop_capabilities() -> None:
+    """Drop every capability: bounding set (where allowed), ambient, effective, permitted."""
+    libc = _c()
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # EPERM without CAP_SETPCAP: the set is already what it is
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(libc.capset(ctypes.byref(header), data), "capset")
+
+
+def set_dumpable(on: bool) -> None:
+    """Not dumpable: processes without CAP_SYS_PTRACE over us cannot read our memory or
+    ``/proc/self/environ`` (our own children included). Reset by execve."""
+    _check(_c().prctl(_PR_SET_DUMPABLE, 1 if on else 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def can_nest_user_namespace() -> bool:
+    """Can a child of ours make a user namespace and map itself (what Chromium's sandbox does)?"""
+    try:
+        pid = os.fork()
+    except OSError:
+        return False
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            uid = os.geteuid()
+            if _c().unshare(_CLONE_NEWUSER) == 0:
+                with open("/proc/self/uid_map", "w") as f:
+                    f.write(f"{uid} {uid} 1")
+                code = 0
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _pid, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0

@@ -1,0 +1,390 @@
+"""A run's sandbox: what its processes can touch, set up by the runner on itself.
+
+The runner calls ``enter`` once, after reading its spec (the grants come from it) and
+before it starts any thread, tool or model request; everything it starts afterwards
+inherits the sandbox and cannot leave it. A forked runner (a zygote's child) does the same
+first thing after its fork. Layers, each reported (``Report``, shown by ``status``):
+
+- identity: a runner started as uid 0 moves into its own user and mount namespace, where
+  it is uid ``SANDBOX_ID`` (so Chromium's own sandbox can run), /tmp, /var/tmp, /dev/shm
+  and /run are private to the run and the kernel's tunables read-only; where namespaces
+  are refused (systemd's ``RestrictNamespaces=``) it is uid 0 without any capability.
+  The runner is not dumpable: its tools cannot read its memory or environment (the key).
+- Landlock: read the system, the interpreter and this checkout; write the run directory;
+  plus the spec's explicit grants; never the daemon's protected paths (state directory,
+  token, journal, other runs, config). No ptrace of, signal to, or abstract socket of a
+  process outside the run (ABI 6). The network is not restricted.
+- environment: tools get ``tool_env()``: an allowlist, never a secret of the runner's.
+
+The daemon passes ``Settings`` in ``AGENTD_SANDBOX`` (JSON). Stdlib only (the daemon
+imports it to validate grants).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from subagent import _isolate, _landlock
+from subagent._landlock import FS_READ, FS_WRITE, Grant
+
+__all__ = [
+    "SANDBOX_ENV",
+    "SANDBOX_ID",
+    "MODES",
+    "DEFAULT_PROTECT",
+    "Settings",
+    "Report",
+    "SandboxError",
+    "enter",
+    "tool_env",
+    "check_grants",
+    "browser_sandbox",
+]
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_ENV: Final = "AGENTD_SANDBOX"
+MODES: Final = ("auto", "required", "off")
+# What a root runner's processes are inside their user namespace: not 0, so Chromium's
+# sandbox runs; on the host they stay uid 0 without any capability.
+SANDBOX_ID: Final = 65000
+# The checkout this module lives in (the runner's code, node_modules).
+CHECKOUT: Final = str(Path(__file__).resolve().parent.parent)
+
+# Read (and execute) for every run. Missing ones are skipped.
+SYSTEM_READ: Final = (
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/var/lib",
+    "/var/cache", "/sys", "/nix/store",
+)  # fmt: skip
+# Device files a tool may open for reading and writing.
+DEVICES_RW: Final = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/pts")
+# Private (an empty tmpfs each) when the runner has its own mount namespace; writable then.
+PRIVATE_DIRS: Final = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+# Never reachable, whatever is granted around them: this daemon's configuration and the
+# files a uid-0 run could otherwise read as their owner.
+DEFAULT_PROTECT: Final = (
+    "/etc/agentd", "/var/lib/agentd", "/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
+    "/etc/sudoers", "/etc/sudoers.d", "/etc/ssl/private",
+)  # fmt: skip
+
+_SCOPES: Final = _landlock.SCOPE_SIGNAL | _landlock.SCOPE_ABSTRACT_UNIX_SOCKET
+_DEVICE_ACCESS: Final = FS_READ | _landlock.WRITE_FILE | _landlock.IOCTL_DEV
+
+# The environment a tool gets: these names, LC_*, the run's own AGENTD_* markers, and the
+# names the daemon's ``tool_env`` setting adds. Nothing else of the runner's.
+TOOL_ENV_NAMES: Final = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "TMPDIR", "COLORTERM", "NO_COLOR")
+TOOL_ENV_PREFIXES: Final = ("LC_",)
+AGENTD_TOOL_VARS: Final = ("AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_TEST_MARK")
+# The model key: its value never reaches a tool, whatever asks for it.
+MODEL_KEY_VARS: Final = ("OPENAI_API_KEY",)
+_SECRET_NAME: Final = re.compile(r"KEY|SECRET|TOKEN|PASS|CRED|AUTH|COOKIE", re.IGNORECASE)
+
+
+class SandboxError(Exception):
+    """The run's sandbox could not be set up as asked (``why`` says what failed)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the daemon decides for every run: the mode, its paths, extra tool variables."""
+
+    mode: str = "auto"
+    protect: tuple[str, ...] = ()
+    tool_env: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        raw = (os.environ if environ is None else environ).get(SANDBOX_ENV)
+        if not raw:
+            return cls()
+        try:
+            d = json.loads(raw)
+            mode = str(d.get("mode", "auto"))
+            return cls(
+                mode=mode if mode in MODES else "required",  # unreadable intent: the safe side
+                protect=tuple(str(p) for p in d.get("protect", ())),
+                tool_env=tuple(str(n) for n in d.get("tool_env", ())),
+            )
+        except (ValueError, AttributeError, TypeError):
+            return cls(mode="required")
+
+    def to_env(self) -> str:
+        return json.dumps({"mode": self.mode, "protect": list(self.protect), "tool_env": list(self.tool_env)})
+
+
+@dataclass
+class Report:
+    """What the sandbox of this run is; ``to_dict`` is what ``status`` shows."""
+
+    mode: str  # "landlock" or "none"
+    requested: str
+    why: str | None = None
+    landlock_abi: int = 0
+    identity: str = ""
+    private: list[str] = field(default_factory=list)
+    read: list[str] = field(default_factory=list)
+    write: list[str] = field(default_factory=list)
+    protected: list[str] = field(default_factory=list)
+    scopes: list[str] = field(default_factory=list)
+    workdir: str | None = None
+    browser_sandbox: bool | None = None
+    browser_sandbox_why: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "requested": self.requested,
+            "identity": self.identity,
+            "landlock_abi": self.landlock_abi,
+            "read": self.read,
+            "write": self.write,
+            "protected": self.protected,
+            "private": self.private,
+            "scopes": self.scopes,
+            "network": "unrestricted",
+        }
+        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why"):
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v
+        if self.problems:
+            out["problems"] = self.problems
+        return out
+
+
+# ----------------------------------------------------------------------------- grants
+
+
+def _exists(paths: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(p for p in paths if p and os.path.isabs(p) and os.path.exists(p)))
+
+
+def runtime_paths() -> list[str]:
+    """What the runner itself needs to keep running: interpreter, packages, this checkout."""
+    paths = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, CHECKOUT]
+    paths += [str(Path(os.path.realpath(sys.executable)).parent.parent)]
+    paths += [p for p in sys.path if p and os.path.isabs(p)]
+    return _exists(paths)
+
+
+def _browser_paths(options: Any) -> list[str]:
+    try:
+        from subagent import browser
+
+        setup = browser.check_browser(options)
+    except Exception:  # the preset reports it properly when it starts
+        return []
+    node = Path(os.path.realpath(setup.node))
+    cli = Path(os.path.realpath(setup.playwright_mcp))
+    chromium = Path(os.path.realpath(setup.chromium))
+    return _exists([str(node.parent.parent), str(cli.parent.parent.parent), str(chromium.parent)])
+
+
+def _server_paths(spec: Any) -> list[str]:
+    out: list[str] = []
+    for server in spec.mcp_servers.values():
+        found = shutil.which(server.command)
+        if found:
+            out.append(os.path.realpath(found))
+        if server.cwd:
+            out.append(server.cwd)
+    return _exists(out)
+
+
+def _resolv_target() -> str | None:
+    target = os.path.realpath("/etc/resolv.conf")
+    return target if target != "/etc/resolv.conf" and os.path.exists(target) else None
+
+
+def check_grants(read: Iterable[str], write: Iterable[str], protect: Iterable[str]) -> str | None:
+    """Why these grants are refused (one at or below a protected path), or None."""
+    prot = [os.path.realpath(p) for p in protect]
+    for g in [*read, *write]:
+        real = os.path.realpath(g)
+        for p in prot:
+            if real == p or real.startswith(p.rstrip("/") + "/"):
+                return f"{g!r} is inside {p!r}, which no run may reach"
+    return None
+
+
+# ----------------------------------------------------------------------------- enter
+
+
+def enter(
+    spec: Any,
+    run_dir: Path | None,
+    *,
+    settings: Settings | None = None,
+    prepare: Callable[[], None] | None = None,
+) -> Report:
+    """Sandbox this process and everything it will start, for ``spec``; report what held.
+
+    ``prepare`` runs after the identity step and before Landlock (what the run must create
+    outside its grants, such as the browser's short temp link).
+
+    Raises:
+        SandboxError: the mode is ``required`` and Landlock could not be applied.
+    """
+    settings = Settings.from_env() if settings is None else settings
+    report = Report(mode="none", requested=settings.mode, workdir=spec.sandbox.workdir)
+    proc_writable = _enter(spec, run_dir, settings, prepare, report)
+    if report.workdir is not None:
+        try:
+            os.chdir(report.workdir)  # run_command and servers without a cwd run there
+        except OSError as exc:
+            raise SandboxError(f"cannot enter the workdir {report.workdir!r}: {exc.strerror}") from None
+    if spec.browser is not False:
+        _browser_verdict(report, proc_writable)
+    return report
+
+
+def _enter(
+    spec: Any, run_dir: Path | None, settings: Settings, prepare: Callable[[], None] | None, report: Report
+) -> bool:
+    """The body of ``enter``; returns whether the run's processes may write under /proc."""
+    base = run_dir if run_dir is not None else Path.cwd()
+    if settings.mode == "off":
+        report.why = "turned off in the daemon's configuration (sandbox = off)"
+        _prepare(prepare, None)
+        return True
+    abi = _landlock.abi_version()
+    threads = _isolate.thread_count()
+    if abi <= 0 or threads > 1:
+        why = "landlock is not available in this kernel" if abi <= 0 else f"the runner already has {threads} threads"
+        if settings.mode == "required":
+            raise SandboxError(f"the sandbox is required but {why}")
+        report.why = why
+        _prepare(prepare, None)
+        return True
+    workdir = spec.sandbox.workdir
+    read = _exists([*SYSTEM_READ, *runtime_paths(), *spec.sandbox.read, *_server_paths(spec)])
+    if spec.browser is not False:
+        read += _browser_paths(True if spec.browser is True else dict(spec.browser))
+    write = _exists([str(base), *spec.sandbox.write, *([workdir] if workdir else [])])
+    protect = list(dict.fromkeys([*settings.protect, *DEFAULT_PROTECT, *glob.glob("/etc/ssh/ssh_host_*key")]))
+    resolv = _resolv_target()
+
+    root = os.geteuid() == 0
+    userns = False
+    if root:
+        try:
+            _isolate.enter_user_namespace(SANDBOX_ID)
+            userns = True
+            report.private = _isolate.private_mounts(
+                tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*read, *write, *([resolv] if resolv else [])]
+            )
+            os.chdir(base)
+        except OSError as exc:
+            report.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
+        try:
+            _isolate.drop_capabilities()
+        except OSError as exc:
+            report.problems.append(f"capabilities: {exc}")
+    _isolate.set_dumpable(False)
+    host = "uid 0" if root else f"uid {os.getuid()}"
+    if userns:
+        report.identity = f"{host} on the host, uid {SANDBOX_ID} in its own user namespace, no capabilities"
+    else:
+        report.identity = f"{host} without capabilities" if root else host
+    _prepare(prepare, base)
+
+    tunables_ro = bool(os.statvfs("/proc/sys").f_flag & os.ST_RDONLY) if os.path.exists("/proc/sys") else True
+    # Chromium's sandbox writes its namespaces' uid_map under /proc: allowed where /proc's
+    # tunables cannot be written anyway (not uid 0, or mounted read-only).
+    proc_writable = not root or tunables_ro
+    grants = [Grant(p, FS_READ) for p in read] + [Grant(p, FS_WRITE) for p in write]
+    grants += [Grant("/proc", FS_READ | (_landlock.WRITE_FILE if proc_writable else 0)), Grant("/dev", _landlock.READ_DIR)]
+    grants += [Grant(d, _DEVICE_ACCESS) for d in DEVICES_RW]
+    grants += [Grant(p, FS_WRITE) for p in report.private if p in PRIVATE_DIRS]
+    if resolv:
+        grants.append(Grant(resolv, FS_READ))
+    try:
+        _landlock.restrict_self(_landlock.plan_rules(grants, protect), abi=abi, scoped=_SCOPES)
+    except OSError as exc:
+        if settings.mode == "required":
+            raise SandboxError(f"the sandbox is required but landlock failed: {exc}") from exc
+        report.why = f"landlock failed: {exc}"
+        return proc_writable
+    report.mode = "landlock"
+    report.landlock_abi = abi
+    report.read, report.write, report.protected = read, write, protect
+    report.scopes = ["signal", "abstract_unix_socket"] if abi >= 6 else []
+    return proc_writable
+
+
+def _prepare(prepare: Callable[[], None] | None, base: Path | None) -> None:
+    if base is not None:
+        home = base / "home"
+        try:
+            home.mkdir(mode=0o700, exist_ok=True)
+            os.environ["HOME"] = str(home)  # tools get a home they can write
+        except OSError:
+            pass
+    if prepare is not None:
+        prepare()
+
+
+def _browser_verdict(report: Report, proc_writable: bool) -> None:
+    if os.geteuid() == 0:
+        report.browser_sandbox, report.browser_sandbox_why = False, "the run is uid 0 (it has no user namespace of its own)"
+    elif not proc_writable:
+        report.browser_sandbox, report.browser_sandbox_why = False, "the kernel's tunables are writable by this uid"
+    elif not _isolate.can_nest_user_namespace():
+        report.browser_sandbox, report.browser_sandbox_why = False, "this run cannot create a user namespace"
+    else:
+        report.browser_sandbox = True
+
+
+def browser_sandbox(report: Mapping[str, Any] | None) -> tuple[bool, str | None]:
+    """Whether a run's Chromium keeps its own sandbox, and why not, from its report's dict."""
+    if report is None or report.get("browser_sandbox") is None:
+        return False, "unknown: no sandbox report for this run"
+    return bool(report["browser_sandbox"]), report.get("browser_sandbox_why")
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def tool_env(extra: Mapping[str, str] | None = None, *, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a tool process: the allowlist from ``environ``, then ``extra``.
+
+    ``extra`` (a server's configured ``env``) is passed, except a value equal to a secret
+    of the runner's (the model key); the run's own AGENTD_* markers are applied last.
+    """
+    environ = os.environ if environ is None else environ
+    settings = Settings.from_env(environ)
+    explicit = set(settings.tool_env) - set(MODEL_KEY_VARS)
+    secrets = {
+        v for k, v in environ.items() if v and _SECRET_NAME.search(k) and (k not in explicit or k in MODEL_KEY_VARS)
+    }
+    env: dict[str, str] = {}
+    for k, v in environ.items():
+        if k in TOOL_ENV_NAMES or k.startswith(TOOL_ENV_PREFIXES) or k in explicit:
+            if v not in secrets and not v.startswith("()"):  # "()": an exported shell function
+                env[k] = v
+    dropped = []
+    for k, v in (extra or {}).items():
+        if v in secrets:
+            dropped.append(k)
+        else:
+            env[k] = v
+    if dropped:
+        logger.warning("not passed to a tool: %s (the value is a secret of the runner's)", ", ".join(sorted(dropped)))
+    env.update({k: environ[k] for k in AGENTD_TOOL_VARS if k in environ})
+    return env
