@@ -16,7 +16,7 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
   process outside the run (ABI 6). The network is not restricted.
 - environment: tools get ``tool_env()``: an allowlist, never a secret of the runner's.
 
-The daemon passes ``Settings`` in ``AGENTD_SANDBOX`` (JSON). Stdlib only (the daemon
+The daemon passes ``Settings`` in ``AGENTD_RUN_SANDBOX`` (JSON). Stdlib only (the daemon
 imports it to validate grants).
 """
 
@@ -54,7 +54,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SANDBOX_ENV: Final = "AGENTD_SANDBOX"
+SANDBOX_ENV: Final = "AGENTD_RUN_SANDBOX"
 MODES: Final = ("auto", "required", "off")
 # What a root runner's processes are inside their user namespace: not 0, so Chromium's
 # sandbox runs; on the host they stay uid 0 without any capability.
@@ -112,6 +112,8 @@ class Settings:
         raw = (os.environ if environ is None else environ).get(SANDBOX_ENV)
         if not raw:
             return cls()
+        if raw in MODES:
+            return cls(mode=raw)
         try:
             d = json.loads(raw)
             mode = str(d.get("mode", "auto"))
@@ -273,7 +275,8 @@ def _enter(
         _prepare(prepare, None)
         return True
     workdir = spec.sandbox.workdir
-    read = _exists([*SYSTEM_READ, *runtime_paths(), *spec.sandbox.read, *_server_paths(spec)])
+    script = [spec.model.script_path] if spec.model.script_path else []  # the run's own input
+    read = _exists([*SYSTEM_READ, *runtime_paths(), *spec.sandbox.read, *_server_paths(spec), *script])
     if spec.browser is not False:
         read += _browser_paths(True if spec.browser is True else dict(spec.browser))
     write = _exists([str(base), *spec.sandbox.write, *([workdir] if workdir else [])])

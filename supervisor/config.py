@@ -66,6 +66,14 @@ class Config:
     dashboard: str = "on"
     # The dashboard's port; 0: an ephemeral port, published in <state_dir>/daemon.json.
     dashboard_port: int = 0
+    # Each run's sandbox (subagent/sandbox.py): "auto" (what the kernel allows, shown in
+    # status), "required" (a run that cannot have Landlock fails), "off".
+    sandbox: str = "auto"
+    # More paths no run may reach, beyond the state dir, runs dir and /etc/agentd.
+    sandbox_protect: tuple[str, ...] = ()
+    # Variable names passed from the daemon's environment to tools, beyond the allowlist
+    # (never the model key).
+    tool_env: tuple[str, ...] = ()
 
     @property
     def token_path(self) -> Path:
@@ -151,7 +159,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 v = None if v in (None, "", "none") else float(v)
             elif f.name == "runner_command":
                 v = tuple(shlex.split(v)) if isinstance(v, str) else tuple(str(a) for a in v)
-            elif f.name == "allowed_origins":
+            elif f.name in {"allowed_origins", "sandbox_protect", "tool_env"}:
                 if isinstance(v, str):
                     v = tuple(o.strip() for o in v.split(",") if o.strip())
                 else:
@@ -164,6 +172,10 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 v = {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else str(v)
                 if v not in {"on", "off"}:
                     raise ValueError("expected 'on' or 'off'")
+            elif f.name == "sandbox":
+                v = str(v)
+                if v not in {"auto", "required", "off"}:
+                    raise ValueError("expected 'auto', 'required' or 'off'")
             else:
                 v = str(v)
         except (TypeError, ValueError) as exc:

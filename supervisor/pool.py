@@ -24,12 +24,13 @@ from pathlib import Path
 
 import trio
 
+from subagent.sandbox import SANDBOX_ENV, Settings
 from supervisor import process
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import SpawnError
 
-__all__ = ["WarmPool", "Warm", "new_tree", "runner_env"]
+__all__ = ["WarmPool", "Warm", "new_tree", "runner_env", "protected_paths", "sandbox_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,24 @@ class Warm:
     early_stderr: bytes = b""
 
 
-def runner_env(run_dir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def runner_env(run_dir: Path, base: Mapping[str, str] | None = None, config: Config | None = None) -> dict[str, str]:
+    """The runner's environment: the daemon's, its run dir, and its sandbox settings."""
     env = dict(os.environ if base is None else base)
     env.pop("AGENTD_RUN_ID", None)
     env.update(AGENTD_RUN_DIR=str(run_dir), TMPDIR=str(run_dir / "tmp"))
+    if config is not None:
+        env[SANDBOX_ENV] = sandbox_settings(config).to_env()
     return env
+
+
+def protected_paths(config: Config) -> tuple[str, ...]:
+    """What no run may reach: the state dir (token, journal, daemon.json, config), the
+    runs dir (other runs), and the configured extras."""
+    return tuple(dict.fromkeys(str(p) for p in (config.state_dir, config.run_root, *config.sandbox_protect)))
+
+
+def sandbox_settings(config: Config) -> Settings:
+    return Settings(mode=config.sandbox, protect=protected_paths(config), tool_env=config.tool_env)
 
 
 async def new_tree(
@@ -68,7 +82,7 @@ async def new_tree(
     tree_id = "t-" + uuid.uuid4().hex[:16]
     run_dir = config.run_root / tree_id
     await trio.to_thread.run_sync(_make_run_dir, run_dir)
-    env = runner_env(run_dir)
+    env = runner_env(run_dir, config=config)
     if extra_env:
         env.update(extra_env)
     argv = list(config.runner_argv) + (["--warm"] if warm else [])

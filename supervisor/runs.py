@@ -93,6 +93,7 @@ class _Run:
     last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)
     stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
+    sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
 
 
 class RunManager:
@@ -185,7 +186,7 @@ class RunManager:
             session_id = spec.get("session_id")
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
-        provider = _validate_spec(spec, model_key)
+        provider = _validate_spec(spec, model_key, self.config)
         if provider is not None:
             # The provider chosen here, from this daemon's environment, is the one the run
             # uses and the one status shows: the runner does not choose again.
@@ -276,6 +277,7 @@ class RunManager:
             "grace_s": self.config.grace_s,
             "containment": self.containment.mode,
             "cgroup_subtree": str(self.containment.root) if self.containment.root is not None else None,
+            "sandbox": self.config.sandbox,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
             "accepting": self._accepting,
             "journal": self.backlog.describe(),
@@ -310,6 +312,7 @@ class RunManager:
             if run.partial is not None:
                 row["partial_snapshot"] = run.partial
         self._overlay_unwritten(row)
+        row["sandbox"] = _sandbox_of(run, row)
         return row
 
     def _overlay_unwritten(self, row: dict[str, Any]) -> None:
@@ -590,6 +593,7 @@ class RunManager:
             "cancel_requested_wall": run.cancel_wall,
             "path_a": run.path_a,
             "containment": run.tree.containment if run.tree else None,
+            "sandbox": run.sandbox,
         }
 
     # ------------------------------------------------------------------ pipes
@@ -649,6 +653,8 @@ class RunManager:
         kind = item.kind
         try:
             if kind == EventKind.RUNNER_STARTED:
+                if isinstance(data.get("sandbox"), dict):
+                    run.sandbox = data["sandbox"]
                 if run.state == RunState.STARTING:
                     await self._transition(run, RunState.RUNNING)
             elif kind == EventKind.PROCESS_GROUP:
@@ -829,13 +835,25 @@ def _leaf_errors(exc: BaseException) -> str:
     return repr(exc)
 
 
-def _validate_spec(spec: dict[str, Any], model_key: Secret | None = None) -> str | None:
+def _sandbox_of(run: _Run | None, row: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's sandbox report: live from its runner, else as its receipt or result kept it."""
+    if run is not None and run.sandbox is not None:
+        return run.sandbox
+    for key in ("receipt", "result"):
+        doc = row.get(key)
+        if isinstance(doc, dict) and isinstance(doc.get("sandbox"), dict):
+            return doc["sandbox"]
+    return None
+
+
+def _validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config: Config | None = None) -> str | None:
     """Reject a bad spec at spawn time, with the runner's own validator (stdlib only).
 
     Returns the model provider the run will use (None if the runner package is absent).
     A model that cannot be used is refused here, never replaced: provider "openai" with
     no API key (neither this daemon's ``OPENAI_API_KEY`` nor the run's own ``model_key``)
-    and no base URL of a local server is a SpawnError saying where the key goes.
+    and no base URL of a local server is a SpawnError saying where the key goes. So is a
+    sandbox grant that would reach the daemon's state (``config``'s protected paths).
     """
     try:
         from subagent.spec import RunSpec, SpecError
@@ -860,6 +878,18 @@ def _validate_spec(spec: dict[str, Any], model_key: Secret | None = None) -> str
             "then restart agentd), or give this run its own with `agentd spawn --model-key-env VAR`; "
             "for a local OpenAI-compatible server set model.base_url or OPENAI_BASE_URL instead"
         )
+    grants = parsed.sandbox
+    if grants.granted:
+        from subagent.sandbox import DEFAULT_PROTECT, check_grants
+        from supervisor.pool import protected_paths
+
+        protect = [*(protected_paths(config) if config is not None else ()), *DEFAULT_PROTECT]
+        workdir = [grants.workdir] if grants.workdir else []
+        why = check_grants(grants.read, [*grants.write, *workdir], protect)
+        if why is not None:
+            raise SpawnError(f"invalid run spec: sandbox: {why}")
+        if grants.workdir is not None and not Path(grants.workdir).is_dir():
+            raise SpawnError(f"invalid run spec: sandbox.workdir: expected an existing directory, got {grants.workdir!r}")
     if spec.get("browser"):
         # A missing Chromium or node is a clear error now, not a failed run later.
         from subagent.browser import BrowserSetupError, check_browser

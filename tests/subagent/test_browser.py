@@ -120,13 +120,31 @@ def test_everything_the_browser_writes_is_under_the_run_dir(
 def test_env_carries_agentd_markers_and_nothing_else_from_the_caller(
     tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from subagent.mcp_spawn import server_env
+    from subagent.spec import McpServerSpec
+
     monkeypatch.setenv("AGENTD_TREE", "tree-123")
     monkeypatch.setenv("SECRET_TOKEN", "do-not-pass")
-    env = browser_server_config(tmp_path / "run", True)["env"]
+    entry = browser_server_config(tmp_path / "run", True)
+    assert set(entry["env"]) == {"TMPDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"}
+    # What the server process gets: the tool environment under the preset's own.
+    env = server_env(McpServerSpec.from_dict(entry, "browser"), "m")
     assert env["AGENTD_TREE"] == "tree-123"
     assert env["AGENTD_TEST_MARK"] == os.environ["AGENTD_TEST_MARK"]
+    assert env["TMPDIR"] == entry["env"]["TMPDIR"]
     assert "SECRET_TOKEN" not in env
     assert all(isinstance(v, str) for v in env.values())
+
+
+def test_chromium_sandbox_follows_what_the_run_allows(tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]) -> None:
+    on = browser_server_config(tmp_path / "a", True, sandbox=(True, None))
+    assert "--sandbox" in on["args"] and "--no-sandbox" not in on["args"]
+    off = browser_server_config(tmp_path / "b", True, sandbox=(False, "the run is uid 0"))
+    assert "--no-sandbox" in off["args"]
+    forced_off = browser_server_config(tmp_path / "c", {"sandbox": False}, sandbox=(True, None))
+    assert "--no-sandbox" in forced_off["args"]
+    with pytest.raises(BrowserSetupError, match="cannot work for this run: the run is uid 0"):
+        browser_server_config(tmp_path / "d", {"sandbox": True}, sandbox=(False, "the run is uid 0"))
 
 
 def test_options_become_flags_and_chromium_args(tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]) -> None:
@@ -147,6 +165,7 @@ def test_options_become_flags_and_chromium_args(tmp_path: pathlib.Path, fake_too
             "caps": ["pdf"],
             "webmcp": True,
         },
+        sandbox=(True, None),
     )
     args = cfg["args"]
     assert _flag(args, "--executable-path") == str(other)
