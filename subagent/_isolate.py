@@ -189,8 +189,12 @@ def can_nest_user_namespace() -> bool:
         try:
             uid = os.geteuid()
             if _c().unshare(_CLONE_NEWUSER) == 0:
-                with open("/proc/self/uid_map", "w") as f:
-                    f.write(f"{uid} {uid} 1")
+                # O_WRONLY without O_TRUNC, as Chromium does (Landlock handles truncation apart).
+                fd = os.open("/proc/self/uid_map", os.O_WRONLY)
+                try:
+                    os.write(fd, f"{uid} {uid} 1".encode())
+                finally:
+                    os.close(fd)
                 code = 0
         except BaseException:
             code = 1

@@ -140,7 +140,7 @@ def plan_rules(grants: Iterable[Grant], protect: Sequence[str]) -> list[Grant]:
     A grant whose tree holds a protected path is replaced by grants on each entry of its
     directory (recursively along the way), skipping the protected one and symlinks (a rule
     follows a link to its target, which could be the protected path). Entries created
-    later in such a directory are not covered. A grant at or below a protected path is kept
+    later in such a directory are not covered, nor is listing the directory itself. A grant at or below a protected path is kept
     as it is: it is explicit (a run's own directory inside the state directory). Paths
     that do not exist are dropped. Pure apart from reading directories.
     """
@@ -164,8 +164,9 @@ def _split(path: str, access: int, st: os.stat_result, protect: list[str]) -> li
         return [Grant(path, access)]
     if path in inside:
         return []
-    # Only the directory's own listing, not its children's contents.
-    out = [Grant(path, access & READ_DIR)] if access & READ_DIR else []
+    # No right on the directory itself: a rule on a directory reaches everything below it,
+    # the protected path included. (Listing it is refused; its entries are granted.)
+    out: list[Grant] = []
     try:
         entries = list(os.scandir(path))
     except OSError:

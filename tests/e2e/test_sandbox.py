@@ -1,0 +1,354 @@
+"""Acceptance for issue 16: a run cannot reach the daemon's keys, journal or other runs.
+
+The daemon runs in-process on a state dir of its own; runs are real runners (scripted
+model) whose tools try, from their own processes, what a prompt-injected model would:
+read the token, read and write the journal, list another run's directory, read the
+daemon's memory and environment, signal it, print their own environment, connect to the
+control socket without the token. Every denial is read from the tool's own output; the
+daemon, its journal and the other run go on unharmed. Two state dir places: under /tmp
+(a root runner's private /tmp hides it) and under /var/lib (where Landlock alone keeps it
+out, as for the systemd unit's /var/lib/agentd).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+from subagent import _landlock
+from supervisor.config import Config
+from supervisor.daemon import serve
+from supervisor.errors import SpawnError
+from supervisor.runs import RunManager
+from tests import conftest
+
+CHILDREN = Path(__file__).resolve().parent.parent / "children"
+PROBE_SERVER = str(CHILDREN / "mcp_probe_server.py")
+MODEL_KEY = "sk-agentd-test-model-key-0123456789"
+OTHER_SECRET = "ghp_agentd_test_other_secret_value"
+# Bounds one scenario (seconds): a few runs of a scripted model and their commands.
+SCENARIO_S = 60.0
+
+pytestmark = pytest.mark.skipif(_landlock.abi_version() < 1, reason="no landlock in this kernel")
+
+
+class Daemon:
+    def __init__(self, manager: RunManager, config: Config, info: dict[str, Any]) -> None:
+        self.m = manager
+        self.config = config
+        self.port = int(info["port"])
+        self.token = str(info["token"])
+
+    @property
+    def state(self) -> Path:
+        return self.config.state_dir
+
+
+@pytest.fixture(params=["tmp", "var_lib"])
+def state_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    if request.param == "tmp":
+        yield tmp_path / "state"
+        return
+    conftest.require(os.access("/var/lib", os.W_OK), "a writable /var/lib (root)")
+    path = Path("/var/lib") / f"agentd-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Daemon]:
+    # Secrets the daemon holds in its environment: none may reach a tool.
+    monkeypatch.setenv("OPENAI_API_KEY", MODEL_KEY)
+    monkeypatch.setenv("GITHUB_TOKEN", OTHER_SECRET)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    config = Config.load(state_dir=state_dir, runner_python=sys.executable, grace_s=3, environ={}, sandbox="required")
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        yield Daemon(info["manager"], config, info)
+        stop.set()
+
+
+def scripted(turns: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+    return {"task": "probe", "model": {"provider": "scripted", "script": {"turns": turns, "final": "done"}}, **more}
+
+
+def command(cmd: str) -> dict[str, Any]:
+    return {"tool_calls": [{"name": "run_command", "arguments": {"command": cmd}}]}
+
+
+async def gated_run(d: Daemon) -> tuple[str, Path]:
+    """A run that waits at a gate (a file ``go`` in its run dir): the other run."""
+    r = await d.m.spawn(scripted([command("while [ ! -f go ]; do sleep 0.02; done; echo gate open")]))
+    async with d.m.subscribe(r["run_id"]) as live:
+        seen = await d.m.events_after(r["run_id"], 0)
+        while not any(e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running" for e in seen):
+            seen = [await live.receive()]
+    st = await d.m.status(r["run_id"])
+    return r["run_id"], Path(st["run_dir"])
+
+
+async def finish_gated(d: Daemon, run_id: str, run_dir: Path) -> dict[str, Any]:
+    (run_dir / "go").touch()
+    return await d.m.wait_terminal(run_id)
+
+
+def outputs(status: dict[str, Any]) -> list[str]:
+    return [str(t.get("output")) for t in status["result"]["tool_calls"]]
+
+
+def journal_ok(path: Path) -> str:
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return str(con.execute("PRAGMA integrity_check").fetchone()[0])
+    finally:
+        con.close()
+
+
+def assert_env_clean(env_text: str, d: Daemon) -> None:
+    for secret in (MODEL_KEY, OTHER_SECRET, d.token):
+        assert secret not in env_text
+    assert "OPENAI_API_KEY" not in env_text and "GITHUB_TOKEN" not in env_text
+    assert "AGENTD_RUN_SANDBOX" not in env_text and "AGENTD_STATE_DIR" not in env_text
+
+
+def assert_denied(lines: dict[str, str], key: str) -> None:
+    assert key in lines, f"no {key} line: {lines!r}"
+    assert lines[key] != "0", f"{key} was not denied: {lines!r}"
+
+
+async def test_a_run_command_cannot_reach_the_daemons_state(daemon: Daemon) -> None:
+    d = daemon
+    token_before = (d.state / "token").read_bytes()
+    with trio.fail_after(SCENARIO_S):
+        other_id, other_dir = await gated_run(d)
+        probe = "\n".join([
+            "echo uid=$(id -u)",
+            f"cat {d.state}/token; echo token=$?",
+            f"head -c 16 {d.state}/agentd.sqlite3; echo journal_read=$?",
+            f"echo junk >> {d.state}/agentd.sqlite3; echo journal_write=$?",
+            f"cat {d.state}/daemon.json; echo endpoint=$?",
+            f"ls {other_dir}; echo other_run=$?",
+            f"touch {other_dir}/planted; echo other_run_write=$?",
+            f"cat /proc/{os.getpid()}/environ; echo daemon_environ=$?",
+            f"head -c 1 /proc/{os.getpid()}/mem; echo daemon_mem=$?",
+            f"readlink /proc/{os.getpid()}/fd/*; echo daemon_fds=$?",
+            f"kill -0 {os.getpid()}; echo daemon_signal=$?",
+            "cat /proc/$PPID/environ; echo runner_environ=$?",
+            "echo ENV-BEGIN; env; echo ENV-END",
+        ])  # fmt: skip
+        r = await d.m.spawn(scripted([command(probe)]))
+        st = await d.m.wait_terminal(r["run_id"])
+        other = await finish_gated(d, other_id, other_dir)
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    lines = dict(line.split("=", 1) for line in out.splitlines() if line.split("=", 1)[0].isidentifier() and "=" in line)
+    for key in ("token", "journal_read", "journal_write", "endpoint", "other_run", "other_run_write",
+                "daemon_environ", "daemon_mem", "daemon_fds", "daemon_signal", "runner_environ"):  # fmt: skip
+        assert_denied(lines, key)
+    # The command's own output says why (the kernel's words, not ours).
+    assert "Permission denied" in out or "No such file or directory" in out
+    assert "Operation not permitted" in out  # the signal to the daemon
+    assert lines["uid"] != "0", "a run's processes never see themselves as root"
+    env_text = out.split("ENV-BEGIN", 1)[1].split("ENV-END", 1)[0]
+    assert_env_clean(env_text, d)
+    assert d.token not in out
+    # Nothing was harmed: the token, the journal, the other run, the daemon.
+    assert (d.state / "token").read_bytes() == token_before
+    assert journal_ok(d.state / "agentd.sqlite3") == "ok"
+    assert other["state"] == "completed" and outputs(other) == ["[exit code 0]\ngate open\n"]
+    assert not (other_dir / "planted").exists()
+    assert {row["id"] for row in await d.m.list_runs()} >= {r["run_id"], other_id}
+    sandbox = st["sandbox"]
+    assert sandbox["mode"] == "landlock" and sandbox["landlock_abi"] >= 1
+    assert str(d.state) in sandbox["protected"]
+
+
+async def test_an_mcp_server_process_cannot_reach_the_daemons_state(daemon: Daemon) -> None:
+    d = daemon
+    with trio.fail_after(SCENARIO_S):
+        other_id, other_dir = await gated_run(d)
+        calls = [
+            ("read", {"path": str(d.state / "token")}),
+            ("read", {"path": str(d.state / "agentd.sqlite3")}),
+            ("write", {"path": str(d.state / "agentd.sqlite3")}),
+            ("listdir", {"path": str(other_dir)}),
+            ("read", {"path": f"/proc/{os.getpid()}/environ"}),
+            ("environ", {}),
+        ]
+        turns = [{"tool_calls": [{"name": f"probe__{name}", "arguments": args} for name, args in calls]}]
+        servers = {"probe": {"command": sys.executable, "args": [PROBE_SERVER], "env": {"SERVER_SETTING": "kept", "LEAK": MODEL_KEY}}}
+        r = await d.m.spawn(scripted(turns, mcpServers=servers))
+        st = await d.m.wait_terminal(r["run_id"])
+        other = await finish_gated(d, other_id, other_dir)
+    assert st["state"] == "completed", st
+    *denials, env_out = outputs(st)
+    for text in denials:
+        assert text.startswith("denied: "), denials
+    env = json.loads(env_out.removeprefix("ok: "))
+    assert env["SERVER_SETTING"] == "kept"  # the server's configured env is passed ...
+    assert "LEAK" not in env  # ... but never the model key, whatever name it is given
+    assert_env_clean(json.dumps(env), d)
+    assert journal_ok(d.state / "agentd.sqlite3") == "ok"
+    assert other["state"] == "completed"
+
+
+GRANDCHILD = r"""
+import json, os, sys
+state, other = sys.argv[1], sys.argv[2]
+pid = os.fork()
+if pid:
+    os.waitpid(pid, 0)
+    sys.exit(0)
+os.setsid()
+out = {"left_session": os.getsid(0) != os.getsid(os.getppid())}
+for name, fn in [
+    ("token", lambda: open(os.path.join(state, "token")).read()),
+    ("journal_write", lambda: open(os.path.join(state, "agentd.sqlite3"), "ab").write(b"x")),
+    ("other_run", lambda: os.listdir(other)),
+]:
+    try:
+        fn()
+        out[name] = "allowed"
+    except OSError as exc:
+        out[name] = "denied: " + exc.strerror
+out["env"] = dict(os.environ)
+print(json.dumps(out), flush=True)
+"""
+
+
+async def test_a_grandchild_that_leaves_the_session_is_still_inside(daemon: Daemon) -> None:
+    d = daemon
+    with trio.fail_after(SCENARIO_S):
+        other_id, other_dir = await gated_run(d)
+        cmd = f"{sys.executable} -c '{GRANDCHILD}' {d.state} {other_dir}"
+        r = await d.m.spawn(scripted([command(cmd)]))
+        st = await d.m.wait_terminal(r["run_id"])
+        other = await finish_gated(d, other_id, other_dir)
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    report = json.loads(out.splitlines()[-1])
+    assert report["left_session"] is True
+    for key in ("token", "journal_write", "other_run"):
+        assert report[key].startswith("denied: "), report
+    assert_env_clean(json.dumps(report["env"]), d)
+    assert journal_ok(d.state / "agentd.sqlite3") == "ok"
+    assert other["state"] == "completed"
+
+
+CONNECT = r"""
+import socket, sys
+port = int(sys.argv[1])
+for target in ("/", "/?token=guessed"):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall((f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    print(target, s.recv(4096).split(b"\r\n")[0].decode(), flush=True)
+    s.close()
+"""
+
+
+async def test_a_run_without_the_token_cannot_use_the_control_socket(daemon: Daemon) -> None:
+    d = daemon
+    pid = os.getpid()
+    # Everything a run could try for the token, dumped into its own output.
+    hunt = "; ".join([
+        f"cat /proc/{pid}/cmdline /proc/{pid}/environ",
+        f"ls -la /proc/{pid}/fd /proc/{pid}/cwd/",
+        f"cat {d.state}/* {d.state}/runs/*/* $AGENTD_RUN_DIR/../../token",
+        "cat /proc/$PPID/environ",
+        "env",
+        "grep -rs . $AGENTD_RUN_DIR $TMPDIR",
+    ])  # fmt: skip
+    with trio.fail_after(SCENARIO_S):
+        r = await d.m.spawn(scripted([command(f"{sys.executable} -c '{CONNECT}' {d.port}"), command(hunt)]))
+        st = await d.m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed", st
+    connect, hunted = outputs(st)
+    assert "/ HTTP/1.1 401" in connect and "/?token=guessed HTTP/1.1 401" in connect, connect
+    assert d.token not in hunted and d.token not in json.dumps(st)
+    # The daemon is fine and still answers a client that has the token.
+    assert (await d.m.summary())["accepting"] is True
+
+
+async def test_grants_are_explicit_visible_and_never_the_daemons_state(daemon: Daemon, tmp_path: Path) -> None:
+    d = daemon
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "readme").write_text("project file\n")
+    with pytest.raises(SpawnError, match="which no run may reach"):
+        await d.m.spawn(scripted([], sandbox={"read": [str(d.state)]}))
+    with pytest.raises(SpawnError, match="which no run may reach"):
+        await d.m.spawn(scripted([], sandbox={"write": [str(d.state / "runs")]}))
+    with pytest.raises(SpawnError, match="sandbox.workdir: expected an existing directory"):
+        await d.m.spawn(scripted([], sandbox={"workdir": str(tmp_path / "missing")}))
+    with trio.fail_after(SCENARIO_S):
+        r = await d.m.spawn(scripted([command("pwd; cat readme; echo made > out; ls")], sandbox={"workdir": str(work)}))
+        running = await d.m.status(r["run_id"])
+        st = await d.m.wait_terminal(r["run_id"])
+    assert running["spec"]["sandbox"]["workdir"] == str(work)
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    assert out.splitlines()[1:3] == [str(work), "project file"]
+    assert (work / "out").read_text() == "made\n"
+    assert st["sandbox"]["workdir"] == str(work) and str(work) in st["sandbox"]["write"]
+
+
+def _status_field(pid: int, name: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.chromium
+@pytest.mark.parametrize("state_dir", ["tmp"], indirect=True)
+async def test_chromium_keeps_its_own_sandbox_in_a_browser_run(daemon: Daemon) -> None:
+    from subagent import browser
+    from tests import browser_support as bs
+
+    bs.require_browser()
+    d = daemon
+    with bs.LocalSite() as site:
+        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        with trio.fail_after(120):
+            r = await d.m.spawn(bs.scripted_browser_spec(site.url + "/", then=[slow]))
+            assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)
+            st = await d.m.status(r["run_id"])
+            found = browser.browser_processes(Path(st["run_dir"]))
+            # Sandboxed helpers (zygotes, renderers) need not name the run's paths: they
+            # are the browser's descendants.
+            procs = set(found)
+            for pid in found:
+                procs.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+            # Helpers rewrite their command line as one string (their process title).
+            cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split() for pid in procs}
+            seccomp = {pid: _status_field(pid, "Seccomp") for pid in procs}
+            userns = {pid: os.readlink(f"/proc/{pid}/ns/user") for pid in procs}
+            await d.m.cancel(r["run_id"])
+            await d.m.wait_terminal(r["run_id"])
+    chromium = {pid: c for pid, c in cmdlines.items() if c and c[0].endswith(b"chromium")}
+    renderers = [pid for pid, c in chromium.items() if b"--type=renderer" in c]
+    main = [pid for pid, c in chromium.items() if not any(a.startswith(b"--type=") for a in c)]
+    assert chromium and renderers and main, cmdlines
+    assert not any(b"--no-sandbox" in c for c in cmdlines.values()), "chromium runs without its sandbox"
+    # Chromium's own sandbox really holds: renderers are under seccomp-bpf, in a user
+    # namespace of their own (the browser process made it, inside the run's).
+    for pid in renderers:
+        assert seccomp[pid] == "2", seccomp
+        assert userns[pid] != userns[main[0]]
+    assert st["sandbox"]["browser_sandbox"] is True, st["sandbox"]
