@@ -131,42 +131,58 @@ def assert_denied(lines: dict[str, str], key: str) -> None:
     assert lines[key] != "0", f"{key} was not denied: {lines!r}"
 
 
+PROBE_KEYS = (
+    "token", "journal_read", "journal_write", "endpoint", "other_run", "other_run_write",
+    "daemon_environ", "daemon_mem", "daemon_fds", "daemon_signal", "runner_environ",
+)  # fmt: skip
+
+
+def shell_probe(state: Path | str, other_dir: Path | str, daemon_pid: int) -> str:
+    """A shell script that tries each forbidden thing and prints ``key=<exit code>``."""
+    return "\n".join([
+        "echo uid=$(id -u)",
+        f"cat {state}/token; echo token=$?",
+        f"head -c 16 {state}/agentd.sqlite3; echo journal_read=$?",
+        f"echo junk >> {state}/agentd.sqlite3; echo journal_write=$?",
+        f"cat {state}/daemon.json; echo endpoint=$?",
+        f"ls {other_dir}; echo other_run=$?",
+        f"touch {other_dir}/planted; echo other_run_write=$?",
+        f"cat /proc/{daemon_pid}/environ; echo daemon_environ=$?",
+        f"head -c 1 /proc/{daemon_pid}/mem; echo daemon_mem=$?",
+        f"readlink /proc/{daemon_pid}/fd/*; echo daemon_fds=$?",
+        f"kill -0 {daemon_pid}; echo daemon_signal=$?",
+        "cat /proc/$PPID/environ; echo runner_environ=$?",
+        "echo ENV-BEGIN; env; echo ENV-END",
+    ])  # fmt: skip
+
+
+def check_shell_probe(out: str, secrets: list[str]) -> dict[str, str]:
+    """Every probe denied, in the command's own words; no secret anywhere in its output."""
+    lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and line.split("=", 1)[0].isidentifier())
+    for key in PROBE_KEYS:
+        assert_denied(lines, key)
+    assert "Permission denied" in out or "No such file or directory" in out
+    assert "Operation not permitted" in out  # the signal to the daemon
+    env_text = out.split("ENV-BEGIN", 1)[1].split("ENV-END", 1)[0]
+    assert "OPENAI_API_KEY" not in env_text and "AGENTD_RUN_SANDBOX" not in env_text
+    for secret in secrets:
+        assert secret not in out
+    return lines
+
+
 async def test_a_run_command_cannot_reach_the_daemons_state(daemon: Daemon) -> None:
     d = daemon
     token_before = (d.state / "token").read_bytes()
     with trio.fail_after(SCENARIO_S):
         other_id, other_dir = await gated_run(d)
-        probe = "\n".join([
-            "echo uid=$(id -u)",
-            f"cat {d.state}/token; echo token=$?",
-            f"head -c 16 {d.state}/agentd.sqlite3; echo journal_read=$?",
-            f"echo junk >> {d.state}/agentd.sqlite3; echo journal_write=$?",
-            f"cat {d.state}/daemon.json; echo endpoint=$?",
-            f"ls {other_dir}; echo other_run=$?",
-            f"touch {other_dir}/planted; echo other_run_write=$?",
-            f"cat /proc/{os.getpid()}/environ; echo daemon_environ=$?",
-            f"head -c 1 /proc/{os.getpid()}/mem; echo daemon_mem=$?",
-            f"readlink /proc/{os.getpid()}/fd/*; echo daemon_fds=$?",
-            f"kill -0 {os.getpid()}; echo daemon_signal=$?",
-            "cat /proc/$PPID/environ; echo runner_environ=$?",
-            "echo ENV-BEGIN; env; echo ENV-END",
-        ])  # fmt: skip
+        probe = shell_probe(d.state, other_dir, os.getpid())
         r = await d.m.spawn(scripted([command(probe)]))
         st = await d.m.wait_terminal(r["run_id"])
         other = await finish_gated(d, other_id, other_dir)
     assert st["state"] == "completed", st
     (out,) = outputs(st)
-    lines = dict(line.split("=", 1) for line in out.splitlines() if line.split("=", 1)[0].isidentifier() and "=" in line)
-    for key in ("token", "journal_read", "journal_write", "endpoint", "other_run", "other_run_write",
-                "daemon_environ", "daemon_mem", "daemon_fds", "daemon_signal", "runner_environ"):  # fmt: skip
-        assert_denied(lines, key)
-    # The command's own output says why (the kernel's words, not ours).
-    assert "Permission denied" in out or "No such file or directory" in out
-    assert "Operation not permitted" in out  # the signal to the daemon
+    lines = check_shell_probe(out, [MODEL_KEY, OTHER_SECRET, d.token])
     assert lines["uid"] != "0", "a run's processes never see themselves as root"
-    env_text = out.split("ENV-BEGIN", 1)[1].split("ENV-END", 1)[0]
-    assert_env_clean(env_text, d)
-    assert d.token not in out
     # Nothing was harmed: the token, the journal, the other run, the daemon.
     assert (d.state / "token").read_bytes() == token_before
     assert journal_ok(d.state / "agentd.sqlite3") == "ok"

@@ -39,6 +39,7 @@ STAMP_NAME = ".agentd-test-prepared"
 
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+LANDLOCK_SYSCALLS = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 BOOT_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -168,6 +169,10 @@ class Container:
                 f"--machine={self.name}", "--register=no", "--keep-unit",
                 "--volatile=overlay", "--private-network", "--console=read-only",
                 "--notify-ready=yes", "--link-journal=no",
+                # nspawn's own seccomp allowlist (systemd 252) predates Landlock, which a
+                # booted host allows: without these, every run in the container would be
+                # unsandboxed and the unit's sandbox could not be tested.
+                f"--system-call-filter={' '.join(LANDLOCK_SYSCALLS)}",
                 *[f"--bind-ro={p}" for p in self.binds_ro],
                 *self.extra_args,
             ]

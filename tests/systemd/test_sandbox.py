@@ -1,0 +1,144 @@
+"""Issue 16 under the real unit: a run cannot reach the daemon's state, as installed.
+
+The daemon runs as agentd.service (installed by scripts/install-systemd) in a booted
+container: uid 0 without any capability, no user namespaces (RestrictNamespaces=yes), so
+a run's only walls are Landlock and the unit's own hardening. The same probes as
+tests/e2e/test_sandbox.py run from a run_command, an MCP server's process and a
+grandchild that left the session: each is denied, no secret is in their environment, and
+the daemon, its journal and the other run go on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_sandbox import GRANDCHILD, PROBE_SERVER, check_shell_probe, command, scripted, shell_probe
+from tests.systemd.agentd_support import (
+    STATE_DIR, UNIT, cli, install, poll, require_daemon, stop_and_check,
+)
+from tests.systemd.container import Container, python_in_container
+
+pytestmark = pytest.mark.systemd
+
+MODEL_KEY = "sk-agentd-unit-test-model-key"
+ENV_FILE = "/etc/agentd/agentd.env"
+SPEC = "/run/agentd-test/spec.json"
+
+
+@pytest.fixture(scope="module")
+def agentd(container: Container) -> Iterator[Container]:
+    require_daemon()
+    install(container)
+    # A secret in the unit's environment file, as an operator would put it there.
+    container.write(ENV_FILE, f"OPENAI_API_KEY={MODEL_KEY}\n", mode="0600")
+    container.systemctl("start", UNIT, timeout_s=60)
+    yield container
+    stop_and_check(container)
+    container.systemctl("reset-failed", UNIT, check=False)
+
+
+def spawn(c: Container, spec: dict[str, Any]) -> str:
+    c.write(SPEC, json.dumps(spec))
+    return str(cli(c, "spawn", "--spec", SPEC)["run_id"])
+
+
+def wait_end(c: Container, run_id: str) -> dict[str, Any]:
+    return poll(f"run {run_id} to end",
+                lambda: (s := cli(c, "status", run_id))["state"] not in {"queued", "starting", "running"} and s,
+                timeout_s=60, every_s=0.1)  # fmt: skip
+
+
+def gated(c: Container) -> tuple[str, str]:
+    run_id = spawn(c, scripted([command("while [ ! -f go ]; do sleep 0.02; done; echo gate open")]))
+    st = poll("the gated run to wait at its gate",
+              lambda: (s := cli(c, "status", run_id)).get("run_dir") and any(
+                  t["state"] == "running" for t in s.get("tool_calls") or []) and s,
+              timeout_s=60, every_s=0.1)  # fmt: skip
+    return run_id, str(st["run_dir"])
+
+
+def open_gate(c: Container, run_id: str, run_dir: str) -> dict[str, Any]:
+    c.run(["touch", f"{run_dir}/go"])
+    return wait_end(c, run_id)
+
+
+def daemon_pid(c: Container) -> int:
+    return int(c.show(UNIT, "MainPID")["MainPID"])
+
+
+def token(c: Container) -> str:
+    return c.run(["cat", f"{STATE_DIR}/token"]).stdout.strip()
+
+
+def journal_ok(c: Container) -> str:
+    code = f"import sqlite3; print(sqlite3.connect('file:{STATE_DIR}/agentd.sqlite3?mode=ro', uri=True).execute('PRAGMA integrity_check').fetchone()[0])"
+    return c.run([python_in_container(), "-c", code]).stdout.strip()
+
+
+def outputs(status: dict[str, Any]) -> list[str]:
+    return [str(t.get("output")) for t in status["tool_calls"]]
+
+
+def test_a_run_command_under_the_unit_cannot_reach_the_daemons_state(agentd: Container) -> None:
+    c = agentd
+    pid, secret = daemon_pid(c), token(c)
+    other_id, other_dir = gated(c)
+    run_id = spawn(c, scripted([command(shell_probe(STATE_DIR, other_dir, pid))]))
+    st = wait_end(c, run_id)
+    other = open_gate(c, other_id, other_dir)
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    check_shell_probe(out, [MODEL_KEY, secret])
+    assert "Permission denied" in out  # Landlock's word here: no private /tmp hides anything
+    env_file = c.run(["sh", "-c", f"cat {ENV_FILE}"]).stdout
+    assert MODEL_KEY in env_file  # (the file is there, for the daemon)
+    sandbox = st["sandbox"]
+    assert sandbox["mode"] == "landlock" and sandbox["identity"] == "uid 0 without capabilities", sandbox
+    assert token(c) == secret and journal_ok(c) == "ok"
+    assert other["state"] == "completed" and daemon_pid(c) == pid
+
+
+def test_the_unit_env_file_and_its_secret_are_out_of_reach(agentd: Container) -> None:
+    c = agentd
+    run_id = spawn(c, scripted([command(f"cat {ENV_FILE}; echo env_file=$?; env")]))
+    st = wait_end(c, run_id)
+    (out,) = outputs(st)
+    assert "env_file=0" not in out and "Permission denied" in out
+    assert MODEL_KEY not in out
+
+
+def test_an_mcp_server_and_a_setsid_grandchild_under_the_unit(agentd: Container) -> None:
+    c = agentd
+    pid, secret = daemon_pid(c), token(c)
+    other_id, other_dir = gated(c)
+    py = python_in_container()
+    calls = [
+        ("read", {"path": f"{STATE_DIR}/token"}),
+        ("write", {"path": f"{STATE_DIR}/agentd.sqlite3"}),
+        ("listdir", {"path": other_dir}),
+        ("read", {"path": f"/proc/{pid}/environ"}),
+        ("environ", {}),
+    ]
+    turns = [
+        {"tool_calls": [{"name": f"probe__{name}", "arguments": args} for name, args in calls]},
+        command(f"{py} -c '{GRANDCHILD}' {STATE_DIR} {other_dir}"),
+    ]
+    servers = {"probe": {"command": py, "args": [PROBE_SERVER]}}
+    run_id = spawn(c, scripted(turns, mcpServers=servers))
+    st = wait_end(c, run_id)
+    other = open_gate(c, other_id, other_dir)
+    assert st["state"] == "completed", st
+    *denials, env_out, grandchild = outputs(st)
+    assert all(t.startswith("denied: ") for t in denials), denials
+    for text in (env_out, grandchild):
+        assert MODEL_KEY not in text and secret not in text and "OPENAI_API_KEY" not in text
+    report = json.loads(grandchild.splitlines()[-1])
+    assert report["left_session"] is True
+    assert all(report[k].startswith("denied: ") for k in ("token", "journal_write", "other_run")), report
+    assert journal_ok(c) == "ok" and other["state"] == "completed"
+    # The daemon never stopped answering: a client with the token still gets through.
+    assert run_id in json.dumps(cli(c, "list"))
