@@ -102,13 +102,31 @@ def test_a_run_command_under_the_unit_cannot_reach_the_daemons_state(agentd: Con
     assert other["state"] == "completed" and daemon_pid(c) == pid
 
 
-def test_the_unit_env_file_and_its_secret_are_out_of_reach(agentd: Container) -> None:
+CONNECT_UNIX = r"""
+import socket, sys
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        print(path, "connected")
+    except OSError as exc:
+        print(path, "refused:", exc.strerror)
+"""
+
+
+def test_the_unit_env_file_and_root_sockets_are_out_of_reach(agentd: Container) -> None:
     c = agentd
-    run_id = spawn(c, scripted([command(f"cat {ENV_FILE}; echo env_file=$?; env")]))
+    # The sockets are there for the host's own root (the daemon's view is the unit's).
+    assert c.run(["test", "-S", "/run/systemd/private"], check=False).returncode == 0
+    sockets = "/run/systemd/private /run/dbus/system_bus_socket"
+    probe = f"cat {ENV_FILE}; echo env_file=$?; {python_in_container()} -c '{CONNECT_UNIX}' {sockets}; systemctl start nothing.service; echo systemctl=$?"
+    run_id = spawn(c, scripted([command(probe)]))
     st = wait_end(c, run_id)
     (out,) = outputs(st)
     assert "env_file=0" not in out and "Permission denied" in out
     assert MODEL_KEY not in out
+    assert "connected" not in out and out.count("refused:") == 2, out
+    assert "systemctl=0" not in out
 
 
 def test_an_mcp_server_and_a_setsid_grandchild_under_the_unit(agentd: Container) -> None:
