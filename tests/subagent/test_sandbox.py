@@ -1,0 +1,160 @@
+"""The sandbox's parts: grant planning, the tool environment, settings, the spec's grants,
+and Landlock itself on a real child process (the runs themselves: tests/e2e/test_sandbox.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from subagent import _landlock
+from subagent._landlock import FS_READ, FS_WRITE, Grant, plan_rules
+from subagent.sandbox import SANDBOX_ENV, Settings, check_grants, tool_env
+from subagent.spec import RunSpec, SpecError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tree(root: Path) -> None:
+    for rel in ("state/runs/mine/f", "state/runs/other/f", "state/token", "lib/x", "top"):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(rel)
+    (root / "link-to-state").symlink_to(root / "state")
+
+
+def test_a_grant_around_a_protected_path_grants_its_siblings_instead(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    state = tmp_path / "state"
+    rules = plan_rules([Grant(str(tmp_path), FS_READ), Grant(str(state / "runs" / "mine"), FS_WRITE)], [str(state)])
+    got = {(Path(g.path).relative_to(tmp_path).as_posix(), g.access) for g in rules}
+    assert ("lib", FS_READ) in got
+    assert ("top", FS_READ & _landlock.FS_FILE_ONLY) in got  # a file gets file rights only
+    assert ("state/runs/mine", FS_WRITE) in got  # explicit, inside: kept
+    paths = {p for p, _ in got}
+    # Nothing that reaches the state dir: not it, not an ancestor (a rule on a directory
+    # covers all below it), not a symlink into it.
+    assert not paths & {".", "state", "state/runs", "state/token", "state/runs/other", "link-to-state"}
+
+
+def test_plan_rules_drops_missing_paths_and_keeps_unrelated_grants(tmp_path: Path) -> None:
+    rules = plan_rules([Grant(str(tmp_path / "nope"), FS_READ), Grant(str(tmp_path), FS_READ)], ["/elsewhere"])
+    assert rules == [Grant(str(tmp_path), FS_READ)]
+
+
+def test_tool_env_is_an_allowlist_and_never_carries_a_secret() -> None:
+    environ = {
+        "PATH": "/usr/bin",
+        "HOME": "/run/home",
+        "LC_ALL": "C",
+        "OPENAI_API_KEY": "sk-model",
+        "OPENAI_BASE_URL": "http://model",
+        "GITHUB_TOKEN": "ghp-x",
+        "AGENTD_RUN_ID": "r-1",
+        "AGENTD_TREE": "t-1",
+        "AGENTD_STATE_DIR": "/var/lib/agentd",
+        SANDBOX_ENV: Settings(protect=("/var/lib/agentd",)).to_env(),
+        "RANDOM_THING": "x",
+        "BASH_FUNC_f%%": "() { :; }",
+    }
+    env = tool_env({"SERVER_URL": "http://s", "API": "sk-model", "AGENTD_TREE": "spoofed"}, environ=environ)
+    assert env == {
+        "PATH": "/usr/bin",
+        "HOME": "/run/home",
+        "LC_ALL": "C",
+        "SERVER_URL": "http://s",  # a server's own env is passed ...
+        "AGENTD_RUN_ID": "r-1",
+        "AGENTD_TREE": "t-1",  # ... but never over the run's markers
+    }  # and never the model key, whatever name it is given
+
+
+def test_names_the_daemon_adds_pass_but_the_model_key_never_does() -> None:
+    environ = {
+        "GITHUB_TOKEN": "ghp-x",
+        "OPENAI_API_KEY": "sk-model",
+        "PROXY_URL": "http://p",
+        SANDBOX_ENV: Settings(tool_env=("GITHUB_TOKEN", "OPENAI_API_KEY", "PROXY_URL")).to_env(),
+    }
+    assert tool_env(environ=environ) == {"GITHUB_TOKEN": "ghp-x", "PROXY_URL": "http://p"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "mode"),
+    [(None, "auto"), ("off", "off"), ("required", "required"), ("{not json", "required"), ('{"mode": "bogus"}', "required")],
+)
+def test_settings_from_the_environment_err_on_the_safe_side(raw: str | None, mode: str) -> None:
+    environ = {} if raw is None else {SANDBOX_ENV: raw}
+    assert Settings.from_env(environ).mode == mode
+
+
+def test_settings_round_trip() -> None:
+    s = Settings(mode="required", protect=("/a", "/b"), tool_env=("X",))
+    assert Settings.from_env({SANDBOX_ENV: s.to_env()}) == s
+
+
+def test_grants_inside_a_protected_path_are_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert check_grants([str(tmp_path / "data")], [str(tmp_path / "out")], [str(state)]) is None
+    assert check_grants([str(tmp_path)], [], [str(state)]) is None  # around it: planned out
+    why = check_grants([], [str(state / "runs")], [str(state)])
+    assert why is not None and "which no run may reach" in why
+
+
+def test_the_spec_takes_explicit_absolute_grants() -> None:
+    spec = RunSpec.from_dict({"task": "t", "sandbox": {"read": ["/data/in/"], "write": ["/data/out"], "workdir": "/srv/p"}}, env={})
+    assert spec.sandbox.read == ("/data/in",) and spec.sandbox.write == ("/data/out",)
+    assert spec.sandbox.workdir == "/srv/p"
+    assert RunSpec.from_dict(spec.to_dict(), env={}) == spec
+    for bad, field in [
+        ({"read": ["relative"]}, "sandbox.read[0]"),
+        ({"write": "/x"}, "sandbox.write"),
+        ({"workdir": 3}, "sandbox.workdir"),
+        ({"network": True}, "sandbox.network"),
+    ]:
+        with pytest.raises(SpecError) as info:
+            RunSpec.from_dict({"task": "t", "sandbox": bad}, env={})
+        assert info.value.field == field
+
+
+CHILD = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from subagent import _landlock as L
+root, protect = sys.argv[2], sys.argv[3]
+grants = [L.Grant(p, L.FS_READ) for p in json.loads(sys.argv[4])] + [L.Grant(root, L.FS_READ)]
+L.restrict_self(L.plan_rules(grants, [protect]), abi=L.abi_version(), scoped=L.SCOPE_SIGNAL)
+out = {}
+for name, fn in [
+    ("sibling", lambda: open(os.path.join(root, "lib", "x")).read()),
+    ("protected", lambda: open(os.path.join(protect, "token")).read()),
+    ("write", lambda: open(os.path.join(root, "lib", "new"), "w")),
+    ("signal_parent", lambda: os.kill(os.getppid(), 0)),
+]:
+    try:
+        fn()
+        out[name] = "ok"
+    except OSError as exc:
+        out[name] = exc.strerror
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(_landlock.abi_version() < 6, reason="needs Landlock ABI 6 (signal scoping)")
+def test_landlock_on_a_real_process_denies_what_was_not_granted(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    runtime = [sys.prefix, sys.base_prefix, str(REPO), "/usr", "/lib", "/lib64", "/etc"]
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(REPO), str(tmp_path), str(tmp_path / "state"), json.dumps(runtime)],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert json.loads(out) == {
+        "sibling": "ok",
+        "protected": "Permission denied",
+        "write": "Permission denied",
+        "signal_parent": "Operation not permitted",
+    }
+    assert os.path.exists(tmp_path / "state" / "token")
