@@ -85,7 +85,8 @@ _DEVICE_ACCESS: Final = FS_READ | _landlock.WRITE_FILE | _landlock.IOCTL_DEV
 # names the daemon's ``tool_env`` setting adds. Nothing else of the runner's.
 TOOL_ENV_NAMES: Final = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "TMPDIR", "COLORTERM", "NO_COLOR")
 TOOL_ENV_PREFIXES: Final = ("LC_",)
-AGENTD_TOOL_VARS: Final = ("AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_TEST_MARK")
+# (The test suite's and the benchmarks' own markers pass too: they find a run's processes.)
+AGENTD_TOOL_VARS: Final = ("AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_TEST_MARK", "AGENTD_BENCH_MARK")
 # The model key: its value never reaches a tool, whatever asks for it.
 MODEL_KEY_VARS: Final = ("OPENAI_API_KEY",)
 _SECRET_NAME: Final = re.compile(r"KEY|SECRET|TOKEN|PASS|CRED|AUTH|COOKIE", re.IGNORECASE)
