@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field

@@ -12,7 +12,6 @@ out, as for the systemd unit's /var/lib/agentd).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil

@@ -28,3 +28,9 @@ def test_server_env_is_sdk_default_plus_agentd_tmpdir_and_spec(monkeypatch: pyte
     assert env["API_URL"] == "http://y"
     assert env[SUBTREE_VAR] == "m1"
     assert "SECRET_TOKEN" not in env
+
+
+def test_the_tool_env_allowlist_covers_what_the_sdk_would_pass() -> None:
+    from subagent.sandbox import TOOL_ENV_NAMES
+
+    assert set(SDK_INHERITED_ENV_VARS) <= set(TOOL_ENV_NAMES)
