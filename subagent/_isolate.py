@@ -32,6 +32,7 @@ _MS_REMOUNT: Final = 32
 _MS_BIND: Final = 4096
 _MS_REC: Final = 16384
 _MS_PRIVATE: Final = 1 << 18
+_MNT_DETACH: Final = 2
 _PR_SET_DUMPABLE: Final = 4
 _PR_CAPBSET_DROP: Final = 24
 _PR_CAP_AMBIENT: Final = 47
@@ -127,6 +128,18 @@ def private_mounts(*, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iter
     """
     done: list[str] = []
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
+    try:
+        _private_mounts(done, tmpfs, read_only, keep)
+    except OSError:
+        # Half a view is worse than none (a tmpfs over /tmp without the run dir bound back
+        # would hide the run's own files): undo, newest first, and let the caller report.
+        for path in reversed(done):
+            _c().umount2(os.fsencode(path), _MNT_DETACH)
+        raise
+    return done
+
+
+def _private_mounts(done: list[str], tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str]) -> None:
     dirs = [p for p in tmpfs if os.path.isdir(p) and not os.path.islink(p)]
     wanted = [os.path.realpath(k) for k in keep if os.path.exists(k)]
     wanted = [k for k in _topmost(wanted) if any(k.startswith(d.rstrip("/") + "/") for d in dirs)]
@@ -151,9 +164,8 @@ def private_mounts(*, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iter
         if not os.path.lexists(path) or os.path.islink(path):
             continue
         _mount(path, path, None, _MS_BIND | _MS_REC, None)
-        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
         done.append(path)
-    return done
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
 
 
 def drop_capabilities() -> None:
