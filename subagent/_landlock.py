@@ -152,12 +152,12 @@ def plan_rules(grants: Iterable[Grant], protect: Sequence[str]) -> list[Grant]:
             st = os.stat(path)
         except OSError:
             continue
-        out.extend(_split(path, g.access, st, prot))
+        out.extend(_split(path, g.access, stat.S_ISDIR(st.st_mode), prot))
     return out
 
 
-def _split(path: str, access: int, st: os.stat_result, protect: list[str]) -> list[Grant]:
-    if not stat.S_ISDIR(st.st_mode):
+def _split(path: str, access: int, is_dir: bool, protect: list[str]) -> list[Grant]:
+    if not is_dir:
         return [Grant(path, access & FS_FILE_ONLY)]
     inside = [p for p in protect if _under(p, path)]
     if not inside:
@@ -175,10 +175,10 @@ def _split(path: str, access: int, st: os.stat_result, protect: list[str]) -> li
         try:
             if entry.is_symlink():
                 continue
-            est = entry.stat(follow_symlinks=False)
+            is_dir = entry.is_dir(follow_symlinks=False)  # the entry's type: no stat call
         except OSError:
             continue
-        out.extend(_split(entry.path, access, est, protect))
+        out.extend(_split(entry.path, access, is_dir, protect))
     return out
 
 

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,7 @@ class Report:
     browser_sandbox: bool | None = None
     browser_sandbox_why: str | None = None
     problems: list[str] = field(default_factory=list)
+    setup_ms: float | None = None  # how long ``enter`` took
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -161,7 +163,7 @@ class Report:
             "scopes": self.scopes,
             "network": "unrestricted",
         }
-        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why"):
+        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why", "setup_ms"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = v
@@ -243,6 +245,7 @@ def enter(
     Raises:
         SandboxError: the mode is ``required`` and Landlock could not be applied.
     """
+    t0 = time.perf_counter()
     settings = Settings.from_env() if settings is None else settings
     report = Report(mode="none", requested=settings.mode, workdir=spec.sandbox.workdir)
     proc_writable = _enter(spec, run_dir, settings, prepare, report)
@@ -253,6 +256,7 @@ def enter(
             raise SandboxError(f"cannot enter the workdir {report.workdir!r}: {exc.strerror}") from None
     if spec.browser is not False:
         _browser_verdict(report, proc_writable)
+    report.setup_ms = round((time.perf_counter() - t0) * 1000, 1)
     return report
 
 
