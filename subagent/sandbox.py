@@ -89,7 +89,11 @@ TOOL_ENV_PREFIXES: Final = ("LC_",)
 AGENTD_TOOL_VARS: Final = ("AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_TEST_MARK", "AGENTD_BENCH_MARK")
 # The model key: its value never reaches a tool, whatever asks for it.
 MODEL_KEY_VARS: Final = ("OPENAI_API_KEY",)
-_SECRET_NAME: Final = re.compile(r"KEY|SECRET|TOKEN|PASS|CRED|AUTH|COOKIE", re.IGNORECASE)
+_SECRET_NAME: Final = re.compile(
+    r"PASSWORD|PASSWD|SECRET|(^|_)(API_?KEY|KEY|TOKEN|PASS|CREDENTIALS?|AUTH|COOKIE)(_|$)", re.IGNORECASE
+)
+# A shorter value is not treated as a secret (it could equal an ordinary value by chance).
+_SECRET_MIN_CHARS: Final = 8
 
 
 class SandboxError(Exception):
@@ -378,7 +382,9 @@ def tool_env(extra: Mapping[str, str] | None = None, *, environ: Mapping[str, st
     settings = Settings.from_env(environ)
     explicit = set(settings.tool_env) - set(MODEL_KEY_VARS)
     secrets = {
-        v for k, v in environ.items() if v and _SECRET_NAME.search(k) and (k not in explicit or k in MODEL_KEY_VARS)
+        v
+        for k, v in environ.items()
+        if len(v) >= _SECRET_MIN_CHARS and _SECRET_NAME.search(k) and (k not in explicit or k in MODEL_KEY_VARS)
     }
     env: dict[str, str] = {}
     for k, v in environ.items():
