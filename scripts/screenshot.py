@@ -66,7 +66,12 @@ def agentd(env: dict[str, str], *args: str) -> str:
 def shoot(env: dict[str, str], tmp: Path, out: Path) -> None:
     from playwright.sync_api import sync_playwright
 
-    gate = tmp / "gate"
+    # The gate lives in a dir the run is granted (a run's sandbox reaches only its own dir).
+    shared = tmp / "shared"
+    shared.mkdir()
+    gate = shared / "gate"
+    grant = tmp / "grant.json"
+    grant.write_text(json.dumps({"sandbox": {"read": [str(shared)]}}))
     script = tmp / "script.json"
     script.write_text(json.dumps({
         "turns": [
@@ -77,7 +82,7 @@ def shoot(env: dict[str, str], tmp: Path, out: Path) -> None:
         "final": "never reached",
     }))
     agentd(env, "spawn", "count the files here", "--session", "demo", "--wait")
-    run_id = agentd(env, "spawn", "survey /usr/lib and report the largest parts", "--session", "demo", "--script", str(script)).strip()
+    run_id = agentd(env, "spawn", "survey /usr/lib and report the largest parts", "--session", "demo", "--script", str(script), "--spec", str(grant)).strip()
     url = agentd(env, "dashboard").strip()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, chromium_sandbox=False)

@@ -233,6 +233,14 @@ def gated_script(tmp_path: Path, *gates: str, final: str = "All done.") -> Path:
     return path
 
 
+def granted(tmp_path: Path) -> list[str]:
+    """``--spec`` granting the run this test's dir (its gates and records live there):
+    a run's sandbox reaches only its own dir and what its spec grants."""
+    path = tmp_path / "grant.json"
+    path.write_text(json.dumps({"sandbox": {"write": [str(tmp_path)]}}))
+    return ["--spec", str(path)]
+
+
 def open_gate(tmp_path: Path, gate: str) -> None:
     (tmp_path / gate).write_text("go\n")
 
@@ -283,7 +291,7 @@ def test_a_run_spawned_from_the_cli_appears_within_a_second_and_its_steps_stream
 ) -> None:
     page = tab.page
     script = gated_script(tmp_path, "gate1", "gate2")
-    run_id = daemon.agentd("spawn", "list me", "--script", str(script), "--session", "s-list").stdout.strip()
+    run_id = daemon.agentd("spawn", "list me", "--script", str(script), "--session", "s-list", *granted(tmp_path)).stdout.strip()
     row = page.locator(f"tr[data-run-id='{run_id}']")
     row.wait_for(timeout=1000)  # the acceptance: on the page within 1 s
     daemon.wait_for(run_id, _tool_running("gate1"))
@@ -333,7 +341,7 @@ def test_stop_inside_a_command_goes_to_stopping_at_once_then_shows_the_receipt_t
         "turns": [{"text": "Sleeping.", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo started; sleep 300 & sleep 300; wait"}}]}],
         "final": "never",
     }))
-    run_id = daemon.agentd("spawn", "stop me", "--script", str(script)).stdout.strip()
+    run_id = daemon.agentd("spawn", "stop me", "--script", str(script), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=process_group]", has_text="sleep 300").wait_for()
     stop = page.get_by_role("button", name="Stop")
@@ -385,7 +393,7 @@ def test_stop_on_a_destructive_tool_shows_it_finishing_then_the_final_state(
         "turns": [{"text": "Writing the record.", "tool_calls": [{"name": "commit_write", "arguments": {"path": str(record), "gate": str(gate)}}]}],
         "final": "Written.",
     }))
-    run_id = daemon.agentd("spawn", "write it", "--script", str(script), "--mcp-config", str(servers)).stdout.strip()
+    run_id = daemon.agentd("spawn", "write it", "--script", str(script), "--mcp-config", str(servers), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="commit_write").first.wait_for()
     page.get_by_role("button", name="Stop").click()
@@ -410,7 +418,7 @@ def test_stop_on_a_destructive_tool_shows_it_finishing_then_the_final_state(
 
 def test_a_late_stop_says_the_run_had_already_ended(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
-    run_id = daemon.agentd("spawn", "finish first", "--script", str(gated_script(tmp_path, "gate"))).stdout.strip()
+    run_id = daemon.agentd("spawn", "finish first", "--script", str(gated_script(tmp_path, "gate")), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="gate").first.wait_for()
     # The page stops hearing events; meanwhile the run completes.
@@ -434,7 +442,7 @@ def test_a_late_stop_says_the_run_had_already_ended(daemon: Daemon, tab: Tab, tm
 
 def test_steering_from_the_page_shows_whether_it_was_applied(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
-    run_id = daemon.agentd("spawn", "steer me", "--script", str(gated_script(tmp_path, "g1", "g2"))).stdout.strip()
+    run_id = daemon.agentd("spawn", "steer me", "--script", str(gated_script(tmp_path, "g1", "g2")), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
     page.get_by_label("Extra input for the running turn").fill("also count the hidden files")
@@ -461,7 +469,7 @@ def test_reload_and_a_dropped_connection_resume_without_gap_or_duplicate_and_clo
     daemon: Daemon, tab: Tab, tmp_path: Path
 ) -> None:
     page = tab.page
-    run_id = daemon.agentd("spawn", "resume me", "--script", str(gated_script(tmp_path, "g1", "g2", "g3"))).stdout.strip()
+    run_id = daemon.agentd("spawn", "resume me", "--script", str(gated_script(tmp_path, "g1", "g2", "g3")), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
     # Reload mid-run: the events shown are the journal's, each once.

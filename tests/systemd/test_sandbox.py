@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_sandbox import GRANDCHILD, PROBE_SERVER, check_shell_probe, command, scripted, shell_probe
+from tests.e2e.test_sandbox import CONNECT, GRANDCHILD, PROBE_SERVER, check_shell_probe, command, scripted, shell_probe
 from tests.systemd.agentd_support import (
     STATE_DIR, UNIT, cli, install, poll, require_daemon, stop_and_check,
 )
@@ -127,6 +127,16 @@ def test_the_unit_env_file_and_root_sockets_are_out_of_reach(agentd: Container) 
     assert MODEL_KEY not in out
     assert "connected" not in out and out.count("refused:") == 2, out
     assert "systemctl=0" not in out
+
+
+def test_a_run_under_the_unit_without_the_token_is_refused_by_the_socket(agentd: Container) -> None:
+    c = agentd
+    port = json.loads(c.run(["cat", f"{STATE_DIR}/daemon.json"]).stdout)["port"]
+    run_id = spawn(c, scripted([command(f"{python_in_container()} -c '{CONNECT}' {port}")]))
+    st = wait_end(c, run_id)
+    (out,) = outputs(st)
+    assert "/ HTTP/1.1 401" in out and "/?token=guessed HTTP/1.1 401" in out, out
+    assert token(c) not in json.dumps(st)
 
 
 def test_an_mcp_server_and_a_setsid_grandchild_under_the_unit(agentd: Container) -> None:
