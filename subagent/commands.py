@@ -5,16 +5,19 @@ alive=True before any output is read and alive=False only once the whole group i
 captured output is bounded (the head is kept, the rest counted and dropped); when the
 shell exits, whatever it left in its group, or that escaped the group but carries this
 command's marker variable, is ended: nothing a command starts outlives its call. A
-timeout or an interrupt (a repeated SIGINT to the runner) ends the group and returns the
-output captured so far. The child gets the tool environment (``subagent.sandbox.tool_env``:
-an allowlist, never the model key), and runs in the runner's working directory (the run
-dir, or the spec's ``sandbox.workdir``).
+stop (when the call's policy is ``interrupt``), a timeout or an explicit interrupt (a
+repeated SIGINT to the runner) ends the group at once (SIGTERM, SIGKILL after a short
+grace) and returns the output captured so far and how the command ended. The child gets
+the tool environment (``subagent.sandbox.tool_env``: an allowlist, never the model key),
+and runs in the runner's working directory (the run dir, or the spec's
+``sandbox.workdir``).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ FINAL_DRAIN_S: Final = 0.2
 PIPE_CLOSE_TIMEOUT_S: Final = 0.1
 # Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds).
 COMMAND_KILL_GRACE_S: Final = 2.0
+# The same after a stop: spec.DEFAULT_COMMAND_STOP_GRACE_S unless the spec's
+# ``stop_policy.command_grace_s`` says otherwise.
 READ_CHUNK_BYTES: Final = 65536
 # Marks every process a command starts, so escapers can be found after the group kill.
 SUBTREE_VAR: Final = "AGENTD_SUBTREE"
@@ -70,19 +75,45 @@ class CommandOutcome:
     output: str
     truncated: bool
     timed_out: bool = False
-    interrupted: bool = False
+    interrupted: bool = False  # the interrupt scope was cancelled (an explicit interrupt or the stop)
     spawn_error: str | None = None
+    by_stop: bool = False  # the run's stop interrupted it (its ``stop`` event fired while it ran)
+    stop_at: float | None = None  # trio clock: when the stop reached it
+    ended_at: float | None = None  # trio clock: when its group was gone
+
+    @property
+    def ended_by(self) -> str:
+        """How the command ended: ``exit 0``, ``SIGTERM``, ``SIGKILL``, ..."""
+        return ended_by(self.exit_code)
+
+
+def ended_by(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
 
 
 def format_outcome(o: CommandOutcome) -> str:
     """The text the model sees."""
     if o.spawn_error is not None:
         return f"error: could not start the command: {o.spawn_error}"
-    head = f"[exit code {o.exit_code}]" if o.exit_code is not None else "[no exit code]"
+    if o.exit_code is None:
+        head = "[no exit code]"
+    elif o.exit_code < 0:
+        head = f"[killed by {o.ended_by}]"
+    else:
+        head = f"[exit code {o.exit_code}]"
     if o.timed_out:
         head += " [timed out: the command was stopped]"
-    if o.interrupted:
-        head += " [interrupted by a stop: the command was stopped]"
+    if o.by_stop:
+        head += " [interrupted by the stop: the command was stopped; output so far below]"
+    elif o.interrupted:
+        head += " [interrupted: the command was stopped]"
     if o.truncated:
         head += " [output truncated]"
     return f"{head}\n{o.output}"
@@ -101,13 +132,18 @@ async def run_command(
     max_output_bytes: int,
     interrupt: trio.CancelScope,
     on_group: Callable[[int, bool], None],
+    stop: trio.Event | None = None,
+    kill_grace_s: float = COMMAND_KILL_GRACE_S,
     cwd: str | None = None,
     extra_env: Mapping[str, str] | None = None,
 ) -> CommandOutcome:
     """Run one command to its end (or timeout, or interrupt) and report what happened.
 
     ``interrupt`` is a fresh cancel scope owned by the caller; cancelling it stops the
-    command. ``on_group(pgid, alive)`` is called when the group appears and when it is gone.
+    command. ``stop`` (the run's stop, when this call's policy is ``interrupt``) stops it
+    the same way the moment it is set; then its group gets ``kill_grace_s`` between
+    SIGTERM and SIGKILL. ``on_group(pgid, alive)`` is called when the group appears and
+    when it is gone.
     """
     marker = f"{os.getpid()}-cmd-{next(_seq)}"
     env = _child_env(marker)
@@ -145,10 +181,21 @@ async def run_command(
             pass
         eof.set()
 
+    stop_at: float | None = None
+
+    async def interrupt_on_stop(stop: trio.Event) -> None:
+        nonlocal stop_at
+        await stop.wait()
+        stop_at = trio.current_time()
+        interrupt.cancel(reason="the run's stop interrupts the command")
+
+    grace = COMMAND_KILL_GRACE_S
     async with trio.open_nursery() as nursery:
         # The reader lives outside the timeout and the interrupt: what the command wrote
         # before it was stopped is still read (bounded), and returned as known output.
         nursery.start_soon(reader)
+        if stop is not None:
+            nursery.start_soon(interrupt_on_stop, stop)
         try:
             with trio.move_on_after(timeout_s) as timer:
                 with interrupt:
@@ -156,15 +203,18 @@ async def run_command(
         finally:
             # Whatever happened, nothing of this command survives it (shielded, bounded).
             with trio.CancelScope(shield=True):
+                if stop_at is not None:
+                    grace = kill_grace_s
                 if proc.returncode is None:
-                    await terminate_group(pgid, grace_s=COMMAND_KILL_GRACE_S, what="command group")
-                    with trio.move_on_after(COMMAND_KILL_GRACE_S):
+                    await terminate_group(pgid, grace_s=grace, what="command group")
+                    with trio.move_on_after(grace):
                         await proc.wait()
                 else:
                     with trio.move_on_after(DRAIN_AFTER_EXIT_S):
                         await eof.wait()
-                    await terminate_group(pgid, grace_s=COMMAND_KILL_GRACE_S, what="command group")
-                await sweep_marked(SUBTREE_VAR, marker)
+                    await terminate_group(pgid, grace_s=grace, what="command group")
+                await sweep_marked(SUBTREE_VAR, marker, grace_s=grace)
+                ended_at = trio.current_time()
                 with trio.move_on_after(FINAL_DRAIN_S):
                     await eof.wait()
                 nursery.cancel_scope.cancel(reason="command ended; output drained")
@@ -179,4 +229,7 @@ async def run_command(
         truncated=total > len(captured),
         timed_out=timed_out,
         interrupted=interrupt.cancelled_caught,
+        by_stop=stop_at is not None and interrupt.cancelled_caught,
+        stop_at=stop_at,
+        ended_at=ended_at,
     )

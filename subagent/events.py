@@ -29,6 +29,8 @@ __all__ = [
     "Event",
     "BadLine",
     "ExitCode",
+    "StopPolicy",
+    "StopEffect",
     "MAX_EVENT_LINE_BYTES",
     "encode_event",
     "decode_event_line",
@@ -50,9 +52,14 @@ class EventKind(enum.StrEnum):
     STEP_STARTED = "step_started"  # step
     ASSISTANT_TEXT = "assistant_text"  # step, text (the model's text of this step, complete)
     TOOL_CALL = "tool_call"  # record: ToolCallRecord as dict; sent on every state change
-    PROCESS_GROUP = "process_group"  # pgid, pid, kind ("mcp_server"|"command"), name, alive: bool
+    # pgid, pid, kind ("mcp_server"|"command"), name, alive: bool, on_stop: a command's
+    # stop policy ("interrupt": the daemon's path A may SIGTERM the group at cancel time,
+    # "finish": never before the grace); absent for MCP servers (the runner stops their calls)
+    PROCESS_GROUP = "process_group"
     STEP_SNAPSHOT = "step_snapshot"  # step, progress (str), tool_calls: [record dicts], _id
-    STOP_REQUESTED = "stop_requested"  # reason ("signal"|"timeout"), during ("model"|"tool"|"idle")
+    # reason ("signal"|"timeout"), during ("model"|"tool"|"setup"|"idle"); during a tool
+    # also tool: {id, name, on_stop} of the running call
+    STOP_REQUESTED = "stop_requested"
     STEERING = "steering"  # state ("queued"|"applied"|"unapplied"), text, step
     LOG = "log"  # level, message
 
@@ -100,13 +107,36 @@ class ExitCode(enum.IntEnum):
     INTERNAL = 70  # a bug in the runner (EX_SOFTWARE)
 
 
+class StopPolicy(enum.StrEnum):
+    """What a stop does to a tool call that is running (DESIGN "Cancellation", seed 004)."""
+
+    INTERRUPT = "interrupt"  # a command: SIGTERM to its group at once, SIGKILL after a short grace
+    ABANDON = "abandon"  # a read-only MCP call: abandoned at once, notifications/cancelled sent
+    CANCEL = "cancel"  # a cancellable MCP call: notifications/cancelled, then a short bounded wait
+    FINISH = "finish"  # a non-interruptible write: allowed to finish within the run's grace
+
+
+class StopEffect(enum.StrEnum):
+    """What a stop did to one tool call (``ToolCallRecord.stop_effect``)."""
+
+    INTERRUPTED = "interrupted"  # a command's group was ended by the stop; output so far is known
+    ABANDONED = "abandoned"  # a read-only MCP call was abandoned (notifications/cancelled sent)
+    CANCEL_UNANSWERED = "cancel_unanswered"  # notifications/cancelled sent, no answer in the wait
+    FINISHED_AFTER_STOP = "finished_after_stop"  # allowed to finish (or answered the cancel): real result
+    STOPPED_BEFORE_START = "stopped_before_start"  # announced, never started
+    GRACE_RAN_OUT = "grace_ran_out"  # still running when the runner was killed at the grace
+
+
 @dataclass(slots=True)
 class ToolCallRecord:
     """What is known about one tool call the model made.
 
     ``arguments`` is the raw argument text as the model streamed it, complete or not;
     a call whose arguments were cut is ``NOT_STARTED`` with ``reason`` saying so and is
-    never executed.
+    never executed. Every call of a turn is announced (``NOT_STARTED``, no reason) before
+    the first one runs. ``on_stop`` is the call's ``StopPolicy``; if a stop came while it
+    ran, ``stop_requested_at`` (wall clock) is set at once, and at its end ``stop_effect``
+    (a ``StopEffect``) and ``stop_to_end_s`` (seconds from the stop to the call's end).
     """
 
     id: str
@@ -120,6 +150,10 @@ class ToolCallRecord:
     error: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
+    on_stop: str | None = None
+    stop_requested_at: float | None = None
+    stop_effect: str | None = None
+    stop_to_end_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -140,6 +174,10 @@ class ToolCallRecord:
             error=d.get("error"),
             started_at=d.get("started_at"),
             finished_at=d.get("finished_at"),
+            on_stop=d.get("on_stop"),
+            stop_requested_at=d.get("stop_requested_at"),
+            stop_effect=d.get("stop_effect"),
+            stop_to_end_s=d.get("stop_to_end_s"),
         )
 
 

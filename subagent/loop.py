@@ -1,12 +1,16 @@
 """The agent loop: model turn, complete tool calls, results back, until an end.
 
 Invariants (seed 004, DESIGN "Cancellation"): the stop flag is read at the start of
-each step, before each tool call and after each tool batch; a tool that started runs to
-its end; a model turn in flight is aborted at once by a stop. Only calls of a *whole*
-turn with valid arguments run; a call cut mid-arguments is never run and never repaired.
-Every tool call gets a record (emitted on every state change) and a tool message in the
-history that says what really happened. After each batch one ``step_snapshot`` carries
-the progress so far. The loop returns a ``RunOutcome``; it never writes the result.
+each step, before each tool call and after each tool batch; a tool that is running when
+the stop comes gets its own stop policy (``subagent.stop_policy``: interrupted, abandoned,
+told to stop, or let finish), written in its record; a model turn in flight is aborted
+at once by a stop. Only calls of a *whole* turn with valid arguments run; a call cut
+mid-arguments is never run and never repaired. Every call of a turn is announced (a
+``not_started`` record without a reason, with its policy) before the first one runs, so
+a runner killed mid-batch still leaves a record of each; every record is emitted on
+every state change and every call gets a tool message in the history that says what
+really happened. A ``step_snapshot`` follows each model turn that said anything and each
+tool batch. The loop returns a ``RunOutcome``; it never writes the result.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+
+import trio
 from typing import Any
 
 from subagent.emit import Emitter
-from subagent.events import EventKind, ExitCode, RunStatus, ToolCallRecord, ToolCallState
+from subagent.events import EventKind, ExitCode, RunStatus, StopEffect, StopPolicy, ToolCallRecord, ToolCallState
 from subagent.model import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
 from subagent.spec import RunSpec
 from subagent.steering import SteeringQueue
@@ -33,6 +39,11 @@ DEFAULT_SYSTEM_PROMPT = (
     "When the task is done, answer with a short summary and no tool call."
 )
 REASON_STOPPED_BEFORE_START = "stopped_before_start: a stop was requested before this call started"
+# What the model is told, per stop effect, ahead of what is known (issue 11 builds the next
+# turn's history on these words: keep them plain and stable).
+HISTORY_INTERRUPTED = "interrupted by the stop; output known before the interruption:"
+HISTORY_FINISHED_AFTER_STOP = "[finished after the stop: this call was allowed to finish; the result above is real]"
+HISTORY_FINISHED_BEFORE_STOP = "[this call finished before the run was stopped]"
 
 
 @dataclass
@@ -116,16 +127,16 @@ class AgentLoop:
                 msg = "the model's stream ended without sending anything"
                 return RunOutcome(RunStatus.FAILED, ExitCode.MODEL_ERROR, reason="model_error", error={"code": "model_stream", "message": msg})
             turn = sink.result(aborted=aborted)
-            if aborted:
-                self._take_turn(turn)
-                if turn.text or turn.calls:
-                    self._snapshot()  # the partial turn is progress too
-                return self._cancelled()
             records = self._take_turn(turn)
+            if turn.text or turn.calls:
+                # What the model said is progress as soon as it is said (a runner killed
+                # during the batch keeps it), and the calls are announced in it.
+                self._snapshot()
+            if aborted:
+                return self._cancelled()
             if not turn.finished:
                 # A cut stream: nothing of this turn runs; the model is told and asked again.
                 self.emitter.log("warning", f"step {self.steps}: the model's stream ended before its turn finished")
-                self._snapshot()
                 continue
             if not turn.calls:
                 if self.steering is not None and self.steering.pending and not self.stop.requested:
@@ -177,7 +188,10 @@ class AgentLoop:
         records = []
         results: list[tuple[str, str]] = []
         for c in turn.calls:
-            rec = ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments, step=self.steps)
+            policy = self.tools.policy(c.name) if c.name else None
+            rec = ToolCallRecord(
+                id=c.id, name=c.name, arguments=c.arguments, step=self.steps, on_stop=str(policy) if policy else None
+            )
             self.records.append(rec)
             records.append(rec)
             problem = failed or c.problem
@@ -186,8 +200,9 @@ class AgentLoop:
                 rec.state = ToolCallState.FAILED if invalid else ToolCallState.NOT_STARTED
                 rec.reason = problem
                 rec.finished_at = time.time()
-                self._emit_record(rec)
                 results.append((c.id, f"not executed: {problem}"))
+            # Announced (or final) before any call of the turn runs.
+            self._emit_record(rec)
         for cid, text in results:
             self.messages.append({"role": "tool", "tool_call_id": cid, "content": text})
         return records
@@ -204,6 +219,7 @@ class AgentLoop:
     def _run_one_prepare(self, call: DraftCall, rec: ToolCallRecord) -> str | None:
         if self.stop.requested:
             rec.state, rec.reason, rec.finished_at = ToolCallState.NOT_STARTED, REASON_STOPPED_BEFORE_START, time.time()
+            rec.stop_effect = str(StopEffect.STOPPED_BEFORE_START)
             self._emit_record(rec)
             return f"not executed: {REASON_STOPPED_BEFORE_START}"
         if not self.tools.has(call.name):
@@ -218,13 +234,35 @@ class AgentLoop:
         assert call.parsed is not None
         rec.state, rec.started_at = ToolCallState.RUNNING, time.time()
         self._emit_record(rec)
+        started = trio.current_time()
         interrupt = self.stop.tool_interrupt()
+
+        def note_the_stop() -> None:
+            # The record shows at once that a stop reached this call (and its policy says
+            # what happens now: a dashboard can show "tool finishing").
+            rec.stop_requested_at = self.stop.stopped_wall
+            self._emit_record(rec)
+
+        self.stop.running_tool = {"id": rec.id, "name": rec.name, "on_stop": rec.on_stop}
+        self.stop.on_stop_during_tool = note_the_stop
         try:
-            outcome = await self.tools.execute(call.name, call.parsed, interrupt)
+            outcome = await self.tools.execute(call.name, call.parsed, interrupt, self.stop)
         finally:
             self.stop.tool_done()
         rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated
         rec.error, rec.reason, rec.finished_at = outcome.error, outcome.reason, time.time()
+        stop_at = self.stop.stopped_at
+        if stop_at is not None and stop_at >= started:
+            # The stop came while this call ran: say what it did, and when the call ended.
+            rec.stop_requested_at = self.stop.stopped_wall
+            rec.stop_to_end_s = round(max(0.0, trio.current_time() - stop_at), 4)
+            if outcome.stop_effect is not None:
+                rec.stop_effect = str(outcome.stop_effect)
+            elif rec.state in (ToolCallState.SUCCEEDED, ToolCallState.FAILED):
+                rec.stop_effect = str(StopEffect.FINISHED_AFTER_STOP)
+                if rec.reason is None:
+                    why = "it was allowed to finish" if rec.on_stop == StopPolicy.FINISH else "it answered the stop"
+                    rec.reason = f"finished_after_stop: {why}; it ended {rec.stop_to_end_s:.3g} s after the stop"
         self._emit_record(rec)
         return _history_text(rec, stop_reason=self.stop.reason)
 
@@ -275,15 +313,22 @@ def _snapshot_record(rec: ToolCallRecord) -> dict[str, Any]:
 def _history_text(rec: ToolCallRecord, *, stop_reason: str | None) -> str:
     """What the model is told about a call that ran: the truth, including a stop."""
     body = rec.output if rec.output is not None else ""
+    after_stop = rec.stop_effect == StopEffect.FINISHED_AFTER_STOP
     if rec.state == ToolCallState.SUCCEEDED:
-        note = "" if stop_reason is None else "\n[this call finished before the run was stopped]"
+        if after_stop:
+            return f"{body}\n{HISTORY_FINISHED_AFTER_STOP}"
+        note = "" if stop_reason is None else f"\n{HISTORY_FINISHED_BEFORE_STOP}"
         return f"{body}{note}"
     if rec.state == ToolCallState.FAILED:
-        return f"error: {rec.error or rec.reason}\n{body}".rstrip()
+        note = f"\n{HISTORY_FINISHED_AFTER_STOP}" if after_stop else ""
+        return f"error: {rec.error or rec.reason}\n{body}".rstrip() + note
     if rec.state == ToolCallState.CANCELLED:
+        if rec.stop_effect in (StopEffect.INTERRUPTED, StopEffect.ABANDONED, StopEffect.CANCEL_UNANSWERED):
+            if body:
+                return f"{HISTORY_INTERRUPTED}\n{body}"
+            return f"interrupted by the stop; no output was known ({rec.reason})"
         known = f"\noutput before the interruption:\n{body}" if body else ""
         return f"interrupted: {rec.reason}{known}"
     if rec.state == ToolCallState.NOT_STARTED:
         return f"not executed: {rec.reason}"
     return f"outcome unknown: {rec.reason or rec.error}" + (f"\n{body}" if body else "")
-

@@ -8,6 +8,10 @@ SDK, about 6 s at worst; no scope of ours may wrap it, as it exits a task group 
 earlier) apply unchanged. A non-JSON line on a server's stdout is a protocol break: the
 SDK skips the line and hands it to the session's message handler; we record it on the
 server (``protocol_errors``) so the loop can end the run with ``TOOL_PROTOCOL``.
+A stop reaches a call through MCP's own ``notifications/cancelled``: cancelling the SDK's
+request sends it (the SDK's courtesy cancel), and ``cancel_in_flight`` sends it for the
+call in flight while still waiting for its answer; the session's write stream is watched
+(``_OutboundTap``) to know that request's id and to send each cancel only once.
 This module imports ``mcp``; the runner imports it only when the spec has MCP servers.
 """
 
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Final
 
 import mcp.client.stdio as _stdio
@@ -62,6 +67,42 @@ class McpSetupError(Exception):
         self.protocol = protocol
 
 
+class _OutboundTap:
+    """The session's write stream, watched: the id of the ``tools/call`` in flight, and
+    no second ``notifications/cancelled`` for a request already told (the SDK's courtesy
+    cancel follows ours when a cancelled call is then abandoned)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.in_flight: str | int | None = None
+        self._cancelled: set[str | int] = set()
+
+    async def send(self, item: Any, /) -> None:
+        from mcp_types import JSONRPCNotification, JSONRPCRequest
+
+        msg = getattr(item, "message", None)
+        if isinstance(msg, JSONRPCRequest) and msg.method == "tools/call":
+            self.in_flight = msg.id
+        elif isinstance(msg, JSONRPCNotification) and msg.method == "notifications/cancelled":
+            rid = (msg.params or {}).get("requestId")
+            if isinstance(rid, (str, int)):
+                if rid in self._cancelled:
+                    return
+                self._cancelled.add(rid)
+        await self._inner.send(item)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> _OutboundTap:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
 @dataclass
 class McpServer:
     name: str
@@ -70,6 +111,7 @@ class McpServer:
     tools: list[Any] = field(default_factory=list)
     stderr_path: Path | None = None
     protocol_errors: list[str] = field(default_factory=list)
+    tap: _OutboundTap | None = None
 
     def stderr_tail(self) -> str:
         if self.stderr_path is None:
@@ -86,8 +128,25 @@ class McpServer:
     async def call(self, tool: str, arguments: dict[str, Any]) -> tuple[bool, str]:
         """Call a tool; returns (is_error, text). Raises on transport or protocol failure."""
         assert self.session is not None
-        result = await self.session.call_tool(tool, arguments)
+        try:
+            result = await self.session.call_tool(tool, arguments)
+        finally:
+            if self.tap is not None:
+                self.tap.in_flight = None
         return bool(getattr(result, "is_error", False)), tool_result_text(result)
+
+    async def cancel_in_flight(self, reason: str) -> bool:
+        """Send ``notifications/cancelled`` for the call in flight; keep waiting for it.
+
+        Returns whether a call was in flight. Fire and forget, like the SDK's own.
+        """
+        if self.session is None or self.tap is None or self.tap.in_flight is None:
+            return False
+        from mcp_types import CancelledNotification, CancelledNotificationParams
+
+        params = CancelledNotificationParams(request_id=self.tap.in_flight, reason=reason)
+        await self.session.send_notification(CancelledNotification(params=params))
+        return True
 
 
 def tool_result_text(result: Any) -> str:
@@ -146,7 +205,8 @@ async def start_server(
     try:
         # The contexts outlive this call, so no cancel scope of ours may wrap their entry.
         read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=spawned.errlog))
-        session = await stack.enter_async_context(ClientSession(read, write, message_handler=on_message))
+        server.tap = _OutboundTap(write)
+        session = await stack.enter_async_context(ClientSession(read, server.tap, message_handler=on_message))
         with abortable("setup") as abort:
             with trio.fail_after(MCP_START_TIMEOUT_S):
                 await session.initialize()

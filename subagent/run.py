@@ -180,9 +180,11 @@ async def run(
         # A warm runner was started before its run had an id: pass it on to every child.
         os.environ["AGENTD_RUN_ID"] = run_id
     emitter.run_id = run_id
-    stop = StopControl(
-        on_first_stop=lambda reason, during: emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during)
-    )
+    def on_first_stop(reason: str, during: str) -> None:
+        extra = {"tool": stop.running_tool} if during == "tool" and stop.running_tool else {}
+        emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during, **extra)
+
+    stop = StopControl(on_first_stop=on_first_stop)
     loop: AgentLoop | None = None
     outcome = RunOutcome(RunStatus.FAILED, ExitCode.INTERNAL, reason="internal")
     steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
@@ -218,18 +220,31 @@ async def run(
                         stop.phase = "setup"
                         servers = await _start_servers(_server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter)
                         stop.phase = "idle"
-                        def on_group(pgid: int, alive: bool, kind: str, name: str) -> None:
-                            emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive)
+                        def on_group(pgid: int, alive: bool, kind: str, name: str, on_stop: str | None) -> None:
+                            # on_stop tells the daemon's path A whether it may SIGTERM this group.
+                            extra = {} if on_stop is None else {"on_stop": on_stop}
+                            emitter.emit(
+                                EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive, **extra
+                            )
 
                         background = None
                         if "run_command" in spec.builtin_tools:
+                            bg_policy = spec.stop_policy.run_command
                             background = BackgroundCommands(
-                                run_dir, lambda pgid, alive, name: on_group(pgid, alive, "command", f"[background] {name}"), spec.limits.max_output_bytes
+                                run_dir,
+                                lambda pgid, alive, name: on_group(pgid, alive, "command", f"[background] {name}", bg_policy),
+                                spec.limits.max_output_bytes,
                             )
                             await nursery.start(background.run)
                             stack.push_async_callback(background.aclose)
                         tools = ToolBox(
-                            builtins=spec.builtin_tools, limits=spec.limits, servers=servers, on_group=on_group, background=background
+                            builtins=spec.builtin_tools,
+                            limits=spec.limits,
+                            servers=servers,
+                            on_group=on_group,
+                            background=background,
+                            stop_policy=spec.stop_policy,
+                            preset_servers=frozenset({"browser"}) if spec.browser is not False else frozenset(),
                         )
                         loop = AgentLoop(
                             spec=spec, provider=provider, tools=tools, stop=stop, emitter=emitter, run_id=run_id, steering=steering

@@ -23,6 +23,7 @@ __all__ = [
     "McpServerSpec",
     "Limits",
     "SandboxSpec",
+    "StopPolicySpec",
     "RunSpec",
     "BUILTIN_TOOLS",
     "PROVIDERS",
@@ -38,6 +39,15 @@ DEFAULT_COMMAND_TIMEOUT_S: Final = 120.0
 DEFAULT_MAX_OUTPUT_BYTES: Final = 65536
 # A tool's output travels in one stderr event line, which the daemon caps at 1 MiB.
 MAX_MAX_OUTPUT_BYTES: Final = 512 * 1024
+# A stop interrupts a running command: SIGTERM to its group at once, SIGKILL after this
+# (seconds). Short on purpose: not the run's grace (the daemon's, 10 s by default).
+DEFAULT_COMMAND_STOP_GRACE_S: Final = 1.0
+# A stop tells a cancellable MCP call to stop (notifications/cancelled), then waits this
+# long for its answer before abandoning it (seconds).
+DEFAULT_CANCEL_WAIT_S: Final = 1.0
+# Stop policies a spec may ask for (values of ``subagent.events.StopPolicy``).
+COMMAND_STOP_POLICIES: Final = ("interrupt", "finish")
+MCP_STOP_POLICIES: Final = ("abandon", "cancel", "finish")
 
 
 class SpecError(ValueError):
@@ -274,6 +284,52 @@ class SandboxSpec:
         if self.workdir is not None:
             out["workdir"] = self.workdir
         return out
+@dataclass(frozen=True, slots=True)
+class StopPolicySpec:
+    """What a stop does to a running tool, where the spec overrides the tool's own nature.
+
+    ``run_command``: ``interrupt`` (default) or ``finish``. ``mcp``: keys are a server name
+    or ``server/tool``, values ``abandon``, ``cancel`` or ``finish``; the most specific key
+    wins over the tool's MCP annotations.
+    """
+
+    run_command: str = "interrupt"
+    mcp: Mapping[str, str] = field(default_factory=dict)
+    command_grace_s: float = DEFAULT_COMMAND_STOP_GRACE_S
+    cancel_wait_s: float = DEFAULT_CANCEL_WAIT_S
+
+    @classmethod
+    def from_dict(cls, d: Any, servers: set[str]) -> StopPolicySpec:
+        d = _obj(d, "stop_policy")
+        _check_keys(d, "stop_policy", {"run_command", "mcp", "command_grace_s", "cancel_wait_s"})
+        command = d.get("run_command", "interrupt")
+        if command not in COMMAND_STOP_POLICIES:
+            raise SpecError("stop_policy.run_command", f"expected one of {list(COMMAND_STOP_POLICIES)!r}, got {command!r}")
+        mcp: dict[str, str] = {}
+        for key, value in _obj(d.get("mcp", {}), "stop_policy.mcp").items():
+            where = f"stop_policy.mcp.{key}"
+            server, _, tool = key.partition("/")
+            if server not in servers:
+                raise SpecError(where, f"no mcp server named {server!r} in this spec (servers: {sorted(servers)!r})")
+            if "/" in key and not tool:
+                raise SpecError(where, f"expected 'server' or 'server/tool', got {key!r}")
+            if value not in MCP_STOP_POLICIES:
+                raise SpecError(where, f"expected one of {list(MCP_STOP_POLICIES)!r}, got {value!r}")
+            mcp[key] = value
+        return cls(
+            run_command=command,
+            mcp=mcp,
+            command_grace_s=_num(d.get("command_grace_s", DEFAULT_COMMAND_STOP_GRACE_S), "stop_policy.command_grace_s"),
+            cancel_wait_s=_num(d.get("cancel_wait_s", DEFAULT_CANCEL_WAIT_S), "stop_policy.cancel_wait_s"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_command": self.run_command,
+            "mcp": dict(self.mcp),
+            "command_grace_s": self.command_grace_s,
+            "cancel_wait_s": self.cancel_wait_s,
+        }
 
 
 _TOP_KEYS: Final = {
@@ -287,6 +343,7 @@ _TOP_KEYS: Final = {
     "browser",
     "limits",
     "sandbox",
+    "stop_policy",
 }
 
 
@@ -304,6 +361,7 @@ class RunSpec:
     browser: bool | Mapping[str, Any] = False
     limits: Limits = field(default_factory=Limits)
     sandbox: SandboxSpec = field(default_factory=SandboxSpec)
+    stop_policy: StopPolicySpec = field(default_factory=StopPolicySpec)
 
     @classmethod
     def from_dict(cls, d: Any, env: Mapping[str, str] | None = None) -> RunSpec:
@@ -355,6 +413,9 @@ class RunSpec:
             browser=browser,
             limits=Limits.from_dict(d.get("limits", {})),
             sandbox=SandboxSpec.from_dict(d.get("sandbox", {})),
+            stop_policy=StopPolicySpec.from_dict(
+                d.get("stop_policy", {}), set(servers) | ({"browser"} if browser is not False else set())
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -368,6 +429,8 @@ class RunSpec:
         }
         if self.sandbox.granted:
             out["sandbox"] = self.sandbox.to_dict()
+        if self.stop_policy != StopPolicySpec():
+            out["stop_policy"] = self.stop_policy.to_dict()
         for k in ("run_id", "session_id", "system_prompt"):
             v = getattr(self, k)
             if v is not None:

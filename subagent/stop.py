@@ -1,19 +1,23 @@
-"""The run's one cancel flag, and what a stop is allowed to interrupt.
+"""The run's one cancel flag, and the moment it was set.
 
 Invariants: a stop only *sets* the flag (once: the first reason wins and is reported in
-one ``stop_requested`` event); the agent loop reads it at the start of each step and
-after each tool batch. The one thing a stop interrupts at once is a model request in
-flight (no side effects; aborting closes its connection). A running tool finishes; only
-an explicit ``interrupt_tool`` (a repeated SIGINT) ends it early (its record says so). Pure trio, no signals here: the
-runner's main task turns SIGTERM into ``request("signal")``, the deadline task into
-``request("timeout")``.
+one ``stop_requested`` event) and records when (``stopped_at`` on the Trio clock,
+``stopped_wall``); the agent loop reads it at the start of each step and before each
+tool call, so no tool starts after it. A model request in flight is aborted at once (no
+side effects; aborting closes its connection). What happens to a *running* tool is the
+tool's own policy (``subagent.stop_policy``): the tool watches ``stopped`` and interrupts,
+abandons, cancels or finishes; an explicit ``interrupt_tool`` (a repeated SIGINT) ends it
+early whatever its policy. Pure trio, no signals here: the runner's main task turns
+SIGTERM into ``request("signal")``, the deadline task into ``request("timeout")``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import contextlib
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import trio
 
@@ -25,11 +29,17 @@ class StopControl:
         self.reason: str | None = None
         self.count = 0
         self.stopped = trio.Event()
+        self.stopped_at: float | None = None  # trio clock
+        self.stopped_wall: float | None = None
         self._on_first_stop = on_first_stop
         self._model_scope: trio.CancelScope | None = None
         self._abort_kind = "model"
         self.phase = "idle"  # what the run is doing outside a model request or a tool
         self._tool_scope: trio.CancelScope | None = None
+        # The call running now ({id, name, on_stop}), for the stop_requested event, and what
+        # to do (synchronously) when a stop reaches it; both cleared by ``tool_done``.
+        self.running_tool: dict[str, Any] | None = None
+        self.on_stop_during_tool: Callable[[], None] | None = None
 
     @property
     def requested(self) -> bool:
@@ -52,9 +62,13 @@ class StopControl:
         self.count += 1
         if self.reason is None:
             self.reason = reason
+            self.stopped_at = trio.current_time()
+            self.stopped_wall = time.time()
             if self._on_first_stop is not None:
                 self._on_first_stop(reason, self.during)
             self.stopped.set()
+            if self.on_stop_during_tool is not None:
+                self.on_stop_during_tool()
             if self._model_scope is not None:
                 self._model_scope.cancel(reason=f"stop ({reason}) aborts the model request")
 
@@ -83,10 +97,13 @@ class StopControl:
                 self._model_scope = None
 
     def tool_interrupt(self) -> trio.CancelScope:
-        """A fresh scope the running tool enters; only a second stop cancels it."""
+        """A fresh scope the running tool enters; an explicit interrupt cancels it (a stop
+        reaches the tool through its own policy, watching ``stopped``)."""
         scope = trio.CancelScope()
         self._tool_scope = scope
         return scope
 
     def tool_done(self) -> None:
         self._tool_scope = None
+        self.running_tool = None
+        self.on_stop_during_tool = None

@@ -3,9 +3,12 @@
 Invariants: a tool name the model sees maps to exactly one executor (built-in, or one
 MCP server's tool: exposed under its own name when that is unique, always also as
 ``<server>__<tool>``); ``execute`` never raises for a tool's own failure: it returns a
-``ToolOutcome`` whose state says what really happened (succeeded, failed, cancelled by an
-explicit interrupt, or unknown when we stopped waiting but the tool may still act); outputs are
-bounded to ``limits.max_output_bytes``.
+``ToolOutcome`` whose state says what really happened (succeeded, failed, cancelled by the
+stop or an explicit interrupt, or unknown when we stopped waiting but the tool may still
+act); outputs are bounded to ``limits.max_output_bytes``. Every tool has a ``StopPolicy``
+(``policy``), and a running call applies it the moment the run's stop is set: a command
+is interrupted (or finishes), an MCP call is abandoned, told to stop, or let finish; the
+outcome's ``stop_effect`` says which happened.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
 from subagent.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
-from subagent.commands import RUN_COMMAND_TOOL, format_outcome, run_command
-from subagent.events import ToolCallState
-from subagent.spec import Limits
+from subagent.commands import RUN_COMMAND_TOOL, CommandOutcome, format_outcome, run_command
+from subagent.events import StopEffect, StopPolicy, ToolCallState
+from subagent.spec import Limits, StopPolicySpec
+from subagent.stop import StopControl
+from subagent.stop_policy import command_policy, mcp_policy
 
 if TYPE_CHECKING:
     from subagent.mcp_tools import McpServer
@@ -32,6 +37,13 @@ logger = logging.getLogger(__name__)
 
 _LOST = "connection_lost: the server's connection ended during the call"
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]")
+# A command killed by a signal while the run's stop is not (yet) set may have been killed
+# by the daemon's path A, which signals the runner and the command's group together: the
+# runner's own SIGTERM is then in flight. How long we wait for it before calling the
+# command's death its own (seconds; only ever waited for a command killed by a signal).
+STOP_SETTLE_S: Final = 0.2
+# Exit statuses of a shell whose child died of SIGTERM/SIGKILL (128 + signal number).
+_SHELL_SIGNAL_EXITS: Final = frozenset({128 + 15, 128 + 9})
 
 
 @dataclass(slots=True)
@@ -41,6 +53,7 @@ class ToolOutcome:
     truncated: bool = False
     error: str | None = None
     reason: str | None = None
+    stop_effect: StopEffect | None = None  # set when the tool applied its stop policy
 
 
 def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
@@ -77,10 +90,14 @@ class ToolBox:
         builtins: tuple[str, ...],
         limits: Limits,
         servers: Mapping[str, McpServer],
-        on_group: Callable[[int, bool, str, str], None],
+        on_group: Callable[[int, bool, str, str, str | None], None],
         background: BackgroundCommands | None = None,
+        stop_policy: StopPolicySpec | None = None,
+        preset_servers: frozenset[str] = frozenset(),
     ) -> None:
         self.limits = limits
+        self.stop_policy = stop_policy or StopPolicySpec()
+        self._preset_servers = preset_servers
         self.background = background
         self.servers = dict(servers)
         self._on_group = on_group
@@ -112,6 +129,19 @@ class ToolBox:
     def has(self, name: str) -> bool:
         return name in self._builtins or name in self._mcp
 
+    def policy(self, name: str) -> StopPolicy | None:
+        """What a stop does to a running call of ``name`` (None: no such tool)."""
+        if name == "run_command" and name in self._builtins:
+            return command_policy(self.stop_policy)
+        if name == "command_output" and name in self._builtins:
+            return StopPolicy.ABANDON  # reads a file: nothing to stop
+        if name in self._mcp:
+            server, tool, t = self._mcp[name]
+            return mcp_policy(
+                self.stop_policy, server, tool, getattr(t, "annotations", None), preset=server in self._preset_servers
+            )
+        return None
+
     def schemas(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if "run_command" in self._builtins:
@@ -139,11 +169,16 @@ class ToolBox:
     def protocol_errors(self) -> list[tuple[str, str]]:
         return [(s.name, e) for s in self.servers.values() for e in s.protocol_errors]
 
-    async def execute(self, name: str, arguments: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
+    async def execute(
+        self, name: str, arguments: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl | None = None
+    ) -> ToolOutcome:
+        """Run one call. ``interrupt``: an explicit interrupt ends it whatever its policy;
+        ``stop``: the run's stop, applied to the running call by its policy."""
+        stop = stop if stop is not None else StopControl()
         if name == "run_command" and "run_command" in self._builtins:
             if arguments.get("background") is True and self.background is not None:
                 return await self._start_background(arguments)
-            return await self._run_command(arguments, interrupt)
+            return await self._run_command(arguments, interrupt, stop)
         if name == "command_output" and "command_output" in self._builtins and self.background is not None:
             known, text = self.background.output(str(arguments.get("id", "")))
             bounded, truncated = bound_text(text, self.limits.max_output_bytes)
@@ -151,7 +186,8 @@ class ToolBox:
                 return ToolOutcome(ToolCallState.FAILED, bounded, error=text, reason="unknown_command_id")
             return ToolOutcome(ToolCallState.SUCCEEDED, bounded, truncated)
         server_name, tool, _ = self._mcp[name]
-        return await self._call_mcp(server_name, tool, arguments, interrupt)
+        policy = self.policy(name) or StopPolicy.FINISH
+        return await self._call_mcp(server_name, tool, arguments, interrupt, stop, policy)
 
     async def _start_background(self, args: dict[str, Any]) -> ToolOutcome:
         assert self.background is not None
@@ -163,7 +199,7 @@ class ToolBox:
             return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
         return ToolOutcome(ToolCallState.SUCCEEDED, text)
 
-    async def _run_command(self, args: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
+    async def _run_command(self, args: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl) -> ToolOutcome:
         command = args.get("command")
         if not isinstance(command, str) or not command.strip():
             return ToolOutcome(ToolCallState.FAILED, None, error="invalid_arguments: 'command' must be a non-empty string", reason="invalid_arguments")
@@ -171,32 +207,83 @@ class ToolBox:
         asked = args.get("timeout_s")
         if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
             timeout = min(timeout, float(asked))
+        policy = command_policy(self.stop_policy)
+        interruptible = policy is StopPolicy.INTERRUPT
         outcome = await run_command(
             command,
             timeout_s=timeout,
             max_output_bytes=self.limits.max_output_bytes,
             interrupt=interrupt,
-            on_group=lambda pgid, alive: self._on_group(pgid, alive, "command", command[:200]),
+            stop=stop.stopped if interruptible else None,
+            kill_grace_s=self.stop_policy.command_grace_s,
+            on_group=lambda pgid, alive: self._on_group(pgid, alive, "command", command[:200], str(policy)),
         )
+        if interruptible and not outcome.by_stop and await _killed_by_the_stop(outcome, stop):
+            outcome.by_stop = True
         text = format_outcome(outcome)
         if outcome.spawn_error is not None:
             return ToolOutcome(ToolCallState.FAILED, text, error=outcome.spawn_error, reason="spawn_failed")
+        if outcome.by_stop:
+            after = _command_stop_to_end(outcome, stop)
+            how = f"; it ended ({outcome.ended_by}) {_ms(after)} after the stop" if after is not None else ""
+            reason = f"interrupted: interrupted by the stop (SIGTERM to its process group){how}"
+            return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason=reason, stop_effect=StopEffect.INTERRUPTED)
         if outcome.interrupted:
             return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason="interrupted: an explicit interrupt ended the command")
         if outcome.timed_out:
             return ToolOutcome(ToolCallState.FAILED, text, outcome.truncated, error=f"timed out after {timeout:g} s", reason="timeout")
         return ToolOutcome(ToolCallState.SUCCEEDED, text, outcome.truncated)
 
-    async def _call_mcp(self, server_name: str, tool: str, args: dict[str, Any], interrupt: trio.CancelScope) -> ToolOutcome:
+    async def _call_mcp(
+        self, server_name: str, tool: str, args: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl, policy: StopPolicy
+    ) -> ToolOutcome:
+        server = self.servers[server_name]
+        call = trio.CancelScope()
+        effect: list[StopEffect] = []
+        wait_s = self.stop_policy.cancel_wait_s
+
+        async def apply_stop() -> None:
+            await stop.stopped.wait()
+            if policy is StopPolicy.ABANDON:
+                effect.append(StopEffect.ABANDONED)
+                # Cancelling the SDK's request makes it send notifications/cancelled itself.
+                call.cancel(reason="the stop abandons a read-only call")
+                return
+            with trio.move_on_after(wait_s):
+                await server.cancel_in_flight(f"the run was stopped ({stop.reason})")
+            await trio.sleep(wait_s)  # the answer may still come: then it is the real result
+            effect.append(StopEffect.CANCEL_UNANSWERED)
+            call.cancel(reason="no answer after notifications/cancelled")
+
+        async with trio.open_nursery() as nursery:
+            if policy in (StopPolicy.ABANDON, StopPolicy.CANCEL):
+                nursery.start_soon(apply_stop)
+            try:
+                outcome = await self._mcp_outcome(server, tool, args, interrupt, call)
+            finally:
+                nursery.cancel_scope.cancel(reason="the call ended")
+        if call.cancelled_caught and effect:
+            if effect[0] is StopEffect.ABANDONED:
+                reason = "abandoned: a read-only call abandoned at the stop; notifications/cancelled was sent"
+            else:
+                reason = (
+                    f"interrupted: notifications/cancelled was sent at the stop and no answer came within "
+                    f"{wait_s:g} s; the call was abandoned and the server may have acted"
+                )
+            return ToolOutcome(ToolCallState.CANCELLED, None, reason=reason, stop_effect=effect[0])
+        return outcome
+
+    async def _mcp_outcome(
+        self, server: McpServer, tool: str, args: dict[str, Any], interrupt: trio.CancelScope, call: trio.CancelScope
+    ) -> ToolOutcome:
         from mcp.shared.exceptions import MCPError
         from mcp_types import CONNECTION_CLOSED
 
-        server = self.servers[server_name]
         timeout = self.limits.command_timeout_s
         result: tuple[bool, str] | None = None
         try:
             with trio.move_on_after(timeout) as timer:
-                with interrupt:
+                with interrupt, call:
                     result = await server.call(tool, args)
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
@@ -208,13 +295,15 @@ class ToolBox:
             # kind): the tool ran, but what it returned is unusable.
             return ToolOutcome(ToolCallState.FAILED, None, error=str(exc), reason="invalid_result")
         except Exception as exc:  # the transport broke: the server may or may not have acted
-            logger.warning("mcp call %s.%s broke: %s", server_name, tool, exc)
+            logger.warning("mcp call %s.%s broke: %s", server.name, tool, exc)
             return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"{type(exc).__name__}: {exc}", reason=_LOST)
         # The SDK hands a bad stdout line to the session's handler in a task of its own,
         # queued before the answer that followed it: one checkpoint lets it be recorded.
         await trio.lowlevel.checkpoint()
         if interrupt.cancelled_caught:
             return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: an explicit interrupt abandoned the call; the server may have acted")
+        if call.cancelled_caught:
+            return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: the stop abandoned the call")
         if timer.cancelled_caught or result is None:
             return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"no answer within {timeout:g} s", reason="timeout: stopped waiting; the server may still act")
         is_error, text = result
@@ -222,3 +311,30 @@ class ToolBox:
         if is_error:
             return ToolOutcome(ToolCallState.FAILED, bounded, truncated, error="the tool reported an error", reason="tool_error")
         return ToolOutcome(ToolCallState.SUCCEEDED, bounded, truncated)
+
+
+async def _killed_by_the_stop(outcome: CommandOutcome, stop: StopControl) -> bool:
+    """Did the daemon's path A kill this command for the run's stop?
+
+    Path A signals the runner and the command's group at once, so the command's death can
+    be seen here before the runner's own SIGTERM has set the stop flag: a command killed
+    by SIGTERM/SIGKILL waits (bounded) for that flag.
+    """
+    code = outcome.exit_code
+    if code is None or not (code in (-15, -9) or code in _SHELL_SIGNAL_EXITS):
+        return False
+    if not stop.requested:
+        with trio.move_on_after(STOP_SETTLE_S):
+            await stop.stopped.wait()
+    return stop.requested
+
+
+def _command_stop_to_end(outcome: CommandOutcome, stop: StopControl) -> float | None:
+    start = outcome.stop_at if outcome.stop_at is not None else stop.stopped_at
+    if start is None or outcome.ended_at is None:
+        return None
+    return max(0.0, outcome.ended_at - start)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"

@@ -38,7 +38,16 @@ async def test_scripted_run_calls_run_command_twice_and_completes(tmp_path: Path
     # Every stderr line was a valid event (finish() asserts it); the shape is right too.
     kinds = [e.kind for e in r.events]
     assert kinds[0] == EventKind.RUNNER_STARTED
-    assert kinds.count(EventKind.STEP_SNAPSHOT) == 2
+    # One snapshot after each model turn that said something (its text and its announced
+    # calls), one after each tool batch.
+    snaps = r.of(EventKind.STEP_SNAPSHOT)
+    assert [s.data["progress"] for s in snaps] == ["first", "first", "first\n\nsecond", "first\n\nsecond", result["progress"]]
+    assert [t["state"] for t in snaps[0].data["tool_calls"]] == ["not_started"]
+    assert snaps[0].data["tool_calls"][0]["on_stop"] == "interrupt"
+    # Each call is announced (not started, no reason) before it runs.
+    first_id = result["tool_calls"][0]["id"]
+    states = [e.data["record"]["state"] for e in r.of(EventKind.TOOL_CALL) if e.data["record"]["id"] == first_id]
+    assert states == ["not_started", "running", "succeeded"]
     groups = r.of(EventKind.PROCESS_GROUP)
     assert [g.data["alive"] for g in groups] == [True, False, True, False]
     assert all(g.data["kind"] == "command" for g in groups)
@@ -86,7 +95,59 @@ async def test_sigterm_while_the_model_streams_cancels_at_once(tmp_path: Path) -
     assert r.of(EventKind.ASSISTANT_TEXT)[0].data["complete"] is False
 
 
-async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path) -> None:
+FINISH_COMMANDS = {"run_command": "finish"}
+
+
+async def test_sigterm_during_a_command_interrupts_it_and_keeps_its_output(tmp_path: Path) -> None:
+    script = {
+        "turns": [
+            {"text": "working", "tool_calls": [
+                {"name": "run_command", "arguments": {"command": "echo started; sleep 300"}},
+                {"name": "run_command", "arguments": {"command": "echo must-not-run"}},
+            ]},
+        ]
+    }
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            group = await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
+            await r.wait_event(EventKind.TOOL_CALL, lambda e: e.data["record"]["state"] == "running")
+        # The output printed so far reaches the pipe before the stop: wait until it can.
+        await wait_output_file_free(group.data["pgid"])
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
+    assert group.data["on_stop"] == "interrupt"
+    first, second = result["tool_calls"]
+    assert first["state"] == "cancelled" and first["on_stop"] == "interrupt"
+    assert first["stop_effect"] == "interrupted" and first["reason"].startswith("interrupted: interrupted by the stop")
+    assert "SIGTERM" in first["reason"] and first["stop_to_end_s"] < 10
+    assert "started" in first["output"] and "[killed by SIGTERM]" in first["output"]
+    assert second["state"] == "not_started" and second["stop_effect"] == "stopped_before_start"
+    stop = r.of(EventKind.STOP_REQUESTED)[0].data
+    assert stop["during"] == "tool" and stop["tool"] == {"id": first["id"], "name": "run_command", "on_stop": "interrupt"}
+    # The record said at once that the stop reached the call, before it ended.
+    noted = [e.data["record"] for e in r.of(EventKind.TOOL_CALL) if e.data["record"]["id"] == first["id"]]
+    assert [(n["state"], n["stop_requested_at"] is not None) for n in noted][-2:] == [("running", True), ("cancelled", True)]
+    history = [m for m in result["messages"] if m["role"] == "tool"]
+    assert history[0]["content"].startswith("interrupted by the stop; output known before the interruption:\n")
+    assert "\nstarted" in history[0]["content"]
+    assert history[1]["content"].startswith("not executed: stopped_before_start")
+    assert not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
+
+
+async def wait_output_file_free(pgid: int) -> None:
+    """Until the command's shell runs ``sleep``: its ``echo started`` is in the pipe by then."""
+    with trio.fail_after(10):
+        while True:
+            try:
+                if any(c.name() == "sleep" for c in psutil.Process(pgid).children()):
+                    return
+            except psutil.NoSuchProcess:
+                return
+            await trio.sleep(0.01)
+
+
+async def test_a_command_the_spec_lets_finish_finishes_after_sigterm_then_stops(tmp_path: Path) -> None:
     script = {
         "turns": [
             {"text": "working", "tool_calls": [
@@ -96,7 +157,7 @@ async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path
             {"text": "must not be asked", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo nope"}}]},
         ]
     }
-    async with start_runner(spec(script=script), tmp_path) as r:
+    async with start_runner(spec(script=script, stop_policy=FINISH_COMMANDS), tmp_path) as r:
         with trio.fail_after(10):
             await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
         r.signal()
@@ -104,6 +165,8 @@ async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path
     assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
     first, second = result["tool_calls"]
     assert first["state"] == "succeeded" and "slept" in first["output"]
+    assert first["on_stop"] == "finish" and first["stop_effect"] == "finished_after_stop"
+    assert first["reason"].startswith("finished_after_stop: it was allowed to finish")
     assert second["state"] == "not_started" and second["reason"].startswith("stopped_before_start")
     assert result["steps"] == 1  # no further model call
     assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "tool"
@@ -113,8 +176,9 @@ async def test_sigterm_during_a_command_lets_it_finish_then_stops(tmp_path: Path
     assert snaps[-1].data["_id"] == "run-test"
     # Only one command ever started.
     assert len([g for g in r.of(EventKind.PROCESS_GROUP) if g.data["alive"]]) == 1
+    assert r.of(EventKind.PROCESS_GROUP)[0].data["on_stop"] == "finish"  # path A must spare it
     history = [m for m in result["messages"] if m["role"] == "tool"]
-    assert "finished before the run was stopped" in history[0]["content"]
+    assert "[finished after the stop: this call was allowed to finish" in history[0]["content"]
     assert history[1]["content"].startswith("not executed: stopped_before_start")
 
 
@@ -123,7 +187,7 @@ async def test_repeated_sigterm_changes_nothing_the_command_still_finishes(tmp_p
     flag = tmp_path / "run" / "go"
     command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
-    async with start_runner(spec(script=script), tmp_path) as r:
+    async with start_runner(spec(script=script, stop_policy=FINISH_COMMANDS), tmp_path) as r:
         with trio.fail_after(10):
             await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
         r.signal()
@@ -413,7 +477,8 @@ async def test_a_deadline_during_a_command_lets_it_finish_like_a_stop(tmp_path: 
         {"tool_calls": [{"name": "run_command", "arguments": {"command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"}}]},
         {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo never"}}]},
     ]}
-    async with start_runner(spec(script=script, limits={"deadline_s": 1.0}), tmp_path) as r:
+    runner_spec = spec(script=script, limits={"deadline_s": 1.0}, stop_policy=FINISH_COMMANDS)
+    async with start_runner(runner_spec, tmp_path) as r:
         with trio.fail_after(15):
             stop = await r.wait_event(EventKind.STOP_REQUESTED)
         flag.touch()  # the command may end now
