@@ -137,7 +137,56 @@ BEGIN
 END;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
+# Version 3: a stop is durable intent and deadlines are absolute (DESIGN "Cancellation").
+# ``cancel_reason``/``cancel_requested_at``/``stop_deadline`` are written (once, the first
+# cancel) before a cancel is acknowledged, so a restarted daemon resumes the stop with the
+# original reason and what is left of its grace; ``deadline`` is a run's timeout as a
+# wall-clock time. A group's ``on_stop`` (a command's stop policy) tells path A whether it
+# may SIGTERM that group at cancel time. The guard is rebuilt to cover the new columns.
+_V3 = f"""
+ALTER TABLE runs ADD COLUMN cancel_reason TEXT;
+ALTER TABLE runs ADD COLUMN cancel_requested_at REAL;
+ALTER TABLE runs ADD COLUMN stop_deadline REAL;
+ALTER TABLE runs ADD COLUMN deadline REAL;
+ALTER TABLE process_groups ADD COLUMN on_stop TEXT;
+
+DROP TRIGGER runs_terminal_is_final;
+CREATE TRIGGER runs_terminal_is_final
+BEFORE UPDATE ON runs
+WHEN OLD.state IN ({_TERMINAL}) AND (
+       NEW.id IS NOT OLD.id
+    OR NEW.session_id IS NOT OLD.session_id
+    OR NEW.state IS NOT OLD.state
+    OR NEW.reason IS NOT OLD.reason
+    OR NEW.created_at IS NOT OLD.created_at
+    OR NEW.started_at IS NOT OLD.started_at
+    OR NEW.ended_at IS NOT OLD.ended_at
+    OR NEW.timeout_s IS NOT OLD.timeout_s
+    OR NEW.spec IS NOT OLD.spec
+    OR NEW.result IS NOT OLD.result
+    OR NEW.partial IS NOT OLD.partial
+    OR NEW.partial_snapshot IS NOT OLD.partial_snapshot
+    OR NEW.error IS NOT OLD.error
+    OR (OLD.receipt IS NOT NULL AND NEW.receipt IS NOT OLD.receipt)
+    OR NEW.pid IS NOT OLD.pid
+    OR NEW.pid_start_time IS NOT OLD.pid_start_time
+    OR NEW.pgid IS NOT OLD.pgid
+    OR NEW.tree_id IS NOT OLD.tree_id
+    OR NEW.cgroup IS NOT OLD.cgroup
+    OR NEW.containment IS NOT OLD.containment
+    OR NEW.run_dir IS NOT OLD.run_dir
+    OR NEW.last_seq < OLD.last_seq
+    OR NEW.cancel_reason IS NOT OLD.cancel_reason
+    OR NEW.cancel_requested_at IS NOT OLD.cancel_requested_at
+    OR NEW.stop_deadline IS NOT OLD.stop_deadline
+    OR NEW.deadline IS NOT OLD.deadline
+)
+BEGIN
+    SELECT RAISE(ABORT, 'agentd journal: a terminal run is final');
+END;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

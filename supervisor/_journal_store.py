@@ -51,6 +51,7 @@ class GroupRecord(TypedDict):
     alive: bool
     added_at: float
     ended_at: float | None
+    on_stop: str | None
 
 
 class EventRecord(TypedDict):
@@ -83,6 +84,10 @@ class RunRecord(TypedDict):
     containment: str | None
     run_dir: str | None
     last_seq: int
+    cancel_reason: str | None
+    cancel_requested_at: float | None
+    stop_deadline: float | None
+    deadline: float | None
     groups: list[GroupRecord]
     tool_calls: list[dict[str, Any]]
 
@@ -133,7 +138,8 @@ def _loads(text: str | None) -> Any:
 _RUN_COLUMNS: Final = (
     "id, session_id, state, reason, created_at, started_at, ended_at, timeout_s, spec, "
     "result, partial, partial_snapshot, error, receipt, pid, pid_start_time, pgid, "
-    "tree_id, cgroup, containment, run_dir, last_seq"
+    "tree_id, cgroup, containment, run_dir, last_seq, cancel_reason, cancel_requested_at, "
+    "stop_deadline, deadline"
 )
 
 
@@ -283,6 +289,32 @@ class Store:
                 self._end_groups(conn, run_id, groups_ended_at)
             return True
 
+    def record_cancel(self, run_id: str, reason: str, at: float, stop_deadline: float) -> bool:
+        # The first cancel's facts win; a terminal run takes none.
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                "UPDATE runs SET cancel_reason = ?, cancel_requested_at = ?, stop_deadline = ? "
+                "WHERE id = ? AND cancel_requested_at IS NULL "
+                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                (reason, at, stop_deadline, run_id, *_TERMINAL_VALUES),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            return True
+
+    def record_deadline(self, run_id: str, deadline: float) -> bool:
+        with self._tx(durable=True) as conn:
+            cur = conn.execute(
+                "UPDATE runs SET deadline = ? WHERE id = ? AND deadline IS NULL "
+                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                (deadline, run_id, *_TERMINAL_VALUES),
+            )
+            if cur.rowcount == 0:
+                self._require_run(conn, run_id)
+                return False
+            return True
+
     def set_partial(self, run_id: str, snapshot_id: object, snapshot: str) -> bool:
         with self._tx(durable=False) as conn:
             cur = conn.execute(
@@ -324,16 +356,18 @@ class Store:
 
     # -- process groups --------------------------------------------------------------
 
-    def add_group(self, run_id: str, pgid: int, kind: str, name: str, at: float) -> None:
+    def add_group(
+        self, run_id: str, pgid: int, kind: str, name: str, at: float, on_stop: str | None = None
+    ) -> None:
         with self._tx(durable=True) as conn:
             self._require_run(conn, run_id)
             # A pgid can be reused by a new group after the old one ended.
             conn.execute(
-                "INSERT INTO process_groups (run_id, pgid, kind, name, alive, added_at) "
-                "VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (run_id, pgid) DO UPDATE SET "
+                "INSERT INTO process_groups (run_id, pgid, kind, name, alive, added_at, on_stop) "
+                "VALUES (?, ?, ?, ?, 1, ?, ?) ON CONFLICT (run_id, pgid) DO UPDATE SET "
                 "kind = excluded.kind, name = excluded.name, alive = 1, "
-                "added_at = excluded.added_at, ended_at = NULL",
-                (run_id, pgid, kind, name, at),
+                "added_at = excluded.added_at, ended_at = NULL, on_stop = excluded.on_stop",
+                (run_id, pgid, kind, name, at, on_stop),
             )
 
     def remove_group(self, run_id: str, pgid: int, at: float) -> bool:
@@ -442,13 +476,32 @@ class Store:
             )
             return cur.rowcount == 1
 
-    def settle_tool_calls(self, run_id: str, reason: str, at: float) -> int:
+    def settle_tool_calls(
+        self,
+        run_id: str,
+        reason: str,
+        at: float,
+        pending_reason: str | None = None,
+        stop_effects: tuple[str, str] | None = None,
+    ) -> int:
         with self._tx(durable=False) as conn:
             self._require_run(conn, run_id)
-            return self._settle(conn, run_id, reason, at)
+            return self._settle(conn, run_id, reason, at, pending_reason, stop_effects)
 
-    def _settle(self, conn: sqlite3.Connection, run_id: str, reason: str, at: float) -> int:
-        """Running calls become outcome-unknown; announced ones never ran."""
+    def _settle(
+        self,
+        conn: sqlite3.Connection,
+        run_id: str,
+        reason: str,
+        at: float,
+        pending_reason: str | None = None,
+        stop_effects: tuple[str, str] | None = None,
+    ) -> int:
+        """Running calls become outcome-unknown; announced ones never ran.
+
+        ``pending_reason`` (default ``reason``) is the announced ones' reason;
+        ``stop_effects`` = (running, announced) ``stop_effect`` values, under a stop.
+        """
         # Rewritten here rather than with SQL json_set: records are Python's JSON (which
         # may hold NaN), not necessarily SQLite's.
         rows = conn.execute(
@@ -460,10 +513,13 @@ class Store:
             record = json.loads(text)
             if rank == _RANK_RUNNING:
                 state, new_rank = ToolCallState.UNKNOWN, _RANK_UNKNOWN
+                record["reason"] = reason
             else:
                 state, new_rank = ToolCallState.NOT_STARTED, _RANK_FINAL
+                record["reason"] = reason if pending_reason is None else pending_reason
+            if stop_effects is not None:
+                record["stop_effect"] = stop_effects[0 if rank == _RANK_RUNNING else 1]
             record["state"] = state.value
-            record["reason"] = reason
             conn.execute(
                 "UPDATE tool_calls SET state = ?, rank = ?, record = ?, updated_at = ? "
                 "WHERE run_id = ? AND call_id = ?",
@@ -492,8 +548,8 @@ class Store:
         self, conn: sqlite3.Connection, run_ids: Sequence[str]
     ) -> dict[str, list[GroupRecord]]:
         out: dict[str, list[GroupRecord]] = {r: [] for r in run_ids}
-        for run_id, pgid, kind, name, alive, added_at, ended_at in conn.execute(
-            "SELECT run_id, pgid, kind, name, alive, added_at, ended_at FROM process_groups "
+        for run_id, pgid, kind, name, alive, added_at, ended_at, on_stop in conn.execute(
+            "SELECT run_id, pgid, kind, name, alive, added_at, ended_at, on_stop FROM process_groups "
             f"WHERE run_id IN ({_marks(run_ids)}) ORDER BY added_at, pgid",
             tuple(run_ids),
         ):
@@ -505,6 +561,7 @@ class Store:
                     alive=bool(alive),
                     added_at=added_at,
                     ended_at=ended_at,
+                    on_stop=on_stop,
                 )
             )
         return out
@@ -562,7 +619,8 @@ def _run_record(
     (
         run_id, session_id, state, reason, created_at, started_at, ended_at, timeout_s,
         spec, result, partial, partial_snapshot, error, receipt, pid, pid_start_time,
-        pgid, tree_id, cgroup, containment, run_dir, last_seq,
+        pgid, tree_id, cgroup, containment, run_dir, last_seq, cancel_reason,
+        cancel_requested_at, stop_deadline, deadline,
     ) = row  # fmt: skip
     return RunRecord(
         id=run_id,
@@ -587,6 +645,10 @@ def _run_record(
         containment=containment,
         run_dir=run_dir,
         last_seq=last_seq,
+        cancel_reason=cancel_reason,
+        cancel_requested_at=cancel_requested_at,
+        stop_deadline=stop_deadline,
+        deadline=deadline,
         groups=groups,
         tool_calls=tool_calls,
     )

@@ -350,6 +350,28 @@ class Journal:
             )
         )
 
+    async def record_cancel(
+        self, run_id: str, *, reason: str, at: float, stop_deadline: float
+    ) -> bool:
+        """Record (durably) a stop the daemon is about to acknowledge: its reason, when it
+        was asked (wall clock) and when its grace ends (wall clock).
+
+        Only the first cancel of a live run is recorded (False for a later one, or once the
+        run is terminal): a restarted daemon resumes that stop, not a newer one.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        return await self._call(lambda s: s.record_cancel(_text(run_id), _text(reason), at, stop_deadline))
+
+    async def record_deadline(self, run_id: str, deadline: float) -> bool:
+        """Record (durably) the run's timeout as a wall-clock deadline, once.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        return await self._call(lambda s: s.record_deadline(_text(run_id), deadline))
+
     async def set_partial(self, run_id: str, snapshot: Mapping[str, Any]) -> bool:
         """Store the run's latest partial result (a ``step_snapshot``).
 
@@ -405,18 +427,28 @@ class Journal:
         return await self._call(lambda s: s.record_process(_text(run_id), fields))
 
     async def add_group(
-        self, run_id: str, pgid: int, kind: str, name: str, *, at: float | None = None
+        self,
+        run_id: str,
+        pgid: int,
+        kind: str,
+        name: str,
+        *,
+        at: float | None = None,
+        on_stop: str | None = None,
     ) -> None:
         """Record (durably) a live process group the run owns (an MCP server, a command).
 
         Accepted after the run ended too: leftovers must stay known to the sweep.
-        A pgid seen again (reused after its group ended) is alive again.
+        A pgid seen again (reused after its group ended) is alive again. ``on_stop`` is a
+        command's stop policy (``interrupt``: path A may SIGTERM the group).
 
         Raises:
             RunNotFound: no run has this id.
         """
         ts = time.time() if at is None else at
-        await self._call(lambda s: s.add_group(_text(run_id), pgid, _text(kind), _text(name), ts))
+        await self._call(
+            lambda s: s.add_group(_text(run_id), pgid, _text(kind), _text(name), ts, _opt_text(on_stop))
+        )
 
     async def remove_group(self, run_id: str, pgid: int, *, at: float | None = None) -> bool:
         """The group ended: it leaves the run's live groups (its record stays, not alive).
@@ -533,15 +565,28 @@ class Journal:
             lambda s: s.upsert_tool_call(_text(run_id), _text(rec["id"]), step, _text(state), rank, data, ts)
         )
 
-    async def settle_tool_calls(self, run_id: str, *, reason: str) -> int:
-        """Close open records of an ended run: running ones become ``unknown``, announced
-        ones ``not_started``, with ``reason``. Returns how many changed.
+    async def settle_tool_calls(
+        self,
+        run_id: str,
+        *,
+        reason: str,
+        pending_reason: str | None = None,
+        stop_effects: tuple[str, str] | None = None,
+    ) -> int:
+        """Close open records of an ended run: running ones become ``unknown`` with
+        ``reason``, announced ones ``not_started`` with ``pending_reason`` (default
+        ``reason``). Under a stop, ``stop_effects`` = the (running, announced) records'
+        ``stop_effect``. Returns how many changed.
 
         Raises:
             RunNotFound: no run has this id.
         """
         ts = time.time()
-        return await self._call(lambda s: s.settle_tool_calls(_text(run_id), _text(reason), ts))
+        return await self._call(
+            lambda s: s.settle_tool_calls(
+                _text(run_id), _text(reason), ts, _opt_text(pending_reason), stop_effects
+            )
+        )
 
     async def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
         """The run's tool-call records, by step then first appearance.

@@ -67,7 +67,7 @@ async def test_a_new_file_gets_the_latest_schema_in_wal_mode(db: Path) -> None:
     async with await Journal.open(db):
         pass
     conn = raw(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
     assert {"runs", "events", "tool_calls", "process_groups"} <= tables
@@ -221,7 +221,9 @@ async def test_a_new_run_is_queued_with_every_field_readable(journal: Journal) -
         "spec": {"prompt": "hi", "n": [1, 2]}, "result": None, "partial": False,
         "partial_snapshot": None, "error": None, "receipt": None, "pid": None,
         "pid_start_time": None, "pgid": None, "tree_id": None, "cgroup": None,
-        "containment": None, "run_dir": None, "last_seq": 0, "groups": [], "tool_calls": [],
+        "containment": None, "run_dir": None, "last_seq": 0, "cancel_reason": None,
+        "cancel_requested_at": None, "stop_deadline": None, "deadline": None, "groups": [],
+        "tool_calls": [],
     }
     assert await journal.get_run("nope") is None
     with pytest.raises(JournalError, match="already exists"):
@@ -493,13 +495,94 @@ async def test_process_groups_are_known_until_they_end(journal: Journal) -> None
     assert run is not None
     assert run["groups"] == [
         {"pgid": 100, "kind": "mcp_server", "name": "playwright", "alive": True,
-         "added_at": T0, "ended_at": None},
+         "added_at": T0, "ended_at": None, "on_stop": None},
         {"pgid": 200, "kind": "command", "name": "sh -c make", "alive": False,
-         "added_at": T0 + 1, "ended_at": T0 + 2},
+         "added_at": T0 + 1, "ended_at": T0 + 2, "on_stop": None},
     ]
     await journal.add_group("r1", 200, "command", "second use of the pgid", at=T0 + 3)
     run = await journal.get_run("r1")
     assert run is not None and run["groups"][1]["alive"] and run["groups"][1]["ended_at"] is None
+
+
+async def test_a_groups_stop_policy_is_kept_and_follows_a_reused_pgid(journal: Journal) -> None:
+    await new_run(journal, state=S.RUNNING)
+    await journal.add_group("r1", 300, "command", "sleep 300", at=T0, on_stop="interrupt")
+    run = await journal.get_run("r1")
+    assert run is not None and run["groups"][0]["on_stop"] == "interrupt"
+    await journal.remove_group("r1", 300)
+    await journal.add_group("r1", 300, "command", "make install", at=T0 + 1, on_stop="finish")
+    run = await journal.get_run("r1")
+    assert run is not None and (run["groups"][0]["on_stop"], run["groups"][0]["alive"]) == ("finish", True)
+
+
+# -- stop intent and deadlines -------------------------------------------------------------
+
+
+async def test_the_first_cancel_is_recorded_once_and_frozen_at_the_end(journal: Journal, db: Path) -> None:
+    await new_run(journal, state=S.RUNNING)
+    assert await journal.record_cancel("r1", reason="user", at=T0, stop_deadline=T0 + 10)
+    assert not await journal.record_cancel("r1", reason="timeout", at=T0 + 1, stop_deadline=T0 + 11)
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert (run["cancel_reason"], run["cancel_requested_at"], run["stop_deadline"]) == ("user", T0, T0 + 10)
+    assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
+    await new_run(journal, "r2", state=S.RUNNING)
+    assert await journal.finish("r2", S.COMPLETED, reason=None, result={}, partial=False)
+    assert not await journal.record_cancel("r2", reason="user", at=T0, stop_deadline=T0 + 10)
+    conn = raw(db)
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET cancel_reason = 'late' WHERE id = 'r1'")
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET deadline = 1.0 WHERE id = 'r2'")
+    conn.close()
+    with pytest.raises(RunNotFound):
+        await journal.record_cancel("nope", reason="user", at=T0, stop_deadline=T0)
+
+
+async def test_a_deadline_is_recorded_once_and_a_cancel_before_acknowledging_is_fsynced(journal: Journal) -> None:
+    await new_run(journal, state=S.STARTING)
+    assert await journal.record_deadline("r1", T0 + 8)
+    assert not await journal.record_deadline("r1", T0 + 80)
+    run = await journal.get_run("r1")
+    assert run is not None and run["deadline"] == T0 + 8
+    await journal.append_event("r1", "log", {})  # a NORMAL commit first
+    assert await journal.record_cancel("r1", reason="timeout", at=T0 + 8, stop_deadline=T0 + 18)
+    mode = await journal._call(lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0])
+    assert mode == 2  # FULL: durable before the daemon acknowledges the stop
+
+
+async def test_settling_under_a_stop_says_which_calls_never_started(journal: Journal) -> None:
+    await new_run(journal, state=S.CANCELLING)
+    await journal.upsert_tool_call("r1", tool_call("a", "succeeded", output="ok"))
+    await journal.upsert_tool_call("r1", tool_call("b", "running"))
+    await journal.upsert_tool_call("r1", tool_call("c", "not_started"))
+    n = await journal.settle_tool_calls(
+        "r1", reason="grace ran out", pending_reason="stopped_before_start: never ran",
+        stop_effects=("grace_ran_out", "stopped_before_start"),
+    )
+    assert n == 2
+    calls = {c["id"]: (c["state"], c.get("reason"), c.get("stop_effect")) for c in await journal.tool_calls("r1")}
+    assert calls == {
+        "a": ("succeeded", None, None),
+        "b": ("unknown", "grace ran out", "grace_ran_out"),
+        "c": ("not_started", "stopped_before_start: never ran", "stopped_before_start"),
+    }
+
+
+async def test_a_version_2_journal_gains_the_stop_columns_and_keeps_its_runs(db: Path) -> None:
+    conn = _journal_schema.connect(str(db), target=2)
+    conn.execute(
+        "INSERT INTO runs (id, session_id, state, created_at, spec, last_seq) "
+        "VALUES ('old', 's', 'running', 1.0, '{}', 0)"
+    )
+    conn.execute("INSERT INTO process_groups VALUES ('old', 77, 'command', 'sh', 1, 1.0, NULL)")
+    conn.close()
+    async with await Journal.open(db) as j:
+        run = await j.get_run("old")
+        assert run is not None and run["state"] is S.RUNNING
+        assert (run["cancel_reason"], run["stop_deadline"], run["deadline"]) == (None, None, None)
+        assert run["groups"][0]["on_stop"] is None
+        assert await j.record_cancel("old", reason="user", at=2.0, stop_deadline=12.0)
 
 
 # -- tool calls ----------------------------------------------------------------------------
