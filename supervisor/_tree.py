@@ -39,6 +39,17 @@ class _TreeBase:
     # Inode numbers of the runner's stdio pipes (empty for a re-adopted tree): an orphan
     # that holds one open is the tree's, whatever it did to its session and environment.
     pipes: frozenset[int] = frozenset()
+    # Known groups whose tool a stop interrupts (a command with stop policy "interrupt"):
+    # path A SIGTERMs them at cancel time, even while the runner lives. Never a group whose
+    # tool the policy lets finish, never an MCP server (the runner cancels its calls).
+    interruptible: set[int] = field(default_factory=set)
+
+    def set_interruptible(self, pgid: int, interruptible: bool) -> None:
+        """Mark a known group as one path A may SIGTERM at cancel time (or not any more)."""
+        if interruptible and pgid in self.groups and pgid != self.pgid:
+            self.interruptible.add(pgid)
+        else:
+            self.interruptible.discard(pgid)
 
     def add_group(self, pgid: int) -> bool:
         """Remember another process group of this tree (an MCP server, a command).

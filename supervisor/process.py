@@ -17,7 +17,7 @@ The only module that sends signals (killpg, pidfd_send_signal, ``cgroup.kill``, 
 # group has members).
 #
 # Path B, in order: SIGTERM the runner's group; wait up to the grace for the runner to
-# exit (the runner owns its tools and lets a running one finish); then SIGKILL what is
+# exit (the runner owns its tools and applies each running tool's stop policy); then SIGKILL what is
 # left: the cgroup, every known group, every swept member (leftovers after the runner
 # exited on its own are orphans and get no grace of their own); then wait, bounded, until
 # no member runs (zombies are dead), and reap the zombies we adopted.
@@ -421,15 +421,20 @@ def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, P
 def soft_stop(tree: AnyTree) -> list[str]:
     """Path A: SIGTERM the runner's group now; fire and forget, idempotent, never raises.
 
-    The runner is the cooperative owner of its tools (it lets a running tool finish), so
-    only its group is signalled while it lives; once it is gone, every known group is.
-    Returns one line per signal, e.g. ``"SIGTERM group 4242: sent"`` ("gone": nothing
-    there; "eperm": maybe alive, not ours to signal).
+    The runner is the cooperative owner of its tools and applies each running tool's stop
+    policy. While it lives, its group is signalled, and so are the groups it reported as
+    interruptible (``tree.interruptible``: commands a stop interrupts; seed 000 sends
+    run_command's groups SIGTERM at cancel time), so a stuck runner does not keep them
+    running; a group whose tool may finish, or an MCP server, is never signalled here.
+    Once the runner is gone, every known group is. Returns one line per signal, e.g.
+    ``"SIGTERM group 4242: sent"`` ("gone": nothing there; "eperm": maybe alive, not ours
+    to signal).
     """
     if not _POSIX:
         return [_windows_fire(_windows.soft_kill_command(tree.pid))]
     if _leader_alive(tree):
-        targets = [tree.pgid]
+        # Runner first: its stop flag is set before its command's death can be seen.
+        targets = [tree.pgid] + [g for g in _live_groups(tree) if g in tree.interruptible and g != tree.pgid]
     else:
         targets = _live_groups(tree)
     return [f"SIGTERM group {g}: {_killpg(g, signal.SIGTERM)}" for g in targets]

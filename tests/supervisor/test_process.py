@@ -382,6 +382,39 @@ async def test_soft_stop_reaches_known_groups_once_the_runner_is_gone(make_conta
         await process.terminate_and_kill(tree, grace_s=GRACE_S)
 
 
+async def test_soft_stop_reaches_interruptible_groups_of_a_live_runner_and_spares_the_others(
+    make_containment: MakeContainment,
+) -> None:
+    c = make_containment(SUBREAPER_SWEEP)
+    # A stuck runner (it ignores SIGTERM) with two tools in sessions of their own: a
+    # command the stop interrupts, and one the policy lets finish.
+    code = (
+        "import signal, subprocess, sys\n"
+        "a = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], start_new_session=True)\n"
+        "b = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], start_new_session=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # after the spawns: SIG_IGN is inherited
+        "print(a.pid, b.pid, flush=True)\n"
+        "signal.pause()\n"
+    )
+    tree = await spawn_argv([sys.executable, "-c", code], c)
+    interrupt, finish = map(int, (await read_line(tree)).split())
+    assert tree.add_group(interrupt) and tree.add_group(finish)
+    tree.set_interruptible(interrupt, True)
+    tree.set_interruptible(finish, False)
+    tree.set_interruptible(tree.pgid, True)  # never: the runner's own group is not a tool's
+    assert tree.interruptible == {interrupt}
+    ident = identities({"interrupt": interrupt, "finish": finish})
+    lines = process.soft_stop(tree)
+    assert lines == [f"SIGTERM group {tree.pgid}: sent", f"SIGTERM group {interrupt}: sent"]
+    with trio.fail_after(5):
+        while "interrupt" in running(ident):
+            await trio.sleep(0.01)
+    assert set(running(ident)) == {"finish"} and tree.process.returncode is None
+    with trio.fail_after(GRACE_S + 5):
+        receipt = await process.terminate_and_kill(tree, grace_s=0, sigterm_sent=True)
+    assert receipt.survivors == [] and running(ident) == {}
+
+
 async def test_a_reported_group_is_accepted_by_ancestry_without_a_marker(make_containment: MakeContainment) -> None:
     c = make_containment(SUBREAPER_SWEEP)
     code = (
