@@ -4,8 +4,11 @@ Each run is one Trio task in the manager's nursery. The runner child's pipes are
 by tasks *outside* the run's cancel scope, so a stop does not deafen us: the runner's
 last snapshot and final JSON written during its grace are still read. Cancel goes two
 ways on purpose (DESIGN.md): path A at cancel time (``process.soft_stop``: SIGTERM to the
-runner's group), and path B when the run's scope is cancelled: the scope unwinds into a
-shielded ``process.terminate_and_kill`` (SIGTERM, grace, SIGKILL the whole tree, reap).
+runner's group and to the command groups it reported interruptible), and path B when the
+run's scope is cancelled: the scope unwinds into a shielded
+``process.terminate_and_kill`` (SIGTERM, grace, SIGKILL the whole tree, reap). A stop is
+journaled (reason, time, the wall-clock end of its grace) before it is acknowledged, and
+a timeout is a wall-clock deadline, so a restarted daemon resumes both (``recovery``).
 
 Invariants: one cancel token per run, retired exactly once when the terminal fact is
 written; the terminal fact is a compare-and-set in the journal, so a cancel racing a
@@ -38,9 +41,10 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
 from supervisor import process, recovery
 from supervisor._backlog import Backlog
+from supervisor._stop_receipt import describe_tool_stops
 from supervisor.config import Config
 from supervisor.containment import Containment
-from supervisor.errors import JournalUnavailable, RunNotFound, SpawnError
+from supervisor.errors import JournalError, JournalUnavailable, RunNotFound, SpawnError
 from supervisor.journal import Journal
 from supervisor.pool import WarmPool, new_tree, remove_dir
 from supervisor.progress import LineSplitter
@@ -78,6 +82,8 @@ class _Run:
     stdout_overflow: bool = False
     cancel_at: float | None = None  # trio clock
     cancel_wall: float | None = None
+    stop_deadline: float | None = None  # wall clock: the end of the stop's grace
+    deadline: float | None = None  # wall clock: the timeout
     path_a: list[str] = field(default_factory=list)
     subscribers: set[trio.MemorySendChannel[dict[str, Any]]] = field(default_factory=set)
     lock: trio.Lock = field(default_factory=trio.Lock)
@@ -225,6 +231,7 @@ class RunManager:
         if was_active and run.token.first_cancel:
             run.cancel_at = trio.current_time()
             run.cancel_wall = time.time()
+            run.stop_deadline = run.cancel_wall + self.config.grace_s
             # Path A, before any await: fire and forget, whole-group soft stop.
             if run.tree is not None:
                 run.path_a = process.soft_stop(run.tree)
@@ -233,6 +240,11 @@ class RunManager:
                 run.scope.cancel()
             if run.queue_scope is not None:
                 run.queue_scope.cancel()
+            # Durable intent before the acknowledgement: a restarted daemon finishes it.
+            why, at, until = run.token.reason or reason, run.cancel_wall, run.stop_deadline
+            await self._write(
+                run, "stop intent", lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until), True
+            )
             if run.state in (RunState.STARTING, RunState.RUNNING):
                 await self._transition(run, RunState.CANCELLING, reason=reason)
         out = {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
@@ -425,6 +437,11 @@ class RunManager:
 
     async def _execute(self, run: _Run) -> None:
         await self._transition(run, RunState.STARTING)
+        if run.timeout_s is not None and run.deadline is None:
+            # Absolute: a daemon restart does not extend it (recovery reads it back).
+            run.deadline = time.time() + run.timeout_s
+            deadline = run.deadline
+            await self._write(run, "deadline", lambda j: j.record_deadline(run.run_id, deadline), True)
         # A warm runner's environment was set before its spec came: a run with its own
         # model key starts cold, with the key in its runner's environment.
         warm = self._pool.take() if self._pool is not None and run.model_key is None else None
@@ -462,8 +479,8 @@ class RunManager:
         receipt: dict[str, Any] = {}
         async with trio.open_nursery() as io:
             io.start_soon(self._feed_stdin, run, tree)
-            if run.timeout_s is not None:
-                io.start_soon(self._timeout, run, run.timeout_s)
+            if run.deadline is not None:
+                io.start_soon(self._timeout, run)
             # The pipes are read outside the run's scope (a stop must not deafen us) and
             # for at most process.DRAIN_AFTER_EXIT_S after the runner exits.
             async with trio.open_nursery() as pumps:
@@ -512,8 +529,9 @@ class RunManager:
         except Exception:
             logger.exception("run %s: cleaning up after its tree failed", run.run_id)
 
-    async def _timeout(self, run: _Run, timeout_s: float) -> None:
-        await trio.sleep(timeout_s)
+    async def _timeout(self, run: _Run) -> None:
+        assert run.deadline is not None
+        await trio.sleep(max(0.0, run.deadline - time.time()))
         await self.cancel(run.run_id, reason="timeout")
 
     async def _conclude(self, run: _Run, code: int | None, receipt: dict[str, Any]) -> None:
@@ -524,12 +542,8 @@ class RunManager:
         if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
             full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
         if isinstance(result, dict):
-            for record in result.get("tool_calls") or []:
-                if isinstance(record, dict) and isinstance(record.get("id"), str):
-                    try:
-                        await self._write(run, "tool call", lambda j, r=record: j.upsert_tool_call(run.run_id, r), True)
-                    except ValueError:
-                        logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
+            await self._take_result_records(run, result)
+            await self._add_tool_stops(run, full_receipt, result.get("tool_calls"))
             status = result.get("status")
             if status == RunStatus.COMPLETED:
                 state = RunState.COMPLETED
@@ -549,12 +563,8 @@ class RunManager:
             return
         # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
         # a tool that was running has an unknown outcome, one only announced never ran.
-        await self._write(
-            run,
-            "tool calls settled",
-            lambda j: j.settle_tool_calls(run.run_id, reason="the runner ended without reporting this call's outcome"),
-            0,
-        )
+        await self._settle_unreported(run)
+        await self._add_tool_stops(run, full_receipt, None)
         if run.token.cancelled:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
         else:
@@ -572,6 +582,47 @@ class RunManager:
             error=error,
             receipt=full_receipt,
         )
+
+    async def _take_result_records(self, run: _Run, result: dict[str, Any]) -> None:
+        for record in result.get("tool_calls") or []:
+            if isinstance(record, dict) and isinstance(record.get("id"), str):
+                try:
+                    await self._write(run, "tool call", lambda j, r=record: j.upsert_tool_call(run.run_id, r), True)
+                except ValueError:
+                    logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
+
+    async def _settle_unreported(self, run: _Run) -> None:
+        """Close the records a runner that left no result never closed."""
+        if run.token.cancelled:
+            settle = lambda j: j.settle_tool_calls(  # noqa: E731
+                run.run_id,
+                reason="grace_ran_out: the runner was killed at the end of the stop's grace while this call ran; its outcome is unknown",
+                pending_reason="stopped_before_start: the runner was stopped before this call started",
+                stop_effects=("grace_ran_out", "stopped_before_start"),
+            )
+        else:
+            settle = lambda j: j.settle_tool_calls(  # noqa: E731
+                run.run_id, reason="the runner ended without reporting this call's outcome"
+            )
+        await self._write(run, "tool calls settled", settle, 0)
+
+    async def _add_tool_stops(self, run: _Run, receipt: dict[str, Any], records: Any) -> None:
+        """The receipt says what the stop did to the running tool (and to the calls after it).
+
+        ``records``: the runner's own (its result's), else the journal's (settled).
+        """
+        if not run.token.cancelled:
+            return
+        if not isinstance(records, list):
+            try:
+                records = await self.journal.tool_calls(run.run_id)
+            except JournalError as exc:  # degraded: the receipt goes without them
+                logger.warning("run %s: tool records unreadable for the receipt: %s", run.run_id, exc)
+                return
+        tools = describe_tool_stops([r for r in records if isinstance(r, dict)], cancel_wall=run.cancel_wall)
+        if tools:
+            receipt["tools"] = tools
+            receipt["tool_summary"] = "; ".join(t["text"] for t in tools)
 
     async def _finish_internal_error(self, run: _Run, exc: Exception, receipt: dict[str, Any]) -> None:
         """A bug in supervision still ends the run once: cancelled if a stop was asked."""
@@ -659,11 +710,18 @@ class RunManager:
                     await self._transition(run, RunState.RUNNING)
             elif kind == EventKind.PROCESS_GROUP:
                 pgid = int(data["pgid"])
+                on_stop = data.get("on_stop")
+                on_stop = str(on_stop) if on_stop is not None else None
                 if data.get("alive", True):
                     tree.add_group(pgid)
+                    # Path A may SIGTERM this group at cancel time only if a stop interrupts its tool.
+                    tree.set_interruptible(pgid, data.get("kind") == "command" and on_stop == "interrupt")
                     gkind, name = str(data.get("kind", "")), str(data.get("name", ""))
-                    await self._write(run, "process group", lambda j: j.add_group(run.run_id, pgid, gkind, name), None)
+                    await self._write(
+                        run, "process group", lambda j: j.add_group(run.run_id, pgid, gkind, name, on_stop=on_stop), None
+                    )
                 else:
+                    tree.set_interruptible(pgid, False)
                     await self._write(run, "process group ended", lambda j: j.remove_group(run.run_id, pgid), True)
             elif kind == EventKind.TOOL_CALL:
                 record = data.get("record")

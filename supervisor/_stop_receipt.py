@@ -1,0 +1,71 @@
+"""What a stop did to the run's tools, in words, for the stop receipt. Pure: records in, lines out.
+
+The runner writes each call's stop policy and effect in its record (``on_stop``,
+``stop_effect``, ``stop_to_end_s``; see ``subagent.events.ToolCallRecord``); the daemon
+writes them for calls its settling closed (a runner killed at the grace). This turns
+them into the receipt's ``tools`` entries, e.g. "interrupted `run_command` after 40 ms",
+"read-only MCP call `read_file` abandoned", "destructive call `write_file` allowed to
+finish; it finished 1.2 s after the stop".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from subagent.events import StopEffect, StopPolicy
+
+__all__ = ["describe_tool_stops", "duration_text"]
+
+
+def duration_text(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def _line(rec: Mapping[str, Any]) -> str | None:
+    name = str(rec.get("name") or "?")
+    effect = rec.get("stop_effect")
+    after = rec.get("stop_to_end_s")
+    took = f" after {duration_text(float(after))}" if isinstance(after, (int, float)) else ""
+    finished = f" {duration_text(float(after))} after the stop" if isinstance(after, (int, float)) else " after the stop"
+    if effect == StopEffect.INTERRUPTED:
+        return f"interrupted `{name}`{took}"
+    if effect == StopEffect.ABANDONED:
+        return f"read-only MCP call `{name}` abandoned (notifications/cancelled sent)"
+    if effect == StopEffect.CANCEL_UNANSWERED:
+        return f"MCP call `{name}` told to stop (notifications/cancelled); no answer, abandoned{took}"
+    if effect == StopEffect.FINISHED_AFTER_STOP:
+        if rec.get("on_stop") == StopPolicy.FINISH:
+            what = "a command the spec lets finish" if name == "run_command" else "destructive call"
+            return f"{what} `{name}` allowed to finish; it finished{finished}"
+        return f"`{name}` told to stop; it answered{finished}"
+    if effect == StopEffect.GRACE_RAN_OUT:
+        return f"`{name}` was still running when the grace ran out; the runner was killed; its outcome is unknown"
+    return None
+
+
+def describe_tool_stops(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per call a stop reached, then one for the calls that never started."""
+    out: list[dict[str, Any]] = []
+    never: list[str] = []
+    for rec in records:
+        if rec.get("stop_effect") == StopEffect.STOPPED_BEFORE_START:
+            never.append(str(rec.get("name") or "?"))
+            continue
+        text = _line(rec)
+        if text is not None:
+            out.append(
+                {
+                    "id": rec.get("id"),
+                    "name": rec.get("name"),
+                    "on_stop": rec.get("on_stop"),
+                    "effect": rec.get("stop_effect"),
+                    "after_s": rec.get("stop_to_end_s"),
+                    "text": text,
+                }
+            )
+    if never:
+        names = ", ".join(f"`{n}`" for n in never)
+        text = f"{len(never)} call{'s' if len(never) > 1 else ''} never started: {names}"
+        out.append({"effect": str(StopEffect.STOPPED_BEFORE_START), "count": len(never), "text": text})
+    return out
