@@ -1,0 +1,151 @@
+"""Acceptance: stops and deadlines survive a daemon SIGKILL; a run that ended meanwhile is what it was.
+
+Real daemon processes (``tests/children/daemon_main.py``) on one state dir, the real
+runner with the scripted model, a real SQLite file and a real websocket. The first daemon
+is SIGKILLed (no cleanup at all); the second one finds the journal as the first left it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+from trio_websocket import open_websocket_url
+
+from tests.supervisor.test_restart import CHILDREN, Client
+
+
+@asynccontextmanager
+async def daemon(state_dir: Path, *, grace_s: float) -> AsyncIterator[tuple[trio.Process, Client]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
+    env["AGENTD_GRACE_S"] = str(grace_s)
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)], stdout=-1, env=env, start_new_session=True
+    )
+    try:
+        buf = b""
+        assert proc.stdout is not None
+        while b"\n" not in buf:
+            chunk = await proc.stdout.receive_some()
+            assert chunk, "daemon exited before it served"
+            buf += chunk
+        info = json.loads(buf.split(b"\n")[0])
+        headers = [(b"authorization", f"Bearer {info['token']}".encode())]
+        async with open_websocket_url(info["url"], extra_headers=headers) as ws:
+            yield proc, Client(ws)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(15):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+def command_spec(command: str, **more: Any) -> dict[str, Any]:
+    script = {"turns": [{"text": "working", "tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}], "final": "done"}
+    return {"task": "t", "model": {"provider": "scripted", "script": script}, **more}
+
+
+async def kill9(proc: trio.Process, c: Client) -> None:
+    await c.ws.aclose()
+    proc.kill()  # SIGKILL: no cleanup at all
+    await proc.wait()
+
+
+async def wait_gone(pid: int, timeout_s: float) -> None:
+    with trio.fail_after(timeout_s):
+        while True:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return
+            except psutil.NoSuchProcess:
+                return
+            await trio.sleep(0.02)
+
+
+async def test_an_acknowledged_stop_is_finished_by_the_restarted_daemon_with_its_reason_and_grace(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    grace = 5.0
+    # The command may finish (spec policy), so the stop waits on it for the grace.
+    spec = command_spec("sleep 300", stop_policy={"run_command": "finish"})
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=grace) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await c.wait_for(rid, kind="tool_call", count=2)  # announced, then running
+            reply = await c.call("cancel", run_id=rid)
+            assert reply["was_active"] is True  # acknowledged: journaled before this reply
+            st = await c.call("status", run_id=rid)
+            runner = st["pid"]
+            await kill9(d1, c)
+        assert psutil.pid_exists(runner)
+        async with daemon(state, grace_s=grace) as (d2, c):
+            # No second cancel: the restarted daemon resumes the stop it finds in the journal.
+            assert await c.wait_for(rid) == "cancelled"
+            final = await c.call("status", run_id=rid)
+            events = (await c.call("events", run_id=rid))["events"]
+    assert final["reason"] == "user"  # the original reason, not the runner's "signal"
+    assert final["cancel_reason"] == "user" and final["stop_deadline"] == final["cancel_requested_at"] + grace
+    # Within the grace of the original cancel (path B at its deadline), not a fresh one.
+    assert final["ended_at"] <= final["stop_deadline"] + 2.0
+    assert final["ended_at"] >= final["stop_deadline"] - 0.5  # the command was let finish until then
+    resumed = [e["data"] for e in events if e["kind"] == "daemon" and "resumed_stop" in e["data"]]
+    assert resumed and resumed[0]["resumed_stop"]["reason"] == "user"
+    assert 0 < resumed[0]["resumed_stop"]["grace_left_s"] < grace
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["stop_effect"]) == ("unknown", "grace_ran_out")
+    assert not psutil.pid_exists(runner) or psutil.Process(runner).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_timeout_is_a_wall_clock_deadline_that_a_restart_does_not_extend(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    timeout = 4.0
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=10.0) as (d1, c):
+            rid = (await c.call("spawn", spec=command_spec("sleep 300"), timeout_s=timeout))["run_id"]
+            await c.wait_for(rid, kind="tool_call", count=2)
+            st = await c.call("status", run_id=rid)
+            deadline = st["deadline"]
+            assert deadline is not None and st["started_at"] <= deadline - timeout <= st["started_at"] + 1.0
+            await kill9(d1, c)
+        # Down for a while: the run's time goes on (the scenario's own clock, not a sync).
+        await trio.sleep(max(0.0, st["started_at"] + timeout / 2 - time.time()))
+        async with daemon(state, grace_s=10.0) as (d2, c):
+            assert await c.wait_for(rid) == "cancelled"
+            final = await c.call("status", run_id=rid)
+    assert final["reason"] == "timeout" and final["deadline"] == deadline
+    # It ends at its deadline (the command is interrupted at once), not a timeout later.
+    assert deadline <= final["ended_at"] <= deadline + 1.5
+    (call,) = final["tool_calls"]
+    assert call["state"] == "cancelled" and call["stop_effect"] == "interrupted"
+
+
+async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    flag = tmp_path / "go"
+    spec = command_spec(f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished")
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await c.wait_for(rid, kind="tool_call", count=2)
+            runner = (await c.call("status", run_id=rid))["pid"]
+            await kill9(d1, c)
+        flag.touch()  # the run goes on and completes with no daemon watching
+        await wait_gone(runner, 30)
+        async with daemon(state, grace_s=5.0) as (d2, c):
+            final = await c.call("status", run_id=rid)
+    assert final["state"] == "completed", final
+    assert final["partial"] is False and final["result"]["final_text"] == "done"
+    (call,) = final["tool_calls"]
+    assert call["state"] == "succeeded" and "finished" in call["output"]
+    assert final["receipt"]["path_b"]["note"] == "the run ended while the daemon was down"
