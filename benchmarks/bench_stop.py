@@ -3,7 +3,11 @@
 Scenarios (the daemon runs in this process, ``serve``):
   a  a real runner whose model is mid-stream (``subagent.fake_openai`` holds the stream
      open; provider openai, OPENAI_API_KEY=x, base_url of the fake)
-  b  a real runner inside a ``run_command`` (``sleep``), cancelled part-way through
+  b  stop inside a running command: a real runner inside ``run_command`` (``echo started;
+     sleep 300``; interrupted by the stop, its default policy)
+  m  stop inside a read-only MCP call: a real runner inside ``read_slowly``
+     (``readOnlyHint``) of ``tests/children/mcp_stop_server.py``: abandoned, with
+     notifications/cancelled
   c  a runner that ignores SIGTERM (``tests/children/fake_runner.py``), grace 2 s: the
      effective grace and how far past it the tree is dead
   d  a real runner whose ``run_command`` starts ``tests/children/tree_escapers.py``
@@ -17,7 +21,9 @@ the group, then watch the tree for 1 s; what still runs is a survivor.
 
 "tree dead" is observed here by polling every member (found by its marker before the
 cancel) every 2 ms; the daemon's own figure (``receipt.cancel_to_tree_dead_s``) is shown
-beside it.
+beside it. For b and m, "tool dead" is the running tool's own process group (the
+command's, or the MCP server's) polled the same way, and "beyond the tool's death" is how
+much later the whole tree was dead (target: p50 under 100 ms, 0 survivors).
 
     .venv/bin/python benchmarks/bench_stop.py [--quick] [--reps N] [--json FILE]
 """
@@ -66,8 +72,10 @@ from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, sho
 from subagent.fake_openai import FakeOpenAI  # noqa: E402
 
 FAKE_RUNNER = [PY, str(CHILDREN / "fake_runner.py")]
-COMMAND_S = 2.0  # (b), (d): the command's own duration
-CANCEL_INTO_S = 0.5  # (b), (d): how far into the command the cancel comes
+STOP_SERVER = str(CHILDREN / "mcp_stop_server.py")
+LONG_COMMAND = "echo started; sleep 300"  # (b): a stop interrupts it
+COMMAND_S = 2.0  # (d): the command's own duration
+CANCEL_INTO_S = 0.5  # (d): how far into the command the cancel comes
 # (d): the escapers' leader exits at once; its setsid/double-forked descendants stay; the
 # command itself goes on for COMMAND_S (its own step), and is let finish by the stop.
 ESCAPERS = f"{PY} {CHILDREN / 'tree_escapers.py'} --exit-leader; sleep {COMMAND_S:g}"
@@ -128,13 +136,24 @@ async def daemon_stop(
     members = await stable_members("AGENTD_TREE", tree_id, members_at_least)
     w = Watcher(members, timeout_s=30)
     w.start()
+    tool = extra.get("tool_pgid")
+    tw = Watcher([p for p in members if _pgid(p.pid) == tool], timeout_s=30) if tool else None
+    if tw is not None:
+        tw.start()
     t0 = time.perf_counter()
     cancel_wall = time.time()
     w.start_at(t0)
+    if tw is not None:
+        tw.start_at(t0)
     await m.cancel(run_id)
     st = await m.wait_terminal(run_id)
     t_term = time.perf_counter() - t0
     await trio.to_thread.run_sync(w.join, 35)
+    if tw is not None:
+        await trio.to_thread.run_sync(tw.join, 35)
+        extra["cancel_to_tool_dead"] = tw.dead_after
+        if tw.dead_after is not None and w.dead_after is not None:
+            extra["beyond_tool"] = w.dead_after - tw.dead_after
     survivors = await trio.to_thread.run_sync(lambda: pids_with("AGENTD_TREE", tree_id))
     kill_all(survivors)
     receipt = st.get("receipt") or {}
@@ -152,9 +171,17 @@ async def daemon_stop(
         "receipt_survivors": pb.get("survivors"),
         "survivors": [p.pid for p in survivors] + [p.pid for p in w.left if alive(p)],
         "tool_states": [c.get("state") for c in calls],
+        "tool_summary": receipt.get("tool_summary"),
         "cancel_wall": cancel_wall,
         **extra,
     }
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 # ----------------------------------------------------------------------------- baseline
@@ -199,9 +226,13 @@ class Bare:
     def members(self) -> list[PidId]:
         return pids_with(TREE_VAR, self.tree)
 
-    def killpg_stop(self, grace_s: float) -> dict[str, Any]:
+    def killpg_stop(self, grace_s: float, tool_pgid: int | None = None) -> dict[str, Any]:
         members = self.members()
+        tool = Watcher([p for p in members if _pgid(p.pid) == tool_pgid], timeout_s=grace_s + 5) if tool_pgid else None
         t0 = time.perf_counter()
+        if tool is not None:
+            tool.start()
+            tool.start_at(t0)
         os.killpg(self.p.pid, signal.SIGTERM)
         escalated = False
         try:
@@ -225,6 +256,11 @@ class Bare:
             "waited_s": waited if escalated else None,
             "survivors": [p.pid for p in left],
         }
+        if tool is not None:
+            tool.join(grace_s + 6)
+            out["cancel_to_tool_dead"] = tool.dead_after
+            if tool.dead_after is not None and dead is not None:
+                out["beyond_tool"] = dead - tool.dead_after
         kill_all(left + self.members())
         return out
 
@@ -248,6 +284,9 @@ def report(label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grac
     line(row("agentd: cancel -> terminal state", summary(col(d, "cancel_to_terminal"))))
     line(row("agentd: cancel -> tree dead (observed)", summary(col(d, "cancel_to_tree_dead"))))
     line(row("agentd: cancel -> tree dead (daemon's receipt)", summary(col(d, "receipt_cancel_to_tree_dead"))))
+    if any(r.get("cancel_to_tool_dead") is not None for r in d):
+        line(row("agentd: cancel -> the tool's group dead", summary(col(d, "cancel_to_tool_dead"))))
+        line(row("agentd: tree dead beyond the tool's death", summary(col(d, "beyond_tool")), "(target p50 < 100 ms)"))
     if any(r.get("own_step_left") is not None for r in d):
         line(row("agentd: the command's own time left at cancel", summary(col(d, "own_step_left"))))
         line(row("agentd: tree dead beyond the command's own step", summary(col(d, "beyond_own_step"))))
@@ -257,12 +296,18 @@ def report(label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grac
     line(row("baseline killpg: leader exited", summary(col(b, "leader_exit"))))
     line(row("baseline killpg: tree dead", summary(col(b, "cancel_to_tree_dead")),
              f"({sum(1 for r in b if r['survivors'])}/{len(b)} reps never fully dead)"))
+    if any(r.get("cancel_to_tool_dead") is not None for r in b):
+        line(row("baseline killpg: the tool's group dead", summary(col(b, "cancel_to_tool_dead"))))
+        line(row("baseline killpg: tree dead beyond the tool's death", summary(col(b, "beyond_tool"))))
     if grace is not None:
         line(row("baseline killpg: effective grace", summary(col(b, "waited_s"))))
     states = sorted({r["state"] for r in d})
     tools = sorted({s for r in d for s in r.get("tool_states", [])})
     line(f"  agentd: terminal states {states}, partial {sorted({bool(r.get('partial')) for r in d})}, "
          f"tool calls {tools or '-'}, members per tree {sorted({r['members'] for r in d})}")
+    summaries = sorted({r["tool_summary"] for r in d if r.get("tool_summary")})
+    if summaries:
+        line(f"  agentd receipts: {summaries[:3]}")
     line(f"  survivors: agentd {sum(len(r['survivors']) for r in d)} over {len(d)} reps; "
          f"baseline killpg {sum(len(r['survivors']) for r in b)} over {len(b)} reps "
          f"(members per tree {sorted({r['members'] for r in b})})")
@@ -303,34 +348,97 @@ async def scenario_a(m: Any, reps: int, fake: FakeOpenAI, grace: float) -> dict[
     return out
 
 
+def _group_of(ev: dict[str, Any] | None) -> int | None:
+    return (ev or {}).get("data", {}).get("pgid") if ev and "data" in ev else (ev or {}).get("pgid")
+
+
+def _sleeping(pgid: int) -> bool:
+    """The command's shell runs ``sleep``: its ``echo started`` is written."""
+    try:
+        with open(f"/proc/{pgid}/task/{pgid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return True
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/comm") as f:
+                if f.read().strip() == "sleep":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 async def scenario_b(m: Any, reps: int, grace: float) -> dict[str, Any]:
-    spec = scripted_spec([{"tool_calls": [{"name": "run_command", "arguments": {"command": f"sleep {COMMAND_S}"}}]}])
+    spec = scripted_spec([{"tool_calls": [{"name": "run_command", "arguments": {"command": LONG_COMMAND}}]}])
 
     async def ready(m: Any, run_id: str) -> dict[str, Any]:
-        ev = await wait_event(m, run_id, "tool_call", pred=lambda e: _running_call(e["data"]), timeout_s=30)
-        started = ((ev or {}).get("data") or {}).get("record", {}).get("started_at") or time.time()
-        await trio.sleep(max(0.0, started + CANCEL_INTO_S - time.time()))
-        return {"cmd_started_wall": started}
+        ev = await wait_event(m, run_id, "process_group", pred=lambda e: e["data"].get("alive"), timeout_s=30)
+        pgid = _group_of(ev)
+        with trio.move_on_after(10):
+            while pgid is not None and not _sleeping(pgid):
+                await trio.sleep(0.005)
+        return {"tool_pgid": pgid}
 
     d, b = [], []
     for _ in range(reps):
-        r = await daemon_stop(m, spec, ready)
-        left = max(0.0, r["cmd_started_wall"] + COMMAND_S - r["cancel_wall"])
-        let_finish = "succeeded" in r["tool_states"]
-        r["own_step_left"] = left
-        if r["cancel_to_tree_dead"] is not None:
-            r["beyond_own_step"] = r["cancel_to_tree_dead"] - (left if let_finish else 0.0)
-        d.append(r)
+        d.append(await daemon_stop(m, spec, ready, members_at_least=3))
 
         def base() -> dict[str, Any]:
             x = Bare([PY, "-m", "subagent.runner"], json.dumps(spec) + "\n")
-            ev = x.wait_event(_ev("tool_call", _running_call))
-            started = (ev or {}).get("record", {}).get("started_at") or time.time()
-            time.sleep(max(0.0, started + CANCEL_INTO_S - time.time()))
-            return x.killpg_stop(grace)
+            ev = x.wait_event(_ev("process_group", lambda e: bool(e.get("alive"))))
+            pgid = _group_of(ev)
+            deadline = time.monotonic() + 10
+            while pgid is not None and not _sleeping(pgid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return x.killpg_stop(grace, tool_pgid=pgid)
 
         b.append(await trio.to_thread.run_sync(base))
-    return report(f"(b) runner inside run_command `sleep {COMMAND_S:g}`, cancelled {CANCEL_INTO_S:g} s in", d, b)
+    return report(f"(b) stop inside a running command `{LONG_COMMAND}` (interrupted: its default policy)", d, b)
+
+
+async def scenario_m(m: Any, reps: int, grace: float, tmp: Path) -> dict[str, Any]:
+    def spec_for(log: Path) -> dict[str, Any]:
+        spec = scripted_spec([{"tool_calls": [{"name": "read_slowly", "arguments": {}}]}])
+        spec["mcpServers"] = {"stop": {"command": PY, "args": [STOP_SERVER], "env": {"MCP_STOP_LOG": str(log)}}}
+        return spec
+
+    def started(log: Path) -> bool:
+        try:
+            return "start read_slowly" in log.read_text()
+        except OSError:
+            return False
+
+    d, b = [], []
+    for i in range(reps):
+        log = tmp / f"mcp-{i}-agentd.log"
+        spec = spec_for(log)
+
+        async def ready(m: Any, run_id: str, log: Path = log) -> dict[str, Any]:
+            ev = await wait_event(m, run_id, "process_group", pred=lambda e: e["data"].get("kind") == "mcp_server", timeout_s=30)
+            with trio.move_on_after(30):
+                while not started(log):
+                    await trio.sleep(0.005)
+            return {"tool_pgid": _group_of(ev)}
+
+        r = await daemon_stop(m, spec, ready, members_at_least=2)
+        r["server_told"] = "notifications/cancelled" in (log.read_text() if log.exists() else "")
+        d.append(r)
+        blog = tmp / f"mcp-{i}-baseline.log"
+        bspec = spec_for(blog)
+
+        def base(bspec: dict[str, Any] = bspec, blog: Path = blog) -> dict[str, Any]:
+            x = Bare([PY, "-m", "subagent.runner"], json.dumps(bspec) + "\n")
+            ev = x.wait_event(_ev("process_group", lambda e: e.get("kind") == "mcp_server"))
+            deadline = time.monotonic() + 30
+            while not started(blog) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return x.killpg_stop(grace, tool_pgid=_group_of(ev))
+
+        b.append(await trio.to_thread.run_sync(base))
+    out = report("(m) stop inside a read-only MCP call (`read_slowly`, readOnlyHint: abandoned)", d, b)
+    line(f"  the server received notifications/cancelled: {sum(1 for r in d if r.get('server_told'))}/{len(d)} reps")
+    return out
 
 
 async def scenario_c(m: Any, reps: int, grace: float) -> dict[str, Any]:
@@ -421,6 +529,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 out["a"] = await scenario_a(m, reps, fake, args.grace)
                 os.environ.pop("OPENAI_API_KEY", None)
                 out["b"] = await scenario_b(m, reps, args.grace)
+                out["m"] = await scenario_m(m, reps, args.grace, Path(tmp))
                 out["d"] = await scenario_d(m, reps, args.grace)
         finally:
             os.environ.pop("OPENAI_API_KEY", None)

@@ -22,10 +22,19 @@ def duration_text(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
-def _line(rec: Mapping[str, Any]) -> str | None:
+def _after(rec: Mapping[str, Any], cancel_wall: float | None) -> float | None:
+    """Seconds from the cancel (the daemon's clock) to the call's end; else from the stop
+    as the runner saw it (its SIGTERM may come after path A ended the command)."""
+    finished = rec.get("finished_at")
+    if cancel_wall is not None and isinstance(finished, (int, float)):
+        return max(0.0, float(finished) - cancel_wall)
+    after = rec.get("stop_to_end_s")
+    return float(after) if isinstance(after, (int, float)) else None
+
+
+def _line(rec: Mapping[str, Any], after: float | None) -> str | None:
     name = str(rec.get("name") or "?")
     effect = rec.get("stop_effect")
-    after = rec.get("stop_to_end_s")
     took = f" after {duration_text(float(after))}" if isinstance(after, (int, float)) else ""
     finished = f" {duration_text(float(after))} after the stop" if isinstance(after, (int, float)) else " after the stop"
     if effect == StopEffect.INTERRUPTED:
@@ -44,15 +53,19 @@ def _line(rec: Mapping[str, Any]) -> str | None:
     return None
 
 
-def describe_tool_stops(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per call a stop reached, then one for the calls that never started."""
+def describe_tool_stops(records: Iterable[Mapping[str, Any]], *, cancel_wall: float | None = None) -> list[dict[str, Any]]:
+    """One entry per call a stop reached, then one for the calls that never started.
+
+    ``cancel_wall``: when the daemon took the cancel (wall clock); times are counted from it.
+    """
     out: list[dict[str, Any]] = []
     never: list[str] = []
     for rec in records:
         if rec.get("stop_effect") == StopEffect.STOPPED_BEFORE_START:
             never.append(str(rec.get("name") or "?"))
             continue
-        text = _line(rec)
+        after = _after(rec, cancel_wall)
+        text = _line(rec, after)
         if text is not None:
             out.append(
                 {
@@ -60,7 +73,7 @@ def describe_tool_stops(records: Iterable[Mapping[str, Any]]) -> list[dict[str, 
                     "name": rec.get("name"),
                     "on_stop": rec.get("on_stop"),
                     "effect": rec.get("stop_effect"),
-                    "after_s": rec.get("stop_to_end_s"),
+                    "after_s": None if after is None else round(after, 4),
                     "text": text,
                 }
             )

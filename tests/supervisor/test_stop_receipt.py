@@ -1,0 +1,42 @@
+"""The stop receipt's words for what a stop did to each tool (pure)."""
+
+from __future__ import annotations
+
+from supervisor._stop_receipt import describe_tool_stops, duration_text
+
+T = 1_700_000_000.0
+
+
+def rec(name: str, effect: str | None, **more: object) -> dict[str, object]:
+    return {"id": f"c-{name}", "name": name, "stop_effect": effect, **more}
+
+
+def test_each_effect_is_said_plainly_with_times_counted_from_the_cancel() -> None:
+    records = [
+        rec("done_before", None, state="succeeded"),
+        rec("run_command", "interrupted", on_stop="interrupt", finished_at=T + 0.04, stop_to_end_s=0.0),
+        rec("read_file", "abandoned", on_stop="abandon", finished_at=T + 0.2),
+        rec("tidy", "cancel_unanswered", on_stop="cancel", finished_at=T + 1.1),
+        rec("write_file", "finished_after_stop", on_stop="finish", finished_at=T + 1.2),
+        rec("navigate", "finished_after_stop", on_stop="cancel", finished_at=T + 0.3),
+        rec("slow_write", "grace_ran_out", on_stop="finish"),
+        rec("next", "stopped_before_start"),
+        rec("after", "stopped_before_start"),
+    ]
+    texts = [t["text"] for t in describe_tool_stops(records, cancel_wall=T)]
+    assert texts == [
+        "interrupted `run_command` after 40 ms",
+        "read-only MCP call `read_file` abandoned (notifications/cancelled sent)",
+        "MCP call `tidy` told to stop (notifications/cancelled); no answer, abandoned after 1.1 s",
+        "destructive call `write_file` allowed to finish; it finished 1.2 s after the stop",
+        "`navigate` told to stop; it answered 300 ms after the stop",
+        "`slow_write` was still running when the grace ran out; the runner was killed; its outcome is unknown",
+        "2 calls never started: `next`, `after`",
+    ]
+
+
+def test_without_the_cancel_time_the_runners_own_figure_is_used() -> None:
+    (entry,) = describe_tool_stops([rec("run_command", "interrupted", stop_to_end_s=0.5, finished_at=T)])
+    assert entry["text"] == "interrupted `run_command` after 500 ms" and entry["after_s"] == 0.5
+    assert describe_tool_stops([rec("x", None, state="succeeded")]) == []
+    assert duration_text(0.0404) == "40 ms" and duration_text(12.34) == "12.3 s"
