@@ -77,6 +77,7 @@ class CommandOutcome:
     timed_out: bool = False
     interrupted: bool = False  # the interrupt scope was cancelled (an explicit interrupt or the stop)
     spawn_error: str | None = None
+    not_started: bool = False  # the stop came first: the command was never spawned
     by_stop: bool = False  # the run's stop interrupted it (its ``stop`` event fired while it ran)
     stop_at: float | None = None  # trio clock: when the stop reached it
     ended_at: float | None = None  # trio clock: when its group was gone
@@ -133,6 +134,7 @@ async def run_command(
     interrupt: trio.CancelScope,
     on_group: Callable[[int, bool], None],
     stop: trio.Event | None = None,
+    interrupt_on_stop: bool = True,
     kill_grace_s: float = COMMAND_KILL_GRACE_S,
     cwd: str | None = None,
     extra_env: Mapping[str, str] | None = None,
@@ -140,11 +142,14 @@ async def run_command(
     """Run one command to its end (or timeout, or interrupt) and report what happened.
 
     ``interrupt`` is a fresh cancel scope owned by the caller; cancelling it stops the
-    command. ``stop`` (the run's stop, when this call's policy is ``interrupt``) stops it
-    the same way the moment it is set; then its group gets ``kill_grace_s`` between
-    SIGTERM and SIGKILL. ``on_group(pgid, alive)`` is called when the group appears and
-    when it is gone.
+    command. ``stop`` is the run's stop: set before the spawn, the command never starts
+    (``not_started``); set while it runs and ``interrupt_on_stop``, it stops the command
+    like the interrupt, its group then getting ``kill_grace_s`` between SIGTERM and
+    SIGKILL. ``on_group(pgid, alive)`` is called when the group appears and when it is
+    gone.
     """
+    if stop is not None and stop.is_set():
+        return CommandOutcome(None, None, "", False, not_started=True)
     marker = f"{os.getpid()}-cmd-{next(_seq)}"
     env = _child_env(marker)
     if extra_env:
@@ -183,7 +188,7 @@ async def run_command(
 
     stop_at: float | None = None
 
-    async def interrupt_on_stop(stop: trio.Event) -> None:
+    async def interrupt_at(stop: trio.Event) -> None:
         nonlocal stop_at
         await stop.wait()
         stop_at = trio.current_time()
@@ -194,8 +199,8 @@ async def run_command(
         # The reader lives outside the timeout and the interrupt: what the command wrote
         # before it was stopped is still read (bounded), and returned as known output.
         nursery.start_soon(reader)
-        if stop is not None:
-            nursery.start_soon(interrupt_on_stop, stop)
+        if stop is not None and interrupt_on_stop:
+            nursery.start_soon(interrupt_at, stop)
         try:
             with trio.move_on_after(timeout_s) as timer:
                 with interrupt:

@@ -28,7 +28,7 @@ from subagent.model import DraftCall, ModelError, ModelTurn, Provider, TurnAssem
 from subagent.spec import RunSpec
 from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
-from subagent.tools import ToolBox
+from subagent.tools import REASON_STOPPED_BEFORE_START, ToolBox
 
 __all__ = ["AgentLoop", "RunOutcome", "DEFAULT_SYSTEM_PROMPT"]
 
@@ -38,7 +38,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a sub-agent that completes one task using the tools you are given. "
     "When the task is done, answer with a short summary and no tool call."
 )
-REASON_STOPPED_BEFORE_START = "stopped_before_start: a stop was requested before this call started"
 # What the model is told, per stop effect, ahead of what is known (issue 11 builds the next
 # turn's history on these words: keep them plain and stable).
 HISTORY_INTERRUPTED = "interrupted by the stop; output known before the interruption:"
@@ -252,7 +251,9 @@ class AgentLoop:
         rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated
         rec.error, rec.reason, rec.finished_at = outcome.error, outcome.reason, time.time()
         stop_at = self.stop.stopped_at
-        if stop_at is not None and stop_at >= started:
+        if rec.state == ToolCallState.NOT_STARTED:  # the stop came as it was about to start
+            rec.started_at, rec.stop_effect = None, str(StopEffect.STOPPED_BEFORE_START)
+        elif stop_at is not None and stop_at >= started:
             # The stop came while this call ran: say what it did, and when the call ended.
             rec.stop_requested_at = self.stop.stopped_wall
             rec.stop_to_end_s = round(max(0.0, trio.current_time() - stop_at), 4)

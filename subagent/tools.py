@@ -36,6 +36,7 @@ __all__ = ["ToolOutcome", "ToolBox", "bound_text"]
 logger = logging.getLogger(__name__)
 
 _LOST = "connection_lost: the server's connection ended during the call"
+REASON_STOPPED_BEFORE_START = "stopped_before_start: a stop was requested before this call started"
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]")
 # A command killed by a signal while the run's stop is not (yet) set may have been killed
 # by the daemon's path A, which signals the runner and the command's group together: the
@@ -214,19 +215,28 @@ class ToolBox:
             timeout_s=timeout,
             max_output_bytes=self.limits.max_output_bytes,
             interrupt=interrupt,
-            stop=stop.stopped if interruptible else None,
+            stop=stop.stopped,
+            interrupt_on_stop=interruptible,
             kill_grace_s=self.stop_policy.command_grace_s,
             on_group=lambda pgid, alive: self._on_group(pgid, alive, "command", command[:200], str(policy)),
         )
-        if interruptible and not outcome.by_stop and await _killed_by_the_stop(outcome, stop):
+        if outcome.not_started:
+            return ToolOutcome(
+                ToolCallState.NOT_STARTED, None, reason=REASON_STOPPED_BEFORE_START, stop_effect=StopEffect.STOPPED_BEFORE_START
+            )
+        # A command killed by the stop's signal was interrupted, whatever its policy: a stop
+        # that comes as it spawns reaches it before it leaves the runner's process group.
+        if not outcome.by_stop and await _killed_by_the_stop(outcome, stop):
             outcome.by_stop = True
         text = format_outcome(outcome)
         if outcome.spawn_error is not None:
             return ToolOutcome(ToolCallState.FAILED, text, error=outcome.spawn_error, reason="spawn_failed")
         if outcome.by_stop:
             after = _command_stop_to_end(outcome, stop)
-            how = f"; it ended ({outcome.ended_by}) {_ms(after)} after the stop" if after is not None else ""
+            how = f"; it ended on {outcome.ended_by} {_ms(after)} after the stop" if after is not None else ""
             reason = f"interrupted: interrupted by the stop (SIGTERM to its process group){how}"
+            if policy is not StopPolicy.INTERRUPT:
+                reason = f"interrupted: killed by {outcome.ended_by} as the stop came (it was spawning; its policy would have let it finish)"
             return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason=reason, stop_effect=StopEffect.INTERRUPTED)
         if outcome.interrupted:
             return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason="interrupted: an explicit interrupt ended the command")
@@ -237,6 +247,10 @@ class ToolBox:
     async def _call_mcp(
         self, server_name: str, tool: str, args: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl, policy: StopPolicy
     ) -> ToolOutcome:
+        if stop.requested:  # no call starts after the stop
+            return ToolOutcome(
+                ToolCallState.NOT_STARTED, None, reason=REASON_STOPPED_BEFORE_START, stop_effect=StopEffect.STOPPED_BEFORE_START
+            )
         server = self.servers[server_name]
         call = trio.CancelScope()
         effect: list[StopEffect] = []

@@ -79,3 +79,89 @@ async def test_the_command_does_not_see_openai_credentials(monkeypatch: pytest.M
     monkeypatch.setenv("AGENTD_RUN_ID", "r-1")
     out, _ = await _run("echo key=${OPENAI_API_KEY:-none} run=$AGENTD_RUN_ID marker=${AGENTD_SUBTREE:+set}")
     assert out.output.strip() == "key=none run=r-1 marker=set"
+
+
+async def _run_with_stop(cmd: str, stop: trio.Event, *, interrupt_on_stop: bool = True, kill_grace_s: float = 1.0) -> tuple[CommandOutcome, list[tuple[int, bool]]]:
+    seen: list[tuple[int, bool]] = []
+    out = await run_command(
+        cmd,
+        timeout_s=30,
+        max_output_bytes=1000,
+        interrupt=trio.CancelScope(),
+        on_group=lambda pgid, alive: seen.append((pgid, alive)),
+        stop=stop,
+        interrupt_on_stop=interrupt_on_stop,
+        kill_grace_s=kill_grace_s,
+    )
+    return out, seen
+
+
+async def test_a_stop_interrupts_the_command_at_once_and_says_how_it_ended(tmp_path: Path) -> None:
+    stop = trio.Event()
+    flag = tmp_path / "flag"
+    result: list[CommandOutcome] = []
+
+    async def go() -> None:
+        result.append((await _run_with_stop(f"echo partial; touch {flag}; sleep 30", stop))[0])
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not flag.exists():
+                await trio.sleep(0.01)
+            stop.set()
+    (out,) = result
+    assert out.by_stop and out.interrupted and out.output == "partial\n"
+    assert out.exit_code == -15 and out.ended_by == "SIGTERM"
+    assert out.stop_at is not None and out.ended_at is not None and out.ended_at >= out.stop_at
+    assert format_outcome(out).startswith("[killed by SIGTERM] [interrupted by the stop")
+
+
+async def test_a_stop_kills_a_command_that_ignores_sigterm_after_the_short_command_grace(tmp_path: Path) -> None:
+    stop = trio.Event()
+    flag = tmp_path / "flag"
+    result: list[CommandOutcome] = []
+
+    async def go() -> None:
+        result.append((await _run_with_stop(f"trap '' TERM; touch {flag}; sleep 30", stop, kill_grace_s=0.3))[0])
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not flag.exists():
+                await trio.sleep(0.01)
+            stop.set()
+    (out,) = result
+    assert out.by_stop and out.ended_by == "SIGKILL"
+    assert out.stop_at is not None and out.ended_at is not None
+    assert 0.3 <= out.ended_at - out.stop_at < commands.COMMAND_KILL_GRACE_S  # the stop's grace, not the timeout's
+
+
+async def test_a_stop_before_the_spawn_never_starts_the_command(tmp_path: Path) -> None:
+    stop = trio.Event()
+    stop.set()
+    marker = tmp_path / "ran"
+    out, seen = await _run_with_stop(f"touch {marker}", stop, interrupt_on_stop=False)
+    assert out.not_started and out.pid is None and seen == []
+    assert not marker.exists()
+
+
+async def test_a_command_its_policy_lets_finish_runs_on_after_the_stop(tmp_path: Path) -> None:
+    stop = trio.Event()
+    flag = tmp_path / "flag"
+    go_on = tmp_path / "go"
+    result: list[CommandOutcome] = []
+    command = f"touch {flag}; while [ ! -e {go_on} ]; do sleep 0.02; done; echo finished"
+
+    async def go() -> None:
+        result.append((await _run_with_stop(command, stop, interrupt_on_stop=False))[0])
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not flag.exists():
+                await trio.sleep(0.01)
+            stop.set()
+            go_on.touch()
+    (out,) = result
+    assert not out.by_stop and out.exit_code == 0 and out.output == "finished\n"

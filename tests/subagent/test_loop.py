@@ -60,14 +60,33 @@ async def test_a_stop_during_the_first_call_skips_the_second(tmp_path: Path, mon
     loop = make_loop(tmp_path, TWO_CALLS)
     real = loop.tools.execute
 
+    async def run_then_stop(*a: Any) -> ToolOutcome:
+        out = await real(*a)
+        loop.stop.request("signal")  # as the first call ends
+        return out
+
+    monkeypatch.setattr(loop.tools, "execute", run_then_stop)
+    outcome = await loop.run()
+    assert outcome.status == RunStatus.CANCELLED and outcome.reason == "signal"
+    assert [r.state for r in loop.records] == [ToolCallState.SUCCEEDED, ToolCallState.NOT_STARTED]
+    assert_history_whole(loop)
+
+
+async def test_a_stop_as_a_call_is_about_to_start_means_it_never_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "ran"
+    loop = make_loop(tmp_path, {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}}]}]})
+    real = loop.tools.execute
+
     async def stop_then_run(*a: Any) -> ToolOutcome:
-        loop.stop.request("signal")
+        loop.stop.request("signal")  # after the loop's own check, before the spawn
         return await real(*a)
 
     monkeypatch.setattr(loop.tools, "execute", stop_then_run)
     outcome = await loop.run()
-    assert outcome.status == RunStatus.CANCELLED and outcome.reason == "signal"
-    assert [r.state for r in loop.records] == [ToolCallState.SUCCEEDED, ToolCallState.NOT_STARTED]
+    assert outcome.status == RunStatus.CANCELLED
+    (rec,) = loop.records
+    assert (rec.state, rec.stop_effect, rec.started_at) == (ToolCallState.NOT_STARTED, "stopped_before_start", None)
+    assert not marker.exists()
     assert_history_whole(loop)
 
 

@@ -82,7 +82,7 @@ async def test_an_acknowledged_stop_is_finished_by_the_restarted_daemon_with_its
     with trio.fail_after(60):
         async with daemon(state, grace_s=grace) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]
-            await c.wait_for(rid, kind="tool_call", count=2)  # announced, then running
+            await c.wait_for(rid, kind="process_group")  # the command runs
             reply = await c.call("cancel", run_id=rid)
             assert reply["was_active"] is True  # acknowledged: journaled before this reply
             st = await c.call("status", run_id=rid)
@@ -113,7 +113,7 @@ async def test_a_timeout_is_a_wall_clock_deadline_that_a_restart_does_not_extend
     with trio.fail_after(60):
         async with daemon(state, grace_s=10.0) as (d1, c):
             rid = (await c.call("spawn", spec=command_spec("sleep 300"), timeout_s=timeout))["run_id"]
-            await c.wait_for(rid, kind="tool_call", count=2)
+            await c.wait_for(rid, kind="process_group")
             st = await c.call("status", run_id=rid)
             deadline = st["deadline"]
             assert deadline is not None and st["started_at"] <= deadline - timeout <= st["started_at"] + 1.0
@@ -137,7 +137,7 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
     with trio.fail_after(60):
         async with daemon(state, grace_s=5.0) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]
-            await c.wait_for(rid, kind="tool_call", count=2)
+            await c.wait_for(rid, kind="process_group")
             runner = (await c.call("status", run_id=rid))["pid"]
             await kill9(d1, c)
         flag.touch()  # the run goes on and completes with no daemon watching

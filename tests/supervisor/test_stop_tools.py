@@ -197,7 +197,8 @@ async def test_a_runner_killed_at_the_grace_mid_batch_leaves_a_record_for_every_
         with trio.fail_after(30):
             r = await m.spawn(spec)
             rid = r["run_id"]
-            await wait_event(m, rid, lambda e: running("run_command")(e) and "two" in e["data"]["record"]["arguments"])
+            # The second command runs (its group exists), then the stop comes.
+            await wait_event(m, rid, lambda e: e["kind"] == "process_group" and e["data"]["alive"] and "two" in e["data"]["name"])
             st, _took = await cancel_and_time(m, rid)
     assert st["state"] == "cancelled" and st["reason"] == "user"
     assert st["receipt"]["path_b"]["escalated"] is True  # killed at the grace, no result of its own
