@@ -396,6 +396,11 @@ def test_stop_on_a_destructive_tool_shows_it_finishing_then_the_final_state(
     run_id = daemon.agentd("spawn", "write it", "--script", str(script), "--mcp-config", str(servers), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="commit_write").first.wait_for()
+    # The call is announced before it runs: stop once the server has started the write.
+    started, deadline = Path(str(record) + ".started"), time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline, "the write never started"
+        time.sleep(0.02)
     page.get_by_role("button", name="Stop").click()
     # The write is allowed to finish: the page says so while it runs.
     page.locator("#stop-steps li", has_text="commit_write is still running").wait_for()
