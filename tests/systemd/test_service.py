@@ -6,9 +6,11 @@ installed by scripts/install-systemd.
   and the unit must stay "activating" until it is let go; when start returns, the control
   socket answers.
 - `systemctl stop` during a running run (a scripted model running `sleep 600` through
-  run_command): the run ends `cancelled` in the store, no run process is left, the unit is
-  inactive with Result=success within TimeoutStopSec, and systemd had nothing left to kill
-  (the daemon ended every tree itself).
+  run_command, which its spec lets finish): the run ends `cancelled` in the store, no run
+  process is left, the unit is inactive with Result=success within TimeoutStopSec, and
+  systemd had nothing left to kill (the daemon ended every tree itself).
+- `systemctl stop` during a run inside a command a stop interrupts (the default, issue 9):
+  the daemon is gone well before the run's grace.
 - With WatchdogSec=1s the service stays up over three periods, pinging every 0.5 s.
 """
 
@@ -44,7 +46,11 @@ LONG_RUN_SPEC = {
         "provider": "scripted",
         "script": {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 600"}}]}]},
     },
+    # Let the command finish: the daemon then waits out the run's grace while stopping.
+    "stop_policy": {"run_command": "finish"},
 }
+# The same run with the default policy: a stop interrupts the command at once.
+INTERRUPTIBLE_RUN_SPEC = {k: v for k, v in LONG_RUN_SPEC.items() if k != "stop_policy"}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +131,19 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
         assert s["ActiveState"] == "deactivating", s
 
     stop_and_check(c, while_stopping=stopping)
+    run = stored_run(c, run_id)
+    assert run["state"] == "cancelled", run
+    assert container_processes(c, "sleep 600", "subagent.runner", "agentd serve") == []
+
+
+def test_stop_with_a_run_inside_a_command_is_not_held_by_the_grace(service: Container) -> None:
+    c = service
+    c.systemctl("start", UNIT, timeout_s=60)
+    c.write("/run/agentd-test/interruptible-run.json", json.dumps(INTERRUPTIBLE_RUN_SPEC))
+    run_id = cli(c, "spawn", "--spec", "/run/agentd-test/interruptible-run.json")["run_id"]
+    poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
+    took = stop_and_check(c)
+    assert took < GRACE_S, f"systemctl stop took {took:.1f} s: the run's grace ({GRACE_S} s) was waited out"
     run = stored_run(c, run_id)
     assert run["state"] == "cancelled", run
     assert container_processes(c, "sleep 600", "subagent.runner", "agentd serve") == []
