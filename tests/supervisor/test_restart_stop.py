@@ -149,3 +149,27 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
     (call,) = final["tool_calls"]
     assert call["state"] == "succeeded" and "finished" in call["output"]
     assert final["receipt"]["path_b"]["note"] == "the run ended while the daemon was down"
+
+
+async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next_daemon(tmp_path: Path) -> None:
+    from supervisor.config import Config
+    from supervisor.daemon import serve
+    from supervisor.journal import Journal
+
+    config = Config.load(state_dir=tmp_path / "state", environ={})
+    config.state_dir.mkdir(parents=True)
+    now = time.time()
+    # What a daemon killed right after acknowledging the cancel of a queued run leaves.
+    async with await Journal.open(config.journal_path) as j:
+        await j.create_run("r-queued", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None)
+        assert await j.record_cancel("r-queued", reason="user", at=now, stop_deadline=now + 10)
+        await j.create_run("r-never", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None)
+    stop = trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+            cancelled = await info["manager"].status("r-queued")
+            lost = await info["manager"].status("r-never")
+            stop.set()
+    assert (cancelled["state"], cancelled["reason"]) == ("cancelled", "user")
+    assert lost["state"] == "lost"  # no stop was asked of it: its fate is unknown
