@@ -284,6 +284,8 @@ class SandboxSpec:
         if self.workdir is not None:
             out["workdir"] = self.workdir
         return out
+
+
 @dataclass(frozen=True, slots=True)
 class StopPolicySpec:
     """What a stop does to a running tool, where the spec overrides the tool's own nature.
