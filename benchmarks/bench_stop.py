@@ -193,7 +193,10 @@ class Bare:
     def __init__(self, argv: list[str], stdin_text: str, env_extra: dict[str, str] | None = None) -> None:
         self.tree = uuid.uuid4().hex
         self.dir = tempfile.mkdtemp(prefix="agentd-bench-stop-")
-        env = dict(os.environ, AGENTD_RUN_DIR=self.dir, TMPDIR=self.dir, **{TREE_VAR: self.tree}, **(env_extra or {}))
+        # AGENTD_TREE too: a runner passes it (not TREE_VAR) on to its tools' allowlisted env.
+        env = dict(
+            os.environ, AGENTD_RUN_DIR=self.dir, TMPDIR=self.dir, AGENTD_TREE=self.tree, **{TREE_VAR: self.tree}, **(env_extra or {})
+        )
         self.p = subprocess.Popen(
             argv, cwd=self.dir, env=env, start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -224,7 +227,8 @@ class Bare:
         return None
 
     def members(self) -> list[PidId]:
-        return pids_with(TREE_VAR, self.tree)
+        found = {p.pid: p for p in pids_with(TREE_VAR, self.tree) + pids_with("AGENTD_TREE", self.tree)}
+        return list(found.values())
 
     def killpg_stop(self, grace_s: float, tool_pgid: int | None = None) -> dict[str, Any]:
         members = self.members()
@@ -398,9 +402,13 @@ async def scenario_b(m: Any, reps: int, grace: float) -> dict[str, Any]:
 
 
 async def scenario_m(m: Any, reps: int, grace: float, tmp: Path) -> dict[str, Any]:
+    logs = tmp / "mcp-logs"  # granted to the runs (a run's sandbox reaches only its own dir)
+    logs.mkdir(exist_ok=True)
+
     def spec_for(log: Path) -> dict[str, Any]:
         spec = scripted_spec([{"tool_calls": [{"name": "read_slowly", "arguments": {}}]}])
         spec["mcpServers"] = {"stop": {"command": PY, "args": [STOP_SERVER], "env": {"MCP_STOP_LOG": str(log)}}}
+        spec["sandbox"] = {"write": [str(logs)]}
         return spec
 
     def started(log: Path) -> bool:
@@ -411,7 +419,7 @@ async def scenario_m(m: Any, reps: int, grace: float, tmp: Path) -> dict[str, An
 
     d, b = [], []
     for i in range(reps):
-        log = tmp / f"mcp-{i}-agentd.log"
+        log = logs / f"mcp-{i}-agentd.log"
         spec = spec_for(log)
 
         async def ready(m: Any, run_id: str, log: Path = log) -> dict[str, Any]:
@@ -424,7 +432,7 @@ async def scenario_m(m: Any, reps: int, grace: float, tmp: Path) -> dict[str, An
         r = await daemon_stop(m, spec, ready, members_at_least=2)
         r["server_told"] = "notifications/cancelled" in (log.read_text() if log.exists() else "")
         d.append(r)
-        blog = tmp / f"mcp-{i}-baseline.log"
+        blog = logs / f"mcp-{i}-baseline.log"
         bspec = spec_for(blog)
 
         def base(bspec: dict[str, Any] = bspec, blog: Path = blog) -> dict[str, Any]:

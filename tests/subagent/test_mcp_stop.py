@@ -19,11 +19,20 @@ from tests.subagent.harness import CHILDREN, RunnerProc, spec, start_runner
 STOP_SERVER = str(CHILDREN / "mcp_stop_server.py")
 
 
+def shared_dir(tmp_path: Path) -> Path:
+    """Where the server writes its log (and a tool its record): granted to the run, whose
+    sandbox otherwise reaches only its own directory."""
+    d = tmp_path / "shared"
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def stop_spec(tmp_path: Path, calls: list[dict[str, Any]], **more: Any) -> tuple[dict[str, Any], Path]:
-    log = tmp_path / "server.log"
+    log = shared_dir(tmp_path) / "server.log"
     servers = {"stop": {"command": sys.executable, "args": [STOP_SERVER], "env": {"MCP_STOP_LOG": str(log)}}}
     script = {"turns": [{"text": "calling", "tool_calls": calls}], "final": "done"}
-    return spec(script=script, mcpServers=servers, **more), log
+    grant = {"sandbox": {"write": [str(shared_dir(tmp_path))]}}
+    return spec(script=script, mcpServers=servers, **grant, **more), log
 
 
 async def wait_log(log: Path, prefix: str) -> str:
@@ -69,7 +78,7 @@ async def test_a_read_only_call_is_abandoned_at_once_and_the_server_told_its_req
 
 
 async def test_a_destructive_call_finishes_after_the_stop_and_the_next_never_starts(tmp_path: Path) -> None:
-    record = tmp_path / "record.txt"
+    record = shared_dir(tmp_path) / "record.txt"
     runner_spec, log = stop_spec(tmp_path, [
         {"name": "write_record", "arguments": {"path": str(record), "text": "one", "seconds": 1.0}},
         {"name": "write_record", "arguments": {"path": str(record), "text": "two", "seconds": 0.0}},

@@ -132,8 +132,10 @@ async def test_a_timeout_is_a_wall_clock_deadline_that_a_restart_does_not_extend
 
 async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    flag = tmp_path / "go"
-    spec = command_spec(f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished")
+    shared = tmp_path / "shared"  # granted to the run: its sandbox reaches only its own dir
+    shared.mkdir()
+    flag = shared / "go"
+    spec = command_spec(f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished", sandbox={"read": [str(shared)]})
     with trio.fail_after(60):
         async with daemon(state, grace_s=5.0) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]

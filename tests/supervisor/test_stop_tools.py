@@ -51,8 +51,21 @@ def scripted(calls: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
     return {"task": "t", "model": {"provider": "scripted", "script": {"turns": [{"text": "on it", "tool_calls": calls}]}}, **more}
 
 
+def shared_dir(tmp_path: Path) -> Path:
+    """Files a run's tools write or wait on: granted to it (its sandbox otherwise reaches
+    only its own directory; the daemon's state dir, also under tmp_path, never)."""
+    d = tmp_path / "shared"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def granted(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    return {**spec, "sandbox": {"write": [str(shared_dir(tmp_path))]}}
+
+
 def with_stop_server(spec: dict[str, Any], log: Path) -> dict[str, Any]:
-    return {**spec, "mcpServers": {"stop": {"command": sys.executable, "args": [STOP_SERVER], "env": {"MCP_STOP_LOG": str(log)}}}}
+    servers = {"stop": {"command": sys.executable, "args": [STOP_SERVER], "env": {"MCP_STOP_LOG": str(log)}}}
+    return granted({**spec, "mcpServers": servers}, log.parent.parent)
 
 
 async def wait_event(m: RunManager, run_id: str, pred: Any) -> dict[str, Any]:
@@ -134,7 +147,7 @@ async def test_a_stop_inside_a_running_command_interrupts_it_at_once_and_keeps_i
 async def test_a_stop_inside_a_read_only_mcp_call_abandons_it_and_tells_the_server(
     manager: RunManager, tmp_path: Path
 ) -> None:
-    log = tmp_path / "server.log"
+    log = shared_dir(tmp_path) / "server.log"
     spec = with_stop_server(scripted([{"name": "read_slowly", "arguments": {}}, {"name": "echo", "arguments": {"text": "x"}}]), log)
     with trio.fail_after(60):
         r = await manager.spawn(spec)
@@ -160,8 +173,8 @@ async def test_a_stop_inside_a_read_only_mcp_call_abandons_it_and_tells_the_serv
 async def test_a_destructive_mcp_call_finishes_after_the_stop_and_the_next_never_starts(
     manager: RunManager, tmp_path: Path
 ) -> None:
-    log = tmp_path / "server.log"
-    record = tmp_path / "record.txt"
+    log = shared_dir(tmp_path) / "server.log"
+    record = shared_dir(tmp_path) / "record.txt"
     calls = [
         {"name": "write_record", "arguments": {"path": str(record), "text": "first", "seconds": 1.0}},
         {"name": "write_record", "arguments": {"path": str(record), "text": "second", "seconds": 0.0}},
@@ -235,10 +248,11 @@ async def test_path_a_reaches_an_interruptible_command_when_the_runner_is_stuck(
 
 
 async def test_path_a_spares_a_command_the_policy_lets_finish(manager: RunManager, tmp_path: Path) -> None:
-    flag = tmp_path / "go"
+    flag = shared_dir(tmp_path) / "go"
     command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"
+    spec = granted(scripted([{"name": "run_command", "arguments": {"command": command}}], stop_policy={"run_command": "finish"}), tmp_path)
     with trio.fail_after(30):
-        r = await manager.spawn(scripted([{"name": "run_command", "arguments": {"command": command}}], stop_policy={"run_command": "finish"}))
+        r = await manager.spawn(spec)
         rid = r["run_id"]
         group = await wait_event(manager, rid, lambda e: e["kind"] == "process_group" and e["data"]["alive"])
         await manager.cancel(rid)
