@@ -416,8 +416,11 @@ def main() -> int:
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
     while True:
-        for report in _reap_exited():
-            sock.send(encode(report))
+        try:
+            for report in _reap_exited():
+                sock.send(encode(report))
+        except OSError:
+            return 0  # the daemon is gone: its runners are its own (or init's)
         ready = {fd for fd, _ev in poller.poll()}
         if wake_r in ready:
             try:
@@ -450,7 +453,10 @@ def main() -> int:
         finally:
             for fd in fds:
                 os.close(fd)
-        sock.send(encode(reply))
+        try:
+            sock.send(encode(reply))
+        except OSError:
+            return 0
 
 
 if __name__ == "__main__":
