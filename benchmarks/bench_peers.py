@@ -505,7 +505,8 @@ def main() -> None:
     ap.add_argument("--escapers", type=int, default=None, help="survivor reps (default 3)")
     ap.add_argument("--idle", type=float, default=None, help="idle CPU window, seconds (default 10)")
     ap.add_argument("--grace", type=float, default=2.0, help="stop grace for every supervisor (default 2 s)")
-    ap.add_argument("--only", default="agentd,agentd-cold,supervisord", help="which to run, comma-separated")
+    ap.add_argument("--only", default=None, help="which to run, comma-separated (default agentd,agentd-cold,supervisord; "
+                    "--quick: agentd,supervisord)")
     ap.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV, help="where supervisord's own venv lives")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args()
@@ -513,6 +514,7 @@ def main() -> None:
     args.burst = args.burst or (3 if args.quick else 50)
     args.escapers = args.escapers or (1 if args.quick else 3)
     args.idle = args.idle or (2.0 if args.quick else 10.0)
+    args.only = args.only or ("agentd,supervisord" if args.quick else "agentd,agentd-cold,supervisord")
     mark = install_mark()
     m = machine()
     line(f"bench_peers on {m['cpus']} x {m['cpu']}, {m['mem_total_gib']} GiB, load {m['loadavg'][0]:.2f}; "
@@ -526,7 +528,11 @@ def main() -> None:
                 header(name)
                 t0 = time.perf_counter()
                 if name == "supervisord":
-                    venv = ensure_supervisor_venv(args.peer_venv)
+                    try:
+                        venv = ensure_supervisor_venv(args.peer_venv)
+                    except (OSError, subprocess.CalledProcessError) as exc:
+                        line(f"  !! supervisord skipped: cannot install supervisor=={SUPERVISOR_VERSION} ({exc})")
+                        continue
                     factory: Callable[[dict[str, tuple[str, str]]], Peer] = lambda progs, venv=venv: Supervisord(  # noqa: E731
                         work, venv, grace_s=args.grace, programs=[(k, c) for k, (c, _t) in progs.items()]
                     )

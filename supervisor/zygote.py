@@ -284,6 +284,11 @@ class Zygote:
                     if done is not None:
                         done.code = int(msg.get("code", LOST_STATUS))
                         done.changed.set()
+                    elif isinstance(msg.get("request"), int) and msg["request"] in self._pending:
+                        # It died before it replied: that spawn failed (it starts cold).
+                        event, box = self._pending.pop(msg["request"])
+                        box.append({"id": msg["request"], "error": f"the runner exited ({msg.get('code')}) before it replied"})
+                        event.set()
                     continue
                 if msg is None or not isinstance(msg.get("id"), int):
                     logger.warning("zygote: unexpected message %r", data[:200])
