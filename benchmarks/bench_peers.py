@@ -243,7 +243,8 @@ class Agentd(Peer):
                 mem = runner.memory_full_info()
                 uss.append(mem.uss / 2**20)
                 rss.append(mem.rss / 2**20)
-            except (psutil.Error, OSError, ValueError):
+            except (psutil.Error, OSError, ValueError) as exc:
+                line(f"  (no runner memory for {f.name}: {exc!r})")
                 continue
         return {"runner_uss_mib": summary(uss), "runner_rss_mib": summary(rss)}
 

@@ -24,6 +24,7 @@ restarted after dying (with a back-off), and when a request fails, runners start
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import logging
 import os
@@ -454,12 +455,18 @@ class Zygote:
             self._proc.kill()
 
 
+@functools.lru_cache(maxsize=1)
+def _boot_time_and_hz() -> tuple[float, int]:
+    return float(psutil.boot_time()), os.sysconf("SC_CLK_TCK")
+
+
 def _create_time(ticks: int) -> float:
     """psutil's create_time for a process that started ``ticks`` clock ticks after boot."""
     try:
-        return float(psutil.boot_time()) + ticks / os.sysconf("SC_CLK_TCK")
+        boot, hz = _boot_time_and_hz()
     except (OSError, ValueError, psutil.Error):
         return time.time()
+    return boot + ticks / hz
 
 
 def _close_quietly(fd: int) -> None:
