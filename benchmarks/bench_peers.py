@@ -74,6 +74,10 @@ DEFAULT_PEER_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"
 POLL_S = 0.001
 READY_TIMEOUT_S = 60.0
 DEAD_TIMEOUT_S = 30.0
+# Idle CPU is measured once the daemon spent less than this in one second (the tail of the
+# burst's bookkeeping), waiting at most SETTLE_MAX_S for it.
+SETTLED_CPU_S = 0.02
+SETTLE_MAX_S = 30.0
 
 
 # ----------------------------------------------------------------------------- programs
@@ -394,7 +398,13 @@ class Bench:
 
     def idle(self, seconds: float) -> dict[str, Any]:
         d = psutil.Process(self.peer.daemon_pid)
-        time.sleep(2.0)  # settle after the spawns
+        settle = time.perf_counter() + SETTLE_MAX_S
+        while time.perf_counter() < settle:  # until the spawns' tail work is done
+            a = d.cpu_times()
+            time.sleep(1.0)
+            b = d.cpu_times()
+            if (b.user - a.user) + (b.system - a.system) < SETTLED_CPU_S:
+                break
         c0 = d.cpu_times()
         t0 = time.perf_counter()
         time.sleep(seconds)
