@@ -86,7 +86,7 @@ SETTLE_MAX_S = 30.0
 def tree_program(ready: Path, token: str) -> str:
     """sh + two sleeps in one group; every one exits on SIGTERM; ready once all exist."""
     return (
-        f"sleep 7{token}1 & sleep 7{token}2 & "
+        f"sleep 99999{token}1 & sleep 99999{token}2 & "
         f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready}; wait"
     )
 
@@ -94,7 +94,7 @@ def tree_program(ready: Path, token: str) -> str:
 def escaper_program(ready: Path, token: str) -> str:
     """Also a setsid() child and a double-forked setsid() one: out of the group and session."""
     return (
-        f"sleep 7{token}1 & setsid sleep 7{token}2 & ( setsid sleep 7{token}3 & ); "
+        f"sleep 99999{token}1 & setsid sleep 99999{token}2 & ( setsid sleep 99999{token}3 & ); "
         f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready}; wait"
     )
 
@@ -247,9 +247,10 @@ class Agentd(Peer):
                 mem = runner.memory_full_info()
                 uss.append(mem.uss / 2**20)
                 rss.append(mem.rss / 2**20)
-            except (psutil.Error, OSError, ValueError) as exc:
-                line(f"  (no runner memory for {f.name}: {exc!r})")
+            except (psutil.Error, OSError, ValueError):
                 continue
+        if not uss:
+            line(f"  !! no runner to measure; the daemon's log ends with: {self.daemon.log_tail(1500)}")
         return {"runner_uss_mib": summary(uss), "runner_rss_mib": summary(rss)}
 
     def close(self) -> None:

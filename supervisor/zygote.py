@@ -249,7 +249,9 @@ class Zygote:
                     stderr=None,  # the daemon's: a zygote's traceback lands in its log
                     env=env,
                     cwd=str(self.config.run_root),
-                    start_new_session=True,
+                    # Its own group (a terminal's Ctrl-C is the daemon's to handle), in the
+                    # daemon's session: never taken for a tree's member or an orphan.
+                    process_group=0,
                 )
             finally:
                 theirs.close()
