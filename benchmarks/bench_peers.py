@@ -1,7 +1,8 @@
 """agentd beside supervisord, each driven through its own CLI the way a user drives it.
 
 The same programs, the same grace, for every supervisor; medians of several reps, printed
-side by side, so the ratios hold on a loaded machine. supervisord (PyPI ``supervisor``,
+side by side. Every supervisor is up at once and each scenario runs for each in turn (the
+one-at-a-time reps interleaved), so that a figure and its baseline see the same load. supervisord (PyPI ``supervisor``,
 which shares its import name with this project's package) is installed by this script in
 a venv of its own (``~/.cache/agentd-bench/supervisor-venv``; ``--peer-venv`` to move it),
 never in the project's ``.venv``.
@@ -433,37 +434,47 @@ class Bench:
 # ----------------------------------------------------------------------------- main
 
 
-def run_peer(peer_factory: Callable[[dict[str, tuple[str, str]]], Peer], name: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    n, reps, esc = args.burst, args.reps, args.escapers
+def programs_for(name: str, workdir: Path, args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """key -> (shell command, its unique token): s* one at a time, b* the burst, e* escapers."""
     ready_dir = workdir / f"{name}-ready"
     programs: dict[str, tuple[str, str]] = {}
-    for i in range(reps):
-        tok = new_token()
-        programs[f"s{i}"] = (tree_program(ready_dir / f"s{i}", tok), tok)
-    for i in range(n):
-        tok = new_token()
-        programs[f"b{i}"] = (tree_program(ready_dir / f"b{i}", tok), tok)
-    for i in range(esc):
-        tok = new_token()
-        programs[f"e{i}"] = (escaper_program(ready_dir / f"e{i}", tok), tok)
-    peer = peer_factory(programs)
-    out: dict[str, Any] = {"name": name}
-    try:
-        d = psutil.Process(peer.daemon_pid)
-        out["daemon_idle_empty"] = {"rss_mib": d.memory_info().rss / 2**20}
-        bench = Bench(peer, workdir, programs)
-        bench.spawn("s0")  # warm the page cache and the CLI's imports
-        bench.stop("s0")
-        out["sequential"] = bench.sequential([f"s{i}" for i in range(reps)])
-        bkeys = [f"b{i}" for i in range(n)]
-        out["burst"] = bench.burst(bkeys)
-        out["idle"] = bench.idle(args.idle)
-        out["overhead"] = peer.overhead([bench.ready(k) for k in bkeys])
-        out["stop_all"] = bench.stop_all(bkeys)
-        out["survivors"] = [bench.survivors(f"e{i}") for i in range(esc)]
-    finally:
-        peer.close()
-    return out
+    for prefix, count, make in (("s", args.reps, tree_program), ("b", args.burst, tree_program), ("e", args.escapers, escaper_program)):
+        for i in range(count):
+            tok = new_token()
+            programs[f"{prefix}{i}"] = (make(ready_dir / f"{prefix}{i}", tok), tok)
+    return programs
+
+
+def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every scenario for every supervisor in turn, one-at-a-time reps interleaved, so that
+    each figure's baseline ran under the same load (the machine is shared)."""
+    outs: list[dict[str, Any]] = []
+    for b in benches:
+        outs.append({"name": b.peer.name, "daemon_idle_empty": {"rss_mib": psutil.Process(b.peer.daemon_pid).memory_info().rss / 2**20}})
+        b.spawn("s0")  # warm the page cache and the CLI's imports
+        b.stop("s0")
+    seq: list[dict[str, list[dict[str, Any]]]] = [{"spawn": [], "stop": []} for _ in benches]
+    for i in range(args.reps):
+        for b, acc in zip(benches, seq):
+            acc["spawn"].append(b.spawn(f"s{i}"))
+            acc["stop"].append(b.stop(f"s{i}"))
+    bkeys = [f"b{i}" for i in range(args.burst)]
+    for b, out, acc in zip(benches, outs, seq):
+        out["sequential"] = acc
+        out["burst"] = b.burst(bkeys)
+        line(f"  {b.peer.name}: {args.burst} at once -> all running in {fmt_s(out['burst']['all_running_s'])} "
+             f"(load {os.getloadavg()[0]:.2f})")
+    for b, out in zip(benches, outs):  # every supervisor holds its N programs now
+        out["idle"] = b.idle(args.idle)
+        out["overhead"] = b.peer.overhead([b.ready(k) for k in bkeys])
+    for b, out in zip(benches, outs):
+        out["stop_all"] = b.stop_all(bkeys)
+    for b, out in zip(benches, outs):
+        out["survivors"] = []
+    for i in range(args.escapers):
+        for b, out in zip(benches, outs):
+            out["survivors"].append(b.survivors(f"e{i}"))
+    return outs
 
 
 def med(xs: list[float | None]) -> float | None:
@@ -533,34 +544,39 @@ def main() -> None:
          f"grace {args.grace:g} s, N={args.burst}, reps {args.reps}")
     out: dict[str, Any] = {"machine": m, "args": {k: str(v) for k, v in vars(args).items()}, "peers": []}
     only = [x.strip() for x in args.only.split(",") if x.strip()]
+    benches: list[Bench] = []
     try:
         with tempfile.TemporaryDirectory(prefix="agentd-bench-peers-") as tmp:
             work = Path(tmp)
-            for name in only:
-                header(name)
-                t0 = time.perf_counter()
-                if name == "supervisord":
-                    try:
-                        venv = ensure_supervisor_venv(args.peer_venv)
-                    except (OSError, subprocess.CalledProcessError) as exc:
-                        line(f"  !! supervisord skipped: cannot install supervisor=={SUPERVISOR_VERSION} ({exc})")
-                        continue
-                    factory: Callable[[dict[str, tuple[str, str]]], Peer] = lambda progs, venv=venv: Supervisord(  # noqa: E731
-                        work, venv, grace_s=args.grace, programs=[(k, c) for k, (c, _t) in progs.items()]
-                    )
-                elif name in ("agentd", "agentd-cold"):
-                    def factory(progs: dict[str, tuple[str, str]], name: str = name) -> Peer:
+            peers: list[Peer] = []
+            try:
+                for name in only:
+                    header(f"starting {name}")
+                    progs = programs_for(name, work, args)
+                    if name == "supervisord":
+                        try:
+                            venv = ensure_supervisor_venv(args.peer_venv)
+                        except (OSError, subprocess.CalledProcessError) as exc:
+                            line(f"  !! supervisord skipped: cannot install supervisor=={SUPERVISOR_VERSION} ({exc})")
+                            continue
+                        peer: Peer = Supervisord(work, venv, grace_s=args.grace, programs=[(k, c) for k, (c, _t) in progs.items()])
+                    elif name in ("agentd", "agentd-cold"):
                         a = Agentd(work, name, grace_s=args.grace, zygote="off" if name == "agentd-cold" else "auto")
                         if name == "agentd":
                             waited = a.wait_zygote()
                             line(f"  zygote ready after {waited if waited is None else round(waited, 2)} s")
-                        return a
-                else:
-                    raise SystemExit(f"error: unknown supervisor {name!r} (expected agentd, agentd-cold, supervisord)")
-                res = run_peer(factory, name, work, args)
-                res["took_s"] = round(time.perf_counter() - t0, 1)
-                out["peers"].append(res)
-                line(f"  done in {res['took_s']} s; load {os.getloadavg()[0]:.2f}")
+                        peer = a
+                    else:
+                        raise SystemExit(f"error: unknown supervisor {name!r} (expected agentd, agentd-cold, supervisord)")
+                    peers.append(peer)
+                    benches.append(Bench(peer, work, progs))
+                header("measuring, every supervisor in turn")
+                t0 = time.perf_counter()
+                out["peers"] = run_all(benches, args)
+                line(f"  done in {time.perf_counter() - t0:.1f} s; load {os.getloadavg()[0]:.2f}")
+            finally:
+                for peer in peers:
+                    peer.close()
             header(f"side by side (N={args.burst}, grace {args.grace:g} s, load now {os.getloadavg()[0]:.2f})")
             table(out["peers"])
             sup = next((r for r in out["peers"] if r["name"] == "supervisord"), None)
