@@ -6,8 +6,9 @@ openai, mcp, the runner's modules), starts no thread and no event loop, freezes 
 garbage collector (so a child's collections do not write to the pages it shares with the
 zygote), says ``ready``, then serves one request at a time until EOF:
 
-  daemon -> zygote: {"id", "args", "env", "cwd", "tree_id", "cgroup_procs"}
-                    + SCM_RIGHTS [stdin read end, stdout write end, stderr write end]
+  daemon -> zygote: {"id", "args", "cwd", "tree_id", "cgroup_procs"}
+                    + SCM_RIGHTS [stdin read end, stdout write end, stderr write end,
+                                  environment read end]
   runner -> daemon: {"id", "pid", "ticks", "cgroup": bool}  or  {"id", "error"}
                     (the forked runner sends its own reply, on the zygote's socket)
   zygote -> daemon: {"id", "error"}                 a request it could not fork for
@@ -45,6 +46,8 @@ import time
 from typing import Any, Final, NoReturn
 
 __all__ = [
+    "ENV_ROOM",
+    "ENV_ROOM_VAR",
     "MARKER_ROOM",
     "MAX_MESSAGE",
     "N_FDS",
@@ -56,14 +59,21 @@ __all__ = [
 
 # Largest request or reply (the run's environment is most of a request).
 MAX_MESSAGE: Final = 1 << 20
-# Descriptors that come with a request: the runner's stdin, stdout and stderr.
-N_FDS: Final = 3
+# Descriptors that come with a request: the runner's stdin, stdout and stderr, and a pipe
+# holding the run's environment (JSON, then EOF). The environment (a model key, say) goes
+# from the daemon to the runner without passing through the zygote, whose memory every
+# later runner gets a copy of.
+N_FDS: Final = 4
 MARKER_VAR: Final = "AGENTD_TREE"
 # The zygote is started with AGENTD_TREE set to this placeholder: its bytes in the
 # process's environment block are where a forked runner writes its own tree id, so that
 # /proc/<runner>/environ shows the runner's marker as a cold runner's does.
 MARKER_ROOM: Final = 64
 PLACEHOLDER_MARKER: Final = "zygote" + "." * (MARKER_ROOM - len("zygote"))
+# Room left in the zygote's environment block for a runner's own (the run's environment
+# is the daemon's plus a few variables, so it fits with this much to spare).
+ENV_ROOM_VAR: Final = "AGENTD_ZYGOTE_ROOM"
+ENV_ROOM: Final = 16384
 # What /proc/<pid>/cmdline says: a forked runner says what a cold one says.
 _ZYGOTE_MODULE: Final = b"subagent.zygote"
 _RUNNER_MODULE: Final = b"subagent.runner"
@@ -90,13 +100,17 @@ def decode(data: bytes) -> dict[str, Any] | None:
 class _ProcView:
     """Where the kernel reads ``/proc/self/cmdline`` and ``/proc/self/environ`` from: the
     argv and environment strings at the top of the first stack. A forked runner rewrites
-    them in place (same length), as setproctitle does, so that a sweep reading its marker
-    and a person reading ``ps`` see a runner, not the zygote."""
+    them in place, as setproctitle does, so that a sweep reading its marker, a person
+    reading ``ps`` and anyone reading its environment see a runner, not the zygote: first
+    the marker's value (before it replies), then, once its own environment is set, the
+    whole block (the zygote's environment carries ``ENV_ROOM_VAR`` to leave room)."""
 
     def __init__(self) -> None:
         self.module_at: int | None = None
         self.marker_at: int | None = None
         self.marker_len = 0
+        self.env_at: int | None = None
+        self.env_len = 0
         try:
             with open("/proc/self/stat", "rb") as f:
                 raw = f.read()
@@ -114,6 +128,7 @@ class _ProcView:
             if i >= 0:
                 self.module_at = arg_start + i + 1
         if ctypes.string_at(env_start, env_end - env_start) == environ:
+            self.env_at, self.env_len = env_start, env_end - env_start
             needle = b"\0" + MARKER_VAR.encode() + b"="
             i = (b"\0" + environ).find(needle)
             if i >= 0:
@@ -132,6 +147,20 @@ class _ProcView:
                 value = b""  # no room: show no marker rather than a wrong one
             value += b"\0" * (self.marker_len - len(value))
             ctypes.memmove(self.marker_at, value, self.marker_len)
+
+    def show_environ(self, env: dict[str, str]) -> bool:
+        """Rewrite the whole environment block to ``env`` (NUL-padded), if it fits.
+
+        Call it only once ``os.environ`` has been rebuilt: C's ``environ`` then points at
+        new strings, none into this block any more.
+        """
+        if self.env_at is None:
+            return False
+        block = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
+        if len(block) > self.env_len:
+            return False  # no room: the zygote's block stays, with this runner's marker
+        ctypes.memmove(self.env_at, block + b"\0" * (self.env_len - len(block)), self.env_len)
+        return True
 
 
 # ----------------------------------------------------------------------------- fork into a cgroup
@@ -281,7 +310,8 @@ class _Zygote:
         if "error" in reply:
             os._exit(_EXIT_INTERNAL)
         try:
-            stdin, stdout, stderr = fds
+            stdin, stdout, stderr, env_fd = fds
+            env = _read_env(env_fd)
             os.dup2(stdin, 0)
             os.dup2(stdout, 1)
             os.dup2(stderr, 2)
@@ -302,9 +332,9 @@ class _Zygote:
                     pass
             signal.set_wakeup_fd(-1)
             signal.pthread_sigmask(signal.SIG_SETMASK, ())
-            env = req.get("env") or {}
             os.environ.clear()
-            os.environ.update({str(k): str(v) for k, v in env.items()})
+            os.environ.update(env)
+            self.view.show_environ(env)
             cwd = req.get("cwd")
             if cwd:
                 os.chdir(cwd)
@@ -324,6 +354,17 @@ class _Zygote:
                 os.write(2, f"error: the forked runner could not start: {exc!r}\n".encode())
             finally:
                 os._exit(_EXIT_INTERNAL)
+
+
+def _read_env(fd: int) -> dict[str, str]:
+    """The run's environment from its pipe: one JSON object of strings, then EOF."""
+    buf = bytearray()
+    while chunk := os.read(fd, 65536):
+        buf += chunk
+    env = json.loads(buf)
+    if not isinstance(env, dict):
+        raise ValueError("the environment is not a JSON object")
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def _start_ticks() -> int:

@@ -24,8 +24,10 @@ restarted after dying (with a back-off), and when a request fails, runners start
 from __future__ import annotations
 
 import array
+import fcntl
 import functools
 import itertools
+import json
 import logging
 import os
 import socket
@@ -39,7 +41,7 @@ from typing import Any, Final, final
 import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
-from subagent.zygote import MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
+from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
 from supervisor.config import Config
 from supervisor.containment import MARKER_VAR, Containment, read_proc
 from supervisor._tree import Tree
@@ -239,6 +241,7 @@ class Zygote:
         for name in ("AGENTD_RUN_ID", "AGENTD_RUN_DIR"):
             env.pop(name, None)
         env[MARKER_VAR] = PLACEHOLDER_MARKER
+        env[ENV_ROOM_VAR] = "." * ENV_ROOM  # room for a runner's own environment in /proc
         argv = [self.config.runner_python, "-m", "subagent.zygote"]
         try:
             try:
@@ -358,10 +361,10 @@ class Zygote:
                 theirs.append(w)
             # stdin: the child reads, we write: swap that pair's ends.
             ours[0], theirs[0] = theirs[0], ours[0]
+            theirs.append(_env_pipe(child_env))  # read by the runner alone, never the zygote
             req = {
                 "id": next(self._ids),
                 "args": list(args),
-                "env": child_env,
                 "cwd": os.fspath(cwd),
                 "tree_id": tree_id,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
@@ -460,6 +463,24 @@ class Zygote:
 @functools.lru_cache(maxsize=1)
 def _boot_time_and_hz() -> tuple[float, int]:
     return float(psutil.boot_time()), os.sysconf("SC_CLK_TCK")
+
+
+def _env_pipe(env: Mapping[str, str]) -> int:
+    """A pipe holding ``env`` as JSON, closed for writing: its read end, for the runner."""
+    data = json.dumps(dict(env)).encode()
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        if len(data) > 65536:  # a pipe holds 64 KiB by default; make room (up to pipe-max-size)
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, len(data))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view) :]
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r
 
 
 def _create_time(ticks: int) -> float:

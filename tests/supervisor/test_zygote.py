@@ -114,6 +114,11 @@ def runner_facts(row: dict[str, Any]) -> dict[str, Any]:
         "masks": _status_masks(pid),
         "stdio": [fd_targets(pid).get(fd, "").split("[")[0] for fd in (0, 1, 2)],  # three pipes
         "nice": os.getpriority(os.PRIO_PROCESS, pid),
+        # What /proc shows of its environment: the run's own, as for a cold runner.
+        "environ": sorted(
+            k for k in (e.partition(b"=")[0].decode() for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e)
+            if k not in PER_RUN
+        ),
     }
 
 
@@ -295,9 +300,12 @@ def test_every_forked_runner_gets_fresh_random_state(tmp_path: Path) -> None:
             r0, w0 = os.pipe()
             r1, w1 = os.pipe()
             r2, w2 = os.pipe()
-            req = {"id": i, "args": [], "env": dict(os.environ), "cwd": str(tmp_path), "tree_id": f"t-{i}", "cgroup_procs": None}
-            socket.send_fds(a, [encode(req)], [r0, w1, w2])
-            for fd in (r0, w1, w2):
+            r3, w3 = os.pipe()
+            os.write(w3, json.dumps(dict(os.environ)).encode())
+            os.close(w3)
+            req = {"id": i, "args": [], "cwd": str(tmp_path), "tree_id": f"t-{i}", "cgroup_procs": None}
+            socket.send_fds(a, [encode(req)], [r0, w1, w2, r3])
+            for fd in (r0, w1, w2, r3):
                 os.close(fd)
             while "pid" not in (reply := decode(a.recv(1 << 20))) and "error" not in reply:
                 pass
@@ -320,3 +328,43 @@ def random_made_with_seed_1234() -> float:
     import random
 
     return random.Random(1234).random()
+
+
+def _memory_holds(pid: int, needle: bytes) -> bool:
+    """Does any readable mapping of ``pid`` hold ``needle``? (root reads another's memory)"""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for entry in maps:
+            addr, perms = entry.split()[:2]
+            if not perms.startswith("r") or "[vvar" in entry or "[vsyscall" in entry:
+                continue
+            start, end = (int(x, 16) for x in addr.split("-"))
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except (OSError, ValueError, OverflowError):
+                continue
+    return False
+
+
+async def test_a_runs_secrets_reach_its_forked_runner_and_never_the_zygote(tmp_path: Path) -> None:
+    from supervisor.protocol import Secret
+
+    key = "sk-zygote-" + os.urandom(12).hex()
+    with trio.fail_after(90):
+        async with daemon(tmp_path) as m:
+            z = await zygote_state(m)
+            r = await m.spawn(gated("echo no key here"), model_key=Secret(key))
+            await wait_running_tool(m, r["run_id"])
+            row = await m.status(r["run_id"])
+            environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
+            assert f"OPENAI_API_KEY={key}".encode() in environ  # the runner has it, as a cold one would
+            assert (await m.summary())["zygote"]["spawned"] == 1  # forked, not cold
+            try:
+                in_zygote = _memory_holds(z["pid"], key.encode())
+            except PermissionError:
+                pytest.skip("cannot read another process's memory here")
+            assert not in_zygote  # the environment went runner-bound through a pipe
+            (Path(row["run_dir"]) / "go").touch()
+            st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed"
