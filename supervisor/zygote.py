@@ -57,6 +57,8 @@ REPLY_TIMEOUT_S: Final = 10.0
 # Back-off before restarting a zygote that died or failed to start (doubles up to the max).
 RESTART_BACKOFF_S: Final = 1.0
 RESTART_BACKOFF_MAX_S: Final = 60.0
+# Starts in a row that never got ready before the zygote is given up (runners stay cold).
+MAX_FAILED_STARTS: Final = 5
 # After the zygote died, how long an exited runner may take to be re-parented to us.
 REPARENT_WAIT_S: Final = 2.0
 # The exit code recorded when a runner's exit code was lost with the zygote.
@@ -194,6 +196,7 @@ class Zygote:
         self._pending: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = {}
         self._exits: dict[int, _Exit] = {}  # runners of the running zygote, by pid
         self._proc: trio.Process | None = None
+        self._was_ready = False
 
     @property
     def ready(self) -> bool:
@@ -213,16 +216,27 @@ class Zygote:
     # ------------------------------------------------------------------ service
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep a zygote running until cancelled; restart one that dies (with a back-off)."""
+        """Keep a zygote running until cancelled; restart one that dies (with a back-off).
+
+        A zygote that fails ``MAX_FAILED_STARTS`` times in a row before it was ever ready
+        (an import that cannot work here) is given up: state ``failed``, runners cold.
+        """
         task_status.started()
         backoff = RESTART_BACKOFF_S
+        failed_starts = 0
         try:
             while True:
                 t0 = trio.current_time()
+                self._was_ready = False
                 try:
                     await self._serve_one()
                 except (OSError, _Unavailable) as exc:
                     logger.warning("zygote: %s; runners start cold until it is back", exc)
+                failed_starts = 0 if self._was_ready else failed_starts + 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    logger.error("zygote: failed to start %d times in a row; runners start cold", failed_starts)
+                    self.state = "failed"
+                    await trio.sleep_forever()
                 if trio.current_time() - t0 > RESTART_BACKOFF_MAX_S:
                     backoff = RESTART_BACKOFF_S  # it had been up a while: not a crash loop
                 self.state = "restarting"
@@ -279,6 +293,7 @@ class Zygote:
                 logger.info("zygote: forked runners cannot show their marker in /proc (found by cgroup and group)")
             self._sock = sock
             self.state = "ready"
+            self._was_ready = True
             logger.info("zygote pid %d ready in %.2f s", proc.pid, self.import_s)
             while True:
                 data = await sock.recv(MAX_MESSAGE)

@@ -368,3 +368,18 @@ async def test_a_runs_secrets_reach_its_forked_runner_and_never_the_zygote(tmp_p
             (Path(row["run_dir"]) / "go").touch()
             st = await m.wait_terminal(r["run_id"])
     assert st["state"] == "completed"
+
+
+async def test_a_zygote_that_cannot_start_is_given_up_and_runs_stay_cold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor import zygote as zygote_mod
+
+    monkeypatch.setattr(zygote_mod, "RESTART_BACKOFF_S", 0.01)
+    not_python = tmp_path / "not-python"
+    not_python.write_text("#!/bin/sh\nexit 3\n")
+    not_python.chmod(0o755)
+    with trio.fail_after(60):
+        async with daemon(tmp_path, runner_python=str(not_python)) as m:
+            z = await zygote_state(m, "failed")
+    assert z["restarts"] == zygote_mod.MAX_FAILED_STARTS - 1 and z["spawned"] == 0
