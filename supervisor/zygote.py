@@ -43,7 +43,7 @@ import trio
 
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
 from supervisor.config import Config
-from supervisor.containment import MARKER_VAR, Containment, read_proc
+from supervisor.containment import HOST_VAR, MARKER_VAR, Containment, read_proc
 from supervisor._tree import Tree
 
 __all__ = ["ForkedProcess", "Zygote", "usable"]
@@ -367,6 +367,7 @@ class Zygote:
         cgroup = containment.prepare(tree_id)
         child_env = dict(env)
         child_env[MARKER_VAR] = tree_id
+        child_env.pop(HOST_VAR, None)  # as process.spawn_tree: a tree's processes never carry it
         ours: list[int] = []
         theirs: list[int] = []
         try:
@@ -439,6 +440,7 @@ class Zygote:
             leader_ticks=ticks,
         )
         tree.groups[tree.pgid] = tree.leader_ticks
+        tree.pipes = frozenset(os.fstat(fd).st_ino for fd in ours)  # its stdio, as process.spawn_tree
         containment.track(tree)
         self.spawned += 1
         logger.debug("tree %s: forked pid %d by the zygote, containment %s", tree_id, pid, tree.containment)
