@@ -286,6 +286,7 @@ class _Zygote:
     def _become(self, req: dict[str, Any], fds: list[int], born_in: bool) -> NoReturn:
         """In the forked runner: become what a cold runner is, then run. Never returns."""
         try:
+            signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours to write to
             os.setsid()
             cgroup_ok = born_in
             procs = req.get("cgroup_procs")
@@ -330,7 +331,6 @@ class _Zygote:
                         signal.signal(signum, want)
                 except (OSError, ValueError):
                     pass
-            signal.set_wakeup_fd(-1)
             signal.pthread_sigmask(signal.SIG_SETMASK, ())
             os.environ.clear()
             os.environ.update(env)

@@ -142,8 +142,13 @@ async def observe_gated_run(m: RunManager, zygote_fds: bool = False) -> tuple[di
     row = await m.status(rid)
     facts = runner_facts(row)
     if zygote_fds:  # nothing the zygote holds (its socket to us, its wake-up pipe) leaked in
-        held = set(fd_targets((await m.summary())["zygote"]["pid"]).values())
-        assert not held & set(fd_targets(row["pid"]).values()), (held, fd_targets(row["pid"]))
+        # Pipes and sockets only: those are shared only by inheritance (a path such as
+        # /dev/null may be open in both, separately).
+        def anonymous(pid: int) -> set[str]:
+            return {t for t in fd_targets(pid).values() if t.startswith(("pipe:", "socket:"))}
+
+        held = anonymous((await m.summary())["zygote"]["pid"])
+        assert held and not held & anonymous(row["pid"]), (held, fd_targets(row["pid"]))
     env = await command_env(row["run_dir"])
     assert env["AGENTD_RUN_ID"] == rid and env["AGENTD_TREE"] == row["tree_id"]
     assert env["AGENTD_RUN_DIR"] == row["run_dir"] and env["TMPDIR"] == str(Path(row["run_dir"]) / "tmp")
