@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 ROOT = Path(__file__).resolve().parents[2]
 GATE = "env > cmd-env.tmp && mv cmd-env.tmp cmd-env.txt; while [ ! -f go ]; do sleep 0.02; done; echo gate open"
 # Variables that differ between any two runs (or that a shell sets for itself).
-PER_RUN = {"AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_SUBTREE", "TMPDIR", "PWD", "OLDPWD", "SHLVL", "_"}
+PER_RUN = {"AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_SUBTREE", "TMPDIR", "HOME", "PWD", "OLDPWD", "SHLVL", "_"}
 
 
 @asynccontextmanager
@@ -135,12 +135,26 @@ async def command_env(run_dir: str) -> dict[str, str]:
     return env
 
 
+def sandbox_facts(report: dict[str, Any] | None, daemon_dir: str) -> dict[str, Any] | None:
+    """The run's sandbox as its runner reported it, minus what differs per run or daemon."""
+    if report is None:
+        return None
+    report = json.loads(json.dumps(report).replace(daemon_dir, "<daemon>"))
+    rid_free = {k: v for k, v in report.items() if k not in ("setup_ms", "workdir")}
+    for key in ("read", "write", "private"):  # paths under the run's own dir differ per run
+        if isinstance(rid_free.get(key), list):
+            rid_free[key] = sorted(x for x in rid_free[key] if "/runs/t-" not in str(x))
+    return rid_free
+
+
 async def observe_gated_run(m: RunManager, zygote_fds: bool = False) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     r = await m.spawn(gated())
     rid = r["run_id"]
     await wait_running_tool(m, rid)
     row = await m.status(rid)
     facts = runner_facts(row)
+    daemon_dir = str(Path(row["run_dir"]).parents[2])  # <daemon dir>/state/runs/<tree>
+    facts["sandbox"] = sandbox_facts(row.get("sandbox"), daemon_dir)  # the same, however born
     if zygote_fds:  # nothing the zygote holds (its socket to us, its wake-up pipe) leaked in
         # Pipes and sockets only: those are shared only by inheritance (a path such as
         # /dev/null may be open in both, separately).
@@ -175,6 +189,7 @@ async def test_a_forked_runner_is_what_a_cold_runner_is(tmp_path: Path) -> None:
         # is containment's business, not the zygote's.
         forked.pop("cgroup_is_tree")
         cold.pop("cgroup_is_tree")
+    assert forked.pop("sandbox") == cold.pop("sandbox")
     assert forked == cold, f"forked {forked}\ncold    {cold}"
     assert {k: v for k, v in forked_env.items() if k not in PER_RUN} == {
         k: v for k, v in cold_env.items() if k not in PER_RUN
