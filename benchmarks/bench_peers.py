@@ -201,6 +201,7 @@ class Agentd(Peer):
         self.grace_s = grace_s
         self.specs = workdir / f"{name}-specs"
         self.specs.mkdir(parents=True)
+        self.ready_dir = workdir / f"{name}-ready"  # made by Bench; granted to every run
         self.daemon = DaemonProc(workdir / f"{name}-state", grace_s=grace_s, max_concurrent=512, **settings)
         self.env = dict(os.environ, AGENTD_STATE_DIR=str(self.daemon.state_dir))
         self.runs: dict[str, str] = {}
@@ -222,6 +223,9 @@ class Agentd(Peer):
                 {"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}
             ], "final": "ok"}},
             "limits": {"command_timeout_s": 3600},
+            # The program writes its ready file outside the run's own dir: granted, as a
+            # user grants a run what it needs beyond it (the run sandbox, issue 16).
+            "sandbox": {"write": [str(self.ready_dir)]},
         }
         path = self.specs / f"{key}.json"
         path.write_text(json.dumps(spec))
