@@ -56,6 +56,28 @@ class DaemonProc:
 
         return Client(self.url, self.token, state_dir=self.state_dir, timeout_s=timeout_s)
 
+    def wait_zygote(self, timeout_s: float = 120.0) -> float | None:
+        """Seconds until the daemon's runner zygote was ready; None if it has none."""
+        t0 = time.monotonic()
+        with self.client(timeout_s=30) as c:
+            while time.monotonic() - t0 < timeout_s:
+                state = ((c.status().get("summary") or {}).get("zygote") or {}).get("state")
+                if state == "ready":
+                    return time.monotonic() - t0
+                if state in (None, "off", "failed"):
+                    return None
+                time.sleep(0.05)
+        return None
+
+    def helper_pids(self) -> list[int]:
+        """The daemon's own helper processes (its runner zygote): no run's members."""
+        try:
+            with self.client(timeout_s=30) as c:
+                z = (c.status().get("summary") or {}).get("zygote") or {}
+        except Exception:  # noqa: BLE001 - an older daemon, or none: no helper known
+            return []
+        return [z["pid"]] if isinstance(z.get("pid"), int) else []
+
     def log_tail(self, n: int = 2000) -> str:
         try:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")

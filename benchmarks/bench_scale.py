@@ -67,8 +67,13 @@ def spec() -> dict[str, Any]:
     }
 
 
+_helpers: dict[int, list[int]] = {}
+
+
 def run_members(mark: str, daemon_pid: int) -> list[PidId]:
-    return pids_with(MARK_VAR, mark, exclude=[daemon_pid])
+    """Every process of the runs' trees: marked, and neither the daemon nor its zygote
+    (which carries the mark too, and lives as long as the daemon)."""
+    return pids_with(MARK_VAR, mark, exclude=[daemon_pid, *_helpers.get(daemon_pid, [])])
 
 
 def sleepers(members: list[PidId]) -> list[int]:
@@ -325,7 +330,10 @@ def main() -> None:
     try:
         if True:
             d = DaemonProc(Path(tmp) / "state", nice=10, max_concurrent=max(sizes) + 10, grace_s=args.grace)
+            waited = d.wait_zygote()
+            _helpers[d.pid] = d.helper_pids()
             header("baselines")
+            line(f"  runners forked by the zygote: {'yes, ready after %.1f s' % waited if waited is not None else 'no (cold)'}")
             time.sleep(1.0)
             renice([d.pid], 0)
             base_idle = idle_cpu(d.pid, idle_s)

@@ -6,6 +6,9 @@ stops when the ``step_started`` event reaches a subscriber (journaled and fanned
 delivery cost is the difference. Cases: one run at a time and N at once, with no pool
 (cold ``python -m subagent.runner`` per run) and with a warm pool (``pool_size``).
 
+The runner zygote is off here (``zygote=off``: cold means a new Python per runner, warm
+the pre-spawned pool); ``bench_zygote.py`` measures runners forked by the zygote.
+
 Baselines, measured in the same run: a bare ``Popen`` of ``python -c pass`` in a new
 session (to its exit), a cold ``python -c 'import openai, mcp'`` (to its exit), and a bare
 runner without the daemon (``Popen`` of ``python -m subagent.runner``, spec on stdin,
@@ -179,7 +182,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="agentd-bench-spawn-") as tmp:
         header("agentd, pool_size 0 (a cold runner per run)")
-        async with in_process_daemon(Path(tmp) / "cold", pool_size=0, max_concurrent=max(64, args.burst)) as d:
+        async with in_process_daemon(Path(tmp) / "cold", zygote="off", pool_size=0, max_concurrent=max(64, args.burst)) as d:
             m = d["manager"]
             await one_first_step(m)  # warm the page cache and the journal
             cold_seq = await sequential(m, args.reps, pool=0, baselines=base)
@@ -198,7 +201,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                        "warnings": show_warnings(line)}
 
         header(f"agentd, warm pool (pool_size {args.pool} one at a time, {args.burst} for the burst)")
-        async with in_process_daemon(Path(tmp) / "warm", pool_size=args.pool, max_concurrent=max(64, args.burst)) as d:
+        async with in_process_daemon(Path(tmp) / "warm", zygote="off", pool_size=args.pool, max_concurrent=max(64, args.burst)) as d:
             m = d["manager"]
             fill = await wait_pool_warm(m, args.pool, timeout_s=120)
             line(f"  pool of {args.pool} warm after {fill if fill is None else round(fill, 2)} s")
@@ -210,7 +213,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             line(row("baseline: Popen `python -c pass` (same phase)", summary(base["popen_pass"][n_before:])))
         out["warm"] = {"sequential": warm_seq, "fill_s": fill, "warnings": show_warnings(line)}
 
-        async with in_process_daemon(Path(tmp) / "warmburst", pool_size=args.burst, max_concurrent=max(64, args.burst)) as d:
+        async with in_process_daemon(Path(tmp) / "warmburst", zygote="off", pool_size=args.burst, max_concurrent=max(64, args.burst)) as d:
             m = d["manager"]
             fill = await wait_pool_warm(m, args.burst, timeout_s=180)
             line(f"  pool of {args.burst} warm after {fill if fill is None else round(fill, 2)} s")

@@ -34,17 +34,19 @@ if __name__ == "__main__":  # before anything slow: a SIGTERM now must not kill 
     signal.signal(signal.SIGINT, _early_handler)
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NoReturn  # noqa: E402
 
 from subagent.emit import Emitter, bare_result, install_stderr_guards  # noqa: E402
 from subagent.events import ExitCode, RunStatus  # noqa: E402
 from subagent.spec import SpecError, parse_spec_text  # noqa: E402
 
-__all__ = ["main", "read_spec_text"]
+__all__ = ["main", "preload", "read_spec_text", "start"]
 
 
 def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
@@ -72,13 +74,37 @@ def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
     return (first + b"\n" + rest).decode("utf-8", errors="replace"), b""
 
 
-def _warm_imports() -> None:
+@functools.lru_cache(maxsize=1)
+def _arg_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin.")
+    ap.add_argument("--warm", action="store_true", help="import openai and mcp first, then wait for the spec")
+    return ap
+
+
+def preload() -> None:
+    """Import everything a run may need: trio, openai, mcp and the runner's own modules.
+
+    What ``--warm`` does before it waits, and what the zygote (``subagent.zygote``) has
+    done before it forks a runner.
+    """
     import mcp.client.stdio  # noqa: F401
     import openai  # noqa: F401
+    import trio  # noqa: F401
 
+    import subagent.background  # noqa: F401
+    import subagent.browser  # noqa: F401
+    import subagent.commands  # noqa: F401
+    import subagent.mcp_spawn  # noqa: F401
     import subagent.mcp_tools  # noqa: F401
     import subagent.openai_provider  # noqa: F401
     import subagent.run  # noqa: F401
+    import subagent.script  # noqa: F401
+    import subagent.scripted  # noqa: F401
+
+    _arg_parser()  # built once: a forked runner finds it ready
+
+
+_warm_imports = preload  # the earlier private name
 
 
 def _prepare_browser(spec: object, run_dir: Path | None) -> None:
@@ -108,14 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(run_dir_env) if run_dir_env else None
     emitter = Emitter(run_dir)
     install_stderr_guards(emitter)  # first: even a usage error must reach stderr as JSON
-    ap = argparse.ArgumentParser(prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin.")
-    ap.add_argument("--warm", action="store_true", help="import openai and mcp first, then wait for the spec")
-    args = ap.parse_args(argv)
+    args = _arg_parser().parse_args(argv)
     # stdout carries the result alone (written with os.write): a library's print goes to the log.
     sys.stdout = sys.stderr
     try:
         if args.warm:
-            _warm_imports()
+            preload()
             emitter.log("info", "warm: waiting for the spec on stdin", warm=True)
         try:
             _waiting_for_spec = True
@@ -163,10 +187,24 @@ def main(argv: list[str] | None = None) -> int:
         return _internal(emitter, exc)
 
 
-if __name__ == "__main__":
-    code = main()
+def start(argv: list[str] | None = None) -> NoReturn:
+    """Become a runner and run to the end: the one entry of every runner process.
+
+    Both ways a runner process comes to be end here, and only here: ``python -m
+    subagent.runner`` (a cold start), and a child the zygote forked once it has made the
+    process what a cold start is (session, cgroup, marker, pipes, environment, working
+    directory: ``subagent.zygote``). What every runner must do first, whichever way it
+    was born (the SIGTERM handler that only sets the stop flag; a sandbox), goes here.
+    """
+    signal.signal(signal.SIGTERM, _early_handler)
+    signal.signal(signal.SIGINT, _early_handler)
+    code = main(argv)
     sys.stderr.flush()  # a partial line a library left in the log wrapper becomes an event
     # Everything is closed and the result is written (unbuffered, os.write): skip the
     # interpreter's teardown of openai/mcp modules, which costs a noticeable part of a
     # second after a stop.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    start()

@@ -12,11 +12,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias, final
+from typing import TYPE_CHECKING, Any, TypeAlias, final
 
 import trio
 
 from supervisor.containment import cgroup_pids, read_marker, read_proc
+
+if TYPE_CHECKING:
+    from supervisor.zygote import ForkedProcess
 
 __all__ = ["Tree", "AdoptedTree", "AnyTree", "Found", "SignalSent", "StopReceipt"]
 
@@ -99,9 +102,10 @@ class _TreeBase:
 @final
 @dataclass(eq=False)
 class Tree(_TreeBase):
-    """A tree this daemon spawned; ``process`` is Trio's handle on the runner (its pipes too)."""
+    """A tree this daemon spawned; ``process`` is the handle on the runner (its pipes too):
+    Trio's for a cold start, a ``ForkedProcess`` (the same surface) for a zygote's fork."""
 
-    process: trio.Process = field(kw_only=True)
+    process: trio.Process | ForkedProcess = field(kw_only=True)
 
     @property
     def leader_reaped(self) -> bool:

@@ -74,6 +74,9 @@ class Config:
     # Variable names passed from the daemon's environment to tools, beyond the allowlist
     # (never the model key).
     tool_env: tuple[str, ...] = ()
+    # Fork runners from a pre-initialised zygote where that is exact ("auto": Linux, the
+    # daemon a child subreaper, the stock runner), or always start them cold ("off").
+    zygote: str = "auto"
 
     @property
     def token_path(self) -> Path:
@@ -164,7 +167,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                     v = tuple(o.strip() for o in v.split(",") if o.strip())
                 else:
                     v = tuple(str(o) for o in v)
-            elif f.name == "cgroups":
+            elif f.name in {"cgroups", "zygote"}:
                 v = str(v)
                 if v not in {"auto", "off"}:
                     raise ValueError("expected 'auto' or 'off'")

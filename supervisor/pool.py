@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -29,6 +30,9 @@ from supervisor import process
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import SpawnError
+
+if TYPE_CHECKING:
+    from supervisor.zygote import Zygote
 
 __all__ = ["WarmPool", "Warm", "new_tree", "runner_env", "protected_paths", "sandbox_settings"]
 
@@ -77,17 +81,27 @@ async def new_tree(
     *,
     warm: bool,
     extra_env: Mapping[str, str] | None = None,
+    zygote: Zygote | None = None,
 ) -> Warm:
-    """Make a run directory and start a runner tree in it (cold, or waiting warm)."""
+    """Make a run directory and start a runner tree in it (waiting warm or not).
+
+    Forked by the ``zygote`` when one is given and ready (a few milliseconds, every import
+    done), else a cold ``python -m subagent.runner``.
+    """
     tree_id = "t-" + uuid.uuid4().hex[:16]
     run_dir = config.run_root / tree_id
     await trio.to_thread.run_sync(_make_run_dir, run_dir)
     env = runner_env(run_dir, config=config)
     if extra_env:
         env.update(extra_env)
-    argv = list(config.runner_argv) + (["--warm"] if warm else [])
+    args = ["--warm"] if warm else []
     try:
-        tree = await process.spawn_tree(argv, env=env, cwd=run_dir, tree_id=tree_id, containment=containment)
+        tree = None
+        if zygote is not None:
+            tree = await zygote.spawn_tree(args, env=env, cwd=run_dir, tree_id=tree_id)
+        if tree is None:
+            argv = list(config.runner_argv) + args
+            tree = await process.spawn_tree(argv, env=env, cwd=run_dir, tree_id=tree_id, containment=containment)
     except BaseException:
         await trio.to_thread.run_sync(remove_dir, run_dir)
         raise
@@ -95,9 +109,10 @@ async def new_tree(
 
 
 class WarmPool:
-    def __init__(self, config: Config, containment: Containment) -> None:
+    def __init__(self, config: Config, containment: Containment, zygote: Zygote | None = None) -> None:
         self.config = config
         self.containment = containment
+        self.zygote = zygote  # refills fork from it when it is ready
         self.size = config.pool_size
         self._ready: collections.deque[Warm] = collections.deque()
         self._dead: list[Warm] = []
@@ -127,7 +142,7 @@ class WarmPool:
                     # One at a time, each only once ready: a burst that takes the whole
                     # pool must not be followed by as many cold imports at once.
                     try:
-                        warm = await new_tree(self.config, self.containment, warm=True)
+                        warm = await new_tree(self.config, self.containment, warm=True, zygote=self.zygote)
                     except (OSError, SpawnError) as exc:
                         logger.warning("warm pool: could not start a runner: %s", exc)
                         await trio.sleep(RESPAWN_BACKOFF_S)

@@ -51,6 +51,7 @@ from supervisor.progress import LineSplitter
 from supervisor.protocol import Secret
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
 from supervisor.token import CancelToken
+from supervisor.zygote import Zygote, usable
 
 __all__ = ["RunManager"]
 
@@ -113,7 +114,9 @@ class RunManager:
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
-        self._pool = WarmPool(config, containment) if config.pool_size > 0 else None
+        # Runners are forked by the zygote when it is usable and ready, else started cold.
+        self._zygote = Zygote(config, containment) if usable(config, containment) else None
+        self._pool = WarmPool(config, containment, self._zygote) if config.pool_size > 0 else None
         self.backlog = Backlog(journal, on_flushed=self._flushed)
         # Ended runs whose facts still wait for the journal (degraded mode).
         self._unflushed: dict[str, _Run] = {}
@@ -127,6 +130,8 @@ class RunManager:
             await nursery.start(self.backlog.run)
             for run in await self.recover():
                 nursery.start_soon(recovery.adopted_lifecycle, self, run, name=f"run {run.run_id} (re-adopted)")
+            if self._zygote is not None:
+                await nursery.start(self._zygote.run)
             if self._pool is not None:
                 await nursery.start(self._pool.run)
             self._accepting = True
@@ -291,6 +296,7 @@ class RunManager:
             "cgroup_subtree": str(self.containment.root) if self.containment.root is not None else None,
             "sandbox": self.config.sandbox,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
+            "zygote": self._zygote.describe() if self._zygote is not None else {"state": "off"},
             "accepting": self._accepting,
             "journal": self.backlog.describe(),
             "containment_problem": self.containment.problem,
@@ -450,7 +456,9 @@ class RunManager:
             if run.model_key is not None:
                 extra_env["OPENAI_API_KEY"] = run.model_key.reveal()
             try:
-                warm = await new_tree(self.config, self.containment, warm=False, extra_env=extra_env)
+                warm = await new_tree(
+                    self.config, self.containment, warm=False, extra_env=extra_env, zygote=self._zygote
+                )
             except (OSError, SpawnError) as exc:
                 logger.warning("run %s: could not start the runner: %s", run.run_id, exc)
                 await self._finish(

@@ -1,0 +1,496 @@
+"""``python -m subagent.zygote``: a pre-initialised runner that forks one runner per spawn.
+
+The daemon starts it (``supervisor/zygote.py``) with one end of a ``SOCK_SEQPACKET`` unix
+socket as its stdin. It imports everything a runner may need (``runner.preload``: trio,
+openai, mcp, the runner's modules), starts no thread and no event loop, freezes the
+garbage collector (so a child's collections do not write to the pages it shares with the
+zygote), says ``ready``, then serves one request at a time until EOF:
+
+  daemon -> zygote: {"id", "args", "cwd", "tree_id", "cgroup_procs"}
+                    + SCM_RIGHTS [stdin read end, stdout write end, stderr write end,
+                                  environment read end]
+  runner -> daemon: {"id", "pid", "ticks", "cgroup": bool}  or  {"id", "error"}
+                    (the forked runner sends its own reply, on the zygote's socket)
+  zygote -> daemon: {"id", "error"}                 a request it could not fork for
+                    {"exit": pid, "code", "request"} a runner it forked has exited
+
+The runner is the zygote's child: the zygote reaps it (SIGCHLD) and reports its exit
+code (and the request it was forked for: one that died before replying fails it); the
+daemon sees the exit through a pidfd and takes the code from that report. If
+the zygote dies first, its runners are re-parented to the daemon (a child subreaper),
+which then reaps them itself. Before the reply the runner has made itself a new session,
+joined its cgroup (before it can fork) and written its marker where
+``/proc/<pid>/environ`` shows it; then it takes its pipes as fds 0-2, closes every other
+descriptor, resets signal dispositions and mask, reseeds every random generator the
+imports created, takes the run's environment, working directory and argv, and calls
+``subagent.runner.start`` like a cold runner.
+
+EOF on the socket (the daemon closed it, or died) ends the zygote. Stdlib only, besides
+what ``preload`` imports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import gc
+import json
+import os
+import random
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Final, NoReturn
+
+__all__ = [
+    "ENV_ROOM",
+    "ENV_ROOM_VAR",
+    "MARKER_ROOM",
+    "MAX_MESSAGE",
+    "N_FDS",
+    "PLACEHOLDER_MARKER",
+    "decode",
+    "encode",
+    "main",
+]
+
+# Largest request or reply (the run's environment is most of a request).
+MAX_MESSAGE: Final = 1 << 20
+# Descriptors that come with a request: the runner's stdin, stdout and stderr, and a pipe
+# holding the run's environment (JSON, then EOF). The environment (a model key, say) goes
+# from the daemon to the runner without passing through the zygote, whose memory every
+# later runner gets a copy of.
+N_FDS: Final = 4
+MARKER_VAR: Final = "AGENTD_TREE"
+# The zygote is started with AGENTD_TREE set to this placeholder: its bytes in the
+# process's environment block are where a forked runner writes its own tree id, so that
+# /proc/<runner>/environ shows the runner's marker as a cold runner's does.
+MARKER_ROOM: Final = 64
+PLACEHOLDER_MARKER: Final = "zygote" + "." * (MARKER_ROOM - len("zygote"))
+# Room left in the zygote's environment block for a runner's own (the run's environment
+# is the daemon's plus a few variables, so it fits with this much to spare).
+ENV_ROOM_VAR: Final = "AGENTD_ZYGOTE_ROOM"
+ENV_ROOM: Final = 16384
+# What /proc/<pid>/cmdline says: a forked runner says what a cold one says.
+_ZYGOTE_MODULE: Final = b"subagent.zygote"
+_RUNNER_MODULE: Final = b"subagent.runner"
+# Exit code of a child that could not become a runner (events.ExitCode.INTERNAL).
+_EXIT_INTERNAL: Final = 70
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> dict[str, Any] | None:
+    """One message, or None when it is not a JSON object."""
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+# ----------------------------------------------------------------------------- /proc view
+
+
+class _ProcView:
+    """Where the kernel reads ``/proc/self/cmdline`` and ``/proc/self/environ`` from: the
+    argv and environment strings at the top of the first stack. A forked runner rewrites
+    them in place, as setproctitle does, so that a sweep reading its marker, a person
+    reading ``ps`` and anyone reading its environment see a runner, not the zygote: first
+    the marker's value (before it replies), then, once its own environment is set, the
+    whole block (the zygote's environment carries ``ENV_ROOM_VAR`` to leave room)."""
+
+    def __init__(self) -> None:
+        self.module_at: int | None = None
+        self.marker_at: int | None = None
+        self.marker_len = 0
+        self.env_at: int | None = None
+        self.env_len = 0
+        try:
+            with open("/proc/self/stat", "rb") as f:
+                raw = f.read()
+            fields = raw[raw.rfind(b")") + 2 :].split()
+            arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])
+            with open("/proc/self/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open("/proc/self/environ", "rb") as f:
+                environ = f.read()
+        except (OSError, ValueError, IndexError):
+            return
+        # Only if memory holds what the kernel shows (nothing rewrote it before us).
+        if ctypes.string_at(arg_start, arg_end - arg_start) == cmdline:
+            i = cmdline.find(b"\0" + _ZYGOTE_MODULE + b"\0")
+            if i >= 0:
+                self.module_at = arg_start + i + 1
+        if ctypes.string_at(env_start, env_end - env_start) == environ:
+            self.env_at, self.env_len = env_start, env_end - env_start
+            needle = b"\0" + MARKER_VAR.encode() + b"="
+            i = (b"\0" + environ).find(needle)
+            if i >= 0:
+                value_at = i + len(needle) - 1
+                end = environ.find(b"\0", value_at)
+                self.marker_at = env_start + value_at
+                self.marker_len = (end if end >= 0 else len(environ)) - value_at
+
+    def become(self, tree_id: str) -> None:
+        """Rewrite the module name in argv and the marker's value (NUL-padded) in place."""
+        if self.module_at is not None:
+            ctypes.memmove(self.module_at, _RUNNER_MODULE, len(_RUNNER_MODULE))
+        if self.marker_at is not None:
+            value = tree_id.encode()
+            if len(value) > self.marker_len:
+                value = b""  # no room: show no marker rather than a wrong one
+            value += b"\0" * (self.marker_len - len(value))
+            ctypes.memmove(self.marker_at, value, self.marker_len)
+
+    def show_environ(self, env: dict[str, str]) -> bool:
+        """Rewrite the whole environment block to ``env`` (NUL-padded), if it fits.
+
+        Call it only once ``os.environ`` has been rebuilt: C's ``environ`` then points at
+        new strings, none into this block any more.
+        """
+        if self.env_at is None:
+            return False
+        block = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
+        if len(block) > self.env_len:
+            return False  # no room: the zygote's block stays, with this runner's marker
+        ctypes.memmove(self.env_at, block + b"\0" * (self.env_len - len(block)), self.env_len)
+        return True
+
+
+# ----------------------------------------------------------------------------- fork into a cgroup
+
+
+class _CloneArgs(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack",
+            "stack_size", "tls", "set_tid", "set_tid_size", "cgroup",
+        )
+    ]
+
+
+_CLONE_INTO_CGROUP: Final = 0x200000000
+_SYS_CLONE3: Final = {"x86_64": 435, "aarch64": 435}
+
+
+class _Cloner:
+    """``fork()`` straight into a cgroup: ``clone3(CLONE_INTO_CGROUP)``.
+
+    A child born in the tree's cgroup never has to move there, and a move (a write to
+    ``cgroup.procs``) waits for an RCU grace period whenever cgroups have been quiet for a
+    moment: measured 5-19 ms per spawn here when spawns are 20 ms or more apart, 0.1 ms
+    back to back. Python has no ``clone3``, so this does what ``os.fork`` does around the
+    system call (``PyOS_BeforeFork``/``AfterFork_*``) and what glibc's ``fork`` does for
+    the one piece of its state a raw clone leaves stale in a single-threaded process: the
+    thread id cached in the thread descriptor (found once, by value; without a single
+    match, or without ``clone3``, the zygote forks and the child joins its cgroup itself).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._tid_at = 0
+        import platform
+
+        self._nr = _SYS_CLONE3.get(platform.machine())
+        if self._nr is None or not sys.platform.startswith("linux"):
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.pthread_self.restype = ctypes.c_void_p
+            me = libc.pthread_self()
+            words = (ctypes.c_int32 * 1024).from_address(me)
+            pid = os.getpid()  # the main thread's id is the pid
+            hits = [i for i in range(1024) if words[i] == pid]
+            self._syscall = ctypes.PyDLL(None, use_errno=True).syscall  # keeps the GIL, as fork does
+            self._syscall.restype = ctypes.c_long
+        except (OSError, AttributeError, ValueError):
+            return
+        if len(hits) != 1 or me is None:
+            return
+        self._tid_at = me + 4 * hits[0]
+        self.enabled = True
+
+    def fork_into(self, cgroup_fd: int) -> int:
+        """Like ``os.fork()``, the child born in the cgroup ``cgroup_fd`` names.
+
+        Raises:
+            OSError: clone3 refused (then ``enabled`` turns False when it cannot work here).
+        """
+        args = _CloneArgs(flags=_CLONE_INTO_CGROUP, exit_signal=int(signal.SIGCHLD), cgroup=cgroup_fd)
+        api = ctypes.pythonapi
+        api.PyOS_BeforeFork()
+        pid = self._syscall(self._nr, ctypes.byref(args), ctypes.sizeof(args))
+        if pid == 0:
+            api.PyOS_AfterFork_Child()
+            ctypes.c_int32.from_address(self._tid_at).value = os.getpid()
+            return 0
+        err = ctypes.get_errno()
+        api.PyOS_AfterFork_Parent()
+        if pid < 0:
+            if err in (errno.ENOSYS, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP):
+                self.enabled = False  # not this kernel: fork and join from now on
+            raise OSError(err, os.strerror(err))
+        return int(pid)
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+class _Zygote:
+    def __init__(self, sock: socket.socket, view: _ProcView, generators: list[random.Random]) -> None:
+        self.sock = sock
+        self.view = view
+        self.generators = generators
+        self.cloner = _Cloner()
+        self.sys_path0 = sys.path[0] if sys.path else None
+        self.start_cwd = os.getcwd()
+
+    def spawn(self, req: dict[str, Any], fds: list[int]) -> int:
+        """Fork a runner for ``req``; returns its pid. The runner itself sends the reply
+        (on this same socket) once it leads its own session in its cgroup: the zygote is
+        back at its loop at once, and the spawn waits for one process switch less."""
+        cgroup_fd = -1
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            procs = req.get("cgroup_procs")
+            if procs and self.cloner.enabled:
+                try:
+                    cgroup_fd = os.open(os.path.dirname(procs), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                except OSError:
+                    cgroup_fd = -1
+            born_in = False
+            pid = -1
+            if cgroup_fd >= 0:
+                try:
+                    pid = self.cloner.fork_into(cgroup_fd)
+                    born_in = True
+                except OSError:
+                    pid = -1  # e.g. the cgroup is gone: fork, and the child tries to join
+            if pid < 0:
+                pid = os.fork()
+            if pid == 0:
+                self._become(req, fds, born_in)
+        finally:
+            if cgroup_fd >= 0:
+                os.close(cgroup_fd)
+        return pid
+
+    def _become(self, req: dict[str, Any], fds: list[int], born_in: bool) -> NoReturn:
+        """In the forked runner: become what a cold runner is, then run. Never returns."""
+        try:
+            signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours to write to
+            os.setsid()
+            cgroup_ok = born_in
+            procs = req.get("cgroup_procs")
+            if procs and not born_in:
+                try:  # before this process can fork: everything it starts is in the cgroup
+                    fd = os.open(procs, os.O_WRONLY)
+                    try:
+                        os.write(fd, b"0")
+                    finally:
+                        os.close(fd)
+                    cgroup_ok = True
+                except OSError:
+                    pass  # the daemon goes on without the cgroup, as for a cold runner
+            self.view.become(str(req["tree_id"]))
+            reply = {"id": req.get("id"), "pid": os.getpid(), "ticks": _start_ticks(), "cgroup": cgroup_ok}
+        except BaseException as exc:  # noqa: BLE001 - any failure is reported, never raised
+            reply = {"id": req.get("id"), "error": f"cannot set up the runner: {exc!r}"}
+        try:
+            self.sock.send(encode(reply))
+        except BaseException:  # noqa: BLE001 - the daemon is gone: nobody to run for
+            os._exit(_EXIT_INTERNAL)
+        if "error" in reply:
+            os._exit(_EXIT_INTERNAL)
+        try:
+            stdin, stdout, stderr, env_fd = fds
+            env = _read_env(env_fd)
+            os.dup2(stdin, 0)
+            os.dup2(stdout, 1)
+            os.dup2(stderr, 2)
+            self.sock.detach()  # its descriptor goes with the others, never closed twice
+            os.closerange(3, _max_fd())
+            for signum in signal.valid_signals():
+                if signum in (signal.SIGKILL, signal.SIGSTOP):
+                    continue
+                want: Any = signal.SIG_DFL
+                if signum == signal.SIGINT:
+                    want = signal.default_int_handler
+                elif signum in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)):
+                    want = signal.SIG_IGN  # as Python sets them up at start
+                try:
+                    if signal.getsignal(signum) is not want:
+                        signal.signal(signum, want)
+                except (OSError, ValueError):
+                    pass
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            os.environ.clear()
+            os.environ.update(env)
+            self.view.show_environ(env)
+            cwd = req.get("cwd")
+            if cwd:
+                os.chdir(cwd)
+                # `python -m` puts the working directory first on sys.path.
+                if sys.path and sys.path[0] == self.sys_path0:
+                    sys.path[0] = os.getcwd()
+            from subagent import runner
+
+            args = [str(a) for a in req.get("args") or []]
+            sys.argv = [runner.__file__ or "-m", *args]
+            random.seed()
+            for g in self.generators:
+                g.seed()
+            runner.start(args)
+        except BaseException as exc:  # noqa: BLE001 - start() ends in os._exit; this is a bug
+            try:
+                os.write(2, f"error: the forked runner could not start: {exc!r}\n".encode())
+            finally:
+                os._exit(_EXIT_INTERNAL)
+
+
+def _read_env(fd: int) -> dict[str, str]:
+    """The run's environment from its pipe: one JSON object of strings, then EOF."""
+    buf = bytearray()
+    while chunk := os.read(fd, 65536):
+        buf += chunk
+    env = json.loads(buf)
+    if not isinstance(env, dict):
+        raise ValueError("the environment is not a JSON object")
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _start_ticks() -> int:
+    """This process's start time in clock ticks: with its pid, its identity."""
+    with open("/proc/self/stat", "rb") as f:
+        raw = f.read()
+    return int(raw[raw.rfind(b")") + 2 :].split()[19])
+
+
+def _reap_exited(requests: dict[int, Any]) -> list[dict[str, Any]]:
+    """Reap every runner that has exited: one exit report each, naming the request it
+    was forked for (a runner that died before it replied fails that request)."""
+    out: list[dict[str, Any]] = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)  # every child of ours is a runner
+        except ChildProcessError:
+            return out
+        if pid == 0:
+            return out
+        out.append({"exit": pid, "code": os.waitstatus_to_exitcode(status), "request": requests.pop(pid, None)})
+
+
+def _max_fd() -> int:
+    try:
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (OSError, ValueError):
+        return 65536
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    started = time.monotonic()
+    # Our stdin is the socket. Move it away from fd 0, which a runner takes for its pipe.
+    sock = socket.socket(fileno=os.dup(0))
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.close(null)
+    view = _ProcView()
+    try:
+        from subagent import runner
+
+        runner.preload()
+        generators = [o for o in gc.get_objects() if isinstance(o, random.Random)]
+        threads = _threads()
+        if threads != 1:
+            raise RuntimeError(f"{threads} threads after the imports: a fork would lose them")
+    except Exception as exc:  # noqa: BLE001 - reported to the daemon, which starts cold runners
+        sock.send(encode({"ready": False, "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    # A runner's exit wakes the loop below (the handler itself does nothing).
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+    zygote = _Zygote(sock, view, generators)
+    gc.collect()
+    gc.freeze()
+    sock.send(
+        encode(
+            {
+                "ready": True,
+                "pid": os.getpid(),
+                "import_s": round(time.monotonic() - started, 3),
+                "proc_view": view.marker_at is not None and view.module_at is not None,
+                "clone_into_cgroup": zygote.cloner.enabled,
+            }
+        )
+    )
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    requests: dict[int, Any] = {}  # runner pid -> the request id it was forked for
+    while True:
+        try:
+            for report in _reap_exited(requests):
+                sock.send(encode(report))
+        except OSError:
+            return 0  # the daemon is gone: its runners are its own (or init's)
+        ready = {fd for fd, _ev in poller.poll()}
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if sock.fileno() not in ready:
+            continue
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, N_FDS)
+        except ConnectionError:
+            return 0
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return 0  # the daemon closed its end, or died: its runners are its own
+        req = decode(data)
+        reply: dict[str, Any] | None = None
+        try:
+            if req is None:
+                reply = {"id": None, "error": "expected a JSON object"}
+            elif len(fds) != N_FDS:
+                reply = {"id": req.get("id"), "error": f"expected {N_FDS} descriptors, got {len(fds)}"}
+            elif not isinstance(req.get("tree_id"), str):
+                reply = {"id": req.get("id"), "error": "expected a tree_id"}
+            else:
+                requests[zygote.spawn(req, fds)] = req.get("id")  # the runner replies itself
+        except OSError as exc:  # fork failed (EAGAIN, ENOMEM): the daemon starts it cold
+            reply = {"id": req.get("id") if req else None, "error": f"cannot fork: {exc}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if reply is not None:
+            try:
+                sock.send(encode(reply))
+            except OSError:
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
