@@ -199,6 +199,9 @@ def can_nest_user_namespace() -> bool:
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
+            # As dumpable as Chromium is after its execve: a non-dumpable process's /proc
+            # files belong to root, so a normal user could not write its own uid_map.
+            _c().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
             uid = os.geteuid()
             if _c().unshare(_CLONE_NEWUSER) == 0:
                 # O_WRONLY without O_TRUNC, as Chromium does (Landlock handles truncation apart).

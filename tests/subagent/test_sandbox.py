@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,39 @@ def test_landlock_on_a_real_process_denies_what_was_not_granted(tmp_path: Path) 
         "signal_parent": "Operation not permitted",
     }
     assert os.path.exists(tmp_path / "state" / "token")
+
+
+def _as_nobody(fn: Callable[[], bool]) -> int:
+    """``fn()`` in a forked child that is uid/gid 65534 (no groups): 0 if true, 1 if false."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 2
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = 0 if fn() else 1
+        except BaseException:
+            code = 3
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_normal_users_runner_sees_that_chromium_can_make_its_namespace() -> None:
+    # The runner is not dumpable (its /proc files then belong to root); Chromium, exec'd,
+    # is. The probe must answer for Chromium, not for the runner.
+    from subagent import _isolate
+    from tests.conftest import require
+
+    require(os.geteuid() == 0, "root, to become a normal user")
+
+    def dumpable() -> bool:
+        _isolate.set_dumpable(True)  # (a uid change makes a process not dumpable)
+        return _isolate.can_nest_user_namespace()
+
+    def not_dumpable() -> bool:
+        _isolate.set_dumpable(False)
+        return _isolate.can_nest_user_namespace()
+
+    require(_as_nobody(dumpable) == 0, "unprivileged user namespaces")
+    assert _as_nobody(not_dumpable) == 0
