@@ -29,6 +29,7 @@ import os
 import pathlib
 import re
 import shutil
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -325,18 +326,24 @@ def browser_dir(run_dir: pathlib.Path) -> pathlib.Path:
 
 
 def _sweep_dangling_links(root: pathlib.Path) -> None:
-    """Remove our links whose run dir is gone (a run whose cleanup never ran)."""
+    """Remove our links whose run dir is gone (a run whose cleanup never ran).
+
+    Ours: this uid's. In a shared /tmp another user's links are theirs, and their targets
+    may be out of our reach (a stat of them fails with EACCES): skipped, never followed.
+    """
     try:
         names = [n for n in os.listdir(root) if n.startswith(LINK_PREFIX)]
     except OSError:
         return
+    me = os.geteuid()
     for name in names:
         link = root / name
-        if link.is_symlink() and not link.exists():
-            try:
+        try:
+            st = os.lstat(link)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid == me and not link.exists():
                 link.unlink()
-            except OSError:
-                pass
+        except OSError:
+            pass
 
 
 def _link_path(tmp: pathlib.Path) -> pathlib.Path:
@@ -355,8 +362,16 @@ def _short_tmpdir(tmp: pathlib.Path) -> pathlib.Path:
             f"no short temp dir for chromium (its socket path must stay under {SOCKET_PATH_MAX} bytes)",
             f"use a shorter run dir than {str(tmp.parent.parent)!r}",
         )
-    if link.is_symlink() or link.exists():
-        if link.is_symlink() and os.readlink(link) == str(tmp):
+    try:
+        st: os.stat_result | None = os.lstat(link)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if st.st_uid != os.geteuid():  # (the kernel would not let Chromium follow it anyway)
+            raise BrowserSetupError(
+                f"the browser's short temp link {str(link)!r} belongs to another user", "use a shorter run dir"
+            )
+        if stat.S_ISLNK(st.st_mode) and os.readlink(link) == str(tmp):
             return link
         link.unlink()
     try:

@@ -310,6 +310,54 @@ def test_a_short_run_dir_is_tmpdir_itself_and_a_deep_one_gets_a_short_link(
         shutil.rmtree(short_root)
 
 
+def _as_user(uid: int, gid: int, fn: Callable[[], object]) -> int:
+    """Run ``fn`` in a forked child that is ``uid``/``gid`` (no groups); its exit code."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            fn()
+            code = 0
+        except BaseException:
+            code = 2
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_another_users_links_in_a_shared_tmp_are_left_alone_and_never_stop_ours(
+    tmp_path: pathlib.Path, link_root: pathlib.Path
+) -> None:
+    from tests.conftest import require
+
+    require(os.geteuid() == 0, "root, to be two users")
+    nobody = 65534
+    link_root.chmod(0o1777)  # /tmp's mode
+    # Root's link into a dir a normal user cannot enter: a stat of its target is EACCES.
+    theirs = link_root / (browser.LINK_PREFIX + "0" * 16)
+    theirs.symlink_to(tmp_path / "root-only" / "tmp")
+    deep = link_root / "u" / ("d" * 80) / "run"
+    deep.mkdir(parents=True)
+    for p in (deep, deep.parent, deep.parent.parent):
+        os.chown(p, nobody, nobody)
+    assert _as_user(nobody, nobody, lambda: browser.browser_tmpdir(deep, create=True)) == 0
+    ours = browser.browser_tmpdir(deep)
+    assert ours.is_symlink() and ours.lstat().st_uid == nobody
+    assert theirs.is_symlink()  # neither followed nor swept (it is dangling to root, too)
+    assert _as_user(nobody, nobody, lambda: browser.release_browser_dir(deep)) == 0
+    assert not ours.is_symlink() and theirs.is_symlink()
+    # Our link's name taken by another user: a clear error, their link untouched.
+    taken = link_root / "r" / ("t" * 80) / "run"
+    squat = browser._link_path(browser.browser_dir(taken) / "tmp")
+    squat.symlink_to(tmp_path)
+    os.lchown(squat, nobody, nobody)
+    with pytest.raises(BrowserSetupError, match="belongs to another user"):
+        browser.browser_tmpdir(taken, create=True)
+    assert squat.is_symlink()
+
+
 # --- real Chromium through the mcp SDK ------------------------------------------------
 
 # How long a browser is watched for requests nobody asked for (seconds after start).
