@@ -292,25 +292,30 @@ def _enter(
     resolv = _resolv_target()
 
     root = os.geteuid() == 0
+    host_uid = os.getuid()
+    # A normal user's runner stays that uid inside (its files are the user's); a root
+    # runner becomes SANDBOX_ID. Either way /tmp, /run and the like are the run's own: the
+    # user's sockets there (systemd --user, the session bus, ssh-agent) are out of reach.
+    inner = SANDBOX_ID if root else host_uid
     userns = False
-    if root:
-        try:
-            _isolate.enter_user_namespace(SANDBOX_ID)
-            userns = True
-            report.private = _isolate.private_mounts(
-                tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*read, *write, *([resolv] if resolv else [])]
-            )
-            os.chdir(base)
-        except OSError as exc:
-            report.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
+    try:
+        _isolate.enter_user_namespace(inner)
+        userns = True
+        report.private = _isolate.private_mounts(
+            tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*read, *write, *([resolv] if resolv else [])]
+        )
+        os.chdir(base)
+    except OSError as exc:
+        report.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
+    if root or userns:
         try:
             _isolate.drop_capabilities()
         except OSError as exc:
             report.problems.append(f"capabilities: {exc}")
     _isolate.set_dumpable(False)
-    host = "uid 0" if root else f"uid {os.getuid()}"
+    host = f"uid {host_uid}"
     if userns:
-        report.identity = f"{host} on the host, uid {SANDBOX_ID} in its own user namespace, no capabilities"
+        report.identity = f"{host} on the host, uid {inner} in its own user namespace, no capabilities"
     else:
         report.identity = f"{host} without capabilities" if root else host
     _prepare(prepare, base)
