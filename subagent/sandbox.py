@@ -5,10 +5,11 @@ before it starts any thread, tool or model request; everything it starts afterwa
 inherits the sandbox and cannot leave it. A forked runner (a zygote's child) does the same
 first thing after its fork. Layers, each reported (``Report``, shown by ``status``):
 
-- identity: a runner started as uid 0 moves into its own user and mount namespace, where
-  it is uid ``SANDBOX_ID`` (so Chromium's own sandbox can run), /tmp, /var/tmp, /dev/shm
-  and /run are private to the run and the kernel's tunables read-only; where namespaces
-  are refused (systemd's ``RestrictNamespaces=``) it is uid 0 without any capability.
+- identity: the runner moves into its own user and mount namespace, where it is uid
+  ``SANDBOX_ID`` if it was uid 0 (so Chromium's own sandbox can run), else its own uid;
+  /tmp, /var/tmp, /dev/shm and /run are private to the run (a user's sockets there are
+  out of reach) and the kernel's tunables read-only; where namespaces are refused
+  (systemd's ``RestrictNamespaces=``) a uid 0 runner is uid 0 without any capability.
   The runner is not dumpable: its tools cannot read its memory or environment (the key).
 - Landlock: read the system, the interpreter and this checkout; write the run directory;
   plus the spec's explicit grants; never the daemon's protected paths (state directory,

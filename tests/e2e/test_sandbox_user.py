@@ -255,13 +255,21 @@ async def test_a_users_daemon_runs_as_that_user_and_its_runs_are_sandboxed(user_
     assert json.loads((d.state / "daemon.json").read_text())["pid"] == d.pid
     assert d.state.stat().st_uid == d.uid and stat.S_IMODE(d.state.stat().st_mode) == 0o700
     token_before = (d.state / "token").read_bytes()
+    # The user's own secret in their home, beside the state dir.
+    ssh = d.home / ".ssh"
+    ssh.mkdir(mode=0o700)
+    (ssh / "id_ed25519").write_text(OTHER_SECRET)
+    for p in (ssh, ssh / "id_ed25519"):
+        os.chown(p, d.uid, d.gid)
+    home_probe = f"cat {ssh}/id_ed25519; echo ssh_key=$?; ls {d.home}; echo home=$?"
     with trio.fail_after(SCENARIO_S):
         other_id, other_dir = await gated_run(d)
-        run_id = await spawn(d, scripted([command(shell_probe(d.state, other_dir, d.pid))]))
+        run_id = await spawn(d, scripted([command(shell_probe(d.state, other_dir, d.pid)), command(home_probe)]))
         st = await wait_end(d, run_id)
         other = await finish_gated(d, other_id, other_dir)
     assert st["state"] == "completed", st
-    (out,) = outputs(st)
+    out, home_out = outputs(st)
+    assert "ssh_key=0" not in home_out and "home=0" not in home_out and OTHER_SECRET not in home_out, home_out
     lines = check_shell_probe(out, [MODEL_KEY, OTHER_SECRET, d.token])
     assert lines["uid"] == str(d.uid), "a normal user's runs are that user"
     sandbox = st["sandbox"]
