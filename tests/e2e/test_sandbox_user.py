@@ -2,10 +2,11 @@
 
 A real ``agentd serve`` runs as an unprivileged uid (``nobody``) with the state dir a user
 gets by default (``~/.local/state/agentd``), and the model key and another secret in its
-environment. Its runs are that same uid: Landlock is their only wall (no private /tmp, no
-user namespace of the runner's own). The probes are those of the root daemon's test, from a
-run_command, an MCP server's process and a grandchild that left the session; a run without
-the token is refused by the control socket; Chromium keeps its own sandbox.
+environment. Its runs are that same uid, so the uid is no wall: Landlock is, with a user
+and mount namespace of the run's own (private /tmp and /run). The probes are those of the
+root daemon's test, from a run_command, an MCP server's process and a grandchild that left
+the session; the user's own files and sockets are out of reach too; a run without the token
+is refused by the control socket; Chromium keeps its own sandbox.
 
 CI runs as root, and this venv's interpreter may live where no other uid can go (pyenv
 under a 0700 /root). The harness (``user_daemon``) does not change the host for that: the
