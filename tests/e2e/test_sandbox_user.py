@@ -276,7 +276,7 @@ async def test_a_users_daemon_runs_as_that_user_and_its_runs_are_sandboxed(user_
     sandbox = st["sandbox"]
     assert sandbox["mode"] == "landlock" and str(d.state) in sandbox["protected"], sandbox
     assert sandbox["identity"] == f"uid {d.uid} on the host, uid {d.uid} in its own user namespace, no capabilities"
-    assert set(PRIVATE_DIRS) <= set(sandbox["private"]), sandbox
+    assert {p for p in PRIVATE_DIRS if os.path.isdir(p)} <= set(sandbox["private"]), sandbox
     if not any(d.home.is_relative_to(p) for p in PRIVATE_DIRS):
         assert "Permission denied" in out  # Landlock's word: no private dir hides the state here
     # Nothing was harmed: the token, the journal, the other run, the daemon.
