@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import final_sweep, install_mark  # noqa: E402
 from supervisor.client import Client  # noqa: E402
 from tests.fleet.cluster import AGENTD, ENV, FleetCluster  # noqa: E402
 
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
+    mark = install_mark()
     reps, burst, cancel_all = (5, 10, 15) if args.quick else (20, 50, 100)
     per_node = cancel_all // 3 + 2  # 3 nodes hold them all at once
     print(f"fleet benchmark: {reps} reps, burst {burst}, cancel-all {cancel_all} ({os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f})")
@@ -134,6 +136,7 @@ def main() -> None:
         print(f"{k:36} {lv:14.3f} {fv:16.3f}")
     for side in ("local", "fleet"):
         print(f"{side}: cancel-all ended {results[side]['cancel_all_states']}, was_active {results[side]['cancel_all_was_active']}")
+    results["survivors"] = final_sweep(mark, exclude=[os.getpid()])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["spawn", "stop", "scale", "cli", "events", "subscriptions", "zygote", "peers"]
+SCRIPTS = ["spawn", "stop", "scale", "cli", "events", "subscriptions", "zygote", "peers", "fleet"]
 TIMEOUT_S = 240.0
 
 
