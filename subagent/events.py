@@ -31,6 +31,7 @@ __all__ = [
     "ExitCode",
     "StopPolicy",
     "StopEffect",
+    "Approval",
     "MAX_EVENT_LINE_BYTES",
     "encode_event",
     "decode_event_line",
@@ -61,6 +62,12 @@ class EventKind(enum.StrEnum):
     # also tool: {id, name, on_stop} of the running call
     STOP_REQUESTED = "stop_requested"
     STEERING = "steering"  # state ("queued"|"applied"|"unapplied"), text, step
+    # A call that needs a person's OK before it runs: call_id, name, arguments (as
+    # streamed), step, timeout_s, deadline (wall clock: the daemon stops the run with
+    # reason "approval_timeout" then)
+    APPROVAL_REQUESTED = "approval_requested"
+    # call_id, decision ("approved"|"denied"|"rejected": a stop ended the wait), reason
+    APPROVAL_ANSWERED = "approval_answered"
     LOG = "log"  # level, message
 
 
@@ -73,6 +80,9 @@ class ToolCallState(enum.StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"  # cancelled while running: output so far is known
     UNKNOWN = "unknown"  # outcome unknown: the tool was running when we lost it
+    # never ran because it was not approved: denied by a person, or a stop (a cancel, the
+    # approval's timeout) ended its wait for approval; no output
+    REJECTED = "rejected"
 
 
 TERMINAL_TOOL_STATES: Final = frozenset(
@@ -82,6 +92,7 @@ TERMINAL_TOOL_STATES: Final = frozenset(
         ToolCallState.FAILED,
         ToolCallState.CANCELLED,
         ToolCallState.UNKNOWN,
+        ToolCallState.REJECTED,
     }
 )
 
@@ -116,6 +127,15 @@ class StopPolicy(enum.StrEnum):
     FINISH = "finish"  # a non-interruptible write: allowed to finish within the run's grace
 
 
+class Approval(enum.StrEnum):
+    """Where a call that needs approval stands (``ToolCallRecord.approval``)."""
+
+    PENDING = "pending"  # waiting for approve/deny
+    APPROVED = "approved"  # a person approved it: it ran (or runs)
+    DENIED = "denied"  # a person denied it: rejected, the model is told why
+    REJECTED = "rejected"  # a stop ended the wait: rejected, never ran
+
+
 class StopEffect(enum.StrEnum):
     """What a stop did to one tool call (``ToolCallRecord.stop_effect``)."""
 
@@ -125,6 +145,7 @@ class StopEffect(enum.StrEnum):
     FINISHED_AFTER_STOP = "finished_after_stop"  # allowed to finish (or answered the cancel): real result
     STOPPED_BEFORE_START = "stopped_before_start"  # announced, never started
     GRACE_RAN_OUT = "grace_ran_out"  # still running when the runner was killed at the grace
+    REJECTED_AWAITING_APPROVAL = "rejected_awaiting_approval"  # waited for approval; never ran
 
 
 @dataclass(slots=True)
@@ -137,6 +158,9 @@ class ToolCallRecord:
     the first one runs. ``on_stop`` is the call's ``StopPolicy``; if a stop came while it
     ran, ``stop_requested_at`` (wall clock) is set at once, and at its end ``stop_effect``
     (a ``StopEffect``) and ``stop_to_end_s`` (seconds from the stop to the call's end).
+    A call that needs approval carries ``approval`` (an ``Approval``), while pending its
+    ``approval_deadline`` (wall clock), and once answered ``approval_reason`` (a denial's
+    reason, or why the wait ended).
     """
 
     id: str
@@ -154,6 +178,9 @@ class ToolCallRecord:
     stop_requested_at: float | None = None
     stop_effect: str | None = None
     stop_to_end_s: float | None = None
+    approval: str | None = None
+    approval_deadline: float | None = None
+    approval_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -178,6 +205,9 @@ class ToolCallRecord:
             stop_requested_at=d.get("stop_requested_at"),
             stop_effect=d.get("stop_effect"),
             stop_to_end_s=d.get("stop_to_end_s"),
+            approval=d.get("approval"),
+            approval_deadline=d.get("approval_deadline"),
+            approval_reason=d.get("approval_reason"),
         )
 
 

@@ -394,9 +394,12 @@ class _Connection:
     async def _dispatch(self, req: protocol.Request) -> Any:
         b = self.backend
         if isinstance(req, protocol.SpawnRequest):
-            if req.model_key is None:
-                return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s)
-            return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s, model_key=req.model_key)
+            extra: dict[str, Any] = {}
+            if req.model_key is not None:
+                extra["model_key"] = req.model_key
+            if req.interrupt:
+                extra["interrupt"] = True
+            return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s, **extra)
         if isinstance(req, protocol.CancelRequest):
             if req.run_id is not None:
                 return await b.cancel(req.run_id, reason=req.reason)
@@ -421,6 +424,16 @@ class _Connection:
             if steer is None:
                 raise _unsupported("steering")
             return await steer(req.run_id, req.text)
+        if isinstance(req, protocol.ApproveRequest):
+            return await _optional(b, "approve", "approvals")(req.run_id, req.call_id)
+        if isinstance(req, protocol.DenyRequest):
+            return await _optional(b, "deny", "approvals")(req.run_id, req.call_id, reason=req.reason)
+        if isinstance(req, protocol.HistoryRequest):
+            return await _optional(b, "history", "session history")(req.session_id)
+        if isinstance(req, protocol.SessionsRequest):
+            return await _optional(b, "sessions", "sessions")(limit=req.limit)
+        if isinstance(req, protocol.SessionCloseRequest):
+            return await _optional(b, "close_session", "closing sessions")(req.session_id)
         raise AssertionError(f"unhandled op {req.op!r}")
 
     async def _daemon_status(self) -> dict[str, Any]:
@@ -631,6 +644,14 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+def _optional(backend: Any, name: str, what: str) -> Any:
+    """The backend's optional method ``name``, or an ``unsupported`` error naming ``what``."""
+    method = getattr(backend, name, None)
+    if method is None:
+        raise _unsupported(what)
+    return method
 
 
 def _unsupported(what: str) -> Exception:

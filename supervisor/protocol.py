@@ -47,6 +47,12 @@ __all__ = [
     "UnsubscribeRequest",
     "PingRequest",
     "SteerRequest",
+    "ApproveRequest",
+    "DenyRequest",
+    "HistoryRequest",
+    "SessionsRequest",
+    "SessionCloseRequest",
+    "MAX_DENY_REASON_CHARS",
     "Request",
     "BadRequest",
     "decode_request",
@@ -93,6 +99,13 @@ class Op(enum.StrEnum):
     UNSUBSCRIBE = "unsubscribe"  # {sub: str}
     PING = "ping"  # {}
     STEER = "steer"  # {run_id: str, text: str}: extra input for the running turn
+    # Approvals (a tool call that waits for a person's OK; the run is awaiting_approval):
+    APPROVE = "approve"  # {run_id: str, call_id: str}
+    DENY = "deny"  # {run_id: str, call_id: str, reason?: str}
+    # Sessions (a session is a conversation, each run one turn of it):
+    HISTORY = "history"  # {session_id: str}: the transcript, as the next turn would see it
+    SESSIONS = "sessions"  # {limit?: int}: sessions, most recently active first
+    SESSION_CLOSE = "session_close"  # {session_id: str}: stop its live turn, remove its browser profile
 
 
 class ErrorCode(enum.StrEnum):
@@ -105,6 +118,7 @@ class ErrorCode(enum.StrEnum):
     BAD_SPEC = "bad_spec"  # the backend refused the spec (SpawnError)
     UNSUPPORTED = "unsupported"  # the backend lacks an optional operation
     REFUSED = "refused"  # another AgentdError from the backend
+    SESSION_BUSY = "session_busy"  # the session has a live turn (spawn without interrupt)
     INTERNAL = "internal"  # a bug: logged on the server, the connection lives on
     # Client-side only, never sent by the server:
     UNAUTHORIZED = "unauthorized"  # the handshake was refused (401/403)
@@ -124,7 +138,10 @@ class Backend(Protocol):
     subscribes again); and ``subscribe`` on a run already terminal yields a closed channel.
 
     Optional methods, used when present: ``cancel_session(session_id, *, reason)``,
-    ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``summary() -> dict``
+    ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``approve(run_id,
+    call_id)`` and ``deny(run_id, call_id, *, reason)`` (``{"run_id", "call_id",
+    "decision", "state"}``), ``history(session_id)``, ``sessions(*, limit)``,
+    ``close_session(session_id)`` (see ``docs/control-protocol.md``), ``summary() -> dict``
     (shown by ``status`` without a run id) and ``events_page(run_id, after_seq, *, limit,
     max_bytes) -> (events, more)``: like ``events_after`` but also bounded in bytes (the
     encoded size of the events' data; at least one event), ``more`` true when events after
@@ -139,7 +156,10 @@ class Backend(Protocol):
 
         A spawn that carries a model key calls it with one more keyword, ``model_key`` (a
         ``Secret``, the run's model API key: for its runner's environment only, never to be
-        journaled or logged); one without a key does not pass it.
+        journaled or logged); one without a key does not pass it. A spawn with
+        ``interrupt: true`` passes ``interrupt=True`` (stop the session's live turn first);
+        one without does not pass it. A session with a live turn refuses a new one with a
+        ``ControlProtocolError`` coded ``session_busy``.
         """
         ...
 
@@ -207,6 +227,8 @@ class SpawnRequest(NamedTuple):
     op: Op = Op.SPAWN
     # This run's model API key: handed to its runner's environment only, never journaled.
     model_key: Secret | None = None
+    # Stop the session's live turn first (through the normal cancel path), then start this one.
+    interrupt: bool = False
 
 
 class CancelRequest(NamedTuple):
@@ -222,6 +244,44 @@ class SteerRequest(NamedTuple):
     run_id: str
     text: str
     op: Op = Op.STEER
+
+
+# A deny's reason longer than this is refused (it is told to the model, and travels to the
+# runner in one atomic pipe write).
+MAX_DENY_REASON_CHARS: Final = 1000
+
+
+class ApproveRequest(NamedTuple):
+    id: Any
+    run_id: str
+    call_id: str
+    op: Op = Op.APPROVE
+
+
+class DenyRequest(NamedTuple):
+    id: Any
+    run_id: str
+    call_id: str
+    reason: str | None = None
+    op: Op = Op.DENY
+
+
+class HistoryRequest(NamedTuple):
+    id: Any
+    session_id: str
+    op: Op = Op.HISTORY
+
+
+class SessionsRequest(NamedTuple):
+    id: Any
+    limit: int = DEFAULT_LIST_LIMIT
+    op: Op = Op.SESSIONS
+
+
+class SessionCloseRequest(NamedTuple):
+    id: Any
+    session_id: str
+    op: Op = Op.SESSION_CLOSE
 
 
 class StatusRequest(NamedTuple):
@@ -274,6 +334,11 @@ Request = Union[
     UnsubscribeRequest,
     PingRequest,
     SteerRequest,
+    ApproveRequest,
+    DenyRequest,
+    HistoryRequest,
+    SessionsRequest,
+    SessionCloseRequest,
 ]
 
 
@@ -497,9 +562,15 @@ def _spawn(rid: Any, obj: Mapping[str, Any]) -> SpawnRequest:
         if not 0 < timeout <= MAX_TIMEOUT_S:
             raise _Bad(ErrorCode.BAD_ARGS, f"expected 'timeout_s' in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}")
         timeout = float(timeout)
-    return SpawnRequest(
-        rid, spec, _ident(obj, "session_id", required=False), timeout, model_key=_model_key(obj.get("model_key"))
-    )
+    interrupt = obj.get("interrupt", False)
+    if interrupt is None:
+        interrupt = False
+    if not isinstance(interrupt, bool):
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected 'interrupt' to be true or false, got {_kind(interrupt)}")
+    session_id = _ident(obj, "session_id", required=False)
+    if interrupt and session_id is None and not isinstance(spec.get("session_id"), str):
+        raise _Bad(ErrorCode.BAD_ARGS, "'interrupt' needs a 'session_id': it stops that session's live turn")
+    return SpawnRequest(rid, spec, session_id, timeout, model_key=_model_key(obj.get("model_key")), interrupt=interrupt)
 
 
 def _model_key(v: Any) -> Secret | None:
@@ -531,6 +602,45 @@ def _steer(rid: Any, obj: Mapping[str, Any]) -> SteerRequest:
         raise _Bad(ErrorCode.BAD_ARGS, f"expected 'text' to be a non-empty string, got {_kind(text)}")
     assert run_id is not None
     return SteerRequest(rid, run_id, text)
+
+
+def _call_ids(obj: Mapping[str, Any]) -> tuple[str, str]:
+    run_id = _ident(obj, "run_id", required=True)
+    call_id = _ident(obj, "call_id", required=True)
+    assert run_id is not None and call_id is not None
+    return run_id, call_id
+
+
+def _approve(rid: Any, obj: Mapping[str, Any]) -> ApproveRequest:
+    return ApproveRequest(rid, *_call_ids(obj))
+
+
+def _deny(rid: Any, obj: Mapping[str, Any]) -> DenyRequest:
+    run_id, call_id = _call_ids(obj)
+    reason = obj.get("reason")
+    if reason is not None:
+        if not isinstance(reason, str):
+            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'reason' to be a string, got {_kind(reason)}")
+        if len(reason) > MAX_DENY_REASON_CHARS:
+            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'reason' of at most {MAX_DENY_REASON_CHARS} chars, got {len(reason)}")
+        reason = reason.strip() or None
+    return DenyRequest(rid, run_id, call_id, reason)
+
+
+def _history(rid: Any, obj: Mapping[str, Any]) -> HistoryRequest:
+    session_id = _ident(obj, "session_id", required=True)
+    assert session_id is not None
+    return HistoryRequest(rid, session_id)
+
+
+def _sessions(rid: Any, obj: Mapping[str, Any]) -> SessionsRequest:
+    return SessionsRequest(rid, _int(obj, "limit", DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT))
+
+
+def _session_close(rid: Any, obj: Mapping[str, Any]) -> SessionCloseRequest:
+    session_id = _ident(obj, "session_id", required=True)
+    assert session_id is not None
+    return SessionCloseRequest(rid, session_id)
 
 
 def _status(rid: Any, obj: Mapping[str, Any]) -> StatusRequest:
@@ -591,6 +701,11 @@ _PARSERS: Final[dict[Op, Any]] = {
     Op.UNSUBSCRIBE: _unsubscribe,
     Op.PING: _ping,
     Op.STEER: _steer,
+    Op.APPROVE: _approve,
+    Op.DENY: _deny,
+    Op.HISTORY: _history,
+    Op.SESSIONS: _sessions,
+    Op.SESSION_CLOSE: _session_close,
 }
 
 

@@ -16,6 +16,9 @@ class RunState(enum.StrEnum):
     QUEUED = "queued"  # accepted, waiting for a concurrency slot
     STARTING = "starting"  # the runner process is being spawned
     RUNNING = "running"
+    # A tool call waits for a person's OK (approve/deny); a cancel or the approval's
+    # timeout ends the wait like any stop.
+    AWAITING_APPROVAL = "awaiting_approval"
     CANCELLING = "cancelling"  # a stop was requested; the tree is being ended
     COMPLETED = "completed"
     FAILED = "failed"
@@ -27,7 +30,7 @@ TERMINAL_STATES: Final = frozenset(
     {RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
 )
 LIVE_STATES: Final = frozenset(
-    {RunState.QUEUED, RunState.STARTING, RunState.RUNNING, RunState.CANCELLING}
+    {RunState.QUEUED, RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL, RunState.CANCELLING}
 )
 
 ALLOWED: Final[dict[RunState, frozenset[RunState]]] = {
@@ -38,7 +41,18 @@ ALLOWED: Final[dict[RunState, frozenset[RunState]]] = {
         {RunState.RUNNING, RunState.CANCELLING, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
     ),
     RunState.RUNNING: frozenset(
-        {RunState.CANCELLING, RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
+        {
+            RunState.AWAITING_APPROVAL,
+            RunState.CANCELLING,
+            RunState.COMPLETED,
+            RunState.FAILED,
+            RunState.CANCELLED,
+            RunState.LOST,
+        }
+    ),
+    # Back to running once every pending call is answered; a stop ends the wait.
+    RunState.AWAITING_APPROVAL: frozenset(
+        {RunState.RUNNING, RunState.CANCELLING, RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
     ),
     # A run that completes while its stop is in flight is recorded as what really happened.
     RunState.CANCELLING: frozenset(
