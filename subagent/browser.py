@@ -420,6 +420,7 @@ def browser_server_config(
     options: Mapping[str, Any] | bool | None,
     *,
     sandbox: tuple[bool, str | None] = (False, "not known to be possible"),
+    profile_dir: pathlib.Path | str | None = None,
 ) -> dict[str, Any]:
     """The ``mcpServers`` entry that runs this run's browser.
 
@@ -432,6 +433,8 @@ def browser_server_config(
         options: the spec's ``browser`` value: ``true`` or an object with ``OPTION_KEYS``.
         sandbox: whether Chromium's own sandbox can work for this run, and why not
             (``subagent.sandbox.browser_sandbox``): the default of option ``sandbox``.
+        profile_dir: a session's profile directory (cookies, storage), kept across its
+            turns; None: an isolated, throwaway profile in the run's own directory.
 
     Returns:
         ``{"command", "args", "env", "cwd"}`` for an MCP stdio client.
@@ -463,8 +466,12 @@ def browser_server_config(
         "chromiumSandbox": sandbox_on,
         "args": [*QUIET_CHROMIUM_ARGS, *opts.get("args", [])],
     }
+    browser_config: dict[str, Any] = {"browserName": "chromium", "isolated": True, "launchOptions": launch}
+    if profile_dir is not None:
+        # The session's profile: a persistent context, used by one turn at a time.
+        browser_config = {**browser_config, "isolated": False, "userDataDir": str(profile_dir)}
     config: dict[str, Any] = {
-        "browser": {"browserName": "chromium", "isolated": True, "launchOptions": launch},
+        "browser": browser_config,
         "outputDir": str(dirs["output"]),
         "imageResponses": opts.get("image_responses", "omit"),
         # Off unless asked: a page must not add tools to the model's toolbox mid-run.
@@ -479,7 +486,7 @@ def browser_server_config(
         "--config", str(config_path),
         "--browser", "chromium",
         "--executable-path", str(setup.chromium),
-        "--isolated",
+        *(["--isolated"] if profile_dir is None else ["--user-data-dir", str(profile_dir)]),
         "--output-dir", str(dirs["output"]),
         "--image-responses", str(config["imageResponses"]),
     ]  # fmt: skip
@@ -522,19 +529,26 @@ def browser_server_config(
 # put under the run's browser dir (or its short TMPDIR link): that is how we find them.
 
 
-def _run_paths(run_dir: pathlib.Path) -> list[str]:
+def _run_paths(run_dir: pathlib.Path, profile_dir: pathlib.Path | str | None = None) -> list[str]:
     base = browser_dir(pathlib.Path(run_dir)).absolute()
-    return [str(base) + "/", str(browser_tmpdir(run_dir)) + "/"]
+    paths = [str(base) + "/", str(browser_tmpdir(run_dir)) + "/"]
+    if profile_dir is not None:
+        # A session's profile: Chromium names it (--user-data-dir=...), without a slash after.
+        paths.append(str(profile_dir))
+    return paths
 
 
-def browser_processes(run_dir: pathlib.Path) -> list[int]:
+def browser_processes(run_dir: pathlib.Path, *, profile_dir: pathlib.Path | str | None = None) -> list[int]:
     """Live processes whose command line names this run's browser dirs: the node server,
     Chromium and all its helpers, crashpad handlers. Linux (/proc) only; [] elsewhere."""
-    return _cmdline_procs.naming(_run_paths(run_dir))
+    return _cmdline_procs.naming(_run_paths(run_dir, profile_dir))
 
 
 def end_browser_processes(
-    run_dir: pathlib.Path, *, wait_s: float = _cmdline_procs.KILL_WAIT_S
+    run_dir: pathlib.Path,
+    *,
+    wait_s: float = _cmdline_procs.KILL_WAIT_S,
+    profile_dir: pathlib.Path | str | None = None,
 ) -> list[int]:
     """SIGKILL whatever is left of this run's browser; the last resort after a normal close.
 
@@ -545,4 +559,4 @@ def end_browser_processes(
     Returns:
         The pids still alive after ``wait_s`` (normally none).
     """
-    return _cmdline_procs.kill_naming(_run_paths(run_dir), wait_s=wait_s)
+    return _cmdline_procs.kill_naming(_run_paths(run_dir, profile_dir), wait_s=wait_s)

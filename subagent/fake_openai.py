@@ -7,6 +7,10 @@ in chunked transfer encoding; ``stream: false`` answers one ``chat.completion``;
 ``GET .../models`` lists the model. The script format and the choice of turn are
 ``subagent.script``'s, so this server and the ``scripted`` provider play the same thing.
 
+Like the real API, a request whose history has a tool call without a result (or a tool
+result that answers no call just before it) is refused with a 400 that says which
+(``check_history``, on by default).
+
 Invariants: every request is logged (``requests``) with whether the client closed the
 connection before the response was complete (``client_closed``: the proof that a stop
 aborted the stream); a ``cut`` closes the connection mid-body without the terminating
@@ -32,7 +36,7 @@ import trio
 
 from subagent.script import DEFAULT_SCRIPT, Script, history_position, plan
 
-__all__ = ["FakeOpenAI", "LoggedRequest"]
+__all__ = ["FakeOpenAI", "LoggedRequest", "history_problem"]
 
 # Bounds how long the server waits for a request's head and body (seconds).
 REQUEST_READ_TIMEOUT_S: Final = 10.0
@@ -64,6 +68,7 @@ class LoggedRequest:
     closed_at: float | None = None
     cut: bool = False  # the script cut the stream (server side)
     hanging: bool = False  # everything before a "hang" was sent; the stream is now silent
+    rejected: str | None = None  # why the request was refused with a 400 (a broken history)
 
 
 class _ClientGone(Exception):
@@ -80,8 +85,10 @@ class FakeOpenAI:
         model: str = "fake-model",
         host: str = "127.0.0.1",
         reject_stream_options: bool = False,
+        check_history: bool = True,
     ) -> None:
         self.reject_stream_options = reject_stream_options  # play an older compatible server
+        self.check_history = check_history
         if script is None:
             script = DEFAULT_SCRIPT
         self.script = script if isinstance(script, Script) else Script.from_dict(script)
@@ -214,6 +221,12 @@ class FakeOpenAI:
             req.response_complete = True
             return True
         messages = req.body.get("messages") or []
+        problem = history_problem(messages) if self.check_history else None
+        if problem is not None:
+            req.rejected = problem
+            await _send_json(stream, conn, 400, {"error": {"message": problem, "type": "invalid_request_error", "param": "messages", "code": None}})
+            req.response_complete = True
+            return True
         turn_index, last_output = history_position(messages)
         req.turn_index = turn_index
         pieces = plan(self.script, turn_index, last_output)
@@ -346,6 +359,47 @@ class FakeOpenAI:
             "model": self.model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         }
+
+
+def history_problem(messages: Any) -> str | None:
+    """Why the real API would refuse this message list (the tool-call pairing), or None.
+
+    Every assistant message with ``tool_calls`` must be followed, before any other kind of
+    message, by one ``tool`` message per call id; a ``tool`` message must answer a call of
+    the assistant message just before it. The wording is the API's own.
+    """
+    if not isinstance(messages, list):
+        return "Invalid type for 'messages': expected an array"
+    pending: list[str] = []
+    answerable: set[str] = set()
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if cid not in answerable:
+                return (
+                    f"Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
+                    f"with 'tool_calls' (messages.[{i}], tool_call_id {cid!r})."
+                )
+            if cid in pending:
+                pending.remove(cid)
+            continue
+        if pending:
+            return (
+                "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(pending)}"
+            )
+        answerable = set()
+        if role == "assistant" and isinstance(m.get("tool_calls"), list):
+            ids = [c.get("id") for c in m["tool_calls"] if isinstance(c, dict)]
+            pending = [c for c in ids if isinstance(c, str)]
+            answerable = set(pending)
+    if pending:
+        return (
+            "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(pending)}"
+        )
+    return None
 
 
 async def _read_request(stream: Any, conn: h11.Connection) -> tuple[h11.Request, bytes] | None:

@@ -10,7 +10,11 @@ mid-arguments is never run and never repaired. Every call of a turn is announced
 a runner killed mid-batch still leaves a record of each; every record is emitted on
 every state change and every call gets a tool message in the history that says what
 really happened. A ``step_snapshot`` follows each model turn that said anything and each
-tool batch. The loop returns a ``RunOutcome``; it never writes the result.
+tool batch. A call the spec's ``approval`` names waits for a person's answer before it
+runs (``subagent.approvals``): approved, it runs; denied, the model is told why and the
+turn goes on; a stop during the wait makes it ``rejected`` (it never ran). A turn of a
+session starts from the session's history (``spec.session.history``). The loop returns a
+``RunOutcome``; it never writes the result.
 """
 
 from __future__ import annotations
@@ -22,15 +26,39 @@ from dataclasses import dataclass, field
 import trio
 from typing import Any
 
+from subagent.approvals import ApprovalGate
 from subagent.emit import Emitter
-from subagent.events import EventKind, ExitCode, RunStatus, StopEffect, StopPolicy, ToolCallRecord, ToolCallState
+from subagent.events import (
+    Approval,
+    EventKind,
+    ExitCode,
+    RunStatus,
+    StopEffect,
+    StopPolicy,
+    ToolCallRecord,
+    ToolCallState,
+)
+from subagent.history import (
+    HISTORY_DENIED,
+    HISTORY_FINISHED_AFTER_STOP,
+    HISTORY_FINISHED_BEFORE_STOP,
+    HISTORY_INTERRUPTED,
+    tool_result_text,
+)
 from subagent.model import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
 from subagent.spec import RunSpec
 from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
 from subagent.tools import REASON_STOPPED_BEFORE_START, ToolBox
 
-__all__ = ["AgentLoop", "RunOutcome", "DEFAULT_SYSTEM_PROMPT"]
+__all__ = [
+    "AgentLoop",
+    "RunOutcome",
+    "DEFAULT_SYSTEM_PROMPT",
+    "HISTORY_INTERRUPTED",
+    "HISTORY_FINISHED_AFTER_STOP",
+    "HISTORY_FINISHED_BEFORE_STOP",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +66,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a sub-agent that completes one task using the tools you are given. "
     "When the task is done, answer with a short summary and no tool call."
 )
-# What the model is told, per stop effect, ahead of what is known (issue 11 builds the next
-# turn's history on these words: keep them plain and stable).
-HISTORY_INTERRUPTED = "interrupted by the stop; output known before the interruption:"
-HISTORY_FINISHED_AFTER_STOP = "[finished after the stop: this call was allowed to finish; the result above is real]"
-HISTORY_FINISHED_BEFORE_STOP = "[this call finished before the run was stopped]"
+# What the model is told, per stop effect, lives in ``subagent.history`` (the daemon
+# rebuilds a session's earlier turns with the same words); re-exported here.
 
 
 @dataclass
@@ -63,6 +88,7 @@ class AgentLoop:
     emitter: Emitter
     run_id: str | None
     steering: SteeringQueue | None = None
+    approvals: ApprovalGate | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     records: list[ToolCallRecord] = field(default_factory=list)
     progress_parts: list[str] = field(default_factory=list)
@@ -71,8 +97,11 @@ class AgentLoop:
     steps: int = 0
 
     def __post_init__(self) -> None:
+        # A turn of a session starts from the session's earlier turns (the daemon rebuilt
+        # them from its journal), then this turn's task.
         self.messages = [
             {"role": "system", "content": self.spec.system_prompt or DEFAULT_SYSTEM_PROMPT},
+            *(dict(m) for m in self.spec.session.history),
             {"role": "user", "content": self.spec.task},
         ]
 
@@ -211,6 +240,8 @@ class AgentLoop:
             if rec.reason is not None:
                 continue  # already final (invalid); its tool message is in the history
             text = self._run_one_prepare(call, rec)
+            if text is None and self.approvals is not None and self.approvals.needs_approval(call.name, call.parsed or {}):
+                text = await self._await_approval(call, rec, self.approvals)
             if text is None:
                 text = await self._run_one(call, rec)
             self.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
@@ -228,6 +259,44 @@ class AgentLoop:
             self._emit_record(rec)
             return f"error: {rec.error}"
         return None
+
+    async def _await_approval(self, call: DraftCall, rec: ToolCallRecord, gate: ApprovalGate) -> str | None:
+        """Wait for a person's answer. None: approved, run it; else the call's history text."""
+        timeout = gate.spec.timeout_s
+        rec.approval, rec.approval_deadline = str(Approval.PENDING), time.time() + timeout
+        self._emit_record(rec)
+        self.emitter.emit(
+            EventKind.APPROVAL_REQUESTED,
+            call_id=rec.id,
+            name=rec.name,
+            arguments=rec.arguments,
+            step=rec.step,
+            timeout_s=timeout,
+            deadline=rec.approval_deadline,
+        )
+        phase, self.stop.phase = self.stop.phase, "approval"
+        try:
+            answer = await gate.wait(call.id, self.stop)
+        finally:
+            self.stop.phase = phase
+        rec.approval_deadline = None
+        rec.approval_reason = answer.reason
+        if answer.decision == "approved":
+            rec.approval = str(Approval.APPROVED)
+            self.emitter.emit(EventKind.APPROVAL_ANSWERED, call_id=rec.id, decision="approved", reason=answer.reason)
+            return None
+        rec.state, rec.finished_at = ToolCallState.REJECTED, time.time()
+        if answer.decision == "denied":
+            rec.approval = str(Approval.DENIED)
+            rec.reason = f"denied: {HISTORY_DENIED}" + (f": {answer.reason}" if answer.reason else "")
+        else:
+            rec.approval = str(Approval.REJECTED)
+            rec.reason = f"stopped_while_awaiting_approval: the run was stopped ({answer.reason}) while this call awaited approval; it never ran"
+            rec.stop_requested_at, rec.stop_effect = self.stop.stopped_wall, str(StopEffect.REJECTED_AWAITING_APPROVAL)
+            rec.stop_to_end_s = 0.0
+        self.emitter.emit(EventKind.APPROVAL_ANSWERED, call_id=rec.id, decision=rec.approval, reason=answer.reason)
+        self._emit_record(rec)
+        return tool_result_text(rec, stop_reason=self.stop.reason)
 
     async def _run_one(self, call: DraftCall, rec: ToolCallRecord) -> str:
         assert call.parsed is not None
@@ -265,7 +334,7 @@ class AgentLoop:
                     why = "it was allowed to finish" if rec.on_stop == StopPolicy.FINISH else "it answered the stop"
                     rec.reason = f"finished_after_stop: {why}; it ended {rec.stop_to_end_s:.3g} s after the stop"
         self._emit_record(rec)
-        return _history_text(rec, stop_reason=self.stop.reason)
+        return tool_result_text(rec, stop_reason=self.stop.reason)
 
     def result(self, outcome: RunOutcome, **extra: Any) -> dict[str, Any]:
         # Only an internal error can leave a call running or unstarted without a reason:
@@ -282,7 +351,7 @@ class AgentLoop:
         answered = {m.get("tool_call_id") for m in self.messages if m.get("role") == "tool"}
         for rec in self.records:
             if rec.id not in answered:
-                self.messages.append({"role": "tool", "tool_call_id": rec.id, "content": _history_text(rec, stop_reason=None)})
+                self.messages.append({"role": "tool", "tool_call_id": rec.id, "content": tool_result_text(rec, stop_reason=None)})
         return {
             "status": str(outcome.status),
             "reason": outcome.reason,
@@ -309,27 +378,3 @@ def _snapshot_record(rec: ToolCallRecord) -> dict[str, Any]:
         d["output"] = out[:SNAPSHOT_OUTPUT_CHARS]
         d["output_truncated"] = True
     return d
-
-
-def _history_text(rec: ToolCallRecord, *, stop_reason: str | None) -> str:
-    """What the model is told about a call that ran: the truth, including a stop."""
-    body = rec.output if rec.output is not None else ""
-    after_stop = rec.stop_effect == StopEffect.FINISHED_AFTER_STOP
-    if rec.state == ToolCallState.SUCCEEDED:
-        if after_stop:
-            return f"{body}\n{HISTORY_FINISHED_AFTER_STOP}"
-        note = "" if stop_reason is None else f"\n{HISTORY_FINISHED_BEFORE_STOP}"
-        return f"{body}{note}"
-    if rec.state == ToolCallState.FAILED:
-        note = f"\n{HISTORY_FINISHED_AFTER_STOP}" if after_stop else ""
-        return f"error: {rec.error or rec.reason}\n{body}".rstrip() + note
-    if rec.state == ToolCallState.CANCELLED:
-        if rec.stop_effect in (StopEffect.INTERRUPTED, StopEffect.ABANDONED, StopEffect.CANCEL_UNANSWERED):
-            if body:
-                return f"{HISTORY_INTERRUPTED}\n{body}"
-            return f"interrupted by the stop; no output was known ({rec.reason})"
-        known = f"\noutput before the interruption:\n{body}" if body else ""
-        return f"interrupted: {rec.reason}{known}"
-    if rec.state == ToolCallState.NOT_STARTED:
-        return f"not executed: {rec.reason}"
-    return f"outcome unknown: {rec.reason or rec.error}" + (f"\n{body}" if body else "")

@@ -10,6 +10,7 @@ makes the run ``cancelled``, never ``failed``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 
 import trio
 
+from subagent.approvals import AnswerChannel, ApprovalGate
 from subagent.background import BackgroundCommands
 from subagent.emit import Emitter, bare_result
 from subagent.events import EventKind, ExitCode, RunStatus
@@ -71,14 +73,15 @@ def _make_provider(spec: RunSpec) -> Provider:
 BROWSER_SWEEP_TIMEOUT_S = 10.0
 
 
-async def _end_browser(browser: Any, base: Path) -> None:
+async def _end_browser(browser: Any, base: Path, profile: str | None = None) -> None:
     # Chromium's helpers lose the env marker and live in their own session: the preset
     # finds them by profile path. Runs after the browser server's own close.
     with trio.CancelScope(shield=True):
         with trio.move_on_after(BROWSER_SWEEP_TIMEOUT_S):
             end = getattr(browser, "end_browser_processes", None)
             if end is not None:
-                left = await trio.to_thread.run_sync(end, base, abandon_on_cancel=True)
+                sweep = functools.partial(end, base, profile_dir=profile) if profile else functools.partial(end, base)
+                left = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True)
                 if left:
                     logger.warning("browser processes still alive after the sweep: %s", left)
             release = getattr(browser, "release_browser_dir", None)
@@ -97,12 +100,14 @@ def _server_specs(
             raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: the browser preset is not available: {exc}") from None
         options = {} if spec.browser is True else dict(spec.browser)
         base = run_dir or Path.cwd()
+        # A session's turn keeps the session's profile; any other run gets a throwaway one.
+        profile = spec.session.browser_profile
         # Pushed before the server starts, so it runs after the server is closed.
-        stack.push_async_callback(_end_browser, browser, base)
+        stack.push_async_callback(_end_browser, browser, base, profile)
         try:
             from subagent.sandbox import browser_sandbox
 
-            entry = browser.browser_server_config(base, options, sandbox=browser_sandbox(sandbox))
+            entry = browser.browser_server_config(base, options, sandbox=browser_sandbox(sandbox), profile_dir=profile)
             servers["browser"] = McpServerSpec.from_dict(entry, "browser")
         except Exception as exc:  # BrowserSetupError, a SpecError in its entry: a setup failure
             raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: browser setup failed: {exc}") from None
@@ -168,12 +173,14 @@ async def run(
     stdin_leftover: bytes | None = None,
     early_stop: Callable[[], bool] = lambda: False,
     sandbox: dict[str, Any] | None = None,
+    answers_fd: int | None = None,
 ) -> int:
     """Run one spec to its end; write the result; return the exit code.
 
     ``stdin_leftover`` (bytes read past the spec) turns on the steering reader on stdin;
     ``early_stop()``: whether a SIGTERM came before trio's signal receiver took over;
-    ``sandbox``: the report of ``subagent.sandbox.enter`` (in ``runner_started`` and the result).
+    ``sandbox``: the report of ``subagent.sandbox.enter`` (in ``runner_started`` and the result);
+    ``answers_fd``: the approval answer channel (``subagent.approvals.open_channel``).
     """
     run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
     if run_id:
@@ -192,6 +199,8 @@ async def run(
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, stop, emitter)
+                channel = AnswerChannel(answers_fd, warn=lambda msg: emitter.log("warning", msg))
+                await nursery.start(channel.run)
                 if spec.limits.deadline_s is not None:
                     nursery.start_soon(_deadline, spec.limits.deadline_s, stop)
                 if stdin_leftover is not None:
@@ -246,8 +255,16 @@ async def run(
                             stop_policy=spec.stop_policy,
                             preset_servers=frozenset({"browser"}) if spec.browser is not False else frozenset(),
                         )
+                        gate = ApprovalGate(spec.approval, channel, resolve=tools.where) if spec.approval.any else None
                         loop = AgentLoop(
-                            spec=spec, provider=provider, tools=tools, stop=stop, emitter=emitter, run_id=run_id, steering=steering
+                            spec=spec,
+                            provider=provider,
+                            tools=tools,
+                            stop=stop,
+                            emitter=emitter,
+                            run_id=run_id,
+                            steering=steering,
+                            approvals=gate,
                         )
                         outcome = await loop.run()
                     except SetupFailure as exc:

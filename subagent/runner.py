@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             emitter.result(bare_result(str(RunStatus.FAILED), "bad_spec", error))
             return int(ExitCode.BAD_SPEC)
         from subagent import sandbox
+        from subagent.approvals import open_channel
 
+        # Before the sandbox: the answer channel lives where the run's tools cannot reach.
+        answers_fd = open_channel()
         try:
             # Before trio (and so before any thread), any tool or any model request.
             report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_browser(spec, run_dir))
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 stdin_leftover=leftover,
                 early_stop=lambda: bool(_early_signals),
                 sandbox=report.to_dict(),
+                answers_fd=answers_fd,
             )
         )
     except Exception as exc:  # the task root: anything here is a runner bug

@@ -24,6 +24,8 @@ __all__ = [
     "Limits",
     "SandboxSpec",
     "StopPolicySpec",
+    "ApprovalSpec",
+    "SessionSpec",
     "RunSpec",
     "BUILTIN_TOOLS",
     "PROVIDERS",
@@ -47,6 +49,11 @@ DEFAULT_COMMAND_STOP_GRACE_S: Final = 1.0
 DEFAULT_CANCEL_WAIT_S: Final = 1.0
 # Stop policies a spec may ask for (values of ``subagent.events.StopPolicy``).
 COMMAND_STOP_POLICIES: Final = ("interrupt", "finish")
+# How long a call that needs approval waits for a person's answer; then the daemon stops
+# the run with reason "approval_timeout" (seconds).
+DEFAULT_APPROVAL_TIMEOUT_S: Final = 300.0
+# The roles a session's history may carry (OpenAI's chat messages).
+HISTORY_ROLES: Final = ("system", "user", "assistant", "tool")
 MCP_STOP_POLICIES: Final = ("abandon", "cancel", "finish")
 
 
@@ -334,6 +341,114 @@ class StopPolicySpec:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ApprovalSpec:
+    """Which calls wait for a person's OK before they run, and for how long.
+
+    ``tools``: tool names as the model sees them (``run_command``, ``write_file``,
+    ``fs__write_file``) or ``server/tool``; ``servers``: every tool of these MCP servers;
+    ``commands``: shell-style patterns (``fnmatch``) a ``run_command`` command is matched
+    against, whole (``"rm *"``, ``"git push*"``). ``timeout_s``: then the run is stopped
+    with reason ``approval_timeout``.
+    """
+
+    tools: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()
+    commands: tuple[str, ...] = ()
+    timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S
+
+    @classmethod
+    def from_dict(cls, d: Any, servers: set[str]) -> ApprovalSpec:
+        d = _obj(d, "approval")
+        _check_keys(d, "approval", {"tools", "servers", "commands", "timeout_s"})
+        lists: dict[str, tuple[str, ...]] = {}
+        for key in ("tools", "servers", "commands"):
+            v = d.get(key, [])
+            if not isinstance(v, list):
+                raise SpecError(f"approval.{key}", f"expected a list of strings, got {type(v).__name__}")
+            lists[key] = tuple(dict.fromkeys(_str(x, f"approval.{key}[{i}]") for i, x in enumerate(v)))
+        for i, name in enumerate(lists["servers"]):
+            if name not in servers:
+                raise SpecError(f"approval.servers[{i}]", f"no mcp server named {name!r} in this spec (servers: {sorted(servers)!r})")
+        return cls(
+            tools=lists["tools"],
+            servers=lists["servers"],
+            commands=lists["commands"],
+            timeout_s=_num(d.get("timeout_s", DEFAULT_APPROVAL_TIMEOUT_S), "approval.timeout_s"),
+        )
+
+    @property
+    def any(self) -> bool:
+        return bool(self.tools or self.servers or self.commands)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tools": list(self.tools),
+            "servers": list(self.servers),
+            "commands": list(self.commands),
+            "timeout_s": self.timeout_s,
+        }
+
+
+def _history(v: Any) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(v, list):
+        raise SpecError("session.history", f"expected a list of messages, got {type(v).__name__}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"session.history[{i}]"
+        m = _obj(m, where)
+        _check_keys(m, where, {"role", "content", "tool_calls", "tool_call_id"})
+        if m.get("role") not in HISTORY_ROLES:
+            raise SpecError(f"{where}.role", f"expected one of {list(HISTORY_ROLES)!r}, got {m.get('role')!r}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise SpecError(f"{where}.content", f"expected a string or null, got {type(content).__name__}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise SpecError(f"{where}.tool_calls", "expected a list, on an assistant message")
+            for j, c in enumerate(calls):
+                c = _obj(c, f"{where}.tool_calls[{j}]")
+                fn = _obj(c.get("function"), f"{where}.tool_calls[{j}].function")
+                _str(c.get("id"), f"{where}.tool_calls[{j}].id")
+                _str(fn.get("name"), f"{where}.tool_calls[{j}].function.name")
+                _str(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments", empty=True)
+        if m["role"] == "tool":
+            _str(m.get("tool_call_id"), f"{where}.tool_call_id")
+        out.append(dict(m))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpec:
+    """What the daemon adds for a turn of a session (never a user's spec: it refuses one).
+
+    ``history``: the session's earlier turns as OpenAI-shaped messages, rebuilt from the
+    journal (``subagent.history.turn_messages``); ``browser_profile``: the session's
+    Chromium profile directory, which the browser preset uses instead of a throwaway one
+    (the daemon also grants it in ``sandbox.write``).
+    """
+
+    history: tuple[Mapping[str, Any], ...] = ()
+    browser_profile: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SessionSpec:
+        d = _obj(d, "session")
+        _check_keys(d, "session", {"history", "browser_profile"})
+        profile = d.get("browser_profile")
+        return cls(
+            history=_history(d.get("history", [])),
+            browser_profile=None if profile is None else _abs_path(profile, "session.browser_profile"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"history": [dict(m) for m in self.history]}
+        if self.browser_profile is not None:
+            out["browser_profile"] = self.browser_profile
+        return out
+
+
 _TOP_KEYS: Final = {
     "run_id",
     "session_id",
@@ -346,6 +461,8 @@ _TOP_KEYS: Final = {
     "limits",
     "sandbox",
     "stop_policy",
+    "approval",
+    "session",
 }
 
 
@@ -364,6 +481,8 @@ class RunSpec:
     limits: Limits = field(default_factory=Limits)
     sandbox: SandboxSpec = field(default_factory=SandboxSpec)
     stop_policy: StopPolicySpec = field(default_factory=StopPolicySpec)
+    approval: ApprovalSpec = field(default_factory=ApprovalSpec)
+    session: SessionSpec = field(default_factory=SessionSpec)
 
     @classmethod
     def from_dict(cls, d: Any, env: Mapping[str, str] | None = None) -> RunSpec:
@@ -418,6 +537,10 @@ class RunSpec:
             stop_policy=StopPolicySpec.from_dict(
                 d.get("stop_policy", {}), set(servers) | ({"browser"} if browser is not False else set())
             ),
+            approval=ApprovalSpec.from_dict(
+                d.get("approval", {}), set(servers) | ({"browser"} if browser is not False else set())
+            ),
+            session=SessionSpec.from_dict(d.get("session", {})),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -433,6 +556,10 @@ class RunSpec:
             out["sandbox"] = self.sandbox.to_dict()
         if self.stop_policy != StopPolicySpec():
             out["stop_policy"] = self.stop_policy.to_dict()
+        if self.approval != ApprovalSpec():
+            out["approval"] = self.approval.to_dict()
+        if self.session != SessionSpec():
+            out["session"] = self.session.to_dict()
         for k in ("run_id", "session_id", "system_prompt"):
             v = getattr(self, k)
             if v is not None:

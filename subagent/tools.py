@@ -130,6 +130,13 @@ class ToolBox:
     def has(self, name: str) -> bool:
         return name in self._builtins or name in self._mcp
 
+    def where(self, name: str) -> tuple[str, str] | None:
+        """The (server, tool) an MCP tool name reaches; None for a built-in or no such tool."""
+        if name in self._builtins or name not in self._mcp:
+            return None
+        server, tool, _ = self._mcp[name]
+        return server, tool
+
     def policy(self, name: str) -> StopPolicy | None:
         """What a stop does to a running call of ``name`` (None: no such tool)."""
         if name == "run_command" and name in self._builtins:

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 # own writes are serialised on one thread and never wait for each other.
 BUSY_TIMEOUT_MS: Final = 5_000
 
+# The run states as version 1 knew them: a migration's text never changes once shipped.
+_V1_STATES = "'queued', 'starting', 'running', 'cancelling', 'completed', 'failed', 'cancelled', 'lost'"
 _ALL_STATES = ", ".join(f"'{s.value}'" for s in RunState)
 _TERMINAL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL_STATES))
 
@@ -35,7 +37,7 @@ _V1 = f"""
 CREATE TABLE runs (
     id               TEXT PRIMARY KEY NOT NULL,
     session_id       TEXT,
-    state            TEXT NOT NULL CHECK (state IN ({_ALL_STATES})),
+    state            TEXT NOT NULL CHECK (state IN ({_V1_STATES})),
     reason           TEXT,
     created_at       REAL NOT NULL,
     started_at       REAL,
@@ -186,7 +188,74 @@ BEGIN
 END;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
+# Version 4: conversations and approvals. The run states gain ``awaiting_approval``: the
+# runs table is rebuilt with the wider CHECK (SQLite cannot alter one), rowids and all,
+# then its indexes and guards are made again (foreign keys are off for this migration,
+# see ``_FOREIGN_KEYS_OFF``). ``sessions`` holds what a session has beyond its runs: when
+# it was closed (it takes no new turn), and its browser profile (path, last use), which
+# the daemon removes when the session is closed, idle too long, or the oldest beyond a
+# bound.
+_RUN_COLUMNS_V3 = (
+    "id, session_id, state, reason, created_at, started_at, ended_at, timeout_s, spec, result, partial, "
+    "partial_snapshot, error, receipt, pid, pid_start_time, pgid, tree_id, cgroup, containment, run_dir, "
+    "last_seq, cancel_reason, cancel_requested_at, stop_deadline, deadline"
+)
+_V4 = f"""
+CREATE TABLE runs_v4 (
+    id               TEXT PRIMARY KEY NOT NULL,
+    session_id       TEXT,
+    state            TEXT NOT NULL CHECK (state IN ({_ALL_STATES})),
+    reason           TEXT,
+    created_at       REAL NOT NULL,
+    started_at       REAL,
+    ended_at         REAL,
+    timeout_s        REAL,
+    spec             TEXT NOT NULL,
+    result           TEXT,
+    partial          INTEGER NOT NULL DEFAULT 0,
+    partial_snapshot TEXT,
+    error            TEXT,
+    receipt          TEXT,
+    pid              INTEGER,
+    pid_start_time   REAL,
+    pgid             INTEGER,
+    tree_id          TEXT,
+    cgroup           TEXT,
+    containment      TEXT,
+    run_dir          TEXT,
+    last_seq         INTEGER NOT NULL DEFAULT 0,
+    cancel_reason    TEXT,
+    cancel_requested_at REAL,
+    stop_deadline    REAL,
+    deadline         REAL
+) STRICT;
+INSERT INTO runs_v4 (rowid, {_RUN_COLUMNS_V3}) SELECT rowid, {_RUN_COLUMNS_V3} FROM runs ORDER BY rowid;
+DROP TABLE runs;
+ALTER TABLE runs_v4 RENAME TO runs;
+CREATE INDEX runs_by_created ON runs (created_at);
+CREATE INDEX runs_by_session ON runs (session_id, created_at);
+CREATE INDEX runs_live ON runs (created_at) WHERE state NOT IN ({_TERMINAL});
+{_V3[_V3.index("CREATE TRIGGER runs_terminal_is_final"):]}
+CREATE TRIGGER runs_live_not_deleted
+BEFORE DELETE ON runs
+WHEN OLD.state NOT IN ({_TERMINAL})
+BEGIN
+    SELECT RAISE(ABORT, 'agentd journal: a live run cannot be deleted');
+END;
+
+CREATE TABLE sessions (
+    session_id      TEXT PRIMARY KEY NOT NULL,
+    created_at      REAL NOT NULL,
+    closed_at       REAL,
+    profile_dir     TEXT,
+    profile_used_at REAL
+) STRICT;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4)
+# Migrations that rebuild a table others reference: run with foreign keys off (SQLite's
+# documented procedure), checked with foreign_key_check before they commit.
+_FOREIGN_KEYS_OFF: Final = frozenset({4})
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 
@@ -250,17 +319,25 @@ def migrate(conn: sqlite3.Connection, *, path: str, target: int = SCHEMA_VERSION
         )
     for version in range(found + 1, target + 1):
         logger.info("journal %s: migrating schema to version %d", path, version)
+        keys_off = version in _FOREIGN_KEYS_OFF
+        if keys_off:
+            # Outside any transaction (inside one the pragma does nothing).
+            keys_were = int(conn.execute("PRAGMA foreign_keys").fetchone()[0])
+            conn.execute("PRAGMA foreign_keys = OFF")
         try:
             # executescript commits any open transaction first, so the BEGIN is inside it:
             # the DDL and the new user_version commit together or not at all.
-            conn.executescript(
-                f"BEGIN IMMEDIATE;\n{MIGRATIONS[version - 1]}\n"
-                f"PRAGMA user_version = {version};\nCOMMIT;"
-            )
+            conn.executescript(f"BEGIN IMMEDIATE;\n{MIGRATIONS[version - 1]}\nPRAGMA user_version = {version};")
+            if keys_off and conn.execute("PRAGMA foreign_key_check").fetchone() is not None:
+                raise sqlite3.IntegrityError(f"migration to version {version} broke a foreign key")
+            conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        finally:
+            if keys_off:
+                conn.execute(f"PRAGMA foreign_keys = {'ON' if keys_were else 'OFF'}")
     return found
 
 

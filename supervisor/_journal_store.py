@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
 from subagent.events import TERMINAL_TOOL_STATES, ToolCallState
+from supervisor._journal_sessions import SessionStoreMixin
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 
@@ -143,7 +144,7 @@ _RUN_COLUMNS: Final = (
 )
 
 
-class Store:
+class Store(SessionStoreMixin):
     """The journal's operations on a connection owned by the calling thread."""
 
     def __init__(self, conn: sqlite3.Connection, path: str) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Final, Generic, TypeVar, final
 import trio
 
 from supervisor._journal_schema import SCHEMA_VERSION, connect
+from supervisor._journal_sessions import SessionRecord, SessionSummary, TurnRecord
 from supervisor._journal_store import (
     EventRecord,
     GroupRecord,
@@ -43,6 +44,9 @@ __all__ = [
     "RunRecord",
     "EventRecord",
     "GroupRecord",
+    "SessionRecord",
+    "SessionSummary",
+    "TurnRecord",
     "SCHEMA_VERSION",
 ]
 
@@ -615,3 +619,35 @@ class Journal:
     async def live_runs(self) -> list[RunRecord]:
         """Every run not in a terminal state, oldest first: what recovery looks at."""
         return await self._call(lambda s: s.live_runs())
+
+    # -- sessions ------------------------------------------------------------------------
+
+    async def open_session(self, session_id: str, *, at: float | None = None) -> float | None:
+        """Record (durably) that the session exists; returns when it was closed (None: open)."""
+        ts = time.time() if at is None else at
+        return await self._call(lambda s: s.open_session(_text(session_id), ts))
+
+    async def close_session(self, session_id: str, *, at: float | None = None) -> bool:
+        """Mark the session closed, once (durably); returns whether it was open."""
+        ts = time.time() if at is None else at
+        return await self._call(lambda s: s.close_session(_text(session_id), ts))
+
+    async def set_profile(self, session_id: str, path: str | None, *, used_at: float | None = None) -> str | None:
+        """Record the session's browser profile (None: removed); returns the previous path."""
+        return await self._call(lambda s: s.set_profile(_text(session_id), _opt_text(path), used_at))
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        return await self._call(lambda s: s.get_session(_text(session_id)))
+
+    async def profiles(self) -> list[SessionRecord]:
+        """Sessions that have a browser profile, least recently used first."""
+        return await self._call(lambda s: s.profiles())
+
+    async def sessions(self, *, limit: int = 50) -> list[SessionSummary]:
+        """Sessions with runs, most recently active first."""
+        return await self._call(lambda s: s.sessions(limit))
+
+    async def session_turns(self, session_id: str) -> list[TurnRecord]:
+        """A session's runs, oldest first, each with its tool-call records and the events
+        its history is rebuilt from (``assistant_text``, ``steering``)."""
+        return await self._call(lambda s: s.session_turns(_text(session_id)))

@@ -1,0 +1,195 @@
+"""What the model is told about tool calls and earlier turns: the honest history.
+
+One module for both sides: the runner's loop tells the model what each call of this turn
+really did (``tool_result_text``), and the daemon rebuilds a session's earlier turns from
+its journal (``turn_messages``) for the next turn. Rules (seed 004, DESIGN "Conversations"):
+every call in the history has exactly one result, and the result says what happened
+(ran, interrupted with the output known, finished after the stop, never ran, denied); a
+call whose arguments were cut mid-stream (its turn never finished) is not a call at all:
+only the turn's text stays; a turn that did not complete ends with one short note. The
+words are stable on purpose: models and tests read them.
+Pure and stdlib only (the daemon imports it): records are ``ToolCallRecord`` dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from subagent.events import Approval, StopEffect, ToolCallState
+
+__all__ = [
+    "HISTORY_INTERRUPTED",
+    "HISTORY_FINISHED_AFTER_STOP",
+    "HISTORY_FINISHED_BEFORE_STOP",
+    "HISTORY_DENIED",
+    "HISTORY_REJECTED",
+    "STOP_NOTES",
+    "tool_result_text",
+    "is_cut",
+    "replay_arguments",
+    "stop_note",
+    "turn_messages",
+]
+
+# What the model is told, per stop effect, ahead of what is known.
+HISTORY_INTERRUPTED: Final = "interrupted by the stop; output known before the interruption:"
+HISTORY_FINISHED_AFTER_STOP: Final = "[finished after the stop: this call was allowed to finish; the result above is real]"
+HISTORY_FINISHED_BEFORE_STOP: Final = "[this call finished before the run was stopped]"
+HISTORY_DENIED: Final = "denied by the user"
+HISTORY_REJECTED: Final = "not executed: stopped while awaiting approval"
+
+# Reasons a call was never a whole call: its turn's stream was cut, aborted or failed
+# before the turn finished (``subagent.model``). Such a call is never replayed as a call.
+_CUT_PREFIXES: Final = ("arguments_incomplete:", "turn_incomplete:", "model_error:")
+_ABORTED_TURN: Final = "stopped_before_start: the stop aborted the model's turn"
+
+# The note after a turn that did not complete, by its outcome (and a stop's reason).
+STOP_NOTES: Final[Mapping[str, str]] = {
+    "user": "[The user stopped this turn before it finished.]",
+    "timeout": "[This turn was stopped before it finished: it ran out of time.]",
+    "approval_timeout": "[This turn was stopped before it finished: a tool call waited too long for approval.]",
+    "shutdown": "[This turn was stopped before it finished: agentd was shutting down.]",
+}
+_STOPPED_NOTE: Final = "[This turn was stopped before it finished ({reason}).]"
+_FAILED_NOTE: Final = "[This turn failed before it finished ({reason}).]"
+_LOST_NOTE: Final = "[This turn was lost: agentd restarted and its runner was gone; what it did after the last record is unknown.]"
+
+
+def _get(rec: Any, key: str) -> Any:
+    return rec.get(key) if isinstance(rec, Mapping) else getattr(rec, key, None)
+
+
+def tool_result_text(rec: Any, *, stop_reason: str | None) -> str:
+    """What the model is told about one call (a ``ToolCallRecord`` or its dict): the truth,
+    including a stop. ``stop_reason``: the run's stop reason, if it was stopped."""
+    state = str(_get(rec, "state") or "")
+    body = _get(rec, "output")
+    body = body if isinstance(body, str) else ""
+    reason, error = _get(rec, "reason"), _get(rec, "error")
+    effect = _get(rec, "stop_effect")
+    after_stop = effect == StopEffect.FINISHED_AFTER_STOP
+    if state == ToolCallState.SUCCEEDED:
+        if after_stop:
+            return f"{body}\n{HISTORY_FINISHED_AFTER_STOP}"
+        note = "" if stop_reason is None else f"\n{HISTORY_FINISHED_BEFORE_STOP}"
+        return f"{body}{note}"
+    if state == ToolCallState.FAILED:
+        note = f"\n{HISTORY_FINISHED_AFTER_STOP}" if after_stop else ""
+        return f"error: {error or reason}\n{body}".rstrip() + note
+    if state == ToolCallState.CANCELLED:
+        if effect in (StopEffect.INTERRUPTED, StopEffect.ABANDONED, StopEffect.CANCEL_UNANSWERED):
+            if body:
+                return f"{HISTORY_INTERRUPTED}\n{body}"
+            return f"interrupted by the stop; no output was known ({reason})"
+        known = f"\noutput before the interruption:\n{body}" if body else ""
+        return f"interrupted: {reason}{known}"
+    if state == ToolCallState.REJECTED:
+        if _get(rec, "approval") == Approval.DENIED:
+            why = _get(rec, "approval_reason")
+            return f"{HISTORY_DENIED}: {why}" if why else HISTORY_DENIED
+        return HISTORY_REJECTED
+    if state == ToolCallState.NOT_STARTED:
+        return f"not executed: {reason}"
+    if state == ToolCallState.RUNNING:
+        return "outcome not known yet: the call is still running"
+    return f"outcome unknown: {reason or error}" + (f"\n{body}" if body else "")
+
+
+def is_cut(rec: Mapping[str, Any]) -> bool:
+    """Was this never a whole call (its turn's stream was cut, aborted or failed)?"""
+    if rec.get("state") != ToolCallState.NOT_STARTED:
+        return False
+    reason = rec.get("reason")
+    return isinstance(reason, str) and (reason.startswith(_CUT_PREFIXES) or reason == _ABORTED_TURN)
+
+
+def replay_arguments(text: Any) -> str:
+    """A call's arguments as history may carry them: the text if it is a JSON object, else
+    ``{}`` (a call that never ran for bad arguments keeps its text in its record only)."""
+    if isinstance(text, str):
+        try:
+            if isinstance(json.loads(text), dict):
+                return text
+        except ValueError:
+            pass
+    return "{}"
+
+
+def stop_note(state: str, reason: str | None) -> str | None:
+    """The short note after a turn that did not complete; None after a completed (or live) one."""
+    if state == "cancelled":
+        return STOP_NOTES.get(reason or "user", _STOPPED_NOTE.format(reason=reason))
+    if state == "failed":
+        return _FAILED_NOTE.format(reason=reason or "an error")
+    if state == "lost":
+        return _LOST_NOTE
+    return None
+
+
+def turn_messages(
+    task: str,
+    records: Iterable[Mapping[str, Any]],
+    events: Iterable[Mapping[str, Any]],
+    *,
+    state: str,
+    reason: str | None = None,
+    final_text: str | None = None,
+) -> list[dict[str, Any]]:
+    """One turn of a session as OpenAI-shaped messages, from what the journal recorded.
+
+    Args:
+        task: the turn's task (its first user message).
+        records: its tool-call records (dicts), in order.
+        events: its ``assistant_text`` and ``steering`` events (``{"kind", "data"}``), in order.
+        state: the run's state (a terminal one gets its note; a live one is shown as far as it went).
+        reason: the stop's reason (cancelled) or the failure's (failed).
+        final_text: the result's answer, used when no ``assistant_text`` event carries it.
+    """
+    texts: dict[int, str] = {}
+    steering: dict[int, list[str]] = {}
+    for ev in events:
+        data = ev.get("data") or {}
+        step = data.get("step")
+        if not isinstance(step, int):
+            continue
+        if ev.get("kind") == "assistant_text" and isinstance(data.get("text"), str) and data["text"]:
+            texts[step] = texts.get(step, "") + data["text"]
+        elif ev.get("kind") == "steering" and data.get("state") == "applied" and isinstance(data.get("text"), str):
+            steering.setdefault(step, []).append(data["text"])
+    calls: dict[int, list[Mapping[str, Any]]] = {}
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and isinstance(rec.get("id"), str) and not is_cut(rec):
+            calls.setdefault(step, []).append(rec)
+    stop_reason = reason if state == "cancelled" else None
+    out: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    last_text: str | None = None
+    for step in sorted(set(texts) | set(steering) | set(calls)):
+        out.extend({"role": "user", "content": t} for t in steering.get(step, []))
+        text, step_calls = texts.get(step), calls.get(step, [])
+        if not text and not step_calls:
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if step_calls:
+            message["tool_calls"] = [
+                {
+                    "id": rec["id"],
+                    "type": "function",
+                    "function": {"name": rec.get("name") or "unknown", "arguments": replay_arguments(rec.get("arguments"))},
+                }
+                for rec in step_calls
+            ]
+        out.append(message)
+        last_text = text if not step_calls else None
+        out.extend(
+            {"role": "tool", "tool_call_id": rec["id"], "content": tool_result_text(rec, stop_reason=stop_reason)}
+            for rec in step_calls
+        )
+    if state == "completed" and final_text and last_text != final_text:
+        out.append({"role": "assistant", "content": final_text})
+    note = stop_note(state, reason)
+    if note is not None:
+        out.append({"role": "system", "content": note})
+    return out
