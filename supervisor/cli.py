@@ -109,7 +109,8 @@ def _translate(exc: AgentdError) -> CliError:
     if isinstance(exc, JournalError):  # logs, reading the file: nothing usable at this state dir
         return CliError(str(exc), ExitCode.NO_DAEMON)
     if isinstance(exc, ControlProtocolError):
-        return CliError(f"{exc} ({exc.code})", ExitCode.REFUSED)
+        code = ExitCode.NOT_FOUND if exc.code == "not_found" else ExitCode.REFUSED
+        return CliError(f"{exc} ({exc.code})", code)
     return CliError(str(exc), ExitCode.REFUSED)
 
 
@@ -471,7 +472,12 @@ def build_spec(
     help='MCP servers file in the Claude Desktop shape: {"mcpServers": {...}}.',
 )
 @click.option("--browser", is_flag=True, help="Give the agent a browser (Playwright MCP).")
-@click.option("--session", "session_id", help="Session (conversation) the run belongs to.")
+@click.option("--session", "session_id", help="Session (conversation) the run is the next turn of: it starts from the session's history.")
+@click.option(
+    "--interrupt",
+    is_flag=True,
+    help="With --session: stop the session's live turn first (a normal cancel, waited for); without it a session with a live turn refuses a new one.",
+)
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), help="Stop the run after this many seconds.")
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most model turns the run may take.")
 @click.option("--spec", "spec_file", type=click.Path(dir_okay=False, path_type=Path), help="A whole run spec as JSON.")
@@ -492,6 +498,7 @@ def spawn(
     mcp_config: Path | None,
     browser: bool,
     session_id: str | None,
+    interrupt: bool,
     timeout_s: float | None,
     max_steps: int | None,
     spec_file: Path | None,
@@ -505,6 +512,8 @@ def spawn(
     /etc/agentd/agentd.env, see systemd/agentd.env.example), or this run's own key with
     --model-key-env VAR. Without one the daemon refuses the run (exit 5).
     """
+    if interrupt and session_id is None:
+        raise CliError("--interrupt needs --session: it stops that session's live turn", ExitCode.USAGE)
     model_key = None
     if model_key_env is not None:
         model_key = os.environ.get(model_key_env)
@@ -521,7 +530,7 @@ def spawn(
         max_steps=max_steps,
     )
     client = obj.client()
-    result = client.spawn(spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key)
+    result = client.spawn(spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt)
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))
     if wait:
@@ -565,6 +574,18 @@ def format_event(event: dict[str, Any]) -> str:
         text = f"steering {d.get('state')}: {_short(d.get('text', ''), 80)}"
     elif kind == "steer_sent":
         text = f"steering sent: {_short(d.get('text', ''), 80)}"
+    elif kind == "approval_requested":
+        text = (
+            f"awaiting approval: {d.get('name')} {_short(d.get('arguments', ''), 60)} "
+            f"(call {d.get('call_id')}; agentd approve/deny RUN {d.get('call_id')})"
+        )
+    elif kind == "approval_sent":
+        text = f"approval answer sent: call {d.get('call_id')} {d.get('decision')}" + (f" ({_short(d['reason'], 60)})" if d.get("reason") else "")
+    elif kind == "approval_answered":
+        text = f"approval: call {d.get('call_id')} {d.get('decision')}" + (f" ({_short(d['reason'], 60)})" if d.get("reason") else "")
+    elif kind == "session":
+        profile = ", browser profile kept by the session" if d.get("browser_profile") else ""
+        text = f"turn of session {d.get('session_id')}: {d.get('turns')} earlier turn(s), {d.get('messages')} history message(s){profile}"
     elif kind == "log":
         level = str(d.get("level", "info"))
         message = str(d.get("message", ""))
@@ -722,6 +743,124 @@ def steer(obj: Obj, run_id: str, text: str) -> None:
         click.get_current_context().exit(ExitCode.REFUSED)
 
 
+# ----------------------------------------------------------------------------- approvals
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("call_id", metavar="CALL")
+@pass_obj
+def approve(obj: Obj, run_id: str, call_id: str) -> None:
+    """Let a tool call awaiting approval run (CALL: its id, shown by status and watch)."""
+    result = obj.client().approve(run_id, call_id)
+    obj.emit(result, lambda: click.echo(f"{run_id}: call {call_id} approved"))
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("call_id", metavar="CALL")
+@click.option("--reason", help="Told to the model: \"denied by the user: REASON\".")
+@pass_obj
+def deny(obj: Obj, run_id: str, call_id: str, reason: str | None) -> None:
+    """Refuse a tool call awaiting approval: it never runs, the model is told, the turn goes on."""
+    result = obj.client().deny(run_id, call_id, reason=reason)
+    obj.emit(result, lambda: click.echo(f"{run_id}: call {call_id} denied"))
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def _message_lines(m: dict[str, Any]) -> list[str]:
+    role = str(m.get("role"))
+    content = m.get("content")
+    if role == "tool":
+        return [f"  <- {m.get('tool_call_id')}: {_short(content or '', 110)}"]
+    if role == "system":
+        return [f"  note: {_short(content or '', 110)}"]
+    lines = [f"  {role}: {_short(content, 110)}"] if content else []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function") or {}
+        lines.append(f"  -> {c.get('id')}: {fn.get('name')} {_short(fn.get('arguments', ''), 90)}")
+    return lines
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION")
+@pass_obj
+def history(obj: Obj, session_id: str) -> None:
+    """Print a session's transcript, turn by turn, as its next turn will see it."""
+    result = obj.client().history(session_id)
+
+    def human() -> None:
+        turns = result.get("turns") or []
+        if result.get("closed_at"):
+            click.echo(f"session {session_id} (closed {_when(result['closed_at'])})")
+        for n, t in enumerate(turns, 1):
+            state = str(t.get("state")) + (f" ({t['reason']})" if t.get("reason") else "")
+            click.echo(f"turn {n}  {t.get('run_id')}  {state}  {_when(t.get('created_at'))}")
+            for m in t.get("messages") or []:
+                for line in _message_lines(m):
+                    click.echo(line)
+        if not turns:
+            click.echo(f"session {session_id}: no turns")
+
+    obj.emit(result, human)
+
+
+@cli.command()
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
+@pass_obj
+def sessions(obj: Obj, limit: int) -> None:
+    """List sessions (conversations), most recently active first."""
+    rows = obj.client().sessions(limit=limit)
+
+    def human() -> None:
+        if not rows:
+            click.echo("no sessions")
+            return
+        header = ("SESSION", "TURNS", "LAST", "STATE", "LIVE", "PROFILE", "CLOSED")
+        cells = [
+            (
+                str(r.get("session_id")),
+                str(r.get("turns")),
+                _when(r.get("last_at")),
+                str(r.get("last_state")),
+                str(r.get("live_run") or "-"),
+                "yes" if r.get("profile") else "-",
+                _when(r["closed_at"]) if r.get("closed_at") else "-",
+            )
+            for r in rows
+        ]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+        for line in (header, *cells):
+            click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+
+    obj.emit({"sessions": rows}, human)
+
+
+@cli.group(name="session")
+def session_group() -> None:
+    """Act on one session (conversation)."""
+
+
+@session_group.command(name="close")
+@click.argument("session_id", metavar="SESSION")
+@pass_obj
+def session_close(obj: Obj, session_id: str) -> None:
+    """Close a session: stop its live turn, remove its browser profile; it takes no new turn."""
+    result = obj.client().close_session(session_id)
+
+    def human() -> None:
+        parts = [f"session {session_id} closed" if result.get("was_open") else f"session {session_id} was closed already"]
+        if result.get("stopped"):
+            parts.append(f"stopped {', '.join(result['stopped'])}")
+        if result.get("profile_removed"):
+            parts.append("browser profile removed")
+        click.echo("; ".join(parts))
+
+    obj.emit(result, human)
+
+
 # ----------------------------------------------------------------------------- status, list
 
 
@@ -845,6 +984,9 @@ def _print_run(run: dict[str, Any]) -> None:
     if run.get("error"):
         rows.append(("error", _short(json.dumps(run["error"], default=str), 120)))
     rows.append(("tool calls", _tool_summary(run.get("tool_calls"))))
+    for a in run.get("approvals") or []:
+        if isinstance(a, dict):
+            rows.append(("awaiting", f"call {a.get('call_id')}: {a.get('name')} {_short(a.get('arguments', ''), 60)} (approve or deny)"))
     receipt = _receipt_summary(run.get("receipt"))
     if receipt:
         rows.append(("teardown", receipt))
@@ -886,7 +1028,9 @@ def status(obj: Obj, run_id: str | None) -> None:
 @cli.command(name="list")
 @click.option(
     "--state",
-    type=click.Choice(["queued", "starting", "running", "cancelling", "completed", "failed", "cancelled", "lost"]),
+    type=click.Choice(
+        ["queued", "starting", "running", "awaiting_approval", "cancelling", "completed", "failed", "cancelled", "lost"]
+    ),
     help="Only runs in this state.",
 )
 @click.option("--session", "session_id", help="Only runs of this session.")

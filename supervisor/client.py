@@ -35,7 +35,7 @@ REQUEST_TIMEOUT_S: Final = 30.0
 # How long follow() keeps trying to reconnect after the connection drops.
 RECONNECT_TIMEOUT_S: Final = 30.0
 # Requests that change nothing: safe to send again after a dropped connection.
-_READ_ONLY_OPS: Final = frozenset({"status", "list", "events", "ping"})
+_READ_ONLY_OPS: Final = frozenset({"status", "list", "events", "ping", "history", "sessions"})
 # Backoff between reconnect attempts: first at once, then doubling up to the cap.
 RECONNECT_BACKOFF_S: Final = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -189,10 +189,15 @@ class Client:
         session_id: str | None = None,
         timeout_s: float | None = None,
         model_key: str | None = None,
+        interrupt: bool = False,
     ) -> dict[str, Any]:
         """Start a run. ``model_key``: this run's model API key, handed to its runner only
-        (never journaled); the daemon's own ``OPENAI_API_KEY`` is used without it."""
-        return self.request("spawn", spec=spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key)
+        (never journaled); the daemon's own ``OPENAI_API_KEY`` is used without it. With a
+        session, ``interrupt`` stops the session's live turn first (else a session with a
+        live turn refuses the new one: ``ControlProtocolError`` coded ``session_busy``)."""
+        return self.request(
+            "spawn", spec=spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt or None
+        )
 
     def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
         return self.request("cancel", run_id=run_id, reason=reason)
@@ -203,6 +208,25 @@ class Client:
     def steer(self, run_id: str, text: str) -> dict[str, Any]:
         """Extra input for a running turn: ``{"run_id", "accepted", "state"}``."""
         return self.request("steer", run_id=run_id, text=text)
+
+    def approve(self, run_id: str, call_id: str) -> dict[str, Any]:
+        """Let a call awaiting approval run: ``{"run_id", "call_id", "decision", "state"}``."""
+        return self.request("approve", run_id=run_id, call_id=call_id)
+
+    def deny(self, run_id: str, call_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        """Refuse a call awaiting approval; the model is told "denied by the user: REASON"."""
+        return self.request("deny", run_id=run_id, call_id=call_id, reason=reason)
+
+    def history(self, session_id: str) -> dict[str, Any]:
+        """A session's transcript (its turns, and the history its next turn would get)."""
+        return self.request("history", session_id=session_id)
+
+    def sessions(self, *, limit: int = protocol.DEFAULT_LIST_LIMIT) -> list[dict[str, Any]]:
+        return self.request("sessions", limit=limit)["sessions"]
+
+    def close_session(self, session_id: str) -> dict[str, Any]:
+        """Stop the session's live turn, remove its browser profile; it takes no new turn."""
+        return self.request("session_close", session_id=session_id)
 
     def status(self, run_id: str | None = None) -> dict[str, Any]:
         return self.request("status", run_id=run_id)

@@ -77,6 +77,11 @@ class Config:
     # Fork runners from a pre-initialised zygote where that is exact ("auto": Linux, the
     # daemon a child subreaper, the stock runner), or always start them cold ("off").
     zygote: str = "auto"
+    # Session browser profiles (cookies, storage kept across a session's turns): removed
+    # when the session is closed, after this long unused (seconds), and the least recently
+    # used beyond this many.
+    session_profile_ttl_s: float = 7 * 24 * 3600.0
+    session_profiles_max: int = 32
 
     @property
     def token_path(self) -> Path:
@@ -148,13 +153,13 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
         try:
             if f.name in {"state_dir", "runs_dir"}:
                 v = None if v in (None, "") else Path(v)
-            elif f.name in {"port", "max_concurrent", "pool_size", "max_message_bytes", "dashboard_port"}:
+            elif f.name in {"port", "max_concurrent", "pool_size", "max_message_bytes", "dashboard_port", "session_profiles_max"}:
                 v = int(v)
                 if v < 0:
                     raise ValueError("must be >= 0")
                 if f.name == "port" and v > 65535:
                     raise ValueError("must be <= 65535")
-            elif f.name in {"grace_s"}:
+            elif f.name in {"grace_s", "session_profile_ttl_s"}:
                 v = float(v)
                 if v < 0:
                     raise ValueError("must be >= 0")

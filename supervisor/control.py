@@ -431,7 +431,7 @@ class _Connection:
         if isinstance(req, protocol.HistoryRequest):
             return await _optional(b, "history", "session history")(req.session_id)
         if isinstance(req, protocol.SessionsRequest):
-            return await _optional(b, "sessions", "sessions")(limit=req.limit)
+            return await _optional(b, "list_sessions", "sessions")(limit=req.limit)
         if isinstance(req, protocol.SessionCloseRequest):
             return await _optional(b, "close_session", "closing sessions")(req.session_id)
         raise AssertionError(f"unhandled op {req.op!r}")

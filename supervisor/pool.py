@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from subagent.approvals import ANSWERS_ENV
 from subagent.sandbox import SANDBOX_ENV, Settings
 from supervisor import process
+from supervisor.approvals import make_channel, remove_channel
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import SpawnError
@@ -92,6 +94,9 @@ async def new_tree(
     run_dir = config.run_root / tree_id
     await trio.to_thread.run_sync(_make_run_dir, run_dir)
     env = runner_env(run_dir, config=config)
+    # Approvals reach the runner here (supervisor.approvals): beside the run dir, so out
+    # of its tools' reach; the runner opens it before it sandboxes itself.
+    env[ANSWERS_ENV] = str(await trio.to_thread.run_sync(make_channel, run_dir))
     if extra_env:
         env.update(extra_env)
     args = ["--warm"] if warm else []
@@ -212,8 +217,10 @@ def _make_run_dir(path: Path) -> None:
 
 
 def remove_dir(path: Path) -> None:
-    """Remove a run directory, and the short browser TMPDIR link that may point into it."""
+    """Remove a run directory, the short browser TMPDIR link that may point into it, and
+    its approval answer channel."""
     from subagent.browser import release_browser_dir
 
     release_browser_dir(path)
     shutil.rmtree(path, ignore_errors=True)
+    remove_channel(path)

@@ -140,7 +140,7 @@ class Backend(Protocol):
     Optional methods, used when present: ``cancel_session(session_id, *, reason)``,
     ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``approve(run_id,
     call_id)`` and ``deny(run_id, call_id, *, reason)`` (``{"run_id", "call_id",
-    "decision", "state"}``), ``history(session_id)``, ``sessions(*, limit)``,
+    "decision", "state"}``), ``history(session_id)``, ``list_sessions(*, limit)``,
     ``close_session(session_id)`` (see ``docs/control-protocol.md``), ``summary() -> dict``
     (shown by ``status`` without a run id) and ``events_page(run_id, after_seq, *, limit,
     max_bytes) -> (events, more)``: like ``events_after`` but also bounded in bytes (the

@@ -6,7 +6,8 @@ daemon, so its events are read from ``events.jsonl`` in its run dir and its resu
 ``result.json``; both cancel paths still reach its tree). A stop the old daemon
 acknowledged is resumed at once, without a second cancel: path A again, path B with what
 is left of the grace counted from the original cancel, the original reason kept; a
-timeout keeps its wall-clock deadline. A run whose runner is gone is what its complete
+timeout keeps its wall-clock deadline, and so does a call awaiting approval (still
+answerable through the run's answer channel). A run whose runner is gone is what its complete
 ``result.json`` says it was (completed, failed, cancelled, with its tool records); only a
 run without a result is marked ``lost`` with its last partial result. Any leftovers are
 swept. Nothing terminal changes.
@@ -95,6 +96,8 @@ async def _recover_one(self: RunManager, row: Any) -> _Run | None:
         last_seq=row["last_seq"],
     )
     run.deadline = row["deadline"]
+    # Calls that were awaiting approval still are: their records say so, deadlines included.
+    run.approvals.restore(row["tool_calls"])
     if run.deadline is None and run.timeout_s is not None and row["started_at"] is not None:
         run.deadline = row["started_at"] + run.timeout_s  # a journal from before deadlines
     if row["cancel_reason"] is not None:
@@ -108,7 +111,7 @@ async def _recover_one(self: RunManager, row: Any) -> _Run | None:
             run.path_a = process.soft_stop(found.tree)
             note["resumed_stop"] = {"reason": run.token.reason, "grace_left_s": _grace_left(self, run)}
         await self._record(run, "daemon", note)
-        if run.token.cancelled and run.state in (RunState.STARTING, RunState.RUNNING):
+        if run.token.cancelled and run.state in (RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL):
             await self._transition(run, RunState.CANCELLING, reason=run.token.reason)
         return run
     stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
@@ -208,6 +211,7 @@ async def _adopted_lifecycle(self: RunManager, run: _Run) -> None:
     try:
         async with trio.open_nursery() as io:
             io.start_soon(tail_events_file, self, run, tree)
+            io.start_soon(self.approvals.watch, run)
             if run.deadline is not None and not run.token.cancelled:
                 io.start_soon(self._timeout, run)
             with trio.CancelScope() as run.scope:

@@ -41,14 +41,16 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
 from supervisor import process, recovery
 from supervisor._backlog import Backlog
+from supervisor.approvals import ApprovalDesk, Hooks, RunApprovals
 from supervisor._stop_receipt import describe_tool_stops
 from supervisor.config import Config
 from supervisor.containment import Containment
-from supervisor.errors import JournalError, JournalUnavailable, RunNotFound, SpawnError
+from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
 from supervisor.journal import Journal
 from supervisor.pool import WarmPool, new_tree, remove_dir
 from supervisor.progress import LineSplitter
-from supervisor.protocol import Secret
+from supervisor.protocol import ErrorCode, Secret
+from supervisor.sessions import SessionDesk
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
 from supervisor.token import CancelToken
 from supervisor.zygote import Zygote, usable
@@ -64,6 +66,9 @@ MAX_RESULT_BYTES = 16 * 1024 * 1024
 SUBSCRIBER_BUFFER = 4096
 # Margin on top of the grace for waiting on every run to end at shutdown.
 SHUTDOWN_MARGIN_S = 5.0
+# Margin on top of the grace for an interrupted (or closed) session's live turn to end
+# before the new turn (or the close) goes ahead.
+INTERRUPT_MARGIN_S = 5.0
 
 
 @dataclass(eq=False)
@@ -101,6 +106,12 @@ class _Run:
     stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
+    approvals: RunApprovals = field(default_factory=RunApprovals)  # calls awaiting a person's OK
+    runner_spec: dict[str, Any] | None = None  # what the runner reads: spec + its session's history
+
+    @property
+    def stopping(self) -> bool:
+        return self.token.cancelled
 
 
 class RunManager:
@@ -118,6 +129,16 @@ class RunManager:
         self._zygote = Zygote(config, containment) if usable(config, containment) else None
         self._pool = WarmPool(config, containment, self._zygote) if config.pool_size > 0 else None
         self.backlog = Backlog(journal, on_flushed=self._flushed)
+        self.approvals = ApprovalDesk(
+            Hooks(
+                record=self._record,
+                transition=lambda run, new: self._transition(run, new),
+                cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
+            )
+        )
+        self.session_desk = SessionDesk(
+            config, journal, live_sessions=lambda: {r.session_id for r in self._live.values() if r.session_id}
+        )
         # Ended runs whose facts still wait for the journal (degraded mode).
         self._unflushed: dict[str, _Run] = {}
 
@@ -134,6 +155,7 @@ class RunManager:
                 await nursery.start(self._zygote.run)
             if self._pool is not None:
                 await nursery.start(self._pool.run)
+            await nursery.start(self.session_desk.run)
             self._accepting = True
             task_status.started()
             await trio.sleep_forever()
@@ -178,11 +200,19 @@ class RunManager:
         session_id: str | None = None,
         timeout_s: float | None = None,
         model_key: Secret | None = None,
+        interrupt: bool = False,
     ) -> dict[str, Any]:
         """Start a run. ``model_key``: its own model API key (see ``_validate_spec``).
 
+        With a session (``session_id``, or the spec's) the run is the session's next turn:
+        it gets the history of the turns before it. One turn of a session is live at a
+        time: with ``interrupt`` the live one is cancelled (reason ``user``) and waited for
+        first; without, the spawn is refused.
+
         Raises:
             SpawnError: not accepting runs, or a spec the run cannot carry out.
+            ControlProtocolError: ``session_busy`` (the session has a live turn),
+                ``refused`` (the session was closed, or its live turn would not end).
         """
         if not self._accepting or self._nursery is None:
             raise SpawnError("the daemon is not accepting runs (shutting down)")
@@ -197,11 +227,51 @@ class RunManager:
             session_id = spec.get("session_id")
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
+        if "session" in spec:
+            raise SpawnError(
+                "invalid run spec: session: the daemon sets it for a turn of a session (its history, its "
+                "browser profile); spawn with a session_id instead"
+            )
         provider = _validate_spec(spec, model_key, self.config)
         if provider is not None:
             # The provider chosen here, from this daemon's environment, is the one the run
             # uses and the one status shows: the runner does not choose again.
             spec["model"] = {**(spec.get("model") or {}), "provider": provider}
+        if not isinstance(session_id, str):
+            return await self._create(run_id, None, spec, timeout_s, model_key)
+        async with self.session_desk.lock(session_id):
+            await self.session_desk.open(session_id)
+            live = [r for r in self._live.values() if r.session_id == session_id]
+            if live and not interrupt:
+                raise ControlProtocolError(
+                    ErrorCode.SESSION_BUSY,
+                    f"session {session_id!r} has a live turn, run {live[0].run_id!r} ({live[0].state}): "
+                    "wait for it to end, cancel it, or start the new turn with interrupt (agentd spawn --interrupt)",
+                )
+            await self._end_turns(live, "user", f"a new turn of session {session_id!r}")
+            return await self._create(run_id, session_id, spec, timeout_s, model_key)
+
+    async def _end_turns(self, runs: list[_Run], reason: str, why: str) -> None:
+        """Cancel live turns through the normal path and wait for their terminal facts.
+
+        Raises:
+            ControlProtocolError: ``refused``, one has not ended after the grace and a margin.
+        """
+        if not runs:
+            return
+        await self._cancel_many([r.run_id for r in runs], reason)
+        with trio.move_on_after(self.config.grace_s + INTERRUPT_MARGIN_S):
+            for run in runs:
+                await run.done.wait()
+        left = [r.run_id for r in runs if not r.done.is_set()]
+        if left:
+            raise ControlProtocolError(ErrorCode.REFUSED, f"{why}: the live turn {left[0]!r} has not ended yet (stop sent)")
+
+    async def _create(
+        self, run_id: str, session_id: str | None, spec: dict[str, Any], timeout_s: float | None, model_key: Secret | None
+    ) -> dict[str, Any]:
+        if not self._accepting or self._nursery is None:
+            raise SpawnError("the daemon is not accepting runs (shutting down)")
         run = _Run(
             run_id=run_id,
             session_id=session_id,
@@ -250,7 +320,7 @@ class RunManager:
             await self._write(
                 run, "stop intent", lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until), True
             )
-            if run.state in (RunState.STARTING, RunState.RUNNING):
+            if run.state in (RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL):
                 await self._transition(run, RunState.CANCELLING, reason=reason)
         out = {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
         if self.backlog.pending(run_id):
@@ -281,6 +351,45 @@ class RunManager:
             return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": "the runner closed its input"}
         await self._record(run, "steer_sent", {"text": text})
         return {"run_id": run_id, "accepted": True, "state": str(run.state)}
+
+    async def approve(self, run_id: str, call_id: str) -> dict[str, Any]:
+        """A person's OK for a call awaiting approval: it runs (``supervisor.approvals``)."""
+        return await self.approvals.answer(await self._live_run(run_id), call_id, approve=True)
+
+    async def deny(self, run_id: str, call_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        """A person's no: the call never runs, the model is told why, the turn goes on."""
+        return await self.approvals.answer(await self._live_run(run_id), call_id, approve=False, reason=reason)
+
+    async def _live_run(self, run_id: str) -> _Run:
+        run = self._live.get(run_id)
+        if run is not None:
+            return run
+        row = await self.journal.get_run(run_id)
+        if row is None:
+            raise RunNotFound(run_id)
+        raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r} has ended ({row['state']}): nothing awaits approval")
+
+    async def history(self, session_id: str) -> dict[str, Any]:
+        """A session's transcript, rebuilt from the journal (``supervisor.sessions``)."""
+        live = {r.run_id: str(r.state) for r in self._live.values() if r.session_id == session_id}
+        return await self.session_desk.history(session_id, live)
+
+    async def list_sessions(self, *, limit: int = 50) -> dict[str, Any]:
+        live = {r.session_id: (r.run_id, str(r.state)) for r in self._live.values() if r.session_id}
+        return await self.session_desk.list(limit, live)
+
+    async def close_session(self, session_id: str) -> dict[str, Any]:
+        """Close a session: its live turn is stopped (and waited for), its profile removed."""
+        async with self.session_desk.lock(session_id):
+            live = [r for r in self._live.values() if r.session_id == session_id]
+            await self._end_turns(live, "session_closed", f"closing session {session_id!r}")
+            was_open, removed = await self.session_desk.close(session_id)
+        return {
+            "session_id": session_id,
+            "was_open": was_open,
+            "stopped": [r.run_id for r in live],
+            "profile_removed": removed,
+        }
 
     async def summary(self) -> dict[str, Any]:
         """The daemon at a glance, for ``status`` without a run id."""
@@ -325,6 +434,7 @@ class RunManager:
             raise RunNotFound(run_id)
         run = self._live.get(run_id)
         row["live"] = run is not None
+        row["approvals"] = run.approvals.view() if run is not None else []
         if run is not None:
             row["state"] = str(run.state)
             if run.partial is not None:
@@ -443,6 +553,22 @@ class RunManager:
 
     async def _execute(self, run: _Run) -> None:
         await self._transition(run, RunState.STARTING)
+        if run.session_id is not None:
+            try:
+                run.runner_spec, session_event = await self.session_desk.prepare_turn(run.run_id, run.session_id, run.spec)
+            except (OSError, JournalError) as exc:
+                logger.warning("run %s: could not prepare its session's turn: %s", run.run_id, exc)
+                await self._finish(
+                    run,
+                    RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+                    reason=run.token.reason or "session_setup",
+                    result=None,
+                    partial=False,
+                    error={"code": "session_setup", "message": f"the session's history or profile: {exc}"},
+                    receipt=None,
+                )
+                return
+            await self._record(run, "session", session_event)
         if run.timeout_s is not None and run.deadline is None:
             # Absolute: a daemon restart does not extend it (recovery reads it back).
             run.deadline = time.time() + run.timeout_s
@@ -487,6 +613,7 @@ class RunManager:
         receipt: dict[str, Any] = {}
         async with trio.open_nursery() as io:
             io.start_soon(self._feed_stdin, run, tree)
+            io.start_soon(self.approvals.watch, run)
             if run.deadline is not None:
                 io.start_soon(self._timeout, run)
             # The pipes are read outside the run's scope (a stop must not deafen us) and
@@ -664,7 +791,7 @@ class RunManager:
             return
         try:
             async with run.stdin_lock:
-                await stdin.send_all((json.dumps(run.spec) + "\n").encode())
+                await stdin.send_all((json.dumps(run.runner_spec or run.spec) + "\n").encode())
             run.stdin = stdin
             await trio.sleep_forever()  # until the run ends and cancels the pumps
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -745,6 +872,9 @@ class RunManager:
             await self._record(run, "stderr", {"text": json.dumps(item.to_dict())[:2000], "problem": f"bad {kind} event: {exc!r}"})
             return
         await self._record(run, str(kind), data, ts=item.ts)
+        if kind in (EventKind.APPROVAL_REQUESTED, EventKind.APPROVAL_ANSWERED):
+            # After the event: a watcher sees what is asked, then the state it puts the run in.
+            await self.approvals.on_event(run, kind, data)
 
     # ------------------------------------------------------------------ journal + fan-out
 

@@ -132,7 +132,8 @@ async def test_five_cancels_at_once_give_one_terminal_fact_and_spare_the_next_tu
         async with trio.open_nursery() as n:
             for _ in range(5):
                 n.start_soon(press)
-        nxt = await daemon.m.spawn(task(snapshots=1), session_id="s-1")
+        # One turn of a session is live at a time: the next waits for this one's end.
+        nxt = await daemon.m.spawn(task(snapshots=1), session_id="s-1", interrupt=True)
         st = await daemon.m.wait_terminal(r["run_id"])
         late = await daemon.m.cancel(r["run_id"])
         await _wait_event(daemon, nxt["run_id"], "step_snapshot")

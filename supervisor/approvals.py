@@ -1,0 +1,258 @@
+"""Approvals on the daemon's side: calls waiting for a person's OK, answers, deadlines.
+
+A runner asks (``approval_requested``, and the call's record says ``approval: pending``
+with its wall-clock deadline); the run goes to ``awaiting_approval`` and ``status`` lists
+the call. ``approve``/``deny`` write one answer line into the run's *answer channel*, a
+FIFO next to its run directory (``answers_path``) that the runner opened before it
+sandboxed itself, so a restarted daemon answers a re-adopted runner the same way and the
+run's own tools cannot answer for it. The answer is journaled (``approval_sent``); the
+runner says what it did with it (``approval_answered``) and the run goes back to
+``running``. At the earliest deadline still pending the run is cancelled with reason
+``approval_timeout``, through the manager's normal cancel (both paths, journaled intent):
+a timeout is a stop. Pending calls live in the journal (the records), so ``restore``
+rebuilds them for a re-adopted run, deadlines included.
+
+The manager owns the runs; this module sees it through ``Hooks`` (record an event, move
+a run's state, cancel a run) and keeps each run's pending calls in its ``RunApprovals``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+from subagent.events import Approval, EventKind, ToolCallState
+from supervisor.errors import ControlProtocolError
+from supervisor.protocol import ErrorCode
+from supervisor.states import RunState
+
+__all__ = [
+    "ANSWERS_SUFFIX",
+    "APPROVAL_TIMEOUT_REASON",
+    "Pending",
+    "RunApprovals",
+    "Hooks",
+    "ApprovalDesk",
+    "answers_path",
+    "make_channel",
+    "remove_channel",
+]
+
+logger = logging.getLogger(__name__)
+
+ANSWERS_SUFFIX: Final = ".answers"
+APPROVAL_TIMEOUT_REASON: Final = "approval_timeout"
+# One answer is one write below PIPE_BUF (4096 on Linux): atomic, never interleaved.
+MAX_ANSWER_BYTES: Final = 4000
+
+
+def answers_path(run_dir: Path) -> Path:
+    """The run's answer channel: beside its run directory, so outside the run's sandbox."""
+    return run_dir.with_name(run_dir.name + ANSWERS_SUFFIX)
+
+
+def make_channel(run_dir: Path) -> Path:
+    """Make the run's answer FIFO (mode 0600). Blocking."""
+    path = answers_path(run_dir)
+    os.mkfifo(path, 0o600)
+    return path
+
+
+def remove_channel(run_dir: Path) -> None:
+    """Remove the run's answer FIFO, if any. Blocking; idempotent."""
+    try:
+        answers_path(run_dir).unlink()
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(slots=True)
+class Pending:
+    call_id: str
+    name: str
+    arguments: str
+    step: int | None
+    deadline: float | None  # wall clock
+    sent: str | None = None  # "approve" / "deny" once an answer went out
+
+    def view(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.arguments,
+            "step": self.step,
+            "deadline": self.deadline,
+        }
+        if self.sent is not None:
+            out["answer_sent"] = self.sent
+        return out
+
+
+@dataclass
+class RunApprovals:
+    """One run's calls waiting for an answer."""
+
+    pending: dict[str, Pending] = field(default_factory=dict)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def add(self, data: Mapping[str, Any]) -> Pending | None:
+        call_id = data.get("call_id")
+        if not isinstance(call_id, str) or not call_id:
+            return None
+        deadline = data.get("deadline")
+        step = data.get("step")
+        p = Pending(
+            call_id=call_id,
+            name=str(data.get("name") or ""),
+            arguments=str(data.get("arguments") or ""),
+            step=step if isinstance(step, int) else None,
+            deadline=float(deadline) if isinstance(deadline, (int, float)) else None,
+        )
+        self.pending[call_id] = p
+        self._changed()
+        return p
+
+    def drop(self, call_id: str) -> bool:
+        found = self.pending.pop(call_id, None) is not None
+        if found:
+            self._changed()
+        return found
+
+    def restore(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """A re-adopted run's pending calls, from its journaled records."""
+        for rec in records:
+            if rec.get("approval") == Approval.PENDING and rec.get("state") == ToolCallState.NOT_STARTED and not rec.get("reason"):
+                self.add({
+                    "call_id": rec.get("id"),
+                    "name": rec.get("name"),
+                    "arguments": rec.get("arguments"),
+                    "step": rec.get("step"),
+                    "deadline": rec.get("approval_deadline"),
+                })
+
+    def view(self) -> list[dict[str, Any]]:
+        return [p.view() for p in self.pending.values()]
+
+    def next_deadline(self) -> float | None:
+        deadlines = [p.deadline for p in self.pending.values() if p.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What the desk asks of the run manager."""
+
+    record: Callable[[Any, str, dict[str, Any]], Awaitable[Any]]  # (run, kind, data): journal + fan out
+    transition: Callable[[Any, RunState], Awaitable[Any]]  # (run, new live state)
+    cancel: Callable[[str, str], Awaitable[Any]]  # (run_id, reason): the normal cancel
+
+
+class ApprovalDesk:
+    """Pending calls of every run, through each run's ``approvals`` (a ``RunApprovals``)
+    and its ``stopping`` flag (a stop is under way: answers are refused)."""
+
+    def __init__(self, hooks: Hooks) -> None:
+        self._hooks = hooks
+
+    async def on_event(self, run: Any, kind: str, data: Mapping[str, Any]) -> None:
+        """A runner's ``approval_requested`` / ``approval_answered``: the run's state follows."""
+        approvals: RunApprovals = run.approvals
+        if kind == EventKind.APPROVAL_REQUESTED:
+            if approvals.add(data) is not None and run.state == RunState.RUNNING:
+                await self._hooks.transition(run, RunState.AWAITING_APPROVAL)
+        elif kind == EventKind.APPROVAL_ANSWERED:
+            call_id = data.get("call_id")
+            if isinstance(call_id, str):
+                approvals.drop(call_id)
+            if not approvals.pending and run.state == RunState.AWAITING_APPROVAL:
+                await self._hooks.transition(run, RunState.RUNNING)
+
+    async def answer(self, run: Any, call_id: str, *, approve: bool, reason: str | None = None) -> dict[str, Any]:
+        """Send a person's answer to a pending call.
+
+        Raises:
+            ControlProtocolError: ``refused`` when the call is not waiting (never asked,
+                answered already, the run is stopping) or the runner does not listen.
+        """
+        decision = "approve" if approve else "deny"
+        p: Pending | None = run.approvals.pending.get(call_id)
+        if p is None:
+            raise ControlProtocolError(
+                ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state})"
+            )
+        if p.sent is not None:
+            raise ControlProtocolError(ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} was answered already ({p.sent})")
+        if run.stopping:
+            raise ControlProtocolError(
+                ErrorCode.REFUSED, f"run {run.run_id!r} is being stopped: call {call_id!r} will be rejected, not run"
+            )
+        if run.run_dir is None:
+            raise ControlProtocolError(ErrorCode.REFUSED, f"run {run.run_id!r} has no runner to answer")
+        _send(answers_path(run.run_dir), _line(call_id, decision, reason), run.run_id)
+        p.sent = decision
+        await self._hooks.record(run, "approval_sent", {"call_id": call_id, "decision": decision, "reason": reason})
+        return {
+            "run_id": run.run_id,
+            "call_id": call_id,
+            "decision": "approved" if approve else "denied",
+            "state": str(run.state),
+        }
+
+    async def watch(self, run: Any) -> None:
+        """Cancel the run (reason ``approval_timeout``) at its earliest pending deadline.
+
+        Runs beside the run's supervision until the run ends (its nursery cancels it).
+        """
+        approvals: RunApprovals = run.approvals
+        while True:
+            changed = approvals.changed
+            deadline = approvals.next_deadline()
+            if deadline is None or run.stopping:
+                await changed.wait()
+                continue
+            with trio.move_on_after(max(0.0, deadline - time.time())):
+                await changed.wait()
+                continue
+            if approvals.next_deadline() is not None and not run.stopping:
+                logger.info("run %s: an approval ran out of time; stopping the run", run.run_id)
+                await self._hooks.cancel(run.run_id, APPROVAL_TIMEOUT_REASON)
+            return
+
+
+def _line(call_id: str, decision: str, reason: str | None) -> bytes:
+    obj: dict[str, Any] = {"call_id": call_id, "decision": decision}
+    if reason:
+        obj["reason"] = reason
+    data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+    while len(data) > MAX_ANSWER_BYTES and obj.get("reason"):
+        obj["reason"] = obj["reason"][: max(0, len(obj["reason"]) // 2)]
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+    return data
+
+
+def _send(path: Path, data: bytes, run_id: str) -> None:
+    """One atomic write into the channel; a runner that is not listening is a refusal."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "the runner is not listening (it has ended)" if exc.errno in (errno.ENXIO, errno.ENOENT) else str(exc)
+        raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {why}") from exc
+    try:
+        os.write(fd, data)
+    except OSError as exc:
+        raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {exc}") from exc
+    finally:
+        os.close(fd)
