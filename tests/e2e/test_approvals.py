@@ -1,0 +1,146 @@
+"""Acceptance: a tool call that needs a person's OK waits for it, and a stop ends the wait.
+
+Real daemon processes, the real runner with the scripted model, a real journal. The call
+is a ``run_command`` that leaves a side-effect file in a directory granted to the run, so
+"the tool never ran" is a file that is absent, not a record's word.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tests.e2e.test_conversations import Session
+from tests.supervisor.test_restart_stop import daemon, kill9
+
+SCENARIO_S = 60.0
+
+
+def approval_spec(shared: Path, *, timeout_s: float | None = None, final: str = "done") -> dict[str, Any]:
+    side_effect = shared / "side-effect"
+    script = {
+        "turns": [{"text": "Writing it.", "tool_calls": [{"name": "run_command", "id": "call_w", "arguments": {"command": f"echo wrote > {side_effect}"}}]}],
+        "final": final,
+    }
+    approval: dict[str, Any] = {"commands": ["echo wrote*"]}
+    if timeout_s is not None:
+        approval["timeout_s"] = timeout_s
+    return {
+        "task": "write the file",
+        "model": {"provider": "scripted", "script": script},
+        "approval": approval,
+        "sandbox": {"write": [str(shared)]},
+    }
+
+
+def asked(msg: dict[str, Any]) -> bool:
+    return msg["kind"] == "approval_requested"
+
+
+def awaiting(msg: dict[str, Any]) -> bool:
+    return msg["kind"] == "state" and msg["data"]["state"] == "awaiting_approval"
+
+
+async def test_an_approved_call_runs(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
+            request = await s.wait(rid, asked)
+            await s.wait(rid, awaiting)
+            waiting = await c.call("status", run_id=rid)
+            assert not (shared / "side-effect").exists()  # it waits: nothing ran yet
+            answer = await c.call("approve", run_id=rid, call_id="call_w")
+            final = await s.end(rid)
+            again = await s.reply("approve", run_id=rid, call_id="call_w")
+    assert request is not None and request["data"]["name"] == "run_command"
+    assert json.loads(request["data"]["arguments"])["command"].startswith("echo wrote")
+    assert waiting["state"] == "awaiting_approval"
+    (pending,) = waiting["approvals"]
+    assert pending["call_id"] == "call_w" and pending["name"] == "run_command" and pending["deadline"] > 0
+    assert answer["decision"] == "approved"
+    assert final["state"] == "completed"
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"]) == ("succeeded", "approved")
+    assert (shared / "side-effect").read_text() == "wrote\n"
+    assert again["ok"] is False and again["error"]["code"] == "refused"
+
+
+async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    spec = approval_spec(shared, final="The tool said: {{last_output}}")
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await s.wait(rid, awaiting)
+            await c.call("deny", run_id=rid, call_id="call_w", reason="not on a Friday")
+            final = await s.end(rid)
+            events = (await c.call("events", run_id=rid))["events"]
+    assert final["state"] == "completed"
+    assert final["result"]["final_text"] == "The tool said: denied by the user: not on a Friday"
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"], call["approval_reason"]) == ("rejected", "denied", "not on a Friday")
+    assert not (shared / "side-effect").exists()
+    states = [e["data"]["state"] for e in events if e["kind"] == "state"]
+    assert states == ["queued", "starting", "running", "awaiting_approval", "running", "completed"]
+
+
+async def test_a_cancel_while_awaiting_approval_rejects_the_call_and_cancels_the_run(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
+            await s.wait(rid, awaiting)
+            await c.call("cancel", run_id=rid)
+            final = await s.end(rid)
+            late = await s.reply("approve", run_id=rid, call_id="call_w")
+    assert (final["state"], final["reason"]) == ("cancelled", "user")
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"]) == ("rejected", "rejected")
+    assert call["output"] is None and call["started_at"] is None
+    assert call["stop_effect"] == "rejected_awaiting_approval"
+    assert not (shared / "side-effect").exists()
+    assert late["ok"] is False and late["error"]["code"] == "refused"
+
+
+async def test_an_approval_that_times_out_cancels_the_run_with_its_own_reason(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            rid = (await c.call("spawn", spec=approval_spec(shared, timeout_s=1.0)))["run_id"]
+            final = await Session(c).end(rid)
+    assert (final["state"], final["reason"], final["cancel_reason"]) == ("cancelled", "approval_timeout", "approval_timeout")
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"]) == ("rejected", "rejected")
+    assert not (shared / "side-effect").exists()
+
+
+async def test_a_pending_approval_survives_a_daemon_kill_and_the_call_runs_once_approved(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = tmp_path / "state"
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
+            await Session(c).wait(rid, awaiting)
+            await kill9(d1, c)
+        async with daemon(state, grace_s=5.0) as (_d2, c):
+            s = Session(c)
+            waiting = await c.call("status", run_id=rid)
+            await c.call("approve", run_id=rid, call_id="call_w")
+            final = await s.end(rid)
+    assert waiting["state"] == "awaiting_approval" and [a["call_id"] for a in waiting["approvals"]] == ["call_w"]
+    assert final["state"] == "completed"
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"]) == ("succeeded", "approved")
+    assert (shared / "side-effect").read_text() == "wrote\n"
