@@ -71,6 +71,21 @@ def _make_provider(spec: RunSpec) -> Provider:
 
 # Bounds the last-resort sweep of a run's browser processes after its server closed (seconds).
 BROWSER_SWEEP_TIMEOUT_S = 10.0
+# Bounds closing a session's browser before its server goes (seconds): @playwright/mcp
+# ends Chromium abruptly when its stdin closes, losing cookies not yet written to the
+# profile; ``browser_close`` lets Chromium shut down and write them.
+BROWSER_CLOSE_TIMEOUT_S = 5.0
+
+
+async def _close_session_browser(server: Any) -> None:
+    # Teardown, not a tool call of the model's: it runs after a stop too (a stop must not
+    # log the user out), bounded, and a browser that does not answer is ended as before.
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(BROWSER_CLOSE_TIMEOUT_S):
+            try:
+                await server.call("browser_close", {})
+            except Exception as exc:  # a dead or broken server: the normal close ends it
+                logger.warning("closing the session's browser failed: %s", exc)
 
 
 async def _end_browser(browser: Any, base: Path, profile: str | None = None) -> None:
@@ -228,6 +243,9 @@ async def run(
                         stack.push_async_callback(provider.aclose)
                         stop.phase = "setup"
                         servers = await _start_servers(_server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter)
+                        if spec.session.browser_profile is not None and "browser" in servers:
+                            # Pushed after the server: it runs before the server is closed.
+                            stack.push_async_callback(_close_session_browser, servers["browser"])
                         stop.phase = "idle"
                         def on_group(pgid: int, alive: bool, kind: str, name: str, on_stop: str | None) -> None:
                             # on_stop tells the daemon's path A whether it may SIGTERM this group.

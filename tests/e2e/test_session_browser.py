@@ -1,0 +1,157 @@
+"""Acceptance, real Chromium: a session's browser state outlives a stopped turn, not its close.
+
+The daemon runs in-process on a temp state dir; each turn is a scripted sub-agent driving
+@playwright/mcp and Chromium against a site this test serves on 127.0.0.1. Turn 1 signs in
+(the site sets a cookie) and is cancelled while its model is thinking; turn 2 of the same
+session opens a page that shows the cookie the browser sent. Closing the session removes
+the profile; no process of either turn is left (checked by their dirs, the profile path,
+and the suite's own leak check).
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.daemon import serve
+from supervisor.runs import RunManager
+from tests import browser_support as bs
+from tests import conftest
+
+pytestmark = pytest.mark.chromium
+
+GRACE_S = 3.0
+SCENARIO_S = 120.0
+COOKIE = "agentd_login=alice-42"
+
+
+class _Site(http.server.ThreadingHTTPServer):
+    cookies_seen: list[str]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Site
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path == "/set":
+            body, extra = "<h1>Signed in</h1>", [("Set-Cookie", f"{COOKIE}; Max-Age=3600; Path=/")]
+        elif self.path == "/show":
+            cookie = self.headers.get("Cookie") or "none"
+            self.server.cookies_seen.append(cookie)
+            body, extra = f"<h1>Cookie: {cookie}</h1>", []
+        else:
+            self.send_error(404)
+            return
+        data = f"<!doctype html><html><body>{body}</body></html>".encode()
+        self.send_response(200)
+        for k, v in [("Content-Type", "text/html"), ("Content-Length", str(len(data))), *extra]:
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def site() -> Any:
+    server = _Site(("127.0.0.1", 0), _Handler)
+    server.cookies_seen = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture
+async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunManager]:
+    bs.require_browser()
+    conftest.require(bs.runner_available(), "subagent.runner")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    config = Config.load(state_dir=tmp_path / "state", grace_s=GRACE_S, environ={})
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        yield info["manager"]
+        stop.set()
+
+
+def spec(turns: list[Any], *, extract: str | None = None, final: str = "done") -> dict[str, Any]:
+    script: dict[str, Any] = {"turns": turns, "final": final}
+    if extract:
+        script["extract"] = extract
+    return {
+        "task": "use the site",
+        "model": {"provider": "scripted", "script": script},
+        "builtin_tools": [],
+        "browser": True,
+        "limits": {"max_steps": 6},
+    }
+
+
+async def wait_event(m: RunManager, run_id: str, kind: str) -> dict[str, Any]:
+    async with m.subscribe(run_id) as live:
+        for ev in await m.events_after(run_id, 0):
+            if ev["kind"] == kind:
+                return ev
+        async for ev in live:
+            if ev["kind"] == kind:
+                return ev
+    raise AssertionError(f"run {run_id} ended without a {kind!r} event")
+
+
+async def test_a_stopped_turn_keeps_the_sessions_login_for_the_next_turn_and_closing_removes_it(
+    manager: RunManager, site: Any
+) -> None:
+    url = f"http://127.0.0.1:{site.server_address[1]}"
+    sign_in = spec([{"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/set"}}]}, {"hang": True}])
+    # Turn 2's history holds turn 1's one assistant message: its script starts at turn 1.
+    read_back = spec(
+        [
+            {},
+            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/show"}}]},
+            {"tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
+        ],
+        extract=r"Cookie: agentd_login=([\w-]+)",
+        final="The site still knows me as {{match}}.",
+    )
+    with trio.fail_after(SCENARIO_S):
+        first = await manager.spawn(sign_in, session_id="web-1")
+        await wait_event(manager, first["run_id"], "step_started")
+        async with manager.subscribe(first["run_id"]) as live:
+            async for ev in live:  # the sign-in page loaded: the model is thinking again
+                if ev["kind"] == "step_started" and ev["data"]["step"] == 2:
+                    break
+        await manager.cancel(first["run_id"])
+        turn1 = await manager.wait_terminal(first["run_id"])
+        profile = Path(manager.session_desk.profile_path("web-1"))
+        kept = profile.is_dir() and any(profile.iterdir())
+        second = await manager.spawn(read_back, session_id="web-1")
+        turn2 = await manager.wait_terminal(second["run_id"])
+        sessions = (await manager.list_sessions())["sessions"]
+        closed = await manager.close_session("web-1")
+        frags = [str(profile), *(f"{turn['run_dir']}/" for turn in (turn1, turn2))]
+        await trio.to_thread.run_sync(lambda: bs.wait_no_browser_left(None, frags))
+    assert turn1["state"] == "cancelled" and kept
+    (nav,) = turn1["tool_calls"]
+    assert (nav["name"], nav["state"]) == ("browser_navigate", "succeeded")
+    assert turn1["sandbox"]["write"][-1] == str(profile)  # granted by the daemon, explicitly
+    assert turn2["state"] == "completed", turn2
+    assert turn2["result"]["final_text"] == "The site still knows me as alice-42.", turn2["tool_calls"]
+    assert site.cookies_seen == [COOKIE]
+    (row,) = sessions
+    assert row["profile"]["path"] == str(profile)
+    assert closed == {"session_id": "web-1", "was_open": True, "stopped": [], "profile_removed": True}
+    assert not profile.exists() and not profile.parent.exists()
