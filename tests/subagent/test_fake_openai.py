@@ -124,3 +124,22 @@ async def test_a_malformed_request_gets_a_400_and_the_server_lives_on() -> None:
         nursery.cancel_scope.cancel()
     assert out.startswith(b"HTTP/1.1 400 ")
     assert again.startswith(b"HTTP/1.1 200 ") and b"fake-model" in again
+
+
+async def test_a_history_with_a_tool_call_that_has_no_result_is_refused_as_the_real_api_does() -> None:
+    call = {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    broken = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "y"}]
+    whole = [*broken[:2], {"role": "tool", "tool_call_id": "call_x", "content": "ok"}, broken[2]]
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI({"final": "fine"}).serve)
+        c = client(server)
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model="m", messages=broken, stream=True)
+        stream = await c.chat.completions.create(model="m", messages=whole, stream=True)
+        chunks = [ch async for ch in stream]
+        await c.close()
+        nursery.cancel_scope.cancel()
+    assert info.value.status_code == 400
+    assert "The following tool_call_ids did not have response messages: call_x" in str(info.value)
+    assert server.requests[0].rejected is not None and server.requests[1].rejected is None
+    assert chunks and server.requests[1].response_complete

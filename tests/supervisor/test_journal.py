@@ -939,3 +939,31 @@ async def test_groups_end_with_the_terminal_fact_when_the_tree_was_seen_dead(jou
     groups = {g["pgid"]: g for g in (await journal.get_run("r-1"))["groups"]}  # type: ignore[index]
     assert (groups[100]["alive"], groups[100]["ended_at"]) == (False, 20.0)
     assert (groups[101]["alive"], groups[101]["ended_at"]) == (False, 12.0)  # its own end kept
+
+
+async def test_a_v3_journal_gains_awaiting_approval_and_sessions_and_keeps_its_runs_and_guards(db: Path) -> None:
+    conn = _journal_schema.connect(str(db), target=3)
+    for n, state in enumerate(["running", "completed"]):
+        conn.execute(
+            "INSERT INTO runs (id, session_id, state, created_at, spec, last_seq) VALUES (?, 's', ?, ?, '{}', 1)",
+            (f"r{n}", state, float(n)),
+        )
+        conn.execute("INSERT INTO events VALUES (?, 1, 1.0, 'log', '{}')", (f"r{n}",))
+    with pytest.raises(sqlite3.IntegrityError):  # version 3 does not know the state
+        conn.execute("UPDATE runs SET state = 'awaiting_approval' WHERE id = 'r0'")
+    conn.close()
+    async with await Journal.open(db) as j:
+        assert await j.transition("r0", S.AWAITING_APPROVAL)
+        assert [r["id"] for r in await j.list_runs()] == ["r1", "r0"]
+        assert (await j.events_after("r1"))[0]["seq"] == 1
+        assert await j.open_session("s") is None
+    conn = raw(db)
+    assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET state = 'running' WHERE id = 'r1'")
+    with pytest.raises(sqlite3.IntegrityError, match="live run cannot be deleted"):
+        conn.execute("DELETE FROM runs WHERE id = 'r0'")
+    conn.execute("PRAGMA foreign_keys = ON")
+    with pytest.raises(sqlite3.IntegrityError):
+        conn.execute("INSERT INTO events VALUES ('nobody', 1, 1.0, 'log', '{}')")
+    conn.close()

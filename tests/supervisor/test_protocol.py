@@ -256,3 +256,34 @@ def test_encoding_a_value_nested_beyond_the_recursion_limit_is_a_value_error() -
 
 def test_sniff_id_never_returns_what_cannot_be_echoed() -> None:
     assert protocol.sniff_id('{"id": "\\ud800", "op": "x"') is None
+
+
+def test_the_conversation_and_approval_ops_decode_with_their_arguments() -> None:
+    assert dec({"id": 1, "op": "approve", "run_id": "r", "call_id": "c"}) == protocol.ApproveRequest(1, "r", "c")
+    assert dec({"op": "deny", "run_id": "r", "call_id": "c", "reason": " nope "}) == protocol.DenyRequest(None, "r", "c", "nope")
+    assert dec({"op": "deny", "run_id": "r", "call_id": "c"}) == protocol.DenyRequest(None, "r", "c", None)
+    assert dec({"op": "history", "session_id": "s"}) == protocol.HistoryRequest(None, "s")
+    assert dec({"op": "sessions"}) == protocol.SessionsRequest(None, 50)
+    assert dec({"op": "session_close", "session_id": "s"}) == protocol.SessionCloseRequest(None, "s")
+    req = dec({"op": "spawn", "spec": {"task": "x"}, "session_id": "s", "interrupt": True})
+    assert isinstance(req, protocol.SpawnRequest) and req.interrupt is True
+    assert dec({"op": "spawn", "spec": {"task": "x"}}).interrupt is False  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"op": "approve", "run_id": "r"},
+        {"op": "approve", "call_id": "c"},
+        {"op": "deny", "run_id": "r", "call_id": "c", "reason": 5},
+        {"op": "deny", "run_id": "r", "call_id": "c", "reason": "x" * (protocol.MAX_DENY_REASON_CHARS + 1)},
+        {"op": "history"},
+        {"op": "sessions", "limit": 0},
+        {"op": "session_close", "session_id": ""},
+        {"op": "spawn", "spec": {"task": "x"}, "session_id": "s", "interrupt": "yes"},
+        {"op": "spawn", "spec": {"task": "x"}, "interrupt": True},  # interrupt what? no session
+    ],
+)
+def test_bad_conversation_and_approval_requests_are_bad_args(msg: dict[str, object]) -> None:
+    req = dec({"id": 9, **msg})
+    assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_ARGS and req.id == 9

@@ -1,0 +1,101 @@
+"""The runner's side of approvals: which calls wait, the answer channel, the wait itself."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagent.approvals import BACKSTOP_S, AnswerChannel, Answer, ApprovalGate, open_channel
+from subagent.spec import ApprovalSpec, RunSpec, SpecError
+from subagent.stop import StopControl
+
+
+def gate(spec: ApprovalSpec, fd: int | None = None) -> ApprovalGate:
+    where = {"write_file": ("fs", "write_file"), "fs__write_file": ("fs", "write_file"), "read_file": ("fs", "read_file"), "pay": ("bank", "pay")}
+    return ApprovalGate(spec, AnswerChannel(fd), resolve=where.get)
+
+
+@pytest.mark.parametrize(
+    ("spec", "name", "args", "needed"),
+    [
+        (ApprovalSpec(), "run_command", {"command": "rm -rf /"}, False),
+        (ApprovalSpec(tools=("run_command",)), "run_command", {"command": "ls"}, True),
+        (ApprovalSpec(commands=("rm *", "git push*")), "run_command", {"command": "  rm -rf data "}, True),
+        (ApprovalSpec(commands=("rm *", "git push*")), "run_command", {"command": "git push origin main"}, True),
+        (ApprovalSpec(commands=("rm *",)), "run_command", {"command": "ls; rm x"}, False),  # whole command
+        (ApprovalSpec(tools=("write_file",)), "fs__write_file", {}, True),  # the tool's own name
+        (ApprovalSpec(tools=("fs/write_file",)), "write_file", {}, True),
+        (ApprovalSpec(tools=("fs/write_file",)), "read_file", {}, False),
+        (ApprovalSpec(servers=("bank",)), "pay", {}, True),
+        (ApprovalSpec(servers=("bank",)), "read_file", {}, False),
+    ],
+)
+def test_which_calls_need_approval(spec: ApprovalSpec, name: str, args: dict[str, str], needed: bool) -> None:
+    assert gate(spec).needs_approval(name, args) is needed
+
+
+def test_the_spec_checks_its_approval_rules() -> None:
+    spec = RunSpec.from_dict({"task": "t", "approval": {"commands": ["rm *"], "timeout_s": 1}}, {})
+    assert spec.approval == ApprovalSpec(commands=("rm *",), timeout_s=1.0)
+    assert RunSpec.from_dict(spec.to_dict(), {}) == spec
+    for bad, where in [
+        ({"servers": ["nope"]}, "approval.servers[0]"),
+        ({"timeout_s": 0}, "approval.timeout_s"),
+        ({"tools": "run_command"}, "approval.tools"),
+        ({"when": 1}, "approval"),
+    ]:
+        with pytest.raises(SpecError) as info:
+            RunSpec.from_dict({"task": "t", "approval": bad}, {})
+        assert info.value.field.startswith(where)
+
+
+async def test_answers_come_through_the_fifo_and_only_the_first_answer_counts(tmp_path: Path) -> None:
+    fifo = tmp_path / "run.answers"
+    os.mkfifo(fifo, 0o600)
+    fd = open_channel({"AGENTD_ANSWERS": str(fifo)})
+    assert fd is not None
+    warnings: list[str] = []
+    channel = AnswerChannel(fd, warn=warnings.append)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            await n.start(channel.run)
+
+            def write(data: bytes) -> None:  # as the daemon does: open, one write, close
+                w = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(w, data)
+                os.close(w)
+
+            write(b'garbage\n{"call_id": "a", "decision": "deny", "reason": " no "}\n')
+            write(b'{"call_id": "a", "decision": "approve"}\n{"call_id": "b", "decision": "approve"}\n')
+            assert await channel.wait("a") == Answer("denied", "no")
+            assert await channel.wait("b") == Answer("approved", None)
+            n.cancel_scope.cancel()
+    assert len(warnings) == 1 and "garbage" in warnings[0]
+
+
+async def test_a_stop_ends_the_wait_and_the_call_is_rejected() -> None:
+    stop = StopControl()
+    g = gate(ApprovalSpec(tools=("run_command",)))
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: _stop_soon(stop))
+            answer = await g.wait("c1", stop)
+    assert answer == Answer("rejected", "signal")
+    assert await g.wait("c2", stop) == Answer("rejected", "signal")  # a stop already set
+
+
+async def _stop_soon(stop: StopControl) -> None:
+    await trio.lowlevel.checkpoint()
+    stop.request("signal")
+
+
+async def test_with_no_answer_the_runner_stops_itself_after_the_timeout_and_its_backstop(autojump_clock: trio.abc.Clock) -> None:
+    stop = StopControl()
+    g = gate(ApprovalSpec(tools=("run_command",), timeout_s=2.0))
+    start = trio.current_time()
+    answer = await g.wait("c1", stop)
+    assert answer == Answer("rejected", "approval_timeout")
+    assert trio.current_time() - start == pytest.approx(2.0 + BACKSTOP_S)

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from subagent.fake_openai import history_problem
+from subagent.history import STOP_NOTES, is_cut, stop_note, tool_result_text, turn_messages
+from subagent.model import REASON_ABORTED_IN_ARGS, REASON_ABORTED_TURN, REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE
+
+
+def rec(cid: str, step: int, state: str, **more: Any) -> dict[str, Any]:
+    return {"id": cid, "name": "run_command", "arguments": '{"command": "ls"}', "step": step, "state": state, **more}
+
+
+def text(step: int, t: str) -> dict[str, Any]:
+    return {"kind": "assistant_text", "data": {"step": step, "text": t, "complete": True}}
+
+
+def test_a_stopped_turn_is_its_task_its_calls_each_with_one_honest_result_and_a_note() -> None:
+    records = [
+        rec("c1", 1, "succeeded", output="[exit code 0]\nfile-a"),
+        rec("c2", 1, "cancelled", output="[exit code -15]\npartial", stop_effect="interrupted", reason="interrupted: ..."),
+        rec("c3", 1, "not_started", reason="stopped_before_start: a stop was requested before this call started", stop_effect="stopped_before_start"),
+    ]
+    msgs = turn_messages("list files", records, [text(1, "Looking.")], state="cancelled", reason="user")
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "tool", "system"]
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c1", "c2", "c3"]
+    results = {m["tool_call_id"]: m["content"] for m in msgs if m["role"] == "tool"}
+    assert results["c1"] == "[exit code 0]\nfile-a\n[this call finished before the run was stopped]"
+    assert results["c2"] == "interrupted by the stop; output known before the interruption:\n[exit code -15]\npartial"
+    assert results["c3"].startswith("not executed: stopped_before_start")
+    assert msgs[-1] == {"role": "system", "content": STOP_NOTES["user"]}
+    assert history_problem([{"role": "system", "content": "s"}, *msgs]) is None
+
+
+@pytest.mark.parametrize("reason", [REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE, REASON_ABORTED_IN_ARGS, REASON_ABORTED_TURN, "model_error: boom"])
+def test_a_call_whose_turn_never_finished_is_not_replayed_but_the_text_stays(reason: str) -> None:
+    cut = rec("cut", 1, "not_started", reason=reason, arguments='{"command": "rm -rf da')
+    assert is_cut(cut)
+    msgs = turn_messages("t", [cut], [text(1, "Deleting."), text(2, "Done anyway.")], state="completed", final_text="Done anyway.")
+    assert msgs == [
+        {"role": "user", "content": "t"},
+        {"role": "assistant", "content": "Deleting."},
+        {"role": "assistant", "content": "Done anyway."},
+    ]
+
+
+def test_a_cut_call_without_text_leaves_no_message_at_all() -> None:
+    cut = rec("cut", 1, "not_started", reason=REASON_ARGS_INCOMPLETE)
+    assert turn_messages("t", [cut], [], state="completed", final_text="ok") == [
+        {"role": "user", "content": "t"},
+        {"role": "assistant", "content": "ok"},
+    ]
+
+
+def test_calls_that_never_ran_for_their_own_reasons_are_still_calls_with_results() -> None:
+    bad = rec("bad", 1, "failed", reason="invalid_arguments: not valid JSON", error="invalid_arguments: not valid JSON", arguments="{nope")
+    settled = rec("gone", 1, "unknown", reason="grace_ran_out: the runner was killed")
+    assert not is_cut(bad) and not is_cut(settled)
+    msgs = turn_messages("t", [bad, settled], [], state="cancelled", reason="timeout")
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == "{}"  # never repaired into a call
+    assert [m["content"] for m in msgs if m["role"] == "tool"] == [
+        "error: invalid_arguments: not valid JSON",
+        "outcome unknown: grace_ran_out: the runner was killed",
+    ]
+    assert msgs[-1]["content"] == STOP_NOTES["timeout"]
+
+
+def test_denied_and_rejected_calls_say_so() -> None:
+    denied = rec("d", 1, "rejected", approval="denied", approval_reason="not today")
+    waited = rec("w", 1, "rejected", approval="rejected")
+    assert tool_result_text(denied, stop_reason=None) == "denied by the user: not today"
+    assert tool_result_text({**denied, "approval_reason": None}, stop_reason=None) == "denied by the user"
+    assert tool_result_text(waited, stop_reason="user") == "not executed: stopped while awaiting approval"
+
+
+def test_steering_is_a_user_message_before_the_step_that_applied_it() -> None:
+    events = [
+        text(1, "First."),
+        {"kind": "steering", "data": {"state": "queued", "text": "mind the logs", "step": 1}},
+        {"kind": "steering", "data": {"state": "applied", "text": "mind the logs", "step": 2}},
+        text(2, "Minding them."),
+    ]
+    msgs = turn_messages("t", [], events, state="completed", final_text="Minding them.")
+    assert [(m["role"], m["content"]) for m in msgs] == [
+        ("user", "t"), ("assistant", "First."), ("user", "mind the logs"), ("assistant", "Minding them.")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "note"),
+    [
+        ("completed", None, None),
+        ("running", None, None),
+        ("cancelled", "user", STOP_NOTES["user"]),
+        ("cancelled", "approval_timeout", STOP_NOTES["approval_timeout"]),
+        ("cancelled", "session_closed", "[This turn was stopped before it finished (session_closed).]"),
+        ("failed", "model_http", "[This turn failed before it finished (model_http).]"),
+    ],
+)
+def test_only_a_turn_that_did_not_complete_gets_a_note(state: str, reason: str | None, note: str | None) -> None:
+    assert stop_note(state, reason) == note
+
+
+def test_the_fake_server_refuses_what_the_api_refuses() -> None:
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert "did not have response messages: a" in (history_problem([call, {"role": "user", "content": "x"}]) or "")
+    assert "did not have response messages: a" in (history_problem([call]) or "")
+    assert "must be a response to a preceeding message" in (history_problem([{"role": "tool", "tool_call_id": "a", "content": ""}]) or "")
+    assert history_problem([call, {"role": "tool", "tool_call_id": "a", "content": "ok"}]) is None
+    assert json.dumps(history_problem([])) == "null"

@@ -1,0 +1,169 @@
+"""Sessions on the daemon's side: profiles' lifetime, history from the journal, the answer desk.
+
+A real journal file and real directories; the clock of the TTL is passed in (``now``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from subagent.history import STOP_NOTES
+from supervisor.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
+from supervisor.config import Config
+from supervisor.errors import ControlProtocolError
+from supervisor.journal import Journal
+from supervisor.sessions import SessionDesk, SessionNotFound, history_messages, session_key
+from supervisor.states import RunState
+
+
+@pytest.fixture
+async def journal(tmp_path: Path) -> Any:
+    async with await Journal.open(tmp_path / "j.sqlite3") as j:
+        yield j
+
+
+def desk(tmp_path: Path, journal: Journal, live: set[str] | None = None, **config: Any) -> SessionDesk:
+    cfg = Config.load(state_dir=tmp_path / "state", environ={}, **config)
+    return SessionDesk(cfg, journal, live_sessions=lambda: set(live or ()))
+
+
+async def test_profiles_go_after_the_idle_ttl_and_beyond_the_bound_least_recently_used_first(tmp_path: Path, journal: Journal) -> None:
+    live = {"busy"}
+    d = desk(tmp_path, journal, live, session_profile_ttl_s=100, session_profiles_max=2)
+    t0 = time.time()
+    for i, sid in enumerate(["old", "busy", "a", "b", "c"]):
+        p = d.profile_path(sid)
+        p.mkdir(parents=True)
+        (p / "Cookies").write_text(sid)
+        await journal.set_profile(sid, str(p), used_at=t0 - 1000 + i if sid in ("old", "busy") else t0 + i)
+    removed = await d.sweep(now=t0 + 10)
+    # "old" idled past the TTL; "busy" too, but a turn of it is live. Four are left, two
+    # beyond the bound: the least recently used ones that are not busy go.
+    assert removed == ["old", "a", "b"]
+    assert not any(d.profile_path(s).exists() for s in ("old", "a", "b"))
+    assert {p["session_id"] for p in await journal.profiles()} == {"busy", "c"}
+    assert d.profile_path("busy").is_dir() and (d.profile_path("c") / "Cookies").read_text() == "c"
+
+
+async def test_close_marks_the_session_and_removes_its_profile_and_a_closed_session_takes_no_turn(tmp_path: Path, journal: Journal) -> None:
+    d = desk(tmp_path, journal)
+    await d.open("s1")
+    p = d.profile_path("s1")
+    p.mkdir(parents=True)
+    await journal.set_profile("s1", str(p), used_at=time.time())
+    assert await d.close("s1") == (True, True)
+    assert not p.parent.exists()
+    assert await d.close("s1") == (False, False)
+    with pytest.raises(ControlProtocolError) as info:
+        await d.open("s1")
+    assert info.value.code == "refused" and "closed" in str(info.value)
+    with pytest.raises(SessionNotFound):
+        await d.close("never-seen")
+    with pytest.raises(SessionNotFound):
+        await d.history("never-seen", {})
+
+
+def test_session_keys_are_safe_names_and_unique() -> None:
+    keys = {session_key(s) for s in ["a/b", "a_b", "../..", "x" * 300, "chat 1", "ünï"]}
+    assert len(keys) == 6
+    for k in keys:
+        assert "/" not in k and not k.startswith(".") and len(k) <= 45
+
+
+async def test_the_history_is_rebuilt_from_the_journal_with_what_each_turn_really_did(tmp_path: Path, journal: Journal) -> None:
+    now = time.time()
+    await journal.create_run("r1", session_id="s", spec={"task": "one"}, created_at=now, timeout_s=None)
+    await journal.append_event("r1", "assistant_text", {"step": 1, "text": "Trying.", "complete": True})
+    await journal.upsert_tool_call("r1", {"id": "c1", "name": "run_command", "arguments": "{}", "step": 1, "state": "running"})
+    await journal.record_cancel("r1", reason="user", at=now, stop_deadline=now + 10)
+    await journal.settle_tool_calls("r1", reason="grace_ran_out: killed", stop_effects=("grace_ran_out", "stopped_before_start"))
+    await journal.finish("r1", RunState.CANCELLED, reason="user", result=None, partial=True)
+    await journal.create_run("r2", session_id="s", spec={"task": "two"}, created_at=now + 1, timeout_s=None)
+    turns = await journal.session_turns("s")
+    msgs = history_messages(turns, before="r2")
+    assert msgs == [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "Trying.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run_command", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "outcome unknown: grace_ran_out: killed"},
+        {"role": "system", "content": STOP_NOTES["user"]},
+    ]
+    shown = await desk(tmp_path, journal).history("s", {"r2": "running"})
+    assert [t["state"] for t in shown["turns"]] == ["cancelled", "running"] and shown["live_run"] == "r2"
+    assert shown["messages"] == msgs and shown["turns"][1]["messages"] == [{"role": "user", "content": "two"}]
+
+
+class FakeRun:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_id = "r-1"
+        self.state = RunState.RUNNING
+        self.run_dir = run_dir
+        self.approvals = RunApprovals()
+        self.stopping = False
+
+
+async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_runner(tmp_path: Path) -> None:
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir()
+    make_channel(run_dir)
+    reader = os.open(answers_path(run_dir), os.O_RDWR | os.O_NONBLOCK)  # the runner's end
+    recorded: list[tuple[str, dict[str, Any]]] = []
+    states: list[RunState] = []
+    run = FakeRun(run_dir)
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        recorded.append((kind, data))
+
+    async def transition(r: Any, new: RunState) -> None:
+        states.append(new)
+        r.state = new
+
+    async def cancel(run_id: str, reason: str) -> None:
+        raise AssertionError("no deadline here")
+
+    d = ApprovalDesk(Hooks(record=record, transition=transition, cancel=cancel))
+    await d.on_event(run, "approval_requested", {"call_id": "c1", "name": "run_command", "arguments": "{}", "step": 1, "deadline": None})
+    with pytest.raises(ControlProtocolError, match="not awaiting approval"):
+        await d.answer(run, "c9", approve=True)
+    reply = await d.answer(run, "c1", approve=False, reason="no")
+    with pytest.raises(ControlProtocolError, match="answered already"):
+        await d.answer(run, "c1", approve=True)
+    line = os.read(reader, 4096)
+    await d.on_event(run, "approval_answered", {"call_id": "c1", "decision": "denied"})
+    os.close(reader)
+    assert reply == {"run_id": "r-1", "call_id": "c1", "decision": "denied", "state": "awaiting_approval"}
+    assert line == b'{"call_id": "c1", "decision": "deny", "reason": "no"}\n'
+    assert recorded == [("approval_sent", {"call_id": "c1", "decision": "deny", "reason": "no"})]
+    assert states == [RunState.AWAITING_APPROVAL, RunState.RUNNING] and run.approvals.pending == {}
+    # The runner is gone (nobody holds the FIFO): an answer is a clear refusal.
+    await d.on_event(run, "approval_requested", {"call_id": "c2", "name": "x", "deadline": None})
+    with pytest.raises(ControlProtocolError, match="not listening"):
+        await d.answer(run, "c2", approve=True)
+
+
+async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeout(autojump_clock: trio.abc.Clock) -> None:
+    cancels: list[tuple[str, str]] = []
+    run = FakeRun(Path("/nonexistent"))
+
+    async def cancel(run_id: str, reason: str) -> None:
+        cancels.append((run_id, reason))
+
+    async def nothing(*a: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
+    run.approvals.restore([
+        {"id": "c1", "name": "x", "state": "not_started", "approval": "pending", "approval_deadline": time.time() + 30},
+        {"id": "c0", "name": "x", "state": "rejected", "approval": "denied"},  # answered: not pending
+    ])
+    assert [p["call_id"] for p in run.approvals.view()] == ["c1"]
+    start = trio.current_time()
+    with trio.fail_after(60):
+        await d.watch(run)
+    assert cancels == [("r-1", "approval_timeout")]
+    assert 29 <= trio.current_time() - start <= 31
