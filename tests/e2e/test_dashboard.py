@@ -675,6 +675,77 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
     assert [fmt_duration(x) for x in (0.0434, 1.2, 2, 2.034, 12.34, 75)] == [out["durations"][i] for i in (0, 2, 3, 4, 5, 6)]
 
 
+# ------------------------------------------------------------------------------ approvals, sessions
+
+
+def approval_spec(tmp_path: Path) -> list[str]:
+    """``--spec`` for a run whose two commands each wait for a person's OK; grants tmp_path."""
+    turns = [
+        {"text": "Writing the first.", "tool_calls": [{"name": "run_command", "id": "call_one", "arguments": {"command": f"echo one > {tmp_path / 'first'}"}}]},
+        {"text": "Writing the second.", "tool_calls": [{"name": "run_command", "id": "call_two", "arguments": {"command": f"echo two > {tmp_path / 'second'}"}}]},
+    ]
+    spec = {
+        "task": "write two files",
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "Last I heard: {{last_output}}"}},
+        "approval": {"commands": ["echo *"]},
+        "sandbox": {"write": [str(tmp_path)]},
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return ["--spec", str(path)]
+
+
+def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
+    page = tab.page
+    run_id = daemon.agentd("spawn", *approval_spec(tmp_path)).stdout.strip()
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    box = page.get_by_role("region", name="Awaiting approval")
+    box.get_by_text("call call_one").wait_for()
+    assert "echo one" in box.inner_text() and not (tmp_path / "first").exists()
+    assert page.locator("#run-facts").get_by_text("awaiting_approval").count() == 1
+    box.get_by_role("button", name="Approve").click()
+    # The call ran: its record says so, its file is there; then the second one asks.
+    page.locator("#tools li[data-id=call_one][data-state=succeeded]").wait_for()
+    assert (tmp_path / "first").read_text() == "one\n"
+    box.get_by_text("call call_two").wait_for()
+    box.get_by_role("textbox", name="Reason to deny run_command").fill("not the second")
+    box.get_by_role("button", name="Deny").click()
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    assert box.is_hidden()
+    page.locator("#result", has_text="Last I heard: denied by the user: not the second").wait_for()
+    assert page.locator("#tools li[data-id=call_two]").get_attribute("data-state") == "rejected"
+    assert not (tmp_path / "second").exists()
+    sent = tab.page.evaluate("() => window.__agentdTest.sent.map(s => JSON.parse(s)).filter(m => m.op === 'approve' || m.op === 'deny')")
+    assert [(m["op"], m["call_id"], m.get("reason")) for m in sent] == [("approve", "call_one", None), ("deny", "call_two", "not the second")]
+
+
+def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
+    page = tab.page
+    script = gated_script(tmp_path, "gate1")
+    first = daemon.agentd("spawn", "first task", "--script", str(script), "--session", "s-page", *granted(tmp_path)).stdout.strip()
+    daemon.wait_for(first, _tool_running("gate1"))
+    page.goto(f"{daemon.dashboard_url}#/run/{first}")
+    transcript = page.get_by_role("region", name="Session transcript")
+    transcript.get_by_text("first task").wait_for()
+    # One turn is live: a new one is refused, and the page says why.
+    page.get_by_label("New turn").fill("second task")
+    transcript.get_by_role("button", name="Start turn").click()
+    transcript.get_by_text("One turn of a session is live at a time").wait_for()
+    # Stop the live one first: the new turn starts once it has ended, and the page goes there.
+    page.get_by_label("Stop the live turn first").check()
+    transcript.get_by_role("button", name="Start turn").click()
+    page.wait_for_url(re.compile(r".*#/run/r-(?!" + first[2:] + r")[0-9a-f]{16}$"))
+    second = page.url.rsplit("/", 1)[1]
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    turns = transcript.locator("li.turn")
+    turns.nth(1).wait_for()
+    assert [turns.nth(i).get_attribute("data-run") for i in range(2)] == [first, second]
+    assert turns.nth(0).get_attribute("data-state") == "cancelled"
+    assert "The user stopped this turn before it finished." in turns.nth(0).inner_text()
+    assert "second task" in turns.nth(1).inner_text()
+    assert daemon.status(first)["state"] == "cancelled"
+
+
 def test_scripts_screenshot_writes_the_readme_image(tmp_path: Path) -> None:
     require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
     out = tmp_path / "dashboard.png"
