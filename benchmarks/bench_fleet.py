@@ -6,8 +6,9 @@ Local: one ``agentd serve``. Fleet: a 3-node local Ray cluster (``ray.cluster_ut
 loopback), ``agentd fleet up`` and the front (``agentd fleet serve``); the same client
 talks to either. Measured: spawn reply (request to reply), spawn to ``running`` (the
 node's state event, seen through the socket), p50 over one-at-a-time reps; a burst of N
-spawns to all running; cancel-all of M live runs (``cancel --session``) to its reply and
-to every run terminal. Figures are printed, never asserted.
+spawns to all running; cancel-all of M live runs (a cancel of each, all sent at once on
+one connection: ``Client.cancel_many``) to its replies and to every run terminal. (Runs
+carry no session: a session has one live turn at a time.) Figures are printed, never asserted.
 
     .venv/bin/python benchmarks/bench_fleet.py [--quick] [--json FILE]
 """
@@ -52,26 +53,26 @@ def measure(client: Client, reps: int, burst: int, cancel_all: int) -> dict[str,
     reply, running = [], []
     for i in range(reps):
         t0 = time.perf_counter()
-        run_id = client.spawn(WAIT, session_id="one")["run_id"]
+        run_id = client.spawn(WAIT)["run_id"]
         reply.append(time.perf_counter() - t0)
         _until(client, run_id, "running")
         running.append(time.perf_counter() - t0)
         client.cancel(run_id)
         _end(client, run_id)
     t0 = time.perf_counter()
-    ids = [client.spawn(WAIT, session_id="burst")["run_id"] for _ in range(burst)]
+    ids = [client.spawn(WAIT)["run_id"] for _ in range(burst)]
     replied = time.perf_counter() - t0
     for run_id in ids:
         _until(client, run_id, "running")
     burst_running = time.perf_counter() - t0
-    client.cancel_session("burst")
+    client.cancel_many(ids)
     for run_id in ids:
         _end(client, run_id)
-    ids = [client.spawn(WAIT, session_id="all")["run_id"] for _ in range(cancel_all)]
+    ids = [client.spawn(WAIT)["run_id"] for _ in range(cancel_all)]
     for run_id in ids:
         _until(client, run_id, "running")
     t0 = time.perf_counter()
-    out = client.cancel_session("all")
+    out = client.cancel_many(ids)
     cancel_reply = time.perf_counter() - t0
     for run_id in ids:
         _end(client, run_id)

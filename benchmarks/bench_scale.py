@@ -3,7 +3,7 @@
 For each size (default 200, then 500): that many scripted runs, each waiting in a
 ``run_command`` (``sleep``); then the daemon's CPU over 10 s idle (psutil ``cpu_times``
 of the daemon process, all its threads), its RSS/USS, the RSS/USS of a runner, and
-cancel-all (one ``cancel`` of the runs' session) -> every process of every tree dead,
+cancel-all (a ``cancel`` of every run, all sent at once on one connection) -> every process of every tree dead,
 plus survivors. Baselines in the same run: the same daemon idle with no run, and a bare
 ``python -c 'import time; time.sleep(...)'`` process's RSS/USS.
 
@@ -161,12 +161,13 @@ def wait_live(mark: str, d: DaemonProc, n: int, timeout_s: float) -> float | Non
     return None
 
 
-def grow(mark: str, d: DaemonProc, c: Any, n: int, session: str) -> dict[str, Any]:
-    """Spawn runs until ``n`` are live in their command; returns how long it took."""
+def grow(mark: str, d: DaemonProc, c: Any, n: int, spawned: list[str]) -> dict[str, Any]:
+    """Spawn runs until ``n`` are live in their command (their ids go to ``spawned``);
+    returns how long it took. (Not one session: a session has one live turn at a time.)"""
     have = len(sleepers(run_members(mark, d.pid)))
     t0 = time.perf_counter()
     for _ in range(max(0, n - have)):
-        c.spawn(spec(), session_id=session)
+        spawned.append(c.spawn(spec())["run_id"])
     requests_s = time.perf_counter() - t0
     took = wait_live(mark, d, n, timeout_s=max(120.0, n * 0.6))
     members = run_members(mark, d.pid)
@@ -207,9 +208,10 @@ def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
     return out
 
 
-def cancel_all(mark: str, d: DaemonProc, session: str, grace: float, deadline_s: float) -> dict[str, Any]:
-    """One cancel of the whole session; the clock stops when every process found before
-    it is dead and when every run is terminal (polled side by side)."""
+def cancel_all(mark: str, d: DaemonProc, run_ids: list[str], grace: float, deadline_s: float) -> dict[str, Any]:
+    """A cancel of every run, all sent at once on one connection (``Client.cancel_many``);
+    the clock stops when every process found before it is dead and when every run is
+    terminal (polled side by side)."""
     out: dict[str, Any] = {"grace_s": grace}
     members = run_members(mark, d.pid)
     reply: dict[str, Any] = {}
@@ -218,7 +220,7 @@ def cancel_all(mark: str, d: DaemonProc, session: str, grace: float, deadline_s:
         with d.client(timeout_s=deadline_s) as c:
             t = time.perf_counter()
             try:
-                reply["result"] = c.cancel_session(session)
+                reply["result"] = c.cancel_many(run_ids)
             except Exception as exc:  # noqa: BLE001 - reported, not raised
                 reply["error"] = repr(exc)
             reply["took"] = time.perf_counter() - t
@@ -239,7 +241,8 @@ def cancel_all(mark: str, d: DaemonProc, session: str, grace: float, deadline_s:
             if term_at is None and time.perf_counter() >= next_list:
                 next_list = time.perf_counter() + 0.25
                 try:
-                    runs = c.list_runs(session_id=session, limit=1000)
+                    wanted = set(run_ids)
+                    runs = [r for r in c.list_runs(limit=1000) if r["id"] in wanted]
                 except Exception:  # noqa: BLE001 - a slow daemon: try again
                     continue
                 if runs and all(r["state"] in ("cancelled", "completed", "failed", "lost") for r in runs):
@@ -253,7 +256,7 @@ def cancel_all(mark: str, d: DaemonProc, session: str, grace: float, deadline_s:
     out["survivors"] = [{"pid": p.pid, "cmdline": cmdline(p.pid)} for p in still]
     kill_all(still)
     fmt = lambda x: "-" if x is None else f"{x:.2f} s"  # noqa: E731
-    line(f"  cancel-all (one cancel of the session): reply after {fmt(out['cancel_reply_s'])}; all {len(members)} "
+    line(f"  cancel-all (a cancel of every run, sent at once): replies after {fmt(out['cancel_reply_s'])}; all {len(members)} "
          f"processes dead after {fmt(dead_at)} (grace {grace:g} s); all runs terminal after {fmt(term_at)} "
          f"{out.get('states', '')}; survivors at {deadline_s:g} s: {len(still)}")
     for sv in out["survivors"][:5]:
@@ -277,14 +280,14 @@ def daemon_warnings(d: DaemonProc) -> dict[str, int]:
 def per_run_probe(mark: str, d: DaemonProc) -> dict[str, Any]:
     """One run's tree, to size the memory headroom."""
     with d.client() as c:
-        c.spawn(spec(), session_id="probe")
+        probe_id = c.spawn(spec())["run_id"]
         wait_live(mark, d, 1, timeout_s=60)
         time.sleep(0.5)
         members = run_members(mark, d.pid)
         uss = tree_uss([p.pid for p in members])
         r = runners(members)
         rm = mem(r[0]) if r else None
-        c.cancel_session("probe")
+        c.cancel(probe_id)
         kill_deadline = time.monotonic() + 30
         while any(alive(p) for p in members) and time.monotonic() < kill_deadline:
             time.sleep(0.05)
@@ -352,15 +355,16 @@ def main() -> None:
             line(f"  one run's tree: {probe['tree_processes']} processes, USS {probe['tree_uss'] / MIB:.1f} MiB "
                  f"(runner RSS {(probe['runner_rss'] or 0) / MIB:.1f} MiB, USS {(probe['runner_uss'] or 0) / MIB:.1f} MiB); "
                  f"MemAvailable {avail / 2**30:.1f} GiB -> room for about {fit} runs (reserve {RESERVE_BYTES / 2**30:.0f} GiB, x1.3)")
+            spawned: list[str] = []
             with d.client() as c:
                 for n in sizes:
                     size = min(n, fit)
                     header(f"{size} live runs" + (f" (asked {n}: scaled down to fit in memory)" if size != n else ""))
                     renice([d.pid], 10)
-                    res = {"asked": n, "size": size, **grow(mark, d, c, size, "scale"), **measure(mark, d, idle_s)}
+                    res = {"asked": n, "size": size, **grow(mark, d, c, size, spawned), **measure(mark, d, idle_s)}
                     out["results"].append(res)
             header(f"cancel-all of {out['results'][-1]['size']} live runs")
-            out["cancel_all"] = cancel_all(mark, d, "scale", args.grace, deadline_s=args.cancel_deadline)
+            out["cancel_all"] = cancel_all(mark, d, spawned, args.grace, deadline_s=args.cancel_deadline)
             out["daemon_warnings"] = daemon_warnings(d)
     finally:
         if d is not None:

@@ -81,7 +81,9 @@ def shoot(env: dict[str, str], tmp: Path, out: Path) -> None:
         ],
         "final": "never reached",
     }))
-    agentd(env, "spawn", "count the files here", "--session", "demo", "--wait")
+    # Not a turn of "demo": the next turn of a session starts from its history, and the
+    # script below plays its turns from the first.
+    agentd(env, "spawn", "count the files here", "--wait")
     run_id = agentd(env, "spawn", "survey /usr/lib and report the largest parts", "--session", "demo", "--script", str(script), "--spec", str(grant)).strip()
     url = agentd(env, "dashboard").strip()
     with sync_playwright() as pw:

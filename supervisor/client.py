@@ -203,7 +203,44 @@ class Client:
         return self.request("cancel", run_id=run_id, reason=reason)
 
     def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
+        """Cancel the session's live turn (a session has one at a time)."""
         return self.request("cancel", session_id=session_id, reason=reason)
+
+    def cancel_many(self, run_ids: list[str], *, reason: str = "user") -> dict[str, Any]:
+        """Cancel many runs at once: every request is sent before any reply is read (the
+        daemon serves them side by side), so every stop is under way within one round trip.
+
+        Returns ``{"was_active", "runs": [each cancel's result or {"run_id", "error"}]}``.
+
+        Raises:
+            ConnectionLost: the connection broke (some stops may have been sent).
+        """
+        self.connect()
+        assert self._ws is not None
+        ws = self._ws
+        ids = {next(self._ids): run_id for run_id in run_ids}
+        try:
+            for rid, run_id in ids.items():
+                ws.send_text(protocol.encode_request(rid, "cancel", run_id=run_id, reason=reason))
+            out: dict[str, dict[str, Any]] = {}
+            deadline = time.monotonic() + self.timeout_s
+            while len(out) < len(ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConnectionLost(f"no reply to {len(ids) - len(out)} of {len(ids)} cancels within {self.timeout_s} s")
+                msg = protocol.decode_server_message(ws.recv_text(remaining))
+                rid = msg.get("id")
+                if rid not in ids or "ok" not in msg:
+                    continue
+                if msg["ok"] is True:
+                    out[ids[rid]] = msg.get("result")
+                else:
+                    out[ids[rid]] = {"run_id": ids[rid], "error": msg.get("error")}
+        except ConnectionLost:
+            self.close()
+            raise
+        runs = [out[r] for r in run_ids]
+        return {"was_active": any(r.get("was_active") for r in runs), "runs": runs}
 
     def steer(self, run_id: str, text: str) -> dict[str, Any]:
         """Extra input for a running turn: ``{"run_id", "accepted", "state"}``."""

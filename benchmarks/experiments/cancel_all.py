@@ -6,12 +6,13 @@ every process on the machine, every 20 ms while it waits for death: with N trees
 stopped at once that is O(N x all processes). With ``--cgroup-scan`` this process's
 ``process.tree_members`` is given only the pids of the tree's cgroup when it has one (a
 stand-in for the fix: "a tree with a cgroup is its cgroup: read cgroup.procs, not /proc").
-With ``--concurrent-cancel``, ``RunManager.cancel_session`` cancels its runs side by side
-(each ``cancel`` sends path A and cancels the run's scope before its first await, so
-every SIGTERM goes out at once) instead of one after another behind each run's journal
-write. No file is edited. The daemon runs in-process with cgroup containment.
+The runs are cancelled side by side (``RunManager._cancel_many``: each ``cancel`` sends path
+A and cancels the run's scope before its first await, so every SIGTERM goes out at once;
+it was this experiment's ``--concurrent-cancel`` before it landed). They carry no
+session: a session has one live turn at a time. No file is edited. The daemon runs
+in-process with cgroup containment.
 
-    .venv/bin/python benchmarks/experiments/cancel_all.py [N] [--cgroup-scan] [--concurrent-cancel] [--grace S]
+    .venv/bin/python benchmarks/experiments/cancel_all.py [N] [--cgroup-scan] [--grace S]
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from benchmarks._common import MARK_VAR, alive, final_sweep, install_mark, pids_
 from benchmarks._daemon import in_process_daemon, quiet_logs, show_warnings  # noqa: E402
 from benchmarks.bench_scale import SLEEP_ARG, sleepers, spec  # noqa: E402
 from supervisor import containment, process  # noqa: E402
-from supervisor.runs import RunManager  # noqa: E402
 
 _orig = process.tree_members
 
@@ -47,31 +47,14 @@ def cgroup_only(tree_id, *, groups=(), cgroup=None, procs=None):  # type: ignore
     return _orig(tree_id, groups=groups, cgroup=cgroup, procs=procs)
 
 
-async def concurrent_cancel_session(self, session_id, *, reason="user"):  # type: ignore[no-untyped-def]
-    hits = [r for r in list(self._live.values()) if r.session_id == session_id]
-    out: list = [None] * len(hits)
-
-    async def one(i: int, run_id: str) -> None:
-        out[i] = await self.cancel(run_id, reason=reason)
-
-    async with trio.open_nursery() as nursery:
-        for i, r in enumerate(hits):
-            nursery.start_soon(one, i, r.run_id)
-    return {"session_id": session_id, "was_active": any(o["was_active"] for o in out), "runs": out}
-
-
 async def main(n: int, grace: float, mark: str) -> None:
     if "--cgroup-scan" in sys.argv:
         process.tree_members = cgroup_only  # type: ignore[assignment]
-    if "--concurrent-cancel" in sys.argv:
-        RunManager.cancel_session = concurrent_cancel_session  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         async with in_process_daemon(Path(tmp), grace_s=grace, max_concurrent=n + 10) as d:
             m = d["manager"]
-            print("containment:", m.containment.mode, "| member scan:", "cgroup only" if "--cgroup-scan" in sys.argv else "as today",
-                  "| cancel_session:", "side by side" if "--concurrent-cancel" in sys.argv else "as today")
-            for _ in range(n):
-                await m.spawn(spec(), session_id="all")
+            print("containment:", m.containment.mode, "| member scan:", "cgroup only" if "--cgroup-scan" in sys.argv else "as today")
+            ids = [(await m.spawn(spec()))["run_id"] for _ in range(n)]
             with trio.fail_after(300):
                 while len(await trio.to_thread.run_sync(lambda: sleepers(pids_with(MARK_VAR, mark)))) < n:
                     await trio.sleep(0.5)
@@ -90,13 +73,13 @@ async def main(n: int, grace: float, mark: str) -> None:
             t0 = time.perf_counter()
             th = threading.Thread(target=watch, args=(t0,), daemon=True)
             th.start()
-            await m.cancel_session("all")
+            await m._cancel_many(ids, "user")
             reply = time.perf_counter() - t0
-            for row in await m.list_runs(limit=1000, session_id="all"):
-                await m.wait_terminal(row["id"])
+            for run_id in ids:
+                await m.wait_terminal(run_id)
             terminal = time.perf_counter() - t0
             await trio.to_thread.run_sync(th.join, 130)
-            print(f"{n} runs ({len(members)} processes), grace {grace:g} s: cancel_session returned after {reply:.2f} s; "
+            print(f"{n} runs ({len(members)} processes), grace {grace:g} s: the cancels returned after {reply:.2f} s; "
                   f"all terminal after {terminal:.2f} s; all processes dead after "
                   f"{dead_at[0] if dead_at else float('nan'):.2f} s")
             show_warnings(print)

@@ -57,7 +57,7 @@ async def main(n: int, idle_s: float, mark: str) -> None:
         async with in_process_daemon(Path(tmp), grace_s=1.0, max_concurrent=n + 10) as d:
             m = d["manager"]
             for _ in range(n):
-                await m.spawn(spec(), session_id="all")
+                await m.spawn(spec())
             with trio.fail_after(300):
                 while len(await trio.to_thread.run_sync(lambda: sleepers(pids_with(MARK_VAR, mark)))) < n:
                     await trio.sleep(0.5)
