@@ -15,6 +15,13 @@ stop; a run's terminal fact is written once in the index (compare-and-set), whet
 came from its node or from Ray reporting the node dead (``lost``, with the last mirrored
 snapshot as its partial result); a front restarted from its index resumes every run:
 queued ones wait on their lease again, placed ones resubscribe after their last seq.
+
+Sessions (conversations): a session's turns go to the node that holds its history and
+browser profile (the node of its latest turn, pinned through Ray's ``node:<ip>``
+resource), one live turn at a time here as on the node (``session_busy``, or
+``interrupt``: the live turn is cancelled and waited for). ``approve``/``deny`` go to the
+run's node; ``history`` and ``session_close`` to the session's node (run ids mapped back
+to the fleet's); ``sessions`` is read from the front's index.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ray.util.placement_group import (
 
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
+from supervisor.sessions import SessionNotFound
 from supervisor.fleet._agent import NAMESPACE, agent_for, agent_name, alive_nodes
 from supervisor.fleet._index import Index
 from supervisor.fleet._nodelink import LinkDown, NodeLink
@@ -65,6 +73,13 @@ RAY_THREADS: Final = 8
 SUBSCRIBER_BUFFER: Final = 4096
 # Bounds a node agent's start (its daemon's start included) when a node joins.
 AGENT_START_TIMEOUT_S: Final = 90.0
+# A session's next turn asks for this much of its node's own ``node:<ip>`` resource (each
+# node has 1.0 of it): pins the turn there without using anything up.
+NODE_AFFINITY: Final = 0.001
+# Margin on top of the config's grace for an interrupted session turn to end (seconds).
+INTERRUPT_MARGIN_S: Final = 10.0
+# Runs of the index read to list sessions (the newest).
+SESSION_SCAN_LIMIT: Final = 1000
 
 
 @dataclass(eq=False)
@@ -134,6 +149,7 @@ class FleetFront:
         self._ray_limiter = trio.CapacityLimiter(RAY_THREADS)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
+        self._session_locks: dict[str, trio.Lock] = {}
 
     # ------------------------------------------------------------------ plumbing
 
@@ -473,13 +489,20 @@ class FleetFront:
     # ------------------------------------------------------------------ Backend
 
     async def spawn(
-        self, spec: dict[str, Any], *, session_id: str | None = None, timeout_s: float | None = None
+        self,
+        spec: dict[str, Any],
+        *,
+        session_id: str | None = None,
+        timeout_s: float | None = None,
+        interrupt: bool = False,
     ) -> dict[str, Any]:
         if not self._accepting or self._nursery is None:
             raise SpawnError("the fleet front is not accepting runs (starting or shutting down)")
         if not isinstance(spec, dict):
             raise SpawnError(f"spec must be a json object, got {type(spec).__name__}")
         node_spec, bundle = split_demand(spec)
+        if "session" in node_spec:
+            raise SpawnError("invalid run spec: session: a node sets it for a turn of a session; spawn with a session_id instead")
         _validate_spec(node_spec)
         if session_id is None and isinstance(node_spec.get("session_id"), str):
             session_id = node_spec["session_id"]
@@ -488,6 +511,41 @@ class FleetFront:
             raise SpawnError(f"no live node in the fleet offers {missing} (the run could never be placed)")
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
+        if session_id is None:
+            return await self._create(node_spec, bundle, None, timeout_s)
+        lock = self._session_locks.setdefault(session_id, trio.Lock())
+        async with lock:
+            live = [r for r in self._live.values() if r.session_id == session_id]
+            if live and not interrupt:
+                raise ControlProtocolError(
+                    ErrorCode.SESSION_BUSY,
+                    f"session {session_id!r} has a live turn, run {live[0].id!r} ({live[0].state}): wait for it to end, "
+                    "cancel it, or start the new turn with interrupt",
+                )
+            for run in live:
+                await self.cancel(run.id, reason="user")
+            with trio.move_on_after(self.config.grace_s + INTERRUPT_MARGIN_S):
+                for run in live:
+                    await run.done.wait()
+            if any(not r.done.is_set() for r in live):
+                raise ControlProtocolError(ErrorCode.REFUSED, f"session {session_id!r}: its live turn has not ended yet (stop sent)")
+            node_id = await self._session_node(session_id)
+            if node_id is not None:
+                bundle = {**bundle, f"node:{self._nodes[node_id]['ip']}": NODE_AFFINITY}
+            return await self._create(node_spec, bundle, session_id, timeout_s)
+
+    async def _session_node(self, session_id: str) -> str | None:
+        """The live node of the session's latest turn (its history and profile are there)."""
+        rows = await self._db(self.index.list, limit=1, state=None, session_id=session_id)
+        node_id = rows[0]["node_id"] if rows else None
+        if node_id is None or node_id in self._dead or node_id not in self._nodes or not self._nodes[node_id].get("ip"):
+            return None
+        return str(node_id)
+
+    async def _create(
+        self, node_spec: dict[str, Any], bundle: dict[str, float], session_id: str | None, timeout_s: float | None
+    ) -> dict[str, Any]:
+        assert self._nursery is not None
         run_id = "f-" + uuid.uuid4().hex[:16]
         run = _Run(run_id, session_id, node_spec, bundle, timeout_s, CancelToken(run_id))
         await self._db(
@@ -557,6 +615,79 @@ class FleetFront:
         link = await self._link(run.node_id)
         reply = await link.request("steer", run_id=run.node_run_id, text=text)
         return {**reply, "run_id": run_id}
+
+    async def _run_on_node(self, run_id: str) -> tuple[_Run, NodeLink]:
+        run = self._live.get(run_id)
+        if run is None or run.node_run_id is None or run.node_id is None:
+            row = await self._db(self.index.get, run_id)
+            if row is None:
+                raise RunNotFound(run_id)
+            why = "the run has ended" if row["terminal"] else "the run is not on a node yet"
+            raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: nothing awaits approval ({why})")
+        return run, await self._link(run.node_id)
+
+    async def approve(self, run_id: str, call_id: str) -> dict[str, Any]:
+        run, link = await self._run_on_node(run_id)
+        reply = await link.request("approve", run_id=run.node_run_id, call_id=call_id)
+        return {**reply, "run_id": run_id}
+
+    async def deny(self, run_id: str, call_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        run, link = await self._run_on_node(run_id)
+        reply = await link.request("deny", run_id=run.node_run_id, call_id=call_id, reason=reason)
+        return {**reply, "run_id": run_id}
+
+    async def _session_rows(self, session_id: str) -> list[dict[str, Any]]:
+        rows = await self._db(self.index.list, limit=SESSION_SCAN_LIMIT, state=None, session_id=session_id)
+        if not rows:
+            raise SessionNotFound(session_id)
+        return rows
+
+    async def history(self, session_id: str) -> dict[str, Any]:
+        rows = await self._session_rows(session_id)
+        node_id = next((r["node_id"] for r in rows if r["node_id"]), None)
+        if node_id is None or node_id in self._dead:
+            raise ControlProtocolError(ErrorCode.REFUSED, f"session {session_id!r}: its node is gone, and its history with it")
+        link = await self._link(node_id)
+        result = await link.request("history", session_id=session_id)
+        return _fleet_ids(result, rows, node_id)
+
+    async def list_sessions(self, *, limit: int = 50) -> dict[str, Any]:
+        rows = await self._db(self.index.list, limit=SESSION_SCAN_LIMIT, state=None, session_id=None)
+        sessions: dict[str, dict[str, Any]] = {}
+        for r in rows:  # newest first
+            sid = r["session_id"]
+            if sid is None:
+                continue
+            s = sessions.get(sid)
+            if s is None:
+                live = self._live.get(r["id"])
+                s = sessions[sid] = {
+                    "session_id": sid, "turns": 0, "first_at": r["created_at"], "last_at": r["created_at"],
+                    "last_run": r["id"], "last_state": live.state if live else r["state"], "live_run": None,
+                    "closed_at": None, "profile": None, "node": r["node_id"],
+                }
+            s["turns"] += 1
+            s["first_at"] = r["created_at"]
+            if r["id"] in self._live:
+                s["live_run"] = r["id"]
+        return {"sessions": list(sessions.values())[:limit]}
+
+    async def close_session(self, session_id: str) -> dict[str, Any]:
+        rows = await self._session_rows(session_id)
+        lock = self._session_locks.setdefault(session_id, trio.Lock())
+        async with lock:
+            live = [r for r in self._live.values() if r.session_id == session_id]
+            for run in live:
+                await self.cancel(run.id, reason="session_closed")
+            with trio.move_on_after(self.config.grace_s + INTERRUPT_MARGIN_S):
+                for run in live:
+                    await run.done.wait()
+            node_id = next((r["node_id"] for r in rows if r["node_id"]), None)
+            out: dict[str, Any] = {"session_id": session_id, "was_open": True, "profile_removed": False}
+            if node_id is not None and node_id not in self._dead:
+                link = await self._link(node_id)
+                out = await link.request("session_close", session_id=session_id)
+        return {**out, "stopped": [r.id for r in live], "node": node_id}
 
     def _fleet_fields(self, row: dict[str, Any]) -> dict[str, Any]:
         node_id = row["node_id"]
@@ -671,6 +802,19 @@ def _index_view(row: dict[str, Any]) -> dict[str, Any]:
         "last_seq": row["last_seq"],
         "tool_calls": [],
     }
+
+
+def _fleet_ids(history: dict[str, Any], rows: list[dict[str, Any]], node_id: str) -> dict[str, Any]:
+    """A node's ``history`` reply with its run ids as the fleet knows them."""
+    ids = {r["node_run_id"]: r["id"] for r in rows if r["node_run_id"]}
+    turns = []
+    for t in history.get("turns") or []:
+        t = dict(t)
+        t["node_run_id"] = t.get("run_id")
+        t["run_id"] = ids.get(t["node_run_id"], t["node_run_id"])
+        turns.append(t)
+    live = history.get("live_run")
+    return {**history, "turns": turns, "live_run": ids.get(live, live), "node": node_id}
 
 
 def _validate_spec(spec: dict[str, Any]) -> None:

@@ -167,12 +167,12 @@ def _wait_state(client: Any, run_id: str, wanted: str) -> dict[str, Any]:
 def test_a_full_fleet_queues_in_ray_and_a_run_cancelled_while_queued_never_starts(fleet: FleetCluster) -> None:
     slots = SLOTS_PER_NODE * len(fleet.agents())
     with fleet.client() as c:
-        holding = [c.spawn(spec(), session_id="full")["run_id"] for _ in range(slots)]
+        holding = [c.spawn(spec())["run_id"] for _ in range(slots)]
         for run_id in holding:
             _wait_state(c, run_id, "running")
         on_nodes = _node_run_count(fleet)
 
-        queued = c.spawn(spec(), session_id="full")["run_id"]
+        queued = c.spawn(spec())["run_id"]
         st = c.status(queued)
         assert (st["state"], st["node"], st["node_run_id"]) == ("queued", None, None)
         reply = c.cancel(queued)
@@ -183,13 +183,13 @@ def test_a_full_fleet_queues_in_ray_and_a_run_cancelled_while_queued_never_start
         assert "never started" in json.dumps(c.events(queued))
         assert _node_run_count(fleet) == on_nodes  # it never reached a node
 
-        waiting = c.spawn(spec(), session_id="full")["run_id"]
+        waiting = c.spawn(spec())["run_id"]
         assert c.status(waiting)["state"] == "queued"
         freed = c.status(holding[0])["node"]
         assert c.cancel(holding[0])["was_active"] is True
         started = _wait_state(c, waiting, "running")
         assert started["node"] == freed  # the only node with a free slot
-        out = c.cancel_session("full")
+        out = c.cancel_many(holding + [waiting])  # (a session has one live turn: not a group)
         assert sorted(r["run_id"] for r in out["runs"] if r["was_active"]) == sorted(holding[1:] + [waiting])
         for run_id in holding + [waiting]:
             assert wait_terminal(c, run_id) == "cancelled"
@@ -203,10 +203,10 @@ def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_termi
     with fleet.client() as c:
         done = c.spawn(spec({"wait": False}))["run_id"]
         assert wait_terminal(c, done) == "completed"
-        live = [c.spawn(spec(), session_id="restart")["run_id"] for _ in range(slots)]
+        live = [c.spawn(spec())["run_id"] for _ in range(slots)]
         for run_id in live:
             _wait_state(c, run_id, "running")
-        queued = c.spawn(spec(), session_id="restart")["run_id"]
+        queued = c.spawn(spec())["run_id"]
         placed = {r: c.status(r) for r in live}
     fleet.kill_front()
 
@@ -224,7 +224,7 @@ def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_termi
         for run_id in live[1:]:
             st = c.status(run_id)
             assert st["state"] == "running" and st["node_run_id"] == placed[run_id]["node_run_id"]
-        c.cancel_session("restart")
+        c.cancel_many([queued, *live])
         for run_id in everyone:
             wait_terminal(c, run_id)
         states = {r: c.status(r)["state"] for r in everyone}
@@ -278,7 +278,7 @@ def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spa
 
     slots = SLOTS_PER_NODE * len(fleet.agents())
     with fleet.client() as c:
-        runs = [c.spawn(spec({"snapshots": 1}), session_id="loss")["run_id"] for _ in range(slots)]
+        runs = [c.spawn(spec({"snapshots": 1}))["run_id"] for _ in range(slots)]
         for run_id in runs:
             for ev in c.follow(run_id):
                 if ev["kind"] == "step_snapshot":
@@ -320,9 +320,9 @@ def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spa
         for run_id in spared[:2]:
             c.cancel(run_id)
             assert wait_terminal(c, run_id) == "cancelled"
-        fresh = [c.spawn(spec(), session_id="loss")["run_id"] for _ in range(2)]
+        fresh = [c.spawn(spec())["run_id"] for _ in range(2)]
         for run_id in fresh:
             assert _wait_state(c, run_id, "running")["node"] != victim
-        c.cancel_session("loss")
+        c.cancel_many(spared + fresh)
         for run_id in spared + fresh:
             assert wait_terminal(c, run_id) == "cancelled"

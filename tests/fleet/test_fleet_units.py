@@ -67,3 +67,73 @@ def test_the_index_writes_a_terminal_fact_once_and_survives_a_reopen(tmp_path: P
     assert index.terminal_event_count("f-1") == 1
     assert index.live() == []
     index.close()
+
+
+class _FakeLink:
+    """A node's socket as the front uses it: requests recorded, canned replies."""
+
+    def __init__(self, replies: dict[str, object]) -> None:
+        self.requests: list[tuple[str, dict[str, object]]] = []
+        self.replies = replies
+
+    async def request(self, op: str, **args: object) -> object:
+        self.requests.append((op, args))
+        return self.replies.get(op, {})
+
+
+async def test_the_front_routes_conversations_and_approvals_to_the_sessions_node(tmp_path: Path) -> None:
+    import trio
+
+    from supervisor.config import Config
+    from supervisor.errors import ControlProtocolError
+    from supervisor.fleet._front import NODE_AFFINITY, FleetFront
+
+    index = Index(tmp_path / "index.sqlite3")
+    front = FleetFront(Config.load(state_dir=tmp_path / "front", environ={}, grace_s=1), index)
+    front._nodes = {"n1": {"ip": "10.0.0.7", "resources": {SLOTS: 4.0, "node:10.0.0.7": 1.0}}}
+    history = {"session_id": "s", "live_run": None, "turns": [{"run_id": "r-node1", "state": "cancelled", "messages": []}], "messages": []}
+    link = _FakeLink({"approve": {"run_id": "r-node1", "call_id": "c1", "decision": "approved", "state": "running"}, "history": history})
+    placed: list[object] = []
+
+    async def drive(run: object) -> None:  # Ray's part: placed on n1 at once
+        placed.append(run)
+        index.set_node(run.id, "n1")  # type: ignore[attr-defined]
+        index.set_node_run(run.id, f"r-node{len(placed)}")  # type: ignore[attr-defined]
+        run.node_id, run.node_run_id = "n1", f"r-node{len(placed)}"  # type: ignore[attr-defined]
+        await trio.sleep_forever()
+
+    async def cancel(run_id: str, *, reason: str = "user") -> dict[str, object]:
+        run = front._live.pop(run_id)
+        run.done.set()
+        return {"run_id": run_id, "was_active": True, "reason": reason}
+
+    async def get_link(node_id: str) -> _FakeLink:
+        assert node_id == "n1"
+        return link
+
+    front._drive = drive  # type: ignore[method-assign]
+    front.cancel = cancel  # type: ignore[method-assign]
+    front._link = get_link  # type: ignore[method-assign,assignment]
+    async with trio.open_nursery() as nursery:
+        front._nursery, front._accepting = nursery, True
+        first = await front.spawn({"task": "one"}, session_id="s")
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(ControlProtocolError) as busy:
+            await front.spawn({"task": "two"}, session_id="s")
+        approved = await front.approve(first["run_id"], "c1")
+        second = await front.spawn({"task": "two"}, session_id="s", interrupt=True)
+        await trio.testing.wait_all_tasks_blocked()
+        shown = await front.history("s")
+        listed = await front.list_sessions()
+        nursery.cancel_scope.cancel()
+    index.close()
+    assert busy.value.code == "session_busy" and first["run_id"] in str(busy.value)
+    assert link.requests[0] == ("approve", {"run_id": "r-node1", "call_id": "c1"})
+    assert approved["run_id"] == first["run_id"] and approved["decision"] == "approved"
+    # The next turn goes where the session's history and profile are: pinned to n1.
+    assert placed[1].bundle == {SLOTS: 1.0, "node:10.0.0.7": NODE_AFFINITY}  # type: ignore[attr-defined]
+    assert placed[0].bundle == {SLOTS: 1.0}  # type: ignore[attr-defined]
+    assert ("history", {"session_id": "s"}) in link.requests
+    assert shown["turns"][0]["run_id"] == first["run_id"] and shown["turns"][0]["node_run_id"] == "r-node1"
+    (row,) = listed["sessions"]
+    assert row["session_id"] == "s" and row["turns"] == 2 and row["live_run"] == second["run_id"]
