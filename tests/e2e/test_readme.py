@@ -2,7 +2,7 @@
 
 Each line of the section's command block is split like a shell would (``shlex``) and run
 as its own process: only the program path (``.venv/bin/agentd``, this venv's console
-script) and the placeholder ``RUN`` are replaced, and the files and variables a line
+script) and the placeholders ``RUN`` and ``CALL`` are replaced, and the files and variables a line
 names (``my-script.json``, ``MY_OPENAI_KEY``) are provided. Every line has an expectation
 below (its documented output shape and exit code); a line added to the README without one
 fails the walk. The daemon is a real ``agentd serve``; the model key line talks to
@@ -35,6 +35,15 @@ DAEMON_S = 30.0
 WALK_S = 120.0
 EVENT_LINE = re.compile(r"^#\d+ +(\d\d:\d\d:\d\d|--:--:--)  \S")
 RUN_ID = re.compile(r"^r-[0-9a-f]{16}$")
+# A run whose command waits for a person's OK (the approve and deny lines answer it).
+APPROVAL = {
+    "task": "write the marker",
+    "model": {"provider": "scripted", "script": {
+        "turns": [{"text": "Writing.", "tool_calls": [{"name": "run_command", "id": "call_w", "arguments": {"command": "echo marker > marker"}}]}],
+        "final": "The tool said: {{last_output}}",
+    }},
+    "approval": {"commands": ["echo marker*"]},
+}
 # Waits in a shell command until a file "go" appears in the run's directory.
 GATE = {"turns": [{"text": "At the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": "while [ ! -f go ]; do sleep 0.05; done"}}]}], "final": "Through the gate."}
 
@@ -113,6 +122,10 @@ def _gate_running(ev: dict[str, Any]) -> bool:
     return ev["kind"] == "tool_call" and ev["data"]["record"]["state"] == "running"
 
 
+def _awaiting(ev: dict[str, Any]) -> bool:
+    return ev["kind"] == "state" and ev["data"]["state"] == "awaiting_approval"
+
+
 async def test_every_using_it_command_runs_as_typed_with_its_documented_output_and_exit_code(tmp_path: Path) -> None:
     commands = readme_commands()
     assert len(commands) >= 9 and commands[0][1] == "serve", commands
@@ -120,6 +133,7 @@ async def test_every_using_it_command_runs_as_typed_with_its_documented_output_a
     work.mkdir()
     (work / "my-script.json").write_text(json.dumps({"final": "Nothing to browse today."}))
     (work / "gate.json").write_text(json.dumps(GATE))
+    (work / "approval.json").write_text(json.dumps(APPROVAL))
     key = "sk-readme-" + secrets.token_hex(16)
     base = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
     base |= {"AGENTD_STATE_DIR": str(state), "AGENTD_GRACE_S": "2"}
@@ -134,6 +148,13 @@ async def test_every_using_it_command_runs_as_typed_with_its_documented_output_a
         assert code == 0, err
         run_id = out.strip()
         await trio.to_thread.run_sync(_wait_for, state, run_id, _gate_running)
+        return run_id
+
+    async def spawn_awaiting() -> str:
+        code, out, err = await agentd(["agentd", "spawn", "--spec", "approval.json"])
+        assert code == 0, err
+        run_id = out.strip()
+        await trio.to_thread.run_sync(_wait_for, state, run_id, _awaiting)
         return run_id
 
     async def run_line(argv: list[str]) -> None:
@@ -165,6 +186,48 @@ async def test_every_using_it_command_runs_as_typed_with_its_documented_output_a
             rows = dict(line.split(None, 1) for line in out.splitlines() if line.strip())
             assert rows["model"] == "openai gpt-4o-mini" and rows["state"] == "completed", out
             runs["keyed"] = run_id
+        elif command == "spawn" and "--session" in argv:
+            code, out, err = await agentd(argv)
+            assert code == 0, err
+            assert RUN_ID.match(out.strip()), out
+            runs.setdefault("turns", []).append(out.strip())
+            if "--interrupt" in argv:  # the next turn: the first was stopped or had ended; this one ends
+                code, out, err = await agentd([".venv/bin/agentd", "watch", out.strip()])
+                assert code == 0, out + err
+        elif command == "history":
+            code, out, err = await agentd(argv)
+            assert code == 0, err
+            lines = out.splitlines()
+            assert lines[0].startswith(f"turn 1  {runs['turns'][0]}  ") and f"turn {len(runs['turns'])}  {runs['turns'][-1]}" in out, out
+            assert "  user: list the logs" in lines and "  user: now only the errors" in lines, out
+            code, out, err = await agentd([*argv, "--json"])
+            assert [t["run_id"] for t in json.loads(out)["turns"]] == runs["turns"]
+        elif command == "sessions":
+            code, out, err = await agentd(argv)
+            assert code == 0, err
+            lines = out.splitlines()
+            assert lines[0].split() == ["SESSION", "TURNS", "LAST", "STATE", "LIVE", "PROFILE", "CLOSED"], out
+            assert lines[1].split()[:2] == ["chat-1", str(len(runs["turns"]))], out
+        elif command in ("approve", "deny"):
+            run_id = await spawn_awaiting()
+            code, out, err = await agentd([argv[0], command, run_id, "call_w", *argv[4:]])
+            assert code == 0, err
+            assert out == f"{run_id}: call call_w {command}d\n".replace("denyd", "denied")
+            code, out, err = await agentd([".venv/bin/agentd", "watch", run_id])
+            assert code == 0, out + err
+            status = json.loads((await agentd([".venv/bin/agentd", "--json", "status", run_id]))[1])
+            (call,) = status["tool_calls"]
+            if command == "approve":
+                assert call["state"] == "succeeded" and status["result"]["final_text"].startswith("The tool said: [exit code 0]")
+            else:
+                assert call["state"] == "rejected"
+                assert status["result"]["final_text"] == "The tool said: denied by the user: not on prod"
+        elif command == "session":
+            code, out, err = await agentd(argv)
+            assert code == 0, err
+            assert out == "session chat-1 closed\n", out
+            code, out, err = await agentd(["agentd", "spawn", "one more", "--session", "chat-1"])
+            assert code == 5 and "was closed" in err, err
         elif command == "list":
             code, out, err = await agentd(argv)
             assert code == 0, err
