@@ -3,8 +3,7 @@
 // Routes (in the address's #fragment, so a reload stays where it was):
 //   #/                       the runs list (#/?state=running&session=s1 filters it)
 //   #/run/<run id>           one run
-// A session view (#/session/<id>: transcript, "New turn") comes with conversations
-// (issue 11); sessions.js holds its slot.
+// A run of a session shows the session's transcript and "New turn" (sessions.js).
 
 import { Connection } from "./conn.js";
 import { RunView } from "./run.js";
