@@ -170,7 +170,11 @@ class SessionDesk:
         session: dict[str, Any] = {"history": history}
         event: dict[str, Any] = {"session_id": session_id, "turns": earlier, "messages": len(history)}
         if spec.get("browser"):
-            profile = await self._use_profile(session_id)
+            # Under the session's lock: a sweep never removes a profile a turn is taking.
+            async with self.lock(session_id):
+                profile, made = await self._use_profile(session_id)
+            if made:  # outside it: a sweep takes other sessions' locks, one at a time
+                await self.sweep(keep={session_id})
             session["browser_profile"] = str(profile)
             sandbox = dict(spec.get("sandbox") or {})
             sandbox["write"] = [*(sandbox.get("write") or []), str(profile)]
@@ -179,7 +183,8 @@ class SessionDesk:
         runner_spec["session"] = session
         return runner_spec, event
 
-    async def _use_profile(self, session_id: str) -> Path:
+    async def _use_profile(self, session_id: str) -> tuple[Path, bool]:
+        """The session's profile, made if need be (and whether it was)."""
         profile = self.profile_path(session_id)
         record = await self.journal.get_session(session_id)
         made = record is None or record["profile_dir"] != str(profile) or not profile.is_dir()
@@ -190,9 +195,7 @@ class SessionDesk:
 
         await trio.to_thread.run_sync(prepare)
         await self.journal.set_profile(session_id, str(profile), used_at=time.time())
-        if made:
-            await self.sweep(keep={session_id})
-        return profile
+        return profile, made
 
     # ------------------------------------------------------------------ reading
 
@@ -285,26 +288,30 @@ class SessionDesk:
         except JournalError as exc:
             logger.warning("sessions: cannot read the profiles to sweep: %s", exc)
             return []
-        busy = self._live_sessions() | set(keep)
+        keep = set(keep)
         removed: list[str] = []
         ttl = self.config.session_profile_ttl_s
+
+        async def remove(session_id: str, why: str) -> bool:
+            # Under the session's lock, and only if no turn of it is live by then.
+            async with self.lock(session_id):
+                if session_id in keep or session_id in self._live_sessions():
+                    return False
+                await self._remove_profile(session_id, why)
+            removed.append(session_id)
+            return True
+
         kept = []
         for p in profiles:
             used = p["profile_used_at"] or 0.0
-            if p["session_id"] not in busy and now - used > ttl:
-                await self._remove_profile(p["session_id"], f"idle for more than {ttl:g} s")
-                removed.append(p["session_id"])
-            else:
+            if not (now - used > ttl and await remove(p["session_id"], f"idle for more than {ttl:g} s")):
                 kept.append(p)
         surplus = len(kept) - self.config.session_profiles_max
         for p in kept:  # least recently used first
             if surplus <= 0:
                 break
-            if p["session_id"] in busy:
-                continue
-            await self._remove_profile(p["session_id"], f"more than {self.config.session_profiles_max} profiles; least recently used")
-            removed.append(p["session_id"])
-            surplus -= 1
+            if await remove(p["session_id"], f"more than {self.config.session_profiles_max} profiles; least recently used"):
+                surplus -= 1
         return removed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
