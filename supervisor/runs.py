@@ -41,8 +41,8 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, decode_result
 from supervisor import process, recovery
 from supervisor._backlog import Backlog
-from supervisor.approvals import ApprovalDesk, Hooks, RunApprovals
 from supervisor._stop_receipt import describe_tool_stops
+from supervisor.approvals import ApprovalDesk, Hooks, RunApprovals
 from supervisor.config import Config
 from supervisor.containment import Containment
 from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
