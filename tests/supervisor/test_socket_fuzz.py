@@ -32,7 +32,7 @@ from supervisor.protocol import Op
 from tests.supervisor.real_daemon import CHILDREN, FAKE_RUNNER, ROOT, strict_loads
 
 CONNECTIONS = 4
-EXAMPLES = 400  # of 4 to 8 frames each: about 2,400 frames
+EXAMPLES = 500  # of 5 to 8 frames each: at least 2,500 frames
 REPLY_S = 10.0
 
 
@@ -262,7 +262,7 @@ def test_two_thousand_hostile_frames_get_replies_and_harm_nothing(
             max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         )  # fmt: skip
-        @given(batch=st.lists(frames(), min_size=CONNECTIONS, max_size=2 * CONNECTIONS))
+        @given(batch=st.lists(frames(), min_size=CONNECTIONS + 1, max_size=2 * CONNECTIONS))
         def fuzz(batch: list[str | bytes]) -> None:
             driver.send(batch)
             assert proc.poll() is None, "the daemon died"
