@@ -17,6 +17,7 @@ the very process that was found (no pid reuse race). Nothing else is ever signal
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -213,6 +214,20 @@ def no_process_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         pytest.fail(f"processes left behind by this test: {text}")
 
 
+def _name_unwaited_children() -> None:
+    """Name every Popen still running (a hygiene note: the session check ends the process)."""
+    import gc
+    import subprocess
+
+    for obj in gc.get_objects():
+        if isinstance(obj, subprocess.Popen) and obj.returncode is None and obj.poll() is None:
+            st = _read_stat(obj.pid)
+            sys.stderr.write(f"\nunwaited child {obj.pid} {obj.args!r} (stat {st})\n")
+
+
+atexit.register(_name_unwaited_children)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """What outlived every fixture (a module-scoped fixture's leak) fails the session."""
     me = os.getpid()
@@ -221,6 +236,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
         left = [p for p, st in descendants(_root_pid()).items() if st != "Z" and p.pid != me]
+    _name_unwaited_children()
     if left:
         sys.stderr.write(f"\nprocesses left behind by the session: {describe(left)}\n")
         for p in left:
