@@ -1,13 +1,20 @@
 """CLI round trip: a cold ``agentd status <run>`` process against a running daemon.
 
-Each sample is a fresh process (``.venv/bin/agentd status RUN_ID``) from exec to exit.
-Baselines, interleaved sample by sample: ``python -c pass`` and ``python -c 'import click'``
-with the same interpreter, and with ``--baseline-tree DIR`` the same ``agentd status
-RUN_ID`` run from another checkout's ``supervisor``/``subagent`` (``PYTHONPATH=DIR``, e.g.
-``git archive main supervisor subagent | tar -x -C DIR``): a before/after comparison in
-one run, with the median of the per-pair differences (robust to a machine whose load
-changes during the run). The CLI's heaviest imports (``-X importtime``) are listed to show
-where its time goes.
+Each sample is a fresh process (``.venv/bin/agentd status RUN_ID``) from exec to exit,
+with the environment a user's shell gives it (no ``PYTHONPATH``). Baselines, interleaved
+sample by sample, with the same interpreter: ``python -c pass``, ``python -c 'import
+click'`` and ``python -c 'import click, wsproto, h11'`` (the libraries the CLI is built
+on: a floor for any command that talks to the daemon). The tree's bytecode is written
+first (``compile_tree``), as an installed package has it; one more series compiles every
+module from source at every call (``PYTHONDONTWRITEBYTECODE`` with an empty pycache
+prefix: how a harness that sets that variable measured it).
+
+``--baseline-tree DIR`` times another checkout's ``agentd status RUN_ID``, interleaved
+pair by pair: with ``DIR/.venv`` (its own ``scripts/setup``) its own console script,
+interpreter and install mode; without one, this venv's script on ``PYTHONPATH=DIR``
+(e.g. ``git archive main supervisor subagent | tar -x -C DIR``). The median of the
+per-pair differences is robust to a load that changes during the run. The CLI's heaviest
+imports (``-X importtime``) show where its time goes.
 
     .venv/bin/python benchmarks/bench_cli.py [--quick] [--reps N] [--baseline-tree DIR] [--json FILE]
 """
@@ -26,7 +33,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import AGENTD, PY, final_sweep, header, install_mark, line, machine, row, summary, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    AGENTD,
+    PY,
+    compile_tree,
+    final_sweep,
+    header,
+    install_mark,
+    line,
+    machine,
+    row,
+    summary,
+    write_json,
+)
 from benchmarks._daemon_proc import DaemonProc  # noqa: E402
 
 
@@ -60,8 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 samples: for the smoke test")
     ap.add_argument("--reps", type=int, default=None, help="samples of each (default 30)")
-    ap.add_argument("--baseline-tree", default=None, help="another checkout's root (its supervisor/ and subagent/): "
-                    "its `agentd status RUN_ID`, interleaved")
+    ap.add_argument("--baseline-tree", default=None, help="another checkout's root (with its own .venv, or only its "
+                    "supervisor/ and subagent/): its `agentd status RUN_ID`, interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 30)
@@ -69,44 +88,64 @@ def main() -> None:
     m = machine()
     line(f"bench_cli on {m['cpus']} x {m['cpu']}, {m['mem_total_gib']} GiB, load {m['loadavg'][0]:.2f}")
     out: dict[str, Any] = {"machine": m, "reps": reps}
+    compile_tree()
     d = None
     tmp = tempfile.TemporaryDirectory(prefix="agentd-bench-cli-")
     try:
         d = DaemonProc(Path(tmp.name) / "state")
-        env = dict(os.environ, AGENTD_STATE_DIR=str(d.state_dir))
+        # A user's shell: no PYTHONPATH (install_mark sets one for the daemon's children).
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["AGENTD_STATE_DIR"] = str(d.state_dir)
+        # Every module compiled from source at every call: no pycache is written, and
+        # none is found under an empty prefix.
+        nopyc_env = dict(env, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(Path(tmp.name) / "no-pycache"))
         with d.client() as c:
             run_id = c.spawn({"task": "benchmark", "model": {"provider": "scripted", "script": {"turns": [], "final": "ok"}}})["run_id"]
         rc_first = subprocess.run([AGENTD, "status", run_id], env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         if rc_first.returncode != 0:
             line(f"  !! agentd status failed: {rc_first.stderr.decode(errors='replace')[-500:]}")
-        samples: dict[str, list[float]] = {"status": [], "status_json": [], "status_daemon": [], "pass": [], "click": []}
+        samples: dict[str, list[float]] = {"status": [], "status_json": [], "status_daemon": [], "status_nopyc": [],
+                                           "pass": [], "click": [], "libs": []}
         codes: set[int] = set()
+        base_argv: list[str] = []
         base_env = None
         if args.baseline_tree:
-            base_env = dict(env, PYTHONPATH=str(Path(args.baseline_tree).resolve()))
+            base = Path(args.baseline_tree).resolve()
+            own = base / ".venv" / "bin" / "agentd"
+            base_argv = [str(own) if own.exists() else AGENTD, "status", run_id]
+            # Its own venv finds its own tree; this venv's script finds it on PYTHONPATH.
+            base_env = dict(env) if own.exists() else dict(env, PYTHONPATH=str(base))
+            if own.exists():
+                compile_tree(base, str(base / ".venv" / "bin" / "python"))
             samples["status_baseline_tree"] = []
-            timed([AGENTD, "status", run_id], base_env)  # a first run writes its bytecode
+            line(f"  baseline tree {base}: {'its own venv' if own.exists() else 'this venv, PYTHONPATH'}")
+            timed(base_argv, base_env)  # a first run reads its files into the page cache
         for _ in range(reps):
             t, rc = timed([AGENTD, "status", run_id], env)
             samples["status"].append(t)
             codes.add(rc)
             if base_env is not None:
-                t, rc = timed([AGENTD, "status", run_id], base_env)
+                t, rc = timed(base_argv, base_env)
                 samples["status_baseline_tree"].append(t)
                 codes.add(rc)
             t, rc = timed([AGENTD, "--json", "status", run_id], env)
             samples["status_json"].append(t)
             t, rc = timed([AGENTD, "status"], env)
             samples["status_daemon"].append(t)
+            t, rc = timed([AGENTD, "status", run_id], nopyc_env)
+            samples["status_nopyc"].append(t)
             samples["pass"].append(timed([PY, "-c", "pass"], env)[0])
             samples["click"].append(timed([PY, "-c", "import click"], env)[0])
+            samples["libs"].append(timed([PY, "-c", "import click, wsproto, h11"], env)[0])
         header(f"cold CLI process, {reps} samples each (interleaved)")
         line(row("agentd status RUN_ID", summary(samples["status"]), f"exit codes {sorted(codes)}"))
         line(row("agentd --json status RUN_ID", summary(samples["status_json"])))
         line(row("agentd status (the daemon, no run id)", summary(samples["status_daemon"])))
+        line(row("agentd status RUN_ID, compiled at every call", summary(samples["status_nopyc"])))
         line(row("baseline: python -c pass", summary(samples["pass"])))
         line(row("baseline: python -c 'import click'", summary(samples["click"])))
+        line(row("baseline: python -c 'import click, wsproto, h11'", summary(samples["libs"])))
         if base_env is not None:
             line(row(f"baseline: agentd status RUN_ID from {args.baseline_tree}", summary(samples["status_baseline_tree"])))
             diffs = [a - b for a, b in zip(samples["status"], samples["status_baseline_tree"])]

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "TOKEN_FILE",
+    "ENDPOINT_FILE",
+    "default_state_dir",
     "new_token",
     "write_token",
     "read_token",
@@ -24,6 +27,21 @@ __all__ = [
 
 # 32 random bytes, URL-safe: fits a header and a ?token= query alike.
 TOKEN_BYTES = 32
+
+TOKEN_FILE = "token"  # 0600, the control socket's shared secret
+ENDPOINT_FILE = "daemon.json"  # {"url", "host", "port", "pid"} of the running daemon
+
+
+def default_state_dir() -> Path:
+    """The daemon's state dir when none is given (``supervisor.config`` re-exports it)."""
+    env = os.environ.get("AGENTD_STATE_DIR")
+    if env:
+        return Path(env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/agentd")
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "agentd"
 
 
 def new_token() -> str:

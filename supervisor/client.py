@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor import protocol
-from supervisor._statefiles import read_endpoint, read_token
+from supervisor._statefiles import ENDPOINT_FILE, TOKEN_FILE, default_state_dir, read_endpoint, read_token
 from supervisor._wsclient import ConnectionLost, Unauthorized, WebSocket
-from supervisor.config import ENDPOINT_FILE, TOKEN_FILE, default_state_dir
-from supervisor.errors import DaemonNotRunning
+from supervisor.errors import AgentdError, DaemonNotRunning
 
 __all__ = ["Client", "Follow", "ConnectionLost", "Unauthorized", "locate", "START_HINT"]
 
@@ -38,6 +37,10 @@ RECONNECT_TIMEOUT_S: Final = 30.0
 _READ_ONLY_OPS: Final = frozenset({"status", "list", "events", "ping", "history", "sessions"})
 # Backoff between reconnect attempts: first at once, then doubling up to the cap.
 RECONNECT_BACKOFF_S: Final = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)
+# Requests a pipelined call (``spawn_many``) keeps unanswered at once on its connection:
+# the daemon serves up to 32 of one connection's requests at a time (``Limits.in_flight``)
+# and reads the next once one is done, so more would only wait in the socket's buffers.
+PIPELINE_WINDOW: Final = 32
 
 
 # ----------------------------------------------------------------------------- locating
@@ -198,6 +201,61 @@ class Client:
         return self.request(
             "spawn", spec=spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt or None
         )
+
+    def spawn_many(
+        self,
+        specs: list[dict[str, Any]],
+        *,
+        timeout_s: float | None = None,
+        model_key: str | None = None,
+    ) -> list[dict[str, Any] | AgentdError]:
+        """Start a run per spec, the requests pipelined on one connection (a burst pays
+        one connection and no round trip per run). The daemon serves them concurrently.
+        No session argument: a session runs one turn at a time (a spec may name its own).
+
+        Returns, in the order of ``specs``, each spawn's result or the error it got
+        (``SpawnError`` for a refused spec; ``ConnectionLost`` for every request left
+        unanswered when the connection broke: those may or may not have started).
+
+        Raises:
+            DaemonNotRunning: no daemon to connect to (nothing was sent).
+        """
+        args = [{"spec": spec, "timeout_s": timeout_s, "model_key": model_key} for spec in specs]
+        return self._request_pipelined("spawn", args)
+
+    def _request_pipelined(self, op: str, args: list[dict[str, Any]]) -> list[Any]:
+        """Send ``op`` once per ``args`` entry, at most ``PIPELINE_WINDOW`` unanswered at a
+        time; each result or error in order. Never resent (see ``request``)."""
+        self.connect()
+        assert self._ws is not None
+        ws = self._ws
+        out: list[Any] = [None] * len(args)
+        waiting: dict[int, int] = {}  # request id -> its index in args
+        sent = 0
+        try:
+            while sent < len(args) or waiting:
+                while sent < len(args) and len(waiting) < PIPELINE_WINDOW:
+                    rid = next(self._ids)
+                    ws.send_text(protocol.encode_request(rid, op, **args[sent]))
+                    waiting[rid] = sent
+                    sent += 1
+                # Bounds the wait for the next reply, not the whole call.
+                msg = protocol.decode_server_message(ws.recv_text(self.timeout_s))
+                rid = msg.get("id")
+                if not isinstance(rid, int) or rid not in waiting or "ok" not in msg:
+                    continue  # a pushed message or a stale reply
+                i = waiting.pop(rid)
+                if msg["ok"] is True:
+                    out[i] = msg.get("result")
+                else:
+                    out[i] = protocol.error_from_reply(msg.get("error"), run_id=args[i].get("run_id"))
+        except ConnectionLost as exc:
+            self.close()
+            for i in waiting.values():
+                out[i] = exc
+            for i in range(sent, len(args)):
+                out[i] = ConnectionLost(f"not sent: the connection to the daemon broke first ({exc})")
+        return out
 
     def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
         return self.request("cancel", run_id=run_id, reason=reason)

@@ -15,24 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The state dir and its published files are defined with the code that reads them, which
+# the CLI's client imports without this module (its dataclass is ~2 ms of a cold command).
+from supervisor._statefiles import ENDPOINT_FILE as ENDPOINT_FILE
+from supervisor._statefiles import TOKEN_FILE as TOKEN_FILE
+from supervisor._statefiles import default_state_dir as default_state_dir
 from supervisor.errors import ConfigError
 
 __all__ = ["Config", "default_state_dir", "TOKEN_FILE", "ENDPOINT_FILE", "JOURNAL_FILE"]
 
-TOKEN_FILE = "token"  # 0600, the control socket's shared secret
-ENDPOINT_FILE = "daemon.json"  # {"url", "host", "port", "pid"} of the running daemon
 JOURNAL_FILE = "agentd.sqlite3"
-
-
-def default_state_dir() -> Path:
-    env = os.environ.get("AGENTD_STATE_DIR")
-    if env:
-        return Path(env)
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return Path("/var/lib/agentd")
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
-    return base / "agentd"
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,6 +149,74 @@ def test_a_spec_the_daemon_refuses_exits_5(server: ServerThread, tmp_path: Path)
     assert res.stderr.startswith("error: the daemon refused the spec: model")
 
 
+def write_specs(tmp_path: Path, specs: list[dict[str, Any]]) -> list[str]:
+    paths = []
+    for i, spec in enumerate(specs):
+        path = tmp_path / f"spec-{i}.json"
+        path.write_text(json.dumps(spec))
+        paths.append(str(path))
+    return paths
+
+
+def test_spawn_of_several_specs_prints_each_run_id_in_order(server: ServerThread, tmp_path: Path) -> None:
+    # More specs than the client keeps unanswered at once: the window refills as replies come.
+    n = client_mod.PIPELINE_WINDOW + 8
+    paths = write_specs(tmp_path, [{"task": f"task {i}"} for i in range(n)])
+    res = run(server, "spawn", "--max-steps", "2", *(a for p in paths for a in ("--spec", p)))
+    assert res.exit_code == 0, res.output
+    run_ids = res.stdout.split()
+    assert len(run_ids) == n == len(set(run_ids))
+    for i, run_id in enumerate(run_ids):
+        assert server.backend.runs[run_id].spec == {"task": f"task {i}", "limits": {"max_steps": 2}}
+
+
+def test_spawn_of_several_specs_in_json_is_one_object_per_line(server: ServerThread, tmp_path: Path) -> None:
+    paths = write_specs(tmp_path, [{"task": "a"}, {"task": "b"}])
+    res = run(server, "--json", "spawn", "--session", "s9", "--spec", paths[0], "--spec", paths[1])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [server.backend.runs[r["run_id"]].spec["task"] for r in rows] == ["a", "b"]
+    assert {r["session_id"] for r in rows} == {"s9"}
+
+
+def test_a_refused_spec_among_several_names_its_file_and_the_others_start(server: ServerThread, tmp_path: Path) -> None:
+    paths = write_specs(tmp_path, [{"task": "a"}, {"task": "b", "model": "gpt"}, {"task": "c"}])
+    res = run(server, "spawn", *(a for p in paths for a in ("--spec", p)))
+    assert res.exit_code == ExitCode.REFUSED
+    assert res.stderr == f"error: spec file {paths[1]!r}: the daemon refused the spec: model: expected an object, got str\n"
+    started = res.stdout.split()
+    assert [server.backend.runs[r].spec["task"] for r in started] == ["a", "c"]
+
+
+def test_spawn_wait_takes_one_spec(server: ServerThread, tmp_path: Path) -> None:
+    paths = write_specs(tmp_path, [{"task": "a"}, {"task": "b"}])
+    res = run(server, "spawn", "--wait", "--spec", paths[0], "--spec", paths[1])
+    assert res.exit_code == ExitCode.USAGE
+    assert res.stderr.startswith("error: --wait follows one run")
+    assert not server.backend.spawns
+
+
+def test_spawn_many_reports_the_requests_a_broken_connection_left_unanswered(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_recv = _wsclient.WebSocket.recv_text
+    replies = {"n": 0}
+
+    def drop_after_the_first_reply(self: Any, timeout_s: float | None) -> str:
+        if replies["n"] == 1:
+            self._sock.shutdown(socket.SHUT_RDWR)  # the network drops us mid-burst
+        replies["n"] += 1
+        return real_recv(self, timeout_s)
+
+    monkeypatch.setattr(_wsclient.WebSocket, "recv_text", drop_after_the_first_reply)
+    with client_mod.Client(state_dir=server.config.state_dir) as c:
+        results = c.spawn_many([{"task": f"t{i}"} for i in range(3)])
+    # The daemon serves the three at once: the one reply read may be any one's.
+    answered = [r for r in results if isinstance(r, dict)]
+    assert len(answered) == 1 and answered[0]["run_id"] in server.backend.runs, results
+    assert sum(isinstance(r, client_mod.ConnectionLost) for r in results) == 2, results
+
+
 def test_build_spec_reads_claude_desktop_mcp_files_and_merges_options(tmp_path: Path) -> None:
     mcp = tmp_path / "mcp.json"
     mcp.write_text(json.dumps({"mcpServers": {"fs": {"command": "npx", "args": ["fs"]}}}))
