@@ -16,16 +16,19 @@ from benchmarks._common import AGENTD
 class DaemonProc:
     """``agentd serve`` on a fresh state dir; ``stop()`` sends SIGTERM and waits."""
 
-    def __init__(self, state_dir: Path, *, nice: int = 0, **settings: Any) -> None:
+    def __init__(self, state_dir: Path, *, nice: int = 0, agentd: str = AGENTD, env: dict[str, str] | None = None,
+                 **settings: Any) -> None:
+        """``agentd``: the console script (another checkout's, for a before/after);
+        ``env``: its environment (default: this process's)."""
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, AGENTD_STATE_DIR=str(state_dir))
+        env = dict(os.environ if env is None else env, AGENTD_STATE_DIR=str(state_dir))
         for k, v in settings.items():
             env["AGENTD_" + k.upper()] = str(v)
         self.log_path = state_dir.parent / f"{state_dir.name}.log"
         self.log = open(self.log_path, "wb")
         self.p = subprocess.Popen(
-            [AGENTD, "serve", "--log-level", "warning"],
+            [agentd, "serve", "--log-level", "warning"],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self.log,

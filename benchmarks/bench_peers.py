@@ -12,6 +12,8 @@ Figures, for each supervisor:
   --spec F`` / ``supervisorctl start pN``) until the program has written its ready file;
   the CLI's own exit time beside it;
 - the same for N programs at once (N CLI commands started together) -> all running;
+- the same for N programs in one CLI command (``agentd spawn --spec F1 ... --spec FN`` /
+  ``supervisorctl start p1 ... pN``) -> all running;
 - stop -> a well-behaved tree dead (sh + two sleeps, all exit on SIGTERM): from exec of
   ``agentd cancel RUN`` / ``supervisorctl stop pN`` until no process of the tree runs;
 - survivors: a program that leaves a ``setsid`` child and a double-forked ``setsid`` one,
@@ -24,13 +26,19 @@ agentd runs as ``agentd serve`` (its own process) in two configurations: ``zygot
 default: runners forked by the zygote) and ``cold`` (``AGENTD_ZYGOTE=off``: a new Python
 per runner). A program is the run's one ``run_command``; under supervisord it is the
 program's ``command``. Grace: agentd ``grace_s`` = supervisord ``stopwaitsecs``
-(``stopasgroup``/``killasgroup`` on, its best effort for trees).
+(``stopasgroup``/``killasgroup`` on, its best effort for trees). ``--agentd-tree DIR`` adds
+``agentd-before``: another checkout's daemon and CLI (``DIR/.venv``, its ``scripts/setup``),
+measured in the same run, in turn with the others (a before/after).
+
+The CLI commands run with the environment of a user's shell (no ``PYTHONPATH``) and the
+tree's bytecode written (``compile_tree``), as an installed package has it.
 
 Cleanup: supervisord and agentd are ended by the PIDs this script started them with;
 every process started carries ``AGENTD_BENCH_MARK`` and the final sweep ends any survivor
 by PID (escapers included, once counted).
 
-    .venv/bin/python benchmarks/bench_peers.py [--quick] [--reps N] [--burst N] [--only agentd,supervisord] [--json FILE]
+    .venv/bin/python benchmarks/bench_peers.py [--quick] [--reps N] [--burst N] [--only agentd,supervisord]
+        [--agentd-tree DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from benchmarks._common import (  # noqa: E402
     AGENTD,
     MARK_VAR,
     ROOT,
+    compile_tree,
     final_sweep,
     header,
     install_mark,
@@ -181,6 +190,15 @@ class Peer:
     def spawned(self, key: str, out: str) -> None:  # note what the spawn printed (agentd: the run id)
         pass
 
+    def bulk_spawn_argv(self, keys: list[str], commands: list[str]) -> list[str]:
+        raise NotImplementedError
+
+    def bulk_spawned(self, keys: list[str], out: str) -> None:
+        pass
+
+    def has_bulk_spawn(self) -> bool:
+        return True
+
     def stop_argv(self, key: str) -> list[str]:
         raise NotImplementedError
 
@@ -196,14 +214,21 @@ class Peer:
 
 
 class Agentd(Peer):
-    def __init__(self, workdir: Path, name: str, *, grace_s: float, **settings: Any) -> None:
+    def __init__(self, workdir: Path, name: str, *, grace_s: float, tree: Path | None = None, **settings: Any) -> None:
+        """``tree``: another checkout with its own .venv (its daemon and its CLI)."""
         self.name = name
         self.grace_s = grace_s
         self.specs = workdir / f"{name}-specs"
         self.specs.mkdir(parents=True)
         self.ready_dir = workdir / f"{name}-ready"  # made by Bench; granted to every run
-        self.daemon = DaemonProc(workdir / f"{name}-state", grace_s=grace_s, max_concurrent=512, **settings)
-        self.env = dict(os.environ, AGENTD_STATE_DIR=str(self.daemon.state_dir))
+        self.agentd = AGENTD if tree is None else str(tree / ".venv" / "bin" / "agentd")
+        # The other checkout's daemon imports its own tree, not the one on this PYTHONPATH.
+        daemon_env = None if tree is None else dict(os.environ, PYTHONPATH=str(tree))
+        self.daemon = DaemonProc(workdir / f"{name}-state", agentd=self.agentd, env=daemon_env, grace_s=grace_s,
+                                 max_concurrent=512, **settings)
+        # The CLI as a user's shell runs it: no PYTHONPATH.
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.env["AGENTD_STATE_DIR"] = str(self.daemon.state_dir)
         self.runs: dict[str, str] = {}
 
     def wait_zygote(self, timeout_s: float = 120.0) -> float | None:
@@ -229,13 +254,29 @@ class Agentd(Peer):
         }
         path = self.specs / f"{key}.json"
         path.write_text(json.dumps(spec))
-        return [AGENTD, "--json", "spawn", "--spec", str(path)]
+        return [self.agentd, "--json", "spawn", "--spec", str(path)]
 
     def spawned(self, key: str, out: str) -> None:
         self.runs[key] = json.loads(out.strip().splitlines()[-1])["run_id"]
 
+    def bulk_spawn_argv(self, keys: list[str], commands: list[str]) -> list[str]:
+        argv = [self.agentd, "--json", "spawn"]
+        for key, command in zip(keys, commands):
+            argv += self.spawn_argv(key, command)[-2:]  # --spec FILE
+        return argv
+
+    def has_bulk_spawn(self) -> bool:
+        """Whether this CLI's spawn takes several --spec (an older one keeps the last)."""
+        done = subprocess.run([self.agentd, "spawn", "--help"], env=self.env, capture_output=True, text=True)
+        return "Repeat it" in done.stdout
+
+    def bulk_spawned(self, keys: list[str], out: str) -> None:
+        lines = out.strip().splitlines()
+        for key, ln in zip(keys, lines, strict=True):
+            self.runs[key] = json.loads(ln)["run_id"]
+
     def stop_argv(self, key: str) -> list[str]:
-        return [AGENTD, "--json", "cancel", self.runs[key]]
+        return [self.agentd, "--json", "cancel", self.runs[key]]
 
     @property
     def daemon_pid(self) -> int:
@@ -307,6 +348,9 @@ class Supervisord(Peer):
 
     def spawn_argv(self, key: str, command: str) -> list[str]:
         return self.ctl + ["start", key]
+
+    def bulk_spawn_argv(self, keys: list[str], commands: list[str]) -> list[str]:
+        return self.ctl + ["start", *keys]
 
     def stop_argv(self, key: str) -> list[str]:
         return self.ctl + ["stop", key]
@@ -392,6 +436,16 @@ class Bench:
         return {"all_running_s": None if None in running else max(running), "running": running,
                 "cli": [r["cli_s"] for r in results.values()]}
 
+    def bulk(self, keys: list[str]) -> dict[str, Any]:
+        """N programs started by one CLI command -> all running."""
+        for key in keys:
+            self.ready(key).unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        cli_s, out = run_cli(self.peer.bulk_spawn_argv(keys, [self.programs[k][0] for k in keys]), self.peer.env)
+        self.peer.bulk_spawned(keys, out)
+        running = [wait_file(self.ready(k), t0) for k in keys]
+        return {"all_running_s": None if None in running else max(running), "running": running, "cli_s": cli_s}
+
     def stop_all(self, keys: list[str]) -> dict[str, Any]:
         members = [m for k in keys for m in group_members(ready_pgid(self.ready(k)))]
         t0 = time.perf_counter()
@@ -439,10 +493,12 @@ class Bench:
 
 
 def programs_for(name: str, workdir: Path, args: argparse.Namespace) -> dict[str, tuple[str, str]]:
-    """key -> (shell command, its unique token): s* one at a time, b* the burst, e* escapers."""
+    """key -> (shell command, its unique token): s* one at a time, b* the burst, m* the burst
+    in one command, e* escapers."""
     ready_dir = workdir / f"{name}-ready"
     programs: dict[str, tuple[str, str]] = {}
-    for prefix, count, make in (("s", args.reps, tree_program), ("b", args.burst, tree_program), ("e", args.escapers, escaper_program)):
+    for prefix, count, make in (("s", args.reps, tree_program), ("b", args.burst, tree_program),
+                                ("m", args.burst, tree_program), ("e", args.escapers, escaper_program)):
         for i in range(count):
             tok = new_token()
             programs[f"{prefix}{i}"] = (make(ready_dir / f"{prefix}{i}", tok), tok)
@@ -473,6 +529,15 @@ def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, An
         out["overhead"] = b.peer.overhead([b.ready(k) for k in bkeys])
     for b, out in zip(benches, outs):
         out["stop_all"] = b.stop_all(bkeys)
+    mkeys = [f"m{i}" for i in range(args.burst)]
+    for b, out in zip(benches, outs):
+        if not b.peer.has_bulk_spawn():
+            line(f"  {b.peer.name}: its CLI starts one program per command; no bulk figure")
+            continue
+        out["bulk"] = b.bulk(mkeys)
+        line(f"  {b.peer.name}: {args.burst} in one command -> all running in {fmt_s(out['bulk']['all_running_s'])} "
+             f"(load {os.getloadavg()[0]:.2f})")
+        b.stop_all([k for k in mkeys if b.ready(k).exists()])
     for b, out in zip(benches, outs):
         out["survivors"] = []
     for i in range(args.escapers):
@@ -507,6 +572,8 @@ def table(results: list[dict[str, Any]]) -> None:
     add("  of which the CLI command itself (p50)", lambda r: fmt_s(med([s["cli_s"] for s in r["sequential"]["spawn"]])))
     add("N spawns at once -> all running", lambda r: fmt_s(r["burst"]["all_running_s"]))
     add("  p50 of the N", lambda r: fmt_s(med(r["burst"]["running"])))
+    add("N spawns in one CLI command -> all running", lambda r: fmt_s(r["bulk"]["all_running_s"]))
+    add("  of which the CLI command itself", lambda r: fmt_s(r["bulk"]["cli_s"]))
     add("stop -> a well-behaved tree dead (p50)", lambda r: fmt_s(med([s["dead_s"] for s in r["sequential"]["stop"]])))
     add("  of which the CLI command itself (p50)", lambda r: fmt_s(med([s["cli_s"] for s in r["sequential"]["stop"]])))
     add("stop N at once -> all dead", lambda r: fmt_s(r["stop_all"]["all_dead_s"]))
@@ -535,6 +602,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="which to run, comma-separated (default agentd,agentd-cold,supervisord; "
                     "--quick: agentd,supervisord)")
     ap.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV, help="where supervisord's own venv lives")
+    ap.add_argument("--agentd-tree", type=Path, default=None, help="another checkout with its own .venv: adds "
+                    "agentd-before (its daemon and CLI, zygote on) to the run")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args()
     args.reps = args.reps or (2 if args.quick else 7)
@@ -548,6 +617,9 @@ def main() -> None:
          f"grace {args.grace:g} s, N={args.burst}, reps {args.reps}")
     out: dict[str, Any] = {"machine": m, "args": {k: str(v) for k, v in vars(args).items()}, "peers": []}
     only = [x.strip() for x in args.only.split(",") if x.strip()]
+    if args.agentd_tree is not None and "agentd-before" not in only:
+        only.insert(1 if only[:1] == ["agentd"] else 0, "agentd-before")
+    compile_tree()
     benches: list[Bench] = []
     try:
         with tempfile.TemporaryDirectory(prefix="agentd-bench-peers-") as tmp:
@@ -564,14 +636,21 @@ def main() -> None:
                             line(f"  !! supervisord skipped: cannot install supervisor=={SUPERVISOR_VERSION} ({exc})")
                             continue
                         peer: Peer = Supervisord(work, venv, grace_s=args.grace, programs=[(k, c) for k, (c, _t) in progs.items()])
-                    elif name in ("agentd", "agentd-cold"):
-                        a = Agentd(work, name, grace_s=args.grace, zygote="off" if name == "agentd-cold" else "auto")
-                        if name == "agentd":
+                    elif name in ("agentd", "agentd-cold", "agentd-before"):
+                        tree = None
+                        if name == "agentd-before":
+                            if args.agentd_tree is None:
+                                raise SystemExit("error: agentd-before needs --agentd-tree DIR")
+                            tree = args.agentd_tree.resolve()
+                            compile_tree(tree, str(tree / ".venv" / "bin" / "python"))
+                        a = Agentd(work, name, grace_s=args.grace, tree=tree,
+                                   zygote="off" if name == "agentd-cold" else "auto")
+                        if name in ("agentd", "agentd-before"):
                             waited = a.wait_zygote()
                             line(f"  zygote ready after {waited if waited is None else round(waited, 2)} s")
                         peer = a
                     else:
-                        raise SystemExit(f"error: unknown supervisor {name!r} (expected agentd, agentd-cold, supervisord)")
+                        raise SystemExit(f"error: unknown supervisor {name!r} (expected agentd, agentd-cold, agentd-before, supervisord)")
                     peers.append(peer)
                     benches.append(Bench(peer, work, progs))
                 header("measuring, every supervisor in turn")
@@ -593,6 +672,11 @@ def main() -> None:
                     line(f"  agentd / supervisord, spawn -> running one at a time: {a1 / s1:.2f}x (target <= 0.5x)")
                 if ab and sb:
                     line(f"  agentd / supervisord, {args.burst} at once -> all running: {ab / sb:.2f}x (target <= 0.5x)")
+                am, sm = (zyg.get("bulk") or {}).get("all_running_s"), (sup.get("bulk") or {}).get("all_running_s")
+                if am and sm:
+                    line(f"  agentd / supervisord, {args.burst} in one CLI command -> all running: {am / sm:.2f}x")
+                if am and sb:
+                    line(f"  agentd, {args.burst} in one CLI command / supervisord, {args.burst} CLI commands: {am / sb:.2f}x")
     finally:
         header("cleanup")
         out["survivors_at_end"] = final_sweep(mark)
