@@ -5,9 +5,9 @@ with the environment a user's shell gives it (no ``PYTHONPATH``). Baselines, int
 sample by sample, with the same interpreter: ``python -c pass``, ``python -c 'import
 click'`` and ``python -c 'import click, wsproto, h11'`` (the libraries the CLI is built
 on: a floor for any command that talks to the daemon). The tree's bytecode is written
-first (``compile_tree``), as an installed package has it; one more series compiles every
-module from source at every call (``PYTHONDONTWRITEBYTECODE`` with an empty pycache
-prefix: how a harness that sets that variable measured it).
+first (``compile_tree``), as an installed package has it; one more series compiles the
+tree's modules from source at every call (a copy without bytecode under
+``PYTHONDONTWRITEBYTECODE``: how a harness that sets that variable measured it).
 
 ``--baseline-tree DIR`` times another checkout's ``agentd status RUN_ID``, interleaved
 pair by pair: with ``DIR/.venv`` (its own ``scripts/setup``) its own console script,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import (  # noqa: E402
     AGENTD,
     PY,
+    ROOT,
     compile_tree,
     final_sweep,
     header,
@@ -96,9 +98,13 @@ def main() -> None:
         # A user's shell: no PYTHONPATH (install_mark sets one for the daemon's children).
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["AGENTD_STATE_DIR"] = str(d.state_dir)
-        # Every module compiled from source at every call: no pycache is written, and
-        # none is found under an empty prefix.
-        nopyc_env = dict(env, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(Path(tmp.name) / "no-pycache"))
+        # This tree's modules compiled from source at every call (the libraries' and the
+        # stdlib's bytecode as installed): a copy of its sources, first on the path, where
+        # no bytecode is ever written.
+        nopyc = Path(tmp.name) / "sources"
+        for pkg in ("supervisor", "subagent"):
+            shutil.copytree(ROOT / pkg, nopyc / pkg, ignore=shutil.ignore_patterns("__pycache__", "static", "*.md"))
+        nopyc_env = dict(env, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(nopyc))
         with d.client() as c:
             run_id = c.spawn({"task": "benchmark", "model": {"provider": "scripted", "script": {"turns": [], "final": "ok"}}})["run_id"]
         rc_first = subprocess.run([AGENTD, "status", run_id], env=env, stdout=subprocess.DEVNULL,
