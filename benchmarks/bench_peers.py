@@ -492,13 +492,20 @@ class Bench:
 # ----------------------------------------------------------------------------- main
 
 
+# Program key prefixes of each rep of the burst (N CLI commands) and of the bulk spawn (one).
+BURST_PREFIXES = ("b", "c")
+BULK_PREFIXES = ("m", "n")
+
+
 def programs_for(name: str, workdir: Path, args: argparse.Namespace) -> dict[str, tuple[str, str]]:
-    """key -> (shell command, its unique token): s* one at a time, b* the burst, m* the burst
-    in one command, e* escapers."""
+    """key -> (shell command, its unique token): s* one at a time, b* and c* the bursts, m*
+    and n* the bursts in one command, e* escapers."""
     ready_dir = workdir / f"{name}-ready"
     programs: dict[str, tuple[str, str]] = {}
-    for prefix, count, make in (("s", args.reps, tree_program), ("b", args.burst, tree_program),
-                                ("m", args.burst, tree_program), ("e", args.escapers, escaper_program)):
+    kinds = [("s", args.reps, tree_program), ("e", args.escapers, escaper_program)]
+    reps = args.burst_reps
+    kinds += [(prefix, args.burst, tree_program) for prefix in (*BURST_PREFIXES[:reps], *BULK_PREFIXES[:reps])]
+    for prefix, count, make in kinds:
         for i in range(count):
             tok = new_token()
             programs[f"{prefix}{i}"] = (make(ready_dir / f"{prefix}{i}", tok), tok)
@@ -518,26 +525,36 @@ def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, An
         for b, acc in zip(benches, seq):
             acc["spawn"].append(b.spawn(f"s{i}"))
             acc["stop"].append(b.stop(f"s{i}"))
-    bkeys = [f"b{i}" for i in range(args.burst)]
-    for b, out, acc in zip(benches, outs, seq):
+    for out, acc in zip(outs, seq):
         out["sequential"] = acc
-        out["burst"] = b.burst(bkeys)
-        line(f"  {b.peer.name}: {args.burst} at once -> all running in {fmt_s(out['burst']['all_running_s'])} "
-             f"(load {os.getloadavg()[0]:.2f})")
-    for b, out in zip(benches, outs):  # every supervisor holds its N programs now
-        out["idle"] = b.idle(args.idle)
-        out["overhead"] = b.peer.overhead([b.ready(k) for k in bkeys])
-    for b, out in zip(benches, outs):
-        out["stop_all"] = b.stop_all(bkeys)
-    mkeys = [f"m{i}" for i in range(args.burst)]
-    for b, out in zip(benches, outs):
-        if not b.peer.has_bulk_spawn():
-            line(f"  {b.peer.name}: its CLI starts one program per command; no bulk figure")
-            continue
-        out["bulk"] = b.bulk(mkeys)
-        line(f"  {b.peer.name}: {args.burst} in one command -> all running in {fmt_s(out['bulk']['all_running_s'])} "
-             f"(load {os.getloadavg()[0]:.2f})")
-        b.stop_all([k for k in mkeys if b.ready(k).exists()])
+        out["bursts"], out["bulks"] = [], []
+    # The bursts, one supervisor after the other, in turn forward then backward (a load
+    # that drifts during the run weighs on every supervisor alike); each its own programs.
+    for rep, prefix in enumerate(BURST_PREFIXES[: args.burst_reps]):
+        keys = [f"{prefix}{i}" for i in range(args.burst)]
+        order = list(zip(benches, outs))[:: 1 if rep % 2 == 0 else -1]
+        for b, out in order:
+            out["bursts"].append(b.burst(keys))
+            line(f"  {b.peer.name}: {args.burst} at once -> all running in {fmt_s(out['bursts'][-1]['all_running_s'])} "
+                 f"(load {os.getloadavg()[0]:.2f})")
+        if rep == 0:
+            for b, out in zip(benches, outs):  # every supervisor holds its N programs now
+                out["idle"] = b.idle(args.idle)
+                out["overhead"] = b.peer.overhead([b.ready(k) for k in keys])
+        for b, out in order:
+            stopped = b.stop_all(keys)
+            if rep == 0:
+                out["stop_all"] = stopped
+    for rep, prefix in enumerate(BULK_PREFIXES[: args.burst_reps]):
+        keys = [f"{prefix}{i}" for i in range(args.burst)]
+        for b, out in list(zip(benches, outs))[:: 1 if rep % 2 == 0 else -1]:
+            if not b.peer.has_bulk_spawn():
+                line(f"  {b.peer.name}: its CLI starts one program per command; no bulk figure")
+                continue
+            out["bulks"].append(b.bulk(keys))
+            line(f"  {b.peer.name}: {args.burst} in one command -> all running in "
+                 f"{fmt_s(out['bulks'][-1]['all_running_s'])} (load {os.getloadavg()[0]:.2f})")
+            b.stop_all([k for k in keys if b.ready(k).exists()])
     for b, out in zip(benches, outs):
         out["survivors"] = []
     for i in range(args.escapers):
@@ -555,6 +572,17 @@ def fmt_s(x: float | None) -> str:
     return "-" if x is None else (f"{x:.2f} s" if x >= 1 else f"{ms(x)} ms")
 
 
+def each(reps: list[dict[str, Any]], key: str) -> str:
+    if not reps:
+        raise KeyError(key)
+    return " / ".join(fmt_s(r[key]) for r in reps)
+
+
+def mean_of(reps: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in reps]
+    return None if not xs or None in xs else sum(xs) / len(xs)
+
+
 def table(results: list[dict[str, Any]]) -> None:
     names = [r["name"] for r in results]
     rows: list[tuple[str, list[str]]] = []
@@ -570,10 +598,10 @@ def table(results: list[dict[str, Any]]) -> None:
 
     add("spawn -> program running, one at a time (p50)", lambda r: fmt_s(med([s["running_s"] for s in r["sequential"]["spawn"]])))
     add("  of which the CLI command itself (p50)", lambda r: fmt_s(med([s["cli_s"] for s in r["sequential"]["spawn"]])))
-    add("N spawns at once -> all running", lambda r: fmt_s(r["burst"]["all_running_s"]))
-    add("  p50 of the N", lambda r: fmt_s(med(r["burst"]["running"])))
-    add("N spawns in one CLI command -> all running", lambda r: fmt_s(r["bulk"]["all_running_s"]))
-    add("  of which the CLI command itself", lambda r: fmt_s(r["bulk"]["cli_s"]))
+    add("N spawns at once -> all running (each rep)", lambda r: each(r["bursts"], "all_running_s"))
+    add("  p50 of the N (first rep)", lambda r: fmt_s(med(r["bursts"][0]["running"])))
+    add("N spawns in one CLI command -> all running (each rep)", lambda r: each(r["bulks"], "all_running_s"))
+    add("  of which the CLI command itself", lambda r: each(r["bulks"], "cli_s"))
     add("stop -> a well-behaved tree dead (p50)", lambda r: fmt_s(med([s["dead_s"] for s in r["sequential"]["stop"]])))
     add("  of which the CLI command itself (p50)", lambda r: fmt_s(med([s["cli_s"] for s in r["sequential"]["stop"]])))
     add("stop N at once -> all dead", lambda r: fmt_s(r["stop_all"]["all_dead_s"]))
@@ -582,7 +610,7 @@ def table(results: list[dict[str, Any]]) -> None:
     add("daemon RSS, N programs / none", lambda r: f"{r['idle']['rss_mib']:.1f} / {r['daemon_idle_empty']['rss_mib']:.1f} MiB")
     add("per-program overhead", lambda r: (
         f"runner USS {r['overhead']['runner_uss_mib']['p50']:.1f} MiB (RSS {r['overhead']['runner_rss_mib']['p50']:.1f})"
-        if r["overhead"] else f"{(r['idle']['rss_mib'] - r['daemon_idle_empty']['rss_mib']) * 1024 / max(1, len(r['burst']['running'])):.0f} KiB of daemon RSS"
+        if r["overhead"] else f"{(r['idle']['rss_mib'] - r['daemon_idle_empty']['rss_mib']) * 1024 / max(1, len(r['bursts'][0]['running'])):.0f} KiB of daemon RSS"
     ))
     width = max(len(lbl) for lbl, _ in rows)
     cols = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
@@ -597,6 +625,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="one-at-a-time spawn/stop repetitions (default 7)")
     ap.add_argument("--burst", type=int, default=None, help="programs started at once (default 50)")
     ap.add_argument("--escapers", type=int, default=None, help="survivor reps (default 3)")
+    ap.add_argument("--burst-reps", type=int, default=None, choices=(1, 2),
+                    help="reps of each burst, the second in reverse order (default 2; --quick: 1)")
     ap.add_argument("--idle", type=float, default=None, help="idle CPU window, seconds (default 10)")
     ap.add_argument("--grace", type=float, default=2.0, help="stop grace for every supervisor (default 2 s)")
     ap.add_argument("--only", default=None, help="which to run, comma-separated (default agentd,agentd-cold,supervisord; "
@@ -609,6 +639,7 @@ def main() -> None:
     args.reps = args.reps or (2 if args.quick else 7)
     args.burst = args.burst or (3 if args.quick else 50)
     args.escapers = args.escapers or (1 if args.quick else 3)
+    args.burst_reps = args.burst_reps or (1 if args.quick else 2)
     args.idle = args.idle or (2.0 if args.quick else 10.0)
     args.only = args.only or ("agentd,supervisord" if args.quick else "agentd,agentd-cold,supervisord")
     mark = install_mark()
@@ -667,12 +698,13 @@ def main() -> None:
             if sup and zyg:
                 a1 = med([s["running_s"] for s in zyg["sequential"]["spawn"]])
                 s1 = med([s["running_s"] for s in sup["sequential"]["spawn"]])
-                ab, sb = zyg["burst"]["all_running_s"], sup["burst"]["all_running_s"]
+                ab, sb = mean_of(zyg["bursts"], "all_running_s"), mean_of(sup["bursts"], "all_running_s")
                 if a1 and s1:
                     line(f"  agentd / supervisord, spawn -> running one at a time: {a1 / s1:.2f}x (target <= 0.5x)")
                 if ab and sb:
-                    line(f"  agentd / supervisord, {args.burst} at once -> all running: {ab / sb:.2f}x (target <= 0.5x)")
-                am, sm = (zyg.get("bulk") or {}).get("all_running_s"), (sup.get("bulk") or {}).get("all_running_s")
+                    line(f"  agentd / supervisord, {args.burst} at once -> all running (mean of reps): {ab / sb:.2f}x "
+                         "(target <= 0.5x)")
+                am, sm = mean_of(zyg["bulks"], "all_running_s"), mean_of(sup["bulks"], "all_running_s")
                 if am and sm:
                     line(f"  agentd / supervisord, {args.burst} in one CLI command -> all running: {am / sm:.2f}x")
                 if am and sb:
