@@ -196,25 +196,26 @@ def test_spawn_wait_takes_one_spec(server: ServerThread, tmp_path: Path) -> None
     assert not server.backend.spawns
 
 
-def test_spawn_many_reports_the_requests_a_broken_connection_left_unanswered(
+def test_spawn_many_reports_each_request_a_broken_connection_left_unsent(
     server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_recv = _wsclient.WebSocket.recv_text
-    replies = {"n": 0}
+    monkeypatch.setattr(client_mod, "PIPELINE_WINDOW", 1)  # one at a time: the drop falls between two
+    real_send = _wsclient.WebSocket.send_text
+    sends = {"n": 0}
 
-    def drop_after_the_first_reply(self: Any, timeout_s: float | None) -> str:
-        if replies["n"] == 1:
+    def drop_before_the_second_request(self: Any, text: str) -> None:
+        sends["n"] += 1
+        if sends["n"] == 2:
             self._sock.shutdown(socket.SHUT_RDWR)  # the network drops us mid-burst
-        replies["n"] += 1
-        return real_recv(self, timeout_s)
+        real_send(self, text)
 
-    monkeypatch.setattr(_wsclient.WebSocket, "recv_text", drop_after_the_first_reply)
+    monkeypatch.setattr(_wsclient.WebSocket, "send_text", drop_before_the_second_request)
     with client_mod.Client(state_dir=server.config.state_dir) as c:
         results = c.spawn_many([{"task": f"t{i}"} for i in range(3)])
-    # The daemon serves the three at once: the one reply read may be any one's.
-    answered = [r for r in results if isinstance(r, dict)]
-    assert len(answered) == 1 and answered[0]["run_id"] in server.backend.runs, results
-    assert sum(isinstance(r, client_mod.ConnectionLost) for r in results) == 2, results
+    first, *rest = results
+    assert isinstance(first, dict) and server.backend.runs[first["run_id"]].spec == {"task": "t0"}, results
+    assert all(isinstance(r, client_mod.ConnectionLost) and str(r).startswith("not sent") for r in rest), results
+    assert len(server.backend.spawns) == 1
 
 
 def test_build_spec_reads_claude_desktop_mcp_files_and_merges_options(tmp_path: Path) -> None:
