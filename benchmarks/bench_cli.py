@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -51,10 +52,14 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks._daemon_proc import DaemonProc  # noqa: E402
 
 
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, int, float]:
+    """Wall time exec to exit, exit code, and the process's CPU time (user + system)."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return time.perf_counter() - t0, p.returncode
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, p.returncode, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
 def import_profile(argv: list[str], env: dict[str, str], top: int = 8) -> list[tuple[str, float]]:
@@ -111,9 +116,16 @@ def main() -> None:
                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         if rc_first.returncode != 0:
             line(f"  !! agentd status failed: {rc_first.stderr.decode(errors='replace')[-500:]}")
-        samples: dict[str, list[float]] = {"status": [], "status_json": [], "status_daemon": [], "status_nopyc": [],
-                                           "pass": [], "click": [], "libs": []}
+        samples: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}
         codes: set[int] = set()
+
+        def sample(name: str, argv: list[str], env: dict[str, str]) -> None:
+            wall, rc, used = timed(argv, env)
+            samples.setdefault(name, []).append(wall)
+            cpu.setdefault(name, []).append(used)
+            codes.add(rc)
+
         base_argv: list[str] = []
         base_env = None
         if args.baseline_tree:
@@ -124,46 +136,46 @@ def main() -> None:
             base_env = dict(env) if own.exists() else dict(env, PYTHONPATH=str(base))
             if own.exists():
                 compile_tree(base, str(base / ".venv" / "bin" / "python"))
-            samples["status_baseline_tree"] = []
             line(f"  baseline tree {base}: {'its own venv' if own.exists() else 'this venv, PYTHONPATH'}")
             timed(base_argv, base_env)  # a first run reads its files into the page cache
         for _ in range(reps):
-            t, rc = timed([AGENTD, "status", run_id], env)
-            samples["status"].append(t)
-            codes.add(rc)
+            sample("status", [AGENTD, "status", run_id], env)
             if base_env is not None:
-                t, rc = timed(base_argv, base_env)
-                samples["status_baseline_tree"].append(t)
-                codes.add(rc)
-            t, rc = timed([AGENTD, "--json", "status", run_id], env)
-            samples["status_json"].append(t)
-            t, rc = timed([AGENTD, "status"], env)
-            samples["status_daemon"].append(t)
-            t, rc = timed([AGENTD, "status", run_id], nopyc_env)
-            samples["status_nopyc"].append(t)
-            samples["pass"].append(timed([PY, "-c", "pass"], env)[0])
-            samples["click"].append(timed([PY, "-c", "import click"], env)[0])
-            samples["libs"].append(timed([PY, "-c", "import click, wsproto, h11"], env)[0])
-        header(f"cold CLI process, {reps} samples each (interleaved)")
-        line(row("agentd status RUN_ID", summary(samples["status"]), f"exit codes {sorted(codes)}"))
-        line(row("agentd --json status RUN_ID", summary(samples["status_json"])))
-        line(row("agentd status (the daemon, no run id)", summary(samples["status_daemon"])))
-        line(row("agentd status RUN_ID, compiled at every call", summary(samples["status_nopyc"])))
-        line(row("baseline: python -c pass", summary(samples["pass"])))
-        line(row("baseline: python -c 'import click'", summary(samples["click"])))
-        line(row("baseline: python -c 'import click, wsproto, h11'", summary(samples["libs"])))
+                sample("status_baseline_tree", base_argv, base_env)
+            sample("status_json", [AGENTD, "--json", "status", run_id], env)
+            sample("status_daemon", [AGENTD, "status"], env)
+            sample("status_nopyc", [AGENTD, "status", run_id], nopyc_env)
+            sample("pass", [PY, "-c", "pass"], env)
+            sample("click", [PY, "-c", "import click"], env)
+            sample("libs", [PY, "-c", "import click, wsproto, h11"], env)
+        header(f"cold CLI process, {reps} samples each (interleaved); wall time, and the process's CPU time")
+
+        def show(label: str, name: str, note: str = "") -> None:
+            c = summary(cpu[name])
+            line(row(label, summary(samples[name]), f"cpu p50 {c['p50'] * 1000:.1f} min {c['min'] * 1000:.1f}" + note))
+
+        show("agentd status RUN_ID", "status", f"  exit codes {sorted(codes)}")
+        show("agentd --json status RUN_ID", "status_json")
+        show("agentd status (the daemon, no run id)", "status_daemon")
+        show("agentd status RUN_ID, compiled at every call", "status_nopyc")
+        show("baseline: python -c pass", "pass")
+        show("baseline: python -c 'import click'", "click")
+        show("baseline: python -c 'import click, wsproto, h11'", "libs")
         if base_env is not None:
-            line(row(f"baseline: agentd status RUN_ID from {args.baseline_tree}", summary(samples["status_baseline_tree"])))
+            show(f"baseline: agentd status RUN_ID from {args.baseline_tree}", "status_baseline_tree")
             diffs = [a - b for a, b in zip(samples["status"], samples["status_baseline_tree"])]
+            cdiffs = [a - b for a, b in zip(cpu["status"], cpu["status_baseline_tree"])]
             out["status_minus_baseline_tree_p50"] = statistics.median(diffs)
+            out["status_minus_baseline_tree_cpu_p50"] = statistics.median(cdiffs)
             line(f"  this tree minus the baseline tree, median of {len(diffs)} interleaved pairs: "
-                 f"{statistics.median(diffs) * 1000:+.1f} ms")
+                 f"{statistics.median(diffs) * 1000:+.1f} ms wall, {statistics.median(cdiffs) * 1000:+.1f} ms cpu")
         prof = import_profile([AGENTD, "status", run_id], env)
         line("  heaviest imports of `agentd status` (-X importtime, cumulative, one sample):")
         for name, s in prof:
             line(f"    {name:<40} {s * 1000:7.1f} ms")
-        out.update({"samples": samples, "imports": prof,
-                    "summary": {k: summary(v) for k, v in samples.items()}})
+        out.update({"samples": samples, "cpu": cpu, "imports": prof,
+                    "summary": {k: summary(v) for k, v in samples.items()},
+                    "cpu_summary": {k: summary(v) for k, v in cpu.items()}})
     finally:
         if d is not None:
             d.stop()
