@@ -172,11 +172,11 @@ def test_spawn_of_several_specs_prints_each_run_id_in_order(server: ServerThread
 
 def test_spawn_of_several_specs_in_json_is_one_object_per_line(server: ServerThread, tmp_path: Path) -> None:
     paths = write_specs(tmp_path, [{"task": "a"}, {"task": "b"}])
-    res = run(server, "--json", "spawn", "--session", "s9", "--spec", paths[0], "--spec", paths[1])
+    res = run(server, "--json", "spawn", "--timeout", "30", "--spec", paths[0], "--spec", paths[1])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [server.backend.runs[r["run_id"]].spec["task"] for r in rows] == ["a", "b"]
-    assert {r["session_id"] for r in rows} == {"s9"}
+    assert [server.backend.runs[r["run_id"]].timeout_s for r in rows] == [30.0, 30.0]
 
 
 def test_a_refused_spec_among_several_names_its_file_and_the_others_start(server: ServerThread, tmp_path: Path) -> None:
@@ -188,11 +188,15 @@ def test_a_refused_spec_among_several_names_its_file_and_the_others_start(server
     assert [server.backend.runs[r].spec["task"] for r in started] == ["a", "c"]
 
 
-def test_spawn_wait_takes_one_spec(server: ServerThread, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [(["--wait"], "--wait follows one run"), (["--session", "s1"], "--session takes one --spec")],
+)
+def test_wait_and_session_take_one_spec(server: ServerThread, tmp_path: Path, option: list[str], message: str) -> None:
     paths = write_specs(tmp_path, [{"task": "a"}, {"task": "b"}])
-    res = run(server, "spawn", "--wait", "--spec", paths[0], "--spec", paths[1])
+    res = run(server, "spawn", *option, "--spec", paths[0], "--spec", paths[1])
     assert res.exit_code == ExitCode.USAGE
-    assert res.stderr.startswith("error: --wait follows one run")
+    assert res.stderr.startswith(f"error: {message}")
     assert not server.backend.spawns
 
 
