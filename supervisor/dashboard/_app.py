@@ -115,6 +115,8 @@ class DashboardApp:
             return _json(200, {"signed_in": True, "control_url": self._control_url(hostname)})
         if path.startswith("/static/"):
             return self._static(path[len("/static/") :])
+        if path == "/favicon.ico":  # what a browser asks for on a page without an icon link
+            return self._static("favicon.svg")
         return _text(404, f"no page at {path!r}\n")
 
     def _login(self, req: Request) -> Response:

@@ -266,6 +266,8 @@ def test_static_files_have_their_types_and_nothing_else_is_served() -> None:
     a = app()
     assert a.handle(req("GET", "/static/app.css")).content_type.startswith("text/css")
     assert a.handle(req("GET", "/static/js/conn.js")).content_type.startswith("text/javascript")
+    # A page without an icon link (a plain-text refusal) makes the browser ask for this.
+    assert a.handle(req("GET", "/favicon.ico")).content_type.startswith("image/svg+xml")
     for target in ("/static/../_app.py", "/static/js/../../__init__.py", "/static/nope.js", "/static/", "/etc/passwd"):
         assert a.handle(req("GET", target)).status == 404, target
     assert a.handle(req("GET", "/logout")).status == 405
