@@ -22,13 +22,12 @@ from typing import IO, Final
 
 import trio
 
-from subagent.commands import COMMAND_KILL_GRACE_S, SUBTREE_VAR, _child_env
-from subagent.groups import sweep_marked, terminate_group
+from subagent.commands import COMMAND_KILL_GRACE_S, _child_env, end_group_and_escapers, leader_ticks
 
 __all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
 
-# Bounds ending all background commands at the end of a run: their groups get
-# COMMAND_KILL_GRACE_S each, in parallel, then the marker sweeps (seconds).
+# Bounds ending all background commands at the end of a run: their groups and escapers
+# get COMMAND_KILL_GRACE_S each, in parallel, then a bounded wait after SIGKILL (seconds).
 CLOSE_TIMEOUT_S: Final = 3 * COMMAND_KILL_GRACE_S + 2.0
 
 COMMAND_OUTPUT_TOOL: Final = {
@@ -53,6 +52,7 @@ class _Job:
     pgid: int
     log: Path
     proc: trio.Process
+    leader_ticks: int | None = None
     exit_code: int | None = None
     done: bool = False
 
@@ -105,7 +105,7 @@ class BackgroundCommands:
                 )
         except OSError as exc:
             return f"error: could not start the command: {type(exc).__name__}: {exc}"
-        job = _Job(job_id, command, proc.pid, log, proc)
+        job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid))
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])
         self._nursery.start_soon(self._watch, job, marker)
@@ -117,10 +117,11 @@ class BackgroundCommands:
             job.exit_code = job.proc.returncode
         finally:
             with trio.CancelScope(shield=True):
-                await terminate_group(job.pgid, grace_s=COMMAND_KILL_GRACE_S, what="background command group")
+                await end_group_and_escapers(
+                    job.pgid, job.leader_ticks, marker, grace_s=COMMAND_KILL_GRACE_S, what="background command group"
+                )
                 with trio.move_on_after(COMMAND_KILL_GRACE_S):
                     await job.proc.wait()
-                await sweep_marked(SUBTREE_VAR, marker)
                 job.done = True
                 self._on_group(job.pgid, False, job.command[:200])
 

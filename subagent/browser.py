@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from subagent import _cmdline_procs
+from subagent.osedge import ProcessTable, Targets, escalate
 
 __all__ = [
     "BROWSER_SERVER_NAME",
@@ -538,25 +538,42 @@ def _run_paths(run_dir: pathlib.Path, profile_dir: pathlib.Path | str | None = N
     return paths
 
 
+# After SIGKILL, how long the browser's processes may take to be gone (seconds).
+KILL_WAIT_S: Final = 2.0
+
+
+def _targets(run_dir: pathlib.Path, profile_dir: pathlib.Path | str | None = None) -> Targets:
+    return Targets(cmdline=tuple(_run_paths(run_dir, profile_dir)))
+
+
 def browser_processes(run_dir: pathlib.Path, *, profile_dir: pathlib.Path | str | None = None) -> list[int]:
     """Live processes whose command line names this run's browser dirs: the node server,
-    Chromium and all its helpers, crashpad handlers. Linux (/proc) only; [] elsewhere."""
-    return _cmdline_procs.naming(_run_paths(run_dir, profile_dir))
+    Chromium and all its helpers, crashpad handlers. Linux (/proc) only; [] elsewhere.
+    Blocking (a read of the process table)."""
+    if not os.path.isdir("/proc"):
+        return []
+    return sorted(p.pid for p in ProcessTable().members(_targets(run_dir, profile_dir)).values() if not p.dead)
 
 
-def end_browser_processes(
+async def end_browser_processes(
     run_dir: pathlib.Path,
     *,
-    wait_s: float = _cmdline_procs.KILL_WAIT_S,
+    wait_s: float = KILL_WAIT_S,
     profile_dir: pathlib.Path | str | None = None,
 ) -> list[int]:
     """SIGKILL whatever is left of this run's browser; the last resort after a normal close.
 
     SIGKILL, not SIGTERM: a stopped (SIGSTOP) or wedged Chromium never handles SIGTERM, and
-    by the time this runs the server had its chance to close the browser. Blocking (polls
-    up to ``wait_s``): call it from a thread under Trio.
+    by the time this runs the server had its chance to close the browser. Re-reads the
+    table until none is left (new helpers may appear while the rest dies) or ``wait_s``
+    passes; every process by pidfd (``subagent.osedge.escalate``).
 
     Returns:
         The pids still alive after ``wait_s`` (normally none).
     """
-    return _cmdline_procs.kill_naming(_run_paths(run_dir, profile_dir), wait_s=wait_s)
+    if not os.path.isdir("/proc"):
+        return []
+    r = await escalate(
+        _targets(run_dir, profile_dir), grace_s=0.0, kill_wait_s=wait_s, sigterm=False, label=f"browser of {run_dir}"
+    )
+    return sorted(p.pid for p in r.survivors)

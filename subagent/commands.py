@@ -16,6 +16,7 @@ and runs in the runner's working directory (the run dir, or the spec's
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -25,10 +26,12 @@ from typing import Any, Final
 
 import trio
 
-from subagent.groups import sweep_marked, terminate_group
+from subagent.osedge import ProcessTable, Targets, escalate
 from subagent.sandbox import tool_env
 
-__all__ = ["CommandOutcome", "run_command", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "format_outcome"]
+__all__ = ["CommandOutcome", "run_command", "end_group_and_escapers", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "format_outcome"]
+
+logger = logging.getLogger(__name__)
 
 # After the shell exits, how long a descendant holding the pipe may keep writing (seconds).
 DRAIN_AFTER_EXIT_S: Final = 0.5
@@ -43,6 +46,9 @@ COMMAND_KILL_GRACE_S: Final = 2.0
 READ_CHUNK_BYTES: Final = 65536
 # Marks every process a command starts, so escapers can be found after the group kill.
 SUBTREE_VAR: Final = "AGENTD_SUBTREE"
+# After SIGKILL, how long a group and its escapers may take to be dead before the runner
+# gives up on them, loudly (seconds).
+GROUP_KILL_REAP_S: Final = 2.0
 
 _seq = itertools.count(1)
 
@@ -120,6 +126,28 @@ def format_outcome(o: CommandOutcome) -> str:
     return f"{head}\n{o.output}"
 
 
+async def end_group_and_escapers(
+    pgid: int, leader_ticks: int | None, marker: str, *, grace_s: float, what: str
+) -> bool:
+    """End a group the runner started, and every escaper that carries its marker.
+
+    One escalation (``subagent.osedge.escalate``): SIGTERM, ``grace_s``, SIGKILL, a bounded
+    wait. The group is signalled only while its leader is the one started (``leader_ticks``)
+    or gone; escapers (``setsid``, double fork) by pidfd. Shielded: safe under a cancelled
+    scope. Returns whether nothing of it is left.
+    """
+    targets = Targets(groups={pgid: leader_ticks}, marker=(SUBTREE_VAR, marker))
+    with trio.CancelScope(shield=True):
+        r = await escalate(targets, grace_s=grace_s, kill_wait_s=GROUP_KILL_REAP_S, label=f"{what} {pgid}", log=logger)
+    return r.dead
+
+
+def leader_ticks(pid: int) -> int | None:
+    """The start ticks of a child just started (unreaped, so its pid is still its own)."""
+    p = ProcessTable().read(pid)
+    return p.start_ticks if p is not None else None
+
+
 def _child_env(marker: str) -> dict[str, str]:
     env = tool_env()
     env[SUBTREE_VAR] = marker
@@ -169,6 +197,7 @@ async def run_command(
     except OSError as exc:
         return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
     pgid = proc.pid
+    ticks = leader_ticks(pgid)
     on_group(pgid, True)
     assert proc.stdout is not None
     stdout = proc.stdout
@@ -211,14 +240,13 @@ async def run_command(
                 if stop_at is not None:
                     grace = kill_grace_s
                 if proc.returncode is None:
-                    await terminate_group(pgid, grace_s=grace, what="command group")
+                    await end_group_and_escapers(pgid, ticks, marker, grace_s=grace, what="command group")
                     with trio.move_on_after(grace):
                         await proc.wait()
                 else:
                     with trio.move_on_after(DRAIN_AFTER_EXIT_S):
                         await eof.wait()
-                    await terminate_group(pgid, grace_s=grace, what="command group")
-                await sweep_marked(SUBTREE_VAR, marker, grace_s=grace)
+                    await end_group_and_escapers(pgid, ticks, marker, grace_s=grace, what="command group")
                 ended_at = trio.current_time()
                 with trio.move_on_after(FINAL_DRAIN_S):
                     await eof.wait()

@@ -24,8 +24,7 @@ from typing import IO, Any, Final
 
 import anyio
 
-from subagent.commands import SUBTREE_VAR
-from subagent.groups import sweep_marked, terminate_group
+from subagent.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
 
@@ -52,6 +51,7 @@ class Prespawned:
     errlog: IO[bytes]
     process: Any | None = None  # anyio.abc.Process
     error: OSError | None = None
+    leader_ticks: int | None = None  # the server's start time: its group is its own while it matches
 
     @property
     def pgid(self) -> int | None:
@@ -99,15 +99,16 @@ async def prespawn(
     p = Prespawned(name=name, marker=f"{os.getpid()}-mcp-{name}", stderr_path=path, errlog=errlog)
 
     async def end() -> None:
-        if p.process is not None:
-            await terminate_group(p.process.pid, grace_s=MCP_KILL_GRACE_S, what=f"mcp server {name!r} group")
-            with anyio.CancelScope(shield=True), anyio.move_on_after(REAP_WAIT_S):
-                # Reading returncode reaps the leader (the SDK may never have adopted it).
-                while p.process.returncode is None:
-                    await anyio.sleep(REAP_POLL_S)
-        await sweep_marked(SUBTREE_VAR, p.marker)
-        if p.process is not None:
-            on_group(p.process.pid, False)
+        if p.process is None:
+            return
+        await end_group_and_escapers(
+            p.process.pid, p.leader_ticks, p.marker, grace_s=MCP_KILL_GRACE_S, what=f"mcp server {name!r} group"
+        )
+        with anyio.CancelScope(shield=True), anyio.move_on_after(REAP_WAIT_S):
+            # Reading returncode reaps the leader (the SDK may never have adopted it).
+            while p.process.returncode is None:
+                await anyio.sleep(REAP_POLL_S)
+        on_group(p.process.pid, False)
 
     stack.push_async_callback(end)
     try:
@@ -121,5 +122,6 @@ async def prespawn(
     except OSError as exc:
         p.error = exc
         return p
+    p.leader_ticks = leader_ticks(p.process.pid)
     on_group(p.process.pid, True)
     return p

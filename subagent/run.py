@@ -10,7 +10,6 @@ makes the run ``cancelled``, never ``failed``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -88,20 +87,17 @@ async def _close_session_browser(server: Any) -> None:
                 logger.warning("closing the session's browser failed: %s", exc)
 
 
-async def _end_browser(browser: Any, base: Path, profile: str | None = None) -> None:
+async def _end_browser(base: Path, profile: str | None = None) -> None:
     # Chromium's helpers lose the env marker and live in their own session: the preset
     # finds them by profile path. Runs after the browser server's own close.
+    from subagent import browser
+
     with trio.CancelScope(shield=True):
         with trio.move_on_after(BROWSER_SWEEP_TIMEOUT_S):
-            end = getattr(browser, "end_browser_processes", None)
-            if end is not None:
-                sweep = functools.partial(end, base, profile_dir=profile) if profile else functools.partial(end, base)
-                left = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True)
-                if left:
-                    logger.warning("browser processes still alive after the sweep: %s", left)
-            release = getattr(browser, "release_browser_dir", None)
-            if release is not None:
-                await trio.to_thread.run_sync(release, base, abandon_on_cancel=True)
+            left = await browser.end_browser_processes(base, profile_dir=profile)
+            if left:
+                logger.warning("browser processes still alive after the sweep: %s", left)
+            await trio.to_thread.run_sync(browser.release_browser_dir, base, abandon_on_cancel=True)
 
 
 def _server_specs(
@@ -118,7 +114,7 @@ def _server_specs(
         # A session's turn keeps the session's profile; any other run gets a throwaway one.
         profile = spec.session.browser_profile
         # Pushed before the server starts, so it runs after the server is closed.
-        stack.push_async_callback(_end_browser, browser, base, profile)
+        stack.push_async_callback(_end_browser, base, profile)
         try:
             from subagent.sandbox import browser_sandbox
 

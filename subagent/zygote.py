@@ -45,6 +45,8 @@ import threading
 import time
 from typing import Any, Final, NoReturn
 
+from subagent.osedge import LINUX
+
 __all__ = [
     "ENV_ROOM",
     "ENV_ROOM_VAR",
@@ -369,9 +371,10 @@ def _read_env(fd: int) -> dict[str, str]:
 
 def _start_ticks() -> int:
     """This process's start time in clock ticks: with its pid, its identity."""
-    with open("/proc/self/stat", "rb") as f:
-        raw = f.read()
-    return int(raw[raw.rfind(b")") + 2 :].split()[19])
+    me = LINUX.stat(os.getpid())
+    if me is None:
+        raise OSError("cannot read /proc/self/stat")
+    return me.start_ticks
 
 
 def _reap_exited(requests: dict[int, Any]) -> list[dict[str, Any]]:

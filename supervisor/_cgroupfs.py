@@ -1,8 +1,9 @@
-"""cgroup v2 files, and whose ``agentd-*`` subtree is whose.
+"""cgroup v2 subtrees: whose ``agentd-*`` subtree is whose, and their life.
 
-Readers (``read_cgroup``, ``cgroup_pids``, ``cgroup2_mount``, ``own_cgroup_dir``) and the
-life of a daemon's subtree: ``make_subtree`` at start (after ``remove_stale_subtrees``),
-``claim_subtree`` again if it vanished, ``rmdir_tree`` at the end. Sends no signal.
+``own_cgroup_dir`` (where this daemon's cgroup is), and the life of a daemon's subtree:
+``make_subtree`` at start (after ``remove_stale_subtrees``), ``claim_subtree`` again if it
+vanished, ``rmdir_tree`` at the end. Reads of ``/proc`` and ``cgroup.procs`` go through the
+OS edge's ``Kernel`` (``subagent.osedge``). Sends no signal.
 
 Ownership. A pid says nothing across PID namespaces (two daemons can both be pid 1, and a
 live daemon's pid may not exist in ours), so a subtree is named ``agentd-<pid>-<random>``
@@ -19,10 +20,9 @@ import logging
 import os
 from pathlib import Path
 
+from subagent.osedge import LINUX, Kernel
+
 __all__ = [
-    "read_cgroup",
-    "cgroup_pids",
-    "cgroup2_mount",
     "own_cgroup_dir",
     "rmdir_tree",
     "make_subtree",
@@ -35,51 +35,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def read_cgroup(pid: int) -> str | None:
-    """The cgroup v2 path of ``pid`` (``0::/path``), zombies included."""
-    try:
-        with open(f"/proc/{pid}/cgroup", "rb") as f:
-            for line in f.read().decode(errors="replace").splitlines():
-                if line.startswith("0::"):
-                    return line[3:]
-    except OSError:
-        return None
-    return None
-
-
-def cgroup_pids(path: Path | None) -> set[int]:
-    """Pids in the cgroup ``path`` and every cgroup below it (a member may nest its own)."""
-    found: set[int] = set()
-    if path is None:
-        return found
-    for dirpath, _dirs, _files in os.walk(path):
-        try:
-            with open(os.path.join(dirpath, "cgroup.procs"), "rb") as f:
-                found.update(int(x) for x in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def cgroup2_mount() -> tuple[Path, str] | None:
-    """(mount point, root inside the hierarchy) of the cgroup2 filesystem, if mounted."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        if sep and right.split(" ", 1)[0] == "cgroup2":
-            fields = left.split()
-            return Path(fields[4]), fields[3]
-    return None
-
-
-def own_cgroup_dir() -> Path | None:
+def own_cgroup_dir(kernel: Kernel = LINUX) -> Path | None:
     """This process's cgroup v2 directory, or None without a usable cgroup2 mount."""
-    mount = cgroup2_mount()
-    own = read_cgroup(os.getpid())
+    mount = kernel.cgroup2_mount()
+    own = kernel.cgroup(kernel.own_ids()[0])
     if mount is None or own is None:
         return None
     point, root = mount
@@ -102,9 +61,9 @@ def rmdir_tree(path: Path) -> bool:
     return ok
 
 
-def make_subtree(instance: str) -> tuple[Path, int] | None:
+def make_subtree(instance: str, *, kernel: Kernel = LINUX) -> tuple[Path, int] | None:
     """Create and lock ``<own cgroup>/agentd-<instance>``; None (logged) when not possible."""
-    own = own_cgroup_dir()
+    own = own_cgroup_dir(kernel)
     if own is None:
         logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
         return None
@@ -118,7 +77,7 @@ def make_subtree(instance: str) -> tuple[Path, int] | None:
     # a process in a non-root cgroup whose child holds another works while
     # cgroup.subtree_control is empty). Were controllers ever enabled there, the daemon
     # would first have to move itself into a leaf.
-    remove_stale_subtrees(own)
+    remove_stale_subtrees(own, kernel=kernel)
     made = claim_subtree(own, instance)
     if made is not None and not (made[0] / "cgroup.kill").exists():
         logger.info("cgroup.kill missing (kernel < 5.14): the final kill walks cgroup.procs")
@@ -177,7 +136,7 @@ def delegated(own: Path) -> bool:
     return False
 
 
-def remove_stale_subtrees(own: Path) -> None:
+def remove_stale_subtrees(own: Path, *, kernel: Kernel = LINUX) -> None:
     """rmdir empty ``agentd-*`` subtrees no live daemon owns (nobody holds their lock).
 
     A subtree that still holds processes stays: a restarted daemon re-adopts or sweeps them.
@@ -192,7 +151,7 @@ def remove_stale_subtrees(own: Path) -> None:
         if fd is None:
             continue  # a live daemon's, in this PID namespace or another
         try:
-            if not cgroup_pids(path):
+            if not kernel.cgroup_pids(path):
                 rmdir_tree(path)
         finally:
             os.close(fd)

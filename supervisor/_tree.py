@@ -2,29 +2,37 @@
 
 ``Tree`` is a tree this daemon spawned (Trio's ``Process`` inside); ``AdoptedTree`` one
 found again after a restart. Both name their runner by pid *and* start time, because pids
-are recycled. ``StopReceipt`` is what path B did and saw, JSON-ready via ``to_dict()``.
+are recycled, and read the process table through their ``ProcessTable`` (the
+containment's: its cache is shared). ``targets()`` is the tree as a target set of the OS
+edge (``subagent.osedge``). ``StopReceipt`` is what path B did and saw, JSON-ready via
+``to_dict()``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import trio
 
-from supervisor.containment import cgroup_pids, read_marker, read_proc
+from subagent.osedge import Proc, ProcessTable, Signalled, Targets
 
 if TYPE_CHECKING:
     from supervisor.zygote import ForkedProcess
 
-__all__ = ["Tree", "AdoptedTree", "AnyTree", "Found", "SignalSent", "StopReceipt"]
+__all__ = ["MARKER_VAR", "HOST_VAR", "Tree", "AdoptedTree", "AnyTree", "Found", "SignalSent", "StopReceipt"]
 
 logger = logging.getLogger(__name__)
 
+# Every process of a tree inherits ``AGENTD_TREE=<tree id>`` (unless it scrubs it).
+MARKER_VAR: Final = "AGENTD_TREE"
+# Set in the daemon's own environment by ``Containment.setup``: everything the daemon's
+# host forks inherits it, which tells those from adopted orphans; trees never carry it.
+HOST_VAR: Final = "AGENTD_FORKED_BY"  # not a Config field name (AGENTD_<field> configures)
 
 @dataclass(eq=False)
 class _TreeBase:
@@ -46,6 +54,28 @@ class _TreeBase:
     # path A SIGTERMs them at cancel time, even while the runner lives. Never a group whose
     # tool the policy lets finish, never an MCP server (the runner cancels its calls).
     interruptible: set[int] = field(default_factory=set)
+    # Where its process table reads go (and the cache they share): the containment's.
+    table: ProcessTable = field(default_factory=ProcessTable, kw_only=True, repr=False)
+
+    def targets(self) -> Targets:
+        """The tree as a target set: its cgroup, its marker, its groups (a live view: groups
+        learned while it is being stopped count at the next read), descendants, and the
+        sessions of members, and orphans that hold its runner's pipes."""
+        return Targets(
+            groups=self.groups,
+            pids={self.pid: self.leader_ticks} if self.leader_ticks is not None else {},
+            marker=(MARKER_VAR, self.tree_id),
+            cgroup=self.cgroup,
+            pipes=self.pipes,
+            follow=True,
+        )
+
+    def learn_leaders(self, members: Mapping[int, Proc]) -> None:
+        """Remember the groups and sessions members lead (Chromium's browser leads the
+        session its helpers stay in): once the leader is gone they are still found."""
+        for p in list(members.values()):
+            if p.pid in (p.pgid, p.sid) and p.pid not in self.groups:  # a zombie leader too
+                self.groups[p.pid] = p.start_ticks
 
     def set_interruptible(self, pgid: int, interruptible: bool) -> None:
         """Mark a known group as one path A may SIGTERM at cancel time (or not any more)."""
@@ -66,15 +96,16 @@ class _TreeBase:
         """
         if pgid in self.groups:
             return True
-        if pgid <= 1 or pgid in (os.getpgrp(), os.getsid(0)):
+        _me, my_pgid, my_sid = self.table.kernel.own_ids()
+        if pgid <= 1 or pgid in (my_pgid, my_sid):
             return False
-        leader = read_proc(pgid)
+        leader = self.table.read(pgid)
         if leader is None or leader.dead or leader.pgid != pgid:
             return False
         ours = (
             self._descends_from_runner(leader.ppid)
-            or read_marker(pgid) == self.tree_id
-            or (self.cgroup is not None and pgid in cgroup_pids(self.cgroup))
+            or self.table.env_var(pgid, MARKER_VAR) == self.tree_id
+            or (self.cgroup is not None and pgid in self.table.kernel.cgroup_pids(self.cgroup))
         )
         if not ours:
             logger.warning("tree %s: group %d is not the tree's; not adding it", self.tree_id, pgid)
@@ -86,7 +117,7 @@ class _TreeBase:
         for _ in range(64):  # a parent chain, bounded in case of a loop during reparenting
             if pid <= 1:
                 return False
-            p = read_proc(pid)
+            p = self.table.read(pid)
             if p is None:
                 return False
             if pid == self.pid:
@@ -110,8 +141,7 @@ class Tree(_TreeBase):
     @property
     def leader_reaped(self) -> bool:
         """Trio has waited for the runner. Reads /proc, not Trio: callable from any thread."""
-        p = read_proc(self.pid)
-        return p is None or p.start_ticks != self.leader_ticks
+        return self.table.same(self.pid, self.leader_ticks) is None
 
 
 @final
@@ -132,14 +162,7 @@ class Found:
     members: list[int]  # live members, the leader included when alive
 
 
-@dataclass(frozen=True, slots=True)
-class SignalSent:
-    signal: str  # "SIGTERM", "SIGKILL", "cgroup.kill", "taskkill", "taskkill /F"
-    target: str  # "group", "pid", "cgroup", "tree"
-    id: str  # pgid, pid or cgroup path
-    at_s: float  # seconds after the routine started
-    result: str  # "sent", "gone" (ESRCH/ENOENT), "eperm" (maybe alive), "refused", an error
-    what: str = ""  # the process's command line, for pid targets
+SignalSent: TypeAlias = Signalled  # one signal of a stop receipt (the OS edge's record)
 
 
 @dataclass(slots=True)

@@ -4,8 +4,9 @@ Labels, best first: "cgroup" (a leaf ``<own cgroup>/agentd-<instance>/<tree_id>`
 ``cgroup.kill``), "subreaper+sweep" (orphans re-parent to the daemon; members are swept
 from /proc by marker, session/group and ancestry), "group" (groups + marker sweep only).
 API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.track(tree)``, ``.remove(tree)``,
-``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``; and /proc
-readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` included.
+``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``. Its
+``table`` is the daemon's one process-table reader (``subagent.osedge``); it sends no
+signal: ``process.py`` sends them all, through the OS edge.
 """
 
 # What each label guarantees at the final kill.
@@ -30,7 +31,8 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 # are Trio's, are never reaped here.
 #
 # Pids here wrap at 32768, so a pid alone is no identity: a Proc carries its start time in
-# clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act.
+# clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act
+# (``subagent.osedge``).
 #
 # Whose subtree is it: see ``supervisor._cgroupfs`` (a flock on the subtree's directory,
 # which holds across PID namespaces). A daemon whose own subtree vanished anyway makes it
@@ -46,54 +48,41 @@ readers. Sends no signal: ``process.py`` sends them all, ``cgroup.kill`` include
 # scrubbed its environment (``env -i setsid ...``), and ``strays()`` lists it; one started
 # by the host with an explicit environment that lacks HOST_VAR would be taken for one. A
 # descendant that holds a runner's stdout or stderr belongs to that tree whatever it did
-# to its session and environment (``tree_members(pipes=)``).
+# to its session and environment (``Targets(pipes=)`` of the OS edge).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
 import trio
 
+from subagent.osedge import LINUX, Kernel, Proc, ProcessTable, parse_var
 from supervisor import _cgroupfs
-from supervisor._cgroupfs import cgroup_pids as cgroup_pids
-from supervisor._cgroupfs import read_cgroup as read_cgroup
+from supervisor._tree import HOST_VAR, MARKER_VAR, AnyTree, Tree
 
 if TYPE_CHECKING:
-    from supervisor._tree import AnyTree, Tree
     from supervisor.config import Config
 
 __all__ = [
     "MARKER_VAR",
+    "HOST_VAR",
     "CGROUP",
     "SUBREAPER_SWEEP",
     "GROUP",
     "Containment",
-    "Proc",
-    "scan_processes",
-    "read_proc",
-    "parse_stat",
-    "read_marker",
-    "marker_of",
-    "cgroup_pids",
-    "tree_members",
     "reap_adopted_zombies",
 ]
 
 logger = logging.getLogger(__name__)
 
-MARKER_VAR: Final = "AGENTD_TREE"
-# Set in this process's own environment by Containment.setup: every process it forks
-# inherits it, which tells them from adopted orphans (see the module comment).
-HOST_VAR: Final = "AGENTD_FORKED_BY"  # not a Config field name (AGENTD_<field> configures)
 CGROUP: Final = "cgroup"
 SUBREAPER_SWEEP: Final = "subreaper+sweep"
 GROUP: Final = "group"
@@ -111,300 +100,41 @@ SCAN_FAILURE_LOG_INTERVAL_S: Final = 30.0
 # A session-leading child of ours this young is never taken for a scrubbed orphan (its
 # environment may read empty for an instant around exec); a later look decides.
 SETTLED_S: Final = 1.0
-_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-_PR_SET_CHILD_SUBREAPER: Final = 36
-_PROC: Final = Path("/proc")
-
-# The last process table read, shared by concurrent sweeps (see scan_processes),
-# and each process's marker by (pid, start ticks): environments are read once.
-_scan_lock = threading.Lock()
-_last_scan: tuple[float, dict[int, Proc]] | None = None
-_markers: dict[tuple[int, int], str | None] = {}
-
-# The subreaper flag is per process; several Containments in one process (tests) share it.
+# The subreaper flag belongs to the process, not to a Containment: several Containments
+# in one process (tests) share it, and the last one to close drops it.
 _subreaper_lock = threading.Lock()
 _subreaper_users = 0
 
 
-# ----------------------------------------------------------------------------- /proc
-
-
-@dataclass(frozen=True, slots=True)
-class Proc:
-    """One line of the process table, as read from ``/proc/<pid>/stat``."""
-
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    state: str  # "R", "S", "T" (stopped), "Z" (zombie), ...
-    start_ticks: int  # start time since boot in clock ticks: with pid, the identity
-
-    @property
-    def dead(self) -> bool:
-        """A zombie is dead: it runs no code and holds no resources but its pid."""
-        return self.state in ("Z", "X", "x")
-
-
-def read_proc(pid: int) -> Proc | None:
-    """Return the process table entry of ``pid``, or None if there is no such process."""
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        raw = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return parse_stat(pid, raw)
-
-
-def parse_stat(pid: int, raw: bytes) -> Proc | None:
-    """Parse a ``/proc/<pid>/stat`` line; None if it is not one."""
-    # The command name may contain spaces and parentheses: split after the last ")".
-    rest = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return Proc(
-            pid=pid,
-            state=rest[0].decode(),
-            ppid=int(rest[1]),
-            pgid=int(rest[2]),
-            sid=int(rest[3]),
-            start_ticks=int(rest[19]),
-        )
-    except (IndexError, ValueError):
-        return None
-
-
-def scan_processes(*, shared: bool = True) -> dict[int, Proc]:
-    """Read the whole process table (~20-60 us a process). Do not mutate the result.
-
-    Args:
-        shared: callers that ask while another thread is reading the table wait for, and
-            share, the next read that starts after they asked: many trees stopping at once
-            cost one walk of /proc per round, not one each. The result never predates the
-            call. False: read now, alone.
-    """
-    global _last_scan
-    asked = time.monotonic()
-    with _scan_lock:
-        if shared and _last_scan is not None and _last_scan[0] >= asked:
-            return _last_scan[1]
-        started = time.monotonic()
-        procs: dict[int, Proc] = {}
-        for name in os.listdir(_PROC):
-            if name.isdigit():
-                p = read_proc(int(name))
-                if p is not None:
-                    procs[p.pid] = p
-        _last_scan = (started, procs)
-        for key in [k for k in _markers if procs.get(k[0]) is None or procs[k[0]].start_ticks != k[1]]:
-            _markers.pop(key, None)
-        return procs
-
-
-def read_marker(pid: int) -> str | None:
-    """The ``AGENTD_TREE`` value in the environment of ``pid``, if readable."""
-    return _parse_marker(_read_environ(pid))
-
-
-def marker_of(p: Proc) -> str | None:
-    """``read_marker``, remembered per process (pid and start time).
-
-    An environment is read once per process, not once per sweep. Not remembered: an empty
-    read (a process caught mid-exec shows none), and "no marker" for our own children
-    (between fork and exec a new runner still shows the daemon's environment).
-    """
-    key = (p.pid, p.start_ticks)
-    try:
-        return _markers[key]
-    except KeyError:
-        pass
-    env = _read_environ(p.pid)
-    value = _parse_marker(env)
-    if env and (value is not None or p.ppid != os.getpid()):
-        _markers[key] = value
-    return value
-
-
-def _read_environ(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read()
-    except OSError:  # gone, a zombie (no memory left), or not ours to read
-        return b""
-
-
-def _parse_marker(env: bytes, var: str = MARKER_VAR) -> str | None:
-    needle = var.encode() + b"="
-    for item in env.split(b"\0"):
-        if item.startswith(needle):
-            return item[len(needle) :].decode(errors="replace")
-    return None
-
-
-def _host_identity() -> str:
-    me = read_proc(os.getpid())
-    return f"{os.getpid()}:{me.start_ticks if me is not None else 0}"
-
-
-def _mark_host() -> str:
+def _mark_host(table: ProcessTable) -> str:
     """Put this process's identity in its environment, for whatever it forks from now on."""
-    identity = _host_identity()
+    me = table.read(os.getpid())
+    identity = f"{os.getpid()}:{me.start_ticks if me is not None else 0}"
     os.environ[HOST_VAR] = identity
     return identity
 
 
-def _scrubbed_orphan(p: Proc, identity: str) -> bool:
+def _scrubbed_orphan(table: ProcessTable, p: Proc, identity: str) -> bool:
     """Has this child of ours an environment that is neither a tree's nor ours?
 
     Not one whose environment cannot be read. (Callers leave out one that started less
     than ``SETTLED_S`` ago: for an instant around exec an environment reads empty.)
     """
-    try:
-        with open(f"/proc/{p.pid}/environ", "rb") as f:
-            env = f.read()
-    except OSError:
+    env = table.kernel.environ(p.pid)
+    if env is None:
         return False
-    return _parse_marker(env) is None and _parse_marker(env, HOST_VAR) != identity
-
-
-def age_s(p: Proc) -> float:
-    """How long ago ``p`` started, in seconds."""
-    try:
-        with open("/proc/uptime", "rb") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return uptime - p.start_ticks / _CLOCK_TICKS
-
-
-def tree_members(
-    tree_id: str,
-    *,
-    groups: Iterable[int] = (),
-    cgroup: Path | None = None,
-    procs: dict[int, Proc] | None = None,
-    pipes: Container[int] = (),
-) -> dict[int, Proc]:
-    """Every process that belongs to a tree, zombies included.
-
-    A member is in the tree's cgroup, or carries ``AGENTD_TREE=<tree_id>``, or is in one of
-    the tree's groups or sessions (those given, and those of any other member), or descends
-    from a member, or (``pipes``: inode numbers of the runner's stdio pipes) is an orphan
-    adopted by this process, or a descendant of one, that holds one of those pipes. The
-    calling process is never a member, nor is anything in its session.
-    """
-    if procs is None:
-        procs = scan_processes()
-    me = os.getpid()
-    ours = {0, 1, os.getsid(0), os.getpgrp()}  # never the daemon's session or group
-    wanted = set(groups) - ours
-    members: set[int] = {pid for pid in cgroup_pids(cgroup) if pid in procs}
-    for p in procs.values():
-        if p.pid in members or p.pid in (me, 1):
-            continue
-        if p.pgid in wanted or p.sid in wanted:
-            members.add(p.pid)
-        elif not p.dead and marker_of(p) == tree_id:
-            members.add(p.pid)
-    by_parent: dict[int, list[int]] = {}
-    by_group: dict[int, list[int]] = {}
-    for p in procs.values():
-        by_parent.setdefault(p.ppid, []).append(p.pid)
-        by_group.setdefault(p.pgid, []).append(p.pid)
-        if p.sid != p.pgid:
-            by_group.setdefault(p.sid, []).append(p.pid)
-    if pipes:
-        members.update(_pipe_holders(pipes, procs, by_parent, members))
-    # Close over ancestry (children that scrubbed the marker and left the group) and over
-    # the groups and sessions of members: Chromium's helpers show no environment at all
-    # (setproctitle reuses it) and outlive their parent in the browser's session.
-    todo = list(members)
-    while todo:
-        p = procs[todo.pop()]
-        related = list(by_parent.get(p.pid, ()))
-        for g in (p.pgid, p.sid):
-            if g not in ours and g not in wanted:
-                wanted.add(g)
-                related.extend(by_group.get(g, ()))
-        for pid in related:
-            if pid not in members and pid not in (me, 1):
-                members.add(pid)
-                todo.append(pid)
-    return {pid: procs[pid] for pid in members}
-
-
-def _pipe_holders(
-    pipes: Container[int],
-    procs: dict[int, Proc],
-    by_parent: dict[int, list[int]],
-    members: Container[int],
-) -> set[int]:
-    """Orphans adopted by us that show no marker (and their descendants) and hold one of
-    ``pipes`` open.
-
-    Only those are looked at: any other descendant of a tree is found by ancestry or its
-    marker (other trees' runners and their orphans show theirs), and reading every fd of
-    every process would cost far more than the sweep.
-    """
-    me = os.getpid()
-    todo = [
-        pid for pid in by_parent.get(me, ())
-        if pid not in members and not procs[pid].dead and marker_of(procs[pid]) is None
-    ]
-    found: set[int] = set()
-    seen: set[int] = set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        if pid not in members and _holds_pipe(pid, pipes):
-            found.add(pid)
-        todo.extend(by_parent.get(pid, ()))
-    return found
-
-
-def _holds_pipe(pid: int, pipes: Container[int]) -> bool:
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False  # gone, not ours to read, or out of fds (the next sweep looks again)
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("pipe:[") and target.endswith("]"):
-            try:
-                if int(target[6:-1]) in pipes:
-                    return True
-            except ValueError:
-                continue
-    return False
-
-
-def _zombie_child_waiting() -> bool:
-    """Is any child of ours a zombie? ``waitid(WNOWAIT)`` peeks without reaping it."""
-    try:
-        return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return False
-    except OSError:
-        return True  # cannot tell: scan
+    return parse_var(env, MARKER_VAR) is None and parse_var(env, HOST_VAR) != identity
 
 
 def reap_adopted_zombies(
+    table: ProcessTable,
     *,
     seen: Mapping[int, int] | None = None,
     exclude: Container[int] = (),
     subtree: str | None = None,
     settled: Container[str] = (),
-    procs: dict[int, Proc] | None = None,
+    procs: Mapping[int, Proc] | None = None,
 ) -> list[int]:
     """Reap zombie children of this process that provably were not forked by it.
 
@@ -415,9 +145,8 @@ def reap_adopted_zombies(
     about yet). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
     """
     if procs is None:
-        procs = scan_processes()
-    me = os.getpid()
-    my_sid = os.getsid(0)
+        procs = table.scan()
+    me, _pgid, my_sid = table.kernel.own_ids()
     reaped: list[int] = []
     for p in procs.values():
         if p.ppid != me or not p.dead or p.pid in exclude:
@@ -425,41 +154,22 @@ def reap_adopted_zombies(
         if not (
             (seen is not None and seen.get(p.pid) == p.start_ticks)
             or p.sid not in (my_sid, p.pid)
-            or _in_settled_tree(p.pid, subtree, settled)
+            or _in_settled_tree(table, p.pid, subtree, settled)
         ):
             continue
-        try:
-            got, _status = os.waitpid(p.pid, os.WNOHANG)
-        except ChildProcessError:
-            continue
-        if got == p.pid:
+        if table.kernel.reap(p.pid):
             reaped.append(p.pid)
     return reaped
 
 
-def _in_settled_tree(pid: int, subtree: str | None, settled: Container[str]) -> bool:
+def _in_settled_tree(table: ProcessTable, pid: int, subtree: str | None, settled: Container[str]) -> bool:
     """Is ``pid`` in the cgroup (below ``subtree``) of a tree in ``settled``?"""
     if subtree is None:
         return False
-    path = read_cgroup(pid) or ""
+    path = table.kernel.cgroup(pid) or ""
     if not path.startswith(subtree):
         return False
     return path[len(subtree) :].split("/", 1)[0] in settled
-
-
-# ----------------------------------------------------------------------------- subreaper
-
-
-def _set_subreaper(on: bool) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.prctl(_PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1 if on else 0), 0, 0, 0)
-    except (OSError, AttributeError):
-        return False
-    if rc != 0:
-        logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno()))
-        return False
-    return True
 
 
 # ----------------------------------------------------------------------------- Containment
@@ -478,6 +188,8 @@ class Containment:
 
     root: Path | None
     subreaper: bool
+    # The daemon's one process-table reader: its cache is shared by every tree's stop.
+    table: ProcessTable = field(default_factory=ProcessTable)
     _leaders: dict[int, Tree] = field(default_factory=dict)
     _tree_ids: set[str] = field(default_factory=set)
     _pending: set[str] = field(default_factory=set)  # prepared, leader not tracked yet
@@ -512,6 +224,7 @@ class Containment:
         cgroups: str | None = None,
         subreaper: bool = True,
         instance: str | None = None,
+        kernel: Kernel = LINUX,
     ) -> Containment:
         """Become a child subreaper and make this daemon's cgroup subtree where possible.
 
@@ -524,22 +237,26 @@ class Containment:
             cgroups: overrides ``config.cgroups``.
             subreaper: False leaves the subreaper flag alone (tests of the "group" mode).
             instance: names the subtree ``agentd-<instance>``; default ``<pid>-<random>``.
+            kernel: the kernel every read and signal goes through (tests pass a fake).
         """
         want = cgroups if cgroups is not None else (config.cgroups if config is not None else "auto")
         instance = instance or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        table = ProcessTable(kernel)
         is_reaper = False
         if subreaper and os.name == "posix" and hasattr(os, "waitpid"):
             global _subreaper_users
             with _subreaper_lock:
-                is_reaper = _subreaper_users > 0 or _set_subreaper(True)
+                is_reaper = _subreaper_users > 0 or kernel.set_child_subreaper(True)
                 if is_reaper:
                     _subreaper_users += 1
+                else:
+                    logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: orphans go to PID 1")
         root, lock = None, None
         if want == "auto":
-            made = _cgroupfs.make_subtree(instance)
+            made = _cgroupfs.make_subtree(instance, kernel=kernel)
             if made is not None:
                 root, lock = made
-        self = cls(root=root, subreaper=is_reaper, _root_lock=lock, _host=_mark_host())
+        self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=_mark_host(table))
         logger.info(
             "containment: %s (cgroup subtree %s, subreaper %s)",
             self.mode,
@@ -615,6 +332,7 @@ class Containment:
 
     def track(self, tree: Tree) -> None:
         """Note a spawned tree: its leader is Trio's child and must never be reaped here."""
+        tree.table = self.table
         with self._lock:
             self._leaders[tree.pid] = tree
             self._tree_ids.add(tree.tree_id)
@@ -684,7 +402,7 @@ class Containment:
         """
         if not self.subreaper:
             return []
-        me = os.getpid()
+        me = self.table.kernel.own_ids()[0]
         subtree = self._subtree_prefix()
         with self._lock:
             for pid, tree in list(self._leaders.items()):
@@ -701,14 +419,16 @@ class Containment:
         # nothing), and otherwise every FULL_SCAN_EVERY passes, to note live adopted
         # children. Read without the lock: prepare() and track() run on the Trio thread.
         self._passes += 1
-        if self._passes % FULL_SCAN_EVERY != 1 and not _zombie_child_waiting():
+        if self._passes % FULL_SCAN_EVERY != 1 and not self.table.kernel.zombie_child_waiting():
             return []
-        procs = scan_processes()
+        procs = self.table.scan()
         for p in procs.values():
             if p.ppid == me and not p.dead and p.pid not in leaders and p.pid not in seen:
-                if marker_of(p) in settled:
+                if self.table.marker_of(p, MARKER_VAR) in settled:
                     seen[p.pid] = p.start_ticks
-        reaped = reap_adopted_zombies(seen=seen, exclude=leaders, subtree=subtree, settled=settled, procs=procs)
+        reaped = reap_adopted_zombies(
+            self.table, seen=seen, exclude=leaders, subtree=subtree, settled=settled, procs=procs
+        )
         with self._lock:
             for pid, ticks in seen.items():
                 self._adopted.setdefault(pid, ticks)
@@ -747,8 +467,7 @@ class Containment:
         """
         if not self.subreaper:
             return []
-        me = os.getpid()
-        my_sid = os.getsid(0)
+        me, _pgid, my_sid = self.table.kernel.own_ids()
         subtree = self._subtree_prefix()
         with self._lock:
             leaders = set(self._leaders)
@@ -756,20 +475,20 @@ class Containment:
             remembered = dict(self._adopted)
             spawning = bool(self._pending)
         out: list[Proc] = []
-        for p in scan_processes().values():
+        for p in self.table.scan().values():
             if p.ppid != me or p.dead or p.pid in leaders:
                 continue
             if (
                 remembered.get(p.pid) == p.start_ticks
                 or p.sid not in (my_sid, p.pid)
-                or _in_settled_tree(p.pid, subtree, settled)
+                or _in_settled_tree(self.table, p.pid, subtree, settled)
             ):
                 out.append(p)
-            elif p.sid == p.pid and not spawning and _scrubbed_orphan(p, self._host):
+            elif p.sid == p.pid and not spawning and _scrubbed_orphan(self.table, p, self._host):
                 # Leads its own session, is no runner of ours and shows neither a tree's
                 # marker nor our environment: an orphan that called setsid() and
                 # scrubbed its environment.
-                if age_s(p) >= SETTLED_S:
+                if self.table.age_s(p) >= SETTLED_S:
                     out.append(p)
                 elif young is not None:
                     young.append(p)
@@ -778,7 +497,7 @@ class Containment:
     def _subtree_prefix(self) -> str | None:
         if self.root is None:
             return None
-        mount = _cgroupfs.cgroup2_mount()
+        mount = self.table.kernel.cgroup2_mount()
         if mount is None or not self.root.is_relative_to(mount[0]):
             return None
         return "/" + str(self.root.relative_to(mount[0])).strip("/") + "/"
@@ -805,6 +524,6 @@ class Containment:
             with _subreaper_lock:
                 _subreaper_users -= 1
                 if _subreaper_users == 0:
-                    _set_subreaper(False)
+                    self.table.kernel.set_child_subreaper(False)
 
 

@@ -1,6 +1,7 @@
 """Process control: spawn a runner's tree, stop it (path A and path B), find it after a restart.
 
-The only module that sends signals (killpg, pidfd_send_signal, ``cgroup.kill``, taskkill).
+The daemon's only sender of signals, all through the OS edge (``subagent.osedge``: pidfds,
+``killpg``, ``cgroup.kill``), and of ``taskkill`` on Windows.
   await spawn_tree(argv, *, env, cwd, tree_id, containment) -> Tree   new session + cgroup
   soft_stop(tree) -> list[str]                   path A: SIGTERM now, fire and forget
   await terminate_and_kill(tree, *, grace_s) -> StopReceipt  path B: shielded, bounded
@@ -16,14 +17,16 @@ The only module that sends signals (killpg, pidfd_send_signal, ``cgroup.kill``, 
 # is the process we learned about or is gone (a group's number is not reused while the
 # group has members).
 #
-# Path B, in order: SIGTERM the runner's group; wait up to the grace for the runner to
-# exit (the runner owns its tools and applies each running tool's stop policy); then SIGKILL what is
-# left: the cgroup, every known group, every swept member (leftovers after the runner
-# exited on its own are orphans and get no grace of their own); then wait, bounded, until
-# no member runs (zombies are dead), and reap the zombies we adopted.
+# Path B is the OS edge's one escalation routine over the tree (``escalate``): SIGTERM the
+# runner's group; wait up to the grace for the runner to exit (the runner owns its tools
+# and applies each running tool's stop policy); then SIGKILL what is left: the cgroup,
+# every known group, every swept member (leftovers after the runner exited on its own are
+# orphans and get no grace of their own); then wait, bounded, until no member runs
+# (zombies are dead), and reap the zombies we adopted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -33,28 +36,26 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
-from supervisor import _windows
-from supervisor.containment import (
-    HOST_VAR,
-    SETTLED_S,
-    age_s,
-    CGROUP,
-    GROUP,
-    MARKER_VAR,
-    SUBREAPER_SWEEP,
-    Containment,
-    cgroup_pids,
+from subagent.osedge import (
+    Delivery,
+    Escalation,
+    Targets,
     Proc,
-    reap_adopted_zombies,
-    read_proc,
-    scan_processes,
-    tree_members,
+    ProcessId,
+    ProcessTable,
+    TrioRuntime,
+    escalate,
+    kill_cgroup,
+    open_pidfd,
+    signal_group,
+    signal_process,
 )
+from supervisor import _windows
 from supervisor._drain import DRAIN_AFTER_EXIT_S, drain_bounded
-from supervisor._tree import AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
+from supervisor._tree import HOST_VAR, MARKER_VAR, AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
+from supervisor.containment import CGROUP, GROUP, SETTLED_S, SUBREAPER_SWEEP, Containment, reap_adopted_zombies
 from supervisor.errors import SpawnError
 
 __all__ = [
@@ -89,14 +90,14 @@ KILL_WAIT_S: Final = 3.0
 # Then how long Trio gets to reap the runner (dead by now, unless stuck in the kernel).
 # KILL_WAIT_S + REAP_WAIT_S stays inside TERMINATE_MARGIN_S.
 REAP_WAIT_S: Final = 1.0
-# How often a tree is re-swept while waiting for death (cgroup.kill takes ~70 ms).
+# How often a tree is re-read while waiting for death, where no event says it changed.
 POLL_S: Final = 0.02
 # Windows: after ``taskkill /F /T``, how long we wait for the runner to exit; the margin
 # there also covers running taskkill twice.
 WINDOWS_KILL_WAIT_S: Final = 5.0
 WINDOWS_TERMINATE_MARGIN_S: Final = 15.0
-# find_tree: a recorded psutil create_time matches within this (it is derived from the
-# boot time, which the kernel recomputes from the wall clock).
+# find_tree: a recorded create_time matches within this (it is derived from the boot
+# time, which the kernel recomputes from the wall clock).
 START_TIME_TOLERANCE_S: Final = 1.0
 
 _POSIX: Final = os.name == "posix"
@@ -155,11 +156,9 @@ async def spawn_tree(
             raise SpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
         raise
     # No await from here on: the caller must own the child before the next checkpoint.
-    leader = read_proc(proc.pid) if _POSIX else None
-    try:
-        start_time = psutil.Process(proc.pid).create_time()
-    except psutil.Error:
-        start_time = time.time()
+    table = containment.table if containment is not None else ProcessTable()
+    leader = table.read(proc.pid) if _HAVE_PROC else None
+    start_time = table.wall_start(leader) if leader is not None else time.time()
     if containment is not None:
         label = containment.label(cgroup)
     else:
@@ -173,6 +172,7 @@ async def spawn_tree(
         containment=label,
         process=proc,
         leader_ticks=leader.start_ticks if leader is not None else None,
+        table=table,
     )
     tree.groups[tree.pgid] = tree.leader_ticks
     tree.pipes = _pipe_inodes(proc)
@@ -238,181 +238,46 @@ def _rmdir_quietly(path: Path) -> None:
         pass
 
 
-# ----------------------------------------------------------------------------- signals
+# ----------------------------------------------------------------------------- reads
 
 
-async def _blocking(fn: Callable[..., T], *args: Any) -> T:
-    """Run a /proc scan off the Trio thread (a seam: clock-driven tests run it inline)."""
-    return await trio.to_thread.run_sync(fn, *args)
+def _runtime(tree: AnyTree) -> TrioRuntime:
+    """Waits on Trio; table reads off the Trio thread unless the kernel is a fake."""
+    return TrioRuntime(threads=tree.table.kernel.blocking)
 
 
-def _killpg(pgid: int, sig: signal.Signals) -> str:
-    if pgid <= 1 or pgid == os.getpgrp():  # 0 would be our own group, 1 init's
-        return "refused"
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return "gone"
-    except PermissionError:
-        return "eperm"
-    return "sent"
-
-
-def _kill_proc(p: Proc, sig: signal.Signals) -> str:
-    """Signal exactly the process ``p`` describes, never a later owner of its pid."""
-    try:
-        fd = os.pidfd_open(p.pid)
-    except ProcessLookupError:
-        return "gone"
-    except OSError:  # no pidfd support: check, then signal by pid (a tiny window remains)
-        now = read_proc(p.pid)
-        if now is None or now.start_ticks != p.start_ticks:
-            return "gone"
-        try:
-            os.kill(p.pid, sig)
-        except ProcessLookupError:
-            return "gone"
-        except PermissionError:
-            return "eperm"
-        return "sent"
-    try:
-        now = read_proc(p.pid)
-        if now is None or now.start_ticks != p.start_ticks:
-            return "gone"
-        signal.pidfd_send_signal(fd, sig)
-    except ProcessLookupError:
-        return "gone"
-    except PermissionError:
-        return "eperm"
-    finally:
-        os.close(fd)
-    return "sent"
-
-
-def _is_tree_cgroup(path: Path) -> bool:
+def _is_tree_cgroup(path: Path, table: ProcessTable | None = None) -> bool:
     """A tree's cgroup lies inside some daemon's agentd-* subtree and does not hold us."""
-    return path.parent.name.startswith("agentd-") and os.getpid() not in cgroup_pids(path)
+    table = table if table is not None else ProcessTable()
+    return path.parent.name.startswith("agentd-") and table.kernel.own_ids()[0] not in table.kernel.cgroup_pids(path)
 
 
-def _cgroup_kill(path: Path) -> str:
-    """SIGKILL every process in a cgroup and below it, forks in flight included."""
-    if not _is_tree_cgroup(path):
-        return "refused"
-    try:
-        fd = os.open(path / "cgroup.kill", os.O_WRONLY)
-    except FileNotFoundError:
-        if not path.exists():
-            return "gone"
-        return _cgroup_kill_by_pid(path)  # kernel < 5.14
-    except OSError as exc:
-        return f"error: {exc.strerror}"
-    try:
-        os.write(fd, b"1")
-    except OSError as exc:
-        return f"error: {exc.strerror}"
-    finally:
-        os.close(fd)
-    return "sent"
-
-
-def _cgroup_kill_by_pid(path: Path) -> str:
-    for pid in cgroup_pids(path):
-        p = read_proc(pid)
-        if p is not None:
-            _kill_proc(p, signal.SIGKILL)
-    return "sent"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-
-
-def _live_groups(tree: AnyTree) -> list[int]:
-    """The tree's groups that may still exist and are provably still the tree's."""
-    out: list[int] = []
-    for pgid, ticks in list(tree.groups.items()):  # scans run in a worker thread while add_group may run
-        if pgid <= 1:
-            continue
-        leader = read_proc(pgid)
-        if leader is None:
-            out.append(pgid)  # leaderless: the number stays reserved while members remain
-        elif leader.pgid != pgid:
-            continue  # the number now names a non-leader: that group cannot exist
-        elif ticks is not None and leader.start_ticks == ticks:
-            out.append(pgid)
-    return out
+def _cgroup_kill(path: Path, table: ProcessTable | None = None) -> str:
+    """``cgroup.kill`` of a tree's cgroup; refused for any other cgroup."""
+    table = table if table is not None else ProcessTable()
+    if not _is_tree_cgroup(path, table):
+        return Delivery.REFUSED
+    return kill_cgroup(table, path)
 
 
 def _leader_alive(tree: AnyTree) -> bool:
     # /proc, not Trio's returncode (which polls and needs the Trio thread). A spawned
     # runner's pid cannot be reused before Trio reaps it; a re-adopted one must match the
     # start time we proved.
-    if not _HAVE_PROC:  # e.g. macOS: ask Trio, or psutil for a re-adopted runner
-        if isinstance(tree, Tree):
-            return tree.process.returncode is None
-        return _started_at(tree.pid, tree.start_time)
-    if tree.leader_ticks is None:  # not provably the recorded process
-        return False
-    p = read_proc(tree.pid)
-    return p is not None and not p.dead and p.start_ticks == tree.leader_ticks
+    if not _HAVE_PROC:  # e.g. macOS: ask Trio; a re-adopted runner cannot be proved
+        return isinstance(tree, Tree) and tree.process.returncode is None
+    return tree.table.running(tree.pid, tree.leader_ticks)
 
 
-def _started_at(pid: int, start_time: float) -> bool:
-    """Does ``pid`` run and has it the psutil create_time ``start_time``?"""
-    try:
-        created: float = psutil.Process(pid).create_time()
-    except psutil.Error:
-        return False
-    return abs(created - start_time) <= START_TIME_TOLERANCE_S
-
-
-def _cgroup_procs(tree: AnyTree) -> dict[int, Proc] | None:
-    """A cgroup tree's processes are exactly its cgroup's (a member cannot leave it), so
-    its members are read from ``cgroup.procs`` alone: no scan of the whole process table
-    and every environment, which is what made 500 stops at once miss their deadlines."""
-    if tree.cgroup is None or not tree.cgroup.is_dir():
-        return None
-    procs: dict[int, Proc] = {}
-    for pid in cgroup_pids(tree.cgroup):
-        p = read_proc(pid)
-        if p is not None:
-            procs[pid] = p
-    return procs
-
-
-def _scan_members(tree: AnyTree) -> tuple[dict[int, Proc], dict[int, Proc]]:
-    """A read of the tree's processes (its cgroup, else the whole table) and its members."""
-    procs = _cgroup_procs(tree)
-    if procs is None:
-        procs = scan_processes()
-    return procs, _members(tree, procs)
-
-
-def _members(tree: AnyTree, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
-    if procs is None:
-        procs = _cgroup_procs(tree)
-    members = tree_members(
-        tree.tree_id,
-        groups=_live_groups(tree),
-        cgroup=tree.cgroup,
-        procs=procs,
-        pipes=tree.pipes,
-    )
-    if tree.leader_ticks is not None:
-        lead = members.get(tree.pid)
-        if lead is not None and lead.start_ticks != tree.leader_ticks:
-            del members[tree.pid]
-    # Remember the groups and sessions members lead (Chromium's browser leads the session
-    # its helpers stay in): once the leader is gone they are still found by number.
-    for p in members.values():
-        if p.pid in (p.pgid, p.sid) and p.pid not in tree.groups:  # a zombie leader too
-            tree.groups[p.pid] = p.start_ticks
+def _members(tree: AnyTree) -> dict[int, Proc]:
+    """The tree's members now (zombies included); remembers the groups they lead."""
+    members = tree.table.members(tree.targets())
+    tree.learn_leaders(members)
     return members
+
+
+def _describe(tree: AnyTree, p: Proc) -> dict[str, Any]:
+    return {"pid": p.pid, "cmdline": tree.table.cmdline_text(p.pid), "state": p.state}
 
 
 # ----------------------------------------------------------------------------- path A
@@ -432,12 +297,14 @@ def soft_stop(tree: AnyTree) -> list[str]:
     """
     if not _POSIX:
         return [_windows_fire(_windows.soft_kill_command(tree.pid))]
+    table = tree.table
+    live = table.live_groups(tree.groups)
     if _leader_alive(tree):
         # Runner first: its stop flag is set before its command's death can be seen.
-        targets = [tree.pgid] + [g for g in _live_groups(tree) if g in tree.interruptible and g != tree.pgid]
+        targets = [tree.pgid] + [g for g in live if g in tree.interruptible and g != tree.pgid]
     else:
-        targets = _live_groups(tree)
-    return [f"SIGTERM group {g}: {_killpg(g, signal.SIGTERM)}" for g in targets]
+        targets = live
+    return [f"SIGTERM group {g}: {signal_group(table, g, signal.SIGTERM)}" for g in targets]
 
 
 _fired: list[subprocess.Popen[bytes]] = []  # fire-and-forget taskkills, kept until done
@@ -493,133 +360,72 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float, sigterm_sent: boo
         receipt.timed_out = True
         if _POSIX:  # late is bad, leaky is worse: one last kill that needs no scan
             if tree.cgroup is not None:
-                _cgroup_kill(tree.cgroup)
-            for g in _live_groups(tree):
-                _killpg(g, signal.SIGKILL)
+                _cgroup_kill(tree.cgroup, tree.table)
+            for g in tree.table.live_groups(tree.groups):
+                signal_group(tree.table, g, signal.SIGKILL)
         if _POSIX and not receipt.survivors:
             try:
-                receipt.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
+                receipt.survivors = [_describe(tree, p) for p in _members(tree).values() if not p.dead]
             except OSError as exc:
                 receipt.survivors = [{"pid": None, "cmdline": f"unknown ({exc})", "state": "?"}]
         logger.warning("tree %s: stop routine hit its deadline; survivors %s", tree.tree_id, receipt.survivors)
     return receipt
 
 
-def _describe(p: Proc) -> dict[str, Any]:
-    return {"pid": p.pid, "cmdline": _cmdline(p.pid), "state": p.state}
-
-
 async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigterm_sent: bool = False) -> None:
-    def at() -> float:
-        return trio.current_time() - r.started_at
-
-    def record(sig: str, target: str, ident: object, result: str, what: str = "") -> None:
-        r.signals.append(SignalSent(sig, target, str(ident), round(at(), 4), result, what))
-
-    if _leader_alive(tree):
-        if sigterm_sent:
-            record("SIGTERM", "group", tree.pgid, "sent by path A")
-        else:
-            record("SIGTERM", "group", tree.pgid, _killpg(tree.pgid, signal.SIGTERM))
-        with trio.move_on_after(grace_s):
-            await wait_leader(tree)
-        r.waited_s = round(at(), 4)
-        if _leader_alive(tree):
-            r.escalated = True
-            r.leader = "killed"
-            logger.warning(
-                "tree %s: runner pid %d (%s) still running %.1f s after SIGTERM (the grace); sending SIGKILL to the tree",
-                tree.tree_id,
-                tree.pid,
-                _cmdline(tree.pid),
-                r.waited_s,
-            )
-        else:
-            r.leader = "exited"
-    else:
-        r.leader = "gone"
-
-    # Kill phase: every mechanism once, then re-sweep until nothing of the tree runs.
-    # Members are noted first, while they still show marker and cgroup, so that their
-    # zombies can be told from Trio's children afterwards.
+    table = tree.table
+    runtime = _runtime(tree)
+    leader_alive = _leader_alive(tree)
+    targets = tree.targets()
+    if targets.cgroup is not None and not _is_tree_cgroup(targets.cgroup, table):
+        targets = dataclasses.replace(targets, cgroup=None)
+    esc = Escalation(started_at=r.started_at)
     try:
-        seen_before = {p.pid: p.start_ticks for p in (await _blocking(_members, tree)).values()}
-    except OSError as exc:  # out of fds: the kills below need none, the sweep retries
-        logger.warning("tree %s: cannot read the process table (%s); killing what is known", tree.tree_id, exc)
-        seen_before = {}
-    if tree.cgroup is not None:
-        record("cgroup.kill", "cgroup", tree.cgroup, _cgroup_kill(tree.cgroup))
-    for g in _live_groups(tree):
-        record("SIGKILL", "group", g, _killpg(g, signal.SIGKILL))
-    killed: dict[int, int] = {}  # pid -> start ticks, so a recycled pid is not re-killed
-    seen = dict(seen_before)
-    seen.update((g, t) for g, t in tree.groups.items() if g != tree.pid and t is not None)
-    leftovers_logged = False
-    scan_failed = False
-    confirmed = False
-    procs: dict[int, Proc] | None = None  # the last table read: its zombies are reaped below
-    with trio.move_on_after(KILL_WAIT_S):
-        while True:
-            try:
-                procs, members = await _blocking(_scan_members, tree)
-            except OSError as exc:  # out of fds, say: look again at the next poll
-                if not scan_failed:
-                    logger.warning("tree %s: cannot read the process table (%s); retrying", tree.tree_id, exc)
-                    scan_failed = True
-                await trio.sleep(POLL_S)
-                continue
-            seen.update((p.pid, p.start_ticks) for p in members.values())
-            alive = [p for p in members.values() if not p.dead]
-            if not alive:
-                if r.tree_dead_at is None:
-                    r.tree_dead_at = trio.current_time()
-                    r.tree_dead_after_s = round(at(), 4)
-                # Confirm with a second sweep: a process caught mid-exec shows an empty
-                # environment for an instant, so one sweep could miss it.
-                if confirmed:
-                    break
-                confirmed = True
-                await trio.sleep(POLL_S)
-                continue
-            r.tree_dead_at = r.tree_dead_after_s = None
-            confirmed = False
-            fresh = [p for p in alive if killed.get(p.pid) != p.start_ticks]
-            if fresh and not r.escalated and not leftovers_logged:
-                leftovers_logged = True
-                logger.warning(
-                    "tree %s: %d processes outlived the runner, killing them: %s",
-                    tree.tree_id,
-                    len(fresh),
-                    ", ".join(f"pid {p.pid} ({_cmdline(p.pid)})" for p in fresh[:5]),
-                )
-            for p in fresh:
-                what = _cmdline(p.pid)
-                result = _kill_proc(p, signal.SIGKILL)
-                record("SIGKILL", "pid", p.pid, result, what)
-                killed[p.pid] = p.start_ticks
-                if result == "sent":
-                    r.killed.append({"pid": p.pid, "cmdline": what, "state": p.state})
-            await trio.sleep(POLL_S)
-    if r.tree_dead_at is None:
-        try:
-            r.survivors = [_describe(p) for p in _members(tree).values() if not p.dead]
-        except OSError as exc:
-            r.survivors = [{"pid": None, "cmdline": f"unknown: the process table could not be read ({exc})", "state": "?"}]
-        logger.warning("tree %s: still alive %.1f s after SIGKILL: %s", tree.tree_id, KILL_WAIT_S, r.survivors)
+        await escalate(
+            targets,
+            grace_s=grace_s,
+            kill_wait_s=KILL_WAIT_S,
+            table=table,
+            runtime=runtime,
+            sigterm=leader_alive,
+            term=Targets(groups={tree.pgid: tree.leader_ticks}),
+            term_sent="sent by path A" if sigterm_sent else None,
+            settled=lambda: wait_leader(tree),
+            learn=tree.learn_leaders,
+            label=f"tree {tree.tree_id}",
+            leader=f"the runner (pid {tree.pid}, {table.cmdline_text(tree.pid)})" if leader_alive else "the runner",
+            log=logger,
+            poll_s=POLL_S,
+            into=esc,
+        )
+    finally:  # also when the routine's own deadline cut it short: what it did so far
+        r.signals = list(esc.signals)
+        r.waited_s = esc.waited_s
+        r.escalated = esc.escalated
+        r.leader = "gone" if not leader_alive else ("killed" if esc.escalated else "exited")
+        r.killed = esc.killed
+        r.tree_dead_at, r.tree_dead_after_s = esc.dead_at, esc.dead_after_s
+        if esc.dead_at is None and esc.survivors:
+            r.survivors = [_describe(tree, p) for p in esc.survivors]
+        elif esc.dead_at is None and esc.read_failed:
+            r.survivors = [{"pid": None, "cmdline": "unknown: the process table could not be read", "state": "?"}]
 
     # Reap: the runner through Trio, adopted zombies by pid (never Trio's children).
     if isinstance(tree, Tree):
         with trio.move_on_after(REAP_WAIT_S):
             await tree.process.wait()
+    seen = dict(esc.seen)
+    seen.update((g, t) for g, t in tree.groups.items() if g != tree.pid and t is not None)
+
     # Never the runner: Trio reaps its own child (and a re-adopted runner is not ours).
     # Dead members leave their cgroup's list, so a cgroup tree's zombies are looked up by pid.
     def reap() -> list[int]:
-        table = procs if tree.cgroup is None else {pid: p for pid in seen if (p := read_proc(pid)) is not None}
-        return reap_adopted_zombies(seen=seen, exclude={tree.pid}, procs=table)
+        procs = esc.last if tree.cgroup is None else table.read_many(seen)
+        return reap_adopted_zombies(table, seen=seen, exclude={tree.pid}, procs=procs)
 
     try:
-        r.reaped = await _blocking(reap)
-    except OSError as exc:  # the reaping service tries again every second
+        r.reaped = await runtime.run_sync(reap)
+    except OSError as exc:  # the reaping service tries again
         logger.warning("tree %s: could not reap its zombies now: %s", tree.tree_id, exc)
 
 
@@ -629,11 +435,11 @@ async def wait_leader(tree: AnyTree) -> None:
         await tree.process.wait()
         return
     try:
-        fd = os.pidfd_open(tree.pid)
-    except ProcessLookupError:
-        return
+        fd = open_pidfd(tree.table, ProcessId(tree.pid, tree.leader_ticks)) if tree.leader_ticks is not None else None
     except OSError:
-        fd = -1
+        fd = -1  # no pidfds here: poll
+    if fd is None:
+        return  # gone, or never provably the recorded runner
     try:
         if fd >= 0 and _leader_alive(tree):
             await trio.lowlevel.wait_readable(fd)  # readable once the process has exited
@@ -641,10 +447,7 @@ async def wait_leader(tree: AnyTree) -> None:
             await trio.sleep(POLL_S)
     finally:
         if fd >= 0:
-            os.close(fd)
-
-
-_wait_leader = wait_leader  # the old private name, still used by runs.py
+            tree.table.kernel.close(fd)
 
 
 async def _windows_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> None:
@@ -693,8 +496,9 @@ def alive_members(tree: AnyTree) -> list[int]:
 
 async def wait_tree_gone(tree: AnyTree, timeout: float) -> bool:
     """Wait until no member of the tree runs; False if some still did after ``timeout``."""
+    runtime = _runtime(tree)
     with trio.move_on_after(timeout):
-        while await _blocking(alive_members, tree):
+        while await runtime.run_sync(lambda: alive_members(tree)):
             await trio.sleep(POLL_S)
         return True
     return False
@@ -710,36 +514,33 @@ async def kill_strays(containment: Containment, *, only_if_idle: bool = True) ->
     """
     if not _POSIX or (only_if_idle and containment.tracked_trees):
         return []
+    table = containment.table
+    runtime = TrioRuntime(threads=table.kernel.blocking)
     young: list[Proc] = []
     try:
-        strays = await trio.to_thread.run_sync(lambda: containment.strays(young=young))
+        strays = await runtime.run_sync(lambda: containment.strays(young=young))
         if young:
             # Scrubbed-looking session leaders too young to tell from a process in the
             # middle of an exec: look again once they are settled.
-            await trio.sleep(max(0.0, SETTLED_S - min(age_s(p) for p in young)))
+            await trio.sleep(max(0.0, SETTLED_S - min(table.age_s(p) for p in young)))
             if not (only_if_idle and containment.tracked_trees):  # still nobody to claim them
                 seen = {p.pid for p in strays}
-                strays += [p for p in await trio.to_thread.run_sync(containment.strays) if p.pid not in seen]
+                strays += [p for p in await runtime.run_sync(containment.strays) if p.pid not in seen]
     except OSError as exc:  # out of fds: the next run's end, or shutdown, looks again
         logger.warning("cannot look for untraceable orphans now: %s", exc)
         return []
     killed: list[dict[str, Any]] = []
     for p in strays:
-        what = _cmdline(p.pid)
-        if _kill_proc(p, signal.SIGKILL) == "sent":
+        what = table.cmdline_text(p.pid)
+        if signal_process(table, p, signal.SIGKILL) == Delivery.SENT:
             killed.append({"pid": p.pid, "cmdline": what})
     if killed:
         logger.warning("killed %d adopted orphans no tree claimed: %s", len(killed), killed[:5])
         with trio.move_on_after(KILL_WAIT_S):
-            while any(_still_running(p) for p in strays):
+            while any(table.running(p.pid, p.start_ticks) for p in strays):
                 await trio.sleep(POLL_S)
-        await trio.to_thread.run_sync(containment.reap_adopted)
+        await runtime.run_sync(containment.reap_adopted)
     return killed
-
-
-def _still_running(p: Proc) -> bool:
-    now = read_proc(p.pid)
-    return now is not None and now.start_ticks == p.start_ticks and not now.dead
 
 
 # ----------------------------------------------------------------------------- restart
@@ -753,13 +554,17 @@ def find_tree(
     cgroup: str | os.PathLike[str] | None,
     groups: Sequence[int] = (),
     containment: str | None = None,
+    table: ProcessTable | None = None,
 ) -> Found:
     """Find a tree recorded by an earlier daemon: is its runner the same process, who is left?
 
-    The runner counts as alive only if ``pid`` runs and its psutil create_time is
-    ``start_time`` (within ``START_TIME_TOLERANCE_S``). Members are found by cgroup, marker,
+    The runner counts as alive only if ``pid`` runs and started at ``start_time`` (the
+    wall clock, within ``START_TIME_TOLERANCE_S``). Members are found by cgroup, marker,
     session/group (the runner's group only while it is provably the same) and ancestry.
     Blocking (a /proc scan): call it through ``trio.to_thread.run_sync`` in async code.
+
+    Args:
+        table: whose process-table reads to use (the containment's; default: a new one).
 
     Raises:
         ValueError: ``pid`` is 0 or 1 (never a runner; killpg(0) would hit the daemon), or
@@ -769,14 +574,18 @@ def find_tree(
         raise ValueError(f"expected the recorded runner pid, got {pid!r}")
     if not tree_id:
         raise ValueError(f"expected the recorded tree id, got {tree_id!r}")
-    leader = read_proc(pid)
-    alive = False
-    if leader is not None and not leader.dead and start_time is not None:
-        alive = _started_at(pid, start_time)
+    table = table if table is not None else ProcessTable()
+    leader = table.read(pid)
+    alive = (
+        leader is not None
+        and not leader.dead
+        and start_time is not None
+        and abs(table.wall_start(leader) - start_time) <= START_TIME_TOLERANCE_S
+    )
     path = Path(cgroup) if cgroup else None
     if path is not None and not path.is_dir():
         path = None
-    if path is not None and not _is_tree_cgroup(path):
+    if path is not None and not _is_tree_cgroup(path, table):
         logger.warning("tree %s: recorded cgroup %s is not a tree's; ignoring it", tree_id, path)
         path = None
     label = containment or (CGROUP if path is not None else SUBREAPER_SWEEP)
@@ -788,13 +597,14 @@ def find_tree(
         cgroup=path,
         containment=label,
         leader_ticks=leader.start_ticks if alive and leader is not None else None,
+        table=table,
     )
     # The runner's group: signalled only while its leader is provably the recorded runner
-    # or gone with the group leaderless (see _live_groups).
+    # or gone with the group leaderless (see ProcessTable.live_groups).
     tree.groups[pid] = tree.leader_ticks
     for g in groups:
         tree.add_group(g)
-    members = sorted(p.pid for p in _members(tree, scan_processes()).values() if not p.dead)
+    members = sorted(p.pid for p in _members(tree).values() if not p.dead)
     return Found(tree=tree, leader_alive=alive, members=members)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import array
 import fcntl
-import functools
 import itertools
 import json
 import logging
@@ -38,13 +37,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, final
 
-import psutil  # type: ignore[import-untyped,unused-ignore]
 import trio
 
+from subagent.osedge import ProcessId, open_pidfd
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
+from supervisor._tree import HOST_VAR, MARKER_VAR, Tree
 from supervisor.config import Config
-from supervisor.containment import HOST_VAR, MARKER_VAR, Containment, read_proc
-from supervisor._tree import Tree
+from supervisor.containment import Containment
 
 __all__ = ["ForkedProcess", "Zygote", "usable"]
 
@@ -407,22 +406,20 @@ class Zygote:
         pid: int = reply["pid"]
         ticks: int = reply["ticks"]
         exit = reply["_exit"]
+        table = containment.table
         try:
-            pidfd = os.pidfd_open(pid)
+            # None: it exited and its pid was reused (a pidfd would name another process).
+            pidfd = open_pidfd(table, ProcessId(pid, ticks))
         except OSError:
-            pidfd = -1
-        now = read_proc(pid)
-        if pidfd >= 0 and (now is None or now.start_ticks != ticks):
-            os.close(pidfd)  # it exited and its pid was reused: the pidfd names another process
-            pidfd = -1
-        start_time = _create_time(ticks)
+            pidfd = None
+        start_time = table.kernel.boot_time() + ticks / table.kernel.clock_ticks
         if cgroup is not None and not reply.get("cgroup"):
             logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
             _rmdir_quietly(cgroup)
             cgroup = None
         proc = ForkedProcess(
             pid,
-            pidfd,
+            pidfd if pidfd is not None else -1,
             exit,
             args=[self.config.runner_python, "-m", "subagent.runner", *args],
             stdin=trio.lowlevel.FdStream(ours[0]),
@@ -438,6 +435,7 @@ class Zygote:
             containment=containment.label(cgroup),
             process=proc,
             leader_ticks=ticks,
+            table=table,
         )
         tree.groups[tree.pgid] = tree.leader_ticks
         tree.pipes = frozenset(os.fstat(fd).st_ino for fd in ours)  # its stdio, as process.spawn_tree
@@ -477,11 +475,6 @@ class Zygote:
             self._proc.kill()
 
 
-@functools.lru_cache(maxsize=1)
-def _boot_time_and_hz() -> tuple[float, int]:
-    return float(psutil.boot_time()), os.sysconf("SC_CLK_TCK")
-
-
 def _env_pipe(env: Mapping[str, str]) -> int:
     """A pipe holding ``env`` as JSON, closed for writing: its read end, for the runner."""
     data = json.dumps(dict(env)).encode()
@@ -498,15 +491,6 @@ def _env_pipe(env: Mapping[str, str]) -> int:
     finally:
         os.close(w)
     return r
-
-
-def _create_time(ticks: int) -> float:
-    """psutil's create_time for a process that started ``ticks`` clock ticks after boot."""
-    try:
-        boot, hz = _boot_time_and_hz()
-    except (OSError, ValueError, psutil.Error):
-        return time.time()
-    return boot + ticks / hz
 
 
 def _close_quietly(fd: int) -> None:

@@ -1,18 +1,13 @@
-"""Experiment: cancel-all of N live runs, and what a cgroup-only member scan would change.
+"""Experiment: cancel-all of N live runs -> every process dead.
 
-Today every stop routine (``process.terminate_and_kill``) finds a tree's members with
-``containment.tree_members``, which reads the whole process table and the environment of
-every process on the machine, every 20 ms while it waits for death: with N trees being
-stopped at once that is O(N x all processes). With ``--cgroup-scan`` this process's
-``process.tree_members`` is given only the pids of the tree's cgroup when it has one (a
-stand-in for the fix: "a tree with a cgroup is its cgroup: read cgroup.procs, not /proc").
-The runs are cancelled side by side (``RunManager._cancel_many``: each ``cancel`` sends path
-A and cancels the run's scope before its first await, so every SIGTERM goes out at once;
-it was this experiment's ``--concurrent-cancel`` before it landed). They carry no
-session: a session has one live turn at a time. No file is edited. The daemon runs
-in-process with cgroup containment.
+The two fixes it once measured by monkeypatching are in the code now: a cgroup tree's
+members are read from its cgroup alone (the OS edge's ``ProcessTable.members`` reads
+``cgroup.procs``, not the table), and the runs are cancelled side by side
+(``RunManager._cancel_many``: each ``cancel`` sends path A and cancels the run's scope
+before its first await, so every SIGTERM goes out at once). They carry no session: a
+session has one live turn at a time. The daemon runs in-process.
 
-    .venv/bin/python benchmarks/experiments/cancel_all.py [N] [--cgroup-scan] [--grace S]
+    .venv/bin/python benchmarks/experiments/cancel_all.py [N] [--grace S]
 """
 
 from __future__ import annotations
@@ -29,31 +24,14 @@ import trio  # noqa: E402
 
 from benchmarks._common import MARK_VAR, alive, final_sweep, install_mark, pids_with  # noqa: E402
 from benchmarks._daemon import in_process_daemon, quiet_logs, show_warnings  # noqa: E402
-from benchmarks.bench_scale import SLEEP_ARG, sleepers, spec  # noqa: E402
-from supervisor import containment, process  # noqa: E402
-
-_orig = process.tree_members
-
-
-def cgroup_only(tree_id, *, groups=(), cgroup=None, procs=None):  # type: ignore[no-untyped-def]
-    if cgroup is not None:
-        table = procs or {}
-        mine = {}
-        for pid in containment.cgroup_pids(cgroup):
-            p = table.get(pid) or containment.read_proc(pid)
-            if p is not None:
-                mine[pid] = p
-        procs = mine
-    return _orig(tree_id, groups=groups, cgroup=cgroup, procs=procs)
+from benchmarks.bench_scale import sleepers, spec  # noqa: E402
 
 
 async def main(n: int, grace: float, mark: str) -> None:
-    if "--cgroup-scan" in sys.argv:
-        process.tree_members = cgroup_only  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
         async with in_process_daemon(Path(tmp), grace_s=grace, max_concurrent=n + 10) as d:
             m = d["manager"]
-            print("containment:", m.containment.mode, "| member scan:", "cgroup only" if "--cgroup-scan" in sys.argv else "as today")
+            print("containment:", m.containment.mode)
             ids = [(await m.spawn(spec()))["run_id"] for _ in range(n)]
             with trio.fail_after(300):
                 while len(await trio.to_thread.run_sync(lambda: sleepers(pids_with(MARK_VAR, mark)))) < n:

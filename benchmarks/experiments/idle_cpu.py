@@ -1,17 +1,17 @@
-"""Experiment: the daemon's idle CPU with N live runs, and with a children-only reaper scan.
+"""Experiment: the daemon's CPU while idle, with 0 live runs and with N live runs.
 
-The containment's reaper (``Containment.run`` -> ``reap_adopted``) reads the whole process
-table every second. Adopted orphans are the daemon's own children, which the kernel lists
-in ``/proc/self/task/*/children``; with ``--children-scan`` this process's
-``containment.scan_processes`` is replaced, for the reaper only, by a read of those lists
-(a stand-in for that fix). No file is edited. Both variants are measured on the same live
-runs: first as today, then patched.
+An in-process daemon (``supervisor.daemon.serve``, default config: cgroups where the host
+allows, the zygote) gets N scripted runs, each waiting in a ``run_command`` (``sleep``);
+once all wait, this process's CPU (``CLOCK_PROCESS_CPUTIME_ID``: every thread, ns
+resolution, not psutil's 10 ms ticks) is read over ``--windows`` windows of ``--idle`` s
+each. The baseline, measured in the same run first: the same daemon with no run.
 
-    .venv/bin/python benchmarks/experiments/idle_cpu.py [N] [--idle S]
+    .venv/bin/python benchmarks/experiments/idle_cpu.py [N ...] [--idle 10] [--windows 3] [--cgroups off]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -20,66 +20,59 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-import psutil  # noqa: E402
 import trio  # noqa: E402
 
 from benchmarks._common import MARK_VAR, final_sweep, install_mark, pids_with  # noqa: E402
 from benchmarks._daemon import in_process_daemon, quiet_logs  # noqa: E402
 from benchmarks.bench_scale import sleepers, spec  # noqa: E402
-from supervisor import containment  # noqa: E402
-
-_orig_scan = containment.scan_processes
 
 
-def children_scan() -> dict[int, containment.Proc]:
-    pids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(x) for x in f.read().split())
-        except OSError:
-            continue
-    out = {}
-    for pid in pids:
-        p = containment.read_proc(pid)
-        if p is not None:
-            out[pid] = p
+async def idle_windows(idle_s: float, windows: int) -> list[float]:
+    out = []
+    for _ in range(windows):
+        c0 = time.process_time()
+        await trio.sleep(idle_s)
+        out.append((time.process_time() - c0) * 1000)
     return out
 
 
-def cpu() -> float:
-    t = psutil.Process().cpu_times()
-    return t.user + t.system
-
-
-async def main(n: int, idle_s: float, mark: str) -> None:
+async def one(n: int, idle_s: float, windows: int, mark: str, cgroups: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        async with in_process_daemon(Path(tmp), grace_s=1.0, max_concurrent=n + 10) as d:
+        async with in_process_daemon(Path(tmp), grace_s=1.0, max_concurrent=n + 10, cgroups=cgroups) as d:
             m = d["manager"]
+            ids: list[str] = []
             for _ in range(n):
-                await m.spawn(spec())
-            with trio.fail_after(300):
+                ids.append((await m.spawn(spec()))["run_id"])
+            with trio.fail_after(600):
                 while len(await trio.to_thread.run_sync(lambda: sleepers(pids_with(MARK_VAR, mark)))) < n:
                     await trio.sleep(0.5)
-            await trio.sleep(3)
-            for label in ("as today", "children-only reaper scan"):
-                if label != "as today":
-                    containment.scan_processes = children_scan  # type: ignore[assignment]
-                    await trio.sleep(1.5)
-                c0 = cpu()
-                await trio.sleep(idle_s)
-                print(f"{n} live runs, reaper {label}: daemon CPU {(cpu() - c0) * 1000:.0f} ms over {idle_s:g} s idle "
-                      f"({len(os.listdir('/proc'))} /proc entries)")
-            containment.scan_processes = _orig_scan  # type: ignore[assignment]
-            await m.cancel_session("all")
+            await trio.sleep(3)  # settle: the last runs' events, the zygote's pool
+            figures = await idle_windows(idle_s, windows)
+            shown = ", ".join(f"{x:.1f}" for x in figures)
+            print(
+                f"{n:4d} live runs ({m.containment.mode}): daemon CPU per {idle_s:g} s idle: {shown} ms "
+                f"(median {sorted(figures)[len(figures) // 2]:.1f}); /proc entries {len(os.listdir('/proc'))}",
+                flush=True,
+            )
+            await m._cancel_many(ids, "user")
+
+
+async def main(sizes: list[int], idle_s: float, windows: int, mark: str, cgroups: str) -> None:
+    for n in [0, *sizes]:
+        await one(n, idle_s, windows, mark, cgroups)
 
 
 if __name__ == "__main__":
-    quiet_logs("--verbose" in sys.argv)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sizes", nargs="*", type=int, default=[50])
+    ap.add_argument("--idle", type=float, default=10.0)
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--cgroups", default="auto")
+    ap.add_argument("--verbose", action="store_true")
+    a = ap.parse_args()
+    quiet_logs(a.verbose)
     mark = install_mark()
-    n = int(next((a for a in sys.argv[1:] if a.isdigit()), "200"))
-    idle = float(sys.argv[sys.argv.index("--idle") + 1]) if "--idle" in sys.argv else 10.0
     try:
-        trio.run(main, n, idle, mark)
+        trio.run(main, a.sizes, a.idle, a.windows, mark, a.cgroups)
     finally:
         final_sweep(mark)

@@ -24,6 +24,7 @@ from typing import Any, Final
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from subagent.osedge import LINUX
 from supervisor._statefiles import read_endpoint, read_token
 from supervisor.config import ENDPOINT_FILE, TOKEN_FILE, default_state_dir
 from supervisor.errors import AgentdError
@@ -59,12 +60,8 @@ AGENT_CONCURRENCY: Final = 32
 
 
 def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rfind(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    p = LINUX.stat(pid)
+    return p.ppid if p is not None else None
 
 
 def agent_name(node_id: str) -> str:

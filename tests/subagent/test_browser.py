@@ -473,13 +473,13 @@ async def test_a_stopped_browser_whose_server_and_main_process_were_killed_is_st
         assert helpers, "expected Chromium's stopped helpers to outlive their browser (the leak)"
         unmarked = set(helpers) - {p.pid for p in conftest_marked(no_process_left_behind)}
         assert unmarked, "Chromium's helpers were expected to have lost the env marker"
-        left = await trio.to_thread.run_sync(browser.end_browser_processes, run_dir)
+        left = await browser.end_browser_processes(run_dir)
         assert left == []
         assert browser.browser_processes(run_dir) == []
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        await trio.to_thread.run_sync(browser.end_browser_processes, run_dir)
+        await browser.end_browser_processes(run_dir)
         with trio.move_on_after(5, shield=True):
             await proc.wait()
         for stream in (proc.stdin, proc.stdout):
@@ -694,7 +694,7 @@ async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
             bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
         )
     finally:
-        browser.end_browser_processes(run_dir)
+        await browser.end_browser_processes(run_dir)
         browser.release_browser_dir(run_dir)
 
 
@@ -745,7 +745,7 @@ async def test_end_browser_processes_kills_what_names_the_run_even_stopped_and_o
         with trio.fail_after(10):
             while sorted(browser.browser_processes(run_dir)) != sorted(p.pid for p in mine):
                 await trio.sleep(0.01)
-        assert await trio.to_thread.run_sync(browser.end_browser_processes, run_dir) == []
+        assert await browser.end_browser_processes(run_dir) == []
         for p in mine:
             assert p.wait(timeout=5) == -signal.SIGKILL
         assert theirs.poll() is None

@@ -17,7 +17,8 @@ import trio
 from supervisor import _cgroupfs
 from supervisor import containment as containment_mod
 from supervisor import process
-from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, read_proc
+from subagent.osedge import LINUX, Proc
+from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
 from tests import conftest
 
 
@@ -93,7 +94,7 @@ def test_cgroups_are_made_per_tree_and_removed(made: list[Containment]) -> None:
 def test_an_unwritable_cgroup_mount_degrades_to_subreaper_and_sweep(
     made: list[Containment], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda: Path("/proc/self"))
+    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda kernel=None: Path("/proc/self"))
     c = setup(made, cgroups="auto")
     assert c.root is None and c.mode == SUBREAPER_SWEEP
 
@@ -103,7 +104,7 @@ def test_a_systemd_unit_without_delegation_gets_no_cgroups(
 ) -> None:
     unit = tmp_path / "system.slice" / "agentd.service"
     unit.mkdir(parents=True)
-    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda: unit)
+    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda kernel=None: unit)
     c = setup(made, cgroups="auto")
     assert c.root is None
     assert list(unit.iterdir()) == []
@@ -120,7 +121,7 @@ def test_a_systemd_unit_with_delegation_gets_its_subtree(
         os.setxattr(unit, "user.delegate", b"1")
     except OSError:
         pytest.skip("no user xattrs on this filesystem")
-    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda: unit)
+    monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda kernel=None: unit)
     c = setup(made, cgroups="auto")
     assert c.root is not None and c.root.parent == unit and c.mode == CGROUP
 
@@ -222,9 +223,9 @@ async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made
     pids = dict(line.split() for line in out.decode().splitlines())
     setsid_pid, daemon_pid = int(pids["setsid"]), int(pids["daemon"])
     for pid in (setsid_pid, daemon_pid):
-        p = read_proc(pid)
+        p = LINUX.stat(pid)
         assert p is not None and p.ppid == os.getpid()  # adopted by us, not by PID 1
-    assert read_proc(setsid_pid).sid == setsid_pid  # type: ignore[union-attr]
+    assert LINUX.stat(setsid_pid).sid == setsid_pid  # type: ignore[union-attr]
     assert c.reap_adopted() == []  # alive: noted (marker), not reaped
 
     # Trio's own children, exited but not yet waited for: same session and a new one.
@@ -238,7 +239,7 @@ async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made
     with trio.fail_after(5):
         assert await same.wait() == 7
         assert await own.wait() == 9
-    assert read_proc(setsid_pid) is None and read_proc(daemon_pid) is None
+    assert LINUX.stat(setsid_pid) is None and LINUX.stat(daemon_pid) is None
     for stream in (tree.process.stdout, tree.process.stderr):
         assert stream is not None
         await stream.aclose()
@@ -279,11 +280,11 @@ async def test_the_reaping_service_reaps_before_it_reports_started(made: list[Co
     await tree.process.stdin.aclose()
     for pid in pids.values():
         await exited(pid)
-    daemon = read_proc(pids["daemon"])
+    daemon = LINUX.stat(pids["daemon"])
     assert daemon is not None and daemon.dead and daemon.ppid == os.getpid()
     async with trio.open_nursery() as nursery:
         await nursery.start(c.run)
-        assert read_proc(pids["daemon"]) is None  # born in another session: provably adopted
+        assert LINUX.stat(pids["daemon"]) is None  # born in another session: provably adopted
         nursery.cancel_scope.cancel(reason="test over")
     # The setsid() one died before it was ever seen: it leads its own session, has no
     # environment left and no cgroup, exactly like a child Trio started in a new session,
@@ -326,7 +327,7 @@ async def test_a_leader_being_spawned_is_never_reaped_before_trio_knows_it(made:
         ["sh", "-c", "exit 5"], start_new_session=True, preexec_fn=join, env={**os.environ, "AGENTD_TREE": tid}
     )
     await exited(leader.pid)
-    assert (containment_mod.read_cgroup(leader.pid) or "").endswith(f"/{tid}")
+    assert (LINUX.cgroup(leader.pid) or "").endswith(f"/{tid}")
     assert c.reap_adopted() == [] and c.strays() == []
     with trio.fail_after(5):
         assert await leader.wait() == 5
@@ -353,10 +354,10 @@ async def test_a_scrubbed_session_leading_orphan_is_a_stray_and_the_hosts_own_ch
                 out += await tree.process.stdout.receive_some()
             await tree.process.wait()
         orphan = int(out.split()[0])
-        p = read_proc(orphan)
+        p = LINUX.stat(orphan)
         assert p is not None and p.ppid == os.getpid() and p.sid == orphan  # adopted, own session
         c.remove(tree)
-        young: list[containment_mod.Proc] = []
+        young: list[Proc] = []
         found = [q.pid for q in c.strays(young=young)] + [q.pid for q in young]
         assert orphan in found and own.pid not in found
         with trio.fail_after(5):

@@ -23,7 +23,8 @@ import pytest
 import trio
 
 from supervisor import process
-from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment, Proc, read_cgroup, read_proc
+from subagent.osedge import LINUX, Proc
+from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
 from supervisor.process import Tree
 from tests import conftest
 
@@ -115,7 +116,7 @@ async def read_line(tree: Tree) -> bytes:
 def identities(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
     out = {}
     for kind, pid in pids.items():
-        p = read_proc(pid)
+        p = LINUX.stat(pid)
         assert p is not None and not p.dead, f"{kind} {pid} not running before the stop"
         out[kind] = (pid, p.start_ticks)
     return out
@@ -125,7 +126,7 @@ def running(ident: dict[str, tuple[int, int]]) -> dict[str, int]:
     """The ones still running: same pid and start time, and not a zombie."""
     alive = {}
     for kind, (pid, ticks) in ident.items():
-        p = read_proc(pid)
+        p = LINUX.stat(pid)
         if p is not None and p.start_ticks == ticks and not p.dead:
             alive[kind] = pid
     return alive
@@ -192,7 +193,7 @@ async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
     pids = json.loads(await read_line(tree))
     assert set(pids) == {"leader", "group", "setsid", "daemon", "stopped"}
     ident = identities(pids)
-    now = {kind: read_proc(pid) for kind, pid in pids.items()}
+    now = {kind: LINUX.stat(pid) for kind, pid in pids.items()}
     assert now["stopped"] is not None and now["stopped"].state == "T"
     assert now["setsid"] is not None and now["setsid"].sid == pids["setsid"]
     assert now["daemon"] is not None and now["daemon"].sid not in (tree.pgid, pids["daemon"])
@@ -210,7 +211,7 @@ async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
         assert any(s.signal == "cgroup.kill" and s.result == "sent" for s in receipt.signals)
     if mode != GROUP:  # with the subreaper the escapers were ours: their zombies are reaped
         for kind in ("setsid", "daemon", "stopped"):
-            gone = read_proc(pids[kind])
+            gone = LINUX.stat(pids[kind])
             assert gone is None or gone.start_ticks != ident[kind][1], kind
 
 
@@ -222,7 +223,7 @@ async def test_helpers_without_a_marker_are_found_by_the_session_of_their_dead_p
     tree = await spawn("tree_hidden_helpers.py", containment=c)
     pids = json.loads(await read_line(tree))
     ident = identities(pids)
-    helper = read_proc(pids["helper"])
+    helper = LINUX.stat(pids["helper"])
     assert helper is not None and helper.sid == pids["browser"] and helper.ppid != pids["browser"]
     assert pids["helper"] in process.alive_members(tree)  # by the marked browser's session
     assert pids["browser"] in tree.groups  # ... which the tree now remembers
@@ -250,7 +251,7 @@ async def test_only_a_cgroup_catches_an_escaper_that_scrubs_its_environment(
     ident = identities(pids)
     scrubbed = pids["scrubbed"]
     try:
-        assert read_cgroup(scrubbed) == read_cgroup(tree.pid)
+        assert LINUX.cgroup(scrubbed) == LINUX.cgroup(tree.pid)
         with trio.fail_after(GRACE_S + 6):
             receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
         assert running(ident) == {}
@@ -269,7 +270,7 @@ async def test_leftovers_are_killed_at_once_when_the_runner_has_exited(
     with trio.fail_after(5):
         assert await tree.process.wait() == 0
     ident = identities({k: v for k, v in pids.items() if k != "leader"})
-    before = {k: read_proc(v) for k, v in pids.items()}
+    before = {k: LINUX.stat(v) for k, v in pids.items()}
     start = trio.current_time()
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=30)
@@ -289,7 +290,7 @@ async def test_what_outlives_a_runner_that_obeyed_sigterm_is_killed_without_more
     tree = await spawn("tree_escapers.py", "--ignore-term", "--leader-honours-term", containment=c)
     pids = json.loads(await read_line(tree))
     ident = identities(pids)
-    before = {k: read_proc(v) for k, v in pids.items()}
+    before = {k: LINUX.stat(v) for k, v in pids.items()}
     with trio.fail_after(5):
         receipt = await process.terminate_and_kill(tree, grace_s=30)
     assert receipt.leader == "exited" and not receipt.escalated
@@ -685,7 +686,7 @@ async def test_an_untraceable_adopted_orphan_is_killed_once_no_tree_is_left(
             killed = await process.kill_strays(c)
         assert [k["pid"] for k in killed] == [pids["scrubbed"]]
         assert running(ident) == {}
-        assert read_proc(pids["scrubbed"]) is None  # and reaped
+        assert LINUX.stat(pids["scrubbed"]) is None  # and reaped
     finally:  # it carries no test mark: the suite-wide leak check cannot see it
         if running({"s": ident["scrubbed"]}):
             os.kill(pids["scrubbed"], signal.SIGKILL)
@@ -725,7 +726,7 @@ async def test_a_stopped_chromium_with_its_helper_sessions_is_ended(
             assert chunk, err
             err += chunk
     members = process.alive_members(tree)
-    sessions = {read_proc(pid).sid for pid in members}  # type: ignore[union-attr]
+    sessions = {LINUX.stat(pid).sid for pid in members}  # type: ignore[union-attr]
     assert len(members) >= 3 and len(sessions) >= 2  # crashpad lives in sessions of its own
     ident = identities({str(pid): pid for pid in members})
     for pid in members:  # frozen: SIGTERM cannot end any of it

@@ -1,4 +1,4 @@
-"""Path B's timing on a virtual clock: the kernel is faked at process.py's seams.
+"""Path B's timing on a virtual clock, with a fake kernel injected once (tests/fake_kernel.py).
 
 The fake tree is a runner that ignores SIGTERM and, once SIGKILLed, never dies (a process
 stuck in uninterruptible sleep): the routine must escalate exactly at the grace, give up
@@ -12,66 +12,47 @@ from typing import Any
 import pytest
 import trio
 
+from subagent.osedge import ProcessTable
 from supervisor import process
-from supervisor.containment import Proc
 from supervisor.process import AdoptedTree
+from tests.fake_kernel import FakeKernel
 
 PID = 4242
-STUCK = Proc(pid=PID, ppid=1, pgid=PID, sid=PID, state="D", start_ticks=7)
-
-
-class FakeKernel:
-    def __init__(self) -> None:
-        self.sent: list[tuple[float, str, int]] = []
-
-    def killpg(self, pgid: int, sig: int) -> str:
-        self.sent.append((trio.current_time(), f"group {int(sig)}", pgid))
-        return "sent"
-
-    def kill_proc(self, p: Proc, sig: int) -> str:
-        self.sent.append((trio.current_time(), f"pid {int(sig)}", p.pid))
-        return "sent"
 
 
 @pytest.fixture
-def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
+def kernel() -> FakeKernel:
     k = FakeKernel()
-
-    async def inline(fn: Any, *args: Any) -> Any:
-        await trio.lowlevel.checkpoint()
-        return fn(*args)
-
-    async def never_exits(tree: Any) -> None:
-        await trio.sleep_forever()
-
-    monkeypatch.setattr(process, "_blocking", inline)
-    monkeypatch.setattr(process, "_members", lambda tree, procs=None: {PID: STUCK})
-    monkeypatch.setattr(process, "_scan_members", lambda tree: ({PID: STUCK}, {PID: STUCK}))
-    monkeypatch.setattr(process, "_leader_alive", lambda tree: True)
-    monkeypatch.setattr(process, "_live_groups", lambda tree: [PID])
-    monkeypatch.setattr(process, "wait_leader", never_exits)
-    monkeypatch.setattr(process, "_killpg", k.killpg)
-    monkeypatch.setattr(process, "_kill_proc", k.kill_proc)
-    monkeypatch.setattr(process, "_cmdline", lambda pid: "stuck --forever")
-    monkeypatch.setattr(process, "reap_adopted_zombies", lambda **kw: [])
+    k.start(PID, cmdline="stuck --forever", env={"AGENTD_TREE": "t-fake"}, state="D")
+    k.unkillable.add(PID)
     return k
 
 
-def fake_tree() -> AdoptedTree:
-    return AdoptedTree(
-        tree_id="t-fake", pid=PID, pgid=PID, start_time=0.0, cgroup=None, containment="group", leader_ticks=7
+def fake_tree(kernel: FakeKernel) -> AdoptedTree:
+    ticks = kernel.procs[PID].start_ticks
+    tree = AdoptedTree(
+        tree_id="t-fake",
+        pid=PID,
+        pgid=PID,
+        start_time=0.0,
+        cgroup=None,
+        containment="group",
+        leader_ticks=ticks,
+        table=ProcessTable(kernel),
     )
+    tree.groups[PID] = ticks
+    return tree
 
 
 async def test_escalation_fires_exactly_at_the_grace_and_a_stuck_tree_is_named(
     autojump_clock: Any, kernel: FakeKernel
 ) -> None:
     start = trio.current_time()
-    receipt = await process.terminate_and_kill(fake_tree(), grace_s=10.0)
-    assert [(t - start, what) for t, what, _ in kernel.sent] == [
-        (0.0, "group 15"),  # SIGTERM to the runner's group at once
-        (10.0, "group 9"),  # SIGKILL to the group exactly at the grace
-        (10.0, "pid 9"),  # and to the member by pid, once
+    receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=10.0)
+    assert [(t - start, how, sig) for t, how, sig in ((s.at, s.how, s.sig) for s in kernel.sent)] == [
+        (0.0, "group", 15),  # SIGTERM to the runner's group at once
+        (10.0, "group", 9),  # SIGKILL to the group exactly at the grace
+        (10.0, "pid", 9),  # and to the member by pidfd, once
     ]
     assert receipt.escalated and receipt.leader == "killed"
     assert receipt.waited_s == 10.0
@@ -80,6 +61,7 @@ async def test_escalation_fires_exactly_at_the_grace_and_a_stuck_tree_is_named(
     assert not receipt.timed_out
     elapsed = trio.current_time() - start
     assert 10.0 + process.KILL_WAIT_S <= elapsed < 10.0 + process.KILL_WAIT_S + 0.1
+    assert kernel.open_fds() == 0  # every pidfd closed
 
 
 async def test_the_routine_never_outlives_its_own_deadline(
@@ -89,7 +71,7 @@ async def test_the_routine_never_outlives_its_own_deadline(
     start = trio.current_time()
     with trio.CancelScope() as outer:
         outer.cancel(reason="the run's scope is unwinding")
-        receipt = await process.terminate_and_kill(fake_tree(), grace_s=2.0)
+        receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=2.0)
     assert trio.current_time() - start == pytest.approx(2.0 + process.TERMINATE_MARGIN_S)
     assert receipt.timed_out and receipt.escalated
     assert [s["pid"] for s in receipt.survivors] == [PID]
@@ -97,6 +79,16 @@ async def test_the_routine_never_outlives_its_own_deadline(
 
 async def test_a_zero_grace_kills_at_once(autojump_clock: Any, kernel: FakeKernel) -> None:
     start = trio.current_time()
-    receipt = await process.terminate_and_kill(fake_tree(), grace_s=0.0)
-    assert [t - start for t, _, _ in kernel.sent] == [0.0, 0.0, 0.0]
+    receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=0.0)
+    assert [s.at - start for s in kernel.sent] == [0.0, 0.0, 0.0]
     assert receipt.waited_s == 0.0 and receipt.escalated
+
+
+async def test_a_runner_that_obeys_sigterm_ends_the_tree_in_the_grace(autojump_clock: Any, kernel: FakeKernel) -> None:
+    kernel.unkillable.clear()
+    start = trio.current_time()
+    receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=10.0)
+    # What is left is the runner's zombie: its group is SIGKILLed (harmless), nothing by pid.
+    assert [(s.at - start, s.how, s.sig) for s in kernel.sent] == [(0.0, "group", 15), (0.0, "group", 9)]
+    assert receipt.leader == "exited" and not receipt.escalated and receipt.survivors == []
+    assert receipt.tree_dead_at is not None and receipt.tree_dead_at - start < 0.1

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.containment import read_proc
+from subagent.osedge import LINUX
+
+
 from tests.supervisor.real_daemon import Client, real_daemon
 
 WAIT_S = 30.0
@@ -29,7 +31,7 @@ def descendants(pid: int, helpers: frozenset[int] = frozenset()) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            p = read_proc(int(name))
+            p = LINUX.stat(int(name))
             if p is not None and not p.dead:
                 children.setdefault(p.ppid, []).append(p.pid)
     out: list[int] = []
@@ -107,7 +109,7 @@ async def test_a_descendant_holding_the_runners_stdout_is_ended_with_its_run(tmp
                 int(sig["id"]) for sig in path_b["signals"] if sig["signal"] == "SIGKILL" and sig["result"] == "sent"
             }
             assert holder in ended, path_b
-            assert read_proc(holder) is None or read_proc(holder).dead  # type: ignore[union-attr]
+            assert LINUX.stat(holder) is None or LINUX.stat(holder).dead  # type: ignore[union-attr]
             assert not st["receipt"]["path_b"].get("pipes_held_open")
             other_pid = (await c.ok("status", run_id=other))["pid"]
             assert descendants(d.pid) == [other_pid]  # only the other run's runner is left

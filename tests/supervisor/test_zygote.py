@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.containment import read_marker, read_proc
+from subagent.osedge import LINUX, parse_var
 from supervisor.daemon import serve
 from supervisor.runs import RunManager
 
@@ -96,7 +96,7 @@ def fd_targets(pid: int) -> dict[int, str]:
 def runner_facts(row: dict[str, Any]) -> dict[str, Any]:
     """What a cold runner is, read from the kernel while its command runs."""
     pid = row["pid"]
-    p = read_proc(pid)
+    p = LINUX.stat(pid)
     assert p is not None and not p.dead
     cgroup = ""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
@@ -108,7 +108,7 @@ def runner_facts(row: dict[str, Any]) -> dict[str, Any]:
         "leads_group": p.pgid == pid,
         "parent_is_daemon_or_zygote": p.ppid != 1,
         "cgroup_is_tree": cgroup.rsplit("/", 1)[-1] == row["tree_id"] if row["cgroup"] else None,
-        "marker": read_marker(pid) == row["tree_id"],
+        "marker": parse_var(LINUX.environ(pid) or b"", "AGENTD_TREE") == row["tree_id"],
         "cmdline": [a.decode() for a in cmdline[1:3]],
         "cwd": os.readlink(f"/proc/{pid}/cwd") == row["run_dir"],
         "masks": _status_masks(pid),
@@ -209,20 +209,20 @@ async def test_exit_codes_reach_the_run_and_each_runner_is_reaped_once(tmp_path:
             r = await m.spawn(gated())
             await wait_running_tool(m, r["run_id"])
             row = await m.status(r["run_id"])
-            seen = {row["pid"]: read_proc(row["pid"]).start_ticks}
+            seen = {row["pid"]: LINUX.stat(row["pid"]).start_ticks}
             os.kill(row["pid"], signal.SIGKILL)
             killed = await m.wait_terminal(r["run_id"])
             # Cancelled: the runner's own exit code 3.
             r2 = await m.spawn(gated())
             await wait_running_tool(m, r2["run_id"])
             pid2 = (await m.status(r2["run_id"]))["pid"]
-            seen[pid2] = read_proc(pid2).start_ticks
+            seen[pid2] = LINUX.stat(pid2).start_ticks
             await m.cancel(r2["run_id"])
             (Path((await m.status(r2["run_id"]))["run_dir"]) / "go").touch()
             cancelled = await m.wait_terminal(r2["run_id"])
             # Reaped (by the zygote, their parent): neither is left, not even as a zombie.
             for pid, ticks in seen.items():
-                p = read_proc(pid)
+                p = LINUX.stat(pid)
                 assert p is None or p.start_ticks != ticks
     assert killed["state"] == "failed" and killed["reason"] == "runner_died"
     assert killed["receipt"]["exit_code"] == -signal.SIGKILL
@@ -241,11 +241,11 @@ async def test_a_zygote_that_dies_is_restarted_and_its_runners_are_ours(tmp_path
             await zygote_state(m, "restarting")
             # The orphaned runner is re-parented to the daemon (a child subreaper).
             with trio.fail_after(10):
-                while (p := read_proc(row["pid"])) is not None and p.ppid != os.getpid():
+                while (p := LINUX.stat(row["pid"])) is not None and p.ppid != os.getpid():
                     await trio.sleep(0.01)
             (Path(row["run_dir"]) / "go").touch()
             st = await m.wait_terminal(r["run_id"])
-            assert read_proc(row["pid"]) is None  # reaped by the daemon: no zombie left
+            assert LINUX.stat(row["pid"]) is None  # reaped by the daemon: no zombie left
             z2 = await zygote_state(m)
             assert z2["pid"] != z["pid"] and z2["restarts"] == 1
             r2 = await m.spawn(gated("echo again"))

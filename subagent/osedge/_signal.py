@@ -1,0 +1,134 @@
+"""Signals that reach exactly the process meant: pidfds checked against start times.
+
+A pid is recycled, so a process is signalled through a pidfd opened *after* its start
+time was read again and found unchanged: once the pidfd is open, it names that process
+for good, whoever takes the pid later. A group is signalled by number (``killpg``): the
+caller checks that the group is still the one it learned (``ProcessTable.live_groups``).
+Never signalled: group 0 or 1, the caller's own group or session, a cgroup holding the
+caller. Every outcome is a ``Delivery`` value, never an exception.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from pathlib import Path
+
+from subagent.osedge._kernel import Proc, ProcessId
+from subagent.osedge._table import ProcessTable
+
+__all__ = ["Delivery", "signal_process", "signal_group", "group_exists", "kill_cgroup", "open_pidfd"]
+
+logger = logging.getLogger(__name__)
+
+
+class Delivery(enum.StrEnum):
+    """What became of one signal."""
+
+    SENT = "sent"
+    GONE = "gone"  # no such process, group or cgroup (ESRCH, ENOENT)
+    EPERM = "eperm"  # not ours to signal: maybe alive
+    REFUSED = "refused"  # never signalled (0, 1, the caller's own)
+    ERROR = "error"  # another failure (logged)
+
+
+def open_pidfd(table: ProcessTable, ident: ProcessId | Proc) -> int | None:
+    """A pidfd on exactly this process, or None if it is gone (or its pid reused).
+
+    Raises:
+        OSError: pidfds are not supported here (callers fall back to polling).
+    """
+    kernel = table.kernel
+    try:
+        fd = kernel.pidfd_open(ident.pid)
+    except ProcessLookupError:
+        return None
+    if table.same(ident.pid, ident.start_ticks) is None:
+        kernel.close(fd)  # the pid names another process now
+        return None
+    return fd
+
+
+def signal_process(table: ProcessTable, ident: ProcessId | Proc, sig: int) -> Delivery:
+    """Signal exactly the process ``ident`` names, never a later owner of its pid."""
+    kernel = table.kernel
+    if ident.pid <= 1 or ident.pid == kernel.own_ids()[0]:
+        return Delivery.REFUSED
+    try:
+        fd = open_pidfd(table, ident)
+    except OSError:  # no pidfd support: check, then signal by pid (a tiny window remains)
+        if table.same(ident.pid, ident.start_ticks) is None:
+            return Delivery.GONE
+        try:
+            kernel.kill(ident.pid, sig)
+        except ProcessLookupError:
+            return Delivery.GONE
+        except PermissionError:
+            return Delivery.EPERM
+        return Delivery.SENT
+    if fd is None:
+        return Delivery.GONE
+    try:
+        kernel.pidfd_send_signal(fd, sig)
+    except ProcessLookupError:
+        return Delivery.GONE
+    except PermissionError:
+        return Delivery.EPERM
+    except OSError as exc:
+        logger.warning("pid %d: signal %d failed: %s", ident.pid, sig, exc)
+        return Delivery.ERROR
+    finally:
+        kernel.close(fd)
+    return Delivery.SENT
+
+
+def signal_group(table: ProcessTable, pgid: int, sig: int) -> Delivery:
+    """``killpg``; refused for 0, 1 and the caller's own group or session."""
+    _pid, my_pgid, my_sid = table.kernel.own_ids()
+    if pgid <= 1 or pgid in (my_pgid, my_sid):
+        return Delivery.REFUSED
+    try:
+        table.kernel.killpg(pgid, sig)
+    except ProcessLookupError:
+        return Delivery.GONE
+    except PermissionError:
+        return Delivery.EPERM
+    except OSError as exc:
+        logger.warning("group %d: signal %d failed: %s", pgid, sig, exc)
+        return Delivery.ERROR
+    return Delivery.SENT
+
+
+def group_exists(table: ProcessTable, pgid: int) -> bool:
+    """``killpg(pgid, 0)``: does any process (a zombie too) have this group? EPERM: yes."""
+    try:
+        table.kernel.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def kill_cgroup(table: ProcessTable, path: Path, sig: int = 9) -> Delivery:
+    """SIGKILL every process in a cgroup and below it, forks in flight included.
+
+    ``cgroup.kill`` where the kernel has it (5.14+); else each process by pidfd. Refused
+    for a cgroup that holds the caller.
+    """
+    kernel = table.kernel
+    try:
+        if kernel.own_ids()[0] in kernel.cgroup_pids(path):
+            return Delivery.REFUSED
+        kernel.cgroup_kill(path)
+    except FileNotFoundError:
+        if not path.exists():
+            return Delivery.GONE
+        for pid in kernel.cgroup_pids(path):  # kernel < 5.14
+            p = table.read(pid)
+            if p is not None:
+                signal_process(table, p, sig)
+    except OSError as exc:
+        logger.warning("cgroup %s: cgroup.kill failed: %s", path, exc)
+        return Delivery.ERROR
+    return Delivery.SENT
