@@ -52,19 +52,22 @@ signal: ``process.py`` sends them all, through the OS edge.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Container, Mapping
+from collections.abc import AsyncIterator, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
 import trio
 
-from subagent.osedge import LINUX, Kernel, Proc, ProcessTable, parse_var
+from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch, parse_var
 from supervisor import _cgroupfs
 from supervisor._tree import HOST_VAR, MARKER_VAR, AnyTree, Tree
 
@@ -87,11 +90,18 @@ CGROUP: Final = "cgroup"
 SUBREAPER_SWEEP: Final = "subreaper+sweep"
 GROUP: Final = "group"
 
-# How often Containment.run reaps adopted zombies (a zombie is dead but holds its pid).
-REAP_INTERVAL_S: Final = 1.0
-# With no zombie child waiting, the reaper reads the whole process table only every this
-# many passes (to note live adopted children while they still show their marker).
-FULL_SCAN_EVERY: Final = 10
+# The reaper is event-driven: a pass runs when a child of ours exits (SIGCHLD) or the
+# cgroup subtree's parent directory loses an entry (inotify), never on a timer while runs
+# are healthy. These bound what a missed event can cost:
+# - without any event, a pass (a peek for a zombie child, the subtree check) still runs
+#   this often (another receiver of SIGCHLD in this process, a test's, takes them all);
+REAP_FALLBACK_S: Final = 30.0
+# - the fallback containment ("subreaper+sweep", no cgroups) reads the daemon's own
+#   children (not the whole table: a bounded scan) this often, to note adopted orphans
+#   while they still show their marker (a dead one shows none);
+NOTE_ADOPTED_S: Final = 10.0
+# - passes are at least this far apart: a burst of exits (a cancel-all) costs one pass.
+REAP_MIN_INTERVAL_S: Final = 0.1
 
 # A /proc scan that fails for want of file descriptors (or memory) is logged at most once
 # per this many seconds, and retried at the next pass.
@@ -191,13 +201,14 @@ class Containment:
     # The daemon's one process-table reader: its cache is shared by every tree's stop.
     table: ProcessTable = field(default_factory=ProcessTable)
     _leaders: dict[int, Tree] = field(default_factory=dict)
+    # Removed trees whose runner Trio had not reaped yet: still never reaped here.
+    _unreaped: dict[int, AnyTree] = field(default_factory=dict)
     _tree_ids: set[str] = field(default_factory=set)
     _pending: set[str] = field(default_factory=set)  # prepared, leader not tracked yet
     _leftover: set[str] = field(default_factory=set)  # removed, but their cgroup was not empty
     _adopted: dict[int, int] = field(default_factory=dict)  # pid -> start ticks
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _closed: bool = False
-    _passes: int = 0
     # Why the daemon contains less than it should (its cgroup subtree vanished and could
     # not be made again, say); None while all is well. Shown by ``status``.
     problem: str | None = None
@@ -346,8 +357,10 @@ class Containment:
         """
         with self._lock:
             self._remember_groups(tree)
-            if self._leaders.get(tree.pid) is tree and tree.leader_reaped:
+            if self._leaders.get(tree.pid) is tree:
                 del self._leaders[tree.pid]
+                if not tree.leader_reaped:
+                    self._unreaped[tree.pid] = tree
             self._tree_ids.discard(tree.tree_id)
         if tree.cgroup is None:
             return True
@@ -365,67 +378,91 @@ class Containment:
                 pass  # other trees of that daemon are still there
         return ok
 
-    async def run(
-        self,
-        *,
-        interval_s: float = REAP_INTERVAL_S,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Reap adopted zombies every ``interval_s`` until cancelled (a daemon service).
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Reap adopted zombies as children exit, until cancelled (a daemon service).
 
-        The first pass is done before ``task_status.started()``.
+        Event-driven (see ``REAP_FALLBACK_S``): a pass runs on SIGCHLD, when the cgroup
+        subtree may have vanished, and in the fallback containment every
+        ``NOTE_ADOPTED_S`` over the daemon's children. The first pass (a full one) is done
+        before ``task_status.started()``.
         """
-        await trio.to_thread.run_sync(self._pass)
+        runtime = TrioRuntime(threads=self.table.kernel.blocking)
+        await runtime.run_sync(lambda: self._pass(True))
         task_status.started()
-        while True:
-            await trio.sleep(interval_s)
-            await trio.to_thread.run_sync(self._pass)
+        wake = _Wakeup()
+        with contextlib.ExitStack() as stack:
+            async with trio.open_nursery() as nursery:
+                sigchld = _open_sigchld(stack) if self.subreaper else None
+                if sigchld is not None:
+                    nursery.start_soon(wake.on_signals, sigchld)
+                watch = self._subtree_watch()
+                if watch is not None:
+                    stack.callback(watch.close)
+                    nursery.start_soon(wake.on_readable, watch)
+                note_every = NOTE_ADOPTED_S if self.subreaper and self.root is None else math.inf
+                next_note = trio.current_time() + note_every
+                while True:
+                    timeout = min(REAP_FALLBACK_S, max(0.0, next_note - trio.current_time()))
+                    await wake.wait(timeout)
+                    note = trio.current_time() >= next_note
+                    if note:
+                        next_note = trio.current_time() + note_every
+                    await runtime.run_sync(lambda: self._pass(note))
+                    await trio.sleep(REAP_MIN_INTERVAL_S)
 
-    def _pass(self) -> None:
+    def _subtree_watch(self) -> Watch | None:
+        # rmdir on cgroupfs notifies the parent directory (IN_DELETE), not the directory.
+        if self.root is None:
+            return None
+        return Watch.open([(self.root.parent, IN_DELETE)])
+
+    def _pass(self, note: bool = False) -> None:
         # A scan that fails (out of fds, say) is logged and retried next pass: a reaper
         # that died with it would leave zombies, a daemon that died with it every run.
         try:
             if self.root is not None:
                 self.check_subtree()
-            self.reap_adopted()
+            self.reap_adopted(note=note)
         except OSError as exc:
             now = time.monotonic()
             if now - self._scan_failed_at >= SCAN_FAILURE_LOG_INTERVAL_S:
                 self._scan_failed_at = now
-                logger.warning("containment: a /proc scan failed (%s); retrying every %.0f s", exc, REAP_INTERVAL_S)
+                logger.warning("containment: a /proc scan failed (%s); retrying at the next pass", exc)
 
-    def reap_adopted(self) -> list[int]:
+    def reap_adopted(self, *, note: bool = True) -> list[int]:
         """Reap zombie children that were adopted, never one of Trio's. Returns their pids.
 
-        Also remembers live adopted children that carry one of our markers, so they can
-        be reaped once they die and no longer show their environment.
+        Reads only the daemon's own children (``/proc/self/task/*/children``), and only
+        when one of them is a zombie (a peek that reaps nothing) or ``note`` is set: then
+        it also remembers live adopted children that carry one of our markers, so they
+        can be reaped once they die and no longer show their environment.
         """
         if not self.subreaper:
             return []
         me = self.table.kernel.own_ids()[0]
         subtree = self._subtree_prefix()
         with self._lock:
-            for pid, tree in list(self._leaders.items()):
+            for tree in self._leaders.values():
                 self._remember_groups(tree)
+            for pid, tree in list(self._unreaped.items()):
                 if tree.leader_reaped:  # Trio has its exit status; the pid may be reused
-                    del self._leaders[pid]
-            leaders = set(self._leaders)
+                    del self._unreaped[pid]
+            leaders = set(self._leaders) | set(self._unreaped)
             # Not a pending tree's: its marked child, or a zombie in its cgroup, may be the
             # leader Trio has not been told about yet.
             settled = (self._tree_ids - self._pending) | self._leftover
             seen = dict(self._adopted)
-        # The whole table costs the idle daemon in proportion to the machine's process
-        # count, so it is read only when some child of ours is a zombie (a peek that reaps
-        # nothing), and otherwise every FULL_SCAN_EVERY passes, to note live adopted
-        # children. Read without the lock: prepare() and track() run on the Trio thread.
-        self._passes += 1
-        if self._passes % FULL_SCAN_EVERY != 1 and not self.table.kernel.zombie_child_waiting():
+        # Read without the lock: prepare() and track() run on the Trio thread.
+        if not note and not self.table.kernel.zombie_child_waiting():
             return []
-        procs = self.table.scan()
-        for p in procs.values():
-            if p.ppid == me and not p.dead and p.pid not in leaders and p.pid not in seen:
-                if self.table.marker_of(p, MARKER_VAR) in settled:
-                    seen[p.pid] = p.start_ticks
+        procs = self.table.children()
+        if procs is None:  # the kernel cannot list children: the table, then
+            procs = self.table.scan()
+        if note:
+            for p in procs.values():
+                if p.ppid == me and not p.dead and p.pid not in leaders and p.pid not in seen:
+                    if self.table.marker_of(p, MARKER_VAR) in settled:
+                        seen[p.pid] = p.start_ticks
         reaped = reap_adopted_zombies(
             self.table, seen=seen, exclude=leaders, subtree=subtree, settled=settled, procs=procs
         )
@@ -433,7 +470,7 @@ class Containment:
             for pid, ticks in seen.items():
                 self._adopted.setdefault(pid, ticks)
             for pid, ticks in list(self._adopted.items()):
-                if pid in reaped or pid not in procs or procs[pid].start_ticks != ticks:
+                if pid in reaped or self.table.same(pid, ticks) is None:
                     del self._adopted[pid]
         if reaped:
             logger.debug("reaped adopted zombies %s", reaped)
@@ -475,7 +512,10 @@ class Containment:
             remembered = dict(self._adopted)
             spawning = bool(self._pending)
         out: list[Proc] = []
-        for p in self.table.scan().values():
+        procs = self.table.children()  # a stray is a child of ours: no walk of the table
+        if procs is None:
+            procs = self.table.scan()
+        for p in procs.values():
             if p.ppid != me or p.dead or p.pid in leaders:
                 continue
             if (
@@ -527,3 +567,37 @@ class Containment:
                     self.table.kernel.set_child_subreaper(False)
 
 
+class _Wakeup:
+    """Wakes the reaper: set by its event sources, waited for with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+        self._event = trio.Event()
+
+    async def on_signals(self, signals: AsyncIterator[int]) -> None:
+        async for _ in signals:
+            self._event.set()
+
+    async def on_readable(self, watch: Watch) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(watch.fd)
+            watch.drain()
+            self._event.set()
+
+
+def _open_sigchld(stack: contextlib.ExitStack) -> AsyncIterator[int] | None:
+    """A Trio receiver of SIGCHLD (a child of ours exited, adopted ones included), or None
+    outside the main thread. Its handler restarts interrupted syscalls (SA_RESTART): the
+    daemon's other threads (the journal's sqlite) never see EINTR from a child's exit."""
+    if not hasattr(signal, "SIGCHLD"):
+        return None
+    try:
+        receiver: AsyncIterator[int] = stack.enter_context(trio.open_signal_receiver(signal.SIGCHLD))
+    except RuntimeError:  # not the main thread
+        return None
+    signal.siginterrupt(signal.SIGCHLD, False)
+    return receiver

@@ -143,6 +143,8 @@ async def _wait_for_stop(stop: trio.Event | None) -> None:
 
 
 async def _status_loop(notifier: _sdnotify.Notifier, manager: RunManager) -> None:
+    if not notifier.enabled:
+        return  # nobody to tell: an idle daemon stays idle
     last = ""
     while True:
         text = status_line(manager)

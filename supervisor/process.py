@@ -39,6 +39,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from subagent.osedge import (
+    IN_MODIFY,
     Delivery,
     Escalation,
     Targets,
@@ -46,6 +47,7 @@ from subagent.osedge import (
     ProcessId,
     ProcessTable,
     TrioRuntime,
+    Watch,
     escalate,
     kill_cgroup,
     open_pidfd,
@@ -379,6 +381,15 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
     targets = tree.targets()
     if targets.cgroup is not None and not _is_tree_cgroup(targets.cgroup, table):
         targets = dataclasses.replace(targets, cgroup=None)
+    # A cgroup tree's death is an event (cgroup.events: populated 0), not a poll. Watched
+    # from before any signal, so the change cannot come before the watch.
+    watch = Watch.open([(targets.cgroup / "cgroup.events", IN_MODIFY)]) if targets.cgroup is not None else None
+
+    async def cgroup_changed(timeout: float) -> None:
+        assert watch is not None
+        if await runtime.wait_readable(watch.fd, timeout):
+            watch.drain()
+
     esc = Escalation(started_at=r.started_at)
     try:
         await escalate(
@@ -397,8 +408,12 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
             log=logger,
             poll_s=POLL_S,
             into=esc,
+            wait_change=cgroup_changed if watch is not None else None,
         )
     finally:  # also when the routine's own deadline cut it short: what it did so far
+        if watch is not None:
+            trio.lowlevel.notify_closing(watch.fd)
+            watch.close()
         r.signals = list(esc.signals)
         r.waited_s = esc.waited_s
         r.escalated = esc.escalated

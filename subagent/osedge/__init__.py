@@ -11,6 +11,8 @@ They read the same kernel facts and send signals the same way, through this pack
   lines, pipes), resolved by ``ProcessTable.members``.
 - ``signal_process`` / ``signal_group`` / ``kill_cgroup``: never a recycled pid.
 - ``escalate``: the one escalation routine every cancel ends in.
+- ``Watch``: inotify on a file or directory (``cgroup.events``, a run's events file), for
+  waits that are kernel events instead of polls.
 
 A stdlib-only leaf, like ``subagent.events``: importing it imports neither trio nor
 anything of ``supervisor`` (``TrioRuntime`` imports trio when it is made).
@@ -37,6 +39,9 @@ from subagent.osedge._signal import signal_process as signal_process
 from subagent.osedge._table import ProcessTable as ProcessTable
 from subagent.osedge._table import Targets as Targets
 from subagent.osedge._table import parse_var as parse_var
+from subagent.osedge._watch import IN_DELETE as IN_DELETE
+from subagent.osedge._watch import IN_MODIFY as IN_MODIFY
+from subagent.osedge._watch import Watch as Watch
 
 __all__ = [
     "Kernel",
@@ -60,4 +65,7 @@ __all__ = [
     "Escalation",
     "escalate",
     "POLL_S",
+    "Watch",
+    "IN_MODIFY",
+    "IN_DELETE",
 ]

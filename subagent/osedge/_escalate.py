@@ -275,6 +275,10 @@ async def escalate(
     killed: dict[int, int] = {}  # pid -> start ticks: a recycled pid is not re-killed
     logged = False
     confirmed = False
+    # A process caught mid-exec shows an empty environment for an instant, so a set found
+    # by marker, ancestry or command line is read twice empty before it counts as dead;
+    # a set bound to its cgroup is read from cgroup.procs, which no exec hides.
+    confirm = bool(targets.marker or targets.follow or targets.cmdline) and not table.cgroup_bound(targets)
     kill_deadline = rt.now() + max(0.0, kill_wait_s)
     last_alive: list[Proc] = []
     while True:
@@ -284,9 +288,7 @@ async def escalate(
             if not last_alive:
                 if r.dead_at is None:
                     r.dead_at, r.dead_after_s = rt.now(), at()
-                # Confirm with a second read: a process caught mid-exec shows an empty
-                # environment for an instant, so one read could miss it.
-                if confirmed or not (targets.marker or targets.follow or targets.cmdline):
+                if confirmed or not confirm:
                     break
                 confirmed = True
             else:

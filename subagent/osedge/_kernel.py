@@ -110,7 +110,8 @@ class Kernel(Protocol):
         ...
 
     def children(self) -> list[int] | None:
-        """The calling process's children; None when the kernel cannot list them."""
+        """The calling process's children; None when the kernel cannot list them
+        (raises ``OSError`` when it could but failed, e.g. out of fds)."""
         ...
 
     def uptime_s(self) -> float: ...
@@ -231,20 +232,17 @@ class LinuxKernel:
         return found
 
     def children(self) -> list[int] | None:
-        # Needs CONFIG_PROC_CHILDREN; every thread lists the children it forked.
-        try:
-            tids = os.listdir("/proc/self/task")
-        except OSError:
+        # Needs CONFIG_PROC_CHILDREN; every thread lists the children it forked. An error
+        # other than a missing file (out of fds) raises, as ``pids`` does.
+        if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
             return None
         out: list[int] = []
-        for tid in tids:
+        for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/children", "rb") as f:
                     out.extend(int(x) for x in f.read().split())
             except FileNotFoundError:
-                return None
-            except OSError:
-                continue
+                continue  # that thread has exited
         return out
 
     def uptime_s(self) -> float:

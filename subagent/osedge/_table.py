@@ -203,10 +203,14 @@ class ProcessTable:
                 out.append(pgid)
         return out
 
+    def cgroup_bound(self, t: Targets) -> bool:
+        """Is the set its cgroup (it has one, and the cgroup exists)?"""
+        return t.cgroup is not None and self.kernel.cgroup_populated(t.cgroup) is not None
+
     def universe(self, t: Targets) -> dict[int, Proc]:
         """What ``members`` looks at: the cgroup's processes when the set has a cgroup
         that exists, else the whole table."""
-        if t.cgroup is not None and t.cgroup.is_dir():
+        if t.cgroup is not None and self.cgroup_bound(t):
             return self.read_many(self.kernel.cgroup_pids(t.cgroup))
         return self.scan()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from supervisor import process
 from subagent.osedge import LINUX, Proc
 from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
 from tests import conftest
+from tests.fake_kernel import ME, FakeKernel
 
 
 @pytest.fixture
@@ -371,3 +374,86 @@ async def test_a_scrubbed_session_leading_orphan_is_a_stray_and_the_hosts_own_ch
         for stream in (tree.process.stdout, tree.process.stderr, tree.process.stdin):
             if stream is not None:
                 await stream.aclose()
+
+
+# ----------------------------------------------------------------------------- events, not polls
+
+
+class CountingKernel(FakeKernel):
+    """Counts the reads a reaper makes: a walk of the table, our children, zombie peeks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks = 0
+        self.children_reads = 0
+        self.peeks = 0
+
+    def pids(self) -> list[int]:
+        self.walks += 1
+        return super().pids()
+
+    def children(self) -> list[int] | None:
+        self.children_reads += 1
+        return super().children()
+
+    def zombie_child_waiting(self) -> bool:
+        self.peeks += 1
+        return super().zombie_child_waiting()
+
+
+async def test_an_idle_reaper_reads_nothing_but_a_bounded_peek_and_wakes_on_sigchld(
+    made: list[Containment], autojump_clock: object
+) -> None:
+    k = CountingKernel()
+    c = setup(made, cgroups="off", kernel=k)
+    assert c.mode == SUBREAPER_SWEEP
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.run)
+        k.walks = k.children_reads = k.peeks = 0
+        await trio.sleep(95.0)  # idle, runs healthy: no walk of the table, ever
+        assert k.walks == 0
+        # The fallback containment reads its own children every NOTE_ADOPTED_S (bounded),
+        # and peeks for a zombie at most every REAP_FALLBACK_S without any event.
+        assert k.children_reads == 95.0 // containment_mod.NOTE_ADOPTED_S
+        assert k.peeks <= 95.0 // containment_mod.REAP_FALLBACK_S + 1
+        # An adopted orphan dies: SIGCHLD wakes a pass at once, not at the next timer.
+        orphan = k.start(7001, ppid=ME, sid=7000)  # born in another session: provably adopted
+        k.die(orphan.pid)
+        t0 = trio.current_time()
+        os.kill(os.getpid(), signal.SIGCHLD)
+        with trio.fail_after(1.0):
+            while orphan.pid not in k.reaped:
+                await trio.sleep(0.01)
+        assert trio.current_time() - t0 < 1.0 and k.walks == 0
+        nursery.cancel_scope.cancel(reason="test over")
+
+
+def test_a_cgroup_turns_its_events_file_readable_when_its_last_process_exits(made: list[Containment]) -> None:
+    from subagent.osedge import IN_MODIFY, Watch
+
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    leaf = c.prepare("t-" + uuid.uuid4().hex)
+    assert leaf is not None
+    procs_file = os.fsencode(leaf / "cgroup.procs")
+
+    def join() -> None:
+        fd = os.open(procs_file, os.O_WRONLY)
+        os.write(fd, b"0")
+        os.close(fd)
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, preexec_fn=join)
+    watch = Watch.open([(leaf / "cgroup.events", IN_MODIFY)])
+    assert watch is not None
+    try:
+        watch.drain()
+        assert LINUX.cgroup_populated(leaf) is True
+        assert not select.select([watch.fd], [], [], 0)[0]
+        assert child.stdin is not None
+        child.stdin.close()
+        assert select.select([watch.fd], [], [], 10)[0], "no event when the cgroup emptied"
+        assert watch.drain() and LINUX.cgroup_populated(leaf) is False
+    finally:
+        watch.close()
+        child.wait()
+    leaf.rmdir()
