@@ -444,8 +444,8 @@ class Containment:
         with self._lock:
             for tree in self._leaders.values():
                 self._remember_groups(tree)
-            for pid, tree in list(self._unreaped.items()):
-                if tree.leader_reaped:  # Trio has its exit status; the pid may be reused
+            for pid, gone in list(self._unreaped.items()):
+                if gone.leader_reaped:  # Trio has its exit status; the pid may be reused
                     del self._unreaped[pid]
             leaders = set(self._leaders) | set(self._unreaped)
             # Not a pending tree's: its marked child, or a zombie in its cgroup, may be the

@@ -219,8 +219,8 @@ def _make_run_dir(path: Path) -> None:
 def remove_dir(path: Path) -> None:
     """Remove a run directory, the short browser TMPDIR link that may point into it, and
     its approval answer channel."""
-    from subagent.browser import release_browser_dir
+    from subagent.presets import release_run_dir
 
-    release_browser_dir(path)
+    release_run_dir(path)
     shutil.rmtree(path, ignore_errors=True)
     remove_channel(path)

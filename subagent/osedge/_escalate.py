@@ -311,13 +311,13 @@ async def escalate(
                     killed[p.pid] = p.start_ticks
                     if result == Delivery.SENT:
                         r.killed.append({"pid": p.pid, "cmdline": what, "state": p.state})
-        left = kill_deadline - rt.now()
-        if left <= 0:
+        remaining = kill_deadline - rt.now()
+        if remaining <= 0:
             break
         if wait_change is not None and found is not None and not confirmed:
-            await wait_change(min(left, 10 * poll_s))  # bounded: a missed event costs a round
+            await wait_change(min(remaining, 10 * poll_s))  # bounded: a missed event costs a round
         else:
-            await rt.sleep(min(poll_s, left))
+            await rt.sleep(min(poll_s, remaining))
     if r.dead_at is None:
         r.survivors = last_alive
         log.warning(

@@ -26,14 +26,10 @@ RESOURCES_KEY: Final = "resources"
 def has_browser() -> bool:
     """Whether this machine can run the browser preset (a Chromium binary is found)."""
     try:
-        from subagent.browser import BrowserSetupError, find_chromium
+        from subagent.presets import available
     except ImportError:
         return False
-    try:
-        find_chromium()
-    except BrowserSetupError:
-        return False
-    return True
+    return available().get("browser", False)
 
 
 def node_resources(max_concurrent: int, *, browser: bool | None = None) -> dict[str, float]:

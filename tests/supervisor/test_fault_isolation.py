@@ -25,6 +25,7 @@ import trio
 from supervisor.config import Config
 from supervisor.daemon import serve
 from supervisor.runs import RunManager
+from supervisor._lifecycle import Lifecycle
 from tests.conftest import require
 from tests.supervisor.real_daemon import Client, Daemon, real_daemon
 from tests.supervisor.test_runs import FAKE, task, tree_alive
@@ -130,14 +131,14 @@ async def test_a_bug_in_one_runs_bookkeeping_ends_that_run_alone_with_its_tree_s
         other = (await m.spawn(task(snapshots=1)))["run_id"]
         await first(m, other, "step_snapshot")
         victim: dict[str, str] = {}
-        real_on_item = RunManager._on_item
+        real_on_event = Lifecycle.on_event
 
-        async def on_item(self: RunManager, run: Any, tree: Any, item: Any) -> None:
+        async def on_event(self: Lifecycle, run: Any, tree: Any, item: Any) -> None:
             if run.run_id == victim.get("id") and getattr(item, "kind", None) == "step_snapshot":
                 raise RuntimeError("injected bookkeeping bug")
-            await real_on_item(self, run, tree, item)
+            await real_on_event(self, run, tree, item)
 
-        monkeypatch.setattr(RunManager, "_on_item", on_item)
+        monkeypatch.setattr(Lifecycle, "on_event", on_event)
         r = await m.spawn(task(snapshots=1, tree=True))
         victim["id"] = r["run_id"]
         st = await m.wait_terminal(r["run_id"])

@@ -1,0 +1,205 @@
+"""The runs' book: every fact of a live run goes to the journal and out to its watchers here.
+
+``RunBook`` owns the live runs by id and the journal's backlog (``_backlog.Backlog``:
+while the journal cannot be written, facts wait in memory, terminal ones included).
+``record`` journals an event and fans it out to the run's subscribers; ``transition``
+moves a run's state by the table in ``states``; ``finish`` writes the one terminal fact
+(a compare-and-set in the journal: a cancel racing a completion yields one outcome) and
+lets the run go: token retired, subscribers closed, waiters woken. Never raises for a
+run's bookkeeping in ``finish``: a fact that cannot be stored as it is is stored minimal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import trio
+
+from supervisor._backlog import Backlog
+from supervisor._run import Run
+from supervisor.journal import Journal
+from supervisor.states import TERMINAL_STATES, RunState, can_transition
+
+__all__ = ["RunBook", "SUBSCRIBER_BUFFER"]
+
+logger = logging.getLogger(__name__)
+
+# Buffered events per live subscriber; a subscriber that falls further behind is dropped
+# (it reconnects and replays from its last sequence number).
+SUBSCRIBER_BUFFER: Final = 4096
+
+JournalOp = Callable[[Journal], Any]
+
+
+class RunBook:
+    """Live runs by id, and every fact of theirs on its way to the journal and watchers."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.live: dict[str, Run] = {}
+        self.backlog = Backlog(journal, on_flushed=self._flushed)
+        # Ended runs whose facts still wait for the journal (degraded mode).
+        self._unflushed: dict[str, Run] = {}
+
+    def _flushed(self, run_id: str) -> None:
+        run = self._unflushed.pop(run_id, None)
+        if run is not None:
+            run.final = None
+
+    def overlay_unwritten(self, row: dict[str, Any]) -> None:
+        """What the journal does not hold yet (degraded mode) overrides what it holds."""
+        run = self._unflushed.get(row["id"])
+        if run is not None and run.final is not None:
+            row.update(run.final)
+            row["last_seq"] = max(row.get("last_seq") or 0, run.last_seq)
+        if self.backlog.pending(row["id"]):
+            row["journal"] = "pending: some facts of this run wait in memory for the journal"
+
+    async def write(self, run: Run, what: str, direct: JournalOp, predicted: Any) -> Any:
+        """One journal write of the run's, or queued while the journal cannot be written."""
+        return await self.backlog.write(run.run_id, direct, predicted, what=what)
+
+    async def record(self, run: Run, kind: str, data: dict[str, Any], ts: float | None = None) -> int | None:
+        """Journal one event of the run's and send it to its subscribers; its number."""
+        ts = time.time() if ts is None else ts
+        async with run.lock:
+            seq = await self.backlog.append(run.run_id, run.last_seq + 1, kind, data, ts)
+            if seq is None:  # the journal is down and this run's backlog is full: dropped
+                return None
+            run.last_seq = max(run.last_seq, seq)
+            msg = {"run_id": run.run_id, "seq": seq, "ts": ts, "kind": kind, "data": data}
+            for send in list(run.subscribers):
+                try:
+                    send.send_nowait(msg)
+                except trio.WouldBlock:
+                    logger.warning("run %s: dropping a subscriber that fell %d events behind", run.run_id, SUBSCRIBER_BUFFER)
+                    run.subscribers.discard(send)
+                    send.close()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    run.subscribers.discard(send)
+        return seq
+
+    async def transition(self, run: Run, new: RunState, *, reason: str | None = None) -> bool:
+        """Move a live run to ``new`` (journaled, then announced); False if not allowed."""
+        if run.state in TERMINAL_STATES:
+            return False
+        ok = await self.write(
+            run,
+            f"state {new}",
+            lambda j: j.transition(run.run_id, new, reason=reason),
+            can_transition(run.state, new),
+        )
+        if ok:
+            run.state = new
+            data: dict[str, Any] = {"state": str(new)}
+            if reason:
+                data["reason"] = reason
+            await self.record(run, "state", data)
+        return bool(ok)
+
+    async def finish(
+        self,
+        run: Run,
+        state: RunState,
+        *,
+        reason: str | None,
+        result: dict[str, Any] | None,
+        partial: bool,
+        error: dict[str, Any] | None,
+        receipt: dict[str, Any] | None,
+    ) -> None:
+        """Write the run's terminal fact and let the run go. Never raises.
+
+        The fact is written once (compare-and-set), or kept in memory while the journal
+        cannot be written; if it cannot be stored at all (a bug, data no JSON holds), a
+        minimal one is, naming the failure. Whatever happens, the run is let go.
+        """
+        with trio.CancelScope(shield=True):
+            try:
+                ok = await self._write_terminal(run, state, reason, result, partial, error, receipt)
+                run.token.retire()
+                if ok:
+                    run.state = state
+                    data: dict[str, Any] = {"state": str(state), "partial": partial}
+                    if reason:
+                        data["reason"] = reason
+                    await self.record(run, "state", data)
+                elif not self.backlog.pending(run.run_id):
+                    row = await self.journal.get_run(run.run_id)
+                    if row is not None:
+                        run.state = RunState(row["state"])
+            except Exception:
+                logger.exception("run %s: writing its end failed", run.run_id)
+            finally:
+                self.let_go(run)
+
+    async def _write_terminal(
+        self,
+        run: Run,
+        state: RunState,
+        reason: str | None,
+        result: dict[str, Any] | None,
+        partial: bool,
+        error: dict[str, Any] | None,
+        receipt: dict[str, Any] | None,
+    ) -> bool:
+        ended_at = time.time()
+        groups_ended_at = _groups_ended_at(receipt)
+        predicted = run.state not in TERMINAL_STATES
+        fact: dict[str, Any] = {
+            "state": str(state),
+            "reason": reason,
+            "ended_at": ended_at,
+            "result": result if result is not None or not partial else run.partial,
+            "partial": partial,
+            "error": error,
+            "receipt": receipt,
+        }
+
+        def write(any_live: bool) -> JournalOp:
+            return lambda j: j.finish(
+                run.run_id, state, reason=reason, result=result, partial=partial, error=error,
+                receipt=receipt, ended_at=ended_at, groups_ended_at=groups_ended_at,
+                from_any_live_state=any_live,
+            )
+
+        try:
+            ok = await self.backlog.write(run.run_id, write(False), predicted, what=f"terminal state {state}", replay=write(True))
+        except Exception:
+            logger.exception("run %s: its terminal fact cannot be stored as it is; storing a minimal one", run.run_id)
+            reason = "internal"
+            result, receipt = None, None
+            error = {"code": "internal", "message": "the run's end could not be recorded in full (see the daemon log)"}
+            fact.update(reason=reason, result=run.partial if partial else None, error=error, receipt=None)
+            ok = await self.backlog.write(
+                run.run_id, write(False), predicted, what=f"terminal state {state} (minimal)", replay=write(True)
+            )
+        if ok and self.backlog.pending(run.run_id):
+            run.final = fact
+            self._unflushed[run.run_id] = run
+        return bool(ok)
+
+    def let_go(self, run: Run) -> None:
+        """The run is over for the daemon: token retired, subscribers closed, waiters woken."""
+        run.token.retire()
+        for send in list(run.subscribers):
+            send.close()
+        run.subscribers.clear()
+        self.live.pop(run.run_id, None)
+        run.done.set()
+
+
+def _groups_ended_at(receipt: dict[str, Any] | None) -> float | None:
+    """The wall time the stop receipt saw the whole tree dead, or None (survivors, unseen)."""
+    if not receipt:
+        return None
+    path_b = receipt.get("path_b", receipt)
+    if not isinstance(path_b, dict) or path_b.get("survivors") or path_b.get("tree_dead_at") is None:
+        return None
+    try:
+        return time.time() - max(0.0, trio.current_time() - float(path_b["tree_dead_at"]))
+    except (TypeError, ValueError, RuntimeError):
+        return time.time()

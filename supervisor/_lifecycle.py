@@ -1,0 +1,339 @@
+"""The one run lifecycle: supervise a runner's tree until its terminal fact is written.
+
+``Lifecycle.supervise(run, source)`` is every run's supervision, whether this daemon
+started the runner (``PipeSource``) or found it again after a restart (``FileSource``):
+the source's events are pumped by tasks *outside* the run's cancel scope, so a stop
+does not deafen us (the runner's last snapshot and final result written during its
+grace are still read); the scope (``run.scope``) waits for the runner's exit; cancelling
+it is path B: it unwinds into a shielded ``process.terminate_and_kill`` (SIGTERM, grace,
+SIGKILL the whole tree, reap), which also runs when the runner ends by itself. Then the
+run's result decides its terminal fact (``conclude``), and what the tree left is removed.
+
+A task root: nothing gets out of ``supervise``. A failure in a run's bookkeeping (a
+pump, a journal write, the conclusion) ends that run alone, with its tree stopped (path
+B runs in a ``finally``) and an ``internal`` error on its record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus
+from supervisor import process
+from supervisor._book import RunBook
+from supervisor._run import Run
+from supervisor._sources import EventSource
+from supervisor._stop_receipt import describe_tool_stops
+from supervisor._tree import AnyTree
+from supervisor.approvals import ApprovalDesk
+from supervisor.config import Config
+from supervisor.containment import Containment
+from supervisor.errors import JournalError
+from supervisor.journal import Journal
+from supervisor.pool import remove_dir
+from supervisor.states import TERMINAL_STATES, RunState
+
+__all__ = ["Lifecycle"]
+
+logger = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    """Supervision of live runs: events in, both cancel paths, the terminal fact out.
+
+    Args:
+        cancel: the run manager's cancel (``run_id``, ``reason``): a timeout is a stop.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        book: RunBook,
+        containment: Containment,
+        approvals: ApprovalDesk,
+        cancel: Callable[[str, str], Awaitable[object]],
+    ) -> None:
+        self.config = config
+        self.book = book
+        self.containment = containment
+        self.approvals = approvals
+        self._cancel = cancel
+
+    # ------------------------------------------------------------------ supervision
+
+    async def supervise(
+        self, run: Run, source: EventSource, *, announce: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
+        """Supervise ``run`` until its terminal fact is written; never raises.
+
+        Args:
+            source: where its events and result come from.
+            announce: awaited inside the run's scope once its events flow (a spawned
+                run's process record); a stop during it is path B like any other.
+        """
+        tree = source.tree
+        try:
+            receipt: dict[str, Any] = {}
+            async with trio.open_nursery() as io:
+                io.start_soon(source.feed, run)
+                io.start_soon(self.approvals.watch, run)
+                if run.deadline is not None and not run.token.cancelled:
+                    io.start_soon(self._timeout, run)
+                # The events are read outside the run's scope (a stop must not deafen us).
+                async with trio.open_nursery() as pumps:
+                    pumps.start_soon(source.pump, lambda item: self.on_event(run, tree, item))
+                    with trio.CancelScope() as run.scope:
+                        if run.token.cancelled:  # the stop came while it was starting
+                            if not run.path_a:
+                                run.path_a = process.soft_stop(tree)
+                            run.scope.cancel()
+                        try:
+                            if announce is not None:
+                                await announce()
+                            await process.wait_leader(tree)
+                        finally:
+                            # Path B (scope cancelled) or the runner ended by itself: either
+                            # way the whole tree is ended and confirmed dead, shielded, bounded.
+                            with trio.CancelScope(shield=True):
+                                stop = await process.terminate_and_kill(
+                                    tree, grace_s=self._grace(run), sigterm_sent=bool(run.path_a)
+                                )
+                                receipt = run.stop_receipt = stop.to_dict()
+                source.annotate(receipt)
+                io.cancel_scope.cancel(reason="the run's tree is stopped and its output read")
+            await self.conclude(run, source.exit_code(), receipt, source.result())
+        except Exception as exc:
+            logger.exception("run %s: supervision failed", run.run_id)
+            await self.finish_internal_error(run, exc, self.receipt_head(run))
+        finally:
+            # Also after a failure in the run's bookkeeping: the tree was stopped (path B
+            # runs in the supervision's finally); what it leaves behind goes too.
+            with trio.CancelScope(shield=True):
+                await self.clean_up(run, tree, run.run_dir)
+            if not run.done.is_set():  # only on a bug: never leave waiters hanging
+                self.book.let_go(run)
+
+    def _grace(self, run: Run) -> float:
+        # A stop a previous daemon acknowledged keeps what is left of its grace.
+        return self.grace_left(run) if run.readopted and run.token.cancelled else self.config.grace_s
+
+    def grace_left(self, run: Run) -> float:
+        """Path B's grace for a resumed stop: what is left, counted from the original cancel."""
+        if run.stop_deadline is None:
+            return self.config.grace_s
+        return max(0.0, run.stop_deadline - time.time())
+
+    async def _timeout(self, run: Run) -> None:
+        assert run.deadline is not None
+        await trio.sleep(max(0.0, run.deadline - time.time()))
+        await self._cancel(run.run_id, "timeout")
+
+    async def clean_up(self, run: Run, tree: AnyTree, run_dir: Path | None) -> None:
+        """Remove what a stopped tree leaves (its dir, its cgroup, untraceable orphans)."""
+        try:
+            if run_dir is not None:
+                await trio.to_thread.run_sync(remove_dir, run_dir)
+            self.containment.remove(tree)
+            # An orphan that shed every trace of its tree can only be ended when no tree
+            # is live to claim it.
+            strays = await process.kill_strays(self.containment, only_if_idle=True)
+            if strays:
+                logger.warning("run %s: killed %d untraceable orphans: %s", run.run_id, len(strays), strays)
+        except Exception:
+            logger.exception("run %s: cleaning up after its tree failed", run.run_id)
+
+    # ------------------------------------------------------------------ events
+
+    async def on_event(self, run: Run, tree: AnyTree, item: Event | BadLine) -> None:
+        """One line from the runner: journaled, fanned out, and acted on."""
+        book = self.book
+        if isinstance(item, BadLine):
+            await book.record(run, "stderr", {"text": item.text, "problem": item.problem})
+            return
+        data = item.data
+        kind = item.kind
+        try:
+            if kind == EventKind.RUNNER_STARTED:
+                if isinstance(data.get("sandbox"), dict):
+                    run.sandbox = data["sandbox"]
+                if run.state == RunState.STARTING:
+                    await book.transition(run, RunState.RUNNING)
+            elif kind == EventKind.PROCESS_GROUP:
+                pgid = int(data["pgid"])
+                on_stop = data.get("on_stop")
+                on_stop = str(on_stop) if on_stop is not None else None
+                if data.get("alive", True):
+                    tree.add_group(pgid)
+                    # Path A may SIGTERM this group at cancel time only if a stop interrupts its tool.
+                    tree.set_interruptible(pgid, data.get("kind") == "command" and on_stop == "interrupt")
+                    gkind, name = str(data.get("kind", "")), str(data.get("name", ""))
+                    await book.write(
+                        run, "process group", lambda j: j.add_group(run.run_id, pgid, gkind, name, on_stop=on_stop), None
+                    )
+                else:
+                    tree.set_interruptible(pgid, False)
+                    await book.write(run, "process group ended", lambda j: j.remove_group(run.run_id, pgid), True)
+            elif kind == EventKind.TOOL_CALL:
+                record = data.get("record")
+                if isinstance(record, dict) and "id" in record:
+                    await book.write(run, "tool call", lambda j: j.upsert_tool_call(run.run_id, record), True)
+            elif kind == EventKind.STEP_SNAPSHOT:
+                # The partial-result cache: a stale writer's _id does not match; a
+                # terminal run keeps its result.
+                if data.get("_id") == run.run_id and run.state not in TERMINAL_STATES:
+                    run.partial = data
+                    await book.write(run, "partial result", lambda j: j.set_partial(run.run_id, data), True)
+        except (KeyError, TypeError, ValueError) as exc:
+            text = json.dumps(item.to_dict())[:2000]
+            await book.record(run, "stderr", {"text": text, "problem": f"bad {kind} event: {exc!r}"})
+            return
+        await book.record(run, str(kind), data, ts=item.ts)
+        if kind in (EventKind.APPROVAL_REQUESTED, EventKind.APPROVAL_ANSWERED):
+            # After the event: a watcher sees what is asked, then the state it puts the run in.
+            await self.approvals.on_event(run, kind, data)
+
+    # ------------------------------------------------------------------ the end
+
+    async def conclude(
+        self, run: Run, code: int | None, receipt: dict[str, Any], result: dict[str, Any] | BadLine
+    ) -> None:
+        """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
+        full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
+        if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
+            full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
+        if isinstance(result, dict):
+            await self._take_result_records(run, result)
+            await self._add_tool_stops(run, full_receipt, result.get("tool_calls"))
+            status = result.get("status")
+            if status == RunStatus.COMPLETED:
+                state = RunState.COMPLETED
+            elif status == RunStatus.CANCELLED:
+                state = RunState.CANCELLED
+            else:
+                state = RunState.CANCELLED if run.token.cancelled else RunState.FAILED
+            await self.book.finish(
+                run,
+                state,
+                reason=(run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")),
+                result=result,
+                partial=False,
+                error=result.get("error"),
+                receipt=full_receipt,
+            )
+            return
+        # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
+        # a tool that was running has an unknown outcome, one only announced never ran.
+        await self._settle_unreported(run)
+        await self._add_tool_stops(run, full_receipt, None)
+        error: dict[str, Any] | None
+        if run.token.cancelled:
+            state, reason, error = RunState.CANCELLED, run.token.reason, None
+        else:
+            state, reason = RunState.FAILED, "runner_died"
+            error = {
+                "code": _exit_name(code),
+                "message": f"runner exited with code {code} without a result ({result.problem})",
+            }
+        await self.book.finish(
+            run,
+            state,
+            reason=reason,
+            result=run.partial,
+            partial=run.partial is not None,
+            error=error,
+            receipt=full_receipt,
+        )
+
+    async def _take_result_records(self, run: Run, result: dict[str, Any]) -> None:
+        for record in result.get("tool_calls") or []:
+            if isinstance(record, dict) and isinstance(record.get("id"), str):
+                try:
+                    await self.book.write(run, "tool call", _upsert(run.run_id, record), True)
+                except ValueError:
+                    logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
+
+    async def _settle_unreported(self, run: Run) -> None:
+        """Close the records a runner that left no result never closed."""
+        settle: Callable[[Journal], Awaitable[object]]
+        if run.token.cancelled:
+            settle = lambda j: j.settle_tool_calls(  # noqa: E731
+                run.run_id,
+                reason="grace_ran_out: the runner was killed at the end of the stop's grace while this call ran; its outcome is unknown",
+                pending_reason="stopped_before_start: the runner was stopped before this call started",
+                stop_effects=("grace_ran_out", "stopped_before_start"),
+            )
+        else:
+            settle = lambda j: j.settle_tool_calls(  # noqa: E731
+                run.run_id, reason="the runner ended without reporting this call's outcome"
+            )
+        await self.book.write(run, "tool calls settled", settle, 0)
+
+    async def _add_tool_stops(self, run: Run, receipt: dict[str, Any], records: Any) -> None:
+        """The receipt says what the stop did to the running tool (and to the calls after it).
+
+        ``records``: the runner's own (its result's), else the journal's (settled).
+        """
+        if not run.token.cancelled:
+            return
+        if not isinstance(records, list):
+            try:
+                records = await self.book.journal.tool_calls(run.run_id)
+            except JournalError as exc:  # degraded: the receipt goes without them
+                logger.warning("run %s: tool records unreadable for the receipt: %s", run.run_id, exc)
+                return
+        tools = describe_tool_stops([r for r in records if isinstance(r, dict)], cancel_wall=run.cancel_wall)
+        if tools:
+            receipt["tools"] = tools
+            receipt["tool_summary"] = "; ".join(t["text"] for t in tools)
+
+    async def finish_internal_error(self, run: Run, exc: Exception, receipt: dict[str, Any]) -> None:
+        """A bug in supervision still ends the run once: cancelled if a stop was asked."""
+        if run.stop_receipt is not None and "path_b" not in receipt:
+            receipt = {**receipt, "path_b": run.stop_receipt}
+        await self.book.finish(
+            run,
+            RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
+            reason=run.token.reason or "internal",
+            result=run.partial,
+            partial=run.partial is not None,
+            error={"code": "internal", "message": f"supervision failed: {_leaf_errors(exc)}"},
+            receipt=receipt,
+        )
+
+    def receipt_head(self, run: Run) -> dict[str, Any]:
+        return {
+            "cancel_reason": run.token.reason,
+            "cancel_requested_wall": run.cancel_wall,
+            "path_a": run.path_a,
+            "containment": run.tree.containment if run.tree else None,
+            "sandbox": run.sandbox,
+        }
+
+
+def _upsert(run_id: str, record: dict[str, Any]) -> Callable[[Journal], Awaitable[object]]:
+    return lambda j: j.upsert_tool_call(run_id, record)
+
+
+def _leaf_errors(exc: BaseException) -> str:
+    """What actually failed inside an exception group, for the run's record."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_leaf_errors(e) for e in exc.exceptions)
+    return repr(exc)
+
+
+def _exit_name(code: int | None) -> str:
+    if code is None:
+        return "unknown_exit"
+    if code < 0:
+        return f"signal_{-code}"
+    try:
+        return ExitCode(code).name.lower()
+    except ValueError:
+        return f"exit_{code}"

@@ -1,0 +1,61 @@
+"""One run as the daemon holds it while it is live: ``Run``, a plain record.
+
+Owned by the run manager (``supervisor.runs``); its lifecycle (``supervisor._lifecycle``),
+its facts (``supervisor._book``) and recovery (``supervisor.recovery``) read and write
+it, nothing else. ``tree`` is honest about what it holds: a ``Tree`` this daemon spawned,
+or an ``AdoptedTree`` found again after a restart (``readopted``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from supervisor._tree import AnyTree
+from supervisor.approvals import RunApprovals
+from supervisor.protocol import Secret
+from supervisor.states import RunState
+from supervisor.token import CancelToken
+
+__all__ = ["Run"]
+
+
+@dataclass(eq=False)
+class Run:
+    run_id: str
+    session_id: str | None
+    spec: dict[str, Any]
+    timeout_s: float | None
+    token: CancelToken
+    state: RunState = RunState.QUEUED
+    run_dir: Path | None = None
+    tree: AnyTree | None = None
+    readopted: bool = False  # found again after a daemon restart: no pipes, no exit status
+    scope: trio.CancelScope | None = None  # cancelled: path B
+    queue_scope: trio.CancelScope | None = None  # cancelled: leave the queue
+    partial: dict[str, Any] | None = None  # the last step_snapshot
+    cancel_at: float | None = None  # trio clock
+    cancel_wall: float | None = None
+    stop_deadline: float | None = None  # wall clock: the end of the stop's grace
+    deadline: float | None = None  # wall clock: the timeout
+    path_a: list[str] = field(default_factory=list)
+    subscribers: set[trio.MemorySendChannel[dict[str, Any]]] = field(default_factory=set)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    done: trio.Event = field(default_factory=trio.Event)
+    stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
+    stdin_lock: trio.Lock = field(default_factory=trio.Lock)
+    # This run's own model API key: for its runner's environment only, never journaled.
+    model_key: Secret | None = field(default=None, repr=False)
+    last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)
+    stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
+    final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
+    sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
+    approvals: RunApprovals = field(default_factory=RunApprovals)  # calls awaiting a person's OK
+    runner_spec: dict[str, Any] | None = None  # what the runner reads: spec + its session's history
+
+    @property
+    def stopping(self) -> bool:
+        return self.token.cancelled

@@ -1,0 +1,244 @@
+"""Where a run's events and result come from: its pipes, or its run directory's files.
+
+A runner writes every event twice: a line on stderr and a line in ``events.jsonl`` in its
+run directory, and its result on stdout and in ``result.json``. The run lifecycle
+(``supervisor._lifecycle``) reads them through an ``EventSource``:
+
+- ``PipeSource``: a runner this daemon started: the spec and steering go to its stdin,
+  events come from stderr and the result from stdout, each pipe read until EOF, or for at
+  most ``DRAIN_AFTER_EXIT_S`` after the runner exited (a descendant may hold it open);
+- ``FileSource``: a runner re-adopted after a daemon restart (its pipes went with the old
+  daemon): events are read from ``events.jsonl`` as it grows (an inotify event, not a
+  poll, where the kernel has inotify) until the runner is gone, and the result from
+  ``result.json``; there is no exit status.
+
+Either way ``pump`` returns by itself once the runner's output is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import trio
+
+from subagent.events import BadLine, Event, decode_result
+from subagent.osedge import IN_MODIFY, Watch
+from supervisor import process
+from supervisor._run import Run
+from supervisor._tree import AdoptedTree, AnyTree, Tree
+from supervisor.progress import LineSplitter
+
+__all__ = ["EventSource", "PipeSource", "FileSource", "read_result_file", "MAX_RESULT_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+# Largest final-result document read from a runner's stdout.
+MAX_RESULT_BYTES: Final = 16 * 1024 * 1024
+# A re-adopted run's events.jsonl is read again at least this often (seconds): where
+# inotify is missing this is the poll; with it, a bound on a missed event.
+TAIL_POLL_S: Final = 0.2
+TAIL_FALLBACK_S: Final = 5.0
+
+OnItem = Callable[[Event | BadLine], Awaitable[None]]
+
+
+class EventSource(Protocol):
+    """A run's events and result, whichever way they reach the daemon."""
+
+    @property
+    def tree(self) -> AnyTree: ...
+
+    async def feed(self, run: Run) -> None:
+        """Write the runner's input (the spec, then steering) until cancelled; returns at
+        once when the runner has no input from us."""
+        ...
+
+    async def pump(self, on_item: OnItem) -> None:
+        """Hand every event to ``on_item``; return once the runner's output is complete."""
+        ...
+
+    def result(self) -> dict[str, Any] | BadLine:
+        """The runner's final result, or why there is none."""
+        ...
+
+    def exit_code(self) -> int | None:
+        """The runner's exit status, if this daemon can know it."""
+        ...
+
+    def annotate(self, receipt: dict[str, Any]) -> None:
+        """Add what the source saw to the stop receipt (pipes held open)."""
+        ...
+
+
+def read_result_file(path: Path) -> dict[str, Any] | BadLine:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return BadLine(text="", problem="no result on stdout and no result.json")
+    return decode_result(data)
+
+
+class PipeSource:
+    """A runner this daemon started: its stdin, stdout and stderr pipes."""
+
+    def __init__(self, tree: Tree, run_dir: Path | None, *, early_stderr: bytes = b"") -> None:
+        self._tree = tree
+        self._run_dir = run_dir
+        self._early = early_stderr  # what a warm runner wrote while it got ready
+        self._stdout = bytearray()
+        self.stdout_overflow = False
+        self.pipes_held_open = False
+
+    @property
+    def tree(self) -> Tree:
+        return self._tree
+
+    async def feed(self, run: Run) -> None:
+        stdin = self._tree.process.stdin
+        if stdin is None:
+            return
+        try:
+            async with run.stdin_lock:
+                await stdin.send_all((json.dumps(run.runner_spec or run.spec) + "\n").encode())
+            run.stdin = stdin
+            await trio.sleep_forever()  # until the run ends and cancels the feed
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            run.stdin = None
+            with trio.CancelScope(shield=True):
+                await stdin.aclose()
+
+    async def pump(self, on_item: OnItem) -> None:
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(self._pump_stdout)
+            pumps.start_soon(self._pump_stderr, on_item)
+
+    async def _pump_stdout(self) -> None:
+        proc = self._tree.process
+        if proc.stdout is None:
+            return
+
+        async def sink(chunk: bytes) -> None:
+            if len(self._stdout) + len(chunk) > MAX_RESULT_BYTES:
+                self.stdout_overflow = True
+            else:
+                self._stdout += chunk
+
+        if not await process.drain_bounded(proc.stdout, sink, process=proc):
+            self.pipes_held_open = True
+
+    async def _pump_stderr(self, on_item: OnItem) -> None:
+        proc = self._tree.process
+        if proc.stderr is None:
+            return
+        splitter = LineSplitter()
+
+        async def sink(chunk: bytes) -> None:
+            for item in splitter.feed(chunk):
+                await on_item(item)
+
+        if self._early:
+            await sink(self._early)
+        if not await process.drain_bounded(proc.stderr, sink, process=proc):
+            self.pipes_held_open = True
+        for item in splitter.close():
+            await on_item(item)
+
+    def result(self) -> dict[str, Any] | BadLine:
+        result = decode_result(bytes(self._stdout))
+        self._stdout = bytearray()  # up to MAX_RESULT_BYTES, decoded now
+        if isinstance(result, BadLine) and self._run_dir is not None:
+            return read_result_file(self._run_dir / "result.json")
+        return result
+
+    def exit_code(self) -> int | None:
+        return self._tree.process.returncode
+
+    def annotate(self, receipt: dict[str, Any]) -> None:
+        if self.pipes_held_open:
+            receipt["pipes_held_open"] = True
+
+
+class FileSource:
+    """A runner re-adopted after a restart: ``events.jsonl`` and ``result.json``."""
+
+    def __init__(self, tree: AdoptedTree, run_dir: Path | None) -> None:
+        self._tree = tree
+        self._run_dir = run_dir
+        self._offset = 0
+        self._splitter = LineSplitter()
+
+    @property
+    def tree(self) -> AdoptedTree:
+        return self._tree
+
+    async def feed(self, run: Run) -> None:
+        return  # its stdin went with the old daemon
+
+    async def read_once(self, on_item: OnItem) -> None:
+        """Hand on what was appended to events.jsonl since the last read."""
+        if self._run_dir is None:
+            return
+        try:
+            with open(self._run_dir / "events.jsonl", "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        self._offset += len(data)
+        for item in self._splitter.feed(data):
+            await on_item(item)
+
+    async def pump(self, on_item: OnItem) -> None:
+        if self._run_dir is None:
+            await process.wait_leader(self._tree)
+            return
+        watch = Watch.open([(self._run_dir / "events.jsonl", IN_MODIFY)])
+        wake = trio.Event()
+        gone = trio.Event()
+
+        async def leader() -> None:
+            await process.wait_leader(self._tree)
+            gone.set()
+            wake.set()
+
+        async def appended(w: Watch) -> None:
+            while True:
+                await trio.lowlevel.wait_readable(w.fd)
+                w.drain()
+                wake.set()
+
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(leader)
+                if watch is not None:
+                    n.start_soon(appended, watch)
+                while True:
+                    await self.read_once(on_item)
+                    if gone.is_set():
+                        await self.read_once(on_item)  # what it wrote last
+                        break
+                    with trio.move_on_after(TAIL_FALLBACK_S if watch is not None else TAIL_POLL_S):
+                        await wake.wait()
+                    wake = trio.Event()
+                n.cancel_scope.cancel(reason="the runner is gone and its events are read")
+        finally:
+            if watch is not None:
+                trio.lowlevel.notify_closing(watch.fd)
+                watch.close()
+
+    def result(self) -> dict[str, Any] | BadLine:
+        if self._run_dir is None:
+            return BadLine(text="", problem="no run directory to read result.json from")
+        return read_result_file(self._run_dir / "result.json")
+
+    def exit_code(self) -> int | None:
+        return None  # the runner is not our child: its status went to its reaper
+
+    def annotate(self, receipt: dict[str, Any]) -> None:
+        return

@@ -1,0 +1,77 @@
+"""A spec is checked at spawn time, with the runner's own validator: bad input is refused
+then, never discovered by a failed run later.
+
+``validate_spec`` raises ``SpawnError`` naming what is wrong: a spec the runner would
+reject, a model that cannot be used (no key anywhere: the error says where the key goes),
+a sandbox grant that would reach the daemon's state, a preset the machine cannot run
+(``subagent.presets``: the daemon knows presets only through that interface).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.errors import SpawnError
+from supervisor.protocol import Secret
+
+__all__ = ["validate_spec"]
+
+logger = logging.getLogger(__name__)
+
+
+def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config: Config | None = None) -> str | None:
+    """Reject a bad spec at spawn time, with the runner's own validator (stdlib only).
+
+    Returns the model provider the run will use (None if the runner package is absent).
+    A model that cannot be used is refused here, never replaced: provider "openai" with
+    no API key (neither this daemon's ``OPENAI_API_KEY`` nor the run's own ``model_key``)
+    and no base URL of a local server is a SpawnError saying where the key goes. So is a
+    sandbox grant that would reach the daemon's state (``config``'s protected paths).
+    """
+    try:
+        from subagent.spec import RunSpec, SpecError
+    except ImportError:  # the runner package is not there: the runner will say so
+        return None
+    env = dict(os.environ)
+    if model_key is not None:
+        env["OPENAI_API_KEY"] = model_key.reveal()
+    try:
+        parsed = RunSpec.from_dict(spec, env)
+    except SpecError as exc:
+        raise SpawnError(f"invalid run spec: {exc}") from exc
+    except Exception as exc:  # the validator tripped on a value (unhashable, overflow...): still bad input
+        logger.info("spec validation raised %r", exc)
+        raise SpawnError(f"invalid run spec: {type(exc).__name__}: {exc}") from exc
+    model = parsed.model
+    if model.provider == "openai" and not env.get("OPENAI_API_KEY") and not (model.base_url or env.get("OPENAI_BASE_URL")):
+        asked = f"model {model.name!r}" if model.name else "provider 'openai'"
+        raise SpawnError(
+            f"invalid run spec: model: {asked} needs an API key and the daemon has none: set OPENAI_API_KEY "
+            "in the daemon's environment (under systemd: /etc/agentd/agentd.env, see systemd/agentd.env.example, "
+            "then restart agentd), or give this run its own with `agentd spawn --model-key-env VAR`; "
+            "for a local OpenAI-compatible server set model.base_url or OPENAI_BASE_URL instead"
+        )
+    grants = parsed.sandbox
+    if grants.granted:
+        from subagent.sandbox import DEFAULT_PROTECT, check_grants
+        from supervisor.pool import protected_paths
+
+        protect = [*(protected_paths(config) if config is not None else ()), *DEFAULT_PROTECT]
+        workdir = [grants.workdir] if grants.workdir else []
+        why = check_grants(grants.read, [*grants.write, *workdir], protect)
+        if why is not None:
+            raise SpawnError(f"invalid run spec: sandbox: {why}")
+        if grants.workdir is not None and not Path(grants.workdir).is_dir():
+            raise SpawnError(f"invalid run spec: sandbox.workdir: expected an existing directory, got {grants.workdir!r}")
+    # A missing Chromium or node is a clear error now, not a failed run later.
+    from subagent.presets import PresetError, check_presets
+
+    try:
+        check_presets(spec)
+    except PresetError as exc:
+        raise SpawnError(f"invalid run spec: {exc}") from exc
+    return model.provider
