@@ -55,7 +55,7 @@ class DaemonProc:
         self.token = (state_dir / "token").read_text().strip()
 
     def client(self, timeout_s: float = 120.0) -> Any:
-        from supervisor.client import Client
+        from supervisor.control.client import Client
 
         return Client(self.url, self.token, state_dir=self.state_dir, timeout_s=timeout_s)
 

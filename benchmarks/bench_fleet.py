@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import final_sweep, install_mark  # noqa: E402
-from supervisor.client import Client  # noqa: E402
+from supervisor.control.client import Client  # noqa: E402
 from tests.fleet.cluster import AGENTD, ENV, FleetCluster  # noqa: E402
 
 WAIT = {"task": json.dumps({"snapshots": 1})}

@@ -1,7 +1,7 @@
 """Stop latency and completeness: cancel -> terminal state, cancel -> whole tree dead.
 
 Scenarios (the daemon runs in this process, ``serve``):
-  a  a real runner whose model is mid-stream (``subagent.fake_openai`` holds the stream
+  a  a real runner whose model is mid-stream (``subagent.model.fake_openai`` holds the stream
      open; provider openai, OPENAI_API_KEY=x, base_url of the fake)
   b  stop inside a running command: a real runner inside ``run_command`` (``echo started;
      sleep 300``; interrupted by the stop, its default policy)
@@ -69,7 +69,7 @@ from benchmarks._common import (  # noqa: E402
     write_json,
 )
 from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, show_warnings, wait_event  # noqa: E402
-from subagent.fake_openai import FakeOpenAI  # noqa: E402
+from subagent.model.fake_openai import FakeOpenAI  # noqa: E402
 
 FAKE_RUNNER = [PY, str(CHILDREN / "fake_runner.py")]
 STOP_SERVER = str(CHILDREN / "mcp_stop_server.py")

@@ -58,7 +58,7 @@ from benchmarks._daemon import (  # noqa: E402
     wait_event,
     wait_pool_warm,
 )
-from supervisor import zygote as zygote_mod  # noqa: E402
+from supervisor.trees import zygote as zygote_mod  # noqa: E402
 
 SPEC = scripted_spec(final="ok", tools=[])
 MIB = 2**20

@@ -41,7 +41,7 @@ HISTORY_DENIED: Final = "denied by the user"
 HISTORY_REJECTED: Final = "not executed: stopped while awaiting approval"
 
 # Reasons a call was never a whole call: its turn's stream was cut, aborted or failed
-# before the turn finished (``subagent.model``). Such a call is never replayed as a call.
+# before the turn finished (``subagent.model.provider``). Such a call is never replayed as a call.
 _CUT_PREFIXES: Final = ("arguments_incomplete:", "turn_incomplete:", "model_error:")
 _ABORTED_TURN: Final = "stopped_before_start: the stop aborted the model's turn"
 

@@ -45,11 +45,11 @@ from subagent.history import (
     HISTORY_INTERRUPTED,
     tool_result_text,
 )
-from subagent.model import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
+from subagent.model.provider import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
 from subagent.spec import RunSpec
 from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
-from subagent.tools import REASON_STOPPED_BEFORE_START, ToolBox
+from subagent.tools.toolbox import REASON_STOPPED_BEFORE_START, ToolBox
 
 __all__ = [
     "AgentLoop",

@@ -34,7 +34,7 @@ def check_presets(spec: Mapping[str, Any]) -> None:
     """Raise ``PresetError`` if a preset the spec turns on cannot start on this machine."""
     options = spec.get("browser")
     if options:
-        from subagent.browser import BrowserSetupError, check_browser
+        from subagent.tools.browser import BrowserSetupError, check_browser
 
         try:
             check_browser(options)
@@ -44,14 +44,14 @@ def check_presets(spec: Mapping[str, Any]) -> None:
 
 def release_run_dir(run_dir: Path) -> None:
     """Remove what presets made for ``run_dir`` outside it. Blocking; idempotent."""
-    from subagent.browser import release_browser_dir
+    from subagent.tools.browser import release_browser_dir
 
     release_browser_dir(run_dir)
 
 
 def available() -> dict[str, bool]:
     """Which presets can run here (``{"browser": bool}``): a fleet node's resources."""
-    from subagent.browser import BrowserSetupError, find_chromium
+    from subagent.tools.browser import BrowserSetupError, find_chromium
 
     try:
         find_chromium()

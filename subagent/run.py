@@ -23,15 +23,15 @@ from typing import Any
 import trio
 
 from subagent.approvals import AnswerChannel, ApprovalGate
-from subagent.background import BackgroundCommands
+from subagent.tools.background import BackgroundCommands
 from subagent.emit import Emitter, bare_result
 from subagent.events import EventKind, ExitCode, RunStatus
 from subagent.loop import AgentLoop, RunOutcome
-from subagent.model import ModelError, Provider
+from subagent.model.provider import ModelError, Provider
 from subagent.spec import McpServerSpec, RunSpec
 from subagent.steering import SteeringQueue, read_steering
 from subagent.stop import StopControl
-from subagent.tools import ToolBox
+from subagent.tools.toolbox import ToolBox
 
 __all__ = ["run", "SetupFailure"]
 
@@ -49,8 +49,8 @@ class SetupFailure(Exception):
 def _make_provider(spec: RunSpec) -> Provider:
     m = spec.model
     if m.provider == "scripted":
-        from subagent.script import Script, ScriptError
-        from subagent.scripted import ScriptedProvider
+        from subagent.model.script import Script, ScriptError
+        from subagent.model.scripted import ScriptedProvider
 
         try:
             if m.script is not None:
@@ -60,7 +60,7 @@ def _make_provider(spec: RunSpec) -> Provider:
         except ScriptError as exc:
             raise SetupFailure(ExitCode.BAD_SPEC, "bad_spec", f"error: bad model script: {exc}") from None
         return ScriptedProvider()
-    from subagent.openai_provider import OpenAIProvider
+    from subagent.model.openai_provider import OpenAIProvider
 
     try:
         return OpenAIProvider(model=m.name, base_url=m.base_url, request_timeout_s=m.request_timeout_s)
@@ -90,7 +90,7 @@ async def _close_session_browser(server: Any) -> None:
 async def _end_browser(base: Path, profile: str | None = None) -> None:
     # Chromium's helpers lose the env marker and live in their own session: the preset
     # finds them by profile path. Runs after the browser server's own close.
-    from subagent import browser
+    from subagent.tools import browser
 
     with trio.CancelScope(shield=True):
         with trio.move_on_after(BROWSER_SWEEP_TIMEOUT_S):
@@ -106,7 +106,7 @@ def _server_specs(
     servers = dict(spec.mcp_servers)
     if spec.browser is not False:
         try:
-            from subagent import browser
+            from subagent.tools import browser
         except ImportError as exc:
             raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: the browser preset is not available: {exc}") from None
         options = {} if spec.browser is True else dict(spec.browser)
@@ -130,7 +130,7 @@ async def _start_servers(
 ) -> dict[str, Any]:
     if not specs:
         return {}
-    from subagent.mcp_spawn import prespawn
+    from subagent.tools.mcp_spawn import prespawn
 
     # Spawn every server first, then pay for importing mcp while they boot.
     spawned = []
@@ -140,7 +140,7 @@ async def _start_servers(
             emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind="mcp_server", name=name, alive=alive)
 
         spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group))
-    from subagent.mcp_tools import McpSetupError, start_server
+    from subagent.tools.mcp_tools import McpSetupError, start_server
 
     servers = {}
     for p in spawned:

@@ -91,15 +91,15 @@ def preload() -> None:
     import openai  # noqa: F401
     import trio  # noqa: F401
 
-    import subagent.background  # noqa: F401
-    import subagent.browser  # noqa: F401
-    import subagent.commands  # noqa: F401
-    import subagent.mcp_spawn  # noqa: F401
-    import subagent.mcp_tools  # noqa: F401
-    import subagent.openai_provider  # noqa: F401
+    import subagent.tools.background  # noqa: F401
+    import subagent.tools.browser  # noqa: F401
+    import subagent.tools.commands  # noqa: F401
+    import subagent.tools.mcp_spawn  # noqa: F401
+    import subagent.tools.mcp_tools  # noqa: F401
+    import subagent.model.openai_provider  # noqa: F401
     import subagent.run  # noqa: F401
-    import subagent.script  # noqa: F401
-    import subagent.scripted  # noqa: F401
+    import subagent.model.script  # noqa: F401
+    import subagent.model.scripted  # noqa: F401
 
     _arg_parser()  # built once: a forked runner finds it ready
 
@@ -111,7 +111,7 @@ def _prepare_browser(spec: object, run_dir: Path | None) -> None:
     # The browser's dirs and its short temp link (in /tmp) are made before the sandbox
     # closes /tmp; the preset finds them made.
     if getattr(spec, "browser", False) is not False and run_dir is not None:
-        from subagent import browser
+        from subagent.tools import browser
 
         try:
             browser.browser_tmpdir(run_dir, create=True)

@@ -194,7 +194,7 @@ def runtime_paths() -> list[str]:
 
 def _browser_paths(options: Any) -> list[str]:
     try:
-        from subagent import browser
+        from subagent.tools import browser
 
         setup = browser.check_browser(options)
     except Exception:  # the preset reports it properly when it starts

@@ -145,8 +145,8 @@ class ModelSpec:
         script = d.get("script")
         if script is not None:
             script = _obj(script, "model.script")
-            # Validated fully by subagent.script (also stdlib): a bad script is a bad spec.
-            from subagent.script import Script, ScriptError
+            # Validated fully by subagent.model.script (also stdlib): a bad script is a bad spec.
+            from subagent.model.script import Script, ScriptError
 
             try:
                 Script.from_dict(script)

@@ -1,6 +1,6 @@
 """``python -m subagent.zygote``: a pre-initialised runner that forks one runner per spawn.
 
-The daemon starts it (``supervisor/zygote.py``) with one end of a ``SOCK_SEQPACKET`` unix
+The daemon starts it (``supervisor/trees/zygote.py``) with one end of a ``SOCK_SEQPACKET`` unix
 socket as its stdin. It imports everything a runner may need (``runner.preload``: trio,
 openai, mcp, the runner's modules), starts no thread and no event loop, freezes the
 garbage collector (so a child's collections do not write to the pages it shares with the

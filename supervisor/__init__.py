@@ -4,7 +4,7 @@ Public names only; the modules behind them are the implementation. The names are
 resolved on first use (PEP 562): ``import supervisor.cli`` (every ``agentd`` command)
 imports this package first, and must not pay for ``Config``'s dataclass and its imports
 when it needs none of them. The CLI (``supervisor.cli``) and the light client
-(``supervisor.client``) import what they need directly, so that they stay free of trio,
+(``supervisor.control.client``) import what they need directly, so that they stay free of trio,
 openai and mcp.
 """
 

@@ -47,7 +47,7 @@ from supervisor.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from supervisor.client import Client
+    from supervisor.control.client import Client
 
 __all__ = ["main", "cli", "ExitCode", "build_spec"]
 
@@ -99,7 +99,7 @@ def _usage_error(exc: click.UsageError) -> CliError:
 
 
 def _translate(exc: AgentdError) -> CliError:
-    from supervisor.client import ConnectionLost
+    from supervisor.control.client import ConnectionLost
 
     if isinstance(exc, DaemonNotRunning):
         return CliError(str(exc), ExitCode.NO_DAEMON)
@@ -243,7 +243,7 @@ pass_obj = click.make_pass_decorator(Obj)
 
 
 def _import_client() -> type[Client]:
-    """``supervisor.client.Client``, imported with the cyclic GC paused.
+    """``supervisor.control.client.Client``, imported with the cyclic GC paused.
 
     The import (the client, ``wsproto``, ``h11``: ~15 ms) makes tens of thousands of
     objects, none of them garbage; the collector's passes over them cost ~1-2 ms of a cold
@@ -252,7 +252,7 @@ def _import_client() -> type[Client]:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        from supervisor.client import Client
+        from supervisor.control.client import Client
     finally:
         if was_enabled:
             gc.enable()
@@ -710,7 +710,7 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
     With -f, a run still live is followed through the daemon until it ends, and the exit
     code is its outcome, as for watch.
     """
-    from supervisor._journal_read import JournalReader
+    from supervisor.store._read import JournalReader
     from supervisor.config import JOURNAL_FILE, default_state_dir
 
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
@@ -1123,9 +1123,9 @@ def list_(obj: Obj, state: str | None, session_id: str | None, limit: int) -> No
 @pass_obj
 def dashboard(obj: Obj, open_browser: bool) -> None:
     """Print a one-time login link to the daemon's web dashboard."""
-    from supervisor import _dashlink
-    from supervisor._statefiles import read_endpoint
-    from supervisor.client import locate
+    from supervisor.control import _dashlink
+    from supervisor.control._statefiles import read_endpoint
+    from supervisor.control.client import locate
     from supervisor.config import ENDPOINT_FILE, default_state_dir
 
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()

@@ -17,9 +17,9 @@ from typing import Any
 
 # The state dir and its published files are defined with the code that reads them, which
 # the CLI's client imports without this module (its dataclass is ~2 ms of a cold command).
-from supervisor._statefiles import ENDPOINT_FILE as ENDPOINT_FILE
-from supervisor._statefiles import TOKEN_FILE as TOKEN_FILE
-from supervisor._statefiles import default_state_dir as default_state_dir
+from supervisor.control._statefiles import ENDPOINT_FILE as ENDPOINT_FILE
+from supervisor.control._statefiles import TOKEN_FILE as TOKEN_FILE
+from supervisor.control._statefiles import default_state_dir as default_state_dir
 from supervisor.errors import ConfigError
 
 __all__ = ["Config", "default_state_dir", "TOKEN_FILE", "ENDPOINT_FILE", "JOURNAL_FILE"]

@@ -20,12 +20,15 @@ from typing import Any
 
 import trio
 
-from supervisor import _sdnotify, _statefiles, control, process
+from supervisor import _sdnotify
+from supervisor.control import _statefiles
+from supervisor.control import server as control
+from supervisor.trees import process
 from supervisor.config import Config
-from supervisor.containment import Containment
+from supervisor.trees.containment import Containment
 from supervisor.errors import DaemonAlreadyRunning
-from supervisor.journal import Journal
-from supervisor.runs import RunManager
+from supervisor.store.journal import Journal
+from supervisor.core.runs import RunManager
 
 __all__ = ["serve"]
 
@@ -83,7 +86,7 @@ async def _serve_locked(
             token = _statefiles.write_token(config.token_path)
             sessions = None
             if config.dashboard == "on":
-                from supervisor import dashboard
+                from supervisor.control import dashboard
 
                 sessions = dashboard.Sessions(token)
             port = await nursery.start(

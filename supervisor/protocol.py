@@ -127,7 +127,7 @@ class ErrorCode(enum.StrEnum):
 
 
 class Backend(Protocol):
-    """What the control socket needs from the run manager (``supervisor.runs.RunManager``).
+    """What the control socket needs from the run manager (``supervisor.core.runs.RunManager``).
 
     Run dicts and event dicts are plain JSON data. Event dicts are
     ``{"seq", "ts", "kind", "data"}`` (``run_id`` may be present), ``seq`` strictly

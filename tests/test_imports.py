@@ -168,6 +168,6 @@ def test_the_daemon_knows_the_browser_preset_only_through_the_presets_interface(
         for name, path in modules().items()
         if name.startswith("supervisor")
         for dep in imported_names(path, name)
-        if dep == "subagent.browser" or dep.startswith("subagent.browser.")
+        if dep == "subagent.tools.browser" or dep.startswith("subagent.tools.browser.")
     ]
     assert offenders == []

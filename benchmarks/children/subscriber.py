@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from supervisor.client import Client  # noqa: E402
+from supervisor.control.client import Client  # noqa: E402
 
 
 def main() -> None:

@@ -32,8 +32,9 @@ from benchmarks.bench_spawn import burst  # noqa: E402
 import math  # noqa: E402
 
 from benchmarks._daemon import show_warnings  # noqa: E402
-from supervisor import pool, process  # noqa: E402
-from supervisor._drain import DRAIN_AFTER_EXIT_S  # noqa: E402
+from supervisor.trees import pool  # noqa: E402
+from supervisor.trees import process
+from supervisor.trees._drain import DRAIN_AFTER_EXIT_S  # noqa: E402
 
 
 async def progress_drain(stream, sink, *, process, after_exit_s=DRAIN_AFTER_EXIT_S):  # type: ignore[no-untyped-def]

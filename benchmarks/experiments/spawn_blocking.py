@@ -1,7 +1,7 @@
 """Experiment: how long does starting one runner block the daemon's event loop, and what
 would spawning without ``preexec_fn`` (cgroup joined by an exec wrapper) change?
 
-Monkeypatches ``supervisor.process._open_leader`` in this process only (no file is
+Monkeypatches ``supervisor.trees.process._open_leader`` in this process only (no file is
 edited), runs a cold burst of N spawns (``bench_spawn.burst``) and reports the time each
 ``open_process`` call held the Trio thread, and the burst's spawn -> first step.
 
@@ -23,7 +23,7 @@ import trio  # noqa: E402
 from benchmarks._common import final_sweep, install_mark, row, summary  # noqa: E402
 from benchmarks._daemon import in_process_daemon, quiet_logs  # noqa: E402
 from benchmarks.bench_spawn import burst  # noqa: E402
-from supervisor import process  # noqa: E402
+from supervisor.trees import process  # noqa: E402
 
 held: list[float] = []
 _orig_open_process = trio.lowlevel.open_process

@@ -5,7 +5,7 @@ It speaks just enough of the Chat Completions API for the ``openai`` SDK:
 events (text deltas, tool-call deltas with argument fragments, finish, usage, ``[DONE]``)
 in chunked transfer encoding; ``stream: false`` answers one ``chat.completion``;
 ``GET .../models`` lists the model. The script format and the choice of turn are
-``subagent.script``'s, so this server and the ``scripted`` provider play the same thing.
+``subagent.model.script``'s, so this server and the ``scripted`` provider play the same thing.
 
 Like the real API, a request whose history has a tool call without a result (or a tool
 result that answers no call just before it) is refused with a 400 that says which
@@ -16,7 +16,7 @@ connection before the response was complete (``client_closed``: the proof that a
 aborted the stream); a ``cut`` closes the connection mid-body without the terminating
 chunk; state changes wake both trio waiters (``wait_for``) and thread waiters
 (``wait_for_sync``). Run it with ``nursery.start(server.serve)``, ``server.start_in_thread()``,
-or ``python -m subagent.fake_openai --script FILE`` (prints the base URL on stdout).
+or ``python -m subagent.model.fake_openai --script FILE`` (prints the base URL on stdout).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Final
 import h11
 import trio
 
-from subagent.script import DEFAULT_SCRIPT, Script, history_position, plan
+from subagent.model.script import DEFAULT_SCRIPT, Script, history_position, plan
 
 __all__ = ["FakeOpenAI", "LoggedRequest", "history_problem"]
 
@@ -446,7 +446,7 @@ async def _send_json(stream: Any, conn: h11.Connection, status: int, obj: dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m subagent.fake_openai [--script FILE]``: serve until killed; print the base URL."""
+    """``python -m subagent.model.fake_openai [--script FILE]``: serve until killed; print the base URL."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--script", help="a model script (JSON); default: the built-in script")
     ap.add_argument("--model", default="fake-model")

@@ -18,7 +18,7 @@ from typing import Any, Final
 import openai
 import trio
 
-from subagent.model import ModelError, TurnAssembler
+from subagent.model.provider import ModelError, TurnAssembler
 
 __all__ = ["OpenAIProvider", "DEFAULT_MODEL"]
 

@@ -1,7 +1,7 @@
 """The scripted-model file format: parsing, interpolation, and the stream it plays.
 
 One module owns the format so the in-process ``scripted`` provider and the fake
-OpenAI-compatible HTTP server (``subagent.fake_openai``) play exactly the same thing.
+OpenAI-compatible HTTP server (``subagent.model.fake_openai``) play exactly the same thing.
 Invariants: stdlib only (the spec validator imports it); playing is pure: ``plan()``
 turns (script, turn index, last tool output) into a list of stream pieces and touches
 no clock or I/O; the turn index is the number of assistant turns already in the

@@ -1,7 +1,7 @@
 """The ``scripted`` provider: a deterministic model that plays a script in-process.
 
 Invariants: which turn plays is derived from the history alone (the number of
-assistant turns so far), exactly as ``subagent.fake_openai`` does over HTTP; delays are
+assistant turns so far), exactly as ``subagent.model.fake_openai`` does over HTTP; delays are
 real ``trio.sleep`` calls, so a stop can land mid-stream, but only there (pieces between
 two delays are delivered at once); importing this module costs
 nothing beyond trio (no ``openai``, no ``mcp``).
@@ -13,8 +13,8 @@ from typing import Any
 
 import trio
 
-from subagent.model import ModelError, TurnAssembler
-from subagent.script import DEFAULT_SCRIPT, Script, history_position, plan
+from subagent.model.provider import ModelError, TurnAssembler
+from subagent.model.script import DEFAULT_SCRIPT, Script, history_position, plan
 
 __all__ = ["ScriptedProvider"]
 

@@ -22,7 +22,7 @@ from typing import IO, Final
 
 import trio
 
-from subagent.commands import COMMAND_KILL_GRACE_S, _child_env, end_group_and_escapers, leader_ticks
+from subagent.tools.commands import COMMAND_KILL_GRACE_S, _child_env, end_group_and_escapers, leader_ticks
 
 __all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
 

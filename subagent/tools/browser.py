@@ -64,7 +64,7 @@ DEBIAN_CHROMIUM: Final = pathlib.Path("/usr/lib/chromium/chromium")
 PLAYWRIGHT_BROWSERS_DEFAULT: Final = pathlib.Path("~/.cache/ms-playwright")
 
 # The checkout this module lives in: ``scripts/setup`` runs ``npm ci`` here.
-CHECKOUT_ROOT: Final = pathlib.Path(__file__).resolve().parent.parent
+CHECKOUT_ROOT: Final = pathlib.Path(__file__).resolve().parents[2]
 PLAYWRIGHT_MCP_CLI: Final = pathlib.Path("node_modules/@playwright/mcp/cli.js")
 
 # Chromium switches on top of Playwright's defaults (which already include

@@ -4,7 +4,7 @@ Importing ``mcp`` costs over half a second; a server (``node``, a Python SDK ser
 needs about as long to boot. So the runner spawns every server first, exactly as the
 SDK's ``_create_platform_compatible_process`` would on POSIX (``anyio.open_process``,
 new session, stderr to a file), reports its group at once, then imports ``mcp`` while the
-servers boot, and hands each process to the SDK through that seam (``subagent.mcp_tools``).
+servers boot, and hands each process to the SDK through that seam (``subagent.tools.mcp_tools``).
 Invariants: no ``mcp`` import here; the environment is the tool environment
 (``subagent.sandbox.tool_env``: an allowlist that covers the SDK's default inherited set)
 plus the server's configured ``env``, never a secret of the runner's (``server_env``).
@@ -24,7 +24,7 @@ from typing import IO, Any, Final
 
 import anyio
 
-from subagent.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
+from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
 

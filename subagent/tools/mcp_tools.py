@@ -1,6 +1,6 @@
 """MCP servers over stdio through the official SDK: handshake, list tools, call.
 
-Invariants: the server process was already spawned by ``subagent.mcp_spawn`` (which
+Invariants: the server process was already spawned by ``subagent.tools.mcp_spawn`` (which
 also owns ending its group); it is handed to the SDK through the SDK's seam
 ``mcp.client.stdio._create_platform_compatible_process``, so the SDK's transport and its
 own shutdown (stdin close, bounded wait, group kill: shielded, every wait bounded by the
@@ -32,7 +32,7 @@ import mcp.client.stdio as _stdio
 import trio
 from mcp import ClientSession, StdioServerParameters
 
-from subagent.mcp_spawn import Prespawned
+from subagent.tools.mcp_spawn import Prespawned
 from subagent.spec import McpServerSpec
 
 __all__ = ["McpServer", "McpSetupError", "start_server", "tool_result_text"]

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
-from subagent.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
-from subagent.commands import RUN_COMMAND_TOOL, CommandOutcome, format_outcome, run_command
+from subagent.tools.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
+from subagent.tools.commands import RUN_COMMAND_TOOL, CommandOutcome, format_outcome, run_command
 from subagent.events import StopEffect, StopPolicy, ToolCallState
 from subagent.spec import Limits, StopPolicySpec
 from subagent.stop import StopControl
 from subagent.stop_policy import command_policy, mcp_policy
 
 if TYPE_CHECKING:
-    from subagent.mcp_tools import McpServer
+    from subagent.tools.mcp_tools import McpServer
 
 __all__ = ["ToolOutcome", "ToolBox", "bound_text"]
 

@@ -1,6 +1,6 @@
 """The daemon's published files in its state dir: the control token and the endpoint.
 
-Stdlib only: the daemon writes them (through ``supervisor.control``) and the CLI's client
+Stdlib only: the daemon writes them (through ``supervisor.control.server``) and the CLI's client
 reads them without importing trio. Both are replaced atomically (write a temp file, then
 rename), so a reader never sees half a file; the token file is 0600 from its creation.
 """

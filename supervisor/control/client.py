@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor import protocol
-from supervisor._statefiles import ENDPOINT_FILE, TOKEN_FILE, default_state_dir, read_endpoint, read_token
-from supervisor._wsclient import ConnectionLost, Unauthorized, WebSocket
+from supervisor.control._statefiles import ENDPOINT_FILE, TOKEN_FILE, default_state_dir, read_endpoint, read_token
+from supervisor.control._wsclient import ConnectionLost, Unauthorized, WebSocket
 from supervisor.errors import AgentdError, DaemonNotRunning
 
 __all__ = ["Client", "Follow", "ConnectionLost", "Unauthorized", "locate", "START_HINT"]

@@ -4,7 +4,7 @@ Access: every handshake presents the daemon's token (``Authorization: Bearer`` o
 ``?token=``), compared in constant time; a browser ``Origin`` not on
 ``Config.allowed_origins`` is refused with 403, a missing or wrong token with 401. The
 daemon's own dashboard page is let in by its session cookie instead of the token
-(``session_ok``: its origin and a signed-in session, see ``supervisor.dashboard``).
+(``session_ok``: its origin and a signed-in session, see ``supervisor.control.dashboard``).
 A refused handshake is closed at once. A malformed, oversized or unknown message gets an
 error reply and a handler's bug an ``internal`` one: nothing an authenticated client sends
 ends its connection or the daemon (only a frame above the hard cap, which trio-websocket
@@ -35,8 +35,8 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from supervisor import protocol
-from supervisor._conn_limits import Gate, GatedStream, Limits, current_stream, fd_connection_cap
-from supervisor._statefiles import (
+from supervisor.control._conn_limits import Gate, GatedStream, Limits, current_stream, fd_connection_cap
+from supervisor.control._statefiles import (
     endpoint_url,
     new_token,
     read_endpoint,

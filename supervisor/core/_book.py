@@ -18,9 +18,9 @@ from typing import Any, Final
 
 import trio
 
-from supervisor._backlog import Backlog
-from supervisor._run import Run
-from supervisor.journal import Journal
+from supervisor.store.backlog import Backlog
+from supervisor.core._run import Run
+from supervisor.store.journal import Journal
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
 
 __all__ = ["RunBook", "SUBSCRIBER_BUFFER"]

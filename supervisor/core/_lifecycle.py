@@ -26,18 +26,18 @@ from typing import Any
 import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus
-from supervisor import process
-from supervisor._book import RunBook
-from supervisor._run import Run
-from supervisor._sources import EventSource
-from supervisor._stop_receipt import describe_tool_stops
-from supervisor._tree import AnyTree
-from supervisor.approvals import ApprovalDesk
+from supervisor.trees import process
+from supervisor.core._book import RunBook
+from supervisor.core._run import Run
+from supervisor.core._sources import EventSource
+from supervisor.core._stop_receipt import describe_tool_stops
+from supervisor.trees._handles import AnyTree
+from supervisor.core.approvals import ApprovalDesk
 from supervisor.config import Config
-from supervisor.containment import Containment
+from supervisor.trees.containment import Containment
 from supervisor.errors import JournalError
-from supervisor.journal import Journal
-from supervisor.pool import remove_dir
+from supervisor.store.journal import Journal
+from supervisor.trees.pool import remove_dir
 from supervisor.states import TERMINAL_STATES, RunState
 
 __all__ = ["Lifecycle"]

@@ -1,7 +1,7 @@
 """One run as the daemon holds it while it is live: ``Run``, a plain record.
 
-Owned by the run manager (``supervisor.runs``); its lifecycle (``supervisor._lifecycle``),
-its facts (``supervisor._book``) and recovery (``supervisor.recovery``) read and write
+Owned by the run manager (``supervisor.core.runs``); its lifecycle (``supervisor.core._lifecycle``),
+its facts (``supervisor.core._book``) and recovery (``supervisor.core.recovery``) read and write
 it, nothing else. ``tree`` is honest about what it holds: a ``Tree`` this daemon spawned,
 or an ``AdoptedTree`` found again after a restart (``readopted``).
 """
@@ -14,11 +14,11 @@ from typing import Any
 
 import trio
 
-from supervisor._tree import AnyTree
-from supervisor.approvals import RunApprovals
+from supervisor.trees._handles import AnyTree
+from supervisor.core.approvals import RunApprovals
 from supervisor.protocol import Secret
 from supervisor.states import RunState
-from supervisor.token import CancelToken
+from supervisor.core.token import CancelToken
 
 __all__ = ["Run"]
 

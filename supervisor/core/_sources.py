@@ -2,7 +2,7 @@
 
 A runner writes every event twice: a line on stderr and a line in ``events.jsonl`` in its
 run directory, and its result on stdout and in ``result.json``. The run lifecycle
-(``supervisor._lifecycle``) reads them through an ``EventSource``:
+(``supervisor.core._lifecycle``) reads them through an ``EventSource``:
 
 - ``PipeSource``: a runner this daemon started: the spec and steering go to its stdin,
   events come from stderr and the result from stdout, each pipe read until EOF, or for at
@@ -27,10 +27,10 @@ import trio
 
 from subagent.events import BadLine, Event, decode_result
 from subagent.osedge import IN_MODIFY, Watch
-from supervisor import process
-from supervisor._run import Run
-from supervisor._tree import AdoptedTree, AnyTree, Tree
-from supervisor.progress import LineSplitter
+from supervisor.trees import process
+from supervisor.core._run import Run
+from supervisor.trees._handles import AdoptedTree, AnyTree, Tree
+from supervisor.core.progress import LineSplitter
 
 __all__ = ["EventSource", "PipeSource", "FileSource", "read_result_file", "MAX_RESULT_BYTES"]
 

@@ -58,7 +58,7 @@ def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config:
     grants = parsed.sandbox
     if grants.granted:
         from subagent.sandbox import DEFAULT_PROTECT, check_grants
-        from supervisor.pool import protected_paths
+        from supervisor.trees.pool import protected_paths
 
         protect = [*(protected_paths(config) if config is not None else ()), *DEFAULT_PROTECT]
         workdir = [grants.workdir] if grants.workdir else []

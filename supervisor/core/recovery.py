@@ -24,15 +24,15 @@ from typing import Any
 
 import trio
 
-from supervisor import process
-from supervisor._book import RunBook
-from supervisor._lifecycle import Lifecycle
-from supervisor._run import Run
-from supervisor._sources import FileSource
-from supervisor.containment import Containment
-from supervisor.pool import remove_dir
+from supervisor.trees import process
+from supervisor.core._book import RunBook
+from supervisor.core._lifecycle import Lifecycle
+from supervisor.core._run import Run
+from supervisor.core._sources import FileSource
+from supervisor.trees.containment import Containment
+from supervisor.trees.pool import remove_dir
 from supervisor.states import RunState
-from supervisor.token import CancelToken
+from supervisor.core.token import CancelToken
 
 __all__ = ["Recovery"]
 

@@ -3,9 +3,9 @@
 ``RunManager`` takes requests (spawn, cancel, steer, approve/deny, status, list, events,
 subscribe, sessions) and owns what runs need: the queue (``max_concurrent``), the runner
 zygote and warm pool, the sessions, and the nursery every run's task lives in. A run's
-facts go through the book (``supervisor._book``), its supervision is the one lifecycle
-(``supervisor._lifecycle``) for a run started here and one re-adopted after a restart
-(``supervisor.recovery``) alike.
+facts go through the book (``supervisor.core._book``), its supervision is the one lifecycle
+(``supervisor.core._lifecycle``) for a run started here and one re-adopted after a restart
+(``supervisor.core.recovery``) alike.
 
 Cancel goes two ways on purpose (DESIGN.md): path A at cancel time (``process.soft_stop``:
 SIGTERM to the runner's group and to the command groups it reported interruptible), and
@@ -33,24 +33,24 @@ from typing import Any, Final
 
 import trio
 
-from supervisor import process
-from supervisor._book import SUBSCRIBER_BUFFER, RunBook
-from supervisor._lifecycle import Lifecycle
-from supervisor._run import Run
-from supervisor._sources import PipeSource
-from supervisor._spec_check import validate_spec
-from supervisor.approvals import ApprovalDesk, Hooks
+from supervisor.trees import process
+from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
+from supervisor.core._lifecycle import Lifecycle
+from supervisor.core._run import Run
+from supervisor.core._sources import PipeSource
+from supervisor.core._spec_check import validate_spec
+from supervisor.core.approvals import ApprovalDesk, Hooks
 from supervisor.config import Config
-from supervisor.containment import Containment
+from supervisor.trees.containment import Containment
 from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
-from supervisor.journal import Journal
-from supervisor.pool import WarmPool, new_tree
+from supervisor.store.journal import Journal
+from supervisor.trees.pool import WarmPool, new_tree
 from supervisor.protocol import ErrorCode, Secret
-from supervisor.recovery import Recovery
-from supervisor.sessions import SessionDesk
+from supervisor.core.recovery import Recovery
+from supervisor.core.sessions import SessionDesk
 from supervisor.states import RunState
-from supervisor.token import CancelToken
-from supervisor.zygote import Zygote, usable
+from supervisor.core.token import CancelToken
+from supervisor.trees.zygote import Zygote, usable
 
 __all__ = ["RunManager"]
 
@@ -296,7 +296,7 @@ class RunManager:
         return {"run_id": run_id, "accepted": True, "state": str(run.state)}
 
     async def approve(self, run_id: str, call_id: str) -> dict[str, Any]:
-        """A person's OK for a call awaiting approval: it runs (``supervisor.approvals``)."""
+        """A person's OK for a call awaiting approval: it runs (``supervisor.core.approvals``)."""
         return await self.approvals.answer(await self._live_run(run_id), call_id, approve=True)
 
     async def deny(self, run_id: str, call_id: str, *, reason: str | None = None) -> dict[str, Any]:
@@ -313,7 +313,7 @@ class RunManager:
         raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r} has ended ({row['state']}): nothing awaits approval")
 
     async def history(self, session_id: str) -> dict[str, Any]:
-        """A session's transcript, rebuilt from the journal (``supervisor.sessions``)."""
+        """A session's transcript, rebuilt from the journal (``supervisor.core.sessions``)."""
         live = {r.run_id: str(r.state) for r in self._live.values() if r.session_id == session_id}
         return await self.session_desk.history(session_id, live)
 

@@ -33,7 +33,7 @@ import trio
 from subagent.history import turn_messages
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError, JournalError
-from supervisor.journal import Journal, TurnRecord
+from supervisor.store.journal import Journal, TurnRecord
 from supervisor.protocol import ErrorCode
 from supervisor.states import TERMINAL_STATES
 

@@ -25,7 +25,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from subagent.osedge import LINUX
-from supervisor._statefiles import read_endpoint, read_token
+from supervisor.control._statefiles import read_endpoint, read_token
 from supervisor.config import ENDPOINT_FILE, TOKEN_FILE, default_state_dir
 from supervisor.errors import AgentdError
 from supervisor.fleet._resources import BROWSER, SLOTS
@@ -213,7 +213,7 @@ class NodeAgent:
         (errors as values: they cross Ray intact).
         """
         from supervisor import protocol
-        from supervisor.client import Client
+        from supervisor.control.client import Client
 
         known = self._map.get(fleet_run_id)
         if known is not None:

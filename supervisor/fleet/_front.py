@@ -1,7 +1,7 @@
 """The fleet front: one control surface for runs on many nodes, placed by Ray.
 
 It implements the control socket's ``Backend`` (``supervisor.protocol``), so the same
-websocket server (``supervisor.control``), token and Origin rules, CLI and clients work
+websocket server (``supervisor.control.server``), token and Origin rules, CLI and clients work
 unchanged. A spawn gets a fleet-unique id and a lease: a detached Ray placement group
 holding the run's demand (``_resources``). Ray's scheduler picks the node or queues it;
 once placed, the node's agent hands the run to that node's daemon (idempotent per fleet
@@ -46,14 +46,14 @@ from ray.util.placement_group import (
 
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
-from supervisor.sessions import SessionNotFound
+from supervisor.core.sessions import SessionNotFound
 from supervisor.fleet._agent import NAMESPACE, agent_for, agent_name, alive_nodes
 from supervisor.fleet._index import Index
 from supervisor.fleet._nodelink import LinkDown, NodeLink
 from supervisor.fleet._resources import split_demand
 from supervisor.protocol import ErrorCode
 from supervisor.states import TERMINAL_STATES
-from supervisor.token import CancelToken
+from supervisor.core.token import CancelToken
 
 __all__ = ["FleetFront", "LEASE_PREFIX"]
 

@@ -18,7 +18,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
 from supervisor import protocol
-from supervisor._wsclient import ConnectionLost
+from supervisor.control._wsclient import ConnectionLost
 
 __all__ = ["NodeLink", "LinkDown"]
 

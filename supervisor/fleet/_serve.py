@@ -19,7 +19,8 @@ from typing import Any, Final
 
 import trio
 
-from supervisor import _statefiles, control
+from supervisor.control import _statefiles
+from supervisor.control import server as control
 from supervisor.config import Config
 from supervisor.errors import DaemonAlreadyRunning
 

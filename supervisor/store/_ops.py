@@ -1,6 +1,6 @@
 """The journal's operations: synchronous, one transaction each, on one sqlite3 connection.
 
-Only the journal's worker thread calls into a ``Store`` (see ``supervisor.journal``), so
+Only the journal's worker thread calls into a ``Store`` (see ``supervisor.store.journal``), so
 its connection never crosses threads and its writes never race each other. Every
 compare-and-set is in the WHERE clause of the UPDATE that makes it; the schema's trigger
 ``runs_terminal_is_final`` backs that up. Commits that carry facts recovery depends on
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
 from subagent.events import TERMINAL_TOOL_STATES, ToolCallState
-from supervisor._journal_sessions import SessionStoreMixin
+from supervisor.store._sessions import SessionStoreMixin
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 

@@ -45,7 +45,7 @@ class JournalReader:
         except sqlite3.Error as exc:
             raise JournalError(f"cannot open the journal {str(path)!r}: {exc}", path=str(path)) from exc
         try:
-            from supervisor._journal_schema import SCHEMA_VERSION
+            from supervisor.store._schema import SCHEMA_VERSION
 
             version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
             if not 1 <= version <= SCHEMA_VERSION:

@@ -3,7 +3,7 @@
 Migrations are append-only: schema version N is ``PRAGMA user_version = N`` after
 ``MIGRATIONS[:N]`` ran, each in its own transaction, so a crash mid-migration leaves the
 previous version intact. A file from a newer agentd is refused, never downgraded.
-Everything here runs on the journal's worker thread (see ``supervisor.journal``).
+Everything here runs on the journal's worker thread (see ``supervisor.store.journal``).
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def connect(path: str, *, target: int = SCHEMA_VERSION) -> sqlite3.Connection:
                 f"journal {path!r}: expected journal_mode wal, got {mode!r}", path=path
             )
         # NORMAL between durable writes; the journal switches to FULL for the commits that
-        # carry terminal facts (see supervisor.journal).
+        # carry terminal facts (see supervisor.store.journal).
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA trusted_schema = OFF")

@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from supervisor.errors import JournalUnavailable, RunNotFound
-from supervisor.journal import EventRecord, Journal
+from supervisor.store.journal import EventRecord, Journal
 
 __all__ = ["Backlog"]
 

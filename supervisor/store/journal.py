@@ -26,9 +26,9 @@ from typing import Any, Final, Generic, TypeVar, final
 
 import trio
 
-from supervisor._journal_schema import SCHEMA_VERSION, connect
-from supervisor._journal_sessions import SessionRecord, SessionSummary, TurnRecord
-from supervisor._journal_store import (
+from supervisor.store._schema import SCHEMA_VERSION, connect
+from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
+from supervisor.store._ops import (
     EventRecord,
     GroupRecord,
     RunRecord,

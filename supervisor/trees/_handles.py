@@ -22,7 +22,7 @@ import trio
 from subagent.osedge import Proc, ProcessTable, Signalled, Targets
 
 if TYPE_CHECKING:
-    from supervisor.zygote import ForkedProcess
+    from supervisor.trees.zygote import ForkedProcess
 
 __all__ = ["MARKER_VAR", "HOST_VAR", "Tree", "AdoptedTree", "AnyTree", "Found", "SignalSent", "StopReceipt"]
 

@@ -34,7 +34,7 @@ signal: ``process.py`` sends them all, through the OS edge.
 # clock ticks (field 22 of /proc/<pid>/stat), and callers compare it before they act
 # (``subagent.osedge``).
 #
-# Whose subtree is it: see ``supervisor._cgroupfs`` (a flock on the subtree's directory,
+# Whose subtree is it: see ``supervisor.trees._cgroupfs`` (a flock on the subtree's directory,
 # which holds across PID namespaces). A daemon whose own subtree vanished anyway makes it
 # again, or says so in ``problem`` (shown by ``status``).
 #
@@ -68,8 +68,8 @@ from typing import TYPE_CHECKING, Final, final
 import trio
 
 from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch, parse_var
-from supervisor import _cgroupfs
-from supervisor._tree import HOST_VAR, MARKER_VAR, AnyTree, Tree
+from supervisor.trees import _cgroupfs
+from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AnyTree, Tree
 
 if TYPE_CHECKING:
     from supervisor.config import Config

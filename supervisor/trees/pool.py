@@ -27,14 +27,14 @@ import trio
 
 from subagent.approvals import ANSWERS_ENV
 from subagent.sandbox import SANDBOX_ENV, Settings
-from supervisor import process
-from supervisor.approvals import make_channel, remove_channel
+from supervisor.trees import process
+from supervisor.core.approvals import make_channel, remove_channel
 from supervisor.config import Config
-from supervisor.containment import Containment
+from supervisor.trees.containment import Containment
 from supervisor.errors import SpawnError
 
 if TYPE_CHECKING:
-    from supervisor.zygote import Zygote
+    from supervisor.trees.zygote import Zygote
 
 __all__ = ["WarmPool", "Warm", "new_tree", "runner_env", "protected_paths", "sandbox_settings"]
 
@@ -94,7 +94,7 @@ async def new_tree(
     run_dir = config.run_root / tree_id
     await trio.to_thread.run_sync(_make_run_dir, run_dir)
     env = runner_env(run_dir, config=config)
-    # Approvals reach the runner here (supervisor.approvals): beside the run dir, so out
+    # Approvals reach the runner here (supervisor.core.approvals): beside the run dir, so out
     # of its tools' reach; the runner opens it before it sandboxes itself.
     env[ANSWERS_ENV] = str(await trio.to_thread.run_sync(make_channel, run_dir))
     if extra_env:

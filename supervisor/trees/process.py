@@ -54,10 +54,10 @@ from subagent.osedge import (
     signal_group,
     signal_process,
 )
-from supervisor import _windows
-from supervisor._drain import DRAIN_AFTER_EXIT_S, drain_bounded
-from supervisor._tree import HOST_VAR, MARKER_VAR, AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
-from supervisor.containment import CGROUP, GROUP, SETTLED_S, SUBREAPER_SWEEP, Containment, reap_adopted_zombies
+from supervisor.trees import _windows
+from supervisor.trees._drain import DRAIN_AFTER_EXIT_S, drain_bounded
+from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
+from supervisor.trees.containment import CGROUP, GROUP, SETTLED_S, SUBREAPER_SWEEP, Containment, reap_adopted_zombies
 from supervisor.errors import SpawnError
 
 __all__ = [

@@ -23,10 +23,10 @@ import psutil
 import pytest
 import trio
 
-from subagent import browser
+from subagent.tools import browser
 from supervisor.config import Config
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 from tests import browser_support as bs
 from tests import conftest
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from subagent import browser
+from subagent.tools import browser
 from supervisor.config import Config
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 from tests import browser_support as bs
 from tests import conftest
 from tests.supervisor.test_stop_tools import running, wait_event

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.client import Client
+from supervisor.control.client import Client
 
 AGENTD = str(Path(sys.executable).with_name("agentd"))
 

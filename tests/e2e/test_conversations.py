@@ -2,7 +2,7 @@
 
 Real daemon processes (``tests/children/daemon_main.py``), the real runner, a real SQLite
 journal and websocket. The model is the real ``openai`` client against
-``subagent.fake_openai`` (which, like the real API, refuses a history with a tool call that
+``subagent.model.fake_openai`` (which, like the real API, refuses a history with a tool call that
 has no result), so the test reads the very request the next turn sent.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from subagent.fake_openai import FakeOpenAI
+from subagent.model.fake_openai import FakeOpenAI
 from tests.supervisor.test_restart_stop import daemon, kill9
 
 # Bounds one scenario (daemon starts, runner starts with openai imported, a stop).

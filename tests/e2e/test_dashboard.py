@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.client import Client
+from supervisor.control.client import Client
 from tests.browser_support import CHROMIUM, LocalSite
 from tests.conftest import require
 

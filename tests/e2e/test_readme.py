@@ -6,7 +6,7 @@ script) and the placeholders ``RUN`` and ``CALL`` are replaced, and the files an
 names (``my-script.json``, ``MY_OPENAI_KEY``) are provided. Every line has an expectation
 below (its documented output shape and exit code); a line added to the README without one
 fails the walk. The daemon is a real ``agentd serve``; the model key line talks to
-``subagent.fake_openai`` through ``OPENAI_BASE_URL`` in the daemon's environment.
+``subagent.model.fake_openai`` through ``OPENAI_BASE_URL`` in the daemon's environment.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import trio
 
-from subagent.fake_openai import FakeOpenAI
-from supervisor.client import Client
+from subagent.model.fake_openai import FakeOpenAI
+from supervisor.control.client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTD = str(Path(sys.executable).with_name("agentd"))

@@ -30,7 +30,7 @@ from subagent import _landlock
 from supervisor.config import Config
 from supervisor.daemon import serve
 from supervisor.errors import SpawnError
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 from tests import conftest
 
 CHILDREN = Path(__file__).resolve().parent.parent / "children"
@@ -333,7 +333,7 @@ def _status_field(pid: int, name: str) -> str:
 @pytest.mark.chromium
 @pytest.mark.parametrize("state_dir", ["tmp"], indirect=True)
 async def test_chromium_keeps_its_own_sandbox_in_a_browser_run(daemon: Daemon) -> None:
-    from subagent import browser
+    from subagent.tools import browser
     from tests import browser_support as bs
 
     bs.require_browser()

@@ -40,7 +40,7 @@ import trio
 
 from subagent import _landlock
 from subagent.sandbox import PRIVATE_DIRS
-from supervisor.client import Client
+from supervisor.control.client import Client
 from tests import conftest
 from tests.e2e.test_sandbox import (
     CONNECT, GRANDCHILD, MODEL_KEY, OTHER_SECRET, PROBE_SERVER, check_shell_probe, command, journal_ok, scripted,
@@ -436,7 +436,7 @@ def _status_field(pid: int, name: str) -> str:
 @pytest.mark.chromium
 @pytest.mark.parametrize("place", ["home"], indirect=True)
 async def test_chromium_keeps_its_own_sandbox_under_a_users_daemon(user_daemon: UserDaemon) -> None:
-    from subagent import browser
+    from subagent.tools import browser
     from tests import browser_support as bs
 
     bs.require_browser()

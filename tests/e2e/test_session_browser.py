@@ -21,7 +21,7 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 from tests import browser_support as bs
 from tests import conftest
 

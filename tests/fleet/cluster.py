@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from supervisor.client import Client
+from supervisor.control.client import Client
 from tests.conftest import ProcId, _root_pid, descendants, kill_exactly
 
 AGENTD = str(Path(sys.executable).with_name("agentd"))

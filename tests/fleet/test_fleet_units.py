@@ -16,7 +16,7 @@ from supervisor.fleet._index import Index
 def test_the_single_machine_cli_and_daemon_modules_never_import_ray(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "import supervisor, supervisor.cli, supervisor.daemon, supervisor.runs, supervisor.fleet\n"
+        "import supervisor, supervisor.cli, supervisor.daemon, supervisor.core.runs, supervisor.fleet\n"
         "from click.testing import CliRunner\n"
         "from supervisor.cli import cli\n"
         f"r = CliRunner().invoke(cli, ['--state-dir', {str(tmp_path)!r}, 'status'])\n"

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import trio
 
-from subagent import browser
-from subagent.browser import BrowserSetupError, browser_server_config, check_browser, find_chromium
+from subagent.tools import browser
+from subagent.tools.browser import BrowserSetupError, browser_server_config, check_browser, find_chromium
 
 # --- fakes: executables that exist, so the unit tests need no real node or Chromium -----
 
@@ -120,7 +120,7 @@ def test_everything_the_browser_writes_is_under_the_run_dir(
 def test_env_carries_agentd_markers_and_nothing_else_from_the_caller(
     tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from subagent.mcp_spawn import server_env
+    from subagent.tools.mcp_spawn import server_env
     from subagent.spec import McpServerSpec
 
     monkeypatch.setenv("AGENTD_TREE", "tree-123")
@@ -718,7 +718,7 @@ async def test_runner_without_chromium_fails_setup_with_what_to_install(
 def test_the_preset_imports_only_the_stdlib() -> None:
     """The daemon imports it at spawn time: no trio, mcp, psutil or playwright behind it."""
     code = (
-        "import sys, subagent.browser; "
+        "import sys, subagent.tools.browser; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "{'trio', 'mcp', 'anyio', 'psutil', 'playwright', 'pydantic', 'openai', 'supervisor'}))"
     )

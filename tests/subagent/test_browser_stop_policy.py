@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import trio
 
-from subagent.browser import browser_server_config
+from subagent.tools.browser import browser_server_config
 from subagent.spec import StopPolicySpec
 from subagent.stop_policy import mcp_policy
 from tests import browser_support as bs

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from subagent import commands
-from subagent.commands import CommandOutcome, format_outcome, run_command
+from subagent.tools import commands
+from subagent.tools.commands import CommandOutcome, format_outcome, run_command
 
 
 async def _run(cmd: str, *, timeout_s: float = 10, max_output_bytes: int = 1000, interrupt: trio.CancelScope | None = None, cwd: str | None = None) -> tuple[CommandOutcome, list[tuple[int, bool]]]:

@@ -6,7 +6,7 @@ import openai
 import pytest
 import trio
 
-from subagent.fake_openai import FakeOpenAI
+from subagent.model.fake_openai import FakeOpenAI
 
 # The SDK leaves its inner async generators unexhausted after [DONE]; trio reports them at
 # GC as ResourceWarnings. That is the SDK's business, not the server's.

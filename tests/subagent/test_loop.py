@@ -12,11 +12,11 @@ import trio
 from subagent.emit import Emitter
 from subagent.events import ExitCode, RunStatus, ToolCallState
 from subagent.loop import AgentLoop
-from subagent.script import Script
-from subagent.scripted import ScriptedProvider
+from subagent.model.script import Script
+from subagent.model.scripted import ScriptedProvider
 from subagent.spec import RunSpec
 from subagent.stop import StopControl
-from subagent.tools import ToolBox, ToolOutcome
+from subagent.tools.toolbox import ToolBox, ToolOutcome
 
 
 def make_loop(tmp_path: Path, script: dict[str, Any], **limits: Any) -> AgentLoop:

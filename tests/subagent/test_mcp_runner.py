@@ -172,12 +172,12 @@ async def test_a_server_that_dies_mid_call_gives_an_unknown_outcome_and_the_run_
 
 
 def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import subagent
+    import subagent.tools
     from subagent.run import SetupFailure, _server_specs
     from subagent.spec import RunSpec
 
-    monkeypatch.setitem(sys.modules, "subagent.browser", None)  # import fails
-    monkeypatch.delattr(subagent, "browser", raising=False)
+    monkeypatch.setitem(sys.modules, "subagent.tools.browser", None)  # import fails
+    monkeypatch.delattr(subagent.tools, "browser", raising=False)
     spec_obj = RunSpec.from_dict({"task": "t", "browser": True}, env={})
     with pytest.raises(SetupFailure) as info:
         _server_specs(spec_obj, tmp_path, AsyncExitStack())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from subagent.commands import SUBTREE_VAR
-from subagent.mcp_spawn import SDK_INHERITED_ENV_VARS, server_env
+from subagent.tools.commands import SUBTREE_VAR
+from subagent.tools.mcp_spawn import SDK_INHERITED_ENV_VARS, server_env
 from subagent.spec import McpServerSpec
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from subagent.model import REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE, TurnAssembler
+from subagent.model.provider import REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE, TurnAssembler
 
 
 def test_a_finished_turn_with_valid_arguments_is_runnable() -> None:

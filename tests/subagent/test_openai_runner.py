@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from subagent.events import EventKind, ExitCode
-from subagent.fake_openai import FakeOpenAI
+from subagent.model.fake_openai import FakeOpenAI
 from tests.subagent.harness import runner_env, start_runner
 
 TWO_COMMANDS = {

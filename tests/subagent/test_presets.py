@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from subagent import browser, presets
+from subagent import presets
+from subagent.tools import browser
 
 
 def test_a_spec_without_presets_passes_and_one_whose_browser_cannot_start_is_refused(

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from subagent.script import DEFAULT_SCRIPT, Script, ScriptError, history_position, plan
+from subagent.model.script import DEFAULT_SCRIPT, Script, ScriptError, history_position, plan
 
 
 def kinds(pieces: list[Any]) -> list[str]:

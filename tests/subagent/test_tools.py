@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from subagent.spec import Limits
-from subagent.tools import ToolBox, bound_text
+from subagent.tools.toolbox import ToolBox, bound_text
 
 
 @dataclass

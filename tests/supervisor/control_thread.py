@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from supervisor import control
+from supervisor.control import server as control
 from supervisor.config import Config
 from tests.supervisor.fake_backend import FakeBackend
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from supervisor import _wsclient
-from supervisor import client as client_mod
+from supervisor.control import _wsclient
+from supervisor.control import client as client_mod
 from supervisor.cli import ExitCode, build_spec, cli, format_event
 from tests.supervisor.control_thread import ServerThread
 
@@ -292,7 +292,7 @@ def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, f
     """A real journal file with one run and its events, written and closed: no daemon."""
     import trio
 
-    from supervisor.journal import Journal
+    from supervisor.store.journal import Journal
     from supervisor.states import RunState
 
     async def write() -> None:

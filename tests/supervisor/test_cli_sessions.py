@@ -11,7 +11,7 @@ import pytest
 
 from supervisor.cli import ExitCode
 from supervisor.errors import ControlProtocolError
-from supervisor.sessions import SessionNotFound
+from supervisor.core.sessions import SessionNotFound
 from tests.supervisor.control_thread import ServerThread
 from tests.supervisor.test_cli import run
 

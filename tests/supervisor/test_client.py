@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from supervisor import _wsclient
-from supervisor import control
-from supervisor.client import Client, ConnectionLost, Unauthorized
+from supervisor.control import _wsclient
+from supervisor.control import server as control
+from supervisor.control.client import Client, ConnectionLost, Unauthorized
 from supervisor.errors import ControlProtocolError, DaemonNotRunning, RunNotFound, SpawnError
 from tests.supervisor.control_thread import ServerThread
 from tests.supervisor.fake_backend import FakeBackend
@@ -311,7 +311,7 @@ def test_a_wrong_token_is_refused(server: ServerThread) -> None:
 
 def test_the_client_module_imports_neither_trio_nor_openai_nor_mcp() -> None:
     code = (
-        "import sys, supervisor.client; "
+        "import sys, supervisor.control.client; "
         "print(sorted(m for m in ('trio', 'trio_websocket', 'openai', 'mcp', 'httpx2') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

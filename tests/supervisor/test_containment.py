@@ -1,4 +1,4 @@
-"""Containment set-up, cgroup bookkeeping and adopted-zombie reaping (supervisor/containment.py)."""
+"""Containment set-up, cgroup bookkeeping and adopted-zombie reaping (supervisor/trees/containment.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor import _cgroupfs
-from supervisor import containment as containment_mod
-from supervisor import process
+from supervisor.trees import _cgroupfs
+from supervisor.trees import containment as containment_mod
+from supervisor.trees import process
 from subagent.osedge import LINUX, Proc
-from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
+from supervisor.trees.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
 from tests import conftest
 from tests.fake_kernel import ME, FakeKernel
 

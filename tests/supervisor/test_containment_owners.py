@@ -20,7 +20,7 @@ import trio
 
 from tests.conftest import require
 from tests.supervisor.real_daemon import Client, Daemon, real_daemon
-from supervisor import _cgroupfs
+from supervisor.trees import _cgroupfs
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 WAIT_S = 20.0

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tests.supervisor.fake_backend import FakeBackend
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
-from supervisor import control
+from supervisor.control import server as control
 from supervisor.config import Config
 from supervisor.errors import RunNotFound
 
@@ -299,7 +299,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
                 dropped.set()
 
     handler = Watch()
-    logging.getLogger("supervisor.control").addHandler(handler)
+    logging.getLogger("supervisor.control.server").addHandler(handler)
     try:
         async with connect(srv) as stalled:
             await stalled.ok("subscribe", run_id=run)
@@ -309,7 +309,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
             async with connect(srv) as other:
                 assert (await other.ok("status", run_id=run))["state"] == "running"
     finally:
-        logging.getLogger("supervisor.control").removeHandler(handler)
+        logging.getLogger("supervisor.control.server").removeHandler(handler)
     assert b.cancels == []
 
 

@@ -1,6 +1,6 @@
 """The control socket lets the dashboard's page in by its session cookie, and no one else.
 
-The one addition to ``supervisor.control`` for the dashboard: ``session_ok`` (here the real
+The one addition to ``supervisor.control.server`` for the dashboard: ``session_ok`` (here the real
 ``dashboard.Sessions.handshake_ok``) accepts a browser handshake that carries a signed-in
 session cookie from the dashboard's own origin, instead of the token. Everything else
 about access stays as it was: a foreign origin is refused even with a valid cookie.
@@ -16,9 +16,10 @@ import trio
 from tests.supervisor.fake_backend import FakeBackend
 from trio_websocket import open_websocket_url
 
-from supervisor import _dashlink, control
+from supervisor.control import _dashlink
+from supervisor.control import server as control
 from supervisor.config import Config
-from supervisor.dashboard import Sessions
+from supervisor.control.dashboard import Sessions
 
 TOKEN = "control-token-for-the-session-test"
 DASH_PORT = 45678

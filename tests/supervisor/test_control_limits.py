@@ -17,8 +17,8 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed
 
-from supervisor import control
-from supervisor._conn_limits import fd_connection_cap
+from supervisor.control import server as control
+from supervisor.control._conn_limits import fd_connection_cap
 from tests.supervisor.fake_backend import FakeBackend
 from tests.supervisor.test_control import TOKEN, WAIT_S, Server, connect, start_server
 
@@ -163,7 +163,7 @@ async def test_a_slow_subscribers_buffer_is_bounded_in_bytes_and_it_still_gets_e
     backend = PagedBackend()
     srv = await start_server(nursery, tmp_path, backend, limits=control.Limits(subscriber_bytes=20_000))
     run = backend.add_run()
-    caplog.set_level(logging.INFO, "supervisor.control")
+    caplog.set_level(logging.INFO, "supervisor.control.server")
     async with connect(srv) as peer:
         await peer.ok("subscribe", run_id=run)
         assert (await peer.recv())["seq"] == 1

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import _dashlink
-from supervisor.dashboard._app import DashboardApp, Request, Response
-from supervisor.dashboard._server import load_static
-from supervisor.dashboard._sessions import SESSION_IDLE_S, LoginRefused, Sessions
+from supervisor.control import _dashlink
+from supervisor.control.dashboard._app import DashboardApp, Request, Response
+from supervisor.control.dashboard._server import load_static
+from supervisor.control.dashboard._sessions import SESSION_IDLE_S, LoginRefused, Sessions
 
 TOKEN = "control-token-abc"
 PORT = 41234
@@ -299,7 +299,7 @@ def test_the_package_data_covers_every_static_file() -> None:
     import tomllib
 
     pyproject = tomllib.loads((STATIC.parents[2] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["supervisor.dashboard"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["supervisor.control.dashboard"]
     shipped = {str(p.relative_to(STATIC.parent)) for pat in patterns for p in STATIC.parent.glob(pat)}
     on_disk = {str(p.relative_to(STATIC.parent)) for p in STATIC.rglob("*") if p.is_file()}
     assert on_disk == shipped

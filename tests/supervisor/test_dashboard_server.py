@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor import _dashlink
+from supervisor.control import _dashlink
 from supervisor.config import Config
-from supervisor.dashboard import Sessions, serve_dashboard
-from supervisor.dashboard import _server
+from supervisor.control.dashboard import Sessions, serve_dashboard
+from supervisor.control.dashboard import _server
 
 TOKEN = "token-for-the-server-test"
 WAIT_S = 5.0

@@ -24,8 +24,8 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
-from supervisor._lifecycle import Lifecycle
+from supervisor.core.runs import RunManager
+from supervisor.core._lifecycle import Lifecycle
 from tests.conftest import require
 from tests.supervisor.real_daemon import Client, Daemon, real_daemon
 from tests.supervisor.test_runs import FAKE, task, tree_alive
@@ -350,7 +350,7 @@ def test_a_proc_scan_without_a_free_fd_fails_softly_and_is_retried() -> None:
     code = """
 import logging, os, resource, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-from supervisor.containment import Containment
+from supervisor.trees.containment import Containment
 c = Containment.setup(cgroups="off")
 spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
 used = len(os.listdir("/proc/self/fd")) - 1  # the listing counts its own fd

@@ -15,9 +15,9 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor import _journal_schema
+from supervisor.store import _schema as _journal_schema
 from supervisor.errors import JournalError, RunNotFound
-from supervisor.journal import SCHEMA_VERSION, Journal
+from supervisor.store.journal import SCHEMA_VERSION, Journal
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
 S = RunState
@@ -825,7 +825,7 @@ async def test_facts_recovery_needs_are_committed_fsynced_and_the_stream_is_not(
 
 _CHILD = """
 import os, signal, sys, trio
-from supervisor.journal import Journal
+from supervisor.store.journal import Journal
 from supervisor.states import RunState as S
 
 async def main(path):
@@ -876,7 +876,7 @@ async def test_text_sqlite_cannot_bind_is_stored_escaped_not_refused(journal: Jo
 
 
 def test_store_conditions_are_unavailable_and_statement_errors_are_not() -> None:
-    from supervisor import journal as journal_mod
+    from supervisor.store import journal as journal_mod
     from supervisor.errors import JournalUnavailable
 
     full = sqlite3.OperationalError("database or disk is full")

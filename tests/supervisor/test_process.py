@@ -1,4 +1,4 @@
-"""Real-process tests of spawn, path A and path B (supervisor/process.py).
+"""Real-process tests of spawn, path A and path B (supervisor/trees/process.py).
 
 Children live in tests/children/tree_*.py and report their pids on stdout; every wait is
 bounded by fail_after, and nothing sleeps to synchronise. Each tree is checked by pid and
@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor import process
+from supervisor.trees import process
 from subagent.osedge import LINUX, Proc
-from supervisor.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
-from supervisor.process import Tree
+from supervisor.trees.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
+from supervisor.trees.process import Tree
 from tests import conftest
 
 CHILDREN = Path(__file__).resolve().parents[1] / "children"
@@ -148,7 +148,7 @@ async def test_a_child_ignoring_sigterm_is_sigkilled_at_the_grace(
     c = make_containment(SUBREAPER_SWEEP)
     tree = await spawn("tree_ignore_term.py", containment=c)
     assert await read_line(tree) == b"ready"
-    caplog.set_level(logging.WARNING, logger="supervisor.process")
+    caplog.set_level(logging.WARNING, logger="supervisor.trees.process")
     with trio.fail_after(GRACE_S + 5):
         receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
     assert receipt.escalated

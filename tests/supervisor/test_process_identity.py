@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from subagent.osedge import Proc, ProcessTable
-from supervisor import process
-from supervisor.containment import Containment
-from supervisor.process import AdoptedTree
+from supervisor.trees import process
+from supervisor.trees.containment import Containment
+from supervisor.trees.process import AdoptedTree
 from tests import conftest
 from tests.fake_kernel import FakeKernel
 

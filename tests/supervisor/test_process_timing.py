@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from subagent.osedge import ProcessTable
-from supervisor import process
-from supervisor.process import AdoptedTree
+from supervisor.trees import process
+from supervisor.trees.process import AdoptedTree
 from tests.fake_kernel import FakeKernel
 
 PID = 4242

@@ -1,10 +1,10 @@
-"""The taskkill command lines of supervisor/_windows.py (pure: tested on every OS)."""
+"""The taskkill command lines of supervisor/trees/_windows.py (pure: tested on every OS)."""
 
 from __future__ import annotations
 
 import pytest
 
-from supervisor._windows import hard_kill_command, soft_kill_command
+from supervisor.trees._windows import hard_kill_command, soft_kill_command
 
 
 def test_the_soft_kill_asks_the_whole_tree_to_end() -> None:

@@ -1,5 +1,5 @@
 from subagent.events import BadLine, Event, EventKind, encode_event, make_event
-from supervisor.progress import LineSplitter
+from supervisor.core.progress import LineSplitter
 
 
 def test_events_split_across_chunks_are_reassembled() -> None:

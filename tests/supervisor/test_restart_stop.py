@@ -156,7 +156,7 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
 async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next_daemon(tmp_path: Path) -> None:
     from supervisor.config import Config
     from supervisor.daemon import serve
-    from supervisor.journal import Journal
+    from supervisor.store.journal import Journal
 
     config = Config.load(state_dir=tmp_path / "state", environ={})
     config.state_dir.mkdir(parents=True)

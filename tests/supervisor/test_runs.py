@@ -20,7 +20,7 @@ import trio
 from supervisor.config import Config
 from supervisor.daemon import serve
 from supervisor.errors import RunNotFound
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 
 CHILDREN = Path(__file__).parent.parent / "children"
 FAKE = [sys.executable, str(CHILDREN / "fake_runner.py")]
@@ -238,7 +238,7 @@ async def test_daemon_shutdown_cancels_every_live_run(tmp_path: Path, monkeypatc
             for rid in ids:
                 await _wait_event(Daemon(m, config), rid, "step_snapshot")
             stop.set()
-    from supervisor.journal import Journal
+    from supervisor.store.journal import Journal
 
     j = await Journal.open(config.journal_path)
     try:

@@ -12,7 +12,7 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 
 
 @pytest.fixture

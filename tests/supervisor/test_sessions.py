@@ -14,11 +14,11 @@ import pytest
 import trio
 
 from subagent.history import STOP_NOTES
-from supervisor.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
+from supervisor.core.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError
-from supervisor.journal import Journal
-from supervisor.sessions import SessionDesk, SessionNotFound, history_messages, session_key
+from supervisor.store.journal import Journal
+from supervisor.core.sessions import SessionDesk, SessionNotFound, history_messages, session_key
 from supervisor.states import RunState
 
 

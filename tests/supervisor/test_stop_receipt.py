@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor._stop_receipt import describe_tool_stops, duration_text
+from supervisor.core._stop_receipt import describe_tool_stops, duration_text
 
 T = 1_700_000_000.0
 

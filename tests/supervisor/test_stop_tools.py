@@ -22,7 +22,7 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 
 CHILDREN = Path(__file__).resolve().parent.parent / "children"
 STOP_SERVER = str(CHILDREN / "mcp_stop_server.py")

@@ -1,4 +1,4 @@
-from supervisor.token import CancelToken
+from supervisor.core.token import CancelToken
 
 
 def test_cancel_on_a_live_token_reports_active_and_keeps_the_first_reason() -> None:

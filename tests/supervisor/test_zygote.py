@@ -25,7 +25,7 @@ import trio
 from supervisor.config import Config
 from subagent.osedge import LINUX, parse_var
 from supervisor.daemon import serve
-from supervisor.runs import RunManager
+from supervisor.core.runs import RunManager
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 
@@ -393,7 +393,7 @@ async def test_a_runs_secrets_reach_its_forked_runner_and_never_the_zygote(tmp_p
 async def test_a_zygote_that_cannot_start_is_given_up_and_runs_stay_cold(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from supervisor import zygote as zygote_mod
+    from supervisor.trees import zygote as zygote_mod
 
     monkeypatch.setattr(zygote_mod, "RESTART_BACKOFF_S", 0.01)
     not_python = tmp_path / "not-python"

@@ -19,7 +19,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from supervisor import protocol
-from supervisor._statefiles import read_endpoint, read_token
+from supervisor.control._statefiles import read_endpoint, read_token
 from supervisor.config import ENDPOINT_FILE, JOURNAL_FILE, TOKEN_FILE
 
 
@@ -37,7 +37,7 @@ async def call(state_dir: Path, op: str, args: dict[str, object]) -> dict[str, o
 
 
 async def read_run(state_dir: Path, run_id: str) -> dict[str, object] | None:
-    from supervisor.journal import Journal
+    from supervisor.store.journal import Journal
 
     journal = await Journal.open(state_dir / JOURNAL_FILE)
     try:

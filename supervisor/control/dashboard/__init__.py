@@ -2,13 +2,13 @@
 
 An HTTP server of its own on a loopback port (``_server``), routes with no I/O (``_app``),
 sign-in by one-time link and session cookie (``_sessions``; links are minted by
-``supervisor._dashlink``), and the page itself: plain HTML, CSS and JavaScript modules
+``supervisor.control._dashlink``), and the page itself: plain HTML, CSS and JavaScript modules
 under ``static/``, shipped as package data, no build step. The page talks to the control
 socket with its session cookie; see ``docs/dashboard.md``.
 """
 
-from supervisor.dashboard._server import dashboard_url as dashboard_url
-from supervisor.dashboard._server import serve_dashboard as serve_dashboard
-from supervisor.dashboard._sessions import Sessions as Sessions
+from supervisor.control.dashboard._server import dashboard_url as dashboard_url
+from supervisor.control.dashboard._server import serve_dashboard as serve_dashboard
+from supervisor.control.dashboard._sessions import Sessions as Sessions
 
 __all__ = ["serve_dashboard", "dashboard_url", "Sessions"]

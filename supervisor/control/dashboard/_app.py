@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
-from supervisor.dashboard._sessions import LoginRefused, Sessions
+from supervisor.control.dashboard._sessions import LoginRefused, Sessions
 
 __all__ = ["Request", "Response", "DashboardApp", "CONTENT_TYPES"]
 

@@ -19,8 +19,8 @@ import h11
 import trio
 
 from supervisor.config import Config
-from supervisor.dashboard._app import DashboardApp, Request, Response
-from supervisor.dashboard._sessions import Sessions
+from supervisor.control.dashboard._app import DashboardApp, Request, Response
+from supervisor.control.dashboard._sessions import Sessions
 
 __all__ = ["serve_dashboard", "load_static", "dashboard_url"]
 
@@ -54,7 +54,7 @@ def load_static() -> dict[str, bytes]:
             elif child.is_file() and not child.name.startswith("."):
                 out[prefix + child.name] = child.read_bytes()
 
-    walk(resources.files("supervisor.dashboard") / "static", "")
+    walk(resources.files("supervisor.control.dashboard") / "static", "")
     return out
 
 

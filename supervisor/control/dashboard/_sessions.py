@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
-from supervisor import _dashlink
+from supervisor.control import _dashlink
 
 __all__ = ["Sessions", "LoginRefused", "LOOPBACK_NAMES"]
 

@@ -2,7 +2,7 @@
 //
 // Read generically: known fields make the one-line summary, and the whole receipt is also
 // rendered as is (renderValue), so fields added by a later daemon show up without a change
-// here. Known today (supervisor/runs.py _receipt_head, supervisor/_tree.py StopReceipt):
+// here. Known today (supervisor/core/runs.py _receipt_head, supervisor/trees/_handles.py StopReceipt):
 // cancel_reason, path_a, containment, exit_code, cancel_to_tree_dead_s, note, and path_b
 // {escalated, waited_s, grace_s, leader, pid, signals, killed, reaped, survivors, timed_out}.
 // Fields a later daemon may add and that are used when present: processes_ended, and

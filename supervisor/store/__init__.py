@@ -1,0 +1,9 @@
+"""The durable store: the journal (SQLite, WAL, one worker thread) and its backlog.
+
+``journal`` (``Journal``: the async API the daemon uses), ``_ops`` and ``_sessions``
+(its operations, one transaction each, on the worker's connection), ``_schema``
+(schema and migrations), ``_read`` (a read-only view for a CLI with no daemon) and
+``backlog`` (a run's writes kept in order in memory while the journal cannot be written).
+
+Imports nothing on purpose: ``agentd logs`` imports ``supervisor.store._read`` alone.
+"""
