@@ -7,6 +7,9 @@ The provider default ("openai" when a model ``name`` is given or ``OPENAI_API_KE
 set, else "scripted") is resolved at validation time, from the environment passed in
 (``os.environ`` by default): a model asked for by name is never silently replaced by the
 scripted one.
+
+Size: the run spec is one contract, validated field by field (one small parser each):
+the daemon and the runner must agree on it exactly.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ code, so the server answers every malformed message and lives on. It is total: w
 fail later (a lone surrogate that SQLite cannot store, an integer no float or C long
 holds, an infinity, nesting that would overflow an encoder's recursion) is refused here,
 at the edge. Encoding is total too: a reply is always valid JSON (no NaN, no Infinity).
+
+Size: the whole control contract in one place (one request shape per op, one decoder
+each, the error codes): splitting it would scatter a contract clients read as a table.
 """
 
 from __future__ import annotations

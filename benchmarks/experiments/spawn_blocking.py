@@ -1,7 +1,7 @@
 """Experiment: how long does starting one runner block the daemon's event loop, and what
 would spawning without ``preexec_fn`` (cgroup joined by an exec wrapper) change?
 
-Monkeypatches ``supervisor.trees.process._open_leader`` in this process only (no file is
+Monkeypatches ``supervisor.trees._spawn._open_leader`` in this process only (no file is
 edited), runs a cold burst of N spawns (``bench_spawn.burst``) and reports the time each
 ``open_process`` call held the Trio thread, and the burst's spawn -> first step.
 

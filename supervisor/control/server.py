@@ -19,6 +19,9 @@ duplicate: the live channel is opened first and drained into a local buffer, the
 is replayed, then live events are forwarded if newer than the last one sent; a jump in
 ``seq`` (a dropped event) is filled from the journal, which holds every event before it
 is delivered live.
+
+Size: one connection's protocol (read loop, dispatch of every op, subscriptions with
+replay and gap filling, limits); the access checks and limits' bookkeeping are elsewhere.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ written; the terminal fact is a compare-and-set in the journal, so a cancel raci
 completion yields one outcome, the true one; a stop is never recorded as failed. A run's
 task never lets an exception out: a failure in one run's bookkeeping ends that run
 alone, with its tree stopped.
+
+Size: the control socket's backend, one method per op; a run's supervision, its facts
+and recovery are in ``_lifecycle``, ``_book`` and ``recovery``.
 """
 
 from __future__ import annotations

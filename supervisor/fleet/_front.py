@@ -22,6 +22,9 @@ resource), one live turn at a time here as on the node (``session_busy``, or
 ``interrupt``: the live turn is cancelled and waited for). ``approve``/``deny`` go to the
 run's node; ``history`` and ``session_close`` to the session's node (run ids mapped back
 to the fleet's); ``sessions`` is read from the front's index.
+
+Size: the front is the fleet's ``Backend``: one method per control op, each routing to a
+node; the placement, index and node links already live in their own modules.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ compare-and-set is in the WHERE clause of the UPDATE that makes it; the schema's
 snapshots) with NORMAL: they survive a daemon crash, and a power loss can drop only a
 suffix of them, never one that a later FULL commit covered, so sequence numbers stay
 gapless.
+
+Size: one method per journal operation, each one transaction, on one connection; the
+schema, the session operations and the async front are in their own modules.
 """
 
 from __future__ import annotations

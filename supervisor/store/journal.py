@@ -10,6 +10,9 @@ fact (or a state, a pid, a group) was fsynced first. Errors reach callers as
 condition of the store rather than of the data (disk full, read-only, I/O error) is a
 ``JournalUnavailable``, which the same call may not meet later. Text that SQLite cannot
 store (lone surrogates) is written with those characters escaped, never refused.
+
+Size: the async face of every journal operation (one short method each, in the worker
+thread), plus the typed records callers read.
 """
 
 from __future__ import annotations

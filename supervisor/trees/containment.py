@@ -56,20 +56,26 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, final
 
 import trio
 
-from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch, parse_var
+from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch
 from supervisor.trees import _cgroupfs
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AnyTree, Tree
+from supervisor.trees._reaping import (
+    Wakeup,
+    in_settled_tree,
+    mark_host,
+    open_sigchld,
+    reap_adopted_zombies,
+    scrubbed_orphan,
+)
 
 if TYPE_CHECKING:
     from supervisor.config import Config
@@ -115,74 +121,6 @@ SETTLED_S: Final = 1.0
 # in one process (tests) share it, and the last one to close drops it.
 _subreaper_lock = threading.Lock()
 _subreaper_users = 0
-
-
-def _mark_host(table: ProcessTable) -> str:
-    """Put this process's identity in its environment, for whatever it forks from now on."""
-    me = table.read(os.getpid())
-    identity = f"{os.getpid()}:{me.start_ticks if me is not None else 0}"
-    os.environ[HOST_VAR] = identity
-    return identity
-
-
-def _scrubbed_orphan(table: ProcessTable, p: Proc, identity: str) -> bool:
-    """Has this child of ours an environment that is neither a tree's nor ours?
-
-    Not one whose environment cannot be read. (Callers leave out one that started less
-    than ``SETTLED_S`` ago: for an instant around exec an environment reads empty.)
-    """
-    env = table.kernel.environ(p.pid)
-    if env is None:
-        return False
-    return parse_var(env, MARKER_VAR) is None and parse_var(env, HOST_VAR) != identity
-
-
-def reap_adopted_zombies(
-    table: ProcessTable,
-    *,
-    seen: Mapping[int, int] | None = None,
-    exclude: Container[int] = (),
-    subtree: str | None = None,
-    settled: Container[str] = (),
-    procs: Mapping[int, Proc] | None = None,
-) -> list[int]:
-    """Reap zombie children of this process that provably were not forked by it.
-
-    Provably adopted: ``seen`` (pid -> start ticks, recorded while it ran as a tree
-    member), or born in another session, or in the cgroup subtree ``subtree``
-    ("/a/b/"), in the cgroup of a ``settled`` tree (one whose leader is known: while a
-    tree is being spawned, a zombie in its cgroup may be the leader Trio has not been told
-    about yet). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
-    """
-    if procs is None:
-        procs = table.scan()
-    me, _pgid, my_sid = table.kernel.own_ids()
-    reaped: list[int] = []
-    for p in procs.values():
-        if p.ppid != me or not p.dead or p.pid in exclude:
-            continue
-        if not (
-            (seen is not None and seen.get(p.pid) == p.start_ticks)
-            or p.sid not in (my_sid, p.pid)
-            or _in_settled_tree(table, p.pid, subtree, settled)
-        ):
-            continue
-        if table.kernel.reap(p.pid):
-            reaped.append(p.pid)
-    return reaped
-
-
-def _in_settled_tree(table: ProcessTable, pid: int, subtree: str | None, settled: Container[str]) -> bool:
-    """Is ``pid`` in the cgroup (below ``subtree``) of a tree in ``settled``?"""
-    if subtree is None:
-        return False
-    path = table.kernel.cgroup(pid) or ""
-    if not path.startswith(subtree):
-        return False
-    return path[len(subtree) :].split("/", 1)[0] in settled
-
-
-# ----------------------------------------------------------------------------- Containment
 
 
 @final
@@ -267,7 +205,7 @@ class Containment:
             made = _cgroupfs.make_subtree(instance, kernel=kernel)
             if made is not None:
                 root, lock = made
-        self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=_mark_host(table))
+        self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=mark_host(table))
         logger.info(
             "containment: %s (cgroup subtree %s, subreaper %s)",
             self.mode,
@@ -389,10 +327,10 @@ class Containment:
         runtime = TrioRuntime(threads=self.table.kernel.blocking)
         await runtime.run_sync(lambda: self._pass(True))
         task_status.started()
-        wake = _Wakeup()
+        wake = Wakeup()
         with contextlib.ExitStack() as stack:
             async with trio.open_nursery() as nursery:
-                sigchld = _open_sigchld(stack) if self.subreaper else None
+                sigchld = open_sigchld(stack) if self.subreaper else None
                 if sigchld is not None:
                     nursery.start_soon(wake.on_signals, sigchld)
                 watch = self._subtree_watch()
@@ -521,10 +459,10 @@ class Containment:
             if (
                 remembered.get(p.pid) == p.start_ticks
                 or p.sid not in (my_sid, p.pid)
-                or _in_settled_tree(self.table, p.pid, subtree, settled)
+                or in_settled_tree(self.table, p.pid, subtree, settled)
             ):
                 out.append(p)
-            elif p.sid == p.pid and not spawning and _scrubbed_orphan(self.table, p, self._host):
+            elif p.sid == p.pid and not spawning and scrubbed_orphan(self.table, p, self._host):
                 # Leads its own session, is no runner of ours and shows neither a tree's
                 # marker nor our environment: an orphan that called setsid() and
                 # scrubbed its environment.
@@ -565,39 +503,3 @@ class Containment:
                 _subreaper_users -= 1
                 if _subreaper_users == 0:
                     self.table.kernel.set_child_subreaper(False)
-
-
-class _Wakeup:
-    """Wakes the reaper: set by its event sources, waited for with a timeout."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    async def wait(self, timeout: float) -> None:
-        with trio.move_on_after(timeout):
-            await self._event.wait()
-        self._event = trio.Event()
-
-    async def on_signals(self, signals: AsyncIterator[int]) -> None:
-        async for _ in signals:
-            self._event.set()
-
-    async def on_readable(self, watch: Watch) -> None:
-        while True:
-            await trio.lowlevel.wait_readable(watch.fd)
-            watch.drain()
-            self._event.set()
-
-
-def _open_sigchld(stack: contextlib.ExitStack) -> AsyncIterator[int] | None:
-    """A Trio receiver of SIGCHLD (a child of ours exited, adopted ones included), or None
-    outside the main thread. Its handler restarts interrupted syscalls (SA_RESTART): the
-    daemon's other threads (the journal's sqlite) never see EINTR from a child's exit."""
-    if not hasattr(signal, "SIGCHLD"):
-        return None
-    try:
-        receiver: AsyncIterator[int] = stack.enter_context(trio.open_signal_receiver(signal.SIGCHLD))
-    except RuntimeError:  # not the main thread
-        return None
-    signal.siginterrupt(signal.SIGCHLD, False)
-    return receiver

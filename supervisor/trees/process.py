@@ -30,11 +30,9 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import trio
 
@@ -56,9 +54,9 @@ from subagent.osedge import (
 )
 from supervisor.trees import _windows
 from supervisor.trees._drain import DRAIN_AFTER_EXIT_S, drain_bounded
-from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
-from supervisor.trees.containment import CGROUP, GROUP, SETTLED_S, SUBREAPER_SWEEP, Containment, reap_adopted_zombies
-from supervisor.errors import SpawnError
+from supervisor.trees._spawn import spawn_tree
+from supervisor.trees._handles import AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
+from supervisor.trees.containment import CGROUP, SETTLED_S, SUBREAPER_SWEEP, Containment, reap_adopted_zombies
 
 __all__ = [
     "DRAIN_AFTER_EXIT_S",
@@ -106,138 +104,6 @@ _POSIX: Final = os.name == "posix"
 # Linux: identity, sweeps and reaping read /proc. Elsewhere only groups are signalled.
 _HAVE_PROC: Final = os.path.exists("/proc/self/stat")
 
-T = TypeVar("T")
-
-
-# ----------------------------------------------------------------------------- spawn
-
-
-async def spawn_tree(
-    argv: Sequence[str],
-    *,
-    env: Mapping[str, str] | None,
-    cwd: str | os.PathLike[str] | None,
-    tree_id: str,
-    containment: Containment | None,
-) -> Tree:
-    """Start ``argv`` as the leader of a new tree: new session, pipes, marker, cgroup.
-
-    The child gets stdin/stdout/stderr pipes, ``env`` (None: this process's environment)
-    plus ``AGENTD_TREE=<tree_id>``, and joins the tree's cgroup before it runs a single
-    instruction of ``argv`` (so before it can fork). There is no checkpoint after the child
-    exists: put its cleanup in place before your next ``await``.
-
-    Raises:
-        SpawnError: the child could not be started (the cause is chained).
-    """
-    if not argv:
-        raise SpawnError("expected a command to run, got an empty argv")
-    if not tree_id or "\0" in tree_id or "/" in tree_id:
-        raise SpawnError(f"expected a tree id without '/' or NUL, got {tree_id!r}")
-    child_env = dict(os.environ if env is None else env)
-    child_env[MARKER_VAR] = tree_id
-    child_env.pop(HOST_VAR, None)  # what the daemon forks besides trees carries it; trees not
-    cgroup = containment.prepare(tree_id) if containment is not None else None
-    try:
-        try:
-            proc = await _open_leader(argv, child_env, cwd, cgroup)
-        except subprocess.SubprocessError:
-            # Only the preexec hook raises this: the child could not join its cgroup and
-            # never ran argv, so starting it again without one is safe.
-            logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
-            if containment is not None and cgroup is not None:
-                _rmdir_quietly(cgroup)
-            cgroup = None
-            proc = await _open_leader(argv, child_env, cwd, None)
-    except BaseException as exc:  # OSError, or a cancel before the child existed
-        if cgroup is not None:
-            _rmdir_quietly(cgroup)
-        if containment is not None:
-            containment.discard(tree_id)
-        if isinstance(exc, OSError):
-            raise SpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
-        raise
-    # No await from here on: the caller must own the child before the next checkpoint.
-    table = containment.table if containment is not None else ProcessTable()
-    leader = table.read(proc.pid) if _HAVE_PROC else None
-    start_time = table.wall_start(leader) if leader is not None else time.time()
-    if containment is not None:
-        label = containment.label(cgroup)
-    else:
-        label = CGROUP if cgroup is not None else GROUP
-    tree = Tree(
-        tree_id=tree_id,
-        pid=proc.pid,
-        pgid=proc.pid,
-        start_time=start_time,
-        cgroup=cgroup,
-        containment=label,
-        process=proc,
-        leader_ticks=leader.start_ticks if leader is not None else None,
-        table=table,
-    )
-    tree.groups[tree.pgid] = tree.leader_ticks
-    tree.pipes = _pipe_inodes(proc)
-    if containment is not None:
-        containment.track(tree)
-    logger.debug("tree %s: spawned pid %d (%s) containment %s", tree_id, proc.pid, argv[0], label)
-    return tree
-
-
-async def _open_leader(
-    argv: Sequence[str],
-    env: dict[str, str],
-    cwd: str | os.PathLike[str] | None,
-    cgroup: Path | None,
-) -> trio.Process:
-    options: dict[str, Any] = {}
-    if _POSIX:
-        options["start_new_session"] = True
-        if cgroup is not None:
-            options["preexec_fn"] = _joiner(os.fsencode(cgroup / "cgroup.procs"))
-    else:
-        options["creationflags"] = getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)
-    return await trio.lowlevel.open_process(
-        list(argv),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=cwd,
-        **options,
-    )
-
-
-def _joiner(procs_file: bytes) -> Callable[[], None]:
-    # Runs in the forked child before exec: raw syscalls only, nothing that takes a lock.
-    def join_cgroup() -> None:
-        fd = os.open(procs_file, os.O_WRONLY)
-        try:
-            os.write(fd, b"0")  # "0": the writing process itself
-        finally:
-            os.close(fd)
-
-    return join_cgroup
-
-
-def _pipe_inodes(proc: trio.Process) -> frozenset[int]:
-    inodes: set[int] = set()
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        fileno = getattr(stream, "fileno", None)
-        if fileno is None:
-            continue
-        try:
-            inodes.add(os.fstat(fileno()).st_ino)
-        except (OSError, ValueError):
-            continue
-    return frozenset(inodes)
-
-
-def _rmdir_quietly(path: Path) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 # ----------------------------------------------------------------------------- reads
@@ -298,7 +164,7 @@ def soft_stop(tree: AnyTree) -> list[str]:
     to signal).
     """
     if not _POSIX:
-        return [_windows_fire(_windows.soft_kill_command(tree.pid))]
+        return [_windows.fire(_windows.soft_kill_command(tree.pid))]
     table = tree.table
     live = table.live_groups(tree.groups)
     if _leader_alive(tree):
@@ -307,18 +173,6 @@ def soft_stop(tree: AnyTree) -> list[str]:
     else:
         targets = live
     return [f"SIGTERM group {g}: {signal_group(table, g, signal.SIGTERM)}" for g in targets]
-
-
-_fired: list[subprocess.Popen[bytes]] = []  # fire-and-forget taskkills, kept until done
-
-
-def _windows_fire(cmd: list[str]) -> str:
-    _fired[:] = [p for p in _fired if p.poll() is None]
-    try:
-        _fired.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    except OSError as exc:
-        return f"{' '.join(cmd)}: {exc}"
-    return f"{' '.join(cmd)}: sent"
 
 
 # ----------------------------------------------------------------------------- path B
@@ -357,7 +211,7 @@ async def terminate_and_kill(tree: AnyTree, *, grace_s: float, sigterm_sent: boo
         if _POSIX:
             await _posix_terminate(tree, grace_s, receipt, sigterm_sent)
         else:
-            await _windows_terminate(tree, grace_s, receipt)
+            await _windows.terminate(tree, grace_s, receipt, kill_wait_s=WINDOWS_KILL_WAIT_S)
     if scope.cancelled_caught:
         receipt.timed_out = True
         if _POSIX:  # late is bad, leaky is worse: one last kill that needs no scan
@@ -463,40 +317,6 @@ async def wait_leader(tree: AnyTree) -> None:
     finally:
         if fd >= 0:
             tree.table.kernel.close(fd)
-
-
-async def _windows_terminate(tree: AnyTree, grace_s: float, r: StopReceipt) -> None:
-    def at() -> float:
-        return round(trio.current_time() - r.started_at, 4)
-
-    async def run(cmd: list[str], name: str) -> None:
-        try:
-            done = await trio.run_process(cmd, check=False, capture_stdout=True, capture_stderr=True)
-            result = "sent" if done.returncode == 0 else f"exit {done.returncode}"
-        except OSError as exc:
-            result = f"error: {exc}"
-        r.signals.append(SignalSent(name, "tree", str(tree.pid), at(), result))
-
-    if not isinstance(tree, Tree):  # no handle on a re-adopted tree's exit: force it
-        await run(_windows.hard_kill_command(tree.pid), "taskkill /F")
-        return
-    if tree.process.returncode is None:
-        await run(_windows.soft_kill_command(tree.pid), "taskkill")
-        with trio.move_on_after(grace_s):
-            await tree.process.wait()
-        r.waited_s = at()
-    r.leader = "exited" if tree.process.returncode is not None else "killed"
-    r.escalated = tree.process.returncode is None
-    if r.escalated:
-        logger.warning("tree %s: pid %d ignored taskkill for %.1f s; forcing", tree.tree_id, tree.pid, r.waited_s)
-    await run(_windows.hard_kill_command(tree.pid), "taskkill /F")
-    with trio.move_on_after(WINDOWS_KILL_WAIT_S):
-        await tree.process.wait()
-    if tree.process.returncode is not None:
-        r.tree_dead_at = trio.current_time()
-        r.tree_dead_after_s = at()
-    else:
-        r.survivors = [{"pid": tree.pid, "cmdline": "", "state": "?"}]
 
 
 # ----------------------------------------------------------------------------- liveness

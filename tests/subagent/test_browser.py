@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import trio
 
-from subagent.tools import browser
+from subagent.tools import browser, browser_setup
 from subagent.tools.browser import BrowserSetupError, browser_server_config, check_browser, find_chromium
 
 # --- fakes: executables that exist, so the unit tests need no real node or Chromium -----
@@ -66,10 +66,10 @@ def nothing_installed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -
     """A machine without Chromium, node or the npm install."""
     for var in ("AGENTD_NODE", "AGENTD_CHROMIUM", "AGENTD_PLAYWRIGHT_MCP"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", tmp_path / "no" / "chromium")
+    monkeypatch.setattr(browser_setup, "DEBIAN_CHROMIUM", tmp_path / "no" / "chromium")
     monkeypatch.setenv("PLAYWRIGHT_BROWSERS_PATH", str(tmp_path / "no-ms-playwright"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    monkeypatch.setattr(browser, "CHECKOUT_ROOT", tmp_path / "fresh-clone")
+    monkeypatch.setattr(browser_setup, "CHECKOUT_ROOT", tmp_path / "fresh-clone")
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -216,7 +216,7 @@ def test_missing_chromium_says_what_to_install(nothing_installed: None) -> None:
 def test_an_explicit_chromium_that_is_not_there_is_an_error_not_a_fallback(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", _exe(tmp_path / "debian" / "chromium"))
+    monkeypatch.setattr(browser_setup, "DEBIAN_CHROMIUM", _exe(tmp_path / "debian" / "chromium"))
     monkeypatch.setenv("AGENTD_CHROMIUM", str(tmp_path / "typo"))
     with pytest.raises(BrowserSetupError) as info:
         find_chromium()
@@ -238,7 +238,7 @@ def test_chromium_search_order(tmp_path: pathlib.Path, monkeypatch: pytest.Monke
     shell = managed_root / "chromium_headless_shell-1300" / "chrome-headless-shell-linux64" / "chrome-headless-shell"
     assert find_chromium() == shell  # a headless shell when that is all there is
     debian = _exe(tmp_path / "debian" / "chromium")
-    monkeypatch.setattr(browser, "DEBIAN_CHROMIUM", debian)
+    monkeypatch.setattr(browser_setup, "DEBIAN_CHROMIUM", debian)
     assert find_chromium() == debian  # Debian's before Playwright's
     env_one = _exe(tmp_path / "env" / "chromium")
     monkeypatch.setenv("AGENTD_CHROMIUM", str(env_one))
@@ -269,7 +269,7 @@ def test_spawn_time_check_reports_the_first_missing_piece_without_writing(
 
 def test_the_checkout_install_is_found_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTD_PLAYWRIGHT_MCP", raising=False)
-    cli = browser.CHECKOUT_ROOT / browser.PLAYWRIGHT_MCP_CLI
+    cli = browser_setup.CHECKOUT_ROOT / browser_setup.PLAYWRIGHT_MCP_CLI
     if not cli.is_file():
         with pytest.raises(BrowserSetupError, match="scripts/setup"):
             browser.find_playwright_mcp()

@@ -1,0 +1,126 @@
+"""Reaping what a subreaper adopts: which zombie child is provably not the daemon's own,
+which live one no tree claims, and the events that wake the reaper.
+
+Helpers of ``supervisor.trees.containment`` (its ``Containment`` owns the state: trees,
+leaders, what was seen adopted). Trio (and any Popen in the daemon) waits for its own
+children by pid; a ``waitpid(-1)`` would take their exit codes, so only a zombie child
+that provably was not forked by the daemon is ever reaped here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Container, Mapping
+
+import trio
+
+from subagent.osedge import Proc, ProcessTable, Watch, parse_var
+from supervisor.trees._handles import HOST_VAR, MARKER_VAR
+
+__all__ = ["mark_host", "scrubbed_orphan", "reap_adopted_zombies", "in_settled_tree", "Wakeup", "open_sigchld"]
+
+
+def mark_host(table: ProcessTable) -> str:
+    """Put this process's identity in its environment, for whatever it forks from now on."""
+    me = table.read(os.getpid())
+    identity = f"{os.getpid()}:{me.start_ticks if me is not None else 0}"
+    os.environ[HOST_VAR] = identity
+    return identity
+
+
+def scrubbed_orphan(table: ProcessTable, p: Proc, identity: str) -> bool:
+    """Has this child of ours an environment that is neither a tree's nor ours?
+
+    Not one whose environment cannot be read. (Callers leave out one that started less
+    than ``SETTLED_S`` ago: for an instant around exec an environment reads empty.)
+    """
+    env = table.kernel.environ(p.pid)
+    if env is None:
+        return False
+    return parse_var(env, MARKER_VAR) is None and parse_var(env, HOST_VAR) != identity
+
+
+def reap_adopted_zombies(
+    table: ProcessTable,
+    *,
+    seen: Mapping[int, int] | None = None,
+    exclude: Container[int] = (),
+    subtree: str | None = None,
+    settled: Container[str] = (),
+    procs: Mapping[int, Proc] | None = None,
+) -> list[int]:
+    """Reap zombie children of this process that provably were not forked by it.
+
+    Provably adopted: ``seen`` (pid -> start ticks, recorded while it ran as a tree
+    member), or born in another session, or in the cgroup subtree ``subtree``
+    ("/a/b/"), in the cgroup of a ``settled`` tree (one whose leader is known: while a
+    tree is being spawned, a zombie in its cgroup may be the leader Trio has not been told
+    about yet). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
+    """
+    if procs is None:
+        procs = table.scan()
+    me, _pgid, my_sid = table.kernel.own_ids()
+    reaped: list[int] = []
+    for p in procs.values():
+        if p.ppid != me or not p.dead or p.pid in exclude:
+            continue
+        if not (
+            (seen is not None and seen.get(p.pid) == p.start_ticks)
+            or p.sid not in (my_sid, p.pid)
+            or in_settled_tree(table, p.pid, subtree, settled)
+        ):
+            continue
+        if table.kernel.reap(p.pid):
+            reaped.append(p.pid)
+    return reaped
+
+
+def in_settled_tree(table: ProcessTable, pid: int, subtree: str | None, settled: Container[str]) -> bool:
+    """Is ``pid`` in the cgroup (below ``subtree``) of a tree in ``settled``?"""
+    if subtree is None:
+        return False
+    path = table.kernel.cgroup(pid) or ""
+    if not path.startswith(subtree):
+        return False
+    return path[len(subtree) :].split("/", 1)[0] in settled
+
+
+# ----------------------------------------------------------------------------- Containment
+
+
+class Wakeup:
+    """Wakes the reaper: set by its event sources, waited for with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+        self._event = trio.Event()
+
+    async def on_signals(self, signals: AsyncIterator[int]) -> None:
+        async for _ in signals:
+            self._event.set()
+
+    async def on_readable(self, watch: Watch) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(watch.fd)
+            watch.drain()
+            self._event.set()
+
+
+def open_sigchld(stack: contextlib.ExitStack) -> AsyncIterator[int] | None:
+    """A Trio receiver of SIGCHLD (a child of ours exited, adopted ones included), or None
+    outside the main thread. Its handler restarts interrupted syscalls (SA_RESTART): the
+    daemon's other threads (the journal's sqlite) never see EINTR from a child's exit."""
+    if not hasattr(signal, "SIGCHLD"):
+        return None
+    try:
+        receiver: AsyncIterator[int] = stack.enter_context(trio.open_signal_receiver(signal.SIGCHLD))
+    except RuntimeError:  # not the main thread
+        return None
+    signal.siginterrupt(signal.SIGCHLD, False)
+    return receiver
