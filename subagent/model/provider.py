@@ -138,7 +138,7 @@ class TurnAssembler:
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
         return False
     return True
 
@@ -149,8 +149,12 @@ def _check_arguments(call: DraftCall) -> tuple[str | None, dict[str, Any] | None
     text = call.arguments.strip() or "{}"
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return f"invalid_arguments: not valid JSON ({exc.msg} at char {exc.pos})", None
+    except (ValueError, RecursionError) as exc:
+        # Valid syntax the decoder still refuses: an integer past Python's digit limit (a plain
+        # ValueError, no .msg/.pos) or nesting deeper than the recursion limit.
+        return f"invalid_arguments: not decodable JSON ({exc})", None
     if not isinstance(value, dict):
         return f"invalid_arguments: expected a JSON object, got {type(value).__name__}", None
     return None, value

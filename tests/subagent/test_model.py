@@ -52,6 +52,17 @@ def test_invalid_or_non_object_arguments_are_reported_not_repaired() -> None:
     assert problems[2].startswith("invalid_call")
 
 
+def test_json_the_decoder_refuses_is_an_invalid_call_not_a_crash() -> None:
+    # Both are valid JSON syntax: a plain ValueError (int digit limit) and a RecursionError.
+    a = TurnAssembler()
+    a.tool_delta(0, id="c1", name="f", arguments='{"n": ' + "1" * 5000 + "}")
+    a.tool_delta(1, id="c2", name="f", arguments='{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    a.finish("tool_calls")
+    calls = a.result().calls
+    assert [c.parsed for c in calls] == [None, None]
+    assert all(c.problem.startswith("invalid_arguments: not decodable JSON") for c in calls)
+
+
 def test_missing_ids_are_filled_and_usage_is_kept() -> None:
     a = TurnAssembler()
     a.tool_delta(0, name="f")
