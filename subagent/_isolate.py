@@ -97,7 +97,9 @@ def enter_user_namespace(inner_id: int) -> None:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+    def enc(s: str | None) -> bytes | None:
+        return None if s is None else os.fsencode(s)
+
     _check(_c().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target!r}")
 
 

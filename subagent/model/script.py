@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypedDict, Unpack
 
 __all__ = [
     "ScriptError",
@@ -253,12 +253,20 @@ def _match(pattern: str | None, last_output: str) -> str:
     return m.group(1) if m.re.groups >= 1 and m.group(1) is not None else m.group(0)
 
 
+class _Vars(TypedDict):
+    """The values a template's ``{{ name }}`` placeholders take."""
+
+    last_output: str
+    match: str
+    step: int
+
+
 def render(template: str, *, last_output: str, match: str, step: int) -> str:
     values = {"last_output": last_output, "match": match, "step": str(step)}
     return _VAR.sub(lambda m: values[m.group(1)], template)
 
 
-def _render_args(args: Any, **kw: Any) -> Any:
+def _render_args(args: Any, **kw: Unpack[_Vars]) -> Any:
     if isinstance(args, str):
         return render(args, **kw)
     if isinstance(args, dict):
@@ -280,7 +288,7 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
         turn = Turn(text=script.final)
     size = turn.chunk_size or script.chunk_size
     gap = script.chunk_delay_s if turn.chunk_delay_s is None else turn.chunk_delay_s
-    kw = {
+    kw: _Vars = {
         "last_output": last_output,
         "match": _match(turn.extract or script.extract, last_output),
         "step": turn_index + 1,

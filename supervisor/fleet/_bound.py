@@ -21,7 +21,8 @@ _PR_SET_PDEATHSIG = 1
 
 def _pdeathsig(sig: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    res: int = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    return res == 0
 
 
 def main(argv: list[str]) -> int:
