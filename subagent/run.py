@@ -295,7 +295,7 @@ async def run(
         )
     if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
         outcome = RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=stop.reason)
-    extra = {"run_id": run_id, "session_id": spec.session_id, "provider": spec.model.provider, "imported": _imported()}
+    extra: dict[str, Any] = {"run_id": run_id, "session_id": spec.session_id, "provider": spec.model.provider, "imported": _imported()}
     extra["sandbox"] = sandbox
     extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
     result = loop.result(outcome, **extra) if loop is not None else bare_result(str(outcome.status), outcome.reason, outcome.error, extra)

@@ -55,9 +55,8 @@ def parse_steer_line(line: bytes) -> str | None:
         obj = json.loads(line)
     except ValueError:
         return None
-    if isinstance(obj, dict) and isinstance(obj.get("steer"), str) and obj["steer"].strip():
-        return obj["steer"]
-    return None
+    steer = obj.get("steer") if isinstance(obj, dict) else None
+    return steer if isinstance(steer, str) and steer.strip() else None
 
 
 async def read_steering(

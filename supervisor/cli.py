@@ -85,7 +85,9 @@ class CliError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        # click types exit_code a ClassVar, but reads it from the instance (e.exit_code):
+        # one exception class with the exit code of each failure.
+        self.exit_code = exit_code  # type: ignore[misc]
 
     def show(self, file: Any = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
@@ -635,7 +637,8 @@ def format_event(event: dict[str, Any]) -> str:
     elif kind == "assistant_text":
         text = f"assistant: {_short(d.get('text', ''))}"
     elif kind == "tool_call":
-        rec = d.get("record") if isinstance(d.get("record"), dict) else d
+        record = d.get("record")
+        rec = record if isinstance(record, dict) else d
         detail = rec.get("error") or rec.get("reason")
         text = f"tool {rec.get('name')} {rec.get('state')}" + (f": {_short(detail, 80)}" if detail else "")
     elif kind == "process_group":
@@ -999,7 +1002,9 @@ def _receipt_summary(receipt: Any) -> str | None:
         parts.append(f"reason {receipt['cancel_reason']}")
     if isinstance(receipt.get("cancel_to_tree_dead_s"), (int, float)):
         parts.append(f"cancel to tree dead {receipt['cancel_to_tree_dead_s']:.2f} s")
-    path_b = receipt.get("path_b") if isinstance(receipt.get("path_b"), dict) else {}
+    path_b = receipt.get("path_b")
+    if not isinstance(path_b, dict):
+        path_b = {}
     if path_b.get("escalated"):
         parts.append("escalated to SIGKILL")
     survivors = path_b.get("survivors")

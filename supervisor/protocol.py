@@ -24,7 +24,7 @@ import enum
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, Union
 
@@ -694,7 +694,7 @@ def _ping(rid: Any, obj: Mapping[str, Any]) -> PingRequest:
     return PingRequest(rid)
 
 
-_PARSERS: Final[dict[Op, Any]] = {
+_PARSERS: Final[dict[Op, Callable[[Any, Mapping[str, Any]], Request]]] = {
     Op.SPAWN: _spawn,
     Op.CANCEL: _cancel,
     Op.STATUS: _status,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypedDict, Unpack
 
@@ -333,7 +333,7 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
     return pieces
 
 
-def history_position(messages: list[Mapping[str, Any]]) -> tuple[int, str]:
+def history_position(messages: Sequence[Mapping[str, Any]]) -> tuple[int, str]:
     """(turn index, last tool output) from an OpenAI-shaped message list."""
     turn = sum(1 for m in messages if m.get("role") == "assistant")
     last = ""

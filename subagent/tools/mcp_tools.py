@@ -204,7 +204,10 @@ async def start_server(
     token = _handover.set(spawned.process)
     try:
         # The contexts outlive this call, so no cancel scope of ours may wrap their entry.
-        read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=spawned.errlog))
+        # The SDK types errlog TextIO but only hands it to the spawn as stderr (a binary file
+        # is a file all the same; here the spawn is a hand-over and does not use it).
+        errlog = spawned.errlog
+        read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=errlog))  # type: ignore[arg-type]
         server.tap = _OutboundTap(write)
         session = await stack.enter_async_context(ClientSession(read, server.tap, message_handler=on_message))
         with abortable("setup") as abort:

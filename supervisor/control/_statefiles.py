@@ -78,7 +78,7 @@ def write_token(path: Path | str, token: str | None = None) -> str:
     return token
 
 
-def read_token(path: Path | str) -> str:
+def read_token(path: os.PathLike[str] | str) -> str:
     """The token in ``path``.
 
     Raises:

@@ -78,7 +78,9 @@ class WebSocket:
         host = parts.hostname
         # A str host goes through the idna codec in getaddrinfo (see the module
         # docstring); an ASCII host is the same name as bytes.
-        sock = socket.create_connection((host.encode() if host.isascii() else host, parts.port), timeout=timeout_s)
+        address = (host.encode() if host.isascii() else host, parts.port)
+        # typeshed types the host as str only; getaddrinfo takes bytes as well (and skips the codec).
+        sock = socket.create_connection(address, timeout=timeout_s)  # type: ignore[arg-type]
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -187,7 +189,7 @@ def _handshake(
             ("Host", authority),
             ("Upgrade", "websocket"),
             ("Connection", "Upgrade"),
-            ("Sec-WebSocket-Key", nonce),
+            ("Sec-WebSocket-Key", nonce.decode("ascii")),
             ("Sec-WebSocket-Version", "13"),
             *headers.items(),
         ],

@@ -21,7 +21,7 @@ from typing import Any, Final
 from supervisor import protocol
 from supervisor.control._statefiles import ENDPOINT_FILE, TOKEN_FILE, default_state_dir, read_endpoint, read_token
 from supervisor.control._wsclient import ConnectionLost, Unauthorized, WebSocket
-from supervisor.errors import AgentdError, DaemonNotRunning
+from supervisor.errors import AgentdError, ControlProtocolError, DaemonNotRunning
 
 __all__ = ["Client", "Follow", "ConnectionLost", "Unauthorized", "locate", "START_HINT"]
 
@@ -142,7 +142,7 @@ class Client:
         if self._ws is None or self._ws.closed:
             self._ws = self._open()
 
-    def request(self, op: str, **args: Any) -> Any:
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
         """Send one request and return its result.
 
         A read-only request (status, list, events, ping) that finds its connection dropped
@@ -160,7 +160,7 @@ class Client:
                 raise
         return self._request_once(op, args)
 
-    def _request_once(self, op: str, args: dict[str, Any]) -> Any:
+    def _request_once(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         self.connect()
         assert self._ws is not None
         ws = self._ws
@@ -176,7 +176,7 @@ class Client:
                 if msg.get("id") != rid or "ok" not in msg:
                     continue  # a pushed message or a stale reply
                 if msg["ok"] is True:
-                    return msg.get("result")
+                    return _object_result(op, msg.get("result"))
                 raise protocol.error_from_reply(msg.get("error"), run_id=args.get("run_id"))
         except ConnectionLost:
             self.close()
@@ -241,12 +241,12 @@ class Client:
                     sent += 1
                 # Bounds the wait for the next reply, not the whole call.
                 msg = protocol.decode_server_message(ws.recv_text(self.timeout_s))
-                rid = msg.get("id")
-                if not isinstance(rid, int) or rid not in waiting or "ok" not in msg:
+                reply_id = msg.get("id")
+                if not isinstance(reply_id, int) or reply_id not in waiting or "ok" not in msg:
                     continue  # a pushed message or a stale reply
-                i = waiting.pop(rid)
+                i = waiting.pop(reply_id)
                 if msg["ok"] is True:
-                    out[i] = msg.get("result")
+                    out[i] = _object_result(op, msg.get("result"))
                 else:
                     out[i] = protocol.error_from_reply(msg.get("error"), run_id=args[i].get("run_id"))
         except ConnectionLost as exc:
@@ -287,13 +287,13 @@ class Client:
                 if remaining <= 0:
                     raise ConnectionLost(f"no reply to {len(ids) - len(out)} of {len(ids)} cancels within {self.timeout_s} s")
                 msg = protocol.decode_server_message(ws.recv_text(remaining))
-                rid = msg.get("id")
-                if rid not in ids or "ok" not in msg:
+                reply_id = msg.get("id")
+                if reply_id not in ids or "ok" not in msg:
                     continue
                 if msg["ok"] is True:
-                    out[ids[rid]] = msg.get("result")
+                    out[ids[reply_id]] = _object_result("cancel", msg.get("result"))
                 else:
-                    out[ids[rid]] = {"run_id": ids[rid], "error": msg.get("error")}
+                    out[ids[reply_id]] = {"run_id": ids[reply_id], "error": msg.get("error")}
         except ConnectionLost:
             self.close()
             raise
@@ -317,7 +317,7 @@ class Client:
         return self.request("history", session_id=session_id)
 
     def sessions(self, *, limit: int = protocol.DEFAULT_LIST_LIMIT) -> list[dict[str, Any]]:
-        return self.request("sessions", limit=limit)["sessions"]
+        return _list_in(self.request("sessions", limit=limit), "sessions")
 
     def close_session(self, session_id: str) -> dict[str, Any]:
         """Stop the session's live turn, remove its browser profile; it takes no new turn."""
@@ -329,12 +329,12 @@ class Client:
     def list_runs(
         self, *, limit: int = protocol.DEFAULT_LIST_LIMIT, state: str | None = None, session_id: str | None = None
     ) -> list[dict[str, Any]]:
-        return self.request("list", limit=limit, state=state, session_id=session_id)["runs"]
+        return _list_in(self.request("list", limit=limit, state=state, session_id=session_id), "runs")
 
     def events(
         self, run_id: str, *, after_seq: int = 0, limit: int = protocol.DEFAULT_EVENTS_LIMIT
     ) -> list[dict[str, Any]]:
-        return self.request("events", run_id=run_id, after_seq=after_seq, limit=limit)["events"]
+        return _list_in(self.request("events", run_id=run_id, after_seq=after_seq, limit=limit), "events")
 
     def iter_events(self, run_id: str, *, after_seq: int = 0) -> Iterator[dict[str, Any]]:
         """Every journaled event after ``after_seq``, page by page."""
@@ -358,6 +358,23 @@ class Client:
     ) -> Follow:
         """Iterate over a run's events after ``after_seq``, replayed then live, until it ends."""
         return Follow(self, run_id, after_seq, reconnect, reconnect_timeout_s)
+
+
+
+def _object_result(op: str, result: Any) -> dict[str, Any]:
+    """A reply's result: a JSON object for every op (docs/control-protocol.md)."""
+    if not isinstance(result, dict):
+        raise ControlProtocolError(
+            protocol.ErrorCode.BAD_REPLY, f"expected an object as the result of {op!r}, got {type(result).__name__}"
+        )
+    return result
+
+
+def _list_in(result: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    items = result.get(key)
+    if not isinstance(items, list):
+        raise ControlProtocolError(protocol.ErrorCode.BAD_REPLY, f"expected a list in the reply's {key!r}, got {type(items).__name__}")
+    return items
 
 
 class Follow:

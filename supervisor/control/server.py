@@ -127,9 +127,9 @@ def check_access(
             return 403, f"origin {origin!r} is not allowed"
     presented: str | None = None
     if auth is not None:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            presented = value.strip()
+        scheme, _, credentials = auth.partition(" ")
+        if scheme.lower() == "bearer" and credentials.strip():
+            presented = credentials.strip()
     if presented is None:
         values = parse_qs(urlsplit(target).query).get("token")
         if values:
@@ -473,6 +473,7 @@ class _Connection:
                 last = req.after_seq
                 empty_reopens = 0
                 terminal_seen = False
+                state: str  # the run's state as last read: set before terminal_seen is
                 while True:
                     before = last
                     async with self.backend.subscribe(run_id) as live:
@@ -695,7 +696,9 @@ async def serve_control(
     server.gate = gate
     ws_server = WebSocketServer(
         server.handle,
-        [gate],
+        # Typed for trio's socket and SSL listeners only; any trio Listener works (its docs:
+        # "Other listener types are represented by their repr()").
+        [gate],  # type: ignore[list-item]
         max_message_size=hard_message_cap(config),
         receive_buffer_size=RECEIVE_BYTES,
         connect_timeout=limits.handshake_s,

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import trio
 
@@ -375,9 +375,11 @@ class RunManager:
         return [out[r] for r in run_ids]
 
     async def status(self, run_id: str) -> dict[str, Any]:
-        row = await self.journal.get_run(run_id)
-        if row is None:
+        record = await self.journal.get_run(run_id)
+        if record is None:
             raise RunNotFound(run_id)
+        # The reply: the journal's record, and what only the daemon knows beside it.
+        row: dict[str, Any] = {**record}
         run = self._live.get(run_id)
         row["live"] = run is not None
         row["approvals"] = run.approvals.view() if run is not None else []
@@ -393,7 +395,8 @@ class RunManager:
         self, *, limit: int = 50, state: str | None = None, session_id: str | None = None
     ) -> list[dict[str, Any]]:
         states = [RunState(state)] if state else None
-        rows = await self.journal.list_runs(limit=limit, states=states, session_id=session_id)
+        records = await self.journal.list_runs(limit=limit, states=states, session_id=session_id)
+        rows: list[dict[str, Any]] = [{**record} for record in records]
         for row in rows:
             run = self._live.get(row["id"])
             row["live"] = run is not None
@@ -422,7 +425,8 @@ class RunManager:
             room = limit - len(page)
             page = [*page, *waiting[:room]]
             more = len(waiting) > room
-        return list(page), more
+        # A journal EventRecord is a plain dict, as the reply wants it.
+        return cast("list[dict[str, Any]]", list(page)), more
 
     async def wait_terminal(self, run_id: str) -> dict[str, Any]:
         """Wait until the run has its terminal fact; return its status."""
@@ -561,6 +565,7 @@ def _sandbox_of(run: Run | None, row: dict[str, Any]) -> dict[str, Any] | None:
         return run.sandbox
     for key in ("receipt", "result"):
         doc = row.get(key)
-        if isinstance(doc, dict) and isinstance(doc.get("sandbox"), dict):
-            return doc["sandbox"]
+        sandbox = doc.get("sandbox") if isinstance(doc, dict) else None
+        if isinstance(sandbox, dict):
+            return sandbox
     return None

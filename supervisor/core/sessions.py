@@ -19,6 +19,7 @@ The run manager owns runs and their cancellation; it passes what this needs.
 
 from __future__ import annotations
 
+import builtins  # `list` below is a method's name in class scope
 import hashlib
 import logging
 import re
@@ -221,7 +222,7 @@ class SessionDesk:
                 "task": t["spec"].get("task") if isinstance(t["spec"], dict) else None,
                 "created_at": t["created_at"],
                 "ended_at": t["ended_at"],
-                "messages": _messages({**t, "state": state}),  # type: ignore[typeddict-item]
+                "messages": _messages({**t, "state": state}),
             })
         return {
             "session_id": session_id,
@@ -278,7 +279,7 @@ class SessionDesk:
             logger.info("session %s: browser profile removed (%s)", session_id, why)
         return had
 
-    async def sweep(self, *, now: float | None = None, keep: Iterable[str] = ()) -> list[str]:
+    async def sweep(self, *, now: float | None = None, keep: Iterable[str] = ()) -> builtins.list[str]:
         """Remove profiles idle beyond the TTL, then the least recently used beyond the
         bound; never one of a session with a live turn (or in ``keep``). Returns the
         sessions whose profile went."""

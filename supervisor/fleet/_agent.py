@@ -89,7 +89,8 @@ class _SpawnMap:
             self._db.execute("INSERT OR IGNORE INTO spawns VALUES (?, ?, ?)", (fleet_run_id, node_run_id, time.time()))
 
 
-@ray.remote(num_cpus=0, max_concurrency=AGENT_CONCURRENCY, max_restarts=-1)
+# Ray's keyword overload of remote() is typed for tasks; max_concurrency is an actor option.
+@ray.remote(num_cpus=0, max_concurrency=AGENT_CONCURRENCY, max_restarts=-1)  # type: ignore[call-overload]
 class NodeAgent:
     """Supervises this node's agentd daemon. Methods run in the actor's thread pool."""
 

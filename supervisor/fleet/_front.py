@@ -405,12 +405,13 @@ class FleetFront:
         seq = msg.get("seq")
         if not isinstance(seq, int) or seq <= run.last_seq:
             return
-        event = {"seq": seq, "ts": msg.get("ts"), "kind": msg.get("kind"), "data": msg.get("data") or {}}
+        data = msg.get("data") or {}
+        event: dict[str, Any] = {"seq": seq, "ts": msg.get("ts"), "kind": msg.get("kind"), "data": data}
         await self._db(self.index.add_events, run.id, [event])
         run.last_seq = seq
-        if event["kind"] == "state" and isinstance(event["data"].get("state"), str):
-            if event["data"]["state"] not in TERMINAL_STATES:
-                run.state = event["data"]["state"]
+        state = data.get("state") if isinstance(data, dict) else None
+        if event["kind"] == "state" and isinstance(state, str) and state not in TERMINAL_STATES:
+            run.state = state
         self._fan_out(run, {"run_id": run.id, **event})
 
     async def _conclude(self, run: _Run, link: NodeLink) -> None:

@@ -11,6 +11,7 @@ worker thread (``trio.to_thread`` with a limiter of 1).
 
 from __future__ import annotations
 
+import builtins  # `list` below is a method's name in class scope
 import json
 import sqlite3
 from pathlib import Path
@@ -196,7 +197,7 @@ class Index:
         ).fetchall()
         return [r for r in map(self._row, rows) if r is not None]
 
-    def events_after(self, run_id: str, after_seq: int, limit: int) -> list[dict[str, Any]]:
+    def events_after(self, run_id: str, after_seq: int, limit: int) -> builtins.list[dict[str, Any]]:
         rows = self._db.execute(
             "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?",
             (run_id, after_seq, limit),

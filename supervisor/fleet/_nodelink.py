@@ -18,6 +18,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
 from supervisor import protocol
+from supervisor.errors import ControlProtocolError
 from supervisor.control._wsclient import ConnectionLost
 
 __all__ = ["NodeLink", "LinkDown"]
@@ -100,7 +101,7 @@ class NodeLink:
                 return
             try:
                 msg = protocol.decode_server_message(text)
-            except protocol.ControlProtocolError:
+            except ControlProtocolError:
                 logger.warning("node %s sent a message that is not json: %r", self.node_id[:8], text[:200])
                 continue
             op = msg.get("op")
@@ -134,7 +135,8 @@ class NodeLink:
         if ws is None:
             raise LinkDown(f"no connection to node {self.node_id[:8]}")
         rid = next(self._ids)
-        event, slot = trio.Event(), []
+        event = trio.Event()
+        slot: list[dict[str, Any]] = []  # the reply, put there by _read
         self._pending[rid] = (event, slot)
         try:
             await ws.send_message(protocol.encode_request(rid, op, **args))
@@ -163,7 +165,8 @@ class NodeLink:
         send, recv = trio.open_memory_channel[dict[str, Any]](SUB_BUFFER)
         rid = next(self._ids)
         self._sub_waiters[rid] = send
-        event, slot = trio.Event(), []
+        event = trio.Event()
+        slot: list[dict[str, Any]] = []  # the reply, put there by _read
         self._pending[rid] = (event, slot)
         try:
             await ws.send_message(protocol.encode_request(rid, "subscribe", run_id=run_id, after_seq=after_seq))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterator
-from typing import Any, Final, TypedDict
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 __all__ = ["SessionRecord", "SessionSummary", "TurnRecord", "SessionStoreMixin", "HISTORY_EVENT_KINDS"]
 
@@ -57,8 +58,10 @@ class TurnRecord(TypedDict):
 class SessionStoreMixin:
     """Session operations of a ``Store`` (which provides ``_tx`` and ``_read``)."""
 
-    _tx: Any
-    _read: Any
+    if TYPE_CHECKING:
+        # Provided by ``Store``: a transaction (committed on exit) and a read snapshot.
+        def _tx(self, *, durable: bool) -> AbstractContextManager[sqlite3.Connection]: ...
+        def _read(self) -> AbstractContextManager[sqlite3.Connection]: ...
 
     def open_session(self, session_id: str, at: float) -> float | None:
         """Make the session's row if it has none; returns when it was closed (None: open)."""

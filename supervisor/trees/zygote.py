@@ -141,7 +141,7 @@ class ForkedProcess:
 
     async def wait(self) -> int:
         async with self._wait_lock:
-            while self.returncode is None:
+            while (code := self.returncode) is None:
                 if not self._exit.orphaned:
                     await self._exit.changed.wait()  # the zygote's report, or its death
                     continue
@@ -159,7 +159,7 @@ class ForkedProcess:
                     logger.warning("runner pid %d: exited, but its exit code was lost with the zygote", self.pid)
                     self._returncode = LOST_STATUS
                     self._close_pidfd()
-        return self._returncode
+        return code
 
     def _close_pidfd(self) -> None:
         if self._pidfd is None:
