@@ -51,7 +51,7 @@ def _end(client: Client, run_id: str) -> None:
 
 def measure(client: Client, reps: int, burst: int, cancel_all: int) -> dict[str, Any]:
     reply, running = [], []
-    for i in range(reps):
+    for _ in range(reps):
         t0 = time.perf_counter()
         run_id = client.spawn(WAIT)["run_id"]
         reply.append(time.perf_counter() - t0)

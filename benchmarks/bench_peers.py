@@ -65,8 +65,6 @@ import psutil  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     AGENTD,
-    MARK_VAR,
-    ROOT,
     compile_tree,
     final_sweep,
     header,
@@ -555,7 +553,7 @@ def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, An
             line(f"  {b.peer.name}: {args.burst} in one command -> all running in "
                  f"{fmt_s(out['bulks'][-1]['all_running_s'])} (load {os.getloadavg()[0]:.2f})")
             b.stop_all([k for k in keys if b.ready(k).exists()])
-    for b, out in zip(benches, outs):
+    for _, out in zip(benches, outs):
         out["survivors"] = []
     for i in range(args.escapers):
         for b, out in zip(benches, outs):

@@ -46,8 +46,6 @@ from benchmarks._common import (  # noqa: E402
     machine,
     mem_available_bytes,
     pids_with,
-    row,
-    summary,
     write_json,
 )
 from benchmarks._daemon_proc import DaemonProc  # noqa: E402
@@ -336,7 +334,7 @@ def main() -> None:
             waited = d.wait_zygote()
             _helpers[d.pid] = d.helper_pids()
             header("baselines")
-            line(f"  runners forked by the zygote: {'yes, ready after %.1f s' % waited if waited is not None else 'no (cold)'}")
+            line(f"  runners forked by the zygote: {f'yes, ready after {waited:.1f} s' if waited is not None else 'no (cold)'}")
             time.sleep(1.0)
             renice([d.pid], 0)
             base_idle = idle_cpu(d.pid, idle_s)

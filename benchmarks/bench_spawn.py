@@ -35,7 +35,6 @@ import trio  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     PY,
-    ROOT,
     final_sweep,
     header,
     install_mark,
@@ -134,7 +133,7 @@ async def one_first_step(manager: Any, t0: float | None = None) -> dict[str, Any
 async def sequential(manager: Any, reps: int, *, pool: int, baselines: dict[str, list[float]]) -> dict[str, list[float]]:
     delivered: list[float] = []
     emitted: list[float] = []
-    for i in range(reps):
+    for _ in range(reps):
         if pool:
             await wait_pool_warm(manager, pool, timeout_s=60)
         # The baseline right beside each sample, so both see the same machine load.

@@ -61,7 +61,6 @@ from benchmarks._common import (  # noqa: E402
     kill_all,
     line,
     machine,
-    ms,
     pids_with,
     row,
     summary,

@@ -603,13 +603,13 @@ def _spawn_several(
 ) -> None:
     """Start a run per spec, pipelined on one connection; print each run id in order."""
     failed: CliError | None = None
-    for path, result in zip(spec_files, client.spawn_many(specs, **options)):
+    for path, result in zip(spec_files, client.spawn_many(specs, **options), strict=True):
         if isinstance(result, AgentdError):
             error = _translate(result)
             click.echo(f"error: spec file {str(path)!r}: {error.format_message()}", err=True)
             failed = failed or error
             continue
-        obj.emit(result, lambda: click.echo(str(result["run_id"])))
+        obj.emit(result, lambda: click.echo(str(result["run_id"])))  # noqa: B023 (emit calls it at once)
     if failed is not None:
         click.get_current_context().exit(failed.exit_code)
 
@@ -685,7 +685,7 @@ def _follow_to_end(obj: Obj, run_id: str, *, after_seq: int) -> NoReturn:
             reconnects = follow.reconnects
             if not obj.as_json:
                 click.echo(f"(connection to the daemon dropped; resumed after #{event['seq'] - 1})", err=True)
-        obj.emit(event, lambda: click.echo(format_event(event)))
+        obj.emit(event, lambda: click.echo(format_event(event)))  # noqa: B023 (emit calls it at once)
     state = follow.state or "unknown"
     end = {"end": True, "run_id": run_id, "state": state, "last_seq": follow.last_seq}
     obj.emit(end, lambda: click.echo(f"run {run_id} {state}"))
@@ -727,14 +727,14 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
         client = obj.client()
         for event in client.iter_events(run_id, after_seq=after_seq):
             last = event["seq"]
-            obj.emit(event, lambda: click.echo(format_event(event)))
+            obj.emit(event, lambda: click.echo(format_event(event)))  # noqa: B023 (emit calls it at once)
         if follow:
             _follow_to_end(obj, run_id, after_seq=last)
         return
     with JournalReader(state_dir / JOURNAL_FILE) as journal:
         for event in journal.events_after(run_id, after_seq):
             last = event["seq"]
-            obj.emit(event, lambda: click.echo(format_event(event)))
+            obj.emit(event, lambda: click.echo(format_event(event)))  # noqa: B023 (emit calls it at once)
         state = journal.run_state(run_id)
     if not follow:
         return
@@ -911,7 +911,7 @@ def sessions(obj: Obj, limit: int) -> None:
         ]
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
         for line in (header, *cells):
-            click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+            click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
 
     obj.emit({"sessions": rows}, human)
 
@@ -970,7 +970,7 @@ def _table(rows: list[dict[str, Any]]) -> None:
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
     for line in (header, *cells):
-        click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+        click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
 
 
 def _duration(seconds: float) -> str:

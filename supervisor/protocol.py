@@ -26,7 +26,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, Union
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from supervisor.errors import AgentdError, ControlProtocolError, RunNotFound, SpawnError
 from supervisor.states import RunState
@@ -327,22 +327,22 @@ class PingRequest(NamedTuple):
     op: Op = Op.PING
 
 
-Request = Union[
-    SpawnRequest,
-    CancelRequest,
-    StatusRequest,
-    ListRequest,
-    EventsRequest,
-    SubscribeRequest,
-    UnsubscribeRequest,
-    PingRequest,
-    SteerRequest,
-    ApproveRequest,
-    DenyRequest,
-    HistoryRequest,
-    SessionsRequest,
-    SessionCloseRequest,
-]
+Request = (
+    SpawnRequest
+    | CancelRequest
+    | StatusRequest
+    | ListRequest
+    | EventsRequest
+    | SubscribeRequest
+    | UnsubscribeRequest
+    | PingRequest
+    | SteerRequest
+    | ApproveRequest
+    | DenyRequest
+    | HistoryRequest
+    | SessionsRequest
+    | SessionCloseRequest
+)
 
 
 class BadRequest(NamedTuple):

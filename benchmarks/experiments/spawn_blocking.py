@@ -10,7 +10,6 @@ edited), runs a cold burst of N spawns (``bench_spawn.burst``) and reports the t
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 import time

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Final
 from urllib.parse import urlsplit
 
 import h11

@@ -473,7 +473,7 @@ class _Connection:
                 last = req.after_seq
                 empty_reopens = 0
                 terminal_seen = False
-                state: str  # the run's state as last read: set before terminal_seen is
+                state = ""  # the run's state as last read: set before terminal_seen is
                 while True:
                     before = last
                     async with self.backend.subscribe(run_id) as live:

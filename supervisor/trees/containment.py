@@ -345,7 +345,7 @@ class Containment:
                     note = trio.current_time() >= next_note
                     if note:
                         next_note = trio.current_time() + note_every
-                    await runtime.run_sync(lambda: self._pass(note))
+                    await runtime.run_sync(lambda: self._pass(note))  # noqa: B023 (awaited here)
                     await trio.sleep(REAP_MIN_INTERVAL_S)
 
     def _subtree_watch(self) -> Watch | None:

@@ -56,7 +56,6 @@ def main() -> None:
         sys.stderr.flush()
     emit(EventKind.RUNNER_STARTED, pid=os.getpid(), pgid=os.getpgrp(), run_id=run_id, provider="fake")
     if b.get("tree"):
-        here = os.path.dirname(os.path.abspath(__file__))
         # a grandchild in our group, a setsid() one, a double-forked one
         code = (
             "import os,time,subprocess,sys\n"

@@ -8,7 +8,6 @@ would run them.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator

@@ -79,7 +79,7 @@ def test_thirty_runs_land_by_resources_each_in_its_nodes_daemon(fleet: FleetClus
     assert not [r for r in browser if statuses[r]["node"] in no_browser]
     assert {s["node"] for s in statuses.values()} == set(fleet.nodes)  # all three used
     agents = fleet.agents()
-    for run_id, st in statuses.items():
+    for st in statuses.values():
         # The run is the node daemon's own: in its journal, under its containment.
         with fleet.node_client(st["node"]) as nc:
             node_row = nc.status(st["node_run_id"])

@@ -8,7 +8,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,7 +254,7 @@ async def test_a_reaping_loop_does_not_steal_trio_run_process_exit_codes(made: l
     async def reap_loop() -> None:
         while not done.is_set():
             c.reap_adopted()
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reap_loop)

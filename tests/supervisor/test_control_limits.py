@@ -180,7 +180,7 @@ async def test_replay_pages_and_events_replies_are_bounded_in_bytes(nursery: tri
     limits = control.Limits(replay_page_bytes=50_000, events_reply_bytes=120_000)
     srv = await start_server(nursery, tmp_path, backend, limits=limits)
     run = backend.add_run()
-    for i in range(100):
+    for _ in range(100):
         backend.emit(run, "log", {"message": "y" * 20_000})
     backend.finish(run, "completed")
     async with connect(srv) as peer:

@@ -27,7 +27,7 @@ from supervisor.daemon import serve
 from supervisor.core.runs import RunManager
 from supervisor.core._lifecycle import Lifecycle
 from tests.conftest import require
-from tests.supervisor.real_daemon import Client, Daemon, real_daemon
+from tests.supervisor.real_daemon import Client, real_daemon
 from tests.supervisor.test_runs import FAKE, task, tree_alive
 
 WAIT_S = 20.0
@@ -317,7 +317,7 @@ async def test_a_connection_flood_at_a_low_nofile_limit_leaves_the_daemon_and_it
                         pass
                     socks.append(s)
                     if i % 32 == 0:
-                        await trio.sleep(0)  # let the daemon accept (it is another process)
+                        await trio.lowlevel.checkpoint()  # let the daemon accept (it is another process)
                         peak = max(peak, open_fds(d.pid))
                 # On the connection it had before: it serves, spawns and stops.
                 quick = (await c.ok("spawn", spec=spec(wait=False)))["run_id"]

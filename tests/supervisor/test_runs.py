@@ -7,7 +7,6 @@ real processes; the stand-in runner lets each test pick the child's behaviour.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
