@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
-from typing import Any
 
 from subagent.approvals import ApprovalGate
 from subagent.emit import Emitter

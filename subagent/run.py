@@ -15,15 +15,14 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from subagent.approvals import AnswerChannel, ApprovalGate
-from subagent.tools.background import BackgroundCommands
 from subagent.emit import Emitter, bare_result
 from subagent.events import EventKind, ExitCode, RunStatus
 from subagent.loop import AgentLoop, RunOutcome
@@ -31,6 +30,7 @@ from subagent.model.provider import ModelError, Provider
 from subagent.spec import McpServerSpec, RunSpec
 from subagent.steering import SteeringQueue, read_steering
 from subagent.stop import StopControl
+from subagent.tools.background import BackgroundCommands
 from subagent.tools.toolbox import ToolBox
 
 __all__ = ["run", "SetupFailure"]

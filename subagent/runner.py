@@ -91,15 +91,15 @@ def preload() -> None:
     import openai  # noqa: F401
     import trio  # noqa: F401
 
+    import subagent.model.openai_provider  # noqa: F401
+    import subagent.model.script  # noqa: F401
+    import subagent.model.scripted  # noqa: F401
+    import subagent.run  # noqa: F401
     import subagent.tools.background  # noqa: F401
     import subagent.tools.browser  # noqa: F401
     import subagent.tools.commands  # noqa: F401
     import subagent.tools.mcp_spawn  # noqa: F401
     import subagent.tools.mcp_tools  # noqa: F401
-    import subagent.model.openai_provider  # noqa: F401
-    import subagent.run  # noqa: F401
-    import subagent.model.script  # noqa: F401
-    import subagent.model.scripted  # noqa: F401
 
     _arg_parser()  # built once: a forked runner finds it ready
 

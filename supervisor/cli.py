@@ -716,8 +716,8 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
     With -f, a run still live is followed through the daemon until it ends, and the exit
     code is its outcome, as for watch.
     """
-    from supervisor.store._read import JournalReader
     from supervisor.config import JOURNAL_FILE, default_state_dir
+    from supervisor.store._read import JournalReader
 
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     last = after_seq
@@ -1131,10 +1131,10 @@ def list_(obj: Obj, state: str | None, session_id: str | None, limit: int) -> No
 @pass_obj
 def dashboard(obj: Obj, open_browser: bool) -> None:
     """Print a one-time login link to the daemon's web dashboard."""
+    from supervisor.config import ENDPOINT_FILE, default_state_dir
     from supervisor.control import _dashlink
     from supervisor.control._statefiles import read_endpoint
     from supervisor.control.client import locate
-    from supervisor.config import ENDPOINT_FILE, default_state_dir
 
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     _, token = locate(state_dir)

@@ -21,14 +21,14 @@ from typing import Any
 import trio
 
 from supervisor import _sdnotify
+from supervisor.config import Config
 from supervisor.control import _statefiles
 from supervisor.control import server as control
-from supervisor.trees import process
-from supervisor.config import Config
-from supervisor.trees.containment import Containment
+from supervisor.core.runs import RunManager
 from supervisor.errors import DaemonAlreadyRunning
 from supervisor.store.journal import Journal
-from supervisor.core.runs import RunManager
+from supervisor.trees import process
+from supervisor.trees.containment import Containment
 
 __all__ = ["serve"]
 

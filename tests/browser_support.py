@@ -14,10 +14,10 @@ import http.server
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import threading
 import time
-import signal
 from collections.abc import Callable, Iterable
 
 import psutil

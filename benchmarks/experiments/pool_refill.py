@@ -17,6 +17,7 @@ even while buffered events are still being journaled. No file is edited.
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 import time
@@ -24,17 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-import trio  # noqa: E402
+import trio
 
-from benchmarks._common import final_sweep, install_mark, row, summary  # noqa: E402
-from benchmarks._daemon import in_process_daemon, quiet_logs, wait_pool_warm, wchan  # noqa: E402
-from benchmarks.bench_spawn import burst  # noqa: E402
-import math  # noqa: E402
-
-from benchmarks._daemon import show_warnings  # noqa: E402
-from supervisor.trees import pool  # noqa: E402
-from supervisor.trees import process
-from supervisor.trees._drain import DRAIN_AFTER_EXIT_S  # noqa: E402
+from benchmarks._common import final_sweep, install_mark, row, summary
+from benchmarks._daemon import in_process_daemon, quiet_logs, show_warnings, wait_pool_warm, wchan
+from benchmarks.bench_spawn import burst
+from supervisor.trees import pool, process
+from supervisor.trees._drain import DRAIN_AFTER_EXIT_S
 
 
 async def progress_drain(stream, sink, *, process, after_exit_s=DRAIN_AFTER_EXIT_S):  # type: ignore[no-untyped-def]

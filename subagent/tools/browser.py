@@ -36,8 +36,14 @@ from typing import Any, Final
 from subagent.osedge import ProcessTable, Targets, escalate
 from subagent.tools.browser_setup import (
     BrowserSetupError as BrowserSetupError,
+)
+from subagent.tools.browser_setup import (
     find_chromium as find_chromium,
+)
+from subagent.tools.browser_setup import (
     find_node as find_node,
+)
+from subagent.tools.browser_setup import (
     find_playwright_mcp as find_playwright_mcp,
 )
 

@@ -24,9 +24,9 @@ from typing import IO, Any, Final
 
 import anyio
 
-from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
+from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
 
 __all__ = ["Prespawned", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
 

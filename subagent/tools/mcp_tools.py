@@ -32,8 +32,8 @@ import mcp.client.stdio as _stdio
 import trio
 from mcp import ClientSession, StdioServerParameters
 
-from subagent.tools.mcp_spawn import Prespawned
 from subagent.spec import McpServerSpec
+from subagent.tools.mcp_spawn import Prespawned
 
 __all__ = ["McpServer", "McpSetupError", "start_server", "tool_result_text"]
 

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
-from subagent.tools.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
-from subagent.tools.commands import RUN_COMMAND_TOOL, CommandOutcome, format_outcome, run_command
 from subagent.events import StopEffect, StopPolicy, ToolCallState
 from subagent.spec import Limits, StopPolicySpec
 from subagent.stop import StopControl
 from subagent.stop_policy import command_policy, mcp_policy
+from subagent.tools.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
+from subagent.tools.commands import RUN_COMMAND_TOOL, CommandOutcome, format_outcome, run_command
 
 if TYPE_CHECKING:
     from subagent.tools.mcp_tools import McpServer

@@ -38,6 +38,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from supervisor import protocol
+from supervisor.config import Config
 from supervisor.control._conn_limits import Gate, GatedStream, Limits, current_stream, fd_connection_cap
 from supervisor.control._statefiles import (
     endpoint_url,
@@ -48,7 +49,6 @@ from supervisor.control._statefiles import (
     write_endpoint,
     write_token,
 )
-from supervisor.config import Config
 from supervisor.errors import ControlProtocolError
 from supervisor.protocol import BadRequest, ErrorCode
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState

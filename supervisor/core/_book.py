@@ -18,10 +18,10 @@ from typing import Any, Final
 
 import trio
 
-from supervisor.store.backlog import Backlog
 from supervisor.core._run import Run
-from supervisor.store.journal import Journal
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
+from supervisor.store.backlog import Backlog
+from supervisor.store.journal import Journal
 
 __all__ = ["RunBook", "SUBSCRIBER_BUFFER"]
 

@@ -26,19 +26,19 @@ from typing import Any
 import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus
-from supervisor.trees import process
+from supervisor.config import Config
 from supervisor.core._book import RunBook
 from supervisor.core._run import Run
 from supervisor.core._sources import EventSource
 from supervisor.core._stop_receipt import describe_tool_stops
-from supervisor.trees._handles import AnyTree
 from supervisor.core.approvals import ApprovalDesk
-from supervisor.config import Config
-from supervisor.trees.containment import Containment
 from supervisor.errors import JournalError
-from supervisor.store.journal import Journal
-from supervisor.trees.pool import remove_dir
 from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.store.journal import Journal
+from supervisor.trees import process
+from supervisor.trees._handles import AnyTree
+from supervisor.trees.containment import Containment
+from supervisor.trees.pool import remove_dir
 
 __all__ = ["Lifecycle"]
 

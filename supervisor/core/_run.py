@@ -14,11 +14,11 @@ from typing import Any
 
 import trio
 
-from supervisor.trees._handles import AnyTree
 from supervisor.core.approvals import RunApprovals
+from supervisor.core.token import CancelToken
 from supervisor.protocol import Secret
 from supervisor.states import RunState
-from supervisor.core.token import CancelToken
+from supervisor.trees._handles import AnyTree
 
 __all__ = ["Run"]
 

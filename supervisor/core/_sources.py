@@ -27,10 +27,10 @@ import trio
 
 from subagent.events import BadLine, Event, decode_result
 from subagent.osedge import IN_MODIFY, Watch
-from supervisor.trees import process
 from supervisor.core._run import Run
-from supervisor.trees._handles import AdoptedTree, AnyTree, Tree
 from supervisor.core.progress import LineSplitter
+from supervisor.trees import process
+from supervisor.trees._handles import AdoptedTree, AnyTree, Tree
 
 __all__ = ["EventSource", "PipeSource", "FileSource", "read_result_file", "MAX_RESULT_BYTES"]
 

@@ -24,15 +24,15 @@ from typing import Any
 
 import trio
 
-from supervisor.trees import process
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import Lifecycle
 from supervisor.core._run import Run
 from supervisor.core._sources import FileSource
+from supervisor.core.token import CancelToken
+from supervisor.states import RunState
+from supervisor.trees import process
 from supervisor.trees.containment import Containment
 from supervisor.trees.pool import remove_dir
-from supervisor.states import RunState
-from supervisor.core.token import CancelToken
 
 __all__ = ["Recovery"]
 

@@ -36,23 +36,23 @@ from typing import Any, Final, cast
 
 import trio
 
-from supervisor.trees import process
+from supervisor.config import Config
 from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
 from supervisor.core._lifecycle import Lifecycle
 from supervisor.core._run import Run
 from supervisor.core._sources import PipeSource
 from supervisor.core._spec_check import validate_spec
 from supervisor.core.approvals import ApprovalDesk, Hooks
-from supervisor.config import Config
-from supervisor.trees.containment import Containment
-from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
-from supervisor.store.journal import Journal
-from supervisor.trees.pool import WarmPool, new_tree
-from supervisor.protocol import ErrorCode, Secret
 from supervisor.core.recovery import Recovery
 from supervisor.core.sessions import SessionDesk
-from supervisor.states import RunState
 from supervisor.core.token import CancelToken
+from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
+from supervisor.protocol import ErrorCode, Secret
+from supervisor.states import RunState
+from supervisor.store.journal import Journal
+from supervisor.trees import process
+from supervisor.trees.containment import Containment
+from supervisor.trees.pool import WarmPool, new_tree
 from supervisor.trees.zygote import Zygote, usable
 
 __all__ = ["RunManager"]

@@ -34,9 +34,9 @@ import trio
 from subagent.history import turn_messages
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError, JournalError
-from supervisor.store.journal import Journal, TurnRecord
 from supervisor.protocol import ErrorCode
 from supervisor.states import TERMINAL_STATES
+from supervisor.store.journal import Journal, TurnRecord
 
 __all__ = ["SessionDesk", "SessionNotFound", "session_key", "history_messages", "PROFILE_SWEEP_INTERVAL_S"]
 

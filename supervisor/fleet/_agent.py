@@ -25,8 +25,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from subagent.osedge import LINUX
-from supervisor.control._statefiles import read_endpoint, read_token
 from supervisor.config import ENDPOINT_FILE, TOKEN_FILE, default_state_dir
+from supervisor.control._statefiles import read_endpoint, read_token
 from supervisor.errors import AgentdError
 from supervisor.fleet._resources import BROWSER, SLOTS
 

@@ -48,15 +48,15 @@ from ray.util.placement_group import (
 )
 
 from supervisor.config import Config
-from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
 from supervisor.core.sessions import SessionNotFound
+from supervisor.core.token import CancelToken
+from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
 from supervisor.fleet._agent import NAMESPACE, agent_for, agent_name, alive_nodes
 from supervisor.fleet._index import Index
 from supervisor.fleet._nodelink import LinkDown, NodeLink
 from supervisor.fleet._resources import split_demand
 from supervisor.protocol import ErrorCode
 from supervisor.states import TERMINAL_STATES
-from supervisor.core.token import CancelToken
 
 __all__ = ["FleetFront", "LEASE_PREFIX"]
 

@@ -18,8 +18,8 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
 
 from supervisor import protocol
-from supervisor.errors import ControlProtocolError
 from supervisor.control._wsclient import ConnectionLost
+from supervisor.errors import ControlProtocolError
 
 __all__ = ["NodeLink", "LinkDown"]
 

@@ -19,9 +19,9 @@ from typing import Any, Final
 
 import trio
 
+from supervisor.config import Config
 from supervisor.control import _statefiles
 from supervisor.control import server as control
-from supervisor.config import Config
 from supervisor.errors import DaemonAlreadyRunning
 
 __all__ = ["serve_front", "INDEX_FILE"]

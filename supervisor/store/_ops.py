@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
 from subagent.events import TERMINAL_TOOL_STATES, ToolCallState
-from supervisor.store._sessions import SessionStoreMixin
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
+from supervisor.store._sessions import SessionStoreMixin
 
 __all__ = [
     "RunRecord",

@@ -29,8 +29,8 @@ from typing import Any, Final, Generic, TypeVar, final
 
 import trio
 
-from supervisor.store._schema import SCHEMA_VERSION, connect
-from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
+from supervisor.errors import AgentdError, JournalError, JournalUnavailable
+from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store._ops import (
     EventRecord,
     GroupRecord,
@@ -39,8 +39,8 @@ from supervisor.store._ops import (
     dumps,
     tool_call_rank,
 )
-from supervisor.errors import AgentdError, JournalError, JournalUnavailable
-from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.store._schema import SCHEMA_VERSION, connect
+from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
 
 __all__ = [
     "Journal",

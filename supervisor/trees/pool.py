@@ -27,11 +27,11 @@ import trio
 
 from subagent.approvals import ANSWERS_ENV
 from subagent.sandbox import SANDBOX_ENV, Settings
-from supervisor.trees import process
-from supervisor.core.approvals import make_channel, remove_channel
 from supervisor.config import Config
-from supervisor.trees.containment import Containment
+from supervisor.core.approvals import make_channel, remove_channel
 from supervisor.errors import SpawnError
+from supervisor.trees import process
+from supervisor.trees.containment import Containment
 
 if TYPE_CHECKING:
     from supervisor.trees.zygote import Zygote

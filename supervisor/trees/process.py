@@ -40,10 +40,10 @@ from subagent.osedge import (
     IN_MODIFY,
     Delivery,
     Escalation,
-    Targets,
     Proc,
     ProcessId,
     ProcessTable,
+    Targets,
     TrioRuntime,
     Watch,
     escalate,
@@ -54,8 +54,8 @@ from subagent.osedge import (
 )
 from supervisor.trees import _windows
 from supervisor.trees._drain import DRAIN_AFTER_EXIT_S, drain_bounded
-from supervisor.trees._spawn import spawn_tree
 from supervisor.trees._handles import AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
+from supervisor.trees._spawn import spawn_tree
 from supervisor.trees.containment import CGROUP, SETTLED_S, SUBREAPER_SWEEP, Containment, reap_adopted_zombies
 
 __all__ = [

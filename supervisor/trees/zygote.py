@@ -41,8 +41,8 @@ import trio
 
 from subagent.osedge import ProcessId, open_pidfd
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
-from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
 from supervisor.config import Config
+from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
 from supervisor.trees.containment import Containment
 
 __all__ = ["ForkedProcess", "Zygote", "usable"]

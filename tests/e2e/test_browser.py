@@ -25,8 +25,8 @@ import trio
 
 from subagent.tools import browser
 from supervisor.config import Config
-from supervisor.daemon import serve
 from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 from tests import browser_support as bs
 from tests import conftest
 

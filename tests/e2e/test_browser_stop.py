@@ -17,8 +17,8 @@ import trio
 
 from subagent.tools import browser
 from supervisor.config import Config
-from supervisor.daemon import serve
 from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 from tests import browser_support as bs
 from tests import conftest
 from tests.supervisor.test_stop_tools import running, wait_event

@@ -28,9 +28,9 @@ import trio
 
 from subagent import _landlock
 from supervisor.config import Config
+from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from supervisor.errors import SpawnError
-from supervisor.core.runs import RunManager
 from tests import conftest
 
 CHILDREN = Path(__file__).resolve().parent.parent / "children"

@@ -43,7 +43,15 @@ from subagent.sandbox import PRIVATE_DIRS
 from supervisor.control.client import Client
 from tests import conftest
 from tests.e2e.test_sandbox import (
-    CONNECT, GRANDCHILD, MODEL_KEY, OTHER_SECRET, PROBE_SERVER, check_shell_probe, command, journal_ok, scripted,
+    CONNECT,
+    GRANDCHILD,
+    MODEL_KEY,
+    OTHER_SECRET,
+    PROBE_SERVER,
+    check_shell_probe,
+    command,
+    journal_ok,
+    scripted,
     shell_probe,
 )  # fmt: skip
 

@@ -20,8 +20,8 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.daemon import serve
 from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 from tests import browser_support as bs
 from tests import conftest
 

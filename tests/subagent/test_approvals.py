@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from subagent.approvals import BACKSTOP_S, AnswerChannel, Answer, ApprovalGate, open_channel
+from subagent.approvals import BACKSTOP_S, Answer, AnswerChannel, ApprovalGate, open_channel
 from subagent.spec import ApprovalSpec, RunSpec, SpecError
 from subagent.stop import StopControl
 

@@ -120,8 +120,8 @@ def test_everything_the_browser_writes_is_under_the_run_dir(
 def test_env_carries_agentd_markers_and_nothing_else_from_the_caller(
     tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from subagent.tools.mcp_spawn import server_env
     from subagent.spec import McpServerSpec
+    from subagent.tools.mcp_spawn import server_env
 
     monkeypatch.setenv("AGENTD_TREE", "tree-123")
     monkeypatch.setenv("SECRET_TOKEN", "do-not-pass")
@@ -372,9 +372,10 @@ def _snapshot_text(result: object) -> str:
 async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
     tmp_path: pathlib.Path, no_process_left_behind: str, link_root: pathlib.Path
 ) -> None:
-    from tests import browser_support as bs
     from mcp import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    from tests import browser_support as bs
 
     bs.require_browser()
     run_dir = tmp_path / "run"

@@ -13,9 +13,9 @@ import pathlib
 import pytest
 import trio
 
-from subagent.tools.browser import browser_server_config
 from subagent.spec import StopPolicySpec
 from subagent.stop_policy import mcp_policy
+from subagent.tools.browser import browser_server_config
 from tests import browser_support as bs
 
 pytestmark = pytest.mark.chromium

@@ -5,9 +5,14 @@ from typing import Any
 
 import pytest
 
-from subagent.model.fake_openai import history_problem
 from subagent.history import STOP_NOTES, is_cut, stop_note, tool_result_text, turn_messages
-from subagent.model.provider import REASON_ABORTED_IN_ARGS, REASON_ABORTED_TURN, REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE
+from subagent.model.fake_openai import history_problem
+from subagent.model.provider import (
+    REASON_ABORTED_IN_ARGS,
+    REASON_ABORTED_TURN,
+    REASON_ARGS_INCOMPLETE,
+    REASON_TURN_INCOMPLETE,
+)
 
 
 def rec(cid: str, step: int, state: str, **more: Any) -> dict[str, Any]:

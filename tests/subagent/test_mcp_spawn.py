@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from subagent.spec import McpServerSpec
 from subagent.tools.commands import SUBTREE_VAR
 from subagent.tools.mcp_spawn import SDK_INHERITED_ENV_VARS, server_env
-from subagent.spec import McpServerSpec
 
 
 def test_inherited_env_vars_match_the_sdk() -> None:

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from supervisor.control import server as control
 from supervisor.config import Config
+from supervisor.control import server as control
 from tests.supervisor.fake_backend import FakeBackend
 
 T = TypeVar("T")

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
+from supervisor.cli import ExitCode, build_spec, cli, format_event
 from supervisor.control import _wsclient
 from supervisor.control import client as client_mod
-from supervisor.cli import ExitCode, build_spec, cli, format_event
 from tests.supervisor.control_thread import ServerThread
 
 STEPS: list[tuple[str, dict[str, Any]]] = [
@@ -292,8 +292,8 @@ def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, f
     """A real journal file with one run and its events, written and closed: no daemon."""
     import trio
 
-    from supervisor.store.journal import Journal
     from supervisor.states import RunState
+    from supervisor.store.journal import Journal
 
     async def write() -> None:
         state_dir.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from supervisor.cli import ExitCode
-from supervisor.errors import ControlProtocolError
 from supervisor.core.sessions import SessionNotFound
+from supervisor.errors import ControlProtocolError
 from tests.supervisor.control_thread import ServerThread
 from tests.supervisor.test_cli import run
 

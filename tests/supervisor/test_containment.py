@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.trees import _cgroupfs
-from supervisor.trees import containment as containment_mod
-from supervisor.trees import process
 from subagent.osedge import LINUX, Proc
+from supervisor.trees import _cgroupfs, process
+from supervisor.trees import containment as containment_mod
 from supervisor.trees.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
 from tests import conftest
 from tests.fake_kernel import ME, FakeKernel

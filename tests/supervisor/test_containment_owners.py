@@ -18,9 +18,9 @@ from pathlib import Path
 
 import trio
 
+from supervisor.trees import _cgroupfs
 from tests.conftest import require
 from tests.supervisor.real_daemon import Client, Daemon, real_daemon
-from supervisor.trees import _cgroupfs
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 WAIT_S = 20.0

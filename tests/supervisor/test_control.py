@@ -18,12 +18,12 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.supervisor.fake_backend import FakeBackend
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
-from supervisor.control import server as control
 from supervisor.config import Config
+from supervisor.control import server as control
 from supervisor.errors import RunNotFound
+from tests.supervisor.fake_backend import FakeBackend
 
 TOKEN = "test-token-123"
 ORIGIN_OK = "http://app.example:3000"

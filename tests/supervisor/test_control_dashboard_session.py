@@ -13,13 +13,13 @@ from functools import partial
 from pathlib import Path
 
 import trio
-from tests.supervisor.fake_backend import FakeBackend
 from trio_websocket import open_websocket_url
 
+from supervisor.config import Config
 from supervisor.control import _dashlink
 from supervisor.control import server as control
-from supervisor.config import Config
 from supervisor.control.dashboard import Sessions
+from tests.supervisor.fake_backend import FakeBackend
 
 TOKEN = "control-token-for-the-session-test"
 DASH_PORT = 45678

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.control import _dashlink
 from supervisor.config import Config
-from supervisor.control.dashboard import Sessions, serve_dashboard
-from supervisor.control.dashboard import _server
+from supervisor.control import _dashlink
+from supervisor.control.dashboard import Sessions, _server, serve_dashboard
 
 TOKEN = "token-for-the-server-test"
 WAIT_S = 5.0

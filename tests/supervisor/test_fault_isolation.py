@@ -23,9 +23,9 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.daemon import serve
-from supervisor.core.runs import RunManager
 from supervisor.core._lifecycle import Lifecycle
+from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 from tests.conftest import require
 from tests.supervisor.real_daemon import Client, real_daemon
 from tests.supervisor.test_runs import FAKE, task, tree_alive

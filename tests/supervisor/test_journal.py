@@ -15,10 +15,10 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.store import _schema as _journal_schema
 from supervisor.errors import JournalError, RunNotFound
-from supervisor.store.journal import SCHEMA_VERSION, Journal
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
+from supervisor.store import _schema as _journal_schema
+from supervisor.store.journal import SCHEMA_VERSION, Journal
 
 S = RunState
 T0 = 1_700_000_000.0
@@ -876,8 +876,8 @@ async def test_text_sqlite_cannot_bind_is_stored_escaped_not_refused(journal: Jo
 
 
 def test_store_conditions_are_unavailable_and_statement_errors_are_not() -> None:
-    from supervisor.store import journal as journal_mod
     from supervisor.errors import JournalUnavailable
+    from supervisor.store import journal as journal_mod
 
     full = sqlite3.OperationalError("database or disk is full")
     full.sqlite_errorcode = 13  # type: ignore[attr-defined]

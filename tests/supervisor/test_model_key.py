@@ -15,10 +15,10 @@ import pytest
 import trio
 
 from supervisor.config import Config
+from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from supervisor.errors import SpawnError
 from supervisor.protocol import Secret
-from supervisor.core.runs import RunManager
 
 GATE = "while [ ! -f go ]; do sleep 0.02; done; env | grep -c '^OPENAI_' || true"
 

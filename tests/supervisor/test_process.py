@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.trees import process
 from subagent.osedge import LINUX, Proc
+from supervisor.trees import process
 from supervisor.trees.containment import CGROUP, GROUP, SUBREAPER_SWEEP, Containment
 from supervisor.trees.process import Tree
 from tests import conftest

@@ -17,9 +17,9 @@ import pytest
 import trio
 
 from supervisor.config import Config
+from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from supervisor.errors import RunNotFound
-from supervisor.core.runs import RunManager
 
 CHILDREN = Path(__file__).parent.parent / "children"
 FAKE = [sys.executable, str(CHILDREN / "fake_runner.py")]

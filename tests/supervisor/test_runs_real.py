@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.daemon import serve
 from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from subagent.history import STOP_NOTES
-from supervisor.core.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
 from supervisor.config import Config
-from supervisor.errors import ControlProtocolError
-from supervisor.store.journal import Journal
+from supervisor.core.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
 from supervisor.core.sessions import SessionDesk, SessionNotFound, history_messages, session_key
+from supervisor.errors import ControlProtocolError
 from supervisor.states import RunState
+from supervisor.store.journal import Journal
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.daemon import serve
 from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 
 CHILDREN = Path(__file__).resolve().parent.parent / "children"
 STOP_SERVER = str(CHILDREN / "mcp_stop_server.py")

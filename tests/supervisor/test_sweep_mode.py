@@ -18,8 +18,6 @@ import pytest
 import trio
 
 from subagent.osedge import LINUX
-
-
 from tests.supervisor.real_daemon import Client, real_daemon
 
 WAIT_S = 30.0

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.config import Config
 from subagent.osedge import LINUX, parse_var
-from supervisor.daemon import serve
+from supervisor.config import Config
 from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 

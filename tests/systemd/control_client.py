@@ -19,8 +19,8 @@ import trio
 from trio_websocket import open_websocket_url
 
 from supervisor import protocol
-from supervisor.control._statefiles import read_endpoint, read_token
 from supervisor.config import ENDPOINT_FILE, JOURNAL_FILE, TOKEN_FILE
+from supervisor.control._statefiles import read_endpoint, read_token
 
 
 async def call(state_dir: Path, op: str, args: dict[str, object]) -> dict[str, object]:

@@ -23,8 +23,15 @@ import pytest
 
 from tests import browser_support as bs
 from tests.systemd.agentd_support import (
-    TIMEOUT_STOP_S, UNIT, cli, container_processes, install, poll, require_daemon,
-    stop_and_check, stored_run,
+    TIMEOUT_STOP_S,
+    UNIT,
+    cli,
+    container_processes,
+    install,
+    poll,
+    require_daemon,
+    stop_and_check,
+    stored_run,
 )
 from tests.systemd.conftest import boot, require_container_tools
 from tests.systemd.container import HOSTROOT, Container, hostroot_args, image_root

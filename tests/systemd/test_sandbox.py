@@ -18,7 +18,13 @@ import pytest
 
 from tests.e2e.test_sandbox import CONNECT, GRANDCHILD, PROBE_SERVER, check_shell_probe, command, scripted, shell_probe
 from tests.systemd.agentd_support import (
-    STATE_DIR, UNIT, cli, install, poll, require_daemon, stop_and_check,
+    STATE_DIR,
+    UNIT,
+    cli,
+    install,
+    poll,
+    require_daemon,
+    stop_and_check,
 )
 from tests.systemd.container import Container, python_in_container
 

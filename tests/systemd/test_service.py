@@ -22,8 +22,19 @@ from collections.abc import Iterator
 import pytest
 
 from tests.systemd.agentd_support import (
-    GRACE_S, INSTALL, STATE_DIR, TIMEOUT_STOP_S, UNIT, call, cli, container_processes, install, poll,
-    require_daemon, stop_and_check, stored_run,
+    GRACE_S,
+    INSTALL,
+    STATE_DIR,
+    TIMEOUT_STOP_S,
+    UNIT,
+    call,
+    cli,
+    container_processes,
+    install,
+    poll,
+    require_daemon,
+    stop_and_check,
+    stored_run,
 )
 from tests.systemd.container import Container
 

@@ -13,7 +13,16 @@ from collections.abc import Iterator
 import pytest
 
 from tests.systemd.agentd_support import (
-    TIMEOUT_STOP_S, UNIT, call, cli, container_processes, install, poll, require_daemon, stop_and_check, stored_run,
+    TIMEOUT_STOP_S,
+    UNIT,
+    call,
+    cli,
+    container_processes,
+    install,
+    poll,
+    require_daemon,
+    stop_and_check,
+    stored_run,
 )
 from tests.systemd.container import Container
 
