@@ -98,6 +98,7 @@ class _Run:
     node_run_id: str | None = None
     last_seq: int = 0
     cancel_sent: bool = False
+    node_final: dict[str, Any] | None = None  # the node's terminal state event, once mirrored
     pg: Any = None
     queue_scope: trio.CancelScope | None = None
     scope: trio.CancelScope | None = None
@@ -373,6 +374,7 @@ class FleetFront:
         """Follow the run on its node into the index, until its terminal fact."""
         assert run.node_id is not None and run.node_run_id is not None
         delays = iter(RELINK_BACKOFF_S)
+        unreachable = 0
         while True:
             try:
                 link = await self._link(run.node_id)
@@ -398,6 +400,13 @@ class FleetFront:
             except LinkDown as exc:
                 if await self._node_dead_now(run.node_id):
                     return
+                unreachable += 1
+                if run.node_final is not None and unreachable > len(RELINK_BACKOFF_S):
+                    # Its node wrote the terminal fact and then went away for good (its
+                    # daemon stopped: `agentd fleet down`): the fact stands, without the
+                    # details only a status from the node would add.
+                    await self._conclude_from_event(run)
+                    return
                 logger.info("fleet: run %s: %s; retrying", run.id, exc)
             await trio.sleep(next(delays, RELINK_BACKOFF_S[-1]))
 
@@ -410,8 +419,11 @@ class FleetFront:
         await self._db(self.index.add_events, run.id, [event])
         run.last_seq = seq
         state = data.get("state") if isinstance(data, dict) else None
-        if event["kind"] == "state" and isinstance(state, str) and state not in TERMINAL_STATES:
-            run.state = state
+        if event["kind"] == "state" and isinstance(state, str):
+            if state not in TERMINAL_STATES:
+                run.state = state
+            else:
+                run.node_final = event
         self._fan_out(run, {"run_id": run.id, **event})
 
     async def _conclude(self, run: _Run, link: NodeLink) -> None:
@@ -429,6 +441,25 @@ class FleetFront:
                 error=node.get("error"),
             )
             run.state = state
+        await self._release(run)
+
+    async def _conclude_from_event(self, run: _Run) -> None:
+        """The node's terminal state event, already mirrored, is the run's terminal fact."""
+        assert run.node_final is not None
+        data = run.node_final["data"]
+        state = str(data["state"])
+        ts = run.node_final.get("ts")
+        await self._db(
+            self.index.finish,
+            run.id,
+            state,
+            reason=data.get("reason"),
+            ended_at=ts if isinstance(ts, (int, float)) else time.time(),
+            partial=bool(data.get("partial")),
+            error=data.get("error"),
+        )
+        run.state = state
+        logger.info("fleet: run %s: its node is unreachable after its %s fact; concluded from it", run.id, state)
         await self._release(run)
 
     async def _finish_here(

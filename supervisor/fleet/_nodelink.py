@@ -52,7 +52,13 @@ class NodeLink:
         self._scope: trio.CancelScope | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Open the connection and read it until it breaks or ``close()``."""
+        """Open the connection and read it until it breaks or ``close()``.
+
+        Raises:
+            LinkDown: the connection could not be opened (raised outside the nursery, so
+                that it reaches ``nursery.start`` bare, not inside an ExceptionGroup).
+        """
+        failure: LinkDown | None = None
         try:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
@@ -66,15 +72,20 @@ class NodeLink:
                                 message_queue_size=64,
                             )
                     except (OSError, HandshakeError, trio.TooSlowError, ConnectionClosed) as exc:
-                        raise LinkDown(f"cannot connect to node {self.node_id[:8]} at {self.url}: {exc!r}") from exc
-                    self._ws = ws
-                    task_status.started()
-                    try:
-                        await self._read(ws)
-                    finally:
+                        failure = LinkDown(f"cannot connect to node {self.node_id[:8]} at {self.url}: {exc!r}")
+                        failure.__cause__ = exc
                         nursery.cancel_scope.cancel()
-                        with trio.move_on_after(1, shield=True):
-                            await ws.aclose()
+                    else:
+                        self._ws = ws
+                        task_status.started()
+                        try:
+                            await self._read(ws)
+                        finally:
+                            nursery.cancel_scope.cancel()
+                            with trio.move_on_after(1, shield=True):
+                                await ws.aclose()
+                if failure is not None:
+                    raise failure
         finally:
             self._fail_all()
 

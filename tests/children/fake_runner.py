@@ -13,6 +13,7 @@ The behaviour comes from the spec's ``task``, a JSON object:
                       process_group event (as an MCP server is); it ignores SIGTERM
   hold_stdout_scrubbed: bool  the same, with an empty environment (no marker) and
                       ignoring SIGTERM: only the pipe it holds ties it to the run
+  echo_steer: bool    while it waits, log each steering line from stdin ("steered: <text>")
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 from subagent.events import EventKind, encode_event, encode_result, make_event
 
@@ -36,6 +38,11 @@ def on_term(signum, frame):  # noqa: ARG001
 def emit(kind, **data):
     sys.stderr.buffer.write(encode_event(make_event(kind, **data)))
     sys.stderr.buffer.flush()
+
+
+def echo_steering() -> None:
+    for line in sys.stdin:
+        emit(EventKind.LOG, level="info", message=f"steered: {json.loads(line)['steer']}")
 
 
 def main() -> None:
@@ -105,6 +112,8 @@ def main() -> None:
     for i in range(1, int(b.get("snapshots", 1)) + 1):
         progress += f"step {i} done. "
         emit(EventKind.STEP_SNAPSHOT, step=i, progress=progress, tool_calls=[], _id=run_id)
+    if b.get("echo_steer"):
+        threading.Thread(target=echo_steering, daemon=True).start()
     if b.get("wait", True):
         while not stop:
             signal.pause()

@@ -2,18 +2,24 @@
 
 One cluster for the module (starting one costs seconds): a head and a node offering
 browser runs, one node without (``browser: 0``), four run slots each. Tests run in file
-order; the node-loss test is last because it takes a node away.
+order; the node-loss test comes late because it takes a node away, and `fleet down`
+last because it takes every node's daemon down.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import socket
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from supervisor.config import JOURNAL_FILE
+from supervisor.control.client import Client, Unauthorized
 from tests.conftest import require
 from tests.fleet.cluster import SLOTS_PER_NODE, FleetCluster
 
@@ -147,6 +153,87 @@ def test_cancel_through_the_fleet_keeps_the_nodes_contract_and_every_view_matche
     assert (row["state"], row["node"], row["node_run_id"]) == ("cancelled", node_id, node_run_id)
     again = json.loads(fleet.cli("--fleet", "--json", "cancel", run_id, check=False).stdout.splitlines()[0])
     assert again["was_active"] is False and again["state"] == "cancelled"
+
+
+
+UPGRADE = (
+    "GET /{query} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
+)
+# The front's handshake bound is 5 s (control.Limits.handshake_s): a refusal closed
+# before this did not wait for it.
+CLOSED_WITHIN_S = 3.0
+
+
+def _handshake(port: int, query: str = "", extra: str = "") -> tuple[bytes, bool]:
+    """Send a websocket upgrade to the front over raw TCP: (its reply, closed by the front).
+
+    A refusal is read to its end; an accepted upgrade only to its status line."""
+    with socket.create_connection(("127.0.0.1", port), timeout=CLOSED_WITHIN_S) as sock:
+        sock.sendall(UPGRADE.format(query=query, extra=extra).encode())
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+                if data.startswith(b"HTTP/1.1 101 "):
+                    return data, False
+        except TimeoutError:
+            return data, False
+    return data, True
+
+
+def test_the_front_refuses_a_missing_or_wrong_token_and_a_foreign_origin_and_closes_the_connection(
+    fleet: FleetCluster,
+) -> None:
+    endpoint = json.loads((fleet.front_dir / "daemon.json").read_text())
+    port = int(endpoint["url"].rsplit(":", 1)[1].strip("/"))
+    token = (fleet.front_dir / "token").read_text().strip()
+    bearer = f"Authorization: Bearer {token}\r\n"
+    refused = {
+        "no token": ("", "", 401),
+        "wrong bearer token": ("", "Authorization: Bearer wrong\r\n", 401),
+        "wrong ?token=": ("?token=wrong", "", 401),
+        "foreign origin": ("", bearer + "Origin: http://evil.example\r\n", 403),
+        "foreign origin, ?token=": (f"?token={token}", "Origin: http://evil.example\r\n", 403),
+    }
+    for what, (query, extra, status) in refused.items():
+        reply, closed = _handshake(port, query, extra)
+        assert reply.split(b" ", 2)[1] == str(status).encode(), (what, reply)
+        assert closed, f"{what}: the front left the refused connection open"
+    accepted, closed = _handshake(port, "", bearer)
+    assert accepted.startswith(b"HTTP/1.1 101 "), accepted
+    with fleet.client() as c:  # the front goes on serving
+        assert c.ping()["pid"] == endpoint["pid"]
+    with pytest.raises(Unauthorized, match="wrong token"), Client(endpoint["url"], "wrong", timeout_s=30) as bad:
+        bad.ping()
+
+
+def test_steering_through_the_front_reaches_the_runner_on_its_node(fleet: FleetCluster) -> None:
+    with fleet.client() as c:
+        run_id = c.spawn(spec({"echo_steer": True}))["run_id"]
+        _wait_state(c, run_id, "running")
+        for ev in c.follow(run_id):  # the runner reads its input from here on
+            if ev["kind"] == "step_snapshot":
+                break
+        r = fleet.cli("--fleet", "--json", "steer", run_id, "look at the logs first")
+        reply = json.loads(r.stdout)
+        assert (reply["run_id"], reply["accepted"]) == (run_id, True), reply
+        seen = []
+        for ev in c.follow(run_id):
+            seen.append((ev["kind"], ev["data"].get("message") or ev["data"].get("text")))
+            if ev["kind"] == "log" and ev["data"]["message"].startswith("steered: "):
+                break
+        assert ("steer_sent", "look at the logs first") in seen
+        assert seen[-1] == ("log", "steered: look at the logs first")
+        st = c.status(run_id)
+        c.cancel(run_id)
+        assert wait_terminal(c, run_id) == "cancelled"
+        late = fleet.cli("--fleet", "--json", "steer", run_id, "too late", check=False)
+    assert late.returncode == 5  # refused
+    assert json.loads(late.stdout) == {"run_id": run_id, "accepted": False, "state": "cancelled", "why": "the run has ended"}
+    with fleet.node_client(st["node"]) as nc:  # on its node, as its own daemon journaled it
+        node_events = [e for e in nc.iter_events(st["node_run_id"]) if e["kind"] in ("steer_sent", "log")]
+    assert ("steer_sent", {"text": "look at the logs first"}) in [(e["kind"], e["data"]) for e in node_events]
 
 
 def _node_run_count(fleet: FleetCluster) -> int:
@@ -326,3 +413,69 @@ def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spa
         c.cancel_many(spared + fresh)
         for run_id in spared + fresh:
             assert wait_terminal(c, run_id) == "cancelled"
+
+
+
+def _node_record(state_dir: str, node_run_id: str) -> dict[str, Any]:
+    """A run's row in a node daemon's journal file, read-only (its daemon is gone)."""
+    db = sqlite3.connect(f"file:{Path(state_dir) / JOURNAL_FILE}?mode=ro", uri=True)
+    try:
+        db.row_factory = sqlite3.Row
+        row = db.execute("SELECT state, reason, receipt FROM runs WHERE id = ?", (node_run_id,)).fetchone()
+        terminal = db.execute(
+            "SELECT count(*) FROM events WHERE run_id = ? AND kind = 'state' AND json_extract(data, '$.state') = ?",
+            (node_run_id, row["state"]),
+        ).fetchone()[0]
+    finally:
+        db.close()
+    return {"state": row["state"], "reason": row["reason"], "receipt": json.loads(row["receipt"] or "null"), "terminal_events": terminal}
+
+
+def test_fleet_down_cancels_every_live_run_with_its_receipt_and_leaves_nothing(fleet: FleetCluster) -> None:
+    """Last (it takes every node's daemon down): `agentd fleet down` with live runs on
+    every node is each node's `systemctl stop`: every run cancelled, with its receipt."""
+    import psutil
+
+    from supervisor.fleet._index import Index
+    from supervisor.fleet._serve import INDEX_FILE
+
+    agents = fleet.agents()
+    slots = SLOTS_PER_NODE * len(agents)
+    with fleet.client() as c:
+        runs = [c.spawn(spec({"tree": True}))["run_id"] for _ in range(slots)]
+        trees: dict[str, int] = {}
+        for run_id in runs:
+            for ev in c.follow(run_id):  # until its runner has started its tree
+                if ev["kind"] == "log" and ev["data"]["message"].startswith("tree started"):
+                    trees[run_id] = int(ev["data"]["message"].split()[-1])
+                    break
+        placed = {r: c.status(r) for r in runs}
+    assert {st["node"] for st in placed.values()} == set(agents)  # every node has live runs
+    # Every process of it: the daemons, the runners, their trees (setsid and double-forked).
+    procs = [psutil.Process(a["pid"]) for a in agents.values()]
+    procs += [psutil.Process(st["pid"]) for st in placed.values()]
+    procs += [psutil.Process(pid) for pid in trees.values()]
+    procs += [child for p in list(procs) for child in p.children(recursive=True)]
+    assert len(procs) >= len(agents) + 2 * slots
+
+    down = json.loads(fleet.cli("--json", "fleet", "down", "--address", fleet.address, timeout=120).stdout)
+    assert sorted(n["node_id"] for n in down["nodes"]) == sorted(agents)
+    assert all(n["exit_code"] == 0 for n in down["nodes"]), down
+    assert [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+
+    for st in placed.values():  # each node's own journal: its daemon's stop, with receipts
+        record = _node_record(agents[st["node"]]["state_dir"], st["node_run_id"])
+        assert (record["state"], record["reason"], record["terminal_events"]) == ("cancelled", "shutdown", 1)
+        assert record["receipt"]["cancel_reason"] == "shutdown", record["receipt"]
+        assert record["receipt"]["path_b"]["survivors"] == [], record["receipt"]
+    # The front, still serving, agrees: cancelled for the same reason, one terminal fact each.
+    with fleet.client() as c:
+        for run_id in runs:
+            assert wait_terminal(c, run_id) == "cancelled"
+            st = c.status(run_id)
+            assert (st["state"], st["reason"], st["live"]) == ("cancelled", "shutdown", False), st
+    index = Index(fleet.front_dir / INDEX_FILE)
+    try:
+        assert [index.terminal_event_count(r) for r in runs] == [1] * len(runs)
+    finally:
+        index.close()
