@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import trio
 from trio_websocket import open_websocket_url
 
@@ -130,27 +131,73 @@ async def test_a_timeout_is_a_wall_clock_deadline_that_a_restart_does_not_extend
     assert call["state"] == "cancelled" and call["stop_effect"] == "interrupted"
 
 
-async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(tmp_path: Path) -> None:
+async def wait_call_running(c: Client, run_id: str, call_id: str) -> None:
+    """Until the run's tool call ``call_id`` is journaled running."""
+    await c.call("subscribe", run_id=run_id, after_seq=0)
+    while True:
+        msg = json.loads(await c.ws.get_message())
+        if msg.get("op") == "event" and msg["run_id"] == run_id and msg["kind"] == "tool_call":
+            record = msg["data"]["record"]
+            if (record["id"], record["state"]) == (call_id, "running"):
+                await c.call("unsubscribe", sub=msg["sub"])
+                return
+        assert msg.get("op") != "end", f"run {run_id} ended before {call_id} ran"
+
+
+@pytest.mark.parametrize("ending", ["completed", "failed", "cancelled", "no result"])
+async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(tmp_path: Path, ending: str) -> None:
+    """The runner ends with no daemon watching: by itself (its result says `completed`, or
+    `failed` when the model fails), stopped by someone else's SIGTERM (`cancelled`), or
+    SIGKILLed (no result: `lost`, with what the journal knew as its partial result)."""
     state = tmp_path / "state"
     shared = tmp_path / "shared"  # granted to the run: its sandbox reaches only its own dir
     shared.mkdir()
     flag = shared / "go"
-    spec = command_spec(f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished", sandbox={"read": [str(shared)]})
+    turns: list[dict[str, Any]] = [
+        {"text": "first", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo one"}}]},
+        {"text": "working", "tool_calls": [{"name": "run_command", "arguments": {
+            "command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"}}]},
+    ]
+    if ending == "failed":
+        turns.append({"text": "", "error": "the model broke"})
+    spec = {
+        "task": "t",
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "done"}},
+        "sandbox": {"read": [str(shared)]},
+    }
     with trio.fail_after(60):
         async with daemon(state, grace_s=5.0) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]
-            await c.wait_for(rid, kind="process_group")
-            runner = (await c.call("status", run_id=rid))["pid"]
+            await wait_call_running(c, rid, "call_2_1")
+            before = await c.call("status", run_id=rid)
+            runner = before["pid"]
             await kill9(d1, c)
-        flag.touch()  # the run goes on and completes with no daemon watching
+        if ending in ("completed", "failed"):
+            flag.touch()  # the run goes on and ends by itself with no daemon watching
+        else:
+            os.kill(runner, signal.SIGTERM if ending == "cancelled" else signal.SIGKILL)
         await wait_gone(runner, 30)
         async with daemon(state, grace_s=5.0) as (d2, c):
             final = await c.call("status", run_id=rid)
-    assert final["state"] == "completed", final
-    assert final["partial"] is False and final["result"]["final_text"] == "done"
-    (call,) = final["tool_calls"]
-    assert call["state"] == "succeeded" and "finished" in call["output"]
+    first, second = final["tool_calls"]
+    assert first["state"] == "succeeded" and "one" in first["output"]
+    if ending == "no result":
+        assert (final["state"], final["partial"]) == ("lost", True), final
+        assert final["result"] == before["partial_snapshot"] and final["result"]["progress"].startswith("first")
+        assert second["state"] == "unknown", second  # its outcome went with the runner
+        assert final["receipt"]["recovery"]["survivors"] == []
+        return
     assert final["receipt"]["path_b"]["note"] == "the run ended while the daemon was down"
+    assert final["partial"] is False and final["result"]["status"] == ending, final
+    if ending == "completed":
+        assert final["state"] == "completed" and final["result"]["final_text"] == "done"
+        assert second["state"] == "succeeded" and "finished" in second["output"]
+    elif ending == "failed":
+        assert final["state"] == "failed" and "the model broke" in json.dumps(final["error"]), final
+        assert second["state"] == "succeeded" and "finished" in second["output"]
+    else:
+        assert final["state"] == "cancelled", final
+        assert second["state"] == "cancelled" and second["stop_effect"] == "interrupted", second
 
 
 async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next_daemon(tmp_path: Path) -> None:
