@@ -617,6 +617,10 @@ def _spawn_several(
 # ----------------------------------------------------------------------------- watch, logs
 
 
+# How much of a call's arguments `watch` shows when it awaits approval.
+APPROVAL_ARGS_WIDTH = 500
+
+
 def _short(text: Any, width: int = 100) -> str:
     s = " ".join(str(text).split())
     return s if len(s) <= width else s[: width - 1] + "…"
@@ -653,9 +657,11 @@ def format_event(event: dict[str, Any]) -> str:
     elif kind == "steer_sent":
         text = f"steering sent: {_short(d.get('text', ''), 80)}"
     elif kind == "approval_requested":
+        # The person deciding sees what they would let run, and the commands that answer it.
+        run, call = event.get("run_id") or "RUN", d.get("call_id")
         text = (
-            f"awaiting approval: {d.get('name')} {_short(d.get('arguments', ''), 60)} "
-            f"(call {d.get('call_id')}; agentd approve/deny RUN {d.get('call_id')})"
+            f"awaiting approval: {d.get('name')} {_short(d.get('arguments', ''), APPROVAL_ARGS_WIDTH)} "
+            f"(call {call}; `agentd approve {run} {call}` or `agentd deny {run} {call} --reason TEXT`)"
         )
     elif kind == "approval_sent":
         text = f"approval answer sent: call {d.get('call_id')} {d.get('decision')}" + (f" ({_short(d['reason'], 60)})" if d.get("reason") else "")

@@ -8,6 +8,8 @@ is a ``run_command`` that leaves a side-effect file in a directory granted to th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from tests.e2e.test_conversations import Session
 from tests.supervisor.test_restart_stop import daemon, kill9
 
 SCENARIO_S = 60.0
+AGENTD = str(Path(sys.executable).with_name("agentd"))
 
 
 def approval_spec(shared: Path, *, timeout_s: float | None = None, final: str = "done") -> dict[str, Any]:
@@ -143,4 +146,39 @@ async def test_a_pending_approval_survives_a_daemon_kill_and_the_call_runs_once_
     assert final["state"] == "completed"
     (call,) = final["tool_calls"]
     assert (call["state"], call["approval"]) == ("succeeded", "approved")
+    assert (shared / "side-effect").read_text() == "wrote\n"
+
+
+async def test_watch_shows_the_call_awaiting_approval_with_its_arguments_and_how_to_answer_it(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = tmp_path / "state"
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0) as (_d, c):
+            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
+            watch = await trio.lowlevel.open_process(
+                [AGENTD, "--state-dir", str(state), "watch", rid], stdout=subprocess.PIPE, start_new_session=True
+            )
+            try:
+                assert watch.stdout is not None
+                out = b""
+                while b"awaiting approval" not in out or not out.endswith(b"\n"):
+                    chunk = await watch.stdout.receive_some()
+                    assert chunk, f"watch ended before it showed the call: {out.decode()}"
+                    out += chunk
+                await c.call("approve", run_id=rid, call_id="call_w")
+                while chunk := await watch.stdout.receive_some():
+                    out += chunk
+                code = await watch.wait()
+            finally:
+                if watch.returncode is None:
+                    watch.kill()
+                    await watch.wait()
+    lines = out.decode().splitlines()
+    (line,) = [ln for ln in lines if "awaiting approval" in ln]
+    command = f"echo wrote > {shared / 'side-effect'}"
+    assert f"awaiting approval: run_command {json.dumps({'command': command}, separators=(',', ':'))}" in line, line
+    assert f"`agentd approve {rid} call_w` or `agentd deny {rid} call_w --reason TEXT`" in line, line
+    assert any("approval: call call_w approved" in ln for ln in lines), lines
+    assert lines[-1] == f"run {rid} completed" and code == 0
     assert (shared / "side-effect").read_text() == "wrote\n"
