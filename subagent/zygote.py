@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import gc
 import json
 import os
@@ -408,6 +409,37 @@ def _threads() -> int:
 # ----------------------------------------------------------------------------- main
 
 
+def _exit_if_the_daemon_hangs_up(sock: socket.socket) -> Any:
+    """While the imports run: exit at once if the daemon dies (or closes the socket).
+
+    The imports take seconds (many more on a loaded machine) and the daemon sends nothing
+    before ``ready``, so anything readable on the socket meanwhile is its hang-up: SIGIO
+    (``O_ASYNC``) says so in the middle of an import, and the zygote of a daemon killed
+    while it started ends then, not once its imports are done. Returns the undo.
+    """
+
+    def on_io(_signum: int | None, _frame: Any) -> None:
+        try:
+            if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                os._exit(0)
+        except BlockingIOError:
+            pass
+        except OSError:
+            os._exit(0)
+
+    previous = signal.signal(signal.SIGIO, on_io)
+    flags = fcntl.fcntl(sock, fcntl.F_GETFL)
+    fcntl.fcntl(sock, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(sock, fcntl.F_SETFL, flags | os.O_ASYNC)
+    on_io(None, None)  # it may have gone before O_ASYNC was set
+
+    def undo() -> None:
+        fcntl.fcntl(sock, fcntl.F_SETFL, flags)
+        signal.signal(signal.SIGIO, previous)
+
+    return undo
+
+
 def main() -> int:
     started = time.monotonic()
     # Our stdin is the socket. Move it away from fd 0, which a runner takes for its pipe.
@@ -416,15 +448,18 @@ def main() -> int:
     os.dup2(null, 0)
     os.close(null)
     view = _ProcView()
+    stop_watching = _exit_if_the_daemon_hangs_up(sock)
     try:
         from subagent import runner
 
         runner.preload()
+        stop_watching()
         generators = [o for o in gc.get_objects() if isinstance(o, random.Random)]
         threads = _threads()
         if threads != 1:
             raise RuntimeError(f"{threads} threads after the imports: a fork would lose them")
     except Exception as exc:  # noqa: BLE001 - reported to the daemon, which starts cold runners
+        stop_watching()
         sock.send(encode({"ready": False, "error": f"{type(exc).__name__}: {exc}"}))
         return 1
     # A runner's exit wakes the loop below (the handler itself does nothing).

@@ -403,3 +403,13 @@ async def test_a_zygote_that_cannot_start_is_given_up_and_runs_stay_cold(
         async with daemon(tmp_path, runner_python=str(not_python)) as m:
             z = await zygote_state(m, "failed")
     assert z["restarts"] == zygote_mod.MAX_FAILED_STARTS - 1 and z["spawned"] == 0
+
+
+def test_a_zygote_whose_daemon_dies_while_it_imports_ends_at_once_not_after_its_imports() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen([sys.executable, "-m", "subagent.zygote"], stdin=theirs, stderr=subprocess.PIPE)
+    theirs.close()
+    ours.close()  # the daemon is gone long before the imports (seconds) are done
+    _out, err = proc.communicate(timeout=60)
+    # Done after its imports, it would find out only at "ready": EPIPE, exit code 1.
+    assert proc.returncode == 0 and not err, err.decode()
