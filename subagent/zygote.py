@@ -27,6 +27,10 @@ imports created, takes the run's environment, working directory and argv, and ca
 
 EOF on the socket (the daemon closed it, or died) ends the zygote. Stdlib only, besides
 what ``preload`` imports.
+
+Size: the zygote's end of one wire protocol (``supervisor/trees/zygote.py`` is the
+other), and the fork that must happen in one process: a runner made from the zygote
+(cgroup, session, descriptors, signals, random state, environment) before it runs.
 """
 
 from __future__ import annotations

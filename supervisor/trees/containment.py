@@ -7,6 +7,10 @@ API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.track(tree)``, ``.
 ``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``. Its
 ``table`` is the daemon's one process-table reader (``subagent.osedge``); it sends no
 signal: ``process.py`` sends them all, through the OS edge.
+
+Size: a third of it is the comment below (what each label guarantees, who reaps what):
+the rules of one owner, kept beside the code that keeps them; the cgroup filesystem
+(``_cgroupfs``) and the reaping rules (``_reaping``) already live apart.
 """
 
 # What each label guarantees at the final kill.

@@ -19,6 +19,10 @@ Used only where that holds: Linux, the daemon a child subreaper, the stock runne
 ``runner_command``), ``zygote = "auto"``. Until the zygote is ready, while it is being
 restarted after dying (with a back-off), and when a request fails, runners start cold:
 ``spawn_tree`` returns None and the caller falls back to ``process.spawn_tree``.
+
+Size: the daemon's end of one wire protocol (``subagent/zygote.py`` is the other): the
+zygote's life (start, ready, restart with back-off), a spawn's request with its
+descriptors and reply, and ``ForkedProcess``, the tree's process as the reports give it.
 """
 
 from __future__ import annotations
