@@ -40,7 +40,10 @@ OTHER_SECRET = "ghp_agentd_test_other_secret_value"
 # Bounds one scenario (seconds): a few runs of a scripted model and their commands.
 SCENARIO_S = 60.0
 
-pytestmark = pytest.mark.skipif(_landlock.abi_version() < 1, reason="no landlock in this kernel")
+@pytest.fixture(autouse=True)
+def landlock() -> None:
+    """Every test here is about Landlock: required (CI fails without it, a local run skips)."""
+    conftest.require(_landlock.abi_version() >= 1, "Landlock in the kernel (5.13+, 'landlock' among its LSMs)")
 
 
 class Daemon:

@@ -16,6 +16,7 @@ from subagent import _landlock
 from subagent._landlock import FS_READ, FS_WRITE, Grant, plan_rules
 from subagent.sandbox import SANDBOX_ENV, Settings, check_grants, tool_env
 from subagent.spec import RunSpec, SpecError
+from tests import conftest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,8 +145,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(_landlock.abi_version() < 6, reason="needs Landlock ABI 6 (signal scoping)")
 def test_landlock_on_a_real_process_denies_what_was_not_granted(tmp_path: Path) -> None:
+    conftest.require(_landlock.abi_version() >= 6, "Landlock ABI 6 (signal scoping: kernel 6.12+)")
     _tree(tmp_path)
     runtime = [sys.prefix, sys.base_prefix, str(REPO), "/usr", "/lib", "/lib64", "/etc"]
     out = subprocess.run(

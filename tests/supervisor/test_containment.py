@@ -120,8 +120,10 @@ def test_a_systemd_unit_with_delegation_gets_its_subtree(
     unit.mkdir(parents=True)
     try:
         os.setxattr(unit, "user.delegate", b"1")
+        xattrs = True
     except OSError:
-        pytest.skip("no user xattrs on this filesystem")
+        xattrs = False
+    conftest.require(xattrs, f"user xattrs on the filesystem of {tmp_path} (tmpfs: kernel 6.6+)")
     monkeypatch.setattr(_cgroupfs, "own_cgroup_dir", lambda kernel=None: unit)
     c = setup(made, cgroups="auto")
     assert c.root is not None and c.root.parent == unit and c.mode == CGROUP

@@ -7,8 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import pytest
-
+from tests.conftest import require
 from tests.systemd.container import CHECKOUT, Container, python_in_container
 
 T = TypeVar("T")
@@ -23,9 +22,8 @@ TIMEOUT_STOP_S = GRACE_S + 20
 
 
 def require_daemon() -> None:
-    """Skip until the daemon's CLI (`agentd serve`) is in the tree."""
-    if not (CHECKOUT / "supervisor" / "cli.py").exists():
-        pytest.skip("agentd serve has not landed yet (supervisor/cli.py)")
+    """The daemon's CLI (`agentd serve`) is in the checkout the container sees."""
+    require((CHECKOUT / "supervisor" / "cli.py").exists(), f"agentd's CLI in {CHECKOUT} (supervisor/cli.py)")
 
 
 def install(c: Container, *args: str) -> None:
