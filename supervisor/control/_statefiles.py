@@ -139,7 +139,11 @@ def read_endpoint(path: Path | str) -> dict[str, Any]:
 
 
 def remove_endpoint(path: Path | str, *, pid: int | None = None) -> bool:
-    """Remove the endpoint file; with ``pid``, only if that process published it."""
+    """Remove the endpoint file; with ``pid``, only if that process published it.
+
+    Returns whether it was removed: False when it is not that process's, is gone, or the
+    filesystem refuses (read-only): a stale file whose pid is dead, never an error.
+    """
     p = Path(path)
     if pid is not None:
         try:
@@ -150,5 +154,7 @@ def remove_endpoint(path: Path | str, *, pid: int | None = None) -> bool:
     try:
         p.unlink()
     except FileNotFoundError:
+        return False
+    except OSError:  # a read-only or failing filesystem: a stale file (its pid says so), not a crash at exit
         return False
     return True

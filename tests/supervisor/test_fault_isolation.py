@@ -8,6 +8,7 @@ normally, and nothing is ``lost``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -279,6 +280,80 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
 
 async def _writable(c: Client) -> bool:
     return bool((await journal_state(c))["writable"])
+
+
+@pytest.fixture
+def ext4_turning_read_only(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A small ext4 on a loop device, mounted ``errors=remount-ro`` (root only).
+
+    Yields its mount point and its ``trigger_fs_error`` file: writing there raises an ext4
+    error, and the filesystem turns read-only at once, open files included, as a real
+    one does on a disk fault. (A read-only remount is refused while the journal is open
+    for writing, and ``chattr +i`` does not reach a file already open, on tmpfs.)
+    """
+    require(os.geteuid() == 0, "root, to set up a loop device")
+    image, mnt = tmp_path / "ext4.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(16 * 1024 * 1024)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+    require(made.returncode == 0, f"mkfs.ext4 ({made.stderr.decode().strip()})")
+    attached = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
+    require(attached.returncode == 0, f"a free loop device ({attached.stderr.strip()})")
+    loop = attached.stdout.strip()
+    try:
+        mounted = subprocess.run(["mount", "-o", "errors=remount-ro", loop, str(mnt)], capture_output=True)
+        require(mounted.returncode == 0, f"mount -t ext4 ({mounted.stderr.decode().strip()})")
+        try:
+            trigger = Path("/sys/fs/ext4") / Path(loop).name / "trigger_fs_error"
+            require(trigger.exists(), f"{trigger} (ext4's error trigger)")
+            yield mnt, trigger
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False)
+    finally:
+        subprocess.run(["losetup", "--detach", loop], check=False)
+
+
+async def test_a_journal_whose_filesystem_turns_read_only_degrades_the_daemon_and_spares_every_run(
+    tmp_path: Path, ext4_turning_read_only: tuple[Path, Path]
+) -> None:
+    mnt, trigger = ext4_turning_read_only
+    state = mnt  # the daemon's log goes beside it (real_daemon), off the faulty filesystem
+    probe = mnt / "probe"
+    probe.write_text("written before the fault\n")
+    with trio.fail_after(90):
+        async with real_daemon(state, env={"AGENTD_RUNS_DIR": str(tmp_path / "runs")}) as d, d.connect() as c:
+            a, b = await running_pair(c)
+            assert (await journal_state(c))["writable"] is True
+            trigger.write_text("agentd test: the journal's filesystem turns read-only\n")
+            with pytest.raises(OSError) as fault:  # the filesystem's word, beside the daemon's
+                probe.write_text("after the fault")
+            assert fault.value.errno == errno.EROFS
+            reply = await c.ok("cancel", run_id=a)  # run A's stop needs a write: it is answered
+            assert reply["was_active"] is True and "not durable yet" in reply["warning"]
+            assert (await c.wait_end(a, WAIT_S))["state"] == "cancelled"
+            journal = await journal_state(c)
+            assert journal["writable"] is False and journal["error"], journal
+            assert journal["pending_writes"] > 0
+            st = await c.ok("status", run_id=a)
+            assert st["state"] == "cancelled" and st["journal"].startswith("pending")
+            refused = await c.call("spawn", spec=spec(snapshots=1))
+            assert refused["ok"] is False and refused["error"]["code"] == "refused"
+            assert "journal cannot be written" in refused["error"]["message"]
+            assert "degraded" in d.log_text()
+            # Run B, which the fault did not touch, runs on and ends as asked.
+            b_status = await c.ok("status", run_id=b)
+            assert b_status["state"] == "running" and psutil.pid_exists(b_status["pid"])
+            assert not [r for r in (await c.ok("list"))["runs"] if r["state"] == "lost"]
+            await stop_and_check(c, b)
+            assert (await c.ok("status", run_id=b))["state"] == "cancelled"
+            assert d.alive()
+            await c.ok("ping")  # and serves on
+    # Stopped with the filesystem still read-only: it ends as asked, and says what its
+    # memory held that the journal never got.
+    assert d.proc.returncode == 0, d.log_text()[-3000:]
+    unwritten = [line for line in d.log_text().splitlines() if "never reached the journal" in line]
+    assert {run for run in (a, b) if any(f"run {run}:" in line for line in unwritten)} == {a, b}, unwritten
 
 
 # --------------------------------------------------------------------------- fd exhaustion
