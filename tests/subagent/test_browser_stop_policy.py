@@ -79,8 +79,8 @@ def test_the_readmes_table_of_mcp_annotations_is_the_policy_the_runner_applies()
         if not hints:  # "says nothing, or destructive"
             assert "says nothing" in tool and "destructive" in tool, tool
             cases = [None, ToolAnnotations(), ToolAnnotations(destructive_hint=True)]
-        for annotations in cases:
-            assert str(mcp_policy(spec, "srv", "t", annotations)) == policy_cell(policy), (tool, annotations)
+        for hints_given in cases:
+            assert str(mcp_policy(spec, "srv", "t", hints_given)) == policy_cell(policy), (tool, hints_given)
 
 
 def snake(hint: str) -> str:
