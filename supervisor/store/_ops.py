@@ -28,6 +28,7 @@ from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 from supervisor.store._sessions import SessionStoreMixin
 
 __all__ = [
+    "NeedsDurableCommit",
     "RunRecord",
     "EventRecord",
     "GroupRecord",
@@ -147,6 +148,11 @@ _RUN_COLUMNS: Final = (
 )
 
 
+class NeedsDurableCommit(Exception):
+    """Raised inside a group commit that commits NORMAL when an operation needs FULL:
+    the worker commits what came before and runs it again in a FULL one."""
+
+
 class Store(SessionStoreMixin):
     """The journal's operations on a connection owned by the calling thread."""
 
@@ -154,10 +160,18 @@ class Store(SessionStoreMixin):
         self._conn = conn
         self._path = path
         self._full = False  # the connection's current synchronous mode is FULL
+        self._group = False  # inside a group commit: operations share its transaction
 
     @contextmanager
     def _tx(self, *, durable: bool) -> Iterator[sqlite3.Connection]:
         conn = self._conn
+        if self._group:
+            # The group's transaction is the operation's (the worker wraps each operation
+            # in a savepoint of its own); its commit must be as durable as the operation.
+            if durable and not self._full:
+                raise NeedsDurableCommit()
+            yield conn
+            return
         if durable != self._full:
             # Outside any transaction: it applies to the commit below.
             conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
@@ -175,12 +189,76 @@ class Store(SessionStoreMixin):
     def _read(self) -> Iterator[sqlite3.Connection]:
         """A consistent snapshot across several SELECTs."""
         conn = self._conn
+        if self._group:  # the group's transaction is one already
+            yield conn
+            return
         conn.execute("BEGIN")
         try:
             yield conn
         finally:
             if conn.in_transaction:
                 conn.execute("COMMIT")
+
+    # -- group commit: several operations, one transaction, one commit (and one fsync) --
+
+    @property
+    def durable_mode(self) -> bool:
+        """The connection commits FULL (fsynced) now."""
+        return self._full
+
+    @property
+    def in_group(self) -> bool:
+        """A group commit is open (its transaction may have been rolled back under it)."""
+        return self._group
+
+    def begin_group(self, *, durable: bool) -> None:
+        """Open one transaction for the operations that follow, committed by
+        ``commit_group`` as durably as ``durable`` says (FULL: fsynced)."""
+        conn = self._conn
+        if durable != self._full:
+            conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
+            self._full = durable
+        conn.execute("BEGIN IMMEDIATE")
+        self._group = True
+
+    def group_op(self, fn: Any) -> Any:
+        """Run one operation of the group in a savepoint: an operation that raises leaves
+        no write behind, the others' stand."""
+        conn = self._conn
+        conn.execute("SAVEPOINT op")
+        try:
+            value = fn(self)
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+            raise
+        conn.execute("RELEASE op")
+        return value
+
+    def group_alive(self) -> bool:
+        """The group's transaction is still open (SQLite rolls a whole transaction back
+        on some errors: a full disk, an I/O error)."""
+        return self._conn.in_transaction
+
+    def commit_group(self) -> None:
+        """Commit the group (rolled back if the commit fails). Raises what the commit raised."""
+        conn = self._conn
+        self._group = False
+        try:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def abandon_group(self) -> None:
+        """Roll the group back (nothing of it is written)."""
+        conn = self._conn
+        self._group = False
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
 
     def _require_run(self, conn: sqlite3.Connection, run_id: str) -> None:
         if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:

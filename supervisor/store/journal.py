@@ -1,7 +1,9 @@
 """The durable store: runs, their events, tool-call records and terminal facts, in SQLite.
 
 Invariants: one worker thread owns the only sqlite3 connection and runs every call in
-submission order, one transaction each; a run's terminal state is written once
+submission order, each as one transaction of its own or, when calls queued up while it
+was busy, as one savepoint of a shared transaction (a group commit: a call that fails
+leaves no write, the others' stand; one commit, fsynced if any of them needs it); a run's terminal state is written once
 (compare-and-set in SQL, backed by a trigger) and nothing changes it afterwards; event
 sequence numbers are assigned in the database per run, start at 1, have no gaps and
 survive restarts; a call that returned has committed, and one that carried a terminal
@@ -33,6 +35,7 @@ from supervisor.errors import AgentdError, JournalError, JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store._ops import (
     EventRecord,
+    NeedsDurableCommit,
     GroupRecord,
     RunRecord,
     Store,
@@ -56,6 +59,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Calls queued while the worker was busy run together: one transaction, one commit (one
+# fsync when any of them needs one), at most this many.
+GROUP_COMMIT_MAX: Final = 128
 
 # SQLite's primary result codes that describe the store, not the statement: the same
 # write may succeed once space, permissions or the device come back.
@@ -147,12 +154,28 @@ class _Worker:
             open_error = exc
         store = Store(conn, self.path) if conn is not None else None
         try:
-            while (job := self._jobs.get()) is not None:
+            stopping = False
+            while not stopping and (job := self._jobs.get()) is not None:
+                # Whatever queued up meanwhile goes with it: one transaction, one commit.
+                jobs = [job]
+                while len(jobs) < GROUP_COMMIT_MAX:
+                    try:
+                        more = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stopping = True
+                        break
+                    jobs.append(more)
                 if store is None:
-                    job.error = open_error
-                else:
+                    for j in jobs:
+                        j.error = open_error
+                elif len(jobs) == 1:
                     self._run(store, job)
-                job.resolve()
+                else:
+                    self._run_group(store, jobs)
+                for j in jobs:
+                    j.resolve()
         finally:
             if conn is not None:
                 try:
@@ -170,6 +193,61 @@ class _Worker:
         except Exception as exc:  # a bug: hand it to the caller rather than kill the thread
             logger.exception("journal %s: a call failed unexpectedly", self.path)
             job.error = exc
+
+    def _run_group(self, store: Store, jobs: list[_Job[Any]]) -> None:
+        """Group commit: the jobs in order, each in a savepoint of one transaction, one
+        commit for all, as durable as the most durable of them needs. Every outcome is a
+        job's own as if it had run alone, and none is handed back before the commit.
+
+        The group starts in the connection's current mode; a job that needs FULL in a
+        NORMAL group ends it there (what came before commits NORMAL, as it would have
+        alone) and the rest go in a FULL one. A failed commit, or a transaction SQLite
+        rolled back under the group, fails every job whose writes it held."""
+        i = 0
+        durable = store.durable_mode
+        while i < len(jobs):
+            try:
+                store.begin_group(durable=durable)
+            except sqlite3.Error:
+                store.abandon_group()
+                for job in jobs[i:]:  # each alone, as before: its own outcome
+                    self._run(store, job)
+                return
+            first = i
+            while i < len(jobs):
+                job = jobs[i]
+                try:
+                    job.value = store.group_op(job.fn)
+                except NeedsDurableCommit:
+                    durable = True  # commit what came before; the rest go in a FULL group
+                    break
+                except AgentdError as exc:
+                    job.error = exc
+                except sqlite3.Error as exc:
+                    job.error = _journal_error(self.path, exc)
+                except Exception as exc:  # a bug: hand it to the caller
+                    logger.exception("journal %s: a call failed unexpectedly", self.path)
+                    job.error = exc
+                i += 1
+                if not store.group_alive():  # rolled back under us: nothing of it stands
+                    store.abandon_group()
+                    self._fail(jobs[first:i], job.error)
+                    break
+            if store.in_group:
+                try:
+                    store.commit_group()
+                except sqlite3.Error as exc:
+                    self._fail(jobs[first:i], _journal_error(self.path, exc))
+
+    def _fail(self, jobs: list[_Job[Any]], error: BaseException | None) -> None:
+        """Jobs whose writes were not committed: each gets the error, none a value."""
+        err = error if error is not None else JournalUnavailable(
+            f"journal {self.path!r}: the transaction was rolled back", path=self.path
+        )
+        for job in jobs:
+            job.value = None
+            if job.error is None:
+                job.error = err
 
 
 @final

@@ -823,6 +823,138 @@ async def test_facts_recovery_needs_are_committed_fsynced_and_the_stream_is_not(
     assert await mode_of_last_commit() == full
 
 
+# -- group commit --------------------------------------------------------------------------
+
+
+async def hold_the_worker(journal: Journal, nursery: trio.Nursery) -> threading.Event:
+    """Keep the journal's worker busy until the returned event is set: whatever is asked
+    meanwhile queues up behind it, and goes as one group commit."""
+    running, release = threading.Event(), threading.Event()
+
+    def block(store: Any) -> None:
+        running.set()
+        assert release.wait(30)
+
+    nursery.start_soon(journal._call, block)
+    await trio.to_thread.run_sync(running.wait, 30)
+    return release
+
+
+async def test_calls_queued_together_share_one_transaction_and_one_fsync(journal: Journal) -> None:
+    results: dict[str, Any] = {}
+
+    async def call(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        results[name] = await fn()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            release = await hold_the_worker(journal, n)
+            for i in range(20):  # durable writes: alone, 20 commits, each fsynced
+                n.start_soon(call, f"create {i}", lambda i=i: new_run(journal, f"g{i}"))
+                await trio.lowlevel.checkpoint()
+            n.start_soon(call, "in a group", lambda: journal._call(lambda store: store.in_group))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert results["in a group"] is True
+    assert [results[f"create {i}"] for i in range(20)] == [f"g{i}" for i in range(20)]
+    assert [r["id"] for r in await journal.list_runs(limit=100)] == [f"g{i}" for i in reversed(range(20))]
+    # The group carried durable facts: it committed FULL (fsynced).
+    assert await journal._call(lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2
+
+
+async def test_a_call_that_fails_in_a_group_writes_nothing_and_the_others_stand(journal: Journal) -> None:
+    await new_run(journal, "dup")
+    outcomes: dict[str, Any] = {}
+
+    async def call(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            outcomes[name] = await fn()
+        except JournalError as exc:
+            outcomes[name] = exc
+
+    async def insert_then_fail() -> None:
+        def op(store: Any) -> None:
+            with store._tx(durable=True) as conn:
+                conn.execute("UPDATE runs SET reason = 'half-done' WHERE id = 'dup'")
+            raise JournalError("a failure after a write", path=journal.path)
+
+        await journal._call(op)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            release = await hold_the_worker(journal, n)
+            n.start_soon(call, "before", lambda: new_run(journal, "a"))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "duplicate", lambda: journal.create_run("dup", session_id=None, spec={}, created_at=T0, timeout_s=None))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "half", insert_then_fail)
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "after", lambda: new_run(journal, "b"))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert outcomes["before"] == "a" and outcomes["after"] == "b"
+    assert isinstance(outcomes["duplicate"], JournalError) and "already exists" in str(outcomes["duplicate"])
+    assert isinstance(outcomes["half"], JournalError)
+    row = await journal.get_run("dup")
+    assert row is not None and row["reason"] is None  # the failed call's write was rolled back
+    assert {r["id"] for r in await journal.list_runs()} == {"dup", "a", "b"}
+
+
+async def test_a_durable_call_after_stream_writes_in_a_group_still_commits_fsynced(journal: Journal) -> None:
+    await new_run(journal, "r1", state=S.RUNNING)
+    await journal.append_event("r1", "log", {})  # the connection commits NORMAL now
+    done: list[str] = []
+
+    async def call(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        await fn()
+        done.append(name)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            release = await hold_the_worker(journal, n)
+            for i in range(3):
+                n.start_soon(call, f"event {i}", lambda i=i: journal.append_event("r1", "log", {"i": i}))
+                await trio.lowlevel.checkpoint()
+            n.start_soon(call, "stop", lambda: journal.record_cancel("r1", reason="user", at=T0, stop_deadline=T0 + 5))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "event 3", lambda: journal.append_event("r1", "log", {"i": 3}))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert sorted(done) == ["event 0", "event 1", "event 2", "event 3", "stop"]
+    assert await journal._call(lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2
+    run = await journal.get_run("r1")
+    assert run is not None and run["cancel_reason"] == "user"
+    assert [e["data"].get("i") for e in await journal.events_after("r1", 0)] == [None, 0, 1, 2, 3]
+
+
+async def test_a_group_rolled_back_under_it_fails_the_calls_it_held_and_no_others(journal: Journal) -> None:
+    outcomes: dict[str, Any] = {}
+
+    async def call(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            outcomes[name] = await fn()
+        except JournalError as exc:
+            outcomes[name] = exc
+
+    def lose_the_transaction(store: Any) -> None:  # as SQLite does on a full disk or an I/O error
+        store._conn.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            release = await hold_the_worker(journal, n)
+            n.start_soon(call, "held", lambda: new_run(journal, "a"))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "failing", lambda: journal._call(lose_the_transaction))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "after", lambda: new_run(journal, "b"))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert isinstance(outcomes["held"], JournalError) and isinstance(outcomes["failing"], JournalError)
+    assert outcomes["after"] == "b"
+    assert [r["id"] for r in await journal.list_runs()] == ["b"]  # "a" was never committed
+
+
 _CHILD = """
 import os, signal, sys, trio
 from supervisor.store.journal import Journal
