@@ -53,6 +53,11 @@ class Targets:
         follow: close over members: their descendants, and every process in the group
             or session of a member (Chromium's helpers show no environment and outlive
             their browser in its session).
+        within: a cgroup known to hold every member (a runner's own tree cgroup holds
+            whatever its commands start, however they escape): the set is looked for
+            among its processes (``cgroup.procs``) instead of the whole table. Unlike
+            ``cgroup``, its processes are not members by that alone, and it is never
+            killed. Ignored once it is gone.
     """
 
     groups: Mapping[int, int | None] = field(default_factory=dict)
@@ -62,6 +67,7 @@ class Targets:
     cmdline: tuple[str, ...] = ()
     pipes: frozenset[int] = frozenset()
     follow: bool = False
+    within: Path | None = None
 
     @classmethod
     def group(cls, pgid: int, leader_ticks: int | None = None) -> Targets:
@@ -209,9 +215,10 @@ class ProcessTable:
 
     def universe(self, t: Targets) -> dict[int, Proc]:
         """What ``members`` looks at: the cgroup's processes when the set has a cgroup
-        that exists, else the whole table."""
-        if t.cgroup is not None and self.cgroup_bound(t):
-            return self.read_many(self.kernel.cgroup_pids(t.cgroup))
+        that exists (or else lies ``within`` one), else the whole table."""
+        for bound in (t.cgroup, t.within):
+            if bound is not None and self.kernel.cgroup_populated(bound) is not None:
+                return self.read_many(self.kernel.cgroup_pids(bound))
         return self.scan()
 
     def members(self, t: Targets, procs: Mapping[int, Proc] | None = None) -> dict[int, Proc]:

@@ -18,15 +18,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import posixpath
 import signal
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import trio
 
-from subagent.osedge import ProcessTable, Targets, escalate
+from subagent.osedge import LINUX, Kernel, ProcessTable, Targets, TrioRuntime, escalate
 from subagent.sandbox import tool_env
 
 __all__ = ["CommandOutcome", "run_command", "end_group_and_escapers", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "format_outcome"]
@@ -49,6 +51,9 @@ SUBTREE_VAR: Final = "AGENTD_SUBTREE"
 # After SIGKILL, how long a group and its escapers may take to be dead before the runner
 # gives up on them, loudly (seconds).
 GROUP_KILL_REAP_S: Final = 2.0
+# Every process of a runner's tree carries its tree id here (the daemon's marker), and a
+# tree the daemon contains in a cgroup lives in ``.../agentd-<instance>/<tree id>``.
+TREE_VAR: Final = "AGENTD_TREE"
 
 _seq = itertools.count(1)
 
@@ -136,10 +141,56 @@ async def end_group_and_escapers(
     or gone; escapers (``setsid``, double fork) by pidfd. Shielded: safe under a cancelled
     scope. Returns whether nothing of it is left.
     """
-    targets = Targets(groups={pgid: leader_ticks}, marker=(SUBTREE_VAR, marker))
+    within = own_tree_cgroup()
+    targets = Targets(groups={pgid: leader_ticks}, marker=(SUBTREE_VAR, marker), within=within)
+    # Inside the tree's cgroup a read of the set is a few small files: inline, no thread.
+    runtime = TrioRuntime(threads=False) if within is not None else None
     with trio.CancelScope(shield=True):
-        r = await escalate(targets, grace_s=grace_s, kill_wait_s=GROUP_KILL_REAP_S, label=f"{what} {pgid}", log=logger)
+        r = await escalate(
+            targets, grace_s=grace_s, kill_wait_s=GROUP_KILL_REAP_S, runtime=runtime, label=f"{what} {pgid}", log=logger
+        )
     return r.dead
+
+
+_own_cgroup: tuple[int, Path | None] | None = None  # (pid, cgroup): a forked child looks again
+
+
+def own_tree_cgroup(kernel: Kernel = LINUX) -> Path | None:
+    """This runner's tree cgroup, when the daemon contains its tree in one; else None.
+
+    Everything a command starts stays in it (a process cannot leave its cgroup on its
+    own), so a command's group and escapers are looked for among its few processes, not
+    in the whole process table: with a thousand runs stopping at once, a thousand walks
+    of a table of thousands of processes were most of the stop's cost.
+    """
+    global _own_cgroup
+    pid = os.getpid()
+    if _own_cgroup is None or _own_cgroup[0] != pid:
+        _own_cgroup = (pid, _find_tree_cgroup(kernel, pid))
+    return _own_cgroup[1]
+
+
+def _find_tree_cgroup(kernel: Kernel, pid: int) -> Path | None:
+    tree_id = os.environ.get(TREE_VAR)
+    try:
+        own = kernel.cgroup(pid)
+        mount = kernel.cgroup2_mount()
+    except OSError:
+        return None
+    if not tree_id or not own or mount is None:
+        return None
+    point, root = mount
+    if own != root and not own.startswith(root.rstrip("/") + "/"):
+        return None
+    path = point / posixpath.relpath(own, root)
+    if path.name != tree_id or not path.parent.name.startswith("agentd-"):
+        return None
+    try:
+        if kernel.cgroup_populated(path) is None:
+            return None
+    except OSError:
+        return None
+    return path
 
 
 def leader_ticks(pid: int) -> int | None:

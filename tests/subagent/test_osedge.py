@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,6 +111,47 @@ def test_members_close_over_descendants_and_sessions_and_never_take_the_caller()
     t = Targets(marker=("AGENTD_TREE", "t"), follow=True)
     assert sorted(table.members(t)) == [browser.pid, helper.pid, child.pid]
     assert sorted(table.members(Targets(marker=("AGENTD_TREE", "t")))) == [browser.pid]
+
+
+def test_a_set_within_a_cgroup_is_looked_for_there_and_not_in_the_whole_table() -> None:
+    k = FakeKernel(clock=lambda: 0.0)
+    tree = Path("/sys/fs/cgroup/agentd-1-x/t-abc")
+    k.start(ME, env={"AGENTD_SUBTREE": "m"}, cgroup=tree)  # the caller (a runner) is in it too
+    leader = k.start(300, ppid=ME, env={"AGENTD_SUBTREE": "m"}, cgroup=tree)
+    escaper = k.start(310, ppid=1, env={"AGENTD_SUBTREE": "m"}, cgroup=tree)  # setsid + double fork
+    k.start(320, ppid=ME, env={"AGENTD_SUBTREE": "other"}, cgroup=tree)  # another command of the run
+    k.start(400, ppid=1, env={"AGENTD_SUBTREE": "m"})  # not in the cgroup: not looked at
+    scans: list[int] = []
+    real_pids = k.pids
+    k.pids = lambda: scans.append(1) or real_pids()  # type: ignore[method-assign]
+    table = ProcessTable(k)
+    t = Targets(groups={300: leader.start_ticks}, marker=("AGENTD_SUBTREE", "m"), within=tree)
+    assert sorted(table.members(t)) == [leader.pid, escaper.pid]
+    assert scans == []  # no walk of the whole table
+    assert table.universe(Targets(marker=("AGENTD_SUBTREE", "m"), within=tree / "gone")) is not None
+    assert scans == [1]  # a cgroup that is gone bounds nothing: the whole table is read
+
+
+def test_a_runner_finds_its_tree_cgroup_only_when_it_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from subagent.tools import commands
+
+    class Mounted(FakeKernel):
+        def cgroup2_mount(self) -> tuple[Path, str] | None:
+            return Path("/sys/fs/cgroup"), "/"
+
+    k = Mounted(clock=lambda: 0.0)
+    tree = Path("/sys/fs/cgroup/agentd-1-x/t-abc")
+    k.start(ME, cgroup=tree)
+    k.cgroup = lambda pid: "/agentd-1-x/t-abc" if pid == ME else None  # type: ignore[method-assign]
+    monkeypatch.setenv("AGENTD_TREE", "t-abc")
+    assert commands._find_tree_cgroup(k, ME) == tree
+    monkeypatch.setenv("AGENTD_TREE", "t-other")  # not this tree's cgroup
+    assert commands._find_tree_cgroup(k, ME) is None
+    monkeypatch.delenv("AGENTD_TREE")
+    assert commands._find_tree_cgroup(k, ME) is None
+    monkeypatch.setenv("AGENTD_TREE", "t-abc")
+    k.cgroup = lambda pid: "/system.slice/t-abc"  # type: ignore[method-assign]  # not in an agentd subtree
+    assert commands._find_tree_cgroup(k, ME) is None
 
 
 # ----------------------------------------------------------------------------- identity

@@ -92,6 +92,24 @@ def test_cgroups_are_made_per_tree_and_removed(made: list[Containment]) -> None:
     assert not c.root.exists()
 
 
+def test_a_runner_in_its_tree_cgroup_finds_it(made: list[Containment]) -> None:
+    # A runner's command escalation reads its tree's cgroup instead of the whole table.
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    path = c.prepare("t-abc")
+    assert path is not None
+    code = (
+        "import os, sys; open(sys.argv[1], 'w').write('0'); "
+        "from subagent.tools.commands import own_tree_cgroup; print(own_tree_cgroup())"
+    )
+    for tree_id, found in (("t-abc", str(path)), ("t-other", "None")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(path / "cgroup.procs")],
+            env={**os.environ, "AGENTD_TREE": tree_id}, capture_output=True, text=True, timeout=30, check=True,
+        )
+        assert out.stdout.strip() == found, out.stderr
+
+
 def test_an_unwritable_cgroup_mount_degrades_to_subreaper_and_sweep(
     made: list[Containment], monkeypatch: pytest.MonkeyPatch
 ) -> None:
