@@ -66,6 +66,7 @@ def test_the_public_names_of_the_os_edge_are_pinned() -> None:
         "escalate",
         "POLL_S",
         "Watch",
+        "WatchSet",
         "IN_MODIFY",
         "IN_DELETE",
     ])

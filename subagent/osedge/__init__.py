@@ -12,7 +12,8 @@ They read the same kernel facts and send signals the same way, through this pack
 - ``signal_process`` / ``signal_group`` / ``kill_cgroup``: never a recycled pid.
 - ``escalate``: the one escalation routine every cancel ends in.
 - ``Watch``: inotify on a file or directory (``cgroup.events``, a run's events file), for
-  waits that are kernel events instead of polls.
+  waits that are kernel events instead of polls; ``WatchSet``: one inotify descriptor
+  for many such paths (the daemon's stopping trees).
 
 A stdlib-only leaf, like ``subagent.events``: importing it imports neither trio nor
 anything of ``supervisor`` (``TrioRuntime`` imports trio when it is made).
@@ -42,6 +43,7 @@ from subagent.osedge._table import parse_var as parse_var
 from subagent.osedge._watch import IN_DELETE as IN_DELETE
 from subagent.osedge._watch import IN_MODIFY as IN_MODIFY
 from subagent.osedge._watch import Watch as Watch
+from subagent.osedge._watch import WatchSet as WatchSet
 
 __all__ = [
     "Kernel",
@@ -66,6 +68,7 @@ __all__ = [
     "escalate",
     "POLL_S",
     "Watch",
+    "WatchSet",
     "IN_MODIFY",
     "IN_DELETE",
 ]

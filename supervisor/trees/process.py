@@ -37,7 +37,6 @@ from typing import Any, Final
 import trio
 
 from subagent.osedge import (
-    IN_MODIFY,
     Delivery,
     Escalation,
     Proc,
@@ -45,7 +44,6 @@ from subagent.osedge import (
     ProcessTable,
     Targets,
     TrioRuntime,
-    Watch,
     escalate,
     kill_cgroup,
     open_pidfd,
@@ -53,6 +51,7 @@ from subagent.osedge import (
     signal_process,
 )
 from supervisor.trees import _windows
+from supervisor.trees._cgroup_events import CgroupEvents
 from supervisor.trees._drain import DRAIN_AFTER_EXIT_S, drain_bounded
 from supervisor.trees._handles import AdoptedTree, AnyTree, Found, SignalSent, StopReceipt, Tree
 from supervisor.trees._spawn import spawn_tree
@@ -236,13 +235,14 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
     if targets.cgroup is not None and not _is_tree_cgroup(targets.cgroup, table):
         targets = dataclasses.replace(targets, cgroup=None)
     # A cgroup tree's death is an event (cgroup.events: populated 0), not a poll. Watched
-    # from before any signal, so the change cannot come before the watch.
-    watch = Watch.open([(targets.cgroup / "cgroup.events", IN_MODIFY)]) if targets.cgroup is not None else None
+    # from before any signal, so the change cannot come before the watch; through the
+    # run's one inotify descriptor (a descriptor of its own costs a slow close per stop).
+    events = CgroupEvents.current() if targets.cgroup is not None else None
+    watch = events.watch(targets.cgroup / "cgroup.events") if events is not None and targets.cgroup is not None else None
 
     async def cgroup_changed(timeout: float) -> None:
         assert watch is not None
-        if await runtime.wait_readable(watch.fd, timeout):
-            watch.drain()
+        await watch.changed(timeout)
 
     esc = Escalation(started_at=r.started_at)
     try:
@@ -266,7 +266,6 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
         )
     finally:  # also when the routine's own deadline cut it short: what it did so far
         if watch is not None:
-            trio.lowlevel.notify_closing(watch.fd)
             watch.close()
         r.signals = list(esc.signals)
         r.waited_s = esc.waited_s
