@@ -43,6 +43,7 @@ __all__ = [
     "Secret",
     "MAX_MODEL_KEY_CHARS",
     "CancelRequest",
+    "MAX_CANCEL_RUN_IDS",
     "StatusRequest",
     "ListRequest",
     "EventsRequest",
@@ -82,6 +83,8 @@ DEFAULT_EVENTS_LIMIT: Final = 1000
 MAX_EVENTS_LIMIT: Final = 10000
 # Identifiers (run ids, session ids, reasons) longer than this are refused as bad args.
 MAX_ID_CHARS: Final = 256
+# Run ids one ``cancel`` may name (``run_ids``): a cancel-all of more is several requests.
+MAX_CANCEL_RUN_IDS: Final = 10_000
 # Containers nested deeper than this (anywhere in a message) are refused: every later
 # encoder (the reply, the journal, the runner's spec) then stays far from the recursion limit.
 MAX_DEPTH: Final = 64
@@ -94,7 +97,7 @@ MAX_TIMEOUT_S: Final = 1e9
 
 class Op(enum.StrEnum):
     SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number, model_key?: str}
-    CANCEL = "cancel"  # {run_id: str, reason?: str} | {session_id: str, reason?: str}
+    CANCEL = "cancel"  # {run_id: str, reason?: str} | {session_id: str, reason?: str} | {run_ids: [str], reason?: str}
     STATUS = "status"  # {run_id?: str}; without run_id: the daemon and its live runs
     LIST = "list"  # {limit?: int, state?: RunState, session_id?: str}
     EVENTS = "events"  # {run_id: str, after_seq?: int, limit?: int}: one page of the journal
@@ -141,6 +144,8 @@ class Backend(Protocol):
     subscribes again); and ``subscribe`` on a run already terminal yields a closed channel.
 
     Optional methods, used when present: ``cancel_session(session_id, *, reason)``,
+    ``cancel_many(run_ids, *, reason) -> [{"run_id", "was_active", "state"} | {"run_id",
+    "error"}]`` (one per id, in order; without it each id is a ``cancel``, side by side),
     ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``approve(run_id,
     call_id)`` and ``deny(run_id, call_id, *, reason)`` (``{"run_id", "call_id",
     "decision", "state"}``), ``history(session_id)``, ``list_sessions(*, limit)``,
@@ -236,10 +241,11 @@ class SpawnRequest(NamedTuple):
 
 class CancelRequest(NamedTuple):
     id: Any
-    run_id: str | None = None  # exactly one of run_id, session_id
+    run_id: str | None = None  # exactly one of run_id, session_id, run_ids
     session_id: str | None = None
     reason: str = "user"
     op: Op = Op.CANCEL
+    run_ids: tuple[str, ...] | None = None  # many runs at once: every stop under way before any is journaled
 
 
 class SteerRequest(NamedTuple):
@@ -592,10 +598,30 @@ def _model_key(v: Any) -> Secret | None:
 def _cancel(rid: Any, obj: Mapping[str, Any]) -> CancelRequest:
     run_id = _ident(obj, "run_id", required=False)
     session_id = _ident(obj, "session_id", required=False)
-    if (run_id is None) == (session_id is None):
-        raise _Bad(ErrorCode.BAD_ARGS, "expected exactly one of 'run_id' or 'session_id'")
+    run_ids = _idents(obj, "run_ids", MAX_CANCEL_RUN_IDS)
+    if [run_id, session_id, run_ids].count(None) != 2:
+        raise _Bad(ErrorCode.BAD_ARGS, "expected exactly one of 'run_id', 'session_id' or 'run_ids'")
     reason = _ident(obj, "reason", required=False) or "user"
-    return CancelRequest(rid, run_id, session_id, reason)
+    return CancelRequest(rid, run_id, session_id, reason, run_ids=run_ids)
+
+
+def _idents(obj: Mapping[str, Any], key: str, most: int) -> tuple[str, ...] | None:
+    """An optional non-empty list of ids (each as ``_ident`` takes one)."""
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected {key!r} to be a non-empty list of strings, got {_kind(v)}")
+    if len(v) > most:
+        raise _Bad(ErrorCode.BAD_ARGS, f"expected {key!r} of at most {most} ids, got {len(v)}")
+    out = []
+    for i, item in enumerate(v):
+        if not isinstance(item, str) or not item.strip() or len(item) > MAX_ID_CHARS:
+            raise _Bad(
+                ErrorCode.BAD_ARGS, f"expected {key}[{i}] to be a non-empty string of at most {MAX_ID_CHARS} chars, got {_kind(item)}"
+            )
+        out.append(item)
+    return tuple(out)
 
 
 def _steer(rid: Any, obj: Mapping[str, Any]) -> SteerRequest:

@@ -41,6 +41,9 @@ RECONNECT_BACKOFF_S: Final = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0)
 # the daemon serves up to 32 of one connection's requests at a time (``Limits.in_flight``)
 # and reads the next once one is done, so more would only wait in the socket's buffers.
 PIPELINE_WINDOW: Final = 32
+# Run ids per ``cancel`` request of ``cancel_many`` (well under the protocol's maximum
+# and the daemon's message size).
+CANCEL_CHUNK: Final = 2000
 
 
 # ----------------------------------------------------------------------------- locating
@@ -265,14 +268,34 @@ class Client:
         return self.request("cancel", session_id=session_id, reason=reason)
 
     def cancel_many(self, run_ids: list[str], *, reason: str = "user") -> dict[str, Any]:
-        """Cancel many runs at once: every request is sent before any reply is read (the
-        daemon serves them side by side), so every stop is under way within one round trip.
+        """Cancel many runs at once: one ``cancel`` naming them all (``run_ids``; a very
+        long list in a few), so the daemon sends every run its stop before it journals
+        any. (A daemon that does not know ``run_ids`` gets a ``cancel`` per run, every
+        request sent before any reply is read.)
 
         Returns ``{"was_active", "runs": [each cancel's result or {"run_id", "error"}]}``.
 
         Raises:
             ConnectionLost: the connection broke (some stops may have been sent).
         """
+        if not run_ids:
+            return {"was_active": False, "runs": []}
+        chunks = [run_ids[i : i + CANCEL_CHUNK] for i in range(0, len(run_ids), CANCEL_CHUNK)]
+        replies = self._request_pipelined("cancel", [{"run_ids": chunk, "reason": reason} for chunk in chunks])
+        runs: list[dict[str, Any]] = []
+        for chunk, reply in zip(chunks, replies):
+            if isinstance(reply, ConnectionLost):
+                raise reply
+            if isinstance(reply, AgentdError) and getattr(reply, "code", None) == protocol.ErrorCode.BAD_ARGS:
+                return self._cancel_each(run_ids, reason)  # a daemon from before run_ids
+            if isinstance(reply, AgentdError):
+                runs.extend({"run_id": r, "error": {"code": str(getattr(reply, "code", "refused")), "message": str(reply)}} for r in chunk)
+            else:
+                runs.extend(reply["runs"])
+        return {"was_active": any(r.get("was_active") for r in runs), "runs": runs}
+
+    def _cancel_each(self, run_ids: list[str], reason: str) -> dict[str, Any]:
+        """A ``cancel`` per run, every request sent before any reply is read."""
         self.connect()
         assert self._ws is not None
         ws = self._ws

@@ -49,7 +49,7 @@ from supervisor.control._statefiles import (
     write_endpoint,
     write_token,
 )
-from supervisor.errors import ControlProtocolError
+from supervisor.errors import AgentdError, ControlProtocolError
 from supervisor.protocol import BadRequest, ErrorCode
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
@@ -394,6 +394,25 @@ class _Connection:
             self.busy -= 1
             self.in_flight.release()
 
+    async def _cancel_many(self, run_ids: list[str], reason: str) -> list[dict[str, Any]]:
+        """Each run's cancel result, or ``{"run_id", "error"}``; in the order asked."""
+        cancel_many = getattr(self.backend, "cancel_many", None)
+        if cancel_many is not None:
+            return list(await cancel_many(run_ids, reason=reason))
+        out: dict[int, dict[str, Any]] = {}
+
+        async def one(i: int, run_id: str) -> None:
+            try:
+                out[i] = await self.backend.cancel(run_id, reason=reason)
+            except AgentdError as exc:
+                code, message = protocol.error_code_for(exc)
+                out[i] = {"run_id": run_id, "error": {"code": str(code), "message": message}}
+
+        async with trio.open_nursery() as nursery:
+            for i, run_id in enumerate(run_ids):
+                nursery.start_soon(one, i, run_id)
+        return [out[i] for i in range(len(run_ids))]
+
     async def _dispatch(self, req: protocol.Request) -> Any:
         b = self.backend
         if isinstance(req, protocol.SpawnRequest):
@@ -406,6 +425,9 @@ class _Connection:
         if isinstance(req, protocol.CancelRequest):
             if req.run_id is not None:
                 return await b.cancel(req.run_id, reason=req.reason)
+            if req.run_ids is not None:
+                runs = await self._cancel_many(list(req.run_ids), req.reason)
+                return {"was_active": any(r.get("was_active") for r in runs), "runs": runs}
             cancel_session = getattr(b, "cancel_session", None)
             if cancel_session is None:
                 raise _unsupported("cancel by session")

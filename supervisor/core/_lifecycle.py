@@ -121,8 +121,15 @@ class Lifecycle:
                 self.book.let_go(run)
 
     def _grace(self, run: Run) -> float:
-        # A stop a previous daemon acknowledged keeps what is left of its grace.
-        return self.grace_left(run) if run.readopted and run.token.cancelled else self.config.grace_s
+        """Path B's grace: counted from the cancel (its journaled ``stop_deadline``), not
+        from when path B got to run. A stop a previous daemon acknowledged keeps what is
+        left of its grace; so does one whose path B starts late here (a thousand runs
+        stopping at once on two cores do not each get a full grace after the last)."""
+        if run.readopted and run.token.cancelled:
+            return self.grace_left(run)
+        if run.cancel_at is not None:
+            return max(0.0, run.cancel_at + self.config.grace_s - trio.current_time())
+        return self.config.grace_s
 
     def grace_left(self, run: Run) -> float:
         """Path B's grace for a resumed stop: what is left, counted from the original cancel."""

@@ -248,12 +248,21 @@ class RunManager:
             if row is None:
                 raise RunNotFound(run_id)
             return {"run_id": run_id, "was_active": False, "state": row["state"]}
+        was_active, first = self._stop_now(run, reason)
+        return await self._record_stop(run, reason, was_active, first)
+
+    def _stop_now(self, run: Run, reason: str) -> tuple[bool, bool]:
+        """A cancel's first half, with no await: the token, path A, the run's scopes.
+
+        Returns (was_active, first): the run was live; this cancel started its stop.
+        """
         was_active = run.token.cancel(reason)
-        if was_active and run.token.first_cancel:
+        first = was_active and run.token.first_cancel
+        if first:
             run.cancel_at = trio.current_time()
             run.cancel_wall = time.time()
             run.stop_deadline = run.cancel_wall + self.config.grace_s
-            # Path A, before any await: fire and forget, whole-group soft stop.
+            # Path A: fire and forget, whole-group soft stop.
             if run.tree is not None:
                 run.path_a = process.soft_stop(run.tree)
             # Path B: unwinding the run's scope ends in terminate_and_kill.
@@ -261,8 +270,15 @@ class RunManager:
                 run.scope.cancel()
             if run.queue_scope is not None:
                 run.queue_scope.cancel()
+        return was_active, first
+
+    async def _record_stop(self, run: Run, reason: str, was_active: bool, first: bool) -> dict[str, Any]:
+        """A cancel's second half: the stop's durable intent, then the acknowledgement."""
+        run_id = run.run_id
+        if first:
             # Durable intent before the acknowledgement: a restarted daemon finishes it.
             why, at, until = run.token.reason or reason, run.cancel_wall, run.stop_deadline
+            assert at is not None and until is not None
             await self.book.write(
                 run, "stop intent", lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until), True
             )
@@ -360,18 +376,42 @@ class RunManager:
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
         hits = [r.run_id for r in list(self._live.values()) if r.session_id == session_id]
         out = await self._cancel_many(hits, reason)
-        return {"session_id": session_id, "was_active": any(o["was_active"] for o in out), "runs": out}
+        return {"session_id": session_id, "was_active": any(o.get("was_active") for o in out), "runs": out}
+
+    async def cancel_many(self, run_ids: list[str], *, reason: str = "user") -> list[dict[str, Any]]:
+        """Cancel many runs at once (``cancel`` with ``run_ids``): each one's result, in
+        order, or ``{"run_id", "error"}`` for an id with no run. Every live run's stop is
+        under way (path A sent, its scope cancelled) before any of them is journaled; the
+        reply comes once every stop is durable (the journal commits them together)."""
+        return await self._cancel_many(run_ids, reason)
 
     async def _cancel_many(self, run_ids: list[str], reason: str) -> list[dict[str, Any]]:
-        """Cancel side by side: every run's path A goes out before any journal write."""
+        """Cancel side by side: every run's path A goes out, in one loop with no await
+        between them, before any journal write (a thousand runs stopping must not wait
+        behind each other's bookkeeping); then each stop's durable intent, concurrently."""
         out: dict[str, dict[str, Any]] = {}
+        started: list[tuple[Run, bool, bool]] = []
+        for run_id in dict.fromkeys(run_ids):
+            run = self._live.get(run_id)
+            if run is not None:
+                started.append((run, *self._stop_now(run, reason)))
+        live = {run.run_id for run, _, _ in started}
 
-        async def one(run_id: str) -> None:
-            out[run_id] = await self.cancel(run_id, reason=reason)
+        async def record(run: Run, was_active: bool, first: bool) -> None:
+            out[run.run_id] = await self._record_stop(run, reason, was_active, first)
+
+        async def ended(run_id: str) -> None:  # no live run: its stored state, or not found
+            try:
+                out[run_id] = await self.cancel(run_id, reason=reason)
+            except RunNotFound as exc:
+                out[run_id] = {"run_id": run_id, "error": {"code": str(ErrorCode.NOT_FOUND), "message": str(exc)}}
 
         async with trio.open_nursery() as n:
-            for run_id in run_ids:
-                n.start_soon(one, run_id)
+            for run, was_active, first in started:
+                n.start_soon(record, run, was_active, first)
+            for run_id in dict.fromkeys(run_ids):
+                if run_id not in live:
+                    n.start_soon(ended, run_id)
         return [out[r] for r in run_ids]
 
     async def status(self, run_id: str) -> dict[str, Any]:

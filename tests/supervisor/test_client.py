@@ -155,6 +155,58 @@ def test_ops_round_trip_through_the_real_server(server: ServerThread, client: Cl
     assert server.backend.spawns == [{"spec": {"task": "hi"}, "session_id": "s1", "timeout_s": 9.0}]
 
 
+def test_cancel_many_is_one_request_and_answers_each_run_in_order(tmp_path: Path) -> None:
+    class Many(FakeBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bulk: list[list[str]] = []
+
+        async def cancel_many(self, run_ids: list[str], *, reason: str = "user") -> list[dict[str, Any]]:
+            self.bulk.append(list(run_ids))
+            out: list[dict[str, Any]] = []
+            for run_id in run_ids:
+                try:
+                    out.append(await self.cancel(run_id, reason=reason))
+                except RunNotFound as exc:
+                    out.append({"run_id": run_id, "error": {"code": "not_found", "message": str(exc)}})
+            return out
+
+    backend = Many()
+    with ServerThread(tmp_path, backend) as srv, Client(state_dir=srv.config.state_dir, timeout_s=10) as c:
+        ids = [c.spawn({"task": f"t{i}"})["run_id"] for i in range(3)]
+        out = c.cancel_many([ids[2], "r-missing", ids[0]], reason="shutdown")
+        assert backend.bulk == [[ids[2], "r-missing", ids[0]]]  # one request for them all
+        assert out["was_active"] is True
+        assert [r["run_id"] for r in out["runs"]] == [ids[2], "r-missing", ids[0]]
+        assert out["runs"][0]["state"] == "cancelled" and out["runs"][1]["error"]["code"] == "not_found"
+        assert c.status(ids[1])["state"] == "running"
+
+
+def test_cancel_many_on_a_backend_without_it_cancels_each_run(server: ServerThread, client: Client) -> None:
+    ids = [client.spawn({"task": f"t{i}"})["run_id"] for i in range(3)]
+    out = client.cancel_many([*ids, "r-missing"])
+    assert [r.get("state") for r in out["runs"]] == ["cancelled"] * 3 + [None]
+    assert out["runs"][3] == {"run_id": "r-missing", "error": {"code": "not_found", "message": "no run with id 'r-missing'"}}
+    assert sorted(server.backend.cancels) == sorted((r, "user") for r in ids)
+
+
+def test_cancel_many_falls_back_to_a_cancel_per_run_on_a_daemon_without_run_ids(
+    server: ServerThread, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor import protocol
+
+    def old_cancel(rid: Any, obj: Any) -> Any:  # a daemon from before run_ids
+        if "run_id" not in obj and "session_id" not in obj:
+            raise protocol._Bad(protocol.ErrorCode.BAD_ARGS, "expected exactly one of 'run_id' or 'session_id'")
+        return protocol.CancelRequest(rid, obj.get("run_id"), obj.get("session_id"), obj.get("reason") or "user")
+
+    monkeypatch.setitem(protocol._PARSERS, protocol.Op.CANCEL, old_cancel)
+    ids = [client.spawn({"task": f"t{i}"})["run_id"] for i in range(2)]
+    out = client.cancel_many(ids)
+    assert [r["state"] for r in out["runs"]] == ["cancelled", "cancelled"] and out["was_active"] is True
+    assert sorted(server.backend.cancels) == sorted((r, "user") for r in ids)
+
+
 def test_errors_arrive_as_typed_exceptions(client: Client) -> None:
     with pytest.raises(RunNotFound) as nf:
         client.status("r-missing")

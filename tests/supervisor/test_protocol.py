@@ -46,6 +46,9 @@ def test_defaults_fill_optional_arguments() -> None:
     assert dec({"op": "events", "run_id": "r"}) == protocol.EventsRequest(None, "r", 0, 1000)
     assert dec({"op": "subscribe", "run_id": "r", "after_seq": 4}) == protocol.SubscribeRequest(None, "r", 4)
     assert dec({"op": "cancel", "run_id": "r"}) == protocol.CancelRequest(None, "r", None, "user")
+    assert dec({"op": "cancel", "run_ids": ["a", "b"], "reason": "x"}) == protocol.CancelRequest(
+        None, None, None, "x", run_ids=("a", "b")
+    )
     assert dec({"op": "status"}) == protocol.StatusRequest(None, None)
     assert dec({"id": 1, "op": "ping"}) == protocol.PingRequest(1)
 
@@ -68,6 +71,12 @@ def test_defaults_fill_optional_arguments() -> None:
         ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": NaN}', ErrorCode.BAD_JSON),
         ('{"id": 1, "op": "cancel"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_id": "r", "session_id": "s"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_id": "r", "run_ids": ["r"]}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_ids": []}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_ids": "r"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_ids": ["r", 5]}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_ids": ["r", " "]}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_ids": [' + ", ".join(['"r"'] * 10_001) + "]}", ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "list", "limit": 0}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "list", "limit": "5"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "list", "state": "sleeping"}', ErrorCode.BAD_ARGS),
