@@ -232,7 +232,7 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
         async with in_process_daemon(Path(tmp), grace_s=grace, max_concurrent=n + 10) as d:
             m = d["manager"]
             helpers = [m._zygote.pid] if m._zygote is not None and m._zygote.pid else []
-            print(f"containment: {m.containment.mode}; zygote: {'pid %s' % helpers if helpers else 'off'}")
+            print(f"containment: {m.containment.mode}; zygote: {f'pid {helpers}' if helpers else 'off'}")
             t_spawn = time.perf_counter()
             ids = [(await m.spawn(spec()))["run_id"] for _ in range(n)]
 
@@ -283,9 +283,11 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
                 import subprocess
 
                 out = Path(tmp).parent / f"cancel_all-{os.getpid()}.py-spy.txt"
-                spy = subprocess.Popen([opts.py_spy, "record", "-r", "250", "-f", "raw", "--threads", "--nonblocking",
-                                        "-o", str(out), "--pid", str(os.getpid()), "-d", str(opts.py_spy_s)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                argv = [opts.py_spy, "record", "-r", "250", "-f", "raw", "--threads", "--nonblocking",
+                        "-o", str(out), "--pid", str(os.getpid()), "-d", str(opts.py_spy_s)]
+                spy = await trio.to_thread.run_sync(
+                    lambda: subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                )
                 print(f"py-spy: {out} (collapsed stacks, {opts.py_spy_s:g} s from the cancel)")
                 await trio.sleep(0.5)
             cpu0 = time.process_time()

@@ -283,7 +283,7 @@ class Client:
         chunks = [run_ids[i : i + CANCEL_CHUNK] for i in range(0, len(run_ids), CANCEL_CHUNK)]
         replies = self._request_pipelined("cancel", [{"run_ids": chunk, "reason": reason} for chunk in chunks])
         runs: list[dict[str, Any]] = []
-        for chunk, reply in zip(chunks, replies):
+        for chunk, reply in zip(chunks, replies, strict=True):
             if isinstance(reply, ConnectionLost):
                 raise reply
             if isinstance(reply, AgentdError) and getattr(reply, "code", None) == protocol.ErrorCode.BAD_ARGS:

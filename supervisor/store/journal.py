@@ -35,8 +35,8 @@ from supervisor.errors import AgentdError, JournalError, JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store._ops import (
     EventRecord,
-    NeedsDurableCommit,
     GroupRecord,
+    NeedsDurableCommit,
     RunRecord,
     Store,
     dumps,
