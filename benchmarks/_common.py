@@ -181,6 +181,61 @@ def alive(p: PidId) -> bool:
     return st is not None and st[1] == p.ticks and st[0] not in ("Z", "X")
 
 
+class Deaths:
+    """When each of a set of processes exits, as events: a pidfd each (opened now, checked
+    against the start time), polled by a thread; no walk of /proc that would compete for
+    the CPU with what it measures. ``start(t0)``, then ``wait(timeout)``; ``dead_at`` maps
+    pid -> seconds after t0 (zombies are dead: a pidfd turns readable at the exit)."""
+
+    def __init__(self, procs: Iterable[PidId]) -> None:
+        import select
+        import threading
+
+        self.fds: dict[int, int] = {}
+        for p in procs:
+            try:
+                fd = os.pidfd_open(p.pid)
+            except OSError:
+                continue
+            if alive(p):
+                self.fds[fd] = p.pid
+            else:
+                os.close(fd)
+        self.dead_at: dict[int, float] = {}
+        self._poller = select.poll()
+        for fd in self.fds:
+            self._poller.register(fd, select.POLLIN)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._t0 = 0.0
+        self._stop = False
+
+    def start(self, t0: float) -> None:
+        self._t0 = t0
+        self._thread.start()
+
+    def _watch(self) -> None:
+        left = len(self.fds)
+        while left and not self._stop:
+            for fd, _ev in self._poller.poll(100):
+                self._poller.unregister(fd)
+                self.dead_at[self.fds[fd]] = time.perf_counter() - self._t0
+                left -= 1
+
+    @property
+    def all_dead(self) -> bool:
+        return len(self.dead_at) == len(self.fds)
+
+    def left(self) -> list[int]:
+        return [pid for pid in self.fds.values() if pid not in self.dead_at]
+
+    def close(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for fd in self.fds:
+            os.close(fd)
+
+
 def pids_with(var: str, value: str, *, exclude: Iterable[int] = ()) -> list[PidId]:
     """Live (non-zombie) processes whose environment holds ``var=value``."""
     needle = f"{var}={value}\0".encode()

@@ -3,7 +3,7 @@
 For each size (default 200, then 500): that many scripted runs, each waiting in a
 ``run_command`` (``sleep``); then the daemon's CPU over 10 s idle (psutil ``cpu_times``
 of the daemon process, all its threads), its RSS/USS, the RSS/USS of a runner, and
-cancel-all (a ``cancel`` of every run, all sent at once on one connection) -> every process of every tree dead,
+cancel-all (one ``cancel`` naming every run: ``Client.cancel_many``) -> every process of every tree dead (pidfds),
 plus survivors. Baselines in the same run: the same daemon idle with no run, and a bare
 ``python -c 'import time; time.sleep(...)'`` process's RSS/USS.
 
@@ -35,6 +35,7 @@ import psutil  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     MARK_VAR,
     PY,
+    Deaths,
     PidId,
     alive,
     cmdline,
@@ -207,11 +208,12 @@ def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
 
 
 def cancel_all(mark: str, d: DaemonProc, run_ids: list[str], grace: float, deadline_s: float) -> dict[str, Any]:
-    """A cancel of every run, all sent at once on one connection (``Client.cancel_many``);
-    the clock stops when every process found before it is dead and when every run is
-    terminal (polled side by side)."""
+    """One cancel naming every run (``Client.cancel_many``); the clock stops when every
+    process found before it has exited (each watched through a pidfd: no /proc polling
+    that would take CPU from what is measured) and when every run is terminal."""
     out: dict[str, Any] = {"grace_s": grace}
     members = run_members(mark, d.pid)
+    deaths = Deaths(members)
     reply: dict[str, Any] = {}
 
     def send() -> None:
@@ -224,20 +226,16 @@ def cancel_all(mark: str, d: DaemonProc, run_ids: list[str], grace: float, deadl
             reply["took"] = time.perf_counter() - t
 
     t0 = time.perf_counter()
+    deaths.start(t0)
     th = threading.Thread(target=send, daemon=True)
     th.start()
-    left = list(members)
     dead_at = term_at = None
-    next_list = t0
     with d.client(timeout_s=30) as c:
         while time.perf_counter() - t0 < deadline_s and (dead_at is None or term_at is None):
-            time.sleep(0.02)
-            if dead_at is None:
-                left = [p for p in left if alive(p)]
-                if not left:
-                    dead_at = time.perf_counter() - t0
-            if term_at is None and time.perf_counter() >= next_list:
-                next_list = time.perf_counter() + 0.25
+            time.sleep(0.05)
+            if dead_at is None and deaths.all_dead:
+                dead_at = max(deaths.dead_at.values(), default=0.0)
+            if term_at is None:
                 try:
                     wanted = set(run_ids)
                     runs = [r for r in c.list_runs(limit=1000) if r["id"] in wanted]
@@ -246,17 +244,24 @@ def cancel_all(mark: str, d: DaemonProc, run_ids: list[str], grace: float, deadl
                 if runs and all(r["state"] in ("cancelled", "completed", "failed", "lost") for r in runs):
                     term_at = time.perf_counter() - t0
                     out["states"] = sorted({r["state"] for r in runs})
+                time.sleep(0.2)
     th.join(5)
+    deaths.close()
+    times = sorted(deaths.dead_at.values())
     out.update({"processes": len(members), "cancel_reply_s": reply.get("took"), "cancel_error": reply.get("error"),
                 "cancelled_runs": len((reply.get("result") or {}).get("runs", [])),
-                "all_dead_s": dead_at, "all_terminal_s": term_at})
-    still = [p for p in left if alive(p)]
+                "all_dead_s": dead_at, "all_terminal_s": term_at,
+                "dead_p50_s": times[len(times) // 2] if times else None,
+                "dead_p90_s": times[int(len(times) * 0.9)] if times else None})
+    left = set(deaths.left())
+    still = [p for p in members if p.pid in left and alive(p)]
     out["survivors"] = [{"pid": p.pid, "cmdline": cmdline(p.pid)} for p in still]
     kill_all(still)
     fmt = lambda x: "-" if x is None else f"{x:.2f} s"  # noqa: E731
-    line(f"  cancel-all (a cancel of every run, sent at once): replies after {fmt(out['cancel_reply_s'])}; all {len(members)} "
-         f"processes dead after {fmt(dead_at)} (grace {grace:g} s); all runs terminal after {fmt(term_at)} "
-         f"{out.get('states', '')}; survivors at {deadline_s:g} s: {len(still)}")
+    line(f"  cancel-all (one cancel naming every run): replied after {fmt(out['cancel_reply_s'])}; of {len(members)} "
+         f"processes half dead after {fmt(out['dead_p50_s'])}, 90 % after {fmt(out['dead_p90_s'])}, all after {fmt(dead_at)} "
+         f"(grace {grace:g} s); all runs terminal after {fmt(term_at)} {out.get('states', '')}; survivors at {deadline_s:g} s: "
+         f"{len(still)}")
     for sv in out["survivors"][:5]:
         line(f"     survivor pid {sv['pid']}: {sv['cmdline']}")
     return out
