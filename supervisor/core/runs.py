@@ -251,16 +251,17 @@ class RunManager:
         was_active, first = self._stop_now(run, reason)
         return await self._record_stop(run, reason, was_active, first)
 
-    def _stop_now(self, run: Run, reason: str) -> tuple[bool, bool]:
+    def _stop_now(self, run: Run, reason: str, asked: tuple[float, float] | None = None) -> tuple[bool, bool]:
         """A cancel's first half, with no await: the token, path A, the run's scopes.
 
+        ``asked``: when the cancel was asked (Trio clock, wall clock; default now): a
+        cancel of many runs asks every one at once, and each one's grace counts from then.
         Returns (was_active, first): the run was live; this cancel started its stop.
         """
         was_active = run.token.cancel(reason)
         first = was_active and run.token.first_cancel
         if first:
-            run.cancel_at = trio.current_time()
-            run.cancel_wall = time.time()
+            run.cancel_at, run.cancel_wall = asked if asked is not None else (trio.current_time(), time.time())
             run.stop_deadline = run.cancel_wall + self.config.grace_s
             # Path A: fire and forget, whole-group soft stop.
             if run.tree is not None:
@@ -391,10 +392,11 @@ class RunManager:
         behind each other's bookkeeping); then each stop's durable intent, concurrently."""
         out: dict[str, dict[str, Any]] = {}
         started: list[tuple[Run, bool, bool]] = []
+        asked = (trio.current_time(), time.time())
         for run_id in dict.fromkeys(run_ids):
             run = self._live.get(run_id)
             if run is not None:
-                started.append((run, *self._stop_now(run, reason)))
+                started.append((run, *self._stop_now(run, reason, asked)))
         live = {run.run_id for run, _, _ in started}
 
         async def record(run: Run, was_active: bool, first: bool) -> None:

@@ -50,16 +50,19 @@ async def test_a_cancel_of_many_runs_records_every_one_and_leaves_nothing(
             assert [o["run_id"] for o in out] == [*ids, "r-missing"]
             assert all(o["was_active"] for o in out[:RUNS])
             assert out[RUNS]["error"]["code"] == "not_found"
+            asked = set()
             for run_id in ids:
                 st = await m.wait_terminal(run_id)
                 assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "user", "user")
                 assert st["stop_deadline"] is not None  # the stop was journaled before the reply
+                asked.add((st["cancel_requested_at"], st["stop_deadline"]))
                 receipt = st["receipt"]
                 assert any(s.startswith("SIGTERM group") for s in receipt["path_a"])
                 assert [t["effect"] for t in receipt["tools"]] == ["interrupted"]
                 assert receipt["path_b"]["escalated"] is False  # each runner ended in its grace
                 assert st["result"]["tool_calls"][0]["state"] == "cancelled"
                 assert tree_members(trees[run_id]) == []
+            assert len(asked) == 1  # asked at once: every run's grace ends at the same time
 
 
 async def test_every_stop_is_under_way_before_any_is_journaled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
