@@ -266,12 +266,22 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
             path_a_cpu: list[float] = []
             path_a_wall: list[float] = []
 
+            sched: list[tuple[float, float, float]] = []  # (wall, on a CPU, waiting for one)
+
+            def schedstat() -> tuple[float, float, float]:
+                with open("/proc/thread-self/schedstat") as f:
+                    run_ns, wait_ns, _slices = f.read().split()
+                return time.perf_counter(), int(run_ns) / 1e9, int(wait_ns) / 1e9
+
             def soft_stop(tree: Any) -> list[str]:
+                if not sched:
+                    sched.append(schedstat())
                 c, w = time.thread_time(), time.perf_counter()
                 out = _soft(tree)
                 path_a_cpu.append(time.thread_time() - c)
                 path_a_wall.append(time.perf_counter() - w)
                 path_a_at.append(time.perf_counter() - t0)
+                sched[1:] = [schedstat()]
                 return out
 
             _process.soft_stop = soft_stop  # type: ignore[assignment]
@@ -326,6 +336,10 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
             print(f"  the cancels returned after {reply:.2f} s; all terminal after {terminal_s:.2f} s {dict(states)}")
             print(f"  all processes dead after {all_dead:.2f} s ({len(dead)} of {deaths.watched} watched)")
             print(f"  path A sent:    {q(path_a_at)}")
+            if len(sched) == 2:
+                (w0, r0, q0), (w1, r1, q1) = sched
+                print(f"  the Trio thread from the first path A to the last: {w1 - w0:.2f} s; on a CPU {r1 - r0:.2f} s, "
+                      f"waiting for one {q1 - q0:.2f} s, blocked {max(0.0, (w1 - w0) - (r1 - r0) - (q1 - q0)):.2f} s")
             print(f"  one path A: wall {q([x * 1000 for x in path_a_wall], 'ms')}; CPU {q([x * 1000 for x in path_a_cpu], 'ms')}; sum wall {sum(path_a_wall):.2f} s, CPU {sum(path_a_cpu):.2f} s")
             print(f"  commands dead:  {q([t for p, t in dead.items() if p in sleeper_pids])}")
             print(f"  runners dead:   {q([t for p, t in dead.items() if p in runner_pids])}")
