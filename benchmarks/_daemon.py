@@ -76,7 +76,9 @@ async def in_process_daemon(state_dir: Path, **overrides: Any) -> AsyncIterator[
             stop.set()
 
 
-async def wait_event(manager: Any, run_id: str, kind: str, *, timeout_s: float = 60.0, pred: Any = None) -> dict[str, Any] | None:
+async def wait_event(
+    manager: Any, run_id: str, kind: str, *, timeout_s: float = 60.0, pred: Any = None
+) -> dict[str, Any] | None:
     """The first event of ``kind`` (replayed or live) with its arrival time in ``_arrived``.
 
     ``_replayed`` is True when it was already in the journal when we subscribed (its arrival
@@ -129,7 +131,9 @@ async def wait_pool_warm(manager: Any, size: int, *, timeout_s: float = 120.0) -
     return None
 
 
-def scripted_spec(turns: list[Any] | None = None, *, final: str = "ok", tools: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+def scripted_spec(
+    turns: list[Any] | None = None, *, final: str = "ok", tools: list[str] | None = None, **extra: Any
+) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "task": "benchmark",
         "model": {"provider": "scripted", "script": {"turns": turns or [], "final": final}},

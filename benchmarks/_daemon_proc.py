@@ -16,8 +16,15 @@ from benchmarks._common import AGENTD
 class DaemonProc:
     """``agentd serve`` on a fresh state dir; ``stop()`` sends SIGTERM and waits."""
 
-    def __init__(self, state_dir: Path, *, nice: int = 0, agentd: str = AGENTD, env: dict[str, str] | None = None,
-                 **settings: Any) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        nice: int = 0,
+        agentd: str = AGENTD,
+        env: dict[str, str] | None = None,
+        **settings: Any,
+    ) -> None:
         """``agentd``: the console script (another checkout's, for a before/after);
         ``env``: its environment (default: this process's)."""
         self.state_dir = state_dir

@@ -64,13 +64,19 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, int, float]:
 
 def import_profile(argv: list[str], env: dict[str, str], top: int = 8) -> list[tuple[str, float]]:
     """The top-level imports of a command with their cumulative time (-X importtime)."""
-    p = subprocess.run([PY, "-X", "importtime", *argv], env=env, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.run(
+        [PY, "-X", "importtime", *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rows = []
     for ln in p.stderr.splitlines():
         if not ln.startswith("import time:") or ln.count("|") != 2:
             continue
-        _, cum, raw = ln[len("import time:"):].split("|")
+        _, cum, raw = ln[len("import time:") :].split("|")
         try:
             cum_us = int(cum.strip())
         except ValueError:
@@ -86,8 +92,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 samples: for the smoke test")
     ap.add_argument("--reps", type=int, default=None, help="samples of each (default 30)")
-    ap.add_argument("--baseline-tree", default=None, help="another checkout's root (with its own .venv, or only its "
-                    "supervisor/ and subagent/): its `agentd status RUN_ID`, interleaved")
+    ap.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="another checkout's root (with its own .venv, or only its "
+        "supervisor/ and subagent/): its `agentd status RUN_ID`, interleaved",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 30)
@@ -111,9 +121,16 @@ def main() -> None:
             shutil.copytree(ROOT / pkg, nopyc / pkg, ignore=shutil.ignore_patterns("__pycache__", "static", "*.md"))
         nopyc_env = dict(env, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(nopyc))
         with d.client() as c:
-            run_id = c.spawn({"task": "benchmark", "model": {"provider": "scripted", "script": {"turns": [], "final": "ok"}}})["run_id"]
-        rc_first = subprocess.run([AGENTD, "status", run_id], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            run_id = c.spawn(
+                {"task": "benchmark", "model": {"provider": "scripted", "script": {"turns": [], "final": "ok"}}}
+            )["run_id"]
+        rc_first = subprocess.run(
+            [AGENTD, "status", run_id],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
         if rc_first.returncode != 0:
             line(f"  !! agentd status failed: {rc_first.stderr.decode(errors='replace')[-500:]}")
         samples: dict[str, list[float]] = {}
@@ -167,15 +184,23 @@ def main() -> None:
             cdiffs = [a - b for a, b in zip(cpu["status"], cpu["status_baseline_tree"])]
             out["status_minus_baseline_tree_p50"] = statistics.median(diffs)
             out["status_minus_baseline_tree_cpu_p50"] = statistics.median(cdiffs)
-            line(f"  this tree minus the baseline tree, median of {len(diffs)} interleaved pairs: "
-                 f"{statistics.median(diffs) * 1000:+.1f} ms wall, {statistics.median(cdiffs) * 1000:+.1f} ms cpu")
+            line(
+                f"  this tree minus the baseline tree, median of {len(diffs)} interleaved pairs: "
+                f"{statistics.median(diffs) * 1000:+.1f} ms wall, {statistics.median(cdiffs) * 1000:+.1f} ms cpu"
+            )
         prof = import_profile([AGENTD, "status", run_id], env)
         line("  heaviest imports of `agentd status` (-X importtime, cumulative, one sample):")
         for name, s in prof:
             line(f"    {name:<40} {s * 1000:7.1f} ms")
-        out.update({"samples": samples, "cpu": cpu, "imports": prof,
-                    "summary": {k: summary(v) for k, v in samples.items()},
-                    "cpu_summary": {k: summary(v) for k, v in cpu.items()}})
+        out.update(
+            {
+                "samples": samples,
+                "cpu": cpu,
+                "imports": prof,
+                "summary": {k: summary(v) for k, v in samples.items()},
+                "cpu_summary": {k: summary(v) for k, v in cpu.items()},
+            }
+        )
     finally:
         if d is not None:
             d.stop()

@@ -51,8 +51,12 @@ def baseline_pipe(n: int) -> float:
 
 
 def follow_with(d: DaemonProc, run_id: str, subs: int, go: Path | None) -> dict[str, Any]:
-    procs = [subprocess.Popen(SUBSCRIBER + [d.url, d.token, run_id], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, text=True) for _ in range(subs)]
+    procs = [
+        subprocess.Popen(
+            SUBSCRIBER + [d.url, d.token, run_id], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(subs)
+    ]
     for p in procs:
         assert p.stdout is not None
         p.stdout.readline()  # "ready"
@@ -86,9 +90,11 @@ def follow_with(d: DaemonProc, run_id: str, subs: int, go: Path | None) -> dict[
 def show(label: str, n: int, r: dict[str, Any]) -> None:
     rates = r["per_subscriber_rate"]
     med = rates[len(rates) // 2] if rates else float("nan")
-    line(f"  {label}: {len(r['counts'])} subscribers got {min(r['counts']) if r['counts'] else 0}..{max(r['counts']) if r['counts'] else 0} "
-         f"of {n} snapshots; per subscriber {med:,.0f}/s (min {rates[0] if rates else float('nan'):,.0f}); "
-         f"all subscribers together {r['aggregate_rate']:,.0f}/s; first->last {r['span_s']:.2f} s; states {r['states']}")
+    line(
+        f"  {label}: {len(r['counts'])} subscribers got {min(r['counts']) if r['counts'] else 0}..{max(r['counts']) if r['counts'] else 0} "
+        f"of {n} snapshots; per subscriber {med:,.0f}/s (min {rates[0] if rates else float('nan'):,.0f}); "
+        f"all subscribers together {r['aggregate_rate']:,.0f}/s; first->last {r['span_s']:.2f} s; states {r['states']}"
+    )
 
 
 def main() -> None:
@@ -127,9 +133,12 @@ def main() -> None:
         d2 = DaemonProc(Path(tmp.name) / "real")
         turns: list[Any] = [{"delay_s": 3.0, "tool_calls": [{"name": "noop", "arguments": {}}]}]
         turns += [{"tool_calls": [{"name": "noop", "arguments": {}}]} for _ in range(steps - 1)]
-        spec = {"task": "benchmark: many steps", "builtin_tools": [],
-                "model": {"provider": "scripted", "script": {"turns": turns, "final": "ok"}},
-                "limits": {"max_steps": steps + 1}}
+        spec = {
+            "task": "benchmark: many steps",
+            "builtin_tools": [],
+            "model": {"provider": "scripted", "script": {"turns": turns, "final": "ok"}},
+            "limits": {"max_steps": steps + 1},
+        }
         with d2.client() as c:
             run_id = c.spawn(spec)["run_id"]
         r2 = follow_with(d2, run_id, subs, None)

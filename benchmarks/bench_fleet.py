@@ -93,8 +93,12 @@ def measure(client: Client, reps: int, burst: int, cancel_all: int) -> dict[str,
 def local(slots: int, reps: int, burst: int, cancel_all: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="agentd-bench-") as d:
         env = {**os.environ, **ENV}
-        proc = subprocess.Popen([AGENTD, "--state-dir", d, "serve", "--max-concurrent", str(slots), "--log-level", "warning"],
-                                env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [AGENTD, "--state-dir", d, "serve", "--max-concurrent", str(slots), "--log-level", "warning"],
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 60
             while not (Path(d) / "daemon.json").exists():
@@ -128,7 +132,9 @@ def main() -> None:
     mark = install_mark()
     reps, burst, cancel_all = (5, 10, 15) if args.quick else (20, 50, 100)
     per_node = cancel_all // 3 + 2  # 3 nodes hold them all at once
-    print(f"fleet benchmark: {reps} reps, burst {burst}, cancel-all {cancel_all} ({os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f})")
+    print(
+        f"fleet benchmark: {reps} reps, burst {burst}, cancel-all {cancel_all} ({os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f})"
+    )
     results = {"local": local(3 * per_node, reps, burst, cancel_all), "fleet": fleet(per_node, reps, burst, cancel_all)}
     keys = [k for k in results["local"] if not k.startswith("cancel_all_states") and k != "cancel_all_was_active"]
     print(f"{'':36} {'local daemon':>14} {'fleet (3 nodes)':>16}")
@@ -136,7 +142,9 @@ def main() -> None:
         lv, fv = results["local"][k], results["fleet"][k]
         print(f"{k:36} {lv:14.3f} {fv:16.3f}")
     for side in ("local", "fleet"):
-        print(f"{side}: cancel-all ended {results[side]['cancel_all_states']}, was_active {results[side]['cancel_all_was_active']}")
+        print(
+            f"{side}: cancel-all ended {results[side]['cancel_all_states']}, was_active {results[side]['cancel_all_was_active']}"
+        )
     results["survivors"] = final_sweep(mark, exclude=[os.getpid()])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -93,10 +93,7 @@ SETTLE_MAX_S = 30.0
 
 def tree_program(ready: Path, token: str) -> str:
     """sh + two sleeps in one group; every one exits on SIGTERM; ready once all exist."""
-    return (
-        f"sleep 99999{token}1 & sleep 99999{token}2 & "
-        f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready}; wait"
-    )
+    return f"sleep 99999{token}1 & sleep 99999{token}2 & echo $$ > {ready}.tmp && mv {ready}.tmp {ready}; wait"
 
 
 def escaper_program(ready: Path, token: str) -> str:
@@ -166,7 +163,9 @@ def run_cli(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, 
     done = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
     took = time.perf_counter() - t0
     if done.returncode not in (0, 7):  # agentd cancel exits 7 for "run cancelled"
-        raise RuntimeError(f"{shlex.join(argv)} exited {done.returncode}: {(done.stdout + done.stderr).decode(errors='replace')[-500:]}")
+        raise RuntimeError(
+            f"{shlex.join(argv)} exited {done.returncode}: {(done.stdout + done.stderr).decode(errors='replace')[-500:]}"
+        )
     return took, done.stdout.decode(errors="replace")
 
 
@@ -222,8 +221,14 @@ class Agentd(Peer):
         self.agentd = AGENTD if tree is None else str(tree / ".venv" / "bin" / "agentd")
         # The other checkout's daemon imports its own tree, not the one on this PYTHONPATH.
         daemon_env = None if tree is None else dict(os.environ, PYTHONPATH=str(tree))
-        self.daemon = DaemonProc(workdir / f"{name}-state", agentd=self.agentd, env=daemon_env, grace_s=grace_s,
-                                 max_concurrent=512, **settings)
+        self.daemon = DaemonProc(
+            workdir / f"{name}-state",
+            agentd=self.agentd,
+            env=daemon_env,
+            grace_s=grace_s,
+            max_concurrent=512,
+            **settings,
+        )
         # The CLI as a user's shell runs it: no PYTHONPATH.
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.env["AGENTD_STATE_DIR"] = str(self.daemon.state_dir)
@@ -242,9 +247,13 @@ class Agentd(Peer):
     def spawn_argv(self, key: str, command: str) -> list[str]:
         spec = {
             "task": "benchmark program",
-            "model": {"provider": "scripted", "script": {"turns": [
-                {"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}
-            ], "final": "ok"}},
+            "model": {
+                "provider": "scripted",
+                "script": {
+                    "turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}],
+                    "final": "ok",
+                },
+            },
             "limits": {"command_timeout_s": 3600},
             # The program writes its ready file outside the run's own dir: granted, as a
             # user grants a run what it needs beyond it (the run sandbox, issue 16).
@@ -331,13 +340,18 @@ class Supervisord(Peer):
         self.log = open(self.dir / "stdout.log", "wb")
         self.p = subprocess.Popen(
             py + ["supervisor.supervisord", "-c", str(self.conf)],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 30
         while True:
             if self.p.poll() is not None:
                 self.log.flush()
-                raise RuntimeError(f"supervisord exited {self.p.returncode}: {(self.dir / 'stdout.log').read_text()[-1000:]}")
+                raise RuntimeError(
+                    f"supervisord exited {self.p.returncode}: {(self.dir / 'stdout.log').read_text()[-1000:]}"
+                )
             if subprocess.run(self.ctl + ["pid"], capture_output=True).stdout.strip().isdigit():
                 break
             if time.monotonic() > deadline:
@@ -371,7 +385,9 @@ class Supervisord(Peer):
 def ensure_supervisor_venv(venv: Path) -> Path:
     exe = venv / "bin" / "python"
     if exe.exists():
-        got = subprocess.run([str(exe), "-I", "-m", "supervisor.supervisord", "--version"], capture_output=True, text=True).stdout.strip()
+        got = subprocess.run(
+            [str(exe), "-I", "-m", "supervisor.supervisord", "--version"], capture_output=True, text=True
+        ).stdout.strip()
         if got.splitlines()[-1:] == [SUPERVISOR_VERSION]:
             return venv
         line(f"  {exe} says {got!r}, not {SUPERVISOR_VERSION}")
@@ -431,8 +447,11 @@ class Bench:
         for t in threads:
             t.join()
         running = [r["running_s"] for r in results.values()]
-        return {"all_running_s": None if None in running else max(running), "running": running,
-                "cli": [r["cli_s"] for r in results.values()]}
+        return {
+            "all_running_s": None if None in running else max(running),
+            "running": running,
+            "cli": [r["cli_s"] for r in results.values()],
+        }
 
     def bulk(self, keys: list[str]) -> dict[str, Any]:
         """N programs started by one CLI command -> all running."""
@@ -515,7 +534,12 @@ def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, An
     each figure's baseline ran under the same load (the machine is shared)."""
     outs: list[dict[str, Any]] = []
     for b in benches:
-        outs.append({"name": b.peer.name, "daemon_idle_empty": {"rss_mib": psutil.Process(b.peer.daemon_pid).memory_info().rss / 2**20}})
+        outs.append(
+            {
+                "name": b.peer.name,
+                "daemon_idle_empty": {"rss_mib": psutil.Process(b.peer.daemon_pid).memory_info().rss / 2**20},
+            }
+        )
         b.spawn("s0")  # warm the page cache and the CLI's imports
         b.stop("s0")
     seq: list[dict[str, list[dict[str, Any]]]] = [{"spawn": [], "stop": []} for _ in benches]
@@ -533,8 +557,10 @@ def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, An
         order = list(zip(benches, outs))[:: 1 if rep % 2 == 0 else -1]
         for b, out in order:
             out["bursts"].append(b.burst(keys))
-            line(f"  {b.peer.name}: {args.burst} at once -> all running in {fmt_s(out['bursts'][-1]['all_running_s'])} "
-                 f"(load {os.getloadavg()[0]:.2f})")
+            line(
+                f"  {b.peer.name}: {args.burst} at once -> all running in {fmt_s(out['bursts'][-1]['all_running_s'])} "
+                f"(load {os.getloadavg()[0]:.2f})"
+            )
         if rep == 0:
             for b, out in zip(benches, outs):  # every supervisor holds its N programs now
                 out["idle"] = b.idle(args.idle)
@@ -550,8 +576,10 @@ def run_all(benches: list[Bench], args: argparse.Namespace) -> list[dict[str, An
                 line(f"  {b.peer.name}: its CLI starts one program per command; no bulk figure")
                 continue
             out["bulks"].append(b.bulk(keys))
-            line(f"  {b.peer.name}: {args.burst} in one command -> all running in "
-                 f"{fmt_s(out['bulks'][-1]['all_running_s'])} (load {os.getloadavg()[0]:.2f})")
+            line(
+                f"  {b.peer.name}: {args.burst} in one command -> all running in "
+                f"{fmt_s(out['bulks'][-1]['all_running_s'])} (load {os.getloadavg()[0]:.2f})"
+            )
             b.stop_all([k for k in keys if b.ready(k).exists()])
     for _, out in zip(benches, outs):
         out["survivors"] = []
@@ -594,7 +622,10 @@ def table(results: list[dict[str, Any]]) -> None:
                 vals.append("-")
         rows.append((label, vals))
 
-    add("spawn -> program running, one at a time (p50)", lambda r: fmt_s(med([s["running_s"] for s in r["sequential"]["spawn"]])))
+    add(
+        "spawn -> program running, one at a time (p50)",
+        lambda r: fmt_s(med([s["running_s"] for s in r["sequential"]["spawn"]])),
+    )
     add("  of which the CLI command itself (p50)", lambda r: fmt_s(med([s["cli_s"] for s in r["sequential"]["spawn"]])))
     add("N spawns at once -> all running (each rep)", lambda r: each(r["bursts"], "all_running_s"))
     add("  p50 of the N (first rep)", lambda r: fmt_s(med(r["bursts"][0]["running"])))
@@ -605,11 +636,18 @@ def table(results: list[dict[str, Any]]) -> None:
     add("stop N at once -> all dead", lambda r: fmt_s(r["stop_all"]["all_dead_s"]))
     add("survivors (setsid + double fork), all reps", lambda r: str(sum(s["survivors"] for s in r["survivors"])))
     add("daemon CPU per 10 s idle, N programs", lambda r: f"{r['idle']['cpu_per_10s'] * 1000:.1f} ms")
-    add("daemon RSS, N programs / none", lambda r: f"{r['idle']['rss_mib']:.1f} / {r['daemon_idle_empty']['rss_mib']:.1f} MiB")
-    add("per-program overhead", lambda r: (
-        f"runner USS {r['overhead']['runner_uss_mib']['p50']:.1f} MiB (RSS {r['overhead']['runner_rss_mib']['p50']:.1f})"
-        if r["overhead"] else f"{(r['idle']['rss_mib'] - r['daemon_idle_empty']['rss_mib']) * 1024 / max(1, len(r['bursts'][0]['running'])):.0f} KiB of daemon RSS"
-    ))
+    add(
+        "daemon RSS, N programs / none",
+        lambda r: f"{r['idle']['rss_mib']:.1f} / {r['daemon_idle_empty']['rss_mib']:.1f} MiB",
+    )
+    add(
+        "per-program overhead",
+        lambda r: (
+            f"runner USS {r['overhead']['runner_uss_mib']['p50']:.1f} MiB (RSS {r['overhead']['runner_rss_mib']['p50']:.1f})"
+            if r["overhead"]
+            else f"{(r['idle']['rss_mib'] - r['daemon_idle_empty']['rss_mib']) * 1024 / max(1, len(r['bursts'][0]['running'])):.0f} KiB of daemon RSS"
+        ),
+    )
     width = max(len(lbl) for lbl, _ in rows)
     cols = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
     line("  " + " " * width + "  " + "  ".join(n.rjust(c) for n, c in zip(names, cols)))
@@ -623,15 +661,27 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="one-at-a-time spawn/stop repetitions (default 7)")
     ap.add_argument("--burst", type=int, default=None, help="programs started at once (default 50)")
     ap.add_argument("--escapers", type=int, default=None, help="survivor reps (default 3)")
-    ap.add_argument("--burst-reps", type=int, default=None, choices=(1, 2),
-                    help="reps of each burst, the second in reverse order (default 2; --quick: 1)")
+    ap.add_argument(
+        "--burst-reps",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="reps of each burst, the second in reverse order (default 2; --quick: 1)",
+    )
     ap.add_argument("--idle", type=float, default=None, help="idle CPU window, seconds (default 10)")
     ap.add_argument("--grace", type=float, default=2.0, help="stop grace for every supervisor (default 2 s)")
-    ap.add_argument("--only", default=None, help="which to run, comma-separated (default agentd,agentd-cold,supervisord; "
-                    "--quick: agentd,supervisord)")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="which to run, comma-separated (default agentd,agentd-cold,supervisord; --quick: agentd,supervisord)",
+    )
     ap.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV, help="where supervisord's own venv lives")
-    ap.add_argument("--agentd-tree", type=Path, default=None, help="another checkout with its own .venv: adds "
-                    "agentd-before (its daemon and CLI, zygote on) to the run")
+    ap.add_argument(
+        "--agentd-tree",
+        type=Path,
+        default=None,
+        help="another checkout with its own .venv: adds agentd-before (its daemon and CLI, zygote on) to the run",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args()
     args.reps = args.reps or (2 if args.quick else 7)
@@ -642,8 +692,10 @@ def main() -> None:
     args.only = args.only or ("agentd,supervisord" if args.quick else "agentd,agentd-cold,supervisord")
     mark = install_mark()
     m = machine()
-    line(f"bench_peers on {m['cpus']} x {m['cpu']}, {m['mem_total_gib']} GiB, load {m['loadavg'][0]:.2f}; "
-         f"grace {args.grace:g} s, N={args.burst}, reps {args.reps}")
+    line(
+        f"bench_peers on {m['cpus']} x {m['cpu']}, {m['mem_total_gib']} GiB, load {m['loadavg'][0]:.2f}; "
+        f"grace {args.grace:g} s, N={args.burst}, reps {args.reps}"
+    )
     out: dict[str, Any] = {"machine": m, "args": {k: str(v) for k, v in vars(args).items()}, "peers": []}
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     if args.agentd_tree is not None and "agentd-before" not in only:
@@ -664,7 +716,9 @@ def main() -> None:
                         except (OSError, subprocess.CalledProcessError) as exc:
                             line(f"  !! supervisord skipped: cannot install supervisor=={SUPERVISOR_VERSION} ({exc})")
                             continue
-                        peer: Peer = Supervisord(work, venv, grace_s=args.grace, programs=[(k, c) for k, (c, _t) in progs.items()])
+                        peer: Peer = Supervisord(
+                            work, venv, grace_s=args.grace, programs=[(k, c) for k, (c, _t) in progs.items()]
+                        )
                     elif name in ("agentd", "agentd-cold", "agentd-before"):
                         tree = None
                         if name == "agentd-before":
@@ -672,14 +726,17 @@ def main() -> None:
                                 raise SystemExit("error: agentd-before needs --agentd-tree DIR")
                             tree = args.agentd_tree.resolve()
                             compile_tree(tree, str(tree / ".venv" / "bin" / "python"))
-                        a = Agentd(work, name, grace_s=args.grace, tree=tree,
-                                   zygote="off" if name == "agentd-cold" else "auto")
+                        a = Agentd(
+                            work, name, grace_s=args.grace, tree=tree, zygote="off" if name == "agentd-cold" else "auto"
+                        )
                         if name in ("agentd", "agentd-before"):
                             waited = a.wait_zygote()
                             line(f"  zygote ready after {waited if waited is None else round(waited, 2)} s")
                         peer = a
                     else:
-                        raise SystemExit(f"error: unknown supervisor {name!r} (expected agentd, agentd-cold, agentd-before, supervisord)")
+                        raise SystemExit(
+                            f"error: unknown supervisor {name!r} (expected agentd, agentd-cold, agentd-before, supervisord)"
+                        )
                     peers.append(peer)
                     benches.append(Bench(peer, work, progs))
                 header("measuring, every supervisor in turn")
@@ -700,13 +757,17 @@ def main() -> None:
                 if a1 and s1:
                     line(f"  agentd / supervisord, spawn -> running one at a time: {a1 / s1:.2f}x (target <= 0.5x)")
                 if ab and sb:
-                    line(f"  agentd / supervisord, {args.burst} at once -> all running (mean of reps): {ab / sb:.2f}x "
-                         "(target <= 0.5x)")
+                    line(
+                        f"  agentd / supervisord, {args.burst} at once -> all running (mean of reps): {ab / sb:.2f}x "
+                        "(target <= 0.5x)"
+                    )
                 am, sm = mean_of(zyg["bulks"], "all_running_s"), mean_of(sup["bulks"], "all_running_s")
                 if am and sm:
                     line(f"  agentd / supervisord, {args.burst} in one CLI command -> all running: {am / sm:.2f}x")
                 if am and sb:
-                    line(f"  agentd, {args.burst} in one CLI command / supervisord, {args.burst} CLI commands: {am / sb:.2f}x")
+                    line(
+                        f"  agentd, {args.burst} in one CLI command / supervisord, {args.burst} CLI commands: {am / sb:.2f}x"
+                    )
     finally:
         header("cleanup")
         out["survivors_at_end"] = final_sweep(mark)

@@ -59,9 +59,13 @@ MIB = 2**20
 def spec() -> dict[str, Any]:
     return {
         "task": "benchmark: wait in a command",
-        "model": {"provider": "scripted", "script": {"turns": [
-            {"tool_calls": [{"name": "run_command", "arguments": {"command": f"sleep {SLEEP_ARG}"}}]}
-        ], "final": "ok"}},
+        "model": {
+            "provider": "scripted",
+            "script": {
+                "turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": f"sleep {SLEEP_ARG}"}}]}],
+                "final": "ok",
+            },
+        },
         "limits": {"command_timeout_s": 3000},
     }
 
@@ -170,12 +174,18 @@ def grow(mark: str, d: DaemonProc, c: Any, n: int, spawned: list[str]) -> dict[s
     requests_s = time.perf_counter() - t0
     took = wait_live(mark, d, n, timeout_s=max(120.0, n * 0.6))
     members = run_members(mark, d.pid)
-    out = {"spawned": n - have, "spawn_requests_s": requests_s,
-           "all_live_s": None if took is None else requests_s + took,
-           "live_in_command": len(sleepers(members)), "processes": len(members)}
-    line(f"  {out['spawned']} more runs requested in {requests_s:.1f} s; {out['live_in_command']} waiting in their "
-         f"command after {'-' if took is None else round(out['all_live_s'], 1)} s ({len(members)} processes; "
-         "spawned at nice 10)")
+    out = {
+        "spawned": n - have,
+        "spawn_requests_s": requests_s,
+        "all_live_s": None if took is None else requests_s + took,
+        "live_in_command": len(sleepers(members)),
+        "processes": len(members),
+    }
+    line(
+        f"  {out['spawned']} more runs requested in {requests_s:.1f} s; {out['live_in_command']} waiting in their "
+        f"command after {'-' if took is None else round(out['all_live_s'], 1)} s ({len(members)} processes; "
+        "spawned at nice 10)"
+    )
     return out
 
 
@@ -197,13 +207,17 @@ def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
     out["runner_uss"] = [m[1] for m in mems]
     out["all_trees_uss"] = tree_uss([p.pid for p in members])
     out["processes"] = len(members)
-    line(f"  daemon: CPU {cpu_text(out['daemon_idle_cpu_s'])} over {idle_s:g} s idle; "
-         f"RSS {out['daemon_rss'] / MIB:.0f} MiB, USS {out['daemon_uss'] / MIB:.0f} MiB; "
-         f"{out['daemon_threads']} threads, {out['daemon_fds']} fds")
+    line(
+        f"  daemon: CPU {cpu_text(out['daemon_idle_cpu_s'])} over {idle_s:g} s idle; "
+        f"RSS {out['daemon_rss'] / MIB:.0f} MiB, USS {out['daemon_uss'] / MIB:.0f} MiB; "
+        f"{out['daemon_threads']} threads, {out['daemon_fds']} fds"
+    )
     if mems:
-        line(f"  runner: RSS p50 {sorted(out['runner_rss'])[len(mems) // 2] / MIB:.1f} MiB, "
-             f"USS p50 {sorted(out['runner_uss'])[len(mems) // 2] / MIB:.1f} MiB (sample of {len(mems)}); "
-             f"all {len(members)} processes of the trees: USS {out['all_trees_uss'] / MIB:.0f} MiB")
+        line(
+            f"  runner: RSS p50 {sorted(out['runner_rss'])[len(mems) // 2] / MIB:.1f} MiB, "
+            f"USS p50 {sorted(out['runner_uss'])[len(mems) // 2] / MIB:.1f} MiB (sample of {len(mems)}); "
+            f"all {len(members)} processes of the trees: USS {out['all_trees_uss'] / MIB:.0f} MiB"
+        )
     return out
 
 
@@ -248,20 +262,29 @@ def cancel_all(mark: str, d: DaemonProc, run_ids: list[str], grace: float, deadl
     th.join(5)
     deaths.close()
     times = sorted(deaths.dead_at.values())
-    out.update({"processes": len(members), "cancel_reply_s": reply.get("took"), "cancel_error": reply.get("error"),
-                "cancelled_runs": len((reply.get("result") or {}).get("runs", [])),
-                "all_dead_s": dead_at, "all_terminal_s": term_at,
-                "dead_p50_s": times[len(times) // 2] if times else None,
-                "dead_p90_s": times[int(len(times) * 0.9)] if times else None})
+    out.update(
+        {
+            "processes": len(members),
+            "cancel_reply_s": reply.get("took"),
+            "cancel_error": reply.get("error"),
+            "cancelled_runs": len((reply.get("result") or {}).get("runs", [])),
+            "all_dead_s": dead_at,
+            "all_terminal_s": term_at,
+            "dead_p50_s": times[len(times) // 2] if times else None,
+            "dead_p90_s": times[int(len(times) * 0.9)] if times else None,
+        }
+    )
     left = set(deaths.left())
     still = [p for p in members if p.pid in left and alive(p)]
     out["survivors"] = [{"pid": p.pid, "cmdline": cmdline(p.pid)} for p in still]
     kill_all(still)
     fmt = lambda x: "-" if x is None else f"{x:.2f} s"  # noqa: E731
-    line(f"  cancel-all (one cancel naming every run): replied after {fmt(out['cancel_reply_s'])}; of {len(members)} "
-         f"processes half dead after {fmt(out['dead_p50_s'])}, 90 % after {fmt(out['dead_p90_s'])}, all after {fmt(dead_at)} "
-         f"(grace {grace:g} s); all runs terminal after {fmt(term_at)} {out.get('states', '')}; survivors at {deadline_s:g} s: "
-         f"{len(still)}")
+    line(
+        f"  cancel-all (one cancel naming every run): replied after {fmt(out['cancel_reply_s'])}; of {len(members)} "
+        f"processes half dead after {fmt(out['dead_p50_s'])}, 90 % after {fmt(out['dead_p90_s'])}, all after {fmt(dead_at)} "
+        f"(grace {grace:g} s); all runs terminal after {fmt(term_at)} {out.get('states', '')}; survivors at {deadline_s:g} s: "
+        f"{len(still)}"
+    )
     for sv in out["survivors"][:5]:
         line(f"     survivor pid {sv['pid']}: {sv['cmdline']}")
     return out
@@ -294,12 +317,20 @@ def per_run_probe(mark: str, d: DaemonProc) -> dict[str, Any]:
         kill_deadline = time.monotonic() + 30
         while any(alive(p) for p in members) and time.monotonic() < kill_deadline:
             time.sleep(0.05)
-    return {"tree_uss": uss, "tree_processes": len(members), "runner_rss": rm[0] if rm else None, "runner_uss": rm[1] if rm else None}
+    return {
+        "tree_uss": uss,
+        "tree_processes": len(members),
+        "runner_rss": rm[0] if rm else None,
+        "runner_uss": rm[1] if rm else None,
+    }
 
 
 def bare_python_mem() -> tuple[int, int]:
-    p = subprocess.Popen([PY, "-c", "import sys, time; sys.stdout.write('x'); sys.stdout.flush(); time.sleep(60)"],
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [PY, "-c", "import sys, time; sys.stdout.write('x'); sys.stdout.flush(); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.stdout is not None
     p.stdout.read(1)
     m = mem(p.pid) or (0, 0)
@@ -313,11 +344,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="sizes 2 and 3, 0.5 s idle, grace 0.5 s: for the smoke test")
     ap.add_argument("--sizes", default=None, help="comma-separated run counts (default 200,500)")
     ap.add_argument("--idle", type=float, default=None, help="idle window for the daemon's CPU, s (default 10)")
-    ap.add_argument("--grace", type=float, default=None,
-                    help="the daemon's grace (default 2 s): a run inside a command lets it finish, so the "
-                         "grace bounds cancel-all")
-    ap.add_argument("--cancel-deadline", type=float, default=None,
-                    help="how long cancel-all may take before what still runs counts as survivors (default 120 s)")
+    ap.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="the daemon's grace (default 2 s): a run inside a command lets it finish, so the grace bounds cancel-all",
+    )
+    ap.add_argument(
+        "--cancel-deadline",
+        type=float,
+        default=None,
+        help="how long cancel-all may take before what still runs counts as survivors (default 120 s)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sizes = [int(x) for x in (args.sizes or ("2,3" if args.quick else "200,500")).split(",")]
@@ -339,25 +377,36 @@ def main() -> None:
             waited = d.wait_zygote()
             _helpers[d.pid] = d.helper_pids()
             header("baselines")
-            line(f"  runners forked by the zygote: {f'yes, ready after {waited:.1f} s' if waited is not None else 'no (cold)'}")
+            line(
+                f"  runners forked by the zygote: {f'yes, ready after {waited:.1f} s' if waited is not None else 'no (cold)'}"
+            )
             time.sleep(1.0)
             renice([d.pid], 0)
             base_idle = idle_cpu(d.pid, idle_s)
             dm = psutil.Process(d.pid).memory_full_info()
             bare = bare_python_mem()
-            out["baseline"] = {"daemon_idle_cpu_s": base_idle, "daemon_rss": dm.rss, "daemon_uss": dm.uss,
-                               "bare_python_rss": bare[0], "bare_python_uss": bare[1]}
-            line(f"  daemon with no run: CPU {cpu_text(base_idle)} over {idle_s:g} s; RSS {dm.rss / MIB:.0f} MiB, "
-                 f"USS {dm.uss / MIB:.0f} MiB")
+            out["baseline"] = {
+                "daemon_idle_cpu_s": base_idle,
+                "daemon_rss": dm.rss,
+                "daemon_uss": dm.uss,
+                "bare_python_rss": bare[0],
+                "bare_python_uss": bare[1],
+            }
+            line(
+                f"  daemon with no run: CPU {cpu_text(base_idle)} over {idle_s:g} s; RSS {dm.rss / MIB:.0f} MiB, "
+                f"USS {dm.uss / MIB:.0f} MiB"
+            )
             line(f"  bare `python -c 'time.sleep()'`: RSS {bare[0] / MIB:.1f} MiB, USS {bare[1] / MIB:.1f} MiB")
             renice([d.pid], 10)
             probe = per_run_probe(mark, d)
             out["probe"] = probe
             avail = mem_available_bytes()
             fit = int(max(0, avail - RESERVE_BYTES) / max(1, probe["tree_uss"] * 1.3))
-            line(f"  one run's tree: {probe['tree_processes']} processes, USS {probe['tree_uss'] / MIB:.1f} MiB "
-                 f"(runner RSS {(probe['runner_rss'] or 0) / MIB:.1f} MiB, USS {(probe['runner_uss'] or 0) / MIB:.1f} MiB); "
-                 f"MemAvailable {avail / 2**30:.1f} GiB -> room for about {fit} runs (reserve {RESERVE_BYTES / 2**30:.0f} GiB, x1.3)")
+            line(
+                f"  one run's tree: {probe['tree_processes']} processes, USS {probe['tree_uss'] / MIB:.1f} MiB "
+                f"(runner RSS {(probe['runner_rss'] or 0) / MIB:.1f} MiB, USS {(probe['runner_uss'] or 0) / MIB:.1f} MiB); "
+                f"MemAvailable {avail / 2**30:.1f} GiB -> room for about {fit} runs (reserve {RESERVE_BYTES / 2**30:.0f} GiB, x1.3)"
+            )
             spawned: list[str] = []
             with d.client() as c:
                 for n in sizes:

@@ -130,16 +130,16 @@ async def one_first_step(manager: Any, t0: float | None = None) -> dict[str, Any
     return out
 
 
-async def sequential(manager: Any, reps: int, *, pool: int, baselines: dict[str, list[float]]) -> dict[str, list[float]]:
+async def sequential(
+    manager: Any, reps: int, *, pool: int, baselines: dict[str, list[float]]
+) -> dict[str, list[float]]:
     delivered: list[float] = []
     emitted: list[float] = []
     for _ in range(reps):
         if pool:
             await wait_pool_warm(manager, pool, timeout_s=60)
         # The baseline right beside each sample, so both see the same machine load.
-        baselines.setdefault("popen_pass", []).append(
-            await trio.to_thread.run_sync(popen_to_exit, [PY, "-c", "pass"])
-        )
+        baselines.setdefault("popen_pass", []).append(await trio.to_thread.run_sync(popen_to_exit, [PY, "-c", "pass"]))
         res = await one_first_step(manager)
         if "delivered" in res:
             delivered.append(res["delivered"])
@@ -181,7 +181,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="agentd-bench-spawn-") as tmp:
         header("agentd, pool_size 0 (a cold runner per run)")
-        async with in_process_daemon(Path(tmp) / "cold", zygote="off", pool_size=0, max_concurrent=max(64, args.burst)) as d:
+        async with in_process_daemon(
+            Path(tmp) / "cold", zygote="off", pool_size=0, max_concurrent=max(64, args.burst)
+        ) as d:
             m = d["manager"]
             await one_first_step(m)  # warm the page cache and the journal
             cold_seq = await sequential(m, args.reps, pool=0, baselines=base)
@@ -192,15 +194,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             line(row("baseline: cold `import openai, mcp`", summary(base["import_openai_mcp"])))
             b_pass = await trio.to_thread.run_sync(burst_popen, args.burst)
             cold_burst = await burst(m, args.burst)
-            line(row(f"spawn -> first step, {args.burst} at once (delivered)", summary(cold_burst["delivered"]),
-                     f"missing={cold_burst['missing']}"))
+            line(
+                row(
+                    f"spawn -> first step, {args.burst} at once (delivered)",
+                    summary(cold_burst["delivered"]),
+                    f"missing={cold_burst['missing']}",
+                )
+            )
             line(row("  of which: runner emitted it", summary(cold_burst["emitted"])))
             line(row(f"baseline: {args.burst} Popen `python -c pass` at once", summary(b_pass)))
-        out["cold"] = {"sequential": cold_seq, "burst": cold_burst, "burst_popen_pass": b_pass,
-                       "warnings": show_warnings(line)}
+        out["cold"] = {
+            "sequential": cold_seq,
+            "burst": cold_burst,
+            "burst_popen_pass": b_pass,
+            "warnings": show_warnings(line),
+        }
 
         header(f"agentd, warm pool (pool_size {args.pool} one at a time, {args.burst} for the burst)")
-        async with in_process_daemon(Path(tmp) / "warm", zygote="off", pool_size=args.pool, max_concurrent=max(64, args.burst)) as d:
+        async with in_process_daemon(
+            Path(tmp) / "warm", zygote="off", pool_size=args.pool, max_concurrent=max(64, args.burst)
+        ) as d:
             m = d["manager"]
             fill = await wait_pool_warm(m, args.pool, timeout_s=120)
             line(f"  pool of {args.pool} warm after {fill if fill is None else round(fill, 2)} s")
@@ -212,21 +225,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             line(row("baseline: Popen `python -c pass` (same phase)", summary(base["popen_pass"][n_before:])))
         out["warm"] = {"sequential": warm_seq, "fill_s": fill, "warnings": show_warnings(line)}
 
-        async with in_process_daemon(Path(tmp) / "warmburst", zygote="off", pool_size=args.burst, max_concurrent=max(64, args.burst)) as d:
+        async with in_process_daemon(
+            Path(tmp) / "warmburst", zygote="off", pool_size=args.burst, max_concurrent=max(64, args.burst)
+        ) as d:
             m = d["manager"]
             fill = await wait_pool_warm(m, args.burst, timeout_s=180)
             line(f"  pool of {args.burst} warm after {fill if fill is None else round(fill, 2)} s")
             b_pass2 = await trio.to_thread.run_sync(burst_popen, args.burst)
             warm_burst = await burst(m, args.burst)
-            line(row(f"spawn -> first step, {args.burst} at once (delivered)", summary(warm_burst["delivered"]),
-                     f"missing={warm_burst['missing']}"))
+            line(
+                row(
+                    f"spawn -> first step, {args.burst} at once (delivered)",
+                    summary(warm_burst["delivered"]),
+                    f"missing={warm_burst['missing']}",
+                )
+            )
             line(row("  of which: runner emitted it", summary(warm_burst["emitted"])))
             line(row(f"baseline: {args.burst} Popen `python -c pass` at once", summary(b_pass2)))
             if warm_burst["missing"]:
-                line(f"  !! {warm_burst['missing']} of {args.burst} runs ended without a step_started in their journal "
-                     "(see the daemon warnings below)")
-        out["warm"].update({"burst": warm_burst, "burst_fill_s": fill, "burst_popen_pass": b_pass2,
-                            "burst_warnings": show_warnings(line)})
+                line(
+                    f"  !! {warm_burst['missing']} of {args.burst} runs ended without a step_started in their journal "
+                    "(see the daemon warnings below)"
+                )
+        out["warm"].update(
+            {
+                "burst": warm_burst,
+                "burst_fill_s": fill,
+                "burst_popen_pass": b_pass2,
+                "burst_warnings": show_warnings(line),
+            }
+        )
     out["baselines"] = base
     return out
 

@@ -194,11 +194,21 @@ class Bare:
         self.dir = tempfile.mkdtemp(prefix="agentd-bench-stop-")
         # AGENTD_TREE too: a runner passes it (not TREE_VAR) on to its tools' allowlisted env.
         env = dict(
-            os.environ, AGENTD_RUN_DIR=self.dir, TMPDIR=self.dir, AGENTD_TREE=self.tree, **{TREE_VAR: self.tree}, **(env_extra or {})
+            os.environ,
+            AGENTD_RUN_DIR=self.dir,
+            TMPDIR=self.dir,
+            AGENTD_TREE=self.tree,
+            **{TREE_VAR: self.tree},
+            **(env_extra or {}),
         )
         self.p = subprocess.Popen(
-            argv, cwd=self.dir, env=env, start_new_session=True,
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            argv,
+            cwd=self.dir,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         assert self.p.stdin is not None
         self.p.stdin.write(stdin_text.encode())
@@ -279,7 +289,9 @@ def _running_call(e: dict[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- scenarios
 
 
-def report(label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grace: float | None = None) -> dict[str, Any]:
+def report(
+    label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grace: float | None = None
+) -> dict[str, Any]:
     def col(rows: list[dict[str, Any]], key: str) -> list[float]:
         return [r[key] for r in rows if r.get(key) is not None]
 
@@ -295,10 +307,20 @@ def report(label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grac
         line(row("agentd: tree dead beyond the command's own step", summary(col(d, "beyond_own_step"))))
     if grace is not None:
         line(row("agentd: effective grace (receipt waited_s)", summary(col(d, "waited_s"))))
-        line(row(f"agentd: tree dead beyond the grace ({grace:g} s)", summary([x - grace for x in col(d, "cancel_to_tree_dead")])))
+        line(
+            row(
+                f"agentd: tree dead beyond the grace ({grace:g} s)",
+                summary([x - grace for x in col(d, "cancel_to_tree_dead")]),
+            )
+        )
     line(row("baseline killpg: leader exited", summary(col(b, "leader_exit"))))
-    line(row("baseline killpg: tree dead", summary(col(b, "cancel_to_tree_dead")),
-             f"({sum(1 for r in b if r['survivors'])}/{len(b)} reps never fully dead)"))
+    line(
+        row(
+            "baseline killpg: tree dead",
+            summary(col(b, "cancel_to_tree_dead")),
+            f"({sum(1 for r in b if r['survivors'])}/{len(b)} reps never fully dead)",
+        )
+    )
     if any(r.get("cancel_to_tool_dead") is not None for r in b):
         line(row("baseline killpg: the tool's group dead", summary(col(b, "cancel_to_tool_dead"))))
         line(row("baseline killpg: tree dead beyond the tool's death", summary(col(b, "beyond_tool"))))
@@ -306,19 +328,27 @@ def report(label: str, d: list[dict[str, Any]], b: list[dict[str, Any]], *, grac
         line(row("baseline killpg: effective grace", summary(col(b, "waited_s"))))
     states = sorted({r["state"] for r in d})
     tools = sorted({s for r in d for s in r.get("tool_states", [])})
-    line(f"  agentd: terminal states {states}, partial {sorted({bool(r.get('partial')) for r in d})}, "
-         f"tool calls {tools or '-'}, members per tree {sorted({r['members'] for r in d})}")
+    line(
+        f"  agentd: terminal states {states}, partial {sorted({bool(r.get('partial')) for r in d})}, "
+        f"tool calls {tools or '-'}, members per tree {sorted({r['members'] for r in d})}"
+    )
     summaries = sorted({r["tool_summary"] for r in d if r.get("tool_summary")})
     if summaries:
         line(f"  agentd receipts: {summaries[:3]}")
-    line(f"  survivors: agentd {sum(len(r['survivors']) for r in d)} over {len(d)} reps; "
-         f"baseline killpg {sum(len(r['survivors']) for r in b)} over {len(b)} reps "
-         f"(members per tree {sorted({r['members'] for r in b})})")
+    line(
+        f"  survivors: agentd {sum(len(r['survivors']) for r in d)} over {len(d)} reps; "
+        f"baseline killpg {sum(len(r['survivors']) for r in b)} over {len(b)} reps "
+        f"(members per tree {sorted({r['members'] for r in b})})"
+    )
     return {"agentd": d, "baseline": b, "warnings": show_warnings(line)}
 
 
 async def scenario_a(m: Any, reps: int, fake: FakeOpenAI, grace: float) -> dict[str, Any]:
-    spec = {"task": "benchmark", "model": {"provider": "openai", "name": "fake-model", "base_url": fake.base_url}, "builtin_tools": []}
+    spec = {
+        "task": "benchmark",
+        "model": {"provider": "openai", "name": "fake-model", "base_url": fake.base_url},
+        "builtin_tools": [],
+    }
 
     def n_hanging() -> int:
         return sum(1 for r in fake.chat_requests if r.hanging)
@@ -422,7 +452,9 @@ async def scenario_m(m: Any, reps: int, grace: float, tmp: Path) -> dict[str, An
         spec = spec_for(log)
 
         async def ready(m: Any, run_id: str, log: Path = log) -> dict[str, Any]:
-            ev = await wait_event(m, run_id, "process_group", pred=lambda e: e["data"].get("kind") == "mcp_server", timeout_s=30)
+            ev = await wait_event(
+                m, run_id, "process_group", pred=lambda e: e["data"].get("kind") == "mcp_server", timeout_s=30
+            )
             with trio.move_on_after(30):
                 while not started(log):
                     await trio.sleep(0.005)
@@ -496,8 +528,12 @@ async def scenario_d(m: Any, reps: int, grace: float) -> dict[str, Any]:
             return x.killpg_stop(grace)
 
         b.append(await trio.to_thread.run_sync(base))
-    return report(f"(d) real runner, run_command leaves setsid + double-forked descendants, then `sleep {COMMAND_S:g}`; "
-                  f"cancelled {CANCEL_INTO_S:g} s in", d, b)
+    return report(
+        f"(d) real runner, run_command leaves setsid + double-forked descendants, then `sleep {COMMAND_S:g}`; "
+        f"cancelled {CANCEL_INTO_S:g} s in",
+        d,
+        b,
+    )
 
 
 async def scenario_d2(m: Any, reps: int, grace: float) -> dict[str, Any]:
@@ -554,8 +590,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one repetition each (seconds): for the smoke test")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default 5)")
     ap.add_argument("--stubborn-reps", type=int, default=3, help="repetitions of (c), 2 s each (default 3)")
-    ap.add_argument("--grace", type=float, default=None, help="the daemon's grace for a, b, d (default 10; --quick: 0.5)")
-    ap.add_argument("--stubborn-grace", type=float, default=None, help="the grace for c and d2 (default 2; --quick: 0.5)")
+    ap.add_argument(
+        "--grace", type=float, default=None, help="the daemon's grace for a, b, d (default 10; --quick: 0.5)"
+    )
+    ap.add_argument(
+        "--stubborn-grace", type=float, default=None, help="the grace for c and d2 (default 2; --quick: 0.5)"
+    )
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--verbose", action="store_true", help="show the daemon's warnings")
     args = ap.parse_args()

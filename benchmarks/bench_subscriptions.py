@@ -119,7 +119,9 @@ def main() -> None:
         )
         drained = trio.run(lambda: subscriptions(d, run_id, subs, read=True))
         out["read_peak_rss_mb"] = drained / MB
-        line(f"  baseline: the same {subs} subscriptions read to their end (peak): {drained / MB:.1f} MB (+{(drained - base) / MB:.1f})")
+        line(
+            f"  baseline: the same {subs} subscriptions read to their end (peak): {drained / MB:.1f} MB (+{(drained - base) / MB:.1f})"
+        )
         line(f"  the run's events: {n * size / MB:.1f} MB of snapshot text; before issue 10: +488 MB for 20")
         with d.client() as c:
             out["daemon_alive"] = c.ping()["pong"]

@@ -191,7 +191,10 @@ async def runner_memory(manager: Any, n: int) -> dict[str, Any]:
     runs = [await manager.spawn(gated_spec(tag)) for _ in range(n)]
     for r in runs:
         await wait_event(
-            manager, r["run_id"], "tool_call", timeout_s=120,
+            manager,
+            r["run_id"],
+            "tool_call",
+            timeout_s=120,
             pred=lambda e: e["data"]["record"]["state"] == "running",
         )
     await trio.sleep(1.0)  # let each runner settle into its wait
@@ -245,15 +248,21 @@ def show_burst(res: dict[str, Any], n: int) -> None:
     line(row(f"{n} at once: spawn -> first step (delivered)", summary(res["delivered"]), f"missing={res['missing']}"))
     line(row("  runner emitted it", summary(res["emitted"])))
     all_d, all_e = res["all_delivered"], res["all_emitted"]
-    line(f"  all {n} first steps: delivered {'-' if all_d is None else f'{all_d * 1000:.0f} ms'}, "
-         f"emitted {'-' if all_e is None else f'{all_e * 1000:.0f} ms'}")
+    line(
+        f"  all {n} first steps: delivered {'-' if all_d is None else f'{all_d * 1000:.0f} ms'}, "
+        f"emitted {'-' if all_e is None else f'{all_e * 1000:.0f} ms'}"
+    )
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     CLOCK.install()
-    with tempfile.TemporaryDirectory(prefix="agentd-bench-zygote-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="agentd-bench-zygote-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
+    with (
+        tempfile.TemporaryDirectory(prefix="agentd-bench-zygote-") as tmp,
+        tempfile.TemporaryDirectory(
+            prefix="agentd-bench-zygote-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        ) as shm,
+    ):
         header("zygote (pool_size 0): every runner forked, openai and mcp imported")
         async with daemon(Path(tmp) / "zygote", pool_size=0, max_concurrent=max(64, args.burst), grace_s=1) as m:
             await first_step(m)
@@ -266,8 +275,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             z_mem = await runner_memory(m, args.mem)
             zinfo = (await m.summary())["zygote"]
             zmem = mem_of(zinfo["pid"]) if zinfo.get("pid") else None
-        out["zygote"] = {"sequential": z_seq, "burst": z_burst, "burst_popen_pass": b_pass, "memory": z_mem,
-                         "zygote": zinfo, "zygote_mem": zmem, "warnings": show_warnings(line)}
+        out["zygote"] = {
+            "sequential": z_seq,
+            "burst": z_burst,
+            "burst_popen_pass": b_pass,
+            "memory": z_mem,
+            "zygote": zinfo,
+            "zygote_mem": zmem,
+            "warnings": show_warnings(line),
+        }
 
         header("zygote, state dir on tmpfs (journal fsyncs cost nothing): the journal's share")
         async with daemon(Path(shm) / "zygote", pool_size=0, max_concurrent=max(64, args.burst)) as m:
@@ -279,7 +295,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         out["zygote_tmpfs"] = {"sequential": t_seq, "burst": t_burst, "warnings": show_warnings(line)}
 
         header("baseline: cold runners (zygote off, pool_size 0)")
-        async with daemon(Path(tmp) / "cold", zygote="off", pool_size=0, max_concurrent=max(64, args.burst), grace_s=1) as m:
+        async with daemon(
+            Path(tmp) / "cold", zygote="off", pool_size=0, max_concurrent=max(64, args.burst), grace_s=1
+        ) as m:
             await first_step(m)
             c_seq = await sequential(m, args.reps)
             show_seq(c_seq, split=False)
@@ -307,7 +325,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if bare:
         line(f"  baseline: a bare sleeping `python`: USS {bare[0]:.1f} MiB, RSS {bare[1]:.1f} MiB")
     if zmem:
-        line(f"  the zygote itself (shared by every forked runner, paid once): USS {zmem[0]:.1f} MiB, RSS {zmem[1]:.1f} MiB")
+        line(
+            f"  the zygote itself (shared by every forked runner, paid once): USS {zmem[0]:.1f} MiB, RSS {zmem[1]:.1f} MiB"
+        )
 
     header("targets")
     zs, zb = summary(z_seq["emitted"]), z_burst
@@ -319,9 +339,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         (f"{args.burst} at once -> all first steps <= 300 ms (emitted)", zb["all_emitted"], 0.300),
     ]
     for label, got, target in verdict:
-        line(f"  {label:<60} {'-' if got is None else f'{got * 1000:.1f} ms'}  {'met' if got is not None and got <= target else 'MISSED'}")
+        line(
+            f"  {label:<60} {'-' if got is None else f'{got * 1000:.1f} ms'}  {'met' if got is not None and got <= target else 'MISSED'}"
+        )
     u = zu.get("p50")
-    line(f"  {'forked runner USS p50 <= 5 MiB':<60} {'-' if u is None else f'{u:.1f} MiB'}  {'met' if u is not None and u <= 5 else 'MISSED'}")
+    line(
+        f"  {'forked runner USS p50 <= 5 MiB':<60} {'-' if u is None else f'{u:.1f} MiB'}  {'met' if u is not None and u <= 5 else 'MISSED'}"
+    )
     return out
 
 

@@ -73,18 +73,45 @@ def shoot(env: dict[str, str], tmp: Path, out: Path) -> None:
     grant = tmp / "grant.json"
     grant.write_text(json.dumps({"sandbox": {"read": [str(shared)]}}))
     script = tmp / "script.json"
-    script.write_text(json.dumps({
-        "turns": [
-            {"text": "Let me see what is installed.", "tool_calls": [{"name": "run_command", "arguments": {"command": "ls /usr/lib | head -n 5"}}]},
-            {"text": "Now the sizes (this takes a while).", "tool_calls": [{"name": "run_command", "arguments": {"command": f"while [ ! -f {gate} ]; do sleep 0.05; done; du -sh /usr/lib/python3* 2>/dev/null | head -n 3"}}]},
-            {"text": "Summarising what I found", "hang": True},
-        ],
-        "final": "never reached",
-    }))
+    script.write_text(
+        json.dumps(
+            {
+                "turns": [
+                    {
+                        "text": "Let me see what is installed.",
+                        "tool_calls": [{"name": "run_command", "arguments": {"command": "ls /usr/lib | head -n 5"}}],
+                    },
+                    {
+                        "text": "Now the sizes (this takes a while).",
+                        "tool_calls": [
+                            {
+                                "name": "run_command",
+                                "arguments": {
+                                    "command": f"while [ ! -f {gate} ]; do sleep 0.05; done; du -sh /usr/lib/python3* 2>/dev/null | head -n 3"
+                                },
+                            }
+                        ],
+                    },
+                    {"text": "Summarising what I found", "hang": True},
+                ],
+                "final": "never reached",
+            }
+        )
+    )
     # Not a turn of "demo": the next turn of a session starts from its history, and the
     # script below plays its turns from the first.
     agentd(env, "spawn", "count the files here", "--wait")
-    run_id = agentd(env, "spawn", "survey /usr/lib and report the largest parts", "--session", "demo", "--script", str(script), "--spec", str(grant)).strip()
+    run_id = agentd(
+        env,
+        "spawn",
+        "survey /usr/lib and report the largest parts",
+        "--session",
+        "demo",
+        "--script",
+        str(script),
+        "--spec",
+        str(grant),
+    ).strip()
     url = agentd(env, "dashboard").strip()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, chromium_sandbox=False)

@@ -87,7 +87,11 @@ class LandlockError(OSError):
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -186,9 +190,7 @@ def _open_path(path: str) -> int:
     return os.open(path, os.O_PATH | os.O_CLOEXEC)
 
 
-def restrict_self(
-    grants: Iterable[Grant], *, abi: int, scoped: int = 0, no_new_privs: bool = True
-) -> int:
+def restrict_self(grants: Iterable[Grant], *, abi: int, scoped: int = 0, no_new_privs: bool = True) -> int:
     """Restrict this thread (call it before any other thread exists) to ``grants``.
 
     Every filesystem right of ``abi`` is handled; ``scoped`` adds ABI 6 scopes. Rights the
@@ -224,7 +226,9 @@ def restrict_self(
                     if err == errno.EINVAL and not os.path.isdir(g.path):
                         # A file with directory rights: keep the file ones.
                         rule.allowed_access = access & FS_FILE_ONLY
-                        res = libc.syscall(_SYS_ADD_RULE, fd, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0))
+                        res = libc.syscall(
+                            _SYS_ADD_RULE, fd, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)
+                        )
                         err = ctypes.get_errno()
                     if res < 0:
                         raise LandlockError(err, f"landlock_add_rule {g.path!r}")

@@ -61,7 +61,9 @@ def open_channel(environ: dict[str, str] | None = None) -> int | None:
     try:
         return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        logger.warning("the answer channel %s cannot be opened: %s (calls that need approval will wait in vain)", path, exc)
+        logger.warning(
+            "the answer channel %s cannot be opened: %s (calls that need approval will wait in vain)", path, exc
+        )
         return None
 
 
@@ -142,7 +144,12 @@ class ApprovalGate:
         where = self.resolve(name)
         if where is not None:
             server, tool = where
-            if server in self.spec.servers or f"{server}/{tool}" in tools or f"{server}__{tool}" in tools or tool in tools:
+            if (
+                server in self.spec.servers
+                or f"{server}/{tool}" in tools
+                or f"{server}__{tool}" in tools
+                or tool in tools
+            ):
                 return True
         if name == "run_command" and self.spec.commands:
             command = arguments.get("command")

@@ -182,7 +182,9 @@ def install_stderr_guards(emitter: Emitter) -> None:
     sys.unraisablehook = unraisable
 
 
-def bare_result(status: str, reason: str | None, error: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def bare_result(
+    status: str, reason: str | None, error: dict[str, Any] | None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A result for a run that never reached its loop (bad spec, setup failure, early stop)."""
     return {
         "status": status,

@@ -35,7 +35,9 @@ __all__ = [
 
 # What the model is told, per stop effect, ahead of what is known.
 HISTORY_INTERRUPTED: Final = "interrupted by the stop; output known before the interruption:"
-HISTORY_FINISHED_AFTER_STOP: Final = "[finished after the stop: this call was allowed to finish; the result above is real]"
+HISTORY_FINISHED_AFTER_STOP: Final = (
+    "[finished after the stop: this call was allowed to finish; the result above is real]"
+)
 HISTORY_FINISHED_BEFORE_STOP: Final = "[this call finished before the run was stopped]"
 HISTORY_DENIED: Final = "denied by the user"
 HISTORY_REJECTED: Final = "not executed: stopped while awaiting approval"
@@ -54,7 +56,9 @@ STOP_NOTES: Final[Mapping[str, str]] = {
 }
 _STOPPED_NOTE: Final = "[This turn was stopped before it finished ({reason}).]"
 _FAILED_NOTE: Final = "[This turn failed before it finished ({reason}).]"
-_LOST_NOTE: Final = "[This turn was lost: agentd restarted and its runner was gone; what it did after the last record is unknown.]"
+_LOST_NOTE: Final = (
+    "[This turn was lost: agentd restarted and its runner was gone; what it did after the last record is unknown.]"
+)
 
 
 def _get(rec: Any, key: str) -> Any:
@@ -177,7 +181,10 @@ def turn_messages(
                 {
                     "id": rec["id"],
                     "type": "function",
-                    "function": {"name": rec.get("name") or "unknown", "arguments": replay_arguments(rec.get("arguments"))},
+                    "function": {
+                        "name": rec.get("name") or "unknown",
+                        "arguments": replay_arguments(rec.get("arguments")),
+                    },
                 }
                 for rec in step_calls
             ]

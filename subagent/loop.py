@@ -135,7 +135,9 @@ class AgentLoop:
                 return self._cancelled()
             if self.steps >= self.spec.limits.max_steps:
                 msg = f"the model did not answer within max_steps={self.spec.limits.max_steps}"
-                return RunOutcome(RunStatus.FAILED, ExitCode.FAILED, reason="max_steps", error={"code": "max_steps", "message": msg})
+                return RunOutcome(
+                    RunStatus.FAILED, ExitCode.FAILED, reason="max_steps", error={"code": "max_steps", "message": msg}
+                )
             self.steps += 1
             self.emitter.emit(EventKind.STEP_STARTED, step=self.steps)
             self._apply_steering()
@@ -149,11 +151,19 @@ class AgentLoop:
                 turn = sink.result(aborted=True)
                 self._take_turn(turn, failed=f"model_error: {exc.message}")
                 return RunOutcome(
-                    RunStatus.FAILED, ExitCode.MODEL_ERROR, reason="model_error", error={"code": exc.kind, "message": exc.message}
+                    RunStatus.FAILED,
+                    ExitCode.MODEL_ERROR,
+                    reason="model_error",
+                    error={"code": exc.kind, "message": exc.message},
                 )
             if not aborted and not sink.received_any:
                 msg = "the model's stream ended without sending anything"
-                return RunOutcome(RunStatus.FAILED, ExitCode.MODEL_ERROR, reason="model_error", error={"code": "model_stream", "message": msg})
+                return RunOutcome(
+                    RunStatus.FAILED,
+                    ExitCode.MODEL_ERROR,
+                    reason="model_error",
+                    error={"code": "model_stream", "message": msg},
+                )
             turn = sink.result(aborted=aborted)
             records = self._take_turn(turn)
             if turn.text or turn.calls:
@@ -176,7 +186,12 @@ class AgentLoop:
             if broken:
                 server, line = broken[0]
                 msg = f"mcp server {server!r} broke the protocol: it wrote a non-JSON line on stdout: {line}"
-                return RunOutcome(RunStatus.FAILED, ExitCode.TOOL_PROTOCOL, reason="tool_protocol", error={"code": "tool_protocol", "message": msg})
+                return RunOutcome(
+                    RunStatus.FAILED,
+                    ExitCode.TOOL_PROTOCOL,
+                    reason="tool_protocol",
+                    error={"code": "tool_protocol", "message": msg},
+                )
             if self.stop.requested:
                 return self._cancelled()
 
@@ -207,7 +222,10 @@ class AgentLoop:
                     "type": "function",
                     # History must stay valid for the next request: a call that never ran
                     # shows empty arguments; its record keeps the text as streamed.
-                    "function": {"name": c.name or "unknown", "arguments": c.arguments if c.parsed is not None else "{}"},
+                    "function": {
+                        "name": c.name or "unknown",
+                        "arguments": c.arguments if c.parsed is not None else "{}",
+                    },
                 }
                 for c in turn.calls
             ]
@@ -240,7 +258,11 @@ class AgentLoop:
             if rec.reason is not None:
                 continue  # already final (invalid); its tool message is in the history
             text = self._run_one_prepare(call, rec)
-            if text is None and self.approvals is not None and self.approvals.needs_approval(call.name, call.parsed or {}):
+            if (
+                text is None
+                and self.approvals is not None
+                and self.approvals.needs_approval(call.name, call.parsed or {})
+            ):
                 text = await self._await_approval(call, rec, self.approvals)
             if text is None:
                 text = await self._run_one(call, rec)
@@ -351,7 +373,9 @@ class AgentLoop:
         answered = {m.get("tool_call_id") for m in self.messages if m.get("role") == "tool"}
         for rec in self.records:
             if rec.id not in answered:
-                self.messages.append({"role": "tool", "tool_call_id": rec.id, "content": tool_result_text(rec, stop_reason=None)})
+                self.messages.append(
+                    {"role": "tool", "tool_call_id": rec.id, "content": tool_result_text(rec, stop_reason=None)}
+                )
         return {
             "status": str(outcome.status),
             "reason": outcome.reason,

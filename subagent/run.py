@@ -108,7 +108,9 @@ def _server_specs(
         try:
             from subagent.tools import browser
         except ImportError as exc:
-            raise SetupFailure(ExitCode.TOOL_SETUP, "tool_setup", f"error: the browser preset is not available: {exc}") from None
+            raise SetupFailure(
+                ExitCode.TOOL_SETUP, "tool_setup", f"error: the browser preset is not available: {exc}"
+            ) from None
         options = {} if spec.browser is True else dict(spec.browser)
         base = run_dir or Path.cwd()
         # A session's turn keeps the session's profile; any other run gets a throwaway one.
@@ -198,6 +200,7 @@ async def run(
         # A warm runner was started before its run had an id: pass it on to every child.
         os.environ["AGENTD_RUN_ID"] = run_id
     emitter.run_id = run_id
+
     def on_first_stop(reason: str, during: str) -> None:
         extra = {"tool": stop.running_tool} if during == "tool" and stop.running_tool else {}
         emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during, **extra)
@@ -238,11 +241,14 @@ async def run(
                         provider = _make_provider(spec)
                         stack.push_async_callback(provider.aclose)
                         stop.phase = "setup"
-                        servers = await _start_servers(_server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter)
+                        servers = await _start_servers(
+                            _server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter
+                        )
                         if spec.session.browser_profile is not None and "browser" in servers:
                             # Pushed after the server: it runs before the server is closed.
                             stack.push_async_callback(_close_session_browser, servers["browser"])
                         stop.phase = "idle"
+
                         def on_group(pgid: int, alive: bool, kind: str, name: str, on_stop: str | None) -> None:
                             # on_stop tells the daemon's path A whether it may SIGTERM this group.
                             extra = {} if on_stop is None else {"on_stop": on_stop}
@@ -255,7 +261,9 @@ async def run(
                             bg_policy = spec.stop_policy.run_command
                             background = BackgroundCommands(
                                 run_dir,
-                                lambda pgid, alive, name: on_group(pgid, alive, "command", f"[background] {name}", bg_policy),
+                                lambda pgid, alive, name: on_group(
+                                    pgid, alive, "command", f"[background] {name}", bg_policy
+                                ),
                                 spec.limits.max_output_bytes,
                             )
                             await nursery.start(background.run)
@@ -284,20 +292,40 @@ async def run(
                     except SetupFailure as exc:
                         emitter.log("error", exc.message, code=exc.code)
                         outcome = RunOutcome(
-                            RunStatus.FAILED, exc.exit_code, reason=exc.code, error={"code": exc.code, "message": exc.message}
+                            RunStatus.FAILED,
+                            exc.exit_code,
+                            reason=exc.code,
+                            error={"code": exc.code, "message": exc.message},
                         )
                 nursery.cancel_scope.cancel(reason="run finished")
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
-        emitter.log("error", f"error: internal error in the runner: {type(exc).__name__}: {exc}", code="internal", traceback=text)
+        emitter.log(
+            "error",
+            f"error: internal error in the runner: {type(exc).__name__}: {exc}",
+            code="internal",
+            traceback=text,
+        )
         outcome = RunOutcome(
-            RunStatus.FAILED, ExitCode.INTERNAL, reason="internal", error={"code": "internal", "message": f"{type(exc).__name__}: {exc}"}
+            RunStatus.FAILED,
+            ExitCode.INTERNAL,
+            reason="internal",
+            error={"code": "internal", "message": f"{type(exc).__name__}: {exc}"},
         )
     if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
         outcome = RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=stop.reason)
-    extra: dict[str, Any] = {"run_id": run_id, "session_id": spec.session_id, "provider": spec.model.provider, "imported": _imported()}
+    extra: dict[str, Any] = {
+        "run_id": run_id,
+        "session_id": spec.session_id,
+        "provider": spec.model.provider,
+        "imported": _imported(),
+    }
     extra["sandbox"] = sandbox
     extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
-    result = loop.result(outcome, **extra) if loop is not None else bare_result(str(outcome.status), outcome.reason, outcome.error, extra)
+    result = (
+        loop.result(outcome, **extra)
+        if loop is not None
+        else bare_result(str(outcome.status), outcome.reason, outcome.error, extra)
+    )
     emitter.result(result)
     return int(outcome.exit_code)

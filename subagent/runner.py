@@ -76,7 +76,9 @@ def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
 
 @functools.lru_cache(maxsize=1)
 def _arg_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin.")
+    ap = argparse.ArgumentParser(
+        prog="python -m subagent.runner", description="Run one sub-agent from a JSON spec on stdin."
+    )
     ap.add_argument("--warm", action="store_true", help="import openai and mcp first, then wait for the spec")
     return ap
 

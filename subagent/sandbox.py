@@ -69,7 +69,16 @@ SYSTEM_READ: Final = (
     "/var/cache", "/sys", "/nix/store",
 )  # fmt: skip
 # Device files a tool may open for reading and writing.
-DEVICES_RW: Final = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/ptmx", "/dev/pts")
+DEVICES_RW: Final = (
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/tty",
+    "/dev/ptmx",
+    "/dev/pts",
+)
 # Private (an empty tmpfs each) when the runner has its own mount namespace; writable then.
 PRIVATE_DIRS: Final = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 # Never reachable, whatever is granted around them: this daemon's configuration and the
@@ -84,7 +93,20 @@ _DEVICE_ACCESS: Final = FS_READ | _landlock.WRITE_FILE | _landlock.IOCTL_DEV
 
 # The environment a tool gets: these names, LC_*, the run's own AGENTD_* markers, and the
 # names the daemon's ``tool_env`` setting adds. Nothing else of the runner's.
-TOOL_ENV_NAMES: Final = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "TMPDIR", "COLORTERM", "NO_COLOR")
+TOOL_ENV_NAMES: Final = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LANGUAGE",
+    "TERM",
+    "TZ",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TMPDIR",
+    "COLORTERM",
+    "NO_COLOR",
+)
 TOOL_ENV_PREFIXES: Final = ("LC_",)
 # (The test suite's and the benchmarks' own markers pass too: they find a run's processes.)
 AGENTD_TOOL_VARS: Final = ("AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_TEST_MARK", "AGENTD_BENCH_MARK")
@@ -326,7 +348,10 @@ def _enter(
     # tunables cannot be written anyway (not uid 0, or mounted read-only).
     proc_writable = not root or tunables_ro
     grants = [Grant(p, FS_READ) for p in read] + [Grant(p, FS_WRITE) for p in write]
-    grants += [Grant("/proc", FS_READ | (_landlock.WRITE_FILE if proc_writable else 0)), Grant("/dev", _landlock.READ_DIR)]
+    grants += [
+        Grant("/proc", FS_READ | (_landlock.WRITE_FILE if proc_writable else 0)),
+        Grant("/dev", _landlock.READ_DIR),
+    ]
     grants += [Grant(d, _DEVICE_ACCESS) for d in DEVICES_RW]
     grants += [Grant(p, FS_WRITE) for p in report.private if p in PRIVATE_DIRS]
     if resolv:
@@ -359,7 +384,10 @@ def _prepare(prepare: Callable[[], None] | None, base: Path | None) -> None:
 
 def _browser_verdict(report: Report, proc_writable: bool) -> None:
     if os.geteuid() == 0:
-        report.browser_sandbox, report.browser_sandbox_why = False, "the run is uid 0 (it has no user namespace of its own)"
+        report.browser_sandbox, report.browser_sandbox_why = (
+            False,
+            "the run is uid 0 (it has no user namespace of its own)",
+        )
     elif not proc_writable:
         report.browser_sandbox, report.browser_sandbox_why = False, "the kernel's tunables are writable by this uid"
     elif not _isolate.can_nest_user_namespace():

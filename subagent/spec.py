@@ -135,9 +135,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: Any, env: Mapping[str, str]) -> ModelSpec:
         d = _obj(d, "model")
-        _check_keys(
-            d, "model", {"provider", "name", "base_url", "script", "script_path", "request_timeout_s"}
-        )
+        _check_keys(d, "model", {"provider", "name", "base_url", "script", "script_path", "request_timeout_s"})
         provider = d.get("provider")
         if provider is None:
             # A named model is a real one: without a key the run fails, it is not played.
@@ -230,11 +228,12 @@ class Limits:
         return cls(
             max_steps=_int(d.get("max_steps", DEFAULT_MAX_STEPS), "limits.max_steps"),
             deadline_s=None if deadline is None else _num(deadline, "limits.deadline_s"),
-            command_timeout_s=_num(
-                d.get("command_timeout_s", DEFAULT_COMMAND_TIMEOUT_S), "limits.command_timeout_s"
-            ),
+            command_timeout_s=_num(d.get("command_timeout_s", DEFAULT_COMMAND_TIMEOUT_S), "limits.command_timeout_s"),
             max_output_bytes=_int(
-                d.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES), "limits.max_output_bytes", minimum=64, maximum=MAX_MAX_OUTPUT_BYTES
+                d.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES),
+                "limits.max_output_bytes",
+                minimum=64,
+                maximum=MAX_MAX_OUTPUT_BYTES,
             ),
         )
 
@@ -316,7 +315,9 @@ class StopPolicySpec:
         _check_keys(d, "stop_policy", {"run_command", "mcp", "command_grace_s", "cancel_wait_s"})
         command = d.get("run_command", "interrupt")
         if command not in COMMAND_STOP_POLICIES:
-            raise SpecError("stop_policy.run_command", f"expected one of {list(COMMAND_STOP_POLICIES)!r}, got {command!r}")
+            raise SpecError(
+                "stop_policy.run_command", f"expected one of {list(COMMAND_STOP_POLICIES)!r}, got {command!r}"
+            )
         mcp: dict[str, str] = {}
         for key, value in _obj(d.get("mcp", {}), "stop_policy.mcp").items():
             where = f"stop_policy.mcp.{key}"
@@ -372,7 +373,10 @@ class ApprovalSpec:
             lists[key] = tuple(dict.fromkeys(_str(x, f"approval.{key}[{i}]") for i, x in enumerate(v)))
         for i, name in enumerate(lists["servers"]):
             if name not in servers:
-                raise SpecError(f"approval.servers[{i}]", f"no mcp server named {name!r} in this spec (servers: {sorted(servers)!r})")
+                raise SpecError(
+                    f"approval.servers[{i}]",
+                    f"no mcp server named {name!r} in this spec (servers: {sorted(servers)!r})",
+                )
         return cls(
             tools=lists["tools"],
             servers=lists["servers"],
@@ -508,7 +512,9 @@ class RunSpec:
             raise SpecError("builtin_tools", f"expected a list of strings, got {type(tools).__name__}")
         for i, t in enumerate(tools):
             if t not in BUILTIN_TOOLS:
-                raise SpecError(f"builtin_tools[{i}]", f"unknown built-in tool {t!r} (known: {sorted(BUILTIN_TOOLS)!r})")
+                raise SpecError(
+                    f"builtin_tools[{i}]", f"unknown built-in tool {t!r} (known: {sorted(BUILTIN_TOOLS)!r})"
+                )
         servers_raw = _obj(d.get("mcpServers", {}), "mcpServers")
         servers: dict[str, McpServerSpec] = {}
         for name, entry in servers_raw.items():
@@ -516,7 +522,8 @@ class RunSpec:
             # tool naming (``<server>__<tool>``) or a file name is refused.
             if not name.strip() or "__" in name or len(name) > 64 or any(c in name for c in "/\x00\n"):
                 raise SpecError(
-                    f"mcpServers.{name}", f"server names must be 1..64 characters without '__', '/' or newlines, got {name!r}"
+                    f"mcpServers.{name}",
+                    f"server names must be 1..64 characters without '__', '/' or newlines, got {name!r}",
                 )
             servers[name] = McpServerSpec.from_dict(entry, f"mcpServers.{name}")
         browser = d.get("browser", False)

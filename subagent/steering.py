@@ -76,7 +76,7 @@ async def read_steering(
                 if line.strip():
                     text = parse_steer_line(line)
                     if text is None:
-                        warn(f"ignored a stdin line that is not {{\"steer\": text}}: {line[:200]!r}")
+                        warn(f'ignored a stdin line that is not {{"steer": text}}: {line[:200]!r}')
                     else:
                         queue.push(text, current_step())
             if len(buf) > MAX_STEER_LINE_BYTES:

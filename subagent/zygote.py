@@ -177,8 +177,17 @@ class _CloneArgs(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_uint64)
         for name in (
-            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack",
-            "stack_size", "tls", "set_tid", "set_tid_size", "cgroup",
+            "flags",
+            "pidfd",
+            "child_tid",
+            "parent_tid",
+            "exit_signal",
+            "stack",
+            "stack_size",
+            "tls",
+            "set_tid",
+            "set_tid_size",
+            "cgroup",
         )
     ]
 

@@ -190,7 +190,9 @@ class _Group(click.Group):
             cmd.params.extend(p for p in _global_options() if not taken & set(p.opts))
         super().add_command(cmd, name)
 
-    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any) -> click.Context:
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.exceptions.NoArgsIsHelpError:
@@ -208,7 +210,9 @@ class _Group(click.Group):
         except AgentdError as exc:
             raise _translate(exc) from None
         except KeyboardInterrupt:
-            raise CliError("interrupted (runs go on; stop one with `agentd cancel RUN`)", ExitCode.INTERRUPTED) from None
+            raise CliError(
+                "interrupted (runs go on; stop one with `agentd cancel RUN`)", ExitCode.INTERRUPTED
+            ) from None
         except BrokenPipeError:
             # `agentd logs RUN | head`: the reader left; not an error worth a traceback.
             # Point stdout at devnull so the interpreter's final flush does not fail too.
@@ -346,7 +350,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
 @click.option("--grace", "grace_s", type=float, help="Seconds between SIGTERM and SIGKILL of a run's tree.")
 @click.option("--max-concurrent", type=int, help="Runs allowed at once; more wait in a queue.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), help="TOML config file.")
-@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
 @pass_obj
 def serve(
     obj: Obj,
@@ -458,7 +464,9 @@ def build_spec(
     if spec_file is not None:
         loaded = _read_json_file(spec_file, "spec file")
         if not isinstance(loaded, dict):
-            raise CliError(f"spec file {str(spec_file)!r}: expected a json object, got {type(loaded).__name__}", ExitCode.USAGE)
+            raise CliError(
+                f"spec file {str(spec_file)!r}: expected a json object, got {type(loaded).__name__}", ExitCode.USAGE
+            )
         spec = loaded
     if task is not None:
         spec["task"] = task
@@ -508,13 +516,19 @@ def build_spec(
     help='MCP servers file in the Claude Desktop shape: {"mcpServers": {...}}.',
 )
 @click.option("--browser", is_flag=True, help="Give the agent a browser (Playwright MCP).")
-@click.option("--session", "session_id", help="Session (conversation) the run is the next turn of: it starts from the session's history.")
+@click.option(
+    "--session",
+    "session_id",
+    help="Session (conversation) the run is the next turn of: it starts from the session's history.",
+)
 @click.option(
     "--interrupt",
     is_flag=True,
     help="With --session: stop the session's live turn first (a normal cancel, waited for); without it a session with a live turn refuses a new one.",
 )
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), help="Stop the run after this many seconds.")
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), help="Stop the run after this many seconds."
+)
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most model turns the run may take.")
 @click.option(
     "--spec",
@@ -565,7 +579,10 @@ def spawn(
     if model_key_env is not None:
         model_key = os.environ.get(model_key_env)
         if not model_key or not model_key.strip():
-            raise CliError(f"--model-key-env: environment variable {model_key_env!r} is not set or empty in this shell", ExitCode.USAGE)
+            raise CliError(
+                f"--model-key-env: environment variable {model_key_env!r} is not set or empty in this shell",
+                ExitCode.USAGE,
+            )
     if wait and len(spec_files) > 1:
         raise CliError("--wait follows one run: give it one --spec", ExitCode.USAGE)
     if session_id is not None and len(spec_files) > 1:
@@ -587,7 +604,9 @@ def spawn(
     if len(specs) > 1:
         _spawn_several(obj, client, specs, spec_files, timeout_s=timeout_s, model_key=model_key)
         return
-    result = client.spawn(specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt)
+    result = client.spawn(
+        specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt
+    )
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))
     if wait:
@@ -664,9 +683,13 @@ def format_event(event: dict[str, Any]) -> str:
             f"(call {call}; `agentd approve {run} {call}` or `agentd deny {run} {call} --reason TEXT`)"
         )
     elif kind == "approval_sent":
-        text = f"approval answer sent: call {d.get('call_id')} {d.get('decision')}" + (f" ({_short(d['reason'], 60)})" if d.get("reason") else "")
+        text = f"approval answer sent: call {d.get('call_id')} {d.get('decision')}" + (
+            f" ({_short(d['reason'], 60)})" if d.get("reason") else ""
+        )
     elif kind == "approval_answered":
-        text = f"approval: call {d.get('call_id')} {d.get('decision')}" + (f" ({_short(d['reason'], 60)})" if d.get("reason") else "")
+        text = f"approval: call {d.get('call_id')} {d.get('decision')}" + (
+            f" ({_short(d['reason'], 60)})" if d.get("reason") else ""
+        )
     elif kind == "session":
         profile = ", browser profile kept by the session" if d.get("browser_profile") else ""
         text = f"turn of session {d.get('session_id')}: {d.get('turns')} earlier turn(s), {d.get('messages')} history message(s){profile}"
@@ -713,7 +736,9 @@ def watch(obj: Obj, run_id: str, after_seq: int) -> None:
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--after", "after_seq", type=click.IntRange(min=0), default=0, help="Start after this event number.")
-@click.option("-f", "--follow", "follow", is_flag=True, help="Keep printing new events until the run ends (needs the daemon).")
+@click.option(
+    "-f", "--follow", "follow", is_flag=True, help="Keep printing new events until the run ends (needs the daemon)."
+)
 @pass_obj
 def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
     """Print a run's events from the journal.
@@ -843,7 +868,7 @@ def approve(obj: Obj, run_id: str, call_id: str) -> None:
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.argument("call_id", metavar="CALL")
-@click.option("--reason", help="Told to the model: \"denied by the user: REASON\".")
+@click.option("--reason", help='Told to the model: "denied by the user: REASON".')
 @pass_obj
 def deny(obj: Obj, run_id: str, call_id: str, reason: str | None) -> None:
     """Refuse a tool call awaiting approval: it never runs, the model is told, the turn goes on."""
@@ -935,7 +960,9 @@ def session_close(obj: Obj, session_id: str) -> None:
     result = obj.client().close_session(session_id)
 
     def human() -> None:
-        parts = [f"session {session_id} closed" if result.get("was_open") else f"session {session_id} was closed already"]
+        parts = [
+            f"session {session_id} closed" if result.get("was_open") else f"session {session_id} was closed already"
+        ]
         if result.get("stopped"):
             parts.append(f"stopped {', '.join(result['stopped'])}")
         if result.get("profile_removed"):
@@ -1052,7 +1079,9 @@ def _print_run(run: dict[str, Any]) -> None:
     model = _model(run.get("spec"))
     if model:
         rows.append(("model", model))
-    times = [f"{k.removesuffix('_at')} {_when(run.get(k))}" for k in ("created_at", "started_at", "ended_at") if run.get(k)]
+    times = [
+        f"{k.removesuffix('_at')} {_when(run.get(k))}" for k in ("created_at", "started_at", "ended_at") if run.get(k)
+    ]
     if isinstance(run.get("started_at"), (int, float)) and isinstance(run.get("ended_at"), (int, float)):
         times.append(f"took {run['ended_at'] - run['started_at']:.1f} s")
     if times:
@@ -1072,7 +1101,12 @@ def _print_run(run: dict[str, Any]) -> None:
     rows.append(("tool calls", _tool_summary(run.get("tool_calls"))))
     for a in run.get("approvals") or []:
         if isinstance(a, dict):
-            rows.append(("awaiting", f"call {a.get('call_id')}: {a.get('name')} {_short(a.get('arguments', ''), 60)} (approve or deny)"))
+            rows.append(
+                (
+                    "awaiting",
+                    f"call {a.get('call_id')}: {a.get('name')} {_short(a.get('arguments', ''), 60)} (approve or deny)",
+                )
+            )
     receipt = _receipt_summary(run.get("receipt"))
     if receipt:
         rows.append(("teardown", receipt))
@@ -1128,7 +1162,6 @@ def list_(obj: Obj, state: str | None, session_id: str | None, limit: int) -> No
     obj.emit({"runs": runs}, lambda: _table(runs) if runs else click.echo("no runs"))
 
 
-
 # ----------------------------------------------------------------------------- dashboard
 
 
@@ -1149,7 +1182,7 @@ def dashboard(obj: Obj, open_browser: bool) -> None:
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read the daemon's endpoint: {exc}", ExitCode.NO_DAEMON) from exc
     if not isinstance(dashboard_url, str):
-        raise CliError("this daemon serves no dashboard (its config says dashboard = \"off\")", ExitCode.REFUSED)
+        raise CliError('this daemon serves no dashboard (its config says dashboard = "off")', ExitCode.REFUSED)
     url = _dashlink.login_url(dashboard_url, _dashlink.mint_login_token(token))
     opened: bool | None = None
     if open_browser:

@@ -145,7 +145,14 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
         try:
             if f.name in {"state_dir", "runs_dir"}:
                 v = None if v in (None, "") else Path(v)
-            elif f.name in {"port", "max_concurrent", "pool_size", "max_message_bytes", "dashboard_port", "session_profiles_max"}:
+            elif f.name in {
+                "port",
+                "max_concurrent",
+                "pool_size",
+                "max_message_bytes",
+                "dashboard_port",
+                "session_profiles_max",
+            }:
                 v = int(v)
                 if v < 0:
                     raise ValueError("must be >= 0")

@@ -72,9 +72,7 @@ def _lock_state_dir(config: Config) -> int:
     return fd
 
 
-async def _serve_locked(
-    config: Config, stop: trio.Event | None, task_status: trio.TaskStatus[dict[str, Any]]
-) -> None:
+async def _serve_locked(config: Config, stop: trio.Event | None, task_status: trio.TaskStatus[dict[str, Any]]) -> None:
     notifier = _sdnotify.Notifier.from_env()
     journal = await Journal.open(config.journal_path)
     containment = await trio.to_thread.run_sync(Containment.setup, config)
@@ -112,7 +110,13 @@ async def _serve_locked(
             await nursery.start(_sdnotify.watchdog_loop, notifier)
             nursery.start_soon(_status_loop, notifier, manager)
             task_status.started(
-                {"port": port, "url": endpoint["url"], "token": token, "manager": manager, "dashboard_url": dashboard_url}
+                {
+                    "port": port,
+                    "url": endpoint["url"],
+                    "token": token,
+                    "manager": manager,
+                    "dashboard_url": dashboard_url,
+                }
             )
             await _wait_for_stop(stop)
             n = manager.live_count

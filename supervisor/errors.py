@@ -1,14 +1,14 @@
 """The daemon's exception tree.
 
-    AgentdError
-     ├─ ConfigError            bad configuration value (field, value)
-     ├─ SpawnError             a run could not be started (run_id)
-     ├─ RunNotFound            no run with that id (run_id)
-     ├─ JournalError           the durable store failed (path)
- │   └─ JournalUnavailable  it cannot be written now (disk full, read-only, I/O error)
-     ├─ ControlProtocolError   a malformed control message (code)
-     ├─ DaemonNotRunning       the CLI found no daemon (state_dir)
-     └─ DaemonAlreadyRunning   another daemon holds the state dir (state_dir, pid)
+   AgentdError
+    ├─ ConfigError            bad configuration value (field, value)
+    ├─ SpawnError             a run could not be started (run_id)
+    ├─ RunNotFound            no run with that id (run_id)
+    ├─ JournalError           the durable store failed (path)
+│   └─ JournalUnavailable  it cannot be written now (disk full, read-only, I/O error)
+    ├─ ControlProtocolError   a malformed control message (code)
+    ├─ DaemonNotRunning       the CLI found no daemon (state_dir)
+    └─ DaemonAlreadyRunning   another daemon holds the state dir (state_dir, pid)
 """
 
 from __future__ import annotations

@@ -157,9 +157,7 @@ class Backend(Protocol):
     comes back empty (a short page may have been cut by size).
     """
 
-    async def spawn(
-        self, spec: dict[str, Any], *, session_id: str | None, timeout_s: float | None
-    ) -> dict[str, Any]:
+    async def spawn(self, spec: dict[str, Any], *, session_id: str | None, timeout_s: float | None) -> dict[str, Any]:
         """Start a run. Returns at least ``{"run_id", "state"}``. Raises SpawnError.
 
         A spawn that carries a model key calls it with one more keyword, ``model_key`` (a
@@ -179,17 +177,13 @@ class Backend(Protocol):
         """The run as a dict (state, result, partial, receipt, ...). Raises RunNotFound."""
         ...
 
-    async def list_runs(
-        self, *, limit: int, state: str | None, session_id: str | None
-    ) -> list[dict[str, Any]]: ...
+    async def list_runs(self, *, limit: int, state: str | None, session_id: str | None) -> list[dict[str, Any]]: ...
 
     async def events_after(self, run_id: str, after_seq: int, limit: int) -> list[dict[str, Any]]:
         """Journal events with ``seq > after_seq``, in order, at most ``limit``. Raises RunNotFound."""
         ...
 
-    def subscribe(
-        self, run_id: str
-    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[dict[str, Any]]]:
+    def subscribe(self, run_id: str) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[dict[str, Any]]]:
         """Live events from now on; the channel ends after the terminal event. Raises RunNotFound."""
         ...
 
@@ -401,9 +395,7 @@ def decode_request(message: str | bytes, *, max_bytes: int) -> Request | BadRequ
         )
     try:
         text = message.decode("utf-8") if isinstance(message, bytes) else message
-        obj = json.loads(
-            text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
-        )
+        obj = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
     except _Bad as exc:
         return BadRequest(sniff_id(message), exc.code, exc.message)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -618,7 +610,8 @@ def _idents(obj: Mapping[str, Any], key: str, most: int) -> tuple[str, ...] | No
     for i, item in enumerate(v):
         if not isinstance(item, str) or not item.strip() or len(item) > MAX_ID_CHARS:
             raise _Bad(
-                ErrorCode.BAD_ARGS, f"expected {key}[{i}] to be a non-empty string of at most {MAX_ID_CHARS} chars, got {_kind(item)}"
+                ErrorCode.BAD_ARGS,
+                f"expected {key}[{i}] to be a non-empty string of at most {MAX_ID_CHARS} chars, got {_kind(item)}",
             )
         out.append(item)
     return tuple(out)
@@ -651,7 +644,9 @@ def _deny(rid: Any, obj: Mapping[str, Any]) -> DenyRequest:
         if not isinstance(reason, str):
             raise _Bad(ErrorCode.BAD_ARGS, f"expected 'reason' to be a string, got {_kind(reason)}")
         if len(reason) > MAX_DENY_REASON_CHARS:
-            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'reason' of at most {MAX_DENY_REASON_CHARS} chars, got {len(reason)}")
+            raise _Bad(
+                ErrorCode.BAD_ARGS, f"expected 'reason' of at most {MAX_DENY_REASON_CHARS} chars, got {len(reason)}"
+            )
         reason = reason.strip() or None
     return DenyRequest(rid, run_id, call_id, reason)
 
@@ -682,9 +677,7 @@ def _list(rid: Any, obj: Mapping[str, Any]) -> ListRequest:
         try:
             state = str(RunState(state))
         except ValueError:
-            raise _Bad(
-                ErrorCode.BAD_ARGS, f"expected 'state' in {[str(s) for s in RunState]}, got {state!r}"
-            ) from None
+            raise _Bad(ErrorCode.BAD_ARGS, f"expected 'state' in {[str(s) for s in RunState]}, got {state!r}") from None
     return ListRequest(
         rid,
         _int(obj, "limit", DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT),
@@ -812,7 +805,9 @@ def decode_server_message(text: str | bytes) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise ControlProtocolError(ErrorCode.BAD_REPLY, f"expected a json object from the daemon, got invalid json ({exc})") from None
+        raise ControlProtocolError(
+            ErrorCode.BAD_REPLY, f"expected a json object from the daemon, got invalid json ({exc})"
+        ) from None
     if not isinstance(obj, dict):
         raise ControlProtocolError(ErrorCode.BAD_REPLY, f"expected a json object from the daemon, got {_kind(obj)}")
     return obj

@@ -26,17 +26,13 @@ class RunState(enum.StrEnum):
     LOST = "lost"  # the daemon restarted and found the run's process gone
 
 
-TERMINAL_STATES: Final = frozenset(
-    {RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
-)
+TERMINAL_STATES: Final = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.LOST})
 LIVE_STATES: Final = frozenset(
     {RunState.QUEUED, RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL, RunState.CANCELLING}
 )
 
 ALLOWED: Final[dict[RunState, frozenset[RunState]]] = {
-    RunState.QUEUED: frozenset(
-        {RunState.STARTING, RunState.CANCELLED, RunState.FAILED, RunState.LOST}
-    ),
+    RunState.QUEUED: frozenset({RunState.STARTING, RunState.CANCELLED, RunState.FAILED, RunState.LOST}),
     RunState.STARTING: frozenset(
         {RunState.RUNNING, RunState.CANCELLING, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
     ),
@@ -55,9 +51,7 @@ ALLOWED: Final[dict[RunState, frozenset[RunState]]] = {
         {RunState.RUNNING, RunState.CANCELLING, RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.LOST}
     ),
     # A run that completes while its stop is in flight is recorded as what really happened.
-    RunState.CANCELLING: frozenset(
-        {RunState.CANCELLED, RunState.COMPLETED, RunState.FAILED, RunState.LOST}
-    ),
+    RunState.CANCELLING: frozenset({RunState.CANCELLED, RunState.COMPLETED, RunState.FAILED, RunState.LOST}),
     RunState.COMPLETED: frozenset(),
     RunState.FAILED: frozenset(),
     RunState.CANCELLED: frozenset(),

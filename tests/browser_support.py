@@ -323,7 +323,9 @@ def runner_available() -> bool:
     return importlib.util.find_spec("subagent.runner") is not None
 
 
-def scripted_browser_spec(url: str, *, then: list[dict[str, object]] | None = None, **browser: object) -> dict[str, object]:
+def scripted_browser_spec(
+    url: str, *, then: list[dict[str, object]] | None = None, **browser: object
+) -> dict[str, object]:
     """A scripted run: open ``url``, snapshot it, answer with the password the page shows.
 
     ``then`` adds turns after the snapshot (e.g. a navigation to ``/slow`` to be cancelled in).

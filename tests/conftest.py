@@ -158,9 +158,7 @@ def marked_processes(mark: str) -> list[psutil.Process]:
 def leftovers(mark: str, before: set[ProcId]) -> list[ProcId]:
     """The test's live processes: descendants born since ``before``, and marked ones."""
     me = os.getpid()
-    found = {
-        p for p, state in descendants(_root_pid()).items() if p not in before and state != "Z" and p.pid != me
-    }
+    found = {p for p, state in descendants(_root_pid()).items() if p not in before and state != "Z" and p.pid != me}
     for proc in marked_processes(mark):
         st = _read_stat(proc.pid)
         if st is not None and st[2] != "Z":

@@ -62,7 +62,9 @@ class FakeKernel:
         cgroup: Path | None = None,
         state: str = "S",
     ) -> Proc:
-        p = Proc(pid=pid, ppid=ppid, pgid=pgid or pid, sid=sid or pgid or pid, state=state, start_ticks=next(self._ticks))
+        p = Proc(
+            pid=pid, ppid=ppid, pgid=pgid or pid, sid=sid or pgid or pid, state=state, start_ticks=next(self._ticks)
+        )
         self.procs[pid] = p
         self.envs[pid] = b"".join(f"{k}={v}\0".encode() for k, v in (env or {}).items())
         self.cmdlines[pid] = cmdline.replace(" ", "\0").encode()

@@ -6,18 +6,20 @@ import supervisor
 
 
 def test_the_public_names_of_supervisor_are_pinned() -> None:
-    assert sorted(supervisor.__all__) == sorted([
-        "Config",
-        "RunState",
-        "AgentdError",
-        "ConfigError",
-        "ControlProtocolError",
-        "DaemonAlreadyRunning",
-        "DaemonNotRunning",
-        "JournalError",
-        "RunNotFound",
-        "SpawnError",
-    ])
+    assert sorted(supervisor.__all__) == sorted(
+        [
+            "Config",
+            "RunState",
+            "AgentdError",
+            "ConfigError",
+            "ControlProtocolError",
+            "DaemonAlreadyRunning",
+            "DaemonNotRunning",
+            "JournalError",
+            "RunNotFound",
+            "SpawnError",
+        ]
+    )
     for name in supervisor.__all__:
         assert getattr(supervisor, name).__module__.startswith("supervisor.")
 
@@ -43,33 +45,35 @@ def test_the_public_names_load_on_first_use() -> None:
 def test_the_public_names_of_the_os_edge_are_pinned() -> None:
     import subagent.osedge as osedge
 
-    assert sorted(osedge.__all__) == sorted([
-        "Kernel",
-        "LinuxKernel",
-        "LINUX",
-        "Proc",
-        "ProcessId",
-        "parse_stat",
-        "ProcessTable",
-        "Targets",
-        "parse_var",
-        "Delivery",
-        "signal_process",
-        "signal_group",
-        "group_exists",
-        "kill_cgroup",
-        "open_pidfd",
-        "Runtime",
-        "TrioRuntime",
-        "Signalled",
-        "Escalation",
-        "escalate",
-        "POLL_S",
-        "Watch",
-        "WatchSet",
-        "IN_MODIFY",
-        "IN_DELETE",
-    ])
+    assert sorted(osedge.__all__) == sorted(
+        [
+            "Kernel",
+            "LinuxKernel",
+            "LINUX",
+            "Proc",
+            "ProcessId",
+            "parse_stat",
+            "ProcessTable",
+            "Targets",
+            "parse_var",
+            "Delivery",
+            "signal_process",
+            "signal_group",
+            "group_exists",
+            "kill_cgroup",
+            "open_pidfd",
+            "Runtime",
+            "TrioRuntime",
+            "Signalled",
+            "Escalation",
+            "escalate",
+            "POLL_S",
+            "Watch",
+            "WatchSet",
+            "IN_MODIFY",
+            "IN_DELETE",
+        ]
+    )
     for name in osedge.__all__:
         assert hasattr(osedge, name), name
 
@@ -89,5 +93,12 @@ def test_the_layer_packages_import_nothing() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == sorted(
-        ["supervisor.control", "supervisor.core", "supervisor.store", "supervisor.trees", "subagent.tools", "subagent.model"]
+        [
+            "supervisor.control",
+            "supervisor.core",
+            "supervisor.store",
+            "supervisor.trees",
+            "subagent.tools",
+            "subagent.model",
+        ]
     )

@@ -18,7 +18,7 @@ MIN_REASON_CHARS = 40
 
 def size_reason(docstring: str) -> str | None:
     paragraphs = [" ".join(p.split()) for p in docstring.split("\n\n")]
-    return next((p[len("Size:"):].strip() for p in paragraphs if p.startswith("Size:")), None)
+    return next((p[len("Size:") :].strip() for p in paragraphs if p.startswith("Size:")), None)
 
 
 def test_every_module_over_500_lines_says_why_at_the_top_of_its_docstring() -> None:

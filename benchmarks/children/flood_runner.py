@@ -26,7 +26,11 @@ def main() -> None:
     run_id = spec.get("run_id")
     n, size, go = int(b.get("n", 1000)), int(b.get("size", 200)), b.get("go")
     err = sys.stderr.buffer
-    err.write(encode_event(make_event(EventKind.RUNNER_STARTED, pid=os.getpid(), pgid=os.getpgrp(), run_id=run_id, provider="flood")))
+    err.write(
+        encode_event(
+            make_event(EventKind.RUNNER_STARTED, pid=os.getpid(), pgid=os.getpgrp(), run_id=run_id, provider="flood")
+        )
+    )
     err.flush()
     deadline = time.monotonic() + 60
     while go and not os.path.exists(go) and time.monotonic() < deadline:
@@ -35,10 +39,20 @@ def main() -> None:
     for i in range(1, n + 1):
         err.write(encode_event(make_event(EventKind.STEP_SNAPSHOT, step=i, progress=text, tool_calls=[], _id=run_id)))
     err.flush()
-    sys.stdout.buffer.write(encode_result({
-        "status": "completed", "reason": None, "final_text": "flooded", "progress": text, "steps": n,
-        "tool_calls": [], "usage": {}, "error": None,
-    }))
+    sys.stdout.buffer.write(
+        encode_result(
+            {
+                "status": "completed",
+                "reason": None,
+                "final_text": "flooded",
+                "progress": text,
+                "steps": n,
+                "tool_calls": [],
+                "usage": {},
+                "error": None,
+            }
+        )
+    )
     sys.stdout.flush()
 
 

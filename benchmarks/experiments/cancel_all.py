@@ -86,8 +86,9 @@ class Deaths:
         import json
         import subprocess
 
-        self.p = subprocess.Popen([sys.executable, "-c", WATCHER, str(timeout_s)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", WATCHER, str(timeout_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self.p.stdin is not None and self.p.stdout is not None
         self.p.stdin.write(json.dumps(pids) + "\n")
         self.p.stdin.flush()
@@ -128,8 +129,13 @@ class Canceller:
         import json
         import subprocess
 
-        self.p = subprocess.Popen([sys.executable, "-c", CANCELLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, cwd=str(Path(__file__).resolve().parent.parent.parent))
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", CANCELLER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(Path(__file__).resolve().parent.parent.parent),
+        )
         assert self.p.stdin is not None and self.p.stdout is not None
         self.p.stdin.write(json.dumps([url, token, ids]) + "\n")
         self.p.stdin.flush()
@@ -170,7 +176,7 @@ class Sampler:
             seen = set()
             for fs in stack:
                 if fs.filename.startswith(root) and "benchmarks" not in fs.filename:
-                    key = f"{fs.filename[len(root) + 1:]}:{fs.name}"
+                    key = f"{fs.filename[len(root) + 1 :]}:{fs.name}"
                     if key not in seen:
                         seen.add(key)
                         self.counts[key] += 1
@@ -285,16 +291,28 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
                 return out
 
             _process.soft_stop = soft_stop  # type: ignore[assignment]
-            canceller = (
-                await trio.to_thread.run_sync(Canceller, d["url"], d["token"], ids) if opts.client else None
-            )
+            canceller = await trio.to_thread.run_sync(Canceller, d["url"], d["token"], ids) if opts.client else None
             spy = None
             if opts.py_spy:
                 import subprocess
 
                 out = Path(tmp).parent / f"cancel_all-{os.getpid()}.py-spy.txt"
-                argv = [opts.py_spy, "record", "-r", "250", "-f", "raw", "--threads", "--nonblocking",
-                        "-o", str(out), "--pid", str(os.getpid()), "-d", str(opts.py_spy_s)]
+                argv = [
+                    opts.py_spy,
+                    "record",
+                    "-r",
+                    "250",
+                    "-f",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    "-o",
+                    str(out),
+                    "--pid",
+                    str(os.getpid()),
+                    "-d",
+                    str(opts.py_spy_s),
+                ]
                 spy = await trio.to_thread.run_sync(
                     lambda: subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 )
@@ -331,27 +349,37 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
             states = collections.Counter()
             for run_id in ids:
                 states[str((await m.status(run_id))["state"])] += 1
-            print(f"{n} runs ({len(pids)} processes: {len(runner_pids)} runners, {len(sleeper_pids)} commands), "
-                  f"grace {grace:g} s")
+            print(
+                f"{n} runs ({len(pids)} processes: {len(runner_pids)} runners, {len(sleeper_pids)} commands), "
+                f"grace {grace:g} s"
+            )
             print(f"  the cancels returned after {reply:.2f} s; all terminal after {terminal_s:.2f} s {dict(states)}")
             print(f"  all processes dead after {all_dead:.2f} s ({len(dead)} of {deaths.watched} watched)")
             print(f"  path A sent:    {q(path_a_at)}")
             if len(sched) == 2:
                 (w0, r0, q0), (w1, r1, q1) = sched
-                print(f"  the Trio thread from the first path A to the last: {w1 - w0:.2f} s; on a CPU {r1 - r0:.2f} s, "
-                      f"waiting for one {q1 - q0:.2f} s, blocked {max(0.0, (w1 - w0) - (r1 - r0) - (q1 - q0)):.2f} s")
-            print(f"  one path A: wall {q([x * 1000 for x in path_a_wall], 'ms')}; CPU {q([x * 1000 for x in path_a_cpu], 'ms')}; sum wall {sum(path_a_wall):.2f} s, CPU {sum(path_a_cpu):.2f} s")
+                print(
+                    f"  the Trio thread from the first path A to the last: {w1 - w0:.2f} s; on a CPU {r1 - r0:.2f} s, "
+                    f"waiting for one {q1 - q0:.2f} s, blocked {max(0.0, (w1 - w0) - (r1 - r0) - (q1 - q0)):.2f} s"
+                )
+            print(
+                f"  one path A: wall {q([x * 1000 for x in path_a_wall], 'ms')}; CPU {q([x * 1000 for x in path_a_cpu], 'ms')}; sum wall {sum(path_a_wall):.2f} s, CPU {sum(path_a_cpu):.2f} s"
+            )
             print(f"  commands dead:  {q([t for p, t in dead.items() if p in sleeper_pids])}")
             print(f"  runners dead:   {q([t for p, t in dead.items() if p in runner_pids])}")
             print(f"  others dead:    {q([t for p, t in dead.items() if p not in runner_pids | sleeper_pids])}")
             print(f"  runs terminal:  {q(terminal_at)}")
             tree_cpu = None if tree_cpu0 is None or tree_cpu1 is None else (tree_cpu1 - tree_cpu0) / 1e6
-            print(f"  CPU from the cancel to all terminal: daemon {cpu:.2f} s; the trees (cgroup subtree, to all dead) "
-                  f"{'-' if tree_cpu is None else f'{tree_cpu:.2f} s'}")
+            print(
+                f"  CPU from the cancel to all terminal: daemon {cpu:.2f} s; the trees (cgroup subtree, to all dead) "
+                f"{'-' if tree_cpu is None else f'{tree_cpu:.2f} s'}"
+            )
             if sampler is not None:
                 sampler.report()
             if jobs is not None:
-                print(f"  journal: {jobs['n']} jobs in {jobs['groups']} transactions, {jobs['s']:.2f} s in the worker; by op: {dict(jobs['by'].most_common(10))}")
+                print(
+                    f"  journal: {jobs['n']} jobs in {jobs['groups']} transactions, {jobs['s']:.2f} s in the worker; by op: {dict(jobs['by'].most_common(10))}"
+                )
             show_warnings(print)
 
 
@@ -359,8 +387,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("n", type=int, nargs="?", default=100, help="live runs to cancel (default 100)")
     ap.add_argument("--grace", type=float, default=2.0, help="the daemon's grace, s (default 2)")
-    ap.add_argument("--client", action="store_true",
-                    help="cancel through a client process (Client.cancel_many, one request) instead of in-process")
+    ap.add_argument(
+        "--client",
+        action="store_true",
+        help="cancel through a client process (Client.cancel_many, one request) instead of in-process",
+    )
     ap.add_argument("--profile", action="store_true", help="sample the Trio thread; count the journal's jobs")
     ap.add_argument("--py-spy", default=None, metavar="BIN", help="also record every thread with this py-spy binary")
     ap.add_argument("--py-spy-s", type=float, default=5.0, help="py-spy's duration, s (default 5)")

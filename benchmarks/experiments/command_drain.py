@@ -31,7 +31,9 @@ async def main(reps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, drain in (("as it is (0.5 s)", ""), ("post-exit wait 0", "0")):
             os.environ["BENCH_COMMAND_DRAIN_S"] = drain
-            async with in_process_daemon(Path(tmp) / (drain or "default"), grace_s=10.0, runner_command=(PY, WRAPPER)) as d:
+            async with in_process_daemon(
+                Path(tmp) / (drain or "default"), grace_s=10.0, runner_command=(PY, WRAPPER)
+            ) as d:
                 print(f"\n#### runner's DRAIN_AFTER_EXIT_S: {label}")
                 await scenario_d(d["manager"], reps, 10.0)
 

@@ -70,6 +70,7 @@ async def progress_drain(stream, sink, *, process, after_exit_s=DRAIN_AFTER_EXIT
             await stream.aclose()
     return eof
 
+
 _orig_new_tree = pool.new_tree
 
 
@@ -92,10 +93,14 @@ async def main(n: int) -> None:
             m = d["manager"]
             t0 = time.perf_counter()
             fill = await wait_pool_warm(m, n, timeout_s=300)
-            print(f"refill {'serial' if '--serial' in sys.argv else 'as today'}: pool of {n} warm after {fill} s "
-                  f"({time.perf_counter() - t0:.1f} s)")
+            print(
+                f"refill {'serial' if '--serial' in sys.argv else 'as today'}: pool of {n} warm after {fill} s "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
             r = await burst(m, n)
-            print(row(f"spawn -> first step, {n} at once (delivered)", summary(r["delivered"])), f"missing {r['missing']}")
+            print(
+                row(f"spawn -> first step, {n} at once (delivered)", summary(r["delivered"])), f"missing {r['missing']}"
+            )
             print(row("  runner emitted it", summary(r["emitted"])))
             print("drain:", "idle-bounded" if "--progress-drain" in sys.argv else "as today")
             show_warnings(print)

@@ -186,7 +186,9 @@ class FakeOpenAI:
                 except ValueError:
                     body = body_bytes.decode("utf-8", "replace")
                 headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in head.headers}
-                req = LoggedRequest(next(self._counter), head.method.decode("ascii"), head.target.decode("latin-1"), headers, body)
+                req = LoggedRequest(
+                    next(self._counter), head.method.decode("ascii"), head.target.decode("latin-1"), headers, body
+                )
                 self.requests.append(req)
                 self._notify()
                 try:
@@ -199,7 +201,12 @@ class FakeOpenAI:
         except h11.RemoteProtocolError as exc:
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # a bad request gets its 400
                 with trio.move_on_after(CLOSE_TIMEOUT_S):
-                    await _send_json(stream, conn, exc.error_status_hint, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                    await _send_json(
+                        stream,
+                        conn,
+                        exc.error_status_hint,
+                        {"error": {"message": str(exc), "type": "invalid_request_error"}},
+                    )
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError, ValueError, _ClientGone):
             return
         finally:
@@ -209,22 +216,46 @@ class FakeOpenAI:
     async def _respond(self, stream: trio.SocketStream, conn: h11.Connection, req: LoggedRequest) -> bool:
         """Answer one request. Returns whether the connection stays usable."""
         if req.method == "GET" and req.path.rstrip("/").endswith("/models"):
-            await _send_json(stream, conn, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+            await _send_json(
+                stream,
+                conn,
+                200,
+                {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]},
+            )
             req.response_complete = True
             return True
-        if req.method != "POST" or not req.path.rstrip("/").endswith("/chat/completions") or not isinstance(req.body, dict):
-            await _send_json(stream, conn, 404, {"error": {"message": f"no route for {req.method} {req.path}", "type": "invalid_request_error"}})
+        if (
+            req.method != "POST"
+            or not req.path.rstrip("/").endswith("/chat/completions")
+            or not isinstance(req.body, dict)
+        ):
+            await _send_json(
+                stream,
+                conn,
+                404,
+                {"error": {"message": f"no route for {req.method} {req.path}", "type": "invalid_request_error"}},
+            )
             req.response_complete = True
             return True
         if self.reject_stream_options and "stream_options" in req.body:
-            await _send_json(stream, conn, 400, {"error": {"message": "unknown field: stream_options", "type": "invalid_request_error"}})
+            await _send_json(
+                stream,
+                conn,
+                400,
+                {"error": {"message": "unknown field: stream_options", "type": "invalid_request_error"}},
+            )
             req.response_complete = True
             return True
         messages = req.body.get("messages") or []
         problem = history_problem(messages) if self.check_history else None
         if problem is not None:
             req.rejected = problem
-            await _send_json(stream, conn, 400, {"error": {"message": problem, "type": "invalid_request_error", "param": "messages", "code": None}})
+            await _send_json(
+                stream,
+                conn,
+                400,
+                {"error": {"message": problem, "type": "invalid_request_error", "param": "messages", "code": None}},
+            )
             req.response_complete = True
             return True
         turn_index, last_output = history_position(messages)
@@ -234,7 +265,9 @@ class FakeOpenAI:
             for p in pieces[:-1]:
                 await trio.sleep(p.seconds)
             err = pieces[-1]
-            await _send_json(stream, conn, err.index, {"error": {"message": err.text, "type": "server_error", "code": None}})
+            await _send_json(
+                stream, conn, err.index, {"error": {"message": err.text, "type": "server_error", "code": None}}
+            )
             req.response_complete = True
             return True
         if not req.body.get("stream"):
@@ -278,13 +311,22 @@ class FakeOpenAI:
         return completed
 
     async def _stream(
-        self, stream: trio.SocketStream, conn: h11.Connection, req: LoggedRequest, pieces: list[Any], include_usage: bool
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        req: LoggedRequest,
+        pieces: list[Any],
+        include_usage: bool,
     ) -> bool:
         cid = f"chatcmpl-fake-{req.n}"
         created = int(time.time())
         head = h11.Response(
             status_code=200,
-            headers=[("content-type", "text/event-stream"), ("cache-control", "no-cache"), ("transfer-encoding", "chunked")],
+            headers=[
+                ("content-type", "text/event-stream"),
+                ("cache-control", "no-cache"),
+                ("transfer-encoding", "chunked"),
+            ],
         )
         await _send(stream, conn, head)
         first = True
@@ -309,7 +351,18 @@ class FakeOpenAI:
             elif p.kind == "text":
                 await chunk({"content": p.text})
             elif p.kind == "tool_start":
-                await chunk({"tool_calls": [{"index": p.index, "id": p.id, "type": "function", "function": {"name": p.name, "arguments": ""}}]})
+                await chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": p.index,
+                                "id": p.id,
+                                "type": "function",
+                                "function": {"name": p.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             elif p.kind == "tool_args":
                 await chunk({"tool_calls": [{"index": p.index, "function": {"arguments": p.text}}]})
             elif p.kind == "cut":
@@ -331,7 +384,18 @@ class FakeOpenAI:
                 if include_usage:
                     usage = dict(p.usage or {"prompt_tokens": 0, "completion_tokens": 0})
                     usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-                    await _send_event(stream, conn, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model, "choices": [], "usage": usage})
+                    await _send_event(
+                        stream,
+                        conn,
+                        {
+                            "id": cid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": self.model,
+                            "choices": [],
+                            "usage": usage,
+                        },
+                    )
                 await _send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
                 await _send(stream, conn, h11.EndOfMessage())
                 req.response_complete = True

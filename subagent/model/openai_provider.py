@@ -51,7 +51,9 @@ class OpenAIProvider:
         base_url = base_url or env.get("OPENAI_BASE_URL") or None
         if not key:
             if base_url is None:
-                raise ModelError("provider 'openai' needs OPENAI_API_KEY (or a base_url for a local server)", kind="model_config")
+                raise ModelError(
+                    "provider 'openai' needs OPENAI_API_KEY (or a base_url for a local server)", kind="model_config"
+                )
             key = PLACEHOLDER_KEY
         self.model = model or env.get("OPENAI_MODEL") or DEFAULT_MODEL
         self.base_url = base_url
@@ -64,7 +66,9 @@ class OpenAIProvider:
             max_retries=MAX_RETRIES,
         )
 
-    async def stream_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler) -> None:
+    async def stream_turn(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler
+    ) -> None:
         kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True}
         if self._usage_option:
             kwargs["stream_options"] = {"include_usage": True}
@@ -81,7 +85,9 @@ class OpenAIProvider:
                 del kwargs["stream_options"]
                 stream = await self._client.chat.completions.create(**kwargs)
         except openai.APIStatusError as exc:
-            raise ModelError(f"the model server answered {exc.status_code}: {_message(exc)}", kind="model_http") from None
+            raise ModelError(
+                f"the model server answered {exc.status_code}: {_message(exc)}", kind="model_http"
+            ) from None
         except openai.APIError as exc:
             raise ModelError(f"the model request failed: {_message(exc)}", kind="model_connection") from None
         try:

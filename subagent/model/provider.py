@@ -80,7 +80,9 @@ class TurnAssembler:
             self.received_any = True
             self.text_parts.append(delta)
 
-    def tool_delta(self, index: int, *, id: str | None = None, name: str | None = None, arguments: str | None = None) -> None:
+    def tool_delta(
+        self, index: int, *, id: str | None = None, name: str | None = None, arguments: str | None = None
+    ) -> None:
         self.received_any = True
         call = self.calls.get(index)
         if call is None:
@@ -171,6 +173,8 @@ class Provider(Protocol):
 
     name: str
 
-    async def stream_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler) -> None: ...
+    async def stream_turn(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler
+    ) -> None: ...
 
     async def aclose(self) -> None: ...

@@ -104,7 +104,19 @@ class Turn:
         d = _check(
             d,
             where,
-            {"text", "tool_calls", "extract", "delay_s", "chunk_delay_s", "chunk_size", "error", "hang", "cut", "http_status", "usage"},
+            {
+                "text",
+                "tool_calls",
+                "extract",
+                "delay_s",
+                "chunk_delay_s",
+                "chunk_size",
+                "error",
+                "hang",
+                "cut",
+                "http_status",
+                "usage",
+            },
         )
         text = d.get("text", "")
         if not isinstance(text, str):
@@ -145,7 +157,9 @@ class Turn:
             tool_calls=parsed,
             extract=extract,
             delay_s=_nonneg(d.get("delay_s", 0), f"{where}.delay_s"),
-            chunk_delay_s=None if d.get("chunk_delay_s") is None else _nonneg(d["chunk_delay_s"], f"{where}.chunk_delay_s"),
+            chunk_delay_s=None
+            if d.get("chunk_delay_s") is None
+            else _nonneg(d["chunk_delay_s"], f"{where}.chunk_delay_s"),
             chunk_size=size,
             error=error,
             hang=bool(d.get("hang", False)),
@@ -297,7 +311,9 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
     if turn.delay_s:
         pieces.append(Piece("delay", seconds=turn.delay_s))
     if turn.http_status is not None:
-        pieces.append(Piece("http_error", index=turn.http_status, text=turn.error or f"scripted HTTP {turn.http_status}"))
+        pieces.append(
+            Piece("http_error", index=turn.http_status, text=turn.error or f"scripted HTTP {turn.http_status}")
+        )
         return pieces
 
     def chunk(p: Piece) -> None:

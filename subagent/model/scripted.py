@@ -25,7 +25,9 @@ class ScriptedProvider:
     def __init__(self, script: Script | None = None) -> None:
         self.script = script if script is not None else Script.from_dict(DEFAULT_SCRIPT)
 
-    async def stream_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler) -> None:
+    async def stream_turn(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler
+    ) -> None:
         turn_index, last_output = history_position(messages)
         for piece in plan(self.script, turn_index, last_output):
             if piece.kind == "delay":

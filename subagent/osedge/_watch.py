@@ -24,7 +24,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final, final
 
-__all__ = ["Watch", "WatchSet", "IN_MODIFY", "IN_DELETE_SELF", "IN_MOVE_SELF", "IN_DELETE", "IN_ATTRIB", "IN_CLOSE_WRITE"]
+__all__ = [
+    "Watch",
+    "WatchSet",
+    "IN_MODIFY",
+    "IN_DELETE_SELF",
+    "IN_MOVE_SELF",
+    "IN_DELETE",
+    "IN_ATTRIB",
+    "IN_CLOSE_WRITE",
+]
 
 IN_MODIFY: Final = 0x00000002
 IN_ATTRIB: Final = 0x00000004

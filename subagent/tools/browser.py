@@ -168,15 +168,21 @@ def _check_options(options: Mapping[str, Any] | bool | None) -> dict[str, Any]:
             value = _str_list(value, key)
             bad = sorted(set(value) - _CAPS)
             if bad:
-                raise BrowserSetupError(f"browser option {key!r}", f"expected some of {sorted(_CAPS)!r}, got {bad[0]!r}")
+                raise BrowserSetupError(
+                    f"browser option {key!r}", f"expected some of {sorted(_CAPS)!r}, got {bad[0]!r}"
+                )
         elif key == "viewport":
             if not isinstance(value, str) or not _VIEWPORT_RE.match(value):
-                raise BrowserSetupError(f"browser option {key!r}", f"expected 'WIDTHxHEIGHT' like '1280x720', got {value!r}")
+                raise BrowserSetupError(
+                    f"browser option {key!r}", f"expected 'WIDTHxHEIGHT' like '1280x720', got {value!r}"
+                )
         elif key in ("timeout_action_ms", "timeout_navigation_ms"):
             value = _pos_int(value, key)
         elif key == "image_responses":
             if value not in _IMAGE_RESPONSES:
-                raise BrowserSetupError(f"browser option {key!r}", f"expected one of {list(_IMAGE_RESPONSES)!r}, got {value!r}")
+                raise BrowserSetupError(
+                    f"browser option {key!r}", f"expected one of {list(_IMAGE_RESPONSES)!r}, got {value!r}"
+                )
         out[key] = value
     return out
 

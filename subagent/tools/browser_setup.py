@@ -88,7 +88,10 @@ def find_chromium(config_path: str | os.PathLike[str] | None = None) -> pathlib.
     Raises:
         BrowserSetupError: no Chromium found, or the explicit one is not executable.
     """
-    for source, value in (("browser option executable_path", config_path), ("AGENTD_CHROMIUM", os.environ.get("AGENTD_CHROMIUM"))):
+    for source, value in (
+        ("browser option executable_path", config_path),
+        ("AGENTD_CHROMIUM", os.environ.get("AGENTD_CHROMIUM")),
+    ):
         if value is None or str(value) == "":
             continue
         path = pathlib.Path(value).expanduser()

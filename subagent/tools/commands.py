@@ -31,7 +31,14 @@ import trio
 from subagent.osedge import LINUX, Kernel, ProcessTable, Targets, TrioRuntime, escalate
 from subagent.sandbox import tool_env
 
-__all__ = ["CommandOutcome", "run_command", "end_group_and_escapers", "RUN_COMMAND_TOOL", "SUBTREE_VAR", "format_outcome"]
+__all__ = [
+    "CommandOutcome",
+    "run_command",
+    "end_group_and_escapers",
+    "RUN_COMMAND_TOOL",
+    "SUBTREE_VAR",
+    "format_outcome",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +77,10 @@ RUN_COMMAND_TOOL: Final[dict[str, Any]] = {
             "type": "object",
             "properties": {
                 "command": {"type": "string", "description": "The shell command line."},
-                "timeout_s": {"type": "number", "description": "Optional timeout in seconds (capped by the run's limit)."},
+                "timeout_s": {
+                    "type": "number",
+                    "description": "Optional timeout in seconds (capped by the run's limit).",
+                },
             },
             "required": ["command"],
             "additionalProperties": False,

@@ -87,7 +87,12 @@ def _open_errlog(name: str, run_dir: Path | None) -> tuple[IO[bytes], Path]:
 
 
 async def prespawn(
-    name: str, spec: McpServerSpec, stack: AsyncExitStack, *, run_dir: Path | None, on_group: Callable[[int, bool], None]
+    name: str,
+    spec: McpServerSpec,
+    stack: AsyncExitStack,
+    *,
+    run_dir: Path | None,
+    on_group: Callable[[int, bool], None],
 ) -> Prespawned:
     """Start one server process; ``stack`` ends its group (and escapers) on close.
 

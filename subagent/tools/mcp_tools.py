@@ -217,7 +217,9 @@ async def start_server(
         if abort.cancelled_caught:
             raise McpSetupError(name, "startup aborted by a stop")
     except trio.TooSlowError:
-        raise McpSetupError(name, f"did not answer the handshake within {MCP_START_TIMEOUT_S:g} s{_tail(server)}") from None
+        raise McpSetupError(
+            name, f"did not answer the handshake within {MCP_START_TIMEOUT_S:g} s{_tail(server)}"
+        ) from None
     except McpSetupError:
         raise
     except Exception as exc:
@@ -225,7 +227,9 @@ async def start_server(
     finally:
         _handover.reset(token)
     if server.protocol_errors:
-        raise McpSetupError(name, f"wrote non-JSON on stdout during startup: {server.protocol_errors[0]}", protocol=True)
+        raise McpSetupError(
+            name, f"wrote non-JSON on stdout during startup: {server.protocol_errors[0]}", protocol=True
+        )
     server.session = session
     server.tools = list(listed.tools)
     return server
@@ -246,4 +250,3 @@ def _bad_line_text(exc: Exception) -> str:
         except (TypeError, ValueError, AttributeError):
             pass  # not pydantic's shape: fall back to the message
     return repr(str(exc)[:200])
-

@@ -201,7 +201,12 @@ class ToolBox:
         assert self.background is not None
         command = args.get("command")
         if not isinstance(command, str) or not command.strip():
-            return ToolOutcome(ToolCallState.FAILED, None, error="invalid_arguments: 'command' must be a non-empty string", reason="invalid_arguments")
+            return ToolOutcome(
+                ToolCallState.FAILED,
+                None,
+                error="invalid_arguments: 'command' must be a non-empty string",
+                reason="invalid_arguments",
+            )
         text = await self.background.start(command)
         if text.startswith("error:"):
             return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
@@ -210,7 +215,12 @@ class ToolBox:
     async def _run_command(self, args: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl) -> ToolOutcome:
         command = args.get("command")
         if not isinstance(command, str) or not command.strip():
-            return ToolOutcome(ToolCallState.FAILED, None, error="invalid_arguments: 'command' must be a non-empty string", reason="invalid_arguments")
+            return ToolOutcome(
+                ToolCallState.FAILED,
+                None,
+                error="invalid_arguments: 'command' must be a non-empty string",
+                reason="invalid_arguments",
+            )
         timeout = self.limits.command_timeout_s
         asked = args.get("timeout_s")
         if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
@@ -229,7 +239,10 @@ class ToolBox:
         )
         if outcome.not_started:
             return ToolOutcome(
-                ToolCallState.NOT_STARTED, None, reason=REASON_STOPPED_BEFORE_START, stop_effect=StopEffect.STOPPED_BEFORE_START
+                ToolCallState.NOT_STARTED,
+                None,
+                reason=REASON_STOPPED_BEFORE_START,
+                stop_effect=StopEffect.STOPPED_BEFORE_START,
             )
         # A command killed by the stop's signal was interrupted, whatever its policy: a stop
         # that comes as it spawns reaches it before it leaves the runner's process group.
@@ -244,19 +257,37 @@ class ToolBox:
             reason = f"interrupted: interrupted by the stop (SIGTERM to its process group){how}"
             if policy is not StopPolicy.INTERRUPT:
                 reason = f"interrupted: killed by {outcome.ended_by} as the stop came (it was spawning; its policy would have let it finish)"
-            return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason=reason, stop_effect=StopEffect.INTERRUPTED)
+            return ToolOutcome(
+                ToolCallState.CANCELLED, text, outcome.truncated, reason=reason, stop_effect=StopEffect.INTERRUPTED
+            )
         if outcome.interrupted:
-            return ToolOutcome(ToolCallState.CANCELLED, text, outcome.truncated, reason="interrupted: an explicit interrupt ended the command")
+            return ToolOutcome(
+                ToolCallState.CANCELLED,
+                text,
+                outcome.truncated,
+                reason="interrupted: an explicit interrupt ended the command",
+            )
         if outcome.timed_out:
-            return ToolOutcome(ToolCallState.FAILED, text, outcome.truncated, error=f"timed out after {timeout:g} s", reason="timeout")
+            return ToolOutcome(
+                ToolCallState.FAILED, text, outcome.truncated, error=f"timed out after {timeout:g} s", reason="timeout"
+            )
         return ToolOutcome(ToolCallState.SUCCEEDED, text, outcome.truncated)
 
     async def _call_mcp(
-        self, server_name: str, tool: str, args: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl, policy: StopPolicy
+        self,
+        server_name: str,
+        tool: str,
+        args: dict[str, Any],
+        interrupt: trio.CancelScope,
+        stop: StopControl,
+        policy: StopPolicy,
     ) -> ToolOutcome:
         if stop.requested:  # no call starts after the stop
             return ToolOutcome(
-                ToolCallState.NOT_STARTED, None, reason=REASON_STOPPED_BEFORE_START, stop_effect=StopEffect.STOPPED_BEFORE_START
+                ToolCallState.NOT_STARTED,
+                None,
+                reason=REASON_STOPPED_BEFORE_START,
+                stop_effect=StopEffect.STOPPED_BEFORE_START,
             )
         server = self.servers[server_name]
         call = trio.CancelScope()
@@ -310,7 +341,9 @@ class ToolBox:
             if exc.code == CONNECTION_CLOSED:
                 # The call was sent; whether the server acted before it went away is unknown.
                 return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"mcp error: {exc.error.message}", reason=_LOST)
-            return ToolOutcome(ToolCallState.FAILED, None, error=f"mcp error {exc.code}: {exc.error.message}", reason="mcp_error")
+            return ToolOutcome(
+                ToolCallState.FAILED, None, error=f"mcp error {exc.code}: {exc.error.message}", reason="mcp_error"
+            )
         except RuntimeError as exc:
             # The SDK checked the answer and rejected it (output schema, unexpected result
             # kind): the tool ran, but what it returned is unusable.
@@ -322,15 +355,26 @@ class ToolBox:
         # queued before the answer that followed it: one checkpoint lets it be recorded.
         await trio.lowlevel.checkpoint()
         if interrupt.cancelled_caught:
-            return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: an explicit interrupt abandoned the call; the server may have acted")
+            return ToolOutcome(
+                ToolCallState.CANCELLED,
+                None,
+                reason="interrupted: an explicit interrupt abandoned the call; the server may have acted",
+            )
         if call.cancelled_caught:
             return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: the stop abandoned the call")
         if timer.cancelled_caught or result is None:
-            return ToolOutcome(ToolCallState.UNKNOWN, None, error=f"no answer within {timeout:g} s", reason="timeout: stopped waiting; the server may still act")
+            return ToolOutcome(
+                ToolCallState.UNKNOWN,
+                None,
+                error=f"no answer within {timeout:g} s",
+                reason="timeout: stopped waiting; the server may still act",
+            )
         is_error, text = result
         bounded, truncated = bound_text(text, self.limits.max_output_bytes)
         if is_error:
-            return ToolOutcome(ToolCallState.FAILED, bounded, truncated, error="the tool reported an error", reason="tool_error")
+            return ToolOutcome(
+                ToolCallState.FAILED, bounded, truncated, error="the tool reported an error", reason="tool_error"
+            )
         return ToolOutcome(ToolCallState.SUCCEEDED, bounded, truncated)
 
 

@@ -179,7 +179,12 @@ class Gate(trio.abc.Listener[trio.abc.Stream]):
             logger.warning(
                 "control: refused a connection from %s: %d open from it, %d in all "
                 "(limits %d per peer, %d in all); %d refused so far",
-                peer, self.open[peer], self.count, self.per_peer, self.total, self.refused,
+                peer,
+                self.open[peer],
+                self.count,
+                self.per_peer,
+                self.total,
+                self.refused,
             )
 
     async def aclose(self) -> None:

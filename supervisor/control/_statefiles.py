@@ -129,11 +129,7 @@ def read_endpoint(path: Path | str) -> dict[str, Any]:
         ValueError: the file is not an endpoint record.
     """
     info = json.loads(Path(path).read_text(encoding="utf-8"))
-    if (
-        not isinstance(info, dict)
-        or not isinstance(info.get("url"), str)
-        or not isinstance(info.get("port"), int)
-    ):
+    if not isinstance(info, dict) or not isinstance(info.get("url"), str) or not isinstance(info.get("port"), int):
         raise ValueError(f"expected an endpoint record in {str(path)!r}, got {info!r}")
     return info
 

@@ -176,9 +176,7 @@ class WebSocket:
             pass
 
 
-def _handshake(
-    sock: socket.socket, url: str, authority: str, target: str, headers: dict[str, str]
-) -> Connection:
+def _handshake(sock: socket.socket, url: str, authority: str, target: str, headers: dict[str, str]) -> Connection:
     """The HTTP/1.1 upgrade (RFC 6455 §4.1) on ``sock``; the websocket after the 101."""
     http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HANDSHAKE_BYTES)
     nonce = generate_nonce()

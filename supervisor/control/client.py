@@ -135,7 +135,9 @@ class Client:
         try:
             return WebSocket.connect(url, {"Authorization": f"Bearer {token}"}, CONNECT_TIMEOUT_S)
         except (ConnectionRefusedError, ConnectionResetError) as exc:
-            raise DaemonNotRunning(str(self.state_dir), f"nothing answers at {url} ({exc.strerror}); {START_HINT}") from exc
+            raise DaemonNotRunning(
+                str(self.state_dir), f"nothing answers at {url} ({exc.strerror}); {START_HINT}"
+            ) from exc
         except TimeoutError as exc:
             raise DaemonNotRunning(str(self.state_dir), f"no answer from {url} within {CONNECT_TIMEOUT_S} s") from exc
         except OSError as exc:
@@ -202,7 +204,12 @@ class Client:
         session, ``interrupt`` stops the session's live turn first (else a session with a
         live turn refuses the new one: ``ControlProtocolError`` coded ``session_busy``)."""
         return self.request(
-            "spawn", spec=spec, session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt or None
+            "spawn",
+            spec=spec,
+            session_id=session_id,
+            timeout_s=timeout_s,
+            model_key=model_key,
+            interrupt=interrupt or None,
         )
 
     def spawn_many(
@@ -289,7 +296,10 @@ class Client:
             if isinstance(reply, AgentdError) and getattr(reply, "code", None) == protocol.ErrorCode.BAD_ARGS:
                 return self._cancel_each(run_ids, reason)  # a daemon from before run_ids
             if isinstance(reply, AgentdError):
-                runs.extend({"run_id": r, "error": {"code": str(getattr(reply, "code", "refused")), "message": str(reply)}} for r in chunk)
+                runs.extend(
+                    {"run_id": r, "error": {"code": str(getattr(reply, "code", "refused")), "message": str(reply)}}
+                    for r in chunk
+                )
             else:
                 runs.extend(reply["runs"])
         return {"was_active": any(r.get("was_active") for r in runs), "runs": runs}
@@ -308,7 +318,9 @@ class Client:
             while len(out) < len(ids):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ConnectionLost(f"no reply to {len(ids) - len(out)} of {len(ids)} cancels within {self.timeout_s} s")
+                    raise ConnectionLost(
+                        f"no reply to {len(ids) - len(out)} of {len(ids)} cancels within {self.timeout_s} s"
+                    )
                 msg = protocol.decode_server_message(ws.recv_text(remaining))
                 reply_id = msg.get("id")
                 if reply_id not in ids or "ok" not in msg:
@@ -383,7 +395,6 @@ class Client:
         return Follow(self, run_id, after_seq, reconnect, reconnect_timeout_s)
 
 
-
 def _object_result(op: str, result: Any) -> dict[str, Any]:
     """A reply's result: a JSON object for every op (docs/control-protocol.md)."""
     if not isinstance(result, dict):
@@ -396,7 +407,9 @@ def _object_result(op: str, result: Any) -> dict[str, Any]:
 def _list_in(result: dict[str, Any], key: str) -> list[dict[str, Any]]:
     items = result.get(key)
     if not isinstance(items, list):
-        raise ControlProtocolError(protocol.ErrorCode.BAD_REPLY, f"expected a list in the reply's {key!r}, got {type(items).__name__}")
+        raise ControlProtocolError(
+            protocol.ErrorCode.BAD_REPLY, f"expected a list in the reply's {key!r}, got {type(items).__name__}"
+        )
     return items
 
 
@@ -407,7 +420,9 @@ class Follow:
     many times a dropped connection was resumed.
     """
 
-    def __init__(self, client: Client, run_id: str, after_seq: int, reconnect: bool, reconnect_timeout_s: float) -> None:
+    def __init__(
+        self, client: Client, run_id: str, after_seq: int, reconnect: bool, reconnect_timeout_s: float
+    ) -> None:
         self.client = client
         self.run_id = run_id
         self.last_seq = after_seq

@@ -344,9 +344,7 @@ class _Connection:
                     scope = self.subs.pop(req.sub, None)
                     if scope is not None:
                         scope.cancel(reason="unsubscribed")
-                    await self._send(
-                        protocol.encode_reply(req.id, {"sub": req.sub, "was_active": scope is not None})
-                    )
+                    await self._send(protocol.encode_reply(req.id, {"sub": req.sub, "was_active": scope is not None}))
                 else:
                     await self.in_flight.acquire()
                     self.busy += 1
@@ -440,7 +438,9 @@ class _Connection:
             runs = await b.list_runs(limit=req.limit, state=req.state, session_id=req.session_id)
             return {"runs": runs}
         if isinstance(req, protocol.EventsRequest):
-            events, more = await _page(self.backend, req.run_id, req.after_seq, req.limit, self.limits.events_reply_bytes)
+            events, more = await _page(
+                self.backend, req.run_id, req.after_seq, req.limit, self.limits.events_reply_bytes
+            )
             return {"run_id": req.run_id, "events": events, "more": more}
         if isinstance(req, protocol.PingRequest):
             return {"pong": True, **self.server.daemon_info()}
@@ -464,7 +464,9 @@ class _Connection:
     async def _daemon_status(self) -> dict[str, Any]:
         live: list[dict[str, Any]] = []
         for state in (s for s in RunState if s in LIVE_STATES):
-            live.extend(await self.backend.list_runs(limit=protocol.DEFAULT_LIST_LIMIT, state=str(state), session_id=None))
+            live.extend(
+                await self.backend.list_runs(limit=protocol.DEFAULT_LIST_LIMIT, state=str(state), session_id=None)
+            )
         out: dict[str, Any] = {"daemon": self.server.daemon_info(), "live_runs": live}
         summary = getattr(self.backend, "summary", None)
         if summary is not None:
@@ -477,7 +479,9 @@ class _Connection:
         limit = self.limits.subscriptions
         if len(self.subs) >= limit:
             await self._send(
-                protocol.encode_error(req.id, ErrorCode.REFUSED, f"expected at most {limit} subscriptions per connection")
+                protocol.encode_error(
+                    req.id, ErrorCode.REFUSED, f"expected at most {limit} subscriptions per connection"
+                )
             )
             return
         self.next_sub += 1
@@ -537,18 +541,14 @@ class _Connection:
                 if not acked:
                     await self._send(protocol.encode_error(req.id, code, message))
                 else:
-                    await self._send(
-                        _end_with_error(sub, run_id, code, message)
-                    )
+                    await self._send(_end_with_error(sub, run_id, code, message))
             except _Gone:
                 pass
         finally:
             if self.subs.get(sub) is scope:
                 del self.subs[sub]
 
-    async def _follow(
-        self, sub: str, run_id: str, last: int, live: trio.MemoryReceiveChannel[dict[str, Any]]
-    ) -> int:
+    async def _follow(self, sub: str, run_id: str, last: int, live: trio.MemoryReceiveChannel[dict[str, Any]]) -> int:
         # The forwarder's own failures (_Gone, RunNotFound) leave the nursery unwrapped:
         # trio would raise them as an ExceptionGroup, which the callers do not expect.
         failure: Exception | None = None
@@ -627,9 +627,7 @@ class _Buffer:
         self.bytes -= len(text)
 
 
-async def _drain(
-    live: trio.MemoryReceiveChannel[dict[str, Any]], buffer: _Buffer, sub: str, run_id: str
-) -> None:
+async def _drain(live: trio.MemoryReceiveChannel[dict[str, Any]], buffer: _Buffer, sub: str, run_id: str) -> None:
     # Never blocks on the client: the backend's channel is always read promptly. What the
     # buffer cannot hold is dropped here and re-read from the journal by the forwarder.
     dropped = 0
@@ -643,7 +641,9 @@ async def _drain(
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the forwarder is gone; so is this subscription
     if dropped:
-        logger.info("control: run %s: %d live events dropped for a slow client (re-read from the journal)", run_id, dropped)
+        logger.info(
+            "control: run %s: %d live events dropped for a slow client (re-read from the journal)", run_id, dropped
+        )
 
 
 def _event_text(sub: str, run_id: str, event: dict[str, Any]) -> str:
@@ -737,6 +737,8 @@ async def serve_control(
         await nursery.start(ws_server.run)
         logger.info(
             "control: listening on %s (at most %d connections per peer, %d in all)",
-            endpoint_url(config.host, server.port), gate.per_peer, gate.total,
+            endpoint_url(config.host, server.port),
+            gate.per_peer,
+            gate.total,
         )
         task_status.started(server.port)

@@ -75,7 +75,9 @@ class RunBook:
                 try:
                     send.send_nowait(msg)
                 except trio.WouldBlock:
-                    logger.warning("run %s: dropping a subscriber that fell %d events behind", run.run_id, SUBSCRIBER_BUFFER)
+                    logger.warning(
+                        "run %s: dropping a subscriber that fell %d events behind", run.run_id, SUBSCRIBER_BUFFER
+                    )
                     run.subscribers.discard(send)
                     send.close()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -161,13 +163,22 @@ class RunBook:
 
         def write(any_live: bool) -> JournalOp:
             return lambda j: j.finish(
-                run.run_id, state, reason=reason, result=result, partial=partial, error=error,
-                receipt=receipt, ended_at=ended_at, groups_ended_at=groups_ended_at,
+                run.run_id,
+                state,
+                reason=reason,
+                result=result,
+                partial=partial,
+                error=error,
+                receipt=receipt,
+                ended_at=ended_at,
+                groups_ended_at=groups_ended_at,
                 from_any_live_state=any_live,
             )
 
         try:
-            ok = await self.backlog.write(run.run_id, write(False), predicted, what=f"terminal state {state}", replay=write(True))
+            ok = await self.backlog.write(
+                run.run_id, write(False), predicted, what=f"terminal state {state}", replay=write(True)
+            )
         except Exception:
             logger.exception("run %s: its terminal fact cannot be stored as it is; storing a minimal one", run.run_id)
             reason = "internal"

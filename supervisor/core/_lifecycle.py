@@ -182,7 +182,10 @@ class Lifecycle:
                     tree.set_interruptible(pgid, data.get("kind") == "command" and on_stop == "interrupt")
                     gkind, name = str(data.get("kind", "")), str(data.get("name", ""))
                     await book.write(
-                        run, "process group", lambda j: j.add_group(run.run_id, pgid, gkind, name, on_stop=on_stop), None
+                        run,
+                        "process group",
+                        lambda j: j.add_group(run.run_id, pgid, gkind, name, on_stop=on_stop),
+                        None,
                     )
                 else:
                     tree.set_interruptible(pgid, False)
@@ -228,7 +231,9 @@ class Lifecycle:
             await self.book.finish(
                 run,
                 state,
-                reason=(run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")),
+                reason=(
+                    run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")
+                ),
                 result=result,
                 partial=False,
                 error=result.get("error"),

@@ -47,7 +47,11 @@ def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config:
         logger.info("spec validation raised %r", exc)
         raise SpawnError(f"invalid run spec: {type(exc).__name__}: {exc}") from exc
     model = parsed.model
-    if model.provider == "openai" and not env.get("OPENAI_API_KEY") and not (model.base_url or env.get("OPENAI_BASE_URL")):
+    if (
+        model.provider == "openai"
+        and not env.get("OPENAI_API_KEY")
+        and not (model.base_url or env.get("OPENAI_BASE_URL"))
+    ):
         asked = f"model {model.name!r}" if model.name else "provider 'openai'"
         raise SpawnError(
             f"invalid run spec: model: {asked} needs an API key and the daemon has none: set OPENAI_API_KEY "
@@ -66,7 +70,9 @@ def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config:
         if why is not None:
             raise SpawnError(f"invalid run spec: sandbox: {why}")
         if grants.workdir is not None and not Path(grants.workdir).is_dir():
-            raise SpawnError(f"invalid run spec: sandbox.workdir: expected an existing directory, got {grants.workdir!r}")
+            raise SpawnError(
+                f"invalid run spec: sandbox.workdir: expected an existing directory, got {grants.workdir!r}"
+            )
     # A missing Chromium or node is a clear error now, not a failed run later.
     from subagent.presets import PresetError, check_presets
 

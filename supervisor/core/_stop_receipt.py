@@ -36,7 +36,9 @@ def _line(rec: Mapping[str, Any], after: float | None) -> str | None:
     name = str(rec.get("name") or "?")
     effect = rec.get("stop_effect")
     took = f" after {duration_text(float(after))}" if isinstance(after, (int, float)) else ""
-    finished = f" {duration_text(float(after))} after the stop" if isinstance(after, (int, float)) else " after the stop"
+    finished = (
+        f" {duration_text(float(after))} after the stop" if isinstance(after, (int, float)) else " after the stop"
+    )
     if effect == StopEffect.INTERRUPTED:
         return f"interrupted `{name}`{took}"
     if effect == StopEffect.ABANDONED:
@@ -53,7 +55,9 @@ def _line(rec: Mapping[str, Any], after: float | None) -> str | None:
     return None
 
 
-def describe_tool_stops(records: Iterable[Mapping[str, Any]], *, cancel_wall: float | None = None) -> list[dict[str, Any]]:
+def describe_tool_stops(
+    records: Iterable[Mapping[str, Any]], *, cancel_wall: float | None = None
+) -> list[dict[str, Any]]:
     """One entry per call a stop reached, then one for the calls that never started.
 
     ``cancel_wall``: when the daemon took the cancel (wall clock); times are counted from it.

@@ -134,14 +134,20 @@ class RunApprovals:
     def restore(self, records: Iterable[Mapping[str, Any]]) -> None:
         """A re-adopted run's pending calls, from its journaled records."""
         for rec in records:
-            if rec.get("approval") == Approval.PENDING and rec.get("state") == ToolCallState.NOT_STARTED and not rec.get("reason"):
-                self.add({
-                    "call_id": rec.get("id"),
-                    "name": rec.get("name"),
-                    "arguments": rec.get("arguments"),
-                    "step": rec.get("step"),
-                    "deadline": rec.get("approval_deadline"),
-                })
+            if (
+                rec.get("approval") == Approval.PENDING
+                and rec.get("state") == ToolCallState.NOT_STARTED
+                and not rec.get("reason")
+            ):
+                self.add(
+                    {
+                        "call_id": rec.get("id"),
+                        "name": rec.get("name"),
+                        "arguments": rec.get("arguments"),
+                        "step": rec.get("step"),
+                        "deadline": rec.get("approval_deadline"),
+                    }
+                )
 
     def view(self) -> list[dict[str, Any]]:
         return [p.view() for p in self.pending.values()]
@@ -191,10 +197,13 @@ class ApprovalDesk:
         p: Pending | None = run.approvals.pending.get(call_id)
         if p is None:
             raise ControlProtocolError(
-                ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state})"
+                ErrorCode.REFUSED,
+                f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state})",
             )
         if p.sent is not None:
-            raise ControlProtocolError(ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} was answered already ({p.sent})")
+            raise ControlProtocolError(
+                ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} was answered already ({p.sent})"
+            )
         if run.stopping:
             raise ControlProtocolError(
                 ErrorCode.REFUSED, f"run {run.run_id!r} is being stopped: call {call_id!r} will be rejected, not run"

@@ -135,7 +135,9 @@ class Recovery:
             receipt = {"note": "cancelled before its runner started; finished by the restarted daemon"}
             await backlog.write(
                 run_id,
-                lambda j: j.finish(run_id, RunState.CANCELLED, reason=reason, result=None, partial=False, receipt=receipt),
+                lambda j: j.finish(
+                    run_id, RunState.CANCELLED, reason=reason, result=None, partial=False, receipt=receipt
+                ),
                 True,
                 what="cancelled",
             )
@@ -169,7 +171,9 @@ class Recovery:
             run,
             "lost",
             lambda j: j.mark_lost(
-                run_id, reason="the runner was gone when the daemon restarted, without a result", partial_result=snapshot
+                run_id,
+                reason="the runner was gone when the daemon restarted, without a result",
+                partial_result=snapshot,
             ),
             True,
         )

@@ -90,7 +90,11 @@ class RunManager:
             )
         )
         self.lifecycle = Lifecycle(
-            config, self.book, containment, self.approvals, cancel=lambda run_id, reason: self.cancel(run_id, reason=reason)
+            config,
+            self.book,
+            containment,
+            self.approvals,
+            cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
         )
         self._recovery = Recovery(self.book, self.lifecycle, containment)
         self.session_desk = SessionDesk(
@@ -211,10 +215,17 @@ class RunManager:
                 await run.done.wait()
         left = [r.run_id for r in runs if not r.done.is_set()]
         if left:
-            raise ControlProtocolError(ErrorCode.REFUSED, f"{why}: the live turn {left[0]!r} has not ended yet (stop sent)")
+            raise ControlProtocolError(
+                ErrorCode.REFUSED, f"{why}: the live turn {left[0]!r} has not ended yet (stop sent)"
+            )
 
     async def _create(
-        self, run_id: str, session_id: str | None, spec: dict[str, Any], timeout_s: float | None, model_key: Secret | None
+        self,
+        run_id: str,
+        session_id: str | None,
+        spec: dict[str, Any],
+        timeout_s: float | None,
+        model_key: Secret | None,
     ) -> dict[str, Any]:
         if not self._accepting or self._nursery is None:
             raise SpawnError("the daemon is not accepting runs (shutting down)")
@@ -232,9 +243,7 @@ class RunManager:
             )
         except JournalUnavailable as exc:
             self.backlog.note_failure(exc, "a new run")
-            raise JournalUnavailable(
-                f"no new runs while the journal cannot be written ({exc})", path=exc.path
-            ) from exc
+            raise JournalUnavailable(f"no new runs while the journal cannot be written ({exc})", path=exc.path) from exc
         self.backlog.note_success()
         self._live[run_id] = run
         await self.book.record(run, "state", {"state": str(RunState.QUEUED)})
@@ -330,7 +339,9 @@ class RunManager:
         row = await self.journal.get_run(run_id)
         if row is None:
             raise RunNotFound(run_id)
-        raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r} has ended ({row['state']}): nothing awaits approval")
+        raise ControlProtocolError(
+            ErrorCode.REFUSED, f"run {run_id!r} has ended ({row['state']}): nothing awaits approval"
+        )
 
     async def history(self, session_id: str) -> dict[str, Any]:
         """A session's transcript, rebuilt from the journal (``supervisor.core.sessions``)."""
@@ -540,7 +551,9 @@ class RunManager:
         await self.book.transition(run, RunState.STARTING)
         if run.session_id is not None:
             try:
-                run.runner_spec, session_event = await self.session_desk.prepare_turn(run.run_id, run.session_id, run.spec)
+                run.runner_spec, session_event = await self.session_desk.prepare_turn(
+                    run.run_id, run.session_id, run.spec
+                )
             except (OSError, JournalError) as exc:
                 logger.warning("run %s: could not prepare its session's turn: %s", run.run_id, exc)
                 await self.book.finish(
@@ -598,7 +611,9 @@ class RunManager:
             }
             await self.book.write(run, "process record", lambda j: j.record_process(run.run_id, **fields), True)
 
-        await self.lifecycle.supervise(run, PipeSource(tree, run_dir, early_stderr=warm.early_stderr), announce=announce)
+        await self.lifecycle.supervise(
+            run, PipeSource(tree, run_dir, early_stderr=warm.early_stderr), announce=announce
+        )
 
 
 def _sandbox_of(run: Run | None, row: dict[str, Any]) -> dict[str, Any] | None:

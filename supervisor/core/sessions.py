@@ -157,7 +157,9 @@ class SessionDesk:
                 "it takes no new turn (start a new session)",
             )
 
-    async def prepare_turn(self, run_id: str, session_id: str, spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def prepare_turn(
+        self, run_id: str, session_id: str, spec: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The spec the turn's runner gets (its session's history; its profile, granted),
         and the ``session`` event that says so.
 
@@ -215,15 +217,17 @@ class SessionDesk:
         out_turns = []
         for t in turns:
             state = live.get(t["run_id"], t["state"])
-            out_turns.append({
-                "run_id": t["run_id"],
-                "state": state,
-                "reason": _turn_reason(t),
-                "task": t["spec"].get("task") if isinstance(t["spec"], dict) else None,
-                "created_at": t["created_at"],
-                "ended_at": t["ended_at"],
-                "messages": _messages({**t, "state": state}),
-            })
+            out_turns.append(
+                {
+                    "run_id": t["run_id"],
+                    "state": state,
+                    "reason": _turn_reason(t),
+                    "task": t["spec"].get("task") if isinstance(t["spec"], dict) else None,
+                    "created_at": t["created_at"],
+                    "ended_at": t["ended_at"],
+                    "messages": _messages({**t, "state": state}),
+                }
+            )
         return {
             "session_id": session_id,
             "closed_at": record["closed_at"] if record else None,
@@ -238,17 +242,21 @@ class SessionDesk:
         out = []
         for r in rows:
             run = live.get(r["session_id"])
-            out.append({
-                "session_id": r["session_id"],
-                "turns": r["turns"],
-                "first_at": r["first_at"],
-                "last_at": r["last_at"],
-                "last_run": r["last_run"],
-                "last_state": run[1] if run is not None and run[0] == r["last_run"] else r["last_state"],
-                "live_run": run[0] if run is not None else None,
-                "closed_at": r["closed_at"],
-                "profile": {"path": r["profile_dir"], "used_at": r["profile_used_at"]} if r["profile_dir"] else None,
-            })
+            out.append(
+                {
+                    "session_id": r["session_id"],
+                    "turns": r["turns"],
+                    "first_at": r["first_at"],
+                    "last_at": r["last_at"],
+                    "last_run": r["last_run"],
+                    "last_state": run[1] if run is not None and run[0] == r["last_run"] else r["last_state"],
+                    "live_run": run[0] if run is not None else None,
+                    "closed_at": r["closed_at"],
+                    "profile": {"path": r["profile_dir"], "used_at": r["profile_used_at"]}
+                    if r["profile_dir"]
+                    else None,
+                }
+            )
         return {"sessions": out}
 
     # ------------------------------------------------------------------ closing, sweeping
@@ -311,7 +319,9 @@ class SessionDesk:
         for p in kept:  # least recently used first
             if surplus <= 0:
                 break
-            if await remove(p["session_id"], f"more than {self.config.session_profiles_max} profiles; least recently used"):
+            if await remove(
+                p["session_id"], f"more than {self.config.session_profiles_max} profiles; least recently used"
+            ):
                 surplus -= 1
         return removed
 

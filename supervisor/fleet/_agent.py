@@ -145,7 +145,9 @@ class NodeAgent:
             with self._changed:
                 self._endpoint = endpoint
                 if endpoint is None and proc.poll() is not None:
-                    self._failure = f"agentd serve exited with code {proc.returncode} (see {self.state_dir / 'daemon.log'})"
+                    self._failure = (
+                        f"agentd serve exited with code {proc.returncode} (see {self.state_dir / 'daemon.log'})"
+                    )
                 self._changed.notify_all()
             if endpoint is not None:
                 backoff = iter(RESTART_BACKOFF_S)
@@ -306,7 +308,7 @@ def list_agents() -> list[tuple[str, Any]]:
         if entry.get("namespace") == NAMESPACE and str(entry.get("name", "")).startswith(AGENT_PREFIX):
             name = entry["name"]
             try:
-                out.append((name[len(AGENT_PREFIX):], ray.get_actor(name, namespace=NAMESPACE)))
+                out.append((name[len(AGENT_PREFIX) :], ray.get_actor(name, namespace=NAMESPACE)))
             except ValueError:
                 continue  # gone meanwhile
     return out

@@ -342,7 +342,10 @@ class FleetFront:
                 run,
                 "cancelled",
                 reason=run.token.reason,
-                receipt={"note": "cancelled while queued in the fleet: never started", "cancel_reason": run.token.reason},
+                receipt={
+                    "note": "cancelled while queued in the fleet: never started",
+                    "cancel_reason": run.token.reason,
+                },
             )
             return False
         node_id = await self._ray(_lease_node, run.pg)
@@ -393,8 +396,13 @@ class FleetFront:
                             break  # the node could not go on: subscribe again
             except RunNotFound:
                 await self._finish_here(
-                    run, "lost", reason="unknown_to_node",
-                    error={"code": "unknown_to_node", "message": f"node {run.node_id[:8]} has no run {run.node_run_id!r}"},
+                    run,
+                    "lost",
+                    reason="unknown_to_node",
+                    error={
+                        "code": "unknown_to_node",
+                        "message": f"node {run.node_id[:8]} has no run {run.node_run_id!r}",
+                    },
                 )
                 return
             except LinkDown as exc:
@@ -480,7 +488,12 @@ class FleetFront:
             data["receipt"] = receipt
         with trio.CancelScope(shield=True):
             ok = await self._db(
-                self.index.finish, run.id, state, reason=reason, ended_at=now, error=error,
+                self.index.finish,
+                run.id,
+                state,
+                reason=reason,
+                ended_at=now,
+                error=error,
                 event={"kind": "state", "data": data},
             )
             if ok:
@@ -537,7 +550,9 @@ class FleetFront:
             raise SpawnError(f"spec must be a json object, got {type(spec).__name__}")
         node_spec, bundle = split_demand(spec)
         if "session" in node_spec:
-            raise SpawnError("invalid run spec: session: a node sets it for a turn of a session; spawn with a session_id instead")
+            raise SpawnError(
+                "invalid run spec: session: a node sets it for a turn of a session; spawn with a session_id instead"
+            )
         _validate_spec(node_spec)
         if session_id is None and isinstance(node_spec.get("session_id"), str):
             session_id = node_spec["session_id"]
@@ -563,7 +578,9 @@ class FleetFront:
                 for run in live:
                     await run.done.wait()
             if any(not r.done.is_set() for r in live):
-                raise ControlProtocolError(ErrorCode.REFUSED, f"session {session_id!r}: its live turn has not ended yet (stop sent)")
+                raise ControlProtocolError(
+                    ErrorCode.REFUSED, f"session {session_id!r}: its live turn has not ended yet (stop sent)"
+                )
             node_id = await self._session_node(session_id)
             if node_id is not None:
                 bundle = {**bundle, f"node:{self._nodes[node_id]['ip']}": NODE_AFFINITY}
@@ -584,8 +601,13 @@ class FleetFront:
         run_id = "f-" + uuid.uuid4().hex[:16]
         run = _Run(run_id, session_id, node_spec, bundle, timeout_s, CancelToken(run_id))
         await self._db(
-            self.index.create, run_id, session_id=session_id, spec=node_spec, bundle=bundle,
-            created_at=time.time(), timeout_s=timeout_s,
+            self.index.create,
+            run_id,
+            session_id=session_id,
+            spec=node_spec,
+            bundle=bundle,
+            created_at=time.time(),
+            timeout_s=timeout_s,
         )
         self._live[run_id] = run
         self._nursery.start_soon(self._drive, run, name=f"fleet run {run_id}")
@@ -602,8 +624,13 @@ class FleetFront:
                 out["why"] = f"node {row['node_id']} is dead: the run was lost"
             return out
         if run.node_id is not None and run.node_id in self._dead:
-            return {"run_id": run_id, "was_active": False, "state": "lost", "node": run.node_id,
-                    "why": f"node {run.node_id} is dead: the run was lost"}
+            return {
+                "run_id": run_id,
+                "was_active": False,
+                "state": "lost",
+                "node": run.node_id,
+                "why": f"node {run.node_id} is dead: the run was lost",
+            }
         was_active = run.token.cancel(reason)
         if was_active and run.token.first_cancel:
             await self._db(self.index.request_cancel, run_id, reason)
@@ -618,8 +645,13 @@ class FleetFront:
             run.cancel_sent = True
         except LinkDown as exc:
             if await self._node_dead_now(run.node_id):
-                return {"run_id": run_id, "was_active": False, "state": "lost", "node": run.node_id,
-                        "why": f"node {run.node_id} is dead: the run was lost"}
+                return {
+                    "run_id": run_id,
+                    "was_active": False,
+                    "state": "lost",
+                    "node": run.node_id,
+                    "why": f"node {run.node_id} is dead: the run was lost",
+                }
             raise ControlProtocolError(
                 ErrorCode.REFUSED,
                 f"node {run.node_id[:8]} does not answer ({exc}); the stop is recorded and goes out when it does",
@@ -681,7 +713,9 @@ class FleetFront:
         rows = await self._session_rows(session_id)
         node_id = next((r["node_id"] for r in rows if r["node_id"]), None)
         if node_id is None or node_id in self._dead:
-            raise ControlProtocolError(ErrorCode.REFUSED, f"session {session_id!r}: its node is gone, and its history with it")
+            raise ControlProtocolError(
+                ErrorCode.REFUSED, f"session {session_id!r}: its node is gone, and its history with it"
+            )
         link = await self._link(node_id)
         result = await link.request("history", session_id=session_id)
         return _fleet_ids(result, rows, node_id)
@@ -697,9 +731,16 @@ class FleetFront:
             if s is None:
                 live = self._live.get(r["id"])
                 s = sessions[sid] = {
-                    "session_id": sid, "turns": 0, "first_at": r["created_at"], "last_at": r["created_at"],
-                    "last_run": r["id"], "last_state": live.state if live else r["state"], "live_run": None,
-                    "closed_at": None, "profile": None, "node": r["node_id"],
+                    "session_id": sid,
+                    "turns": 0,
+                    "first_at": r["created_at"],
+                    "last_at": r["created_at"],
+                    "last_run": r["id"],
+                    "last_state": live.state if live else r["state"],
+                    "live_run": None,
+                    "closed_at": None,
+                    "profile": None,
+                    "node": r["node_id"],
                 }
             s["turns"] += 1
             s["first_at"] = r["created_at"]
@@ -797,14 +838,16 @@ class FleetFront:
         nodes = []
         for node_id, node in sorted(self._nodes.items()):
             agent = self._agents.get(node_id) or {}
-            nodes.append({
-                "node_id": node_id,
-                "ip": node.get("ip"),
-                "resources": {k: v for k, v in node["resources"].items() if not k.startswith("node:")},
-                "agentd": agent.get("url"),
-                "state_dir": agent.get("state_dir"),
-                "live_runs": per_node.get(node_id, 0),
-            })
+            nodes.append(
+                {
+                    "node_id": node_id,
+                    "ip": node.get("ip"),
+                    "resources": {k: v for k, v in node["resources"].items() if not k.startswith("node:")},
+                    "agentd": agent.get("url"),
+                    "state_dir": agent.get("state_dir"),
+                    "live_runs": per_node.get(node_id, 0),
+                }
+            )
         return {
             "fleet": True,
             "live": len(self._live),

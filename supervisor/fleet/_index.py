@@ -114,7 +114,8 @@ class Index:
     def request_cancel(self, run_id: str, reason: str) -> None:
         """Durable intent: a restarted front still cancels what was asked."""
         self._db.execute(
-            "UPDATE runs SET cancel_reason = ? WHERE id = ? AND cancel_reason IS NULL AND terminal = 0", (reason, run_id)
+            "UPDATE runs SET cancel_reason = ? WHERE id = ? AND cancel_reason IS NULL AND terminal = 0",
+            (reason, run_id),
         )
 
     def add_events(self, run_id: str, events: list[dict[str, Any]]) -> None:
@@ -206,7 +207,5 @@ class Index:
 
     def terminal_event_count(self, run_id: str) -> int:
         """How many terminal ``state`` events the index holds for a run (a test's check)."""
-        rows = self._db.execute(
-            "SELECT data FROM events WHERE run_id = ? AND kind = 'state'", (run_id,)
-        ).fetchall()
+        rows = self._db.execute("SELECT data FROM events WHERE run_id = ? AND kind = 'state'", (run_id,)).fetchall()
         return sum(1 for r in rows if json.loads(r["data"]).get("state") in _TERMINAL)

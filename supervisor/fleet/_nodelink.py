@@ -123,7 +123,9 @@ class NodeLink:
                 try:
                     send.send_nowait(msg)
                 except trio.WouldBlock:
-                    logger.warning("node %s: a fleet subscriber fell behind; it resumes from the journal", self.node_id[:8])
+                    logger.warning(
+                        "node %s: a fleet subscriber fell behind; it resumes from the journal", self.node_id[:8]
+                    )
                     send.close()
                     self._subs.pop(str(msg.get("sub")), None)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):

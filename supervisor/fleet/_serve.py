@@ -71,7 +71,9 @@ async def serve_front(
                 await nursery.start(front.run)
                 token = _statefiles.write_token(config.token_path)
                 port = await nursery.start(functools.partial(control.serve_control, config, front, token=token))
-                endpoint = _statefiles.write_endpoint(config.endpoint_path, host=config.host, port=port, pid=os.getpid())
+                endpoint = _statefiles.write_endpoint(
+                    config.endpoint_path, host=config.host, port=port, pid=os.getpid()
+                )
                 logger.info("agentd fleet front listening on %s (state dir %s)", endpoint["url"], config.state_dir)
                 task_status.started({"port": port, "url": endpoint["url"], "token": token, "front": front})
                 if stop is not None:
@@ -79,7 +81,9 @@ async def serve_front(
                 else:
                     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                         async for signum in signals:
-                            logger.info("fleet front: received %s; runs go on on their nodes", signal.Signals(signum).name)
+                            logger.info(
+                                "fleet front: received %s; runs go on on their nodes", signal.Signals(signum).name
+                            )
                             break
                 front.stop_accepting()
                 nursery.cancel_scope.cancel(reason="fleet front stopping")

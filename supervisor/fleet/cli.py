@@ -91,7 +91,9 @@ def up(ctx: click.Context, address: str | None, node_dir: str | None) -> None:
 
 @fleet.command()
 @_ADDRESS
-@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True, help="Per node, for its daemon to stop.")
+@click.option(
+    "--timeout", "timeout_s", type=float, default=60.0, show_default=True, help="Per node, for its daemon to stop."
+)
 @click.pass_context
 def down(ctx: click.Context, address: str | None, timeout_s: float) -> None:
     """Stop every node's daemon as `systemctl stop` does (every run cancelled), then its agent."""
@@ -112,16 +114,22 @@ def down(ctx: click.Context, address: str | None, timeout_s: float) -> None:
 @_NODE_DIR
 @click.option("--host", help="Address the front binds (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default 0: any free port, published in the front's state dir).")
-@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
 @click.pass_context
-def serve(ctx: click.Context, address: str | None, node_dir: str | None, host: str | None, port: int | None, log_level: str) -> None:
+def serve(
+    ctx: click.Context, address: str | None, node_dir: str | None, host: str | None, port: int | None, log_level: str
+) -> None:
     """Serve the fleet front in the foreground (its state dir: <state dir>/fleet)."""
     import logging
 
     from supervisor.config import Config
 
     config = Config.load(state_dir=fleet_state_dir(_root_state_dir(ctx)), host=host, port=port)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     import trio
 
     from supervisor.fleet._serve import serve_front

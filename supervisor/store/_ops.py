@@ -264,9 +264,7 @@ class Store(SessionStoreMixin):
         if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
             raise RunNotFound(run_id)
 
-    def _append(
-        self, conn: sqlite3.Connection, run_id: str, items: Sequence[tuple[str, str, float]]
-    ) -> list[int]:
+    def _append(self, conn: sqlite3.Connection, run_id: str, items: Sequence[tuple[str, str, float]]) -> list[int]:
         if not items:
             self._require_run(conn, run_id)
             return []
@@ -402,8 +400,7 @@ class Store(SessionStoreMixin):
             cur = conn.execute(
                 "UPDATE runs SET partial_snapshot = ? WHERE id = ? AND id IS ? "
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
-                (snapshot, run_id, snapshot_id if isinstance(snapshot_id, str) else None,
-                 *_TERMINAL_VALUES),
+                (snapshot, run_id, snapshot_id if isinstance(snapshot_id, str) else None, *_TERMINAL_VALUES),
             )
             if cur.rowcount == 0:
                 self._require_run(conn, run_id)
@@ -427,8 +424,7 @@ class Store(SessionStoreMixin):
         sets = ", ".join(f"{name} = coalesce(?, {name})" for name in names)
         with self._tx(durable=True) as conn:
             cur = conn.execute(
-                f"UPDATE runs SET {sets} WHERE id = ? "
-                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
+                f"UPDATE runs SET {sets} WHERE id = ? AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
                 (*(fields[n] for n in names), run_id, *_TERMINAL_VALUES),
             )
             if cur.rowcount == 0:
@@ -438,9 +434,7 @@ class Store(SessionStoreMixin):
 
     # -- process groups --------------------------------------------------------------
 
-    def add_group(
-        self, run_id: str, pgid: int, kind: str, name: str, at: float, on_stop: str | None = None
-    ) -> None:
+    def add_group(self, run_id: str, pgid: int, kind: str, name: str, at: float, on_stop: str | None = None) -> None:
         with self._tx(durable=True) as conn:
             self._require_run(conn, run_id)
             # A pgid can be reused by a new group after the old one ended.
@@ -455,8 +449,7 @@ class Store(SessionStoreMixin):
     def remove_group(self, run_id: str, pgid: int, at: float) -> bool:
         with self._tx(durable=False) as conn:
             cur = conn.execute(
-                "UPDATE process_groups SET alive = 0, ended_at = ? "
-                "WHERE run_id = ? AND pgid = ? AND alive = 1",
+                "UPDATE process_groups SET alive = 0, ended_at = ? WHERE run_id = ? AND pgid = ? AND alive = 1",
                 (at, run_id, pgid),
             )
             if cur.rowcount == 0:
@@ -506,8 +499,7 @@ class Store(SessionStoreMixin):
             # One row past the limit tells whether more follow; rows are read lazily, so
             # a page cut by its size reads one row past the cut, not the whole run.
             cur = conn.execute(
-                "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? "
-                "ORDER BY seq LIMIT ?",
+                "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                 (run_id, after_seq, limit + 1),
             )
             for seq, ts, kind, data in cur:
@@ -528,21 +520,23 @@ class Store(SessionStoreMixin):
     def events_after(self, run_id: str, after_seq: int, limit: int) -> list[EventRecord]:
         with self._read() as conn:
             rows = conn.execute(
-                "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? "
-                "ORDER BY seq LIMIT ?",
+                "SELECT seq, ts, kind, data FROM events WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                 (run_id, after_seq, limit),
             ).fetchall()
             if not rows:
                 self._require_run(conn, run_id)
-        return [
-            EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data))
-            for seq, ts, kind, data in rows
-        ]
+        return [EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data)) for seq, ts, kind, data in rows]
 
     # -- tool calls ------------------------------------------------------------------
 
     def upsert_tool_call(
-        self, run_id: str, call_id: str, step: int, state: str, rank: int, record: str,
+        self,
+        run_id: str,
+        call_id: str,
+        step: int,
+        state: str,
+        rank: int,
+        record: str,
         at: float,
     ) -> bool:
         with self._tx(durable=False) as conn:
@@ -587,8 +581,7 @@ class Store(SessionStoreMixin):
         # Rewritten here rather than with SQL json_set: records are Python's JSON (which
         # may hold NaN), not necessarily SQLite's.
         rows = conn.execute(
-            "SELECT call_id, rank, record FROM tool_calls "
-            "WHERE run_id = ? AND rank IN (?, ?)",
+            "SELECT call_id, rank, record FROM tool_calls WHERE run_id = ? AND rank IN (?, ?)",
             (run_id, _RANK_PENDING, _RANK_RUNNING),
         ).fetchall()
         for call_id, rank, text in rows:
@@ -614,21 +607,16 @@ class Store(SessionStoreMixin):
             self._require_run(conn, run_id)
             return self._tool_calls(conn, [run_id])[run_id]
 
-    def _tool_calls(
-        self, conn: sqlite3.Connection, run_ids: Sequence[str]
-    ) -> dict[str, list[dict[str, Any]]]:
+    def _tool_calls(self, conn: sqlite3.Connection, run_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {r: [] for r in run_ids}
         for run_id, record in conn.execute(
-            f"SELECT run_id, record FROM tool_calls WHERE run_id IN ({_marks(run_ids)}) "
-            "ORDER BY step, rowid",
+            f"SELECT run_id, record FROM tool_calls WHERE run_id IN ({_marks(run_ids)}) ORDER BY step, rowid",
             tuple(run_ids),
         ):
             out[run_id].append(json.loads(record))
         return out
 
-    def _groups(
-        self, conn: sqlite3.Connection, run_ids: Sequence[str]
-    ) -> dict[str, list[GroupRecord]]:
+    def _groups(self, conn: sqlite3.Connection, run_ids: Sequence[str]) -> dict[str, list[GroupRecord]]:
         out: dict[str, list[GroupRecord]] = {r: [] for r in run_ids}
         for run_id, pgid, kind, name, alive, added_at, ended_at, on_stop in conn.execute(
             "SELECT run_id, pgid, kind, name, alive, added_at, ended_at, on_stop FROM process_groups "
@@ -650,9 +638,7 @@ class Store(SessionStoreMixin):
 
     # -- reading runs ----------------------------------------------------------------
 
-    def _runs(
-        self, conn: sqlite3.Connection, where: str, params: Sequence[object]
-    ) -> list[RunRecord]:
+    def _runs(self, conn: sqlite3.Connection, where: str, params: Sequence[object]) -> list[RunRecord]:
         rows = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs {where}", tuple(params)).fetchall()
         ids = [row[0] for row in rows]
         groups: dict[str, list[GroupRecord]] = {}
@@ -669,9 +655,7 @@ class Store(SessionStoreMixin):
             runs = self._runs(conn, "WHERE id = ?", (run_id,))
         return runs[0] if runs else None
 
-    def list_runs(
-        self, limit: int, states: Sequence[RunState] | None, session_id: str | None
-    ) -> list[RunRecord]:
+    def list_runs(self, limit: int, states: Sequence[RunState] | None, session_id: str | None) -> list[RunRecord]:
         clauses: list[str] = []
         params: list[object] = []
         if states is not None:
@@ -682,9 +666,7 @@ class Store(SessionStoreMixin):
             params.append(session_id)
         where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
         with self._read() as conn:
-            return self._runs(
-                conn, f"{where} ORDER BY created_at DESC, rowid DESC LIMIT ?", (*params, limit)
-            )
+            return self._runs(conn, f"{where} ORDER BY created_at DESC, rowid DESC LIMIT ?", (*params, limit))
 
     def live_runs(self) -> list[RunRecord]:
         with self._read() as conn:
@@ -695,9 +677,7 @@ class Store(SessionStoreMixin):
             )
 
 
-def _run_record(
-    row: Sequence[Any], groups: list[GroupRecord], tool_calls: list[dict[str, Any]]
-) -> RunRecord:
+def _run_record(row: Sequence[Any], groups: list[GroupRecord], tool_calls: list[dict[str, Any]]) -> RunRecord:
     (
         run_id, session_id, state, reason, created_at, started_at, ended_at, timeout_s,
         spec, result, partial, partial_snapshot, error, receipt, pid, pid_start_time,

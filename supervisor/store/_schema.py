@@ -235,7 +235,7 @@ ALTER TABLE runs_v4 RENAME TO runs;
 CREATE INDEX runs_by_created ON runs (created_at);
 CREATE INDEX runs_by_session ON runs (session_id, created_at);
 CREATE INDEX runs_live ON runs (created_at) WHERE state NOT IN ({_TERMINAL});
-{_V3[_V3.index("CREATE TRIGGER runs_terminal_is_final"):]}
+{_V3[_V3.index("CREATE TRIGGER runs_terminal_is_final") :]}
 CREATE TRIGGER runs_live_not_deleted
 BEFORE DELETE ON runs
 WHEN OLD.state NOT IN ({_TERMINAL})
@@ -281,9 +281,7 @@ def connect(path: str, *, target: int = SCHEMA_VERSION) -> sqlite3.Connection:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
-            raise JournalError(
-                f"journal {path!r}: expected journal_mode wal, got {mode!r}", path=path
-            )
+            raise JournalError(f"journal {path!r}: expected journal_mode wal, got {mode!r}", path=path)
         # NORMAL between durable writes; the journal switches to FULL for the commits that
         # carry terminal facts (see supervisor.store.journal).
         conn.execute("PRAGMA synchronous = NORMAL")
@@ -314,9 +312,7 @@ def migrate(conn: sqlite3.Connection, *, path: str, target: int = SCHEMA_VERSION
             path=path,
         )
     if found == 0 and _has_foreign_tables(conn):
-        raise JournalError(
-            f"journal {path!r} is an sqlite database that agentd did not create", path=path
-        )
+        raise JournalError(f"journal {path!r} is an sqlite database that agentd did not create", path=path)
     for version in range(found + 1, target + 1):
         logger.info("journal %s: migrating schema to version %d", path, version)
         keys_off = version in _FOREIGN_KEYS_OFF

@@ -130,8 +130,15 @@ class SessionStoreMixin:
             ).fetchall()
         return [
             SessionSummary(
-                session_id=r[0], turns=r[1], first_at=r[2], last_at=r[3], last_run=r[4], last_state=r[5],
-                closed_at=r[6], profile_dir=r[7], profile_used_at=r[8],
+                session_id=r[0],
+                turns=r[1],
+                first_at=r[2],
+                last_at=r[3],
+                last_run=r[4],
+                last_state=r[5],
+                closed_at=r[6],
+                profile_dir=r[7],
+                profile_used_at=r[8],
             )
             for r in rows
         ]
@@ -176,7 +183,10 @@ def _turn(conn: sqlite3.Connection, row: tuple[Any, ...]) -> TurnRecord:
             (run_id, *HISTORY_EVENT_KINDS),
         )
     ]
-    calls = [json.loads(r[0]) for r in _rows(conn, "SELECT record FROM tool_calls WHERE run_id = ? ORDER BY step, rowid", (run_id,))]
+    calls = [
+        json.loads(r[0])
+        for r in _rows(conn, "SELECT record FROM tool_calls WHERE run_id = ? ORDER BY step, rowid", (run_id,))
+    ]
     return TurnRecord(
         run_id=run_id,
         state=row[1],
@@ -190,5 +200,3 @@ def _turn(conn: sqlite3.Connection, row: tuple[Any, ...]) -> TurnRecord:
         tool_calls=calls,
         events=events,
     )
-
-

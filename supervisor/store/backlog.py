@@ -150,7 +150,8 @@ class Backlog:
             if dropped == 1:
                 logger.warning(
                     "run %s: %d events wait for the journal; dropping newer ones until it can be written",
-                    run_id, count,
+                    run_id,
+                    count,
                 )
             return None
         self._event_count[run_id] = count + 1
@@ -179,7 +180,8 @@ class Backlog:
             logger.error(
                 "journal cannot be written (%s: %s): degraded; live runs go on, their facts wait "
                 "in memory and are written when it can be",
-                what, exc,
+                what,
+                exc,
             )
         elif run_id is not None and run_id not in self._queues:
             logger.warning("run %s: journal cannot be written (%s); its facts wait in memory", run_id, what)
@@ -187,7 +189,9 @@ class Backlog:
     def _healthy(self) -> None:
         logger.warning(
             "journal writable again after %.1f s: %d waiting writes written, %d events dropped",
-            time.time() - (self.since or time.time()), self.flushed, sum(self._dropped.values()),
+            time.time() - (self.since or time.time()),
+            self.flushed,
+            sum(self._dropped.values()),
         )
         self.since = None
         self.error = None
@@ -249,7 +253,9 @@ class Backlog:
         self._event_count.pop(run_id, None)
         dropped = self._dropped.pop(run_id, 0)
         if dropped:
-            logger.warning("run %s: %d of its events were dropped while the journal could not be written", run_id, dropped)
+            logger.warning(
+                "run %s: %d of its events were dropped while the journal could not be written", run_id, dropped
+            )
         if self._on_flushed is not None:
             self._on_flushed(run_id)
 
@@ -258,5 +264,7 @@ class Backlog:
         for run_id, queue in self._queues.items():
             logger.error(
                 "run %s: %d writes never reached the journal (%s): after a restart it may be lost",
-                run_id, len(queue), ", ".join(op.what for op in list(queue)[:8]),
+                run_id,
+                len(queue),
+                ", ".join(op.what for op in list(queue)[:8]),
             )

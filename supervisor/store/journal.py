@@ -66,17 +66,19 @@ GROUP_COMMIT_MAX: Final = 128
 
 # SQLite's primary result codes that describe the store, not the statement: the same
 # write may succeed once space, permissions or the device come back.
-_UNAVAILABLE_CODES: Final = frozenset({
-    3,  # SQLITE_PERM
-    5,  # SQLITE_BUSY
-    6,  # SQLITE_LOCKED
-    7,  # SQLITE_NOMEM
-    8,  # SQLITE_READONLY
-    10,  # SQLITE_IOERR
-    13,  # SQLITE_FULL
-    14,  # SQLITE_CANTOPEN
-    15,  # SQLITE_PROTOCOL
-})
+_UNAVAILABLE_CODES: Final = frozenset(
+    {
+        3,  # SQLITE_PERM
+        5,  # SQLITE_BUSY
+        6,  # SQLITE_LOCKED
+        7,  # SQLITE_NOMEM
+        8,  # SQLITE_READONLY
+        10,  # SQLITE_IOERR
+        13,  # SQLITE_FULL
+        14,  # SQLITE_CANTOPEN
+        15,  # SQLITE_PROTOCOL
+    }
+)
 
 
 def _journal_error(path: str, exc: sqlite3.Error) -> JournalError:
@@ -128,9 +130,7 @@ class _Worker:
     def __init__(self, path: str) -> None:
         self.path = path
         self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._serve, name=f"agentd-journal:{path}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name=f"agentd-journal:{path}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -241,8 +241,10 @@ class _Worker:
 
     def _fail(self, jobs: list[_Job[Any]], error: BaseException | None) -> None:
         """Jobs whose writes were not committed: each gets the error, none a value."""
-        err = error if error is not None else JournalUnavailable(
-            f"journal {self.path!r}: the transaction was rolled back", path=self.path
+        err = (
+            error
+            if error is not None
+            else JournalUnavailable(f"journal {self.path!r}: the transaction was rolled back", path=self.path)
         )
         for job in jobs:
             job.value = None
@@ -341,9 +343,7 @@ class Journal:
             JournalError: a run with this id exists.
         """
         spec_json = dumps(dict(spec))
-        await self._call(
-            lambda s: s.create_run(_text(run_id), _opt_text(session_id), spec_json, created_at, timeout_s)
-        )
+        await self._call(lambda s: s.create_run(_text(run_id), _opt_text(session_id), spec_json, created_at, timeout_s))
 
     async def transition(
         self, run_id: str, new: RunState, *, reason: str | None = None, at: float | None = None
@@ -402,8 +402,12 @@ class Journal:
         )
         return await self._call(
             lambda s: s.finish(
-                _text(run_id), state, _opt_text(reason), *args,
-                groups_ended_at=groups_ended_at, any_live=from_any_live_state,
+                _text(run_id),
+                state,
+                _opt_text(reason),
+                *args,
+                groups_ended_at=groups_ended_at,
+                any_live=from_any_live_state,
             )
         )
 
@@ -430,14 +434,19 @@ class Journal:
         ts = time.time() if ended_at is None else ended_at
         return await self._call(
             lambda s: s.finish(
-                _text(run_id), RunState.LOST, _text(reason), result, True, err, None, ts,
+                _text(run_id),
+                RunState.LOST,
+                _text(reason),
+                result,
+                True,
+                err,
+                None,
+                ts,
                 settle_reason=_text(reason),
             )
         )
 
-    async def record_cancel(
-        self, run_id: str, *, reason: str, at: float, stop_deadline: float
-    ) -> bool:
+    async def record_cancel(self, run_id: str, *, reason: str, at: float, stop_deadline: float) -> bool:
         """Record (durably) a stop the daemon is about to acknowledge: its reason, when it
         was asked (wall clock) and when its grace ends (wall clock).
 
@@ -531,9 +540,7 @@ class Journal:
             RunNotFound: no run has this id.
         """
         ts = time.time() if at is None else at
-        await self._call(
-            lambda s: s.add_group(_text(run_id), pgid, _text(kind), _text(name), ts, _opt_text(on_stop))
-        )
+        await self._call(lambda s: s.add_group(_text(run_id), pgid, _text(kind), _text(name), ts, _opt_text(on_stop)))
 
     async def remove_group(self, run_id: str, pgid: int, *, at: float | None = None) -> bool:
         """The group ended: it leaves the run's live groups (its record stays, not alive).
@@ -559,9 +566,7 @@ class Journal:
 
     # -- events ----------------------------------------------------------------------
 
-    async def append_event(
-        self, run_id: str, kind: str, data: Mapping[str, Any], ts: float | None = None
-    ) -> int:
+    async def append_event(self, run_id: str, kind: str, data: Mapping[str, Any], ts: float | None = None) -> int:
         """Append one event; returns its sequence number. Never changes the run's state.
 
         Raises:
@@ -579,15 +584,10 @@ class Journal:
             RunNotFound: no run has this id.
         """
         now = time.time()
-        items = [
-            (_text(str(kind)), dumps(dict(data)), now if ts is None else float(ts))
-            for kind, data, ts in events
-        ]
+        items = [(_text(str(kind)), dumps(dict(data)), now if ts is None else float(ts)) for kind, data, ts in events]
         return await self._call(lambda s: s.append_events(_text(run_id), items))
 
-    async def put_events(
-        self, run_id: str, events: Iterable[tuple[int, str, Mapping[str, Any], float]]
-    ) -> int:
+    async def put_events(self, run_id: str, events: Iterable[tuple[int, str, Mapping[str, Any], float]]) -> int:
         """Store ``(seq, kind, data, ts)`` events whose numbers were given out earlier.
 
         For events kept in memory while the journal could not be written: idempotent (an
@@ -615,9 +615,7 @@ class Journal:
             raise ValueError(f"expected a limit of at least 1, got {limit!r}")
         return await self._call(lambda s: s.events_page(_text(run_id), after_seq, limit, max_bytes))
 
-    async def events_after(
-        self, run_id: str, after_seq: int = 0, limit: int = 1000
-    ) -> list[EventRecord]:
+    async def events_after(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRecord]:
         """Events with ``seq > after_seq`` in order, at most ``limit`` of them.
 
         Raises:
@@ -668,9 +666,7 @@ class Journal:
         """
         ts = time.time()
         return await self._call(
-            lambda s: s.settle_tool_calls(
-                _text(run_id), _text(reason), ts, _opt_text(pending_reason), stop_effects
-            )
+            lambda s: s.settle_tool_calls(_text(run_id), _text(reason), ts, _opt_text(pending_reason), stop_effects)
         )
 
     async def tool_calls(self, run_id: str) -> list[dict[str, Any]]:

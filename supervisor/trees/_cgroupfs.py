@@ -68,9 +68,7 @@ def make_subtree(instance: str, *, kernel: Kernel = LINUX) -> tuple[Path, int] |
         logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
         return None
     if not delegated(own):
-        logger.warning(
-            "cgroup %s belongs to systemd and is not delegated (Delegate=yes missing?): no cgroups", own
-        )
+        logger.warning("cgroup %s belongs to systemd and is not delegated (Delegate=yes missing?): no cgroups", own)
         return None
     # We never enable controllers in our subtree, so the no-internal-process rule does
     # not apply: the daemon stays in its own cgroup next to agentd-<instance> (measured:

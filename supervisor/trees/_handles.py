@@ -34,6 +34,7 @@ MARKER_VAR: Final = "AGENTD_TREE"
 # host forks inherits it, which tells those from adopted orphans; trees never carry it.
 HOST_VAR: Final = "AGENTD_FORKED_BY"  # not a Config field name (AGENTD_<field> configures)
 
+
 @dataclass(eq=False)
 class _TreeBase:
     tree_id: str

@@ -51,6 +51,7 @@ def fire(cmd: list[str]) -> str:
 
 async def terminate(tree: AnyTree, grace_s: float, r: StopReceipt, *, kill_wait_s: float) -> None:
     """Path B on Windows: ``taskkill /T``, the grace, ``taskkill /F /T``, a bounded wait."""
+
     def at() -> float:
         return round(trio.current_time() - r.started_at, 4)
 

@@ -104,7 +104,6 @@ _POSIX: Final = os.name == "posix"
 _HAVE_PROC: Final = os.path.exists("/proc/self/stat")
 
 
-
 # ----------------------------------------------------------------------------- reads
 
 
@@ -238,7 +237,9 @@ async def _posix_terminate(tree: AnyTree, grace_s: float, r: StopReceipt, sigter
     # from before any signal, so the change cannot come before the watch; through the
     # run's one inotify descriptor (a descriptor of its own costs a slow close per stop).
     events = CgroupEvents.current() if targets.cgroup is not None else None
-    watch = events.watch(targets.cgroup / "cgroup.events") if events is not None and targets.cgroup is not None else None
+    watch = (
+        events.watch(targets.cgroup / "cgroup.events") if events is not None and targets.cgroup is not None else None
+    )
 
     async def cgroup_changed(timeout: float) -> None:
         assert watch is not None

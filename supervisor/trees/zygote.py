@@ -311,7 +311,9 @@ class Zygote:
                     elif isinstance(msg.get("request"), int) and msg["request"] in self._pending:
                         # It died before it replied: that spawn failed (it starts cold).
                         event, box = self._pending.pop(msg["request"])
-                        box.append({"id": msg["request"], "error": f"the runner exited ({msg.get('code')}) before it replied"})
+                        box.append(
+                            {"id": msg["request"], "error": f"the runner exited ({msg.get('code')}) before it replied"}
+                        )
                         event.set()
                     continue
                 if msg is None or not isinstance(msg.get("id"), int):

@@ -84,7 +84,11 @@ def main() -> None:
         )
     if b.get("group"):
         server = subprocess.Popen(
-            [sys.executable, "-c", "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"],
+            [
+                sys.executable,
+                "-c",
+                "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)",
+            ],
             start_new_session=True,
             stdout=subprocess.DEVNULL,
         )
@@ -121,7 +125,18 @@ def main() -> None:
         sys.exit(int(b.get("exit_code", 0)))
     status = "cancelled" if stop else "completed"
     sys.stdout.buffer.write(
-        encode_result({"status": status, "reason": "signal" if stop else None, "final_text": "done" if not stop else None, "progress": progress, "steps": int(b.get("snapshots", 1)), "tool_calls": [], "usage": {}, "error": None})
+        encode_result(
+            {
+                "status": status,
+                "reason": "signal" if stop else None,
+                "final_text": "done" if not stop else None,
+                "progress": progress,
+                "steps": int(b.get("snapshots", 1)),
+                "tool_calls": [],
+                "usage": {},
+                "error": None,
+            }
+        )
     )
     sys.stdout.flush()
     sys.exit(3 if stop else int(b.get("exit_code", 0)))

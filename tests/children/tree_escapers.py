@@ -57,11 +57,15 @@ def spawn(kind, setsid=False, double=False, stop=False, scrub=False):
                 os.dup2(null, fd)
             os.execve(
                 sys.executable,
-                [sys.executable, "-c", "import os, signal\n"
-                 f"os.write({report_w}, f'scrubbed {{os.getpid()}}\\n'.encode())\n"
-                 f"os.close({report_w})\n"
-                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                 "while True: signal.pause()"],
+                [
+                    sys.executable,
+                    "-c",
+                    "import os, signal\n"
+                    f"os.write({report_w}, f'scrubbed {{os.getpid()}}\\n'.encode())\n"
+                    f"os.close({report_w})\n"
+                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                    "while True: signal.pause()",
+                ],
                 {},
             )
         report(kind)

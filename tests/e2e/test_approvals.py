@@ -25,7 +25,14 @@ AGENTD = str(Path(sys.executable).with_name("agentd"))
 def approval_spec(shared: Path, *, timeout_s: float | None = None, final: str = "done") -> dict[str, Any]:
     side_effect = shared / "side-effect"
     script = {
-        "turns": [{"text": "Writing it.", "tool_calls": [{"name": "run_command", "id": "call_w", "arguments": {"command": f"echo wrote > {side_effect}"}}]}],
+        "turns": [
+            {
+                "text": "Writing it.",
+                "tool_calls": [
+                    {"name": "run_command", "id": "call_w", "arguments": {"command": f"echo wrote > {side_effect}"}}
+                ],
+            }
+        ],
         "final": final,
     }
     approval: dict[str, Any] = {"commands": ["echo wrote*"]}
@@ -122,7 +129,11 @@ async def test_an_approval_that_times_out_cancels_the_run_with_its_own_reason(tm
         async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
             rid = (await c.call("spawn", spec=approval_spec(shared, timeout_s=1.0)))["run_id"]
             final = await Session(c).end(rid)
-    assert (final["state"], final["reason"], final["cancel_reason"]) == ("cancelled", "approval_timeout", "approval_timeout")
+    assert (final["state"], final["reason"], final["cancel_reason"]) == (
+        "cancelled",
+        "approval_timeout",
+        "approval_timeout",
+    )
     (call,) = final["tool_calls"]
     assert (call["state"], call["approval"]) == ("rejected", "rejected")
     assert not (shared / "side-effect").exists()

@@ -66,15 +66,18 @@ def pool(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.fixture
-async def daemon(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroups: str, pool: int
-) -> AsyncIterator[Daemon]:
+async def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroups: str, pool: int) -> AsyncIterator[Daemon]:
     bs.require_browser()
     conftest.require(bs.runner_available(), "subagent.runner")
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
     config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=GRACE_S, cgroups=cgroups, environ={}, pool_size=pool
+        state_dir=tmp_path / "state",
+        runner_python=sys.executable,
+        grace_s=GRACE_S,
+        cgroups=cgroups,
+        environ={},
+        pool_size=pool,
     )
     stop = trio.Event()
     async with trio.open_nursery() as n:
@@ -167,9 +170,7 @@ async def test_cancelled_while_the_browser_is_open(daemon: Daemon) -> None:
 
 @pytest.mark.parametrize("cgroups", ["auto", "off"], indirect=True)
 @pytest.mark.parametrize("fault", ["browser_sigstopped", "runner_sigkilled"])
-async def test_cancel_after_a_fault_still_leaves_nothing(
-    daemon: Daemon, fault: str
-) -> None:
+async def test_cancel_after_a_fault_still_leaves_nothing(daemon: Daemon, fault: str) -> None:
     with bs.LocalSite() as site:
         spec = bs.scripted_browser_spec(site.url + "/", then=[_slow_turn(site)])
         with trio.fail_after(SCENARIO_S):

@@ -45,7 +45,10 @@ async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 async def test_a_stop_during_a_long_browser_wait_for_ends_the_tree_within_a_second(manager: RunManager) -> None:
     with bs.LocalSite() as site:
-        wait = {"text": "Waiting for the page to settle.", "tool_calls": [{"name": "browser_wait_for", "arguments": {"time": 30}}]}
+        wait = {
+            "text": "Waiting for the page to settle.",
+            "tool_calls": [{"name": "browser_wait_for", "arguments": {"time": 30}}],
+        }
         spec = bs.scripted_browser_spec(site.url + "/", then=[wait])
         with trio.fail_after(120):
             r = await manager.spawn(spec)

@@ -76,17 +76,25 @@ async def test_spawn_runs_to_completed_through_the_cli(served: Path) -> None:
     assert states == ["queued", "starting", "running", "completed"]
 
 
-async def test_cancel_through_the_cli_stops_a_running_command_and_keeps_progress(
-    served: Path, tmp_path: Path
-) -> None:
+async def test_cancel_through_the_cli_stops_a_running_command_and_keeps_progress(served: Path, tmp_path: Path) -> None:
     script = tmp_path / "slow.json"
-    script.write_text(json.dumps({
-        "turns": [
-            {"text": "First a quick look.", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo hello"}}]},
-            {"text": "Now the long part.", "tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 60"}}]},
-        ],
-        "final": "never reached",
-    }))
+    script.write_text(
+        json.dumps(
+            {
+                "turns": [
+                    {
+                        "text": "First a quick look.",
+                        "tool_calls": [{"name": "run_command", "arguments": {"command": "echo hello"}}],
+                    },
+                    {
+                        "text": "Now the long part.",
+                        "tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 60"}}],
+                    },
+                ],
+                "final": "never reached",
+            }
+        )
+    )
     with trio.fail_after(60):
         code, out, err = await agentd("spawn", "slow job", "--script", str(script))
         assert code == 0, err
@@ -134,10 +142,16 @@ async def test_steer_through_the_cli_reaches_a_running_run_and_is_refused_after_
 ) -> None:
     wait = "while [ ! -f go ]; do sleep 0.02; done"
     script = tmp_path / "gate.json"
-    script.write_text(json.dumps({
-        "turns": [{"text": "At the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": wait}}]}],
-        "final": "Finished.",
-    }))
+    script.write_text(
+        json.dumps(
+            {
+                "turns": [
+                    {"text": "At the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": wait}}]}
+                ],
+                "final": "Finished.",
+            }
+        )
+    )
     with trio.fail_after(60):
         run_id = (await agentd("spawn", "gated", "--script", str(script)))[1].strip()
         await trio.to_thread.run_sync(_wait_for_gate, served, run_id)

@@ -93,7 +93,9 @@ async def test_the_turn_after_a_stopped_one_gets_its_honest_history_through_the_
             await nursery.start(fake.serve)
             async with daemon(state, grace_s=5.0) as (d1, c):
                 s = Session(c)
-                first = await c.call("spawn", spec={"task": "count the log lines", "model": model(fake)}, session_id="chat-1")
+                first = await c.call(
+                    "spawn", spec={"task": "count the log lines", "model": model(fake)}, session_id="chat-1"
+                )
                 await s.wait(first["run_id"], tool_running)
                 run_dir = Path((await c.call("status", run_id=first["run_id"]))["run_dir"])
                 await file_appears(run_dir / "printed")  # the output is printed before the stop
@@ -139,7 +141,12 @@ async def test_the_turn_after_a_stopped_one_gets_its_honest_history_through_the_
 async def test_a_call_cut_mid_stream_is_not_in_the_next_turn_as_a_call(tmp_path: Path) -> None:
     script = {
         "turns": [
-            {"text": "Let me delete it.", "tool_calls": [{"name": "run_command", "id": "call_cut", "arguments": {"command": "rm -rf data"}, "cut_after": 9}]},
+            {
+                "text": "Let me delete it.",
+                "tool_calls": [
+                    {"name": "run_command", "id": "call_cut", "arguments": {"command": "rm -rf data"}, "cut_after": 9}
+                ],
+            },
             "I could not finish that call.",
         ],
         "final": "Second turn done.",
@@ -158,11 +165,16 @@ async def test_a_call_cut_mid_stream_is_not_in_the_next_turn_as_a_call(tmp_path:
             nursery.cancel_scope.cancel()
     assert turn1["state"] == "completed"
     (cut,) = turn1["tool_calls"]
-    assert cut["id"] == "call_cut" and cut["state"] == "not_started" and cut["reason"].startswith("arguments_incomplete")
+    assert (
+        cut["id"] == "call_cut" and cut["state"] == "not_started" and cut["reason"].startswith("arguments_incomplete")
+    )
     assert turn2["state"] == "completed" and turn2["result"]["final_text"] == "Second turn done."
     sent = fake.chat_requests[-1].body["messages"]
     for messages in (sent, history["messages"]):
         assert not [m for m in messages if m.get("tool_calls") or m["role"] == "tool"], messages
         assert "call_cut" not in json.dumps(messages)
     # The cut turn's text stays: the model said it.
-    assert [m["content"] for m in sent if m["role"] == "assistant"] == ["Let me delete it.", "I could not finish that call."]
+    assert [m["content"] for m in sent if m["role"] == "assistant"] == [
+        "Let me delete it.",
+        "I could not finish that call.",
+    ]

@@ -225,7 +225,15 @@ def tab(browser: Any, daemon: Daemon) -> Iterator[Tab]:
 def gated_script(tmp_path: Path, *gates: str, final: str = "All done.") -> Path:
     """A script whose turn i runs a command that waits for the file ``gates[i]``."""
     turns = [
-        {"text": f"Waiting for {g}.", "tool_calls": [{"name": "run_command", "arguments": {"command": f"while [ ! -f {tmp_path / g} ]; do sleep 0.02; done; echo passed {g}"}}]}
+        {
+            "text": f"Waiting for {g}.",
+            "tool_calls": [
+                {
+                    "name": "run_command",
+                    "arguments": {"command": f"while [ ! -f {tmp_path / g} ]; do sleep 0.02; done; echo passed {g}"},
+                }
+            ],
+        }
         for g in gates
     ]
     path = tmp_path / "script.json"
@@ -291,7 +299,9 @@ def test_a_run_spawned_from_the_cli_appears_within_a_second_and_its_steps_stream
 ) -> None:
     page = tab.page
     script = gated_script(tmp_path, "gate1", "gate2")
-    run_id = daemon.agentd("spawn", "list me", "--script", str(script), "--session", "s-list", *granted(tmp_path)).stdout.strip()
+    run_id = daemon.agentd(
+        "spawn", "list me", "--script", str(script), "--session", "s-list", *granted(tmp_path)
+    ).stdout.strip()
     row = page.locator(f"tr[data-run-id='{run_id}']")
     row.wait_for(timeout=1000)  # the acceptance: on the page within 1 s
     daemon.wait_for(run_id, _tool_running("gate1"))
@@ -339,10 +349,24 @@ def test_stop_inside_a_command_goes_to_stopping_at_once_then_shows_the_receipt_t
 ) -> None:
     page = tab.page
     script = tmp_path / "sleep.json"
-    script.write_text(json.dumps({
-        "turns": [{"text": "Sleeping.", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo started; sleep 300 & sleep 300; wait"}}]}],
-        "final": "never",
-    }))
+    script.write_text(
+        json.dumps(
+            {
+                "turns": [
+                    {
+                        "text": "Sleeping.",
+                        "tool_calls": [
+                            {
+                                "name": "run_command",
+                                "arguments": {"command": "echo started; sleep 300 & sleep 300; wait"},
+                            }
+                        ],
+                    }
+                ],
+                "final": "never",
+            }
+        )
+    )
     run_id = daemon.agentd("spawn", "stop me", "--script", str(script), *granted(tmp_path)).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=process_group]", has_text="sleep 300").wait_for()
@@ -388,14 +412,29 @@ def test_stop_on_a_destructive_tool_shows_it_finishing_then_the_final_state(
 ) -> None:
     page = tab.page
     servers = tmp_path / "mcp.json"
-    servers.write_text(json.dumps({"mcpServers": {"writer": {"command": sys.executable, "args": [str(CHILDREN / "mcp_write_server.py")]}}}))
+    servers.write_text(
+        json.dumps(
+            {"mcpServers": {"writer": {"command": sys.executable, "args": [str(CHILDREN / "mcp_write_server.py")]}}}
+        )
+    )
     record, gate = tmp_path / "record.txt", tmp_path / "write-gate"
     script = tmp_path / "write.json"
-    script.write_text(json.dumps({
-        "turns": [{"text": "Writing the record.", "tool_calls": [{"name": "commit_write", "arguments": {"path": str(record), "gate": str(gate)}}]}],
-        "final": "Written.",
-    }))
-    run_id = daemon.agentd("spawn", "write it", "--script", str(script), "--mcp-config", str(servers), *granted(tmp_path)).stdout.strip()
+    script.write_text(
+        json.dumps(
+            {
+                "turns": [
+                    {
+                        "text": "Writing the record.",
+                        "tool_calls": [{"name": "commit_write", "arguments": {"path": str(record), "gate": str(gate)}}],
+                    }
+                ],
+                "final": "Written.",
+            }
+        )
+    )
+    run_id = daemon.agentd(
+        "spawn", "write it", "--script", str(script), "--mcp-config", str(servers), *granted(tmp_path)
+    ).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="commit_write").first.wait_for()
     # The call is announced before it runs: stop once the server has started the write.
@@ -425,7 +464,9 @@ def test_stop_on_a_destructive_tool_shows_it_finishing_then_the_final_state(
 
 def test_a_late_stop_says_the_run_had_already_ended(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
-    run_id = daemon.agentd("spawn", "finish first", "--script", str(gated_script(tmp_path, "gate")), *granted(tmp_path)).stdout.strip()
+    run_id = daemon.agentd(
+        "spawn", "finish first", "--script", str(gated_script(tmp_path, "gate")), *granted(tmp_path)
+    ).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="gate").first.wait_for()
     # The page stops hearing events; meanwhile the run completes.
@@ -449,7 +490,9 @@ def test_a_late_stop_says_the_run_had_already_ended(daemon: Daemon, tab: Tab, tm
 
 def test_steering_from_the_page_shows_whether_it_was_applied(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
-    run_id = daemon.agentd("spawn", "steer me", "--script", str(gated_script(tmp_path, "g1", "g2")), *granted(tmp_path)).stdout.strip()
+    run_id = daemon.agentd(
+        "spawn", "steer me", "--script", str(gated_script(tmp_path, "g1", "g2")), *granted(tmp_path)
+    ).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
     page.get_by_label("Extra input for the running turn").fill("also count the hidden files")
@@ -476,7 +519,9 @@ def test_reload_and_a_dropped_connection_resume_without_gap_or_duplicate_and_clo
     daemon: Daemon, tab: Tab, tmp_path: Path
 ) -> None:
     page = tab.page
-    run_id = daemon.agentd("spawn", "resume me", "--script", str(gated_script(tmp_path, "g1", "g2", "g3")), *granted(tmp_path)).stdout.strip()
+    run_id = daemon.agentd(
+        "spawn", "resume me", "--script", str(gated_script(tmp_path, "g1", "g2", "g3")), *granted(tmp_path)
+    ).stdout.strip()
     page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
     page.locator("#events li[data-kind=tool_call]", has_text="g1").first.wait_for()
     # Reload mid-run: the events shown are the journal's, each once.
@@ -498,7 +543,9 @@ def test_reload_and_a_dropped_connection_resume_without_gap_or_duplicate_and_clo
     journal = daemon.journal_seqs(run_id)
     page.wait_for_function("n => document.querySelectorAll('#events li').length >= n", arg=len(journal))
     assert dom_seqs(page) == journal
-    resumed = page.evaluate("id => __agentdTest.sentOps('subscribe').filter(m => m.run_id === id).map(m => m.after_seq)", run_id)
+    resumed = page.evaluate(
+        "id => __agentdTest.sentOps('subscribe').filter(m => m.run_id === id).map(m => m.after_seq)", run_id
+    )
     assert resumed[-1] == last_seen and 0 in resumed
     # Closing the page never stops the run.
     page.close()
@@ -526,7 +573,11 @@ def test_no_or_wrong_or_used_login_tokens_are_refused_and_the_cookie_is_httponly
     t = _open_tab(browser)
     try:
         page = t.page
-        for url in (daemon.dashboard_url, f"{daemon.dashboard_url}login?t=v1.9999999999.x.y", f"{daemon.dashboard_url}login"):
+        for url in (
+            daemon.dashboard_url,
+            f"{daemon.dashboard_url}login?t=v1.9999999999.x.y",
+            f"{daemon.dashboard_url}login",
+        ):
             resp = page.goto(url)
             assert resp is not None and resp.status == 401, url
             assert page.get_by_role("heading", name="Not signed in").is_visible()
@@ -593,7 +644,9 @@ def test_agentd_dashboard_prints_a_one_time_link_and_opens_it_with_the_users_bro
     fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(opened)!r}, 'w').write(sys.argv[1])\n")
     fake.chmod(0o755)
     env = {**daemon.env, "BROWSER": str(fake)}
-    r = subprocess.run([AGENTD, "--json", "dashboard", "--open"], env=env, capture_output=True, text=True, timeout=WAIT_S)
+    r = subprocess.run(
+        [AGENTD, "--json", "dashboard", "--open"], env=env, capture_output=True, text=True, timeout=WAIT_S
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["opened"] is True and opened.read_text() == out["url"]
@@ -601,7 +654,10 @@ def test_agentd_dashboard_prints_a_one_time_link_and_opens_it_with_the_users_bro
     token = (daemon.state_dir / "token").read_text().strip()
     assert token not in out["url"]
     r = subprocess.run(
-        [AGENTD, "--state-dir", str(tmp_path / "nothing-here"), "dashboard"], env=daemon.env, capture_output=True, text=True
+        [AGENTD, "--state-dir", str(tmp_path / "nothing-here"), "dashboard"],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 3 and r.stderr.startswith("error: no agentd daemon")
 
@@ -649,7 +705,9 @@ async () => {
 """
 
 
-def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_yet(daemon: Daemon, browser: Any) -> None:
+def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_yet(
+    daemon: Daemon, browser: Any
+) -> None:
     t = _open_tab(browser)
     try:
         t.page.goto(daemon.dashboard_url)  # signed out is fine: the modules are the page's own files
@@ -658,7 +716,10 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
         t.context.close()
     assert out["fast"] == "Stopped in 43 ms · 7 processes ended · 0 left"
     assert out["counted"] == "Stopped in 200 ms · 3 processes ended · 0 left"
-    assert out["grace"] == "Cancelled at the grace (10 s) · escalated to SIGKILL · 1 process ended · 1 process could not be confirmed"
+    assert (
+        out["grace"]
+        == "Cancelled at the grace (10 s) · escalated to SIGKILL · 1 process ended · 1 process could not be confirmed"
+    )
     assert out["finished"] == "Stopped · the write call finished first (1.2 s) · 1 process ended · 0 left"
     assert out["queued"] == "Cancelled before it started · nothing was running"
     assert out["completed"] == "Completed before the stop took effect"
@@ -668,13 +729,15 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
         "The runner got the stop during a tool call",
         "run_command is still running: waiting for it",
         "run_command interrupted: interrupted by the stop after 40 ms",
-        'stop_escalated: SIGKILL to 2 processes at the grace',
+        "stop_escalated: SIGKILL to 2 processes at the grace",
         "Run cancelled (outcome recorded)",
     ]
     assert out["firstAt"] == 0
     assert out["steer"] == ["applied@2", "unapplied@2"]
     assert out["durations"] == ["43 ms", "1000 ms", "1.2 s", "2 s", "2.03 s", "12.3 s", "1 min 15 s", "1 h 6 min"]
-    assert [fmt_duration(x) for x in (0.0434, 1.2, 2, 2.034, 12.34, 75)] == [out["durations"][i] for i in (0, 2, 3, 4, 5, 6)]
+    assert [fmt_duration(x) for x in (0.0434, 1.2, 2, 2.034, 12.34, 75)] == [
+        out["durations"][i] for i in (0, 2, 3, 4, 5, 6)
+    ]
 
 
 # ------------------------------------------------------------------------------ approvals, sessions
@@ -683,8 +746,18 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
 def approval_spec(tmp_path: Path) -> list[str]:
     """``--spec`` for a run whose two commands each wait for a person's OK; grants tmp_path."""
     turns = [
-        {"text": "Writing the first.", "tool_calls": [{"name": "run_command", "id": "call_one", "arguments": {"command": f"echo one > {tmp_path / 'first'}"}}]},
-        {"text": "Writing the second.", "tool_calls": [{"name": "run_command", "id": "call_two", "arguments": {"command": f"echo two > {tmp_path / 'second'}"}}]},
+        {
+            "text": "Writing the first.",
+            "tool_calls": [
+                {"name": "run_command", "id": "call_one", "arguments": {"command": f"echo one > {tmp_path / 'first'}"}}
+            ],
+        },
+        {
+            "text": "Writing the second.",
+            "tool_calls": [
+                {"name": "run_command", "id": "call_two", "arguments": {"command": f"echo two > {tmp_path / 'second'}"}}
+            ],
+        },
     ]
     spec = {
         "task": "write two files",
@@ -717,14 +790,21 @@ def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path
     page.locator("#result", has_text="Last I heard: denied by the user: not the second").wait_for()
     assert page.locator("#tools li[data-id=call_two]").get_attribute("data-state") == "rejected"
     assert not (tmp_path / "second").exists()
-    sent = tab.page.evaluate("() => window.__agentdTest.sent.map(s => JSON.parse(s)).filter(m => m.op === 'approve' || m.op === 'deny')")
-    assert [(m["op"], m["call_id"], m.get("reason")) for m in sent] == [("approve", "call_one", None), ("deny", "call_two", "not the second")]
+    sent = tab.page.evaluate(
+        "() => window.__agentdTest.sent.map(s => JSON.parse(s)).filter(m => m.op === 'approve' || m.op === 'deny')"
+    )
+    assert [(m["op"], m["call_id"], m.get("reason")) for m in sent] == [
+        ("approve", "call_one", None),
+        ("deny", "call_two", "not the second"),
+    ]
 
 
 def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
     script = gated_script(tmp_path, "gate1")
-    first = daemon.agentd("spawn", "first task", "--script", str(script), "--session", "s-page", *granted(tmp_path)).stdout.strip()
+    first = daemon.agentd(
+        "spawn", "first task", "--script", str(script), "--session", "s-page", *granted(tmp_path)
+    ).stdout.strip()
     daemon.wait_for(first, _tool_running("gate1"))
     page.goto(f"{daemon.dashboard_url}#/run/{first}")
     transcript = page.get_by_role("region", name="Session transcript")
@@ -752,7 +832,9 @@ def test_scripts_screenshot_writes_the_readme_image(tmp_path: Path) -> None:
     require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
     out = tmp_path / "dashboard.png"
     root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([str(root / "scripts" / "screenshot"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(root / "scripts" / "screenshot"), "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,14 +38,32 @@ RUN_ID = re.compile(r"^r-[0-9a-f]{16}$")
 # A run whose command waits for a person's OK (the approve and deny lines answer it).
 APPROVAL = {
     "task": "write the marker",
-    "model": {"provider": "scripted", "script": {
-        "turns": [{"text": "Writing.", "tool_calls": [{"name": "run_command", "id": "call_w", "arguments": {"command": "echo marker > marker"}}]}],
-        "final": "The tool said: {{last_output}}",
-    }},
+    "model": {
+        "provider": "scripted",
+        "script": {
+            "turns": [
+                {
+                    "text": "Writing.",
+                    "tool_calls": [
+                        {"name": "run_command", "id": "call_w", "arguments": {"command": "echo marker > marker"}}
+                    ],
+                }
+            ],
+            "final": "The tool said: {{last_output}}",
+        },
+    },
     "approval": {"commands": ["echo marker*"]},
 }
 # Waits in a shell command until a file "go" appears in the run's directory.
-GATE = {"turns": [{"text": "At the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": "while [ ! -f go ]; do sleep 0.05; done"}}]}], "final": "Through the gate."}
+GATE = {
+    "turns": [
+        {
+            "text": "At the gate.",
+            "tool_calls": [{"name": "run_command", "arguments": {"command": "while [ ! -f go ]; do sleep 0.05; done"}}],
+        }
+    ],
+    "final": "Through the gate.",
+}
 
 
 def readme_commands() -> list[list[str]]:
@@ -70,7 +88,11 @@ class Agentd:
     async def __call__(self, argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:
         r = await trio.run_process(
             [AGENTD if argv[0] in (".venv/bin/agentd", "agentd") else argv[0], *argv[1:]],
-            cwd=self.cwd, env={**self.env, **(env or {})}, capture_stdout=True, capture_stderr=True, check=False,
+            cwd=self.cwd,
+            env={**self.env, **(env or {})},
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
         )
         return r.returncode, r.stdout.decode(), r.stderr.decode()
 
@@ -79,9 +101,7 @@ class Agentd:
 async def serve(argv: list[str], cwd: Path, env: dict[str, str], log: list[bytes]) -> AsyncIterator[trio.Process]:
     """``agentd serve`` in the background (the README's ``&``), until SIGTERM at the end."""
     assert argv[-1] == "&"
-    proc = await trio.lowlevel.open_process(
-        [AGENTD, *argv[1:-1]], cwd=cwd, env=env, stderr=-1, start_new_session=True
-    )
+    proc = await trio.lowlevel.open_process([AGENTD, *argv[1:-1]], cwd=cwd, env=env, stderr=-1, start_new_session=True)
     try:
         assert proc.stderr is not None
         with trio.fail_after(DAEMON_S):
@@ -198,7 +218,10 @@ async def test_every_using_it_command_runs_as_typed_with_its_documented_output_a
             code, out, err = await agentd(argv)
             assert code == 0, err
             lines = out.splitlines()
-            assert lines[0].startswith(f"turn 1  {runs['turns'][0]}  ") and f"turn {len(runs['turns'])}  {runs['turns'][-1]}" in out, out
+            assert (
+                lines[0].startswith(f"turn 1  {runs['turns'][0]}  ")
+                and f"turn {len(runs['turns'])}  {runs['turns'][-1]}" in out
+            ), out
             assert "  user: list the logs" in lines and "  user: now only the errors" in lines, out
             code, out, err = await agentd([*argv, "--json"])
             assert [t["run_id"] for t in json.loads(out)["turns"]] == runs["turns"]
@@ -218,7 +241,9 @@ async def test_every_using_it_command_runs_as_typed_with_its_documented_output_a
             status = json.loads((await agentd([".venv/bin/agentd", "--json", "status", run_id]))[1])
             (call,) = status["tool_calls"]
             if command == "approve":
-                assert call["state"] == "succeeded" and status["result"]["final_text"].startswith("The tool said: [exit code 0]")
+                assert call["state"] == "succeeded" and status["result"]["final_text"].startswith(
+                    "The tool said: [exit code 0]"
+                )
             else:
                 assert call["state"] == "rejected"
                 assert status["result"]["final_text"] == "The tool said: denied by the user: not on prod"
@@ -301,8 +326,19 @@ async def test_a_model_asked_for_without_a_key_is_refused_naming_where_the_key_g
             listed = json.loads((await agentd(["agentd", "list", "--json"]))[1])["runs"]
             usage = await agentd(["agentd", "status", "--jsn"])
     assert code == 5 and out == "" and err.count("\n") == 1, err
-    assert err.startswith("error: the daemon refused the spec: invalid run spec: model: model 'gpt-4o-mini' needs an API key")
-    for where in ("OPENAI_API_KEY", "the daemon's environment", "/etc/agentd/agentd.env", "systemd/agentd.env.example", "--model-key-env"):
+    assert err.startswith(
+        "error: the daemon refused the spec: invalid run spec: model: model 'gpt-4o-mini' needs an API key"
+    )
+    for where in (
+        "OPENAI_API_KEY",
+        "the daemon's environment",
+        "/etc/agentd/agentd.env",
+        "systemd/agentd.env.example",
+        "--model-key-env",
+    ):
         assert where in err, where
     assert listed == []  # refused, not run with the scripted model
-    assert usage[0] == 2 and usage[2] == "error: no such option '--jsn'. Did you mean '--json'? (try 'agentd status --help')\n"
+    assert (
+        usage[0] == 2
+        and usage[2] == "error: no such option '--jsn'. Did you mean '--json'? (try 'agentd status --help')\n"
+    )

@@ -40,6 +40,7 @@ OTHER_SECRET = "ghp_agentd_test_other_secret_value"
 # Bounds one scenario (seconds): a few runs of a scripted model and their commands.
 SCENARIO_S = 60.0
 
+
 @pytest.fixture(autouse=True)
 def landlock() -> None:
     """Every test here is about Landlock: required (CI fails without it, a local run skips)."""
@@ -160,7 +161,9 @@ def shell_probe(state: Path | str, other_dir: Path | str, daemon_pid: int) -> st
 
 def check_shell_probe(out: str, secrets: list[str]) -> dict[str, str]:
     """Every probe denied, in the command's own words; no secret anywhere in its output."""
-    lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and line.split("=", 1)[0].isidentifier())
+    lines = dict(
+        line.split("=", 1) for line in out.splitlines() if "=" in line and line.split("=", 1)[0].isidentifier()
+    )
     for key in PROBE_KEYS:
         assert_denied(lines, key)
     assert "Permission denied" in out or "No such file or directory" in out
@@ -209,7 +212,13 @@ async def test_an_mcp_server_process_cannot_reach_the_daemons_state(daemon: Daem
             ("environ", {}),
         ]
         turns = [{"tool_calls": [{"name": f"probe__{name}", "arguments": args} for name, args in calls]}]
-        servers = {"probe": {"command": sys.executable, "args": [PROBE_SERVER], "env": {"SERVER_SETTING": "kept", "LEAK": MODEL_KEY}}}
+        servers = {
+            "probe": {
+                "command": sys.executable,
+                "args": [PROBE_SERVER],
+                "env": {"SERVER_SETTING": "kept", "LEAK": MODEL_KEY},
+            }
+        }
         r = await d.m.spawn(scripted(turns, mcpServers=servers))
         st = await d.m.wait_terminal(r["run_id"])
         other = await finish_gated(d, other_id, other_dir)
@@ -342,7 +351,10 @@ async def test_chromium_keeps_its_own_sandbox_in_a_browser_run(daemon: Daemon) -
     bs.require_browser()
     d = daemon
     with bs.LocalSite() as site:
-        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        slow = {
+            "text": "Now the slow page.",
+            "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}],
+        }
         with trio.fail_after(120):
             r = await d.m.spawn(bs.scripted_browser_spec(site.url + "/", then=[slow]))
             assert await trio.to_thread.run_sync(site.wait_for_request, "/slow", 60)

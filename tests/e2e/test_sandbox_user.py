@@ -64,6 +64,7 @@ DAEMON_STOP_S = 20.0
 # Bounds one scenario (seconds): a few runs of a scripted model and their commands.
 SCENARIO_S = 60.0
 
+
 @pytest.fixture(autouse=True)
 def landlock() -> None:
     """Every test here is about Landlock: required (CI fails without it, a local run skips)."""
@@ -453,7 +454,10 @@ async def test_chromium_keeps_its_own_sandbox_under_a_users_daemon(user_daemon: 
     bs.require_browser()
     d = user_daemon
     with bs.LocalSite() as site:
-        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        slow = {
+            "text": "Now the slow page.",
+            "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}],
+        }
         with trio.fail_after(120):
             run_id = await spawn(d, bs.scripted_browser_spec(site.url + "/", then=[slow]))
             ended = await wait_request_or_end(d, site, run_id, "/slow")
@@ -476,7 +480,9 @@ async def test_chromium_keeps_its_own_sandbox_under_a_users_daemon(user_daemon: 
     renderers = [pid for pid, c in chromium.items() if b"--type=renderer" in c]
     main = [pid for pid, c in chromium.items() if not any(a.startswith(b"--type=") for a in c)]
     assert chromium and renderers and main, cmdlines
-    assert not any(b"--no-sandbox" in c for c in cmdlines.values()), f"chromium runs without its sandbox: {st['sandbox']}"
+    assert not any(b"--no-sandbox" in c for c in cmdlines.values()), (
+        f"chromium runs without its sandbox: {st['sandbox']}"
+    )
     assert set(uids.values()) == {d.uid}, uids  # the user's browser, no root helper
     for pid in renderers:
         assert seccomp[pid] == "2", seccomp

@@ -123,8 +123,21 @@ class FleetCluster:
     def start_front(self) -> None:
         log = open(self.root / "front.log", "ab")
         self.front = subprocess.Popen(
-            [AGENTD, "--state-dir", str(self.state_dir), "fleet", "serve", "--address", self.address, "--node-dir", str(self.node_dir)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            [
+                AGENTD,
+                "--state-dir",
+                str(self.state_dir),
+                "fleet",
+                "serve",
+                "--address",
+                self.address,
+                "--node-dir",
+                str(self.node_dir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -159,7 +172,9 @@ class FleetCluster:
     # ---------------------------------------------------------------- use
 
     def cli(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run([AGENTD, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(
+            [AGENTD, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True, timeout=timeout
+        )
         if check and r.returncode != 0:
             raise AssertionError(f"agentd {' '.join(args)} exited {r.returncode}: {r.stderr}")
         return r

@@ -60,7 +60,9 @@ def test_fleet_up_starts_one_agentd_per_node_pinned_there(fleet: FleetCluster) -
         with fleet.node_client(node_id) as c:
             assert c.ping()["pid"] == info["pid"]
     # Idempotent: a second `up` finds the same agents and daemons.
-    again = json.loads(fleet.cli("--json", "fleet", "up", "--address", fleet.address, "--node-dir", str(fleet.node_dir)).stdout)
+    again = json.loads(
+        fleet.cli("--json", "fleet", "up", "--address", fleet.address, "--node-dir", str(fleet.node_dir)).stdout
+    )
     assert {n["node_id"]: n["pid"] for n in again["nodes"]} == {k: v["pid"] for k, v in agents.items()}
 
 
@@ -155,7 +157,6 @@ def test_cancel_through_the_fleet_keeps_the_nodes_contract_and_every_view_matche
     assert again["was_active"] is False and again["state"] == "cancelled"
 
 
-
 UPGRADE = (
     "GET /{query} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
     "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
@@ -230,7 +231,12 @@ def test_steering_through_the_front_reaches_the_runner_on_its_node(fleet: FleetC
         assert wait_terminal(c, run_id) == "cancelled"
         late = fleet.cli("--fleet", "--json", "steer", run_id, "too late", check=False)
     assert late.returncode == 5  # refused
-    assert json.loads(late.stdout) == {"run_id": run_id, "accepted": False, "state": "cancelled", "why": "the run has ended"}
+    assert json.loads(late.stdout) == {
+        "run_id": run_id,
+        "accepted": False,
+        "state": "cancelled",
+        "why": "the run has ended",
+    }
     with fleet.node_client(st["node"]) as nc:  # on its node, as its own daemon journaled it
         node_events = [e for e in nc.iter_events(st["node_run_id"]) if e["kind"] in ("steer_sent", "log")]
     assert ("steer_sent", {"text": "look at the logs first"}) in [(e["kind"], e["data"]) for e in node_events]
@@ -335,7 +341,9 @@ def test_a_node_that_joins_later_gets_its_agentd_and_takes_runs(fleet: FleetClus
     from supervisor.fleet._agent import NAMESPACE, agent_name
 
     node = fleet.cluster.add_node(
-        node_ip_address="127.0.0.1", num_cpus=4, object_store_memory=80 * 1024 * 1024,
+        node_ip_address="127.0.0.1",
+        num_cpus=4,
+        object_store_memory=80 * 1024 * 1024,
         resources=node_resources(SLOTS_PER_NODE, browser=False),
     )
     try:
@@ -415,7 +423,6 @@ def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spa
             assert wait_terminal(c, run_id) == "cancelled"
 
 
-
 def _node_record(state_dir: str, node_run_id: str) -> dict[str, Any]:
     """A run's row in a node daemon's journal file, read-only (its daemon is gone)."""
     db = sqlite3.connect(f"file:{Path(state_dir) / JOURNAL_FILE}?mode=ro", uri=True)
@@ -428,7 +435,12 @@ def _node_record(state_dir: str, node_run_id: str) -> dict[str, Any]:
         ).fetchone()[0]
     finally:
         db.close()
-    return {"state": row["state"], "reason": row["reason"], "receipt": json.loads(row["receipt"] or "null"), "terminal_events": terminal}
+    return {
+        "state": row["state"],
+        "reason": row["reason"],
+        "receipt": json.loads(row["receipt"] or "null"),
+        "terminal_events": terminal,
+    }
 
 
 def test_fleet_down_cancels_every_live_run_with_its_receipt_and_leaves_nothing(fleet: FleetCluster) -> None:

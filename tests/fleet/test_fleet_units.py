@@ -54,14 +54,30 @@ def test_the_index_writes_a_terminal_fact_once_and_survives_a_reopen(tmp_path: P
     index.set_node_run("f-1", "r-1")
     index.add_events("f-1", [{"seq": 1, "ts": 1.0, "kind": "state", "data": {"state": "running"}}])
     index.add_events("f-1", [{"seq": 2, "ts": 2.0, "kind": "step_snapshot", "data": {"step": 1, "progress": "p"}}])
-    assert index.finish("f-1", "lost", reason="node_lost", ended_at=3.0, result={"progress": "p"}, partial=True,
-                        event={"kind": "state", "data": {"state": "lost"}}) is True
+    assert (
+        index.finish(
+            "f-1",
+            "lost",
+            reason="node_lost",
+            ended_at=3.0,
+            result={"progress": "p"},
+            partial=True,
+            event={"kind": "state", "data": {"state": "lost"}},
+        )
+        is True
+    )
     assert index.finish("f-1", "cancelled", reason="user", ended_at=4.0) is False
     index.close()
     index = Index(path)
     row = index.get("f-1")
     assert row is not None
-    assert (row["state"], row["reason"], row["node_id"], row["node_run_id"], row["last_seq"]) == ("lost", "node_lost", "n1", "r-1", 3)
+    assert (row["state"], row["reason"], row["node_id"], row["node_run_id"], row["last_seq"]) == (
+        "lost",
+        "node_lost",
+        "n1",
+        "r-1",
+        3,
+    )
     assert row["partial_snapshot"] == {"step": 1, "progress": "p"} and row["partial"] is True
     assert [e["seq"] for e in index.events_after("f-1", 0, 10)] == [1, 2, 3]
     assert index.terminal_event_count("f-1") == 1
@@ -91,8 +107,18 @@ async def test_the_front_routes_conversations_and_approvals_to_the_sessions_node
     index = Index(tmp_path / "index.sqlite3")
     front = FleetFront(Config.load(state_dir=tmp_path / "front", environ={}, grace_s=1), index)
     front._nodes = {"n1": {"ip": "10.0.0.7", "resources": {SLOTS: 4.0, "node:10.0.0.7": 1.0}}}
-    history = {"session_id": "s", "live_run": None, "turns": [{"run_id": "r-node1", "state": "cancelled", "messages": []}], "messages": []}
-    link = _FakeLink({"approve": {"run_id": "r-node1", "call_id": "c1", "decision": "approved", "state": "running"}, "history": history})
+    history = {
+        "session_id": "s",
+        "live_run": None,
+        "turns": [{"run_id": "r-node1", "state": "cancelled", "messages": []}],
+        "messages": [],
+    }
+    link = _FakeLink(
+        {
+            "approve": {"run_id": "r-node1", "call_id": "c1", "decision": "approved", "state": "running"},
+            "history": history,
+        }
+    )
     placed: list[object] = []
 
     async def drive(run: object) -> None:  # Ray's part: placed on n1 at once

@@ -99,7 +99,9 @@ class RunnerProc:
                     return e
             seen = len(self.events)
             if self.stderr_eof.is_set():
-                raise AssertionError(f"runner ended without a {kind} event; events: {[e.to_dict() for e in self.events]}")
+                raise AssertionError(
+                    f"runner ended without a {kind} event; events: {[e.to_dict() for e in self.events]}"
+                )
             await self._changed.wait()
 
     def signal(self, sig: int = signal.SIGTERM) -> None:

@@ -14,7 +14,12 @@ from subagent.stop import StopControl
 
 
 def gate(spec: ApprovalSpec, fd: int | None = None) -> ApprovalGate:
-    where = {"write_file": ("fs", "write_file"), "fs__write_file": ("fs", "write_file"), "read_file": ("fs", "read_file"), "pay": ("bank", "pay")}
+    where = {
+        "write_file": ("fs", "write_file"),
+        "fs__write_file": ("fs", "write_file"),
+        "read_file": ("fs", "read_file"),
+        "pay": ("bank", "pay"),
+    }
     return ApprovalGate(spec, AnswerChannel(fd), resolve=where.get)
 
 
@@ -92,7 +97,9 @@ async def _stop_soon(stop: StopControl) -> None:
     stop.request("signal")
 
 
-async def test_with_no_answer_the_runner_stops_itself_after_the_timeout_and_its_backstop(autojump_clock: trio.abc.Clock) -> None:
+async def test_with_no_answer_the_runner_stops_itself_after_the_timeout_and_its_backstop(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     stop = StopControl()
     g = gate(ApprovalSpec(tools=("run_command",), timeout_s=2.0))
     start = trio.current_time()

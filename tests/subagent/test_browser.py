@@ -136,7 +136,9 @@ def test_env_carries_agentd_markers_and_nothing_else_from_the_caller(
     assert all(isinstance(v, str) for v in env.values())
 
 
-def test_chromium_sandbox_follows_what_the_run_allows(tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]) -> None:
+def test_chromium_sandbox_follows_what_the_run_allows(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]
+) -> None:
     on = browser_server_config(tmp_path / "a", True, sandbox=(True, None))
     assert "--sandbox" in on["args"] and "--no-sandbox" not in on["args"]
     off = browser_server_config(tmp_path / "b", True, sandbox=(False, "the run is uid 0"))
@@ -225,7 +227,9 @@ def test_an_explicit_chromium_that_is_not_there_is_an_error_not_a_fallback(
         find_chromium(tmp_path / "also-typo")
 
 
-def test_chromium_search_order(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, nothing_installed: None) -> None:
+def test_chromium_search_order(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, nothing_installed: None
+) -> None:
     managed_root = tmp_path / "ms-playwright"
     monkeypatch.setenv("PLAYWRIGHT_BROWSERS_PATH", str(managed_root))
     old = _exe(managed_root / "chromium-1100" / "chrome-linux" / "chrome")
@@ -399,9 +403,7 @@ async def test_real_chromium_reads_a_local_page_and_leaves_nothing(
                     # quiet switches Chromium phones Google within ~3 s of starting.
                     await trio.sleep_until(started + QUIET_WINDOW_S)
         assert trap.requests == [], f"the browser reached for the network on its own: {trap.requests}"
-    await trio.to_thread.run_sync(
-        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]]
-    )
+    await trio.to_thread.run_sync(bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]])
     # The profile lived in the run's TMPDIR; its output went to the run's output dir.
     assert list((run_dir / "browser" / "output").glob("*")), "no output files where the preset put them"
     assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
@@ -486,9 +488,7 @@ async def test_a_stopped_browser_whose_server_and_main_process_were_killed_is_st
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 await stream.aclose()
-    await trio.to_thread.run_sync(
-        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]]
-    )
+    await trio.to_thread.run_sync(bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), cfg["env"]["TMPDIR"]])
     profiles = list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     assert profiles, "a killed Chromium cannot remove its profile: it must be under the run dir"
     browser.release_browser_dir(run_dir)
@@ -611,9 +611,7 @@ async def test_runner_browses_a_local_page_and_answers_from_its_snapshot(
     assert calls == [("browser_navigate", "succeeded"), ("browser_snapshot", "succeeded")], calls
     assert any(str(e.kind) == "step_snapshot" for e in runner.events)
     tmpdir = browser.browser_tmpdir(run_dir)
-    await trio.to_thread.run_sync(
-        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
-    )
+    await trio.to_thread.run_sync(bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)])
     assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     browser.release_browser_dir(run_dir)
 
@@ -629,7 +627,10 @@ async def test_runner_sigterm_mid_browse_is_cancelled_with_partial_result_and_no
     conftest.require(bs.runner_available(), "subagent.runner")
     run_dir = tmp_path / "run"
     with bs.LocalSite() as site:
-        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        slow = {
+            "text": "Now the slow page.",
+            "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}],
+        }
         spec = bs.scripted_browser_spec(site.url + "/", then=[slow])
 
         async def cancel_mid_browse(runner: _Runner) -> None:
@@ -651,9 +652,7 @@ async def test_runner_sigterm_mid_browse_is_cancelled_with_partial_result_and_no
     snapshots = [e for e in runner.events if str(e.kind) == "step_snapshot"]
     assert snapshots, "no step_snapshot: the daemon would have no partial result after a SIGKILL"
     tmpdir = browser.browser_tmpdir(run_dir)
-    await trio.to_thread.run_sync(
-        bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
-    )
+    await trio.to_thread.run_sync(bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)])
     assert not list((run_dir / "browser" / "tmp").glob("playwright_chromiumdev_profile-*"))
     browser.release_browser_dir(run_dir)
 
@@ -672,7 +671,10 @@ async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
     conftest.require(bs.runner_available(), "subagent.runner")
     run_dir = tmp_path / "run"
     with bs.LocalSite() as site:
-        slow = {"text": "Now the slow page.", "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}]}
+        slow = {
+            "text": "Now the slow page.",
+            "tool_calls": [{"name": "browser_navigate", "arguments": {"url": site.url + "/slow"}}],
+        }
         spec = bs.scripted_browser_spec(site.url + "/", then=[slow], timeout_navigation_ms=5000)
 
         async def stop_browser_then_cancel(runner: _Runner) -> None:
@@ -691,9 +693,7 @@ async def test_runner_sigterm_with_the_browser_sigstopped_leaves_nothing(
     assert "tangerine-42" in json.dumps(result)
     tmpdir = browser.browser_tmpdir(run_dir)
     try:
-        await trio.to_thread.run_sync(
-            bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)]
-        )
+        await trio.to_thread.run_sync(bs.wait_no_browser_left, no_process_left_behind, [str(run_dir), str(tmpdir)])
     finally:
         await browser.end_browser_processes(run_dir)
         browser.release_browser_dir(run_dir)
@@ -737,10 +737,14 @@ async def test_end_browser_processes_kills_what_names_the_run_even_stopped_and_o
         browser_server_config(d, True)
     sleeper = "import sys, time; time.sleep(60)"
     mine = [
-        subprocess.Popen([sys.executable, "-c", sleeper, f"--user-data-dir={browser.browser_tmpdir(run_dir)}/profile-{i}"])
+        subprocess.Popen(
+            [sys.executable, "-c", sleeper, f"--user-data-dir={browser.browser_tmpdir(run_dir)}/profile-{i}"]
+        )
         for i in range(2)
     ]
-    theirs = subprocess.Popen([sys.executable, "-c", sleeper, f"--user-data-dir={browser.browser_tmpdir(other)}/profile"])
+    theirs = subprocess.Popen(
+        [sys.executable, "-c", sleeper, f"--user-data-dir={browser.browser_tmpdir(other)}/profile"]
+    )
     try:
         os.kill(mine[0].pid, signal.SIGSTOP)
         with trio.fail_after(10):

@@ -33,7 +33,7 @@ def readme_tables(section: str) -> list[list[list[str]]]:
     end = text.find("\n#", start + 1)
     tables: list[list[list[str]]] = []
     current: list[list[str]] = []
-    for line in text[start:end if end > 0 else None].splitlines():
+    for line in text[start : end if end > 0 else None].splitlines():
         if line.startswith("|"):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if not all(set(c) <= set("-: ") for c in cells):  # the separator row

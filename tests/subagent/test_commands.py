@@ -11,7 +11,14 @@ from subagent.tools import commands
 from subagent.tools.commands import CommandOutcome, format_outcome, run_command
 
 
-async def _run(cmd: str, *, timeout_s: float = 10, max_output_bytes: int = 1000, interrupt: trio.CancelScope | None = None, cwd: str | None = None) -> tuple[CommandOutcome, list[tuple[int, bool]]]:
+async def _run(
+    cmd: str,
+    *,
+    timeout_s: float = 10,
+    max_output_bytes: int = 1000,
+    interrupt: trio.CancelScope | None = None,
+    cwd: str | None = None,
+) -> tuple[CommandOutcome, list[tuple[int, bool]]]:
     seen: list[tuple[int, bool]] = []
     out = await run_command(
         cmd,
@@ -81,7 +88,9 @@ async def test_the_command_does_not_see_openai_credentials(monkeypatch: pytest.M
     assert out.output.strip() == "key=none run=r-1 marker=set"
 
 
-async def _run_with_stop(cmd: str, stop: trio.Event, *, interrupt_on_stop: bool = True, kill_grace_s: float = 1.0) -> tuple[CommandOutcome, list[tuple[int, bool]]]:
+async def _run_with_stop(
+    cmd: str, stop: trio.Event, *, interrupt_on_stop: bool = True, kill_grace_s: float = 1.0
+) -> tuple[CommandOutcome, list[tuple[int, bool]]]:
     seen: list[tuple[int, bool]] = []
     out = await run_command(
         cmd,

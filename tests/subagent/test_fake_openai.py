@@ -14,7 +14,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 SCRIPT = {
     "turns": [
-        {"text": "hello", "tool_calls": [{"name": "f", "arguments": {"a": 1}}], "chunk_size": 2, "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+        {
+            "text": "hello",
+            "tool_calls": [{"name": "f", "arguments": {"a": 1}}],
+            "chunk_size": 2,
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+        },
         {"text": "cut", "tool_calls": [{"name": "f", "arguments": {"a": 1}, "cut_after": 3}]},
         {"text": "forever", "hang": True},
     ]
@@ -83,7 +88,9 @@ def test_runs_in_a_thread_for_code_outside_trio_and_answers_non_streaming() -> N
 
     server = FakeOpenAI({"final": "plain"}).start_in_thread()
     try:
-        r = httpx2.post(server.base_url + "/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        r = httpx2.post(
+            server.base_url + "/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.json()["choices"][0]["message"]["content"] == "plain"
         assert httpx2.get(server.base_url + "/models").json()["data"][0]["id"] == "fake-model"
         assert httpx2.get(server.base_url + "/nope").status_code == 404
@@ -128,7 +135,11 @@ async def test_a_malformed_request_gets_a_400_and_the_server_lives_on() -> None:
 
 async def test_a_history_with_a_tool_call_that_has_no_result_is_refused_as_the_real_api_does() -> None:
     call = {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    broken = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "y"}]
+    broken = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "user", "content": "y"},
+    ]
     whole = [*broken[:2], {"role": "tool", "tool_call_id": "call_x", "content": "ok"}, broken[2]]
     async with trio.open_nursery() as nursery:
         server = await nursery.start(FakeOpenAI({"final": "fine"}).serve)

@@ -26,8 +26,21 @@ def text(step: int, t: str) -> dict[str, Any]:
 def test_a_stopped_turn_is_its_task_its_calls_each_with_one_honest_result_and_a_note() -> None:
     records = [
         rec("c1", 1, "succeeded", output="[exit code 0]\nfile-a"),
-        rec("c2", 1, "cancelled", output="[exit code -15]\npartial", stop_effect="interrupted", reason="interrupted: ..."),
-        rec("c3", 1, "not_started", reason="stopped_before_start: a stop was requested before this call started", stop_effect="stopped_before_start"),
+        rec(
+            "c2",
+            1,
+            "cancelled",
+            output="[exit code -15]\npartial",
+            stop_effect="interrupted",
+            reason="interrupted: ...",
+        ),
+        rec(
+            "c3",
+            1,
+            "not_started",
+            reason="stopped_before_start: a stop was requested before this call started",
+            stop_effect="stopped_before_start",
+        ),
     ]
     msgs = turn_messages("list files", records, [text(1, "Looking.")], state="cancelled", reason="user")
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "tool", "system"]
@@ -40,11 +53,16 @@ def test_a_stopped_turn_is_its_task_its_calls_each_with_one_honest_result_and_a_
     assert history_problem([{"role": "system", "content": "s"}, *msgs]) is None
 
 
-@pytest.mark.parametrize("reason", [REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE, REASON_ABORTED_IN_ARGS, REASON_ABORTED_TURN, "model_error: boom"])
+@pytest.mark.parametrize(
+    "reason",
+    [REASON_ARGS_INCOMPLETE, REASON_TURN_INCOMPLETE, REASON_ABORTED_IN_ARGS, REASON_ABORTED_TURN, "model_error: boom"],
+)
 def test_a_call_whose_turn_never_finished_is_not_replayed_but_the_text_stays(reason: str) -> None:
     cut = rec("cut", 1, "not_started", reason=reason, arguments='{"command": "rm -rf da')
     assert is_cut(cut)
-    msgs = turn_messages("t", [cut], [text(1, "Deleting."), text(2, "Done anyway.")], state="completed", final_text="Done anyway.")
+    msgs = turn_messages(
+        "t", [cut], [text(1, "Deleting."), text(2, "Done anyway.")], state="completed", final_text="Done anyway."
+    )
     assert msgs == [
         {"role": "user", "content": "t"},
         {"role": "assistant", "content": "Deleting."},
@@ -61,7 +79,14 @@ def test_a_cut_call_without_text_leaves_no_message_at_all() -> None:
 
 
 def test_calls_that_never_ran_for_their_own_reasons_are_still_calls_with_results() -> None:
-    bad = rec("bad", 1, "failed", reason="invalid_arguments: not valid JSON", error="invalid_arguments: not valid JSON", arguments="{nope")
+    bad = rec(
+        "bad",
+        1,
+        "failed",
+        reason="invalid_arguments: not valid JSON",
+        error="invalid_arguments: not valid JSON",
+        arguments="{nope",
+    )
     settled = rec("gone", 1, "unknown", reason="grace_ran_out: the runner was killed")
     assert not is_cut(bad) and not is_cut(settled)
     msgs = turn_messages("t", [bad, settled], [], state="cancelled", reason="timeout")
@@ -90,7 +115,10 @@ def test_steering_is_a_user_message_before_the_step_that_applied_it() -> None:
     ]
     msgs = turn_messages("t", [], events, state="completed", final_text="Minding them.")
     assert [(m["role"], m["content"]) for m in msgs] == [
-        ("user", "t"), ("assistant", "First."), ("user", "mind the logs"), ("assistant", "Minding them.")
+        ("user", "t"),
+        ("assistant", "First."),
+        ("user", "mind the logs"),
+        ("assistant", "Minding them."),
     ]
 
 
@@ -110,9 +138,15 @@ def test_only_a_turn_that_did_not_complete_gets_a_note(state: str, reason: str |
 
 
 def test_the_fake_server_refuses_what_the_api_refuses() -> None:
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     assert "did not have response messages: a" in (history_problem([call, {"role": "user", "content": "x"}]) or "")
     assert "did not have response messages: a" in (history_problem([call]) or "")
-    assert "must be a response to a preceeding message" in (history_problem([{"role": "tool", "tool_call_id": "a", "content": ""}]) or "")
+    assert "must be a response to a preceeding message" in (
+        history_problem([{"role": "tool", "tool_call_id": "a", "content": ""}]) or ""
+    )
     assert history_problem([call, {"role": "tool", "tool_call_id": "a", "content": "ok"}]) is None
     assert json.dumps(history_problem([])) == "null"

@@ -24,7 +24,14 @@ def make_loop(tmp_path: Path, script: dict[str, Any], **limits: Any) -> AgentLoo
     fd = os.open(tmp_path / "events", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     emitter = Emitter(tmp_path, err_fd=fd, out_fd=fd)
     tools = ToolBox(builtins=spec.builtin_tools, limits=spec.limits, servers={}, on_group=lambda *a: None)
-    return AgentLoop(spec=spec, provider=ScriptedProvider(Script.from_dict(script)), tools=tools, stop=StopControl(), emitter=emitter, run_id="r")
+    return AgentLoop(
+        spec=spec,
+        provider=ScriptedProvider(Script.from_dict(script)),
+        tools=tools,
+        stop=StopControl(),
+        emitter=emitter,
+        run_id="r",
+    )
 
 
 def assert_history_whole(loop: AgentLoop) -> None:
@@ -33,13 +40,21 @@ def assert_history_whole(loop: AgentLoop) -> None:
     assert sorted(calls) == sorted(answered)
 
 
-TWO_CALLS = {"turns": [{"tool_calls": [
-    {"name": "run_command", "arguments": {"command": "echo a"}},
-    {"name": "run_command", "arguments": {"command": "echo b"}},
-]}]}
+TWO_CALLS = {
+    "turns": [
+        {
+            "tool_calls": [
+                {"name": "run_command", "arguments": {"command": "echo a"}},
+                {"name": "run_command", "arguments": {"command": "echo b"}},
+            ]
+        }
+    ]
+}
 
 
-async def test_a_bug_mid_batch_leaves_honest_records_and_a_whole_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_bug_mid_batch_leaves_honest_records_and_a_whole_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     loop = make_loop(tmp_path, TWO_CALLS)
 
     async def broken(*a: Any) -> ToolOutcome:
@@ -72,9 +87,13 @@ async def test_a_stop_during_the_first_call_skips_the_second(tmp_path: Path, mon
     assert_history_whole(loop)
 
 
-async def test_a_stop_as_a_call_is_about_to_start_means_it_never_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_stop_as_a_call_is_about_to_start_means_it_never_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     marker = tmp_path / "ran"
-    loop = make_loop(tmp_path, {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}}]}]})
+    loop = make_loop(
+        tmp_path, {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}}]}]}
+    )
     real = loop.tools.execute
 
     async def stop_then_run(*a: Any) -> ToolOutcome:

@@ -53,14 +53,19 @@ async def test_completed_run_leaves_no_process_of_the_server_tree(tmp_path: Path
 
 async def test_sigterm_during_an_mcp_call_lets_it_finish_and_ends_the_tree(tmp_path: Path) -> None:
     flag = tmp_path / "run" / "go"
-    script = {"turns": [
-        {"tool_calls": [{"name": "tree", "arguments": {}}]},
-        {"tool_calls": [{"name": "wait_for", "arguments": {"path": str(flag)}}]},
-        {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
-    ]}
+    script = {
+        "turns": [
+            {"tool_calls": [{"name": "tree", "arguments": {}}]},
+            {"tool_calls": [{"name": "wait_for", "arguments": {"path": str(flag)}}]},
+            {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
+        ]
+    }
     async with start_runner(tree_spec(script), tmp_path) as r:
         with trio.fail_after(20):
-            await r.wait_event(EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == "wait_for" and e.data["record"]["state"] == "running")
+            await r.wait_event(
+                EventKind.TOOL_CALL,
+                lambda e: e.data["record"]["name"] == "wait_for" and e.data["record"]["state"] == "running",
+            )
         r.signal()
         with trio.fail_after(10):
             stop = await r.wait_event(EventKind.STOP_REQUESTED)
@@ -98,7 +103,9 @@ async def test_a_server_that_cannot_start_is_tool_setup(tmp_path: Path) -> None:
         rc, result = await r.finish()
     assert rc == ExitCode.TOOL_SETUP
     assert result["status"] == "failed" and result["reason"] == "tool_setup"
-    assert "mcp server 'broken'" in result["error"]["message"] and "/nonexistent/mcp-server" in result["error"]["message"]
+    assert (
+        "mcp server 'broken'" in result["error"]["message"] and "/nonexistent/mcp-server" in result["error"]["message"]
+    )
     errors = [e for e in r.of(EventKind.LOG) if e.data["level"] == "error"]
     assert errors and errors[-1].data["message"].startswith("error: ")
 
@@ -116,11 +123,13 @@ async def test_a_server_that_dies_at_startup_is_tool_setup_with_its_stderr(tmp_p
 async def test_a_non_json_line_from_a_server_ends_the_run_with_tool_protocol(tmp_path: Path) -> None:
     # The SDK skips the line and the call still gets its answer; we end the run after the
     # batch, because a server that writes garbage on its protocol channel cannot be trusted.
-    script = {"turns": [
-        {"tool_calls": [{"name": "tree", "arguments": {}}]},
-        {"tool_calls": [{"name": "garble", "arguments": {}}]},
-        {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
-    ]}
+    script = {
+        "turns": [
+            {"tool_calls": [{"name": "tree", "arguments": {}}]},
+            {"tool_calls": [{"name": "garble", "arguments": {}}]},
+            {"tool_calls": [{"name": "echo", "arguments": {"text": "never"}}]},
+        ]
+    }
     async with start_runner(tree_spec(script), tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.TOOL_PROTOCOL
@@ -158,10 +167,13 @@ async def test_sigterm_during_a_slow_server_startup_cancels_at_once(tmp_path: Pa
 
 
 async def test_a_server_that_dies_mid_call_gives_an_unknown_outcome_and_the_run_goes_on(tmp_path: Path) -> None:
-    script = {"turns": [
-        {"tool_calls": [{"name": "tree", "arguments": {}}]},
-        {"tool_calls": [{"name": "die", "arguments": {}}]},
-    ], "final": "after: {{last_output}}"}
+    script = {
+        "turns": [
+            {"tool_calls": [{"name": "tree", "arguments": {}}]},
+            {"tool_calls": [{"name": "die", "arguments": {}}]},
+        ],
+        "final": "after: {{last_output}}",
+    }
     async with start_runner(tree_spec(script), tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED, result
@@ -187,7 +199,10 @@ def test_a_missing_browser_preset_module_is_tool_setup(tmp_path: Path, monkeypat
 
 async def test_a_server_name_from_another_client_works_as_is(tmp_path: Path) -> None:
     servers = {"my tree.v2": {"command": sys.executable, "args": [TREE_SERVER, "--stderr-noise"]}}
-    script = {"turns": [{"tool_calls": [{"name": "my_tree_v2__echo", "arguments": {"text": "hi"}}]}], "final": "{{last_output}}"}
+    script = {
+        "turns": [{"tool_calls": [{"name": "my_tree_v2__echo", "arguments": {"text": "hi"}}]}],
+        "final": "{{last_output}}",
+    }
     async with start_runner(spec(script=script, mcpServers=servers), tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED and result["final_text"] == "hi"
@@ -197,10 +212,17 @@ async def test_a_server_name_from_another_client_works_as_is(tmp_path: Path) -> 
 async def test_a_run_in_python_dev_mode_leaks_nothing(tmp_path: Path) -> None:
     # Dev mode turns unclosed files, sockets and processes into ResourceWarnings, which
     # the runner reports as log events: a clean run has none.
-    script = {"turns": [
-        {"tool_calls": [{"name": "tree", "arguments": {}}, {"name": "run_command", "arguments": {"command": "echo x"}}]},
-        {"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 30", "background": True}}]},
-    ]}
+    script = {
+        "turns": [
+            {
+                "tool_calls": [
+                    {"name": "tree", "arguments": {}},
+                    {"name": "run_command", "arguments": {"command": "echo x"}},
+                ]
+            },
+            {"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 30", "background": True}}]},
+        ]
+    }
     env = runner_env(tmp_path / "run", PYTHONDEVMODE="1")
     async with start_runner(tree_spec(script), tmp_path, env=env) as r:
         rc, result = await r.finish()

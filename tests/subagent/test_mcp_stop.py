@@ -48,14 +48,19 @@ async def wait_log(log: Path, prefix: str) -> str:
 
 async def running(r: RunnerProc, name: str) -> None:
     with trio.fail_after(30):
-        await r.wait_event(EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == name and e.data["record"]["state"] == "running")
+        await r.wait_event(
+            EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == name and e.data["record"]["state"] == "running"
+        )
 
 
 async def test_a_read_only_call_is_abandoned_at_once_and_the_server_told_its_request_id(tmp_path: Path) -> None:
-    runner_spec, log = stop_spec(tmp_path, [
-        {"name": "read_slowly", "arguments": {}},
-        {"name": "echo", "arguments": {"text": "never"}},
-    ])
+    runner_spec, log = stop_spec(
+        tmp_path,
+        [
+            {"name": "read_slowly", "arguments": {}},
+            {"name": "echo", "arguments": {"text": "never"}},
+        ],
+    )
     async with start_runner(runner_spec, tmp_path) as r:
         await running(r, "read_slowly")
         started = await wait_log(log, "start read_slowly ")
@@ -79,10 +84,13 @@ async def test_a_read_only_call_is_abandoned_at_once_and_the_server_told_its_req
 
 async def test_a_destructive_call_finishes_after_the_stop_and_the_next_never_starts(tmp_path: Path) -> None:
     record = shared_dir(tmp_path) / "record.txt"
-    runner_spec, log = stop_spec(tmp_path, [
-        {"name": "write_record", "arguments": {"path": str(record), "text": "one", "seconds": 1.0}},
-        {"name": "write_record", "arguments": {"path": str(record), "text": "two", "seconds": 0.0}},
-    ])
+    runner_spec, log = stop_spec(
+        tmp_path,
+        [
+            {"name": "write_record", "arguments": {"path": str(record), "text": "one", "seconds": 1.0}},
+            {"name": "write_record", "arguments": {"path": str(record), "text": "two", "seconds": 0.0}},
+        ],
+    )
     async with start_runner(runner_spec, tmp_path) as r:
         await running(r, "write_record")
         await wait_log(log, "start write_record ")
@@ -91,7 +99,9 @@ async def test_a_destructive_call_finishes_after_the_stop_and_the_next_never_sta
     assert rc == ExitCode.CANCELLED
     first, second = result["tool_calls"]
     assert first["on_stop"] == "finish" and first["state"] == "succeeded" and first["output"] == "written"
-    assert first["stop_effect"] == "finished_after_stop" and first["reason"].startswith("finished_after_stop: it was allowed to finish")
+    assert first["stop_effect"] == "finished_after_stop" and first["reason"].startswith(
+        "finished_after_stop: it was allowed to finish"
+    )
     assert 0 < first["stop_to_end_s"] < 5
     assert second["state"] == "not_started" and second["stop_effect"] == "stopped_before_start"
     assert record.read_text() == "one\n"  # the real effect: one write, never the second
@@ -121,11 +131,15 @@ async def test_a_cancellable_call_is_told_once_then_abandoned_after_a_short_wait
 
 async def test_the_spec_overrides_the_policy_per_server_and_per_tool(tmp_path: Path) -> None:
     policy = {"mcp": {"stop": "finish", "stop/read_slowly": "cancel"}}
-    runner_spec, _log = stop_spec(tmp_path, [
-        {"name": "read_slowly", "arguments": {"seconds": 0}},
-        {"name": "tidy_up", "arguments": {"seconds": 0}},
-        {"name": "run_command", "arguments": {"command": "true"}},
-    ], stop_policy={**policy, "run_command": "finish"})
+    runner_spec, _log = stop_spec(
+        tmp_path,
+        [
+            {"name": "read_slowly", "arguments": {"seconds": 0}},
+            {"name": "tidy_up", "arguments": {"seconds": 0}},
+            {"name": "run_command", "arguments": {"command": "true"}},
+        ],
+        stop_policy={**policy, "run_command": "finish"},
+    )
     async with start_runner(runner_spec, tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED, result
@@ -135,4 +149,3 @@ async def test_the_spec_overrides_the_policy_per_server_and_per_tool(tmp_path: P
         ("run_command", "finish", "succeeded"),
     ]
     assert all(c["stop_effect"] is None for c in result["tool_calls"])
-

@@ -15,7 +15,10 @@ def test_a_finished_turn_with_valid_arguments_is_runnable() -> None:
     a.finish("tool_calls")
     turn = a.result()
     assert turn.whole and turn.text == "hi there"
-    assert [(c.id, c.name, c.parsed, c.problem) for c in turn.calls] == [("c1", "f", {"x": 1}, None), ("c2", "g", {}, None)]
+    assert [(c.id, c.name, c.parsed, c.problem) for c in turn.calls] == [
+        ("c1", "f", {"x": 1}, None),
+        ("c2", "g", {}, None),
+    ]
 
 
 def test_a_cut_stream_marks_the_streaming_call_incomplete_and_the_others_unrun() -> None:

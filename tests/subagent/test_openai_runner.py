@@ -18,7 +18,11 @@ TWO_COMMANDS = {
     "chunk_size": 5,
     "turns": [
         {"text": "first", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo one"}}]},
-        {"text": "second", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo two"}}], "usage": {"prompt_tokens": 7, "completion_tokens": 3}},
+        {
+            "text": "second",
+            "tool_calls": [{"name": "run_command", "arguments": {"command": "echo two"}}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+        },
     ],
     "final": "answer: {{last_output}}",
 }
@@ -66,7 +70,9 @@ async def test_openai_provider_runs_the_same_conversation_with_streamed_tool_arg
     assert not r.of(EventKind.LOG), [e.data for e in r.of(EventKind.LOG)]
 
 
-async def _sigterm_mid_stream(tmp_path: Path, turn: dict[str, Any], ready: Callable[[FakeOpenAI], bool]) -> tuple[FakeOpenAI, Any, dict[str, Any], float]:
+async def _sigterm_mid_stream(
+    tmp_path: Path, turn: dict[str, Any], ready: Callable[[FakeOpenAI], bool]
+) -> tuple[FakeOpenAI, Any, dict[str, Any], float]:
     async with fake_server({"turns": [turn]}) as server:
         async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
             with trio.fail_after(15):
@@ -83,7 +89,9 @@ async def _sigterm_mid_stream(tmp_path: Path, turn: dict[str, Any], ready: Calla
 
 async def test_sigterm_while_the_model_streams_closes_the_connection_within_a_second(tmp_path: Path) -> None:
     turn = {"text": "a long answer that never ends", "chunk_size": 4, "hang": True}
-    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging)
+    server, r, result, elapsed = await _sigterm_mid_stream(
+        tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging
+    )
     assert elapsed < 1.0
     # What arrived before the stop is kept (the signal may win the race with the last bytes).
     assert "a long answer that never ends".startswith(result["progress"])
@@ -93,8 +101,13 @@ async def test_sigterm_while_the_model_streams_closes_the_connection_within_a_se
 
 
 async def test_sigterm_inside_streamed_tool_arguments_never_runs_the_call(tmp_path: Path) -> None:
-    turn = {"tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "hang_after": 15}], "chunk_size": 3}
-    server, r, result, elapsed = await _sigterm_mid_stream(tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging)
+    turn = {
+        "tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "hang_after": 15}],
+        "chunk_size": 3,
+    }
+    server, r, result, elapsed = await _sigterm_mid_stream(
+        tmp_path, turn, lambda s: bool(s.chat_requests) and s.chat_requests[0].hanging
+    )
     assert elapsed < 1.0
     # The runner may not have read the last fragments when the signal won the race; the
     # scripted twin of this test (test_runner.py) pins the exact record.
@@ -107,7 +120,13 @@ async def test_sigterm_inside_streamed_tool_arguments_never_runs_the_call(tmp_pa
 
 async def test_a_stream_cut_inside_tool_arguments_never_runs_and_the_model_is_asked_again(tmp_path: Path) -> None:
     script = {
-        "turns": [{"text": "trying", "tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "cut_after": 14}], "chunk_size": 4}],
+        "turns": [
+            {
+                "text": "trying",
+                "tool_calls": [{"name": "run_command", "arguments": {"command": "touch ran"}, "cut_after": 14}],
+                "chunk_size": 4,
+            }
+        ],
         "final": "after the cut: {{last_output}}",
     }
     async with fake_server(script) as server:
@@ -144,7 +163,6 @@ async def test_openai_without_key_or_base_url_fails_clearly(tmp_path: Path) -> N
         rc, result = await r.finish()
     assert rc == ExitCode.MODEL_ERROR
     assert "OPENAI_API_KEY" in result["error"]["message"]
-
 
 
 async def test_an_empty_stream_is_a_model_error(tmp_path: Path) -> None:

@@ -67,12 +67,14 @@ def test_garbage_is_not_a_process() -> None:
 
 def test_only_groups_that_are_provably_the_sets_count() -> None:
     k = FakeKernel(clock=lambda: 0.0)
-    k.procs.update({
-        200: Proc(pid=200, ppid=1, pgid=200, sid=200, state="S", start_ticks=5),  # same leader
-        300: Proc(pid=300, ppid=1, pgid=300, sid=300, state="S", start_ticks=9),  # a new leader
-        400: Proc(pid=400, ppid=1, pgid=77, sid=77, state="S", start_ticks=5),  # reused, not a leader
-        600: Proc(pid=600, ppid=1, pgid=600, sid=600, state="Z", start_ticks=6),  # our zombie leader
-    })
+    k.procs.update(
+        {
+            200: Proc(pid=200, ppid=1, pgid=200, sid=200, state="S", start_ticks=5),  # same leader
+            300: Proc(pid=300, ppid=1, pgid=300, sid=300, state="S", start_ticks=9),  # a new leader
+            400: Proc(pid=400, ppid=1, pgid=77, sid=77, state="S", start_ticks=5),  # reused, not a leader
+            600: Proc(pid=600, ppid=1, pgid=600, sid=600, state="Z", start_ticks=6),  # our zombie leader
+        }
+    )
     table = ProcessTable(k)
     # 500 and 700: no process has the number, so if the group exists it is still ours.
     assert table.live_groups({200: 5, 300: 5, 400: 5, 500: 5, 600: 6, 700: None}) == [200, 500, 600, 700]

@@ -41,7 +41,13 @@ async def test_scripted_run_calls_run_command_twice_and_completes(tmp_path: Path
     # One snapshot after each model turn that said something (its text and its announced
     # calls), one after each tool batch.
     snaps = r.of(EventKind.STEP_SNAPSHOT)
-    assert [s.data["progress"] for s in snaps] == ["first", "first", "first\n\nsecond", "first\n\nsecond", result["progress"]]
+    assert [s.data["progress"] for s in snaps] == [
+        "first",
+        "first",
+        "first\n\nsecond",
+        "first\n\nsecond",
+        result["progress"],
+    ]
     assert [t["state"] for t in snaps[0].data["tool_calls"]] == ["not_started"]
     assert snaps[0].data["tool_calls"][0]["on_stop"] == "interrupt"
     # Each call is announced (not started, no reason) before it runs.
@@ -101,10 +107,13 @@ FINISH_COMMANDS = {"run_command": "finish"}
 async def test_sigterm_during_a_command_interrupts_it_and_keeps_its_output(tmp_path: Path) -> None:
     script = {
         "turns": [
-            {"text": "working", "tool_calls": [
-                {"name": "run_command", "arguments": {"command": "echo started; sleep 300"}},
-                {"name": "run_command", "arguments": {"command": "echo must-not-run"}},
-            ]},
+            {
+                "text": "working",
+                "tool_calls": [
+                    {"name": "run_command", "arguments": {"command": "echo started; sleep 300"}},
+                    {"name": "run_command", "arguments": {"command": "echo must-not-run"}},
+                ],
+            },
         ]
     }
     async with start_runner(spec(script=script), tmp_path) as r:
@@ -124,15 +133,24 @@ async def test_sigterm_during_a_command_interrupts_it_and_keeps_its_output(tmp_p
     assert "started" in first["output"] and "[killed by SIGTERM]" in first["output"]
     assert second["state"] == "not_started" and second["stop_effect"] == "stopped_before_start"
     stop = r.of(EventKind.STOP_REQUESTED)[0].data
-    assert stop["during"] == "tool" and stop["tool"] == {"id": first["id"], "name": "run_command", "on_stop": "interrupt"}
+    assert stop["during"] == "tool" and stop["tool"] == {
+        "id": first["id"],
+        "name": "run_command",
+        "on_stop": "interrupt",
+    }
     # The record said at once that the stop reached the call, before it ended.
     noted = [e.data["record"] for e in r.of(EventKind.TOOL_CALL) if e.data["record"]["id"] == first["id"]]
-    assert [(n["state"], n["stop_requested_at"] is not None) for n in noted][-2:] == [("running", True), ("cancelled", True)]
+    assert [(n["state"], n["stop_requested_at"] is not None) for n in noted][-2:] == [
+        ("running", True),
+        ("cancelled", True),
+    ]
     history = [m for m in result["messages"] if m["role"] == "tool"]
     assert history[0]["content"].startswith("interrupted by the stop; output known before the interruption:\n")
     assert "\nstarted" in history[0]["content"]
     assert history[1]["content"].startswith("not executed: stopped_before_start")
-    assert not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
+    )
 
 
 async def wait_output_file_free(pgid: int) -> None:
@@ -150,11 +168,17 @@ async def wait_output_file_free(pgid: int) -> None:
 async def test_a_command_the_spec_lets_finish_finishes_after_sigterm_then_stops(tmp_path: Path) -> None:
     script = {
         "turns": [
-            {"text": "working", "tool_calls": [
-                {"name": "run_command", "arguments": {"command": "sleep 2; echo slept"}},
-                {"name": "run_command", "arguments": {"command": "echo must-not-run"}},
-            ]},
-            {"text": "must not be asked", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo nope"}}]},
+            {
+                "text": "working",
+                "tool_calls": [
+                    {"name": "run_command", "arguments": {"command": "sleep 2; echo slept"}},
+                    {"name": "run_command", "arguments": {"command": "echo must-not-run"}},
+                ],
+            },
+            {
+                "text": "must not be asked",
+                "tool_calls": [{"name": "run_command", "arguments": {"command": "echo nope"}}],
+            },
         ]
     }
     async with start_runner(spec(script=script, stop_policy=FINISH_COMMANDS), tmp_path) as r:
@@ -217,14 +241,19 @@ async def test_a_repeated_sigint_interrupts_the_running_command(tmp_path: Path) 
     (rec,) = result["tool_calls"]
     assert rec["state"] == "cancelled" and rec["reason"].startswith("interrupted")
     assert "started" in rec["output"]
-    assert not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(group.data["pgid"]) or psutil.Process(group.data["pgid"]).status() == psutil.STATUS_ZOMBIE
+    )
 
 
 async def test_a_call_cut_inside_its_arguments_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "run" / "ran"
     script = {
         "turns": [
-            {"text": "let me", "tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}, "cut_after": 13}]},
+            {
+                "text": "let me",
+                "tool_calls": [{"name": "run_command", "arguments": {"command": f"touch {marker}"}, "cut_after": 13}],
+            },
         ],
         "final": "after the cut: {{last_output}}",
     }
@@ -342,10 +371,16 @@ async def test_deadline_stops_the_run_with_reason_timeout(tmp_path: Path) -> Non
 
 
 async def test_command_timeout_and_output_bound_are_enforced(tmp_path: Path) -> None:
-    script = {"turns": [{"tool_calls": [
-        {"name": "run_command", "arguments": {"command": "head -c 5000 /dev/zero | tr '\\0' x; echo"}},
-        {"name": "run_command", "arguments": {"command": "echo before; sleep 30", "timeout_s": 1.5}},
-    ]}]}
+    script = {
+        "turns": [
+            {
+                "tool_calls": [
+                    {"name": "run_command", "arguments": {"command": "head -c 5000 /dev/zero | tr '\\0' x; echo"}},
+                    {"name": "run_command", "arguments": {"command": "echo before; sleep 30", "timeout_s": 1.5}},
+                ]
+            }
+        ]
+    }
     async with start_runner(spec(script=script, limits={"max_output_bytes": 100}), tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED
@@ -437,8 +472,20 @@ async def test_even_a_broken_install_reports_as_json_with_exit_internal(tmp_path
 async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tmp_path: Path) -> None:
     script = {
         "turns": [
-            {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo serving; exec sleep 300", "background": True}}]},
-            {"tool_calls": [{"name": "command_output", "arguments": {"id": "bg1"}}, {"name": "command_output", "arguments": {"id": "bg9"}}]},
+            {
+                "tool_calls": [
+                    {
+                        "name": "run_command",
+                        "arguments": {"command": "echo serving; exec sleep 300", "background": True},
+                    }
+                ]
+            },
+            {
+                "tool_calls": [
+                    {"name": "command_output", "arguments": {"id": "bg1"}},
+                    {"name": "command_output", "arguments": {"id": "bg9"}},
+                ]
+            },
         ],
         "final": "done",
     }
@@ -450,17 +497,26 @@ async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tm
     assert read["state"] == "succeeded" and read["output"].startswith("[running]")
     assert unknown["state"] == "failed" and unknown["reason"] == "unknown_command_id"
     groups = [(g.data["name"], g.data["alive"]) for g in r.of(EventKind.PROCESS_GROUP)]
-    assert groups == [("[background] echo serving; exec sleep 300", True), ("[background] echo serving; exec sleep 300", False)]
+    assert groups == [
+        ("[background] echo serving; exec sleep 300", True),
+        ("[background] echo serving; exec sleep 300", False),
+    ]
     pgid = r.of(EventKind.PROCESS_GROUP)[0].data["pgid"]
     assert not psutil.pid_exists(pgid) or psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE
     assert (r.run_dir / "command-bg1.log").read_text() == "serving\n"
 
 
 async def test_a_stop_ends_background_commands_too(tmp_path: Path) -> None:
-    script = {"turns": [
-        {"tool_calls": [{"name": "run_command", "arguments": {"command": "trap '' TERM; sleep 300", "background": True}}]},
-        {"text": "waiting", "hang": True},
-    ]}
+    script = {
+        "turns": [
+            {
+                "tool_calls": [
+                    {"name": "run_command", "arguments": {"command": "trap '' TERM; sleep 300", "background": True}}
+                ]
+            },
+            {"text": "waiting", "hang": True},
+        ]
+    }
     async with start_runner(spec(script=script), tmp_path) as r:
         with trio.fail_after(10):
             await r.wait_event(EventKind.STEP_STARTED, lambda e: e.data["step"] == 2)
@@ -473,10 +529,19 @@ async def test_a_stop_ends_background_commands_too(tmp_path: Path) -> None:
 
 async def test_a_deadline_during_a_command_lets_it_finish_like_a_stop(tmp_path: Path) -> None:
     flag = tmp_path / "run" / "go"
-    script = {"turns": [
-        {"tool_calls": [{"name": "run_command", "arguments": {"command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"}}]},
-        {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo never"}}]},
-    ]}
+    script = {
+        "turns": [
+            {
+                "tool_calls": [
+                    {
+                        "name": "run_command",
+                        "arguments": {"command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"},
+                    }
+                ]
+            },
+            {"tool_calls": [{"name": "run_command", "arguments": {"command": "echo never"}}]},
+        ]
+    }
     runner_spec = spec(script=script, limits={"deadline_s": 1.0}, stop_policy=FINISH_COMMANDS)
     async with start_runner(runner_spec, tmp_path) as r:
         with trio.fail_after(15):

@@ -86,7 +86,13 @@ def test_names_the_daemon_adds_pass_but_the_model_key_never_does() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "mode"),
-    [(None, "auto"), ("off", "off"), ("required", "required"), ("{not json", "required"), ('{"mode": "bogus"}', "required")],
+    [
+        (None, "auto"),
+        ("off", "off"),
+        ("required", "required"),
+        ("{not json", "required"),
+        ('{"mode": "bogus"}', "required"),
+    ],
 )
 def test_settings_from_the_environment_err_on_the_safe_side(raw: str | None, mode: str) -> None:
     environ = {} if raw is None else {SANDBOX_ENV: raw}
@@ -107,7 +113,9 @@ def test_grants_inside_a_protected_path_are_refused(tmp_path: Path) -> None:
 
 
 def test_the_spec_takes_explicit_absolute_grants() -> None:
-    spec = RunSpec.from_dict({"task": "t", "sandbox": {"read": ["/data/in/"], "write": ["/data/out"], "workdir": "/srv/p"}}, env={})
+    spec = RunSpec.from_dict(
+        {"task": "t", "sandbox": {"read": ["/data/in/"], "write": ["/data/out"], "workdir": "/srv/p"}}, env={}
+    )
     assert spec.sandbox.read == ("/data/in",) and spec.sandbox.write == ("/data/out",)
     assert spec.sandbox.workdir == "/srv/p"
     assert RunSpec.from_dict(spec.to_dict(), env={}) == spec

@@ -15,7 +15,9 @@ def kinds(pieces: list[Any]) -> list[str]:
 
 
 def test_a_turn_streams_text_then_calls_then_finish() -> None:
-    s = Script.from_dict({"chunk_size": 4, "turns": [{"text": "hello!", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]}]})
+    s = Script.from_dict(
+        {"chunk_size": 4, "turns": [{"text": "hello!", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]}]}
+    )
     pieces = plan(s, 0, "")
     assert kinds(pieces) == ["text", "text", "tool_start", "tool_args", "tool_args", "finish"]
     assert "".join(p.text for p in pieces if p.kind == "tool_args") == '{"a":1}'
@@ -28,10 +30,14 @@ def test_past_the_last_turn_the_final_answer_plays() -> None:
 
 
 def test_cut_and_hang_end_the_stream_inside_the_arguments() -> None:
-    s = Script.from_dict({"turns": [
-        {"tool_calls": [{"name": "f", "arguments": {"path": "/etc/passwd"}, "cut_after": 9}]},
-        {"tool_calls": [{"name": "f", "arguments": "{}", "hang_after": 1}]},
-    ]})
+    s = Script.from_dict(
+        {
+            "turns": [
+                {"tool_calls": [{"name": "f", "arguments": {"path": "/etc/passwd"}, "cut_after": 9}]},
+                {"tool_calls": [{"name": "f", "arguments": "{}", "hang_after": 1}]},
+            ]
+        }
+    )
     cut = plan(s, 0, "")
     assert kinds(cut)[-1] == "cut"
     assert "".join(p.text for p in cut if p.kind == "tool_args") == '{"path":"'
@@ -45,11 +51,18 @@ def test_delays_are_pieces_so_players_can_sleep() -> None:
 
 
 def test_variables_interpolate_from_the_last_tool_output() -> None:
-    s = Script.from_dict({
-        "extract": r"ref=(e\d+)",
-        "turns": [{"text": "step {{step}} saw {{match}}", "tool_calls": [{"name": "click", "arguments": {"ref": "{{match}}"}}]}],
-        "final": "last: {{last_output}}",
-    })
+    s = Script.from_dict(
+        {
+            "extract": r"ref=(e\d+)",
+            "turns": [
+                {
+                    "text": "step {{step}} saw {{match}}",
+                    "tool_calls": [{"name": "click", "arguments": {"ref": "{{match}}"}}],
+                }
+            ],
+            "final": "last: {{last_output}}",
+        }
+    )
     pieces = plan(s, 0, "button ref=e42 ok")
     assert "".join(p.text for p in pieces if p.kind == "text") == "step 1 saw e42"
     assert json.loads("".join(p.text for p in pieces if p.kind == "tool_args")) == {"ref": "e42"}
@@ -71,8 +84,14 @@ def test_an_error_turn_plays_its_text_then_fails() -> None:
     [
         ({"turns": {}}, "turns"),
         ({"turns": [{"texts": "x"}]}, "turns[0]"),
-        ({"turns": [{"tool_calls": [{"name": "f", "cut_after": 1}, {"name": "g"}]}]}, "turns[0].tool_calls[0].cut_after"),
-        ({"turns": [{"tool_calls": [{"name": "f", "cut_after": 1, "hang_after": 1}]}]}, "turns[0].tool_calls[0].hang_after"),
+        (
+            {"turns": [{"tool_calls": [{"name": "f", "cut_after": 1}, {"name": "g"}]}]},
+            "turns[0].tool_calls[0].cut_after",
+        ),
+        (
+            {"turns": [{"tool_calls": [{"name": "f", "cut_after": 1, "hang_after": 1}]}]},
+            "turns[0].tool_calls[0].hang_after",
+        ),
         ({"turns": [{"tool_calls": [{"name": "f", "arguments": 3}]}]}, "turns[0].tool_calls[0].arguments"),
         ({"turns": [{"extract": "("}]}, "turns[0].extract"),
         ({"turns": [{"delay_s": -1}]}, "turns[0].delay_s"),

@@ -47,11 +47,17 @@ def test_full_spec_round_trips() -> None:
 
 
 def test_claude_desktop_file_shape_is_accepted_unchanged() -> None:
-    desktop = {"mcpServers": {
-        "filesystem": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/tmp"]},
-        "brave-search": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-brave-search"], "env": {"BRAVE_API_KEY": "k"}},
-        "My Server.v2": {"command": "/opt/srv"},
-    }}
+    desktop = {
+        "mcpServers": {
+            "filesystem": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/tmp"]},
+            "brave-search": {
+                "command": "npx",
+                "args": ["-y", "@modelcontextprotocol/server-brave-search"],
+                "env": {"BRAVE_API_KEY": "k"},
+            },
+            "My Server.v2": {"command": "/opt/srv"},
+        }
+    }
     s = RunSpec.from_dict({"task": "t", **desktop}, env={})
     assert s.mcp_servers["filesystem"].command == "npx"
     assert set(s.mcp_servers) == {"filesystem", "brave-search", "My Server.v2"}
@@ -68,7 +74,10 @@ def test_claude_desktop_file_shape_is_accepted_unchanged() -> None:
         ({"task": "t", "model": {"temperature": 1}}, "model.temperature"),
         ({"task": "t", "model": {"provider": "openai", "script": {}}}, "model.script"),
         ({"task": "t", "model": {"script": {}, "script_path": "/x"}}, "model.script_path"),
-        ({"task": "t", "model": {"script": {"turns": [{"tool_calls": [{"name": ""}]}]}}}, "model.script.turns[0].tool_calls[0].name"),
+        (
+            {"task": "t", "model": {"script": {"turns": [{"tool_calls": [{"name": ""}]}]}}},
+            "model.script.turns[0].tool_calls[0].name",
+        ),
         ({"task": "t", "model": {"request_timeout_s": 0}}, "model.request_timeout_s"),
         ({"task": "t", "builtin_tools": ["rm_rf"]}, "builtin_tools[0]"),
         ({"task": "t", "builtin_tools": "run_command"}, "builtin_tools"),

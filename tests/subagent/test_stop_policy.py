@@ -52,7 +52,12 @@ def test_a_spec_round_trips_its_stop_policy_and_omits_the_default() -> None:
         "task": "t",
         "mcpServers": {"fs": {"command": "node", "args": ["fs.js"]}},
         "browser": True,
-        "stop_policy": {"run_command": "finish", "mcp": {"fs": "abandon", "browser/browser_click": "cancel"}, "command_grace_s": 2, "cancel_wait_s": 0.5},
+        "stop_policy": {
+            "run_command": "finish",
+            "mcp": {"fs": "abandon", "browser/browser_click": "cancel"},
+            "command_grace_s": 2,
+            "cancel_wait_s": 0.5,
+        },
     }
     spec = RunSpec.from_dict(d, env={})
     assert spec.stop_policy == StopPolicySpec("finish", {"fs": "abandon", "browser/browser_click": "cancel"}, 2.0, 0.5)

@@ -34,7 +34,14 @@ def box(**servers: list[str]) -> ToolBox:
 
 def test_unique_tools_keep_their_names_and_collisions_are_qualified() -> None:
     b = box(web=["browser_navigate", "search"], docs=["search", "run_command", "odd.name"])
-    assert b.names() == ["run_command", "browser_navigate", "web__search", "docs__search", "docs__run_command", "odd_name"]
+    assert b.names() == [
+        "run_command",
+        "browser_navigate",
+        "web__search",
+        "docs__search",
+        "docs__run_command",
+        "odd_name",
+    ]
     assert b.has("web__browser_navigate") and b.has("browser_navigate")
     assert not b.has("search")
     schema_names = [s["function"]["name"] for s in b.schemas()]

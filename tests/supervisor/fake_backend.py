@@ -114,9 +114,7 @@ class FakeBackend:
             self.finish(run_id, final, {"final_text": "done"})
 
     # ---------------------------------------------------------------- Backend
-    async def spawn(
-        self, spec: dict[str, Any], *, session_id: str | None, timeout_s: float | None
-    ) -> dict[str, Any]:
+    async def spawn(self, spec: dict[str, Any], *, session_id: str | None, timeout_s: float | None) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()
         if not isinstance(spec.get("task"), str) or not spec["task"].strip():
             raise SpawnError("task: expected a non-empty string")

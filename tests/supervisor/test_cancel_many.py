@@ -80,7 +80,9 @@ async def test_every_stop_is_under_way_before_any_is_journaled(tmp_path: Path, m
             ids = await live_runs(m, RUNS)
             commands = []
             for run_id in ids:
-                group = await wait_event(m, run_id, lambda e: e["kind"] == "process_group" and e["data"].get("kind") == "command")
+                group = await wait_event(
+                    m, run_id, lambda e: e["kind"] == "process_group" and e["data"].get("kind") == "command"
+                )
                 commands.append(os.pidfd_open(int(group["data"]["pgid"])))
             held, release = threading.Event(), threading.Event()
 

@@ -42,7 +42,9 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
 
 def run(server: ServerThread | Path, *args: str, env: dict[str, str] | None = None) -> Result:
     state_dir = server if isinstance(server, Path) else server.config.state_dir
-    return CliRunner(env=env).invoke(cli, ["--state-dir", str(state_dir), *args], catch_exceptions=False, prog_name="agentd")
+    return CliRunner(env=env).invoke(
+        cli, ["--state-dir", str(state_dir), *args], catch_exceptions=False, prog_name="agentd"
+    )
 
 
 def write_spec(tmp_path: Path, spec: dict[str, Any]) -> str:
@@ -84,7 +86,19 @@ def test_a_status_round_trip_in_a_fresh_process_stays_off_the_heavy_imports(serv
 def test_spawn_prints_the_run_id_and_passes_options_into_the_spec(server: ServerThread, tmp_path: Path) -> None:
     script = tmp_path / "script.json"
     script.write_text("{}")
-    res = run(server, "spawn", "list the files", "--script", str(script), "--max-steps", "3", "--session", "s1", "--timeout", "60")
+    res = run(
+        server,
+        "spawn",
+        "list the files",
+        "--script",
+        str(script),
+        "--max-steps",
+        "3",
+        "--session",
+        "s1",
+        "--timeout",
+        "60",
+    )
     assert res.exit_code == 0, res.output
     run_id = res.stdout.strip()
     assert run_id in server.backend.runs
@@ -105,14 +119,23 @@ def test_spawn_wait_follows_the_run_to_completion_with_progress_lines(server: Se
     run_id = lines[0]
     assert run_id.startswith("r-")
     text = res.stdout
-    for expected in ("state: running", "runner started (pid 4242", "step 1", "tool run_command succeeded",
-                     "snapshot after step 1: listed the files", "assistant: All done.", "state: completed"):
+    for expected in (
+        "state: running",
+        "runner started (pid 4242",
+        "step 1",
+        "tool run_command succeeded",
+        "snapshot after step 1: listed the files",
+        "assistant: All done.",
+        "state: completed",
+    ):
         assert expected in text, (expected, text)
     assert lines[-1] == f"run {run_id} completed"
 
 
 @pytest.mark.parametrize(("autoplay", "code"), [("ok", ExitCode.OK), ("fails", ExitCode.RUN_FAILED)])
-def test_spawn_wait_exit_code_reflects_the_outcome(server: ServerThread, tmp_path: Path, autoplay: str, code: int) -> None:
+def test_spawn_wait_exit_code_reflects_the_outcome(
+    server: ServerThread, tmp_path: Path, autoplay: str, code: int
+) -> None:
     res = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "go", "autoplay": autoplay}), "--wait")
     assert res.exit_code == code, res.output
 
@@ -183,7 +206,10 @@ def test_a_refused_spec_among_several_names_its_file_and_the_others_start(server
     paths = write_specs(tmp_path, [{"task": "a"}, {"task": "b", "model": "gpt"}, {"task": "c"}])
     res = run(server, "spawn", *(a for p in paths for a in ("--spec", p)))
     assert res.exit_code == ExitCode.REFUSED
-    assert res.stderr == f"error: spec file {paths[1]!r}: the daemon refused the spec: model: expected an object, got str\n"
+    assert (
+        res.stderr
+        == f"error: spec file {paths[1]!r}: the daemon refused the spec: model: expected an object, got str\n"
+    )
     started = res.stdout.split()
     assert [server.backend.runs[r].spec["task"] for r in started] == ["a", "c"]
 
@@ -226,7 +252,9 @@ def test_build_spec_reads_claude_desktop_mcp_files_and_merges_options(tmp_path: 
     mcp = tmp_path / "mcp.json"
     mcp.write_text(json.dumps({"mcpServers": {"fs": {"command": "npx", "args": ["fs"]}}}))
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"task": "old", "model": {"provider": "openai", "name": "a"}, "limits": {"deadline_s": 5}}))
+    spec_file.write_text(
+        json.dumps({"task": "old", "model": {"provider": "openai", "name": "a"}, "limits": {"deadline_s": 5}})
+    )
     spec = build_spec("new", spec_file=spec_file, model="b", mcp_config=mcp, browser=True, max_steps=4)
     assert spec == {
         "task": "new",
@@ -303,7 +331,9 @@ def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, f
             for kind, data in events:
                 await journal.append_event("r-1", kind, data)
             if final is not None:
-                await journal.finish("r-1", RunState(final), reason=None, result=None, partial=False, error=None, receipt=None)
+                await journal.finish(
+                    "r-1", RunState(final), reason=None, result=None, partial=False, error=None, receipt=None
+                )
         finally:
             await journal.aclose()
 
@@ -313,7 +343,9 @@ def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, f
 
 def test_logs_reads_the_journal_file_with_no_daemon(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    run_id = make_journal(state, [("state", {"state": "running"}), ("log", {"level": "warning", "message": "disk almost full"})])
+    run_id = make_journal(
+        state, [("state", {"state": "running"}), ("log", {"level": "warning", "message": "disk almost full"})]
+    )
     assert not (state / "daemon.json").exists()  # nothing to connect to
     res = run(state, "logs", run_id)
     assert res.exit_code == 0, res.output
@@ -352,11 +384,23 @@ def test_logs_follow_continues_through_the_daemon_until_the_end(real_daemon: Pat
     ("event", "line"),
     [
         ({"seq": 3, "kind": "state", "data": {"state": "cancelling", "reason": "user"}}, "state: cancelling (user)"),
-        ({"seq": 4, "kind": "process_group", "data": {"pgid": 77, "kind": "mcp_server", "name": "browser", "alive": False}},
-         "process group 77 (mcp_server browser) ended"),
-        ({"seq": 5, "kind": "stop_requested", "data": {"reason": "signal", "during": "tool"}}, "stop requested (signal, during tool)"),
+        (
+            {
+                "seq": 4,
+                "kind": "process_group",
+                "data": {"pgid": 77, "kind": "mcp_server", "name": "browser", "alive": False},
+            },
+            "process group 77 (mcp_server browser) ended",
+        ),
+        (
+            {"seq": 5, "kind": "stop_requested", "data": {"reason": "signal", "during": "tool"}},
+            "stop requested (signal, during tool)",
+        ),
         ({"seq": 6, "kind": "something_new", "data": {"a": 1}}, 'something_new {"a": 1}'),
-        ({"seq": 7, "kind": "log", "data": {"level": "error", "message": "error: bad run spec: task"}}, "[error] bad run spec: task"),
+        (
+            {"seq": 7, "kind": "log", "data": {"level": "error", "message": "error: bad run spec: task"}},
+            "[error] bad run spec: task",
+        ),
         ({"seq": 8, "kind": "steer_sent", "data": {"text": "mind the logs"}}, "steering sent: mind the logs"),
     ],
 )
@@ -381,7 +425,9 @@ def test_cancel_prints_was_active_and_the_terminal_state(server: ServerThread) -
     assert server.backend.cancels == [(run_id, "user")] * 3
 
 
-@pytest.mark.parametrize(("state", "code"), [("completed", ExitCode.OK), ("failed", ExitCode.RUN_FAILED), ("lost", ExitCode.RUN_LOST)])
+@pytest.mark.parametrize(
+    ("state", "code"), [("completed", ExitCode.OK), ("failed", ExitCode.RUN_FAILED), ("lost", ExitCode.RUN_LOST)]
+)
 def test_cancel_of_a_run_that_already_ended_exits_with_its_outcome(server: ServerThread, state: str, code: int) -> None:
     run_id = server.call(server.backend.add_run)
     server.call(server.backend.finish, run_id, state)
@@ -507,7 +553,9 @@ def test_serve_on_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
         port = holder.getsockname()[1]
         out = subprocess.run(
             [sys.executable, "-m", "supervisor", "--state-dir", str(tmp_path / "state"), "serve", "--port", str(port)],
-            capture_output=True, text=True, timeout=DAEMON_START_S,
+            capture_output=True,
+            text=True,
+            timeout=DAEMON_START_S,
         )
     assert out.returncode == ExitCode.USAGE, out.stderr
     assert out.stderr.splitlines()[-1] == (
@@ -520,7 +568,10 @@ def test_serve_on_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
 def test_model_key_env_that_is_not_set_is_a_usage_error(server: ServerThread) -> None:
     res = run(server, "spawn", "x", "--model", "gpt-4o-mini", "--model-key-env", "AGENTD_TEST_NO_SUCH_VAR")
     assert res.exit_code == ExitCode.USAGE
-    assert res.stderr == "error: --model-key-env: environment variable 'AGENTD_TEST_NO_SUCH_VAR' is not set or empty in this shell\n"
+    assert (
+        res.stderr
+        == "error: --model-key-env: environment variable 'AGENTD_TEST_NO_SUCH_VAR' is not set or empty in this shell\n"
+    )
     assert not server.backend.spawns
 
 
@@ -594,7 +645,9 @@ def real_daemon(tmp_path: Path) -> Iterator[Path]:
     log = open(tmp_path / "daemon.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "supervisor", "--state-dir", str(state_dir), "serve", "--grace", "2"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + DAEMON_START_S
@@ -646,7 +699,10 @@ def test_cancel_on_the_real_daemon_prints_was_active_and_the_terminal_state(real
     assert follow.state == "cancelled"
     again = run(real_daemon, "--json", "cancel", run_id)
     assert json.loads(again.stdout) == {"run_id": run_id, "was_active": False, "state": "cancelled"}
-    shown = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in run(real_daemon, "status", run_id).stdout.splitlines()}
+    shown = {
+        line.split("  ", 1)[0]: line.split("  ", 1)[1].strip()
+        for line in run(real_daemon, "status", run_id).stdout.splitlines()
+    }
     assert shown["state"] == "cancelled (user)"
     assert "cancel to tree dead" in shown["teardown"] and "no survivors" in shown["teardown"]
 
@@ -654,7 +710,9 @@ def test_cancel_on_the_real_daemon_prints_was_active_and_the_terminal_state(real
 def test_a_second_daemon_on_the_same_state_dir_exits_9_with_one_line(real_daemon: Path) -> None:
     second = subprocess.run(
         [sys.executable, "-m", "supervisor", "--state-dir", str(real_daemon), "serve"],
-        capture_output=True, text=True, timeout=DAEMON_START_S,
+        capture_output=True,
+        text=True,
+        timeout=DAEMON_START_S,
     )
     assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
     assert second.stderr.startswith("error: another agentd daemon") and second.stderr.count("\n") == 1

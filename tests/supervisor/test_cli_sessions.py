@@ -27,8 +27,22 @@ HISTORY = {
             "created_at": 1.0,
             "messages": [
                 {"role": "user", "content": "count the lines"},
-                {"role": "assistant", "content": "Counting.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run_command", "arguments": '{"command":"wc -l x"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "interrupted by the stop; output known before the interruption:\n12 x"},
+                {
+                    "role": "assistant",
+                    "content": "Counting.",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "run_command", "arguments": '{"command":"wc -l x"}'},
+                        }
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "c1",
+                    "content": "interrupted by the stop; output known before the interruption:\n12 x",
+                },
                 {"role": "system", "content": "[The user stopped this turn before it finished.]"},
             ],
         }
@@ -59,7 +73,19 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
             return HISTORY
 
         async def list_sessions(*, limit: int) -> dict[str, Any]:
-            return {"sessions": [{"session_id": "chat-1", "turns": 1, "last_at": 1.0, "last_state": "cancelled", "live_run": None, "closed_at": None, "profile": {"path": "/p", "used_at": 1.0}}]}
+            return {
+                "sessions": [
+                    {
+                        "session_id": "chat-1",
+                        "turns": 1,
+                        "last_at": 1.0,
+                        "last_state": "cancelled",
+                        "live_run": None,
+                        "closed_at": None,
+                        "profile": {"path": "/p", "used_at": 1.0},
+                    }
+                ]
+            }
 
         async def close_session(session_id: str) -> dict[str, Any]:
             return {"session_id": session_id, "was_open": True, "stopped": ["r-2"], "profile_removed": True}
@@ -108,4 +134,7 @@ def test_sessions_and_session_close(server: ServerThread) -> None:
 
 def test_interrupt_without_a_session_is_a_usage_error(server: ServerThread) -> None:
     res = run(server, "spawn", "x", "--interrupt")
-    assert res.exit_code == ExitCode.USAGE and res.output == "error: --interrupt needs --session: it stops that session's live turn\n"
+    assert (
+        res.exit_code == ExitCode.USAGE
+        and res.output == "error: --interrupt needs --session: it stops that session's live turn\n"
+    )

@@ -186,7 +186,10 @@ def test_cancel_many_on_a_backend_without_it_cancels_each_run(server: ServerThre
     ids = [client.spawn({"task": f"t{i}"})["run_id"] for i in range(3)]
     out = client.cancel_many([*ids, "r-missing"])
     assert [r.get("state") for r in out["runs"]] == ["cancelled"] * 3 + [None]
-    assert out["runs"][3] == {"run_id": "r-missing", "error": {"code": "not_found", "message": "no run with id 'r-missing'"}}
+    assert out["runs"][3] == {
+        "run_id": "r-missing",
+        "error": {"code": "not_found", "message": "no run with id 'r-missing'"},
+    }
     assert sorted(server.backend.cancels) == sorted((r, "user") for r in ids)
 
 

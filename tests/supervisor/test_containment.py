@@ -105,7 +105,11 @@ def test_a_runner_in_its_tree_cgroup_finds_it(made: list[Containment]) -> None:
     for tree_id, found in (("t-abc", str(path)), ("t-other", "None")):
         out = subprocess.run(
             [sys.executable, "-c", code, str(path / "cgroup.procs")],
-            env={**os.environ, "AGENTD_TREE": tree_id}, capture_output=True, text=True, timeout=30, check=True,
+            env={**os.environ, "AGENTD_TREE": tree_id},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         )
         assert out.stdout.strip() == found, out.stderr
 
@@ -460,7 +464,9 @@ def test_a_cgroup_turns_its_events_file_readable_when_its_last_process_exits(mad
         os.write(fd, b"0")
         os.close(fd)
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, preexec_fn=join)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, preexec_fn=join
+    )
     watch = Watch.open([(leaf / "cgroup.events", IN_MODIFY)])
     assert watch is not None
     try:

@@ -65,9 +65,7 @@ def auth(token: str = TOKEN) -> list[tuple[bytes, bytes]]:
 
 
 @asynccontextmanager
-async def connect(
-    srv: Server, headers: list[tuple[bytes, bytes]] | None = None, path: str = ""
-) -> AsyncIterator[Peer]:
+async def connect(srv: Server, headers: list[tuple[bytes, bytes]] | None = None, path: str = "") -> AsyncIterator[Peer]:
     async with open_websocket_url(
         srv.url + path,
         extra_headers=auth() if headers is None else headers,
@@ -120,7 +118,10 @@ class Peer:
 def test_check_access_accepts_the_token_by_header_or_query() -> None:
     assert control.check_access(auth(), "/", token=TOKEN, allowed_origins=()) is None
     assert control.check_access([], f"/?token={TOKEN}", token=TOKEN, allowed_origins=()) is None
-    assert control.check_access([(b"authorization", b"bearer " + TOKEN.encode())], "/", token=TOKEN, allowed_origins=()) is None
+    assert (
+        control.check_access([(b"authorization", b"bearer " + TOKEN.encode())], "/", token=TOKEN, allowed_origins=())
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -313,9 +314,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
     assert b.cancels == []
 
 
-async def test_a_client_leaving_mid_stream_is_not_an_error(
-    server: Server, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_client_leaving_mid_stream_is_not_an_error(server: Server, caplog: pytest.LogCaptureFixture) -> None:
     b = server.backend
     run = b.add_run()
     for _ in range(500):
@@ -427,8 +426,13 @@ async def test_subscribe_replays_then_streams_live_then_ends(server: Server) -> 
         b.emit(run, "log", {"n": 2})
         msg = await peer.recv()
         assert msg == {
-            "op": "event", "sub": ack["sub"], "run_id": run, "seq": 3,
-            "ts": msg["ts"], "kind": "log", "data": {"n": 2},
+            "op": "event",
+            "sub": ack["sub"],
+            "run_id": run,
+            "seq": 3,
+            "ts": msg["ts"],
+            "kind": "log",
+            "data": {"n": 2},
         }
         b.finish(run, "completed")
         seqs, end = await peer.events_until_end()

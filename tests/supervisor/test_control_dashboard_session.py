@@ -71,7 +71,10 @@ def test_check_access_is_unchanged_without_a_session_check() -> None:
     _, cookie = signed_in_sessions()
     refusal = control.check_access(headers(DASH_ORIGIN, cookie), "/", token=TOKEN, allowed_origins=())
     assert refusal is not None and refusal[0] == 403
-    assert control.check_access([(b"Authorization", f"Bearer {TOKEN}".encode())], "/", token=TOKEN, allowed_origins=()) is None
+    assert (
+        control.check_access([(b"Authorization", f"Bearer {TOKEN}".encode())], "/", token=TOKEN, allowed_origins=())
+        is None
+    )
 
 
 async def _status(port: int, extra: list[tuple[bytes, bytes]]) -> int:
@@ -109,7 +112,10 @@ async def test_a_real_handshake_with_the_session_cookie_is_served_and_a_foreign_
     assert await _status(port, headers(DASH_ORIGIN, None)) == 403
     assert await _status(port, headers(DASH_ORIGIN, cookie)) == 101
     async with open_websocket_url(
-        f"ws://127.0.0.1:{port}/", extra_headers=headers(DASH_ORIGIN, cookie), connect_timeout=WAIT_S, disconnect_timeout=WAIT_S
+        f"ws://127.0.0.1:{port}/",
+        extra_headers=headers(DASH_ORIGIN, cookie),
+        connect_timeout=WAIT_S,
+        disconnect_timeout=WAIT_S,
     ) as ws:
         await ws.send_message(json.dumps({"id": 1, "op": "ping"}))
         with trio.fail_after(WAIT_S):

@@ -137,7 +137,12 @@ def test_the_session_cookie_is_httponly_samesite_strict_and_named_for_this_dashb
 
 def test_only_the_dashboards_own_origin_and_host_names_are_accepted() -> None:
     s = sessions()
-    for ok in (f"http://127.0.0.1:{PORT}", f"http://localhost:{PORT}", f"http://[::1]:{PORT}", f"HTTP://LOCALHOST:{PORT}/"):
+    for ok in (
+        f"http://127.0.0.1:{PORT}",
+        f"http://localhost:{PORT}",
+        f"http://[::1]:{PORT}",
+        f"HTTP://LOCALHOST:{PORT}/",
+    ):
         assert s.origin_ok(ok), ok
     for bad in (
         f"http://127.0.0.1:{PORT + 1}",
@@ -291,7 +296,9 @@ def test_the_page_has_no_inline_script_or_style_and_fetches_nothing_from_the_int
                 assert ref[len("/static/") :] in files, f"{name} refers to missing {ref}"
         if name.endswith(".js"):
             for spec in re.findall(r'^import .* from "([^"]+)";', text, re.M):
-                assert spec.startswith("./") and spec[2:] in {n[3:] for n in files if n.startswith("js/")}, f"{name}: {spec}"
+                assert spec.startswith("./") and spec[2:] in {n[3:] for n in files if n.startswith("js/")}, (
+                    f"{name}: {spec}"
+                )
             assert "innerHTML" not in text and "eval(" not in text, name
 
 

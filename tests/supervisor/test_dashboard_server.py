@@ -118,7 +118,9 @@ async def test_connections_beyond_the_limit_are_closed_at_once(served: Served, m
     # The limiter is built at serve time: start a second server with the patched limit.
     async with trio.open_nursery() as nursery:
         sessions = Sessions(TOKEN)
-        port = await nursery.start(partial(serve_dashboard, Config(state_dir=Path("/nonexistent")), sessions, control_port=1))
+        port = await nursery.start(
+            partial(serve_dashboard, Config(state_dir=Path("/nonexistent")), sessions, control_port=1)
+        )
         held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
         # Make sure both are being served (a request each) before the third comes.
         for s in held:

@@ -438,7 +438,10 @@ c.close()
 print("alive")
 """
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent.parent)),
     )
     assert done.returncode == 0, done.stderr

@@ -36,15 +36,26 @@ async def journal(db: Path) -> AsyncIterator[Journal]:
 
 
 async def new_run(
-    j: Journal, run_id: str = "r1", *, state: RunState = S.QUEUED, session_id: str = "s1",
+    j: Journal,
+    run_id: str = "r1",
+    *,
+    state: RunState = S.QUEUED,
+    session_id: str = "s1",
     created_at: float = T0,
 ) -> str:
     await j.create_run(
-        run_id, session_id=session_id, spec={"prompt": "hi"}, created_at=created_at,
+        run_id,
+        session_id=session_id,
+        spec={"prompt": "hi"},
+        created_at=created_at,
         timeout_s=30.0,
     )
-    path = {S.QUEUED: [], S.STARTING: [S.STARTING], S.RUNNING: [S.STARTING, S.RUNNING],
-            S.CANCELLING: [S.STARTING, S.RUNNING, S.CANCELLING]}[state]
+    path = {
+        S.QUEUED: [],
+        S.STARTING: [S.STARTING],
+        S.RUNNING: [S.STARTING, S.RUNNING],
+        S.CANCELLING: [S.STARTING, S.RUNNING, S.CANCELLING],
+    }[state]
     for step in path:
         assert await j.transition(run_id, step)
     return run_id
@@ -56,8 +67,7 @@ def raw(db: Path) -> sqlite3.Connection:
 
 
 def tool_call(call_id: str, state: str, *, step: int = 1, **extra: Any) -> dict[str, Any]:
-    return {"id": call_id, "name": "run_command", "arguments": "{}", "step": step,
-            "state": state, **extra}
+    return {"id": call_id, "name": "run_command", "arguments": "{}", "step": step, "state": state, **extra}
 
 
 # -- opening, migrations, damaged files ----------------------------------------------
@@ -74,9 +84,7 @@ async def test_a_new_file_gets_the_latest_schema_in_wal_mode(db: Path) -> None:
     conn.close()
 
 
-async def test_reopening_keeps_everything_and_migrates_nothing(
-    db: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_reopening_keeps_everything_and_migrates_nothing(db: Path, caplog: pytest.LogCaptureFixture) -> None:
     async with await Journal.open(db) as j:
         await new_run(j, state=S.RUNNING)
     caplog.set_level("INFO", logger=_journal_schema.__name__)
@@ -100,9 +108,7 @@ async def test_a_journal_from_an_older_schema_is_migrated_and_keeps_its_runs(db:
         "VALUES ('old', 's', 'running', 1.0, '{}', 1)"
     )
     conn.execute("INSERT INTO events VALUES ('old', 1, 1.0, 'log', '{\"m\": 1}')")
-    assert "tool_calls" not in {
-        r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")
-    }
+    assert "tool_calls" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
     conn.close()
 
     async with await Journal.open(db) as j:
@@ -211,18 +217,36 @@ async def test_aclose_is_idempotent_and_later_calls_are_refused(db: Path) -> Non
 
 
 async def test_a_new_run_is_queued_with_every_field_readable(journal: Journal) -> None:
-    await journal.create_run(
-        "r1", session_id="s1", spec={"prompt": "hi", "n": [1, 2]}, created_at=T0, timeout_s=9.5
-    )
+    await journal.create_run("r1", session_id="s1", spec={"prompt": "hi", "n": [1, 2]}, created_at=T0, timeout_s=9.5)
     run = await journal.get_run("r1")
     assert run == {
-        "id": "r1", "session_id": "s1", "state": S.QUEUED, "reason": None,
-        "created_at": T0, "started_at": None, "ended_at": None, "timeout_s": 9.5,
-        "spec": {"prompt": "hi", "n": [1, 2]}, "result": None, "partial": False,
-        "partial_snapshot": None, "error": None, "receipt": None, "pid": None,
-        "pid_start_time": None, "pgid": None, "tree_id": None, "cgroup": None,
-        "containment": None, "run_dir": None, "last_seq": 0, "cancel_reason": None,
-        "cancel_requested_at": None, "stop_deadline": None, "deadline": None, "groups": [],
+        "id": "r1",
+        "session_id": "s1",
+        "state": S.QUEUED,
+        "reason": None,
+        "created_at": T0,
+        "started_at": None,
+        "ended_at": None,
+        "timeout_s": 9.5,
+        "spec": {"prompt": "hi", "n": [1, 2]},
+        "result": None,
+        "partial": False,
+        "partial_snapshot": None,
+        "error": None,
+        "receipt": None,
+        "pid": None,
+        "pid_start_time": None,
+        "pgid": None,
+        "tree_id": None,
+        "cgroup": None,
+        "containment": None,
+        "run_dir": None,
+        "last_seq": 0,
+        "cancel_reason": None,
+        "cancel_requested_at": None,
+        "stop_deadline": None,
+        "deadline": None,
+        "groups": [],
         "tool_calls": [],
     }
     assert await journal.get_run("nope") is None
@@ -257,9 +281,7 @@ async def test_a_cancel_racing_a_completion_gives_one_terminal_fact(journal: Jou
     outcomes: list[tuple[RunState, bool]] = []
 
     async def end(state: RunState) -> None:
-        ok = await journal.finish(
-            "r1", state, reason=str(state), result={"by": str(state)}, partial=False
-        )
+        ok = await journal.finish("r1", state, reason=str(state), result={"by": str(state)}, partial=False)
         outcomes.append((state, ok))
 
     async with trio.open_nursery() as nursery:
@@ -275,18 +297,14 @@ async def test_a_cancel_racing_a_completion_gives_one_terminal_fact(journal: Jou
 
 
 @pytest.mark.parametrize("terminal", sorted(TERMINAL_STATES))
-async def test_nothing_moves_a_run_out_of_a_terminal_state(
-    journal: Journal, db: Path, terminal: RunState
-) -> None:
+async def test_nothing_moves_a_run_out_of_a_terminal_state(journal: Journal, db: Path, terminal: RunState) -> None:
     await new_run(journal, state=S.RUNNING)
     assert await journal.finish("r1", terminal, reason="end", result={"r": 1}, partial=False)
     before = await journal.get_run("r1")
     for state in LIVE_STATES:
         assert not await journal.transition("r1", state, reason="late")
     for state in TERMINAL_STATES:
-        assert not await journal.finish(
-            "r1", state, reason="late", result={"r": 2}, partial=True, receipt={"x": 1}
-        )
+        assert not await journal.finish("r1", state, reason="late", result={"r": 2}, partial=True, receipt={"x": 1})
     assert not await journal.mark_lost("r1", reason="late", partial_result={"r": 3})
     assert not await journal.set_partial("r1", {"_id": "r1", "p": 1})
     assert not await journal.record_process("r1", pid=42)
@@ -302,9 +320,7 @@ async def test_nothing_moves_a_run_out_of_a_terminal_state(
     conn.close()
 
 
-async def test_the_where_clause_alone_keeps_a_terminal_run_final(
-    journal: Journal, db: Path
-) -> None:
+async def test_the_where_clause_alone_keeps_a_terminal_run_final(journal: Journal, db: Path) -> None:
     await new_run(journal, state=S.RUNNING)
     assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=False)
     conn = raw(db)
@@ -372,9 +388,7 @@ async def test_a_call_submitted_before_a_cancel_still_completes(journal: Journal
 
 async def _finish_in(journal: Journal, scope: trio.CancelScope, out: list[bool]) -> None:
     with scope:
-        out.append(
-            await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False)
-        )
+        out.append(await journal.finish("r1", S.COMPLETED, reason=None, result={}, partial=False))
         await trio.lowlevel.checkpoint()
         out.append(False)  # not reached: the cancel lands at the next checkpoint
 
@@ -392,9 +406,7 @@ async def test_partial_snapshots_are_guarded_by_id_and_by_the_terminal_result(
     run = await journal.get_run("r1")
     assert run is not None and run["partial_snapshot"] == {"_id": "r1", "progress": "step 1"}
 
-    assert await journal.finish(
-        "r1", S.COMPLETED, reason=None, result={"final_text": "done"}, partial=False
-    )
+    assert await journal.finish("r1", S.COMPLETED, reason=None, result={"final_text": "done"}, partial=False)
     assert not await journal.set_partial("r1", {"_id": "r1", "progress": "late snapshot"})
     run = await journal.get_run("r1")
     assert run is not None
@@ -409,8 +421,14 @@ async def test_finishing_without_a_result_takes_the_last_snapshot_marked_partial
     await journal.set_partial("r1", {"_id": "r1", "progress": "one"})
     await journal.set_partial("r1", {"_id": "r1", "progress": "two"})
     assert await journal.finish(
-        "r1", S.CANCELLED, reason="user", result=None, partial=True,
-        receipt={"escalated": True}, error=None, ended_at=T0 + 5,
+        "r1",
+        S.CANCELLED,
+        reason="user",
+        result=None,
+        partial=True,
+        receipt={"escalated": True},
+        error=None,
+        ended_at=T0 + 5,
     )
     run = await journal.get_run("r1")
     assert run is not None
@@ -472,11 +490,19 @@ async def test_process_facts_are_recorded_in_steps_and_frozen_at_the_end(
     assert await journal.record_process("r1", pid=4242, pid_start_time=123.5, pgid=4242)
     run = await journal.get_run("r1")
     assert run is not None
-    facts = {k: v for k, v in run.items() if k in {
-        "pid", "pid_start_time", "pgid", "tree_id", "cgroup", "containment", "run_dir"}}
+    facts = {
+        k: v
+        for k, v in run.items()
+        if k in {"pid", "pid_start_time", "pgid", "tree_id", "cgroup", "containment", "run_dir"}
+    }
     assert facts == {
-        "pid": 4242, "pid_start_time": 123.5, "pgid": 4242, "tree_id": "t-1",
-        "cgroup": "/sys/fs/cgroup/x", "containment": "cgroup", "run_dir": "/runs/r1",
+        "pid": 4242,
+        "pid_start_time": 123.5,
+        "pgid": 4242,
+        "tree_id": "t-1",
+        "cgroup": "/sys/fs/cgroup/x",
+        "containment": "cgroup",
+        "run_dir": "/runs/r1",
     }
     assert await journal.finish("r1", S.FAILED, reason="spawn", result=None, partial=False)
     assert not await journal.record_process("r1", pid=1, run_dir="/elsewhere")
@@ -494,10 +520,24 @@ async def test_process_groups_are_known_until_they_end(journal: Journal) -> None
     run = await journal.get_run("r1")
     assert run is not None
     assert run["groups"] == [
-        {"pgid": 100, "kind": "mcp_server", "name": "playwright", "alive": True,
-         "added_at": T0, "ended_at": None, "on_stop": None},
-        {"pgid": 200, "kind": "command", "name": "sh -c make", "alive": False,
-         "added_at": T0 + 1, "ended_at": T0 + 2, "on_stop": None},
+        {
+            "pgid": 100,
+            "kind": "mcp_server",
+            "name": "playwright",
+            "alive": True,
+            "added_at": T0,
+            "ended_at": None,
+            "on_stop": None,
+        },
+        {
+            "pgid": 200,
+            "kind": "command",
+            "name": "sh -c make",
+            "alive": False,
+            "added_at": T0 + 1,
+            "ended_at": T0 + 2,
+            "on_stop": None,
+        },
     ]
     await journal.add_group("r1", 200, "command", "second use of the pgid", at=T0 + 3)
     run = await journal.get_run("r1")
@@ -557,7 +597,9 @@ async def test_settling_under_a_stop_says_which_calls_never_started(journal: Jou
     await journal.upsert_tool_call("r1", tool_call("b", "running"))
     await journal.upsert_tool_call("r1", tool_call("c", "not_started"))
     n = await journal.settle_tool_calls(
-        "r1", reason="grace ran out", pending_reason="stopped_before_start: never ran",
+        "r1",
+        reason="grace ran out",
+        pending_reason="stopped_before_start: never ran",
         stop_effects=("grace_ran_out", "stopped_before_start"),
     )
     assert n == 2
@@ -607,9 +649,7 @@ async def test_tool_call_records_only_move_forward(journal: Journal) -> None:
     assert not await up("r1", tool_call("c3", "running", step=2))
 
     calls = await journal.tool_calls("r1")
-    assert [(c["id"], c["state"]) for c in calls] == [
-        ("c1", "succeeded"), ("c2", "failed"), ("c3", "not_started")
-    ]
+    assert [(c["id"], c["state"]) for c in calls] == [("c1", "succeeded"), ("c2", "failed"), ("c3", "not_started")]
     assert calls[0]["output"] == "all"
     with pytest.raises(ValueError):
         await up("r1", {"state": "running"})
@@ -685,9 +725,7 @@ async def test_events_after_the_end_are_history_and_never_reopen_the_run(
     await journal.append_events("r1", [("state", {"state": "running"}, None)])
     run = await journal.get_run("r1")
     assert run is not None
-    assert (run["state"], run["last_seq"], run["partial_snapshot"]) == (
-        S.CANCELLED, seq + 1, None
-    )
+    assert (run["state"], run["last_seq"], run["partial_snapshot"]) == (S.CANCELLED, seq + 1, None)
 
 
 async def test_concurrent_appends_from_many_tasks_keep_sequences_gapless(
@@ -703,9 +741,7 @@ async def test_concurrent_appends_from_many_tasks_keep_sequences_gapless(
         mine: list[int] = []
         for i in range(10):
             if i % 3 == 0:
-                mine += await journal.append_events(
-                    run_id, [("log", {"w": n, "i": i, "k": k}, None) for k in range(3)]
-                )
+                mine += await journal.append_events(run_id, [("log", {"w": n, "i": i, "k": k}, None) for k in range(3)])
             else:
                 mine.append(await journal.append_event(run_id, "log", {"w": n, "i": i}))
             await trio.lowlevel.checkpoint()
@@ -774,9 +810,7 @@ async def test_list_and_live_runs(journal: Journal) -> None:
 
     assert [r["id"] for r in await journal.list_runs()] == ["c", "done", "r", "q"]
     assert [r["id"] for r in await journal.list_runs(limit=2)] == ["c", "done"]
-    assert [r["id"] for r in await journal.list_runs(states=[S.COMPLETED, S.QUEUED])] == [
-        "done", "q"
-    ]
+    assert [r["id"] for r in await journal.list_runs(states=[S.COMPLETED, S.QUEUED])] == ["done", "q"]
     assert [r["id"] for r in await journal.list_runs(session_id="s2")] == ["r"]
     live = await journal.live_runs()
     assert [r["id"] for r in live] == ["q", "r", "c"]
@@ -791,9 +825,7 @@ async def test_facts_recovery_needs_are_committed_fsynced_and_the_stream_is_not(
 ) -> None:
     async def mode_of_last_commit() -> int:
         # The mode is set before each BEGIN and left as is: it is the last commit's mode.
-        return int(await journal._call(
-            lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]
-        ))
+        return int(await journal._call(lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]))
 
     full, normal = 2, 1
     writes: list[tuple[Callable[[], Awaitable[object]], int]] = [
@@ -885,7 +917,11 @@ async def test_a_call_that_fails_in_a_group_writes_nothing_and_the_others_stand(
             release = await hold_the_worker(journal, n)
             n.start_soon(call, "before", lambda: new_run(journal, "a"))
             await trio.lowlevel.checkpoint()
-            n.start_soon(call, "duplicate", lambda: journal.create_run("dup", session_id=None, spec={}, created_at=T0, timeout_s=None))
+            n.start_soon(
+                call,
+                "duplicate",
+                lambda: journal.create_run("dup", session_id=None, spec={}, created_at=T0, timeout_s=None),
+            )
             await trio.lowlevel.checkpoint()
             n.start_soon(call, "half", insert_then_fail)
             await trio.lowlevel.checkpoint()
@@ -981,9 +1017,7 @@ async def test_a_terminal_fact_survives_a_sigkill_right_after_the_call_returns(
     db: Path,
 ) -> None:
     with trio.fail_after(30):
-        proc = await trio.run_process(
-            [sys.executable, "-c", _CHILD, str(db)], check=False, capture_stderr=True
-        )
+        proc = await trio.run_process([sys.executable, "-c", _CHILD, str(db)], check=False, capture_stderr=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     assert Path(f"{db}-wal").exists()  # nothing checkpointed or cleaned up: a real crash
     async with await Journal.open(db) as j:

@@ -43,7 +43,9 @@ async def test_a_runs_own_key_reaches_its_runner_cold_and_nothing_else(manager: 
     key = "sk-test-" + secrets.token_hex(16)
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": GATE}}]}], "final": "ok"}
     with trio.fail_after(60):
-        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": script}}, model_key=Secret(key))
+        r = await manager.spawn(
+            {"task": "t", "model": {"provider": "scripted", "script": script}}, model_key=Secret(key)
+        )
         async with manager.subscribe(r["run_id"]) as live:
             async for e in live:
                 if e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running":
@@ -61,7 +63,9 @@ async def test_a_runs_own_key_reaches_its_runner_cold_and_nothing_else(manager: 
 
 
 @pytest.mark.parametrize("model", [{"name": "gpt-4o-mini"}, {"provider": "openai"}])
-async def test_a_model_that_cannot_be_used_is_refused_never_replaced(manager: RunManager, model: dict[str, str]) -> None:
+async def test_a_model_that_cannot_be_used_is_refused_never_replaced(
+    manager: RunManager, model: dict[str, str]
+) -> None:
     with pytest.raises(SpawnError) as info:
         await manager.spawn({"task": "t", "model": model})
     message = str(info.value)
@@ -78,4 +82,8 @@ async def test_the_provider_the_daemon_chose_is_written_into_the_spec(manager: R
             await manager.cancel(r["run_id"])
             await manager.wait_terminal(r["run_id"])
     assert (await manager.status(scripted["run_id"]))["spec"]["model"]["provider"] == "scripted"
-    assert (await manager.status(local["run_id"]))["spec"]["model"] == {"provider": "openai", "name": "m", "base_url": "http://127.0.0.1:9/v1"}
+    assert (await manager.status(local["run_id"]))["spec"]["model"] == {
+        "provider": "openai",
+        "name": "m",
+        "base_url": "http://127.0.0.1:9/v1",
+    }

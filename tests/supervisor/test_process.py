@@ -185,9 +185,7 @@ async def test_a_runner_that_honours_sigterm_exits_in_the_grace_without_escalati
 
 
 @pytest.mark.parametrize("mode", [CGROUP, SUBREAPER_SWEEP, GROUP])
-async def test_nothing_of_a_tree_with_escapers_survives_the_stop(
-    mode: str, make_containment: MakeContainment
-) -> None:
+async def test_nothing_of_a_tree_with_escapers_survives_the_stop(mode: str, make_containment: MakeContainment) -> None:
     c = make_containment(mode)
     tree = await spawn("tree_escapers.py", "--ignore-term", "--stop", containment=c)
     pids = json.loads(await read_line(tree))
@@ -496,7 +494,9 @@ async def test_a_tree_that_cannot_join_its_cgroup_runs_without_one(
 async def test_spawn_sets_marker_session_and_identity(make_containment: MakeContainment) -> None:
     c = make_containment(SUBREAPER_SWEEP)
     code = "import os; print(os.environ['AGENTD_TREE'], os.getsid(0), os.getpgid(0), flush=True)"
-    tree = await spawn_argv([sys.executable, "-c", code], c, env={**os.environ, "EXTRA": "1"}, cwd="/", tree_id="t-marker")
+    tree = await spawn_argv(
+        [sys.executable, "-c", code], c, env={**os.environ, "EXTRA": "1"}, cwd="/", tree_id="t-marker"
+    )
     assert await read_line(tree) == f"t-marker {tree.pid} {tree.pid}".encode()
     assert tree.pgid == tree.pid and tree.containment == SUBREAPER_SWEEP and tree.cgroup is None
     assert abs(tree.start_time - time.time()) < 60
@@ -714,8 +714,14 @@ async def test_a_stopped_chromium_with_its_helper_sessions_is_ended(
     conftest.require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
     c = make_containment(mode)
     tree = await spawn_argv(
-        [str(CHROMIUM), "--headless", "--no-sandbox", f"--user-data-dir={tmp_path}", "--remote-debugging-port=0",
-         "about:blank"],
+        [
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            f"--user-data-dir={tmp_path}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ],
         c,
     )
     assert tree.process.stderr is not None

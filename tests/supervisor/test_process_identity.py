@@ -22,13 +22,21 @@ from tests.fake_kernel import FakeKernel
 
 def test_soft_stop_signals_only_groups_that_are_provably_the_trees(autojump_clock: object) -> None:
     k = FakeKernel(clock=lambda: 0.0)
-    k.procs.update({
-        100: Proc(pid=100, ppid=1, pgid=100, sid=100, state="Z", start_ticks=4),  # the runner, dead
-        200: Proc(pid=200, ppid=1, pgid=200, sid=200, state="S", start_ticks=5),  # same leader
-        300: Proc(pid=300, ppid=1, pgid=300, sid=300, state="S", start_ticks=9),  # a new leader
-    })
+    k.procs.update(
+        {
+            100: Proc(pid=100, ppid=1, pgid=100, sid=100, state="Z", start_ticks=4),  # the runner, dead
+            200: Proc(pid=200, ppid=1, pgid=200, sid=200, state="S", start_ticks=5),  # same leader
+            300: Proc(pid=300, ppid=1, pgid=300, sid=300, state="S", start_ticks=9),  # a new leader
+        }
+    )
     tree = AdoptedTree(
-        tree_id="t", pid=100, pgid=100, start_time=0.0, cgroup=None, containment="group", leader_ticks=4,
+        tree_id="t",
+        pid=100,
+        pgid=100,
+        start_time=0.0,
+        cgroup=None,
+        containment="group",
+        leader_ticks=4,
         table=ProcessTable(k),
     )
     tree.groups.update({100: 4, 200: 5, 300: 5})

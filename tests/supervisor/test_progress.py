@@ -12,7 +12,7 @@ def test_events_split_across_chunks_are_reassembled() -> None:
 
 def test_garbage_becomes_bad_lines_and_does_not_stop_the_stream() -> None:
     s = LineSplitter()
-    out = s.feed(b"Traceback (most recent call last):\n[1,2]\n{\"event\":\"nope\"}\n\xff\xfe\n")
+    out = s.feed(b'Traceback (most recent call last):\n[1,2]\n{"event":"nope"}\n\xff\xfe\n')
     out += s.feed(encode_event(make_event(EventKind.LOG, level="info", message="ok")))
     assert [type(x) for x in out] == [BadLine, BadLine, BadLine, BadLine, Event]
     assert "unknown event kind" in out[2].problem

@@ -181,7 +181,9 @@ _json_values = st.recursive(
 @given(
     op=st.sampled_from([*[str(o) for o in protocol.Op], "nope", ""]) | st.integers() | st.none(),
     args=st.dictionaries(
-        st.sampled_from(["id", "run_id", "session_id", "spec", "after_seq", "limit", "state", "sub", "timeout_s", "reason"]),
+        st.sampled_from(
+            ["id", "run_id", "session_id", "spec", "after_seq", "limit", "state", "sub", "timeout_s", "reason"]
+        ),
         _json_values,
         max_size=6,
     ),
@@ -245,14 +247,20 @@ def _refuse(name: str) -> object:
 
 
 def test_paired_surrogates_and_escaped_backslashes_are_fine() -> None:
-    assert dec({"id": "x", "op": "steer", "run_id": "r", "text": "\U0001f600"}) == protocol.SteerRequest("x", "r", "\U0001f600")
+    assert dec({"id": "x", "op": "steer", "run_id": "r", "text": "\U0001f600"}) == protocol.SteerRequest(
+        "x", "r", "\U0001f600"
+    )
     req = decode_request('{"id":"a\\\\ud800","op":"ping"}', max_bytes=MAX)  # a backslash, then text
     assert req == protocol.PingRequest("a\\ud800")
 
 
 def test_replies_never_carry_nan_or_infinity() -> None:
     text = protocol.encode_reply(1, {"a": float("nan"), "b": [float("inf"), -float("inf")], "c": 1.5})
-    assert json.loads(text, parse_constant=_refuse) == {"id": 1, "ok": True, "result": {"a": None, "b": [None, None], "c": 1.5}}
+    assert json.loads(text, parse_constant=_refuse) == {
+        "id": 1,
+        "ok": True,
+        "result": {"a": None, "b": [None, None], "c": 1.5},
+    }
 
 
 def test_encoding_a_value_nested_beyond_the_recursion_limit_is_a_value_error() -> None:
@@ -269,7 +277,9 @@ def test_sniff_id_never_returns_what_cannot_be_echoed() -> None:
 
 def test_the_conversation_and_approval_ops_decode_with_their_arguments() -> None:
     assert dec({"id": 1, "op": "approve", "run_id": "r", "call_id": "c"}) == protocol.ApproveRequest(1, "r", "c")
-    assert dec({"op": "deny", "run_id": "r", "call_id": "c", "reason": " nope "}) == protocol.DenyRequest(None, "r", "c", "nope")
+    assert dec({"op": "deny", "run_id": "r", "call_id": "c", "reason": " nope "}) == protocol.DenyRequest(
+        None, "r", "c", "nope"
+    )
     assert dec({"op": "deny", "run_id": "r", "call_id": "c"}) == protocol.DenyRequest(None, "r", "c", None)
     assert dec({"op": "history", "session_id": "s"}) == protocol.HistoryRequest(None, "s")
     assert dec({"op": "sessions"}) == protocol.SessionsRequest(None, 50)

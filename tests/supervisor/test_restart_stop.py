@@ -54,7 +54,10 @@ async def daemon(state_dir: Path, *, grace_s: float) -> AsyncIterator[tuple[trio
 
 
 def command_spec(command: str, **more: Any) -> dict[str, Any]:
-    script = {"turns": [{"text": "working", "tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}], "final": "done"}
+    script = {
+        "turns": [{"text": "working", "tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}],
+        "final": "done",
+    }
     return {"task": "t", "model": {"provider": "scripted", "script": script}, **more}
 
 
@@ -75,7 +78,9 @@ async def wait_gone(pid: int, timeout_s: float) -> None:
             await trio.sleep(0.02)
 
 
-async def test_an_acknowledged_stop_is_finished_by_the_restarted_daemon_with_its_reason_and_grace(tmp_path: Path) -> None:
+async def test_an_acknowledged_stop_is_finished_by_the_restarted_daemon_with_its_reason_and_grace(
+    tmp_path: Path,
+) -> None:
     state = tmp_path / "state"
     grace = 5.0
     # The command may finish (spec policy), so the stop waits on it for the grace.
@@ -145,7 +150,9 @@ async def wait_call_running(c: Client, run_id: str, call_id: str) -> None:
 
 
 @pytest.mark.parametrize("ending", ["completed", "failed", "cancelled", "no result"])
-async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(tmp_path: Path, ending: str) -> None:
+async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(
+    tmp_path: Path, ending: str
+) -> None:
     """The runner ends with no daemon watching: by itself (its result says `completed`, or
     `failed` when the model fails), stopped by someone else's SIGTERM (`cancelled`), or
     SIGKILLed (no result: `lost`, with what the journal knew as its partial result)."""
@@ -155,8 +162,15 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
     flag = shared / "go"
     turns: list[dict[str, Any]] = [
         {"text": "first", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo one"}}]},
-        {"text": "working", "tool_calls": [{"name": "run_command", "arguments": {
-            "command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"}}]},
+        {
+            "text": "working",
+            "tool_calls": [
+                {
+                    "name": "run_command",
+                    "arguments": {"command": f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"},
+                }
+            ],
+        },
     ]
     if ending == "failed":
         turns.append({"text": "", "error": "the model broke"})

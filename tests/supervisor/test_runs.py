@@ -53,9 +53,7 @@ class Daemon:
 @pytest.fixture
 async def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Daemon]:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={}
-    )
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={})
     stop = trio.Event()
     async with trio.open_nursery() as n:
         info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
@@ -76,7 +74,10 @@ async def test_a_run_that_finishes_is_completed_with_the_runners_result(daemon: 
     kinds = [e["kind"] for e in events]
     assert kinds.count("step_snapshot") == 2
     assert [e["data"]["state"] for e in events if e["kind"] == "state"] == [
-        "queued", "starting", "running", "completed"
+        "queued",
+        "starting",
+        "running",
+        "completed",
     ]
 
 
@@ -144,7 +145,9 @@ async def test_five_cancels_at_once_give_one_terminal_fact_and_spare_the_next_tu
     assert st["state"] == "cancelled"
     assert late == {"run_id": r["run_id"], "was_active": False, "state": "cancelled"}
     events = await daemon.m.events_after(r["run_id"], 0)
-    terminal = [e for e in events if e["kind"] == "state" and e["data"]["state"] in {"cancelled", "completed", "failed", "lost"}]
+    terminal = [
+        e for e in events if e["kind"] == "state" and e["data"]["state"] in {"cancelled", "completed", "failed", "lost"}
+    ]
     assert len(terminal) == 1
 
 
@@ -266,9 +269,7 @@ async def _wait_event(d: Daemon, run_id: str, kind: str, count: int = 1) -> None
 async def test_a_warm_pool_hands_out_prespawned_runners_and_ends_them_at_shutdown(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, pool_size=2, environ={}
-    )
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, pool_size=2, environ={})
     stop = trio.Event()
     with trio.fail_after(15):
         async with trio.open_nursery() as n:

@@ -30,7 +30,9 @@ def gated_script(turns_after: list[dict[str, Any]]) -> dict[str, Any]:
     """A first turn whose command waits for a file named ``go`` in the run's directory."""
     wait = "while [ ! -f go ]; do sleep 0.02; done; echo gate open"
     return {
-        "turns": [{"text": "Waiting at the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": wait}}]}]
+        "turns": [
+            {"text": "Waiting at the gate.", "tool_calls": [{"name": "run_command", "arguments": {"command": wait}}]}
+        ]
         + turns_after,
         "final": "All done.",
     }
@@ -71,9 +73,13 @@ async def test_steering_is_applied_at_the_next_step_boundary(manager: RunManager
 
 async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steering(manager: RunManager) -> None:
     with trio.fail_after(30):
-        script = gated_script([{"text": "never", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo no"}}]}])
+        script = gated_script(
+            [{"text": "never", "tool_calls": [{"name": "run_command", "arguments": {"command": "echo no"}}]}]
+        )
         policy = {"run_command": "finish"}  # this command may finish after the stop
-        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": script}, "stop_policy": policy})
+        r = await manager.spawn(
+            {"task": "t", "model": {"provider": "scripted", "script": script}, "stop_policy": policy}
+        )
         rid = r["run_id"]
         await wait_kind(manager, rid, running_tool)
         assert (await manager.steer(rid, "do more"))["accepted"] is True
@@ -90,7 +96,9 @@ async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steerin
     calls = st["tool_calls"]
     assert [c["state"] for c in calls] == ["succeeded"]
     assert "gate open" in calls[0]["output"] and calls[0]["stop_effect"] == "finished_after_stop"
-    assert st["receipt"]["tool_summary"].startswith("a command the spec lets finish `run_command` allowed to finish; it finished")
+    assert st["receipt"]["tool_summary"].startswith(
+        "a command the spec lets finish `run_command` allowed to finish; it finished"
+    )
     assert st["result"]["unapplied_steering"] == ["do more"]
     assert st["receipt"]["path_b"]["escalated"] is False
 

@@ -95,9 +95,7 @@ def test_without_notify_socket_everything_is_a_noop() -> None:
     assert Notifier.from_env({"NOTIFY_SOCKET": ""}).enabled is False
 
 
-def test_send_errors_never_raise_and_log_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_send_errors_never_raise_and_log_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="supervisor._sdnotify")
     n = Notifier(str(tmp_path / "nobody-listens"))
     assert n.enabled
@@ -153,9 +151,7 @@ def test_from_env_can_leave_the_environment_alone(path_socket: tuple[socket.sock
         (None, None, None),
     ],
 )
-def test_watchdog_interval_is_half_of_watchdog_usec(
-    usec: str | None, pid: str | None, expected: float | None
-) -> None:
+def test_watchdog_interval_is_half_of_watchdog_usec(usec: str | None, pid: str | None, expected: float | None) -> None:
     env = {"NOTIFY_SOCKET": "/run/systemd/notify"}
     if usec is not None:
         env["WATCHDOG_USEC"] = usec
@@ -172,9 +168,7 @@ def test_no_watchdog_without_a_socket() -> None:
     assert Notifier.from_env({"WATCHDOG_USEC": "2000000"}).watchdog_interval_s() is None
 
 
-async def test_watchdog_loop_pings_at_half_the_interval(
-    tmp_path: Path, autojump_clock: trio.abc.Clock
-) -> None:
+async def test_watchdog_loop_pings_at_half_the_interval(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
     path = str(tmp_path / "notify")
     receiver = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
     await receiver.bind(path)
@@ -182,13 +176,10 @@ async def test_watchdog_loop_pings_at_half_the_interval(
     arrivals: list[tuple[float, bytes]] = []
     with receiver, n:
         await _collect_pings(receiver, n, arrivals)
-    assert arrivals == [(0.0, b"WATCHDOG=1"), (4.0, b"WATCHDOG=1"), (8.0, b"WATCHDOG=1"),
-                        (12.0, b"WATCHDOG=1")]
+    assert arrivals == [(0.0, b"WATCHDOG=1"), (4.0, b"WATCHDOG=1"), (8.0, b"WATCHDOG=1"), (12.0, b"WATCHDOG=1")]
 
 
-async def _collect_pings(
-    receiver: trio.socket.SocketType, n: Notifier, arrivals: list[tuple[float, bytes]]
-) -> None:
+async def _collect_pings(receiver: trio.socket.SocketType, n: Notifier, arrivals: list[tuple[float, bytes]]) -> None:
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
         interval = await nursery.start(watchdog_loop, n)

@@ -33,7 +33,9 @@ def desk(tmp_path: Path, journal: Journal, live: set[str] | None = None, **confi
     return SessionDesk(cfg, journal, live_sessions=lambda: set(live or ()))
 
 
-async def test_profiles_go_after_the_idle_ttl_and_beyond_the_bound_least_recently_used_first(tmp_path: Path, journal: Journal) -> None:
+async def test_profiles_go_after_the_idle_ttl_and_beyond_the_bound_least_recently_used_first(
+    tmp_path: Path, journal: Journal
+) -> None:
     live = {"busy"}
     d = desk(tmp_path, journal, live, session_profile_ttl_s=100, session_profiles_max=2)
     t0 = time.time()
@@ -51,7 +53,9 @@ async def test_profiles_go_after_the_idle_ttl_and_beyond_the_bound_least_recentl
     assert d.profile_path("busy").is_dir() and (d.profile_path("c") / "Cookies").read_text() == "c"
 
 
-async def test_close_marks_the_session_and_removes_its_profile_and_a_closed_session_takes_no_turn(tmp_path: Path, journal: Journal) -> None:
+async def test_close_marks_the_session_and_removes_its_profile_and_a_closed_session_takes_no_turn(
+    tmp_path: Path, journal: Journal
+) -> None:
     d = desk(tmp_path, journal)
     await d.open("s1")
     p = d.profile_path("s1")
@@ -76,20 +80,30 @@ def test_session_keys_are_safe_names_and_unique() -> None:
         assert "/" not in k and not k.startswith(".") and len(k) <= 45
 
 
-async def test_the_history_is_rebuilt_from_the_journal_with_what_each_turn_really_did(tmp_path: Path, journal: Journal) -> None:
+async def test_the_history_is_rebuilt_from_the_journal_with_what_each_turn_really_did(
+    tmp_path: Path, journal: Journal
+) -> None:
     now = time.time()
     await journal.create_run("r1", session_id="s", spec={"task": "one"}, created_at=now, timeout_s=None)
     await journal.append_event("r1", "assistant_text", {"step": 1, "text": "Trying.", "complete": True})
-    await journal.upsert_tool_call("r1", {"id": "c1", "name": "run_command", "arguments": "{}", "step": 1, "state": "running"})
+    await journal.upsert_tool_call(
+        "r1", {"id": "c1", "name": "run_command", "arguments": "{}", "step": 1, "state": "running"}
+    )
     await journal.record_cancel("r1", reason="user", at=now, stop_deadline=now + 10)
-    await journal.settle_tool_calls("r1", reason="grace_ran_out: killed", stop_effects=("grace_ran_out", "stopped_before_start"))
+    await journal.settle_tool_calls(
+        "r1", reason="grace_ran_out: killed", stop_effects=("grace_ran_out", "stopped_before_start")
+    )
     await journal.finish("r1", RunState.CANCELLED, reason="user", result=None, partial=True)
     await journal.create_run("r2", session_id="s", spec={"task": "two"}, created_at=now + 1, timeout_s=None)
     turns = await journal.session_turns("s")
     msgs = history_messages(turns, before="r2")
     assert msgs == [
         {"role": "user", "content": "one"},
-        {"role": "assistant", "content": "Trying.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run_command", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "Trying.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run_command", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "outcome unknown: grace_ran_out: killed"},
         {"role": "system", "content": STOP_NOTES["user"]},
     ]
@@ -127,7 +141,11 @@ async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_
         raise AssertionError("no deadline here")
 
     d = ApprovalDesk(Hooks(record=record, transition=transition, cancel=cancel))
-    await d.on_event(run, "approval_requested", {"call_id": "c1", "name": "run_command", "arguments": "{}", "step": 1, "deadline": None})
+    await d.on_event(
+        run,
+        "approval_requested",
+        {"call_id": "c1", "name": "run_command", "arguments": "{}", "step": 1, "deadline": None},
+    )
     with pytest.raises(ControlProtocolError, match="not awaiting approval"):
         await d.answer(run, "c9", approve=True)
     reply = await d.answer(run, "c1", approve=False, reason="no")
@@ -146,7 +164,9 @@ async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_
         await d.answer(run, "c2", approve=True)
 
 
-async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeout(autojump_clock: trio.abc.Clock) -> None:
+async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     cancels: list[tuple[str, str]] = []
     run = FakeRun(Path("/nonexistent"))
 
@@ -157,10 +177,18 @@ async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeou
         pass
 
     d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
-    run.approvals.restore([
-        {"id": "c1", "name": "x", "state": "not_started", "approval": "pending", "approval_deadline": time.time() + 30},
-        {"id": "c0", "name": "x", "state": "rejected", "approval": "denied"},  # answered: not pending
-    ])
+    run.approvals.restore(
+        [
+            {
+                "id": "c1",
+                "name": "x",
+                "state": "not_started",
+                "approval": "pending",
+                "approval_deadline": time.time() + 30,
+            },
+            {"id": "c0", "name": "x", "state": "rejected", "approval": "denied"},  # answered: not pending
+        ]
+    )
     assert [p["call_id"] for p in run.approvals.view()] == ["c1"]
     start = trio.current_time()
     with trio.fail_after(60):

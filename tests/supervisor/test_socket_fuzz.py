@@ -89,7 +89,9 @@ leaves = (
     | st.sampled_from(["r-0000000000000000", "", "   ", "queued", "running", "1"])
 )
 values = st.recursive(
-    leaves, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=12
+    leaves,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
+    max_leaves=12,
 )
 numbers = st.integers() | st.floats() | st.sampled_from([10**300, 2**63, -(2**63) - 1, 1e300, 1e-300])
 specs = st.fixed_dictionaries(
@@ -104,7 +106,9 @@ specs = st.fixed_dictionaries(
 requests = st.fixed_dictionaries(
     {"op": st.sampled_from(OPS) | values},
     optional={"id": values, **{name: values for name in ARGS}},
-) | st.builds(lambda rid, spec, t: {"id": rid, "op": "spawn", "spec": spec, "timeout_s": t}, values, specs, numbers | values)
+) | st.builds(
+    lambda rid, spec, t: {"id": rid, "op": "spawn", "spec": spec, "timeout_s": t}, values, specs, numbers | values
+)
 
 
 def _deep(n: int) -> str:
@@ -119,7 +123,9 @@ def frames(draw: st.DrawFn) -> str | bytes:
         at = draw(st.integers(0, len(text)))
         quote = text.find('"', at)
         if quote >= 0:
-            text = text[: quote + 1] + draw(st.sampled_from(["\\ud800", "\\udfff", "\\udbff\\u0041"])) + text[quote + 1 :]
+            text = (
+                text[: quote + 1] + draw(st.sampled_from(["\\ud800", "\\udfff", "\\udbff\\u0041"])) + text[quote + 1 :]
+            )
     elif how == "truncated":
         text = text[: draw(st.integers(0, max(0, len(text) - 1)))]
     elif how == "binary":
@@ -140,7 +146,8 @@ def reported(live_run: str) -> list[str]:
         '{"id":"t","op":"spawn","spec":{"task":"x"},"timeout_s":%s}' % ("9" * 310),
         '{"id":%s,"op":"ping"}' % _deep(975),
         '{"id":"l","op":"spawn","spec":{"task":"x","limits":{"max_steps":1%s}}}' % ("0" * 300),
-        '{"id":"d","op":"spawn","spec":{"task":"x","model":{"provider":"scripted","script":{"turns":[{"text":"t","delay_s":1%s}]}}}}' % ("0" * 300),
+        '{"id":"d","op":"spawn","spec":{"task":"x","model":{"provider":"scripted","script":{"turns":[{"text":"t","delay_s":1%s}]}}}}'
+        % ("0" * 300),
         '{"id":"b","op":"spawn","spec":{"task":"x","builtin_tools":[{}]}}',
         '{"id":1e999,"op":"ping"}',
     ]

@@ -48,7 +48,11 @@ async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 
 def scripted(calls: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
-    return {"task": "t", "model": {"provider": "scripted", "script": {"turns": [{"text": "on it", "tool_calls": calls}]}}, **more}
+    return {
+        "task": "t",
+        "model": {"provider": "scripted", "script": {"turns": [{"text": "on it", "tool_calls": calls}]}},
+        **more,
+    }
 
 
 def shared_dir(tmp_path: Path) -> Path:
@@ -80,7 +84,9 @@ async def wait_event(m: RunManager, run_id: str, pred: Any) -> dict[str, Any]:
 
 
 def running(name: str) -> Any:
-    return lambda e: e["kind"] == "tool_call" and e["data"]["record"]["name"] == name and e["data"]["record"]["state"] == "running"
+    return lambda e: (
+        e["kind"] == "tool_call" and e["data"]["record"]["name"] == name and e["data"]["record"]["state"] == "running"
+    )
 
 
 async def wait_log(log: Path, prefix: str) -> str:
@@ -124,7 +130,9 @@ async def cancel_and_time(m: RunManager, run_id: str) -> tuple[dict[str, Any], f
 
 async def test_a_stop_inside_a_running_command_interrupts_it_at_once_and_keeps_its_output(manager: RunManager) -> None:
     with trio.fail_after(30):
-        r = await manager.spawn(scripted([{"name": "run_command", "arguments": {"command": "echo started; sleep 300"}}]))
+        r = await manager.spawn(
+            scripted([{"name": "run_command", "arguments": {"command": "echo started; sleep 300"}}])
+        )
         rid = r["run_id"]
         group = await wait_event(manager, rid, lambda e: e["kind"] == "process_group" and e["data"]["alive"])
         pgid = group["data"]["pgid"]
@@ -148,7 +156,9 @@ async def test_a_stop_inside_a_read_only_mcp_call_abandons_it_and_tells_the_serv
     manager: RunManager, tmp_path: Path
 ) -> None:
     log = shared_dir(tmp_path) / "server.log"
-    spec = with_stop_server(scripted([{"name": "read_slowly", "arguments": {}}, {"name": "echo", "arguments": {"text": "x"}}]), log)
+    spec = with_stop_server(
+        scripted([{"name": "read_slowly", "arguments": {}}, {"name": "echo", "arguments": {"text": "x"}}]), log
+    )
     with trio.fail_after(60):
         r = await manager.spawn(spec)
         rid = r["run_id"]
@@ -211,7 +221,9 @@ async def test_a_runner_killed_at_the_grace_mid_batch_leaves_a_record_for_every_
             r = await m.spawn(spec)
             rid = r["run_id"]
             # The second command runs (its group exists), then the stop comes.
-            await wait_event(m, rid, lambda e: e["kind"] == "process_group" and e["data"]["alive"] and "two" in e["data"]["name"])
+            await wait_event(
+                m, rid, lambda e: e["kind"] == "process_group" and e["data"]["alive"] and "two" in e["data"]["name"]
+            )
             st, _took = await cancel_and_time(m, rid)
     assert st["state"] == "cancelled" and st["reason"] == "user"
     assert st["receipt"]["path_b"]["escalated"] is True  # killed at the grace, no result of its own
@@ -250,7 +262,10 @@ async def test_path_a_reaches_an_interruptible_command_when_the_runner_is_stuck(
 async def test_path_a_spares_a_command_the_policy_lets_finish(manager: RunManager, tmp_path: Path) -> None:
     flag = shared_dir(tmp_path) / "go"
     command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo finished"
-    spec = granted(scripted([{"name": "run_command", "arguments": {"command": command}}], stop_policy={"run_command": "finish"}), tmp_path)
+    spec = granted(
+        scripted([{"name": "run_command", "arguments": {"command": command}}], stop_policy={"run_command": "finish"}),
+        tmp_path,
+    )
     with trio.fail_after(30):
         r = await manager.spawn(spec)
         rid = r["run_id"]

@@ -33,7 +33,18 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 ROOT = Path(__file__).resolve().parents[2]
 GATE = "env > cmd-env.tmp && mv cmd-env.tmp cmd-env.txt; while [ ! -f go ]; do sleep 0.02; done; echo gate open"
 # Variables that differ between any two runs (or that a shell sets for itself).
-PER_RUN = {"AGENTD_RUN_ID", "AGENTD_RUN_DIR", "AGENTD_TREE", "AGENTD_SUBTREE", "TMPDIR", "HOME", "PWD", "OLDPWD", "SHLVL", "_"}
+PER_RUN = {
+    "AGENTD_RUN_ID",
+    "AGENTD_RUN_DIR",
+    "AGENTD_TREE",
+    "AGENTD_SUBTREE",
+    "TMPDIR",
+    "HOME",
+    "PWD",
+    "OLDPWD",
+    "SHLVL",
+    "_",
+}
 
 
 @asynccontextmanager
@@ -117,7 +128,10 @@ def runner_facts(row: dict[str, Any]) -> dict[str, Any]:
         "nice": os.getpriority(os.PRIO_PROCESS, pid),
         # What /proc shows of its environment: the run's own, as for a cold runner.
         "environ": sorted(
-            k for k in (e.partition(b"=")[0].decode() for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e)
+            k
+            for k in (
+                e.partition(b"=")[0].decode() for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e
+            )
             if k not in PER_RUN
         ),
     }
@@ -148,7 +162,9 @@ def sandbox_facts(report: dict[str, Any] | None, daemon_dir: str) -> dict[str, A
     return rid_free
 
 
-async def observe_gated_run(m: RunManager, zygote_fds: bool = False) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+async def observe_gated_run(
+    m: RunManager, zygote_fds: bool = False
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     r = await m.spawn(gated())
     rid = r["run_id"]
     await wait_running_tool(m, rid)

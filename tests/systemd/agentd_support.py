@@ -78,8 +78,7 @@ def stop_and_check(c: Container, *, while_stopping: Callable[[], None] | None = 
     c.systemctl("stop", UNIT, timeout_s=TIMEOUT_STOP_S + 10)  # waits for the queued job
     took = time.monotonic() - t0
     s = c.show(UNIT, "ActiveState", "Result", "ExecMainStatus")
-    assert (s["ActiveState"], s["Result"], s["ExecMainStatus"]) == ("inactive", "success", "0"), (
-        s, c.journal(UNIT))
+    assert (s["ActiveState"], s["Result"], s["ExecMainStatus"]) == ("inactive", "success", "0"), (s, c.journal(UNIT))
     assert took < TIMEOUT_STOP_S
     journal = c.journal(UNIT)
     # KillMode=mixed: systemd SIGKILLs whatever the daemon left in the cgroup, and says so.

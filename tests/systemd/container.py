@@ -165,10 +165,18 @@ class Container:
         try:
             ready.bind(str(notify_path))
             argv = [
-                "systemd-nspawn", "--quiet", "--boot", f"--directory={self.root}",
-                f"--machine={self.name}", "--register=no", "--keep-unit",
-                "--volatile=overlay", "--private-network", "--console=read-only",
-                "--notify-ready=yes", "--link-journal=no",
+                "systemd-nspawn",
+                "--quiet",
+                "--boot",
+                f"--directory={self.root}",
+                f"--machine={self.name}",
+                "--register=no",
+                "--keep-unit",
+                "--volatile=overlay",
+                "--private-network",
+                "--console=read-only",
+                "--notify-ready=yes",
+                "--link-journal=no",
                 # nspawn's own seccomp allowlist (systemd 252) predates Landlock, which a
                 # booted host allows: without these, every run in the container would be
                 # unsandboxed and the unit's sandbox could not be tested.
@@ -182,8 +190,12 @@ class Container:
                 env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env, start_new_session=True,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
                 )
             self._wait_ready(ready, t0 + timeout_s)
         except BaseException:
@@ -194,8 +206,11 @@ class Container:
         try:
             self.leader = self._find_leader(t0 + timeout_s)
             self.pidns = namespace_of(self.leader)
-            state = self.run(["systemctl", "is-system-running", "--wait"], check=False,
-                             timeout_s=max(1.0, t0 + timeout_s - time.monotonic()))
+            state = self.run(
+                ["systemctl", "is-system-running", "--wait"],
+                check=False,
+                timeout_s=max(1.0, t0 + timeout_s - time.monotonic()),
+            )
             if state.stdout.strip() != "running":
                 failed = self.run(["systemctl", "--failed", "--no-legend"], check=False).stdout
                 raise ContainerError(f"container booted {state.stdout.strip()!r}; failed units: {failed}")
@@ -231,9 +246,7 @@ class Container:
                     continue
                 try:
                     with open(f"/proc/{entry}/status") as f:
-                        status = dict(
-                            line.split(":", 1) for line in f.read().splitlines() if ":" in line
-                        )
+                        status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
                 except OSError:
                     continue
                 nspid = status.get("NSpid", "").split()
@@ -312,8 +325,14 @@ class Container:
     # ------------------------------------------------------------------ inside
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {"PATH": CONTAINER_PATH, "LANG": "C.UTF-8", "SYSTEMD_PAGER": "cat",
-               "SYSTEMD_COLORS": "0", "HOME": "/root", "TERM": "dumb"}
+        env = {
+            "PATH": CONTAINER_PATH,
+            "LANG": "C.UTF-8",
+            "SYSTEMD_PAGER": "cat",
+            "SYSTEMD_COLORS": "0",
+            "HOME": "/root",
+            "TERM": "dumb",
+        }
         env.update({k: v for k, v in os.environ.items() if k.startswith("AGENTD_")})
         env.pop("AGENTD_TEST_SYSTEMD_ROOT", None)
         if extra:
@@ -336,13 +355,15 @@ class Container:
     ) -> subprocess.CompletedProcess[str]:
         """Run a command inside the container and wait for it (bounded)."""
         r = subprocess.run(
-            self.command(argv), input=input, capture_output=True, text=True,
-            env=self.env(env), timeout=timeout_s,
+            self.command(argv),
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env(env),
+            timeout=timeout_s,
         )
         if check and r.returncode != 0:
-            raise ContainerError(
-                f"{shlex.join(argv)} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
-            )
+            raise ContainerError(f"{shlex.join(argv)} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}")
         return r
 
     def sh(self, script: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -366,7 +387,9 @@ class Container:
         while time.monotonic() - t0 < periods * period_s + 0.2:
             s = self.show(unit, "ActiveState", "WatchdogTimestampMonotonic", "NRestarts", "Result")
             assert (s["ActiveState"], s["NRestarts"], s["Result"]) == ("active", "0", "success"), (
-                s, self.journal(unit))
+                s,
+                self.journal(unit),
+            )
             ts = int(s["WatchdogTimestampMonotonic"])
             if not seen or ts != seen[-1]:
                 seen.append(ts)
@@ -374,12 +397,10 @@ class Container:
         return seen
 
     def write(self, path: str, text: str, mode: str = "0644") -> None:
-        self.run(["sh", "-ec", 'mkdir -p "$(dirname "$1")"; cat >"$1"; chmod "$2" "$1"', "sh", path, mode],
-                 input=text)
+        self.run(["sh", "-ec", 'mkdir -p "$(dirname "$1")"; cat >"$1"; chmod "$2" "$1"', "sh", path, mode], input=text)
 
     def journal(self, unit: str) -> str:
-        return self.run(["journalctl", "-u", unit, "--no-pager", "-o", "short-monotonic"],
-                        check=False).stdout
+        return self.run(["journalctl", "-u", unit, "--no-pager", "-o", "short-monotonic"], check=False).stdout
 
     def host_pid(self, container_pid: int) -> int | None:
         """The host PID of a process known by its PID inside the container."""
@@ -409,7 +430,7 @@ def _seconds(timespan: str) -> float:
     total = 0.0
     for part in timespan.split():
         num = part.rstrip("abcdefghijklmnopqrstuvwxyz")
-        total += float(num) * units[part[len(num):] or "s"]
+        total += float(num) * units[part[len(num) :] or "s"]
     return total
 
 

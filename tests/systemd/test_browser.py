@@ -49,13 +49,15 @@ def hostroot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     bs.require_browser()
     node = shutil.which("node")
     extra = [Path(node).resolve().parent] if node else []
-    c = Container(image_root(), tmp_path_factory.mktemp("nspawn"),
-                  extra_args=hostroot_args([bs.CHROMIUM.parent, *extra]))
+    c = Container(
+        image_root(), tmp_path_factory.mktemp("nspawn"), extra_args=hostroot_args([bs.CHROMIUM.parent, *extra])
+    )
     boot(c)
     try:
         install(c)
-        c.write(f"/etc/systemd/system/{UNIT}.d/50-hostroot.conf",
-                f"[Service]\nRootDirectory={HOSTROOT}\nMountAPIVFS=yes\n")
+        c.write(
+            f"/etc/systemd/system/{UNIT}.d/50-hostroot.conf", f"[Service]\nRootDirectory={HOSTROOT}\nMountAPIVFS=yes\n"
+        )
         c.systemctl("daemon-reload")
         yield c
     finally:
@@ -78,9 +80,12 @@ def test_browser_run_completes_under_the_hardening(service: Container) -> None:
     c = service
     c.systemctl("start", UNIT, timeout_s=60)
     run_id = spawn(c, bs.scripted_browser_spec(PAGE))
-    status = poll("the browser run to end",
-                  lambda: (s := cli(c, "status", run_id))["state"] not in {"queued", "starting", "running"} and s,
-                  timeout_s=90, every_s=0.25)
+    status = poll(
+        "the browser run to end",
+        lambda: (s := cli(c, "status", run_id))["state"] not in {"queued", "starting", "running"} and s,
+        timeout_s=90,
+        every_s=0.25,
+    )
     assert status["state"] == "completed", status
     assert "tangerine-42" in (status["result"] or {}).get("final_text", ""), status["result"]
     calls = [(t["name"], t["state"]) for t in status["tool_calls"]]
@@ -100,9 +105,15 @@ def test_stop_with_a_browser_open_cancels_and_leaves_no_chromium(service: Contai
     # Navigate, snapshot, then the model hangs: the run is live with Chromium up.
     run_id = spawn(c, bs.scripted_browser_spec(PAGE, then=[{"hang": True}]))
     poll("Chromium to run", lambda: container_processes(c, "chromium"), timeout_s=60, every_s=0.25)
-    poll("the snapshot to be taken",
-         lambda: any(t["name"] == "browser_snapshot" and t["state"] == "succeeded"
-                     for t in cli(c, "status", run_id)["tool_calls"]), timeout_s=60, every_s=0.25)
+    poll(
+        "the snapshot to be taken",
+        lambda: any(
+            t["name"] == "browser_snapshot" and t["state"] == "succeeded"
+            for t in cli(c, "status", run_id)["tool_calls"]
+        ),
+        timeout_s=60,
+        every_s=0.25,
+    )
     stop_and_check(c)
     run = stored_run(c, run_id)
     assert run["state"] == "cancelled", run

@@ -83,8 +83,7 @@ def test_start_is_active_only_after_ready(service: Container) -> None:
     c = service
     c.sh(f"rm -rf {GATE_DIR}; mkdir -p {GATE_DIR}; mkfifo {GATE_DIR}/started {GATE_DIR}/go")
     c.write(f"{GATE_DIR}/sitecustomize.py", GATE)
-    c.write(f"/run/systemd/system/{UNIT}.d/50-gate.conf",
-            f"[Service]\nEnvironment=PYTHONPATH={GATE_DIR}\n")
+    c.write(f"/run/systemd/system/{UNIT}.d/50-gate.conf", f"[Service]\nEnvironment=PYTHONPATH={GATE_DIR}\n")
     c.systemctl("daemon-reload")
     try:
         c.systemctl("start", "--no-block", UNIT)
@@ -131,14 +130,15 @@ def test_stop_during_a_run_cancels_it_and_leaves_nothing(service: Container) -> 
     runner_env = c.run(["cat", f"/proc/{run['pid']}/environ"]).stdout.split("\0")
     assert any(v.startswith("AGENTD_TREE=") for v in runner_env), " ".join(runner_env)
     assert not [v for v in runner_env if v.startswith(("NOTIFY_SOCKET=", "WATCHDOG_"))]
-    poll("STATUS= to count the run",
-         lambda: "1 live run" in c.show(UNIT, "StatusText")["StatusText"], timeout_s=15)
+    poll("STATUS= to count the run", lambda: "1 live run" in c.show(UNIT, "StatusText")["StatusText"], timeout_s=15)
 
     def stopping() -> None:
         # STOPPING=1 and its STATUS= arrive while the daemon waits out the run's grace.
-        s = poll("STATUS= to say the daemon is stopping",
-                 lambda: (s := c.show(UNIT, "ActiveState", "StatusText"))["StatusText"].startswith("stopping") and s,
-                 timeout_s=GRACE_S)
+        s = poll(
+            "STATUS= to say the daemon is stopping",
+            lambda: (s := c.show(UNIT, "ActiveState", "StatusText"))["StatusText"].startswith("stopping") and s,
+            timeout_s=GRACE_S,
+        )
         assert s["ActiveState"] == "deactivating", s
 
     stop_and_check(c, while_stopping=stopping)
@@ -190,14 +190,24 @@ def test_a_hung_daemon_is_restarted_and_its_runs_end_lost(service: Container) ->
         poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
         first = int(c.show(UNIT, "MainPID")["MainPID"])
         c.run(["kill", "-STOP", str(first)])
-        s = poll("the restart",
-                 lambda: (s := c.show(UNIT, "NRestarts", "ActiveState", "MainPID"))["NRestarts"] == "1"
-                 and s["ActiveState"] == "active" and s, timeout_s=30, every_s=0.2)
+        s = poll(
+            "the restart",
+            lambda: (
+                (s := c.show(UNIT, "NRestarts", "ActiveState", "MainPID"))["NRestarts"] == "1"
+                and s["ActiveState"] == "active"
+                and s
+            ),
+            timeout_s=30,
+            every_s=0.2,
+        )
         assert int(s["MainPID"]) != first
         assert "Watchdog timeout" in c.journal(UNIT)
         assert container_processes(c, "sleep 600", "subagent.runner") == []
-        run = poll("the run's terminal state",
-                   lambda: (r := cli(c, "status", run_id))["state"] != "running" and r, timeout_s=15)
+        run = poll(
+            "the run's terminal state",
+            lambda: (r := cli(c, "status", run_id))["state"] != "running" and r,
+            timeout_s=15,
+        )
         assert run["state"] == "lost", run
     finally:
         c.run(["rm", "-f", f"/run/systemd/system/{UNIT}.d/50-abort.conf"])
@@ -213,7 +223,8 @@ def test_install_enable_now_and_uninstall(service: Container) -> None:
     c.run([INSTALL, "--uninstall"])
     s = c.show(UNIT, "LoadState", "ActiveState")
     assert s == {"LoadState": "not-found", "ActiveState": "inactive"}, s
-    assert c.run(["test", "-e", "/etc/systemd/system/multi-user.target.wants/agentd.service"],
-                 check=False).returncode != 0
+    assert (
+        c.run(["test", "-e", "/etc/systemd/system/multi-user.target.wants/agentd.service"], check=False).returncode != 0
+    )
     assert container_processes(c, "agentd serve") == []
     install(c)  # as the module found it

@@ -30,7 +30,9 @@ def verify(unit: Path) -> tuple[int, str]:
     """(exit code, everything printed) of `systemd-analyze verify` on a unit file."""
     r = subprocess.run(
         ["systemd-analyze", "verify", "--recursive-errors=no", str(unit)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     return r.returncode, (r.stdout + r.stderr).strip()
 
@@ -38,7 +40,10 @@ def verify(unit: Path) -> tuple[int, str]:
 def install(unit_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(INSTALL), "--unit-dir", str(unit_dir), "--no-env-file", "--no-reload", *args],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
 
 
@@ -99,7 +104,9 @@ def test_path_with_space_and_percent_is_quoted(analyze: None, tmp_path: Path) ->
 def test_install_refuses_a_missing_agentd(tmp_path: Path) -> None:
     r = subprocess.run(
         [str(INSTALL), "--unit-dir", str(tmp_path), "--agentd", str(tmp_path / "nope")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2
     assert "is not an executable" in r.stderr
@@ -114,8 +121,11 @@ def expected_protect_home() -> str:
 
 @pytest.mark.parametrize(
     ("shebang", "expected"),
-    [("/usr/bin/python3", "yes"), ("/root/.pyenv/versions/3.11.7/bin/python3.11", "read-only"),
-     ("/home/me/venv/bin/python", "read-only")],
+    [
+        ("/usr/bin/python3", "yes"),
+        ("/root/.pyenv/versions/3.11.7/bin/python3.11", "read-only"),
+        ("/home/me/venv/bin/python", "read-only"),
+    ],
 )
 def test_protect_home_is_relaxed_only_for_a_python_under_home(
     analyze: None, tmp_path: Path, shebang: str, expected: str
@@ -139,14 +149,29 @@ def test_unit_installed_in_a_real_systemd(container: Container) -> None:
     assert "installed /etc/systemd/system/agentd.service" in r.stderr
     assert "systemd is not running" not in r.stderr  # daemon-reload ran
     assert "systemd-analyze verify: clean" in r.stderr
-    rc = c.run(["systemd-analyze", "verify", "--recursive-errors=no",
-                "/etc/systemd/system/agentd.service"], check=False)
+    rc = c.run(
+        ["systemd-analyze", "verify", "--recursive-errors=no", "/etc/systemd/system/agentd.service"], check=False
+    )
     assert (rc.returncode, rc.stdout + rc.stderr) == (0, "")
     props = c.show(
-        "agentd.service", "LoadState", "Type", "NotifyAccess", "KillMode", "Delegate",
-        "TimeoutStopUSec", "StateDirectory", "RuntimeDirectory", "ExecStart", "WatchdogUSec",
-        "Environment", "EnvironmentFiles", "NoNewPrivileges", "ProtectSystem", "PrivateTmp",
-        "ProtectHome", "OOMPolicy",
+        "agentd.service",
+        "LoadState",
+        "Type",
+        "NotifyAccess",
+        "KillMode",
+        "Delegate",
+        "TimeoutStopUSec",
+        "StateDirectory",
+        "RuntimeDirectory",
+        "ExecStart",
+        "WatchdogUSec",
+        "Environment",
+        "EnvironmentFiles",
+        "NoNewPrivileges",
+        "ProtectSystem",
+        "PrivateTmp",
+        "ProtectHome",
+        "OOMPolicy",
     )
     assert props["LoadState"] == "loaded"
     assert props["Type"] == "notify"
@@ -174,18 +199,23 @@ def test_unit_installed_in_a_real_systemd(container: Container) -> None:
 
 
 def test_print_writes_nothing(tmp_path: Path) -> None:
-    r = subprocess.run([str(INSTALL), "--print", "--unit-dir", str(tmp_path / "units")],
-                       capture_output=True, text=True, timeout=60, check=True)
+    r = subprocess.run(
+        [str(INSTALL), "--print", "--unit-dir", str(tmp_path / "units")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert f"ExecStart={AGENTD} serve\n" in r.stdout
     assert "[Install]\nWantedBy=multi-user.target\n" in r.stdout
     assert not (tmp_path / "units").exists()
 
 
-@pytest.mark.parametrize("args", [["--grace", "ten"], ["--watchdog", "-1"], ["--frobnicate"],
-                                  ["--agentd", "relative/agentd"]])
+@pytest.mark.parametrize(
+    "args", [["--grace", "ten"], ["--watchdog", "-1"], ["--frobnicate"], ["--agentd", "relative/agentd"]]
+)
 def test_bad_options_are_refused(tmp_path: Path, args: list[str]) -> None:
-    r = subprocess.run([str(INSTALL), "--unit-dir", str(tmp_path), *args],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(INSTALL), "--unit-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(("install-systemd:", "Install systemd/agentd.service")), r.stderr
     assert not (tmp_path / "agentd.service").exists()

@@ -49,8 +49,11 @@ def service(container: Container) -> Iterator[Container]:
 def test_runs_are_forked_by_the_zygote_under_the_unit(service: Container) -> None:
     c = service
     c.systemctl("start", UNIT, timeout_s=60)
-    zygote = poll("the zygote to be ready",
-                  lambda: (z := call(c, "status")["summary"]["zygote"])["state"] == "ready" and z, timeout_s=60)
+    zygote = poll(
+        "the zygote to be ready",
+        lambda: (z := call(c, "status")["summary"]["zygote"])["state"] == "ready" and z,
+        timeout_s=60,
+    )
     c.write("/run/agentd-test/zygote-run.json", json.dumps(SPEC))
     run_id = cli(c, "spawn", "--spec", "/run/agentd-test/zygote-run.json")["run_id"]
     poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))

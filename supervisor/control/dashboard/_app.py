@@ -104,14 +104,18 @@ class DashboardApp:
             self.sessions.end(sid)
             return _redirect("/", cookie=self.sessions.clear_cookie())
         if req.method not in SAFE_METHODS:
-            return _text(405 if path in ("/", "/api/session") or path.startswith("/static/") else 404, "no such action\n")
+            return _text(
+                405 if path in ("/", "/api/session") or path.startswith("/static/") else 404, "no such action\n"
+            )
         if path in ("/", "/index.html"):
             if sid is None:
                 return self._page("signed-out.html", status=401)
             return self._page("index.html")
         if path == "/api/session":
             if sid is None:
-                return _json(401, {"signed_in": False, "error": "not signed in: run `agentd dashboard` for a login link"})
+                return _json(
+                    401, {"signed_in": False, "error": "not signed in: run `agentd dashboard` for a login link"}
+                )
             return _json(200, {"signed_in": True, "control_url": self._control_url(hostname)})
         if path.startswith("/static/"):
             return self._static(path[len("/static/") :])

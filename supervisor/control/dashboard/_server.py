@@ -109,7 +109,9 @@ async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> Requ
             raise _Closed()
 
 
-async def _send(conn: h11.Connection, stream: trio.SocketStream, resp: Response, *, head_only: bool, close: bool) -> None:
+async def _send(
+    conn: h11.Connection, stream: trio.SocketStream, resp: Response, *, head_only: bool, close: bool
+) -> None:
     headers = [
         ("Content-Type", resp.content_type),
         ("Content-Length", str(len(resp.body))),
@@ -145,7 +147,13 @@ async def _serve_connection(app: DashboardApp, stream: trio.SocketStream) -> Non
                 except h11.RemoteProtocolError as exc:
                     if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                         status = exc.error_status_hint
-                        await _send(conn, stream, Response(status, f"bad request: {exc}\n".encode()), head_only=False, close=True)
+                        await _send(
+                            conn,
+                            stream,
+                            Response(status, f"bad request: {exc}\n".encode()),
+                            head_only=False,
+                            close=True,
+                        )
                     return
                 if got is None:
                     return
