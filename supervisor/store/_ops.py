@@ -264,6 +264,13 @@ class Store(SessionStoreMixin):
         if conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
             raise RunNotFound(run_id)
 
+    def _changed(self, conn: sqlite3.Connection, run_id: str, cur: sqlite3.Cursor) -> bool:
+        """Whether a guarded update changed the run; a run that does not exist is ``RunNotFound``."""
+        if cur.rowcount == 0:
+            self._require_run(conn, run_id)
+            return False
+        return True
+
     def _append(self, conn: sqlite3.Connection, run_id: str, items: Sequence[tuple[str, str, float]]) -> list[int]:
         if not items:
             self._require_run(conn, run_id)
@@ -315,10 +322,7 @@ class Store(SessionStoreMixin):
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
                 (new.value, reason, new.value, at, run_id, *sources, *_TERMINAL_VALUES),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     def finish(
         self,
@@ -378,10 +382,7 @@ class Store(SessionStoreMixin):
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
                 (reason, at, stop_deadline, run_id, *_TERMINAL_VALUES),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     def record_deadline(self, run_id: str, deadline: float) -> bool:
         with self._tx(durable=True) as conn:
@@ -390,10 +391,7 @@ class Store(SessionStoreMixin):
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
                 (deadline, run_id, *_TERMINAL_VALUES),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     def set_partial(self, run_id: str, snapshot_id: object, snapshot: str) -> bool:
         with self._tx(durable=False) as conn:
@@ -402,10 +400,7 @@ class Store(SessionStoreMixin):
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
                 (snapshot, run_id, snapshot_id if isinstance(snapshot_id, str) else None, *_TERMINAL_VALUES),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     def set_receipt(self, run_id: str, receipt: str) -> bool:
         with self._tx(durable=True) as conn:
@@ -414,10 +409,7 @@ class Store(SessionStoreMixin):
                 f"(state NOT IN ({_marks(_TERMINAL_VALUES)}) OR receipt IS NULL)",
                 (receipt, run_id, *_TERMINAL_VALUES),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     def record_process(self, run_id: str, fields: dict[str, object]) -> bool:
         names = list(fields)
@@ -427,10 +419,7 @@ class Store(SessionStoreMixin):
                 f"UPDATE runs SET {sets} WHERE id = ? AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
                 (*(fields[n] for n in names), run_id, *_TERMINAL_VALUES),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     # -- process groups --------------------------------------------------------------
 
@@ -452,10 +441,7 @@ class Store(SessionStoreMixin):
                 "UPDATE process_groups SET alive = 0, ended_at = ? WHERE run_id = ? AND pgid = ? AND alive = 1",
                 (at, run_id, pgid),
             )
-            if cur.rowcount == 0:
-                self._require_run(conn, run_id)
-                return False
-            return True
+            return self._changed(conn, run_id, cur)
 
     def end_groups(self, run_id: str, at: float) -> int:
         with self._tx(durable=False) as conn:
