@@ -619,18 +619,11 @@ class FleetFront:
             row = await self._db(self.index.get, run_id)
             if row is None:
                 raise RunNotFound(run_id)
-            out = {"run_id": run_id, "was_active": False, "state": row["state"], "node": row["node_id"]}
             if row["state"] == "lost":
-                out["why"] = f"node {row['node_id']} is dead: the run was lost"
-            return out
+                return _lost_reply(run_id, row["node_id"])
+            return {"run_id": run_id, "was_active": False, "state": row["state"], "node": row["node_id"]}
         if run.node_id is not None and run.node_id in self._dead:
-            return {
-                "run_id": run_id,
-                "was_active": False,
-                "state": "lost",
-                "node": run.node_id,
-                "why": f"node {run.node_id} is dead: the run was lost",
-            }
+            return _lost_reply(run_id, run.node_id)
         was_active = run.token.cancel(reason)
         if was_active and run.token.first_cancel:
             await self._db(self.index.request_cancel, run_id, reason)
@@ -645,13 +638,7 @@ class FleetFront:
             run.cancel_sent = True
         except LinkDown as exc:
             if await self._node_dead_now(run.node_id):
-                return {
-                    "run_id": run_id,
-                    "was_active": False,
-                    "state": "lost",
-                    "node": run.node_id,
-                    "why": f"node {run.node_id} is dead: the run was lost",
-                }
+                return _lost_reply(run_id, run.node_id)
             raise ControlProtocolError(
                 ErrorCode.REFUSED,
                 f"node {run.node_id[:8]} does not answer ({exc}); the stop is recorded and goes out when it does",
@@ -917,3 +904,14 @@ def _infeasible(bundle: dict[str, float], nodes: Any) -> str | None:
             return None
     lacking = [k for k in bundle if not any(n["resources"].get(k, 0.0) >= bundle[k] for n in nodes)]
     return repr(lacking[0] if lacking else sorted(bundle))
+
+
+def _lost_reply(run_id: str, node_id: str) -> dict[str, Any]:
+    """A cancel's reply for a run whose node is dead: nothing was active to stop."""
+    return {
+        "run_id": run_id,
+        "was_active": False,
+        "state": "lost",
+        "node": node_id,
+        "why": f"node {node_id} is dead: the run was lost",
+    }
