@@ -17,6 +17,9 @@ aborted the stream); a ``cut`` closes the connection mid-body without the termin
 chunk; state changes wake both trio waiters (``wait_for``) and thread waiters
 (``wait_for_sync``). Run it with ``nursery.start(server.serve)``, ``server.start_in_thread()``,
 or ``python -m subagent.model.fake_openai --script FILE`` (prints the base URL on stdout).
+
+Size: one server for one API: the HTTP side (``h11``, chunked SSE), the API's answers
+(streamed and whole) and its history check belong together, and tests read them as one.
 """
 
 from __future__ import annotations
