@@ -391,7 +391,7 @@ async def test_a_runs_secrets_reach_its_forked_runner_and_never_the_zygote(tmp_p
     with trio.fail_after(90):
         async with daemon(tmp_path) as m:
             z = await zygote_state(m)
-            r = await m.spawn(gated("echo no key here"), model_key=Secret(key))
+            r = await m.spawn(gated(), model_key=Secret(key))  # waits in its command until "go"
             await wait_running_tool(m, r["run_id"])
             row = await m.status(r["run_id"])
             environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
