@@ -385,8 +385,14 @@ async def test_a_scrubbed_session_leading_orphan_is_a_stray_and_the_hosts_own_ch
         young: list[Proc] = []
         found = [q.pid for q in c.strays(young=young)] + [q.pid for q in young]
         assert orphan in found and own.pid not in found
-        with trio.fail_after(5):
-            killed = await process.kill_strays(c)
+        gone = os.pidfd_open(orphan)  # this process adopted it, so this process reaps it
+        try:
+            with trio.fail_after(5):
+                killed = await process.kill_strays(c)
+                await trio.lowlevel.wait_readable(gone)
+        finally:
+            os.close(gone)
+        os.waitpid(orphan, 0)
         assert [k["pid"] for k in killed] == [orphan]
         assert own.poll() is None
     finally:

@@ -599,6 +599,7 @@ async def test_draining_reads_to_eof_when_nothing_holds_the_pipe(make_containmen
     assert tree.process.stdout is not None
     with trio.fail_after(5):
         assert await process.drain_bounded(tree.process.stdout, sink, process=tree.process)
+        await tree.process.wait()  # reaped here: nothing else waits for it
     assert bytes(got) == b"x" * 100000
 
 
