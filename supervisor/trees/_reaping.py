@@ -118,9 +118,28 @@ def open_sigchld(stack: contextlib.ExitStack) -> AsyncIterator[int] | None:
     daemon's other threads (the journal's sqlite) never see EINTR from a child's exit."""
     if not hasattr(signal, "SIGCHLD"):
         return None
+    # Trio puts back the handler it found when the receiver closes. Were that SIG_DFL, a
+    # SIGCHLD caught just before (CPython's C handler ran, its Python handler not yet) would
+    # find no Python handler: CPython reports "Signal 17 ignored due to race condition" as an
+    # unraisable error. A no-op Python handler, the one Trio finds and puts back, closes that
+    # window. (SIG_IGN is left alone: it means "reap my children for me".)
     try:
+        if signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL:
+            signal.signal(signal.SIGCHLD, _ignore_sigchld)
+        # Pushed first, so it runs once Trio has put its handler back (last in, first out).
+        stack.callback(_restart_after_sigchld)
         receiver: AsyncIterator[int] = stack.enter_context(trio.open_signal_receiver(signal.SIGCHLD))
-    except RuntimeError:  # not the main thread
+    except (RuntimeError, ValueError):  # not the main thread
         return None
     signal.siginterrupt(signal.SIGCHLD, False)
     return receiver
+
+
+def _ignore_sigchld(signum: int, frame: object) -> None:
+    """SIGCHLD's Python handler between daemons: nothing to do (see ``open_sigchld``)."""
+
+
+def _restart_after_sigchld() -> None:
+    # Putting a handler back resets SA_RESTART; keep the other threads free of EINTR.
+    if callable(signal.getsignal(signal.SIGCHLD)):
+        signal.siginterrupt(signal.SIGCHLD, False)

@@ -487,3 +487,31 @@ def test_a_cgroup_turns_its_events_file_readable_when_its_last_process_exits(mad
         watch.close()
         child.wait()
     leaf.rmdir()
+
+
+async def test_a_closed_sigchld_receiver_leaves_a_python_handler_for_a_late_sigchld() -> None:
+    """A SIGCHLD whose C handler ran just as the receiver closed must still find a Python
+    handler (with SIG_DFL put back, CPython reports "Signal 17 ignored due to race
+    condition" as an unraisable error: a daemon's test failed on it under load)."""
+    import contextlib
+
+    from supervisor.trees._reaping import open_sigchld
+
+    before = signal.getsignal(signal.SIGCHLD)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        for _ in range(2):  # a second daemon in the same process finds the first one's handler
+            with contextlib.ExitStack() as stack:
+                assert open_sigchld(stack) is not None
+            after = signal.getsignal(signal.SIGCHLD)
+            assert callable(after), after
+        caught: list[object] = []
+        hook, sys.unraisablehook = sys.unraisablehook, caught.append
+        try:
+            signal.raise_signal(signal.SIGCHLD)  # goes to the handler left in place
+        finally:
+            sys.unraisablehook = hook
+        assert caught == []
+    finally:
+        if callable(before):  # never SIG_DFL again: that is the window this test is about
+            signal.signal(signal.SIGCHLD, before)
