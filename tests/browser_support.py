@@ -349,3 +349,11 @@ def scripted_browser_spec(
         "browser": dict(browser) if browser else True,
         "limits": {"max_steps": 10},
     }
+
+
+def status_field(pid: int, name: str) -> str:
+    """One field of ``/proc/PID/status`` (``Seccomp`` tells whether Chromium sandboxed a process)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return ""

@@ -20,7 +20,7 @@ import errno
 import functools
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final, final
 
@@ -88,18 +88,9 @@ class Watch:
     def drain(self) -> bool:
         """Read every pending event; True if there was any."""
         got = False
-        while True:
-            try:
-                data = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return got
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                return got
-            if not data:
-                return got
+        for _ in _pending(self.fd):
             got = True
+        return got
 
     def close(self) -> None:
         if not self._closed:
@@ -146,17 +137,7 @@ class WatchSet:
         """The watches with events since the last read (``IN_IGNORED`` included: the
         watch is gone); None if the queue overflowed (any watch may have changed)."""
         found: set[int] = set()
-        while True:
-            try:
-                data = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return found
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                return found
-            if not data:
-                return found
+        for data in _pending(self.fd):
             at = 0
             while at + _EVENT_HEADER.size <= len(data):
                 wd, _mask, _cookie, length = _EVENT_HEADER.unpack_from(data, at)
@@ -164,8 +145,26 @@ class WatchSet:
                 if wd == -1:  # IN_Q_OVERFLOW
                     return None
                 found.add(wd)
+        return found
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             os.close(self.fd)
+
+
+def _pending(fd: int) -> Iterator[bytes]:
+    """What a non-blocking inotify descriptor holds now, read by chunks until it is empty
+    (or unreadable)."""
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno == errno.EINTR:
+                continue
+            return
+        if not data:
+            return
+        yield data

@@ -335,13 +335,6 @@ async def test_grants_are_explicit_visible_and_never_the_daemons_state(daemon: D
     assert st["sandbox"]["workdir"] == str(work) and str(work) in st["sandbox"]["write"]
 
 
-def _status_field(pid: int, name: str) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 @pytest.mark.chromium
 @pytest.mark.parametrize("state_dir", ["tmp"], indirect=True)
 async def test_chromium_keeps_its_own_sandbox_in_a_browser_run(daemon: Daemon) -> None:
@@ -367,7 +360,7 @@ async def test_chromium_keeps_its_own_sandbox_in_a_browser_run(daemon: Daemon) -
                 procs.update(c.pid for c in psutil.Process(pid).children(recursive=True))
             # Helpers rewrite their command line as one string (their process title).
             cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split() for pid in procs}
-            seccomp = {pid: _status_field(pid, "Seccomp") for pid in procs}
+            seccomp = {pid: bs.status_field(pid, "Seccomp") for pid in procs}
             userns = {pid: os.readlink(f"/proc/{pid}/ns/user") for pid in procs}
             await d.m.cancel(r["run_id"])
             await d.m.wait_terminal(r["run_id"])

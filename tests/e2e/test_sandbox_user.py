@@ -438,13 +438,6 @@ async def test_the_users_own_sockets_are_out_of_a_runs_reach(user_daemon: UserDa
     assert "connected" not in out and out.count("refused:") == 2, out
 
 
-def _status_field(pid: int, name: str) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 @pytest.mark.chromium
 @pytest.mark.parametrize("place", ["home"], indirect=True)
 async def test_chromium_keeps_its_own_sandbox_under_a_users_daemon(user_daemon: UserDaemon) -> None:
@@ -470,7 +463,7 @@ async def test_chromium_keeps_its_own_sandbox_under_a_users_daemon(user_daemon: 
                 procs.update(p.pid for p in psutil.Process(pid).children(recursive=True))
             cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split() for pid in procs}
             uids = {pid: psutil.Process(pid).uids().real for pid in procs}
-            seccomp = {pid: _status_field(pid, "Seccomp") for pid in procs}
+            seccomp = {pid: bs.status_field(pid, "Seccomp") for pid in procs}
             userns = {pid: os.readlink(f"/proc/{pid}/ns/user") for pid in procs}
             with d.client() as c:
                 c.cancel(run_id)
