@@ -90,6 +90,28 @@ class ForkClock:
 CLOCK = ForkClock()
 
 
+class GoClock:
+    """Records when each ``Spare.go`` call (a spare let run) started and ended."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float, bool]] = []
+
+    def install(self) -> None:
+        orig = zygote_mod.Spare.go
+        calls = self.calls
+
+        async def timed(s: Any) -> Any:
+            t0 = time.perf_counter()
+            tree = await orig(s)
+            calls.append((t0, time.perf_counter(), tree is not None))
+            return tree
+
+        zygote_mod.Spare.go = timed  # type: ignore[method-assign,assignment]
+
+
+GO = GoClock()
+
+
 # ----------------------------------------------------------------------------- agentd
 
 
@@ -97,6 +119,7 @@ async def first_step(manager: Any, t0: float | None = None) -> dict[str, Any]:
     t0 = time.perf_counter() if t0 is None else t0
     wall0 = time.time() - (time.perf_counter() - t0)
     n_calls = len(CLOCK.calls)
+    n_go = len(GO.calls)
     r = await manager.spawn(SPEC)
     ev = await wait_event(manager, r["run_id"], "step_started", timeout_s=60)
     out: dict[str, Any] = {"run_id": r["run_id"]}
@@ -104,20 +127,34 @@ async def first_step(manager: Any, t0: float | None = None) -> dict[str, Any]:
         out["delivered"] = ev["_arrived"] - t0
         out["emitted"] = ev["ts"] - wall0
         mine = [c for c in CLOCK.calls[n_calls:] if c[0] >= t0]
+        gone = [c for c in GO.calls[n_go:] if c[0] >= t0]
         if len(mine) == 1 and mine[0][2]:
             out["before_fork"] = mine[0][0] - t0
             out["fork"] = mine[0][1] - mine[0][0]
             out["runner"] = out["emitted"] - (mine[0][1] - t0)
+        elif len(gone) == 1 and gone[0][2] and not mine:
+            out["spare"] = True
+            out["before_go"] = gone[0][0] - t0
+            out["go"] = gone[0][1] - gone[0][0]
+            out["after_go"] = out["emitted"] - (gone[0][1] - t0)
     await manager.wait_terminal(r["run_id"])
     return out
 
 
-async def sequential(manager: Any, reps: int, *, pool: int = 0) -> dict[str, list[float]]:
-    keys = ("delivered", "emitted", "before_fork", "fork", "runner", "popen_pass")
+async def wait_spare(manager: Any, timeout_s: float = 30.0) -> None:
+    with trio.move_on_after(timeout_s):
+        while not (await manager.summary())["zygote"]["spares"]["ready"]:
+            await trio.sleep(0.01)
+
+
+async def sequential(manager: Any, reps: int, *, pool: int = 0, spare: bool = False) -> dict[str, list[float]]:
+    keys = ("delivered", "emitted", "before_fork", "fork", "runner", "before_go", "go", "after_go", "popen_pass")
     out: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(reps):
         if pool:
             await wait_pool_warm(manager, pool, timeout_s=120)
+        if spare:
+            await wait_spare(manager)
         out["popen_pass"].append(await trio.to_thread.run_sync(popen_to_exit, [PY, "-c", "pass"]))
         res = await first_step(manager)
         for k in keys[:-1]:
@@ -137,6 +174,7 @@ async def burst(manager: Any, n: int) -> dict[str, Any]:
         for _ in range(n):
             nursery.start_soon(one)
     delivered = [r["delivered"] for r in results if "delivered" in r]
+    line(f"  (of {n}: {sum(1 for r in results if r.get('spare'))} served by a spare)")
     emitted = [r["emitted"] for r in results if "emitted" in r]
     return {
         "delivered": delivered,
@@ -241,6 +279,10 @@ def show_seq(res: dict[str, list[float]], split: bool) -> None:
         line(row("  = daemon before the fork (journal)", summary(res["before_fork"])))
         line(row("  + the fork (Zygote.spawn_tree)", summary(res["fork"])))
         line(row("  + the runner, forked -> first step", summary(res["runner"])))
+    if split and res["go"]:
+        line(row("  = daemon before `go` (assign, journal)", summary(res["before_go"])))
+        line(row("  + `go` (the spare's ack, `go` sent)", summary(res["go"])))
+        line(row("  + the spare, `go` -> first step", summary(res["after_go"])))
     line(row("baseline: Popen `python -c pass` (beside each)", summary(res["popen_pass"])))
 
 
@@ -257,14 +299,38 @@ def show_burst(res: dict[str, Any], n: int) -> None:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     CLOCK.install()
+    GO.install()
     with (
         tempfile.TemporaryDirectory(prefix="agentd-bench-zygote-") as tmp,
         tempfile.TemporaryDirectory(
             prefix="agentd-bench-zygote-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
         ) as shm,
     ):
-        header("zygote (pool_size 0): every runner forked, openai and mcp imported")
-        async with daemon(Path(tmp) / "zygote", pool_size=0, max_concurrent=max(64, args.burst), grace_s=1) as m:
+        header("zygote with a spare (zygote_spares 1, pool_size 0): openai and mcp imported")
+        async with daemon(
+            Path(tmp) / "spare", pool_size=0, zygote_spares=1, max_concurrent=max(64, args.burst), grace_s=1
+        ) as m:
+            await wait_spare(m)
+            await first_step(m)
+            s_seq = await sequential(m, args.reps, spare=True)
+            show_seq(s_seq, split=True)
+            await wait_spare(m)
+            s_burst = await burst(m, args.burst)
+            show_burst(s_burst, args.burst)
+            s_mem = await runner_memory(m, args.mem)
+            sinfo = (await m.summary())["zygote"]
+        out["spare"] = {
+            "sequential": s_seq,
+            "burst": s_burst,
+            "memory": s_mem,
+            "zygote": sinfo,
+            "warnings": show_warnings(line),
+        }
+
+        header("baseline: zygote without a spare (zygote_spares 0, pool_size 0): every runner forked")
+        async with daemon(
+            Path(tmp) / "zygote", pool_size=0, zygote_spares=0, max_concurrent=max(64, args.burst), grace_s=1
+        ) as m:
             await first_step(m)
             z_seq = await sequential(m, args.reps)
             show_seq(z_seq, split=True)
@@ -285,10 +351,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "warnings": show_warnings(line),
         }
 
-        header("zygote, state dir on tmpfs (journal fsyncs cost nothing): the journal's share")
-        async with daemon(Path(shm) / "zygote", pool_size=0, max_concurrent=max(64, args.burst)) as m:
+        header("zygote with a spare, state dir on tmpfs (journal fsyncs cost nothing): the journal's share")
+        async with daemon(Path(shm) / "zygote", pool_size=0, zygote_spares=1, max_concurrent=max(64, args.burst)) as m:
+            await wait_spare(m)
             await first_step(m)
-            t_seq = await sequential(m, args.reps)
+            t_seq = await sequential(m, args.reps, spare=True)
             show_seq(t_seq, split=True)
             t_burst = await burst(m, args.burst)
             show_burst(t_burst, args.burst)
@@ -318,6 +385,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     header("memory: a runner waiting in a command (USS = what it does not share)")
     bare = await trio.to_thread.run_sync(bare_python_memory)
     out["bare_python_mem"] = bare
+    line(row("spare-born runner USS (MiB as ms)", summary([x / 1000 for x in s_mem["uss_mib"]])).replace(" ms", " MiB"))
     line(row("forked runner USS (MiB as ms)", summary([x / 1000 for x in z_mem["uss_mib"]])).replace(" ms", " MiB"))
     line(row("forked runner RSS (MiB as ms)", summary([x / 1000 for x in z_mem["rss_mib"]])).replace(" ms", " MiB"))
     line(row("baseline: cold runner USS", summary([x / 1000 for x in c_mem["uss_mib"]])).replace(" ms", " MiB"))
@@ -329,19 +397,34 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"  the zygote itself (shared by every forked runner, paid once): USS {zmem[0]:.1f} MiB, RSS {zmem[1]:.1f} MiB"
         )
 
-    header("targets")
-    zs, zb = summary(z_seq["emitted"]), z_burst
+    header("targets (with a spare; without it, the baseline, in brackets)")
+    zs, zb = summary(s_seq["emitted"]), s_burst
     zu = summary(z_mem["uss_mib"])
     verdict = [
-        ("spawn -> first step p50 <= 10 ms (delivered)", summary(z_seq["delivered"]).get("p50"), 0.010),
-        ("spawn -> first step p50 <= 10 ms (emitted)", zs.get("p50"), 0.010),
-        (f"{args.burst} at once -> all first steps <= 300 ms (delivered)", zb["all_delivered"], 0.300),
-        (f"{args.burst} at once -> all first steps <= 300 ms (emitted)", zb["all_emitted"], 0.300),
+        (
+            "spawn -> first step p50 <= 10 ms (delivered)",
+            summary(s_seq["delivered"]).get("p50"),
+            summary(z_seq["delivered"]).get("p50"),
+            0.010,
+        ),
+        ("spawn -> first step p50 <= 10 ms (emitted)", zs.get("p50"), summary(z_seq["emitted"]).get("p50"), 0.010),
+        (
+            f"{args.burst} at once -> all first steps <= 300 ms (delivered)",
+            zb["all_delivered"],
+            z_burst["all_delivered"],
+            0.300,
+        ),
+        (
+            f"{args.burst} at once -> all first steps <= 300 ms (emitted)",
+            zb["all_emitted"],
+            z_burst["all_emitted"],
+            0.300,
+        ),
     ]
-    for label, got, target in verdict:
-        line(
-            f"  {label:<60} {'-' if got is None else f'{got * 1000:.1f} ms'}  {'met' if got is not None and got <= target else 'MISSED'}"
-        )
+    for label, got, base, target in verdict:
+        shown = "-" if got is None else f"{got * 1000:.1f} ms"
+        before = "-" if base is None else f"{base * 1000:.1f} ms"
+        line(f"  {label:<60} {shown} [{before}]  {'met' if got is not None and got <= target else 'MISSED'}")
     u = zu.get("p50")
     line(
         f"  {'forked runner USS p50 <= 5 MiB':<60} {'-' if u is None else f'{u:.1f} MiB'}  {'met' if u is not None and u <= 5 else 'MISSED'}"

@@ -39,6 +39,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
@@ -129,9 +130,16 @@ def _internal(emitter: Emitter, exc: BaseException) -> int:
     return int(ExitCode.INTERNAL)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The whole runner process; returns its exit code (``events.ExitCode``)."""
+def main(argv: list[str] | None = None, *, gate: Callable[[], None] | None = None) -> int:
+    """The whole runner process; returns its exit code (``events.ExitCode``).
+
+    ``gate`` (a spare the zygote forked ahead, ``subagent.zygote``): called once the spec
+    is read and the sandbox entered, before anything of the run happens (Trio, a step, a
+    tool); it returns when the run may start (its start is journaled) and ends the
+    process otherwise.
+    """
     global _waiting_for_spec
+    gate = _once(gate)
     run_dir_env = os.environ.get("AGENTD_RUN_DIR")
     run_dir = Path(run_dir_env) if run_dir_env else None
     emitter = Emitter(run_dir)
@@ -150,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
             text, leftover = read_spec_text()
             _waiting_for_spec = False
         except _StoppedBeforeSpec:
+            gate()
             emitter.log("info", "stopped before a spec arrived")
             emitter.result(bare_result(str(RunStatus.CANCELLED), "signal", None))
             return int(ExitCode.CANCELLED)
         try:
             spec = parse_spec_text(text)
         except SpecError as exc:
+            gate()
             message = f"error: bad run spec: {exc}"
             emitter.log("error", message, code="bad_spec", field=exc.field)
             error = {"code": "bad_spec", "message": message, "field": exc.field}
@@ -170,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             # Before trio (and so before any thread), any tool or any model request.
             report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_browser(spec, run_dir))
         except sandbox.SandboxError as exc:
+            gate()
             message = f"error: {exc}"
             emitter.log("error", message, code="sandbox")
             emitter.result(bare_result(str(RunStatus.FAILED), "sandbox", {"code": "sandbox", "message": message}))
             return int(ExitCode.TOOL_SETUP)
+        gate()
         import trio
 
         from subagent.run import run
@@ -190,10 +202,25 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     except Exception as exc:  # the task root: anything here is a runner bug
+        gate()
         return _internal(emitter, exc)
 
 
-def start(argv: list[str] | None = None) -> NoReturn:
+def _once(gate: Callable[[], None] | None) -> Callable[[], None]:
+    """``gate``, passed at most once (every path to a step or a result goes through it)."""
+    passed = gate is None
+
+    def through() -> None:
+        nonlocal passed
+        if not passed:
+            passed = True
+            assert gate is not None
+            gate()
+
+    return through
+
+
+def start(argv: list[str] | None = None, *, gate: Callable[[], None] | None = None) -> NoReturn:
     """Become a runner and run to the end: the one entry of every runner process.
 
     Both ways a runner process comes to be end here, and only here: ``python -m
@@ -201,10 +228,11 @@ def start(argv: list[str] | None = None) -> NoReturn:
     process what a cold start is (session, cgroup, marker, pipes, environment, working
     directory: ``subagent.zygote``). What every runner must do first, whichever way it
     was born (the SIGTERM handler that only sets the stop flag; a sandbox), goes here.
+    ``gate``: see ``main``.
     """
     signal.signal(signal.SIGTERM, _early_handler)
     signal.signal(signal.SIGINT, _early_handler)
-    code = main(argv)
+    code = main(argv, gate=gate)
     sys.stderr.flush()  # a partial line a library left in the log wrapper becomes an event
     # Everything is closed and the result is written (unbuffered, os.write): skip the
     # interpreter's teardown of openai/mcp modules, which costs a noticeable part of a

@@ -86,6 +86,7 @@ _ZYGOTE_MODULE: Final = b"subagent.zygote"
 _RUNNER_MODULE: Final = b"subagent.runner"
 # Exit code of a child that could not become a runner (events.ExitCode.INTERNAL).
 _EXIT_INTERNAL: Final = 70
+_PR_SET_PDEATHSIG: Final = 1
 
 
 def encode(msg: dict[str, Any]) -> bytes:
@@ -267,11 +268,32 @@ class _Zygote:
         self.cloner = _Cloner()
         self.sys_path0 = sys.path[0] if sys.path else None
         self.start_cwd = os.getcwd()
+        self.pid = os.getpid()
+        try:  # loaded here: a child must not dlopen between its fork and its first step
+            self._prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            self._prctl = None
 
     def spawn(self, req: dict[str, Any], fds: list[int]) -> int:
         """Fork a runner for ``req``; returns its pid. The runner itself sends the reply
         (on this same socket) once it leads its own session in its cgroup: the zygote is
         back at its loop at once, and the spawn waits for one process switch less."""
+        pid, born_in = self._fork(req)
+        if pid == 0:
+            self._become(req, fds, born_in)
+        return pid
+
+    def spare(self, req: dict[str, Any], chan: int) -> int:
+        """Fork a spare runner for the tree ``req`` names, talking to the daemon on
+        ``chan``; returns its pid. It replies as a spawned runner does, then waits there
+        for its run (``_park``)."""
+        pid, born_in = self._fork(req)
+        if pid == 0:
+            self._park(req, chan, born_in)
+        return pid
+
+    def _fork(self, req: dict[str, Any]) -> tuple[int, bool]:
+        """``os.fork()``, the child born in the cgroup ``req`` names where clone3 can."""
         cgroup_fd = -1
         try:
             sys.stdout.flush()
@@ -282,25 +304,19 @@ class _Zygote:
                     cgroup_fd = os.open(os.path.dirname(procs), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 except OSError:
                     cgroup_fd = -1
-            born_in = False
-            pid = -1
             if cgroup_fd >= 0:
                 try:
-                    pid = self.cloner.fork_into(cgroup_fd)
-                    born_in = True
+                    return self.cloner.fork_into(cgroup_fd), True
                 except OSError:
-                    pid = -1  # e.g. the cgroup is gone: fork, and the child tries to join
-            if pid < 0:
-                pid = os.fork()
-            if pid == 0:
-                self._become(req, fds, born_in)
+                    pass  # e.g. the cgroup is gone: fork, and the child tries to join
+            return os.fork(), False
         finally:
             if cgroup_fd >= 0:
                 os.close(cgroup_fd)
-        return pid
 
-    def _become(self, req: dict[str, Any], fds: list[int], born_in: bool) -> NoReturn:
-        """In the forked runner: become what a cold runner is, then run. Never returns."""
+    def _settle(self, req: dict[str, Any], born_in: bool) -> dict[str, Any]:
+        """In a child: its own session, its cgroup (before it can fork), its marker; the
+        reply that names it (or says why it cannot be a runner)."""
         try:
             signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours to write to
             os.setsid()
@@ -317,59 +333,156 @@ class _Zygote:
                 except OSError:
                     pass  # the daemon goes on without the cgroup, as for a cold runner
             self.view.become(str(req["tree_id"]))
-            reply = {"id": req.get("id"), "pid": os.getpid(), "ticks": _start_ticks(), "cgroup": cgroup_ok}
+            return {"id": req.get("id"), "pid": os.getpid(), "ticks": _start_ticks(), "cgroup": cgroup_ok}
         except BaseException as exc:  # noqa: BLE001 - any failure is reported, never raised
-            reply = {"id": req.get("id"), "error": f"cannot set up the runner: {exc!r}"}
+            return {"id": req.get("id"), "error": f"cannot set up the runner: {exc!r}"}
+
+    def _reply(self, reply: dict[str, Any]) -> None:
         try:
             self.sock.send(encode(reply))
         except BaseException:  # noqa: BLE001 - the daemon is gone: nobody to run for
             os._exit(_EXIT_INTERNAL)
         if "error" in reply:
             os._exit(_EXIT_INTERNAL)
+
+    def _become(self, req: dict[str, Any], fds: list[int], born_in: bool) -> NoReturn:
+        """In the forked runner: become what a cold runner is, then run. Never returns."""
+        self._reply(self._settle(req, born_in))
         try:
-            stdin, stdout, stderr, env_fd = fds
-            env = _read_env(env_fd)
-            os.dup2(stdin, 0)
-            os.dup2(stdout, 1)
-            os.dup2(stderr, 2)
-            self.sock.detach()  # its descriptor goes with the others, never closed twice
-            os.closerange(3, _max_fd())
-            for signum in signal.valid_signals():
-                if signum in (signal.SIGKILL, signal.SIGSTOP):
-                    continue
-                want: Any = signal.SIG_DFL
-                if signum == signal.SIGINT:
-                    want = signal.default_int_handler
-                elif signum in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)):
-                    want = signal.SIG_IGN  # as Python sets them up at start
-                try:
-                    if signal.getsignal(signum) is not want:
-                        signal.signal(signum, want)
-                except (OSError, ValueError):
-                    pass
-            signal.pthread_sigmask(signal.SIG_SETMASK, ())
-            os.environ.clear()
-            os.environ.update(env)
-            self.view.show_environ(env)
-            cwd = req.get("cwd")
-            if cwd:
-                os.chdir(cwd)
-                # `python -m` puts the working directory first on sys.path.
-                if sys.path and sys.path[0] == self.sys_path0:
-                    sys.path[0] = os.getcwd()
+            args = self._take(req, fds, keep=-1)
+            _reset_signals()
+            self._reseed()
             from subagent import runner
 
-            args = [str(a) for a in req.get("args") or []]
-            sys.argv = [runner.__file__ or "-m", *args]
-            random.seed()
-            for g in self.generators:
-                g.seed()
             runner.start(args)
         except BaseException as exc:  # noqa: BLE001 - start() ends in os._exit; this is a bug
-            try:
-                os.write(2, f"error: the forked runner could not start: {exc!r}\n".encode())
-            finally:
-                os._exit(_EXIT_INTERNAL)
+            _die(exc)
+
+    def _park(self, req: dict[str, Any], chan_fd: int, born_in: bool) -> NoReturn:
+        """In a spare: everything a runner does before it knows its run (session, cgroup,
+        marker, descriptors, signals, random state), then wait on ``chan_fd`` for the run
+        (``assign``: its descriptors, working directory and argv), acknowledge it, become
+        that run's runner and read its spec, sandbox itself, and take no step before the
+        daemon's ``go`` (sent once the run's start is journaled). EOF first, at any point
+        (the daemon closed it, or died): exit at once, having done nothing of a run.
+        Never returns."""
+        reply = self._settle(req, born_in)
+        if "error" not in reply:
+            # Until it has a run, a spare dies with the zygote (then it is nobody's spare).
+            if not self._deathsig(signal.SIGKILL) or os.getppid() != self.pid:
+                reply = {"id": req.get("id"), "error": "cannot tie the spare to the zygote"}
+        self._reply(reply)
+        try:
+            self.sock.detach()  # its descriptor is closed with the others below
+            _close_all_but(chan_fd)
+            _reset_signals()
+            self._reseed()
+            chan = socket.socket(fileno=chan_fd)
+            from subagent import runner
+
+            _rehearse()
+            data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, N_FDS)
+            assignment = decode(data) if data else None
+            if assignment is None or len(fds) != N_FDS:
+                os._exit(0)  # discarded (or the daemon is gone): no run was ever ours
+            self._deathsig(0)  # a runner outlives its zygote, as a forked one does
+            chan.send(encode({"assigned": os.getpid()}))
+            args = self._take(assignment, fds, keep=chan_fd)
+
+            def gate() -> None:
+                try:
+                    go = chan.recv(64)
+                except OSError:
+                    go = b""
+                chan.close()
+                if go != b"go":
+                    os._exit(0)  # the daemon never journaled its start: do nothing
+
+            runner.start(args, gate=gate)
+        except BaseException as exc:  # noqa: BLE001 - start() ends in os._exit; this is a bug
+            _die(exc)
+
+    def _deathsig(self, signum: int) -> bool:
+        if self._prctl is None:
+            return False
+        return bool(self._prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0)
+
+    def _reseed(self) -> None:
+        random.seed()
+        for g in self.generators:
+            g.seed()
+
+    def _take(self, req: dict[str, Any], fds: list[int], *, keep: int) -> list[str]:
+        """Take the run's pipes as fds 0-2, close every other descriptor (but ``keep``),
+        take its environment, working directory and argv; returns its arguments."""
+        stdin, stdout, stderr, env_fd = fds
+        env = _read_env(env_fd)
+        os.dup2(stdin, 0)
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        if self.sock.fileno() >= 0:
+            self.sock.detach()  # its descriptor goes with the others, never closed twice
+        _close_all_but(keep)
+        os.environ.clear()
+        os.environ.update(env)
+        self.view.show_environ(env)
+        cwd = req.get("cwd")
+        if cwd:
+            os.chdir(cwd)
+            # `python -m` puts the working directory first on sys.path.
+            if sys.path and sys.path[0] == self.sys_path0:
+                sys.path[0] = os.getcwd()
+        from subagent import runner
+
+        args = [str(a) for a in req.get("args") or []]
+        sys.argv = [runner.__file__ or "-m", *args]
+        return args
+
+
+def _reset_signals() -> None:
+    """Signal dispositions and mask as Python sets them up at start."""
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        want: Any = signal.SIG_DFL
+        if signum == signal.SIGINT:
+            want = signal.default_int_handler
+        elif signum in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)):
+            want = signal.SIG_IGN  # as Python sets them up at start
+        try:
+            if signal.getsignal(signum) is not want:
+                signal.signal(signum, want)
+        except (OSError, ValueError):
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
+def _close_all_but(keep: int) -> None:
+    """Close every descriptor from 3 up, but ``keep`` (-1: none)."""
+    if keep >= 3:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, _max_fd())
+    else:
+        os.closerange(3, _max_fd())
+
+
+def _rehearse() -> None:
+    """A spare's rehearsal, while it waits: run what every run runs first (an empty Trio
+    run), so the pages that touches are its own before a run needs them (each first write
+    to a page shared with the zygote is a copy-on-write fault). No thread is left behind."""
+    import trio
+
+    async def nothing() -> None:
+        await trio.lowlevel.checkpoint()
+
+    trio.run(nothing)
+
+
+def _die(exc: BaseException) -> NoReturn:
+    try:
+        os.write(2, f"error: the forked runner could not start: {exc!r}\n".encode())
+    finally:
+        os._exit(_EXIT_INTERNAL)
 
 
 def _read_env(fd: int) -> dict[str, str]:
@@ -525,10 +638,15 @@ def main() -> int:
         try:
             if req is None:
                 reply = {"id": None, "error": "expected a JSON object"}
-            elif len(fds) != N_FDS:
-                reply = {"id": req.get("id"), "error": f"expected {N_FDS} descriptors, got {len(fds)}"}
             elif not isinstance(req.get("tree_id"), str):
                 reply = {"id": req.get("id"), "error": "expected a tree_id"}
+            elif req.get("spare"):
+                if len(fds) != 1:
+                    reply = {"id": req.get("id"), "error": f"expected 1 descriptor, got {len(fds)}"}
+                else:
+                    requests[zygote.spare(req, fds[0])] = req.get("id")  # the spare replies itself
+            elif len(fds) != N_FDS:
+                reply = {"id": req.get("id"), "error": f"expected {N_FDS} descriptors, got {len(fds)}"}
             else:
                 requests[zygote.spawn(req, fds)] = req.get("id")  # the runner replies itself
         except OSError as exc:  # fork failed (EAGAIN, ENOMEM): the daemon starts it cold

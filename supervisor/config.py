@@ -69,6 +69,10 @@ class Config:
     # Fork runners from a pre-initialised zygote where that is exact ("auto": Linux, the
     # daemon a child subreaper, the stock runner), or always start them cold ("off").
     zygote: str = "auto"
+    # Runners the zygote keeps forked ahead, each born in its own next tree's cgroup and as
+    # far along as it can go without a run (a spawn takes one; 0: every runner is forked
+    # at its spawn).
+    zygote_spares: int = 1
     # Session browser profiles (cookies, storage kept across a session's turns): removed
     # when the session is closed, after this long unused (seconds), and the least recently
     # used beyond this many.
@@ -152,6 +156,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "max_message_bytes",
                 "dashboard_port",
                 "session_profiles_max",
+                "zygote_spares",
             }:
                 v = int(v)
                 if v < 0:

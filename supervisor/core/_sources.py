@@ -85,10 +85,11 @@ def read_result_file(path: Path) -> dict[str, Any] | BadLine:
 class PipeSource:
     """A runner this daemon started: its stdin, stdout and stderr pipes."""
 
-    def __init__(self, tree: Tree, run_dir: Path | None, *, early_stderr: bytes = b"") -> None:
+    def __init__(self, tree: Tree, run_dir: Path | None, *, early_stderr: bytes = b"", spec_sent: bool = False) -> None:
         self._tree = tree
         self._run_dir = run_dir
         self._early = early_stderr  # what a warm runner wrote while it got ready
+        self._spec_sent = spec_sent  # the spec went with a spare's run, before its start
         self._stdout = bytearray()
         self.stdout_overflow = False
         self.pipes_held_open = False
@@ -103,7 +104,8 @@ class PipeSource:
             return
         try:
             async with run.stdin_lock:
-                await stdin.send_all((json.dumps(run.runner_spec or run.spec) + "\n").encode())
+                if not self._spec_sent:
+                    await stdin.send_all((json.dumps(run.runner_spec or run.spec) + "\n").encode())
             run.stdin = stdin
             await trio.sleep_forever()  # until the run ends and cancels the feed
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -52,8 +52,8 @@ from supervisor.states import RunState
 from supervisor.store.journal import Journal
 from supervisor.trees import process
 from supervisor.trees.containment import Containment
-from supervisor.trees.pool import WarmPool, new_tree
-from supervisor.trees.zygote import Zygote, usable
+from supervisor.trees.pool import Warm, WarmPool, new_tree
+from supervisor.trees.zygote import Spare, Zygote, usable
 
 __all__ = ["RunManager"]
 
@@ -548,6 +548,33 @@ class RunManager:
     async def _execute(self, run: Run) -> None:
         """Start the run's runner (its session's turn prepared, its deadline journaled) and
         supervise it."""
+        spare = self._assign_spare(run)
+        try:
+            await self._start_runner(run, spare)
+        finally:
+            if spare is not None:
+                spare.discard()  # not taken (``_start_runner`` took it, or gave up): it exits
+
+    def _assign_spare(self, run: Run) -> Spare | None:
+        """A zygote's spare, given this run before its start is journaled (it reads its
+        spec and sandboxes itself meanwhile, and takes no step before ``go``), or None.
+
+        Not for a session's turn (its spec is made after the journal write), nor when a
+        warm runner of the pool will serve the run."""
+        if self._zygote is None or run.session_id is not None:
+            return None
+        if self._pool is not None and self._pool.ready and run.model_key is None:
+            return None
+        spare = self._zygote.take_spare()
+        if spare is None:
+            return None
+        extra_env = {"AGENTD_RUN_ID": run.run_id}
+        if run.model_key is not None:
+            extra_env["OPENAI_API_KEY"] = run.model_key.reveal()
+        spec_line = (json.dumps(run.spec) + "\n").encode()
+        return spare if spare.assign([], extra_env, spec_line) else None
+
+    async def _start_runner(self, run: Run, spare: Spare | None) -> None:
         await self.book.transition(run, RunState.STARTING)
         if run.session_id is not None:
             try:
@@ -574,7 +601,15 @@ class RunManager:
             await self.book.write(run, "deadline", lambda j: j.record_deadline(run.run_id, deadline), True)
         # A warm runner's environment was set before its spec came: a run with its own
         # model key starts cold, with the key in its runner's environment.
-        warm = self._pool.take() if self._pool is not None and run.model_key is None else None
+        warm = None
+        if spare is not None:
+            # Its start is journaled: the spare may run (or, gone, the run forks below).
+            taken, spare = spare, None
+            spare_tree = await taken.go()
+            if spare_tree is not None:
+                warm = Warm(tree=spare_tree, run_dir=taken.run_dir, spec_sent=taken.spec_sent)
+        elif self._pool is not None and run.model_key is None:
+            warm = self._pool.take()
         if warm is None:
             extra_env = {"AGENTD_RUN_ID": run.run_id}
             if run.model_key is not None:
@@ -612,7 +647,7 @@ class RunManager:
             await self.book.write(run, "process record", lambda j: j.record_process(run.run_id, **fields), True)
 
         await self.lifecycle.supervise(
-            run, PipeSource(tree, run_dir, early_stderr=warm.early_stderr), announce=announce
+            run, PipeSource(tree, run_dir, early_stderr=warm.early_stderr, spec_sent=warm.spec_sent), announce=announce
         )
 
 

@@ -218,11 +218,17 @@ class Containment:
         )
         return self
 
-    def prepare(self, tree_id: str) -> Path | None:
-        """Make the cgroup leaf for a new tree; None when this daemon has no cgroups."""
+    def prepare(self, tree_id: str, *, pending: bool = True) -> Path | None:
+        """Make the cgroup leaf for a new tree; None when this daemon has no cgroups.
+
+        ``pending=False``: a tree whose leader is not this daemon's child (a zygote's
+        spare, ``trees/zygote.py``): it is known, but does not hold the sweeps of strays
+        back as a spawn in flight does.
+        """
         with self._lock:
             self._tree_ids.add(tree_id)
-            self._pending.add(tree_id)
+            if pending:
+                self._pending.add(tree_id)
         if self.root is None:
             return None
         path = self.root / tree_id

@@ -55,6 +55,8 @@ class Warm:
     # What the warm runner wrote on stderr while it got ready (its "waiting" log event):
     # the run reads it first, so no event is lost.
     early_stderr: bytes = b""
+    # The spec is in the runner's stdin already (a zygote's spare got it with its run).
+    spec_sent: bool = False
 
 
 def runner_env(run_dir: Path, base: Mapping[str, str] | None = None, config: Config | None = None) -> dict[str, str]:

@@ -28,6 +28,7 @@ descriptors and reply, and ``ForkedProcess``, the tree's process as the reports 
 from __future__ import annotations
 
 import array
+import collections
 import fcntl
 import itertools
 import json
@@ -37,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, final
@@ -49,7 +51,7 @@ from supervisor.config import Config
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
 from supervisor.trees.containment import Containment
 
-__all__ = ["ForkedProcess", "Zygote", "usable"]
+__all__ = ["ForkedProcess", "Spare", "Zygote", "usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,13 @@ MAX_FAILED_STARTS: Final = 5
 REPARENT_WAIT_S: Final = 2.0
 # The exit code recorded when a runner's exit code was lost with the zygote.
 LOST_STATUS: Final = 255
+# After a spare is taken, wait this long before the zygote forks the next one: the taken
+# one's first step goes first (both want a CPU).
+SPARE_REFILL_DELAY_S: Final = 0.05
+# After a spare could not be made, wait this long before trying again.
+SPARE_RETRY_S: Final = 1.0
+# How long a spare may take to acknowledge its run (it is parked on its socket: at once).
+SPARE_ACK_TIMEOUT_S: Final = 5.0
 
 
 def usable(config: Config, containment: Containment) -> bool:
@@ -200,6 +209,11 @@ class Zygote:
         self._exits: dict[int, _Exit] = {}  # runners of the running zygote, by pid
         self._proc: trio.Process | None = None
         self._was_ready = False
+        self._spares: collections.deque[Spare] = collections.deque()
+        self._spare_taken = trio.Event()
+        self._graves: trio.Nursery | None = None  # where discarded spares are waited for
+        self.spares_used = 0  # spawns a spare served
+        self.spares_lost = 0  # spares discarded (dead, refused, or the zygote went)
 
     @property
     def ready(self) -> bool:
@@ -214,6 +228,13 @@ class Zygote:
             "spawned": self.spawned,
             "cold_fallbacks": self.fallbacks,
             "import_s": self.import_s,
+            "spares": {
+                "target": self.config.zygote_spares,
+                "ready": len(self._spares),
+                "pids": [spare.pid for spare in self._spares],
+                "used": self.spares_used,
+                "lost": self.spares_lost,
+            },
         }
 
     # ------------------------------------------------------------------ service
@@ -224,6 +245,15 @@ class Zygote:
         A zygote that fails ``MAX_FAILED_STARTS`` times in a row before it was ever ready
         (an import that cannot work here) is given up: state ``failed``, runners cold.
         """
+        async with trio.open_nursery() as graves:
+            self._graves = graves
+            try:
+                await self._run(task_status)
+            finally:
+                self._graves = None
+                graves.cancel_scope.cancel()
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         task_status.started()
         backoff = RESTART_BACKOFF_S
         failed_starts = 0
@@ -298,38 +328,30 @@ class Zygote:
             self.state = "ready"
             self._was_ready = True
             logger.info("zygote pid %d ready in %.2f s", proc.pid, self.import_s)
-            while True:
-                data = await sock.recv(MAX_MESSAGE)
-                if not data:
-                    raise _Unavailable(f"pid {proc.pid} exited")
-                msg = decode(data)
-                if msg is not None and isinstance(msg.get("exit"), int):
-                    done = self._exits.pop(msg["exit"], None)
-                    if done is not None:
-                        done.code = int(msg.get("code", LOST_STATUS))
-                        done.changed.set()
-                    elif isinstance(msg.get("request"), int) and msg["request"] in self._pending:
-                        # It died before it replied: that spawn failed (it starts cold).
-                        event, box = self._pending.pop(msg["request"])
-                        box.append(
-                            {"id": msg["request"], "error": f"the runner exited ({msg.get('code')}) before it replied"}
-                        )
-                        event.set()
-                    continue
-                if msg is None or not isinstance(msg.get("id"), int):
-                    logger.warning("zygote: unexpected message %r", data[:200])
-                    continue
-                if isinstance(msg.get("pid"), int):
-                    # Registered here, in order: its exit report may be the next message.
-                    msg["_exit"] = self._exits[msg["pid"]] = _Exit()
-                waiter = self._pending.pop(msg["id"], None)
-                if waiter is not None:
-                    waiter[1].append(msg)
-                    waiter[0].set()
+            ended: list[BaseException] = []
+            async with trio.open_nursery() as nursery:
+                if self.config.zygote_spares > 0:
+                    nursery.start_soon(self._keep_spares)
+                try:
+                    await self._read(sock, proc)
+                except (OSError, _Unavailable) as exc:
+                    ended.append(exc)
+                finally:
+                    # Nobody reads replies any more: no request (a spare's) waits for one.
+                    self._sock = None
+                    for event, _box in self._pending.values():
+                        event.set()  # an empty box: unavailable
+                    self._pending.clear()
+                    nursery.cancel_scope.cancel()
+            if ended:
+                raise ended[0]
         finally:
             self._sock = None
             if self.state == "ready":
                 self.state = "restarting"
+            spares, self._spares = list(self._spares), collections.deque()
+            for spare in spares:
+                spare.close()  # EOF: a parked spare exits (and dies with the zygote anyway)
             for event, _box in self._pending.values():
                 event.set()  # an empty box: unavailable
             self._pending.clear()
@@ -345,7 +367,154 @@ class Zygote:
                 if proc.returncode is None:
                     proc.kill()
                     await proc.wait()
+                for spare in spares:
+                    await self._bury(spare)
             self._proc = None
+
+    async def _read(self, sock: trio.socket.SocketType, proc: trio.Process) -> None:
+        """The zygote's messages: replies (a runner's, a spare's), exit reports."""
+        while True:
+            data = await sock.recv(MAX_MESSAGE)
+            if not data:
+                raise _Unavailable(f"pid {proc.pid} exited")
+            msg = decode(data)
+            if msg is not None and isinstance(msg.get("exit"), int):
+                done = self._exits.pop(msg["exit"], None)
+                if done is not None:
+                    done.code = int(msg.get("code", LOST_STATUS))
+                    done.changed.set()
+                elif isinstance(msg.get("request"), int) and msg["request"] in self._pending:
+                    # It died before it replied: that spawn failed (it starts cold).
+                    event, box = self._pending.pop(msg["request"])
+                    box.append(
+                        {"id": msg["request"], "error": f"the runner exited ({msg.get('code')}) before it replied"}
+                    )
+                    event.set()
+                continue
+            if msg is None or not isinstance(msg.get("id"), int):
+                logger.warning("zygote: unexpected message %r", data[:200])
+                continue
+            if isinstance(msg.get("pid"), int):
+                # Registered here, in order: its exit report may be the next message.
+                msg["_exit"] = self._exits[msg["pid"]] = _Exit()
+            waiter = self._pending.pop(msg["id"], None)
+            if waiter is not None:
+                waiter[1].append(msg)
+                waiter[0].set()
+
+    # ------------------------------------------------------------------ spares
+
+    async def _keep_spares(self) -> None:
+        """Keep ``config.zygote_spares`` spares forked ahead while the zygote is ready;
+        the next one once a spare is taken (after ``SPARE_REFILL_DELAY_S``: the taken one
+        runs first), never on a spawn's path."""
+        while True:
+            while len(self._spares) < self.config.zygote_spares:
+                spare = await self._make_spare()
+                if spare is None:
+                    await trio.sleep(SPARE_RETRY_S)
+                else:
+                    self._spares.append(spare)
+            self._spare_taken = trio.Event()
+            await self._spare_taken.wait()
+            await trio.sleep(SPARE_REFILL_DELAY_S)
+
+    async def _make_spare(self) -> Spare | None:
+        """A spare for a new tree (its id, run directory, approvals channel and cgroup made
+        now, as ``pool.new_tree`` makes them for a spawn), or None."""
+        from supervisor.trees.pool import _make_run_dir, remove_dir, runner_env
+
+        containment = self.containment
+        tree_id = "t-" + uuid.uuid4().hex[:16]
+        run_dir = self.config.run_root / tree_id
+        cgroup: Path | None = None
+        chan: socket.socket | None = None
+        try:
+            await trio.to_thread.run_sync(_make_run_dir, run_dir)
+            env = runner_env(run_dir, config=self.config)
+            from subagent.approvals import ANSWERS_ENV
+            from supervisor.core.approvals import make_channel
+
+            env[ANSWERS_ENV] = str(await trio.to_thread.run_sync(make_channel, run_dir))
+            env[MARKER_VAR] = tree_id
+            env.pop(HOST_VAR, None)
+            # Known, not pending: its leader is the zygote's child, never ours to sweep.
+            cgroup = containment.prepare(tree_id, pending=False)
+            chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                req = {
+                    "id": next(self._ids),
+                    "spare": True,
+                    "cwd": str(run_dir),
+                    "tree_id": tree_id,
+                    "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
+                }
+                with trio.CancelScope(shield=True):  # a child may exist once the request is out
+                    reply = await self._request(req, [theirs.fileno()])
+            finally:
+                theirs.close()
+        except BaseException as exc:
+            if chan is not None:
+                chan.close()
+            if cgroup is not None:
+                _rmdir_quietly(cgroup)
+            containment.discard(tree_id)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(remove_dir, run_dir)
+            if isinstance(exc, (OSError, _Unavailable)):
+                logger.info("zygote: could not make a spare runner (%s)", exc)
+                return None
+            raise
+        pid: int = reply["pid"]
+        ticks: int = reply["ticks"]
+        try:
+            pidfd = open_pidfd(containment.table, ProcessId(pid, ticks))
+        except OSError:
+            pidfd = None
+        if cgroup is not None and not reply.get("cgroup"):
+            _rmdir_quietly(cgroup)
+            cgroup = None
+        chan.setblocking(False)
+        return Spare(
+            self, tree_id, run_dir, cgroup, env, chan, pid, ticks, pidfd if pidfd is not None else -1, reply["_exit"]
+        )
+
+    def take_spare(self) -> Spare | None:
+        """A live spare for the next run, or None (then fork as usual). No checkpoint."""
+        while self._spares:
+            spare = self._spares.popleft()
+            self._spare_taken.set()
+            if spare.alive:
+                return spare
+            spare.discard()
+        return None
+
+    def _discarded(self, spare: Spare) -> None:
+        self.spares_lost += 1
+        if self._graves is not None:
+            self._graves.start_soon(self._bury, spare)
+
+    async def _bury(self, spare: Spare) -> None:
+        """Wait for a discarded spare's exit (EOF on its socket ends it), then remove its
+        tree: cgroup, run directory."""
+        from supervisor.trees.pool import remove_dir
+
+        spare.close()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(REPLY_TIMEOUT_S):
+                await spare.process.wait()
+            if spare.process.returncode is None:
+                logger.warning("spare runner pid %d did not exit; killing it", spare.pid)
+                try:
+                    os.kill(spare.pid, 9)
+                except OSError:
+                    pass
+                with trio.move_on_after(REPLY_TIMEOUT_S):
+                    await spare.process.wait()
+            if spare.cgroup is not None:
+                _rmdir_quietly(spare.cgroup)
+            self.containment.discard(spare.tree_id)
+            await trio.to_thread.run_sync(remove_dir, spare.run_dir)
 
     # ------------------------------------------------------------------ spawn
 
@@ -479,6 +648,145 @@ class Zygote:
         logger.warning("zygote pid %s: %s; restarting it", self.pid, why)
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()
+
+
+@final
+class Spare:
+    """A runner the zygote forked ahead for a tree of its own (id, run directory, cgroup),
+    parked on its socket (``subagent/zygote.py``, ``_Zygote._park``).
+
+    A spawn takes it (``Zygote.take_spare``), ``assign``s it its run (no checkpoint:
+    before the run's start is journaled), and once the journal holds that start, ``go``
+    lets it take its first step and returns its ``Tree``. Whatever fails on the way, the
+    spare is discarded (EOF: it exits having done nothing of a run) and the spawn forks
+    as usual.
+    """
+
+    def __init__(
+        self,
+        zygote: Zygote,
+        tree_id: str,
+        run_dir: Path,
+        cgroup: Path | None,
+        env: dict[str, str],
+        chan: socket.socket,
+        pid: int,
+        ticks: int,
+        pidfd: int,
+        exit: _Exit,
+    ) -> None:
+        self.zygote = zygote
+        self.tree_id = tree_id
+        self.run_dir = run_dir
+        self.cgroup = cgroup
+        self.env = env
+        self.chan = chan
+        self.pid = pid
+        self.ticks = ticks
+        self.args: list[str] = []
+        self.spec_sent = False  # the spec is in its stdin already
+        self._ours: list[int] = []
+        argv = [zygote.config.runner_python, "-m", "subagent.runner"]
+        self.process = ForkedProcess(pid, pidfd, exit, args=argv, stdin=None, stdout=None, stderr=None)
+        self._discarded = False
+
+    @property
+    def alive(self) -> bool:
+        return not self._discarded and self.process.returncode is None and not self.process._exit.orphaned
+
+    def assign(self, args: Sequence[str], extra_env: Mapping[str, str], spec_line: bytes | None) -> bool:
+        """Send the spare its run: the child ends of its stdio pipes (``spec_line`` already
+        in its stdin, when it fits the pipe) and its environment. No checkpoint. False
+        (the spare discarded) when it cannot take it."""
+        theirs: list[int] = []
+        try:
+            for _ in range(3):
+                r, w = os.pipe2(os.O_CLOEXEC)
+                self._ours.append(r)
+                theirs.append(w)
+            self._ours[0], theirs[0] = theirs[0], self._ours[0]  # stdin: we write
+            if spec_line is not None and len(spec_line) <= 65536:
+                view = memoryview(spec_line)
+                os.set_blocking(self._ours[0], False)
+                try:
+                    while view:
+                        view = view[os.write(self._ours[0], view) :]
+                    self.spec_sent = True
+                finally:
+                    os.set_blocking(self._ours[0], True)
+            env = dict(self.env)
+            env.update(extra_env)
+            theirs.append(_env_pipe(env))
+            self.args = list(args)
+            msg = encode({"args": self.args, "cwd": str(self.run_dir)})
+            socket.send_fds(self.chan, [msg], theirs)
+            return True
+        except OSError as exc:
+            logger.warning("spare runner pid %d: cannot assign it a run (%s); forking instead", self.pid, exc)
+            self.discard()
+            return False
+        finally:
+            for fd in theirs:
+                _close_quietly(fd)
+
+    async def go(self) -> Tree | None:
+        """The run's start is journaled: let the spare run. Its tree, or None when it did
+        not take the run (it died, or it hung up): it is discarded then; fork instead."""
+        try:
+            with trio.move_on_after(SPARE_ACK_TIMEOUT_S):
+                await trio.lowlevel.wait_readable(self.chan)
+            ack = decode(self.chan.recv(MAX_MESSAGE))
+            if ack is None or ack.get("assigned") != self.pid:
+                raise OSError(f"no acknowledgement ({ack!r})")
+            self.chan.send(b"go")
+        except (OSError, trio.ClosedResourceError) as exc:
+            logger.warning("spare runner pid %d: did not take its run (%s); forking instead", self.pid, exc)
+            self.discard()
+            return None
+        self._discarded = True  # a runner now: the run's, never discarded as a spare
+        self.chan.close()  # the spare closes its end after "go": nothing more to say
+        zygote, containment = self.zygote, self.zygote.containment
+        ours, self._ours = self._ours, []
+        proc = self.process
+        proc.args = [*proc.args, *self.args]
+        proc.stdin = trio.lowlevel.FdStream(ours[0])
+        proc.stdout = trio.lowlevel.FdStream(ours[1])
+        proc.stderr = trio.lowlevel.FdStream(ours[2])
+        table = containment.table
+        tree = Tree(
+            tree_id=self.tree_id,
+            pid=self.pid,
+            pgid=self.pid,
+            start_time=table.kernel.boot_time() + self.ticks / table.kernel.clock_ticks,
+            cgroup=self.cgroup,
+            containment=containment.label(self.cgroup),
+            process=proc,
+            leader_ticks=self.ticks,
+            table=table,
+        )
+        tree.groups[tree.pgid] = tree.leader_ticks
+        tree.pipes = frozenset(os.fstat(fd).st_ino for fd in ours)
+        containment.track(tree)
+        zygote.spawned += 1
+        zygote.spares_used += 1
+        logger.debug("tree %s: spare pid %d took its run, containment %s", self.tree_id, self.pid, tree.containment)
+        return tree
+
+    def close(self) -> None:
+        """Hang up on the spare (it exits at once if it has no run yet) and drop its pipes."""
+        self.chan.close()
+        ours, self._ours = self._ours, []
+        for fd in ours:
+            _close_quietly(fd)
+
+    def discard(self) -> None:
+        """Give the spare up (unless it took its run): it exits, and its tree is removed
+        once it has."""
+        if self._discarded:
+            return
+        self._discarded = True
+        self.close()
+        self.zygote._discarded(self)
 
 
 def _env_pipe(env: Mapping[str, str]) -> int:
