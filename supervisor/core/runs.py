@@ -76,6 +76,8 @@ class RunManager:
         self.book = RunBook(journal)
         self.backlog = self.book.backlog
         self._live = self.book.live
+        # Spares given their run at its spawn, before its first journal write (``_create``).
+        self._assigned: dict[str, Spare] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
@@ -237,11 +239,22 @@ class RunManager:
             token=CancelToken(run_id),
             model_key=model_key,
         )
+        # A spare runner gets the run now, before any of its journal writes: it reads its
+        # spec and sandboxes itself while they commit (it takes no step before ``go``).
+        if self._limiter.available_tokens > 0:
+            spare = self._assign_spare(run)
+            if spare is not None:
+                self._assigned[run_id] = spare
         try:
             await self.journal.create_run(
                 run_id, session_id=session_id, spec=spec, created_at=time.time(), timeout_s=timeout_s
             )
-        except JournalUnavailable as exc:
+        except BaseException as exc:
+            spare = self._assigned.pop(run_id, None)
+            if spare is not None:
+                spare.discard()
+            if not isinstance(exc, JournalUnavailable):
+                raise
             self.backlog.note_failure(exc, "a new run")
             raise JournalUnavailable(f"no new runs while the journal cannot be written ({exc})", path=exc.path) from exc
         self.backlog.note_success()
@@ -540,6 +553,9 @@ class RunManager:
             logger.exception("run %s: supervision failed", run.run_id)
             await self.lifecycle.finish_internal_error(run, exc, self.lifecycle.receipt_head(run))
         finally:
+            spare = self._assigned.pop(run.run_id, None)
+            if spare is not None:
+                spare.discard()  # cancelled while queued: it never ran
             if acquired:
                 self._limiter.release_on_behalf_of(run)
             if not run.done.is_set():  # only on a bug: never leave waiters hanging
@@ -548,7 +564,7 @@ class RunManager:
     async def _execute(self, run: Run) -> None:
         """Start the run's runner (its session's turn prepared, its deadline journaled) and
         supervise it."""
-        spare = self._assign_spare(run)
+        spare = self._assigned.pop(run.run_id, None) or self._assign_spare(run)
         try:
             await self._start_runner(run, spare)
         finally:
