@@ -18,6 +18,7 @@ __all__ = [
     "enter_user_namespace",
     "private_mounts",
     "drop_capabilities",
+    "bind_back",
     "set_dumpable",
     "can_nest_user_namespace",
     "thread_count",
@@ -168,6 +169,22 @@ def _private_mounts(done: list[str], tmpfs: Iterable[str], read_only: Iterable[s
         _mount(path, path, None, _MS_BIND | _MS_REC, None)
         done.append(path)
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
+
+
+def bind_back(source: str, path: str) -> None:
+    """Bind ``source`` (a path through a descriptor of what a tmpfs covers, say) at ``path``
+    in this mount namespace, making ``path`` (a directory, or an empty file) first."""
+    fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if os.path.isdir(source):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a"):
+                pass
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None)
+    finally:
+        os.close(fd)
 
 
 def drop_capabilities() -> None:

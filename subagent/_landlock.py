@@ -30,6 +30,7 @@ __all__ = [
     "handled_fs",
     "plan_rules",
     "restrict_self",
+    "Ruleset",
     "FS_READ",
     "FS_WRITE",
     "FS_FILE_ONLY",
@@ -199,17 +200,41 @@ def restrict_self(grants: Iterable[Grant], *, abi: int, scoped: int = 0, no_new_
     Raises:
         LandlockError: Landlock is missing, or a call failed.
     """
-    if abi <= 0:
-        raise LandlockError(errno.EOPNOTSUPP, "landlock is not available")
-    libc = _syscall()
-    fs = handled_fs(abi)
-    attr = _RulesetAttr(handled_access_fs=fs, handled_access_net=0, scoped=scoped if abi >= 6 else 0)
-    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else 16 if abi >= 4 else 8
-    fd = int(libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
-    if fd < 0:
-        raise LandlockError(ctypes.get_errno(), "landlock_create_ruleset")
-    added = 0
+    ruleset = Ruleset(abi=abi, scoped=scoped)
     try:
+        added = ruleset.add(grants)
+        ruleset.restrict(no_new_privs=no_new_privs)
+    finally:
+        ruleset.close()
+    return added
+
+
+class Ruleset:
+    """A Landlock ruleset built in steps: ``add`` grants (some early, say, in a runner
+    forked ahead, ``subagent.zygote``), then ``restrict`` this thread to it. What
+    ``restrict_self`` does at once.
+
+    Raises:
+        LandlockError: Landlock is missing, or a call failed (any method).
+    """
+
+    def __init__(self, *, abi: int, scoped: int = 0) -> None:
+        if abi <= 0:
+            raise LandlockError(errno.EOPNOTSUPP, "landlock is not available")
+        self._libc = _syscall()
+        self.abi = abi
+        self._fs = handled_fs(abi)
+        attr = _RulesetAttr(handled_access_fs=self._fs, handled_access_net=0, scoped=scoped if abi >= 6 else 0)
+        size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else 16 if abi >= 4 else 8
+        fd = int(self._libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
+        if fd < 0:
+            raise LandlockError(ctypes.get_errno(), "landlock_create_ruleset")
+        self.fd = fd
+
+    def add(self, grants: Iterable[Grant]) -> int:
+        """Add a rule per grant (rights of this ABI only); returns how many were added."""
+        libc, fs = self._libc, self._fs
+        added = 0
         for g in grants:
             access = g.access & fs
             if not access:
@@ -220,14 +245,14 @@ def restrict_self(grants: Iterable[Grant], *, abi: int, scoped: int = 0, no_new_
                 continue  # gone since it was planned
             try:
                 rule = _PathBeneathAttr(allowed_access=access, parent_fd=pfd)
-                res = libc.syscall(_SYS_ADD_RULE, fd, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0))
+                res = libc.syscall(_SYS_ADD_RULE, self.fd, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0))
                 if res < 0:
                     err = ctypes.get_errno()
                     if err == errno.EINVAL and not os.path.isdir(g.path):
                         # A file with directory rights: keep the file ones.
                         rule.allowed_access = access & FS_FILE_ONLY
                         res = libc.syscall(
-                            _SYS_ADD_RULE, fd, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)
+                            _SYS_ADD_RULE, self.fd, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)
                         )
                         err = ctypes.get_errno()
                     if res < 0:
@@ -235,10 +260,17 @@ def restrict_self(grants: Iterable[Grant], *, abi: int, scoped: int = 0, no_new_
                 added += 1
             finally:
                 os.close(pfd)
+        return added
+
+    def restrict(self, *, no_new_privs: bool = True) -> None:
+        """Restrict this thread (and what it starts from now on) to the rules added."""
+        libc = self._libc
         if no_new_privs and libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise LandlockError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if libc.syscall(_SYS_RESTRICT_SELF, fd, ctypes.c_uint32(0)) != 0:
+        if libc.syscall(_SYS_RESTRICT_SELF, self.fd, ctypes.c_uint32(0)) != 0:
             raise LandlockError(ctypes.get_errno(), "landlock_restrict_self")
-    finally:
-        os.close(fd)
-    return added
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

@@ -41,11 +41,14 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import NoReturn  # noqa: E402
+from typing import TYPE_CHECKING, NoReturn  # noqa: E402
 
 from subagent.emit import Emitter, bare_result, install_stderr_guards  # noqa: E402
 from subagent.events import ExitCode, RunStatus  # noqa: E402
 from subagent.spec import SpecError, parse_spec_text  # noqa: E402
+
+if TYPE_CHECKING:
+    from subagent.sandbox import Ahead
 
 __all__ = ["main", "preload", "read_spec_text", "start"]
 
@@ -130,13 +133,21 @@ def _internal(emitter: Emitter, exc: BaseException) -> int:
     return int(ExitCode.INTERNAL)
 
 
-def main(argv: list[str] | None = None, *, gate: Callable[[], None] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    gate: Callable[[], None] | None = None,
+    ahead: Ahead | None = None,
+    answers: Callable[[], int | None] | None = None,
+) -> int:
     """The whole runner process; returns its exit code (``events.ExitCode``).
 
     ``gate`` (a spare the zygote forked ahead, ``subagent.zygote``): called once the spec
     is read and the sandbox entered, before anything of the run happens (Trio, a step, a
     tool); it returns when the run may start (its start is journaled) and ends the
-    process otherwise.
+    process otherwise. ``ahead``: the half of the sandbox it made before it had a run
+    (``sandbox.prepare_ahead``); ``answers``: its approvals channel, opened then (it may be
+    hidden since, under a private /tmp).
     """
     global _waiting_for_spec
     gate = _once(gate)
@@ -175,10 +186,10 @@ def main(argv: list[str] | None = None, *, gate: Callable[[], None] | None = Non
         from subagent.approvals import open_channel
 
         # Before the sandbox: the answer channel lives where the run's tools cannot reach.
-        answers_fd = open_channel()
+        answers_fd = (answers or open_channel)()
         try:
             # Before trio (and so before any thread), any tool or any model request.
-            report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_browser(spec, run_dir))
+            report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_browser(spec, run_dir), ahead=ahead)
         except sandbox.SandboxError as exc:
             gate()
             message = f"error: {exc}"
@@ -220,7 +231,13 @@ def _once(gate: Callable[[], None] | None) -> Callable[[], None]:
     return through
 
 
-def start(argv: list[str] | None = None, *, gate: Callable[[], None] | None = None) -> NoReturn:
+def start(
+    argv: list[str] | None = None,
+    *,
+    gate: Callable[[], None] | None = None,
+    ahead: Ahead | None = None,
+    answers: Callable[[], int | None] | None = None,
+) -> NoReturn:
     """Become a runner and run to the end: the one entry of every runner process.
 
     Both ways a runner process comes to be end here, and only here: ``python -m
@@ -228,11 +245,11 @@ def start(argv: list[str] | None = None, *, gate: Callable[[], None] | None = No
     process what a cold start is (session, cgroup, marker, pipes, environment, working
     directory: ``subagent.zygote``). What every runner must do first, whichever way it
     was born (the SIGTERM handler that only sets the stop flag; a sandbox), goes here.
-    ``gate``: see ``main``.
+    ``gate``, ``ahead``, ``answers``: see ``main``.
     """
     signal.signal(signal.SIGTERM, _early_handler)
     signal.signal(signal.SIGINT, _early_handler)
-    code = main(argv, gate=gate)
+    code = main(argv, gate=gate, ahead=ahead, answers=answers)
     sys.stderr.flush()  # a partial line a library left in the log wrapper becomes an event
     # Everything is closed and the result is written (unbuffered, os.write): skip the
     # interpreter's teardown of openai/mcp modules, which costs a noticeable part of a

@@ -48,6 +48,8 @@ __all__ = [
     "Report",
     "SandboxError",
     "enter",
+    "Ahead",
+    "prepare_ahead",
     "tool_env",
     "check_grants",
     "browser_sandbox",
@@ -263,11 +265,14 @@ def enter(
     *,
     settings: Settings | None = None,
     prepare: Callable[[], None] | None = None,
+    ahead: Ahead | None = None,
 ) -> Report:
     """Sandbox this process and everything it will start, for ``spec``; report what held.
 
     ``prepare`` runs after the identity step and before Landlock (what the run must create
-    outside its grants, such as the browser's short temp link).
+    outside its grants, such as the browser's short temp link). ``ahead``: the half made
+    before the spec was known (``prepare_ahead``, in this process), used if it is for this
+    run directory and these settings (else closed, and the whole made here).
 
     Raises:
         SandboxError: the mode is ``required`` and Landlock could not be applied.
@@ -275,7 +280,7 @@ def enter(
     t0 = time.perf_counter()
     settings = Settings.from_env() if settings is None else settings
     report = Report(mode="none", requested=settings.mode, workdir=spec.sandbox.workdir)
-    proc_writable = _enter(spec, run_dir, settings, prepare, report)
+    proc_writable = _enter(spec, run_dir, settings, prepare, report, ahead)
     if report.workdir is not None:
         try:
             os.chdir(report.workdir)  # run_command and servers without a cwd run there
@@ -288,10 +293,17 @@ def enter(
 
 
 def _enter(
-    spec: Any, run_dir: Path | None, settings: Settings, prepare: Callable[[], None] | None, report: Report
+    spec: Any,
+    run_dir: Path | None,
+    settings: Settings,
+    prepare: Callable[[], None] | None,
+    report: Report,
+    ahead: Ahead | None,
 ) -> bool:
     """The body of ``enter``; returns whether the run's processes may write under /proc."""
     base = run_dir if run_dir is not None else Path.cwd()
+    if settings.mode == "off" and ahead is not None:
+        ahead.close()
     if settings.mode == "off":
         report.why = "turned off in the daemon's configuration (sandbox = off)"
         _prepare(prepare, None)
@@ -307,67 +319,194 @@ def _enter(
         return True
     workdir = spec.sandbox.workdir
     script = [spec.model.script_path] if spec.model.script_path else []  # the run's own input
-    read = _exists([*SYSTEM_READ, *runtime_paths(), *spec.sandbox.read, *_server_paths(spec), *script])
+    spec_read = [*spec.sandbox.read, *_server_paths(spec), *script]
     if spec.browser is not False:
-        read += _browser_paths(True if spec.browser is True else dict(spec.browser))
-    write = _exists([str(base), *spec.sandbox.write, *([workdir] if workdir else [])])
-    protect = list(dict.fromkeys([*settings.protect, *DEFAULT_PROTECT, *glob.glob("/etc/ssh/ssh_host_*key")]))
-    resolv = _resolv_target()
-
-    root = os.geteuid() == 0
-    host_uid = os.getuid()
-    # A normal user's runner stays that uid inside (its files are the user's); a root
-    # runner becomes SANDBOX_ID. Either way /tmp, /run and the like are the run's own: the
-    # user's sockets there (systemd --user, the session bus, ssh-agent) are out of reach.
-    inner = SANDBOX_ID if root else host_uid
-    userns = False
+        spec_read += _browser_paths(True if spec.browser is True else dict(spec.browser))
+    spec_write = [*spec.sandbox.write, *([workdir] if workdir else [])]
+    if ahead is None or not ahead.fits(base, settings, abi):
+        if ahead is not None:
+            ahead.close()
+        # A cold runner: the same two halves at once (the spec's paths kept in one go).
+        ahead = prepare_ahead(base, settings, keep=_exists([*spec_read, *spec_write]))
+        if ahead is None:  # cannot happen: the checks above are the ones it makes
+            raise SandboxError("the sandbox could not be prepared")
     try:
-        _isolate.enter_user_namespace(inner)
-        userns = True
-        report.private = _isolate.private_mounts(
-            tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*read, *write, *([resolv] if resolv else [])]
+        return _finish(ahead, spec_read, spec_write, settings, prepare, report)
+    finally:
+        ahead.close()
+
+
+@dataclass
+class Ahead:
+    """The half of a run's sandbox that does not depend on its spec, made by
+    ``prepare_ahead``: a forked-ahead runner (a zygote's spare) makes it before it has a
+    run, a cold runner just before the other half. Holds descriptors: ``close`` it (``enter``
+    does)."""
+
+    base: Path
+    settings: Settings
+    abi: int
+    read: list[str]
+    write: list[str]
+    protect: list[str]
+    resolv: str | None
+    root: bool
+    host_uid: int
+    inner: int
+    userns: bool = False
+    private: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    proc_writable: bool = True
+    ruleset: _landlock.Ruleset | None = None
+    landlock_error: OSError | None = None
+    # What each private tmpfs covers (O_PATH), to bind a spec's path there back later.
+    hidden: dict[str, int] = field(default_factory=dict)
+
+    def fits(self, base: Path, settings: Settings, abi: int) -> bool:
+        return self.base == base and self.settings == settings and self.abi == abi
+
+    def fds(self) -> list[int]:
+        return [*self.hidden.values(), *([self.ruleset.fd] if self.ruleset is not None else [])]
+
+    def close(self) -> None:
+        hidden, self.hidden = self.hidden, {}
+        for fd in hidden.values():
+            os.close(fd)
+        if self.ruleset is not None:
+            self.ruleset.close()
+
+    def bind_hidden(self, paths: Iterable[str]) -> None:
+        """Bind back the paths a private tmpfs hides (a spec's grant under /tmp, say), as a
+        cold runner's ``private_mounts`` keeps them. While the capabilities are held."""
+        if not self.userns:
+            return
+        wanted = []
+        for p in paths:
+            if not p or not os.path.isabs(p) or os.path.exists(p):
+                continue
+            for d, fd in self.hidden.items():
+                if p.startswith(d.rstrip("/") + "/"):
+                    seen = f"/proc/self/fd/{fd}/{os.path.relpath(p, d)}"
+                    if os.path.exists(seen):
+                        wanted.append((p, seen))
+                    break
+        for path, seen in wanted:
+            if os.path.exists(path):  # a parent bound already
+                continue
+            try:
+                _isolate.bind_back(seen, path)
+                self.private.append(path)
+            except OSError as exc:
+                self.problems.append(f"cannot keep {path!r} in the run's private {exc.filename or 'dir'}: {exc}")
+
+
+def prepare_ahead(base: Path, settings: Settings, *, keep: Iterable[str] = ()) -> Ahead | None:
+    """The spec-independent half of ``enter`` for a run in ``base``: its own user and
+    mount namespace, private /tmp and the like (``keep``: more paths to bind back), and a
+    Landlock ruleset holding every grant but the spec's; capabilities kept (the other half
+    may bind a spec's path back) and nothing restricted yet. None where there is nothing
+    to prepare (the sandbox is off, Landlock missing, more than one thread)."""
+    if settings.mode == "off":
+        return None
+    abi = _landlock.abi_version()
+    if abi <= 0 or _isolate.thread_count() > 1:
+        return None
+    root = os.geteuid() == 0
+    ahead = Ahead(
+        base=base,
+        settings=settings,
+        abi=abi,
+        read=_exists([*SYSTEM_READ, *runtime_paths()]),
+        write=_exists([str(base)]),
+        protect=list(dict.fromkeys([*settings.protect, *DEFAULT_PROTECT, *glob.glob("/etc/ssh/ssh_host_*key")])),
+        resolv=_resolv_target(),
+        root=root,
+        host_uid=os.getuid(),
+        # A normal user's runner stays that uid inside (its files are the user's); a root
+        # runner becomes SANDBOX_ID. Either way /tmp, /run and the like are the run's own:
+        # the user's sockets there (systemd --user, the session bus, ssh-agent) are out of reach.
+        inner=SANDBOX_ID if root else os.getuid(),
+    )
+    try:
+        for d in PRIVATE_DIRS:
+            if os.path.isdir(d) and not os.path.islink(d):
+                ahead.hidden[d] = os.open(d, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
+        _isolate.enter_user_namespace(ahead.inner)
+        ahead.userns = True
+        resolv = [ahead.resolv] if ahead.resolv else []
+        ahead.private = _isolate.private_mounts(
+            tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*ahead.read, *ahead.write, *keep, *resolv]
         )
         os.chdir(base)
     except OSError as exc:
-        report.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
-    if root or userns:
+        ahead.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
+    tunables_ro = bool(os.statvfs("/proc/sys").f_flag & os.ST_RDONLY) if os.path.exists("/proc/sys") else True
+    # Chromium's sandbox writes its namespaces' uid_map under /proc: allowed where /proc's
+    # tunables cannot be written anyway (not uid 0, or mounted read-only).
+    ahead.proc_writable = not root or tunables_ro
+    grants = [Grant(p, FS_READ) for p in ahead.read] + [Grant(p, FS_WRITE) for p in ahead.write]
+    grants += [
+        Grant("/proc", FS_READ | (_landlock.WRITE_FILE if ahead.proc_writable else 0)),
+        Grant("/dev", _landlock.READ_DIR),
+    ]
+    grants += [Grant(d, _DEVICE_ACCESS) for d in DEVICES_RW]
+    grants += [Grant(p, FS_WRITE) for p in ahead.private if p in PRIVATE_DIRS]
+    if ahead.resolv:
+        grants.append(Grant(ahead.resolv, FS_READ))
+    try:
+        ahead.ruleset = _landlock.Ruleset(abi=abi, scoped=_SCOPES)
+        ahead.ruleset.add(_landlock.plan_rules(grants, ahead.protect))
+    except OSError as exc:
+        if ahead.ruleset is not None:
+            ahead.ruleset.close()
+            ahead.ruleset = None
+        ahead.landlock_error = exc
+    return ahead
+
+
+def _finish(
+    ahead: Ahead,
+    spec_read: list[str],
+    spec_write: list[str],
+    settings: Settings,
+    prepare: Callable[[], None] | None,
+    report: Report,
+) -> bool:
+    """The spec's half of ``_enter``: its paths, capabilities dropped, Landlock applied."""
+    ahead.bind_hidden([*spec_read, *spec_write])
+    read = list(dict.fromkeys([*ahead.read, *_exists(spec_read)]))
+    write = list(dict.fromkeys([*ahead.write, *_exists(spec_write)]))
+    report.private = ahead.private
+    report.problems.extend(ahead.problems)
+    if ahead.root or ahead.userns:
         try:
             _isolate.drop_capabilities()
         except OSError as exc:
             report.problems.append(f"capabilities: {exc}")
     _isolate.set_dumpable(False)
-    host = f"uid {host_uid}"
-    if userns:
-        report.identity = f"{host} on the host, uid {inner} in its own user namespace, no capabilities"
+    host = f"uid {ahead.host_uid}"
+    if ahead.userns:
+        report.identity = f"{host} on the host, uid {ahead.inner} in its own user namespace, no capabilities"
     else:
-        report.identity = f"{host} without capabilities" if root else host
-    _prepare(prepare, base)
-
-    tunables_ro = bool(os.statvfs("/proc/sys").f_flag & os.ST_RDONLY) if os.path.exists("/proc/sys") else True
-    # Chromium's sandbox writes its namespaces' uid_map under /proc: allowed where /proc's
-    # tunables cannot be written anyway (not uid 0, or mounted read-only).
-    proc_writable = not root or tunables_ro
-    grants = [Grant(p, FS_READ) for p in read] + [Grant(p, FS_WRITE) for p in write]
-    grants += [
-        Grant("/proc", FS_READ | (_landlock.WRITE_FILE if proc_writable else 0)),
-        Grant("/dev", _landlock.READ_DIR),
-    ]
-    grants += [Grant(d, _DEVICE_ACCESS) for d in DEVICES_RW]
-    grants += [Grant(p, FS_WRITE) for p in report.private if p in PRIVATE_DIRS]
-    if resolv:
-        grants.append(Grant(resolv, FS_READ))
+        report.identity = f"{host} without capabilities" if ahead.root else host
+    _prepare(prepare, ahead.base)
     try:
-        _landlock.restrict_self(_landlock.plan_rules(grants, protect), abi=abi, scoped=_SCOPES)
+        if ahead.ruleset is None:
+            raise ahead.landlock_error or OSError("no ruleset")
+        spec_grants = [Grant(p, FS_READ) for p in read if p not in ahead.read]
+        spec_grants += [Grant(p, FS_WRITE) for p in write if p not in ahead.write]
+        ahead.ruleset.add(_landlock.plan_rules(spec_grants, ahead.protect))
+        ahead.ruleset.restrict()
     except OSError as exc:
         if settings.mode == "required":
             raise SandboxError(f"the sandbox is required but landlock failed: {exc}") from exc
         report.why = f"landlock failed: {exc}"
-        return proc_writable
+        return ahead.proc_writable
     report.mode = "landlock"
-    report.landlock_abi = abi
-    report.read, report.write, report.protected = read, write, protect
-    report.scopes = ["signal", "abstract_unix_socket"] if abi >= 6 else []
-    return proc_writable
+    report.landlock_abi = ahead.abi
+    report.read, report.write, report.protected = read, write, ahead.protect
+    report.scopes = ["signal", "abstract_unix_socket"] if ahead.abi >= 6 else []
+    return ahead.proc_writable
 
 
 def _prepare(prepare: Callable[[], None] | None, base: Path | None) -> None:

@@ -48,6 +48,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from subagent.osedge import LINUX
@@ -349,7 +350,7 @@ class _Zygote:
         """In the forked runner: become what a cold runner is, then run. Never returns."""
         self._reply(self._settle(req, born_in))
         try:
-            args = self._take(req, fds, keep=-1)
+            args = self._take(req, fds, keep=[])
             _reset_signals()
             self._reseed()
             from subagent import runner
@@ -374,12 +375,21 @@ class _Zygote:
         self._reply(reply)
         try:
             self.sock.detach()  # its descriptor is closed with the others below
-            _close_all_but(chan_fd)
+            _close_all_but([chan_fd])
             _reset_signals()
             self._reseed()
             chan = socket.socket(fileno=chan_fd)
-            from subagent import runner
+            from subagent import approvals, runner, sandbox
 
+            # Its run directory is known: be there, as a forked runner is (and so is sys.path[0]).
+            self._chdir(req.get("cwd"))
+            # Before its private /tmp may hide it (a run directory under /tmp): as a cold
+            # runner opens it before its sandbox.
+            answers_fd = approvals.open_channel({approvals.ANSWERS_ENV: str(req.get("answers") or "")})
+            ahead = None
+            if isinstance(req.get("sandbox"), str):
+                settings = sandbox.Settings.from_env({sandbox.SANDBOX_ENV: req["sandbox"]})
+                ahead = sandbox.prepare_ahead(Path(os.getcwd()), settings)
             _rehearse()
             data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, N_FDS)
             assignment = decode(data) if data else None
@@ -387,7 +397,10 @@ class _Zygote:
                 os._exit(0)  # discarded (or the daemon is gone): no run was ever ours
             self._deathsig(0)  # a runner outlives its zygote, as a forked one does
             chan.send(encode({"assigned": os.getpid()}))
-            args = self._take(assignment, fds, keep=chan_fd)
+            keep = [chan_fd, *(ahead.fds() if ahead is not None else [])]
+            if answers_fd is not None:
+                keep.append(answers_fd)
+            args = self._take(assignment, fds, keep=keep)
 
             def gate() -> None:
                 try:
@@ -398,7 +411,7 @@ class _Zygote:
                 if go != b"go":
                     os._exit(0)  # the daemon never journaled its start: do nothing
 
-            runner.start(args, gate=gate)
+            runner.start(args, gate=gate, ahead=ahead, answers=lambda: answers_fd)
         except BaseException as exc:  # noqa: BLE001 - start() ends in os._exit; this is a bug
             _die(exc)
 
@@ -412,7 +425,14 @@ class _Zygote:
         for g in self.generators:
             g.seed()
 
-    def _take(self, req: dict[str, Any], fds: list[int], *, keep: int) -> list[str]:
+    def _chdir(self, cwd: str | None) -> None:
+        if cwd:
+            os.chdir(cwd)
+            # `python -m` puts the working directory first on sys.path.
+            if sys.path and sys.path[0] == self.sys_path0:
+                sys.path[0] = os.getcwd()
+
+    def _take(self, req: dict[str, Any], fds: list[int], *, keep: list[int]) -> list[str]:
         """Take the run's pipes as fds 0-2, close every other descriptor (but ``keep``),
         take its environment, working directory and argv; returns its arguments."""
         stdin, stdout, stderr, env_fd = fds
@@ -426,12 +446,7 @@ class _Zygote:
         os.environ.clear()
         os.environ.update(env)
         self.view.show_environ(env)
-        cwd = req.get("cwd")
-        if cwd:
-            os.chdir(cwd)
-            # `python -m` puts the working directory first on sys.path.
-            if sys.path and sys.path[0] == self.sys_path0:
-                sys.path[0] = os.getcwd()
+        self._chdir(req.get("cwd"))
         from subagent import runner
 
         args = [str(a) for a in req.get("args") or []]
@@ -457,13 +472,14 @@ def _reset_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
-def _close_all_but(keep: int) -> None:
-    """Close every descriptor from 3 up, but ``keep`` (-1: none)."""
-    if keep >= 3:
-        os.closerange(3, keep)
-        os.closerange(keep + 1, _max_fd())
-    else:
-        os.closerange(3, _max_fd())
+def _close_all_but(keep: list[int]) -> None:
+    """Close every descriptor from 3 up, but those in ``keep``."""
+    low = 3
+    for fd in sorted(set(keep)):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, _max_fd())
 
 
 def _rehearse() -> None:

@@ -46,6 +46,7 @@ from typing import Any, Final, final
 import trio
 
 from subagent.osedge import ProcessId, open_pidfd
+from subagent.sandbox import SANDBOX_ENV
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
 from supervisor.config import Config
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
@@ -446,6 +447,8 @@ class Zygote:
                     "id": next(self._ids),
                     "spare": True,
                     "cwd": str(run_dir),
+                    "sandbox": env.get(SANDBOX_ENV),  # settings (no secret): its sandbox's first half
+                    "answers": env[ANSWERS_ENV],  # its approvals channel (a path)
                     "tree_id": tree_id,
                     "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
                 }
