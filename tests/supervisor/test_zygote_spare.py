@@ -1,0 +1,354 @@
+"""The zygote's spare runner: forked ahead, it becomes exactly what a forked or cold runner
+is; it takes no step before the daemon's ``go`` (sent once the run's start is journaled)
+and exits having done nothing when the daemon hangs up first; a spare that dies, or a
+zygote that dies, never loses a spawn; a spare never outlives its zygote.
+
+Real daemons (``serve``) and a real zygote process, the real runner with the scripted
+model; the protocol tests speak the zygote's wire protocol themselves, as the daemon does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from subagent.osedge import LINUX
+from subagent.sandbox import SANDBOX_ENV, Settings
+from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, PLACEHOLDER_MARKER, decode, encode
+from supervisor.protocol import Secret
+from supervisor.trees import zygote as zygote_mod
+from tests import conftest
+from tests.supervisor.test_zygote import (
+    PER_RUN,
+    _memory_holds,
+    daemon,
+    gated,
+    observe_gated_run,
+    wait_running_tool,
+    zygote_state,
+)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def spare_ready(m: Any, timeout_s: float = 60.0, *, other_than: int | None = None) -> int:
+    """The pid of a spare the zygote keeps ready (one other than ``other_than``)."""
+    with trio.fail_after(timeout_s):
+        while True:
+            pids = (await m.summary())["zygote"]["spares"]["pids"]
+            if pids and pids[0] != other_than:
+                return int(pids[0])
+            await trio.sleep(0.01)
+
+
+async def test_a_spare_born_runner_is_what_a_cold_runner_is(tmp_path: Path) -> None:
+    with trio.fail_after(120):
+        async with daemon(tmp_path / "cold", zygote="off") as m:
+            cold, cold_env, cold_st = await observe_gated_run(m)
+        async with daemon(tmp_path / "spare", zygote_spares=1) as m:
+            await zygote_state(m)
+            spare_pid = await spare_ready(m)
+            forked, forked_env, forked_st = await observe_gated_run(m, zygote_fds=True)
+            z = (await m.summary())["zygote"]
+            pid = forked_st["pid"]
+    assert pid == spare_pid  # the spare, not a fork at the spawn
+    assert z["spares"]["used"] == 1 and z["spawned"] == 1 and z["cold_fallbacks"] == 0
+    if None in (forked["cgroup_is_tree"], cold["cgroup_is_tree"]):
+        forked.pop("cgroup_is_tree")  # containment degraded: not the zygote's business
+        cold.pop("cgroup_is_tree")
+    assert forked["cgroup_is_tree"] is not False
+    assert forked.pop("sandbox") == cold.pop("sandbox")
+    assert forked == cold, f"spare {forked}\ncold  {cold}"
+    assert {k: v for k, v in forked_env.items() if k not in PER_RUN} == {
+        k: v for k, v in cold_env.items() if k not in PER_RUN
+    }
+    for st in (cold_st, forked_st):
+        assert st["state"] == "completed" and "gate open" in st["tool_calls"][0]["output"]
+        assert st["receipt"]["exit_code"] == 0 and st["receipt"]["path_b"]["survivors"] == []
+
+
+async def test_a_runs_secret_reaches_its_spare_and_never_the_zygote(tmp_path: Path) -> None:
+    key = "sk-spare-" + os.urandom(12).hex()
+    with trio.fail_after(90):
+        async with daemon(tmp_path, zygote_spares=1) as m:
+            z = await zygote_state(m)
+            spare_pid = await spare_ready(m)
+            r = await m.spawn(gated(), model_key=Secret(key))
+            await wait_running_tool(m, r["run_id"])
+            row = await m.status(r["run_id"])
+            assert row["pid"] == spare_pid
+            environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
+            assert f"OPENAI_API_KEY={key}".encode() in environ
+            try:
+                in_zygote: bool | None = _memory_holds(z["pid"], key.encode())
+            except PermissionError:
+                in_zygote = None
+            conftest.require(in_zygote is not None, "reading another process's memory (root, or ptrace_scope 0)")
+            assert not in_zygote
+            # The next spare (forked after this one was taken) never saw it either.
+            next_pid = await spare_ready(m, other_than=spare_pid)
+            assert not _memory_holds(next_pid, key.encode())
+            (Path(row["run_dir"]) / "go").touch()
+            st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "completed"
+
+
+async def test_a_spare_that_dies_does_not_lose_a_spawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1) as m:
+            await zygote_state(m)
+            # Dead while parked: the spawn forks instead.
+            dead = await spare_ready(m)
+            os.kill(dead, signal.SIGKILL)
+            r = await m.spawn(gated("echo after a dead spare"))
+            st = await m.wait_terminal(r["run_id"])
+            assert st["state"] == "completed" and "after a dead spare" in st["tool_calls"][0]["output"]
+            assert st["pid"] != dead
+            # Dead once it has its run, before `go` (the daemon's journal write meanwhile).
+            victim = await spare_ready(m, other_than=dead)
+            real_go = zygote_mod.Spare.go
+
+            async def go_after_its_death(spare: zygote_mod.Spare) -> Any:
+                os.kill(spare.pid, signal.SIGKILL)
+                with trio.fail_after(10):
+                    while spare.process.returncode is None:
+                        await trio.sleep(0.01)
+                return await real_go(spare)
+
+            monkeypatch.setattr(zygote_mod.Spare, "go", go_after_its_death)
+            r2 = await m.spawn(gated("echo after a dying spare"))
+            st2 = await m.wait_terminal(r2["run_id"])
+            monkeypatch.setattr(zygote_mod.Spare, "go", real_go)
+            assert st2["state"] == "completed" and "after a dying spare" in st2["tool_calls"][0]["output"]
+            assert st2["pid"] != victim
+            # And the next one is served by a new spare again.
+            fresh = await spare_ready(m, other_than=victim)
+            r3 = await m.spawn(gated("echo by a spare"))
+            st3 = await m.wait_terminal(r3["run_id"])
+            z = (await m.summary())["zygote"]
+    assert st3["state"] == "completed" and st3["pid"] == fresh
+    assert z["spares"]["lost"] >= 2 and z["spares"]["used"] == 1 and z["cold_fallbacks"] == 0
+    for pid in (dead, victim):
+        assert LINUX.stat(pid) is None  # reaped, not left a zombie
+
+
+async def test_a_zygote_that_dies_takes_its_spare_with_it_and_spawns_go_on(tmp_path: Path) -> None:
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1) as m:
+            z = await zygote_state(m)
+            spare_pid = await spare_ready(m)
+            spare_dir = next(p for p in (tmp_path / "state" / "runs").iterdir() if p.is_dir())
+            os.kill(z["pid"], signal.SIGKILL)
+            r = await m.spawn(gated("echo while restarting"))  # cold, or forked once it is back
+            st = await m.wait_terminal(r["run_id"])
+            with trio.fail_after(10):
+                while LINUX.stat(spare_pid) is not None or spare_dir.exists():
+                    await trio.sleep(0.01)  # dead, reaped, and its tree removed
+            z2 = await zygote_state(m)
+            fresh = await spare_ready(m)
+            r2 = await m.spawn(gated("echo by the new zygote's spare"))
+            st2 = await m.wait_terminal(r2["run_id"])
+    assert st["state"] == "completed" and "while restarting" in st["tool_calls"][0]["output"]
+    assert z2["pid"] != z["pid"]
+    assert st2["state"] == "completed" and st2["pid"] == fresh
+
+
+async def test_a_burst_takes_the_spare_once_and_forks_the_rest(tmp_path: Path) -> None:
+    n = 6
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1, max_concurrent=n) as m:
+            await zygote_state(m)
+            spare_pid = await spare_ready(m)
+            results: list[dict[str, Any]] = []
+
+            async def one(i: int) -> None:
+                r = await m.spawn(gated(f"echo run {i}"))
+                results.append(await m.wait_terminal(r["run_id"]))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            z = (await m.summary())["zygote"]
+    assert all(r["state"] == "completed" and r["receipt"]["exit_code"] == 0 for r in results)
+    assert sum(r["pid"] == spare_pid for r in results) == 1
+    assert z["spares"]["used"] == 1 and z["spawned"] == n and z["cold_fallbacks"] == 0
+
+
+# ----------------------------------------------------------------------------- the wire protocol
+
+
+class ZygoteProc:
+    """A real ``python -m subagent.zygote`` this test speaks to as the daemon does."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), AGENTD_TREE=PLACEHOLDER_MARKER)
+        env[ENV_ROOM_VAR] = "." * ENV_ROOM
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "subagent.zygote"], stdin=theirs, stdout=subprocess.DEVNULL, env=env, cwd=tmp
+        )
+        theirs.close()
+        self.sock.settimeout(60)
+        hello = decode(self.sock.recv(1 << 20))
+        assert hello is not None and hello["ready"] is True, hello
+        self.exits: dict[int, int] = {}
+
+    def recv(self) -> dict[str, Any]:
+        msg = decode(self.sock.recv(1 << 20))
+        assert msg is not None
+        if "exit" in msg:
+            self.exits[msg["exit"]] = msg["code"]
+        return msg
+
+    def spare(self, n: int) -> tuple[int, socket.socket, Path]:
+        run_dir = self.tmp / f"t-spare{n}"
+        (run_dir / "tmp").mkdir(parents=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        req = {
+            "id": n,
+            "spare": True,
+            "cwd": str(run_dir),
+            "tree_id": f"t-spare{n}",
+            "cgroup_procs": None,
+            "sandbox": Settings(mode="auto").to_env(),
+            "answers": None,
+        }
+        socket.send_fds(self.sock, [encode(req)], [theirs.fileno()])
+        theirs.close()
+        while "pid" not in (reply := self.recv()):
+            assert "error" not in reply, reply
+        return int(reply["pid"]), ours, run_dir
+
+    def wait_exit(self, pid: int) -> int:
+        while pid not in self.exits:
+            self.recv()
+        return self.exits[pid]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(timeout=30)
+
+
+def assign(chan: socket.socket, run_dir: Path, command: str) -> tuple[int, int, int]:
+    """Send the spare a run (its spec in stdin already); returns our stdin, stdout and
+    stderr ends."""
+    spec = gated(command)
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    stderr_r, stderr_w = os.pipe()
+    env_r, env_w = os.pipe()
+    env = {k: v for k, v in os.environ.items() if k.startswith(("PATH", "HOME", "LANG", "AGENTD_TEST"))}
+    env.update(AGENTD_RUN_DIR=str(run_dir), TMPDIR=str(run_dir / "tmp"), AGENTD_TREE=run_dir.name)
+    env[SANDBOX_ENV] = Settings(mode="auto").to_env()
+    os.write(env_w, json.dumps(env).encode())
+    os.close(env_w)
+    os.write(stdin_w, (json.dumps(spec) + "\n").encode())
+    socket.send_fds(chan, [encode({"args": [], "cwd": str(run_dir)})], [stdin_r, stdout_w, stderr_w, env_r])
+    for fd in (stdin_r, stdout_w, stderr_w, env_r):
+        os.close(fd)
+    return stdin_w, stdout_r, stderr_r
+
+
+def read_all(fd: int) -> bytes:
+    out = b""
+    while chunk := os.read(fd, 65536):
+        out += chunk
+    os.close(fd)
+    return out
+
+
+def status_field(pid: int, name: str) -> str | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == name:
+                return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def wait_at_the_gate(pid: int) -> None:
+    """Until the spare has applied its sandbox (``NoNewPrivs`` comes with Landlock, the
+    last thing before the gate) and sleeps: waiting for ``go``."""
+    fd = os.pidfd_open(pid)
+    try:
+        for _ in range(6000):
+            state = status_field(pid, "State") or ""
+            if status_field(pid, "NoNewPrivs") == "1" and state.startswith("S"):
+                return
+            assert state and not state.startswith("Z"), "the spare exited before its gate"
+            select.select([fd], [], [], 0.005)  # a bounded wait that ends at once if it exits
+        raise AssertionError("the spare never reached its gate")
+    finally:
+        os.close(fd)
+
+
+def test_a_spare_does_nothing_of_a_run_before_go_and_exits_when_the_daemon_hangs_up(tmp_path: Path) -> None:
+    z = ZygoteProc(tmp_path)
+    try:
+        # Hang-up while parked: it exits at once, nothing written.
+        pid, chan, run_dir = z.spare(1)
+        chan.close()
+        assert z.wait_exit(pid) == 0
+        assert sorted(p.name for p in run_dir.iterdir()) == ["tmp"]
+
+        # Hang-up after its run was assigned, before `go`: its command never runs, no result.
+        pid, chan, run_dir = z.spare(2)
+        stdin_w, stdout_r, stderr_r = assign(chan, run_dir, "touch ran")
+        ack = decode(chan.recv(1024))
+        assert ack == {"assigned": pid}
+        wait_at_the_gate(pid)
+        assert not (run_dir / "ran").exists()
+        chan.close()  # the daemon died, or gave up, before the journal held the start
+        assert z.wait_exit(pid) == 0
+        assert read_all(stdout_r) == b""  # no result: the run never started here
+        assert not (run_dir / "ran").exists()
+        assert not (run_dir / "result.json").exists()
+        assert b"tool_call" not in read_all(stderr_r)  # nor any event of a step
+        os.close(stdin_w)
+
+        # With `go`, the same run runs (the gate was what held it).
+        pid, chan, run_dir = z.spare(3)
+        stdin_w, stdout_r, stderr_r = assign(chan, run_dir, "touch ran")
+        assert decode(chan.recv(1024)) == {"assigned": pid}
+        wait_at_the_gate(pid)
+        chan.send(b"go")
+        chan.close()
+        result = json.loads(read_all(stdout_r))
+        assert b"tool_call" in read_all(stderr_r)
+        os.close(stdin_w)
+        assert z.wait_exit(pid) == 0
+        assert result["status"] == "completed" and (run_dir / "ran").exists()
+    finally:
+        z.close()
+
+
+def test_a_parked_spare_dies_with_its_zygote(tmp_path: Path) -> None:
+    z = ZygoteProc(tmp_path)
+    try:
+        pid, chan, _run_dir = z.spare(1)
+        fd = os.pidfd_open(pid)
+        try:
+            z.proc.kill()
+            z.proc.wait(timeout=30)
+            ready, _, _ = select.select([fd], [], [], 30)  # the pidfd is readable once it exits
+            assert ready, "the spare outlived its zygote"
+        finally:
+            os.close(fd)
+            chan.close()
+    finally:
+        z.close()
