@@ -198,7 +198,11 @@ class ZygoteProc:
         env = dict(os.environ, PYTHONPATH=str(ROOT), AGENTD_TREE=PLACEHOLDER_MARKER)
         env[ENV_ROOM_VAR] = "." * ENV_ROOM
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "subagent.zygote"], stdin=theirs, stdout=subprocess.DEVNULL, env=env, cwd=tmp
+            [sys.executable, "-m", "subagent.zygote"],
+            stdin=theirs.fileno(),
+            stdout=subprocess.DEVNULL,
+            env=env,
+            cwd=tmp,
         )
         theirs.close()
         self.sock.settimeout(60)
