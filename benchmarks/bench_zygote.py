@@ -12,9 +12,13 @@ the daemon before the fork (journal writes: the run, its state), the fork itself
 step. Every forked runner has openai and mcp imported (the zygote did it); the cold
 runner of the baseline runs the same scripted spec, which imports neither.
 
-Configurations: ``zygote`` (pool 0), ``zygote, state on tmpfs`` (the same with the journal
-on /dev/shm, where fsync is free: what the journal's durable writes cost), ``cold``
-(``zygote=off``, pool 0) and ``warm pool`` (``zygote=off``, the pre-spawned pool).
+Configurations: ``spare`` (``zygote_spares 1``, pool 0: the zygote keeps a runner forked
+ahead; the one-at-a-time figures wait for it, as a spawn after a pause finds it), ``zygote``
+(``zygote_spares 0``: forked at each spawn, the baseline it is compared with), ``spare,
+state on tmpfs`` (the journal on /dev/shm, where fsync is free: what the journal's
+durable writes cost), ``cold`` (``zygote=off``, pool 0) and ``warm pool`` (``zygote=off``,
+the pre-spawned pool). For a spare the time is split at ``go`` (``Spare.go``: the spare's
+acknowledgement read, ``go`` sent, once the run's start is journaled).
 Memory: USS/RSS of forked runners waiting in a command, beside cold runners in the same
 command, a bare sleeping ``python`` and the zygote itself (its memory is shared by all).
 
@@ -165,6 +169,7 @@ async def sequential(manager: Any, reps: int, *, pool: int = 0, spare: bool = Fa
 
 async def burst(manager: Any, n: int) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
+    used0 = (await manager.summary())["zygote"].get("spares", {}).get("used", 0)
     t0 = time.perf_counter()
 
     async def one() -> None:
@@ -174,7 +179,8 @@ async def burst(manager: Any, n: int) -> dict[str, Any]:
         for _ in range(n):
             nursery.start_soon(one)
     delivered = [r["delivered"] for r in results if "delivered" in r]
-    line(f"  (of {n}: {sum(1 for r in results if r.get('spare'))} served by a spare)")
+    used = (await manager.summary())["zygote"].get("spares", {}).get("used", 0) - used0
+    line(f"  (of {n}: {used} served by a spare)")
     emitted = [r["emitted"] for r in results if "emitted" in r]
     return {
         "delivered": delivered,

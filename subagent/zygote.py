@@ -14,6 +14,26 @@ zygote), says ``ready``, then serves one request at a time until EOF:
   zygote -> daemon: {"id", "error"}                 a request it could not fork for
                     {"exit": pid, "code", "request"} a runner it forked has exited
 
+A spare (``supervisor.trees.zygote.Spare``): a runner forked ahead, for a tree the daemon
+has made (id, run directory, cgroup) but no run yet:
+
+  daemon -> zygote: {"id", "spare": true, "cwd", "tree_id", "cgroup_procs", "sandbox", "answers"}
+                    + SCM_RIGHTS [the spare's end of a socket pair, its channel]
+  spare  -> daemon: {"id", "pid", "ticks", "cgroup"}  (on the zygote's socket, as above)
+  then, on its channel:
+  daemon -> spare:  {"args", "cwd"} + SCM_RIGHTS [stdin, stdout, stderr, environment]
+  spare  -> daemon: {"assigned": pid}
+  daemon -> spare:  "go"  (once the run's start is journaled)
+
+Parked, the spare has done everything that does not need its run: session, cgroup (born
+there), marker, descriptors, signals, random state, its sandbox's first half
+(``sandbox.prepare_ahead``: namespaces, private mounts, the Landlock ruleset but the
+spec's grants), a rehearsal of an empty Trio run; it dies with the zygote
+(``PR_SET_PDEATHSIG``) until it has a run. Assigned, it takes its pipes and environment,
+reads its spec (already in its stdin), finishes its sandbox, then waits for ``go`` before
+anything of the run (``runner.main``'s gate): EOF instead (the daemon hung up or died
+before its journal held the start) and it exits, having done nothing.
+
 The runner is the zygote's child: the zygote reaps it (SIGCHLD) and reports its exit
 code (and the request it was forked for: one that died before replying fails it); the
 daemon sees the exit through a pidfd and takes the code from that report. If

@@ -8,6 +8,17 @@ reply names the runner (pid and start ticks) once it leads its own session in it
 cgroup. So a forked tree is the same ``Tree`` a cold spawn makes, and every stop routine
 treats both alike; only its ``process`` differs (``ForkedProcess``, Trio's surface).
 
+Spares (``config.zygote_spares``, default 1): the zygote keeps that many runners forked
+ahead, each born in the cgroup of a tree made for it (id, run directory, approvals
+channel, cgroup: what ``pool.new_tree`` makes at a spawn), parked as far along as a runner
+goes without its run. A spawn takes one (``take_spare``) and ``assign``s it the run before
+the run's first journal write, so the spare reads its spec and finishes its sandbox while
+the journal commits; ``go`` is sent once the run's start (``starting``) is durable: a
+restarted daemon never finds a run that did something before that. A spare that died,
+would not take its run, or whose zygote went, is discarded (it exits, its tree removed)
+and the spawn forks as before; the next spare is forked after ``SPARE_REFILL_DELAY_S``,
+so a burst never waits for one (the spare serves its first spawn, forks serve the rest).
+
 Exits, reaped exactly once. The runner is the zygote's child, not ours: the zygote reaps
 it and reports its exit code over the socket; we see the exit through a pidfd and take
 the code from that report. Should the zygote die first, its runners are re-parented to
