@@ -218,16 +218,17 @@ class Containment:
         )
         return self
 
-    def prepare(self, tree_id: str, *, pending: bool = True) -> Path | None:
+    def prepare(self, tree_id: str, *, ahead: bool = False) -> Path | None:
         """Make the cgroup leaf for a new tree; None when this daemon has no cgroups.
 
-        ``pending=False``: a tree whose leader is not this daemon's child (a zygote's
-        spare, ``trees/zygote.py``): it is known, but does not hold the sweeps of strays
-        back as a spawn in flight does.
+        ``ahead``: for a zygote's spare (``trees/zygote.py``), whose leader is the zygote's
+        child and may wait long for a run: the leaf only, the tree neither pending nor
+        tracked until ``track`` (so it holds back neither the sweeps of strays nor the
+        idle daemon's ``kill_strays``).
         """
         with self._lock:
-            self._tree_ids.add(tree_id)
-            if pending:
+            if not ahead:
+                self._tree_ids.add(tree_id)
                 self._pending.add(tree_id)
         if self.root is None:
             return None

@@ -450,8 +450,8 @@ class Zygote:
             env[ANSWERS_ENV] = str(await trio.to_thread.run_sync(make_channel, run_dir))
             env[MARKER_VAR] = tree_id
             env.pop(HOST_VAR, None)
-            # Known, not pending: its leader is the zygote's child, never ours to sweep.
-            cgroup = containment.prepare(tree_id, pending=False)
+            # Its leaf only: the tree is tracked once it has a run (``Spare.go``).
+            cgroup = containment.prepare(tree_id, ahead=True)
             chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 req = {
