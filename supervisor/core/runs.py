@@ -259,8 +259,14 @@ class RunManager:
             raise JournalUnavailable(f"no new runs while the journal cannot be written ({exc})", path=exc.path) from exc
         self.backlog.note_success()
         self._live[run_id] = run
-        await self.book.record(run, "state", {"state": str(RunState.QUEUED)})
-        self._nursery.start_soon(self._start, run, name=f"run {run_id}")
+        try:
+            await self.book.record(run, "state", {"state": str(RunState.QUEUED)})
+            self._nursery.start_soon(self._start, run, name=f"run {run_id}")
+        except BaseException:
+            spare = self._assigned.pop(run_id, None)
+            if spare is not None:
+                spare.discard()
+            raise
         return {"run_id": run_id, "state": str(run.state), "session_id": session_id}
 
     async def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
