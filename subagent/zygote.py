@@ -409,7 +409,8 @@ class _Zygote:
             ahead = None
             if isinstance(req.get("sandbox"), str):
                 settings = sandbox.Settings.from_env({sandbox.SANDBOX_ENV: req["sandbox"]})
-                ahead = sandbox.prepare_ahead(Path(os.getcwd()), settings)
+                # The run directory as its AGENTD_RUN_DIR will name it (``Ahead.fits``).
+                ahead = sandbox.prepare_ahead(Path(str(req["cwd"])), settings)
             _rehearse()
             data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, N_FDS)
             assignment = decode(data) if data else None
