@@ -363,6 +363,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await first_step(m)
             t_seq = await sequential(m, args.reps, spare=True)
             show_seq(t_seq, split=True)
+            await wait_spare(m)
             t_burst = await burst(m, args.burst)
             show_burst(t_burst, args.burst)
         out["zygote_tmpfs"] = {"sequential": t_seq, "burst": t_burst, "warnings": show_warnings(line)}
