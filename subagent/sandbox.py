@@ -428,11 +428,12 @@ def prepare_ahead(base: Path, settings: Settings, *, keep: Iterable[str] = ()) -
         inner=SANDBOX_ID if root else os.getuid(),
     )
     try:
+        _isolate.enter_user_namespace(ahead.inner)
+        ahead.userns = True
+        # Opened in the new mount namespace (a bind from a mount of another one is refused).
         for d in PRIVATE_DIRS:
             if os.path.isdir(d) and not os.path.islink(d):
                 ahead.hidden[d] = os.open(d, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
-        _isolate.enter_user_namespace(ahead.inner)
-        ahead.userns = True
         resolv = [ahead.resolv] if ahead.resolv else []
         ahead.private = _isolate.private_mounts(
             tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*ahead.read, *ahead.write, *keep, *resolv]

@@ -79,6 +79,55 @@ async def test_a_spare_born_runner_is_what_a_cold_runner_is(tmp_path: Path) -> N
         assert st["receipt"]["exit_code"] == 0 and st["receipt"]["path_b"]["survivors"] == []
 
 
+async def test_a_spare_keeps_a_specs_paths_under_its_private_tmp_as_a_cold_runner_does(tmp_path: Path) -> None:
+    """The spare made its private /tmp before it knew its spec: the spec's paths there (a
+    script, a write grant) are bound back when it gets them, as a cold runner keeps them."""
+    assert str(tmp_path).startswith(("/tmp/", "/var/tmp/")) or pytest.skip("tmp_path is not under a private dir")
+    reports = {}
+    for name, settings in (("cold", {"zygote": "off"}), ("spare", {"zygote_spares": 1})):
+        work = tmp_path / f"work-{name}"
+        shared = work / "shared"
+        shared.mkdir(parents=True)
+        script = {
+            "turns": [
+                {"tool_calls": [{"name": "run_command", "arguments": {"command": f"echo {name} > {shared}/out"}}]}
+            ],
+            "final": "done",
+        }
+        (work / "script.json").write_text(json.dumps(script))
+        spec = {
+            "task": "t",
+            "model": {"provider": "scripted", "script_path": str(work / "script.json")},
+            "sandbox": {"write": [str(shared)]},
+        }
+        with trio.fail_after(90):
+            async with daemon(tmp_path / name, **settings) as m:
+                await zygote_state(m, "off" if name == "cold" else "ready")
+                if name == "spare":
+                    spare_pid = await spare_ready(m)
+                r = await m.spawn(spec)
+                st = await m.wait_terminal(r["run_id"])
+        assert st["state"] == "completed", st
+        assert (shared / "out").read_text().strip() == name
+        if name == "spare":
+            assert st["pid"] == spare_pid
+        report = st["receipt"]["sandbox"] if "sandbox" in st.get("receipt", {}) else st["result"]["sandbox"]
+        reports[name] = json.loads(
+            json.dumps(report).replace(f"work-{name}", "work").replace(str(tmp_path / name), "<d>")
+        )
+    for report in reports.values():
+        assert report["mode"] == "landlock" and not report.get("problems"), report
+        assert any(p.endswith("/work/shared") for p in report["private"])
+        assert any(p.endswith("/work/script.json") for p in report["private"])
+    cold, spare = reports["cold"], reports["spare"]
+    for key in ("private", "read", "write"):
+        cold[key] = sorted(x for x in cold[key] if "/runs/t-" not in x)
+        spare[key] = sorted(x for x in spare[key] if "/runs/t-" not in x)
+    cold.pop("setup_ms", None)
+    spare.pop("setup_ms", None)
+    assert spare == cold
+
+
 async def test_a_runs_secret_reaches_its_spare_and_never_the_zygote(tmp_path: Path) -> None:
     key = "sk-spare-" + os.urandom(12).hex()
     with trio.fail_after(90):
