@@ -1,0 +1,267 @@
+"""Experiment: the copy-on-write cost of a forked runner, by phase and by mapping.
+
+An in-process daemon with its zygote (pool 0) serves N scripted runs waiting in a
+``run_command sleep``, one at a time: each runner's page faults and private memory while
+it waits (``/proc/PID/stat`` minflt; ``smaps``: Private_Clean + Private_Dirty, i.e. USS,
+by mapping: heap, anonymous, stack, libpython / the python binary, other libraries,
+other files), then its stop: a cancel, and what the runner and the children it reaped
+cost from the cancel to its reaping (the zygote's ``cminflt``/``cutime``/``cstime``
+grow by exactly that when it reaps the runner). Then the zygote serves ``--churn``
+short runs, and the same is measured on N runners forked after them (a zygote's heap
+changes as it serves requests: later runners share fewer pages with it).
+
+Each configuration is the zygote with and without its copy-on-write preparation
+(``AGENTD_ZYGOTE_PREPARE``, see ``subagent.zygote._prepare``), side by side in this run.
+
+    .venv/bin/python benchmarks/experiments/cow_cost.py [N] [--churn K] [--configs on,off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import trio  # noqa: E402
+
+from benchmarks._common import final_sweep, install_mark  # noqa: E402
+from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, wait_event  # noqa: E402
+
+PREPARE_VAR = "AGENTD_ZYGOTE_PREPARE"
+PERF_OUT = os.environ.get("COW_PERF")  # experiment only: `perf record` the first runners' faults
+KIB = 1024
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2 :].decode().split()
+
+
+def faults(pid: int) -> tuple[int, int, float] | None:
+    """(minflt, cminflt, cutime+cstime seconds) of pid."""
+    f = stat_fields(pid)
+    if f is None:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    # fields after the comm: state=0, ... minflt=7, cminflt=8, utime=11, stime=12, cutime=13, cstime=14
+    return int(f[7]), int(f[8]), (int(f[13]) + int(f[14])) / hz
+
+
+def category(path: str) -> str:
+    if path == "[heap]":
+        return "heap"
+    if path == "":
+        return "anon"
+    if path.startswith("[stack"):
+        return "stack"
+    if "libpython" in path or path.rsplit("/", 1)[-1].startswith("python3"):
+        return "python"
+    if ".so" in path:
+        return "libs"
+    if path.startswith("["):
+        return path
+    return "files"
+
+
+def ranges(pid: int) -> list[tuple[int, int]]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return [tuple(int(x, 16) for x in ln.split(None, 1)[0].split("-")) for ln in f]  # type: ignore[misc]
+    except OSError:
+        return []
+
+
+def smaps(pid: int, parent: list[tuple[int, int]] | None = None) -> dict[str, dict[str, int]] | None:
+    """kB per category: private (USS), of it dirty, and AnonHugePages. With ``parent``
+    (the zygote's mappings), anonymous memory is split: in a mapping the zygote has too
+    (copied on write, or reused free space of its arenas) or in a new one."""
+    out: dict[str, dict[str, int]] = {}
+    cur: dict[str, int] | None = None
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for ln in f:
+                first = ln.split(None, 1)[0]
+                if "-" in first and not first.endswith(":"):
+                    parts = ln.split(None, 5)
+                    cat = category(parts[5].strip() if len(parts) > 5 else "")
+                    if parent is not None and cat in ("anon", "heap"):
+                        a, b = (int(x, 16) for x in first.split("-"))
+                        shared = any(pa < b and a < pb for pa, pb in parent)
+                        cat += " (zygote's)" if shared else " (new)"
+                    cur = out.setdefault(cat, {})
+                    continue
+                if cur is None:
+                    continue
+                key = first[:-1]
+                if key in ("Private_Clean", "Private_Dirty", "AnonHugePages", "Rss"):
+                    cur[key] = cur.get(key, 0) + int(ln.split()[1])
+    except OSError:
+        return None
+    return out
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def gated(tag: str) -> dict[str, Any]:
+    return scripted_spec(
+        [{"tool_calls": [{"name": "run_command", "arguments": {"command": f"sleep {tag}"}}]}],
+        final="ok",
+        limits={"command_timeout_s": 600},
+    )
+
+
+async def one(manager: Any, zpid: int, tag: str) -> dict[str, Any]:
+    r = await manager.spawn(gated(tag))
+    await wait_event(
+        manager, r["run_id"], "tool_call", timeout_s=120, pred=lambda e: e["data"]["record"]["state"] == "running"
+    )
+    await trio.sleep(0.3)  # settle into the wait
+    pid = (await manager.status(r["run_id"]))["pid"]
+    f_wait = faults(pid)
+    maps = smaps(pid, ranges(zpid))
+    kid_faults = 0
+    for k in children(pid):
+        kf = faults(k)
+        kid_faults += kf[0] if kf else 0
+        for g in children(k):
+            gf = faults(g)
+            kid_faults += gf[0] if gf else 0
+    z0 = faults(zpid)
+    await manager.cancel(r["run_id"])
+    await manager.wait_terminal(r["run_id"])
+    with trio.move_on_after(10):
+        while os.path.exists(f"/proc/{pid}"):  # until the zygote has reaped it
+            await trio.sleep(0.005)
+    z1 = faults(zpid)
+    out: dict[str, Any] = {"pid": pid, "maps": maps}
+    if f_wait and z0 and z1:
+        out["wait_faults"] = f_wait[0]
+        # the runner's whole-life faults (and those of the children it reaped)
+        total = z1[1] - z0[1]
+        out["life_faults"] = total
+        out["stop_faults"] = total - f_wait[0] - kid_faults
+        out["life_cpu_ms"] = (z1[2] - z0[2]) * 1000
+    return out
+
+
+async def churn(manager: Any, k: int) -> None:
+    spec = scripted_spec(final="ok", tools=[])
+    for _ in range(k):
+        r = await manager.spawn(spec)
+        await manager.wait_terminal(r["run_id"])
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def show(label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if "wait_faults" in r and r.get("maps")]
+    cats: dict[str, dict[str, float]] = {}
+    for c in sorted({c for r in ok for c in r["maps"]}):
+        cats[c] = {
+            key: med([r["maps"].get(c, {}).get(key, 0) for r in ok])
+            for key in ("Private_Clean", "Private_Dirty", "AnonHugePages", "Rss")
+        }
+    uss = med([sum(v.get("Private_Clean", 0) + v.get("Private_Dirty", 0) for v in r["maps"].values()) for r in ok])
+    summ = {
+        "n": len(ok),
+        "uss_kib": uss,
+        "wait_faults": med([r["wait_faults"] for r in ok]),
+        "stop_faults": med([r["stop_faults"] for r in ok]),
+        "life_faults": med([r["life_faults"] for r in ok]),
+        # clock ticks (10 ms) per runner: the mean over the runners, not a median of ticks
+        "life_cpu_ms": statistics.mean([r["life_cpu_ms"] for r in ok]) if ok else float("nan"),
+        "maps": cats,
+    }
+    print(
+        f"  {label}: n={summ['n']} USS {uss / KIB:.2f} MiB; faults fork->waiting {summ['wait_faults']:.0f}, "
+        f"stop->reaped {summ['stop_faults']:.0f} (whole life with its reaped children {summ['life_faults']:.0f}); "
+        f"CPU, spawn->reaped, with its children, mean {summ['life_cpu_ms']:.1f} ms",
+        flush=True,
+    )
+    for c, v in sorted(cats.items(), key=lambda kv: -(kv[1]["Private_Clean"] + kv[1]["Private_Dirty"])):
+        priv = v["Private_Clean"] + v["Private_Dirty"]
+        if priv >= 16:
+            print(
+                f"      {c:<10} private {priv / KIB:6.2f} MiB (dirty {v['Private_Dirty'] / KIB:.2f}), "
+                f"rss {v['Rss'] / KIB:6.2f} MiB, THP {v['AnonHugePages'] / KIB:.1f} MiB",
+                flush=True,
+            )
+    return summ
+
+
+async def run_config(name: str, prepare: str, n: int, k: int) -> dict[str, Any]:
+    os.environ[PREPARE_VAR] = prepare
+    print(f"== zygote {name} ({PREPARE_VAR}={prepare})", flush=True)
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="agentd-cow-") as tmp:
+        async with in_process_daemon(Path(tmp), pool_size=0, grace_s=2) as d:
+            m = d["manager"]
+            with trio.fail_after(180):
+                while (await m.summary())["zygote"]["state"] != "ready":
+                    await trio.sleep(0.05)
+            zpid = (await m.summary())["zygote"]["pid"]
+            zm = smaps(zpid) or {}
+            anon = sum(v.get("Rss", 0) for c, v in zm.items() if c in ("anon", "heap"))
+            thp = sum(v.get("AnonHugePages", 0) for v in zm.values())
+            print(f"  zygote: anon+heap RSS {anon / KIB:.1f} MiB, of it THP {thp / KIB:.1f} MiB", flush=True)
+            tag = f"{os.getpid()}{int(time.time() * 1000) % 100000}.5"
+            await churn(m, 1)
+            perf = None
+            if PERF_OUT:
+                import subprocess
+
+                perf = subprocess.Popen(
+                    ["perf", "record", "-q", "-e", "page-faults", "-c", "1", "-d", "-g", "-p", str(zpid), "-o", PERF_OUT + name[-3:].strip()]
+                )
+                await trio.sleep(1.0)
+            res["early"] = show("first runners", [await one(m, zpid, tag) for _ in range(n)])
+            if perf is not None:
+                perf.send_signal(2)
+                await trio.to_thread.run_sync(perf.wait)
+            if k:
+                t0 = time.perf_counter()
+                await churn(m, k)
+                print(f"  ... {k} short runs served ({time.perf_counter() - t0:.1f} s)", flush=True)
+                res["late"] = show(f"runners after {k} more spawns", [await one(m, zpid, tag) for _ in range(n)])
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("n", type=int, nargs="?", default=5, help="runners measured per configuration and phase")
+    ap.add_argument("--churn", type=int, default=150, help="short runs served between the two measurements")
+    ap.add_argument("--configs", default="off,on", help="zygote preparation: off,on (in this order)")
+    args = ap.parse_args()
+    quiet_logs(False)
+    mark = install_mark()
+    try:
+        for c in args.configs.split(","):
+            trio.run(run_config, f"preparation {c}", "1" if c == "on" else "0", args.n, args.churn)
+    finally:
+        final_sweep(mark)
+
+
+if __name__ == "__main__":
+    main()
