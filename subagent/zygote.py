@@ -605,17 +605,26 @@ def _exit_if_the_daemon_hangs_up(sock: socket.socket) -> Any:
     return undo
 
 
+_FILLERS: list[object] = []  # the allocator's free blocks, held for the zygote's life
+
+
 def _prepare_memory() -> None:
-    """Make each fork and each runner's exit cheaper (``osedge.prepare_for_forks``: malloc's
-    free space returned, anonymous memory in huge pages: fewer page table entries to copy
-    and to take down). Best effort: any failure leaves the zygote as it was.
-    ``AGENTD_ZYGOTE_PREPARE=0`` skips it (the benchmarks' baseline)."""
-    if os.environ.get(PREPARE_VAR, "1") == "0":
+    """Make each runner cost less (``osedge._memory``): the small-object allocator's free
+    blocks taken (a runner's new objects then land in fresh pools, not in holes on pages
+    it shares with the zygote), malloc's free space returned, and the anonymous memory
+    put in huge pages (fewer page table entries for each fork to copy and each exit to
+    take down). Best effort: any failure leaves the zygote as it was. The benchmarks'
+    baselines set ``AGENTD_ZYGOTE_PREPARE``: ``0`` none of it, ``trim``, ``collapse``
+    (trim and huge pages, no filling)."""
+    how = os.environ.get(PREPARE_VAR, "1")
+    if how == "0":
         return
     try:
-        from subagent.osedge._memory import prepare_for_forks
+        from subagent.osedge._memory import fill_small_object_holes, prepare_for_forks
 
-        prepare_for_forks()
+        if how not in ("trim", "collapse"):
+            fill_small_object_holes(_FILLERS)
+        prepare_for_forks(collapse=how != "trim")
     except Exception:  # noqa: BLE001, S110 - an optimisation: never worth failing the zygote
         pass
 

@@ -35,7 +35,24 @@ from benchmarks._common import final_sweep, install_mark  # noqa: E402
 from benchmarks._daemon import in_process_daemon, quiet_logs, scripted_spec, wait_event  # noqa: E402
 
 PREPARE_VAR = "AGENTD_ZYGOTE_PREPARE"
-PERF_OUT = os.environ.get("COW_PERF")  # experiment only: `perf record` the first runners' faults
+FORKS: list[float] = []  # Zygote.spawn_tree durations (request, clone, the runner's reply)
+
+
+def time_forks() -> None:
+    from supervisor.trees import zygote as zygote_mod
+
+    orig = zygote_mod.Zygote.spawn_tree
+
+    async def timed(z: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await orig(z, *a, **k)
+        finally:
+            FORKS.append(time.perf_counter() - t0)
+
+    zygote_mod.Zygote.spawn_tree = timed  # type: ignore[method-assign, assignment]
+
+
 KIB = 1024
 
 
@@ -131,6 +148,7 @@ def gated(tag: str) -> dict[str, Any]:
 
 
 async def one(manager: Any, zpid: int, tag: str) -> dict[str, Any]:
+    n_forks = len(FORKS)
     r = await manager.spawn(gated(tag))
     await wait_event(
         manager, r["run_id"], "tool_call", timeout_s=120, pred=lambda e: e["data"]["record"]["state"] == "running"
@@ -153,7 +171,7 @@ async def one(manager: Any, zpid: int, tag: str) -> dict[str, Any]:
         while os.path.exists(f"/proc/{pid}"):  # until the zygote has reaped it
             await trio.sleep(0.005)
     z1 = faults(zpid)
-    out: dict[str, Any] = {"pid": pid, "maps": maps}
+    out: dict[str, Any] = {"pid": pid, "maps": maps, "fork_ms": [x * 1000 for x in FORKS[n_forks:]]}
     if f_wait and z0 and z1:
         out["wait_faults"] = f_wait[0]
         # the runner's whole-life faults (and those of the children it reaped)
@@ -193,11 +211,13 @@ def show(label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         # clock ticks (10 ms) per runner: the mean over the runners, not a median of ticks
         "life_cpu_ms": statistics.mean([r["life_cpu_ms"] for r in ok]) if ok else float("nan"),
         "maps": cats,
+        "fork_ms": med([x for r in ok for x in r["fork_ms"]]),
     }
     print(
         f"  {label}: n={summ['n']} USS {uss / KIB:.2f} MiB; faults fork->waiting {summ['wait_faults']:.0f}, "
         f"stop->reaped {summ['stop_faults']:.0f} (whole life with its reaped children {summ['life_faults']:.0f}); "
-        f"CPU, spawn->reaped, with its children, mean {summ['life_cpu_ms']:.1f} ms",
+        f"CPU, spawn->reaped, with its children, mean {summ['life_cpu_ms']:.1f} ms; "
+        f"the fork (Zygote.spawn_tree) p50 {summ['fork_ms']:.2f} ms",
         flush=True,
     )
     for c, v in sorted(cats.items(), key=lambda kv: -(kv[1]["Private_Clean"] + kv[1]["Private_Dirty"])):
@@ -228,18 +248,7 @@ async def run_config(name: str, prepare: str, n: int, k: int) -> dict[str, Any]:
             print(f"  zygote: anon+heap RSS {anon / KIB:.1f} MiB, of it THP {thp / KIB:.1f} MiB", flush=True)
             tag = f"{os.getpid()}{int(time.time() * 1000) % 100000}.5"
             await churn(m, 1)
-            perf = None
-            if PERF_OUT:
-                import subprocess
-
-                perf = subprocess.Popen(
-                    ["perf", "record", "-q", "-e", "page-faults", "-c", "1", "-d", "-g", "-p", str(zpid), "-o", PERF_OUT + name[-3:].strip()]
-                )
-                await trio.sleep(1.0)
             res["early"] = show("first runners", [await one(m, zpid, tag) for _ in range(n)])
-            if perf is not None:
-                perf.send_signal(2)
-                await trio.to_thread.run_sync(perf.wait)
             if k:
                 t0 = time.perf_counter()
                 await churn(m, k)
@@ -252,13 +261,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("n", type=int, nargs="?", default=5, help="runners measured per configuration and phase")
     ap.add_argument("--churn", type=int, default=150, help="short runs served between the two measurements")
-    ap.add_argument("--configs", default="off,on", help="zygote preparation: off,on (in this order)")
+    ap.add_argument("--configs", default="off,on", help="zygote preparation: off,trim,collapse,on (in this order)")
     args = ap.parse_args()
     quiet_logs(False)
+    time_forks()
     mark = install_mark()
     try:
         for c in args.configs.split(","):
-            trio.run(run_config, f"preparation {c}", "1" if c == "on" else "0", args.n, args.churn)
+            trio.run(run_config, f"preparation {c}", {"on": "1", "off": "0"}.get(c, c), args.n, args.churn)
     finally:
         final_sweep(mark)
 

@@ -21,10 +21,12 @@ import ctypes
 import errno
 import os
 import struct
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Final
 
-__all__ = ["Prepared", "anonymous_chunks", "prepare_for_forks"]
+__all__ = ["Prepared", "anonymous_chunks", "fill_small_object_holes", "prepare_for_forks"]
 
 MADV_COLLAPSE: Final = 25
 _PAGE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -117,6 +119,57 @@ def _malloc_trim() -> bool:
     trim.restype = ctypes.c_int
     trim(0)
     return True
+
+
+def _pymalloc_avail() -> dict[int, int] | None:
+    """CPython's small-object allocator: free blocks per size class in its used pools
+    (``sys._debugmallocstats``, which writes to the C stderr: read through a memfd)."""
+    stats = getattr(sys, "_debugmallocstats", None)
+    if stats is None or not hasattr(os, "memfd_create"):
+        return None
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.memfd_create("mallocstats", os.MFD_CLOEXEC)
+    try:
+        os.dup2(fd, 2)
+        try:
+            stats()
+        finally:
+            os.dup2(saved, 2)
+        text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
+    finally:
+        os.close(fd)
+        os.close(saved)
+    avail: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 5 and all(p.isdigit() for p in parts):
+            avail[int(parts[1])] = int(parts[4])
+    return avail or None
+
+
+def fill_small_object_holes(keep: list[object]) -> int:
+    """Take every free block of the small-object allocator's used pools (into ``keep``),
+    so that a forked child's new objects go to fresh pools instead of into holes among
+    the parent's objects: each such allocation would copy a 4 KiB page the child shares
+    with its parent for one small object. Returns the blocks taken (0 when unknown).
+    The 16-byte class is left (no object that size to fill it with)."""
+    avail = _pymalloc_avail()
+    if not avail:
+        return 0
+    taken = 0
+    for size, n in sorted(avail.items()):
+        if n <= 0:
+            continue
+        if size == 32:
+            # an int of one digit (28 bytes), never a cached small one
+            keep.extend((1 << 29) + i for i in range(n))
+        elif size >= 48:
+            keep.extend(bytes(size - 33) for _ in range(n))  # 33 + len bytes
+        else:
+            continue
+        taken += n
+    return taken
 
 
 def prepare_for_forks(*, madvise: Madvise | None = None, collapse: bool = True) -> Prepared:
