@@ -14,7 +14,9 @@ runner of the baseline runs the same scripted spec, which imports neither.
 
 Configurations: ``spare`` (``zygote_spares 1``, pool 0: the zygote keeps a runner forked
 ahead; the one-at-a-time figures wait for it, as a spawn after a pause finds it), ``zygote``
-(``zygote_spares 0``: forked at each spawn, the baseline it is compared with), ``spare,
+(``zygote_spares 0``: forked at each spawn, the baseline it is compared with), ``zygote
+unprepared`` (the same without the zygote's memory preparation, ``AGENTD_ZYGOTE_PREPARE=0``:
+its baseline, one at a time and memory only), ``spare,
 state on tmpfs`` (the journal on /dev/shm, where fsync is free: what the journal's
 durable writes cost), ``cold`` (``zygote=off``, pool 0) and ``warm pool`` (``zygote=off``,
 the pre-spawned pool). For a spare the time is split at ``go`` (``Spare.go``: the spare's
@@ -62,6 +64,7 @@ from benchmarks._daemon import (  # noqa: E402
     wait_event,
     wait_pool_warm,
 )
+from subagent.zygote import PREPARE_VAR  # noqa: E402
 from supervisor.trees import zygote as zygote_mod  # noqa: E402
 
 SPEC = scripted_spec(final="ok", tools=[])
@@ -357,6 +360,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "warnings": show_warnings(line),
         }
 
+        header(f"baseline: the zygote without its memory preparation ({PREPARE_VAR}=0; zygote_spares 0, pool_size 0)")
+        os.environ[PREPARE_VAR] = "0"  # the daemon's zygote inherits our environment
+        try:
+            async with daemon(Path(tmp) / "unprepared", pool_size=0, zygote_spares=0, grace_s=1) as m:
+                await first_step(m)
+                u_seq = await sequential(m, args.reps)
+                show_seq(u_seq, split=True)
+                u_mem = await runner_memory(m, args.mem)
+                uinfo = (await m.summary())["zygote"]
+                umem = mem_of(uinfo["pid"]) if uinfo.get("pid") else None
+        finally:
+            os.environ.pop(PREPARE_VAR, None)
+        out["zygote_unprepared"] = {
+            "sequential": u_seq,
+            "memory": u_mem,
+            "zygote_mem": umem,
+            "warnings": show_warnings(line),
+        }
+
         header("zygote with a spare, state dir on tmpfs (journal fsyncs cost nothing): the journal's share")
         async with daemon(Path(shm) / "zygote", pool_size=0, zygote_spares=1, max_concurrent=max(64, args.burst)) as m:
             await wait_spare(m)
@@ -395,6 +417,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     line(row("spare-born runner USS (MiB as ms)", summary([x / 1000 for x in s_mem["uss_mib"]])).replace(" ms", " MiB"))
     line(row("forked runner USS (MiB as ms)", summary([x / 1000 for x in z_mem["uss_mib"]])).replace(" ms", " MiB"))
     line(row("forked runner RSS (MiB as ms)", summary([x / 1000 for x in z_mem["rss_mib"]])).replace(" ms", " MiB"))
+    line(
+        row("baseline: forked runner USS, zygote unprepared", summary([x / 1000 for x in u_mem["uss_mib"]])).replace(
+            " ms", " MiB"
+        )
+    )
     line(row("baseline: cold runner USS", summary([x / 1000 for x in c_mem["uss_mib"]])).replace(" ms", " MiB"))
     line(row("baseline: cold runner RSS", summary([x / 1000 for x in c_mem["rss_mib"]])).replace(" ms", " MiB"))
     if bare:
@@ -403,6 +430,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         line(
             f"  the zygote itself (shared by every forked runner, paid once): USS {zmem[0]:.1f} MiB, RSS {zmem[1]:.1f} MiB"
         )
+    if umem:
+        line(f"  baseline: the unprepared zygote: USS {umem[0]:.1f} MiB, RSS {umem[1]:.1f} MiB")
 
     header("targets (with a spare; without it, the baseline, in brackets)")
     zs, zb = summary(s_seq["emitted"]), s_burst
