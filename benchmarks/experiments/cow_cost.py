@@ -13,7 +13,10 @@ changes as it serves requests: later runners share fewer pages with it).
 Each configuration is the zygote with and without its copy-on-write preparation
 (``AGENTD_ZYGOTE_PREPARE``, see ``subagent.zygote._prepare``), side by side in this run.
 
-    .venv/bin/python benchmarks/experiments/cow_cost.py [N] [--churn K] [--configs on,off]
+With ``--phases`` the zygote loads ``cow_probe/`` (a ``sitecustomize``): each runner's
+faults and CPU from its fork to its command, then its stop, phase by phase.
+
+    .venv/bin/python benchmarks/experiments/cow_cost.py [N] [--churn K] [--configs off,trim,collapse,on] [--phases]
 """
 
 from __future__ import annotations
@@ -189,6 +192,42 @@ async def churn(manager: Any, k: int) -> None:
         await manager.wait_terminal(r["run_id"])
 
 
+PROBE_DIR = Path(__file__).resolve().parent / "cow_probe"
+
+
+def show_phases(out_dir: str) -> dict[str, dict[str, float]]:
+    """The probe's marks (``cow_probe/sitecustomize.py``): per phase, the median faults and
+    the mean user and system CPU, over the runners that reached their command."""
+    per: dict[str, list[tuple[int, float, float]]] = {}
+    order: list[str] = []
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            marks = [(lab, int(fl), float(u), float(sy)) for lab, fl, u, sy in (ln.split() for ln in f)]
+        if "command_running" not in {m[0] for m in marks}:
+            continue  # not one of the measured runs
+        prev = ("", 0, 0.0, 0.0)
+        for m in marks:
+            if m[0] not in order:
+                order.append(m[0])
+            per.setdefault(m[0], []).append((m[1] - prev[1], m[2] - prev[2], m[3] - prev[3]))
+            prev = m
+    out: dict[str, dict[str, float]] = {}
+    print("  by phase (each from the previous mark; fork = from the fork to the child's first Python step):")
+    for lab in order:
+        v = per[lab]
+        row = {
+            "faults": med([x[0] for x in v]),
+            "user_ms": statistics.mean(x[1] for x in v) * 1000,
+            "sys_ms": statistics.mean(x[2] for x in v) * 1000,
+        }
+        out[lab] = row
+        print(
+            f"      {lab:<18} faults {row['faults']:5.0f}   user {row['user_ms']:5.2f} ms   sys {row['sys_ms']:5.2f} ms",
+            flush=True,
+        )
+    return out
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -231,8 +270,12 @@ def show(label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return summ
 
 
-async def run_config(name: str, prepare: str, n: int, k: int) -> dict[str, Any]:
+async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = False) -> dict[str, Any]:
     os.environ[PREPARE_VAR] = prepare
+    probe_out = tempfile.mkdtemp(prefix="agentd-cow-probe-") if phases else ""
+    if phases:  # the daemon's zygote inherits our environment
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE_DIR), os.environ.get("PYTHONPATH")]))
+        os.environ["COW_PROBE_DIR"] = probe_out
     print(f"== zygote {name} ({PREPARE_VAR}={prepare})", flush=True)
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentd-cow-") as tmp:
@@ -249,6 +292,9 @@ async def run_config(name: str, prepare: str, n: int, k: int) -> dict[str, Any]:
             tag = f"{os.getpid()}{int(time.time() * 1000) % 100000}.5"
             await churn(m, 1)
             res["early"] = show("first runners", [await one(m, zpid, tag) for _ in range(n)])
+            if phases:
+                res["phases"] = show_phases(probe_out)
+                os.environ.pop("COW_PROBE_DIR", None)
             if k:
                 t0 = time.perf_counter()
                 await churn(m, k)
@@ -261,6 +307,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("n", type=int, nargs="?", default=5, help="runners measured per configuration and phase")
     ap.add_argument("--churn", type=int, default=150, help="short runs served between the two measurements")
+    ap.add_argument("--phases", action="store_true", help="faults and CPU by phase (loads cow_probe/ in the zygote)")
     ap.add_argument("--configs", default="off,on", help="zygote preparation: off,trim,collapse,on (in this order)")
     args = ap.parse_args()
     quiet_logs(False)
@@ -268,7 +315,7 @@ def main() -> None:
     mark = install_mark()
     try:
         for c in args.configs.split(","):
-            trio.run(run_config, f"preparation {c}", {"on": "1", "off": "0"}.get(c, c), args.n, args.churn)
+            trio.run(run_config, f"preparation {c}", {"on": "1", "off": "0"}.get(c, c), args.n, args.churn, args.phases)
     finally:
         final_sweep(mark)
 
