@@ -270,7 +270,7 @@ def show(label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return summ
 
 
-async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = False) -> dict[str, Any]:
+async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = False, alive: int = 0) -> dict[str, Any]:
     os.environ[PREPARE_VAR] = prepare
     probe_out = tempfile.mkdtemp(prefix="agentd-cow-probe-") if phases else ""
     if phases:  # the daemon's zygote inherits our environment
@@ -279,7 +279,7 @@ async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = Fal
     print(f"== zygote {name} ({PREPARE_VAR}={prepare})", flush=True)
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentd-cow-") as tmp:
-        async with in_process_daemon(Path(tmp), pool_size=0, grace_s=2) as d:
+        async with in_process_daemon(Path(tmp), pool_size=0, grace_s=2, max_concurrent=max(64, alive + 16)) as d:
             m = d["manager"]
             with trio.fail_after(180):
                 while (await m.summary())["zygote"]["state"] != "ready":
@@ -300,6 +300,23 @@ async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = Fal
                 await churn(m, k)
                 print(f"  ... {k} short runs served ({time.perf_counter() - t0:.1f} s)", flush=True)
                 res["late"] = show(f"runners after {k} more spawns", [await one(m, zpid, tag) for _ in range(n)])
+            if alive:
+                t0 = time.perf_counter()
+                held = [await m.spawn(gated(tag)) for _ in range(alive)]
+                for r in held:
+                    await wait_event(
+                        m,
+                        r["run_id"],
+                        "tool_call",
+                        timeout_s=120,
+                        pred=lambda e: e["data"]["record"]["state"] == "running",
+                    )
+                print(f"  ... {alive} runs waiting meanwhile ({time.perf_counter() - t0:.1f} s)", flush=True)
+                res["beside"] = show(f"runners beside {alive} live ones", [await one(m, zpid, tag) for _ in range(n)])
+                for r in held:
+                    await m.cancel(r["run_id"])
+                for r in held:
+                    await m.wait_terminal(r["run_id"])
     return res
 
 
@@ -307,6 +324,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("n", type=int, nargs="?", default=5, help="runners measured per configuration and phase")
     ap.add_argument("--churn", type=int, default=150, help="short runs served between the two measurements")
+    ap.add_argument("--alive", type=int, default=0, help="then measure N more beside this many live runs")
     ap.add_argument("--phases", action="store_true", help="faults and CPU by phase (loads cow_probe/ in the zygote)")
     ap.add_argument("--configs", default="off,on", help="zygote preparation: off,trim,collapse,on (in this order)")
     args = ap.parse_args()
@@ -315,7 +333,8 @@ def main() -> None:
     mark = install_mark()
     try:
         for c in args.configs.split(","):
-            trio.run(run_config, f"preparation {c}", {"on": "1", "off": "0"}.get(c, c), args.n, args.churn, args.phases)
+            prepare = {"on": "1", "off": "0"}.get(c, c)
+            trio.run(run_config, f"preparation {c}", prepare, args.n, args.churn, args.phases, args.alive)
     finally:
         final_sweep(mark)
 
