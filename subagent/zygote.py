@@ -4,7 +4,8 @@ The daemon starts it (``supervisor/trees/zygote.py``) with one end of a ``SOCK_S
 socket as its stdin. It imports everything a runner may need (``runner.preload``: trio,
 openai, mcp, the runner's modules), starts no thread and no event loop, freezes the
 garbage collector (so a child's collections do not write to the pages it shares with the
-zygote), says ``ready``, then serves one request at a time until EOF:
+zygote), prepares its memory for forks (``_prepare_memory``: a runner then copies fewer
+of its pages, and each fork and exit handles fewer page table entries), says ``ready``, then serves one request at a time until EOF:
 
   daemon -> zygote: {"id", "args", "cwd", "tree_id", "cgroup_procs"}
                     + SCM_RIGHTS [stdin read end, stdout write end, stderr write end,

@@ -127,9 +127,16 @@ def _pymalloc_avail() -> dict[int, int] | None:
     stats = getattr(sys, "_debugmallocstats", None)
     if stats is None or not hasattr(os, "memfd_create"):
         return None
-    sys.stderr.flush()
-    saved = os.dup(2)
-    fd = os.memfd_create("mallocstats", os.MFD_CLOEXEC)
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        return None  # no stderr to borrow
+    try:
+        fd = os.memfd_create("mallocstats", os.MFD_CLOEXEC)
+    except OSError:
+        os.close(saved)
+        return None
     try:
         os.dup2(fd, 2)
         try:
@@ -137,6 +144,8 @@ def _pymalloc_avail() -> dict[int, int] | None:
         finally:
             os.dup2(saved, 2)
         text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
+    except OSError:
+        return None
     finally:
         os.close(fd)
         os.close(saved)
