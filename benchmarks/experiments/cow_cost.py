@@ -1,17 +1,18 @@
 """Experiment: the copy-on-write cost of a forked runner, by phase and by mapping.
 
-An in-process daemon with its zygote (pool 0) serves N scripted runs waiting in a
-``run_command sleep``, one at a time: each runner's page faults and private memory while
-it waits (``/proc/PID/stat`` minflt; ``smaps``: Private_Clean + Private_Dirty, i.e. USS,
-by mapping: heap, anonymous, stack, libpython / the python binary, other libraries,
-other files), then its stop: a cancel, and what the runner and the children it reaped
+An in-process daemon with its zygote (pool 0, no spare: every runner forked at its
+spawn) serves N scripted runs waiting in a ``run_command sleep``, one at a time: each
+runner's page faults and private memory while it waits (``/proc/PID/stat`` minflt;
+``smaps``: Private_Clean + Private_Dirty, i.e. USS, by mapping: heap, anonymous, stack,
+libpython / the python binary, other libraries, other files), then its stop: a cancel, and what the runner and the children it reaped
 cost from the cancel to its reaping (the zygote's ``cminflt``/``cutime``/``cstime``
 grow by exactly that when it reaps the runner). Then the zygote serves ``--churn``
 short runs, and the same is measured on N runners forked after them (a zygote's heap
 changes as it serves requests: later runners share fewer pages with it).
 
 Each configuration is the zygote with and without its copy-on-write preparation
-(``AGENTD_ZYGOTE_PREPARE``, see ``subagent.zygote._prepare``), side by side in this run.
+(``AGENTD_ZYGOTE_PREPARE``, see ``subagent.zygote._prepare_memory``), side by side in
+this run.
 
 With ``--phases`` the zygote loads ``cow_probe/`` (a ``sitecustomize``): each runner's
 faults and CPU from its fork to its command, then its stop, phase by phase.
@@ -279,7 +280,9 @@ async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = Fal
     print(f"== zygote {name} ({PREPARE_VAR}={prepare})", flush=True)
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentd-cow-") as tmp:
-        async with in_process_daemon(Path(tmp), pool_size=0, grace_s=2, max_concurrent=max(64, alive + 16)) as d:
+        async with in_process_daemon(
+            Path(tmp), pool_size=0, zygote_spares=0, grace_s=2, max_concurrent=max(64, alive + 16)
+        ) as d:
             m = d["manager"]
             with trio.fail_after(180):
                 while (await m.summary())["zygote"]["state"] != "ready":
