@@ -16,6 +16,7 @@ import pytest
 
 from subagent.osedge import _memory
 from subagent.zygote import PREPARE_VAR, decode, encode
+from tests import conftest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux memory maps")
 
@@ -101,8 +102,10 @@ def test_dense_anonymous_memory_becomes_huge_pages_where_the_kernel_can() -> Non
     got = json.loads(out.stdout)
     assert got["sparse"] >= 7  # the one-page mapping's chunks were not filled in
     release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2] if x.isdigit())
-    if _thp_mode() == "never" or release < (6, 1) or got["error"]:
-        pytest.skip(f"no MADV_COLLAPSE here: {got['error'] or _thp_mode()}")
+    conftest.require(
+        _thp_mode() != "never" and release >= (6, 1) and not got["error"],
+        f"MADV_COLLAPSE (got {got['error'] or _thp_mode()})",
+    )
     assert got["collapsed"] >= 7 and got["thp_kib"] >= 14 * 1024, got
 
 
