@@ -19,6 +19,11 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
 
 The daemon passes ``Settings`` in ``AGENTD_RUN_SANDBOX`` (JSON). Stdlib only (the daemon
 imports it to validate grants).
+
+Size: one sandbox in its two halves (``prepare_ahead``, made before the spec is known by a
+zygote's spare, and the spec's half in ``enter``), which share the grants, the protected
+paths and the report; split, each half would import the other's private helpers. The
+kernel calls live in ``_isolate`` and ``_landlock``.
 """
 
 from __future__ import annotations
@@ -377,13 +382,20 @@ class Ahead:
 
     def bind_hidden(self, paths: Iterable[str]) -> None:
         """Bind back the paths a private tmpfs hides (a spec's grant under /tmp, say), as a
-        cold runner's ``private_mounts`` keeps them. While the capabilities are held."""
+        cold runner's ``private_mounts`` keeps them: the topmost of nested ones, over the
+        directories the run's own bind left there (a grant holding the run directory is
+        bound whole, as a cold runner binds it). While the capabilities are held."""
         if not self.userns:
             return
-        wanted = []
-        for p in paths:
-            if not p or not os.path.isabs(p) or os.path.exists(p):
-                continue
+        bound = [p for p in self.private if p not in self.hidden]  # the binds, not the tmpfs
+
+        def within(p: str, tops: Iterable[str]) -> bool:
+            return any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)
+
+        wanted: list[tuple[str, str]] = []
+        for p in sorted({os.path.normpath(p) for p in paths if p and os.path.isabs(p)}, key=len):
+            if within(p, bound) or within(p, [w for w, _ in wanted]):
+                continue  # bound already (the run directory, what a parent brings)
             for d, fd in self.hidden.items():
                 if p.startswith(d.rstrip("/") + "/"):
                     seen = f"/proc/self/fd/{fd}/{os.path.relpath(p, d)}"
@@ -391,8 +403,6 @@ class Ahead:
                         wanted.append((p, seen))
                     break
         for path, seen in wanted:
-            if os.path.exists(path):  # a parent bound already
-                continue
             try:
                 _isolate.bind_back(seen, path)
                 self.private.append(path)

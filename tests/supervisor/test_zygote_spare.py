@@ -128,6 +128,43 @@ async def test_a_spare_keeps_a_specs_paths_under_its_private_tmp_as_a_cold_runne
     assert spare == cold
 
 
+async def test_a_grant_holding_the_run_directory_is_the_hosts_dir_for_a_spare_as_for_a_cold_runner(
+    tmp_path: Path,
+) -> None:
+    """A write grant that holds the daemon's state dir (so the run's own directory, which a
+    spare bound before it had a run) is bound whole, as a cold runner binds it: a file made
+    from outside while the run's command waits is seen there. (A spare once left the grant
+    as the empty skeleton of its run dir's bind: the command waited forever.)"""
+    for name, settings in (("cold", {"zygote": "off"}), ("spare", {"zygote_spares": 1})):
+        grant = tmp_path / name
+        grant.mkdir()
+        command = f"while [ ! -f {grant}/gate ]; do sleep 0.02; done; echo gate seen by {name}"
+        spec = {
+            "task": "t",
+            "model": {
+                "provider": "scripted",
+                "script": {
+                    "turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}],
+                    "final": "done",
+                },
+            },
+            "sandbox": {"write": [str(grant)]},
+        }
+        with trio.fail_after(90):
+            async with daemon(grant, **settings) as m:
+                await zygote_state(m, "off" if name == "cold" else "ready")
+                spare_pid = await spare_ready(m) if name == "spare" else None
+                r = await m.spawn(spec)
+                await wait_running_tool(m, r["run_id"])
+                (grant / "gate").write_text("go\n")
+                st = await m.wait_terminal(r["run_id"])
+        assert st["state"] == "completed", st
+        [call] = st["tool_calls"]
+        assert call["state"] == "succeeded" and f"gate seen by {name}" in call["output"], call
+        if spare_pid is not None:
+            assert st["pid"] == spare_pid
+
+
 async def test_a_runs_secret_reaches_its_spare_and_never_the_zygote(tmp_path: Path) -> None:
     key = "sk-spare-" + os.urandom(12).hex()
     with trio.fail_after(90):
