@@ -18,12 +18,13 @@ the very process that was found (no pid reuse race). Nothing else is ever signal
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -155,10 +156,42 @@ def marked_processes(mark: str) -> list[psutil.Process]:
     return found
 
 
+# Sources of pids a longer-lived fixture owns though they may be born during a test (a
+# module-scoped daemon's parked spare runners, forked again after each spawn): not that
+# test's leftovers. The fixture still answers for them (its teardown, the session check).
+_OWNED_BY_FIXTURES: list[Callable[[], set[int]]] = []
+
+
+@contextlib.contextmanager
+def owned_by_fixture(pids: Callable[[], set[int]]) -> Iterator[None]:
+    """While this lasts, the processes ``pids()`` names are not a test's leftovers."""
+    _OWNED_BY_FIXTURES.append(pids)
+    try:
+        yield
+    finally:
+        _OWNED_BY_FIXTURES.remove(pids)
+
+
+def _owned_by_fixtures() -> set[int]:
+    owned: set[int] = set()
+    for source in _OWNED_BY_FIXTURES:
+        try:
+            owned |= source()
+        except Exception as exc:  # noqa: BLE001 - the check goes on: every process counts
+            sys.stderr.write(f"owned_by_fixture source failed: {exc!r}\n")
+    return owned
+
+
 def leftovers(mark: str, before: set[ProcId]) -> list[ProcId]:
-    """The test's live processes: descendants born since ``before``, and marked ones."""
+    """The test's live processes: descendants born since ``before``, and marked ones
+    (less what a longer-lived fixture owns: ``owned_by_fixture``)."""
     me = os.getpid()
-    found = {p for p, state in descendants(_root_pid()).items() if p not in before and state != "Z" and p.pid != me}
+    owned = _owned_by_fixtures()
+    found = {
+        p
+        for p, state in descendants(_root_pid()).items()
+        if p not in before and state != "Z" and p.pid != me and p.pid not in owned
+    }
     for proc in marked_processes(mark):
         st = _read_stat(proc.pid)
         if st is not None and st[2] != "Z":

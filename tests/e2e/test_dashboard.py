@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from supervisor.control.client import Client
+from tests import conftest
 from tests.browser_support import CHROMIUM, LocalSite
 from tests.conftest import require
 
@@ -133,7 +134,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     try:
         assert ready.wait(WAIT_S) and proc.poll() is None, "".join(log)
         info = json.loads((state / "daemon.json").read_text())
-        yield Daemon(state, env, info["dashboard_url"], info["url"], log)
+        # Its parked spare runners are its own, forked again after each test's spawns.
+        with conftest.owned_by_fixture(lambda: _spare_pids(state)):
+            yield Daemon(state, env, info["dashboard_url"], info["url"], log)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -146,6 +149,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         if proc.stderr is not None:
             proc.stderr.close()
     assert code == 0, "".join(log[-30:])
+
+
+def _spare_pids(state: Path) -> set[int]:
+    """The pids of the daemon's parked spare runners (``status``)."""
+    with Client(state_dir=state) as c:
+        zygote = c.status().get("summary", {}).get("zygote", {})
+    return set(zygote.get("spares", {}).get("pids", []))
 
 
 @pytest.fixture(autouse=True)
