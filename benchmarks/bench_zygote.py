@@ -148,10 +148,14 @@ async def first_step(manager: Any, t0: float | None = None) -> dict[str, Any]:
     return out
 
 
-async def wait_spare(manager: Any, timeout_s: float = 30.0) -> None:
+async def wait_spare(manager: Any, timeout_s: float = 30.0, want: int = 1) -> float | None:
+    """Seconds until ``want`` spares are parked (None: not within ``timeout_s``)."""
+    t0 = time.perf_counter()
     with trio.move_on_after(timeout_s):
-        while not (await manager.summary())["zygote"]["spares"]["ready"]:
+        while (await manager.summary())["zygote"]["spares"]["ready"] < want:
             await trio.sleep(0.01)
+        return time.perf_counter() - t0
+    return None
 
 
 async def sequential(manager: Any, reps: int, *, pool: int = 0, spare: bool = False) -> dict[str, list[float]]:
@@ -379,6 +383,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "warnings": show_warnings(line),
         }
 
+        if args.burst_spares:
+            k = args.burst_spares
+            header(f"zygote with {k} spares parked (zygote_spares {k}): a burst of {args.burst} served by spares")
+            async with daemon(
+                Path(tmp) / "spares", pool_size=0, zygote_spares=k, max_concurrent=max(64, args.burst), grace_s=1
+            ) as m:
+                parked = await wait_spare(m, timeout_s=300, want=k)
+                line(f"  {k} spares parked after {'-' if parked is None else f'{parked:.2f} s'}")
+                await wait_spare(m, timeout_s=60, want=k)
+                k_burst = await burst(m, args.burst)
+                show_burst(k_burst, args.burst)
+                refill = await wait_spare(m, timeout_s=300, want=k)
+                line(f"  {k} spares parked again {'-' if refill is None else f'{refill:.2f} s'} after the burst")
+            out["spares"] = {"spares": k, "parked_s": parked, "burst": k_burst, "refill_s": refill}
+
         header("zygote with a spare, state dir on tmpfs (journal fsyncs cost nothing): the journal's share")
         async with daemon(Path(shm) / "zygote", pool_size=0, zygote_spares=1, max_concurrent=max(64, args.burst)) as m:
             await wait_spare(m)
@@ -495,6 +514,12 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=None, help="runs requested at once (default 50)")
     ap.add_argument("--pool", type=int, default=None, help="warm pool size of the baseline (default 4)")
     ap.add_argument("--mem", type=int, default=None, help="runners measured for memory (default 10)")
+    ap.add_argument(
+        "--burst-spares",
+        type=int,
+        default=0,
+        help="also a burst served by this many parked spares (zygote_spares N; default 0: skipped)",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--verbose", action="store_true", help="show the daemon's warnings")
     args = ap.parse_args()
