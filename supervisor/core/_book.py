@@ -19,6 +19,7 @@ from typing import Any, Final
 import trio
 
 from supervisor.core._run import Run
+from supervisor.errors import JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
 from supervisor.store.backlog import Backlog
 from supervisor.store.journal import Journal
@@ -69,20 +70,79 @@ class RunBook:
             seq = await self.backlog.append(run.run_id, run.last_seq + 1, kind, data, ts)
             if seq is None:  # the journal is down and this run's backlog is full: dropped
                 return None
-            run.last_seq = max(run.last_seq, seq)
-            msg = {"run_id": run.run_id, "seq": seq, "ts": ts, "kind": kind, "data": data}
-            for send in list(run.subscribers):
-                try:
-                    send.send_nowait(msg)
-                except trio.WouldBlock:
-                    logger.warning(
-                        "run %s: dropping a subscriber that fell %d events behind", run.run_id, SUBSCRIBER_BUFFER
-                    )
-                    run.subscribers.discard(send)
-                    send.close()
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    run.subscribers.discard(send)
+            self._send(run, seq, kind, data, ts)
         return seq
+
+    def _send(self, run: Run, seq: int, kind: str, data: dict[str, Any], ts: float) -> None:
+        """Out to the run's subscribers: an event the journal numbered ``seq`` (under ``run.lock``)."""
+        run.last_seq = max(run.last_seq, seq)
+        msg = {"run_id": run.run_id, "seq": seq, "ts": ts, "kind": kind, "data": data}
+        for send in list(run.subscribers):
+            try:
+                send.send_nowait(msg)
+            except trio.WouldBlock:
+                logger.warning(
+                    "run %s: dropping a subscriber that fell %d events behind", run.run_id, SUBSCRIBER_BUFFER
+                )
+                run.subscribers.discard(send)
+                send.close()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                run.subscribers.discard(send)
+
+    async def create(self, run: Run, *, created_at: float) -> None:
+        """A new run: its record and its ``queued`` state event, one commit (fsynced).
+
+        Not queued when the journal cannot be written: no new run then.
+
+        Raises:
+            JournalUnavailable, JournalError: from the journal (nothing was written).
+        """
+        data: dict[str, Any] = {"state": str(RunState.QUEUED)}
+        async with run.lock:
+            seqs = await self.journal.create_run(
+                run.run_id,
+                session_id=run.session_id,
+                spec=run.spec,
+                created_at=created_at,
+                timeout_s=run.timeout_s,
+                events=[("state", data, created_at)],
+            )
+            self._send(run, seqs[0], "state", data, created_at)
+
+    async def start(self, run: Run, *, deadline: float | None, process: dict[str, Any] | None) -> bool:
+        """``queued`` -> ``starting`` with its event, the run's ``deadline`` and its
+        ``process`` record (where there are), in one commit (one fsync); False if the run
+        may not start (changing nothing but the deadline and record, as apart).
+
+        While the journal cannot be written (or this run's facts wait already), each is
+        written (or queued) on its own, in the same order, as ``transition`` and ``write``.
+        """
+        if run.state in TERMINAL_STATES:
+            return False
+        run_id = run.run_id
+        if not self.backlog.pending(run_id):
+            data: dict[str, Any] = {"state": str(RunState.STARTING)}
+            async with run.lock:
+                ts = time.time()
+                try:
+                    moved, seqs = await self.journal.start_run(
+                        run_id, at=ts, events=[("state", data, ts)], deadline=deadline, process=process
+                    )
+                except JournalUnavailable as exc:
+                    self.backlog.note_failure(exc, f"run {run_id}'s start")
+                else:
+                    self.backlog.note_success()
+                    if moved:
+                        run.state = RunState.STARTING
+                        self._send(run, seqs[0], "state", data, ts)
+                    return moved
+        moved = await self.transition(run, RunState.STARTING)
+        if deadline is not None:
+            await self.write(run, "deadline", lambda j: j.record_deadline(run_id, deadline), True)
+        if process:
+            fields = dict(process)
+            await self.write(run, "process record", lambda j: j.record_process(run_id, **fields), True)
+        return moved
 
     async def transition(self, run: Run, new: RunState, *, reason: str | None = None) -> bool:
         """Move a live run to ``new`` (journaled, then announced); False if not allowed."""

@@ -246,9 +246,8 @@ class RunManager:
             if spare is not None:
                 self._assigned[run_id] = spare
         try:
-            await self.journal.create_run(
-                run_id, session_id=session_id, spec=spec, created_at=time.time(), timeout_s=timeout_s
-            )
+            # Its record and its `queued` event: one commit.
+            await self.book.create(run, created_at=time.time())
         except BaseException as exc:
             spare = self._assigned.pop(run_id, None)
             if spare is not None:
@@ -260,7 +259,6 @@ class RunManager:
         self.backlog.note_success()
         self._live[run_id] = run
         try:
-            await self.book.record(run, "state", {"state": str(RunState.QUEUED)})
             self._nursery.start_soon(self._start, run, name=f"run {run_id}")
         except BaseException:
             spare = self._assigned.pop(run_id, None)
@@ -597,7 +595,14 @@ class RunManager:
         return spare if spare.assign([], extra_env, spec_line) else None
 
     async def _start_runner(self, run: Run, spare: Spare | None) -> None:
-        await self.book.transition(run, RunState.STARTING)
+        deadline = None
+        if run.timeout_s is not None and run.deadline is None:
+            # Absolute: a daemon restart does not extend it (recovery reads it back).
+            deadline = run.deadline = time.time() + run.timeout_s
+        # `starting`, its event, the deadline and a spare's process record: one commit,
+        # before the spare is let go (a daemon that dies before `go` leaves recovery a
+        # spare that exits on the hang-up having done nothing: the run ends `lost`).
+        await self.book.start(run, deadline=deadline, process=spare.process_record() if spare is not None else None)
         if run.session_id is not None:
             try:
                 run.runner_spec, session_event = await self.session_desk.prepare_turn(
@@ -616,20 +621,17 @@ class RunManager:
                 )
                 return
             await self.book.record(run, "session", session_event)
-        if run.timeout_s is not None and run.deadline is None:
-            # Absolute: a daemon restart does not extend it (recovery reads it back).
-            run.deadline = time.time() + run.timeout_s
-            deadline = run.deadline
-            await self.book.write(run, "deadline", lambda j: j.record_deadline(run.run_id, deadline), True)
         # A warm runner's environment was set before its spec came: a run with its own
         # model key starts cold, with the key in its runner's environment.
         warm = None
+        recorded = False  # the journal's process record is the runner's already
         if spare is not None:
             # Its start is journaled: the spare may run (or, gone, the run forks below).
             taken, spare = spare, None
             spare_tree = await taken.go()
             if spare_tree is not None:
                 warm = Warm(tree=spare_tree, run_dir=taken.run_dir, spec_sent=taken.spec_sent)
+                recorded = True
         elif self._pool is not None and run.model_key is None:
             warm = self._pool.take()
         if warm is None:
@@ -669,7 +671,9 @@ class RunManager:
             await self.book.write(run, "process record", lambda j: j.record_process(run.run_id, **fields), True)
 
         await self.lifecycle.supervise(
-            run, PipeSource(tree, run_dir, early_stderr=warm.early_stderr, spec_sent=warm.spec_sent), announce=announce
+            run,
+            PipeSource(tree, run_dir, early_stderr=warm.early_stderr, spec_sent=warm.spec_sent),
+            announce=None if recorded else announce,
         )
 
 

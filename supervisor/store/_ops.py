@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
@@ -252,6 +252,16 @@ class Store(SessionStoreMixin):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+    def together(self, ops: Sequence[Callable[[Store], Any]]) -> list[Any]:
+        """Several operations as one: one transaction, committed FULL (fsynced) once for
+        all; any of them raising leaves none of their writes. Their values, in order."""
+        with self._tx(durable=True):
+            was, self._group = self._group, True  # each one's own ``_tx`` joins this one
+            try:
+                return [op(self) for op in ops]
+            finally:
+                self._group = was
 
     def abandon_group(self) -> None:
         """Roll the group back (nothing of it is written)."""

@@ -64,6 +64,9 @@ T = TypeVar("T")
 # fsync when any of them needs one), at most this many.
 GROUP_COMMIT_MAX: Final = 128
 
+# What a run's process record holds (``record_process``'s fields).
+_PROCESS_FIELDS: Final = frozenset({"pid", "pid_start_time", "pgid", "tree_id", "cgroup", "containment", "run_dir"})
+
 # SQLite's primary result codes that describe the store, not the statement: the same
 # write may succeed once space, permissions or the device come back.
 _UNAVAILABLE_CODES: Final = frozenset(
@@ -102,6 +105,10 @@ def _text(value: str) -> str:
 
 def _opt_text(value: str | None) -> str | None:
     return None if value is None else _text(value)
+
+
+def _event_items(events: Iterable[tuple[str, Mapping[str, Any], float]]) -> list[tuple[str, str, float]]:
+    return [(_text(str(kind)), dumps(dict(data)), float(ts)) for kind, data, ts in events]
 
 
 class _Job(Generic[T]):
@@ -336,14 +343,60 @@ class Journal:
         spec: Mapping[str, Any],
         created_at: float,
         timeout_s: float | None,
-    ) -> None:
-        """Record a new run in state ``queued`` (durably).
+        events: Iterable[tuple[str, Mapping[str, Any], float]] = (),
+    ) -> list[int]:
+        """Record a new run in state ``queued`` (durably), with its first ``(kind, data,
+        ts)`` events (its ``queued`` state) in the same transaction; their numbers.
 
         Raises:
             JournalError: a run with this id exists.
         """
         spec_json = dumps(dict(spec))
-        await self._call(lambda s: s.create_run(_text(run_id), _opt_text(session_id), spec_json, created_at, timeout_s))
+        rid = _text(run_id)
+        items = _event_items(events)
+
+        def create(s: Store) -> list[int]:
+            s.create_run(rid, _opt_text(session_id), spec_json, created_at, timeout_s)
+            return s.append_events(rid, items) if items else []
+
+        return await self._call(lambda s: s.together([create])[0])
+
+    async def start_run(
+        self,
+        run_id: str,
+        *,
+        at: float,
+        events: Iterable[tuple[str, Mapping[str, Any], float]],
+        deadline: float | None = None,
+        process: Mapping[str, object] | None = None,
+    ) -> tuple[bool, list[int]]:
+        """The run's start, in one transaction (one fsync): ``queued`` -> ``starting``
+        (compare-and-set, as ``transition``) and, only if it moved, its ``events`` (its
+        ``starting`` state); its ``deadline`` (as ``record_deadline``); its ``process``
+        record (as ``record_process``: what recovery needs to find a runner that is not
+        let go before this returns). Returns whether it moved, and the events' numbers.
+
+        Raises:
+            RunNotFound: no run has this id.
+        """
+        rid = _text(run_id)
+        items = _event_items(events)
+        fields: dict[str, object] = {}
+        for name, value in (process or {}).items():
+            if name not in _PROCESS_FIELDS:
+                raise ValueError(f"expected process record fields {sorted(_PROCESS_FIELDS)}, got {name!r}")
+            fields[name] = _text(value) if isinstance(value, str) else value
+
+        def start(s: Store) -> tuple[bool, list[int]]:
+            moved = s.transition(rid, RunState.STARTING, None, at)
+            seqs = s.append_events(rid, items) if moved and items else []
+            if deadline is not None:
+                s.record_deadline(rid, deadline)
+            if fields:
+                s.record_process(rid, fields)
+            return moved, seqs
+
+        return await self._call(lambda s: s.together([start])[0])
 
     async def transition(
         self, run_id: str, new: RunState, *, reason: str | None = None, at: float | None = None

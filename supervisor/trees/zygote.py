@@ -743,6 +743,23 @@ class Spare:
             for fd in theirs:
                 _close_quietly(fd)
 
+    def process_record(self) -> dict[str, Any]:
+        """The run's process record as ``go`` will make its tree (journaled before ``go``:
+        a daemon that dies in between leaves recovery a spare that exits on the hang-up)."""
+        return {
+            "pid": self.pid,
+            "pid_start_time": self._start_time(),
+            "pgid": self.pid,
+            "tree_id": self.tree_id,
+            "cgroup": str(self.cgroup) if self.cgroup else None,
+            "containment": self.zygote.containment.label(self.cgroup),
+            "run_dir": str(self.run_dir),
+        }
+
+    def _start_time(self) -> float:
+        kernel = self.zygote.containment.table.kernel
+        return kernel.boot_time() + self.ticks / kernel.clock_ticks
+
     async def go(self) -> Tree | None:
         """The run's start is journaled: let the spare run. Its tree, or None when it did
         not take the run (it died, or it hung up): it is discarded then; fork instead."""
@@ -771,7 +788,7 @@ class Spare:
             tree_id=self.tree_id,
             pid=self.pid,
             pgid=self.pid,
-            start_time=table.kernel.boot_time() + self.ticks / table.kernel.clock_ticks,
+            start_time=self._start_time(),
             cgroup=self.cgroup,
             containment=containment.label(self.cgroup),
             process=proc,
