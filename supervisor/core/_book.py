@@ -109,10 +109,11 @@ class RunBook:
             )
             self._send(run, seqs[0], "state", data, created_at)
 
-    async def start(self, run: Run, *, deadline: float | None, process: dict[str, Any] | None) -> bool:
-        """``queued`` -> ``starting`` with its event, the run's ``deadline`` and its
-        ``process`` record (where there are), in one commit (one fsync); False if the run
-        may not start (changing nothing but the deadline and record, as apart).
+    async def start(self, run: Run, *, process: dict[str, Any] | None) -> bool:
+        """``queued`` -> ``starting`` with its event, the run's deadline (its timeout from
+        now, absolute: a restart does not extend it) and its ``process`` record (where
+        there are), in one commit (one fsync); False if the run may not start (changing
+        nothing but the deadline and record, as apart).
 
         While the journal cannot be written (or this run's facts wait already), each is
         written (or queued) on its own, in the same order, as ``transition`` and ``write``.
@@ -124,6 +125,7 @@ class RunBook:
             data: dict[str, Any] = {"state": str(RunState.STARTING)}
             async with run.lock:
                 ts = time.time()
+                deadline = self._deadline(run, ts)
                 try:
                     moved, seqs = await self.journal.start_run(
                         run_id, at=ts, events=[("state", data, ts)], deadline=deadline, process=process
@@ -132,12 +134,16 @@ class RunBook:
                     self.backlog.note_failure(exc, f"run {run_id}'s start")
                 else:
                     self.backlog.note_success()
+                    if deadline is not None:
+                        run.deadline = deadline
                     if moved:
                         run.state = RunState.STARTING
                         self._send(run, seqs[0], "state", data, ts)
                     return moved
         moved = await self.transition(run, RunState.STARTING)
+        deadline = self._deadline(run, time.time())
         if deadline is not None:
+            run.deadline = deadline
             await self.write(run, "deadline", lambda j: j.record_deadline(run_id, deadline), True)
         if process:
             fields = dict(process)
@@ -252,6 +258,13 @@ class RunBook:
             run.final = fact
             self._unflushed[run.run_id] = run
         return bool(ok)
+
+    @staticmethod
+    def _deadline(run: Run, now: float) -> float | None:
+        """The run's deadline to record, if it has a timeout and none yet."""
+        if run.timeout_s is None or run.deadline is not None:
+            return None
+        return now + run.timeout_s
 
     def let_go(self, run: Run) -> None:
         """The run is over for the daemon: token retired, subscribers closed, waiters woken."""

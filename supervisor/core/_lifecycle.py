@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -40,9 +40,19 @@ from supervisor.trees._handles import AnyTree
 from supervisor.trees.containment import Containment
 from supervisor.trees.pool import remove_dir
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "STARTING_LOST"]
 
 logger = logging.getLogger(__name__)
+
+# A run a restarted daemon found `starting` whose runner then ended (or was gone) without
+# a result: its process record was journaled before its runner was let go (a spare gets
+# `go` only after that commit), so the runner may never have been let go; such a one
+# exits at the daemon's hang-up having done nothing of the run. Not started again here.
+STARTING_LOST: Final = (
+    "the daemon restarted while the run was starting and its runner ended without a result "
+    "(a runner the daemon had not let go yet exits at its hang-up, having done nothing of the run); "
+    "not started again"
+)
 
 
 class Lifecycle:
@@ -247,6 +257,9 @@ class Lifecycle:
         error: dict[str, Any] | None
         if run.token.cancelled:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
+        elif run.readopted and run.state == RunState.STARTING:
+            state, reason = RunState.LOST, STARTING_LOST
+            error = {"code": _exit_name(code), "message": f"runner exited with code {code} without a result"}
         else:
             state, reason = RunState.FAILED, "runner_died"
             error = {

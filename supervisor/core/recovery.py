@@ -25,7 +25,7 @@ from typing import Any
 import trio
 
 from supervisor.core._book import RunBook
-from supervisor.core._lifecycle import Lifecycle
+from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
 from supervisor.core._run import Run
 from supervisor.core._sources import FileSource
 from supervisor.core.token import CancelToken
@@ -166,15 +166,16 @@ class Recovery:
             await self.lifecycle.conclude(run, None, receipt, result)
             return
         snapshot = run.partial if run.partial is not None else row["partial_snapshot"]
+        reason = (
+            STARTING_LOST
+            if run.state == RunState.STARTING
+            else "the runner was gone when the daemon restarted, without a result"
+        )
         book = self.book
         await book.write(
             run,
             "lost",
-            lambda j: j.mark_lost(
-                run_id,
-                reason="the runner was gone when the daemon restarted, without a result",
-                partial_result=snapshot,
-            ),
+            lambda j: j.mark_lost(run_id, reason=reason, partial_result=snapshot),
             True,
         )
         recovery_receipt = {"recovery": stop.to_dict(), "swept": swept}

@@ -595,14 +595,10 @@ class RunManager:
         return spare if spare.assign([], extra_env, spec_line) else None
 
     async def _start_runner(self, run: Run, spare: Spare | None) -> None:
-        deadline = None
-        if run.timeout_s is not None and run.deadline is None:
-            # Absolute: a daemon restart does not extend it (recovery reads it back).
-            deadline = run.deadline = time.time() + run.timeout_s
-        # `starting`, its event, the deadline and a spare's process record: one commit,
+        # `starting`, its event, its deadline and a spare's process record: one commit,
         # before the spare is let go (a daemon that dies before `go` leaves recovery a
         # spare that exits on the hang-up having done nothing: the run ends `lost`).
-        await self.book.start(run, deadline=deadline, process=spare.process_record() if spare is not None else None)
+        await self.book.start(run, process=spare.process_record() if spare is not None else None)
         if run.session_id is not None:
             try:
                 run.runner_spec, session_event = await self.session_desk.prepare_turn(
