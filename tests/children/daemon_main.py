@@ -17,7 +17,30 @@ from supervisor.config import Config
 from supervisor.daemon import serve
 
 
+def _hold_at_spare_go(stop_the_spare: bool) -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT``): where a spare would get its ``go`` (the
+    run's start is journaled), once the spare acknowledged its run (it waits at its gate),
+    print ``at spare_go`` on stdout and hold there for good (the test SIGKILLs the daemon);
+    ``spare_go_stopped`` SIGSTOPs the spare first, so that a restarted daemon finds it
+    alive."""
+    import signal
+
+    from supervisor.trees import zygote
+
+    async def hold(spare: zygote.Spare) -> None:
+        await trio.lowlevel.wait_readable(spare.chan)  # its acknowledgement
+        if stop_the_spare:
+            os.kill(spare.pid, signal.SIGSTOP)
+        print("at spare_go", flush=True)
+        await trio.sleep_forever()
+
+    zygote.Spare.go = hold  # type: ignore[method-assign,assignment]
+
+
 async def main(state_dir: str) -> None:
+    hold_at = os.environ.get("AGENTD_TEST_HOLD_AT")
+    if hold_at in ("spare_go", "spare_go_stopped"):
+        _hold_at_spare_go(hold_at == "spare_go_stopped")
     config = Config.load(state_dir=state_dir)
     async with trio.open_nursery() as n:
         info = await n.start(serve, config)

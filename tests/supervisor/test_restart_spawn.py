@@ -1,0 +1,130 @@
+"""Acceptance: a daemon SIGKILLed at the spawn path's boundary, between the commit that
+makes a run's start durable (``starting``, its event, its deadline and the spare's process
+record, one transaction) and the spare's ``go``.
+
+Real daemon processes (``tests/children/daemon_main.py``, held there by its
+``AGENTD_TEST_HOLD_AT`` fault injection, then SIGKILLed) on one state dir, the zygote's real spare runner with the scripted model, a real
+SQLite file and a real websocket. The spare was never let go: it exits at the hang-up
+having done nothing of the run. The restarted daemon ends that run ``lost``, naming why,
+and never starts it (nor any other runner for it): no step, no tool call, no process left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor.core._lifecycle import STARTING_LOST
+from tests.supervisor.real_daemon import Client, Daemon, real_daemon
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
+
+# The real runner (the zygote needs it), one spare, no warm pool.
+ENV = {"AGENTD_RUNNER_COMMAND": "", "AGENTD_ZYGOTE_SPARES": "1", "AGENTD_POOL_SIZE": "0"}
+
+
+def spec(command: str) -> dict[str, Any]:
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}], "final": "done"}
+    return {"task": "t", "model": {"provider": "scripted", "script": script}}
+
+
+async def spare_ready(c: Client) -> int:
+    """The pid of the spare the zygote keeps ready."""
+    with trio.fail_after(60):
+        while True:
+            pids = (await c.ok("status"))["summary"]["zygote"]["spares"]["pids"]
+            if pids:
+                return int(pids[0])
+            await trio.sleep(0.02)
+
+
+async def wait_exit(pid: int) -> None:
+    """Until ``pid`` has exited (not ours: its pidfd turns readable)."""
+    fd = os.pidfd_open(pid)
+    try:
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+async def spawn_and_kill(c: Client, d: Daemon, command: str) -> str:
+    """Spawn; once the daemon holds at the spare's ``go`` (the run's start journaled, the
+    spare waiting at its gate), SIGKILL it. The run's id (its spawn was acknowledged)."""
+    run_id = str((await c.ok("spawn", spec=spec(command)))["run_id"])
+    assert d.proc.stdout is not None
+    buf = b""
+    with trio.fail_after(30):
+        while b"at spare_go\n" not in buf:
+            chunk = await d.proc.stdout.receive_some()
+            assert chunk, f"the daemon exited: {d.log_text()[-3000:]}"
+            buf += chunk
+    await c.ws.aclose()
+    d.proc.kill()  # SIGKILL: no cleanup at all
+    await d.proc.wait()
+    return run_id
+
+
+async def the_run(c: Client, acknowledged: str) -> dict[str, Any]:
+    (row,) = (await c.ok("list"))["runs"]
+    assert row["id"] == acknowledged  # an acknowledged spawn is never lost
+    return dict(await c.ok("status", run_id=acknowledged))
+
+
+async def assert_never_started(c: Client, st: dict[str, Any], spare: int, marker: Path) -> None:
+    assert st["state"] == "lost" and st["reason"] == STARTING_LOST, st
+    assert st["pid"] == spare  # the process record named the spare, durably, before `go`
+    assert st["tool_calls"] == []
+    events = (await c.ok("events", run_id=st["id"], after_seq=0))["events"]
+    kinds = [e["kind"] for e in events]
+    states = [e["data"]["state"] for e in events if e["kind"] == "state"]
+    assert "step_started" not in kinds and "tool_call" not in kinds, kinds
+    assert states[:2] == ["queued", "starting"] and states[-1] == "lost", states
+    assert not marker.exists()  # its command never ran, here or anywhere
+    assert (await c.ok("status"))["live_runs"] == []
+
+
+async def test_a_spare_never_let_go_leaves_its_run_lost_not_started_twice(tmp_path: Path) -> None:
+    state, marker = tmp_path / "state", tmp_path / "ran"
+    with trio.fail_after(120):
+        async with real_daemon(state, env={**ENV, "AGENTD_TEST_HOLD_AT": "spare_go"}) as d1:
+            async with d1.connect() as c:
+                spare = await spare_ready(c)
+                acknowledged = await spawn_and_kill(c, d1, f"touch {marker}")
+        await wait_exit(spare)  # it exits at the hang-up: its run was never let go
+        async with real_daemon(state, env=ENV) as d2, d2.connect() as c:
+            st = await the_run(c, acknowledged)
+            assert st["live"] is False and st["run_dir"] is not None
+            assert not Path(st["run_dir"]).exists()  # its tree's leftovers removed
+            await assert_never_started(c, st, spare, marker)
+
+
+async def test_a_spare_found_alive_at_its_gate_is_readopted_and_its_run_ends_lost(tmp_path: Path) -> None:
+    """The restarted daemon finds the spare still alive (held stopped at its gate): it
+    re-adopts it as the run's runner; let go of the stop, it exits at the old daemon's
+    hang-up without a result, and the run ends ``lost`` all the same."""
+    state, marker = tmp_path / "state", tmp_path / "ran"
+    with trio.fail_after(120):
+        async with real_daemon(state, env={**ENV, "AGENTD_TEST_HOLD_AT": "spare_go_stopped"}) as d1:
+            async with d1.connect() as c:
+                spare = await spare_ready(c)
+                acknowledged = await spawn_and_kill(c, d1, f"touch {marker}")
+        try:
+            async with real_daemon(state, env=ENV) as d2, d2.connect() as c:
+                st = await the_run(c, acknowledged)
+                assert st["live"] is True and st["state"] == "starting" and st["pid"] == spare  # re-adopted
+                os.kill(spare, signal.SIGCONT)
+                end = await c.wait_end(st["id"])
+                assert end["op"] == "end"
+                await assert_never_started(c, await c.ok("status", run_id=st["id"]), spare, marker)
+        finally:
+            try:
+                os.kill(spare, signal.SIGCONT)  # never left stopped, whatever failed
+            except ProcessLookupError:
+                pass
