@@ -1133,3 +1133,92 @@ async def test_a_v3_journal_gains_awaiting_approval_and_sessions_and_keeps_its_r
     with pytest.raises(sqlite3.IntegrityError):
         conn.execute("INSERT INTO events VALUES ('nobody', 1, 1.0, 'log', '{}')")
     conn.close()
+
+
+# -- the spawn path: fewer commits in a row --------------------------------------------------
+
+
+async def commits_of(journal: Journal, write: Callable[[], Awaitable[Any]]) -> tuple[Any, list[str]]:
+    """``write``'s value, and the COMMITs (each with its synchronous mode) it made."""
+    seen: list[str] = []
+
+    def trace(sql: str) -> None:
+        if sql.strip().upper() == "COMMIT":
+            seen.append("FULL" if store_ref[0]._full else "NORMAL")
+
+    store_ref: list[Any] = []
+
+    def on(store: Any) -> None:
+        store_ref.append(store)
+        store._conn.set_trace_callback(trace)
+
+    await journal._call(on)
+    try:
+        value = await write()
+    finally:
+        await journal._call(lambda store: store._conn.set_trace_callback(None))
+    return value, seen
+
+
+async def test_a_new_run_and_its_queued_event_are_one_fsynced_commit(journal: Journal) -> None:
+    seqs, commits = await commits_of(
+        journal,
+        lambda: journal.create_run(
+            "r1", session_id=None, spec={}, created_at=T0, timeout_s=None, events=[("state", {"state": "queued"}, T0)]
+        ),
+    )
+    assert seqs == [1] and commits == ["FULL"]
+    (event,) = await journal.events_after("r1")
+    assert (event["seq"], event["kind"], event["data"], event["ts"]) == (1, "state", {"state": "queued"}, T0)
+    # A duplicate id writes nothing, its events included.
+    with pytest.raises(JournalError):
+        await journal.create_run("r1", session_id=None, spec={}, created_at=T0, timeout_s=None, events=[("x", {}, T0)])
+    assert len(await journal.events_after("r1")) == 1
+
+
+async def test_a_runs_start_its_event_deadline_and_process_record_are_one_fsynced_commit(journal: Journal) -> None:
+    await new_run(journal)
+    process = {"pid": 4242, "pid_start_time": 123.5, "pgid": 4242, "tree_id": "t-1", "run_dir": "/runs/r1"}
+    got, commits = await commits_of(
+        journal,
+        lambda: journal.start_run(
+            "r1", at=T0 + 1, events=[("state", {"state": "starting"}, T0 + 1)], deadline=T0 + 31, process=process
+        ),
+    )
+    assert got == (True, [1]) and commits == ["FULL"]
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert (run["state"], run["started_at"], run["deadline"]) == ("starting", T0 + 1, T0 + 31)
+    assert {k: run[k] for k in process} == process  # type: ignore[literal-required]
+    # Compare-and-set: a run that may not start does not, and gets no event.
+    assert await journal.start_run("r1", at=T0 + 2, events=[("state", {"state": "starting"}, T0 + 2)]) == (False, [])
+    assert [e["seq"] for e in await journal.events_after("r1")] == [1]
+    # A bad field, or a run that is not there, writes nothing.
+    await new_run(journal, "r2")
+    with pytest.raises(ValueError):
+        await journal.start_run("r2", at=T0, events=[("state", {}, T0)], process={"pid = 1, state": 1})
+    with pytest.raises(RunNotFound):
+        await journal.start_run("nope", at=T0, events=[("state", {}, T0)], deadline=T0)
+    run2 = await journal.get_run("r2")
+    assert run2 is not None and (run2["state"], run2["last_seq"], run2["deadline"]) == ("queued", 0, None)
+
+
+async def test_a_runs_start_in_a_group_after_stream_writes_still_commits_fsynced(journal: Journal) -> None:
+    await new_run(journal)
+    await new_run(journal, "r2", state=S.RUNNING)
+    results: dict[str, Any] = {}
+
+    async def call(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        results[name] = await fn()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await journal.append_event("r2", "log", {})  # the connection commits NORMAL now
+            release = await hold_the_worker(journal, n)
+            n.start_soon(call, "log", lambda: journal.append_event("r2", "log", {}))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "start", lambda: journal.start_run("r1", at=T0, events=[("state", {}, T0)], deadline=T0))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert results == {"log": 2, "start": (True, [1])}
+    assert await journal._call(lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2
