@@ -22,7 +22,7 @@ from supervisor.core._run import Run
 from supervisor.errors import JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
 from supervisor.store.backlog import Backlog
-from supervisor.store.journal import Journal
+from supervisor.store.journal import Journal, RunStart
 
 __all__ = ["RunBook", "SUBSCRIBER_BUFFER"]
 
@@ -89,15 +89,20 @@ class RunBook:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 run.subscribers.discard(send)
 
-    async def create(self, run: Run, *, created_at: float) -> None:
+    async def create(self, run: Run, *, created_at: float, start: dict[str, Any] | None = None) -> None:
         """A new run: its record and its ``queued`` state event, one commit (fsynced).
+        With ``start`` (its process record: a spare runner took it, and its place under
+        ``max_concurrent`` is held) the run starts at once, as ``start`` writes it, in that
+        same commit.
 
         Not queued when the journal cannot be written: no new run then.
 
         Raises:
             JournalUnavailable, JournalError: from the journal (nothing was written).
         """
-        data: dict[str, Any] = {"state": str(RunState.QUEUED)}
+        queued: dict[str, Any] = {"state": str(RunState.QUEUED)}
+        starting: dict[str, Any] = {"state": str(RunState.STARTING)}
+        deadline = None if start is None else self._deadline(run, created_at)
         async with run.lock:
             seqs = await self.journal.create_run(
                 run.run_id,
@@ -105,9 +110,16 @@ class RunBook:
                 spec=run.spec,
                 created_at=created_at,
                 timeout_s=run.timeout_s,
-                events=[("state", data, created_at)],
+                events=[("state", queued, created_at)],
+                start=None
+                if start is None
+                else RunStart(created_at, [("state", starting, created_at)], deadline, start),
             )
-            self._send(run, seqs[0], "state", data, created_at)
+            self._send(run, seqs[0], "state", queued, created_at)
+            if start is not None and len(seqs) > 1:
+                run.state = RunState.STARTING
+                run.deadline = deadline
+                self._send(run, seqs[1], "state", starting, created_at)
 
     async def start(self, run: Run, *, process: dict[str, Any] | None) -> bool:
         """``queued`` -> ``starting`` with its event, the run's deadline (its timeout from

@@ -78,6 +78,8 @@ class RunManager:
         self._live = self.book.live
         # Spares given their run at its spawn, before its first journal write (``_create``).
         self._assigned: dict[str, Spare] = {}
+        # Runs started in their creation's commit, their place under max_concurrent held.
+        self._started_at_spawn: set[str] = set()
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
@@ -241,17 +243,31 @@ class RunManager:
         )
         # A spare runner gets the run now, before any of its journal writes: it reads its
         # spec and sandboxes itself while they commit (it takes no step before ``go``).
+        # It starts at once, its place under max_concurrent taken now (no checkpoint
+        # since there was one), so its start goes in its creation's commit: the run's
+        # record, `queued`, `starting` and their events, its deadline and the spare's
+        # process record, one fsync; `go` follows it (``_start_runner``).
+        start = None
         if self._limiter.available_tokens > 0:
             spare = self._assign_spare(run)
             if spare is not None:
                 self._assigned[run_id] = spare
+                try:
+                    self._limiter.acquire_on_behalf_of_nowait(run)
+                except trio.WouldBlock:  # others wait for a place: it queues behind them
+                    pass
+                else:
+                    self._started_at_spawn.add(run_id)
+                    start = spare.process_record()
         try:
-            # Its record and its `queued` event: one commit.
-            await self.book.create(run, created_at=time.time())
+            await self.book.create(run, created_at=time.time(), start=start)
         except BaseException as exc:
             spare = self._assigned.pop(run_id, None)
             if spare is not None:
                 spare.discard()
+            if run_id in self._started_at_spawn:
+                self._started_at_spawn.discard(run_id)
+                self._limiter.release_on_behalf_of(run)
             if not isinstance(exc, JournalUnavailable):
                 raise
             self.backlog.note_failure(exc, "a new run")
@@ -264,6 +280,9 @@ class RunManager:
             spare = self._assigned.pop(run_id, None)
             if spare is not None:
                 spare.discard()
+            if run_id in self._started_at_spawn:
+                self._started_at_spawn.discard(run_id)
+                self._limiter.release_on_behalf_of(run)
             raise
         return {"run_id": run_id, "state": str(run.state), "session_id": session_id}
 
@@ -534,14 +553,20 @@ class RunManager:
             logger.exception("run %s: ending its supervision failed", run.run_id)
 
     async def _queue_and_start(self, run: Run) -> None:
-        acquired = False
+        started = acquired = run.run_id in self._started_at_spawn
+        self._started_at_spawn.discard(run.run_id)
         try:
             with trio.CancelScope() as run.queue_scope:
-                if not run.token.cancelled:
+                if not run.token.cancelled and not acquired:
                     await self._limiter.acquire_on_behalf_of(run)
                     acquired = True
             run.queue_scope = None
             if run.token.cancelled:
+                note = (
+                    "cancelled before its runner was let go: never started"
+                    if started
+                    else "cancelled while queued: never started"
+                )
                 await self.book.finish(
                     run,
                     RunState.CANCELLED,
@@ -549,10 +574,10 @@ class RunManager:
                     result=None,
                     partial=False,
                     error=None,
-                    receipt={"note": "cancelled while queued: never started", **self.lifecycle.receipt_head(run)},
+                    receipt={"note": note, **self.lifecycle.receipt_head(run)},
                 )
                 return
-            await self._execute(run)
+            await self._execute(run, started=started)
         except Exception as exc:
             logger.exception("run %s: supervision failed", run.run_id)
             await self.lifecycle.finish_internal_error(run, exc, self.lifecycle.receipt_head(run))
@@ -565,12 +590,12 @@ class RunManager:
             if not run.done.is_set():  # only on a bug: never leave waiters hanging
                 self.book.let_go(run)
 
-    async def _execute(self, run: Run) -> None:
+    async def _execute(self, run: Run, *, started: bool = False) -> None:
         """Start the run's runner (its session's turn prepared, its deadline journaled) and
-        supervise it."""
+        supervise it. ``started``: its start was journaled with its creation."""
         spare = self._assigned.pop(run.run_id, None) or self._assign_spare(run)
         try:
-            await self._start_runner(run, spare)
+            await self._start_runner(run, spare, started=started)
         finally:
             if spare is not None:
                 spare.discard()  # not taken (``_start_runner`` took it, or gave up): it exits
@@ -594,11 +619,13 @@ class RunManager:
         spec_line = (json.dumps(run.spec) + "\n").encode()
         return spare if spare.assign([], extra_env, spec_line) else None
 
-    async def _start_runner(self, run: Run, spare: Spare | None) -> None:
-        # `starting`, its event, its deadline and a spare's process record: one commit,
-        # before the spare is let go (a daemon that dies before `go` leaves recovery a
-        # spare that exits on the hang-up having done nothing: the run ends `lost`).
-        await self.book.start(run, process=spare.process_record() if spare is not None else None)
+    async def _start_runner(self, run: Run, spare: Spare | None, *, started: bool = False) -> None:
+        # `starting`, its event, its deadline and a spare's process record: one commit
+        # (the creation's, when ``started``), before the spare is let go (a daemon that dies
+        # before `go` leaves recovery a spare that exits on the hang-up having done nothing
+        # of the run: it ends `lost`, never started twice).
+        if not started:
+            await self.book.start(run, process=spare.process_record() if spare is not None else None)
         if run.session_id is not None:
             try:
                 run.runner_spec, session_event = await self.session_desk.prepare_turn(

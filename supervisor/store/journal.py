@@ -25,7 +25,8 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, final
 
@@ -47,6 +48,7 @@ from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
 
 __all__ = [
     "Journal",
+    "RunStart",
     "RunRecord",
     "EventRecord",
     "GroupRecord",
@@ -105,6 +107,39 @@ def _text(value: str) -> str:
 
 def _opt_text(value: str | None) -> str | None:
     return None if value is None else _text(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RunStart:
+    """A run's start as ``Journal.start_run`` writes it: when (its ``started_at``), its
+    events (its ``starting`` state), its deadline and its process record, if any."""
+
+    at: float
+    events: Sequence[tuple[str, Mapping[str, Any], float]]
+    deadline: float | None = None
+    process: Mapping[str, object] | None = None
+
+
+def _start_op(run_id: str, start: RunStart) -> Callable[[Store], tuple[bool, list[int]]]:
+    """``start`` as one operation of a transaction (see ``Journal.start_run``)."""
+    items = _event_items(start.events)
+    deadline = start.deadline
+    fields: dict[str, object] = {}
+    for name, value in (start.process or {}).items():
+        if name not in _PROCESS_FIELDS:
+            raise ValueError(f"expected process record fields {sorted(_PROCESS_FIELDS)}, got {name!r}")
+        fields[name] = _text(value) if isinstance(value, str) else value
+
+    def op(s: Store) -> tuple[bool, list[int]]:
+        moved = s.transition(run_id, RunState.STARTING, None, start.at)
+        seqs = s.append_events(run_id, items) if moved and items else []
+        if deadline is not None:
+            s.record_deadline(run_id, deadline)
+        if fields:
+            s.record_process(run_id, fields)
+        return moved, seqs
+
+    return op
 
 
 def _event_items(events: Iterable[tuple[str, Mapping[str, Any], float]]) -> list[tuple[str, str, float]]:
@@ -344,9 +379,12 @@ class Journal:
         created_at: float,
         timeout_s: float | None,
         events: Iterable[tuple[str, Mapping[str, Any], float]] = (),
+        start: RunStart | None = None,
     ) -> list[int]:
         """Record a new run in state ``queued`` (durably), with its first ``(kind, data,
-        ts)`` events (its ``queued`` state) in the same transaction; their numbers.
+        ts)`` events (its ``queued`` state) in the same transaction, and with ``start``
+        its start as ``start_run`` writes it, in that transaction too (a run that starts
+        at once: one commit, one fsync). The numbers of the events written.
 
         Raises:
             JournalError: a run with this id exists.
@@ -354,10 +392,14 @@ class Journal:
         spec_json = dumps(dict(spec))
         rid = _text(run_id)
         items = _event_items(events)
+        started = None if start is None else _start_op(rid, start)
 
         def create(s: Store) -> list[int]:
             s.create_run(rid, _opt_text(session_id), spec_json, created_at, timeout_s)
-            return s.append_events(rid, items) if items else []
+            seqs = s.append_events(rid, items) if items else []
+            if started is not None:
+                seqs += started(s)[1]
+            return seqs
 
         return await self._call(lambda s: s.together([create])[0])
 
@@ -379,24 +421,8 @@ class Journal:
         Raises:
             RunNotFound: no run has this id.
         """
-        rid = _text(run_id)
-        items = _event_items(events)
-        fields: dict[str, object] = {}
-        for name, value in (process or {}).items():
-            if name not in _PROCESS_FIELDS:
-                raise ValueError(f"expected process record fields {sorted(_PROCESS_FIELDS)}, got {name!r}")
-            fields[name] = _text(value) if isinstance(value, str) else value
-
-        def start(s: Store) -> tuple[bool, list[int]]:
-            moved = s.transition(rid, RunState.STARTING, None, at)
-            seqs = s.append_events(rid, items) if moved and items else []
-            if deadline is not None:
-                s.record_deadline(rid, deadline)
-            if fields:
-                s.record_process(rid, fields)
-            return moved, seqs
-
-        return await self._call(lambda s: s.together([start])[0])
+        op = _start_op(_text(run_id), RunStart(at, tuple(events), deadline, process))
+        return await self._call(lambda s: s.together([op])[0])
 
     async def transition(
         self, run_id: str, new: RunState, *, reason: str | None = None, at: float | None = None

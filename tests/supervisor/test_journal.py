@@ -18,7 +18,7 @@ import trio.testing
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 from supervisor.store import _schema as _journal_schema
-from supervisor.store.journal import SCHEMA_VERSION, Journal
+from supervisor.store.journal import SCHEMA_VERSION, Journal, RunStart
 
 S = RunState
 T0 = 1_700_000_000.0
@@ -1174,6 +1174,41 @@ async def test_a_new_run_and_its_queued_event_are_one_fsynced_commit(journal: Jo
     with pytest.raises(JournalError):
         await journal.create_run("r1", session_id=None, spec={}, created_at=T0, timeout_s=None, events=[("x", {}, T0)])
     assert len(await journal.events_after("r1")) == 1
+
+
+async def test_a_run_that_starts_at_once_is_created_queued_and_started_in_one_fsynced_commit(
+    journal: Journal,
+) -> None:
+    start = RunStart(T0, [("state", {"state": "starting"}, T0)], T0 + 30, {"pid": 7, "tree_id": "t-7"})
+    seqs, commits = await commits_of(
+        journal,
+        lambda: journal.create_run(
+            "r1",
+            session_id=None,
+            spec={},
+            created_at=T0,
+            timeout_s=30.0,
+            events=[("state", {"state": "queued"}, T0)],
+            start=start,
+        ),
+    )
+    assert seqs == [1, 2] and commits == ["FULL"]
+    run = await journal.get_run("r1")
+    assert run is not None
+    assert (run["state"], run["started_at"], run["deadline"], run["pid"], run["tree_id"]) == (
+        "starting",
+        T0,
+        T0 + 30,
+        7,
+        "t-7",
+    )
+    assert [e["data"]["state"] for e in await journal.events_after("r1")] == ["queued", "starting"]
+    # A bad process record is refused before anything is written.
+    with pytest.raises(ValueError):
+        await journal.create_run(
+            "r2", session_id=None, spec={}, created_at=T0, timeout_s=None, start=RunStart(T0, [], None, {"x": 1})
+        )
+    assert await journal.get_run("r2") is None
 
 
 async def test_a_runs_start_its_event_deadline_and_process_record_are_one_fsynced_commit(journal: Journal) -> None:

@@ -1,0 +1,101 @@
+"""The spawn path's commits: a run a spare takes at its spawn is created, queued and
+started (its deadline and the spare's process record with it) in one fsynced commit, and
+the spare gets its ``go`` only after that commit; the other starts take one more.
+
+An in-process daemon (``serve``) with a real zygote and its spare, the real runner with the
+scripted model, a real SQLite file (its COMMITs traced on the journal's connection).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor.store.journal import Journal
+from supervisor.trees import zygote as zygote_mod
+from tests.supervisor.test_zygote import daemon, gated, wait_running_tool, zygote_state
+from tests.supervisor.test_zygote_spare import spare_ready
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
+
+
+async def trace_commits(journal: Journal, seen: list[tuple[str, str]]) -> None:
+    """Every COMMIT on the journal's connection from now on, with its synchronous mode."""
+
+    def on(store: Any) -> None:
+        def trace(sql: str) -> None:
+            if sql.strip().upper() == "COMMIT":
+                seen.append(("commit", "FULL" if store.durable_mode else "NORMAL"))
+
+        store._conn.set_trace_callback(trace)
+
+    await journal._call(on)
+
+
+async def test_a_run_a_spare_takes_is_created_and_started_in_one_fsynced_commit_before_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, str]] = []
+    real_go = zygote_mod.Spare.go
+
+    async def go(spare: zygote_mod.Spare) -> Any:
+        seen.append(("go", str(spare.pid)))
+        return await real_go(spare)
+
+    monkeypatch.setattr(zygote_mod.Spare, "go", go)
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1, default_timeout_s=600) as m:
+            await zygote_state(m)
+            spare = await spare_ready(m)
+            await trace_commits(m.journal, seen)
+            r = await m.spawn(gated("echo by the spare"))
+            assert r["state"] == "starting"  # started with its creation
+            st = await m.wait_terminal(r["run_id"])
+            events = await m.journal.events_after(r["run_id"])
+    assert st["state"] == "completed" and st["pid"] == spare
+    assert st["deadline"] == pytest.approx(st["started_at"] + 600) and st["started_at"] == st["created_at"]
+    first_go = seen.index(("go", str(spare)))
+    assert seen[:first_go] == [("commit", "FULL")]  # one commit, fsynced, before `go`
+    assert [e["data"]["state"] for e in events if e["kind"] == "state"][:2] == ["queued", "starting"]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+
+
+async def test_a_queued_run_a_spare_takes_later_is_started_in_one_fsynced_commit_before_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No place at its spawn (max_concurrent 1, taken): it is created and queued in one
+    commit, then started with its spare's process record in one more, then let go."""
+    seen: list[tuple[str, str]] = []
+    real_go = zygote_mod.Spare.go
+
+    async def go(spare: zygote_mod.Spare) -> Any:
+        seen.append(("go", str(spare.pid)))
+        return await real_go(spare)
+
+    monkeypatch.setattr(zygote_mod.Spare, "go", go)
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1, max_concurrent=1) as m:
+            await zygote_state(m)
+            first_spare = await spare_ready(m)
+            first = await m.spawn(gated("sleep 60"))
+            spare = await spare_ready(m, other_than=first_spare)
+            await wait_running_tool(m, first["run_id"])  # it writes nothing more meanwhile
+            seen.clear()
+            await trace_commits(m.journal, seen)
+            r = await m.spawn(gated("echo by the next spare"))
+            assert r["state"] == "queued"
+            seen.append(("spawned", ""))
+            await m.cancel(first["run_id"])  # its place goes to the queued run
+            await m.wait_terminal(first["run_id"])
+            st = await m.wait_terminal(r["run_id"])
+            run = await m.journal.get_run(r["run_id"])
+    assert st["state"] == "completed" and st["pid"] == spare
+    spawned, first_go = seen.index(("spawned", "")), seen.index(("go", str(spare)))
+    assert seen[:spawned] == [("commit", "FULL")]
+    # What the first run's end wrote meanwhile, then the start: its last commit before `go`.
+    assert seen[first_go - 1] == ("commit", "FULL")
+    assert run is not None and run["pid"] == spare
