@@ -592,8 +592,11 @@ class RunManager:
 
     async def _execute(self, run: Run, *, started: bool = False) -> None:
         """Start the run's runner (its session's turn prepared, its deadline journaled) and
-        supervise it. ``started``: its start was journaled with its creation."""
-        spare = self._assigned.pop(run.run_id, None) or self._assign_spare(run)
+        supervise it. ``started``: its start was journaled with its creation, and the
+        spare assigned then (its process record in that commit) is the only one it takes."""
+        spare = self._assigned.pop(run.run_id, None)
+        if spare is None and not started:
+            spare = self._assign_spare(run)
         try:
             await self._start_runner(run, spare, started=started)
         finally:
@@ -647,7 +650,7 @@ class RunManager:
         # A warm runner's environment was set before its spec came: a run with its own
         # model key starts cold, with the key in its runner's environment.
         warm = None
-        recorded = False  # the journal's process record is the runner's already
+        recorded = False  # the journal's process record is the runner's already (a spare's)
         if spare is not None:
             # Its start is journaled: the spare may run (or, gone, the run forks below).
             taken, spare = spare, None
