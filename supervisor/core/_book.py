@@ -2,7 +2,10 @@
 
 ``RunBook`` owns the live runs by id and the journal's backlog (``_backlog.Backlog``:
 while the journal cannot be written, facts wait in memory, terminal ones included).
-``record`` journals an event and fans it out to the run's subscribers; ``transition``
+``create`` writes a new run with its ``queued`` event (and, for a run a spare takes at
+once, its start) and ``start`` a run's start (``starting``, its event, its deadline, a
+spare's process record), each one commit; ``record`` journals an event and fans it out
+to the run's subscribers; ``transition``
 moves a run's state by the table in ``states``; ``finish`` writes the one terminal fact
 (a compare-and-set in the journal: a cancel racing a completion yields one outcome) and
 lets the run go: token retired, subscribers closed, waiters woken. Never raises for a
