@@ -9,12 +9,17 @@ scripted model, a real SQLite file (its COMMITs traced on the journal's connecti
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from supervisor.core._book import RunBook
+from supervisor.core._run import Run
+from supervisor.core.token import CancelToken
+from supervisor.errors import JournalUnavailable
 from supervisor.store.journal import Journal
 from supervisor.trees import zygote as zygote_mod
 from tests.supervisor.test_zygote import daemon, gated, wait_running_tool, zygote_state
@@ -99,3 +104,27 @@ async def test_a_queued_run_a_spare_takes_later_is_started_in_one_fsynced_commit
     # What the first run's end wrote meanwhile, then the start: its last commit before `go`.
     assert seen[first_go - 1] == ("commit", "FULL")
     assert run is not None and run["pid"] == spare
+
+
+async def test_a_start_the_journal_cannot_take_whole_is_written_piece_by_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Degraded: the one-commit start fails as the store's condition; the start is then
+    written as before (state, event, deadline, process record), nothing lost, in order."""
+    async with await Journal.open(tmp_path / "j.sqlite3") as journal:
+        book = RunBook(journal)
+        run = Run(run_id="r1", session_id=None, spec={}, timeout_s=30.0, token=CancelToken("r1"))
+        await book.create(run, created_at=time.time())
+
+        async def unavailable(*args: Any, **kwargs: Any) -> Any:
+            raise JournalUnavailable("journal: disk full (test)", path=journal.path)
+
+        monkeypatch.setattr(Journal, "start_run", unavailable)
+        assert await book.start(run, process={"pid": 4242, "tree_id": "t-1"})
+        row = await journal.get_run("r1")
+        events = await journal.events_after("r1")
+    assert row is not None and (row["state"], row["pid"], row["tree_id"]) == ("starting", 4242, "t-1")
+    assert row["deadline"] == run.deadline and run.deadline is not None
+    assert run.deadline == pytest.approx(row["started_at"] + 30.0, abs=1.0)
+    assert [(e["seq"], e["data"]["state"]) for e in events] == [(1, "queued"), (2, "starting")]
+    assert run.state == "starting" and run.last_seq == 2
