@@ -152,13 +152,7 @@ def _private_mounts(done: list[str], tmpfs: Iterable[str], read_only: Iterable[s
             _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
             done.append(path)
         for path, is_dir, fd in held:
-            if is_dir:
-                os.makedirs(path, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "a"):
-                    pass
-            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None)
+            _bind_fd_at(fd, path, is_dir)
             done.append(path)
     finally:
         for _p, _d, fd in held:
@@ -176,15 +170,21 @@ def bind_back(source: str, path: str) -> None:
     in this mount namespace, making ``path`` (a directory, or an empty file) first."""
     fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
     try:
-        if os.path.isdir(source):
-            os.makedirs(path, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "a"):
-                pass
-        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None)
+        _bind_fd_at(fd, path, os.path.isdir(source))
     finally:
         os.close(fd)
+
+
+def _bind_fd_at(fd: int, path: str, is_dir: bool) -> None:
+    """Bind what ``fd`` (O_PATH) names at ``path``, made first (a directory, or an empty
+    file to mount a file over)."""
+    if is_dir:
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a"):
+            pass
+    _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None)
 
 
 def drop_capabilities() -> None:

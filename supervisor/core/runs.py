@@ -262,12 +262,7 @@ class RunManager:
         try:
             await self.book.create(run, created_at=time.time(), start=start)
         except BaseException as exc:
-            spare = self._assigned.pop(run_id, None)
-            if spare is not None:
-                spare.discard()
-            if run_id in self._started_at_spawn:
-                self._started_at_spawn.discard(run_id)
-                self._limiter.release_on_behalf_of(run)
+            self._undo_spawn(run)
             if not isinstance(exc, JournalUnavailable):
                 raise
             self.backlog.note_failure(exc, "a new run")
@@ -277,14 +272,18 @@ class RunManager:
         try:
             self._nursery.start_soon(self._start, run, name=f"run {run_id}")
         except BaseException:
-            spare = self._assigned.pop(run_id, None)
-            if spare is not None:
-                spare.discard()
-            if run_id in self._started_at_spawn:
-                self._started_at_spawn.discard(run_id)
-                self._limiter.release_on_behalf_of(run)
+            self._undo_spawn(run)
             raise
         return {"run_id": run_id, "state": str(run.state), "session_id": session_id}
+
+    def _undo_spawn(self, run: Run) -> None:
+        """A spawn that failed after taking a spare or a place: both given back."""
+        spare = self._assigned.pop(run.run_id, None)
+        if spare is not None:
+            spare.discard()
+        if run.run_id in self._started_at_spawn:
+            self._started_at_spawn.discard(run.run_id)
+            self._limiter.release_on_behalf_of(run)
 
     async def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
         run = self._live.get(run_id)

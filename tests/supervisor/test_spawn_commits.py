@@ -41,10 +41,8 @@ async def trace_commits(journal: Journal, seen: list[tuple[str, str]]) -> None:
     await journal._call(on)
 
 
-async def test_a_run_a_spare_takes_is_created_and_started_in_one_fsynced_commit_before_go(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[tuple[str, str]] = []
+def trace_go(monkeypatch: pytest.MonkeyPatch, seen: list[tuple[str, str]]) -> None:
+    """Note ("go", spare pid) in ``seen`` as each spare is let go."""
     real_go = zygote_mod.Spare.go
 
     async def go(spare: zygote_mod.Spare) -> Any:
@@ -52,6 +50,13 @@ async def test_a_run_a_spare_takes_is_created_and_started_in_one_fsynced_commit_
         return await real_go(spare)
 
     monkeypatch.setattr(zygote_mod.Spare, "go", go)
+
+
+async def test_a_run_a_spare_takes_is_created_and_started_in_one_fsynced_commit_before_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, str]] = []
+    trace_go(monkeypatch, seen)
     with trio.fail_after(120):
         async with daemon(tmp_path, zygote_spares=1, default_timeout_s=600) as m:
             await zygote_state(m)
@@ -75,13 +80,7 @@ async def test_a_queued_run_a_spare_takes_later_is_started_in_one_fsynced_commit
     """No place at its spawn (max_concurrent 1, taken): it is created and queued in one
     commit, then started with its spare's process record in one more, then let go."""
     seen: list[tuple[str, str]] = []
-    real_go = zygote_mod.Spare.go
-
-    async def go(spare: zygote_mod.Spare) -> Any:
-        seen.append(("go", str(spare.pid)))
-        return await real_go(spare)
-
-    monkeypatch.setattr(zygote_mod.Spare, "go", go)
+    trace_go(monkeypatch, seen)
     with trio.fail_after(120):
         async with daemon(tmp_path, zygote_spares=1, max_concurrent=1) as m:
             await zygote_state(m)
