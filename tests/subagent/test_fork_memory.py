@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,16 +91,22 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1 : text.index("]")]
 
 
-def test_dense_anonymous_memory_becomes_huge_pages_where_the_kernel_can() -> None:
+def _probe(code: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter (its own allocator and mappings); its JSON line."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE_COLLAPSE],
+        [sys.executable, "-c", code],
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    got = json.loads(out.stdout)
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_dense_anonymous_memory_becomes_huge_pages_where_the_kernel_can() -> None:
+    got = _probe(PROBE_COLLAPSE)
     assert got["sparse"] >= 7  # the one-page mapping's chunks were not filled in
     release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2] if x.isdigit())
     conftest.require(
@@ -122,15 +129,7 @@ print(json.dumps({"before": before[48], "taken": taken, "kept": len(keep), "afte
 
 
 def test_the_small_object_allocators_holes_are_taken() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE_FILL],
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    got = json.loads(out.stdout)
+    got = _probe(PROBE_FILL)
     assert got["before"] >= 30000 and got["taken"] == got["kept"] >= got["before"]
     assert got["after"] < 1000  # what is left: the pool the filling itself started
 

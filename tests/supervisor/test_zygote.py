@@ -73,6 +73,20 @@ def gated(command: str = GATE) -> dict[str, Any]:
     return {"task": "t", "model": {"provider": "scripted", "script": script}}
 
 
+async def spawn_at_once(m: RunManager, n: int) -> list[dict[str, Any]]:
+    """n runs (``echo run i``) requested at once; their terminal statuses, as they end."""
+    results: list[dict[str, Any]] = []
+
+    async def one(i: int) -> None:
+        r = await m.spawn(gated(f"echo run {i}"))
+        results.append(await m.wait_terminal(r["run_id"]))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return results
+
+
 async def wait_running_tool(m: RunManager, run_id: str) -> None:
     async with m.subscribe(run_id) as live:
         for e in await m.events_after(run_id, 0):
@@ -291,15 +305,7 @@ async def test_a_burst_of_forked_runs_all_complete(tmp_path: Path) -> None:
     with trio.fail_after(120):
         async with daemon(tmp_path, max_concurrent=n) as m:
             await zygote_state(m)
-            results: list[dict[str, Any]] = []
-
-            async def one(i: int) -> None:
-                r = await m.spawn(gated(f"echo run {i}"))
-                results.append(await m.wait_terminal(r["run_id"]))
-
-            async with trio.open_nursery() as nursery:
-                for i in range(n):
-                    nursery.start_soon(one, i)
+            results = await spawn_at_once(m, n)
             z = (await m.summary())["zygote"]
     outputs = [r["tool_calls"][0]["output"] for r in results]
     assert all(sum(f"run {i}" in o for o in outputs) == 1 for i in range(n))

@@ -34,6 +34,7 @@ from tests.supervisor.test_zygote import (
     daemon,
     gated,
     observe_gated_run,
+    spawn_at_once,
     wait_running_tool,
     zygote_state,
 )
@@ -257,15 +258,7 @@ async def test_a_burst_takes_the_spare_once_and_forks_the_rest(tmp_path: Path) -
         async with daemon(tmp_path, zygote_spares=1, max_concurrent=n) as m:
             await zygote_state(m)
             spare_pid = await spare_ready(m)
-            results: list[dict[str, Any]] = []
-
-            async def one(i: int) -> None:
-                r = await m.spawn(gated(f"echo run {i}"))
-                results.append(await m.wait_terminal(r["run_id"]))
-
-            async with trio.open_nursery() as nursery:
-                for i in range(n):
-                    nursery.start_soon(one, i)
+            results = await spawn_at_once(m, n)
             z = (await m.summary())["zygote"]
     assert all(r["state"] == "completed" and r["receipt"]["exit_code"] == 0 for r in results)
     assert sum(r["pid"] == spare_pid for r in results) == 1
