@@ -44,11 +44,11 @@ def is_subreaper() -> bool:
     return bool(value.value)
 
 
-async def exited(pid: int) -> None:
+async def exited(pid: int, timeout_s: float = 5.0) -> None:
     """Return once ``pid`` has exited (is a zombie or gone), without reaping it."""
     fd = os.pidfd_open(pid)
     try:
-        with trio.fail_after(5):
+        with trio.fail_after(timeout_s):
             await trio.lowlevel.wait_readable(fd)
     finally:
         os.close(fd)

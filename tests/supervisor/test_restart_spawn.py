@@ -22,6 +22,7 @@ import trio
 
 from supervisor.core._lifecycle import STARTING_LOST
 from tests.supervisor.real_daemon import Client, Daemon, real_daemon
+from tests.supervisor.test_containment import exited
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 
@@ -42,16 +43,6 @@ async def spare_ready(c: Client) -> int:
             if pids:
                 return int(pids[0])
             await trio.sleep(0.02)
-
-
-async def wait_exit(pid: int) -> None:
-    """Until ``pid`` has exited (not ours: its pidfd turns readable)."""
-    fd = os.pidfd_open(pid)
-    try:
-        with trio.fail_after(10):
-            await trio.lowlevel.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 async def spawn_and_kill(c: Client, d: Daemon, command: str) -> str:
@@ -97,7 +88,7 @@ async def test_a_spare_never_let_go_leaves_its_run_lost_not_started_twice(tmp_pa
             async with d1.connect() as c:
                 spare = await spare_ready(c)
                 acknowledged = await spawn_and_kill(c, d1, f"touch {marker}")
-        await wait_exit(spare)  # it exits at the hang-up: its run was never let go
+        await exited(spare, timeout_s=10)  # it exits at the hang-up: its run was never let go
         async with real_daemon(state, env=ENV) as d2, d2.connect() as c:
             st = await the_run(c, acknowledged)
             assert st["live"] is False and st["run_dir"] is not None
