@@ -197,11 +197,10 @@ def main(
             emitter.result(bare_result(str(RunStatus.FAILED), "sandbox", {"code": "sandbox", "message": message}))
             return int(ExitCode.TOOL_SETUP)
         gate()
-        import trio
-
+        from subagent.osedge import run_trio
         from subagent.run import run
 
-        return trio.run(
+        return run_trio(
             lambda: run(
                 spec,
                 emitter,

@@ -379,12 +379,11 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    import trio
-
+    from subagent.osedge import run_trio
     from supervisor.daemon import serve as serve_daemon
 
     try:
-        trio.run(serve_daemon, config)
+        run_trio(serve_daemon, config)
     except KeyboardInterrupt:
         click.get_current_context().exit(ExitCode.INTERRUPTED)
     except BaseExceptionGroup as group:

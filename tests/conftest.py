@@ -69,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.execve(sys.executable, argv, env)
 
 
-def _root_pid() -> int:
+def root_pid() -> int:
     """The process whose descendants are the suite's: the reaper, else pytest itself."""
     return os.getppid() if _under_reaper() else os.getpid()
 
@@ -189,7 +189,7 @@ def leftovers(mark: str, before: set[ProcId]) -> list[ProcId]:
     owned = _owned_by_fixtures()
     found = {
         p
-        for p, state in descendants(_root_pid()).items()
+        for p, state in descendants(root_pid()).items()
         if p not in before and state != "Z" and p.pid != me and p.pid not in owned
     }
     for proc in marked_processes(mark):
@@ -227,11 +227,29 @@ def kill_exactly(p: ProcId) -> None:
         os.close(fd)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every async test runs under ``run_trio``, as the daemon and the runner do.
+
+    With a bare ``trio.run``, a SIGCHLD that lands while Trio closes its wake-up socket is
+    written to the closed descriptor and reported as an unraisable error, failing whatever
+    test was closing (a daemon earlier in the session leaves a Python SIGCHLD handler).
+    Added before pytest-trio's own mark, so it is the one pytest-trio finds first.
+    """
+    import inspect
+
+    from subagent.osedge import run_trio
+
+    for item in items:
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.add_marker(pytest.mark.trio(run=run_trio))
+
+
 @pytest.fixture(autouse=True)
 def no_process_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK_VAR, mark)
-    before = set(descendants(_root_pid()))
+    before = set(descendants(root_pid()))
     yield mark
     deadline = time.monotonic() + LEFTOVER_DEADLINE_S
     left = leftovers(mark, before)
@@ -263,10 +281,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """What outlived every fixture (a module-scoped fixture's leak) fails the session."""
     me = os.getpid()
     deadline = time.monotonic() + LEFTOVER_DEADLINE_S
-    left = [p for p, st in descendants(_root_pid()).items() if st != "Z" and p.pid != me]
+    left = [p for p, st in descendants(root_pid()).items() if st != "Z" and p.pid != me]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = [p for p, st in descendants(_root_pid()).items() if st != "Z" and p.pid != me]
+        left = [p for p, st in descendants(root_pid()).items() if st != "Z" and p.pid != me]
     _name_unwaited_children()
     if left:
         sys.stderr.write(f"\nprocesses left behind by the session: {describe(left)}\n")

@@ -72,6 +72,7 @@ def test_the_public_names_of_the_os_edge_are_pinned() -> None:
             "WatchSet",
             "IN_MODIFY",
             "IN_DELETE",
+            "run_trio",
         ]
     )
     for name in osedge.__all__:

@@ -11,6 +11,7 @@ They read the same kernel facts and send signals the same way, through this pack
   lines, pipes), resolved by ``ProcessTable.members``.
 - ``signal_process`` / ``signal_group`` / ``kill_cgroup``: never a recycled pid.
 - ``escalate``: the one escalation routine every cancel ends in.
+- ``run_trio``: ``trio.run`` that releases the signal wake-up fd before Trio closes it.
 - ``Watch``: inotify on a file or directory (``cgroup.events``, a run's events file), for
   waits that are kernel events instead of polls; ``WatchSet``: one inotify descriptor
   for many such paths (the daemon's stopping trees).
@@ -40,6 +41,7 @@ from subagent.osedge._signal import signal_process as signal_process
 from subagent.osedge._table import ProcessTable as ProcessTable
 from subagent.osedge._table import Targets as Targets
 from subagent.osedge._table import parse_var as parse_var
+from subagent.osedge._trio import run_trio as run_trio
 from subagent.osedge._watch import IN_DELETE as IN_DELETE
 from subagent.osedge._watch import IN_MODIFY as IN_MODIFY
 from subagent.osedge._watch import Watch as Watch
@@ -71,4 +73,5 @@ __all__ = [
     "WatchSet",
     "IN_MODIFY",
     "IN_DELETE",
+    "run_trio",
 ]

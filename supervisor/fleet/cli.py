@@ -130,12 +130,11 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    import trio
-
+    from subagent.osedge import run_trio
     from supervisor.fleet._serve import serve_front
 
     try:
-        trio.run(lambda: serve_front(config, address, node_root=node_dir))
+        run_trio(lambda: serve_front(config, address, node_root=node_dir))
     except KeyboardInterrupt:
         ctx.exit(130)
     except (ConnectionError, RuntimeError) as exc:

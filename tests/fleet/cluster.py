@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from supervisor.control.client import Client
-from tests.conftest import ProcId, _root_pid, descendants, kill_exactly
+from tests.conftest import ProcId, descendants, kill_exactly, root_pid
 
 AGENTD = str(Path(sys.executable).with_name("agentd"))
 FAKE_RUNNER = Path(__file__).resolve().parent.parent / "children" / "fake_runner.py"
@@ -90,7 +90,7 @@ class FleetCluster:
         from supervisor.fleet import node_resources
 
         root = Path(tempfile.mkdtemp(prefix="agf-", dir="/tmp"))
-        before = set(descendants(_root_pid()))
+        before = set(descendants(root_pid()))
         common = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
         cluster = Cluster(
             initialize_head=True,
@@ -226,7 +226,7 @@ class FleetCluster:
 
     def _leftovers(self) -> list[ProcId]:
         me = os.getpid()
-        return [p for p, st in descendants(_root_pid()).items() if p not in self.before and st != "Z" and p.pid != me]
+        return [p for p, st in descendants(root_pid()).items() if p not in self.before and st != "Z" and p.pid != me]
 
 
 def _name(pid: int) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from subagent.events import BadLine, Event, EventKind, decode_event_line, decode_result
+from tests import conftest
 
 REPO = Path(__file__).resolve().parents[2]
 CHILDREN = REPO / "tests" / "children"
@@ -122,10 +123,21 @@ class RunnerProc:
         return result["tool_calls"]
 
     def kill_session(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        """SIGKILL every process of ours left in the runner's session, each through a pidfd
+        checked against its start time (never ``killpg`` by number: once the runner is
+        reaped and its session empty, that number may be another's)."""
+        for p in conftest.descendants(conftest.root_pid()):
+            if _session_of(p.pid) == self.proc.pid:
+                conftest.kill_exactly(p)
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2 :].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def spec(task: str = "do it", *, script: dict[str, Any] | None = None, **more: Any) -> dict[str, Any]:

@@ -406,3 +406,39 @@ def test_a_process_that_exited_and_a_new_one_with_its_pid_are_never_confused(tmp
     assert out["group_old"] == []
     assert out["escalate_signals"] == []  # neither the old group nor the old pid: nothing sent
     assert out["new_alive"]  # the new owner of the pid was never signalled
+
+
+RELEASE_PROBE = """
+import json, signal, sys, threading, trio
+from trio._core import _wakeup_socketpair
+from subagent.osedge import run_trio
+caught = []
+sys.unraisablehook = lambda u: caught.append(repr(u.exc_value))
+signal.signal(signal.SIGCHLD, lambda *a: None)   # as a daemon earlier in the process left it
+
+def close(self):  # Trio's own order, with a signal landing in its window
+    self.wakeup_sock.close()
+    self.write_sock.close()
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGCHLD)
+    if self.old_wakeup_fd is not None:
+        signal.set_wakeup_fd(self.old_wakeup_fd)
+_wakeup_socketpair.WakeupSocketpair.close = close
+
+async def main():
+    await trio.sleep(0)
+(run_trio if sys.argv[1] == "run_trio" else trio.run)(main)
+print(json.dumps(caught))
+"""
+
+
+@pytest.mark.parametrize("how, reported", [("trio.run", True), ("run_trio", False)])
+def test_a_signal_while_trio_closes_is_never_written_to_its_closed_socket(how: str, reported: bool) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE_PROBE, how], capture_output=True, text=True, timeout=60, check=True
+    )
+    caught = json.loads(out.stdout)
+    assert bool(caught) == reported, (caught, out.stderr)
+    if reported:  # the bare run shows the fault this guards against
+        assert caught == ["OSError(9, 'Bad file descriptor')"]
+    else:
+        assert "wakeup fd" not in out.stderr
