@@ -13,6 +13,7 @@ import sys
 
 import trio
 
+from subagent.osedge import run_trio
 from supervisor.config import Config
 from supervisor.daemon import serve
 
@@ -49,4 +50,4 @@ async def main(state_dir: str) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    trio.run(main, sys.argv[1])
+    run_trio(main, sys.argv[1])

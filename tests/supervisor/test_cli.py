@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
+from subagent.osedge import run_trio
 from supervisor.cli import ExitCode, build_spec, cli, format_event
 from supervisor.control import _wsclient
 from supervisor.control import client as client_mod
@@ -318,7 +319,6 @@ def test_watch_of_a_live_run_ends_at_its_terminal_state(server: ServerThread, tm
 
 def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, final: str | None = None) -> str:
     """A real journal file with one run and its events, written and closed: no daemon."""
-    import trio
 
     from supervisor.states import RunState
     from supervisor.store.journal import Journal
@@ -337,7 +337,7 @@ def make_journal(state_dir: Path, events: list[tuple[str, dict[str, Any]]], *, f
         finally:
             await journal.aclose()
 
-    trio.run(write)
+    run_trio(write)
     return "r-1"
 
 

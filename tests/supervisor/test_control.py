@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
+from subagent.osedge import run_trio
 from supervisor.config import Config
 from supervisor.control import server as control
 from supervisor.errors import RunNotFound
@@ -688,4 +689,4 @@ def test_any_mix_of_reads_disconnects_and_dropped_subscribers_sees_every_event_o
             assert end["state"] == "completed" and b.cancels == []
             nursery.cancel_scope.cancel()
 
-    trio.run(scenario)
+    run_trio(scenario)

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+from subagent.osedge import run_trio
 from supervisor.protocol import Op
 from tests.supervisor.real_daemon import CHILDREN, FAKE_RUNNER, ROOT, strict_loads
 
@@ -256,10 +257,10 @@ def test_two_thousand_hostile_frames_get_replies_and_harm_nothing(
     daemon: tuple[subprocess.Popen[bytes], Target],
 ) -> None:
     proc, target = daemon
-    live = trio.run(lambda: call(target, "spawn", spec={"task": json.dumps({"snapshots": 1})}, timeout_s=600))
+    live = run_trio(lambda: call(target, "spawn", spec={"task": json.dumps({"snapshots": 1})}, timeout_s=600))
     run_id = live["run_id"]
-    trio.run(first_snapshot, target, run_id)
-    before = trio.run(lambda: call(target, "status", run_id=run_id))
+    run_trio(first_snapshot, target, run_id)
+    before = run_trio(lambda: call(target, "status", run_id=run_id))
     assert before["state"] == "running" and before["pid"]
 
     with Driver(target) as driver:
@@ -293,4 +294,4 @@ def test_two_thousand_hostile_frames_get_replies_and_harm_nothing(
                         assert msg["state"] == "cancelled", msg
                         return
 
-    trio.run(after)
+    run_trio(after)
