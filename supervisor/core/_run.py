@@ -55,6 +55,7 @@ class Run:
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
     approvals: RunApprovals = field(default_factory=RunApprovals)  # calls awaiting a person's OK
     runner_spec: dict[str, Any] | None = None  # what the runner reads: spec + its session's history
+    session_event: dict[str, Any] | None = None  # a turn prepared at its creation: recorded at its start
 
     @property
     def stopping(self) -> bool:

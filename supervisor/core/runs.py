@@ -241,6 +241,8 @@ class RunManager:
             token=CancelToken(run_id),
             model_key=model_key,
         )
+        if session_id is not None and not spec.get("browser"):
+            await self._prepare_turn_early(run)
         # A spare runner gets the run now, before any of its journal writes: it reads its
         # spec and sandboxes itself while they commit (it takes no step before ``go``).
         # It starts at once, its place under max_concurrent taken now (no checkpoint
@@ -275,6 +277,25 @@ class RunManager:
             self._undo_spawn(run)
             raise
         return {"run_id": run_id, "state": str(run.state), "session_id": session_id}
+
+    async def _prepare_turn_early(self, run: Run) -> None:
+        """A session's turn gets its spec (the ended turns' history) before its creation, so
+        that a spare can take it. Under the session's lock, with no turn of the session
+        live, that history is the one its start would read. A failure here is left to its
+        start, which prepares the turn again and ends the run on it.
+
+        Not for a browser turn: its profile is taken under the session's lock, which the
+        spawn holds here, and a profile made sweeps others under theirs (a lock order two
+        spawns could deadlock on); it is prepared at its start, and Chromium's own start
+        dwarfs what a spare saves."""
+        assert run.session_id is not None
+        try:
+            run.runner_spec, run.session_event = await self.session_desk.prepare_turn(
+                run.run_id, run.session_id, run.spec
+            )
+        except (OSError, JournalError) as exc:
+            logger.info("run %s: its session's turn is prepared at its start instead: %s", run.run_id, exc)
+            run.runner_spec = run.session_event = None
 
     def _undo_spawn(self, run: Run) -> None:
         """A spawn that failed after taking a spare or a place: both given back."""
@@ -606,9 +627,9 @@ class RunManager:
         """A zygote's spare, given this run before its start is journaled (it reads its
         spec and sandboxes itself meanwhile, and takes no step before ``go``), or None.
 
-        Not for a session's turn (its spec is made after the journal write), nor when a
-        warm runner of the pool will serve the run."""
-        if self._zygote is None or run.session_id is not None:
+        Not for a session's turn whose spec is not made yet (``_prepare_turn_early``), nor
+        when a warm runner of the pool will serve the run."""
+        if self._zygote is None or (run.session_id is not None and run.runner_spec is None):
             return None
         if self._pool is not None and self._pool.ready and run.model_key is None:
             return None
@@ -618,7 +639,7 @@ class RunManager:
         extra_env = {"AGENTD_RUN_ID": run.run_id}
         if run.model_key is not None:
             extra_env["OPENAI_API_KEY"] = run.model_key.reveal()
-        spec_line = (json.dumps(run.spec) + "\n").encode()
+        spec_line = (json.dumps(run.runner_spec or run.spec) + "\n").encode()
         return spare if spare.assign([], extra_env, spec_line) else None
 
     async def _start_runner(self, run: Run, spare: Spare | None, *, started: bool = False) -> None:
@@ -628,7 +649,8 @@ class RunManager:
         # of the run: it ends `lost`, never started twice).
         if not started:
             await self.book.start(run, process=spare.process_record() if spare is not None else None)
-        if run.session_id is not None:
+        session_event, run.session_event = run.session_event, None
+        if run.session_id is not None and run.runner_spec is None:
             try:
                 run.runner_spec, session_event = await self.session_desk.prepare_turn(
                     run.run_id, run.session_id, run.spec
@@ -645,6 +667,7 @@ class RunManager:
                     receipt=None,
                 )
                 return
+        if session_event is not None:  # before `go`: ahead of the turn's own events
             await self.book.record(run, "session", session_event)
         # A warm runner's environment was set before its spec came: a run with its own
         # model key starts cold, with the key in its runner's environment.

@@ -265,6 +265,30 @@ async def test_a_burst_takes_the_spare_once_and_forks_the_rest(tmp_path: Path) -
     assert z["spares"]["used"] == 1 and z["spawned"] == n and z["cold_fallbacks"] == 0
 
 
+async def test_a_sessions_next_turn_is_a_spares_with_its_history(tmp_path: Path) -> None:
+    """A turn's spec (the history of the turns before it) is made before its creation, so
+    a spare takes it as it takes any run; the ``session`` event still precedes its steps."""
+
+    def turn(task: str, answer: str) -> dict[str, Any]:
+        return {"task": task, "model": {"provider": "scripted", "script": {"final": answer}}}
+
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1) as m:
+            await zygote_state(m)
+            first = await m.spawn(turn("first question", "first answer"), session_id="chat")
+            one = await m.wait_terminal(first["run_id"])
+            spare_pid = await spare_ready(m, other_than=one["pid"])
+            second = await m.spawn(turn("second question", "second answer"), session_id="chat")
+            two = await m.wait_terminal(second["run_id"])
+            z = (await m.summary())["zygote"]
+            events = [e["kind"] for e in await m.journal.events_after(second["run_id"])]
+    assert one["state"] == two["state"] == "completed", (one, two)
+    assert two["pid"] == spare_pid and z["spares"]["used"] == 2 and z["cold_fallbacks"] == 0
+    given = [(msg["role"], msg["content"]) for msg in two["result"]["messages"][1:4]]
+    assert given == [("user", "first question"), ("assistant", "first answer"), ("user", "second question")]
+    assert events.index("session") < events.index("step_started"), events
+
+
 # ----------------------------------------------------------------------------- the wire protocol
 
 
