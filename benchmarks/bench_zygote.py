@@ -122,12 +122,12 @@ GO = GoClock()
 # ----------------------------------------------------------------------------- agentd
 
 
-async def first_step(manager: Any, t0: float | None = None) -> dict[str, Any]:
+async def first_step(manager: Any, t0: float | None = None, session: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter() if t0 is None else t0
     wall0 = time.time() - (time.perf_counter() - t0)
     n_calls = len(CLOCK.calls)
     n_go = len(GO.calls)
-    r = await manager.spawn(SPEC)
+    r = await manager.spawn(SPEC, session_id=session)
     ev = await wait_event(manager, r["run_id"], "step_started", timeout_s=60)
     out: dict[str, Any] = {"run_id": r["run_id"]}
     if ev is not None:
@@ -158,7 +158,10 @@ async def wait_spare(manager: Any, timeout_s: float = 30.0, want: int = 1) -> fl
     return None
 
 
-async def sequential(manager: Any, reps: int, *, pool: int = 0, spare: bool = False) -> dict[str, list[float]]:
+async def sequential(
+    manager: Any, reps: int, *, pool: int = 0, spare: bool = False, session: str | None = None
+) -> dict[str, list[float]]:
+    """One spawn at a time (``session``: each the next turn of that session, with its history)."""
     keys = ("delivered", "emitted", "before_fork", "fork", "runner", "before_go", "go", "after_go", "popen_pass")
     out: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(reps):
@@ -167,7 +170,7 @@ async def sequential(manager: Any, reps: int, *, pool: int = 0, spare: bool = Fa
         if spare:
             await wait_spare(manager)
         out["popen_pass"].append(await trio.to_thread.run_sync(popen_to_exit, [PY, "-c", "pass"]))
-        res = await first_step(manager)
+        res = await first_step(manager, session=session)
         for k in keys[:-1]:
             if k in res:
                 out[k].append(res[k])
@@ -327,6 +330,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await first_step(m)
             s_seq = await sequential(m, args.reps, spare=True)
             show_seq(s_seq, split=True)
+            line("  the next turn of a session, one at a time:")
+            s_turns = await sequential(m, args.reps, spare=True, session="bench-chat")
+            show_seq(s_turns, split=True)
             await wait_spare(m)
             s_burst = await burst(m, args.burst)
             show_burst(s_burst, args.burst)
@@ -334,6 +340,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             sinfo = (await m.summary())["zygote"]
         out["spare"] = {
             "sequential": s_seq,
+            "session_turns": s_turns,
             "burst": s_burst,
             "memory": s_mem,
             "zygote": sinfo,
@@ -347,6 +354,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await first_step(m)
             z_seq = await sequential(m, args.reps)
             show_seq(z_seq, split=True)
+            line("  the next turn of a session, one at a time:")
+            z_turns = await sequential(m, args.reps, session="bench-chat")
+            show_seq(z_turns, split=True)
             b_pass = await trio.to_thread.run_sync(burst_popen, args.burst)
             z_burst = await burst(m, args.burst)
             show_burst(z_burst, args.burst)
@@ -356,6 +366,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             zmem = mem_of(zinfo["pid"]) if zinfo.get("pid") else None
         out["zygote"] = {
             "sequential": z_seq,
+            "session_turns": z_turns,
             "burst": z_burst,
             "burst_popen_pass": b_pass,
             "memory": z_mem,

@@ -96,7 +96,7 @@ class RunBook:
         """A new run: its record and its ``queued`` state event, one commit (fsynced).
         With ``start`` (its process record: a spare runner took it, and its place under
         ``max_concurrent`` is held) the run starts at once, as ``start`` writes it, in that
-        same commit.
+        same commit (a turn prepared at its creation: its ``session`` event too).
 
         Not queued when the journal cannot be written: no new run then.
 
@@ -106,6 +106,7 @@ class RunBook:
         queued: dict[str, Any] = {"state": str(RunState.QUEUED)}
         starting: dict[str, Any] = {"state": str(RunState.STARTING)}
         deadline = None if start is None else self._deadline(run, created_at)
+        begun = [("state", starting, created_at), *_turn_events(run, created_at)]
         async with run.lock:
             seqs = await self.journal.create_run(
                 run.run_id,
@@ -114,20 +115,18 @@ class RunBook:
                 created_at=created_at,
                 timeout_s=run.timeout_s,
                 events=[("state", queued, created_at)],
-                start=None
-                if start is None
-                else RunStart(created_at, [("state", starting, created_at)], deadline, start),
+                start=None if start is None else RunStart(created_at, begun, deadline, start),
             )
             self._send(run, seqs[0], "state", queued, created_at)
             if start is not None and len(seqs) > 1:
                 run.state = RunState.STARTING
                 run.deadline = deadline
-                self._send(run, seqs[1], "state", starting, created_at)
+                self._send_begun(run, seqs[1:], begun)
 
     async def start(self, run: Run, *, process: dict[str, Any] | None) -> bool:
-        """``queued`` -> ``starting`` with its event, the run's deadline (its timeout from
-        now, absolute: a restart does not extend it) and its ``process`` record (where
-        there are), in one commit (one fsync); False if the run may not start (changing
+        """``queued`` -> ``starting`` with its event (and a prepared turn's ``session``
+        event), the run's deadline (its timeout from now, absolute: a restart does not
+        extend it) and its ``process`` record (where there are), in one commit (one fsync); False if the run may not start (changing
         nothing but the deadline and record, as apart).
 
         While the journal cannot be written (or this run's facts wait already), each is
@@ -141,9 +140,10 @@ class RunBook:
             async with run.lock:
                 ts = time.time()
                 deadline = self._deadline(run, ts)
+                begun = [("state", data, ts), *_turn_events(run, ts)]
                 try:
                     moved, seqs = await self.journal.start_run(
-                        run_id, at=ts, events=[("state", data, ts)], deadline=deadline, process=process
+                        run_id, at=ts, events=begun, deadline=deadline, process=process
                     )
                 except JournalUnavailable as exc:
                     self.backlog.note_failure(exc, f"run {run_id}'s start")
@@ -153,7 +153,7 @@ class RunBook:
                         run.deadline = deadline
                     if moved:
                         run.state = RunState.STARTING
-                        self._send(run, seqs[0], "state", data, ts)
+                        self._send_begun(run, seqs, begun)
                     return moved
         moved = await self.transition(run, RunState.STARTING)
         deadline = self._deadline(run, time.time())
@@ -164,6 +164,13 @@ class RunBook:
             fields = dict(process)
             await self.write(run, "process record", lambda j: j.record_process(run_id, **fields), True)
         return moved
+
+    def _send_begun(self, run: Run, seqs: list[int], begun: list[tuple[str, dict[str, Any], float]]) -> None:
+        """Out to subscribers: a start's events, journaled (a prepared turn's is used up)."""
+        for seq, (kind, data, ts) in zip(seqs, begun, strict=False):
+            self._send(run, seq, kind, data, ts)
+        if len(seqs) == len(begun):
+            run.session_event = None
 
     async def transition(self, run: Run, new: RunState, *, reason: str | None = None) -> bool:
         """Move a live run to ``new`` (journaled, then announced); False if not allowed."""
@@ -302,3 +309,8 @@ def _groups_ended_at(receipt: dict[str, Any] | None) -> float | None:
         return time.time() - max(0.0, trio.current_time() - float(path_b["tree_dead_at"]))
     except (TypeError, ValueError, RuntimeError):
         return time.time()
+
+
+def _turn_events(run: Run, ts: float) -> list[tuple[str, dict[str, Any], float]]:
+    """A turn prepared at its creation: its ``session`` event goes in its start's commit."""
+    return [] if run.session_event is None else [("session", run.session_event, ts)]

@@ -649,6 +649,8 @@ class RunManager:
         # of the run: it ends `lost`, never started twice).
         if not started:
             await self.book.start(run, process=spare.process_record() if spare is not None else None)
+        # A turn prepared at its creation had its `session` event in its start's commit
+        # (``RunBook``), unless the journal was down then: written on its own below.
         session_event, run.session_event = run.session_event, None
         if run.session_id is not None and run.runner_spec is None:
             try:

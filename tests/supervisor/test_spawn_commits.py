@@ -28,12 +28,18 @@ from tests.supervisor.test_zygote_spare import spare_ready
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 
 
-async def trace_commits(journal: Journal, seen: list[tuple[str, str]]) -> None:
-    """Every COMMIT on the journal's connection from now on, with its synchronous mode."""
+async def trace_commits(journal: Journal, seen: list[tuple[str, str]], *, writes_only: bool = False) -> None:
+    """Every COMMIT on the journal's connection from now on, with its synchronous mode
+    (``writes_only``: those of a transaction that changed a row, the ones that fsync)."""
 
     def on(store: Any) -> None:
+        began = [0]
+
         def trace(sql: str) -> None:
-            if sql.strip().upper() == "COMMIT":
+            word = sql.strip().upper()
+            if word.startswith("BEGIN"):
+                began[0] = store._conn.total_changes
+            elif word == "COMMIT" and not (writes_only and store._conn.total_changes == began[0]):
                 seen.append(("commit", "FULL" if store.durable_mode else "NORMAL"))
 
         store._conn.set_trace_callback(trace)
@@ -72,6 +78,33 @@ async def test_a_run_a_spare_takes_is_created_and_started_in_one_fsynced_commit_
     assert seen[:first_go] == [("commit", "FULL")]  # one commit, fsynced, before `go`
     assert [e["data"]["state"] for e in events if e["kind"] == "state"][:2] == ["queued", "starting"]
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+
+
+async def test_a_sessions_turn_a_spare_takes_has_its_session_event_in_that_one_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn's spec is prepared before its creation: its ``session`` event (the history it
+    was given) is journaled in its creation's commit, right after ``starting``."""
+    seen: list[tuple[str, str]] = []
+    trace_go(monkeypatch, seen)
+    turn = {"task": "t", "model": {"provider": "scripted", "script": {"final": "done"}}}
+    with trio.fail_after(120):
+        async with daemon(tmp_path, zygote_spares=1) as m:
+            await zygote_state(m)
+            first = await m.spawn(turn, session_id="chat")
+            one = await m.wait_terminal(first["run_id"])
+            spare = await spare_ready(m, other_than=one["pid"])
+            del seen[:]  # the first turn's `go`
+            await trace_commits(m.journal, seen, writes_only=True)  # not its history's read
+            r = await m.spawn(turn, session_id="chat")
+            st = await m.wait_terminal(r["run_id"])
+            events = await m.journal.events_after(r["run_id"])
+    assert st["state"] == "completed" and st["pid"] == spare
+    first_go = seen.index(("go", str(spare)))
+    assert seen[:first_go] == [("commit", "FULL")]  # its session's row was made by the first turn
+    kinds = [(e["kind"], e["data"].get("state")) for e in events]
+    assert kinds[:3] == [("state", "queued"), ("state", "starting"), ("session", None)], kinds
+    assert events[2]["data"]["turns"] == 1 and events[2]["data"]["messages"] == 2
 
 
 async def test_a_queued_run_a_spare_takes_later_is_started_in_one_fsynced_commit_before_go(
