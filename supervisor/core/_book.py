@@ -126,8 +126,9 @@ class RunBook:
     async def start(self, run: Run, *, process: dict[str, Any] | None) -> bool:
         """``queued`` -> ``starting`` with its event (and a prepared turn's ``session``
         event), the run's deadline (its timeout from now, absolute: a restart does not
-        extend it) and its ``process`` record (where there are), in one commit (one fsync); False if the run may not start (changing
-        nothing but the deadline and record, as apart).
+        extend it) and its ``process`` record (where there are), in one commit (one
+        fsync); False if the run may not start (changing nothing but the deadline and
+        record, as apart).
 
         While the journal cannot be written (or this run's facts wait already), each is
         written (or queued) on its own, in the same order, as ``transition`` and ``write``.
