@@ -50,7 +50,7 @@ from subagent.spec import SpecError, parse_spec_text  # noqa: E402
 if TYPE_CHECKING:
     from subagent.sandbox import Ahead
 
-__all__ = ["main", "preload", "read_spec_text", "start"]
+__all__ = ["main", "preload", "read_spec_text", "rehearse", "start"]
 
 
 def read_spec_text(fd: int = 0) -> tuple[str, bytes]:
@@ -111,6 +111,35 @@ def preload() -> None:
 
 
 _warm_imports = preload  # the earlier private name
+
+# What a spare parses while it waits (``rehearse``): a spec of the common shape.
+_REHEARSAL_SPEC = json.dumps(
+    {
+        "task": "rehearsal",
+        "run_id": "r-rehearsal",
+        "model": {"provider": "scripted", "script": {"turns": [{"text": "t", "tool_calls": []}], "final": "f"}},
+        "limits": {"max_steps": 10, "command_timeout_s": 60},
+        "sandbox": {"read": ["/"], "write": []},
+    }
+)
+
+
+def rehearse() -> None:
+    """A spare's rehearsal of a run's first, pure steps while it waits for its run (the
+    zygote's ``_rehearse``): its arguments parsed, a spec parsed, events encoded, nothing
+    written anywhere. The pages they write (reference counts, caches of objects it shares
+    with the zygote) are then its own before a run needs them: fewer copy-on-write faults
+    between its assignment and its first step."""
+    from subagent.events import EventKind, encode_event, make_event
+
+    _arg_parser().parse_args([])
+    spec = parse_spec_text(_REHEARSAL_SPEC)
+    for kind, data in (
+        (EventKind.RUNNER_STARTED, {"pid": 1, "pgid": 1, "run_id": spec.run_id, "session_id": None}),
+        (EventKind.STEP_STARTED, {"step": 1}),
+        (EventKind.LOG, {"level": "info", "message": "rehearsal"}),
+    ):
+        encode_event(make_event(kind, **data))
 
 
 def _prepare_browser(spec: object, run_dir: Path | None) -> None:

@@ -512,6 +512,10 @@ def _rehearse() -> None:
     to a page shared with the zygote is a copy-on-write fault). No thread is left behind."""
     import trio
 
+    from subagent import runner
+
+    runner.rehearse()
+
     async def nothing() -> None:
         await trio.lowlevel.checkpoint()
 

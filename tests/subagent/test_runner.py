@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -556,3 +558,27 @@ async def test_a_deadline_during_a_command_lets_it_finish_like_a_stop(tmp_path: 
     else:  # a machine so slow the deadline came before the command: it never starts
         assert all(t["state"] == "not_started" for t in result["tool_calls"])
         assert not r.of(EventKind.PROCESS_GROUP)
+
+
+REHEARSAL = """
+import os, signal, sys
+from subagent import runner
+env, handlers = dict(os.environ), [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)]
+runner.rehearse()
+assert dict(os.environ) == env, "the environment changed"
+assert handlers == [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)]
+assert sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
+"""
+
+
+def test_a_spares_rehearsal_writes_nothing_and_changes_nothing_of_its_process(tmp_path: Path) -> None:
+    """``runner.rehearse`` (a parked spare's, in the zygote's ``_rehearse``) only reads:
+    no output, no file, no environment or signal handler changed."""
+    env = runner_env(tmp_path / "run")
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    out = subprocess.run(
+        [sys.executable, "-c", REHEARSAL], capture_output=True, env=env, cwd=tmp_path, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stderr == b"" and out.stdout == b""
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
