@@ -165,14 +165,31 @@ class _StderrToLog(io.TextIOBase):
         raise io.UnsupportedOperation("sys.stderr is routed into log events")
 
 
+# A runner's logging levels: the root's, and its own modules'.
+LOG_LEVELS: Final = (("", logging.WARNING), ("subagent", logging.INFO))
+
+
+def set_log_levels() -> None:
+    """Give the loggers a runner's levels (``LOG_LEVELS``), changing only those that differ.
+
+    Setting a level clears every logger's cache. In a runner forked from the zygote that is
+    a write to each of the zygote's ~100 loggers (a copy-on-write fault each, ~1 ms before
+    its first step); the zygote sets them once (``runner.preload``), and a forked runner
+    finds them set. A level already set leaves the caches as they are: they were made
+    under it."""
+    for name, level in LOG_LEVELS:
+        logger = logging.getLogger(name or None)
+        if logger.level != level:
+            logger.setLevel(level)
+
+
 def install_stderr_guards(emitter: Emitter) -> None:
     """Route logging, warnings, unraisable errors and ``sys.stderr`` into log events."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(_LogHandler(emitter))
-    root.setLevel(logging.WARNING)
-    logging.getLogger("subagent").setLevel(logging.INFO)
+    set_log_levels()
     logging.captureWarnings(True)
     sys.stderr = _StderrToLog(emitter)
 

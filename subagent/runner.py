@@ -43,7 +43,7 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, NoReturn  # noqa: E402
 
-from subagent.emit import Emitter, bare_result, install_stderr_guards  # noqa: E402
+from subagent.emit import Emitter, bare_result, install_stderr_guards, set_log_levels  # noqa: E402
 from subagent.events import ExitCode, RunStatus  # noqa: E402
 from subagent.spec import SpecError, parse_spec_text  # noqa: E402
 
@@ -108,6 +108,7 @@ def preload() -> None:
     import subagent.tools.mcp_tools  # noqa: F401
 
     _arg_parser()  # built once: a forked runner finds it ready
+    set_log_levels()  # set once: a forked runner does not clear every logger's cache again
 
 
 _warm_imports = preload  # the earlier private name

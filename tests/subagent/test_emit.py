@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
-from subagent.emit import Emitter
+from subagent.emit import Emitter, set_log_levels
 from subagent.events import MAX_EVENT_LINE_BYTES, EventKind, decode_event_line, decode_result
 
 
@@ -92,3 +93,26 @@ def test_make_event_accepts_a_data_field_named_kind() -> None:
 
     ev = make_event(EventKind.PROCESS_GROUP, pgid=1, pid=1, kind="command", name="x", alive=True)
     assert ev.kind == EventKind.PROCESS_GROUP and ev.data["kind"] == "command"
+
+
+def test_log_levels_are_set_where_they_differ_and_a_level_already_set_keeps_every_cache() -> None:
+    """The zygote sets a runner's levels once; a forked runner finds them set and leaves
+    the zygote's loggers alone (setting a level clears each logger's cache: a
+    copy-on-write fault per logger in a forked runner)."""
+    root, mine = logging.getLogger(), logging.getLogger("subagent")
+    saved = root.level, mine.level
+    probe = logging.getLogger("tests.subagent.levels_probe")
+    try:
+        set_log_levels()
+        assert (root.level, mine.level) == (logging.WARNING, logging.INFO)
+        probe.isEnabledFor(logging.DEBUG)
+        assert probe._cache  # cached under these levels
+        set_log_levels()
+        assert probe._cache, "a level already set cleared the caches"
+        mine.setLevel(logging.DEBUG)
+        probe.isEnabledFor(logging.DEBUG)
+        set_log_levels()
+        assert mine.level == logging.INFO and not probe._cache  # changed: cleared, as setLevel does
+    finally:
+        root.setLevel(saved[0])
+        mine.setLevel(saved[1])
