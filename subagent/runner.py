@@ -126,12 +126,18 @@ _REHEARSAL_SPEC = json.dumps(
 
 
 def rehearse() -> None:
-    """A spare's rehearsal of a run's first, pure steps while it waits for its run (the
-    zygote's ``_rehearse``): its arguments parsed, a spec parsed, events encoded, nothing
-    written anywhere. The pages they write (reference counts, caches of objects it shares
-    with the zygote) are then its own before a run needs them: fewer copy-on-write faults
-    between its assignment and its first step."""
+    """A spare's rehearsal of a run's first steps while it waits for its run (the zygote's
+    ``_rehearse``): its arguments parsed, a spec parsed, events encoded, then a Trio run
+    that opens what a run opens first (its signal receiver, a nursery, a task started, a
+    stream read to its end), writing nothing anywhere. The pages these write (reference
+    counts, caches of objects it shares with the zygote) are then its own before a run
+    needs them: fewer copy-on-write faults between its assignment and its first step.
+
+    A SIGTERM or SIGINT that comes meanwhile is delivered again when the receiver closes
+    (Trio's redelivery), to the handler the spare had: it ends the spare, as it would have.
+    No thread is started, no descriptor is left open."""
     from subagent.events import EventKind, encode_event, make_event
+    from subagent.osedge import run_trio
 
     _arg_parser().parse_args([])
     spec = parse_spec_text(_REHEARSAL_SPEC)
@@ -141,6 +147,29 @@ def rehearse() -> None:
         (EventKind.LOG, {"level": "info", "message": "rehearsal"}),
     ):
         encode_event(make_event(kind, **data))
+    run_trio(_rehearse_in_trio)
+
+
+async def _rehearse_in_trio() -> None:
+    import trio
+
+    async def read_to_eof(stream: trio.lowlevel.FdStream, *, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        async with stream:
+            while await stream.receive_some(4096):
+                pass
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT):
+        async with trio.open_nursery() as nursery:
+            r, w = os.pipe()
+            try:
+                stream = trio.lowlevel.FdStream(r)  # owns r from here (closed by its reader)
+            except BaseException:
+                os.close(r)
+                os.close(w)
+                raise
+            os.close(w)
+            await nursery.start(read_to_eof, stream)
 
 
 def _prepare_browser(spec: object, run_dir: Path | None) -> None:

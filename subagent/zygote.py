@@ -507,19 +507,14 @@ def _close_all_but(keep: list[int]) -> None:
 
 
 def _rehearse() -> None:
-    """A spare's rehearsal, while it waits: run what every run runs first (an empty Trio
-    run), so the pages that touches are its own before a run needs them (each first write
-    to a page shared with the zygote is a copy-on-write fault). No thread is left behind."""
-    import trio
-
+    """A spare's rehearsal, while it waits: run what every run runs first
+    (``runner.rehearse``: a spec parsed, an event encoded, a Trio run with a signal
+    receiver and a nursery), so the pages that touches are its own before a run needs
+    them (each first write to a page shared with the zygote is a copy-on-write fault).
+    No thread is left behind."""
     from subagent import runner
 
     runner.rehearse()
-
-    async def nothing() -> None:
-        await trio.lowlevel.checkpoint()
-
-    trio.run(nothing)
 
 
 def _die(exc: BaseException) -> NoReturn:

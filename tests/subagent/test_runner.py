@@ -561,19 +561,24 @@ async def test_a_deadline_during_a_command_lets_it_finish_like_a_stop(tmp_path: 
 
 
 REHEARSAL = """
-import os, signal, sys
+import os, signal, sys, threading
 from subagent import runner
 env, handlers = dict(os.environ), [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)]
+fds = sorted(os.listdir("/proc/self/fd"))
 runner.rehearse()
 assert dict(os.environ) == env, "the environment changed"
 assert handlers == [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)]
 assert sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
+assert sorted(os.listdir("/proc/self/fd")) == fds, "a descriptor was left open"
+assert threading.active_count() == 1, "a thread was left behind"
+assert signal.set_wakeup_fd(-1) == -1, "the wake-up fd was left set"
 """
 
 
 def test_a_spares_rehearsal_writes_nothing_and_changes_nothing_of_its_process(tmp_path: Path) -> None:
     """``runner.rehearse`` (a parked spare's, in the zygote's ``_rehearse``) only reads:
-    no output, no file, no environment or signal handler changed."""
+    no output, no file, no environment or signal handler changed, no descriptor or
+    thread left behind."""
     env = runner_env(tmp_path / "run")
     before = sorted(p.name for p in (tmp_path / "run").iterdir())
     out = subprocess.run(
@@ -582,3 +587,30 @@ def test_a_spares_rehearsal_writes_nothing_and_changes_nothing_of_its_process(tm
     assert out.returncode == 0, out.stderr.decode()
     assert out.stderr == b"" and out.stdout == b""
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+
+
+REHEARSAL_SIGTERM = """
+import signal, sys, trio
+from subagent import runner
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a parked spare's (the zygote's _reset_signals)
+real = trio.lowlevel.FdStream
+def fd_stream(fd):
+    signal.raise_signal(signal.SIGTERM)  # lands while the rehearsal's receiver holds SIGTERM
+    return real(fd)
+trio.lowlevel.FdStream = fd_stream
+runner.rehearse()
+print("survived")
+"""
+
+
+def test_a_sigterm_during_a_spares_rehearsal_still_ends_the_spare(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", REHEARSAL_SIGTERM],
+        capture_output=True,
+        env=runner_env(tmp_path / "run"),
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr)
+    assert b"survived" not in out.stdout
