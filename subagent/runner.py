@@ -202,9 +202,9 @@ def main(
     """The whole runner process; returns its exit code (``events.ExitCode``).
 
     ``gate`` (a spare the zygote forked ahead, ``subagent.zygote``): called once the spec
-    is read and the sandbox entered, before anything of the run happens (Trio, a step, a
-    tool); it returns when the run may start (its start is journaled) and ends the
-    process otherwise. ``ahead``: the half of the sandbox it made before it had a run
+    is read, the sandbox entered and Trio's loop started, before anything of the run
+    happens (a task, an event, a step, a tool); it returns when the run may start (its
+    start is journaled) and ends the process otherwise. ``ahead``: the half of the sandbox it made before it had a run
     (``sandbox.prepare_ahead``); ``answers``: its approvals channel, opened then (it may be
     hidden since, under a private /tmp).
     """
@@ -255,12 +255,14 @@ def main(
             emitter.log("error", message, code="sandbox")
             emitter.result(bare_result(str(RunStatus.FAILED), "sandbox", {"code": "sandbox", "message": message}))
             return int(ExitCode.TOOL_SETUP)
-        gate()
         from subagent.osedge import run_trio
         from subagent.run import run
 
-        return run_trio(
-            lambda: run(
+        async def gated() -> int:
+            # Trio's loop is up while a spare waits for its `go` (its start is being
+            # journaled): no task, event, thread or tool of the run exists yet.
+            gate()
+            return await run(
                 spec,
                 emitter,
                 run_dir=run_dir,
@@ -269,7 +271,8 @@ def main(
                 sandbox=report.to_dict(),
                 answers_fd=answers_fd,
             )
-        )
+
+        return run_trio(gated)
     except Exception as exc:  # the task root: anything here is a runner bug
         gate()
         return _internal(emitter, exc)
