@@ -29,11 +29,12 @@ has made (id, run directory, cgroup) but no run yet:
 Parked, the spare has done everything that does not need its run: session, cgroup (born
 there), marker, descriptors, signals, random state, its sandbox's first half
 (``sandbox.prepare_ahead``: namespaces, private mounts, the Landlock ruleset but the
-spec's grants), a rehearsal of an empty Trio run; it dies with the zygote
-(``PR_SET_PDEATHSIG``) until it has a run. Assigned, it takes its pipes and environment,
-reads its spec (already in its stdin), finishes its sandbox, then waits for ``go`` before
-anything of the run (``runner.main``'s gate): EOF instead (the daemon hung up or died
-before its journal held the start) and it exits, having done nothing.
+spec's grants), a rehearsal of a run's first steps (``runner.rehearse``); it dies with
+the zygote (``PR_SET_PDEATHSIG``) until it has a run. Assigned, it takes its pipes and
+environment, reads its spec (already in its stdin), finishes its sandbox, starts Trio's
+loop, then waits for ``go`` before anything of the run (``runner.main``'s gate): EOF
+instead (the daemon hung up or died before its journal held the start) and it exits,
+having done nothing.
 
 The runner is the zygote's child: the zygote reaps it (SIGCHLD) and reports its exit
 code (and the request it was forked for: one that died before replying fails it); the
