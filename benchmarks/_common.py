@@ -287,7 +287,13 @@ def final_sweep(mark: str, *, exclude: Iterable[int] = (), settle_s: float = 3.0
     """Find every process still carrying the mark, print and end them. Returns survivors.
 
     Waits up to ``settle_s`` first: a process already killed may take a moment to be gone.
+
+    Raises:
+        ValueError: an empty mark (``install_mark``'s is a fresh uuid): it names no run of
+            this benchmark, and could match another's processes.
     """
+    if not mark:
+        raise ValueError("final_sweep needs this benchmark's mark (install_mark), not an empty one")
     deadline = time.monotonic() + settle_s
     left = pids_with(MARK_VAR, mark, exclude=exclude)
     while left and time.monotonic() < deadline:

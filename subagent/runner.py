@@ -127,7 +127,7 @@ _REHEARSAL_SPEC = json.dumps(
 
 def rehearse() -> None:
     """A spare's rehearsal of a run's first steps while it waits for its run (the zygote's
-    ``_rehearse``): its arguments parsed, a spec parsed, events encoded, then a Trio run
+    ``_park``): its arguments parsed, a spec parsed, events encoded, then a Trio run
     that opens what a run opens first (its signal receiver, a nursery, a task started, a
     stream read to its end), writing nothing anywhere. The pages these write (reference
     counts, caches of objects it shares with the zygote) are then its own before a run
@@ -162,14 +162,8 @@ async def _rehearse_in_trio() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT):
         async with trio.open_nursery() as nursery:
             r, w = os.pipe()
-            try:
-                stream = trio.lowlevel.FdStream(r)  # owns r from here (closed by its reader)
-            except BaseException:
-                os.close(r)
-                os.close(w)
-                raise
             os.close(w)
-            await nursery.start(read_to_eof, stream)
+            await nursery.start(read_to_eof, trio.lowlevel.FdStream(r))  # the stream closes r
 
 
 def _prepare_browser(spec: object, run_dir: Path | None) -> None:

@@ -415,7 +415,8 @@ class _Zygote:
                 settings = sandbox.Settings.from_env({sandbox.SANDBOX_ENV: req["sandbox"]})
                 # The run directory as its AGENTD_RUN_DIR will name it (``Ahead.fits``).
                 ahead = sandbox.prepare_ahead(Path(str(req["cwd"])), settings)
-            _rehearse()
+            # Its first writes to the zygote's pages, made now rather than after its `go`.
+            runner.rehearse()
             data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, N_FDS)
             assignment = decode(data) if data else None
             if assignment is None or len(fds) != N_FDS:
@@ -505,17 +506,6 @@ def _close_all_but(keep: list[int]) -> None:
             os.closerange(low, fd)
             low = fd + 1
     os.closerange(low, _max_fd())
-
-
-def _rehearse() -> None:
-    """A spare's rehearsal, while it waits: run what every run runs first
-    (``runner.rehearse``: a spec parsed, an event encoded, a Trio run with a signal
-    receiver and a nursery), so the pages that touches are its own before a run needs
-    them (each first write to a page shared with the zygote is a copy-on-write fault).
-    No thread is left behind."""
-    from subagent import runner
-
-    runner.rehearse()
 
 
 def _die(exc: BaseException) -> NoReturn:

@@ -54,3 +54,11 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
         if not isinstance(data, dict) or "cleanup:" not in text:
             failures.append(f"bench_{name} wrote no figures or no cleanup line:\n{text[-3000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_final_sweep_without_the_benchmarks_mark_is_refused() -> None:
+    """An empty mark would match any process whose mark variable is empty: not ours."""
+    from benchmarks._common import final_sweep
+
+    with pytest.raises(ValueError, match="mark"):
+        final_sweep("")

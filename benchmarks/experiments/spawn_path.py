@@ -160,10 +160,10 @@ async def main(n: int, disk: bool) -> None:
 
 
 if __name__ == "__main__":
-    install_mark()
+    bench_mark = install_mark()
     quiet_logs(False)
     args = [a for a in sys.argv[1:2] if not a.startswith("--")]
     try:
         trio.run(main, int(args[0]) if args else 30, "--disk" in sys.argv)
     finally:
-        final_sweep("")
+        final_sweep(bench_mark)

@@ -576,7 +576,7 @@ assert signal.set_wakeup_fd(-1) == -1, "the wake-up fd was left set"
 
 
 def test_a_spares_rehearsal_writes_nothing_and_changes_nothing_of_its_process(tmp_path: Path) -> None:
-    """``runner.rehearse`` (a parked spare's, in the zygote's ``_rehearse``) only reads:
+    """``runner.rehearse`` (a parked spare's, in the zygote's ``_park``) only reads:
     no output, no file, no environment or signal handler changed, no descriptor or
     thread left behind."""
     env = runner_env(tmp_path / "run")
