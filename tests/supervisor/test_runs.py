@@ -253,8 +253,11 @@ async def test_daemon_shutdown_cancels_every_live_run(tmp_path: Path, monkeypatc
 async def _wait_event(d: Daemon, run_id: str, kind: str, count: int = 1) -> None:
     """Wait (bounded by the caller's fail_after) until the run has ``count`` events of a kind."""
     async with d.m.subscribe(run_id) as live:
-        seen = [e for e in await d.m.events_after(run_id, 0) if e["kind"] == kind]
-        last = max([0] + [e["seq"] for e in await d.m.events_after(run_id, 0)])
+        # One read: an event journaled between two reads would be in neither count (too
+        # late for the first, at or below the second's last seq, so skipped when it comes live).
+        journaled = await d.m.events_after(run_id, 0)
+        seen = [e for e in journaled if e["kind"] == kind]
+        last = max([0] + [e["seq"] for e in journaled])
         n = len(seen)
         if n >= count:
             return
