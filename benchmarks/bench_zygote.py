@@ -13,7 +13,9 @@ step. Every forked runner has openai and mcp imported (the zygote did it); the c
 runner of the baseline runs the same scripted spec, which imports neither.
 
 Configurations: ``spare`` (``zygote_spares 1``, pool 0: the zygote keeps a runner forked
-ahead; the one-at-a-time figures wait for it, as a spawn after a pause finds it), ``zygote``
+ahead; the one-at-a-time figures wait for it, as a spawn after a pause finds it; the burst
+is run twice: the first finds one spare and grows them to its size, ``zygote_spares_max``,
+and the second is served by them), ``zygote``
 (``zygote_spares 0``: forked at each spawn, the baseline it is compared with), ``zygote
 unprepared`` (the same without the zygote's memory preparation, ``AGENTD_ZYGOTE_PREPARE=0``:
 its baseline, one at a time and memory only), ``spare,
@@ -336,12 +338,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await wait_spare(m)
             s_burst = await burst(m, args.burst)
             show_burst(s_burst, args.burst)
+            grew = await wait_spare(m, timeout_s=300, want=args.burst)
+            line(f"  the spares grew to the burst's {args.burst} in {'-' if grew is None else f'{grew:.2f} s'} after it")
+            line("  the same burst again, served by the spares the first grew (zygote_spares_max 64):")
+            s_burst2 = await burst(m, args.burst)
+            show_burst(s_burst2, args.burst)
             s_mem = await runner_memory(m, args.mem)
             sinfo = (await m.summary())["zygote"]
         out["spare"] = {
             "sequential": s_seq,
             "session_turns": s_turns,
             "burst": s_burst,
+            "grew_s": grew,
+            "burst_again": s_burst2,
             "memory": s_mem,
             "zygote": sinfo,
             "warnings": show_warnings(line),
@@ -483,6 +492,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         (
             f"{args.burst} at once -> all first steps <= 300 ms (emitted)",
             zb["all_emitted"],
+            z_burst["all_emitted"],
+            0.300,
+        ),
+        (
+            f"the next {args.burst} at once (spares grown) (delivered)",
+            s_burst2["all_delivered"],
+            z_burst["all_delivered"],
+            0.300,
+        ),
+        (
+            f"the next {args.burst} at once (spares grown) (emitted)",
+            s_burst2["all_emitted"],
             z_burst["all_emitted"],
             0.300,
         ),

@@ -8,16 +8,18 @@ reply names the runner (pid and start ticks) once it leads its own session in it
 cgroup. So a forked tree is the same ``Tree`` a cold spawn makes, and every stop routine
 treats both alike; only its ``process`` differs (``ForkedProcess``, Trio's surface).
 
-Spares (``config.zygote_spares``, default 1): the zygote keeps that many runners forked
-ahead, each born in the cgroup of a tree made for it (id, run directory, approvals
+Spares (``config.zygote_spares``, default 1; grown to a burst's size by ``SpareDemand``,
+up to ``zygote_spares_max``, for ``zygote_spares_keep_s``): the zygote keeps that many
+runners forked ahead, each born in the cgroup of a tree made for it (id, run directory, approvals
 channel, cgroup: what ``pool.new_tree`` makes at a spawn), parked as far along as a runner
 goes without its run. A spawn takes one (``take_spare``) and ``assign``s it the run before
 the run's first journal write, so the spare reads its spec and finishes its sandbox while
 the journal commits; ``go`` is sent once the run's start (``starting``) is durable: a
 restarted daemon never finds a run that did something before that. A spare that died,
 would not take its run, or whose zygote went, is discarded (it exits, its tree removed)
-and the spawn forks as before; the next spare is forked after ``SPARE_REFILL_DELAY_S``,
-so a burst never waits for one (the spare serves its first spawn, forks serve the rest).
+and the spawn forks as before; the next spares are forked once spawns have gone quiet
+(``SPARE_REFILL_DELAY_S``), so a burst never waits for one (the spares serve its first
+spawns, forks serve the rest, and the spares grow to serve the whole of the next).
 
 Exits, reaped exactly once. The runner is the zygote's child, not ours: the zygote reaps
 it and reports its exit code over the socket; we see the exit through a pidfd and take
@@ -44,6 +46,7 @@ import fcntl
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -63,7 +66,7 @@ from supervisor.config import Config
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
 from supervisor.trees.containment import Containment
 
-__all__ = ["ForkedProcess", "Spare", "Zygote", "usable"]
+__all__ = ["ForkedProcess", "Spare", "SpareDemand", "Zygote", "usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,11 @@ LOST_STATUS: Final = 255
 SPARE_REFILL_DELAY_S: Final = 0.05
 # After a spare could not be made, wait this long before trying again.
 SPARE_RETRY_S: Final = 1.0
+# The refill waits for spawns to go quiet (``SPARE_REFILL_DELAY_S`` without a take), so a
+# burst's forks are not queued behind new spares at the zygote; but no longer than this.
+SPARE_REFILL_MAX_DELAY_S: Final = 0.5
+# Spawns within this long of each other are one burst (what the spares grow to serve).
+SPARE_BURST_WINDOW_S: Final = 1.0
 # How long a spare may take to acknowledge its run (it is parked on its socket: at once).
 SPARE_ACK_TIMEOUT_S: Final = 5.0
 
@@ -99,6 +107,50 @@ def usable(config: Config, containment: Containment) -> bool:
         and hasattr(os, "pidfd_open")
         and hasattr(socket, "send_fds")
     )
+
+
+@final
+class SpareDemand:
+    """How many spares to keep: ``floor`` (``zygote_spares``), grown to the largest burst
+    of spawns seen (spawns less than ``SPARE_BURST_WINDOW_S`` apart), at most ``cap``,
+    for ``keep_s`` after the last burst that large; then back to the floor.
+
+    A host whose spawns come one at a time keeps the floor; one that sees a burst of N
+    keeps N parked until it has gone ``keep_s`` without one (a spare costs memory, no CPU,
+    while parked). Pure: times are given (``trio.current_time()``), so it is tested alone.
+    """
+
+    def __init__(self, floor: int, cap: int, keep_s: float, window_s: float = SPARE_BURST_WINDOW_S) -> None:
+        self.floor = max(0, floor)
+        self.cap = max(self.floor, cap)
+        self.keep_s = keep_s
+        self.window_s = window_s
+        self._recent: collections.deque[float] = collections.deque()  # takes within the window
+        self.peak = 0  # the largest burst still kept for
+        self.peak_at = -math.inf  # when a burst last reached it
+        self.last_take = -math.inf
+
+    def taken(self, now: float) -> None:
+        """A spawn asked for a spare (whether or not one was there)."""
+        self.last_take = now
+        recent = self._recent
+        recent.append(now)
+        while recent and recent[0] <= now - self.window_s:
+            recent.popleft()
+        if now >= self.expires_at:
+            self.peak = 0
+        if len(recent) >= self.peak:
+            self.peak, self.peak_at = len(recent), now
+
+    @property
+    def expires_at(self) -> float:
+        """When the kept burst stops counting (``inf``: nothing kept above the floor)."""
+        return self.peak_at + self.keep_s if self.peak > self.floor else math.inf
+
+    def target(self, now: float) -> int:
+        if now >= self.expires_at:
+            self.peak = 0
+        return min(self.cap, max(self.floor, self.peak))
 
 
 class _Exit:
@@ -226,6 +278,9 @@ class Zygote:
         self._graves: trio.Nursery | None = None  # where discarded spares are waited for
         self.spares_used = 0  # spawns a spare served
         self.spares_lost = 0  # spares discarded (dead, refused, or the zygote went)
+        self.spares_released = 0  # spares let go because fewer are wanted again
+        cap = min(config.zygote_spares_max, config.max_concurrent)
+        self.demand = SpareDemand(config.zygote_spares, cap, config.zygote_spares_keep_s)
 
     @property
     def ready(self) -> bool:
@@ -241,11 +296,14 @@ class Zygote:
             "cold_fallbacks": self.fallbacks,
             "import_s": self.import_s,
             "spares": {
-                "target": self.config.zygote_spares,
+                "target": self.demand.target(trio.current_time()) if self.config.zygote_spares > 0 else 0,
+                "floor": self.config.zygote_spares,
+                "max": self.demand.cap if self.config.zygote_spares > 0 else 0,
                 "ready": len(self._spares),
                 "pids": [spare.pid for spare in self._spares],
                 "used": self.spares_used,
                 "lost": self.spares_lost,
+                "released": self.spares_released,
             },
         }
 
@@ -417,19 +475,39 @@ class Zygote:
     # ------------------------------------------------------------------ spares
 
     async def _keep_spares(self) -> None:
-        """Keep ``config.zygote_spares`` spares forked ahead while the zygote is ready;
-        the next one once a spare is taken (after ``SPARE_REFILL_DELAY_S``: the taken one
-        runs first), never on a spawn's path."""
+        """Keep as many spares forked ahead as ``demand`` wants while the zygote is ready.
+
+        Never on a spawn's path: after spares are taken, the next ones are forked once the
+        takes have gone quiet for ``SPARE_REFILL_DELAY_S`` (the taken ones run first, and
+        a burst's forks are not queued behind spares at the zygote), at the latest
+        ``SPARE_REFILL_MAX_DELAY_S`` after the first of them. Spares beyond the target
+        (a burst's, once it has not recurred for ``zygote_spares_keep_s``) are let go.
+        """
+        demand = self.demand
+        short_since: float | None = None  # when the spares first fell below the target
         while True:
-            while len(self._spares) < self.config.zygote_spares:
+            now = trio.current_time()
+            target = demand.target(now)
+            while len(self._spares) > target:
+                self._spares.pop().discard(released=True)  # the youngest: the oldest serve first
+            if len(self._spares) < target:
+                if short_since is None:
+                    short_since = now
+                due = min(demand.last_take + SPARE_REFILL_DELAY_S, short_since + SPARE_REFILL_MAX_DELAY_S)
+                if now < due:
+                    await trio.sleep_until(due)
+                    continue
                 spare = await self._make_spare()
                 if spare is None:
                     await trio.sleep(SPARE_RETRY_S)
                 else:
                     self._spares.append(spare)
+                short_since = trio.current_time()  # spawns still coming: one per max delay
+                continue
+            short_since = None
             self._spare_taken = trio.Event()
-            await self._spare_taken.wait()
-            await trio.sleep(SPARE_REFILL_DELAY_S)
+            with trio.move_on_at(demand.expires_at):
+                await self._spare_taken.wait()
 
     async def _make_spare(self) -> Spare | None:
         """A spare for a new tree (its id, run directory, approvals channel and cgroup made
@@ -494,17 +572,24 @@ class Zygote:
         )
 
     def take_spare(self) -> Spare | None:
-        """A live spare for the next run, or None (then fork as usual). No checkpoint."""
+        """A live spare for the next run, or None (then fork as usual). No checkpoint.
+
+        Every call counts as a spawn that wanted one (``demand``): a burst that found too
+        few grows the spares kept for the next."""
+        self.demand.taken(trio.current_time())
+        self._spare_taken.set()
         while self._spares:
             spare = self._spares.popleft()
-            self._spare_taken.set()
             if spare.alive:
                 return spare
             spare.discard()
         return None
 
-    def _discarded(self, spare: Spare) -> None:
-        self.spares_lost += 1
+    def _discarded(self, spare: Spare, *, released: bool) -> None:
+        if released:
+            self.spares_released += 1
+        else:
+            self.spares_lost += 1
         if self._graves is not None:
             self._graves.start_soon(self._bury, spare)
 
@@ -810,14 +895,14 @@ class Spare:
         for fd in ours:
             _close_quietly(fd)
 
-    def discard(self) -> None:
+    def discard(self, *, released: bool = False) -> None:
         """Give the spare up (unless it took its run): it exits, and its tree is removed
-        once it has."""
+        once it has. ``released``: it was fine, only no longer wanted."""
         if self._discarded:
             return
         self._discarded = True
         self.close()
-        self.zygote._discarded(self)
+        self.zygote._discarded(self, released=released)
 
 
 def _env_pipe(env: Mapping[str, str]) -> int:

@@ -289,6 +289,111 @@ async def test_a_sessions_next_turn_is_a_spares_with_its_history(tmp_path: Path)
     assert events.index("session") < events.index("step_started"), events
 
 
+# ----------------------------------------------------------------------------- spares grow to a burst
+
+
+def test_spares_stay_at_the_floor_for_spawns_one_at_a_time() -> None:
+    d = zygote_mod.SpareDemand(floor=1, cap=64, keep_s=600.0)
+    assert d.target(0.0) == 1
+    for i in range(20):
+        d.taken(i * 1.5)  # farther apart than the burst window
+        assert d.target(i * 1.5) == 1
+    assert d.expires_at == float("inf")
+
+
+def test_spares_grow_to_a_bursts_size_at_most_the_cap_and_go_back_after_keep_s() -> None:
+    d = zygote_mod.SpareDemand(floor=1, cap=8, keep_s=60.0)
+    for i in range(5):
+        d.taken(100.0 + i * 0.01)
+    assert d.target(100.1) == 5
+    for i in range(20):
+        d.taken(101.5 + i * 0.01)  # a larger burst: capped
+    assert d.target(101.8) == 8 and d.peak == 20
+    assert d.expires_at == 101.5 + 19 * 0.01 + 60.0
+    assert d.target(161.6) == 8  # kept until keep_s after the last burst that large
+    assert d.target(161.7) == 1  # then back to the floor
+    assert d.expires_at == float("inf")
+
+
+def test_a_burst_as_large_again_keeps_the_spares_and_a_smaller_one_does_not() -> None:
+    d = zygote_mod.SpareDemand(floor=1, cap=64, keep_s=10.0)
+    for i in range(4):
+        d.taken(0.0 + i * 0.01)
+    for i in range(4):
+        d.taken(8.0 + i * 0.01)  # as large: kept 10 s from here
+    assert d.target(17.0) == 4
+    for i in range(2):
+        d.taken(17.5 + i * 0.01)  # smaller: does not extend it
+    assert d.target(18.1) == 1
+    for i in range(2):
+        d.taken(20.0 + i * 0.01)  # after the expiry, a smaller burst is the new peak
+    assert d.target(20.1) == 2
+
+
+def test_spares_with_no_room_to_grow_are_a_fixed_number() -> None:
+    fixed = zygote_mod.SpareDemand(floor=3, cap=2, keep_s=10.0)  # cap below the floor: the floor
+    for i in range(10):
+        fixed.taken(i * 0.01)
+    assert fixed.target(0.5) == 3 and fixed.cap == 3
+    off = zygote_mod.SpareDemand(floor=0, cap=0, keep_s=10.0)
+    off.taken(0.0)
+    assert off.target(0.0) == 0
+
+
+def test_the_spares_growth_settings_load_from_the_environment_and_refuse_a_negative(tmp_path: Path) -> None:
+    from supervisor.config import Config
+    from supervisor.errors import ConfigError
+
+    default = Config.load(state_dir=tmp_path, environ={})
+    assert (default.zygote_spares, default.zygote_spares_max, default.zygote_spares_keep_s) == (1, 64, 600.0)
+    env = {"AGENTD_ZYGOTE_SPARES_MAX": "8", "AGENTD_ZYGOTE_SPARES_KEEP_S": "30"}
+    c = Config.load(state_dir=tmp_path, environ=env)
+    assert (c.zygote_spares_max, c.zygote_spares_keep_s) == (8, 30.0)
+    for name in ("zygote_spares_max", "zygote_spares_keep_s"):
+        with pytest.raises(ConfigError, match=name):
+            Config.load(state_dir=tmp_path, environ={"AGENTD_" + name.upper(): "-1"})
+
+
+async def test_a_burst_grows_the_spares_to_serve_the_next_burst_whole_then_they_are_let_go(tmp_path: Path) -> None:
+    n = 4
+    keep_s = 3.0
+
+    async def spares_ready(m: Any, want: int) -> list[tuple[int, Path]]:
+        with trio.fail_after(30):
+            while len(m._zygote._spares) < want:
+                await trio.sleep(0.01)
+        return [(spare.pid, spare.run_dir) for spare in m._zygote._spares]
+
+    with trio.fail_after(120):
+        async with daemon(
+            tmp_path, zygote_spares=1, zygote_spares_max=n, zygote_spares_keep_s=keep_s, max_concurrent=n
+        ) as m:
+            await zygote_state(m)
+            await spare_ready(m)
+            first = await spawn_at_once(m, n)
+            z1 = (await m.summary())["zygote"]
+            grown = await spares_ready(m, n)
+            grown_info = (await m.summary())["zygote"]["spares"]
+            second = await spawn_at_once(m, n)
+            z2 = (await m.summary())["zygote"]
+            refilled = await spares_ready(m, n)  # the burst recurred: kept keep_s from it
+            with trio.fail_after(keep_s + 30):
+                while (left := (await m.summary())["zygote"]["spares"])["released"] < n - 1:
+                    await trio.sleep(0.02)
+            let_go = [(pid, run_dir) for pid, run_dir in refilled if pid not in left["pids"]]
+            with trio.fail_after(10):
+                while any(run_dir.exists() for _, run_dir in let_go):
+                    await trio.sleep(0.01)  # each released spare exited, then its tree went
+            gone = [LINUX.stat(pid) is None for pid, _ in let_go]
+    assert all(r["state"] == "completed" for r in first + second)
+    assert z1["spares"]["used"] == 1 and z1["spawned"] == n  # the first burst: one spare, forks
+    assert grown_info["target"] == n and grown_info["floor"] == 1 and grown_info["max"] == n
+    assert sorted(r["pid"] for r in second) == sorted(pid for pid, _ in grown)  # the next: all spares'
+    assert z2["spares"]["used"] == 1 + n and z2["spawned"] == 2 * n and z2["cold_fallbacks"] == 0
+    assert left["target"] == 1 and len(left["pids"]) == 1 and left["lost"] == 0
+    assert len(let_go) == n - 1 and all(gone)
+
+
 # ----------------------------------------------------------------------------- the wire protocol
 
 
