@@ -339,7 +339,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             s_burst = await burst(m, args.burst)
             show_burst(s_burst, args.burst)
             grew = await wait_spare(m, timeout_s=300, want=args.burst)
-            line(f"  the spares grew to the burst's {args.burst} in {'-' if grew is None else f'{grew:.2f} s'} after it")
+            line(
+                f"  the spares grew to the burst's {args.burst} in {'-' if grew is None else f'{grew:.2f} s'} after it"
+            )
             line("  the same burst again, served by the spares the first grew (zygote_spares_max 64):")
             s_burst2 = await burst(m, args.burst)
             show_burst(s_burst2, args.burst)

@@ -397,6 +397,7 @@ class _Zygote:
             if not self._deathsig(signal.SIGKILL) or os.getppid() != self.pid:
                 reply = {"id": req.get("id"), "error": "cannot tie the spare to the zygote"}
         self._reply(reply)
+        assigned = False
         try:
             self.sock.detach()  # its descriptor is closed with the others below
             _close_all_but([chan_fd])
@@ -421,6 +422,7 @@ class _Zygote:
             assignment = decode(data) if data else None
             if assignment is None or len(fds) != N_FDS:
                 os._exit(0)  # discarded (or the daemon is gone): no run was ever ours
+            assigned = True
             self._deathsig(0)  # a runner outlives its zygote, as a forked one does
             chan.send(encode({"assigned": os.getpid()}))
             keep = [chan_fd, *(ahead.fds() if ahead is not None else [])]
@@ -439,6 +441,10 @@ class _Zygote:
 
             runner.start(args, gate=gate, ahead=ahead, answers=lambda: answers_fd)
         except BaseException as exc:  # noqa: BLE001 - start() ends in os._exit; this is a bug
+            if not assigned and _hung_up(chan_fd):
+                # Given up while it was parking (the daemon stopping, say): its tree may be
+                # removed already, which is what failed here. Nobody's spare: no error.
+                os._exit(0)
             _die(exc)
 
     def _deathsig(self, signum: int) -> bool:
@@ -506,6 +512,21 @@ def _close_all_but(keep: list[int]) -> None:
             os.closerange(low, fd)
             low = fd + 1
     os.closerange(low, _max_fd())
+
+
+def _hung_up(fd: int) -> bool:
+    """Has the daemon closed its end of this socket (EOF waiting, no message first)?"""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.setblocking(False)
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # nothing to read yet (still connected), or no such descriptor
+        return False
+    finally:
+        sock.detach()
 
 
 def _die(exc: BaseException) -> NoReturn:

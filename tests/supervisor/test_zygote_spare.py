@@ -400,7 +400,7 @@ async def test_a_burst_grows_the_spares_to_serve_the_next_burst_whole_then_they_
 class ZygoteProc:
     """A real ``python -m subagent.zygote`` this test speaks to as the daemon does."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, stderr: int | None = None) -> None:
         self.tmp = tmp
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, PYTHONPATH=str(ROOT), AGENTD_TREE=PLACEHOLDER_MARKER)
@@ -409,6 +409,7 @@ class ZygoteProc:
             [sys.executable, "-m", "subagent.zygote"],
             stdin=theirs.fileno(),
             stdout=subprocess.DEVNULL,
+            stderr=stderr,
             env=env,
             cwd=tmp,
         )
@@ -547,6 +548,43 @@ def test_a_spare_does_nothing_of_a_run_before_go_and_exits_when_the_daemon_hangs
         assert result["status"] == "completed" and (run_dir / "ran").exists()
     finally:
         z.close()
+
+
+def test_a_spare_given_up_while_parking_exits_quietly_and_one_still_wanted_says_why(tmp_path: Path) -> None:
+    """The daemon gives up a spare whose request it could not finish (stopping, say): it
+    closes the spare's socket, then removes its run directory, maybe before the spare has
+    reached it. That spare exits 0 without a word; one whose daemon still holds its socket
+    and cannot park reports the error (exit 70)."""
+    log = tmp_path / "zygote.err"
+    with open(log, "wb") as err:
+        z = ZygoteProc(tmp_path, stderr=err.fileno())
+    try:
+        codes = {}
+        for n, hang_up in ((1, True), (2, False)):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            req = {
+                "id": n,
+                "spare": True,
+                "cwd": str(tmp_path / f"t-gone{n}"),  # never made, as if removed already
+                "tree_id": f"t-gone{n}",
+                "cgroup_procs": None,
+                "sandbox": Settings(mode="auto").to_env(),
+                "answers": None,
+            }
+            if hang_up:
+                ours.close()  # before the request is even sent: it finds EOF whenever it looks
+            socket.send_fds(z.sock, [encode(req)], [theirs.fileno()])
+            theirs.close()
+            while "pid" not in (reply := z.recv()):
+                assert "error" not in reply, reply
+            codes[n] = z.wait_exit(int(reply["pid"]))
+            if not hang_up:
+                ours.close()
+    finally:
+        z.close()
+    said = log.read_text()
+    assert codes == {1: 0, 2: 70}, (codes, said)
+    assert said.count("could not start") == 1 and "FileNotFoundError" in said, said
 
 
 def test_a_parked_spare_dies_with_its_zygote(tmp_path: Path) -> None:
