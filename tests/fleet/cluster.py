@@ -54,7 +54,7 @@ START_TIMEOUT_S = 120.0
 @dataclass
 class FleetCluster:
     root: Path
-    cluster: Any
+    cluster: Any  # ray.cluster_utils.Cluster; None until it is up
     nodes: dict[str, Any]  # node id -> ray Node
     browser_nodes: set[str]
     front: subprocess.Popen[bytes] | None = None
@@ -81,29 +81,34 @@ class FleetCluster:
 
     @classmethod
     def start(cls, *, nodes: int = 3, no_browser: int = 1, slots: int = SLOTS_PER_NODE) -> FleetCluster:
-        # Before Ray is imported: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import.
-        saved = {k: os.environ.get(k) for k in ENV}
-        os.environ.update(ENV)
-        import ray
-        from ray.cluster_utils import Cluster
-
-        from supervisor.fleet import node_resources
-
         root = Path(tempfile.mkdtemp(prefix="agf-", dir="/tmp"))
+        (root / "ray").mkdir()
+        saved = {k: os.environ.get(k) for k in (*ENV, "RAY_TMPDIR")}
         before = set(descendants(root_pid()))
-        common = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                **common,
-                "include_dashboard": False,
-                "temp_dir": str(root / "ray"),
-                "resources": node_resources(slots, browser=True),
-                "_system_config": SYSTEM_CONFIG,
-            },
-        )
-        fc = cls(root, cluster, {}, set(), saved_env=saved, before=before)
+        # Before Ray is imported: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import.
+        os.environ.update(ENV)
+        # Ray writes the address of its "current cluster" under its default temp dir
+        # (RAY_TMPDIR/ray, else /tmp/ray): ours, never the host's /tmp/ray (a fresh
+        # machine has none, and a Cluster that cannot write it fails with its head up).
+        os.environ["RAY_TMPDIR"] = str(root)
+        fc = cls(root, None, {}, set(), saved_env=saved, before=before)
         try:
+            import ray
+            from ray.cluster_utils import Cluster
+
+            from supervisor.fleet import node_resources
+
+            common = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
+            fc.cluster = cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    **common,
+                    "include_dashboard": False,
+                    "temp_dir": str(root / "ray"),
+                    "resources": node_resources(slots, browser=True),
+                    "_system_config": SYSTEM_CONFIG,
+                },
+            )
             fc.nodes[cluster.head_node.node_id] = cluster.head_node
             fc.browser_nodes.add(cluster.head_node.node_id)
             for i in range(1, nodes):
@@ -206,7 +211,8 @@ class FleetCluster:
                 finally:
                     ray.shutdown()
         finally:
-            self.cluster.shutdown()
+            if self.cluster is not None:  # None: its start failed (what it started is ended below)
+                self.cluster.shutdown()
             for k, v in self.saved_env.items():
                 if v is None:
                     os.environ.pop(k, None)
