@@ -80,6 +80,9 @@ class RunManager:
         self._assigned: dict[str, Spare] = {}
         # Runs started in their creation's commit, their place under max_concurrent held.
         self._started_at_spawn: set[str] = set()
+        # Runs that asked for a spare at their spawn and found none: asking again at their
+        # start is not one more spawn that wanted one (``Zygote.take_spare`` counts them).
+        self._spare_asked: set[str] = set()
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
@@ -252,7 +255,9 @@ class RunManager:
         start = None
         if self._limiter.available_tokens > 0:
             spare = self._assign_spare(run)
-            if spare is not None:
+            if spare is None:
+                self._spare_asked.add(run_id)
+            else:
                 self._assigned[run_id] = spare
                 try:
                     self._limiter.acquire_on_behalf_of_nowait(run)
@@ -299,6 +304,7 @@ class RunManager:
 
     def _undo_spawn(self, run: Run) -> None:
         """A spawn that failed after taking a spare or a place: both given back."""
+        self._spare_asked.discard(run.run_id)
         spare = self._assigned.pop(run.run_id, None)
         if spare is not None:
             spare.discard()
@@ -602,6 +608,7 @@ class RunManager:
             logger.exception("run %s: supervision failed", run.run_id)
             await self.lifecycle.finish_internal_error(run, exc, self.lifecycle.receipt_head(run))
         finally:
+            self._spare_asked.discard(run.run_id)
             spare = self._assigned.pop(run.run_id, None)
             if spare is not None:
                 spare.discard()  # cancelled while queued: it never ran
@@ -615,15 +622,17 @@ class RunManager:
         supervise it. ``started``: its start was journaled with its creation, and the
         spare assigned then (its process record in that commit) is the only one it takes."""
         spare = self._assigned.pop(run.run_id, None)
+        asked = run.run_id in self._spare_asked
+        self._spare_asked.discard(run.run_id)
         if spare is None and not started:
-            spare = self._assign_spare(run)
+            spare = self._assign_spare(run, count=not asked)
         try:
             await self._start_runner(run, spare, started=started)
         finally:
             if spare is not None:
                 spare.discard()  # not taken (``_start_runner`` took it, or gave up): it exits
 
-    def _assign_spare(self, run: Run) -> Spare | None:
+    def _assign_spare(self, run: Run, *, count: bool = True) -> Spare | None:
         """A zygote's spare, given this run before its start is journaled (it reads its
         spec and sandboxes itself meanwhile, and takes no step before ``go``), or None.
 
@@ -633,7 +642,7 @@ class RunManager:
             return None
         if self._pool is not None and self._pool.ready and run.model_key is None:
             return None
-        spare = self._zygote.take_spare()
+        spare = self._zygote.take_spare(count=count)
         if spare is None:
             return None
         extra_env = {"AGENTD_RUN_ID": run.run_id}

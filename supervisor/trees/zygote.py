@@ -571,12 +571,13 @@ class Zygote:
             self, tree_id, run_dir, cgroup, env, chan, pid, ticks, pidfd if pidfd is not None else -1, reply["_exit"]
         )
 
-    def take_spare(self) -> Spare | None:
+    def take_spare(self, *, count: bool = True) -> Spare | None:
         """A live spare for the next run, or None (then fork as usual). No checkpoint.
 
-        Every call counts as a spawn that wanted one (``demand``): a burst that found too
-        few grows the spares kept for the next."""
-        self.demand.taken(trio.current_time())
+        Each spawn that wanted one is counted once (``demand``; ``count=False``: this run
+        asked before): a burst that found too few grows the spares kept for the next."""
+        if count:
+            self.demand.taken(trio.current_time())
         self._spare_taken.set()
         while self._spares:
             spare = self._spares.popleft()
