@@ -10,9 +10,9 @@ treats both alike; only its ``process`` differs (``ForkedProcess``, Trio's surfa
 
 Spares (``config.zygote_spares``, default 1; grown to a burst's size by ``SpareDemand``,
 up to ``zygote_spares_max``, for ``zygote_spares_keep_s``): the zygote keeps that many
-runners forked ahead, each born in the cgroup of a tree made for it (id, run directory, approvals
-channel, cgroup: what ``pool.new_tree`` makes at a spawn), parked as far along as a runner
-goes without its run. A spawn takes one (``take_spare``) and ``assign``s it the run before
+runners forked ahead, each born in the cgroup of a tree made for it (id, run directory,
+approvals channel, cgroup: what ``pool.new_tree`` makes at a spawn), parked as far along
+as a runner goes without its run. A spawn takes one (``take_spare``) and ``assign``s it the run before
 the run's first journal write, so the spare reads its spec and finishes its sandbox while
 the journal commits; ``go`` is sent once the run's start (``starting``) is durable: a
 restarted daemon never finds a run that did something before that. A spare that died,
