@@ -576,8 +576,11 @@ class Zygote:
 
         Each spawn that wanted one is counted once (``demand``; ``count=False``: this run
         asked before): a burst that found too few grows the spares kept for the next."""
+        now = trio.current_time()
         if count:
-            self.demand.taken(trio.current_time())
+            self.demand.taken(now)
+        else:  # not one more spawn, but spawns are still starting: the refill waits for them
+            self.demand.last_take = max(self.demand.last_take, now)
         self._spare_taken.set()
         while self._spares:
             spare = self._spares.popleft()

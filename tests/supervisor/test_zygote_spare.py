@@ -386,12 +386,15 @@ async def test_a_burst_grows_the_spares_to_serve_the_next_burst_whole_then_they_
                     await trio.sleep(0.01)  # each released spare exited, then its tree went
             gone = [LINUX.stat(pid) is None for pid, _ in let_go]
     assert all(r["state"] == "completed" for r in first + second)
-    assert z1["spares"]["used"] == 1 and z1["spawned"] == n  # the first burst: one spare, forks
+    # The first burst: its one spare (and, on a slow machine, a spare the refill made
+    # between its spawns' starts), forks for the rest.
+    assert 1 <= z1["spares"]["used"] < n and z1["spawned"] == n
     # The burst's size exactly (each spawn counted once, though those that found no spare
     # at their spawn ask again at their start), under the cap.
     assert grown_info["target"] == n and grown_info["floor"] == 1 and grown_info["max"] == 3 * n
     assert sorted(r["pid"] for r in second) == sorted(pid for pid, _ in grown)  # the next: all spares'
-    assert z2["spares"]["used"] == 1 + n and z2["spawned"] == 2 * n and z2["cold_fallbacks"] == 0
+    assert z2["spares"]["used"] - z1["spares"]["used"] == n and z2["spawned"] == 2 * n
+    assert z2["cold_fallbacks"] == 0
     assert left["target"] == 1 and len(left["pids"]) == 1 and left["lost"] == 0
     assert len(let_go) == n - 1 and all(gone)
 
