@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 LOCK_FILE = "daemon.lock"
 # How often the STATUS= line for systemd is refreshed.
 STATUS_INTERVAL_S = 1.0
+# At shutdown, once every run is terminal, how long subscribers may take to get the last
+# events and the end of their runs before the control connections close.
+SUBSCRIBERS_DRAIN_S = 2.0
 
 
 async def serve(
@@ -87,6 +90,7 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
                 from supervisor.control import dashboard
 
                 sessions = dashboard.Sessions(token)
+            subscriptions = control.Subscriptions()
             port = await nursery.start(
                 functools.partial(
                     control.serve_control,
@@ -94,6 +98,7 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
                     manager,
                     token=token,
                     session_ok=sessions.handshake_ok if sessions is not None else None,
+                    subscriptions=subscriptions,
                 )
             )
             dashboard_url = None
@@ -131,6 +136,14 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
             if strays:
                 logger.warning("shutdown: killed %d untraceable orphans: %s", len(strays), strays)
             await manager.flush_journal()
+            # Every run is terminal: each subscriber (a CLI's `watch`, the fleet's front)
+            # gets its run's last events and its end before the connections close.
+            if not await subscriptions.drained(SUBSCRIBERS_DRAIN_S):
+                logger.warning(
+                    "shutdown: %d subscription(s) still sending after %.0f s; closing them",
+                    subscriptions.active,
+                    SUBSCRIBERS_DRAIN_S,
+                )
             nursery.cancel_scope.cancel(reason="daemon shutdown")
     finally:
         with trio.CancelScope(shield=True):

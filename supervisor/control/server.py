@@ -55,6 +55,7 @@ from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
 __all__ = [
     "serve_control",
+    "Subscriptions",
     "Limits",
     "check_access",
     "hard_message_cap",
@@ -184,6 +185,33 @@ class _Gone(Exception):
     """The client went away (or stalled and was dropped) while we were sending."""
 
 
+class Subscriptions:
+    """The control server's live subscriptions, counted: a stopping daemon lets them
+    deliver their runs' last events, and their ``end``, before it closes the connections
+    (``drained``). Once every run is terminal, each subscription ends by itself."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def opened(self) -> None:
+        self.active += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    def closed(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until no subscription is left; whether none is."""
+        with trio.move_on_after(timeout_s):
+            await self._idle.wait()
+        return self.active == 0
+
+
 class _Server:
     def __init__(
         self,
@@ -192,12 +220,14 @@ class _Server:
         tokens: _TokenSource,
         limits: Limits,
         session_ok: SessionCheck | None = None,
+        subscriptions: Subscriptions | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
         self.tokens = tokens
         self.limits = limits
         self.session_ok = session_ok
+        self.subscriptions = subscriptions if subscriptions is not None else Subscriptions()
         self.started_at = time.time()
         self.port = 0
         self.connections = 0
@@ -489,9 +519,16 @@ class _Connection:
         # Registered before the task starts, so an unsubscribe right behind it finds it.
         scope = trio.CancelScope()
         self.subs[sub] = scope
+        self.server.subscriptions.opened()  # closed by the task, whatever ends it
         nursery.start_soon(self._subscription, req, sub, scope, name=f"subscription {sub} {req.run_id}")
 
     async def _subscription(self, req: protocol.SubscribeRequest, sub: str, scope: trio.CancelScope) -> None:
+        try:
+            await self._subscription_inner(req, sub, scope)
+        finally:
+            self.server.subscriptions.closed()
+
+    async def _subscription_inner(self, req: protocol.SubscribeRequest, sub: str, scope: trio.CancelScope) -> None:
         acked = False
         run_id = req.run_id
         try:
@@ -691,6 +728,7 @@ async def serve_control(
     token: str | None = None,
     session_ok: SessionCheck | None = None,
     limits: Limits | None = None,
+    subscriptions: Subscriptions | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control socket on ``config.host:config.port`` until cancelled.
@@ -702,6 +740,8 @@ async def serve_control(
             re-read when the file changes (a connection before it exists is refused).
         session_ok: accepts a dashboard session instead of the token (``check_access``).
         limits: connection limits; default ``Limits()``, its total capped by RLIMIT_NOFILE.
+        subscriptions: where the live subscriptions are counted (the daemon's, to let them
+            drain at shutdown); default a fresh one.
         task_status: started with the bound port once connections are accepted.
     """
     limits = limits or Limits()
@@ -712,7 +752,7 @@ async def serve_control(
         for extra in listeners[1:]:
             await extra.aclose()
         listeners = listeners[:1]
-    server = _Server(config, backend, _TokenSource(config.token_path, token), limits, session_ok)
+    server = _Server(config, backend, _TokenSource(config.token_path, token), limits, session_ok, subscriptions)
     server.port = listeners[0].socket.getsockname()[1]
     gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total))
     server.gate = gate
