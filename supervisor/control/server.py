@@ -519,10 +519,10 @@ class _Connection:
         # Registered before the task starts, so an unsubscribe right behind it finds it.
         scope = trio.CancelScope()
         self.subs[sub] = scope
-        self.server.subscriptions.opened()  # closed by the task, whatever ends it
         nursery.start_soon(self._subscription, req, sub, scope, name=f"subscription {sub} {req.run_id}")
 
     async def _subscription(self, req: protocol.SubscribeRequest, sub: str, scope: trio.CancelScope) -> None:
+        self.server.subscriptions.opened()  # counted while its task runs, whatever ends it
         try:
             await self._subscription_inner(req, sub, scope)
         finally:
