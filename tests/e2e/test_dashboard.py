@@ -787,6 +787,9 @@ def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path
     box = page.get_by_role("region", name="Awaiting approval")
     box.get_by_text("call call_one").wait_for()
     assert "echo one" in box.inner_text() and not (tmp_path / "first").exists()
+    # The state event follows the approval's (a watcher sees what is asked, then the state
+    # it puts the run in): waited for, not read at once.
+    page.locator("#run-facts").get_by_text("awaiting_approval").wait_for()
     assert page.locator("#run-facts").get_by_text("awaiting_approval").count() == 1
     box.get_by_role("button", name="Approve").click()
     # The call ran: its record says so, its file is there; then the second one asks.
