@@ -130,9 +130,12 @@ class SpareDemand:
         self.peak_at = -math.inf  # when a burst last reached it
         self.last_take = -math.inf
 
-    def taken(self, now: float) -> None:
-        """A spawn asked for a spare (whether or not one was there)."""
-        self.last_take = now
+    def taken(self, now: float, *, count: bool = True) -> None:
+        """A spawn asked for a spare (whether or not one was there). ``count=False``: it
+        asked before (only when it was, the refill waits on: spawns are still starting)."""
+        self.last_take = max(self.last_take, now)
+        if not count:
+            return
         recent = self._recent
         recent.append(now)
         while recent and recent[0] <= now - self.window_s:
@@ -576,11 +579,7 @@ class Zygote:
 
         Each spawn that wanted one is counted once (``demand``; ``count=False``: this run
         asked before): a burst that found too few grows the spares kept for the next."""
-        now = trio.current_time()
-        if count:
-            self.demand.taken(now)
-        else:  # not one more spawn, but spawns are still starting: the refill waits for them
-            self.demand.last_take = max(self.demand.last_take, now)
+        self.demand.taken(trio.current_time(), count=count)
         self._spare_taken.set()
         while self._spares:
             spare = self._spares.popleft()

@@ -435,11 +435,16 @@ class ZygoteProc:
         run_dir = self.tmp / f"t-spare{n}"
         (run_dir / "tmp").mkdir(parents=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        return self.ask_spare(n, run_dir, theirs), ours, run_dir
+
+    def ask_spare(self, n: int, run_dir: Path, theirs: socket.socket) -> int:
+        """Ask for spare ``n`` parked in ``run_dir`` on our socket's other end (sent, then
+        closed here); its pid."""
         req = {
             "id": n,
             "spare": True,
             "cwd": str(run_dir),
-            "tree_id": f"t-spare{n}",
+            "tree_id": run_dir.name,
             "cgroup_procs": None,
             "sandbox": Settings(mode="auto").to_env(),
             "answers": None,
@@ -448,7 +453,7 @@ class ZygoteProc:
         theirs.close()
         while "pid" not in (reply := self.recv()):
             assert "error" not in reply, reply
-        return int(reply["pid"]), ours, run_dir
+        return int(reply["pid"])
 
     def wait_exit(self, pid: int) -> int:
         while pid not in self.exits:
@@ -567,22 +572,10 @@ def test_a_spare_given_up_while_parking_exits_quietly_and_one_still_wanted_says_
         codes = {}
         for n, hang_up in ((1, True), (2, False)):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            req = {
-                "id": n,
-                "spare": True,
-                "cwd": str(tmp_path / f"t-gone{n}"),  # never made, as if removed already
-                "tree_id": f"t-gone{n}",
-                "cgroup_procs": None,
-                "sandbox": Settings(mode="auto").to_env(),
-                "answers": None,
-            }
             if hang_up:
                 ours.close()  # before the request is even sent: it finds EOF whenever it looks
-            socket.send_fds(z.sock, [encode(req)], [theirs.fileno()])
-            theirs.close()
-            while "pid" not in (reply := z.recv()):
-                assert "error" not in reply, reply
-            codes[n] = z.wait_exit(int(reply["pid"]))
+            # Its run directory never made, as if removed already.
+            codes[n] = z.wait_exit(z.ask_spare(n, tmp_path / f"t-gone{n}", theirs))
             if not hang_up:
                 ours.close()
     finally:
