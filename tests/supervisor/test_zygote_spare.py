@@ -396,7 +396,9 @@ async def test_a_burst_grows_the_spares_to_serve_the_next_burst_whole_then_they_
     assert z2["spares"]["used"] - z1["spares"]["used"] == n and z2["spawned"] == 2 * n
     assert z2["cold_fallbacks"] == 0
     assert left["target"] == 1 and len(left["pids"]) == 1 and left["lost"] == 0
-    assert len(let_go) == n - 1 and all(gone)
+    # At least the n - 1 extra spares were let go (a loaded CI machine once also replaced
+    # the one kept by a fresh one); each let go is dead and its tree removed.
+    assert len(let_go) >= n - 1 and left["released"] >= n - 1 and all(gone)
 
 
 # ----------------------------------------------------------------------------- the wire protocol
