@@ -81,6 +81,11 @@ AGENT_START_TIMEOUT_S: Final = 90.0
 NODE_AFFINITY: Final = 0.001
 # Margin on top of the config's grace for an interrupted session turn to end (seconds).
 INTERRUPT_MARGIN_S: Final = 10.0
+# A run whose node's agent is gone (no such actor: `fleet down` killed it for good) while
+# Ray still lists the node: after the config's grace plus this margin with no agent, a run
+# whose terminal fact never reached the front is `lost` (its daemon got SIGTERM with its
+# agent, and nothing can reach that daemon any more). Without a bound it was retried forever.
+AGENT_GONE_MARGIN_S: Final = 10.0
 # Runs of the index read to list sessions (the newest).
 SESSION_SCAN_LIMIT: Final = 1000
 
@@ -135,6 +140,10 @@ def _lease_node(pg: Any) -> str:
     return str(placement_group_table(pg)["bundles_to_node_id"][0])
 
 
+class AgentGone(LinkDown):
+    """Ray has no agent for the node (killed for good): nothing can reach its daemon."""
+
+
 class FleetFront:
     """The fleet's ``Backend``: routes each operation to the run's node, or answers from the index."""
 
@@ -142,6 +151,8 @@ class FleetFront:
         self.config = config
         self.index = index
         self.node_root = node_root
+        # How long a run may wait on a node without an agent before it is `lost`.
+        self.agent_gone_s = config.grace_s + AGENT_GONE_MARGIN_S
         self._live: dict[str, _Run] = {}
         self._links: dict[str, NodeLink] = {}
         self._link_locks: dict[str, trio.Lock] = {}
@@ -252,8 +263,11 @@ class FleetFront:
                 return link
             try:
                 handle = await self._ray(ray.get_actor, agent_name(node_id), namespace=NAMESPACE)
+            except ValueError as exc:  # no such actor: not one restarting (they restart forever)
+                raise AgentGone(f"node {node_id[:8]} has no agentd agent: {exc}") from exc
+            try:
                 info = await _await_ref(handle.info.remote())
-            except (ValueError, ray.exceptions.RayError) as exc:
+            except ray.exceptions.RayError as exc:
                 raise LinkDown(f"no agentd agent answers on node {node_id[:8]}: {exc}") from exc
             self._agents[node_id] = info
             link = NodeLink(node_id, info["url"], info["token"])
@@ -295,28 +309,42 @@ class FleetFront:
         for run in runs:
             await self._finish_lost(run, node_id)
 
-    async def _finish_lost(self, run: _Run, node_id: str) -> None:
+    async def _finish_lost(
+        self,
+        run: _Run,
+        node_id: str,
+        *,
+        reason: str = "node_lost",
+        message: str | None = None,
+    ) -> None:
+        """The run is ``lost``, its last mirrored snapshot its partial result.
+
+        Its drive is cancelled; the fact is written shielded, so this may be called from
+        that drive itself (its mirror finding the node dead or without an agent).
+        """
         if run.scope is not None:
-            run.scope.cancel(reason=f"node {node_id[:8]} is dead")
-        row = await self._db(self.index.get, run.id)
-        partial = row["partial_snapshot"] if row else None
-        now = time.time()
-        data = {"state": "lost", "reason": "node_lost", "partial": partial is not None, "node": node_id}
-        ok = await self._db(
-            self.index.finish,
-            run.id,
-            "lost",
-            reason="node_lost",
-            ended_at=now,
-            result=partial,
-            partial=partial is not None,
-            error={"code": "node_lost", "message": f"node {node_id} died (Ray reported it dead)"},
-            event={"kind": "state", "data": data},
-        )
-        if ok:
-            run.last_seq += 1
-            self._fan_out(run, {"run_id": run.id, "seq": run.last_seq, "ts": now, "kind": "state", "data": data})
-        await self._release(run)
+            run.scope.cancel(reason=f"node {node_id[:8]}: {reason}")
+        with trio.CancelScope(shield=True):
+            row = await self._db(self.index.get, run.id)
+            partial = row["partial_snapshot"] if row else None
+            now = time.time()
+            data = {"state": "lost", "reason": reason, "partial": partial is not None, "node": node_id}
+            ok = await self._db(
+                self.index.finish,
+                run.id,
+                "lost",
+                reason=reason,
+                ended_at=now,
+                result=partial,
+                partial=partial is not None,
+                error={"code": reason, "message": message or f"node {node_id} died (Ray reported it dead)"},
+                event={"kind": "state", "data": data},
+            )
+            if ok:
+                run.last_seq += 1
+                run.state = "lost"
+                self._fan_out(run, {"run_id": run.id, "seq": run.last_seq, "ts": now, "kind": "state", "data": data})
+            await self._release(run)
 
     # ------------------------------------------------------------------ a run's life
 
@@ -378,9 +406,11 @@ class FleetFront:
         assert run.node_id is not None and run.node_run_id is not None
         delays = iter(RELINK_BACKOFF_S)
         unreachable = 0
+        agent_gone_since: float | None = None  # trio time the node was first found without an agent
         while True:
             try:
                 link = await self._link(run.node_id)
+                agent_gone_since = None
                 if run.token.cancelled and not run.cancel_sent:
                     await link.request("cancel", run_id=run.node_run_id, reason=run.token.reason)
                     run.cancel_sent = True
@@ -415,6 +445,21 @@ class FleetFront:
                     # details only a status from the node would add.
                     await self._conclude_from_event(run)
                     return
+                if isinstance(exc, AgentGone):
+                    now = trio.current_time()
+                    agent_gone_since = now if agent_gone_since is None else agent_gone_since
+                    if now - agent_gone_since >= self.agent_gone_s:
+                        await self._finish_lost(
+                            run,
+                            run.node_id,
+                            reason="agent_gone",
+                            message=(
+                                f"node {run.node_id} has had no agentd agent for {self.agent_gone_s:.0f} s and its"
+                                " daemon never told the front how the run ended (a daemon gets SIGTERM, its"
+                                " cancel-everything stop, when its agent goes)"
+                            ),
+                        )
+                        return
                 logger.info("fleet: run %s: %s; retrying", run.id, exc)
             await trio.sleep(next(delays, RELINK_BACKOFF_S[-1]))
 
@@ -506,22 +551,25 @@ class FleetFront:
         """The run is terminal: free its lease, end its subscribers, forget it."""
         run.token.retire()
         with trio.CancelScope(shield=True):
-            pg = run.pg
-            if pg is None:
-                try:
-                    pg = await self._ray(get_placement_group, LEASE_PREFIX + run.id)
-                except ValueError:
-                    pg = None
-            if pg is not None:
-                try:
-                    await self._ray(remove_placement_group, pg)
-                except ray.exceptions.RayError as exc:
-                    logger.warning("fleet: run %s: could not remove its lease: %r", run.id, exc)
+            await self._free_lease(run)
         for send in list(run.subscribers):
             send.close()
         run.subscribers.clear()
         self._live.pop(run.id, None)
         run.done.set()
+
+    async def _free_lease(self, run: _Run) -> None:
+        pg = run.pg
+        if pg is None:
+            try:
+                pg = await self._ray(get_placement_group, LEASE_PREFIX + run.id)
+            except ValueError:
+                pg = None
+        if pg is not None:
+            try:
+                await self._ray(remove_placement_group, pg)
+            except ray.exceptions.RayError as exc:
+                logger.warning("fleet: run %s: could not remove its lease: %r", run.id, exc)
 
     def _fan_out(self, run: _Run, msg: dict[str, Any]) -> None:
         for send in list(run.subscribers):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,3 +164,96 @@ async def test_the_front_routes_conversations_and_approvals_to_the_sessions_node
     assert shown["turns"][0]["run_id"] == first["run_id"] and shown["turns"][0]["node_run_id"] == "r-node1"
     (row,) = listed["sessions"]
     assert row["session_id"] == "s" and row["turns"] == 2 and row["live_run"] == second["run_id"]
+
+
+def _front_with_a_placed_run(tmp_path: Path, link_failure: type[Exception]) -> tuple[Any, Any, Index, list[float]]:
+    """A front (grace 1 s) with run f-1 placed on n1 as r-1 (running, one snapshot mirrored);
+    every attempt to reach n1 fails with ``link_failure`` (its time recorded), Ray still
+    lists n1, and the index is written inline (no thread: the autojump clock stays put)."""
+    import trio
+
+    from supervisor.config import Config
+    from supervisor.core.token import CancelToken
+    from supervisor.fleet._front import FleetFront, _Run
+
+    index = Index(tmp_path / "index.sqlite3")
+    index.create("f-1", session_id=None, spec={"task": "t"}, bundle={SLOTS: 1.0}, created_at=1.0, timeout_s=None)
+    index.set_node("f-1", "n1")
+    index.set_node_run("f-1", "r-1")
+    index.add_events("f-1", [{"seq": 1, "ts": 1.0, "kind": "state", "data": {"state": "running"}}])
+    index.add_events("f-1", [{"seq": 2, "ts": 2.0, "kind": "step_snapshot", "data": {"step": 1, "progress": "p"}}])
+    front = FleetFront(Config.load(state_dir=tmp_path / "front", environ={}, grace_s=1), index)
+    run = _Run(
+        id="f-1", session_id=None, spec={"task": "t"}, bundle={SLOTS: 1.0}, timeout_s=None,
+        token=CancelToken("f-1"), state="running", node_id="n1", node_run_id="r-1", last_seq=2,
+    )  # fmt: skip
+    front._live[run.id] = run
+    attempts: list[float] = []
+
+    async def db(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    async def link(node_id: str) -> Any:
+        attempts.append(trio.current_time())
+        raise link_failure(f"node {node_id}: down")
+
+    async def node_dead_now(node_id: str) -> bool:
+        return False
+
+    async def free_lease(r: Any) -> None:  # Ray's part: no lease here
+        pass
+
+    front._db = db  # type: ignore[method-assign]
+    front._link = link  # type: ignore[method-assign,assignment]
+    front._node_dead_now = node_dead_now  # type: ignore[method-assign]
+    front._free_lease = free_lease  # type: ignore[method-assign]
+    return front, run, index, attempts
+
+
+async def test_a_run_whose_node_lost_its_agent_for_good_turns_lost_after_the_bound_not_retried_forever(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    import trio
+
+    from supervisor.fleet._front import AGENT_GONE_MARGIN_S, RELINK_BACKOFF_S, AgentGone
+
+    front, run, index, attempts = _front_with_a_placed_run(tmp_path, AgentGone)
+    send, receive = trio.open_memory_channel[Any](10)
+    run.subscribers.add(send)
+    start = trio.current_time()
+    with trio.fail_after(10 * front.agent_gone_s):  # virtual time: fails, never hangs, without the bound
+        await front._drive(run)
+    ended = trio.current_time() - start
+    async with receive:
+        events = [m async for m in receive]
+    row = index.get("f-1")
+    terminal = index.terminal_event_count("f-1")
+    index.close()
+    assert front.agent_gone_s == 1 + AGENT_GONE_MARGIN_S
+    # Retried through the bound, then ended: not sooner, and not much later.
+    assert front.agent_gone_s <= ended <= front.agent_gone_s + max(RELINK_BACKOFF_S)
+    assert len(attempts) > len(RELINK_BACKOFF_S)
+    assert row is not None and (row["state"], row["reason"]) == ("lost", "agent_gone")
+    assert row["error"]["code"] == "agent_gone" and "no agentd agent" in row["error"]["message"]
+    assert row["partial"] is True and row["partial_snapshot"] == {"step": 1, "progress": "p"}
+    assert terminal == 1 and run.done.is_set() and "f-1" not in front._live
+    # Its subscribers saw the terminal fact, then their end.
+    assert [(e["seq"], e["data"]["state"], e["data"]["reason"]) for e in events] == [(3, "lost", "agent_gone")]
+
+
+async def test_a_node_whose_agent_is_there_but_its_daemon_is_unreachable_is_retried_past_that_bound(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    # The agent restarts its daemon (and Ray restarts an agent that crashed): the run's
+    # fact will come from the node's journal, so the front waits for it.
+    import trio
+
+    from supervisor.fleet._nodelink import LinkDown
+
+    front, run, index, attempts = _front_with_a_placed_run(tmp_path, LinkDown)
+    with trio.move_on_after(10 * front.agent_gone_s):
+        await front._drive(run)
+    row = index.get("f-1")
+    index.close()
+    assert row is not None and row["state"] == "running" and not run.done.is_set()
+    assert attempts[-1] - attempts[0] >= 9 * front.agent_gone_s
