@@ -267,6 +267,16 @@ async def escalate(
                 return r  # the whole set ended in the grace
 
     # ---- SIGKILL until nothing of the set runs
+    if targets.cgroup is not None and table.kernel.cgroup_populated(targets.cgroup) is False:
+        # A set bound to its cgroup is what the cgroup holds (``universe``), and it holds
+        # nothing: a process leaves it only by exiting, so no fork, exec or escape hides
+        # from ``populated``. Dead, with no walk of the cgroup and nothing to kill (a tree
+        # whose runner ended its own tools: most stops). Its groups get their SIGKILL, as
+        # below: a belt for a group that has a member outside the cgroup.
+        for g in table.live_groups(targets.groups):
+            record("SIGKILL", "group", g, signal_group(table, g, SIGKILL))
+        r.dead_at, r.dead_after_s = rt.now(), at()
+        return r
     await read(targets)  # note the members while they still show marker and cgroup
     if targets.cgroup is not None:
         record("cgroup.kill", "cgroup", targets.cgroup, kill_cgroup(table, targets.cgroup))

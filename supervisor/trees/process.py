@@ -113,9 +113,16 @@ def _runtime(tree: AnyTree) -> TrioRuntime:
 
 
 def _is_tree_cgroup(path: Path, table: ProcessTable | None = None) -> bool:
-    """A tree's cgroup lies inside some daemon's agentd-* subtree and does not hold us."""
+    """A tree's cgroup lies inside some daemon's agentd-* subtree and does not hold us.
+
+    An empty cgroup (``populated 0``: one read) cannot hold us; only a populated one is
+    walked for our pid.
+    """
+    if not path.parent.name.startswith("agentd-"):
+        return False
     table = table if table is not None else ProcessTable()
-    return path.parent.name.startswith("agentd-") and table.kernel.own_ids()[0] not in table.kernel.cgroup_pids(path)
+    kernel = table.kernel
+    return kernel.cgroup_populated(path) is False or kernel.own_ids()[0] not in kernel.cgroup_pids(path)
 
 
 def _cgroup_kill(path: Path, table: ProcessTable | None = None) -> str:

@@ -195,6 +195,48 @@ async def test_a_group_that_obeys_sigterm_is_never_sigkilled(autojump_clock: Any
     assert r.settled and not r.escalated and r.dead and r.dead_after_s == 0.0
 
 
+def _counting_cgroup_reads(k: FakeKernel) -> list[Path]:
+    walks: list[Path] = []
+    real = k.cgroup_pids
+    k.cgroup_pids = lambda path: walks.append(path) or real(path)  # type: ignore[method-assign]
+    return walks
+
+
+@pytest.mark.parametrize("escaper", [False, True])
+async def test_a_cgroup_tree_found_empty_after_its_leader_exits_is_dead_with_no_walk_and_no_kill(
+    autojump_clock: Any, escaper: bool
+) -> None:
+    # Path B of a run whose runner ended its own tools: the leader's exit settles the
+    # grace; an empty cgroup (populated 0) is the whole set dead. With an escaper left in
+    # it, the cgroup is read and killed as before.
+    k = FakeKernel()
+    tree = Path("/sys/fs/cgroup/agentd-1-x/t-abc")
+    leader = k.start(300, ppid=ME, cgroup=tree)
+    if escaper:
+        k.start(310, ppid=1, pgid=310, cgroup=tree)
+        k.ignores_term.add(310)
+    walks = _counting_cgroup_reads(k)
+    t = Targets(groups={300: leader.start_ticks}, cgroup=tree)
+
+    async def leader_exit() -> None:
+        while not k.procs[300].dead:
+            await trio.sleep(0.01)
+
+    r = await escalate(
+        t, grace_s=5.0, kill_wait_s=2.0, table=ProcessTable(k), term=Targets.group(300, leader.start_ticks),
+        settled=leader_exit,
+    )  # fmt: skip
+    assert r.settled and not r.escalated and r.dead and r.survivors == []
+    assert k.signals(15) == [(0.0, "group", 300)]
+    # The group's SIGKILL (its unreaped leader still makes it exist) goes out either way.
+    if escaper:
+        assert k.signals(9) == [(0.0, "cgroup", str(tree)), (0.0, "group", 300)] and walks  # read, cgroup.kill
+        assert k.procs[310].dead
+    else:
+        assert k.signals(9) == [(0.0, "group", 300)] and walks == []  # cgroup.events read, nothing walked
+        assert r.dead_after_s == 0.0
+
+
 async def test_escalation_comes_exactly_at_the_grace_and_reaches_escapers_by_pidfd(autojump_clock: Any) -> None:
     k = FakeKernel()
     leader = k.start(300, ppid=ME, env={"AGENTD_SUBTREE": "m"})

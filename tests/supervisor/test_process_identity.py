@@ -17,7 +17,7 @@ from supervisor.trees import process
 from supervisor.trees.containment import Containment
 from supervisor.trees.process import AdoptedTree
 from tests import conftest
-from tests.fake_kernel import FakeKernel
+from tests.fake_kernel import ME, FakeKernel
 
 
 def test_soft_stop_signals_only_groups_that_are_provably_the_trees(autojump_clock: object) -> None:
@@ -73,3 +73,20 @@ def test_a_cgroup_that_is_not_a_trees_is_never_killed_or_swept(tmp_path: Path) -
         assert leaf is not None and process._is_tree_cgroup(leaf)
     finally:
         c.close()
+
+
+def test_a_tree_cgroup_is_one_under_an_agentd_subtree_that_does_not_hold_us_and_an_empty_one_is_not_walked() -> None:
+    k = FakeKernel(clock=lambda: 0.0)
+    sub = Path("/sys/fs/cgroup/agentd-1-x")
+    k.cgroups[sub / "t-empty"] = set()
+    k.start(300, cgroup=sub / "t-live")
+    k.start(ME, cgroup=sub / "t-ours")
+    k.start(301, cgroup=Path("/sys/fs/cgroup/system.slice/t-x"))
+    walks: list[Path] = []
+    real = k.cgroup_pids
+    k.cgroup_pids = lambda path: walks.append(path) or real(path)  # type: ignore[method-assign]
+    table = ProcessTable(k)
+    assert process._is_tree_cgroup(sub / "t-empty", table) and walks == []  # populated 0: cannot hold us
+    assert process._is_tree_cgroup(sub / "t-live", table) and walks == [sub / "t-live"]
+    assert not process._is_tree_cgroup(sub / "t-ours", table)  # it holds the daemon: never killed
+    assert not process._is_tree_cgroup(Path("/sys/fs/cgroup/system.slice/t-x"), table)  # not agentd's

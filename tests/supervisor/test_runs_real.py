@@ -53,6 +53,10 @@ def running_tool(e: dict[str, Any]) -> bool:
     return e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running"
 
 
+def command_started(e: dict[str, Any]) -> bool:
+    return e["kind"] == "process_group" and e["data"]["kind"] == "command" and e["data"]["alive"] is True
+
+
 async def test_steering_is_applied_at_the_next_step_boundary(manager: RunManager) -> None:
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
@@ -81,7 +85,9 @@ async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steerin
             {"task": "t", "model": {"provider": "scripted", "script": script}, "stop_policy": policy}
         )
         rid = r["run_id"]
-        await wait_kind(manager, rid, running_tool)
+        # Its command's process is up (a command the stop finds still spawning is ended:
+        # its policy applies to a running command), not only its record.
+        await wait_kind(manager, rid, command_started)
         assert (await manager.steer(rid, "do more"))["accepted"] is True
         await wait_kind(manager, rid, lambda e: e["kind"] == "steering")
         cancel = await manager.cancel(rid)
