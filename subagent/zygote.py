@@ -661,7 +661,10 @@ def main() -> int:
             raise RuntimeError(f"{threads} threads after the imports: a fork would lose them")
     except Exception as exc:  # noqa: BLE001 - reported to the daemon, which starts cold runners
         stop_watching()
-        sock.send(encode({"ready": False, "error": f"{type(exc).__name__}: {exc}"}))
+        try:
+            sock.send(encode({"ready": False, "error": f"{type(exc).__name__}: {exc}"}))
+        except OSError:
+            return 0  # the daemon is gone (it stopped while we imported): nobody to tell
         return 1
     # A runner's exit wakes the loop below (the handler itself does nothing).
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -671,17 +674,17 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     _prepare_memory()
-    sock.send(
-        encode(
-            {
-                "ready": True,
-                "pid": os.getpid(),
-                "import_s": round(time.monotonic() - started, 3),
-                "proc_view": view.marker_at is not None and view.module_at is not None,
-                "clone_into_cgroup": zygote.cloner.enabled,
-            }
-        )
-    )
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        "import_s": round(time.monotonic() - started, 3),
+        "proc_view": view.marker_at is not None and view.module_at is not None,
+        "clone_into_cgroup": zygote.cloner.enabled,
+    }
+    try:
+        sock.send(encode(ready))
+    except OSError:
+        return 0  # the daemon stopped while we prepared: exit quietly, as below
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)

@@ -250,7 +250,12 @@ async def main(opts: argparse.Namespace, mark: str) -> None:
                     await trio.sleep(0.5)
             print(f"{n} runs waiting in their command after {time.perf_counter() - t_spawn:.1f} s")
             await trio.sleep(2)
+            # The spares parked for the next spawns (the burst of spawns grew them) are
+            # no run's: a cancel-all leaves them parked.
+            spares = set((await m.summary())["zygote"].get("spares", {}).get("pids", []))
+            helpers.extend(spares)
             procs = await trio.to_thread.run_sync(members)
+            print(f"  ({len(spares)} parked spares not counted: no run's)")
             pids = [p.pid for p in procs]
             runner_pids = set(runners(procs))
             sleeper_pids = set(sleepers(procs))

@@ -437,3 +437,48 @@ def test_a_zygote_whose_daemon_dies_while_it_imports_ends_at_once_not_after_its_
     _out, err = proc.communicate(timeout=60)
     # Done after its imports, it would find out only at "ready": EPIPE, exit code 1.
     assert proc.returncode == 0 and not err, err.decode()
+
+
+_HANG_UP_WHILE_PREPARING = """
+import os, select, stat, sys
+import subagent.zygote as z
+
+def is_socket(fd):
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+def prepare():  # the daemon hangs up while the zygote prepares its memory (after the imports)
+    (sock,) = [fd for fd in range(256) if is_socket(fd)]  # the daemon's
+    os.write(int(sys.argv[1]), b"preparing\\n")
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP)
+    assert poller.poll(30_000), "the test never hung up"
+
+z._prepare_memory = prepare
+sys.exit(z.main())
+"""
+
+
+def test_a_zygote_whose_daemon_hangs_up_before_its_ready_exits_quietly() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    said_r, said_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HANG_UP_WHILE_PREPARING, str(said_w)],
+        stdin=theirs,
+        stderr=subprocess.PIPE,
+        pass_fds=(said_w,),
+        cwd=ROOT,
+    )
+    theirs.close()
+    os.close(said_w)
+    try:
+        with os.fdopen(said_r, "rb") as said:
+            if said.readline() != b"preparing\n":
+                raise AssertionError(f"it ended before preparing: {proc.communicate(timeout=60)[1].decode()}")
+    finally:
+        ours.close()
+    _out, err = proc.communicate(timeout=60)
+    # Its "ready" meets EPIPE: nobody to tell, so no traceback and no failure.
+    assert proc.returncode == 0 and not err, err.decode()
