@@ -674,7 +674,7 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     _prepare_memory()
-    ready = {
+    hello = {
         "ready": True,
         "pid": os.getpid(),
         "import_s": round(time.monotonic() - started, 3),
@@ -682,7 +682,7 @@ def main() -> int:
         "clone_into_cgroup": zygote.cloner.enabled,
     }
     try:
-        sock.send(encode(ready))
+        sock.send(encode(hello))
     except OSError:
         return 0  # the daemon stopped while we prepared: exit quietly, as below
     poller = select.poll()
