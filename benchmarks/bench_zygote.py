@@ -14,8 +14,11 @@ runner of the baseline runs the same scripted spec, which imports neither.
 
 Configurations: ``spare`` (``zygote_spares 1``, pool 0: the zygote keeps a runner forked
 ahead; the one-at-a-time figures wait for it, as a spawn after a pause finds it; the burst
-is run twice: the first finds one spare and grows them to its size, ``zygote_spares_max``,
-and the second is served by them), ``zygote``
+is run three times: the first finds one spare and grows them to its size,
+``zygote_spares_max``, the second is served by them, and the third too, with runs that go
+on after their first step: a first model turn of ``THINK_S``, as an LLM call takes; in the
+first two every run ends right after its first step, so the daemon also ends runs while
+later first steps are delivered), ``zygote``
 (``zygote_spares 0``: forked at each spawn, the baseline it is compared with), ``zygote
 unprepared`` (the same without the zygote's memory preparation, ``AGENTD_ZYGOTE_PREPARE=0``:
 its baseline, one at a time and memory only), ``spare,
@@ -70,6 +73,11 @@ from subagent.zygote import PREPARE_VAR  # noqa: E402
 from supervisor.trees import zygote as zygote_mod  # noqa: E402
 
 SPEC = scripted_spec(final="ok", tools=[])
+# A run that goes on after its first step, as one whose model call takes seconds does: its
+# first turn "thinks" for THINK_S. A burst of these measures first steps with no run
+# ending meanwhile; a burst of SPEC runs also has the daemon end 50 runs in the window.
+THINK_S = 2.0
+SPEC_GOES_ON = scripted_spec([{"text": "thinking", "delay_s": THINK_S}], final="ok", tools=[])
 MIB = 2**20
 
 
@@ -124,12 +132,14 @@ GO = GoClock()
 # ----------------------------------------------------------------------------- agentd
 
 
-async def first_step(manager: Any, t0: float | None = None, session: str | None = None) -> dict[str, Any]:
+async def first_step(
+    manager: Any, t0: float | None = None, session: str | None = None, spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
     t0 = time.perf_counter() if t0 is None else t0
     wall0 = time.time() - (time.perf_counter() - t0)
     n_calls = len(CLOCK.calls)
     n_go = len(GO.calls)
-    r = await manager.spawn(SPEC, session_id=session)
+    r = await manager.spawn(SPEC if spec is None else spec, session_id=session)
     ev = await wait_event(manager, r["run_id"], "step_started", timeout_s=60)
     out: dict[str, Any] = {"run_id": r["run_id"]}
     if ev is not None:
@@ -179,13 +189,13 @@ async def sequential(
     return out
 
 
-async def burst(manager: Any, n: int) -> dict[str, Any]:
+async def burst(manager: Any, n: int, spec: dict[str, Any] | None = None) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     used0 = (await manager.summary())["zygote"].get("spares", {}).get("used", 0)
     t0 = time.perf_counter()
 
     async def one() -> None:
-        results.append(await first_step(manager, t0))
+        results.append(await first_step(manager, t0, spec=spec))
 
     async with trio.open_nursery() as nursery:
         for _ in range(n):
@@ -345,6 +355,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             line("  the same burst again, served by the spares the first grew (zygote_spares_max 64):")
             s_burst2 = await burst(m, args.burst)
             show_burst(s_burst2, args.burst)
+            await wait_spare(m, timeout_s=300, want=args.burst)
+            line(
+                f"  again, runs that go on after their first step (a first model turn of {THINK_S:g} s): no run"
+                " ends in the window"
+            )
+            s_burst3 = await burst(m, args.burst, spec=SPEC_GOES_ON)
+            show_burst(s_burst3, args.burst)
             s_mem = await runner_memory(m, args.mem)
             sinfo = (await m.summary())["zygote"]
         out["spare"] = {
@@ -353,6 +370,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "burst": s_burst,
             "grew_s": grew,
             "burst_again": s_burst2,
+            "burst_goes_on": s_burst3,
             "memory": s_mem,
             "zygote": sinfo,
             "warnings": show_warnings(line),
@@ -506,6 +524,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         (
             f"the next {args.burst} at once (spares grown) (emitted)",
             s_burst2["all_emitted"],
+            z_burst["all_emitted"],
+            0.300,
+        ),
+        (
+            f"the next {args.burst}, runs that go on (spares grown) (delivered)",
+            s_burst3["all_delivered"],
+            z_burst["all_delivered"],
+            0.300,
+        ),
+        (
+            f"the next {args.burst}, runs that go on (spares grown) (emitted)",
+            s_burst3["all_emitted"],
             z_burst["all_emitted"],
             0.300,
         ),
