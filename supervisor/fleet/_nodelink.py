@@ -13,9 +13,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket_url
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
 
 from supervisor import protocol
 from supervisor.control._wsclient import ConnectionLost
@@ -59,14 +60,23 @@ class NodeLink:
                 that it reaches ``nursery.start`` bare, not inside an ExceptionGroup).
         """
         failure: LinkDown | None = None
+        # The TCP stream is ours to close: after a close the daemon starts, trio-websocket's
+        # client waits for the server's TCP close and then leaves its socket open.
+        stream: trio.SocketStream | None = None
         try:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
                     try:
+                        parts = urlsplit(self.url)
+                        if parts.scheme != "ws" or parts.hostname is None or parts.port is None:
+                            raise OSError(f"not a ws://host:port/ url: {self.url!r}")
                         with trio.fail_after(CONNECT_TIMEOUT_S):
-                            ws = await connect_websocket_url(
+                            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+                            ws = await wrap_client_stream(
                                 nursery,
-                                self.url,
+                                stream,
+                                parts.netloc,
+                                parts.path or "/",
                                 extra_headers=[(b"Authorization", f"Bearer {self.token}".encode())],
                                 max_message_size=MAX_MESSAGE_BYTES,
                                 message_queue_size=64,
@@ -88,6 +98,9 @@ class NodeLink:
                     raise failure
         finally:
             self._fail_all()
+            if stream is not None:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
 
     def close(self) -> None:
         if self._scope is not None:

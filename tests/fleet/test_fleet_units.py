@@ -257,3 +257,37 @@ async def test_a_node_whose_agent_is_there_but_its_daemon_is_unreachable_is_retr
     index.close()
     assert row is not None and row["state"] == "running" and not run.done.is_set()
     assert attempts[-1] - attempts[0] >= 9 * front.agent_gone_s
+
+
+async def test_a_node_link_closed_by_its_daemon_closes_its_socket_and_leaks_nothing() -> None:
+    # The daemon ends the connection (its shutdown): the link fails its pending requests
+    # and closes its TCP socket itself (trio-websocket's client leaves it to the garbage
+    # collector after a server-initiated close: an "unclosed socket" ResourceWarning).
+    import gc
+    import warnings
+
+    import trio
+    from trio_websocket import WebSocketRequest, serve_websocket
+
+    from supervisor.fleet._nodelink import LinkDown, NodeLink
+
+    async def close_at_once(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.get_message()  # the link's first request
+        await ws.aclose(1001, "going away")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve_websocket, close_at_once, "127.0.0.1", 0, None)
+            link = NodeLink("n1", f"ws://127.0.0.1:{server.port}/", "token")
+            await nursery.start(link.run)
+            with trio.fail_after(10), pytest.raises(LinkDown):
+                await link.request("ping")
+            with trio.fail_after(10):
+                await link.closed.wait()
+            del link
+            nursery.cancel_scope.cancel()
+        gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert leaks == []
