@@ -168,6 +168,36 @@ async def test_a_child_ignoring_sigterm_is_sigkilled_at_the_grace(
     json.dumps(receipt.to_dict())  # the receipt goes into the journal as JSON
 
 
+async def test_a_cgroup_tree_whose_runner_ends_its_own_children_is_found_dead_without_a_kill(
+    make_containment: MakeContainment,
+) -> None:
+    # The runner ends its own command on SIGTERM, then exits: its cgroup is empty when
+    # path B looks (populated 0), so the tree is dead with no cgroup.kill and no walk.
+    c = make_containment(CGROUP)
+    code = (
+        "import signal, subprocess, sys\n"
+        "child = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "def stop(*_):\n"
+        "    child.terminate(); child.wait(); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', child.pid, flush=True)\n"
+        "signal.pause()\n"
+    )
+    tree = await spawn_argv([sys.executable, "-c", code], c)
+    ready, child = (await read_line(tree)).split()
+    assert ready == b"ready" and LINUX.stat(int(child)) is not None
+    assert tree.cgroup is not None and LINUX.cgroup_populated(tree.cgroup) is True
+    with trio.fail_after(10):
+        receipt = await process.terminate_and_kill(tree, grace_s=10)
+    assert not receipt.escalated and receipt.leader == "exited" and receipt.survivors == []
+    assert receipt.tree_dead_after_s is not None and receipt.tree_dead_after_s < 10
+    assert [s.signal for s in receipt.signals if s.signal == "cgroup.kill"] == []  # found empty
+    assert LINUX.cgroup_populated(tree.cgroup) is False
+    gone = LINUX.stat(int(child))
+    assert gone is None or gone.state == "Z"
+    assert tree.process.returncode == 0
+
+
 async def test_a_runner_that_honours_sigterm_exits_in_the_grace_without_escalation(
     make_containment: MakeContainment,
 ) -> None:
