@@ -207,6 +207,15 @@ class AgentLoop:
         Calls that cannot run (cut, aborted, invalid) get their final record and their
         tool message here; runnable calls get theirs from ``_run_batch``.
         """
+        # A call's id names it to the daemon (its record, an approval's answer), so it is
+        # unique within the run. A model may repeat one (a server that sends none gets
+        # ``call_auto_N`` again every step; a script may reuse "x"): the repeat is renamed
+        # here, before the history the model sees holds it.
+        used = {r.id for r in self.records}
+        for c in turn.calls:
+            if c.id in used:
+                c.id = _fresh_id(c.id, used)
+            used.add(c.id)
         if turn.usage is not None:
             self.usage_known = True
             for k in ("prompt_tokens", "completion_tokens"):
@@ -402,3 +411,11 @@ def _snapshot_record(rec: ToolCallRecord) -> dict[str, Any]:
         d["output"] = out[:SNAPSHOT_OUTPUT_CHARS]
         d["output_truncated"] = True
     return d
+
+
+def _fresh_id(base: str, used: set[str]) -> str:
+    """``base`` made unique among ``used``: ``base_2``, ``base_3``, ..."""
+    n = 2
+    while f"{base}_{n}" in used:
+        n += 1
+    return f"{base}_{n}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,44 @@ async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tm
     assert not (shared / "side-effect").exists()
     states = [e["data"]["state"] for e in events if e["kind"] == "state"]
     assert states == ["queued", "starting", "running", "awaiting_approval", "running", "completed"]
+
+
+async def test_an_approval_answers_one_call_though_the_model_repeats_its_id(tmp_path: Path) -> None:
+    # A model may give several calls one id (a server that sends none gets call_auto_N
+    # again every step): each call that needs approval still waits for its own answer.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    files = [shared / f"f{i}" for i in range(3)]
+
+    def call(i: int) -> dict[str, Any]:
+        return {"name": "run_command", "id": "x", "arguments": {"command": f"echo wrote {i} > {files[i]}"}}
+
+    spec = approval_spec(shared)
+    spec["model"]["script"] = {"turns": [{"tool_calls": [call(0), call(1)]}, {"tool_calls": [call(2)]}]}
+
+    def asked_for(call_id: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda m: asked(m) and m["data"]["call_id"] == call_id
+
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await s.wait(rid, asked_for("x"))
+            await c.call("approve", run_id=rid, call_id="x")
+            second = await s.wait(rid, asked_for("x_2"))
+            second_ran = files[1].exists()
+            await c.call("deny", run_id=rid, call_id="x_2", reason="one at a time")
+            third = await s.wait(rid, asked_for("x_3"))
+            await c.call("cancel", run_id=rid)
+            final = await s.end(rid)
+    assert second is not None and third is not None and not second_ran
+    assert final["state"] == "cancelled"
+    calls = {r["id"]: r for r in final["tool_calls"]}
+    assert sorted(calls) == ["x", "x_2", "x_3"]
+    assert (calls["x"]["state"], calls["x"]["approval"]) == ("succeeded", "approved")
+    assert (calls["x_2"]["state"], calls["x_2"]["approval"]) == ("rejected", "denied")
+    assert (calls["x_3"]["state"], calls["x_3"]["approval"]) == ("rejected", "rejected")
+    assert [f.exists() for f in files] == [True, False, False]
 
 
 async def test_a_cancel_while_awaiting_approval_rejects_the_call_and_cancels_the_run(tmp_path: Path) -> None:
