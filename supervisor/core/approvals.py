@@ -82,6 +82,7 @@ class Pending:
     arguments: str
     step: int | None
     deadline: float | None  # wall clock
+    due: float | None = None  # the deadline on Trio's clock, as it was when the call was added
     sent: str | None = None  # "approve" / "deny" once an answer went out
 
     def view(self) -> dict[str, Any]:
@@ -114,16 +115,23 @@ class RunApprovals:
             return None
         deadline = data.get("deadline")
         step = data.get("step")
+        at = float(deadline) if isinstance(deadline, (int, float)) else None
         p = Pending(
             call_id=call_id,
             name=str(data.get("name") or ""),
             arguments=str(data.get("arguments") or ""),
             step=step if isinstance(step, int) else None,
-            deadline=float(deadline) if isinstance(deadline, (int, float)) else None,
+            deadline=at,
+            due=None if at is None else trio.current_time() + (at - time.time()),
         )
         self.pending[call_id] = p
         self._changed()
         return p
+
+    def mark_sent(self, p: Pending, decision: str) -> None:
+        """An answer to ``p`` went out: its deadline no longer runs (the runner acts on it)."""
+        p.sent = decision
+        self._changed()
 
     def drop(self, call_id: str) -> bool:
         found = self.pending.pop(call_id, None) is not None
@@ -152,9 +160,10 @@ class RunApprovals:
     def view(self) -> list[dict[str, Any]]:
         return [p.view() for p in self.pending.values()]
 
-    def next_deadline(self) -> float | None:
-        deadlines = [p.deadline for p in self.pending.values() if p.deadline is not None]
-        return min(deadlines) if deadlines else None
+    def next_due(self) -> float | None:
+        """The earliest deadline (Trio's clock) of a call nobody has answered yet."""
+        dues = [p.due for p in self.pending.values() if p.due is not None and p.sent is None]
+        return min(dues) if dues else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +220,7 @@ class ApprovalDesk:
         if run.run_dir is None:
             raise ControlProtocolError(ErrorCode.REFUSED, f"run {run.run_id!r} has no runner to answer")
         _send(answers_path(run.run_dir), _line(call_id, decision, reason), run.run_id)
-        p.sent = decision
+        run.approvals.mark_sent(p, decision)
         await self._hooks.record(run, "approval_sent", {"call_id": call_id, "decision": decision, "reason": reason})
         return {
             "run_id": run.run_id,
@@ -221,24 +230,27 @@ class ApprovalDesk:
         }
 
     async def watch(self, run: Any) -> None:
-        """Cancel the run (reason ``approval_timeout``) at its earliest pending deadline.
+        """Cancel the run (reason ``approval_timeout``) at the earliest deadline of a call
+        nobody answered. A call answered (sent) before its deadline no longer counts, even
+        if the runner has not acted on the answer yet.
 
         Runs beside the run's supervision until the run ends (its nursery cancels it).
         """
         approvals: RunApprovals = run.approvals
         while True:
             changed = approvals.changed
-            deadline = approvals.next_deadline()
-            if deadline is None or run.stopping:
+            due = approvals.next_due()
+            if due is None or run.stopping:
                 await changed.wait()
                 continue
-            with trio.move_on_after(max(0.0, deadline - time.time())):
+            with trio.move_on_at(due):
                 await changed.wait()
                 continue
-            if approvals.next_deadline() is not None and not run.stopping:
+            due = approvals.next_due()  # again: an answer may have come with the deadline
+            if due is not None and due <= trio.current_time() and not run.stopping:
                 logger.info("run %s: an approval ran out of time; stopping the run", run.run_id)
                 await self._hooks.cancel(run.run_id, APPROVAL_TIMEOUT_REASON)
-            return
+                return
 
 
 def _line(call_id: str, decision: str, reason: str | None) -> bytes:

@@ -195,3 +195,37 @@ async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeou
         await d.watch(run)
     assert cancels == [("r-1", "approval_timeout")]
     assert 29 <= trio.current_time() - start <= 31
+
+
+async def test_a_call_answered_just_before_its_deadline_does_not_time_the_run_out(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    # An answer sent is a person's decision: the deadline is for a call nobody answered.
+    # (The runner's own backstop still ends a runner that never acts on the answer.)
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir()
+    make_channel(run_dir)
+    reader = os.open(answers_path(run_dir), os.O_RDWR | os.O_NONBLOCK)  # the runner's end
+    cancels: list[tuple[float, str]] = []
+    run = FakeRun(run_dir)
+    start = trio.current_time()
+
+    async def cancel(run_id: str, reason: str) -> None:
+        cancels.append((trio.current_time() - start, reason))
+
+    async def nothing(*a: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
+    now = time.time()
+    for call_id, deadline in (("c1", now + 30), ("c2", now + 60)):
+        await d.on_event(run, "approval_requested", {"call_id": call_id, "name": "x", "deadline": deadline})
+    with trio.fail_after(100):
+        async with trio.open_nursery() as n:
+            n.start_soon(d.watch, run)
+            await trio.sleep(29.99)
+            await d.answer(run, "c1", approve=True)  # the runner has not acted on it yet
+    os.close(reader)
+    # c2, which nobody answered, still times the run out at its own deadline.
+    assert len(cancels) == 1 and cancels[0][1] == "approval_timeout"
+    assert 59 <= cancels[0][0] <= 61
