@@ -662,20 +662,34 @@ class RunManager:
         # (``RunBook``), unless the journal was down then: written on its own below.
         session_event, run.session_event = run.session_event, None
         if run.session_id is not None and run.runner_spec is None:
-            try:
-                run.runner_spec, session_event = await self.session_desk.prepare_turn(
-                    run.run_id, run.session_id, run.spec
-                )
-            except (OSError, JournalError) as exc:
-                logger.warning("run %s: could not prepare its session's turn: %s", run.run_id, exc)
+            # A stop ends the preparation: a browser turn takes its session's lock here,
+            # which a `session close` or an `--interrupt` spawn holds while it waits for
+            # this very turn to end (``queue_scope``: what ``_stop_now`` cancels).
+            problem: str | None = None
+            with trio.CancelScope() as run.queue_scope:
+                if not run.token.cancelled:
+                    try:
+                        run.runner_spec, session_event = await self.session_desk.prepare_turn(
+                            run.run_id, run.session_id, run.spec
+                        )
+                    except (OSError, JournalError) as exc:
+                        logger.warning("run %s: could not prepare its session's turn: %s", run.run_id, exc)
+                        problem = f"the session's history or profile: {exc}"
+            run.queue_scope = None
+            if run.runner_spec is None:
                 await self.book.finish(
                     run,
                     RunState.CANCELLED if run.token.cancelled else RunState.FAILED,
                     reason=run.token.reason or "session_setup",
                     result=None,
                     partial=False,
-                    error={"code": "session_setup", "message": f"the session's history or profile: {exc}"},
-                    receipt=None,
+                    error=None if problem is None else {"code": "session_setup", "message": problem},
+                    receipt=None
+                    if problem is not None
+                    else {
+                        "note": "cancelled before its runner started: never started",
+                        **self.lifecycle.receipt_head(run),
+                    },
                 )
                 return
         if session_event is not None:  # before `go`: ahead of the turn's own events

@@ -155,3 +155,45 @@ async def test_a_stopped_turn_keeps_the_sessions_login_for_the_next_turn_and_clo
     assert row["profile"]["path"] == str(profile)
     assert closed == {"session_id": "web-1", "was_open": True, "stopped": [], "profile_removed": True}
     assert not profile.exists() and not profile.parent.exists()
+
+
+async def test_closing_a_session_as_its_browser_turn_starts_stops_that_turn_at_once(
+    manager: RunManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A browser turn takes its session's lock to prepare its profile at its start; a close
+    # (or an --interrupt spawn) holds that lock while it waits for the turn to end. The
+    # stop must end the preparation, not wait out the grace and then refuse the close.
+    desk = manager.session_desk
+    prepare = desk.prepare_turn
+    entered, go_on = trio.Event(), trio.Event()
+
+    async def held_prepare(*args: Any) -> Any:
+        entered.set()  # the turn is starting: its preparation comes next
+        await go_on.wait()
+        return await prepare(*args)
+
+    monkeypatch.setattr(desk, "prepare_turn", held_prepare)
+    with trio.fail_after(SCENARIO_S):
+        first = await manager.spawn(spec([{"hang": True}]), session_id="web-2")
+        await entered.wait()
+        async with trio.open_nursery() as n:
+            closing: list[dict[str, Any]] = []
+            t0 = trio.current_time()
+
+            async def close() -> None:
+                closing.append(await manager.close_session("web-2"))
+
+            n.start_soon(close)
+            run = manager._live[first["run_id"]]
+            while not run.token.cancelled:  # the close holds the lock and has sent the stop
+                await trio.sleep(0.01)
+            go_on.set()
+        close_s = trio.current_time() - t0
+        turn = await manager.wait_terminal(first["run_id"])
+    (closed,) = closing
+    assert closed["stopped"] == [first["run_id"]] and closed["was_open"] is True
+    assert close_s < GRACE_S  # not the grace and a margin, then a refusal
+    assert (turn["state"], turn["reason"]) == ("cancelled", "session_closed")
+    assert turn["receipt"]["note"] == "cancelled before its runner started: never started"
+    assert turn["pid"] is None  # no runner was ever started for it
+    assert not Path(desk.profile_path("web-2")).exists()  # nor a profile made after the close
