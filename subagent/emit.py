@@ -2,11 +2,17 @@
 
 Invariants: every stderr line is one JSON event (``events.encode_event``), written whole
 and at once (``os.write`` loop on fd 2); once stderr is broken (the daemon died) the
-runner keeps going and appends events to ``$AGENTD_RUN_DIR/events.jsonl`` instead;
+runner keeps going and appends events to its *events file* instead;
 Python logging, warnings, unraisable exceptions and stray writes to ``sys.stderr`` become
 ``log`` events, so nothing else can reach fd 2; a line never exceeds
 ``MAX_EVENT_LINE_BYTES`` (long strings in it are cut). The result goes to stdout once and is
-also written atomically to ``$AGENTD_RUN_DIR/result.json``.
+also written, and fsynced, to its *result file* first.
+
+Both files live beside the run directory (``record_paths``: ``<run dir>.events.jsonl``,
+``<run dir>.result.json``), as its approvals channel does, not in it: the run's tools may
+write their run directory, and a file they wrote must never pass for the runner's
+result or events (a re-adopted run is read from these files alone). The runner opens both
+before its sandbox (``open_records``; close-on-exec, so no tool inherits them).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from typing import Any, Final
 
 from subagent.events import MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result, make_event
 
-__all__ = ["Emitter", "install_stderr_guards", "bare_result", "EVENTS_FALLBACK", "RESULT_FILE"]
+__all__ = ["Emitter", "install_stderr_guards", "bare_result", "record_paths", "open_records"]
 
-EVENTS_FALLBACK: Final = "events.jsonl"
-RESULT_FILE: Final = "result.json"
+EVENTS_SUFFIX: Final = ".events.jsonl"
+RESULT_SUFFIX: Final = ".result.json"
 # The largest result we write (bytes); the daemon reads up to 16 MiB of stdout.
 MAX_RESULT_BYTES: Final = 8 * 1024 * 1024
 # A log message longer than this is cut (characters): one event stays one sane line.
@@ -42,6 +48,30 @@ def _shrink(value: Any, cap: int) -> Any:
     return value
 
 
+def record_paths(run_dir: Path) -> tuple[Path, Path]:
+    """A runner's events file and result file: beside its run directory, out of its tools' reach."""
+    return run_dir.with_name(run_dir.name + EVENTS_SUFFIX), run_dir.with_name(run_dir.name + RESULT_SUFFIX)
+
+
+def open_records(run_dir: Path | None) -> tuple[int, int] | None:
+    """Open the run's events and result files for writing (before the sandbox, which
+    closes the path to them), close-on-exec; None without a run directory or when they
+    cannot be made (the pipes still carry everything while the daemon lives)."""
+    if run_dir is None:
+        return None
+    events, result = record_paths(run_dir)
+    try:
+        efd = os.open(events, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        rfd = os.open(result, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        os.close(efd)
+        return None
+    return efd, rfd
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -52,8 +82,11 @@ def _write_all(fd: int, data: bytes) -> None:
 class Emitter:
     """Writes events (stderr or the fallback file) and the final result."""
 
-    def __init__(self, run_dir: Path | None, *, err_fd: int = 2, out_fd: int = 1) -> None:
+    def __init__(
+        self, run_dir: Path | None, *, records: tuple[int, int] | None = None, err_fd: int = 2, out_fd: int = 1
+    ) -> None:
         self.run_dir = run_dir
+        self._records = records  # (events fd, result fd): ``open_records``
         self._err_fd = err_fd
         self._out_fd = out_fd
         self._stderr_broken = False
@@ -84,11 +117,10 @@ class Emitter:
             self._append_fallback(line)
 
     def _append_fallback(self, line: bytes) -> None:
-        if self.run_dir is None:
+        if self._records is None:
             return
         try:
-            with open(self.run_dir / EVENTS_FALLBACK, "ab") as f:
-                f.write(line)
+            _write_all(self._records[0], line)  # O_APPEND: whole lines, in order
         except OSError:
             pass  # nowhere left to write: the run itself goes on
 
@@ -98,27 +130,29 @@ class Emitter:
         self.emit(EventKind.LOG, level=level, message=message, **extra)
 
     def result(self, result: dict[str, Any]) -> None:
-        """Write the final result: the run dir's file first (atomic), then stdout."""
+        """Write the final result: the result file first (fsynced), then stdout."""
         data = encode_result(result)
         cap = MAX_LOG_MESSAGE_CHARS * 8
         while len(data) > MAX_RESULT_BYTES and cap >= 16:
             # The daemon reads at most 16 MiB: cut long strings (outputs, history) to fit.
             data = encode_result({**_shrink(result, cap), "result_truncated": True})
             cap //= 2
-        if self.run_dir is not None:
-            tmp = self.run_dir / f".{RESULT_FILE}.tmp"
+        if self._records is not None:
+            # Written once; a runner killed while writing leaves a partial document, which
+            # the daemon reads as no result (as it reads an empty file).
+            fd = self._records[1]
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.run_dir / RESULT_FILE)
+                os.ftruncate(fd, 0)
+                view, offset = memoryview(data), 0
+                while offset < len(data):
+                    offset += os.pwrite(fd, view[offset:], offset)
+                os.fsync(fd)
             except OSError as exc:
-                self.log("warning", f"could not write {RESULT_FILE}: {exc}")
+                self.log("warning", f"could not write the result file: {exc}")
         try:
             _write_all(self._out_fd, data)
         except OSError:
-            pass  # the daemon is gone; result.json is the record
+            pass  # the daemon is gone; the result file is the record
 
 
 class _LogHandler(logging.Handler):

@@ -4,7 +4,7 @@ Invariants: the trio signal receiver (SIGTERM, SIGINT) is open for the whole run
 stop is only ever a flag (``subagent.stop``); every resource (model client, MCP servers,
 the browser sweep) is entered in one ``AsyncExitStack`` and closed before the result is
 written; setup failures map to their exit codes (``SetupFailure``); whatever got this far
-ends with exactly one result (stdout and ``result.json``). A stop that came during setup
+ends with exactly one result (stdout and its result file). A stop that came during setup
 makes the run ``cancelled``, never ``failed``.
 """
 

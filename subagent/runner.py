@@ -7,7 +7,7 @@ installed before anything slow; trio's receiver takes over during the run), exce
 ``--warm`` waits for its spec, when a signal ends the process at once; the stderr guards
 are installed before any non-stdlib import, so even an import error reaches stderr as a
 JSON ``log`` event and exits ``INTERNAL``; every path ends with one result on stdout (and
-in ``$AGENTD_RUN_DIR/result.json``). Imports follow the spec: a scripted run without MCP
+in its result file beside ``$AGENTD_RUN_DIR``). Imports follow the spec: a scripted run without MCP
 servers imports neither ``openai`` nor ``mcp``.
 """
 
@@ -43,7 +43,7 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, NoReturn  # noqa: E402
 
-from subagent.emit import Emitter, bare_result, install_stderr_guards, set_log_levels  # noqa: E402
+from subagent.emit import Emitter, bare_result, install_stderr_guards, open_records, set_log_levels  # noqa: E402
 from subagent.events import ExitCode, RunStatus  # noqa: E402
 from subagent.spec import SpecError, parse_spec_text  # noqa: E402
 
@@ -192,6 +192,7 @@ def main(
     gate: Callable[[], None] | None = None,
     ahead: Ahead | None = None,
     answers: Callable[[], int | None] | None = None,
+    records: Callable[[], tuple[int, int] | None] | None = None,
 ) -> int:
     """The whole runner process; returns its exit code (``events.ExitCode``).
 
@@ -200,13 +201,15 @@ def main(
     happens (a task, an event, a step, a tool); it returns when the run may start (its
     start is journaled) and ends the process otherwise. ``ahead``: the half of the sandbox it made before it had a run
     (``sandbox.prepare_ahead``); ``answers``: its approvals channel, opened then (it may be
-    hidden since, under a private /tmp).
+    hidden since, under a private /tmp); ``records``: its events and result files, opened
+    then as well (``emit.open_records``).
     """
     global _waiting_for_spec
     gate = _once(gate)
     run_dir_env = os.environ.get("AGENTD_RUN_DIR")
     run_dir = Path(run_dir_env) if run_dir_env else None
-    emitter = Emitter(run_dir)
+    # Its events and result files, opened now: its sandbox closes the way to them.
+    emitter = Emitter(run_dir, records=records() if records is not None else open_records(run_dir))
     install_stderr_guards(emitter)  # first: even a usage error must reach stderr as JSON
     args = _arg_parser().parse_args(argv)
     # stdout carries the result alone (written with os.write): a library's print goes to the log.
@@ -292,6 +295,7 @@ def start(
     gate: Callable[[], None] | None = None,
     ahead: Ahead | None = None,
     answers: Callable[[], int | None] | None = None,
+    records: Callable[[], tuple[int, int] | None] | None = None,
 ) -> NoReturn:
     """Become a runner and run to the end: the one entry of every runner process.
 
@@ -300,11 +304,11 @@ def start(
     process what a cold start is (session, cgroup, marker, pipes, environment, working
     directory: ``subagent.zygote``). What every runner must do first, whichever way it
     was born (the SIGTERM handler that only sets the stop flag; a sandbox), goes here.
-    ``gate``, ``ahead``, ``answers``: see ``main``.
+    ``gate``, ``ahead``, ``answers``, ``records``: see ``main``.
     """
     signal.signal(signal.SIGTERM, _early_handler)
     signal.signal(signal.SIGINT, _early_handler)
-    code = main(argv, gate=gate, ahead=ahead, answers=answers)
+    code = main(argv, gate=gate, ahead=ahead, answers=answers, records=records)
     sys.stderr.flush()  # a partial line a library left in the log wrapper becomes an event
     # Everything is closed and the result is written (unbuffered, os.write): skip the
     # interpreter's teardown of openai/mcp modules, which costs a noticeable part of a

@@ -5,7 +5,7 @@ them changes, and ``drain()`` empties it. What changed is read again by the call
 events only say *that* something happened). Used for ``cgroup.events`` (``populated``
 goes to 0 when a cgroup's last process exits: kernfs notifies it as a modification), for
 a cgroup subtree's directory being removed, and for a file another process appends to
-(a re-adopted runner's ``events.jsonl``). Linux only: ``Watch.open`` returns None where
+(a re-adopted runner's events file). Linux only: ``Watch.open`` returns None where
 inotify is missing (callers poll then).
 
 ``WatchSet`` is one inotify descriptor for many paths, added and removed as they come

@@ -1,16 +1,18 @@
 """Where a run's events and result come from: its pipes, or its run directory's files.
 
-A runner writes every event twice: a line on stderr and a line in ``events.jsonl`` in its
-run directory, and its result on stdout and in ``result.json``. The run lifecycle
+A runner writes its events on stderr (and, once stderr is broken, in its events file),
+and its result in its result file, then on stdout. Both files lie beside its run
+directory, out of its tools' reach (``subagent.emit.record_paths``): a file a tool wrote
+never passes for the runner's result or events. The run lifecycle
 (``supervisor.core._lifecycle``) reads them through an ``EventSource``:
 
 - ``PipeSource``: a runner this daemon started: the spec and steering go to its stdin,
   events come from stderr and the result from stdout, each pipe read until EOF, or for at
   most ``DRAIN_AFTER_EXIT_S`` after the runner exited (a descendant may hold it open);
 - ``FileSource``: a runner re-adopted after a daemon restart (its pipes went with the old
-  daemon): events are read from ``events.jsonl`` as it grows (an inotify event, not a
+  daemon): events are read from its events file as it grows (an inotify event, not a
   poll, where the kernel has inotify) until the runner is gone, and the result from
-  ``result.json``; there is no exit status.
+  its result file; there is no exit status.
 
 Either way ``pump`` returns by itself once the runner's output is complete.
 """
@@ -25,6 +27,7 @@ from typing import Any, Final, Protocol
 
 import trio
 
+from subagent.emit import record_paths
 from subagent.events import BadLine, Event, decode_result
 from subagent.osedge import IN_MODIFY, Watch
 from supervisor.core._run import Run
@@ -38,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # Largest final-result document read from a runner's stdout.
 MAX_RESULT_BYTES: Final = 16 * 1024 * 1024
-# A re-adopted run's events.jsonl is read again at least this often (seconds): where
+# A re-adopted run's events file is read again at least this often (seconds): where
 # inotify is missing this is the poll; with it, a bound on a missed event.
 TAIL_POLL_S: Final = 0.2
 TAIL_FALLBACK_S: Final = 5.0
@@ -78,7 +81,7 @@ def read_result_file(path: Path) -> dict[str, Any] | BadLine:
     try:
         data = path.read_bytes()
     except OSError:
-        return BadLine(text="", problem="no result on stdout and no result.json")
+        return BadLine(text="", problem="no result on stdout and none in its result file")
     return decode_result(data)
 
 
@@ -155,7 +158,7 @@ class PipeSource:
         result = decode_result(bytes(self._stdout))
         self._stdout = bytearray()  # up to MAX_RESULT_BYTES, decoded now
         if isinstance(result, BadLine) and self._run_dir is not None:
-            return read_result_file(self._run_dir / "result.json")
+            return read_result_file(record_paths(self._run_dir)[1])
         return result
 
     def exit_code(self) -> int | None:
@@ -167,7 +170,7 @@ class PipeSource:
 
 
 class FileSource:
-    """A runner re-adopted after a restart: ``events.jsonl`` and ``result.json``."""
+    """A runner re-adopted after a restart: its events file and its result file."""
 
     def __init__(self, tree: AdoptedTree, run_dir: Path | None) -> None:
         self._tree = tree
@@ -183,11 +186,11 @@ class FileSource:
         return  # its stdin went with the old daemon
 
     async def read_once(self, on_item: OnItem) -> None:
-        """Hand on what was appended to events.jsonl since the last read."""
+        """Hand on what was appended to the events file since the last read."""
         if self._run_dir is None:
             return
         try:
-            with open(self._run_dir / "events.jsonl", "rb") as f:
+            with open(record_paths(self._run_dir)[0], "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
         except OSError:
@@ -200,7 +203,7 @@ class FileSource:
         if self._run_dir is None:
             await process.wait_leader(self._tree)
             return
-        watch = Watch.open([(self._run_dir / "events.jsonl", IN_MODIFY)])
+        watch = Watch.open([(record_paths(self._run_dir)[0], IN_MODIFY)])
         wake = trio.Event()
         gone = trio.Event()
 
@@ -236,8 +239,8 @@ class FileSource:
 
     def result(self) -> dict[str, Any] | BadLine:
         if self._run_dir is None:
-            return BadLine(text="", problem="no run directory to read result.json from")
-        return read_result_file(self._run_dir / "result.json")
+            return BadLine(text="", problem="no run directory to find its result file by")
+        return read_result_file(record_paths(self._run_dir)[1])
 
     def exit_code(self) -> int | None:
         return None  # the runner is not our child: its status went to its reaper

@@ -3,12 +3,13 @@
 At start the journal's live runs are checked against the process table: a runner whose
 pid still runs with the recorded start time is re-adopted, and supervised by the one run
 lifecycle with a ``FileSource`` (its pipes went with the old daemon, so its events are
-read from ``events.jsonl`` in its run dir and its result from ``result.json``; both
+read from its events file and its result from its result file (beside its run dir,
+out of its tools' reach: ``subagent.emit.record_paths``); both
 cancel paths still reach its tree). A stop the old daemon acknowledged is resumed at
 once, without a second cancel: path A again, path B with what is left of the grace
 counted from the original cancel, the original reason kept; a timeout keeps its
 wall-clock deadline, and so does a call awaiting approval (still answerable through the
-run's answer channel). A run whose runner is gone is what its complete ``result.json``
+run's answer channel). A run whose runner is gone is what its complete result file
 says it was (completed, failed, cancelled, with its tool records); only a run without a
 result is marked ``lost`` with its last partial result. Any leftovers are swept. Nothing
 terminal changes.
@@ -156,7 +157,7 @@ class Recovery:
     ) -> None:
         """The runner ended while no daemon watched: its complete result says what the run was."""
         run_id = run.run_id
-        # Its events after the old daemon died went to events.jsonl: keep them (tool records).
+        # Its events after the old daemon died went to its events file: keep them (tool records).
         await source.read_once(lambda item: self.lifecycle.on_event(run, source.tree, item))
         result = source.result()
         if isinstance(result, dict):

@@ -219,10 +219,16 @@ def _make_run_dir(path: Path) -> None:
 
 
 def remove_dir(path: Path) -> None:
-    """Remove a run directory, the short browser TMPDIR link that may point into it, and
-    its approval answer channel."""
+    """Remove a run directory, the short browser TMPDIR link that may point into it, its
+    approval answer channel and its runner's events and result files."""
+    from subagent.emit import record_paths
     from subagent.presets import release_run_dir
 
     release_run_dir(path)
     shutil.rmtree(path, ignore_errors=True)
     remove_channel(path)
+    for record in record_paths(path):
+        try:
+            record.unlink()
+        except FileNotFoundError:
+            pass

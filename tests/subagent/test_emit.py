@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from subagent.emit import Emitter, set_log_levels
+from subagent.emit import Emitter, open_records, record_paths, set_log_levels
 from subagent.events import MAX_EVENT_LINE_BYTES, EventKind, decode_event_line, decode_result
 
 
@@ -41,26 +41,39 @@ def test_an_event_is_one_decodable_line(tmp_path: Path) -> None:
     os.close(w)
 
 
+def records(tmp_path: Path) -> tuple[Path, tuple[int, int]]:
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir()
+    fds = open_records(run_dir)
+    assert fds is not None
+    return run_dir, fds
+
+
 def test_an_oversized_event_is_cut_to_fit_a_line(tmp_path: Path) -> None:
     r, w = _pipe()
-    os.close(r)  # nobody reads: events go to the fallback file
-    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    os.close(r)  # nobody reads: events go to the events file
+    run_dir, fds = records(tmp_path)
+    e = Emitter(run_dir, records=fds, err_fd=w, out_fd=w)
     huge = "x" * (MAX_EVENT_LINE_BYTES * 2)
     e.emit(EventKind.STEP_SNAPSHOT, step=1, progress=huge, tool_calls=[{"output": huge}], _id="r")
     assert e.stderr_broken
-    (line,) = (tmp_path / "events.jsonl").read_bytes().splitlines()
+    (line,) = record_paths(run_dir)[0].read_bytes().splitlines()
     assert len(line) < MAX_EVENT_LINE_BYTES
     assert json.loads(line)["progress"].endswith("...[cut]")
     os.close(w)
 
 
-def test_the_result_goes_to_stdout_and_atomically_to_the_run_dir(tmp_path: Path) -> None:
+def test_the_result_goes_to_stdout_and_to_the_result_file_beside_the_run_dir(tmp_path: Path) -> None:
     r, w = _pipe()
-    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    run_dir, fds = records(tmp_path)
+    events, result = record_paths(run_dir)
+    assert (events.parent, result.parent) == (tmp_path, tmp_path)  # out of the run dir: its tools'
+    result.write_bytes(b"x" * 100_000)  # longer than the result: replaced whole
+    e = Emitter(run_dir, records=fds, err_fd=w, out_fd=w)
     e.result({"status": "completed", "final_text": "ok"})
     assert decode_result(_read_all(r))["final_text"] == "ok"  # type: ignore[index]
-    assert decode_result((tmp_path / "result.json").read_bytes())["status"] == "completed"  # type: ignore[index]
-    assert not list(tmp_path.glob(".*tmp"))
+    assert decode_result(result.read_bytes())["status"] == "completed"  # type: ignore[index]
+    assert os.get_inheritable(fds[0]) is False and os.get_inheritable(fds[1]) is False  # no tool gets them
     os.close(r)
     os.close(w)
 
@@ -68,9 +81,10 @@ def test_the_result_goes_to_stdout_and_atomically_to_the_run_dir(tmp_path: Path)
 def test_a_broken_stdout_does_not_lose_the_result_file(tmp_path: Path) -> None:
     r, w = _pipe()
     os.close(r)
-    e = Emitter(tmp_path, err_fd=w, out_fd=w)
+    run_dir, fds = records(tmp_path)
+    e = Emitter(run_dir, records=fds, err_fd=w, out_fd=w)
     e.result({"status": "cancelled"})
-    assert decode_result((tmp_path / "result.json").read_bytes())["status"] == "cancelled"  # type: ignore[index]
+    assert decode_result(record_paths(run_dir)[1].read_bytes())["status"] == "cancelled"  # type: ignore[index]
     os.close(w)
 
 
@@ -78,10 +92,11 @@ def test_an_oversized_result_is_cut_to_fit_and_says_so(tmp_path: Path) -> None:
     from subagent import emit
 
     out = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)  # a file: nobody needs to read it
-    e = Emitter(tmp_path, err_fd=out, out_fd=out)
+    run_dir, fds = records(tmp_path)
+    e = Emitter(run_dir, records=fds, err_fd=out, out_fd=out)
     huge = "y" * (emit.MAX_RESULT_BYTES + 10)
     e.result({"status": "completed", "messages": [{"role": "tool", "content": huge}]})
-    data = (tmp_path / "result.json").read_bytes()
+    data = record_paths(run_dir)[1].read_bytes()
     assert len(data) <= emit.MAX_RESULT_BYTES
     decoded = decode_result(data)
     assert decoded["result_truncated"] is True and decoded["status"] == "completed"  # type: ignore[index]

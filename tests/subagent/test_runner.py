@@ -13,6 +13,7 @@ import psutil
 import pytest
 import trio
 
+from subagent.emit import record_paths
 from subagent.events import EventKind, ExitCode, ToolCallState, decode_result
 from tests.subagent.harness import runner_env, spec, start_runner
 
@@ -59,8 +60,8 @@ async def test_scripted_run_calls_run_command_twice_and_completes(tmp_path: Path
     groups = r.of(EventKind.PROCESS_GROUP)
     assert [g.data["alive"] for g in groups] == [True, False, True, False]
     assert all(g.data["kind"] == "command" for g in groups)
-    # The result is also in the run dir, identical.
-    on_disk = decode_result((r.run_dir / "result.json").read_bytes())
+    # The result is also in its result file (beside the run dir), identical.
+    on_disk = decode_result(record_paths(r.run_dir)[1].read_bytes())
     assert on_disk == result
     assert not r.of(EventKind.LOG), [e.data for e in r.of(EventKind.LOG)]  # a clean run is quiet
     # The history gives every tool call a result.
@@ -403,7 +404,7 @@ async def test_a_command_leaves_nothing_behind(tmp_path: Path) -> None:
     # The setsid escaper is found by its marker; conftest fails the test if anything is left.
 
 
-async def test_events_go_to_the_run_dir_when_stderr_is_broken(tmp_path: Path) -> None:
+async def test_events_go_to_the_events_file_when_stderr_is_broken(tmp_path: Path) -> None:
     flag = tmp_path / "run" / "go"
     command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo ok"
     script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
@@ -418,10 +419,11 @@ async def test_events_go_to_the_run_dir_when_stderr_is_broken(tmp_path: Path) ->
             await r.proc.wait()
             await r.stdout_eof.wait()
     assert r.proc.returncode == ExitCode.COMPLETED
-    lines = (r.run_dir / "events.jsonl").read_text().splitlines()
+    events, result = record_paths(r.run_dir)
+    lines = events.read_text().splitlines()
     kinds = [json.loads(line)["event"] for line in lines]
     assert "step_snapshot" in kinds
-    assert decode_result((r.run_dir / "result.json").read_bytes())["status"] == "completed"
+    assert decode_result(result.read_bytes())["status"] == "completed"
 
 
 async def test_warm_runner_waits_for_its_spec_then_runs(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import trio
 
+from subagent.emit import record_paths
 from subagent.osedge import LINUX
 from subagent.sandbox import SANDBOX_ENV, Settings
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, PLACEHOLDER_MARKER, decode, encode
@@ -542,7 +543,7 @@ def test_a_spare_does_nothing_of_a_run_before_go_and_exits_when_the_daemon_hangs
         assert z.wait_exit(pid) == 0
         assert read_all(stdout_r) == b""  # no result: the run never started here
         assert not (run_dir / "ran").exists()
-        assert not (run_dir / "result.json").exists()
+        assert not record_paths(run_dir)[1].read_bytes()  # its result file: made, never written
         assert b"tool_call" not in read_all(stderr_r)  # nor any event of a step
         os.close(stdin_w)
 
