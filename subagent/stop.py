@@ -9,6 +9,11 @@ tool's own policy (``subagent.stop_policy``): the tool watches ``stopped`` and i
 abandons, cancels or finishes; an explicit ``interrupt_tool`` (a repeated SIGINT) ends it
 early whatever its policy. Pure trio, no signals here: the runner's main task turns
 SIGTERM into ``request("signal")``, the deadline task into ``request("timeout")``.
+
+A tool's start is one step with the check that no stop came (``starting``): a stop asked
+while a command is being spawned (the spawn yields to the loop, where the SIGTERM task
+runs) is applied once it is spawned, so the record never says that a tool started after
+the stop; the stop then reaches the running command through its policy.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class StopControl:
         # to do (synchronously) when a stop reaches it; both cleared by ``tool_done``.
         self.running_tool: dict[str, Any] | None = None
         self.on_stop_during_tool: Callable[[], None] | None = None
+        self._starting = 0  # tools being started (``starting``)
+        self._deferred: str | None = None  # a stop asked meanwhile: applied once it has
 
     @property
     def requested(self) -> bool:
@@ -60,6 +67,9 @@ class StopControl:
         escalate; escalation is ``interrupt_tool`` (a repeated SIGINT) or SIGKILL.
         """
         self.count += 1
+        if self._starting:
+            self._deferred = self._deferred or reason
+            return
         if self.reason is None:
             self.reason = reason
             self.stopped_at = trio.current_time()
@@ -71,6 +81,22 @@ class StopControl:
                 self.on_stop_during_tool()
             if self._model_scope is not None:
                 self._model_scope.cancel(reason=f"stop ({reason}) aborts the model request")
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """A tool's start: the caller checks ``stopped`` and starts the tool inside; a stop
+        asked in between is applied on the way out (the tool has started, or failed to).
+        Hold it for the start alone (a spawn), never for a wait."""
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
+            deferred = self._deferred if not self._starting else None
+            if deferred is not None:
+                self._deferred = None
+                self.count -= 1  # counted when it was asked
+                self.request(deferred)
 
     def interrupt_tool(self) -> bool:
         """Interrupt the running tool (its record says so). Returns whether one was running."""

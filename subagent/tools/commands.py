@@ -22,6 +22,7 @@ import posixpath
 import signal
 import subprocess
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -227,6 +228,7 @@ async def run_command(
     kill_grace_s: float = COMMAND_KILL_GRACE_S,
     cwd: str | None = None,
     extra_env: Mapping[str, str] | None = None,
+    starting: AbstractContextManager[None] | None = None,
 ) -> CommandOutcome:
     """Run one command to its end (or timeout, or interrupt) and report what happened.
 
@@ -235,31 +237,33 @@ async def run_command(
     (``not_started``); set while it runs and ``interrupt_on_stop``, it stops the command
     like the interrupt, its group then getting ``kill_grace_s`` between SIGTERM and
     SIGKILL. ``on_group(pgid, alive)`` is called when the group appears and when it is
-    gone.
+    gone. ``starting`` (``StopControl.starting``): held from the check of ``stop`` to the
+    spawn's end, so that a stop asked meanwhile finds the command started, not the reverse.
     """
-    if stop is not None and stop.is_set():
-        return CommandOutcome(None, None, "", False, not_started=True)
     marker = f"{os.getpid()}-cmd-{next(_seq)}"
     env = _child_env(marker)
     if extra_env:
         env.update(extra_env)
     captured = bytearray()
     total = 0
-    try:
-        proc = await trio.lowlevel.open_process(
-            ["/bin/sh", "-c", command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-            cwd=cwd,
-        )
-    except OSError as exc:
-        return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
-    pgid = proc.pid
-    ticks = leader_ticks(pgid)
-    on_group(pgid, True)
+    with starting if starting is not None else nullcontext():
+        if stop is not None and stop.is_set():
+            return CommandOutcome(None, None, "", False, not_started=True)
+        try:
+            proc = await trio.lowlevel.open_process(
+                ["/bin/sh", "-c", command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                cwd=cwd,
+            )
+        except OSError as exc:
+            return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
+        pgid = proc.pid
+        ticks = leader_ticks(pgid)
+        on_group(pgid, True)
     assert proc.stdout is not None
     stdout = proc.stdout
     eof = trio.Event()

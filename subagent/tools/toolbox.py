@@ -236,6 +236,7 @@ class ToolBox:
             interrupt_on_stop=interruptible,
             kill_grace_s=self.stop_policy.command_grace_s,
             on_group=lambda pgid, alive: self._on_group(pgid, alive, "command", command[:200], str(policy)),
+            starting=stop.starting(),
         )
         if outcome.not_started:
             return ToolOutcome(

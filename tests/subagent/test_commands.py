@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+from subagent.stop import StopControl
 from subagent.tools import commands
 from subagent.tools.commands import CommandOutcome, format_outcome, run_command
 
@@ -174,3 +176,42 @@ async def test_a_command_its_policy_lets_finish_runs_on_after_the_stop(tmp_path:
             go_on.touch()
     (out,) = result
     assert not out.by_stop and out.exit_code == 0 and out.output == "finished\n"
+
+
+@pytest.mark.parametrize("interrupt_on_stop", [False, True])
+async def test_a_stop_asked_while_the_command_spawns_finds_it_started(
+    monkeypatch: pytest.MonkeyPatch, interrupt_on_stop: bool
+) -> None:
+    # The spawn yields to the loop, where the runner's SIGTERM task runs: the stop asked
+    # then is applied once the command has started (never "a tool started after the
+    # stop"), and reaches it through its policy.
+    stop = StopControl()
+    real = trio.lowlevel.open_process
+    spawned_at: list[float] = []
+
+    async def spawning(*args: Any, **kwargs: Any) -> Any:
+        stop.request("signal")  # as the SIGTERM task would, mid-spawn
+        proc = await real(*args, **kwargs)
+        spawned_at.append(trio.current_time())
+        return proc
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", spawning)
+    with trio.fail_after(20):
+        out = await run_command(
+            "echo started; sleep 0.3; echo finished",
+            timeout_s=30,
+            max_output_bytes=1000,
+            interrupt=trio.CancelScope(),
+            on_group=lambda pgid, alive: None,
+            stop=stop.stopped,
+            interrupt_on_stop=interrupt_on_stop,
+            kill_grace_s=1.0,
+            starting=stop.starting(),
+        )
+    assert stop.reason == "signal" and stop.count == 1
+    assert stop.stopped_at is not None and stop.stopped_at >= spawned_at[0]
+    assert not out.not_started and out.output.startswith("started\n")
+    if interrupt_on_stop:
+        assert out.by_stop and "finished" not in out.output
+    else:
+        assert not out.by_stop and out.exit_code == 0 and out.output == "started\nfinished\n"
