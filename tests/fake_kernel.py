@@ -90,7 +90,8 @@ class FakeKernel:
         self.cmdlines.pop(pid, None)
 
     def signals(self, sig: int | None = None) -> list[tuple[float, str, int | str]]:
-        return [(s.at, s.how, s.target) for s in self.sent if sig is None or s.sig == sig]
+        """Signals sent (``sig``: of one kind); the SIGCONT after each SIGTERM only when asked."""
+        return [(s.at, s.how, s.target) for s in self.sent if (s.sig != 18 if sig is None else s.sig == sig)]
 
     def _deliver(self, pid: int, sig: int) -> None:
         if sig == 0:

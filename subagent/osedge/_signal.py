@@ -5,14 +5,18 @@ time was read again and found unchanged: once the pidfd is open, it names that p
 for good, whoever takes the pid later. A group is signalled by number (``killpg``): the
 caller checks that the group is still the one it learned (``ProcessTable.live_groups``).
 Never signalled: group 0 or 1, the caller's own group or session, a cgroup holding the
-caller. Every outcome is a ``Delivery`` value, never an exception.
+caller. Every outcome is a ``Delivery`` value, never an exception. A SIGTERM is followed
+by a SIGCONT (a stopped process acts on it).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from subagent.osedge._kernel import Proc, ProcessId
 from subagent.osedge._table import ProcessTable
@@ -20,6 +24,11 @@ from subagent.osedge._table import ProcessTable
 __all__ = ["Delivery", "signal_process", "signal_group", "group_exists", "kill_cgroup", "open_pidfd"]
 
 logger = logging.getLogger(__name__)
+
+# A SIGTERM is followed by a SIGCONT, as kill(1) and systemd do: a stopped process (SIGSTOP)
+# that handles SIGTERM, a runner, would otherwise sit on it until the grace ran out.
+_SIGTERM: Final = int(getattr(signal, "SIGTERM", 15))
+_SIGCONT: Final = int(getattr(signal, "SIGCONT", 18))
 
 
 class Delivery(enum.StrEnum):
@@ -65,11 +74,15 @@ def signal_process(table: ProcessTable, ident: ProcessId | Proc, sig: int) -> De
             return Delivery.GONE
         except PermissionError:
             return Delivery.EPERM
+        if sig == _SIGTERM:
+            _quietly(kernel.kill, ident.pid, _SIGCONT)
         return Delivery.SENT
     if fd is None:
         return Delivery.GONE
     try:
         kernel.pidfd_send_signal(fd, sig)
+        if sig == _SIGTERM:
+            _quietly(kernel.pidfd_send_signal, fd, _SIGCONT)
     except ProcessLookupError:
         return Delivery.GONE
     except PermissionError:
@@ -89,6 +102,8 @@ def signal_group(table: ProcessTable, pgid: int, sig: int) -> Delivery:
         return Delivery.REFUSED
     try:
         table.kernel.killpg(pgid, sig)
+        if sig == _SIGTERM:
+            _quietly(table.kernel.killpg, pgid, _SIGCONT)
     except ProcessLookupError:
         return Delivery.GONE
     except PermissionError:
@@ -132,3 +147,11 @@ def kill_cgroup(table: ProcessTable, path: Path, sig: int = 9) -> Delivery:
         logger.warning("cgroup %s: cgroup.kill failed: %s", path, exc)
         return Delivery.ERROR
     return Delivery.SENT
+
+
+def _quietly(send: Callable[[int, int], None], target: int, sig: int) -> None:
+    """A follow-up signal (SIGCONT): the target may be gone by now; that is no failure."""
+    try:
+        send(target, sig)
+    except OSError:
+        pass

@@ -387,6 +387,33 @@ async def test_soft_stop_is_idempotent_and_harmless_on_a_dead_tree(make_containm
     assert receipt.leader == "gone" and receipt.survivors == []
 
 
+async def test_soft_stop_wakes_a_stopped_runner_to_act_on_its_sigterm(
+    make_containment: MakeContainment, tmp_path: Path
+) -> None:
+    # A runner handles SIGTERM (its stop); stopped (SIGSTOP), it would sit on the signal
+    # until path B killed it at the end of the grace, its partial results lost. Path A's
+    # SIGCONT after the SIGTERM lets it stop as it should.
+    c = make_containment(SUBREAPER_SWEEP)
+    acted = tmp_path / "acted"
+    code = (
+        "import signal, sys\n"
+        f"def stop(*a):\n    open({str(acted)!r}, 'w').write('stop')\n    sys.exit(7)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', flush=True)\n"
+        "while True: signal.pause()\n"
+    )
+    tree = await spawn_argv([sys.executable, "-c", code], c)
+    assert await read_line(tree) == b"ready"
+    os.kill(tree.pid, signal.SIGSTOP)
+    with trio.fail_after(10):  # only waits for a stop it was sent; no signal of ours wakes it
+        while LINUX.stat(tree.pid).state != "T":  # type: ignore[union-attr]
+            await trio.sleep(0.01)
+    assert process.soft_stop(tree) == [f"SIGTERM group {tree.pgid}: sent"]
+    with trio.fail_after(5):  # not the grace: its own handler ends it
+        assert await tree.process.wait() == 7
+    assert acted.read_text() == "stop"
+
+
 async def test_soft_stop_reaches_known_groups_once_the_runner_is_gone(make_containment: MakeContainment) -> None:
     c = make_containment(SUBREAPER_SWEEP)
     # The leader starts a helper in a session of its own (as the mcp SDK does for its
@@ -766,9 +793,11 @@ async def test_a_stopped_chromium_with_its_helper_sessions_is_ended(
     sessions = {LINUX.stat(pid).sid for pid in members}  # type: ignore[union-attr]
     assert len(members) >= 3 and len(sessions) >= 2  # crashpad lives in sessions of its own
     ident = identities({str(pid): pid for pid in members})
-    for pid in members:  # frozen: SIGTERM cannot end any of it
+    for pid in members:  # frozen: a SIGTERM alone would wait for a SIGCONT
         os.kill(pid, signal.SIGSTOP)
     with trio.fail_after(GRACE_S + 6):
         receipt = await process.terminate_and_kill(tree, grace_s=GRACE_S)
-    assert receipt.escalated and receipt.survivors == []
+    # The SIGCONT after the SIGTERM wakes them to act on it (what still runs at the end of
+    # the grace is killed).
+    assert receipt.survivors == [] and receipt.tree_dead_at is not None
     assert running(ident) == {}

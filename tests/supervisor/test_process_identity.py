@@ -43,7 +43,9 @@ def test_soft_stop_signals_only_groups_that_are_provably_the_trees(autojump_cloc
     assert process.soft_stop(tree) == ["SIGTERM group 100: sent", "SIGTERM group 200: sent"]
     assert [(how, g, sig) for _, how, g, sig in ((s.at, s.how, s.target, s.sig) for s in k.sent)] == [
         ("group", 100, signal.SIGTERM),
+        ("group", 100, signal.SIGCONT),  # a stopped process acts on the SIGTERM too
         ("group", 200, signal.SIGTERM),
+        ("group", 200, signal.SIGCONT),
     ]
 
 
