@@ -204,6 +204,9 @@ class Lifecycle:
                 record = data.get("record")
                 if isinstance(record, dict) and "id" in record:
                     await book.write(run, "tool call", lambda j: j.upsert_tool_call(run.run_id, record), True)
+            elif kind == EventKind.STEERING:
+                if data.get("state") == "queued" and isinstance(data.get("text"), str):
+                    run.steers_read.append(data["text"])
             elif kind == EventKind.STEP_SNAPSHOT:
                 # The partial-result cache: a stale writer's _id does not match; a
                 # terminal run keeps its result.
@@ -226,9 +229,12 @@ class Lifecycle:
     ) -> None:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
+        unread = await self._unread_steering(run)
         if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
             full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
         if isinstance(result, dict):
+            if unread:
+                result = {**result, "unapplied_steering": [*(result.get("unapplied_steering") or []), *unread]}
             await self._take_result_records(run, result)
             await self._add_tool_stops(run, full_receipt, result.get("tool_calls"))
             status = result.get("status")
@@ -275,6 +281,25 @@ class Lifecycle:
             error=error,
             receipt=full_receipt,
         )
+
+    async def _unread_steering(self, run: Run) -> list[str]:
+        """Steering written to the runner's input that it never read (it had stopped
+        reading as the run ended): reported unapplied, as the runner reports what it read
+        and never applied (a ``steering`` event, and the result's ``unapplied_steering``)."""
+        read: dict[str, int] = {}
+        for text in run.steers_read:
+            read[text] = read.get(text, 0) + 1
+        unread = []
+        for text in run.steers_sent:
+            if read.get(text, 0) > 0:
+                read[text] -= 1
+            else:
+                unread.append(text)
+        for text in unread:
+            await self.book.record(
+                run, str(EventKind.STEERING), {"state": "unapplied", "text": text, "step": None, "unread": True}
+            )
+        return unread
 
     async def _take_result_records(self, run: Run, result: dict[str, Any]) -> None:
         for record in result.get("tool_calls") or []:

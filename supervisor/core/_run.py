@@ -47,6 +47,10 @@ class Run:
     done: trio.Event = field(default_factory=trio.Event)
     stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
+    # Steering written to its stdin, and what its runner said it read (``steering`` queued):
+    # what it never read is reported unapplied at its end (``Lifecycle.conclude``).
+    steers_sent: list[str] = field(default_factory=list)
+    steers_read: list[str] = field(default_factory=list)
     # This run's own model API key: for its runner's environment only, never journaled.
     model_key: Secret | None = field(default=None, repr=False)
     last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)

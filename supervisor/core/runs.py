@@ -36,6 +36,7 @@ from typing import Any, Final, cast
 
 import trio
 
+from subagent.steering import MAX_STEER_LINE_BYTES
 from supervisor.config import Config
 from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
 from supervisor.core._lifecycle import Lifecycle
@@ -368,6 +369,12 @@ class RunManager:
         (``accepted: false``), and input the runner never applied is reported in its
         result's ``unapplied_steering`` and ``steering`` events.
         """
+        line = (json.dumps({"steer": text}) + "\n").encode()
+        if len(line) > MAX_STEER_LINE_BYTES:
+            raise ControlProtocolError(
+                ErrorCode.BAD_ARGS,
+                f"steering text too long: {len(line)} bytes as sent to the runner (at most {MAX_STEER_LINE_BYTES})",
+            )
         run = self._live.get(run_id)
         if run is None:
             row = await self.journal.get_run(run_id)
@@ -375,13 +382,19 @@ class RunManager:
                 raise RunNotFound(run_id)
             return {"run_id": run_id, "accepted": False, "state": row["state"], "why": "the run has ended"}
         if run.token.cancelled or run.stdin is None:
-            why = "a stop is under way" if run.token.cancelled else "the runner is not reading input yet"
+            if run.token.cancelled:
+                why = "a stop is under way"
+            elif run.readopted:
+                why = "its runner was found again after a daemon restart: its input went with the old daemon"
+            else:
+                why = "the runner is not reading input yet"
             return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": why}
-        line = (json.dumps({"steer": text}) + "\n").encode()
+        run.steers_sent.append(text)  # before the send: the run's end may come during it
         try:
             async with run.stdin_lock:
                 await run.stdin.send_all(line)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
+            run.steers_sent.pop()
             return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": "the runner closed its input"}
         await self.book.record(run, "steer_sent", {"text": text})
         return {"run_id": run_id, "accepted": True, "state": str(run.state)}

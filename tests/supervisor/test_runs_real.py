@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import trio
 from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
+from supervisor.errors import ControlProtocolError
 
 
 @pytest.fixture
@@ -126,3 +129,24 @@ async def test_the_runs_id_reaches_its_commands_cold_or_warm(tmp_path: Path, poo
             stop.set()
     assert st["state"] == "completed"
     assert f"id={r['run_id']}" in st["tool_calls"][0]["output"]
+
+
+async def test_steering_its_runner_never_read_is_reported_unapplied(manager: RunManager) -> None:
+    # A steer written to the runner's input as the run ends (here: the runner is frozen,
+    # then dies) reached no one: it is reported unapplied, not lost behind `accepted`.
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_kind(manager, rid, command_started)
+        pid = (await manager.status(rid))["pid"]
+        os.kill(pid, signal.SIGSTOP)  # the runner this test's daemon started
+        reply = await manager.steer(rid, "never read")
+        os.kill(pid, signal.SIGKILL)
+        st = await manager.wait_terminal(rid)
+        with pytest.raises(ControlProtocolError, match="too long"):
+            await manager.steer(rid, "x" * 300_000)  # refused whole, whatever the run's state
+    assert reply["accepted"] is True
+    assert (st["state"], st["reason"]) == ("failed", "runner_died")
+    events = await manager.events_after(rid, 0)
+    steering = [e["data"] for e in events if e["kind"] == "steering"]
+    assert steering == [{"state": "unapplied", "text": "never read", "step": None, "unread": True}]
