@@ -48,7 +48,7 @@ from supervisor.core.recovery import Recovery
 from supervisor.core.sessions import SessionDesk
 from supervisor.core.token import CancelToken
 from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
-from supervisor.protocol import ErrorCode, Secret
+from supervisor.protocol import MAX_ID_CHARS, ErrorCode, Secret
 from supervisor.states import RunState
 from supervisor.store.journal import Journal
 from supervisor.trees import process
@@ -183,6 +183,12 @@ class RunManager:
             spec["session_id"] = session_id
         else:
             session_id = spec.get("session_id")
+            if session_id is not None and (
+                not isinstance(session_id, str) or not session_id.strip() or len(session_id) > MAX_ID_CHARS
+            ):
+                # As the request's own session_id is checked (``protocol``): a session that
+                # could never be closed, read or cancelled by its id is refused here.
+                raise SpawnError(f"invalid run spec: session_id: a non-empty string of at most {MAX_ID_CHARS} chars")
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
         if "session" in spec:

@@ -25,7 +25,8 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
 
@@ -131,12 +132,20 @@ class SessionDesk:
         self._locks: dict[str, trio.Lock] = {}
         self.root = config.state_dir / SESSIONS_DIR
 
-    def lock(self, session_id: str) -> trio.Lock:
-        """Held while a session's turns are decided (a new turn, an interrupt, a close)."""
+    @asynccontextmanager
+    async def lock(self, session_id: str) -> AsyncIterator[None]:
+        """Held while a session's turns are decided (a new turn, an interrupt, a close).
+        A session's lock exists while someone holds it or waits for it: requests naming
+        sessions that never were leave nothing behind."""
         lock = self._locks.get(session_id)
         if lock is None:
             lock = self._locks[session_id] = trio.Lock()
-        return lock
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0 and self._locks.get(session_id) is lock:
+                del self._locks[session_id]
 
     def profile_path(self, session_id: str) -> Path:
         return self.root / session_key(session_id) / PROFILE_DIR

@@ -18,8 +18,9 @@ import trio
 
 from supervisor.config import Config
 from supervisor.core.runs import RunManager
+from supervisor.core.sessions import SessionNotFound
 from supervisor.daemon import serve
-from supervisor.errors import RunNotFound
+from supervisor.errors import RunNotFound, SpawnError
 
 CHILDREN = Path(__file__).parent.parent / "children"
 FAKE = [sys.executable, str(CHILDREN / "fake_runner.py")]
@@ -298,3 +299,19 @@ async def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: Daemon) 
 
     with pytest.raises(DaemonAlreadyRunning, match="already using state dir"):
         await serve(daemon.config, stop=trio.Event())
+
+
+async def test_a_spec_session_id_is_held_to_the_requests_limits(daemon: Daemon) -> None:
+    # A session that could never be closed, read or cancelled by its id is refused at spawn.
+    for bad in ("S" * 257, "  ", 5):
+        with pytest.raises(SpawnError, match="session_id"):
+            await daemon.m.spawn({**task(wait=False), "session_id": bad})
+
+
+async def test_requests_naming_sessions_that_never_were_leave_no_lock_behind(daemon: Daemon) -> None:
+    for n in range(50):
+        with pytest.raises(SessionNotFound):
+            await daemon.m.close_session(f"never-{n}")
+    r = await daemon.m.spawn(task(wait=False), session_id="real")
+    await daemon.m.wait_terminal(r["run_id"])
+    assert daemon.m.session_desk._locks == {}
