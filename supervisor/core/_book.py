@@ -221,6 +221,13 @@ class RunBook:
                 elif not self.backlog.pending(run.run_id):
                     row = await self.journal.get_run(run.run_id)
                     if row is not None:
+                        if row["state"] not in TERMINAL_STATES:
+                            logger.error(
+                                "run %s: its end (%s) was refused in state %s; it stays as it is",
+                                run.run_id,
+                                state,
+                                row["state"],
+                            )
                         run.state = RunState(row["state"])
             except Exception:
                 logger.exception("run %s: writing its end failed", run.run_id)

@@ -240,6 +240,10 @@ class Lifecycle:
             status = result.get("status")
             if status == RunStatus.COMPLETED:
                 state = RunState.COMPLETED
+                if run.state == RunState.STARTING:
+                    # Its runner ran (it left a result) though its `runner_started` never
+                    # reached a daemon (it was in the pipe of one that died): say so first.
+                    await self.book.transition(run, RunState.RUNNING)
             elif status == RunStatus.CANCELLED:
                 state = RunState.CANCELLED
             else:

@@ -38,10 +38,28 @@ def _hold_at_spare_go(stop_the_spare: bool) -> None:
     zygote.Spare.go = hold  # type: ignore[method-assign,assignment]
 
 
+def _hold_after_spare_go() -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT=spare_let_go``): the spare gets its ``go``;
+    then print ``at spare_let_go`` and hold for good, before the run's supervision reads
+    any of its events (they stay in its pipes, which die with this daemon)."""
+    from supervisor.trees import zygote
+
+    let_go = zygote.Spare.go
+
+    async def hold(spare: zygote.Spare) -> None:
+        await let_go(spare)
+        print("at spare_let_go", flush=True)
+        await trio.sleep_forever()
+
+    zygote.Spare.go = hold  # type: ignore[method-assign,assignment]
+
+
 async def main(state_dir: str) -> None:
     hold_at = os.environ.get("AGENTD_TEST_HOLD_AT")
     if hold_at in ("spare_go", "spare_go_stopped"):
         _hold_at_spare_go(hold_at == "spare_go_stopped")
+    elif hold_at == "spare_let_go":
+        _hold_after_spare_go()
     config = Config.load(state_dir=state_dir)
     async with trio.open_nursery() as n:
         info = await n.start(serve, config)

@@ -45,17 +45,21 @@ async def spare_ready(c: Client) -> int:
             await trio.sleep(0.02)
 
 
-async def spawn_and_kill(c: Client, d: Daemon, command: str) -> str:
+async def spawn_and_kill(
+    c: Client, d: Daemon, command: str, *, at: bytes = b"at spare_go\n", before_kill: Any = None
+) -> str:
     """Spawn; once the daemon holds at the spare's ``go`` (the run's start journaled, the
     spare waiting at its gate), SIGKILL it. The run's id (its spawn was acknowledged)."""
     run_id = str((await c.ok("spawn", spec=spec(command)))["run_id"])
     assert d.proc.stdout is not None
     buf = b""
     with trio.fail_after(30):
-        while b"at spare_go\n" not in buf:
+        while at not in buf:
             chunk = await d.proc.stdout.receive_some()
             assert chunk, f"the daemon exited: {d.log_text()[-3000:]}"
             buf += chunk
+    if before_kill is not None:
+        await before_kill()
     await c.ws.aclose()
     d.proc.kill()  # SIGKILL: no cleanup at all
     await d.proc.wait()
@@ -119,3 +123,31 @@ async def test_a_spare_found_alive_at_its_gate_is_readopted_and_its_run_ends_los
                 os.kill(spare, signal.SIGCONT)  # never left stopped, whatever failed
             except ProcessLookupError:
                 pass
+
+
+async def test_a_run_whose_start_event_died_with_the_daemon_is_what_its_result_says(tmp_path: Path) -> None:
+    """The spare got its ``go`` and ran its run to the end while the daemon held before
+    reading any of its events (its ``runner_started`` died in the pipe with the daemon):
+    the journal still says ``starting``. The restarted daemon takes its result: completed
+    (running first), not a run stuck in ``starting`` or one that "did nothing"."""
+    state = tmp_path / "state"
+    with trio.fail_after(120):
+        async with real_daemon(state, env={**ENV, "AGENTD_TEST_HOLD_AT": "spare_let_go"}) as d1:
+            async with d1.connect() as c:
+                spare = await spare_ready(c)
+
+                async def run_ended() -> None:
+                    await exited(spare, timeout_s=30)  # its result written; its events in the pipe
+
+                acknowledged = await spawn_and_kill(
+                    c, d1, "echo it ran", at=b"at spare_let_go\n", before_kill=run_ended
+                )
+        async with real_daemon(state, env=ENV) as d2, d2.connect() as c:
+            st = await the_run(c, acknowledged)
+            events = (await c.ok("events", run_id=acknowledged, after_seq=0))["events"]
+    assert (st["state"], st["live"]) == ("completed", False), st
+    assert st["result"]["final_text"] == "done"
+    (call,) = st["tool_calls"]
+    assert call["state"] == "succeeded" and "it ran" in call["output"]
+    states = [e["data"]["state"] for e in events if e["kind"] == "state"]
+    assert states == ["queued", "starting", "running", "completed"], states
