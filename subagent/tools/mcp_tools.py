@@ -194,13 +194,20 @@ async def start_server(
         why = (exc.strerror or str(exc)) if exc is not None else "no process"
         raise McpSetupError(name, f"cannot start {spec.command!r}: {why}{_tail(server)}")
 
+    starting = trio.CancelScope()  # the handshake: garbage ends it at once
+
     async def on_message(message: Any) -> None:
         if isinstance(message, Exception):
             line = _bad_line_text(message)
             server.protocol_errors.append(line)
             logger.error("mcp server %r wrote a non-JSON-RPC line on stdout: %s", name, line)
+            starting.cancel(reason="a non-JSON-RPC line during the server's startup")
 
-    params = StdioServerParameters(command=spec.command, args=list(spec.args), cwd=spec.cwd)
+    # Bytes no UTF-8 holds become U+FFFD: a line of them is garbage like any other (a
+    # protocol error reported as such), not a reader that dies with the handshake.
+    params = StdioServerParameters(
+        command=spec.command, args=list(spec.args), cwd=spec.cwd, encoding_error_handler="replace"
+    )
     token = _handover.set(spawned.process)
     try:
         # The contexts outlive this call, so no cancel scope of ours may wrap their entry.
@@ -210,7 +217,7 @@ async def start_server(
         read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=errlog))  # type: ignore[arg-type]
         server.tap = _OutboundTap(write)
         session = await stack.enter_async_context(ClientSession(read, server.tap, message_handler=on_message))
-        with abortable("setup") as abort:
+        with abortable("setup") as abort, starting:
             with trio.fail_after(MCP_START_TIMEOUT_S):
                 await session.initialize()
                 listed = await session.list_tools()

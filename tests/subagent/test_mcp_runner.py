@@ -228,3 +228,14 @@ async def test_a_run_in_python_dev_mode_leaks_nothing(tmp_path: Path) -> None:
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED, result
     assert not r.of(EventKind.LOG), [e.data["message"][:300] for e in r.of(EventKind.LOG)]
+
+
+async def test_a_server_that_writes_bytes_no_utf8_holds_is_tool_protocol_at_once(tmp_path: Path) -> None:
+    # Invalid UTF-8 on the protocol channel is garbage like any other: a clear
+    # tool_protocol error, not the SDK's reader dying and the handshake's 30 s timeout.
+    code = "import sys, time; sys.stdout.buffer.write(b'\\xff\\xfebad\\n'); sys.stdout.flush(); time.sleep(60)"
+    servers = {"junk": {"command": sys.executable, "args": ["-c", code]}}
+    async with start_runner(spec(script={"final": "x"}, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish(timeout_s=20)
+    assert rc == ExitCode.TOOL_PROTOCOL, result
+    assert result["reason"] == "tool_protocol" and "junk" in result["error"]["message"]
