@@ -1,8 +1,9 @@
 """The runner's only writer of stderr and stdout.
 
 Invariants: every stderr line is one JSON event (``events.encode_event``), written whole
-and at once (``os.write`` loop on fd 2); once stderr is broken (the daemon died) the
-runner keeps going and appends events to its *events file* instead;
+and at once (``os.write`` loop on fd 2), and appended to its *events file* as well: what a
+daemon that died had not read from the pipe yet is not lost (the next daemon takes from
+the file what its journal lacks); once stderr is broken the runner keeps going on the file;
 Python logging, warnings, unraisable exceptions and stray writes to ``sys.stderr`` become
 ``log`` events, so nothing else can reach fd 2; a line never exceeds
 ``MAX_EVENT_LINE_BYTES`` (long strings in it are cut). The result goes to stdout once and is
@@ -107,16 +108,15 @@ class Emitter:
             line = encode_event(Event(kind=event_kind, ts=event.ts, data=_shrink(data, cap)))
             cap //= 2
         with self._lock:
+            self._append_record(line)  # first: the pipe's copy may die with its daemon
             if not self._stderr_broken:
                 try:
                     _write_all(self._err_fd, line)
-                    return
                 except (BrokenPipeError, OSError):
                     # The daemon is gone (EPIPE) or fd 2 is unusable: keep running, keep a record.
                     self._stderr_broken = True
-            self._append_fallback(line)
 
-    def _append_fallback(self, line: bytes) -> None:
+    def _append_record(self, line: bytes) -> None:
         if self._records is None:
             return
         try:

@@ -1,7 +1,7 @@
 """Where a run's events and result come from: its pipes, or its run directory's files.
 
-A runner writes its events on stderr (and, once stderr is broken, in its events file),
-and its result in its result file, then on stdout. Both files lie beside its run
+A runner writes its events on stderr and appends them to its events file, and writes its
+result in its result file, then on stdout. Both files lie beside its run
 directory, out of its tools' reach (``subagent.emit.record_paths``): a file a tool wrote
 never passes for the runner's result or events. The run lifecycle
 (``supervisor.core._lifecycle``) reads them through an ``EventSource``:
@@ -10,7 +10,8 @@ never passes for the runner's result or events. The run lifecycle
   events come from stderr and the result from stdout, each pipe read until EOF, or for at
   most ``DRAIN_AFTER_EXIT_S`` after the runner exited (a descendant may hold it open);
 - ``FileSource``: a runner re-adopted after a daemon restart (its pipes went with the old
-  daemon): events are read from its events file as it grows (an inotify event, not a
+  daemon): events are read from its events file as it grows, less those the journal
+  holds already (the old daemon's, or an earlier re-adoption's: ``journaled``) (an inotify event, not a
   poll, where the kernel has inotify) until the runner is gone, and the result from
   its result file; there is no exit status.
 
@@ -19,9 +20,10 @@ Either way ``pump`` returns by itself once the runner's output is complete.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -35,7 +37,7 @@ from supervisor.core.progress import LineSplitter
 from supervisor.trees import process
 from supervisor.trees._handles import AdoptedTree, AnyTree, Tree
 
-__all__ = ["EventSource", "PipeSource", "FileSource", "read_result_file", "MAX_RESULT_BYTES"]
+__all__ = ["EventSource", "PipeSource", "FileSource", "event_key", "read_result_file", "MAX_RESULT_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,11 @@ class EventSource(Protocol):
     def annotate(self, receipt: dict[str, Any]) -> None:
         """Add what the source saw to the stop receipt (pipes held open)."""
         ...
+
+
+def event_key(kind: str, ts: float, data: Mapping[str, Any]) -> tuple[str, float, str]:
+    """What tells a runner's event from another: its kind, its own time and its data."""
+    return kind, ts, json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def read_result_file(path: Path) -> dict[str, Any] | BadLine:
@@ -172,11 +179,15 @@ class PipeSource:
 class FileSource:
     """A runner re-adopted after a restart: its events file and its result file."""
 
-    def __init__(self, tree: AdoptedTree, run_dir: Path | None) -> None:
+    def __init__(
+        self, tree: AdoptedTree, run_dir: Path | None, *, journaled: Iterable[tuple[str, float, str]] = ()
+    ) -> None:
         self._tree = tree
         self._run_dir = run_dir
         self._offset = 0
         self._splitter = LineSplitter()
+        # Events the journal holds (``event_key``): skipped once each, never journaled twice.
+        self._journaled = collections.Counter(journaled)
 
     @property
     def tree(self) -> AdoptedTree:
@@ -197,6 +208,11 @@ class FileSource:
             return
         self._offset += len(data)
         for item in self._splitter.feed(data):
+            if isinstance(item, Event):
+                key = event_key(str(item.kind), item.ts, item.data)
+                if self._journaled[key] > 0:
+                    self._journaled[key] -= 1
+                    continue
             await on_item(item)
 
     async def pump(self, on_item: OnItem) -> None:

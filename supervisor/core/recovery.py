@@ -28,7 +28,7 @@ import trio
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
 from supervisor.core._run import Run
-from supervisor.core._sources import FileSource
+from supervisor.core._sources import FileSource, event_key
 from supervisor.core.token import CancelToken
 from supervisor.states import RunState
 from supervisor.trees import process
@@ -107,7 +107,7 @@ class Recovery:
             run.deadline = row["started_at"] + run.timeout_s  # a journal from before deadlines
         if row["cancel_reason"] is not None:
             _resume_stop_intent(run, row)
-        source = FileSource(found.tree, run.run_dir)
+        source = FileSource(found.tree, run.run_dir, journaled=await self._journaled(run_id))
         if found.leader_alive:
             logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
             self.book.live[run_id] = run
@@ -185,6 +185,15 @@ class Recovery:
             await book.write(run, "groups ended", lambda j: j.end_groups(run_id), 0)
         await book.record(run, "state", {"state": str(RunState.LOST), "partial": True})
         logger.warning("run %s: lost; swept %d leftover processes", run_id, len(swept))
+
+    async def _journaled(self, run_id: str) -> list[tuple[str, float, str]]:
+        """The run's journaled events, as ``event_key`` tells them apart."""
+        keys: list[tuple[str, float, str]] = []
+        after = 0
+        while page := await self.book.journal.events_after(run_id, after, limit=1000):
+            keys.extend(event_key(e["kind"], e["ts"], e["data"]) for e in page)
+            after = page[-1]["seq"]
+        return keys
 
 
 def _resume_stop_intent(run: Run, row: Any) -> None:

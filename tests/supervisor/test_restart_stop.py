@@ -236,3 +236,44 @@ async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next
             stop.set()
     assert (cancelled["state"], cancelled["reason"]) == ("cancelled", "user")
     assert lost["state"] == "lost"  # no stop was asked of it: its fate is unknown
+
+
+async def test_a_run_readopted_twice_has_each_of_its_events_journaled_once(tmp_path: Path) -> None:
+    """SIGKILLed twice while one run goes on: each restarted daemon takes from the run's
+    events file what its journal lacks, and only that (a second re-adoption journaled the
+    file again: every text doubled in the session's history)."""
+    state = tmp_path / "state"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    flags = [shared / "go1", shared / "go2"]
+
+    def gated(text: str, flag: Path) -> dict[str, Any]:
+        command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo {text}"
+        return {"text": text, "tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}
+
+    turns = [gated("first", flags[0]), gated("second", flags[1])]
+    spec = {
+        "task": "t",
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "done"}},
+        "sandbox": {"read": [str(shared)]},
+    }
+    with trio.fail_after(90):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await wait_call_running(c, rid, "call_1_1")
+            runner = (await c.call("status", run_id=rid))["pid"]
+            await kill9(d1, c)
+        flags[0].touch()  # on to its second step, with no daemon reading its pipe
+        async with daemon(state, grace_s=5.0) as (d2, c):
+            await wait_call_running(c, rid, "call_2_1")
+            await kill9(d2, c)
+        flags[1].touch()  # to its end, with no daemon again
+        await wait_gone(runner, 30)
+        async with daemon(state, grace_s=5.0) as (d3, c):
+            final = await c.call("status", run_id=rid)
+            events = (await c.call("events", run_id=rid, after_seq=0))["events"]
+    assert final["state"] == "completed", final
+    texts = [e["data"]["text"] for e in events if e["kind"] == "assistant_text"]
+    assert texts == ["first", "second", "done"], texts
+    keys = [(e["kind"], e["ts"], json.dumps(e["data"], sort_keys=True)) for e in events]
+    assert len(keys) == len(set(keys)), "an event journaled twice"
