@@ -494,18 +494,22 @@ class RunManager:
         async def record(run: Run, was_active: bool, first: bool) -> None:
             out[run.run_id] = await self._record_stop(run, reason, was_active, first)
 
-        async def ended(run_id: str) -> None:  # no live run: its stored state, or not found
-            try:
-                out[run_id] = await self.cancel(run_id, reason=reason)
-            except RunNotFound as exc:
-                out[run_id] = {"run_id": run_id, "error": {"code": str(ErrorCode.NOT_FOUND), "message": str(exc)}}
+        async def ended(run_ids: list[str]) -> None:  # no live run: its stored state, or not found
+            states = await self.journal.run_states(run_ids)  # one query for them all
+            for run_id in run_ids:
+                state = states.get(run_id)
+                if state is None:
+                    message = str(RunNotFound(run_id))
+                    out[run_id] = {"run_id": run_id, "error": {"code": str(ErrorCode.NOT_FOUND), "message": message}}
+                else:
+                    out[run_id] = {"run_id": run_id, "was_active": False, "state": state}
 
         async with trio.open_nursery() as n:
             for run, was_active, first in started:
                 n.start_soon(record, run, was_active, first)
-            for run_id in dict.fromkeys(run_ids):
-                if run_id not in live:
-                    n.start_soon(ended, run_id)
+            gone = [r for r in dict.fromkeys(run_ids) if r not in live]
+            if gone:
+                n.start_soon(ended, gone)
         return [out[r] for r in run_ids]
 
     async def status(self, run_id: str) -> dict[str, Any]:

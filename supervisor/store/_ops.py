@@ -651,6 +651,16 @@ class Store(SessionStoreMixin):
             runs = self._runs(conn, "WHERE id = ?", (run_id,))
         return runs[0] if runs else None
 
+    def run_states(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """The state of each of these runs that exists (one query per 500 ids)."""
+        out: dict[str, str] = {}
+        with self._read() as conn:
+            for i in range(0, len(run_ids), 500):
+                chunk = run_ids[i : i + 500]
+                rows = conn.execute(f"SELECT id, state FROM runs WHERE id IN ({_marks(chunk)})", chunk)
+                out.update((str(r[0]), str(r[1])) for r in rows)
+        return out
+
     def list_runs(self, limit: int, states: Sequence[RunState] | None, session_id: str | None) -> list[RunRecord]:
         clauses: list[str] = []
         params: list[object] = []

@@ -761,6 +761,11 @@ class Journal:
     async def get_run(self, run_id: str) -> RunRecord | None:
         return await self._call(lambda s: s.get_run(_text(run_id)))
 
+    async def run_states(self, run_ids: Iterable[str]) -> dict[str, str]:
+        """Run id -> state, for those of ``run_ids`` that exist: one call, however many."""
+        ids = [_text(r) for r in run_ids]
+        return await self._call(lambda s: s.run_states(ids))
+
     async def list_runs(
         self,
         *,

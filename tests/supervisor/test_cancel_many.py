@@ -135,3 +135,32 @@ async def test_path_b_counts_the_grace_from_the_cancel_not_from_when_it_got_to_r
     assert life._grace(run) == 7.0
     await trio.sleep(20.0)
     assert life._grace(run) == 0.0
+
+
+async def test_a_cancel_naming_thousands_of_ended_or_unknown_runs_asks_the_journal_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One query for every id that is not live (a hostile 10,000-id cancel once made 10,000
+    # journal round trips, and the stops of others waited behind them).
+    async for m in start_daemon(tmp_path, monkeypatch, grace_s=10.0):
+        with trio.fail_after(60):
+            (ended,) = await live_runs(m, 1)
+            await m.cancel(ended)
+            await m.wait_terminal(ended)
+            calls: list[int] = []
+            states = m.journal.run_states
+
+            async def counted(run_ids: Any) -> dict[str, str]:
+                calls.append(len(list(run_ids)))  # noqa: B023 - the loop runs once
+                return await states(run_ids)  # noqa: B023
+
+            async def one_by_one(run_id: str) -> Any:
+                raise AssertionError("a journal round trip per id")
+
+            monkeypatch.setattr(m.journal, "run_states", counted)
+            monkeypatch.setattr(m.journal, "get_run", one_by_one)
+            unknown = [f"r-unknown-{i}" for i in range(10_000)]
+            out = await m.cancel_many([ended, *unknown], reason="user")
+    assert calls == [10_001]
+    assert out[0] == {"run_id": ended, "was_active": False, "state": "cancelled"}
+    assert {o["error"]["code"] for o in out[1:]} == {"not_found"} and len(out) == 10_001
