@@ -30,7 +30,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -466,7 +466,7 @@ class _Connection:
             return await self._daemon_status()
         if isinstance(req, protocol.ListRequest):
             runs = await b.list_runs(limit=req.limit, state=req.state, session_id=req.session_id)
-            return {"runs": runs}
+            return {"runs": [summary_row(r) for r in runs]}
         if isinstance(req, protocol.EventsRequest):
             events, more = await _page(
                 self.backend, req.run_id, req.after_seq, req.limit, self.limits.events_reply_bytes
@@ -495,7 +495,10 @@ class _Connection:
         live: list[dict[str, Any]] = []
         for state in (s for s in RunState if s in LIVE_STATES):
             live.extend(
-                await self.backend.list_runs(limit=protocol.DEFAULT_LIST_LIMIT, state=str(state), session_id=None)
+                summary_row(r)
+                for r in await self.backend.list_runs(
+                    limit=protocol.DEFAULT_LIST_LIMIT, state=str(state), session_id=None
+                )
             )
         out: dict[str, Any] = {"daemon": self.server.daemon_info(), "live_runs": live}
         summary = getattr(self.backend, "summary", None)
@@ -707,6 +710,46 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+# A list row quotes this much of a run's task, final text or call arguments (chars).
+SUMMARY_TEXT_CHARS: Final = 1000
+SUMMARY_ARGS_CHARS: Final = 200
+
+
+def summary_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A run as ``list`` (and the daemon's ``status``) give it: its record less what only
+    ``status RUN`` gives (its spec beyond the task, its result beyond its status and steps,
+    its tool calls' outputs, its receipt). A full record carries every tool output and the
+    model's messages: a thousand of them made a reply of gigabytes."""
+
+    def short(value: Any, n: int) -> Any:
+        return value[:n] + "..." if isinstance(value, str) and len(value) > n else value
+
+    out = {k: v for k, v in row.items() if k not in ("spec", "result", "partial_snapshot", "receipt", "tool_calls")}
+    spec = row.get("spec")
+    out["spec"] = {"task": short(spec.get("task"), SUMMARY_TEXT_CHARS)} if isinstance(spec, Mapping) else None
+    result = row.get("result")
+    if isinstance(result, Mapping):
+        kept = {k: result[k] for k in ("status", "reason", "steps", "step") if k in result}
+        if "final_text" in result:
+            kept["final_text"] = short(result["final_text"], SUMMARY_TEXT_CHARS)
+        out["result"] = kept
+    else:
+        out["result"] = None
+    snapshot = row.get("partial_snapshot")
+    out["partial_snapshot"] = {"step": snapshot.get("step")} if isinstance(snapshot, Mapping) else None
+    calls = row.get("tool_calls")
+    out["tool_calls"] = [
+        {
+            **{k: c.get(k) for k in ("id", "name", "state", "step", "stop_effect") if k in c},
+            "arguments": short(c.get("arguments"), SUMMARY_ARGS_CHARS),
+        }
+        for c in (calls if isinstance(calls, list) else [])
+        if isinstance(c, Mapping)
+    ]
+    out["summary"] = True  # the whole record: status RUN
+    return out
 
 
 def _optional(backend: Any, name: str, what: str) -> Any:

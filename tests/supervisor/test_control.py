@@ -341,7 +341,7 @@ async def test_spawn_status_list_and_cancel(server: Server) -> None:
         assert server.backend.spawns[-1] == {"spec": {"task": "hello"}, "session_id": "s1", "timeout_s": 5.0}
         assert (await peer.ok("status", run_id=run_id))["state"] == "running"
         listed = await peer.ok("list", session_id="s1")
-        assert [r["run_id"] for r in listed["runs"]] == [run_id]
+        assert [r["run_id"] for r in listed["runs"]] == [run_id] and listed["runs"][0]["summary"] is True
         assert (await peer.ok("list", state="completed"))["runs"] == []
         first = await peer.ok("cancel", run_id=run_id, reason="user")
         assert first == {"run_id": run_id, "was_active": True, "state": "cancelled"}
@@ -690,3 +690,35 @@ def test_any_mix_of_reads_disconnects_and_dropped_subscribers_sees_every_event_o
             nursery.cancel_scope.cancel()
 
     run_trio(scenario)
+
+
+def test_a_list_row_is_the_runs_summary_not_its_outputs() -> None:
+    # A full record carries every tool output and the model's messages; a thousand of them
+    # made a list reply of gigabytes. A row keeps what a list shows.
+    big = "x" * 1_000_000
+    record = {
+        "id": "r-1",
+        "state": "completed",
+        "session_id": "s",
+        "created_at": 1.0,
+        "containment": "cgroup",
+        "spec": {"task": "count the files", "model": {"provider": "scripted", "script": {"final": big}}},
+        "result": {"status": "completed", "steps": 3, "final_text": "done", "messages": [{"content": big}]},
+        "partial_snapshot": {"step": 2, "progress": big},
+        "receipt": {"path_b": {"signals": [big]}},
+        "tool_calls": [
+            {"id": "c1", "name": "run_command", "state": "succeeded", "step": 1, "arguments": big, "output": big}
+        ],
+        "groups": [],
+    }
+    row = control.summary_row(record)
+    assert len(json.dumps(row)) < 3000
+    assert row["summary"] is True and "receipt" not in row
+    assert row["spec"] == {"task": "count the files"}
+    assert row["result"] == {"status": "completed", "steps": 3, "final_text": "done"}
+    assert row["partial_snapshot"] == {"step": 2}
+    (call,) = row["tool_calls"]
+    assert "output" not in call and call["name"] == "run_command" and len(call["arguments"]) < 300
+    assert {k: row[k] for k in ("id", "state", "session_id", "created_at", "containment")} == {
+        k: record[k] for k in ("id", "state", "session_id", "created_at", "containment")
+    }
