@@ -479,10 +479,12 @@ def _unstorable(obj: dict[str, Any], text: str) -> str | None:
     hold either problem: enough brackets for the depth, or a surrogate escape (text from a
     websocket is valid UTF-8, so a surrogate can only come from a ``\\u`` escape).
     """
-    deep = text.count("{") + text.count("[") > MAX_DEPTH
+    deep = text.count("{") + text.count("[") > MAX_DEPTH and _too_deep(text)
     surrogates = not text.isascii() and not _encodable(text) or re.search(_SURROGATE_ESCAPE, text) is not None
-    if not deep and not surrogates:
+    if not deep and not (surrogates and _has_surrogate(obj)):
         return None
+    # Where it is, for the error (paths are built only now: a clean message of a hundred
+    # thousand small objects cost a few hundred ms of the daemon's thread with them).
     todo: list[tuple[Any, int, str]] = [(obj, 1, "")]
     while todo:
         value, depth, where = todo.pop()
@@ -501,6 +503,38 @@ def _unstorable(obj: dict[str, Any], text: str) -> str | None:
         elif isinstance(value, str) and not _encodable(value):
             return f"expected text without lone surrogates (unpaired \\ud800-\\udfff), got one in {_shown(where)}"
     return None
+
+
+_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_INNERMOST: Final = re.compile(r"[\[{][^\[\]{}]*[\]}]")
+
+
+def _too_deep(text: str) -> bool:
+    """Is any container of this (valid) JSON nested beyond ``MAX_DEPTH``? In C, not in a
+    Python loop over a hundred thousand nodes: without its strings, each round removes
+    the innermost containers; what is left after ``MAX_DEPTH`` rounds is deeper."""
+    rest = _JSON_STRING.sub("", text)
+    for _ in range(MAX_DEPTH):
+        rest, n = _INNERMOST.subn("", rest)
+        if n == 0:
+            return False
+    return "{" in rest or "[" in rest
+
+
+def _has_surrogate(obj: dict[str, Any]) -> bool:
+    """Does any key or text of ``obj`` hold a lone surrogate?"""
+    todo: list[Any] = [obj]
+    while todo:
+        value = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and not _encodable(k):
+                return True
+            if isinstance(v, (dict, list)):
+                todo.append(v)
+            elif isinstance(v, str) and not _encodable(v):
+                return True
+    return False
 
 
 def _shown(path: str) -> str:

@@ -102,6 +102,27 @@ def test_deeply_nested_json_is_a_bad_json_reply_not_a_recursion_error() -> None:
     assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_JSON
 
 
+@pytest.mark.parametrize(
+    ("x", "ok"),
+    [
+        ("[]", True),
+        ("[" * 63 + "]" * 63, True),  # 64 deep with the message itself
+        ("[" * 64 + "]" * 64, False),
+        ("[" + "[" * 10 + "{}" + "]" * 10 + ", " + "[" * 63 + "]" * 63 + "]", False),  # the deep one second
+        (json.dumps(["[[[[" * 100, '\\"[{' * 100, "]"]), True),  # brackets in text are text
+        (json.dumps([{} for _ in range(50_000)]), True),  # many, shallow
+        ('"\\ud800"', False),  # a lone surrogate, escaped
+        ('{"\\udfff": 1}', False),  # in a key
+        ('"\\ud83d\\ude00"', True),  # a pair is a character
+    ],
+)
+def test_what_a_message_may_hold_deep_and_wide(x: str, ok: bool) -> None:
+    req = decode_request(f'{{"id": 1, "op": "ping", "x": {x}}}', max_bytes=10 * MAX)
+    assert isinstance(req, BadRequest) is not ok, req
+    if not ok:
+        assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_ARGS and req.id == 1
+
+
 def test_invalid_utf8_in_a_binary_frame_is_bad_json() -> None:
     req = decode_request(b'{"op": "ping", "x": "\xff"}', max_bytes=MAX)
     assert isinstance(req, BadRequest) and req.code == ErrorCode.BAD_JSON
