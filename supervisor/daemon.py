@@ -25,7 +25,7 @@ from supervisor.config import Config
 from supervisor.control import _statefiles
 from supervisor.control import server as control
 from supervisor.core.runs import RunManager
-from supervisor.errors import DaemonAlreadyRunning
+from supervisor.errors import ConfigError, DaemonAlreadyRunning
 from supervisor.store.journal import Journal
 from supervisor.trees import process
 from supervisor.trees.containment import Containment
@@ -81,10 +81,18 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
     containment = await trio.to_thread.run_sync(Containment.setup, config)
     manager = RunManager(config, journal, containment)
     try:
+        # Before the runs a previous daemon left are found again: a state dir that cannot
+        # take the token (a full disk) stops this start with an error and leaves them as
+        # they are, for the next start, rather than ending them on the way out.
+        try:
+            token = _statefiles.write_token(config.token_path)
+        except OSError as exc:
+            raise ConfigError(
+                "state_dir", f"cannot write the control token {str(config.token_path)!r}: {exc.strerror or exc}"
+            ) from exc
         async with trio.open_nursery() as nursery:
             await nursery.start(containment.run)
             await nursery.start(manager.run)
-            token = _statefiles.write_token(config.token_path)
             sessions = None
             if config.dashboard == "on":
                 from supervisor.control import dashboard

@@ -315,3 +315,30 @@ async def test_requests_naming_sessions_that_never_were_leave_no_lock_behind(dae
     r = await daemon.m.spawn(task(wait=False), session_id="real")
     await daemon.m.wait_terminal(r["run_id"])
     assert daemon.m.session_desk._locks == {}
+
+
+async def test_a_state_dir_that_cannot_take_the_token_stops_the_start_before_any_run_is_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk at a restart: the runs a previous daemon left must stay as they are
+    # (the next start re-adopts them), not be found again and then ended on the way out.
+    import errno
+
+    from supervisor.control import _statefiles
+    from supervisor.errors import ConfigError
+
+    def full(path: Any, token: Any = None) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    recovered: list[bool] = []
+
+    async def run(self: RunManager, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        recovered.append(True)
+        task_status.started()
+
+    monkeypatch.setattr(_statefiles, "write_token", full)
+    monkeypatch.setattr(RunManager, "run", run)
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), environ={})
+    with pytest.raises(ConfigError, match="cannot write the control token .*No space left on device"):
+        await serve(config, stop=trio.Event())
+    assert recovered == []
