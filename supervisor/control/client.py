@@ -137,12 +137,21 @@ class Client:
             url, token = locate(self.state_dir)
         try:
             return WebSocket.connect(url, {"Authorization": f"Bearer {token}"}, CONNECT_TIMEOUT_S)
-        except (ConnectionRefusedError, ConnectionResetError) as exc:
+        except ConnectionRefusedError as exc:
             raise DaemonNotRunning(
                 str(self.state_dir), f"nothing answers at {url} ({exc.strerror}); {START_HINT}"
             ) from exc
-        except TimeoutError as exc:
-            raise DaemonNotRunning(str(self.state_dir), f"no answer from {url} within {CONNECT_TIMEOUT_S} s") from exc
+        except (ConnectionResetError, TimeoutError) as exc:
+            # Something took the connection: a daemon that is up but would not serve it
+            # (at its connection limit, or too busy), not a daemon that is not running.
+            how = (
+                "closed the connection at once"
+                if isinstance(exc, ConnectionResetError)
+                else (f"did not answer within {CONNECT_TIMEOUT_S} s")
+            )
+            raise ConnectionLost(
+                f"the daemon at {url} {how}: it may be at its connection limit or too busy; try again"
+            ) from exc
         except OSError as exc:
             raise DaemonNotRunning(str(self.state_dir), f"cannot connect to {url}: {exc}") from exc
 

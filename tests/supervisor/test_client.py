@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -371,3 +372,28 @@ def test_the_client_module_imports_neither_trio_nor_openai_nor_mcp() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_daemon_that_takes_the_connection_and_drops_it_is_not_called_absent(tmp_path: Path) -> None:
+    # A daemon at its connection limit accepts and resets: "no daemon is running" would
+    # send its user to start a second one.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        control.write_token(tmp_path / "token")
+        control.write_endpoint(tmp_path / "daemon.json", host="127.0.0.1", port=port, pid=os.getpid())
+
+        def reset_one() -> None:
+            conn, _ = s.accept()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST
+
+        t = threading.Thread(target=reset_one)
+        t.start()
+        try:
+            with pytest.raises(ConnectionLost) as info:
+                Client(state_dir=tmp_path).ping()
+        finally:
+            t.join(10)
+    assert "connection limit" in str(info.value) and not isinstance(info.value, DaemonNotRunning)
