@@ -391,11 +391,13 @@ class _Connection:
                 raise _Gone() from None
         if scope.cancelled_caught:
             logger.warning("control: %s read nothing for %.0f s; disconnecting it", self.peer, send_s)
-            # A frame may be half written: the stream is unusable, close it (bounded).
-            with trio.move_on_after(DISCONNECT_TIMEOUT_S):
-                await self.ws.aclose(1008, "client too slow")
+            # A frame may be half written: a close frame now would land inside it (the
+            # client reads garbage, "invalid utf-8"). The TCP stream goes, no handshake.
             if self.stream is not None:
                 await self.stream.close_now()
+            else:
+                with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                    await self.ws.aclose(1008, "client too slow")
             raise _Gone()
 
     async def _serve(self, req: protocol.Request) -> None:

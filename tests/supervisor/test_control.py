@@ -310,6 +310,12 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
                 await dropped.wait()
             async with connect(srv) as other:
                 assert (await other.ok("status", run_id=run))["state"] == "running"
+            # What it reads now are whole messages, then the end of the stream: no close
+            # frame written inside a half-written one (read as "invalid utf-8").
+            with trio.fail_after(WAIT_S), pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    json.loads(await stalled.ws.get_message())
+            assert closed.value.reason.code == 1006, closed.value.reason
     finally:
         logging.getLogger("supervisor.control.server").removeHandler(handler)
     assert b.cancels == []
