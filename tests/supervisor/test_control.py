@@ -316,6 +316,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_run_goes_on(
                 while True:
                     json.loads(await stalled.ws.get_message())
             assert closed.value.reason.code == 1006, closed.value.reason
+            await stalled.ws._stream.aclose()  # trio-websocket leaves it after an abnormal end
     finally:
         logging.getLogger("supervisor.control.server").removeHandler(handler)
     assert b.cancels == []
