@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Final, cast
 
 import trio
@@ -53,7 +54,7 @@ from supervisor.states import RunState
 from supervisor.store.journal import Journal
 from supervisor.trees import process
 from supervisor.trees.containment import Containment
-from supervisor.trees.pool import Warm, WarmPool, new_tree
+from supervisor.trees.pool import Warm, WarmPool, new_tree, sweep_run_root
 from supervisor.trees.zygote import Spare, Zygote, usable
 
 __all__ = ["RunManager"]
@@ -118,6 +119,16 @@ class RunManager:
             await nursery.start(self.backlog.run)
             for run, source in await self._recovery.recover():
                 nursery.start_soon(self.lifecycle.supervise, run, source, name=f"run {run.run_id} (re-adopted)")
+            # What a previous daemon killed -9 left of trees no run holds (its spares, its
+            # warm runners): before this daemon makes trees of its own there.
+            try:
+                keep = {Path(row["run_dir"]).name for row in await self.journal.live_runs() if row["run_dir"]}
+                swept = await trio.to_thread.run_sync(sweep_run_root, self.config.run_root, keep)
+            except (JournalError, OSError) as exc:
+                logger.warning("could not look for run directories no run holds: %s", exc)
+            else:
+                if swept:
+                    logger.info("removed %d run directories no run holds (a previous daemon's spares)", swept)
             if self._zygote is not None:
                 await nursery.start(self._zygote.run)
             if self._pool is not None:

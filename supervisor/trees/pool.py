@@ -16,12 +16,13 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -36,7 +37,7 @@ from supervisor.trees.containment import Containment
 if TYPE_CHECKING:
     from supervisor.trees.zygote import Zygote
 
-__all__ = ["WarmPool", "Warm", "new_tree", "runner_env", "protected_paths", "sandbox_settings"]
+__all__ = ["WarmPool", "Warm", "new_tree", "runner_env", "protected_paths", "sandbox_settings", "sweep_run_root"]
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,24 @@ async def _wait_ready(warm: Warm) -> Warm | None:
 def _make_run_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=False, mode=0o700)
     (path / "tmp").mkdir(mode=0o700)
+
+
+# A tree's run directory, and what lies beside it (its answer channel, its runner's events
+# and result files): ``t-`` and 16 hex digits, as ``new_tree`` and the zygote name them.
+_TREE_ENTRY: Final = re.compile(r"(t-[0-9a-f]{16})(?:\.answers|\.events\.jsonl|\.result\.json)?")
+
+
+def sweep_run_root(root: Path, keep: set[str]) -> int:
+    """Remove the trees in ``root`` whose run directory is not in ``keep`` (names), and
+    what lies beside them; nothing else there. Returns how many trees went. Blocking."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    gone = {m.group(1) for n in names if (m := _TREE_ENTRY.fullmatch(n)) and m.group(1) not in keep}
+    for name in gone:
+        remove_dir(root / name)
+    return len(gone)
 
 
 def remove_dir(path: Path) -> None:

@@ -7,6 +7,7 @@ real processes; the stand-in runner lets each test pick the child's behaviour.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -342,3 +343,27 @@ async def test_a_state_dir_that_cannot_take_the_token_stops_the_start_before_any
     with pytest.raises(ConfigError, match="cannot write the control token .*No space left on device"):
         await serve(config, stop=trio.Event())
     assert recovered == []
+
+
+async def test_a_start_removes_the_trees_a_killed_daemon_left_that_no_run_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A daemon killed -9 leaves its spares' (and warm runners') run directories and their
+    # answer channels behind, every time: the next start removes them, and nothing else.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={})
+    root = config.run_root
+    root.mkdir(parents=True)
+    left = root / "t-0123456789abcdef"
+    (left / "tmp").mkdir(parents=True)
+    os.mkfifo(root / "t-0123456789abcdef.answers")
+    (root / "t-fedcba9876543210.result.json").write_text("{}")
+    others = [root / "notes.txt", root / "t-short"]
+    for p in others:
+        p.write_text("not a tree")
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        stop.set()
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["notes.txt", "t-short"], names
