@@ -230,6 +230,7 @@ class Lifecycle:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
         unread = await self._unread_steering(run)
+        error: dict[str, Any] | None
         if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
             full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
         if isinstance(result, dict):
@@ -248,23 +249,26 @@ class Lifecycle:
                 state = RunState.CANCELLED
             else:
                 state = RunState.CANCELLED if run.token.cancelled else RunState.FAILED
+            reason = run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")
+            error = result.get("error")
+            if state == RunState.CANCELLED and not run.token.cancelled and reason == "signal" and not run.readopted:
+                # A stop is a cancel, never inferred: nobody cancelled this run, yet its
+                # runner took a signal for one (a tool of the run, or another process,
+                # signalled it).
+                state, reason = RunState.FAILED, "signalled"
+                error = {
+                    "code": "signalled",
+                    "message": "the runner got a SIGTERM or SIGINT that no cancel sent (a process of the run, or "
+                    "another one, signalled it); it stopped as it would for a stop",
+                }
             await self.book.finish(
-                run,
-                state,
-                reason=(
-                    run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")
-                ),
-                result=result,
-                partial=False,
-                error=result.get("error"),
-                receipt=full_receipt,
+                run, state, reason=reason, result=result, partial=False, error=error, receipt=full_receipt
             )
             return
         # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
         # a tool that was running has an unknown outcome, one only announced never ran.
         await self._settle_unreported(run)
         await self._add_tool_stops(run, full_receipt, None)
-        error: dict[str, Any] | None
         if run.token.cancelled:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
         elif run.readopted and run.state == RunState.STARTING:

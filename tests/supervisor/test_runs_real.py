@@ -150,3 +150,16 @@ async def test_steering_its_runner_never_read_is_reported_unapplied(manager: Run
     events = await manager.events_after(rid, 0)
     steering = [e["data"] for e in events if e["kind"] == "steering"]
     assert steering == [{"state": "unapplied", "text": "never read", "step": None, "unread": True}]
+
+
+async def test_a_runner_signalled_by_its_own_tool_is_not_a_cancelled_run(manager: RunManager) -> None:
+    # A stop is a cancel, never inferred: a SIGTERM no cancel sent (here the run's own
+    # command signals its runner) is recorded for what it was.
+    script = {
+        "turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "kill -TERM $PPID; sleep 30"}}]}]
+    }
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": script}})
+        st = await manager.wait_terminal(r["run_id"])
+    assert (st["state"], st["reason"]) == ("failed", "signalled"), st
+    assert st["cancel_reason"] is None and st["error"]["code"] == "signalled"
