@@ -166,6 +166,16 @@ class Recovery:
             receipt = {**run.stop_receipt, "note": "the run ended while the daemon was down", "swept": swept}
             await self.lifecycle.conclude(run, None, receipt, result)
             return
+        if run.token.cancelled:
+            # A stop the old daemon acknowledged, whose runner died without a result: what
+            # the live path records then (cancelled, its last snapshot as partial result).
+            logger.warning("run %s: its acknowledged stop ended it while the daemon was down", run_id)
+            if run.partial is None and row["partial_snapshot"] is not None:
+                run.partial = row["partial_snapshot"]
+            run.stop_receipt = stop.to_dict()
+            receipt = {**run.stop_receipt, "note": "the run ended while the daemon was down", "swept": swept}
+            await self.lifecycle.conclude(run, None, receipt, result)
+            return
         snapshot = run.partial if run.partial is not None else row["partial_snapshot"]
         reason = (
             STARTING_LOST

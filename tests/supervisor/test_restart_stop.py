@@ -277,3 +277,26 @@ async def test_a_run_readopted_twice_has_each_of_its_events_journaled_once(tmp_p
     assert texts == ["first", "second", "done"], texts
     keys = [(e["kind"], e["ts"], json.dumps(e["data"], sort_keys=True)) for e in events]
     assert len(keys) == len(set(keys)), "an event journaled twice"
+
+
+async def test_an_acknowledged_stop_whose_runner_died_while_the_daemon_was_down_is_cancelled(tmp_path: Path) -> None:
+    """The stop was acknowledged (journaled), then the daemon and the runner died before
+    the runner wrote a result: the run is what the live path records then, cancelled with
+    its reason and its last snapshot, not `lost` with a cancel reason beside it."""
+    state = tmp_path / "state"
+    spec = command_spec("sleep 600", stop_policy={"run_command": "finish"})  # the runner waits for it
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=30.0) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await wait_call_running(c, rid, "call_1_1")
+            runner = (await c.call("status", run_id=rid))["pid"]
+            assert (await c.call("cancel", run_id=rid))["was_active"] is True
+            await kill9(d1, c)
+        os.kill(runner, signal.SIGKILL)  # the runner this test's daemon started: no result
+        await wait_gone(runner, 30)
+        async with daemon(state, grace_s=30.0) as (d2, c):
+            final = await c.call("status", run_id=rid)
+    assert (final["state"], final["reason"], final["cancel_reason"]) == ("cancelled", "user", "user"), final
+    assert final["partial"] is True
+    (call,) = final["tool_calls"]
+    assert call["state"] == "unknown"  # its outcome went with the runner
