@@ -342,10 +342,16 @@ class AgentLoop:
             rec.stop_requested_at = self.stop.stopped_wall
             self._emit_record(rec)
 
+        def output_so_far(text: str, truncated: bool) -> None:
+            # Past the stop, the record keeps what the call has written: if the grace runs
+            # out and the runner is killed, that much of its output is not lost.
+            rec.output, rec.output_truncated = text, truncated
+            self._emit_record(rec)
+
         self.stop.running_tool = {"id": rec.id, "name": rec.name, "on_stop": rec.on_stop}
         self.stop.on_stop_during_tool = note_the_stop
         try:
-            outcome = await self.tools.execute(call.name, call.parsed, interrupt, self.stop)
+            outcome = await self.tools.execute(call.name, call.parsed, interrupt, self.stop, output_so_far)
         finally:
             self.stop.tool_done()
         rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated

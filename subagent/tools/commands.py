@@ -54,6 +54,10 @@ COMMAND_KILL_GRACE_S: Final = 2.0
 # The same after a stop: spec.DEFAULT_COMMAND_STOP_GRACE_S unless the spec's
 # ``stop_policy.command_grace_s`` says otherwise.
 READ_CHUNK_BYTES: Final = 65536
+# A command that goes on after the run's stop (its policy lets it finish) reports the output
+# it has so far at the stop and this often after (seconds): if the grace runs out and the
+# runner is killed, that much of it is kept.
+OUTPUT_REPORT_S: Final = 1.0
 # Marks every process a command starts, so escapers can be found after the group kill.
 SUBTREE_VAR: Final = "AGENTD_SUBTREE"
 # After SIGKILL, how long a group and its escapers may take to be dead before the runner
@@ -229,6 +233,7 @@ async def run_command(
     cwd: str | None = None,
     extra_env: Mapping[str, str] | None = None,
     starting: AbstractContextManager[None] | None = None,
+    on_output: Callable[[str, bool], None] | None = None,
 ) -> CommandOutcome:
     """Run one command to its end (or timeout, or interrupt) and report what happened.
 
@@ -239,6 +244,8 @@ async def run_command(
     SIGKILL. ``on_group(pgid, alive)`` is called when the group appears and when it is
     gone. ``starting`` (``StopControl.starting``): held from the check of ``stop`` to the
     spawn's end, so that a stop asked meanwhile finds the command started, not the reverse.
+    ``on_output(text, truncated)``: the output so far, reported from the stop on (at once,
+    then every ``OUTPUT_REPORT_S``) while the command runs past it.
     """
     marker = f"{os.getpid()}-cmd-{next(_seq)}"
     env = _child_env(marker)
@@ -288,6 +295,15 @@ async def run_command(
         stop_at = trio.current_time()
         interrupt.cancel(reason="the run's stop interrupts the command")
 
+    async def report_output(stop: trio.Event, report: Callable[[str, bool], None]) -> None:
+        await stop.wait()
+        sent = -1
+        while True:
+            if total != sent:
+                sent = total
+                report(captured.decode("utf-8", errors="replace"), total > len(captured))
+            await trio.sleep(OUTPUT_REPORT_S)
+
     grace = COMMAND_KILL_GRACE_S
     async with trio.open_nursery() as nursery:
         # The reader lives outside the timeout and the interrupt: what the command wrote
@@ -295,6 +311,8 @@ async def run_command(
         nursery.start_soon(reader)
         if stop is not None and interrupt_on_stop:
             nursery.start_soon(interrupt_at, stop)
+        elif stop is not None and on_output is not None:
+            nursery.start_soon(report_output, stop, on_output)
         try:
             with trio.move_on_after(timeout_s) as timer:
                 with interrupt:

@@ -178,15 +178,21 @@ class ToolBox:
         return [(s.name, e) for s in self.servers.values() for e in s.protocol_errors]
 
     async def execute(
-        self, name: str, arguments: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl | None = None
+        self,
+        name: str,
+        arguments: dict[str, Any],
+        interrupt: trio.CancelScope,
+        stop: StopControl | None = None,
+        on_output: Callable[[str, bool], None] | None = None,
     ) -> ToolOutcome:
         """Run one call. ``interrupt``: an explicit interrupt ends it whatever its policy;
-        ``stop``: the run's stop, applied to the running call by its policy."""
+        ``stop``: the run's stop, applied to the running call by its policy;
+        ``on_output(text, truncated)``: a command's output so far, once it runs past the stop."""
         stop = stop if stop is not None else StopControl()
         if name == "run_command" and "run_command" in self._builtins:
             if arguments.get("background") is True and self.background is not None:
                 return await self._start_background(arguments)
-            return await self._run_command(arguments, interrupt, stop)
+            return await self._run_command(arguments, interrupt, stop, on_output)
         if name == "command_output" and "command_output" in self._builtins and self.background is not None:
             known, text = self.background.output(str(arguments.get("id", "")))
             bounded, truncated = bound_text(text, self.limits.max_output_bytes)
@@ -212,7 +218,13 @@ class ToolBox:
             return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
         return ToolOutcome(ToolCallState.SUCCEEDED, text)
 
-    async def _run_command(self, args: dict[str, Any], interrupt: trio.CancelScope, stop: StopControl) -> ToolOutcome:
+    async def _run_command(
+        self,
+        args: dict[str, Any],
+        interrupt: trio.CancelScope,
+        stop: StopControl,
+        on_output: Callable[[str, bool], None] | None = None,
+    ) -> ToolOutcome:
         command = args.get("command")
         if not isinstance(command, str) or not command.strip():
             return ToolOutcome(
@@ -237,6 +249,7 @@ class ToolBox:
             kill_grace_s=self.stop_policy.command_grace_s,
             on_group=lambda pgid, alive: self._on_group(pgid, alive, "command", command[:200], str(policy)),
             starting=stop.starting(),
+            on_output=on_output,
         )
         if outcome.not_started:
             return ToolOutcome(

@@ -49,7 +49,7 @@ async def test_escalation_fires_exactly_at_the_grace_and_a_stuck_tree_is_named(
 ) -> None:
     start = trio.current_time()
     receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=10.0)
-    assert [(t - start, how, sig) for t, how, sig in ((s.at, s.how, s.sig) for s in kernel.sent)] == [
+    assert [(t - start, how, sig) for t, how, sig in ((s.at, s.how, s.sig) for s in kernel.sent if s.sig != 18)] == [
         (0.0, "group", 15),  # SIGTERM to the runner's group at once
         (10.0, "group", 9),  # SIGKILL to the group exactly at the grace
         (10.0, "pid", 9),  # and to the member by pidfd, once
@@ -80,7 +80,7 @@ async def test_the_routine_never_outlives_its_own_deadline(
 async def test_a_zero_grace_kills_at_once(autojump_clock: Any, kernel: FakeKernel) -> None:
     start = trio.current_time()
     receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=0.0)
-    assert [s.at - start for s in kernel.sent] == [0.0, 0.0, 0.0]
+    assert [s.at - start for s in kernel.sent if s.sig != 18] == [0.0, 0.0, 0.0]  # less each SIGTERM's SIGCONT
     assert receipt.waited_s == 0.0 and receipt.escalated
 
 
@@ -89,6 +89,10 @@ async def test_a_runner_that_obeys_sigterm_ends_the_tree_in_the_grace(autojump_c
     start = trio.current_time()
     receipt = await process.terminate_and_kill(fake_tree(kernel), grace_s=10.0)
     # What is left is the runner's zombie: its group is SIGKILLed (harmless), nothing by pid.
-    assert [(s.at - start, s.how, s.sig) for s in kernel.sent] == [(0.0, "group", 15), (0.0, "group", 9)]
+    assert [(s.at - start, s.how, s.sig) for s in kernel.sent] == [
+        (0.0, "group", 15),
+        (0.0, "group", 18),
+        (0.0, "group", 9),
+    ]
     assert receipt.leader == "exited" and not receipt.escalated and receipt.survivors == []
     assert receipt.tree_dead_at is not None and receipt.tree_dead_at - start < 0.1

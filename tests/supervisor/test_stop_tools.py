@@ -279,3 +279,29 @@ async def test_path_a_spares_a_command_the_policy_lets_finish(manager: RunManage
     assert not any(line.startswith(f"SIGTERM group {pgid}:") for line in st["receipt"]["path_a"])
     (call,) = st["tool_calls"]
     assert call["state"] == "succeeded" and "finished" in call["output"]
+
+
+async def test_a_command_let_finish_keeps_the_output_it_wrote_when_the_grace_runs_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its policy lets it finish; it does not finish within the grace, so the runner and it
+    # are killed. What it had written is kept in its record, not lost with the runner.
+    shared = shared_dir(tmp_path)
+    flag = shared / "wrote"
+    command = f"echo partial-line; touch {flag}; sleep 60"
+    spec = scripted(
+        [{"name": "run_command", "arguments": {"command": command}}],
+        stop_policy={"run_command": "finish"},
+        sandbox={"write": [str(shared)]},
+    )
+    async for m in start_daemon(tmp_path, monkeypatch, grace_s=2.5):
+        with trio.fail_after(60):
+            r = await m.spawn(spec)
+            await wait_event(m, r["run_id"], running("run_command"))
+            while not flag.exists():
+                await trio.sleep(0.01)
+            await m.cancel(r["run_id"])
+            st = await m.wait_terminal(r["run_id"])
+    assert st["state"] == "cancelled" and st["receipt"]["path_b"]["escalated"] is True, st["receipt"]
+    (call,) = st["tool_calls"]
+    assert call["state"] == "unknown" and "partial-line" in (call.get("output") or ""), call
