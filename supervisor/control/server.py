@@ -72,10 +72,12 @@ logger = logging.getLogger(__name__)
 
 # Bounds the closing handshake when either side closes.
 DISCONNECT_TIMEOUT_S: Final = 2.0
-# Frames up to this many times Config.max_message_bytes (at least 64 MiB) are read whole,
+# Frames up to this many times Config.max_message_bytes (at least 16 MiB) are read whole,
 # so an oversized message gets a ``too_large`` reply; above it trio-websocket closes 1009.
+# (Each connection may hold that much while it reads one: 64 MiB a connection made a peer's
+# 128 connections worth 8 GiB.)
 HARD_CAP_FACTOR: Final = 16
-HARD_CAP_MIN_BYTES: Final = 64 * 1024 * 1024
+HARD_CAP_MIN_BYTES: Final = 16 * 1024 * 1024
 # Live events buffered per subscription (besides Limits.subscriber_bytes).
 LIVE_BUFFER: Final = 4096
 # Journal page size, in events, when replaying or filling a gap (and Limits.replay_page_bytes).
