@@ -57,6 +57,9 @@ class Limits:
     # Live events (encoded) buffered per subscription while it replays or its client is
     # slow; beyond this they are dropped here and re-read from the journal later.
     subscriber_bytes: int = 1024 * 1024
+    # The same, all subscriptions of all connections together: beyond it each one keeps at
+    # most one event (a reading client still sees its gaps and fills them from the journal).
+    subscribers_total_bytes: int = 64 * 1024 * 1024
     # A journal page read to replay a subscription or fill a gap: at least one event.
     replay_page_bytes: int = 256 * 1024
     # The events of one ``events`` reply (at least one event; ``more`` says if it was cut).

@@ -194,6 +194,7 @@ class Subscriptions:
 
     def __init__(self) -> None:
         self.active = 0
+        self.buffered = 0  # bytes of live events buffered in all of them (``_Buffer``)
         self._idle = trio.Event()
         self._idle.set()
 
@@ -596,14 +597,19 @@ class _Connection:
         # The forwarder's own failures (_Gone, RunNotFound) leave the nursery unwrapped:
         # trio would raise them as an ExceptionGroup, which the callers do not expect.
         failure: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            buffer = _Buffer(LIVE_BUFFER, self.limits.subscriber_bytes)
-            nursery.start_soon(_drain, live, buffer, sub, run_id)
-            try:
-                last = await self._forward(sub, run_id, last, buffer)
-            except Exception as exc:
-                failure = exc
-                nursery.cancel_scope.cancel(reason="subscription ended")
+        buffer = _Buffer(
+            LIVE_BUFFER, self.limits.subscriber_bytes, self.server.subscriptions, self.limits.subscribers_total_bytes
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain, live, buffer, sub, run_id)
+                try:
+                    last = await self._forward(sub, run_id, last, buffer)
+                except Exception as exc:
+                    failure = exc
+                    nursery.cancel_scope.cancel(reason="subscription ended")
+        finally:
+            buffer.release()
         if failure is not None:
             raise failure
         return last
@@ -652,23 +658,35 @@ async def _page(
 
 
 class _Buffer:
-    """A subscription's live events, encoded, bounded in count and in bytes."""
+    """A subscription's live events, encoded, bounded in count and in bytes, its own and
+    all subscriptions' together (``pool.buffered`` against ``pool_bytes``)."""
 
-    def __init__(self, count: int, max_bytes: int) -> None:
+    def __init__(self, count: int, max_bytes: int, pool: Subscriptions, pool_bytes: int) -> None:
         self.send, self.recv = trio.open_memory_channel[tuple[int, str]](count)
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.pool = pool
+        self.pool_bytes = pool_bytes
 
     def offer(self, seq: int, text: str) -> bool:
-        """Buffer one event; False (dropped) when full in count or bytes."""
-        if self.bytes + len(text) > self.max_bytes and self.bytes > 0:
+        """Buffer one event; False (dropped) when full in count or bytes. An empty buffer
+        always takes one: its client, if it reads, sees the gap and fills it."""
+        n = len(text)
+        if self.bytes > 0 and (self.bytes + n > self.max_bytes or self.pool.buffered + n > self.pool_bytes):
             return False
         self.send.send_nowait((seq, text))  # WouldBlock when full in count
-        self.bytes += len(text)
+        self.bytes += n
+        self.pool.buffered += n
         return True
 
     def taken(self, text: str) -> None:
         self.bytes -= len(text)
+        self.pool.buffered -= len(text)
+
+    def release(self) -> None:
+        """The subscription ended: what it still held counts no more."""
+        self.pool.buffered -= self.bytes
+        self.bytes = 0
 
 
 async def _drain(live: trio.MemoryReceiveChannel[dict[str, Any]], buffer: _Buffer, sub: str, run_id: str) -> None:

@@ -729,3 +729,22 @@ def test_a_list_row_is_the_runs_summary_not_its_outputs() -> None:
     assert {k: row[k] for k in ("id", "state", "session_id", "created_at", "containment")} == {
         k: record[k] for k in ("id", "state", "session_id", "created_at", "containment")
     }
+
+
+def test_live_events_buffered_for_all_subscriptions_together_are_bounded() -> None:
+    # Subscribers that never read held ~1 MiB each, 64 per connection, 128 connections a
+    # peer. All of them together now hold at most the pool's bytes, plus one event each
+    # (an empty buffer takes one: a client that reads sees the gap and fills it).
+    pool = control.Subscriptions()
+    a = control._Buffer(100, 1_000_000, pool, 10_000)
+    b = control._Buffer(100, 1_000_000, pool, 10_000)
+    event = "e" * 4000
+    assert [a.offer(n, event) for n in (1, 2, 3)] == [True, True, False]  # 12,000 > 10,000
+    assert [b.offer(n, event) for n in (1, 2)] == [True, False]  # empty: one, then the pool
+    assert pool.buffered == 12_000
+    a.taken(event)  # its client read both
+    a.taken(event)
+    assert b.offer(2, event) is True and pool.buffered == 8_000
+    a.release()
+    b.release()
+    assert pool.buffered == 0
