@@ -81,7 +81,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class Emitter:
-    """Writes events (stderr or the fallback file) and the final result."""
+    """Writes events (stderr and the events file) and the final result."""
 
     def __init__(
         self, run_dir: Path | None, *, records: tuple[int, int] | None = None, err_fd: int = 2, out_fd: int = 1
