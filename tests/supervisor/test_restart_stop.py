@@ -61,6 +61,15 @@ def command_spec(command: str, **more: Any) -> dict[str, Any]:
     return {"task": "t", "model": {"provider": "scripted", "script": script}, **more}
 
 
+def reading(turns: list[dict[str, Any]], shared: Path) -> dict[str, Any]:
+    """A scripted run of ``turns`` whose sandbox may read ``shared`` (its commands' flags)."""
+    return {
+        "task": "t",
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "done"}},
+        "sandbox": {"read": [str(shared)]},
+    }
+
+
 async def kill9(proc: trio.Process, c: Client) -> None:
     await c.ws.aclose()
     proc.kill()  # SIGKILL: no cleanup at all
@@ -174,11 +183,7 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
     ]
     if ending == "failed":
         turns.append({"text": "", "error": "the model broke"})
-    spec = {
-        "task": "t",
-        "model": {"provider": "scripted", "script": {"turns": turns, "final": "done"}},
-        "sandbox": {"read": [str(shared)]},
-    }
+    spec = reading(turns, shared)
     with trio.fail_after(60):
         async with daemon(state, grace_s=5.0) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]
@@ -251,12 +256,7 @@ async def test_a_run_readopted_twice_has_each_of_its_events_journaled_once(tmp_p
         command = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo {text}"
         return {"text": text, "tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}
 
-    turns = [gated("first", flags[0]), gated("second", flags[1])]
-    spec = {
-        "task": "t",
-        "model": {"provider": "scripted", "script": {"turns": turns, "final": "done"}},
-        "sandbox": {"read": [str(shared)]},
-    }
+    spec = reading([gated("first", flags[0]), gated("second", flags[1])], shared)
     with trio.fail_after(90):
         async with daemon(state, grace_s=5.0) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]
