@@ -8,6 +8,7 @@ Durations end in ``_s``. Validation raises ``ConfigError`` naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 import sys
@@ -173,10 +174,12 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                     raise ValueError("must be <= 65535")
             elif f.name in {"grace_s", "session_profile_ttl_s", "zygote_spares_keep_s"}:
                 v = float(v)
-                if v < 0:
-                    raise ValueError("must be >= 0")
+                if not math.isfinite(v) or v < 0:  # NaN passed `v < 0`: a grace of NaN SIGKILLed at once
+                    raise ValueError("must be a finite number >= 0")
             elif f.name == "default_timeout_s":
                 v = None if v in (None, "", "none") else float(v)
+                if v is not None and (not math.isfinite(v) or v <= 0):
+                    raise ValueError("must be a finite number > 0 (or none)")
             elif f.name == "runner_command":
                 v = tuple(shlex.split(v)) if isinstance(v, str) else tuple(str(a) for a in v)
             elif f.name in {"allowed_origins", "sandbox_protect", "tool_env"}:

@@ -717,3 +717,25 @@ def test_a_second_daemon_on_the_same_state_dir_exits_9_with_one_line(real_daemon
     assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
     assert second.stderr.startswith("error: another agentd daemon") and second.stderr.count("\n") == 1
     assert run(real_daemon, "status").exit_code == 0  # the first one is untouched
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("grace_s", "nan"),
+        ("grace_s", "inf"),
+        ("grace_s", "-1"),
+        ("default_timeout_s", "-5"),
+        ("default_timeout_s", "nan"),
+    ],
+)
+def test_a_setting_that_is_not_a_finite_number_in_range_is_a_config_error(
+    tmp_path: Path, name: str, value: str
+) -> None:
+    # A grace of NaN passed `v < 0` and SIGKILLed every stopping tree at once; a negative
+    # default timeout ended every run at once.
+    from supervisor.config import Config
+    from supervisor.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=name):
+        Config.load(state_dir=tmp_path, environ={"AGENTD_" + name.upper(): value})
