@@ -122,17 +122,22 @@ def _topmost(paths: Iterable[str]) -> list[str]:
     return out
 
 
-def private_mounts(*, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
+def private_mounts(
+    *, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str] = (), keep_read_only: Iterable[str] = ()
+) -> list[str]:
     """In this (new) mount namespace: an empty tmpfs on each ``tmpfs`` directory, then
     ``keep`` (files or directories under them that the run needs: its own directory, the
-    interpreter, ``/etc/resolv.conf``'s target) bound back at their own paths, then
+    interpreter, ``/etc/resolv.conf``'s target) bound back at their own paths, those of
+    them in ``keep_read_only`` read-only (a write rule on the tmpfs reaches down through
+    the mounts under it: a bind's own flag is what keeps it read-only), then
     ``read_only`` bound read-only over themselves. Missing paths are skipped. Returns what
     was mounted, in order.
     """
     done: list[str] = []
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
+    ro = read_only_binds(keep_read_only, keep)
     try:
-        _private_mounts(done, tmpfs, read_only, keep)
+        _private_mounts(done, tmpfs, read_only, [*keep, *keep_read_only], ro)
     except OSError:
         # Half a view is worse than none (a tmpfs over /tmp without the run dir bound back
         # would hide the run's own files): undo, newest first, and let the caller report.
@@ -142,7 +147,9 @@ def private_mounts(*, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iter
     return done
 
 
-def _private_mounts(done: list[str], tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str]) -> None:
+def _private_mounts(
+    done: list[str], tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str], ro: set[str]
+) -> None:
     dirs = [p for p in tmpfs if os.path.isdir(p) and not os.path.islink(p)]
     wanted = [os.path.realpath(k) for k in keep if os.path.exists(k)]
     wanted = [k for k in _topmost(wanted) if any(k.startswith(d.rstrip("/") + "/") for d in dirs)]
@@ -154,6 +161,8 @@ def _private_mounts(done: list[str], tmpfs: Iterable[str], read_only: Iterable[s
         for path, is_dir, fd in held:
             _bind_fd_at(fd, path, is_dir)
             done.append(path)
+            if path in ro:
+                _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
     finally:
         for _p, _d, fd in held:
             os.close(fd)
@@ -165,14 +174,28 @@ def _private_mounts(done: list[str], tmpfs: Iterable[str], read_only: Iterable[s
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
 
 
-def bind_back(source: str, path: str) -> None:
+def read_only_binds(read: Iterable[str], write: Iterable[str]) -> set[str]:
+    """Of ``read`` (real paths), those to bind read-only: not also written, and holding no
+    written path below them (a nested write grant stays writable)."""
+    w = {os.path.realpath(p) for p in write}
+    return {
+        p
+        for p in (os.path.realpath(r) for r in read)
+        if not any(q == p or q.startswith(p.rstrip("/") + "/") for q in w)
+    }
+
+
+def bind_back(source: str, path: str, *, read_only: bool = False) -> None:
     """Bind ``source`` (a path through a descriptor of what a tmpfs covers, say) at ``path``
-    in this mount namespace, making ``path`` (a directory, or an empty file) first."""
+    in this mount namespace, making ``path`` (a directory, or an empty file) first;
+    ``read_only``: the bind is (see ``private_mounts``)."""
     fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
     try:
         _bind_fd_at(fd, path, os.path.isdir(source))
     finally:
         os.close(fd)
+    if read_only:
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
 
 
 def _bind_fd_at(fd: int, path: str, is_dir: bool) -> None:

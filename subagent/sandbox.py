@@ -332,7 +332,7 @@ def _enter(
         if ahead is not None:
             ahead.close()
         # A cold runner: the same two halves at once (the spec's paths kept in one go).
-        ahead = prepare_ahead(base, settings, keep=_exists([*spec_read, *spec_write]))
+        ahead = prepare_ahead(base, settings, keep=_exists(spec_write), keep_read_only=_exists(spec_read))
         if ahead is None:  # cannot happen: the checks above are the ones it makes
             raise SandboxError("the sandbox could not be prepared")
     try:
@@ -380,13 +380,15 @@ class Ahead:
         if self.ruleset is not None:
             self.ruleset.close()
 
-    def bind_hidden(self, paths: Iterable[str]) -> None:
+    def bind_hidden(self, read: Iterable[str], write: Iterable[str] = ()) -> None:
         """Bind back the paths a private tmpfs hides (a spec's grant under /tmp, say), as a
         cold runner's ``private_mounts`` keeps them: the topmost of nested ones, over the
         directories the run's own bind left there (a grant holding the run directory is
         bound whole, as a cold runner binds it). While the capabilities are held."""
         if not self.userns:
             return
+        paths = [*read, *write]
+        ro = _isolate.read_only_binds(read, [*write, *self.write])
         bound = [p for p in self.private if p not in self.hidden]  # the binds, not the tmpfs
 
         def within(p: str, tops: Iterable[str]) -> bool:
@@ -404,15 +406,18 @@ class Ahead:
                     break
         for path, seen in wanted:
             try:
-                _isolate.bind_back(seen, path)
+                _isolate.bind_back(seen, path, read_only=os.path.realpath(path) in ro)
                 self.private.append(path)
             except OSError as exc:
                 self.problems.append(f"cannot keep {path!r} in the run's private {exc.filename or 'dir'}: {exc}")
 
 
-def prepare_ahead(base: Path, settings: Settings, *, keep: Iterable[str] = ()) -> Ahead | None:
+def prepare_ahead(
+    base: Path, settings: Settings, *, keep: Iterable[str] = (), keep_read_only: Iterable[str] = ()
+) -> Ahead | None:
     """The spec-independent half of ``enter`` for a run in ``base``: its own user and
-    mount namespace, private /tmp and the like (``keep``: more paths to bind back), and a
+    mount namespace, private /tmp and the like (``keep``: more paths to bind back;
+    ``keep_read_only``: more, read-only), and a
     Landlock ruleset holding every grant but the spec's; capabilities kept (the other half
     may bind a spec's path back) and nothing restricted yet. None where there is nothing
     to prepare (the sandbox is off, Landlock missing, more than one thread)."""
@@ -445,8 +450,13 @@ def prepare_ahead(base: Path, settings: Settings, *, keep: Iterable[str] = ()) -
             if os.path.isdir(d) and not os.path.islink(d):
                 ahead.hidden[d] = os.open(d, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
         resolv = [ahead.resolv] if ahead.resolv else []
+        # What the run only reads is bound back read-only: the write rule each private
+        # tmpfs gets reaches down through the mounts under it.
         ahead.private = _isolate.private_mounts(
-            tmpfs=PRIVATE_DIRS, read_only=_isolate.KERNEL_TUNABLES, keep=[*ahead.read, *ahead.write, *keep, *resolv]
+            tmpfs=PRIVATE_DIRS,
+            read_only=_isolate.KERNEL_TUNABLES,
+            keep=[*ahead.write, *keep],
+            keep_read_only=[*ahead.read, *keep_read_only, *resolv],
         )
         os.chdir(base)
     except OSError as exc:
@@ -484,7 +494,7 @@ def _finish(
     report: Report,
 ) -> bool:
     """The spec's half of ``_enter``: its paths, capabilities dropped, Landlock applied."""
-    ahead.bind_hidden([*spec_read, *spec_write])
+    ahead.bind_hidden(spec_read, spec_write)
     read = list(dict.fromkeys([*ahead.read, *_exists(spec_read)]))
     write = list(dict.fromkeys([*ahead.write, *_exists(spec_write)]))
     report.private = ahead.private

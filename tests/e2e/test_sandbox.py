@@ -402,3 +402,38 @@ async def test_chromium_keeps_its_own_sandbox_in_a_browser_run(daemon: Daemon) -
         assert seccomp[pid] == "2", seccomp
         assert userns[pid] != userns[main[0]]
     assert st["sandbox"]["browser_sandbox"] is True, st["sandbox"]
+
+
+async def test_a_read_grant_under_a_private_tmp_stays_read_only(daemon: Daemon, tmp_path: Path) -> None:
+    # /tmp, /dev/shm and the like are the run's own tmpfs, which it may write; a host path
+    # granted for reading is bound back under it, and must not inherit that write.
+    d = daemon
+    ro = [tmp_path / "ro", Path("/dev/shm") / f"agentd-test-ro-{uuid.uuid4().hex[:8]}"]
+    rw = tmp_path / "rw"  # a write grant beside them stays writable
+    try:
+        for p in ro:
+            p.mkdir()
+            (p / "file").write_text("host\n")
+        rw.mkdir()
+        probe = "; ".join(
+            [
+                f"echo HACKED > {ro[0]}/file; echo w0=$?",
+                f"echo HACKED > {ro[1]}/file; echo w1=$?",
+                f"touch {ro[1]}/new; echo n1=$?",
+                f"cat {ro[0]}/file {ro[1]}/file",
+                f"echo ok > {rw}/written; echo rw=$?",
+            ]
+        )
+        spec = scripted([command(probe)], sandbox={"read": [str(p) for p in ro], "write": [str(rw)]})
+        with trio.fail_after(SCENARIO_S):
+            r = await d.m.spawn(spec)
+            st = await d.m.wait_terminal(r["run_id"])
+        assert st["state"] == "completed", st
+        (out,) = outputs(st)
+        lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        assert lines["w0"] != "0" and lines["w1"] != "0" and lines["n1"] != "0", out
+        assert lines["rw"] == "0", out  # its write grant
+        assert [(p / "file").read_text() for p in ro] == ["host\n", "host\n"]
+        assert not (ro[1] / "new").exists() and (rw / "written").read_text() == "ok\n"
+    finally:
+        shutil.rmtree(ro[1], ignore_errors=True)
