@@ -250,6 +250,25 @@ def _resolv_target() -> str | None:
     return target if target != "/etc/resolv.conf" and os.path.exists(target) else None
 
 
+def protected(settings: Settings) -> list[str]:
+    """What no run may reach: the daemon's (its state, its runs) and the host's secrets."""
+    return list(dict.fromkeys([*settings.protect, *DEFAULT_PROTECT, *glob.glob("/etc/ssh/ssh_host_*key")]))
+
+
+def spec_paths(spec: Any) -> tuple[list[str], list[str]]:
+    """What a run of ``spec`` (a ``RunSpec``) is granted, (read, write): its sandbox's
+    grants, and what its tools need (its MCP servers' commands and working directories,
+    its browser's files, its script). The daemon checks every one of them at the spawn and
+    the runner again as it enters its sandbox."""
+    workdir = spec.sandbox.workdir
+    script = [spec.model.script_path] if spec.model.script_path else []  # the run's own input
+    read = [*spec.sandbox.read, *_server_paths(spec), *script]
+    if spec.browser is not False:
+        read += _browser_paths(True if spec.browser is True else dict(spec.browser))
+    write = [*spec.sandbox.write, *([workdir] if workdir else [])]
+    return read, write
+
+
 def check_grants(read: Iterable[str], write: Iterable[str], protect: Iterable[str]) -> str | None:
     """Why these grants are refused (one at or below a protected path), or None."""
     prot = [os.path.realpath(p) for p in protect]
@@ -322,15 +341,16 @@ def _enter(
         report.why = why
         _prepare(prepare, None)
         return True
-    workdir = spec.sandbox.workdir
-    script = [spec.model.script_path] if spec.model.script_path else []  # the run's own input
-    spec_read = [*spec.sandbox.read, *_server_paths(spec), *script]
-    if spec.browser is not False:
-        spec_read += _browser_paths(True if spec.browser is True else dict(spec.browser))
-    spec_write = [*spec.sandbox.write, *([workdir] if workdir else [])]
+    spec_read, spec_write = spec_paths(spec)
     if ahead is None or not ahead.fits(base, settings, abi):
         if ahead is not None:
             ahead.close()
+        # Checked at the spawn, and again now, on the host's paths (the namespace below
+        # hides what a private /tmp covers): a granted path may have become a link into
+        # the daemon's state since (a queued run's grant, swapped by another run's tool).
+        refused = check_grants(spec_read, spec_write, protected(settings))
+        if refused is not None:
+            raise SandboxError(f"refused: {refused}")
         # A cold runner: the same two halves at once (the spec's paths kept in one go).
         ahead = prepare_ahead(base, settings, keep=_exists(spec_write), keep_read_only=_exists(spec_read))
         if ahead is None:  # cannot happen: the checks above are the ones it makes
@@ -405,6 +425,19 @@ class Ahead:
                         wanted.append((p, seen))
                     break
         for path, seen in wanted:
+            # What it is now, on the host (a link followed: ``realpath`` cannot see past the
+            # tmpfs here): never the daemon's state, whatever it was at the spawn.
+            try:
+                fd = os.open(seen, os.O_PATH | os.O_CLOEXEC)
+                try:
+                    now = os.readlink(f"/proc/self/fd/{fd}")
+                finally:
+                    os.close(fd)
+            except OSError:
+                now = path
+            why = check_grants([now], [], self.protect)
+            if why is not None:
+                raise SandboxError(f"refused: {path!r} leads to {why}")
             try:
                 _isolate.bind_back(seen, path, read_only=os.path.realpath(path) in ro)
                 self.private.append(path)
@@ -433,7 +466,7 @@ def prepare_ahead(
         abi=abi,
         read=_exists([*SYSTEM_READ, *runtime_paths()]),
         write=_exists([str(base)]),
-        protect=list(dict.fromkeys([*settings.protect, *DEFAULT_PROTECT, *glob.glob("/etc/ssh/ssh_host_*key")])),
+        protect=protected(settings),
         resolv=_resolv_target(),
         root=root,
         host_uid=os.getuid(),
@@ -494,6 +527,11 @@ def _finish(
     report: Report,
 ) -> bool:
     """The spec's half of ``_enter``: its paths, capabilities dropped, Landlock applied."""
+    # Checked at the spawn, and again now (see ``_enter``); what a private tmpfs hides is
+    # checked as it is bound back (``bind_hidden``).
+    why = check_grants(spec_read, spec_write, ahead.protect)
+    if why is not None:
+        raise SandboxError(f"refused: {why}")
     ahead.bind_hidden(spec_read, spec_write)
     read = list(dict.fromkeys([*ahead.read, *_exists(spec_read)]))
     write = list(dict.fromkeys([*ahead.write, *_exists(spec_write)]))

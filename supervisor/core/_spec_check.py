@@ -60,13 +60,14 @@ def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config:
             "for a local OpenAI-compatible server set model.base_url or OPENAI_BASE_URL instead"
         )
     grants = parsed.sandbox
-    if grants.granted:
-        from subagent.sandbox import DEFAULT_PROTECT, check_grants
+    if grants.granted or parsed.mcp_servers or parsed.model.script_path or parsed.browser is not False:
+        from subagent.sandbox import DEFAULT_PROTECT, check_grants, spec_paths
         from supervisor.trees.pool import protected_paths
 
+        # Every path the run would be granted: its sandbox's, and what its tools need (an
+        # MCP server's cwd or command, a browser's files, a script): none in the state dir.
         protect = [*(protected_paths(config) if config is not None else ()), *DEFAULT_PROTECT]
-        workdir = [grants.workdir] if grants.workdir else []
-        why = check_grants(grants.read, [*grants.write, *workdir], protect)
+        why = check_grants(*spec_paths(parsed), protect)
         if why is not None:
             raise SpawnError(f"invalid run spec: sandbox: {why}")
         if grants.workdir is not None and not Path(grants.workdir).is_dir():

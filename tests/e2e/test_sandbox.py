@@ -437,3 +437,47 @@ async def test_a_read_grant_under_a_private_tmp_stays_read_only(daemon: Daemon, 
         assert not (ro[1] / "new").exists() and (rw / "written").read_text() == "ok\n"
     finally:
         shutil.rmtree(ro[1], ignore_errors=True)
+
+
+async def test_paths_a_runs_tools_would_be_granted_are_held_to_the_grants_rules(daemon: Daemon) -> None:
+    # An MCP server's cwd or command, a script's path: granted by the runner for its tools,
+    # so refused at the spawn as a sandbox grant there would be.
+    d = daemon
+    token = str(d.state / "token")
+    bad = [
+        {"mcpServers": {"p": {"command": sys.executable, "args": ["-c", "pass"], "cwd": str(d.state)}}},
+        {"model": {"provider": "scripted", "script_path": token}},
+    ]
+    for more in bad:
+        with pytest.raises(SpawnError, match="which no run may reach"):
+            await d.m.spawn({"task": "probe", "model": {"provider": "scripted"}, **more})
+
+
+@pytest.mark.parametrize("state_dir", ["tmp"], indirect=True)
+async def test_a_grant_swapped_for_a_link_into_the_state_dir_after_the_spawn_is_refused_at_the_start(
+    state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checked at the spawn; then, while the run waits in the queue, its granted directory
+    # becomes a link to the daemon's state. The runner checks again as it enters its sandbox.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    config = Config.load(state_dir=state_dir, runner_python=sys.executable, grace_s=3, environ={}, max_concurrent=1)
+    data = tmp_path / "proj" / "data"
+    data.mkdir(parents=True)
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        d = Daemon(info["manager"], config, info)
+        with trio.fail_after(SCENARIO_S):
+            blocker, blocker_dir = await gated_run(d)  # holds the one place: the next run queues
+            probe = command(f"cat {data}/token; echo tok=$?")
+            r = await d.m.spawn(scripted([probe], sandbox={"read": [str(data)]}))
+            queued = (await d.m.status(r["run_id"]))["state"]
+            data.rmdir()
+            data.symlink_to(state_dir)
+            await finish_gated(d, blocker, blocker_dir)
+            st = await d.m.wait_terminal(r["run_id"])
+        stop.set()
+    assert queued == "queued"
+    assert (st["state"], st["reason"]) == ("failed", "sandbox"), st
+    assert "which no run may reach" in st["error"]["message"]
+    assert d.token not in json.dumps(st)
