@@ -342,13 +342,17 @@ def _enter(
         _prepare(prepare, None)
         return True
     spec_read, spec_write = spec_paths(spec)
+    # The one grant the daemon itself makes inside its state dir: the session's browser
+    # profile (``sessions/<key>/browser-profile``), kept as it is (``plan_rules``).
+    made = {spec.session.browser_profile} if spec.session.browser_profile else set()
+    checked = ([p for p in spec_read if p not in made], [p for p in spec_write if p not in made])
     if ahead is None or not ahead.fits(base, settings, abi):
         if ahead is not None:
             ahead.close()
         # Checked at the spawn, and again now, on the host's paths (the namespace below
         # hides what a private /tmp covers): a granted path may have become a link into
         # the daemon's state since (a queued run's grant, swapped by another run's tool).
-        refused = check_grants(spec_read, spec_write, protected(settings))
+        refused = check_grants(*checked, protected(settings))
         if refused is not None:
             raise SandboxError(f"refused: {refused}")
         # A cold runner: the same two halves at once (the spec's paths kept in one go).
@@ -356,7 +360,7 @@ def _enter(
         if ahead is None:  # cannot happen: the checks above are the ones it makes
             raise SandboxError("the sandbox could not be prepared")
     try:
-        return _finish(ahead, spec_read, spec_write, settings, prepare, report)
+        return _finish(ahead, spec_read, spec_write, settings, prepare, report, checked)
     finally:
         ahead.close()
 
@@ -400,14 +404,18 @@ class Ahead:
         if self.ruleset is not None:
             self.ruleset.close()
 
-    def bind_hidden(self, read: Iterable[str], write: Iterable[str] = ()) -> None:
+    def bind_hidden(
+        self, read: Iterable[str], write: Iterable[str] = (), *, checked: Iterable[str] | None = None
+    ) -> None:
         """Bind back the paths a private tmpfs hides (a spec's grant under /tmp, say), as a
         cold runner's ``private_mounts`` keeps them: the topmost of nested ones, over the
         directories the run's own bind left there (a grant holding the run directory is
         bound whole, as a cold runner binds it). While the capabilities are held."""
         if not self.userns:
             return
+        read, write = list(read), list(write)
         paths = [*read, *write]
+        check = {os.path.normpath(p) for p in (paths if checked is None else checked)}  # not the daemon's grant
         ro = _isolate.read_only_binds(read, [*write, *self.write])
         bound = [p for p in self.private if p not in self.hidden]  # the binds, not the tmpfs
 
@@ -435,7 +443,7 @@ class Ahead:
                     os.close(fd)
             except OSError:
                 now = path
-            why = check_grants([now], [], self.protect)
+            why = check_grants([now], [], self.protect) if path in check else None
             if why is not None:
                 raise SandboxError(f"refused: {path!r} leads to {why}")
             try:
@@ -525,14 +533,16 @@ def _finish(
     settings: Settings,
     prepare: Callable[[], None] | None,
     report: Report,
+    checked: tuple[list[str], list[str]],
 ) -> bool:
-    """The spec's half of ``_enter``: its paths, capabilities dropped, Landlock applied."""
+    """The spec's half of ``_enter``: its paths, capabilities dropped, Landlock applied.
+    ``checked``: its paths less the daemon's own grant (see ``_enter``)."""
     # Checked at the spawn, and again now (see ``_enter``); what a private tmpfs hides is
     # checked as it is bound back (``bind_hidden``).
-    why = check_grants(spec_read, spec_write, ahead.protect)
+    why = check_grants(*checked, ahead.protect)
     if why is not None:
         raise SandboxError(f"refused: {why}")
-    ahead.bind_hidden(spec_read, spec_write)
+    ahead.bind_hidden(spec_read, spec_write, checked=[*checked[0], *checked[1]])
     read = list(dict.fromkeys([*ahead.read, *_exists(spec_read)]))
     write = list(dict.fromkeys([*ahead.write, *_exists(spec_write)]))
     report.private = ahead.private
