@@ -42,7 +42,7 @@ async def live_runs(m: RunManager, n: int) -> list[str]:
 async def test_a_cancel_of_many_runs_records_every_one_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async for m in start_daemon(tmp_path, monkeypatch, grace_s=10.0):
+    async with start_daemon(tmp_path, monkeypatch, grace_s=10.0) as m:
         with trio.fail_after(60):
             ids = await live_runs(m, RUNS)
             trees = {run_id: (await m.status(run_id))["tree_id"] for run_id in ids}
@@ -142,7 +142,7 @@ async def test_a_cancel_naming_thousands_of_ended_or_unknown_runs_asks_the_journ
 ) -> None:
     # One query for every id that is not live (a hostile 10,000-id cancel once made 10,000
     # journal round trips, and the stops of others waited behind them).
-    async for m in start_daemon(tmp_path, monkeypatch, grace_s=10.0):
+    async with start_daemon(tmp_path, monkeypatch, grace_s=10.0) as m:
         with trio.fail_after(60):
             (ended,) = await live_runs(m, 1)
             await m.cancel(ended)

@@ -109,20 +109,22 @@ async def test_a_spare_found_alive_at_its_gate_is_readopted_and_its_run_ends_los
         async with real_daemon(state, env={**ENV, "AGENTD_TEST_HOLD_AT": "spare_go_stopped"}) as d1:
             async with d1.connect() as c:
                 spare = await spare_ready(c)
+                held = os.pidfd_open(spare)  # signalled by pidfd: never a reused pid
                 acknowledged = await spawn_and_kill(c, d1, f"touch {marker}")
         try:
             async with real_daemon(state, env=ENV) as d2, d2.connect() as c:
                 st = await the_run(c, acknowledged)
                 assert st["live"] is True and st["state"] == "starting" and st["pid"] == spare  # re-adopted
-                os.kill(spare, signal.SIGCONT)
+                signal.pidfd_send_signal(held, signal.SIGCONT)
                 end = await c.wait_end(st["id"])
                 assert end["op"] == "end"
                 await assert_never_started(c, await c.ok("status", run_id=st["id"]), spare, marker)
         finally:
             try:
-                os.kill(spare, signal.SIGCONT)  # never left stopped, whatever failed
+                signal.pidfd_send_signal(held, signal.SIGCONT)  # never left stopped, whatever failed
             except ProcessLookupError:
                 pass
+            os.close(held)
 
 
 async def test_a_run_whose_start_event_died_with_the_daemon_is_what_its_result_says(tmp_path: Path) -> None:

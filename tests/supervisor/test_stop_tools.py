@@ -9,10 +9,12 @@ is checked independently of the daemon: no live process carries the run's tree m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,10 @@ STOP_SERVER = str(CHILDREN / "mcp_stop_server.py")
 TERMINAL_WITHIN_S = 1.0
 
 
+@asynccontextmanager
 async def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **config: Any) -> AsyncIterator[RunManager]:
+    """An in-process daemon for the block (a context manager, never an ``async for``: a
+    failure in the block then surfaces as itself, not as a generator left in its nursery)."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     cfg = Config.load(state_dir=tmp_path / "state", environ={}, **config)
     stop = trio.Event()
@@ -43,7 +48,7 @@ async def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **config
 
 @pytest.fixture
 async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunManager]:
-    async for m in start_daemon(tmp_path, monkeypatch):  # the default grace
+    async with start_daemon(tmp_path, monkeypatch) as m:  # the default grace
         yield m
 
 
@@ -216,7 +221,7 @@ async def test_a_runner_killed_at_the_grace_mid_batch_leaves_a_record_for_every_
     ]
     # The spec lets commands finish, so the second outlives the (short) grace.
     spec = scripted(calls, stop_policy={"run_command": "finish"})
-    async for m in start_daemon(tmp_path, monkeypatch, grace_s=1.0):
+    async with start_daemon(tmp_path, monkeypatch, grace_s=1.0) as m:
         with trio.fail_after(30):
             r = await m.spawn(spec)
             rid = r["run_id"]
@@ -239,24 +244,31 @@ async def test_a_runner_killed_at_the_grace_mid_batch_leaves_a_record_for_every_
 async def test_path_a_reaches_an_interruptible_command_when_the_runner_is_stuck(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async for m in start_daemon(tmp_path, monkeypatch, grace_s=3.0):
+    async with start_daemon(tmp_path, monkeypatch, grace_s=3.0) as m:
         with trio.fail_after(30):
             r = await m.spawn(scripted([{"name": "run_command", "arguments": {"command": "sleep 300"}}]))
             rid = r["run_id"]
             group = await wait_event(m, rid, lambda e: e["kind"] == "process_group" and e["data"]["alive"])
             pgid = group["data"]["pgid"]
-            runner = (await m.status(rid))["pid"]
-            os.kill(runner, signal.SIGSTOP)  # the runner is stuck: only the daemon can act
+            # By pidfd: the runner may be gone (and its pid reused) when it is resumed.
+            runner = os.pidfd_open((await m.status(rid))["pid"])
             try:
+                signal.pidfd_send_signal(runner, signal.SIGSTOP)  # stuck: only the daemon can act
                 await m.cancel(rid)
                 with trio.fail_after(m.config.grace_s / 2):  # well before path B's grace
                     while not gone(pgid):
                         await trio.sleep(0.01)
             finally:
-                os.kill(runner, signal.SIGCONT)
+                # Path A's SIGTERM to the runner's group is followed by a SIGCONT, so the
+                # runner may have resumed and ended already.
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(runner, signal.SIGCONT)
+                os.close(runner)
             st = await m.wait_terminal(rid)
     assert st["state"] == "cancelled"
-    assert f"SIGTERM group {pgid}: sent" in st["receipt"]["path_a"]
+    # The daemon signalled the command's group itself, right after the runner's group.
+    lines = st["receipt"]["path_a"]
+    assert f"SIGTERM group {pgid}: sent" in lines and lines[0].endswith(": sent") and len(lines) == 2, lines
 
 
 async def test_path_a_spares_a_command_the_policy_lets_finish(manager: RunManager, tmp_path: Path) -> None:
@@ -294,7 +306,7 @@ async def test_a_command_let_finish_keeps_the_output_it_wrote_when_the_grace_run
         stop_policy={"run_command": "finish"},
         sandbox={"write": [str(shared)]},
     )
-    async for m in start_daemon(tmp_path, monkeypatch, grace_s=2.5):
+    async with start_daemon(tmp_path, monkeypatch, grace_s=2.5) as m:
         with trio.fail_after(60):
             r = await m.spawn(spec)
             await wait_event(m, r["run_id"], running("run_command"))
