@@ -29,12 +29,13 @@ gc.disable()
 import enum  # noqa: E402
 import errno  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, NoReturn  # noqa: E402
+from typing import TYPE_CHECKING, Any, Final, NoReturn  # noqa: E402
 
 import click  # noqa: E402
 
@@ -430,15 +431,53 @@ def _listen_error(host: str, port: int, exc: BaseException) -> CliError:
 # ----------------------------------------------------------------------------- spawn
 
 
+# A spec or MCP config file is read up to this much (the daemon's hard cap on a message):
+# a larger one could never be sent; /dev/zero or an endless pipe is refused, not swallowed.
+JSON_FILE_MAX_BYTES: Final = 16 * 1024 * 1024
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid json")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected finite numbers, got {text[:32]} (out of range)")
+    return value
+
+
 def _read_json_file(path: Path, what: str) -> Any:
+    """A json file (a pipe or ``/dev/stdin`` too) as the daemon would take it: strict json
+    (no NaN or Infinity), UTF-8, at most ``JSON_FILE_MAX_BYTES``. Errors are CliErrors."""
+    name = repr(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(JSON_FILE_MAX_BYTES + 1)
     except OSError as exc:
-        raise CliError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}", ExitCode.USAGE) from None
+        raise CliError(f"cannot read {what} {name}: {exc.strerror or exc}", ExitCode.USAGE) from None
+    if len(data) > JSON_FILE_MAX_BYTES:
+        raise CliError(f"{what} {name} is larger than {JSON_FILE_MAX_BYTES} bytes", ExitCode.USAGE)
     try:
-        return json.loads(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{what} {name} is not UTF-8 text: {exc}", ExitCode.USAGE) from None
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise CliError(f"{what} {name} is not valid json: nested too deeply", ExitCode.USAGE) from None
     except ValueError as exc:
-        raise CliError(f"{what} {str(path)!r} is not valid json: {exc}", ExitCode.USAGE) from None
+        raise CliError(f"{what} {name} is not valid json: {exc}", ExitCode.USAGE) from None
+
+
+class _Seconds(click.FloatRange):
+    """A positive, finite number of seconds (click's range lets ``nan`` and ``inf`` by)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number of seconds.", param, ctx)
+        return rv
 
 
 def build_spec(
@@ -526,7 +565,7 @@ def build_spec(
     help="With --session: stop the session's live turn first (a normal cancel, waited for); without it a session with a live turn refuses a new one.",
 )
 @click.option(
-    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), help="Stop the run after this many seconds."
+    "--timeout", "timeout_s", type=_Seconds(min=0, min_open=True), help="Stop the run after this many seconds."
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most model turns the run may take.")
 @click.option(

@@ -167,6 +167,48 @@ def test_spawn_user_errors_are_one_line_and_exit_2(server: ServerThread, args: l
     assert not server.backend.spawns
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"task": "x", "limits": {"max_steps": NaN}}', "is not valid json: NaN is not valid json"),
+        (b'{"task": "x", "timeout_s": Infinity}', "is not valid json: Infinity is not valid json"),
+        (b'{"task": "x", "timeout_s": 1e999}', "expected finite numbers, got 1e999"),
+        (b'{"task": "caf\xe9"}', "is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "is not valid json: nested too deeply"),
+    ],
+)
+def test_a_spec_file_the_daemon_could_not_take_is_one_line_and_exit_2(
+    server: ServerThread, tmp_path: Path, content: bytes, message: str
+) -> None:
+    # NaN was sent as null (a limit silently dropped); the others printed a traceback.
+    spec = tmp_path / "spec.json"
+    spec.write_bytes(content)
+    res = run(server, "spawn", "--spec", str(spec))
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: spec file ") and message in res.stderr
+    assert not server.backend.spawns
+
+
+def test_a_spec_file_that_never_ends_is_read_only_up_to_the_daemons_limit(server: ServerThread) -> None:
+    from supervisor.cli import JSON_FILE_MAX_BYTES
+
+    res = run(server, "spawn", "--spec", "/dev/zero")  # was read until memory ran out
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr == f"error: spec file '/dev/zero' is larger than {JSON_FILE_MAX_BYTES} bytes\n"
+
+
+def test_a_spec_read_from_a_pipe_is_taken(server: ServerThread, tmp_path: Path) -> None:
+    fifo = tmp_path / "spec.fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f"printf '%s' '{{\"task\": \"from a pipe\"}}' > {fifo}"])
+    try:
+        res = run(server, "spawn", "--spec", str(fifo))
+    finally:
+        assert writer.wait(timeout=10) == 0
+    assert res.exit_code == 0, res.output
+    assert server.backend.spawns[0]["spec"]["task"] == "from a pipe"
+
+
 def test_a_spec_the_daemon_refuses_exits_5(server: ServerThread, tmp_path: Path) -> None:
     res = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "x", "model": "gpt"}))
     assert res.exit_code == ExitCode.REFUSED
@@ -532,6 +574,9 @@ def test_a_command_added_later_gets_the_global_options(server: ServerThread) -> 
         (["serve", "--port", "99999"], "error: invalid value for '--port': 99999 is not in the range 0<=x<=65535"),
         (["--bogus", "status"], "error: no such option '--bogus'"),
         (["spawn", "x", "--max-steps", "0"], "error: invalid value for '--max-steps'"),
+        # click's float range lets these by; they were sent as null (no timeout at all).
+        (["spawn", "x", "--timeout", "nan"], "error: invalid value for '--timeout': 'nan' is not a finite number"),
+        (["spawn", "x", "--timeout", "inf"], "error: invalid value for '--timeout': 'inf' is not a finite number"),
     ],
 )
 def test_usage_errors_are_one_error_line_with_a_hint_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
