@@ -59,7 +59,8 @@ def check_login_token(control_token: str, login: str, *, now: float | None = Non
     if len(parts) != 4 or parts[0] != _VERSION:
         return "not a login token"
     _, expires_text, nonce, mac = parts
-    if not expires_text.isdigit() or len(expires_text) > 12 or not nonce or len(nonce) > 64:
+    # ASCII digits only: str.isdigit() takes "²", which int() refuses.
+    if not (expires_text.isascii() and expires_text.isdigit()) or len(expires_text) > 12 or not nonce or len(nonce) > 64:
         return "not a login token"
     expires = int(expires_text)
     if not hmac.compare_digest(mac.encode(), _mac(control_token, expires, nonce).encode()):

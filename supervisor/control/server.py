@@ -134,7 +134,10 @@ def check_access(
         if scheme.lower() == "bearer" and credentials.strip():
             presented = credentials.strip()
     if presented is None:
-        values = parse_qs(urlsplit(target).query).get("token")
+        try:
+            values = parse_qs(urlsplit(target).query).get("token")
+        except ValueError:  # e.g. "//[": not a URL urllib can split
+            return 400, "bad request target"
         if values:
             presented = values[0]
     if token is None:

@@ -77,7 +77,17 @@ def test_a_login_token_expires_and_a_tampered_one_is_refused() -> None:
     v, exp, nonce, mac = login.split(".")
     longer = f"{v}.{int(exp) + 3600}.{nonce}.{mac}"
     assert "wrong login token" in str(_dashlink.check_login_token(TOKEN, longer, now=101.0))
-    for garbage in ("", "v1", "v2.1.2.3", "v1.x.n.m", "v1.1.n.m.extra", login.replace(".", "", 1)):
+    # "²" and "١" are digits to str.isdigit(); the first is not to int() (was a ValueError).
+    for garbage in (
+        "",
+        "v1",
+        "v2.1.2.3",
+        "v1.x.n.m",
+        "v1.²³.n.m",
+        "v1.١٢.n.m",
+        "v1.1.n.m.extra",
+        login.replace(".", "", 1),
+    ):
         assert isinstance(_dashlink.check_login_token(TOKEN, garbage, now=101.0), str)
 
 
@@ -194,6 +204,14 @@ def test_a_missing_or_wrong_login_token_is_refused(target: str) -> None:
     resp = app().handle(req("GET", target))
     assert resp.status == 401
     assert header(resp, "set-cookie") is None
+
+
+@pytest.mark.parametrize("target", ["//[", "/login?t=x//[", "//[/login?t=v1.²³.n.m", "/login?t=v1.%C2%B2.n.m"])
+def test_a_request_target_that_is_not_a_url_or_a_token_gets_an_answer(target: str) -> None:
+    # Each was an exception out of handle(): a closed connection and a traceback.
+    resp = app().handle(req("GET", target))
+    assert resp.status in (400, 401), resp
+    assert header(resp, "set-cookie") is None and header(resp, "content-security-policy") is not None
 
 
 def test_a_used_login_token_is_refused() -> None:

@@ -71,7 +71,10 @@ class DashboardApp:
             return self._finish(_text(421, f"this is agentd's dashboard; it does not answer to host {host!r}\n"), None)
         assert host is not None
         hostname = host.rsplit(":", 1)[0]
-        path = urlsplit(req.target).path
+        try:
+            path = urlsplit(req.target).path
+        except ValueError:  # e.g. "//[": not a URL urllib can split
+            return self._finish(_text(400, "bad request target\n"), hostname)
         sid = self.sessions.session_of(req.header("cookie"))
         if req.method not in SAFE_METHODS:
             refusal = self._check_state_change(req, sid)
