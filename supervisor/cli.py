@@ -27,7 +27,6 @@ _GC_WAS_ENABLED = gc.isenabled()
 gc.disable()
 
 import enum  # noqa: E402
-import errno  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -390,19 +389,9 @@ def serve(
     except BaseExceptionGroup as group:
         # An expected failure raised inside the daemon's nurseries arrives wrapped.
         leaves = _leaves(group)
-        if not all(isinstance(e, AgentdError) or _is_listen_error(e) for e in leaves):
+        if not all(isinstance(e, AgentdError) for e in leaves):
             raise
-        if isinstance(leaves[0], AgentdError):
-            raise leaves[0] from None
-        raise _listen_error(config.host, config.port, leaves[0]) from None
-    except OSError as exc:
-        if not _is_listen_error(exc):
-            raise
-        raise _listen_error(config.host, config.port, exc) from None
-
-
-# Errors of binding the control socket: a user's choice of host or port, not a bug.
-_LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+        raise leaves[0] from None
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
@@ -411,21 +400,6 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     for exc in group.exceptions:
         out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return out
-
-
-def _is_listen_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in _LISTEN_ERRNOS
-
-
-def _listen_error(host: str, port: int, exc: BaseException) -> CliError:
-    assert isinstance(exc, OSError)
-    why = os.strerror(exc.errno) if exc.errno else str(exc)
-    hint = {
-        errno.EADDRINUSE: "another program holds it; pick another with --port, or 0 for any free port",
-        errno.EACCES: "ports below 1024 need privileges; pick another with --port",
-        errno.EADDRNOTAVAIL: "no interface has that address; check --host",
-    }.get(exc.errno or 0, "")
-    return CliError(f"cannot listen on {host}:{port}: {why.lower()} ({hint})", ExitCode.USAGE)
 
 
 # ----------------------------------------------------------------------------- spawn

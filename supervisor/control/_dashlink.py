@@ -60,7 +60,12 @@ def check_login_token(control_token: str, login: str, *, now: float | None = Non
         return "not a login token"
     _, expires_text, nonce, mac = parts
     # ASCII digits only: str.isdigit() takes "²", which int() refuses.
-    if not (expires_text.isascii() and expires_text.isdigit()) or len(expires_text) > 12 or not nonce or len(nonce) > 64:
+    if (
+        not (expires_text.isascii() and expires_text.isdigit())
+        or len(expires_text) > 12
+        or not nonce
+        or len(nonce) > 64
+    ):
         return "not a login token"
     expires = int(expires_text)
     if not hmac.compare_digest(mac.encode(), _mac(control_token, expires, nonce).encode()):

@@ -49,7 +49,7 @@ from supervisor.control._statefiles import (
     write_endpoint,
     write_token,
 )
-from supervisor.errors import AgentdError, ControlProtocolError
+from supervisor.errors import AgentdError, ControlProtocolError, ListenError
 from supervisor.protocol import BadRequest, ErrorCode
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
@@ -813,7 +813,10 @@ async def serve_control(
         task_status: started with the bound port once connections are accepted.
     """
     limits = limits or Limits()
-    listeners = await trio.open_tcp_listeners(config.port, host=config.host or None)
+    try:
+        listeners = await trio.open_tcp_listeners(config.port, host=config.host or None)
+    except (OSError, UnicodeError) as exc:
+        raise ListenError.of("port", config.host, config.port, exc) or exc from None
     if len(listeners) > 1:
         # "localhost" may resolve to two addresses; with port 0 they would get different
         # ports and only one can be published. Serve the first.

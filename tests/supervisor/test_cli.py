@@ -610,6 +610,45 @@ def test_serve_on_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr and "ExceptionGroup" not in out.stderr
 
 
+def serve_out(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "--state-dir", str(tmp_path / "state"), "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=DAEMON_START_S,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_serve_with_the_dashboard_port_busy_names_the_dashboard_not_the_control_port(tmp_path: Path) -> None:
+    # It said "cannot listen on 127.0.0.1:0 ... pick another with --port": the control
+    # socket's port, which was free.
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        out = serve_out(tmp_path, env={"AGENTD_DASHBOARD_PORT": str(port)})
+    assert out.returncode == ExitCode.USAGE, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"error: cannot listen for the dashboard on 127.0.0.1:{port}: address already in use "
+        "(another program holds it; pick another dashboard_port, or 0 for any free port)"
+    )
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("nosuch.invalid", "error: cannot listen on nosuch.invalid:0: "),
+        ("a" * 70 + ".example", "not a host name"),  # a label IDNA refuses (a UnicodeError)
+    ],
+)
+def test_serve_on_a_host_that_does_not_resolve_is_one_clear_line(tmp_path: Path, host: str, message: str) -> None:
+    out = serve_out(tmp_path, "--host", host)  # was a traceback (gaierror, UnicodeError), exit 1
+    assert out.returncode == ExitCode.USAGE, out.stderr
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("error: ") and message in last and "check --host" in last, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_model_key_env_that_is_not_set_is_a_usage_error(server: ServerThread) -> None:
     res = run(server, "spawn", "x", "--model", "gpt-4o-mini", "--model-key-env", "AGENTD_TEST_NO_SUCH_VAR")
     assert res.exit_code == ExitCode.USAGE

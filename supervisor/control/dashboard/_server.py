@@ -21,6 +21,7 @@ import trio
 from supervisor.config import Config
 from supervisor.control.dashboard._app import DashboardApp, Request, Response
 from supervisor.control.dashboard._sessions import Sessions
+from supervisor.errors import ListenError
 
 __all__ = ["serve_dashboard", "load_static", "dashboard_url"]
 
@@ -188,7 +189,10 @@ async def serve_dashboard(
         control_port: the control socket's port, which the page connects to.
         task_status: started with the bound port once connections are accepted.
     """
-    listeners = await trio.open_tcp_listeners(config.dashboard_port, host=config.host or None)
+    try:
+        listeners = await trio.open_tcp_listeners(config.dashboard_port, host=config.host or None)
+    except (OSError, UnicodeError) as exc:
+        raise ListenError.of("dashboard_port", config.host, config.dashboard_port, exc) or exc from None
     for extra in listeners[1:]:  # "localhost" may give two; only one port is published
         await extra.aclose()
     listener = listeners[0]
