@@ -19,6 +19,7 @@ __all__ = [
     "private_mounts",
     "drop_capabilities",
     "bind_back",
+    "bind_plan",
     "set_dumpable",
     "can_nest_user_namespace",
     "thread_count",
@@ -114,14 +115,6 @@ def _locked_flags(path: str) -> int:
     return flags
 
 
-def _topmost(paths: Iterable[str]) -> list[str]:
-    out: list[str] = []
-    for p in sorted(set(paths), key=len):
-        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
-            out.append(p)
-    return out
-
-
 def private_mounts(
     *, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str] = (), keep_read_only: Iterable[str] = ()
 ) -> list[str]:
@@ -135,9 +128,8 @@ def private_mounts(
     """
     done: list[str] = []
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
-    ro = read_only_binds(keep_read_only, keep)
     try:
-        _private_mounts(done, tmpfs, read_only, [*keep, *keep_read_only], ro)
+        _private_mounts(done, tmpfs, read_only, keep, keep_read_only)
     except OSError:
         # Half a view is worse than none (a tmpfs over /tmp without the run dir bound back
         # would hide the run's own files): undo, newest first, and let the caller report.
@@ -148,23 +140,23 @@ def private_mounts(
 
 
 def _private_mounts(
-    done: list[str], tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str], ro: set[str]
+    done: list[str], tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str], keep_ro: Iterable[str]
 ) -> None:
     dirs = [p for p in tmpfs if os.path.isdir(p) and not os.path.islink(p)]
-    wanted = [os.path.realpath(k) for k in keep if os.path.exists(k)]
-    wanted = [k for k in _topmost(wanted) if any(k.startswith(d.rstrip("/") + "/") for d in dirs)]
-    held = [(k, os.path.isdir(k), os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in wanted]
+    real_ro, real = ([os.path.realpath(k) for k in ks if os.path.exists(k)] for ks in (keep_ro, keep))
+    wanted = bind_plan(real_ro, real, within=dirs)
+    held = [(k, ro, os.path.isdir(k), os.open(k, os.O_PATH | os.O_CLOEXEC)) for k, ro in wanted]
     try:
         for path in dirs:
             _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
             done.append(path)
-        for path, is_dir, fd in held:
+        for path, ro, is_dir, fd in held:
             _bind_fd_at(fd, path, is_dir)
             done.append(path)
-            if path in ro:
+            if ro:
                 _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
     finally:
-        for _p, _d, fd in held:
+        for _p, _r, _d, fd in held:
             os.close(fd)
     for path in read_only:
         if not os.path.lexists(path) or os.path.islink(path):
@@ -174,15 +166,30 @@ def _private_mounts(
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
 
 
-def read_only_binds(read: Iterable[str], write: Iterable[str]) -> set[str]:
-    """Of ``read`` (real paths), those to bind read-only: not also written, and holding no
-    written path below them (a nested write grant stays writable)."""
-    w = {os.path.realpath(p) for p in write}
-    return {
-        p
-        for p in (os.path.realpath(r) for r in read)
-        if not any(q == p or q.startswith(p.rstrip("/") + "/") for q in w)
-    }
+def _under(p: str, top: str) -> bool:
+    return p == top or p.startswith(top.rstrip("/") + "/")
+
+
+def bind_plan(read: Iterable[str], write: Iterable[str], *, within: Iterable[str]) -> list[tuple[str, bool]]:
+    """What to bind back under the private tmpfs ``within`` for these (normalised) paths:
+    ``(path, read_only)``, parents first.
+
+    The topmost paths below ``within`` are bound, read-only unless written (a path is
+    written when it or a directory above it is in ``write``: a write rule reaches down, as
+    Landlock's does). Below a read-only bind, a written path is bound again, writable, over
+    it: a write grant inside a read grant stays writable without making the rest of it so.
+    """
+    w = {p for p in write if p}
+    tops = [d.rstrip("/") + "/" for d in within]
+    plan: list[tuple[str, bool]] = []
+    for p in sorted({p for p in (*read, *w) if p and p.startswith(tuple(tops))}, key=len):
+        written = any(_under(p, q) for q in w)
+        above = [(b, ro) for b, ro in plan if _under(p, b)]
+        if not above:
+            plan.append((p, not written))
+        elif written and max(above, key=lambda b: len(b[0]))[1]:
+            plan.append((p, False))  # a written path under a read-only bind
+    return plan
 
 
 def bind_back(source: str, path: str, *, read_only: bool = False) -> None:
@@ -203,7 +210,7 @@ def _bind_fd_at(fd: int, path: str, is_dir: bool) -> None:
     file to mount a file over)."""
     if is_dir:
         os.makedirs(path, exist_ok=True)
-    else:
+    elif not os.path.lexists(path):  # (one inside a read-only bind is there already)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a"):
             pass

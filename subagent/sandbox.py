@@ -408,31 +408,32 @@ class Ahead:
         self, read: Iterable[str], write: Iterable[str] = (), *, checked: Iterable[str] | None = None
     ) -> None:
         """Bind back the paths a private tmpfs hides (a spec's grant under /tmp, say), as a
-        cold runner's ``private_mounts`` keeps them: the topmost of nested ones, over the
-        directories the run's own bind left there (a grant holding the run directory is
-        bound whole, as a cold runner binds it). While the capabilities are held."""
+        cold runner's ``private_mounts`` keeps them (``_isolate.bind_plan``: the topmost of
+        nested ones, and a written path again under a read-only one), over the directories
+        the run's own bind left there (a grant holding the run directory is bound whole, as
+        a cold runner binds it). While the capabilities are held."""
         if not self.userns:
             return
         read, write = list(read), list(write)
         paths = [*read, *write]
         check = {os.path.normpath(p) for p in (paths if checked is None else checked)}  # not the daemon's grant
-        ro = _isolate.read_only_binds(read, [*write, *self.write])
         bound = [p for p in self.private if p not in self.hidden]  # the binds, not the tmpfs
 
-        def within(p: str, tops: Iterable[str]) -> bool:
-            return any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)
+        def norm(ps: Iterable[str]) -> list[str]:
+            return [os.path.normpath(p) for p in ps if p and os.path.isabs(p)]
 
-        wanted: list[tuple[str, str]] = []
-        for p in sorted({os.path.normpath(p) for p in paths if p and os.path.isabs(p)}, key=len):
-            if within(p, bound) or within(p, [w for w, _ in wanted]):
-                continue  # bound already (the run directory, what a parent brings)
+        wanted: list[tuple[str, str, bool]] = []
+        for p, ro in _isolate.bind_plan(norm(read), norm([*write, *self.write]), within=self.hidden):
+            tops = [b for b in bound if p == b or p.startswith(b.rstrip("/") + "/")]
+            if tops and (ro or not _read_only_mount(max(tops, key=len))):
+                continue  # what a bind made ahead brings (the run directory), unless written under a read-only one
             for d, fd in self.hidden.items():
                 if p.startswith(d.rstrip("/") + "/"):
                     seen = f"/proc/self/fd/{fd}/{os.path.relpath(p, d)}"
                     if os.path.exists(seen):
-                        wanted.append((p, seen))
+                        wanted.append((p, seen, ro))
                     break
-        for path, seen in wanted:
+        for path, seen, ro in wanted:
             # What it is now, on the host (a link followed: ``realpath`` cannot see past the
             # tmpfs here): never the daemon's state, whatever it was at the spawn.
             try:
@@ -447,10 +448,17 @@ class Ahead:
             if why is not None:
                 raise SandboxError(f"refused: {path!r} leads to {why}")
             try:
-                _isolate.bind_back(seen, path, read_only=os.path.realpath(path) in ro)
+                _isolate.bind_back(seen, path, read_only=ro)
                 self.private.append(path)
             except OSError as exc:
                 self.problems.append(f"cannot keep {path!r} in the run's private {exc.filename or 'dir'}: {exc}")
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def prepare_ahead(

@@ -439,6 +439,47 @@ async def test_a_read_grant_under_a_private_tmp_stays_read_only(daemon: Daemon, 
         shutil.rmtree(ro[1], ignore_errors=True)
 
 
+@pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
+async def test_a_write_grant_inside_a_read_grant_under_a_private_tmp_leaves_the_rest_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
+) -> None:
+    # The read grant was bound writable whole, so that the write grant inside it stayed
+    # writable: the run rewrote a host file it was granted only to read.
+    assert str(tmp_path).startswith("/tmp/") or pytest.skip("tmp_path is not under the private /tmp")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    ro = tmp_path / "proj"
+    inner = ro / "out"
+    inner.mkdir(parents=True)
+    (ro / "file").write_text("host\n")
+    probe = "; ".join(
+        [
+            f"echo HACKED > {ro}/file; echo w=$?",
+            f"touch {ro}/new; echo n=$?",
+            f"echo ok > {inner}/written; echo rw=$?",
+            f"cat {ro}/file",
+        ]
+    )
+    spec = scripted([command(probe)], sandbox={"read": [str(ro)], "write": [str(inner)]})
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, zygote=zygote
+    )
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        m = info["manager"]
+        with trio.fail_after(SCENARIO_S):
+            r = await m.spawn(spec)
+            st = await m.wait_terminal(r["run_id"])
+        stop.set()
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert lines["w"] != "0" and lines["n"] != "0", out
+    assert lines["rw"] == "0", out
+    assert (ro / "file").read_text() == "host\n" and not (ro / "new").exists()
+    assert (inner / "written").read_text() == "ok\n"
+
+
 async def test_paths_a_runs_tools_would_be_granted_are_held_to_the_grants_rules(daemon: Daemon) -> None:
     # An MCP server's cwd or command, a script's path: granted by the runner for its tools,
     # so refused at the spawn as a sandbox grant there would be.

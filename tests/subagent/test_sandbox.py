@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from subagent import _landlock
+from subagent import _isolate, _landlock
 from subagent._landlock import FS_READ, FS_WRITE, Grant, plan_rules
 from subagent.sandbox import SANDBOX_ENV, Settings, check_grants, tool_env
 from subagent.spec import RunSpec, SpecError
@@ -204,3 +204,25 @@ def test_a_normal_users_runner_sees_that_chromium_can_make_its_namespace() -> No
 
     require(_as_nobody(dumpable) == 0, "unprivileged user namespaces")
     assert _as_nobody(not_dumpable) == 0
+
+
+@pytest.mark.parametrize(
+    ("read", "write", "plan"),
+    [
+        # A write grant inside a read grant: the read grant read-only, the write grant
+        # bound again over it, writable (it was the read grant bound writable whole).
+        (["/tmp/p"], ["/tmp/p/out"], [("/tmp/p", True), ("/tmp/p/out", False)]),
+        # A read grant inside a write grant: the write grant covers it.
+        (["/tmp/p/in"], ["/tmp/p"], [("/tmp/p", False)]),
+        # Nested reads, and a write below a write that is itself below a read.
+        (["/tmp/p", "/tmp/p/q"], ["/tmp/p/w", "/tmp/p/w/x"], [("/tmp/p", True), ("/tmp/p/w", False)]),
+        # Beside each other; a path outside the private dirs is not bound back.
+        (["/tmp/a", "/usr/lib"], ["/tmp/ab"], [("/tmp/a", True), ("/tmp/ab", False)]),
+        # A path both read and written is written.
+        (["/dev/shm/x"], ["/dev/shm/x"], [("/dev/shm/x", False)]),
+    ],
+)
+def test_the_bind_plan_keeps_read_grants_read_only_and_write_grants_writable(
+    read: list[str], write: list[str], plan: list[tuple[str, bool]]
+) -> None:
+    assert _isolate.bind_plan(read, write, within=["/tmp", "/dev/shm"]) == plan
