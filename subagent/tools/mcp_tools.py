@@ -35,7 +35,7 @@ from mcp import ClientSession, StdioServerParameters
 from subagent.spec import McpServerSpec
 from subagent.tools.mcp_spawn import Prespawned
 
-__all__ = ["McpServer", "McpSetupError", "start_server", "tool_result_text"]
+__all__ = ["McpServer", "McpSetupError", "StoppedBeforeSend", "start_server", "tool_result_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +67,30 @@ class McpSetupError(Exception):
         self.protocol = protocol
 
 
+class StoppedBeforeSend(Exception):
+    """The run was stopped before a call was handed to the server's transport: it was
+    never sent."""
+
+
+# While the transport's writer is busy with an earlier message, how often a call waiting
+# to be handed over looks again (and looks for a stop), in seconds.
+_HANDOFF_POLL_S: Final = 0.005
+
+
 class _OutboundTap:
     """The session's write stream, watched: the id of the ``tools/call`` in flight, and
     no second ``notifications/cancelled`` for a request already told (the SDK's courtesy
-    cancel follows ours when a cancelled call is then abandoned)."""
+    cancel follows ours when a cancelled call is then abandoned).
+
+    A call's hand-off to the transport is one step with the check that no stop came
+    (``stop``, set for the call): the SDK's path from our check to its write yields to the
+    loop, where a stop may arrive; a call a stop reaches before its hand-off is never sent.
+    """
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.in_flight: str | int | None = None
+        self.stop: Any = None  # the run's StopControl, for the call being made
         self._cancelled: set[str | int] = set()
 
     async def send(self, item: Any, /) -> None:
@@ -82,6 +98,9 @@ class _OutboundTap:
 
         msg = getattr(item, "message", None)
         if isinstance(msg, JSONRPCRequest) and msg.method == "tools/call":
+            if self.stop is not None:
+                await self._hand_over(item, msg.id, self.stop)
+                return
             self.in_flight = msg.id
         elif isinstance(msg, JSONRPCNotification) and msg.method == "notifications/cancelled":
             rid = (msg.params or {}).get("requestId")
@@ -90,6 +109,24 @@ class _OutboundTap:
                     return
                 self._cancelled.add(rid)
         await self._inner.send(item)
+
+    async def _hand_over(self, item: Any, rid: str | int, stop: Any) -> None:
+        import anyio
+
+        while True:
+            # No checkpoint between the check and a hand-off that does not wait.
+            if stop.requested:
+                raise StoppedBeforeSend
+            try:
+                self._inner.send_nowait(item)
+            except anyio.WouldBlock:
+                # The writer is still writing an earlier message. Not a waiting send:
+                # cancelled, it may have handed the item over all the same.
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(_HANDOFF_POLL_S)
+                continue
+            self.in_flight = rid
+            return
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -125,14 +162,21 @@ class McpServer:
         except OSError:
             return ""
 
-    async def call(self, tool: str, arguments: dict[str, Any]) -> tuple[bool, str]:
-        """Call a tool; returns (is_error, text). Raises on transport or protocol failure."""
+    async def call(self, tool: str, arguments: dict[str, Any], *, stop: Any = None) -> tuple[bool, str]:
+        """Call a tool; returns (is_error, text). Raises on transport or protocol failure.
+
+        ``stop``: the run's StopControl; a stop before the call is handed to the transport
+        raises ``StoppedBeforeSend`` (it was not sent).
+        """
         assert self.session is not None
+        if self.tap is not None:
+            self.tap.stop = stop
         try:
             result = await self.session.call_tool(tool, arguments)
         finally:
             if self.tap is not None:
                 self.tap.in_flight = None
+                self.tap.stop = None
         return bool(getattr(result, "is_error", False)), tool_result_text(result)
 
     async def cancel_in_flight(self, reason: str) -> bool:

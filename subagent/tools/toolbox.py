@@ -310,6 +310,9 @@ class ToolBox:
 
         async def apply_stop() -> None:
             await stop.stopped.wait()
+            tap = server.tap
+            if tap is not None and tap.stop is stop and tap.in_flight is None:
+                return  # not handed to the transport yet: it never will be (StoppedBeforeSend)
             if policy is StopPolicy.ABANDON:
                 effect.append(StopEffect.ABANDONED)
                 # Cancelling the SDK's request makes it send notifications/cancelled itself.
@@ -325,7 +328,7 @@ class ToolBox:
             if policy in (StopPolicy.ABANDON, StopPolicy.CANCEL):
                 nursery.start_soon(apply_stop)
             try:
-                outcome = await self._mcp_outcome(server, tool, args, interrupt, call)
+                outcome = await self._mcp_outcome(server, tool, args, interrupt, call, stop)
             finally:
                 nursery.cancel_scope.cancel(reason="the call ended")
         if call.cancelled_caught and effect:
@@ -340,17 +343,33 @@ class ToolBox:
         return outcome
 
     async def _mcp_outcome(
-        self, server: McpServer, tool: str, args: dict[str, Any], interrupt: trio.CancelScope, call: trio.CancelScope
+        self,
+        server: McpServer,
+        tool: str,
+        args: dict[str, Any],
+        interrupt: trio.CancelScope,
+        call: trio.CancelScope,
+        stop: StopControl,
     ) -> ToolOutcome:
         from mcp.shared.exceptions import MCPError
         from mcp_types import CONNECTION_CLOSED
+
+        from subagent.tools.mcp_tools import StoppedBeforeSend
 
         timeout = self.limits.command_timeout_s
         result: tuple[bool, str] | None = None
         try:
             with trio.move_on_after(timeout) as timer:
                 with interrupt, call:
-                    result = await server.call(tool, args)
+                    result = await server.call(tool, args, stop=stop)
+        except StoppedBeforeSend:
+            # The stop came on the SDK's way to the transport: the call was never sent.
+            return ToolOutcome(
+                ToolCallState.NOT_STARTED,
+                None,
+                reason=REASON_STOPPED_BEFORE_START,
+                stop_effect=StopEffect.STOPPED_BEFORE_START,
+            )
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
                 # The call was sent; whether the server acted before it went away is unknown.
