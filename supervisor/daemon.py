@@ -80,26 +80,41 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
     journal = await Journal.open(config.journal_path)
     containment = await trio.to_thread.run_sync(Containment.setup, config)
     manager = RunManager(config, journal, containment)
+    listeners: list[trio.SocketListener] = []
     try:
-        # Before the runs a previous daemon left are found again: a state dir that cannot
-        # take the token (a full disk) stops this start with an error and leaves them as
-        # they are, for the next start, rather than ending them on the way out.
+        # Before the runs a previous daemon left are found again, everything a start can
+        # fail at for the user's reasons (a full disk, a busy port, a host that does not
+        # resolve): such a start stops with an error and leaves those runs as they are,
+        # for the next start, rather than ending them on the way out. Connections wait in
+        # the listen backlog until the runs are found again.
         try:
             token = _statefiles.write_token(config.token_path)
         except OSError as exc:
             raise ConfigError(
                 "state_dir", f"cannot write the control token {str(config.token_path)!r}: {exc.strerror or exc}"
             ) from exc
+        listeners.append(control_listener := await control.open_listener(config.host, config.port))
+        port = control_listener.socket.getsockname()[1]
+        sessions = dash_listener = dashboard_url = None
+        if config.dashboard == "on":
+            from supervisor.control import dashboard
+
+            sessions = dashboard.Sessions(token)
+            listeners.append(dash_listener := await dashboard.listen(config))
+            dashboard_url = dashboard.dashboard_url(config.host, dash_listener.socket.getsockname()[1])
+        try:
+            endpoint = _statefiles.write_endpoint(
+                config.endpoint_path, host=config.host, port=port, pid=os.getpid(), dashboard_url=dashboard_url
+            )
+        except OSError as exc:
+            raise ConfigError(
+                "state_dir", f"cannot write the endpoint file {str(config.endpoint_path)!r}: {exc.strerror or exc}"
+            ) from exc
         async with trio.open_nursery() as nursery:
             await nursery.start(containment.run)
             await nursery.start(manager.run)
-            sessions = None
-            if config.dashboard == "on":
-                from supervisor.control import dashboard
-
-                sessions = dashboard.Sessions(token)
             subscriptions = control.Subscriptions()
-            port = await nursery.start(
+            await nursery.start(
                 functools.partial(
                     control.serve_control,
                     config,
@@ -107,17 +122,15 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
                     token=token,
                     session_ok=sessions.handshake_ok if sessions is not None else None,
                     subscriptions=subscriptions,
+                    listener=control_listener,
                 )
             )
-            dashboard_url = None
             if sessions is not None:
-                dash_port = await nursery.start(
-                    functools.partial(dashboard.serve_dashboard, config, sessions, control_port=port)
+                await nursery.start(
+                    functools.partial(
+                        dashboard.serve_dashboard, config, sessions, control_port=port, listener=dash_listener
+                    )
                 )
-                dashboard_url = dashboard.dashboard_url(config.host, dash_port)
-            endpoint = _statefiles.write_endpoint(
-                config.endpoint_path, host=config.host, port=port, pid=os.getpid(), dashboard_url=dashboard_url
-            )
             logger.info("agentd listening on %s (state dir %s)", endpoint["url"], config.state_dir)
             notifier.send("READY=1", f"STATUS=listening on {endpoint['url']}, 0 live runs")
             await nursery.start(_sdnotify.watchdog_loop, notifier)
@@ -155,6 +168,8 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
             nursery.cancel_scope.cancel(reason="daemon shutdown")
     finally:
         with trio.CancelScope(shield=True):
+            for listener in listeners:  # (closed already once served; closing again is harmless)
+                await listener.aclose()
             _statefiles.remove_endpoint(config.endpoint_path, pid=os.getpid())
             await journal.aclose()
             await trio.to_thread.run_sync(containment.close)

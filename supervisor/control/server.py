@@ -789,6 +789,24 @@ def _unsupported(what: str) -> Exception:
     return ControlProtocolError(ErrorCode.UNSUPPORTED, f"this daemon does not support {what}")
 
 
+async def open_listener(host: str, port: int, field: str = "port") -> trio.SocketListener:
+    """One listening socket at ``host:port`` (0: any free port).
+
+    "localhost" may resolve to two addresses; with port 0 they would get different ports
+    and only one can be published: the first is kept.
+
+    Raises:
+        ListenError: the host or port chosen cannot be bound (``field`` names the setting).
+    """
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+    except (OSError, UnicodeError) as exc:
+        raise ListenError.of(field, host, port, exc) or exc from None
+    for extra in listeners[1:]:
+        await extra.aclose()
+    return listeners[0]
+
+
 async def serve_control(
     config: Config,
     backend: protocol.Backend,
@@ -797,6 +815,7 @@ async def serve_control(
     session_ok: SessionCheck | None = None,
     limits: Limits | None = None,
     subscriptions: Subscriptions | None = None,
+    listener: trio.SocketListener | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control socket on ``config.host:config.port`` until cancelled.
@@ -810,19 +829,11 @@ async def serve_control(
         limits: connection limits; default ``Limits()``, its total capped by RLIMIT_NOFILE.
         subscriptions: where the live subscriptions are counted (the daemon's, to let them
             drain at shutdown); default a fresh one.
+        listener: bound already (``open_listener``); default: bound here.
         task_status: started with the bound port once connections are accepted.
     """
     limits = limits or Limits()
-    try:
-        listeners = await trio.open_tcp_listeners(config.port, host=config.host or None)
-    except (OSError, UnicodeError) as exc:
-        raise ListenError.of("port", config.host, config.port, exc) or exc from None
-    if len(listeners) > 1:
-        # "localhost" may resolve to two addresses; with port 0 they would get different
-        # ports and only one can be published. Serve the first.
-        for extra in listeners[1:]:
-            await extra.aclose()
-        listeners = listeners[:1]
+    listeners = [listener or await open_listener(config.host, config.port)]
     server = _Server(config, backend, _TokenSource(config.token_path, token), limits, session_ok, subscriptions)
     server.port = listeners[0].socket.getsockname()[1]
     gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total))

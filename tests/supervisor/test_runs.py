@@ -345,6 +345,42 @@ async def test_a_state_dir_that_cannot_take_the_token_stops_the_start_before_any
     assert recovered == []
 
 
+@pytest.mark.parametrize("fault", ["port", "dashboard_port", "endpoint"])
+async def test_a_start_that_fails_at_its_sockets_or_endpoint_touches_no_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    # A busy port or a full disk at a restart, after the token: the runs were found again
+    # first, then ended on the way out.
+    import errno
+    import socket
+
+    from supervisor.control import _statefiles
+    from supervisor.errors import ConfigError, ListenError
+
+    recovered: list[bool] = []
+
+    async def run(self: RunManager, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        recovered.append(True)
+        task_status.started()
+
+    monkeypatch.setattr(RunManager, "run", run)
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        busy = holder.getsockname()[1]
+        settings: dict[str, Any] = {fault: busy} if fault != "endpoint" else {}
+        if fault == "endpoint":
+
+            def full(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(_statefiles, "write_endpoint", full)
+        config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), environ={}, **settings)
+        expected = ListenError if fault != "endpoint" else ConfigError
+        with pytest.raises(expected, match="cannot listen|cannot write the endpoint file"):
+            await serve(config, stop=trio.Event())
+    assert recovered == []
+    assert not config.endpoint_path.exists()
+
+
 async def test_a_start_removes_the_trees_a_killed_daemon_left_that_no_run_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

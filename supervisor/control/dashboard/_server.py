@@ -21,7 +21,7 @@ import trio
 from supervisor.config import Config
 from supervisor.control.dashboard._app import DashboardApp, Request, Response
 from supervisor.control.dashboard._sessions import Sessions
-from supervisor.errors import ListenError
+from supervisor.control.server import open_listener
 
 __all__ = ["serve_dashboard", "load_static", "dashboard_url"]
 
@@ -174,11 +174,21 @@ async def _serve_connection(app: DashboardApp, stream: trio.SocketStream) -> Non
             await stream.aclose()
 
 
+async def listen(config: Config) -> trio.SocketListener:
+    """The dashboard's listening socket at ``config.host:config.dashboard_port``.
+
+    Raises:
+        ListenError: it cannot be bound there.
+    """
+    return await open_listener(config.host, config.dashboard_port, "dashboard_port")
+
+
 async def serve_dashboard(
     config: Config,
     sessions: Sessions,
     *,
     control_port: int,
+    listener: trio.SocketListener | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the dashboard on ``config.host:config.dashboard_port`` until cancelled.
@@ -187,15 +197,10 @@ async def serve_dashboard(
         config: host and dashboard port (0: ephemeral).
         sessions: who is signed in; bound here to the port actually listened on.
         control_port: the control socket's port, which the page connects to.
+        listener: bound already (``listen``); default: bound here.
         task_status: started with the bound port once connections are accepted.
     """
-    try:
-        listeners = await trio.open_tcp_listeners(config.dashboard_port, host=config.host or None)
-    except (OSError, UnicodeError) as exc:
-        raise ListenError.of("dashboard_port", config.host, config.dashboard_port, exc) or exc from None
-    for extra in listeners[1:]:  # "localhost" may give two; only one port is published
-        await extra.aclose()
-    listener = listeners[0]
+    listener = listener or await listen(config)
     port = listener.socket.getsockname()[1]
     bound = listener.socket.getsockname()[0]
     sessions.bind(port, () if config.host in ("", "0.0.0.0", "::") else (f"[{bound}]" if ":" in bound else bound,))
