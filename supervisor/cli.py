@@ -121,7 +121,9 @@ def _translate(exc: AgentdError) -> CliError:
     if isinstance(exc, JournalError):  # logs, reading the file: nothing usable at this state dir
         return CliError(str(exc), ExitCode.NO_DAEMON)
     if isinstance(exc, ControlProtocolError):
-        code = ExitCode.NOT_FOUND if exc.code == "not_found" else ExitCode.REFUSED
+        # bad_args: what the user typed (an empty run id, a session id too long): a usage
+        # error, as one the CLI caught itself would be.
+        code = {"not_found": ExitCode.NOT_FOUND, "bad_args": ExitCode.USAGE}.get(exc.code, ExitCode.REFUSED)
         return CliError(f"{exc} ({exc.code})", code)
     return CliError(str(exc), ExitCode.REFUSED)
 

@@ -553,7 +553,7 @@ def _kind(v: Any) -> str:
     if isinstance(v, (int, float)):
         return "a number"
     if isinstance(v, str):
-        return "a string"
+        return "a string" if v.strip() else "an empty string" if not v else "a blank string"
     if isinstance(v, list):
         return "an array"
     if isinstance(v, dict):

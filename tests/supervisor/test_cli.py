@@ -209,6 +209,24 @@ def test_a_spec_read_from_a_pipe_is_taken(server: ServerThread, tmp_path: Path) 
     assert server.backend.spawns[0]["spec"]["task"] == "from a pipe"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["status", ""], "expected 'run_id' to be a non-empty string, got an empty string"),
+        (["cancel", " "], "expected 'run_id' to be a non-empty string, got a blank string"),
+        (["steer", "r", ""], "expected 'text' to be a non-empty string, got an empty string"),
+        (["spawn", "x", "--session", "S" * 300], "expected 'session_id' of at most 256 chars, got 300"),
+    ],
+)
+def test_arguments_the_daemon_finds_bad_are_usage_errors(server: ServerThread, args: list[str], message: str) -> None:
+    # They exited 5 ("refused by the daemon"), as a spec it cannot run does; and an empty
+    # id was "expected a non-empty string, got a string".
+    res = run(server, *args)
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr == f"error: {message} (bad_args)\n"
+    assert not server.backend.spawns
+
+
 def test_a_spec_the_daemon_refuses_exits_5(server: ServerThread, tmp_path: Path) -> None:
     res = run(server, "spawn", "--spec", write_spec(tmp_path, {"task": "x", "model": "gpt"}))
     assert res.exit_code == ExitCode.REFUSED
