@@ -61,12 +61,13 @@ def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config:
         )
     grants = parsed.sandbox
     if grants.granted or parsed.mcp_servers or parsed.model.script_path or parsed.browser is not False:
-        from subagent.sandbox import DEFAULT_PROTECT, check_grants, spec_paths
-        from supervisor.trees.pool import protected_paths
+        from subagent.sandbox import Settings, check_grants, protected, spec_paths
+        from supervisor.trees.pool import sandbox_settings
 
         # Every path the run would be granted: its sandbox's, and what its tools need (an
-        # MCP server's cwd or command, a browser's files, a script): none in the state dir.
-        protect = [*(protected_paths(config) if config is not None else ()), *DEFAULT_PROTECT]
+        # MCP server's cwd or command, a browser's files, a script): none in the state dir,
+        # none the runner's own check refuses (the same list: ``protected``).
+        protect = protected(sandbox_settings(config) if config is not None else Settings())
         why = check_grants(*spec_paths(parsed), protect)
         if why is not None:
             raise SpawnError(f"invalid run spec: sandbox: {why}")

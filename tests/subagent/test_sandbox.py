@@ -226,3 +226,25 @@ def test_the_bind_plan_keeps_read_grants_read_only_and_write_grants_writable(
     read: list[str], write: list[str], plan: list[tuple[str, bool]]
 ) -> None:
     assert _isolate.bind_plan(read, write, within=["/tmp", "/dev/shm"]) == plan
+
+
+def test_the_spawn_check_refuses_what_the_runners_check_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One list (``protected``): the daemon's spawn check had its own, without the host's
+    # ssh keys, so such a grant was refused only as the run started (a failed run).
+    from subagent import sandbox
+    from supervisor.config import Config
+    from supervisor.core._spec_check import validate_spec
+    from supervisor.errors import SpawnError
+
+    key = tmp_path / "ssh_host_ed25519_key"
+    key.write_text("secret")
+    real_glob = sandbox.glob.glob
+    monkeypatch.setattr(
+        sandbox.glob, "glob", lambda pattern: [str(key)] if "ssh_host" in pattern else real_glob(pattern)
+    )
+    config = Config.load(state_dir=tmp_path / "state", environ={})
+    spec = {"task": "t", "model": {"provider": "scripted"}, "sandbox": {"read": [str(key)]}}
+    with pytest.raises(SpawnError, match="which no run may reach"):
+        validate_spec(spec, config=config)
