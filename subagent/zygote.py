@@ -658,7 +658,6 @@ def main() -> int:
         from subagent import runner
 
         runner.preload()
-        stop_watching()
         generators = [o for o in gc.get_objects() if isinstance(o, random.Random)]
         threads = _threads()
         if threads != 1:
@@ -677,7 +676,8 @@ def main() -> int:
     zygote = _Zygote(sock, view, generators)
     gc.collect()
     gc.freeze()
-    _prepare_memory()
+    _prepare_memory()  # (seconds on a loaded machine: still watching for the hang-up)
+    stop_watching()
     hello = {
         "ready": True,
         "pid": os.getpid(),
@@ -745,4 +745,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Without the interpreter's teardown of every module imported ahead (openai, mcp...):
+    # ~1 s here, which a daemon's stop waited out, and then killed.
+    sys.stderr.flush()
+    os._exit(code)

@@ -461,6 +461,48 @@ sys.exit(z.main())
 """
 
 
+_SLOW_PREPARATION = """
+import os, sys, time
+import subagent.zygote as z
+
+def prepare():  # a preparation that takes long (MADV_COLLAPSE on a loaded machine)
+    os.write(int(sys.argv[1]), b"preparing\\n")
+    time.sleep(120)
+
+z._prepare_memory = prepare
+sys.exit(z.main())
+"""
+
+
+def test_a_zygote_whose_daemon_hangs_up_while_it_prepares_exits_then_not_after() -> None:
+    # A daemon stopped just after its start waited for its zygote to finish preparing
+    # (its hang-up was watched for during the imports only), then killed it at 1 s.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    said_r, said_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_PREPARATION, str(said_w)],
+        stdin=theirs,
+        stderr=subprocess.PIPE,
+        pass_fds=(said_w,),
+        cwd=ROOT,
+    )
+    theirs.close()
+    os.close(said_w)
+    try:
+        with os.fdopen(said_r, "rb") as said:
+            if said.readline() != b"preparing\n":
+                raise AssertionError(f"it ended before preparing: {proc.communicate(timeout=60)[1].decode()}")
+    finally:
+        ours.close()
+    try:
+        _out, err = proc.communicate(timeout=60)  # well before the 120 s preparation ends
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not err, err.decode()
+
+
 def test_a_zygote_whose_daemon_hangs_up_before_its_ready_exits_quietly() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     said_r, said_w = os.pipe()
