@@ -11,6 +11,7 @@ dead: ``STATUS=`` and ``status`` say so, and the run manager keeps what waits in
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
@@ -48,14 +49,40 @@ async def serve(
     stop: trio.Event | None = None,
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon until SIGTERM/SIGINT, or until ``stop`` is set when given."""
-    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    config.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = _lock_state_dir(config)
-    try:
-        await _serve_locked(config, stop, task_status)
-    finally:
-        os.close(lock)
+    """Run the daemon until SIGTERM/SIGINT, or until ``stop`` is set when given.
+
+    A signal during the start is kept, not met with its default action (a death with
+    the runs it was finding again left unrecorded): once started, the daemon stops as
+    it would at any other time, every run cancelled and recorded.
+    """
+    with contextlib.ExitStack() as stack:
+        if stop is None:
+            signals = stack.enter_context(trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT))
+            stop = trio.Event()
+        else:
+            signals = None
+        try:
+            config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            config.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            lock = _lock_state_dir(config)
+        except OSError as exc:
+            raise ConfigError(
+                "state_dir", f"cannot use state dir {str(config.state_dir)!r}: {exc.strerror or exc}"
+            ) from exc
+        try:
+            await _serve_locked(config, stop, signals, task_status)
+        finally:
+            os.close(lock)
+
+
+async def _stop_at_a_signal(signals: Any, stop: trio.Event) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            logger.info("received %s: already stopping (every run is being cancelled)", name)
+            continue
+        logger.info("received %s", name)
+        stop.set()
 
 
 def _lock_state_dir(config: Config) -> int:
@@ -75,7 +102,9 @@ def _lock_state_dir(config: Config) -> int:
     return fd
 
 
-async def _serve_locked(config: Config, stop: trio.Event | None, task_status: trio.TaskStatus[dict[str, Any]]) -> None:
+async def _serve_locked(
+    config: Config, stop: trio.Event, signals: Any, task_status: trio.TaskStatus[dict[str, Any]]
+) -> None:
     notifier = _sdnotify.Notifier.from_env()
     journal = await Journal.open(config.journal_path)
     containment = await trio.to_thread.run_sync(Containment.setup, config)
@@ -95,11 +124,12 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
             ) from exc
         listeners.append(control_listener := await control.open_listener(config.host, config.port))
         port = control_listener.socket.getsockname()[1]
-        sessions = dash_listener = dashboard_url = None
+        sessions = dash_listener = dashboard_url = static = None
         if config.dashboard == "on":
             from supervisor.control import dashboard
 
             sessions = dashboard.Sessions(token)
+            static = await trio.to_thread.run_sync(dashboard.load_static)
             listeners.append(dash_listener := await dashboard.listen(config))
             dashboard_url = dashboard.dashboard_url(config.host, dash_listener.socket.getsockname()[1])
         try:
@@ -111,29 +141,42 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
                 "state_dir", f"cannot write the endpoint file {str(config.endpoint_path)!r}: {exc.strerror or exc}"
             ) from exc
         async with trio.open_nursery() as nursery:
+            if signals is not None:  # (one that came before is waiting in it)
+                nursery.start_soon(_stop_at_a_signal, signals, stop)
             await nursery.start(containment.run)
-            await nursery.start(manager.run)
-            subscriptions = control.Subscriptions()
-            await nursery.start(
-                functools.partial(
-                    control.serve_control,
-                    config,
-                    manager,
-                    token=token,
-                    session_ok=sessions.handshake_ok if sessions is not None else None,
-                    subscriptions=subscriptions,
-                    listener=control_listener,
-                )
-            )
-            if sessions is not None:
+            try:
+                await nursery.start(manager.run)
+                subscriptions = control.Subscriptions()
                 await nursery.start(
                     functools.partial(
-                        dashboard.serve_dashboard, config, sessions, control_port=port, listener=dash_listener
+                        control.serve_control,
+                        config,
+                        manager,
+                        token=token,
+                        session_ok=sessions.handshake_ok if sessions is not None else None,
+                        subscriptions=subscriptions,
+                        listener=control_listener,
                     )
                 )
+                if sessions is not None:
+                    await nursery.start(
+                        functools.partial(
+                            dashboard.serve_dashboard,
+                            config,
+                            sessions,
+                            control_port=port,
+                            listener=dash_listener,
+                            static=static,
+                        )
+                    )
+                await nursery.start(_sdnotify.watchdog_loop, notifier)
+            except BaseException:
+                # The start failed (or was cancelled) after the runs were found again:
+                # they are left for the next start, as the failures above leave them.
+                manager.leave_runs()
+                raise
             logger.info("agentd listening on %s (state dir %s)", endpoint["url"], config.state_dir)
             notifier.send("READY=1", f"STATUS=listening on {endpoint['url']}, 0 live runs")
-            await nursery.start(_sdnotify.watchdog_loop, notifier)
             nursery.start_soon(_status_loop, notifier, manager)
             task_status.started(
                 {
@@ -144,7 +187,7 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
                     "dashboard_url": dashboard_url,
                 }
             )
-            await _wait_for_stop(stop)
+            await stop.wait()
             n = manager.live_count
             logger.info("agentd stopping: cancelling %d live run%s", n, "" if n == 1 else "s")
             notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {n} run{'' if n == 1 else 's'}")
@@ -173,16 +216,6 @@ async def _serve_locked(config: Config, stop: trio.Event | None, task_status: tr
             _statefiles.remove_endpoint(config.endpoint_path, pid=os.getpid())
             await journal.aclose()
             await trio.to_thread.run_sync(containment.close)
-
-
-async def _wait_for_stop(stop: trio.Event | None) -> None:
-    if stop is not None:
-        await stop.wait()
-        return
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            logger.info("received %s", signal.Signals(signum).name)
-            return
 
 
 async def _status_loop(notifier: _sdnotify.Notifier, manager: RunManager) -> None:

@@ -75,6 +75,10 @@ class Lifecycle:
         self.containment = containment
         self.approvals = approvals
         self._cancel = cancel
+        # The daemon's start failed after the runs a previous daemon left were found
+        # again: each is left as it is (its tree, its files, its journal row) for the next
+        # start, as a daemon killed -9 leaves it, not ended on the way out.
+        self.leaving = False
 
     # ------------------------------------------------------------------ supervision
 
@@ -111,11 +115,13 @@ class Lifecycle:
                         finally:
                             # Path B (scope cancelled) or the runner ended by itself: either
                             # way the whole tree is ended and confirmed dead, shielded, bounded.
-                            with trio.CancelScope(shield=True):
-                                stop = await process.terminate_and_kill(
-                                    tree, grace_s=self._grace(run), sigterm_sent=bool(run.path_a)
-                                )
-                                receipt = run.stop_receipt = stop.to_dict()
+                            # (Unless the daemon is leaving its runs: then it is cancelled.)
+                            if not self.leaving:
+                                with trio.CancelScope(shield=True):
+                                    stop = await process.terminate_and_kill(
+                                        tree, grace_s=self._grace(run), sigterm_sent=bool(run.path_a)
+                                    )
+                                    receipt = run.stop_receipt = stop.to_dict()
                 source.annotate(receipt)
                 io.cancel_scope.cancel(reason="the run's tree is stopped and its output read")
             await self.conclude(run, source.exit_code(), receipt, source.result())
@@ -125,8 +131,9 @@ class Lifecycle:
         finally:
             # Also after a failure in the run's bookkeeping: the tree was stopped (path B
             # runs in the supervision's finally); what it leaves behind goes too.
-            with trio.CancelScope(shield=True):
-                await self.clean_up(run, tree, run.run_dir)
+            if not self.leaving:
+                with trio.CancelScope(shield=True):
+                    await self.clean_up(run, tree, run.run_dir)
             if not run.done.is_set():  # only on a bug: never leave waiters hanging
                 self.book.let_go(run)
 

@@ -138,6 +138,13 @@ class RunManager:
             task_status.started()
             await trio.sleep_forever()
 
+    def leave_runs(self) -> None:
+        """The daemon's start failed: its live runs (re-adopted ones: it took no spawn
+        yet) are left as they are for the next start, not ended as the runs nursery
+        unwinds (``Lifecycle.leaving``)."""
+        self._accepting = False
+        self.lifecycle.leaving = True
+
     @property
     def live_count(self) -> int:
         return len(self._live)

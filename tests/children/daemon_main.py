@@ -54,7 +54,40 @@ def _hold_after_spare_go() -> None:
     zygote.Spare.go = hold  # type: ignore[method-assign,assignment]
 
 
+def _fail_after_recovery() -> None:
+    """Fault injection (``AGENTD_TEST_FAIL_AT=after_recovery``): the start fails once the
+    runs a previous daemon left were found again (a step of the start that comes after
+    them raises): print ``failing after recovery`` on stdout first."""
+    from supervisor import daemon
+
+    async def fail(*_args: object, task_status: object = None) -> None:
+        print("failing after recovery", flush=True)
+        raise RuntimeError("injected: a start step after the recovery failed")
+
+    daemon._sdnotify.watchdog_loop = fail  # type: ignore[assignment]
+
+
+def _pause_before_recovery() -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT=recovery``): print ``at recovery`` on stdout
+    as the start is about to find the runs again, and give the test a moment there (a
+    signal sent then arrives during the start, whenever it is handled)."""
+    from supervisor.core import recovery
+
+    recover = recovery.Recovery.recover
+
+    async def pause(self: recovery.Recovery) -> object:
+        print("at recovery", flush=True)
+        await trio.sleep(1.0)
+        return await recover(self)
+
+    recovery.Recovery.recover = pause  # type: ignore[assignment,method-assign]
+
+
 async def main(state_dir: str) -> None:
+    if os.environ.get("AGENTD_TEST_FAIL_AT") == "after_recovery":
+        _fail_after_recovery()
+    if os.environ.get("AGENTD_TEST_HOLD_AT") == "recovery":
+        _pause_before_recovery()
     hold_at = os.environ.get("AGENTD_TEST_HOLD_AT")
     if hold_at in ("spare_go", "spare_go_stopped"):
         _hold_at_spare_go(hold_at == "spare_go_stopped")

@@ -667,6 +667,22 @@ def test_serve_on_a_host_that_does_not_resolve_is_one_clear_line(tmp_path: Path,
     assert "Traceback" not in out.stderr
 
 
+def test_serve_on_a_state_dir_it_cannot_use_is_one_clear_line(tmp_path: Path) -> None:
+    # (A read-only filesystem is the same: an OSError at its mkdir or lock, a traceback.)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "--state-dir", str(blocker / "state"), "serve"],
+        capture_output=True,
+        text=True,
+        timeout=DAEMON_START_S,
+    )
+    assert out.returncode == ExitCode.USAGE, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"error: config state_dir: cannot use state dir '{blocker / 'state'}': Not a directory"
+    )
+
+
 def test_model_key_env_that_is_not_set_is_a_usage_error(server: ServerThread) -> None:
     res = run(server, "spawn", "x", "--model", "gpt-4o-mini", "--model-key-env", "AGENTD_TEST_NO_SUCH_VAR")
     assert res.exit_code == ExitCode.USAGE

@@ -300,3 +300,77 @@ async def test_an_acknowledged_stop_whose_runner_died_while_the_daemon_was_down_
     assert final["partial"] is True
     (call,) = final["tool_calls"]
     assert call["state"] == "unknown"  # its outcome went with the runner
+
+
+async def test_a_start_that_fails_after_finding_the_runs_again_leaves_them_for_the_next(tmp_path: Path) -> None:
+    """The second daemon re-adopts the run, then a later step of its start fails: it
+    exits, and the run is as it was (its runner alive, its row running), for the third
+    daemon to re-adopt; it was ended on the way out, with no terminal fact."""
+    state = tmp_path / "state"
+    with trio.fail_after(120):
+        async with daemon(state, grace_s=2.0) as (proc, c):
+            run_id = (await c.call("spawn", spec=command_spec("sleep 600")))["run_id"]
+            await c.wait_for(run_id, kind="process_group")
+            runner = (await c.call("status", run_id=run_id))["pid"]
+            await kill9(proc, c)
+        pidfd = os.pidfd_open(runner)  # the runner, pinned: its pid is never reused under us
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
+            env["AGENTD_TEST_FAIL_AT"] = "after_recovery"
+            failing = await trio.run_process(
+                [sys.executable, str(CHILDREN / "daemon_main.py"), str(state)],
+                env=env,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            log = failing.stderr.decode(errors="replace")
+            assert failing.stdout.decode().startswith("failing after recovery"), log[-3000:]
+            assert failing.returncode != 0 and "re-adopted" in log, log[-3000:]
+            assert psutil.Process(runner).status() != psutil.STATUS_ZOMBIE  # left running
+            async with daemon(state, grace_s=2.0) as (_proc, c):
+                st = await c.call("status", run_id=run_id)
+                assert st["live"] is True and st["state"] == "running" and st["pid"] == runner, st
+                await c.call("cancel", run_id=run_id)
+                assert await c.wait_for(run_id) == "cancelled"
+                st = await c.call("status", run_id=run_id)
+            assert st["reason"] == "user", st
+        finally:
+            os.close(pidfd)
+
+
+async def test_a_sigterm_during_the_start_stops_the_daemon_cleanly_once_started(tmp_path: Path) -> None:
+    """SIGTERM while the restarted daemon finds its runs again: it had its default
+    action (a death, the runs neither cancelled nor recorded); now the daemon finishes
+    its start, then stops as at any other time: the run is cancelled and says so."""
+    state = tmp_path / "state"
+    with trio.fail_after(120):
+        async with daemon(state, grace_s=2.0) as (proc, c):
+            run_id = (await c.call("spawn", spec=command_spec("sleep 600")))["run_id"]
+            await c.wait_for(run_id, kind="process_group")
+            await kill9(proc, c)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
+        env["AGENTD_TEST_HOLD_AT"] = "recovery"
+        second = await trio.lowlevel.open_process(
+            [sys.executable, str(CHILDREN / "daemon_main.py"), str(state)],
+            env=env,
+            stdout=-1,
+            stderr=-1,
+            start_new_session=True,
+        )
+        try:
+            assert second.stdout is not None
+            buf = b""
+            while b"at recovery\n" not in buf:
+                chunk = await second.stdout.receive_some()
+                assert chunk, "the daemon exited before its recovery"
+                buf += chunk
+            second.send_signal(signal.SIGTERM)
+            assert await second.wait() == 0
+        finally:
+            if second.returncode is None:
+                second.kill()
+                await second.wait()
+        async with daemon(state, grace_s=2.0) as (_proc, c):
+            st = await c.call("status", run_id=run_id)
+    assert st["state"] == "cancelled" and st["reason"] == "shutdown", st

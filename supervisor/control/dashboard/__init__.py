@@ -9,7 +9,8 @@ socket with its session cookie; see ``docs/dashboard.md``.
 
 from supervisor.control.dashboard._server import dashboard_url as dashboard_url
 from supervisor.control.dashboard._server import listen as listen
+from supervisor.control.dashboard._server import load_static as load_static
 from supervisor.control.dashboard._server import serve_dashboard as serve_dashboard
 from supervisor.control.dashboard._sessions import Sessions as Sessions
 
-__all__ = ["serve_dashboard", "dashboard_url", "listen", "Sessions"]
+__all__ = ["serve_dashboard", "dashboard_url", "listen", "load_static", "Sessions"]

@@ -10,6 +10,7 @@ a closed connection; nothing a client sends ends the server or the daemon.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from http import HTTPStatus
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -189,6 +190,7 @@ async def serve_dashboard(
     *,
     control_port: int,
     listener: trio.SocketListener | None = None,
+    static: Mapping[str, bytes] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the dashboard on ``config.host:config.dashboard_port`` until cancelled.
@@ -198,13 +200,16 @@ async def serve_dashboard(
         sessions: who is signed in; bound here to the port actually listened on.
         control_port: the control socket's port, which the page connects to.
         listener: bound already (``listen``); default: bound here.
+        static: the page's files (``load_static``); default: loaded here.
         task_status: started with the bound port once connections are accepted.
     """
     listener = listener or await listen(config)
     port = listener.socket.getsockname()[1]
     bound = listener.socket.getsockname()[0]
     sessions.bind(port, () if config.host in ("", "0.0.0.0", "::") else (f"[{bound}]" if ":" in bound else bound,))
-    app = DashboardApp(sessions, await trio.to_thread.run_sync(load_static), control_port=control_port)
+    if static is None:
+        static = await trio.to_thread.run_sync(load_static)
+    app = DashboardApp(sessions, static, control_port=control_port)
     limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
 
     async def handler(stream: trio.SocketStream) -> None:
