@@ -838,6 +838,10 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
                 click.echo(f"{rid}: was not active (state: {final[rid]})")
         if not runs:
             click.echo(f"session {session_id}: no live run")
+        # The journal could not take the stop: it goes on, but a daemon killed now would
+        # not know it was asked (the --json reply carries the same "warning").
+        for warning in dict.fromkeys(str(r["warning"]) for r in [result, *runs] if r.get("warning")):
+            click.echo(f"warning: {warning}", err=True)
 
     obj.emit(out, human)
     if not no_wait:
@@ -1149,6 +1153,12 @@ def status(obj: Obj, run_id: str | None) -> None:
             f"agentd {d.get('version', '?')} running: pid {d.get('pid')}, up {_duration(float(d.get('uptime_s', 0)))}, "
             f"{d.get('url')}, state dir {d.get('state_dir')}"
         )
+        journal = (result.get("summary") or {}).get("journal") or {}
+        if journal.get("writable") is False:
+            click.echo(
+                f"degraded: the journal cannot be written ({journal.get('error')}); "
+                f"{journal.get('pending_writes', '?')} writes wait in memory, not durable yet"
+            )
         live = result.get("live_runs", [])
         if live:
             click.echo(f"{len(live)} live run{'s' if len(live) != 1 else ''}:")

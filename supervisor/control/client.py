@@ -150,7 +150,8 @@ class Client:
                 else (f"did not answer within {CONNECT_TIMEOUT_S} s")
             )
             raise ConnectionLost(
-                f"the daemon at {url} {how}: it may be at its connection limit or too busy; try again"
+                f"the daemon at {url} {how}: it may be starting (finding its runs again after a restart), "
+                "at its connection limit or too busy; try again"
             ) from exc
         except OSError as exc:
             raise DaemonNotRunning(str(self.state_dir), f"cannot connect to {url}: {exc}") from exc

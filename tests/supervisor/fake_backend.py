@@ -62,6 +62,9 @@ class FakeBackend:
         self.autoplay: dict[str, tuple[list[tuple[str, dict[str, Any]]], str]] = {}
         self.nursery: trio.Nursery | None = None
         self._n = 0
+        # A journal that cannot be written: cancels say so, as the daemon's do; the
+        # daemon's status summary too (set: the error text).
+        self.journal_down: str | None = None
 
     # ---------------------------------------------------------------- driving
     def add_run(self, spec: dict[str, Any] | None = None, *, session_id: str | None = None) -> str:
@@ -138,7 +141,15 @@ class FakeBackend:
         if was_active:
             self.emit(run_id, "state", {"state": "cancelling", "reason": reason})
             self.finish(run_id, "cancelled")
-        return {"run_id": run_id, "was_active": was_active, "state": run.state}
+        out = {"run_id": run_id, "was_active": was_active, "state": run.state}
+        if self.journal_down is not None:
+            out["warning"] = "the journal cannot be written: the stop goes on, but is not durable yet"
+        return out
+
+    async def summary(self) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        down = self.journal_down
+        return {"journal": {"writable": down is None, "error": down, "pending_writes": 0 if down is None else 3}}
 
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
         out = [

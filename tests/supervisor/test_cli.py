@@ -485,6 +485,25 @@ def test_cancel_prints_was_active_and_the_terminal_state(server: ServerThread) -
     assert server.backend.cancels == [(run_id, "user")] * 3
 
 
+def test_a_stop_the_journal_could_not_take_and_a_degraded_daemon_are_said_in_plain_output(
+    server: ServerThread,
+) -> None:
+    # Only --json carried them: the human output said "stop sent" and nothing of a stop
+    # that a daemon killed then would not know it was asked.
+    server.backend.journal_down = "No space left on device"
+    run_id = server.call(server.backend.add_run)
+    res = run(server, "cancel", run_id)
+    assert res.stdout.strip() == f"{run_id}: stop sent (was active); cancelled"
+    assert res.stderr == "warning: the journal cannot be written: the stop goes on, but is not durable yet\n"
+    res = run(server, "status")
+    assert (
+        "degraded: the journal cannot be written (No space left on device); 3 writes wait in memory, not durable yet"
+        in res.stdout.splitlines()
+    ), res.stdout
+    server.backend.journal_down = None
+    assert "degraded" not in run(server, "status").stdout
+
+
 @pytest.mark.parametrize(
     ("state", "code"), [("completed", ExitCode.OK), ("failed", ExitCode.RUN_FAILED), ("lost", ExitCode.RUN_LOST)]
 )
