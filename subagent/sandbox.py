@@ -255,16 +255,25 @@ def protected(settings: Settings) -> list[str]:
     return list(dict.fromkeys([*settings.protect, *DEFAULT_PROTECT, *glob.glob("/etc/ssh/ssh_host_*key")]))
 
 
+def tool_paths(spec: Any) -> list[str]:
+    """What the tools of a run of ``spec`` (a ``RunSpec``) need to read, as this process
+    sees the filesystem: its MCP servers' commands and working directories, its browser's
+    files."""
+    out = _server_paths(spec)
+    if spec.browser is not False:
+        out += _browser_paths(True if spec.browser is True else dict(spec.browser))
+    return out
+
+
 def spec_paths(spec: Any) -> tuple[list[str], list[str]]:
     """What a run of ``spec`` (a ``RunSpec``) is granted, (read, write): its sandbox's
-    grants, and what its tools need (its MCP servers' commands and working directories,
-    its browser's files, its script). The daemon checks every one of them at the spawn and
-    the runner again as it enters its sandbox."""
+    grants, and what its tools need (``tool_paths``; the daemon's, found on the host, when
+    the spec carries them), its script. The daemon checks every one of them at the spawn
+    and the runner again as it enters its sandbox."""
     workdir = spec.sandbox.workdir
     script = [spec.model.script_path] if spec.model.script_path else []  # the run's own input
-    read = [*spec.sandbox.read, *_server_paths(spec), *script]
-    if spec.browser is not False:
-        read += _browser_paths(True if spec.browser is True else dict(spec.browser))
+    tools = list(spec.tool_paths) if spec.tool_paths is not None else tool_paths(spec)
+    read = [*spec.sandbox.read, *tools, *script]
     write = [*spec.sandbox.write, *([workdir] if workdir else [])]
     return read, write
 

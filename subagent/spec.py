@@ -456,6 +456,14 @@ class SessionSpec:
         return out
 
 
+def _tool_paths(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > MAX_TOOL_PATHS:
+        raise SpecError("tool_paths", f"expected a list of at most {MAX_TOOL_PATHS} absolute paths")
+    return tuple(_abs_path(p, f"tool_paths[{i}]") for i, p in enumerate(v))
+
+
 _TOP_KEYS: Final = {
     "run_id",
     "session_id",
@@ -470,7 +478,11 @@ _TOP_KEYS: Final = {
     "stop_policy",
     "approval",
     "session",
+    "tool_paths",
 }
+# At most this many paths in a spec's ``tool_paths`` (the daemon's: a browser's three, a
+# command and a cwd per MCP server).
+MAX_TOOL_PATHS: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,6 +502,11 @@ class RunSpec:
     stop_policy: StopPolicySpec = field(default_factory=StopPolicySpec)
     approval: ApprovalSpec = field(default_factory=ApprovalSpec)
     session: SessionSpec = field(default_factory=SessionSpec)
+    # What the run's tools need (its MCP servers' commands and cwds, its browser's files),
+    # as the daemon found them on the host at the start (never a user's spec: it refuses
+    # one). None: the runner finds them itself (``sandbox.tool_paths``). A runner forked
+    # ahead sees /tmp and the like through its private tmpfs, where they are not.
+    tool_paths: tuple[str, ...] | None = None
 
     @classmethod
     def from_dict(cls, d: Any, env: Mapping[str, str] | None = None) -> RunSpec:
@@ -551,6 +568,7 @@ class RunSpec:
                 d.get("approval", {}), set(servers) | ({"browser"} if browser is not False else set())
             ),
             session=SessionSpec.from_dict(d.get("session", {})),
+            tool_paths=_tool_paths(d.get("tool_paths")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -570,6 +588,8 @@ class RunSpec:
             out["approval"] = self.approval.to_dict()
         if self.session != SessionSpec():
             out["session"] = self.session.to_dict()
+        if self.tool_paths is not None:
+            out["tool_paths"] = list(self.tool_paths)
         for k in ("run_id", "session_id", "system_prompt"):
             v = getattr(self, k)
             if v is not None:

@@ -33,6 +33,7 @@ from subagent.emit import record_paths
 from subagent.events import BadLine, Event, decode_result
 from subagent.osedge import IN_MODIFY, Watch
 from supervisor.core._run import Run
+from supervisor.core._spec_check import spec_for_runner
 from supervisor.core.progress import LineSplitter
 from supervisor.trees import process
 from supervisor.trees._handles import AdoptedTree, AnyTree, Tree
@@ -115,7 +116,7 @@ class PipeSource:
         try:
             async with run.stdin_lock:
                 if not self._spec_sent:
-                    await stdin.send_all((json.dumps(run.runner_spec or run.spec) + "\n").encode())
+                    await stdin.send_all((json.dumps(spec_for_runner(run.runner_spec or run.spec)) + "\n").encode())
             run.stdin = stdin
             await trio.sleep_forever()  # until the run ends and cancels the feed
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -83,3 +83,30 @@ def validate_spec(spec: dict[str, Any], model_key: Secret | None = None, config:
     except PresetError as exc:
         raise SpawnError(f"invalid run spec: {exc}") from exc
     return model.provider
+
+
+def spec_for_runner(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec a runner is given: ``spec``, and the paths its tools need (an MCP server's
+    command and cwd, the browser's files) as this daemon finds them on the host
+    (``tool_paths``). A runner forked ahead (a zygote's spare) sees /tmp, /run and the like
+    through its private tmpfs, where a Chromium or a server command kept there is not: it
+    dropped the browser's every grant, then failed with "chromium not found"."""
+    try:
+        from subagent.sandbox import tool_paths
+        from subagent.spec import RunSpec
+    except ImportError:
+        return spec
+    try:
+        parsed = RunSpec.from_dict(spec)
+    except Exception:  # noqa: BLE001 - validated at the spawn; the runner reports it
+        return spec
+    if not parsed.mcp_servers and parsed.browser is False:
+        return spec
+    out = {**spec, "tool_paths": tool_paths(parsed)}
+    browser = spec.get("browser")
+    exe = browser.get("executable_path") if isinstance(browser, dict) else None
+    if isinstance(browser, dict) and isinstance(exe, str) and os.path.islink(exe):
+        # The binary itself: Chromium finds its files beside what it was started as, and
+        # a link kept under a private /tmp is not there for the runner to follow.
+        out["browser"] = {**browser, "executable_path": os.path.realpath(exe)}
+    return out

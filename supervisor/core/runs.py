@@ -43,7 +43,7 @@ from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
 from supervisor.core._lifecycle import Lifecycle
 from supervisor.core._run import Run
 from supervisor.core._sources import PipeSource
-from supervisor.core._spec_check import validate_spec
+from supervisor.core._spec_check import spec_for_runner, validate_spec
 from supervisor.core.approvals import ApprovalDesk, Hooks
 from supervisor.core.recovery import Recovery
 from supervisor.core.sessions import SessionDesk
@@ -209,6 +209,8 @@ class RunManager:
                 raise SpawnError(f"invalid run spec: session_id: a non-empty string of at most {MAX_ID_CHARS} chars")
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
+        if "tool_paths" in spec:
+            raise SpawnError("invalid run spec: tool_paths: the daemon sets it (what the run's tools need)")
         if "session" in spec:
             raise SpawnError(
                 "invalid run spec: session: the daemon sets it for a turn of a session (its history, its "
@@ -689,7 +691,7 @@ class RunManager:
         extra_env = {"AGENTD_RUN_ID": run.run_id}
         if run.model_key is not None:
             extra_env["OPENAI_API_KEY"] = run.model_key.reveal()
-        spec_line = (json.dumps(run.runner_spec or run.spec) + "\n").encode()
+        spec_line = (json.dumps(spec_for_runner(run.runner_spec or run.spec)) + "\n").encode()
         return spare if spare.assign([], extra_env, spec_line) else None
 
     async def _start_runner(self, run: Run, spare: Spare | None, *, started: bool = False) -> None:

@@ -32,6 +32,7 @@ from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from supervisor.errors import SpawnError
 from tests import conftest
+from tests.supervisor.test_zygote_spare import spare_ready
 
 CHILDREN = Path(__file__).resolve().parent.parent / "children"
 PROBE_SERVER = str(CHILDREN / "mcp_probe_server.py")
@@ -478,6 +479,48 @@ async def test_a_write_grant_inside_a_read_grant_under_a_private_tmp_leaves_the_
     assert lines["rw"] == "0", out
     assert (ro / "file").read_text() == "host\n" and not (ro / "new").exists()
     assert (inner / "written").read_text() == "ok\n"
+
+
+@pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
+async def test_an_mcp_server_command_kept_under_a_private_tmp_is_granted_and_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
+) -> None:
+    # A spare made its private /tmp before it had its run: it looked for the server's
+    # command there, did not find it, granted nothing, and the run failed ("cannot start
+    # ...: No such file or directory"). The daemon now gives it the paths it found.
+    assert str(tmp_path).startswith("/tmp/") or pytest.skip("tmp_path is not under the private /tmp")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    command = tools / "probe-server"
+    command.write_text(f"#!/bin/sh\nexec {sys.executable} {PROBE_SERVER}\n")
+    command.chmod(0o755)
+    spec = scripted(
+        [{"tool_calls": [{"name": "probe__read", "arguments": {"path": str(command)}}]}],
+        mcpServers={"probe": {"command": str(command)}},
+    )
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, zygote=zygote
+    )
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        m = info["manager"]
+        with trio.fail_after(SCENARIO_S):
+            spare = await spare_ready(m) if zygote == "auto" else None
+            r = await m.spawn(spec)
+            st = await m.wait_terminal(r["run_id"])
+        stop.set()
+    assert spare is None or st["pid"] == spare  # the run was the spare's
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    assert out.startswith("ok: ") and "exec" in out, st["tool_calls"]  # it ran, and may read its command
+    assert str(command) in st["sandbox"]["read"], st["sandbox"]
+
+
+async def test_a_spec_cannot_set_the_paths_the_daemon_grants_its_tools(daemon: Daemon) -> None:
+    with pytest.raises(SpawnError, match="tool_paths: the daemon sets it"):
+        await daemon.m.spawn(scripted([], tool_paths=["/"]))
 
 
 async def test_paths_a_runs_tools_would_be_granted_are_held_to_the_grants_rules(daemon: Daemon) -> None:

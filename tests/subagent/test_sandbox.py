@@ -248,3 +248,20 @@ def test_the_spawn_check_refuses_what_the_runners_check_refuses(
     spec = {"task": "t", "model": {"provider": "scripted"}, "sandbox": {"read": [str(key)]}}
     with pytest.raises(SpawnError, match="which no run may reach"):
         validate_spec(spec, config=config)
+
+
+def test_a_runner_is_given_its_tools_paths_and_its_browser_as_the_binary_not_a_link(tmp_path: Path) -> None:
+    # A runner forked ahead sees /tmp through its own tmpfs: the daemon tells it what its
+    # tools need (``tool_paths``), and names the browser's binary, not a link kept there
+    # (Chromium finds its files beside what it was started as).
+    from supervisor.core._spec_check import spec_for_runner
+
+    link = tmp_path / "chr"
+    link.symlink_to("/usr/lib/chromium/chromium")
+    spec = {"task": "t", "model": {"provider": "scripted"}, "browser": {"executable_path": str(link)}}
+    out = spec_for_runner(spec)
+    assert out["browser"]["executable_path"] == os.path.realpath(link)
+    assert "/usr/lib/chromium" in out["tool_paths"]
+    assert spec["browser"]["executable_path"] == str(link)  # the run's own spec is as it was
+    plain = {"task": "t", "model": {"provider": "scripted"}}
+    assert spec_for_runner(plain) is plain  # nothing to find: given as it is
