@@ -76,15 +76,66 @@ BROWSER_SWEEP_TIMEOUT_S = 10.0
 BROWSER_CLOSE_TIMEOUT_S = 5.0
 
 
-async def _close_session_browser(server: Any) -> None:
-    # Teardown, not a tool call of the model's: it runs after a stop too (a stop must not
-    # log the user out), bounded, and a browser that does not answer is ended as before.
-    with trio.CancelScope(shield=True):
-        with trio.move_on_after(BROWSER_CLOSE_TIMEOUT_S):
+class _SessionBrowser:
+    """Closing a session's browser (``browser_close``: Chromium shuts down and writes what
+    it holds, a login's cookie, to the session's profile), once: at the run's end, or
+    before a stop's grace runs out; whoever comes second waits for the first."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self._started = False
+        self._done = trio.Event()
+
+    async def close(self, timeout_s: float = BROWSER_CLOSE_TIMEOUT_S) -> None:
+        # Teardown, not a tool call of the model's: it runs after a stop too (a stop must
+        # not log the user out), bounded, and a browser that does not answer is ended as
+        # before (its server's close).
+        with trio.CancelScope(shield=True), trio.move_on_after(timeout_s):
+            if self._started:
+                await self._done.wait()
+                return
+            self._started = True
             try:
-                await server.call("browser_close", {})
+                await self.server.call("browser_close", {})
             except Exception as exc:  # a dead or broken server: the normal close ends it
                 logger.warning("closing the session's browser failed: %s", exc)
+            finally:
+                self._done.set()
+
+
+# The daemon's grace (seconds), for the runner to see it coming: ``AGENTD_STOP_GRACE_S``.
+GRACE_ENV = "AGENTD_STOP_GRACE_S"
+# What a session's browser is given, before the grace runs out, to shut down and write
+# its state (seconds).
+BROWSER_SAVE_RESERVE_S = 2.0
+
+
+def _stop_grace_s() -> float | None:
+    try:
+        grace = float(os.environ.get(GRACE_ENV, ""))
+    except ValueError:
+        return None
+    return grace if grace >= 0 and grace != float("inf") else None
+
+
+async def _save_session_browser_before_the_grace(stop: StopControl, browser: _SessionBrowser, emitter: Emitter) -> None:
+    """A stop whose grace runs out while the run is still busy (a call its policy lets
+    finish) ends in SIGKILL, the browser with it: what it had not written (a login's
+    cookie) was lost to the session's next turn. Shortly before that, the browser is
+    closed as at the run's end (beside the call still running, which then ends with it)."""
+    grace = _stop_grace_s()
+    if grace is None:
+        return
+    await stop.stopped.wait()
+    assert stop.stopped_at is not None
+    # (A grace shorter than the reserve: half of it for the call, half for the browser.)
+    await trio.sleep_until(stop.stopped_at + max(grace - BROWSER_SAVE_RESERVE_S, grace / 2))
+    emitter.log(
+        "warning",
+        "the stop's grace is running out with the run still busy: the session's browser is closed now "
+        "so that what it holds (a login) is kept for the next turn",
+    )
+    await browser.close(min(BROWSER_SAVE_RESERVE_S, grace / 2))
 
 
 async def _end_browser(base: Path, profile: str | None = None) -> None:
@@ -246,7 +297,9 @@ async def run(
                         )
                         if spec.session.browser_profile is not None and "browser" in servers:
                             # Pushed after the server: it runs before the server is closed.
-                            stack.push_async_callback(_close_session_browser, servers["browser"])
+                            session_browser = _SessionBrowser(servers["browser"])
+                            stack.push_async_callback(session_browser.close)
+                            nursery.start_soon(_save_session_browser_before_the_grace, stop, session_browser, emitter)
                         stop.phase = "idle"
 
                         def on_group(pgid: int, alive: bool, kind: str, name: str, on_stop: str | None) -> None:

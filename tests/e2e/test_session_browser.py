@@ -157,6 +157,55 @@ async def test_a_stopped_turn_keeps_the_sessions_login_for_the_next_turn_and_clo
     assert not profile.exists() and not profile.parent.exists()
 
 
+async def test_a_stop_whose_grace_runs_out_in_a_browser_call_still_keeps_the_login(
+    manager: RunManager, site: Any
+) -> None:
+    # A call the policy lets finish (evaluate) outlives the grace: the tree was SIGKILLed,
+    # Chromium with it, and the cookie it had not written yet was gone for turn 2.
+    url = f"http://127.0.0.1:{site.server_address[1]}"
+    slow = "() => new Promise(r => setTimeout(() => r('late'), 60000))"
+    sign_in = spec(
+        [
+            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/set"}}]},
+            {"tool_calls": [{"name": "browser_evaluate", "arguments": {"function": slow}}]},
+        ]
+    )
+    # Turn 2's history holds turn 1's two assistant messages: its script starts at turn 2.
+    read_back = spec(
+        [
+            {},
+            {},
+            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/show"}}]},
+            {"tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
+        ],
+        extract=r"Cookie: agentd_login=([\w-]+)",
+        final="The site still knows me as {{match}}.",
+    )
+    with trio.fail_after(SCENARIO_S):
+        first = await manager.spawn(sign_in, session_id="web-3")
+        async with manager.subscribe(first["run_id"]) as live:
+            async for ev in live:
+                record = ev["data"].get("record") or {}
+                if ev["kind"] == "tool_call" and record.get("name") == "browser_evaluate":
+                    if record.get("state") == "running":
+                        break
+        await manager.cancel(first["run_id"])
+        turn1 = await manager.wait_terminal(first["run_id"])
+        second = await manager.spawn(read_back, session_id="web-3")
+        turn2 = await manager.wait_terminal(second["run_id"])
+        profile = str(manager.session_desk.profile_path("web-3"))
+        await manager.close_session("web-3")
+        frags = [profile, *(f"{turn['run_dir']}/" for turn in (turn1, turn2))]
+        await trio.to_thread.run_sync(lambda: bs.wait_no_browser_left(None, frags))
+    assert turn1["state"] == "cancelled", turn1
+    nav, evaluate = turn1["tool_calls"]
+    assert nav["state"] == "succeeded" and evaluate["state"] == "failed", evaluate  # the browser closed under it
+    assert turn1["receipt"]["path_b"]["escalated"] is False  # it ended within the grace
+    assert turn2["state"] == "completed", turn2
+    assert turn2["result"]["final_text"] == "The site still knows me as alice-42.", turn2["tool_calls"]
+    assert site.cookies_seen == [COOKIE]
+
+
 async def test_closing_a_session_as_its_browser_turn_starts_stops_that_turn_at_once(
     manager: RunManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
