@@ -185,6 +185,7 @@ class FleetFront:
             await self._refresh_nodes()
             for row in await self._db(self.index.live):
                 self._resume(row)
+            await self._free_ended_leases()
             nursery.start_soon(self._watch_nodes)
             self._accepting = True
             task_status.started()
@@ -209,6 +210,31 @@ class FleetFront:
         self._live[run.id] = run
         logger.info("fleet: resuming run %s (%s, node %s)", run.id, run.state, (run.node_id or "-")[:8])
         self._nursery.start_soon(self._drive, run, name=f"fleet run {run.id}")
+
+    async def _free_ended_leases(self) -> None:
+        """A front killed between a run's terminal fact and freeing its lease left the
+        lease (a detached placement group) holding a slot for good: free those of runs the
+        index has ended. Only this front's runs: a lease it does not know is left alone."""
+        try:
+            table = await self._ray(placement_group_table)
+        except ray.exceptions.RayError as exc:
+            logger.warning("fleet: cannot read the placement groups: %r", exc)
+            return
+        for info in table.values():
+            name = str(info.get("name") or "")
+            if not name.startswith(LEASE_PREFIX) or info.get("state") == "REMOVED":
+                continue
+            run_id = name[len(LEASE_PREFIX) :]
+            if run_id in self._live:
+                continue
+            row = await self._db(self.index.get, run_id)
+            if row is None or row["state"] not in TERMINAL_STATES:
+                continue
+            logger.info("fleet: run %s ended without its lease freed (a front killed then): freeing it", run_id)
+            try:
+                await self._ray(remove_placement_group, await self._ray(get_placement_group, name))
+            except (ValueError, ray.exceptions.RayError) as exc:
+                logger.warning("fleet: run %s: could not remove its lease: %r", run_id, exc)
 
     async def _watch_nodes(self) -> None:
         while True:
@@ -324,6 +350,12 @@ class FleetFront:
         """
         if run.scope is not None:
             run.scope.cancel(reason=f"node {node_id[:8]}: {reason}")
+        if run.node_final is not None:
+            # The node told its outcome before it went: that is the run's one terminal
+            # fact, not `lost` written after it.
+            with trio.CancelScope(shield=True):
+                await self._conclude_from_event(run)
+            return
         with trio.CancelScope(shield=True):
             row = await self._db(self.index.get, run.id)
             partial = row["partial_snapshot"] if row else None
@@ -591,7 +623,16 @@ class FleetFront:
         session_id: str | None = None,
         timeout_s: float | None = None,
         interrupt: bool = False,
+        model_key: Any = None,
     ) -> dict[str, Any]:
+        if model_key is not None:
+            # Refused, not dropped (a run without the key it was given) nor an internal
+            # error (it was: spawn() did not take the argument).
+            raise ControlProtocolError(
+                ErrorCode.UNSUPPORTED,
+                "the fleet does not carry a run's own model key (--model-key-env): give the nodes' daemons "
+                "OPENAI_API_KEY (or a base_url of a local server) instead",
+            )
         if not self._accepting or self._nursery is None:
             raise SpawnError("the fleet front is not accepting runs (starting or shutting down)")
         if not isinstance(spec, dict):

@@ -41,9 +41,31 @@ class _NoCluster(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+# How long a cluster's address may take to answer a TCP connect before `fleet` gives up
+# (seconds): ray.init retries an unreachable one for ever.
+REACH_TIMEOUT_S = 5.0
+
+
+def _reachable(address: str) -> str | None:
+    """Why ``host:port`` cannot be reached, or None (also for the forms Ray resolves)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "/" in address or not port.isdigit():
+        return None  # "auto", "ray://...", a bare host: Ray's to resolve
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"nothing answers there ({exc.strerror or exc})"
+    return None
+
+
 def _connect(address: str | None) -> None:
     from supervisor.fleet._agent import connect
 
+    why = _reachable(address) if address else None
+    if why is not None:
+        raise _NoCluster(f"cannot join the Ray cluster at {address!r}: {why}")
     try:
         connect(address)
     except (ConnectionError, RuntimeError, ValueError) as exc:

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import socket
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -302,12 +303,23 @@ def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_termi
         queued = c.spawn(spec())["run_id"]
         placed = {r: c.status(r) for r in live}
     fleet.kill_front()
+    # A front killed between a run's terminal fact and freeing its lease left the lease:
+    # the next front frees it (it held a slot for good).
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from supervisor.fleet._front import LEASE_PREFIX
+
+    left = placement_group([{"CPU": 0.01}], name=LEASE_PREFIX + done, lifetime="detached")
 
     # While no front watches: one run ends on its node (a stop sent there directly).
     ended = live[0]
     with fleet.node_client(placed[ended]["node"]) as nc:
         assert nc.cancel(placed[ended]["node_run_id"])["was_active"] is True
     fleet.start_front()
+    deadline = time.monotonic() + 60
+    while placement_group_table(left)["state"] != "REMOVED":
+        assert time.monotonic() < deadline, placement_group_table(left)
+        time.sleep(0.05)
 
     everyone = [done, queued, *live]
     with fleet.client() as c:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +293,46 @@ async def test_a_node_link_closed_by_its_daemon_closes_its_socket_and_leaks_noth
         gc.collect()
     leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     assert leaks == []
+
+
+async def test_a_run_whose_node_told_its_end_then_died_keeps_that_end_not_lost_after_it(tmp_path: Path) -> None:
+    # The node stopped the run (its daemon was going away) and the front mirrored its
+    # `cancelled`; asking the node for the details failed, and the node was then found
+    # dead: `lost` was written after `cancelled`, two terminal facts.
+    front, run, index, _attempts = _front_with_a_placed_run(tmp_path, ConnectionError)
+    final = {"seq": 3, "ts": 3.0, "kind": "state", "data": {"state": "cancelled", "reason": "shutdown"}}
+    await front._on_event(run, {"op": "event", **final})
+    await front._finish_lost(run, "n1")
+    row = index.get("f-1")
+    terminal = index.terminal_event_count("f-1")
+    index.close()
+    assert row is not None and (row["state"], row["reason"]) == ("cancelled", "shutdown")
+    assert terminal == 1 and run.done.is_set() and "f-1" not in front._live
+
+
+async def test_a_spawn_with_its_own_model_key_is_refused_by_the_front_not_an_internal_error(tmp_path: Path) -> None:
+    from supervisor.errors import ControlProtocolError
+
+    front, _run, index, _attempts = _front_with_a_placed_run(tmp_path, ConnectionError)
+    with pytest.raises(ControlProtocolError) as refused:
+        await front.spawn({"task": "t"}, model_key=object())
+    index.close()
+    assert refused.value.code == "unsupported" and "OPENAI_API_KEY" in str(refused.value)
+
+
+@contextlib.contextmanager
+def socket_pair_port() -> Iterator[int]:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server.getsockname()[1]
+
+
+def test_fleet_commands_give_up_on_an_address_nothing_answers_at() -> None:
+    # ray.init retried such an address for ever: `agentd fleet up` hung.
+    from supervisor.fleet.cli import _reachable
+
+    with socket_pair_port() as port:
+        assert _reachable(f"127.0.0.1:{port}") is None
+    assert "nothing answers there" in str(_reachable("127.0.0.1:1"))
+    assert _reachable("auto") is None and _reachable("ray://head:10001") is None
