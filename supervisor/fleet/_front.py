@@ -104,6 +104,7 @@ class _Run:
     last_seq: int = 0
     cancel_sent: bool = False
     node_final: dict[str, Any] | None = None  # the node's terminal state event, once mirrored
+    handed_over: bool = False  # its spawn went to its node's agent (a cancel then goes there too)
     pg: Any = None
     queue_scope: trio.CancelScope | None = None
     scope: trio.CancelScope | None = None
@@ -416,6 +417,20 @@ class FleetFront:
             return False
         try:
             handle = await self._ray(ray.get_actor, agent_name(node_id), namespace=NAMESPACE)
+            if run.token.cancelled:
+                # A cancel came while the lease was read: the run is still queued here, as
+                # that cancel's reply said, and never reaches the node.
+                await self._finish_here(
+                    run,
+                    "cancelled",
+                    reason=run.token.reason,
+                    receipt={
+                        "note": "cancelled while queued in the fleet: never started",
+                        "cancel_reason": run.token.reason,
+                    },
+                )
+                return False
+            run.handed_over = True  # (with the check above: no await between them)
             reply = await _await_ref(handle.spawn.remote(run.id, run.spec, run.session_id, run.timeout_s))
         except (ValueError, ray.exceptions.RayError) as exc:
             if await self._node_dead_now(node_id):
@@ -719,7 +734,10 @@ class FleetFront:
         if run.node_run_id is None:
             if run.queue_scope is not None:
                 run.queue_scope.cancel(reason="cancelled while queued")
-            return {"run_id": run_id, "was_active": was_active, "state": run.state, "node": run.node_id}
+            # Handed to its node already: it starts there, and the stop follows it (not
+            # "queued", which promises it never starts).
+            state = "starting" if run.handed_over else run.state
+            return {"run_id": run_id, "was_active": was_active, "state": state, "node": run.node_id}
         assert run.node_id is not None
         try:
             link = await self._link(run.node_id)

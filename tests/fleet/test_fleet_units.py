@@ -336,3 +336,57 @@ def test_fleet_commands_give_up_on_an_address_nothing_answers_at() -> None:
         assert _reachable(f"127.0.0.1:{port}") is None
     assert "nothing answers there" in str(_reachable("127.0.0.1:1"))
     assert _reachable("auto") is None and _reachable("ray://head:10001") is None
+
+
+async def test_a_cancel_while_the_lease_is_read_keeps_the_run_from_its_node(tmp_path: Path) -> None:
+    # The cancel's reply says "queued" (never started); it came after the lease was placed
+    # and before the hand-off, which then went to the node all the same.
+    import concurrent.futures
+
+    import ray
+
+    from supervisor.fleet._front import _lease, _lease_node
+
+    front, run, index, _attempts = _front_with_a_placed_run(tmp_path, ConnectionError)
+    run.node_id = run.node_run_id = None
+    front._nodes = {"n1": {"ip": "10.0.0.7", "resources": {SLOTS: 4.0}}}
+    spawned: list[object] = []
+
+    class Ref:
+        def __init__(self, value: object) -> None:
+            self.value = value
+
+        def future(self) -> concurrent.futures.Future[object]:
+            f: concurrent.futures.Future[object] = concurrent.futures.Future()
+            f.set_result(self.value)
+            return f
+
+    class Lease:
+        def ready(self) -> Ref:
+            return Ref(None)
+
+    class Agent:
+        class spawn:  # noqa: N801 - Ray's actor method shape
+            @staticmethod
+            def remote(*args: object) -> Ref:
+                spawned.append(args)
+                return Ref({"ok": True, "node_run_id": "r-9"})
+
+    replies: list[dict[str, Any]] = []
+
+    async def ray_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is _lease:
+            return Lease()
+        if fn is _lease_node:
+            return "n1"
+        assert fn is ray.get_actor
+        replies.append(await front.cancel(run.id))  # the cancel arrives now
+        return Agent()
+
+    front._ray = ray_call  # type: ignore[method-assign]
+    handed = await front._place_and_hand_off(run)
+    row = index.get(run.id)
+    index.close()
+    assert handed is False and spawned == []
+    assert replies[0]["was_active"] is True and replies[0]["state"] != "starting"  # not handed over yet
+    assert row is not None and row["state"] == "cancelled"
