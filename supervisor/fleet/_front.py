@@ -399,15 +399,7 @@ class FleetFront:
                 await _await_ref(run.pg.ready())
         run.queue_scope = None
         if run.token.cancelled:
-            await self._finish_here(
-                run,
-                "cancelled",
-                reason=run.token.reason,
-                receipt={
-                    "note": "cancelled while queued in the fleet: never started",
-                    "cancel_reason": run.token.reason,
-                },
-            )
+            await self._finish_queued_cancel(run)
             return False
         node_id = await self._ray(_lease_node, run.pg)
         if run.node_id is None:
@@ -420,15 +412,7 @@ class FleetFront:
             if run.token.cancelled:
                 # A cancel came while the lease was read: the run is still queued here, as
                 # that cancel's reply said, and never reaches the node.
-                await self._finish_here(
-                    run,
-                    "cancelled",
-                    reason=run.token.reason,
-                    receipt={
-                        "note": "cancelled while queued in the fleet: never started",
-                        "cancel_reason": run.token.reason,
-                    },
-                )
+                await self._finish_queued_cancel(run)
                 return False
             run.handed_over = True  # (with the check above: no await between them)
             reply = await _await_ref(handle.spawn.remote(run.id, run.spec, run.session_id, run.timeout_s))
@@ -447,6 +431,14 @@ class FleetFront:
         await self._db(self.index.set_node_run, run.id, run.node_run_id)
         logger.info("fleet: run %s is %s on node %s", run.id, run.node_run_id, node_id[:8])
         return True
+
+    async def _finish_queued_cancel(self, run: _Run) -> None:
+        await self._finish_here(
+            run,
+            "cancelled",
+            reason=run.token.reason,
+            receipt={"note": "cancelled while queued in the fleet: never started", "cancel_reason": run.token.reason},
+        )
 
     async def _mirror(self, run: _Run) -> None:
         """Follow the run on its node into the index, until its terminal fact."""

@@ -440,14 +440,35 @@ async def test_a_read_grant_under_a_private_tmp_stays_read_only(daemon: Daemon, 
         shutil.rmtree(ro[1], ignore_errors=True)
 
 
+async def run_in_a_private_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str, spec: dict[str, Any]
+) -> dict[str, Any]:
+    """``spec`` run to its end by a daemon whose state is under the private /tmp, by a
+    cold runner (``zygote`` "off") or by a spare (waited for: the run is the spare's)."""
+    assert str(tmp_path).startswith("/tmp/") or pytest.skip("tmp_path is not under the private /tmp")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, zygote=zygote
+    )
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        m = info["manager"]
+        with trio.fail_after(SCENARIO_S):
+            spare = await spare_ready(m) if zygote == "auto" else None
+            r = await m.spawn(spec)
+            st: dict[str, Any] = await m.wait_terminal(r["run_id"])
+        stop.set()
+    assert spare is None or st["pid"] == spare  # the run was the spare's
+    return st
+
+
 @pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
 async def test_a_write_grant_inside_a_read_grant_under_a_private_tmp_leaves_the_rest_read_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
 ) -> None:
     # The read grant was bound writable whole, so that the write grant inside it stayed
     # writable: the run rewrote a host file it was granted only to read.
-    assert str(tmp_path).startswith("/tmp/") or pytest.skip("tmp_path is not under the private /tmp")
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
     ro = tmp_path / "proj"
     inner = ro / "out"
     inner.mkdir(parents=True)
@@ -461,17 +482,7 @@ async def test_a_write_grant_inside_a_read_grant_under_a_private_tmp_leaves_the_
         ]
     )
     spec = scripted([command(probe)], sandbox={"read": [str(ro)], "write": [str(inner)]})
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, zygote=zygote
-    )
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        m = info["manager"]
-        with trio.fail_after(SCENARIO_S):
-            r = await m.spawn(spec)
-            st = await m.wait_terminal(r["run_id"])
-        stop.set()
+    st = await run_in_a_private_tmp(tmp_path, monkeypatch, zygote, spec)
     assert st["state"] == "completed", st
     (out,) = outputs(st)
     lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -488,8 +499,6 @@ async def test_an_mcp_server_command_kept_under_a_private_tmp_is_granted_and_sta
     # A spare made its private /tmp before it had its run: it looked for the server's
     # command there, did not find it, granted nothing, and the run failed ("cannot start
     # ...: No such file or directory"). The daemon now gives it the paths it found.
-    assert str(tmp_path).startswith("/tmp/") or pytest.skip("tmp_path is not under the private /tmp")
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
     tools = tmp_path / "tools"
     tools.mkdir()
     command = tools / "probe-server"
@@ -499,19 +508,7 @@ async def test_an_mcp_server_command_kept_under_a_private_tmp_is_granted_and_sta
         [{"tool_calls": [{"name": "probe__read", "arguments": {"path": str(command)}}]}],
         mcpServers={"probe": {"command": str(command)}},
     )
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, zygote=zygote
-    )
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        m = info["manager"]
-        with trio.fail_after(SCENARIO_S):
-            spare = await spare_ready(m) if zygote == "auto" else None
-            r = await m.spawn(spec)
-            st = await m.wait_terminal(r["run_id"])
-        stop.set()
-    assert spare is None or st["pid"] == spare  # the run was the spare's
+    st = await run_in_a_private_tmp(tmp_path, monkeypatch, zygote, spec)
     assert st["state"] == "completed", st
     (out,) = outputs(st)
     assert out.startswith("ok: ") and "exec" in out, st["tool_calls"]  # it ran, and may read its command

@@ -101,6 +101,20 @@ def spec(turns: list[Any], *, extract: str | None = None, final: str = "done") -
     }
 
 
+def reading_the_cookie(url: str, *, after: int) -> dict[str, Any]:
+    """A turn that opens the page showing the cookie its browser sent, and says it. Its
+    history holds the earlier turn's ``after`` assistant messages: its script starts there."""
+    return spec(
+        [
+            *([{}] * after),
+            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/show"}}]},
+            {"tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
+        ],
+        extract=r"Cookie: agentd_login=([\w-]+)",
+        final="The site still knows me as {{match}}.",
+    )
+
+
 async def wait_event(m: RunManager, run_id: str, kind: str) -> dict[str, Any]:
     async with m.subscribe(run_id) as live:
         for ev in await m.events_after(run_id, 0):
@@ -117,16 +131,7 @@ async def test_a_stopped_turn_keeps_the_sessions_login_for_the_next_turn_and_clo
 ) -> None:
     url = f"http://127.0.0.1:{site.server_address[1]}"
     sign_in = spec([{"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/set"}}]}, {"hang": True}])
-    # Turn 2's history holds turn 1's one assistant message: its script starts at turn 1.
-    read_back = spec(
-        [
-            {},
-            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/show"}}]},
-            {"tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
-        ],
-        extract=r"Cookie: agentd_login=([\w-]+)",
-        final="The site still knows me as {{match}}.",
-    )
+    read_back = reading_the_cookie(url, after=1)  # turn 1 said one thing
     with trio.fail_after(SCENARIO_S):
         first = await manager.spawn(sign_in, session_id="web-1")
         await wait_event(manager, first["run_id"], "step_started")
@@ -170,17 +175,7 @@ async def test_a_stop_whose_grace_runs_out_in_a_browser_call_still_keeps_the_log
             {"tool_calls": [{"name": "browser_evaluate", "arguments": {"function": slow}}]},
         ]
     )
-    # Turn 2's history holds turn 1's two assistant messages: its script starts at turn 2.
-    read_back = spec(
-        [
-            {},
-            {},
-            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/show"}}]},
-            {"tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
-        ],
-        extract=r"Cookie: agentd_login=([\w-]+)",
-        final="The site still knows me as {{match}}.",
-    )
+    read_back = reading_the_cookie(url, after=2)  # turn 1 said two things
     with trio.fail_after(SCENARIO_S):
         first = await manager.spawn(sign_in, session_id="web-3")
         async with manager.subscribe(first["run_id"]) as live:

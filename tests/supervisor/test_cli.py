@@ -630,23 +630,6 @@ def test_serve_refuses_a_port_out_of_range_from_the_environment_too(tmp_path: Pa
     assert res.stderr == "error: config port: bad value '70000': must be <= 65535\n"
 
 
-def test_serve_on_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
-    with socket.create_server(("127.0.0.1", 0)) as holder:
-        port = holder.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "supervisor", "--state-dir", str(tmp_path / "state"), "serve", "--port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=DAEMON_START_S,
-        )
-    assert out.returncode == ExitCode.USAGE, out.stderr
-    assert out.stderr.splitlines()[-1] == (
-        f"error: cannot listen on 127.0.0.1:{port}: address already in use "
-        "(another program holds it; pick another with --port, or 0 for any free port)"
-    )
-    assert "Traceback" not in out.stderr and "ExceptionGroup" not in out.stderr
-
-
 def serve_out(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "supervisor", "--state-dir", str(tmp_path / "state"), "serve", *args],
@@ -655,6 +638,18 @@ def serve_out(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> 
         timeout=DAEMON_START_S,
         env={**os.environ, **(env or {})},
     )
+
+
+def test_serve_on_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        out = serve_out(tmp_path, "--port", str(port))
+    assert out.returncode == ExitCode.USAGE, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port}: address already in use "
+        "(another program holds it; pick another with --port, or 0 for any free port)"
+    )
+    assert "Traceback" not in out.stderr and "ExceptionGroup" not in out.stderr
 
 
 def test_serve_with_the_dashboard_port_busy_names_the_dashboard_not_the_control_port(tmp_path: Path) -> None:

@@ -474,13 +474,13 @@ sys.exit(z.main())
 """
 
 
-def test_a_zygote_whose_daemon_hangs_up_while_it_prepares_exits_then_not_after() -> None:
-    # A daemon stopped just after its start waited for its zygote to finish preparing
-    # (its hang-up was watched for during the imports only), then killed it at 1 s.
+def _hang_up_while_preparing(program: str) -> tuple[int | None, bytes]:
+    """Run a zygote (``program``) whose preparation says ``preparing``, hang up on it
+    then, and return its exit code and stderr (it is killed if still there after 60 s)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     said_r, said_w = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_PREPARATION, str(said_w)],
+        [sys.executable, "-c", program, str(said_w)],
         stdin=theirs,
         stderr=subprocess.PIPE,
         pass_fds=(said_w,),
@@ -495,32 +495,22 @@ def test_a_zygote_whose_daemon_hangs_up_while_it_prepares_exits_then_not_after()
     finally:
         ours.close()
     try:
-        _out, err = proc.communicate(timeout=60)  # well before the 120 s preparation ends
+        _out, err = proc.communicate(timeout=60)
     finally:
         if proc.returncode is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0 and not err, err.decode()
+    return proc.returncode, err
+
+
+def test_a_zygote_whose_daemon_hangs_up_while_it_prepares_exits_then_not_after() -> None:
+    # A daemon stopped just after its start waited for its zygote to finish preparing
+    # (its hang-up was watched for during the imports only), then killed it at 1 s.
+    code, err = _hang_up_while_preparing(_SLOW_PREPARATION)  # well before its 120 s end
+    assert code == 0 and not err, err.decode()
 
 
 def test_a_zygote_whose_daemon_hangs_up_before_its_ready_exits_quietly() -> None:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    said_r, said_w = os.pipe()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HANG_UP_WHILE_PREPARING, str(said_w)],
-        stdin=theirs,
-        stderr=subprocess.PIPE,
-        pass_fds=(said_w,),
-        cwd=ROOT,
-    )
-    theirs.close()
-    os.close(said_w)
-    try:
-        with os.fdopen(said_r, "rb") as said:
-            if said.readline() != b"preparing\n":
-                raise AssertionError(f"it ended before preparing: {proc.communicate(timeout=60)[1].decode()}")
-    finally:
-        ours.close()
-    _out, err = proc.communicate(timeout=60)
+    code, err = _hang_up_while_preparing(_HANG_UP_WHILE_PREPARING)
     # Its "ready" meets EPIPE: nobody to tell, so no traceback and no failure.
-    assert proc.returncode == 0 and not err, err.decode()
+    assert code == 0 and not err, err.decode()
