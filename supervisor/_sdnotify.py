@@ -28,7 +28,7 @@ import socket
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["Notifier", "watchdog_loop", "NOTIFY_VARS"]
+__all__ = ["Notifier", "watchdog_loop", "NOTIFY_VARS", "JournalFormatter", "stderr_is_journal"]
 
 log = logging.getLogger(__name__)
 
@@ -196,3 +196,36 @@ def _status_field(text: str | None) -> tuple[str, ...]:
     if text is None:
         return ()
     return ("STATUS=" + " ".join(str(text).splitlines()),)
+
+
+# ----------------------------------------------------------------------------- journald
+
+
+def stderr_is_journal(fd: int = 2, environ: Mapping[str, str] | None = None) -> bool:
+    """Is ``fd`` the journal stream systemd connected (``$JOURNAL_STREAM``: its device and
+    inode, as ``systemd.exec(5)`` says to check)?"""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    dev, sep, ino = value.partition(":")
+    if not sep or not dev.isdigit() or not ino.isdigit():
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+class JournalFormatter(logging.Formatter):
+    """Each line led by its syslog priority (``<4>`` for a warning), which journald reads
+    (``SyslogLevelPrefix=``, on by default): ``journalctl -p warning`` then finds the
+    daemon's warnings, which all arrived as info. No timestamp: journald keeps its own."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = record.levelno
+        priority = 7 if level < logging.INFO else 6 if level < logging.WARNING else 4 if level < logging.ERROR else 3
+        if level >= logging.CRITICAL:
+            priority = 2
+        return "\n".join(f"<{priority}>{line}" for line in super().format(record).splitlines())

@@ -90,7 +90,12 @@ class CliError(click.ClickException):
         self.exit_code = exit_code  # type: ignore[misc]
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+        prefix = ""
+        if os.environ.get("JOURNAL_STREAM"):  # (cheap first: the import is for this case only)
+            from supervisor._sdnotify import stderr_is_journal
+
+            prefix = "<3>" if stderr_is_journal() else ""  # journald files it as an error
+        click.echo(f"{prefix}error: {self.format_message()}", err=True)
 
 
 def _usage_error(exc: click.UsageError) -> CliError:
@@ -378,9 +383,14 @@ def serve(
         grace_s=grace_s,
         max_concurrent=max_concurrent,
     )
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    from supervisor import _sdnotify
+
+    handler = logging.StreamHandler(sys.stderr)
+    if _sdnotify.stderr_is_journal():  # under systemd: each line with its priority
+        handler.setFormatter(_sdnotify.JournalFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=log_level.upper(), handlers=[handler])
     from subagent.osedge import run_trio
     from supervisor.daemon import serve as serve_daemon
 

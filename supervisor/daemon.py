@@ -2,7 +2,7 @@
 
 ``serve`` owns every long-lived task. Start-up order: state dir, journal, containment,
 recovery of runs left by a previous daemon, the runs nursery, the control socket, the web
-dashboard (unless ``dashboard = "off"``), then READY=1 to systemd. On SIGTERM/SIGINT (or ``stop`` set, for in-process use): STOPPING=1,
+dashboard (unless ``dashboard = "off"``), then READY=1 to systemd. On SIGTERM/SIGINT/SIGHUP (or ``stop`` set, for in-process use): STOPPING=1,
 no more spawns, every run cancelled through both paths and its terminal fact written,
 then everything closes. The daemon never dies of a client's mistake: the control socket
 turns those into error replies. A journal that cannot be written makes it *degraded*, not
@@ -25,7 +25,7 @@ from supervisor import _sdnotify
 from supervisor.config import Config
 from supervisor.control import _statefiles
 from supervisor.control import server as control
-from supervisor.core.runs import RunManager
+from supervisor.core.runs import SHUTDOWN_MARGIN_S, RunManager
 from supervisor.errors import ConfigError, DaemonAlreadyRunning
 from supervisor.store.journal import Journal
 from supervisor.trees import process
@@ -49,7 +49,7 @@ async def serve(
     stop: trio.Event | None = None,
     task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon until SIGTERM/SIGINT, or until ``stop`` is set when given.
+    """Run the daemon until SIGTERM, SIGINT or SIGHUP, or until ``stop`` is set when given.
 
     A signal during the start is kept, not met with its default action (a death with
     the runs it was finding again left unrecorded): once started, the daemon stops as
@@ -57,7 +57,9 @@ async def serve(
     """
     with contextlib.ExitStack() as stack:
         if stop is None:
-            signals = stack.enter_context(trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT))
+            # SIGHUP too (a terminal closed, `systemctl kill -s HUP`): its default action
+            # killed the daemon without a word, its runs neither cancelled nor recorded.
+            signals = stack.enter_context(trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
             stop = trio.Event()
         else:
             signals = None
@@ -191,6 +193,11 @@ async def _serve_locked(
             n = manager.live_count
             logger.info("agentd stopping: cancelling %d live run%s", n, "" if n == 1 else "s")
             notifier.send("STOPPING=1", f"STATUS=stopping, cancelling {n} run{'' if n == 1 else 's'}")
+            if n:
+                # What the stop may take (the grace, then the kill and the last facts), told
+                # to systemd: a grace longer than the unit's TimeoutStopSec (set where the
+                # unit does not see it, in agentd.env) timed the stop out and SIGKILLed all.
+                notifier.extend_timeout(config.grace_s + SHUTDOWN_MARGIN_S + SUBSCRIBERS_DRAIN_S)
             await manager.shutdown()
             try:
                 strays = await process.kill_strays(containment, only_if_idle=False)

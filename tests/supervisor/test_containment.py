@@ -46,7 +46,10 @@ def is_subreaper() -> bool:
 
 async def exited(pid: int, timeout_s: float = 5.0) -> None:
     """Return once ``pid`` has exited (is a zombie or gone), without reaping it."""
-    fd = os.pidfd_open(pid)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already, reaped by its parent (or init)
     try:
         with trio.fail_after(timeout_s):
             await trio.lowlevel.wait_readable(fd)

@@ -374,3 +374,20 @@ async def test_a_sigterm_during_the_start_stops_the_daemon_cleanly_once_started(
         async with daemon(state, grace_s=2.0) as (_proc, c):
             st = await c.call("status", run_id=run_id)
     assert st["state"] == "cancelled" and st["reason"] == "shutdown", st
+
+
+async def test_a_sighup_stops_the_daemon_as_sigterm_does(tmp_path: Path) -> None:
+    """A SIGHUP (a terminal closed, `systemctl kill -s HUP`) killed the daemon by its
+    default action, without a word: its runs neither cancelled nor recorded, and systemd
+    took the death for a clean exit."""
+    state = tmp_path / "state"
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=2.0) as (proc, c):
+            run_id = (await c.call("spawn", spec=command_spec("sleep 600")))["run_id"]
+            await c.wait_for(run_id, kind="process_group")
+            await c.ws.aclose()
+            proc.send_signal(signal.SIGHUP)
+            assert await proc.wait() == 0
+        async with daemon(state, grace_s=2.0) as (_proc, c):
+            st = await c.call("status", run_id=run_id)
+    assert st["state"] == "cancelled" and st["reason"] == "shutdown", st

@@ -197,3 +197,24 @@ async def test_watchdog_loop_returns_at_once_when_off(autojump_clock: trio.abc.C
         t0 = trio.current_time()
         assert await nursery.start(watchdog_loop, n) is None
     assert trio.current_time() == t0
+
+
+def test_under_journald_each_log_line_carries_its_priority(tmp_path: Path) -> None:
+    import logging
+
+    from supervisor._sdnotify import JournalFormatter, stderr_is_journal
+
+    f = JournalFormatter()
+
+    def line(level: int, msg: str) -> str:
+        return f.format(logging.LogRecord("agentd", level, __file__, 1, msg, None, None))
+
+    assert line(logging.WARNING, "w") == "<4>WARNING agentd: w"
+    assert line(logging.ERROR, "two\nlines") == "<3>ERROR agentd: two\n<3>lines"
+    assert line(logging.INFO, "i").startswith("<6>") and line(logging.DEBUG, "d").startswith("<7>")
+    assert line(logging.CRITICAL, "c").startswith("<2>")
+    with open(tmp_path / "stream", "w") as stream:
+        st = os.fstat(stream.fileno())
+        assert stderr_is_journal(stream.fileno(), {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+        assert not stderr_is_journal(stream.fileno(), {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino + 1}"})
+        assert not stderr_is_journal(stream.fileno(), {})

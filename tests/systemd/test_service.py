@@ -228,3 +228,48 @@ def test_install_enable_now_and_uninstall(service: Container) -> None:
     )
     assert container_processes(c, "agentd serve") == []
     install(c)  # as the module found it
+
+
+def test_a_configuration_error_fails_the_unit_once_and_says_so_as_an_error(service: Container) -> None:
+    """Exit 2 is a configuration error: the unit restarted it every 2 s for ever (the start
+    limit never reached), and journald filed each line as info."""
+    c = service
+    drop_in = f"/run/systemd/system/{UNIT}.d/60-bad-grace.conf"
+    c.write(drop_in, "[Service]\nEnvironment=AGENTD_GRACE_S=abc\n")
+    c.systemctl("daemon-reload")
+    try:
+        c.systemctl("start", UNIT, check=False, timeout_s=60)
+        s = poll(
+            "the unit to stay failed",
+            lambda: (s := c.show(UNIT, "ActiveState", "NRestarts", "ExecMainStatus"))["ActiveState"] == "failed" and s,
+            timeout_s=30,
+        )
+        assert (s["NRestarts"], s["ExecMainStatus"]) == ("0", "2"), s
+        errors = c.run(["journalctl", "-u", UNIT, "-p", "err", "--no-pager", "-o", "cat"], check=False).stdout
+        assert "error: config grace_s: bad value 'abc'" in errors, errors
+    finally:
+        c.run(["rm", "-f", drop_in])
+        c.systemctl("daemon-reload")
+        c.systemctl("reset-failed", UNIT, check=False)
+
+
+def test_a_grace_longer_than_the_units_stop_timeout_still_stops_cleanly(service: Container) -> None:
+    """The grace and TimeoutStopSec are set apart (the grace in agentd.env, which the unit
+    does not see): the stop outlasted TimeoutStopSec and systemd SIGKILLed everything. The
+    daemon now tells systemd how long its stop may take (EXTEND_TIMEOUT_USEC)."""
+    c = service
+    drop_in = f"/run/systemd/system/{UNIT}.d/70-short-stop.conf"
+    c.write(drop_in, "[Service]\nTimeoutStopSec=2s\n")  # below the grace (GRACE_S)
+    c.systemctl("daemon-reload")
+    try:
+        c.systemctl("start", UNIT, timeout_s=60)
+        c.write("/run/agentd-test/long-run.json", json.dumps(LONG_RUN_SPEC))
+        run_id = cli(c, "spawn", "--spec", "/run/agentd-test/long-run.json")["run_id"]
+        poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
+        took = stop_and_check(c)  # Result=success, nothing left for systemd to kill
+        assert took >= 2, took  # the run's grace was waited out, past TimeoutStopSec
+        run = stored_run(c, run_id)
+        assert run["state"] == "cancelled", run
+    finally:
+        c.run(["rm", "-f", drop_in])
+        c.systemctl("daemon-reload")

@@ -172,6 +172,7 @@ def test_unit_installed_in_a_real_systemd(container: Container) -> None:
         "PrivateTmp",
         "ProtectHome",
         "OOMPolicy",
+        "RestartPreventExitStatus",
     )
     assert props["LoadState"] == "loaded"
     assert props["Type"] == "notify"
@@ -188,6 +189,7 @@ def test_unit_installed_in_a_real_systemd(container: Container) -> None:
     assert (props["NoNewPrivileges"], props["ProtectSystem"], props["PrivateTmp"]) == ("yes", "strict", "yes")
     assert props["ProtectHome"] == expected_protect_home()
     assert props["OOMPolicy"] == "continue"
+    assert props["RestartPreventExitStatus"] == "2 9"  # a configuration error is not restarted
     assert c.run(["stat", "-c", "%a", "/etc/agentd/agentd.env"]).stdout.strip() == "600"
     # The exposure score docs/systemd.md states (lower is better; 10 is no hardening).
     score = c.run(["systemd-analyze", "security", "--no-pager", "agentd.service"], check=False).stdout
