@@ -9,8 +9,10 @@ to try and reports what held. Everything here must run while the process has one
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
-from collections.abc import Iterable
+import stat
+from collections.abc import Callable, Iterable
 from typing import Final
 
 __all__ = [
@@ -18,7 +20,7 @@ __all__ = [
     "enter_user_namespace",
     "private_mounts",
     "drop_capabilities",
-    "bind_back",
+    "bind_fd",
     "bind_plan",
     "set_dumpable",
     "can_nest_user_namespace",
@@ -115,8 +117,52 @@ def _locked_flags(path: str) -> int:
     return flags
 
 
+# mount_setattr(2) (Linux 5.12): the one call that makes a bind and every mount under it
+# read-only (a remount changes the top mount only).
+_SYS_MOUNT_SETATTR: Final = 442  # the same number on every architecture since 5.12
+_AT_FDCWD: Final = -100
+_AT_RECURSIVE: Final = 0x8000
+_MOUNT_ATTR_RDONLY: Final = 0x1
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _read_only_tree(path: str) -> None:
+    """``path``'s mount and every mount below it read-only: a read grant that holds a
+    mount of its own (a tmpfs at ``/run/user/UID`` under a grant of ``/run/user``) was left
+    writable there. Falls back to a remount of the top where mount_setattr is missing."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+    libc = _c()
+    rc = libc.syscall(
+        ctypes.c_long(_SYS_MOUNT_SETATTR),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.c_uint(_AT_RECURSIVE),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    if rc == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, f"mount_setattr {path!r}: {os.strerror(err)}")
+    _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
+
+
 def private_mounts(
-    *, tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str] = (), keep_read_only: Iterable[str] = ()
+    *,
+    tmpfs: Iterable[str],
+    read_only: Iterable[str],
+    keep: Iterable[str] = (),
+    keep_read_only: Iterable[str] = (),
+    check: Callable[[str, str], None] | None = None,
 ) -> list[str]:
     """In this (new) mount namespace: an empty tmpfs on each ``tmpfs`` directory, then
     ``keep`` (files or directories under them that the run needs: its own directory, the
@@ -125,12 +171,16 @@ def private_mounts(
     the mounts under it: a bind's own flag is what keeps it read-only), then
     ``read_only`` bound read-only over themselves. Missing paths are skipped. Returns what
     was mounted, in order.
+
+    ``check(path, named)``: called for each path kept, with what its open descriptor names
+    (the path, a link followed), before that same descriptor is bound; it raises to refuse
+    (a grant swapped for a link into the daemon's state since it was checked by name).
     """
     done: list[str] = []
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
     try:
-        _private_mounts(done, tmpfs, read_only, keep, keep_read_only)
-    except OSError:
+        _private_mounts(done, tmpfs, read_only, keep, keep_read_only, check)
+    except BaseException:
         # Half a view is worse than none (a tmpfs over /tmp without the run dir bound back
         # would hide the run's own files): undo, newest first, and let the caller report.
         for path in reversed(done):
@@ -140,30 +190,40 @@ def private_mounts(
 
 
 def _private_mounts(
-    done: list[str], tmpfs: Iterable[str], read_only: Iterable[str], keep: Iterable[str], keep_ro: Iterable[str]
+    done: list[str],
+    tmpfs: Iterable[str],
+    read_only: Iterable[str],
+    keep: Iterable[str],
+    keep_ro: Iterable[str],
+    check: Callable[[str, str], None] | None,
 ) -> None:
     dirs = [p for p in tmpfs if os.path.isdir(p) and not os.path.islink(p)]
     real_ro, real = ([os.path.realpath(k) for k in ks if os.path.exists(k)] for ks in (keep_ro, keep))
     wanted = bind_plan(real_ro, real, within=dirs)
-    held = [(k, ro, os.path.isdir(k), os.open(k, os.O_PATH | os.O_CLOEXEC)) for k, ro in wanted]
+    held: list[tuple[str, bool, int]] = []
     try:
+        for k, ro in wanted:
+            fd = os.open(k, os.O_PATH | os.O_CLOEXEC)
+            held.append((k, ro, fd))
+            if check is not None:
+                check(k, os.readlink(f"/proc/self/fd/{fd}"))  # what is bound: this descriptor
         for path in dirs:
             _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
             done.append(path)
-        for path, ro, is_dir, fd in held:
-            _bind_fd_at(fd, path, is_dir)
+        for path, ro, fd in held:
+            _bind_fd_at(fd, path, stat.S_ISDIR(os.fstat(fd).st_mode))
             done.append(path)
             if ro:
-                _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
+                _read_only_tree(path)
     finally:
-        for _p, _r, _d, fd in held:
+        for _p, _r, fd in held:
             os.close(fd)
     for path in read_only:
         if not os.path.lexists(path) or os.path.islink(path):
             continue
         _mount(path, path, None, _MS_BIND | _MS_REC, None)
         done.append(path)
-        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
+        _read_only_tree(path)
 
 
 def _under(p: str, top: str) -> bool:
@@ -192,17 +252,14 @@ def bind_plan(read: Iterable[str], write: Iterable[str], *, within: Iterable[str
     return plan
 
 
-def bind_back(source: str, path: str, *, read_only: bool = False) -> None:
-    """Bind ``source`` (a path through a descriptor of what a tmpfs covers, say) at ``path``
-    in this mount namespace, making ``path`` (a directory, or an empty file) first;
-    ``read_only``: the bind is (see ``private_mounts``)."""
-    fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
-    try:
-        _bind_fd_at(fd, path, os.path.isdir(source))
-    finally:
-        os.close(fd)
+def bind_fd(fd: int, path: str, *, read_only: bool = False) -> None:
+    """Bind what ``fd`` (O_PATH: a descriptor of what a tmpfs covers, say, opened and
+    checked by the caller) names at ``path`` in this mount namespace, making ``path`` (a
+    directory, or an empty file) first; ``read_only``: the bind and every mount under it
+    are (see ``private_mounts``)."""
+    _bind_fd_at(fd, path, stat.S_ISDIR(os.fstat(fd).st_mode))
     if read_only:
-        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(path), None)
+        _read_only_tree(path)
 
 
 def _bind_fd_at(fd: int, path: str, is_dir: bool) -> None:

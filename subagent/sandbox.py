@@ -365,7 +365,13 @@ def _enter(
         if refused is not None:
             raise SandboxError(f"refused: {refused}")
         # A cold runner: the same two halves at once (the spec's paths kept in one go).
-        ahead = prepare_ahead(base, settings, keep=_exists(spec_write), keep_read_only=_exists(spec_read))
+        ahead = prepare_ahead(
+            base,
+            settings,
+            keep=_exists(spec_write),
+            keep_read_only=_exists(spec_read),
+            checked=[*checked[0], *checked[1]],
+        )
         if ahead is None:  # cannot happen: the checks above are the ones it makes
             raise SandboxError("the sandbox could not be prepared")
     try:
@@ -444,23 +450,25 @@ class Ahead:
                     break
         for path, seen, ro in wanted:
             # What it is now, on the host (a link followed: ``realpath`` cannot see past the
-            # tmpfs here): never the daemon's state, whatever it was at the spawn.
+            # tmpfs here): never the daemon's state, whatever it was at the spawn. The
+            # descriptor checked is the one bound: a swap after the check changes nothing.
             try:
                 fd = os.open(seen, os.O_PATH | os.O_CLOEXEC)
-                try:
-                    now = os.readlink(f"/proc/self/fd/{fd}")
-                finally:
-                    os.close(fd)
-            except OSError:
-                now = path
-            why = check_grants([now], [], self.protect) if path in check else None
-            if why is not None:
-                raise SandboxError(f"refused: {path!r} leads to {why}")
-            try:
-                _isolate.bind_back(seen, path, read_only=ro)
-                self.private.append(path)
             except OSError as exc:
-                self.problems.append(f"cannot keep {path!r} in the run's private {exc.filename or 'dir'}: {exc}")
+                self.problems.append(f"cannot keep {path!r} in the run's private dir: {exc.strerror or exc}")
+                continue
+            try:
+                now = os.readlink(f"/proc/self/fd/{fd}")
+                why = check_grants([now], [], self.protect) if path in check else None
+                if why is not None:
+                    raise SandboxError(f"refused: {path!r} leads to {why}")
+                try:
+                    _isolate.bind_fd(fd, path, read_only=ro)
+                    self.private.append(path)
+                except OSError as exc:
+                    self.problems.append(f"cannot keep {path!r} in the run's private {exc.filename or 'dir'}: {exc}")
+            finally:
+                os.close(fd)
 
 
 def _read_only_mount(path: str) -> bool:
@@ -470,12 +478,33 @@ def _read_only_mount(path: str) -> bool:
         return False
 
 
+def _refuse_protected(protect: list[str], granted: Iterable[str]) -> Callable[[str, str], None]:
+    """For ``private_mounts``: a granted path whose descriptor, opened to be bound, names
+    something inside a protected path (a link swapped in after the grants were checked by
+    name) is refused."""
+    mine = {os.path.realpath(p) for p in granted}
+
+    def check(path: str, named: str) -> None:
+        if path in mine:
+            why = check_grants([named], [], protect)
+            if why is not None:
+                raise SandboxError(f"refused: {path!r} leads to {why}")
+
+    return check
+
+
 def prepare_ahead(
-    base: Path, settings: Settings, *, keep: Iterable[str] = (), keep_read_only: Iterable[str] = ()
+    base: Path,
+    settings: Settings,
+    *,
+    keep: Iterable[str] = (),
+    keep_read_only: Iterable[str] = (),
+    checked: Iterable[str] = (),
 ) -> Ahead | None:
     """The spec-independent half of ``enter`` for a run in ``base``: its own user and
     mount namespace, private /tmp and the like (``keep``: more paths to bind back;
-    ``keep_read_only``: more, read-only), and a
+    ``keep_read_only``: more, read-only; those of them in ``checked`` are refused if what
+    they name as they are bound is protected), and a
     Landlock ruleset holding every grant but the spec's; capabilities kept (the other half
     may bind a spec's path back) and nothing restricted yet. None where there is nothing
     to prepare (the sandbox is off, Landlock missing, more than one thread)."""
@@ -515,6 +544,7 @@ def prepare_ahead(
             read_only=_isolate.KERNEL_TUNABLES,
             keep=[*ahead.write, *keep],
             keep_read_only=[*ahead.read, *keep_read_only, *resolv],
+            check=_refuse_protected(ahead.protect, checked),
         )
         os.chdir(base)
     except OSError as exc:

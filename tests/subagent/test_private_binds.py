@@ -1,0 +1,107 @@
+"""Binding a run's grants back under its private tmpfs, in a mount namespace of a child
+(``unshare --mount``, root): what is bound is the descriptor that was checked, and a
+read-only grant is read-only all the way down."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+_SWAP_AT_OPEN = r"""
+import ctypes, os, sys
+from subagent import _isolate
+from subagent.sandbox import SandboxError, _refuse_protected
+
+priv, state = sys.argv[1], sys.argv[2]
+grant, decoy = f"{priv}/grant", f"{priv}/decoy"  # decoy: a link into the state dir
+libc = ctypes.CDLL(None, use_errno=True)
+real_open = os.open
+
+def swap_then_open(path, flags, *args):
+    # Another run swaps the grant for the link just as the runner opens it to bind it.
+    if path == grant:
+        assert libc.renameat2(-100, grant.encode(), -100, decoy.encode(), 2) == 0  # RENAME_EXCHANGE
+    return real_open(path, flags, *args)
+
+os.open = swap_then_open
+try:
+    _isolate.private_mounts(tmpfs=[priv], read_only=[], keep=[grant], check=_refuse_protected([state], [grant]))
+except SandboxError as exc:
+    print("refused:", exc)
+else:
+    print("bound:", sorted(os.listdir(grant)))
+"""
+
+_NESTED_MOUNT = r"""
+import os, sys
+from subagent import _isolate
+
+priv, grant = sys.argv[1], sys.argv[2]
+_isolate.private_mounts(tmpfs=[priv], read_only=[], keep_read_only=[grant])
+for target in (f"{grant}/file", f"{grant}/mnt/file"):
+    try:
+        with open(target, "a") as f:
+            f.write("x")
+        print(target, "written")
+    except OSError as exc:
+        print(target, exc.strerror)
+"""
+
+
+def in_a_mount_namespace(program: str, *args: str) -> str:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a mount namespace of its own)")
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", program, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_grant_swapped_for_a_link_into_the_state_dir_as_it_is_bound_is_refused(tmp_path: Path) -> None:
+    # It was checked by name, then opened again to be bound: a swap in between bound the
+    # daemon's state dir into the run, writable (a probe won 11 runs in 150).
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "token").write_text("secret")
+    priv = tmp_path / "priv"
+    (priv / "grant").mkdir(parents=True)
+    (priv / "decoy").symlink_to(state)
+    out = in_a_mount_namespace(_SWAP_AT_OPEN, str(priv), str(state))
+    assert out.startswith("refused:") and "which no run may reach" in out, out
+
+
+def test_a_mount_inside_a_read_only_grant_is_read_only_too(tmp_path: Path) -> None:
+    # One remount made the grant's own mount read-only, not one mounted inside it (a
+    # tmpfs at /run/user/UID under a grant of /run/user).
+    priv = tmp_path / "priv"
+    grant = priv / "grant"
+    (grant / "mnt").mkdir(parents=True)
+    (grant / "file").write_text("")
+    script = f'mount -t tmpfs none {grant / "mnt"} && exec {sys.executable} -c "$0" "$@"'
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a mount namespace of its own)")
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, _NESTED_MOUNT, str(priv), str(grant)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"{grant}/file Read-only file system",
+        f"{grant}/mnt/file Read-only file system",
+    ], out.stdout
