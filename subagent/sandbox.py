@@ -278,14 +278,40 @@ def spec_paths(spec: Any) -> tuple[list[str], list[str]]:
     return read, write
 
 
+def runner_code() -> list[str]:
+    """Where the runner's own code is: this checkout and the interpreter's prefix (a
+    virtualenv). Runners are started from it before they sandbox themselves, so a run that
+    could write there would run its own code, unsandboxed, in the next run's runner."""
+    return list(dict.fromkeys(os.path.realpath(p) for p in (CHECKOUT, sys.prefix)))
+
+
+def _realpath(g: str) -> str | None:
+    try:
+        return os.path.realpath(g)
+    except (OSError, ValueError):  # a path that changed type under us, a NUL...
+        return None
+
+
 def check_grants(read: Iterable[str], write: Iterable[str], protect: Iterable[str]) -> str | None:
-    """Why these grants are refused (one at or below a protected path), or None."""
+    """Why these grants are refused, or None: one at or below a protected path, or a write
+    grant at, below or above the runner's own code (``runner_code``)."""
     prot = [os.path.realpath(p) for p in protect]
+    write = list(write)
     for g in [*read, *write]:
-        real = os.path.realpath(g)
+        real = _realpath(g)
+        if real is None:
+            return f"{g!r} cannot be resolved"
         for p in prot:
             if real == p or real.startswith(p.rstrip("/") + "/"):
                 return f"{g!r} is inside {p!r}, which no run may reach"
+    for g in write:
+        real = _realpath(g) or g
+        for code in runner_code():
+            if real == code or real.startswith(code.rstrip("/") + "/") or code.startswith(real.rstrip("/") + "/"):
+                return (
+                    f"{g!r} would let the run write agentd's own code ({code!r}), which the next runner "
+                    "runs before it sandboxes itself: grant a directory that does not hold it"
+                )
     return None
 
 

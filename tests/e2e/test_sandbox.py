@@ -515,6 +515,14 @@ async def test_an_mcp_server_command_kept_under_a_private_tmp_is_granted_and_sta
     assert str(command) in st["sandbox"]["read"], st["sandbox"]
 
 
+async def test_a_write_grant_over_agentds_own_code_is_refused_at_the_spawn(daemon: Daemon) -> None:
+    from subagent.sandbox import CHECKOUT
+
+    for where in (CHECKOUT, str(Path(CHECKOUT).parent)):
+        with pytest.raises(SpawnError, match="agentd's own code"):
+            await daemon.m.spawn(scripted([], sandbox={"write": [where]}))
+
+
 async def test_a_spec_cannot_set_the_paths_the_daemon_grants_its_tools(daemon: Daemon) -> None:
     with pytest.raises(SpawnError, match="tool_paths: the daemon sets it"):
         await daemon.m.spawn(scripted([], tool_paths=["/"]))

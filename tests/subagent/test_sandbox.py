@@ -265,3 +265,24 @@ def test_a_runner_is_given_its_tools_paths_and_its_browser_as_the_binary_not_a_l
     assert spec["browser"]["executable_path"] == str(link)  # the run's own spec is as it was
     plain = {"task": "t", "model": {"provider": "scripted"}}
     assert spec_for_runner(plain) is plain  # nothing to find: given as it is
+
+
+def test_a_write_grant_holding_or_inside_the_runners_own_code_is_refused(tmp_path: Path) -> None:
+    # A run that could write the checkout or the virtualenv ran its own code, unsandboxed,
+    # in the next run's runner (it copied the daemon's token): a probe did it with a write
+    # grant of the directory holding the clone.
+    from subagent import sandbox
+
+    code = sandbox.runner_code()
+    parent = str(Path(sandbox.CHECKOUT).parent)
+    for g in (sandbox.CHECKOUT, f"{sandbox.CHECKOUT}/subagent", parent, sys.prefix):
+        why = sandbox.check_grants([], [g], [])
+        assert why is not None and "agentd's own code" in why, (g, why)
+        assert sandbox.check_grants([g], [], []) is None  # reading it is fine
+    assert sandbox.check_grants([], [str(tmp_path)], []) is None or any(c.startswith(str(tmp_path)) for c in code)
+
+
+def test_a_grant_that_cannot_be_resolved_is_refused_not_an_internal_error() -> None:
+    from subagent import sandbox
+
+    assert sandbox.check_grants(["/tmp/a\x00b"], [], []) == "'/tmp/a\\x00b' cannot be resolved"
