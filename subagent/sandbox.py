@@ -240,6 +240,8 @@ def _server_paths(spec: Any) -> list[str]:
         found = shutil.which(server.command)
         if found:
             out.append(os.path.realpath(found))
+            if os.path.isabs(found) and os.path.realpath(found) != found:
+                out.append(found)  # the link the runner starts too: under a private /tmp it is bound back
         if server.cwd:
             out.append(server.cwd)
     return _exists(out)
@@ -468,12 +470,9 @@ class Ahead:
             tops = [b for b in bound if p == b or p.startswith(b.rstrip("/") + "/")]
             if tops and (ro or not _read_only_mount(max(tops, key=len))):
                 continue  # what a bind made ahead brings (the run directory), unless written under a read-only one
-            for d, fd in self.hidden.items():
-                if p.startswith(d.rstrip("/") + "/"):
-                    seen = f"/proc/self/fd/{fd}/{os.path.relpath(p, d)}"
-                    if os.path.exists(seen):
-                        wanted.append((p, seen, ro))
-                    break
+            seen = self._on_the_host(p)
+            if seen is not None:
+                wanted.append((p, seen, ro))
         for path, seen, ro in wanted:
             # What it is now, on the host (a link followed: ``realpath`` cannot see past the
             # tmpfs here): never the daemon's state, whatever it was at the spawn. The
@@ -495,6 +494,29 @@ class Ahead:
                     self.problems.append(f"cannot keep {path!r} in the run's private {exc.filename or 'dir'}: {exc}")
             finally:
                 os.close(fd)
+
+    def _hidden_view(self, p: str) -> str | None:
+        for d, fd in self.hidden.items():
+            if p.startswith(d.rstrip("/") + "/"):
+                return f"/proc/self/fd/{fd}/{os.path.relpath(p, d)}"
+        return None
+
+    def _on_the_host(self, p: str) -> str | None:
+        """``p`` as the host has it, through the descriptors of what the private tmpfs
+        hide: a path to open, or None if there is nothing there. A link on the way whose
+        target is absolute is followed on the host too (here it would lead into the empty
+        tmpfs): a grant, or a server's command, kept as a link under /tmp."""
+        for _hop in range(40):
+            seen = self._hidden_view(p)
+            if seen is None:
+                return None
+            if not os.path.islink(seen):
+                return seen if os.path.exists(seen) else None
+            target = os.readlink(seen)
+            p = os.path.normpath(target if os.path.isabs(target) else os.path.join(os.path.dirname(p), target))
+            if self._hidden_view(p) is None:  # out of the private dirs: as this view has it
+                return p if os.path.exists(p) else None
+        return None
 
 
 def _read_only_mount(path: str) -> bool:

@@ -105,7 +105,7 @@ def spec_for_runner(spec: dict[str, Any]) -> dict[str, Any]:
     out = {**spec, "tool_paths": tool_paths(parsed)}
     browser = spec.get("browser")
     exe = browser.get("executable_path") if isinstance(browser, dict) else None
-    if isinstance(browser, dict) and isinstance(exe, str) and os.path.islink(exe):
+    if isinstance(browser, dict) and isinstance(exe, str) and os.path.isabs(exe) and os.path.realpath(exe) != exe:
         # The binary itself: Chromium finds its files beside what it was started as, and
         # a link kept under a private /tmp is not there for the runner to follow.
         out["browser"] = {**browser, "executable_path": os.path.realpath(exe)}

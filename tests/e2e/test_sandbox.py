@@ -501,9 +501,11 @@ async def test_an_mcp_server_command_kept_under_a_private_tmp_is_granted_and_sta
     # ...: No such file or directory"). The daemon now gives it the paths it found.
     tools = tmp_path / "tools"
     tools.mkdir()
-    command = tools / "probe-server"
-    command.write_text(f"#!/bin/sh\nexec {sys.executable} {PROBE_SERVER}\n")
-    command.chmod(0o755)
+    real = tools / "probe-server.sh"
+    real.write_text(f"#!/bin/sh\nexec {sys.executable} {PROBE_SERVER}\n")
+    real.chmod(0o755)
+    command = tools / "probe-server"  # started as a link to it
+    command.symlink_to(real)
     spec = scripted(
         [{"tool_calls": [{"name": "probe__read", "arguments": {"path": str(command)}}]}],
         mcpServers={"probe": {"command": str(command)}},
