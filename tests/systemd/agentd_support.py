@@ -72,6 +72,7 @@ def stop_and_check(c: Container, *, while_stopping: Callable[[], None] | None = 
     nothing left for systemd's final SIGKILL); return how long it took. ``while_stopping``
     runs after the stop is queued, while the daemon winds down."""
     t0 = time.monotonic()
+    cursor = c.cursor()  # this stop's lines only: an earlier test may have killed on purpose
     if while_stopping is not None:
         c.systemctl("stop", "--no-block", UNIT)
         while_stopping()
@@ -80,7 +81,7 @@ def stop_and_check(c: Container, *, while_stopping: Callable[[], None] | None = 
     s = c.show(UNIT, "ActiveState", "Result", "ExecMainStatus")
     assert (s["ActiveState"], s["Result"], s["ExecMainStatus"]) == ("inactive", "success", "0"), (s, c.journal(UNIT))
     assert took < TIMEOUT_STOP_S
-    journal = c.journal(UNIT)
+    journal = c.journal(UNIT, after=cursor)
     # KillMode=mixed: systemd SIGKILLs whatever the daemon left in the cgroup, and says so.
     assert "Killing process" not in journal, journal
     assert "left-over process" not in journal, journal

@@ -399,8 +399,17 @@ class Container:
     def write(self, path: str, text: str, mode: str = "0644") -> None:
         self.run(["sh", "-ec", 'mkdir -p "$(dirname "$1")"; cat >"$1"; chmod "$2" "$1"', "sh", path, mode], input=text)
 
-    def journal(self, unit: str) -> str:
-        return self.run(["journalctl", "-u", unit, "--no-pager", "-o", "short-monotonic"], check=False).stdout
+    def journal(self, unit: str, *, after: str | None = None) -> str:
+        """The unit's journal; ``after``: only what came after that cursor (``cursor``)."""
+        since = ["--after-cursor", after] if after else []
+        return self.run(["journalctl", "-u", unit, "--no-pager", "-o", "short-monotonic", *since], check=False).stdout
+
+    def cursor(self) -> str:
+        """The journal's cursor now: ``journal(after=...)`` then shows only what follows."""
+        out = self.run(["journalctl", "-n", "0", "--show-cursor", "--no-pager"], check=False).stdout
+        _before, found, cursor = out.strip().rpartition("-- cursor: ")
+        assert found and cursor, f"no journal cursor in {out!r}"
+        return cursor
 
     def host_pid(self, container_pid: int) -> int | None:
         """The host PID of a process known by its PID inside the container."""
