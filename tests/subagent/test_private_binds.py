@@ -54,11 +54,15 @@ for target in (f"{grant}/file", f"{grant}/mnt/file"):
 """
 
 
-def in_a_mount_namespace(program: str, *args: str) -> str:
+def in_a_mount_namespace(program: str, *args: str, first: str | None = None) -> str:
+    """``program`` (python) run in a mount namespace of its own; ``first``: a shell
+    command run there before it. Its stdout."""
     if os.geteuid() != 0:
         pytest.skip("needs root (a mount namespace of its own)")
+    python = [sys.executable, "-c", program, *args]
+    argv = python if first is None else ["sh", "-c", f'{first} && exec "$@"', "sh", *python]
     out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", program, *args],
+        ["unshare", "--mount", "--propagation", "private", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -89,19 +93,8 @@ def test_a_mount_inside_a_read_only_grant_is_read_only_too(tmp_path: Path) -> No
     grant = priv / "grant"
     (grant / "mnt").mkdir(parents=True)
     (grant / "file").write_text("")
-    script = f'mount -t tmpfs none {grant / "mnt"} && exec {sys.executable} -c "$0" "$@"'
-    if os.geteuid() != 0:
-        pytest.skip("needs root (a mount namespace of its own)")
-    out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, _NESTED_MOUNT, str(priv), str(grant)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
+    out = in_a_mount_namespace(_NESTED_MOUNT, str(priv), str(grant), first=f"mount -t tmpfs none {grant / 'mnt'}")
+    assert out.splitlines() == [
         f"{grant}/file Read-only file system",
         f"{grant}/mnt/file Read-only file system",
-    ], out.stdout
+    ], out

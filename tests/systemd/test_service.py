@@ -64,6 +64,15 @@ LONG_RUN_SPEC = {
 INTERRUPTIBLE_RUN_SPEC = {k: v for k, v in LONG_RUN_SPEC.items() if k != "stop_policy"}
 
 
+def start_with_a_long_run(c: Container) -> str:
+    """Start the service and a run waiting in a command its stop lets finish; its id."""
+    c.systemctl("start", UNIT, timeout_s=60)
+    c.write("/run/agentd-test/long-run.json", json.dumps(LONG_RUN_SPEC))
+    run_id = str(cli(c, "spawn", "--spec", "/run/agentd-test/long-run.json")["run_id"])
+    poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def agentd(container: Container) -> Container:
     require_daemon()
@@ -184,10 +193,7 @@ def test_a_hung_daemon_is_restarted_and_its_runs_end_lost(service: Container) ->
     c.write(f"/run/systemd/system/{UNIT}.d/50-abort.conf", "[Service]\nTimeoutAbortSec=2s\n")
     c.systemctl("daemon-reload")
     try:
-        c.systemctl("start", UNIT, timeout_s=60)
-        c.write("/run/agentd-test/long-run.json", json.dumps(LONG_RUN_SPEC))
-        run_id = cli(c, "spawn", "--spec", "/run/agentd-test/long-run.json")["run_id"]
-        poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
+        run_id = start_with_a_long_run(c)
         first = int(c.show(UNIT, "MainPID")["MainPID"])
         c.run(["kill", "-STOP", str(first)])
         s = poll(
@@ -262,10 +268,7 @@ def test_a_grace_longer_than_the_units_stop_timeout_still_stops_cleanly(service:
     c.write(drop_in, "[Service]\nTimeoutStopSec=2s\n")  # below the grace (GRACE_S)
     c.systemctl("daemon-reload")
     try:
-        c.systemctl("start", UNIT, timeout_s=60)
-        c.write("/run/agentd-test/long-run.json", json.dumps(LONG_RUN_SPEC))
-        run_id = cli(c, "spawn", "--spec", "/run/agentd-test/long-run.json")["run_id"]
-        poll("sleep 600 to start", lambda: container_processes(c, "sleep 600"))
+        run_id = start_with_a_long_run(c)
         took = stop_and_check(c)  # Result=success, nothing left for systemd to kill
         assert took >= 2, took  # the run's grace was waited out, past TimeoutStopSec
         run = stored_run(c, run_id)
