@@ -124,6 +124,9 @@ class _OutboundTap:
                 # cancelled, it may have handed the item over all the same.
                 with trio.CancelScope(shield=True):
                     await trio.sleep(_HANDOFF_POLL_S)
+                # A timeout or an interrupt ends the wait (it was never sent); a stop is
+                # the check above. Yields only when cancelled: none between the two.
+                await trio.lowlevel.checkpoint_if_cancelled()
                 continue
             self.in_flight = rid
             return

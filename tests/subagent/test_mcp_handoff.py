@@ -105,3 +105,16 @@ async def test_a_stop_does_not_hold_back_what_is_not_a_call(streams: tuple[Any, 
         await trio.testing.wait_all_tasks_blocked()
         await tap.send(note)
     assert [m.message.method for m in got] == ["notifications/cancelled"]
+
+
+async def test_a_call_waiting_for_a_busy_writer_still_ends_at_its_timeout(
+    streams: tuple[Any, Any], autojump_clock: Any
+) -> None:
+    # The wait is polled in shielded sleeps: without a checkpoint between them, a server
+    # that never read its stdin held the call past its timeout, for good.
+    send, _receive = streams
+    tap = _OutboundTap(send)
+    tap.stop = StopControl()
+    with trio.move_on_after(5.0) as timer:
+        await tap.send(call(4))
+    assert timer.cancelled_caught and tap.in_flight is None
