@@ -133,29 +133,30 @@ class RunBook:
         While the journal cannot be written (or this run's facts wait already), each is
         written (or queued) on its own, in the same order, as ``transition`` and ``write``.
         """
-        if run.state in TERMINAL_STATES:
-            return False
         run_id = run.run_id
-        if not self.backlog.pending(run_id):
-            data: dict[str, Any] = {"state": str(RunState.STARTING)}
-            async with run.lock:
-                ts = time.time()
-                deadline = self._deadline(run, ts)
-                begun = [("state", data, ts), *_turn_events(run, ts)]
-                try:
-                    moved, seqs = await self.journal.start_run(
-                        run_id, at=ts, events=begun, deadline=deadline, process=process
-                    )
-                except JournalUnavailable as exc:
-                    self.backlog.note_failure(exc, f"run {run_id}'s start")
-                else:
-                    self.backlog.note_success()
-                    if deadline is not None:
-                        run.deadline = deadline
-                    if moved:
-                        run.state = RunState.STARTING
-                        self._send_begun(run, seqs, begun)
-                    return moved
+        async with run.state_lock:
+            if run.state in TERMINAL_STATES:
+                return False
+            if not self.backlog.pending(run_id):
+                data: dict[str, Any] = {"state": str(RunState.STARTING)}
+                async with run.lock:
+                    ts = time.time()
+                    deadline = self._deadline(run, ts)
+                    begun = [("state", data, ts), *_turn_events(run, ts)]
+                    try:
+                        moved, seqs = await self.journal.start_run(
+                            run_id, at=ts, events=begun, deadline=deadline, process=process
+                        )
+                    except JournalUnavailable as exc:
+                        self.backlog.note_failure(exc, f"run {run_id}'s start")
+                    else:
+                        self.backlog.note_success()
+                        if deadline is not None:
+                            run.deadline = deadline
+                        if moved:
+                            run.state = RunState.STARTING
+                            self._send_begun(run, seqs, begun)
+                        return moved
         moved = await self.transition(run, RunState.STARTING)
         deadline = self._deadline(run, time.time())
         if deadline is not None:
@@ -174,22 +175,27 @@ class RunBook:
             run.session_event = None
 
     async def transition(self, run: Run, new: RunState, *, reason: str | None = None) -> bool:
-        """Move a live run to ``new`` (journaled, then announced); False if not allowed."""
-        if run.state in TERMINAL_STATES:
-            return False
-        ok = await self.write(
-            run,
-            f"state {new}",
-            lambda j: j.transition(run.run_id, new, reason=reason),
-            can_transition(run.state, new),
-        )
-        if ok:
-            run.state = new
-            data: dict[str, Any] = {"state": str(new)}
-            if reason:
-                data["reason"] = reason
-            await self.record(run, "state", data)
-        return bool(ok)
+        """Move a live run to ``new`` (journaled, then announced); False if not allowed.
+
+        Whole under the run's ``state_lock``: its end, written while this write was under
+        way, waits for this change's event, and is not followed by it.
+        """
+        async with run.state_lock:
+            if run.state in TERMINAL_STATES:
+                return False
+            ok = await self.write(
+                run,
+                f"state {new}",
+                lambda j: j.transition(run.run_id, new, reason=reason),
+                can_transition(run.state, new),
+            )
+            if ok:
+                run.state = new
+                data: dict[str, Any] = {"state": str(new)}
+                if reason:
+                    data["reason"] = reason
+                await self.record(run, "state", data)
+            return bool(ok)
 
     async def finish(
         self,
@@ -210,25 +216,26 @@ class RunBook:
         """
         with trio.CancelScope(shield=True):
             try:
-                ok = await self._write_terminal(run, state, reason, result, partial, error, receipt)
-                run.token.retire()
-                if ok:
-                    run.state = state
-                    data: dict[str, Any] = {"state": str(state), "partial": partial}
-                    if reason:
-                        data["reason"] = reason
-                    await self.record(run, "state", data)
-                elif not self.backlog.pending(run.run_id):
-                    row = await self.journal.get_run(run.run_id)
-                    if row is not None:
-                        if row["state"] not in TERMINAL_STATES:
-                            logger.error(
-                                "run %s: its end (%s) was refused in state %s; it stays as it is",
-                                run.run_id,
-                                state,
-                                row["state"],
-                            )
-                        run.state = RunState(row["state"])
+                async with run.state_lock:  # after a change of state under way (``transition``)
+                    ok = await self._write_terminal(run, state, reason, result, partial, error, receipt)
+                    run.token.retire()
+                    if ok:
+                        run.state = state
+                        data: dict[str, Any] = {"state": str(state), "partial": partial}
+                        if reason:
+                            data["reason"] = reason
+                        await self.record(run, "state", data)
+                    elif not self.backlog.pending(run.run_id):
+                        row = await self.journal.get_run(run.run_id)
+                        if row is not None:
+                            if row["state"] not in TERMINAL_STATES:
+                                logger.error(
+                                    "run %s: its end (%s) was refused in state %s; it stays as it is",
+                                    run.run_id,
+                                    state,
+                                    row["state"],
+                                )
+                            run.state = RunState(row["state"])
             except Exception:
                 logger.exception("run %s: writing its end failed", run.run_id)
             finally:

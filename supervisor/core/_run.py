@@ -43,7 +43,11 @@ class Run:
     deadline: float | None = None  # wall clock: the timeout
     path_a: list[str] = field(default_factory=list)
     subscribers: set[trio.MemorySendChannel[dict[str, Any]]] = field(default_factory=set)
-    lock: trio.Lock = field(default_factory=trio.Lock)
+    lock: trio.Lock = field(default_factory=trio.Lock)  # its events' numbering and fan-out
+    # Its state's changes, each whole (journal write, state, event): a change whose write
+    # was under way when the run's end was written came after it, the state back from a
+    # terminal one and its event after the end (``RunBook.transition``, ``start``, ``finish``).
+    state_lock: trio.Lock = field(default_factory=trio.Lock)
     done: trio.Event = field(default_factory=trio.Event)
     stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
