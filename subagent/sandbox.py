@@ -495,6 +495,30 @@ class Ahead:
             finally:
                 os.close(fd)
 
+    def in_view(self, paths: Iterable[str]) -> list[str]:
+        """``paths`` less those a private tmpfs hides from this view: under /tmp, a state
+        dir is there only if a bind brought it back (a read grant that holds it). The
+        directories the run's own bind left on the way to its run directory are the
+        tmpfs's, not the state dir's: protecting them kept the run from writing /tmp at
+        all. A path this view has but the host does not is kept (it is not known)."""
+        out: list[str] = []
+        for p in paths:
+            if self._hidden_view(p) is None:
+                out.append(p)  # not under a private tmpfs: as the host has it
+                continue
+            try:
+                here = os.stat(p)
+            except OSError:
+                continue  # not in this view
+            host = self._on_the_host(p)
+            try:
+                there = None if host is None else os.stat(host)
+            except OSError:
+                there = None
+            if there is None or (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+                out.append(p)
+        return out
+
     def _hidden_view(self, p: str) -> str | None:
         for d, fd in self.hidden.items():
             if p.startswith(d.rstrip("/") + "/"):
@@ -607,7 +631,6 @@ def prepare_ahead(
         Grant("/dev", _landlock.READ_DIR),
     ]
     grants += [Grant(d, _DEVICE_ACCESS) for d in DEVICES_RW]
-    grants += [Grant(p, FS_WRITE) for p in ahead.private if p in PRIVATE_DIRS]
     if ahead.resolv:
         grants.append(Grant(ahead.resolv, FS_READ))
     try:
@@ -660,6 +683,10 @@ def _finish(
         spec_grants = [Grant(p, FS_READ) for p in read if p not in ahead.read]
         spec_grants += [Grant(p, FS_WRITE) for p in write if p not in ahead.write]
         ahead.ruleset.add(_landlock.plan_rules(spec_grants, ahead.protect))
+        # The private tmpfs are the run's own, whole: once every bind is made, only what
+        # a bind brought back of a protected path is kept from them (``in_view``).
+        private = [Grant(p, FS_WRITE) for p in ahead.private if p in PRIVATE_DIRS]
+        ahead.ruleset.add(_landlock.plan_rules(private, ahead.in_view(ahead.protect)))
         ahead.ruleset.restrict()
     except OSError as exc:
         if settings.mode == "required":

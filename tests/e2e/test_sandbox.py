@@ -27,6 +27,7 @@ import pytest
 import trio
 
 from subagent import _landlock
+from subagent.sandbox import PRIVATE_DIRS
 from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
@@ -34,6 +35,7 @@ from supervisor.errors import SpawnError
 from tests import conftest
 from tests.supervisor.test_zygote_spare import spare_ready
 
+JUNK = "junk-written-by-a-probe-7f3a"  # what the probes append to the journal they see
 CHILDREN = Path(__file__).resolve().parent.parent / "children"
 PROBE_SERVER = str(CHILDREN / "mcp_probe_server.py")
 MODEL_KEY = "sk-agentd-test-model-key-0123456789"
@@ -147,7 +149,7 @@ def shell_probe(state: Path | str, other_dir: Path | str, daemon_pid: int) -> st
         "echo uid=$(id -u)",
         f"cat {state}/token; echo token=$?",
         f"head -c 16 {state}/agentd.sqlite3; echo journal_read=$?",
-        f"echo junk >> {state}/agentd.sqlite3; echo journal_write=$?",
+        f"echo {JUNK} >> {state}/agentd.sqlite3; echo journal_write=$?",
         f"cat {state}/daemon.json; echo endpoint=$?",
         f"ls {other_dir}; echo other_run=$?",
         f"touch {other_dir}/planted; echo other_run_write=$?",
@@ -160,13 +162,27 @@ def shell_probe(state: Path | str, other_dir: Path | str, daemon_pid: int) -> st
     ])  # fmt: skip
 
 
-def check_shell_probe(out: str, secrets: list[str]) -> dict[str, str]:
-    """Every probe denied, in the command's own words; no secret anywhere in its output."""
+def own_view(state: Path, sandbox: dict[str, Any]) -> bool:
+    """The state dir is under one of the run's private tmpfs (/tmp for a root runner): the
+    run sees there the directories its run directory's bind left, the run's own to write,
+    never the state dir (``journal_untouched`` then shows the host's was not reached)."""
+    return any(state.is_relative_to(p) for p in sandbox.get("private", []) if p in PRIVATE_DIRS)
+
+
+def journal_untouched(journal: Path) -> bool:
+    return JUNK.encode() not in journal.read_bytes()
+
+
+def check_shell_probe(out: str, secrets: list[str], *, own: bool = False) -> dict[str, str]:
+    """Every probe denied, in the command's own words; no secret anywhere in its output.
+    ``own``: the state dir's path is the run's own private one (``own_view``): a write
+    there is the run's own, so it may succeed."""
     lines = dict(
         line.split("=", 1) for line in out.splitlines() if "=" in line and line.split("=", 1)[0].isidentifier()
     )
     for key in PROBE_KEYS:
-        assert_denied(lines, key)
+        if not (own and key == "journal_write"):
+            assert_denied(lines, key)
     assert "Permission denied" in out or "No such file or directory" in out
     assert "Operation not permitted" in out  # the signal to the daemon
     env_text = out.split("ENV-BEGIN", 1)[1].split("ENV-END", 1)[0]
@@ -187,8 +203,9 @@ async def test_a_run_command_cannot_reach_the_daemons_state(daemon: Daemon) -> N
         other = await finish_gated(d, other_id, other_dir)
     assert st["state"] == "completed", st
     (out,) = outputs(st)
-    lines = check_shell_probe(out, [MODEL_KEY, OTHER_SECRET, d.token])
+    lines = check_shell_probe(out, [MODEL_KEY, OTHER_SECRET, d.token], own=own_view(d.state, st["sandbox"]))
     assert lines["uid"] != "0", "a run's processes never see themselves as root"
+    assert journal_untouched(d.state / "agentd.sqlite3")
     # Nothing was harmed: the token, the journal, the other run, the daemon.
     assert (d.state / "token").read_bytes() == token_before
     assert journal_ok(d.state / "agentd.sqlite3") == "ok"
@@ -252,8 +269,10 @@ async def test_an_mcp_server_process_cannot_reach_the_daemons_state(daemon: Daem
         other = await finish_gated(d, other_id, other_dir)
     assert st["state"] == "completed", st
     *denials, env_out = outputs(st)
-    for text in denials:
-        assert text.startswith("denied: "), denials
+    for i, text in enumerate(denials):
+        own = i == 2 and own_view(d.state, st["sandbox"])  # the write: to the run's own private copy
+        assert text.startswith("denied: ") or (own and text == "ok: written"), denials
+    assert b"written by a probe" not in (d.state / "agentd.sqlite3").read_bytes()
     env = json.loads(env_out.removeprefix("ok: "))
     assert env["SERVER_SETTING"] == "kept"  # the server's configured env is passed ...
     assert "LEAK" not in env  # ... but never the model key, whatever name it is given
@@ -264,7 +283,7 @@ async def test_an_mcp_server_process_cannot_reach_the_daemons_state(daemon: Daem
 
 GRANDCHILD = r"""
 import json, os, sys
-state, other = sys.argv[1], sys.argv[2]
+state, other, JUNK = sys.argv[1], sys.argv[2], sys.argv[3]
 pid = os.fork()
 if pid:
     os.waitpid(pid, 0)
@@ -273,7 +292,7 @@ os.setsid()
 out = {"left_session": os.getsid(0) != os.getsid(os.getppid())}
 for name, fn in [
     ("token", lambda: open(os.path.join(state, "token")).read()),
-    ("journal_write", lambda: open(os.path.join(state, "agentd.sqlite3"), "ab").write(b"x")),
+    ("journal_write", lambda: open(os.path.join(state, "agentd.sqlite3"), "ab").write(JUNK.encode())),
     ("other_run", lambda: os.listdir(other)),
 ]:
     try:
@@ -290,7 +309,7 @@ async def test_a_grandchild_that_leaves_the_session_is_still_inside(daemon: Daem
     d = daemon
     with trio.fail_after(SCENARIO_S):
         other_id, other_dir = await gated_run(d)
-        cmd = f"{sys.executable} -c '{GRANDCHILD}' {d.state} {other_dir}"
+        cmd = f"{sys.executable} -c '{GRANDCHILD}' {d.state} {other_dir} {JUNK}"
         r = await d.m.spawn(scripted([command(cmd)]))
         st = await d.m.wait_terminal(r["run_id"])
         other = await finish_gated(d, other_id, other_dir)
@@ -298,8 +317,10 @@ async def test_a_grandchild_that_leaves_the_session_is_still_inside(daemon: Daem
     (out,) = outputs(st)
     report = json.loads(out.splitlines()[-1])
     assert report["left_session"] is True
+    own = own_view(d.state, st["sandbox"])
     for key in ("token", "journal_write", "other_run"):
-        assert report[key].startswith("denied: "), report
+        assert report[key].startswith("denied: ") or (own and key == "journal_write"), report
+    assert journal_untouched(d.state / "agentd.sqlite3")
     assert_env_clean(json.dumps(report["env"]), d)
     assert journal_ok(d.state / "agentd.sqlite3") == "ok"
     assert other["state"] == "completed"
@@ -490,6 +511,41 @@ async def test_a_write_grant_inside_a_read_grant_under_a_private_tmp_leaves_the_
     assert lines["rw"] == "0", out
     assert (ro / "file").read_text() == "host\n" and not (ro / "new").exists()
     assert (inner / "written").read_text() == "ok\n"
+
+
+@pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
+@pytest.mark.parametrize("grant", ["none", "a read grant holding the state dir"])
+async def test_a_run_writes_its_private_tmp_though_the_state_dir_is_under_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str, grant: str
+) -> None:
+    # The state dir's protection reached the run's own /tmp: the directories its run
+    # directory's bind left there were taken for the state dir, so /tmp got no write rule
+    # and `mktemp` failed in every run of a daemon whose state is under /tmp.
+    state = tmp_path / "state"
+    probe = "; ".join(
+        [
+            "echo x > /tmp/file; echo t=$?",
+            "mkdir -p /tmp/a/b && echo x > /tmp/a/b/f; echo d=$?",
+            "mktemp -p /var/tmp >/dev/null; echo v=$?",
+            f"cat {state}/token; echo tok=$?",
+            f"echo x > {state}/planted; echo p=$?",
+            f"echo HACKED > {state}/token; echo ow=$?",
+        ]
+    )
+    more: dict[str, Any] = {} if grant == "none" else {"sandbox": {"read": [str(tmp_path)]}}
+    st = await run_in_a_private_tmp(tmp_path, monkeypatch, zygote, scripted([command(probe)], **more))
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert lines["tok"] != "0" and MODEL_KEY not in out, out
+    token = (state / "token").read_text()
+    assert token.strip() and token.strip() not in out and "HACKED" not in token
+    assert not (state / "planted").exists() and not (Path("/tmp") / "file").exists()
+    if grant == "none":  # the whole of its private /tmp is its own (what it wrote there too)
+        assert (lines["t"], lines["d"], lines["v"], lines["p"], lines["ow"]) == ("0",) * 5, out
+    else:  # what the read grant brings back stays out of reach (Landlock cannot give the rest of /tmp)
+        assert lines["p"] != "0" and lines["ow"] != "0", out
+    assert lines["v"] == "0", out
 
 
 @pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare

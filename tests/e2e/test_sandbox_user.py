@@ -45,12 +45,15 @@ from tests import conftest
 from tests.e2e.test_sandbox import (
     CONNECT,
     GRANDCHILD,
+    JUNK,
     MODEL_KEY,
     OTHER_SECRET,
     PROBE_SERVER,
     check_shell_probe,
     command,
     journal_ok,
+    journal_untouched,
+    own_view,
     scripted,
     shell_probe,
 )  # fmt: skip
@@ -282,8 +285,11 @@ async def test_a_users_daemon_runs_as_that_user_and_its_runs_are_sandboxed(user_
         other = await finish_gated(d, other_id, other_dir)
     assert st["state"] == "completed", st
     out, home_out = outputs(st)
-    assert "ssh_key=0" not in home_out and "home=0" not in home_out and OTHER_SECRET not in home_out, home_out
-    lines = check_shell_probe(out, [MODEL_KEY, OTHER_SECRET, d.token])
+    own = own_view(d.state, st["sandbox"])  # a home under /tmp: what the run sees there is its own
+    assert "ssh_key=0" not in home_out and OTHER_SECRET not in home_out, home_out
+    assert "home=0" not in home_out or (own and ".ssh" not in home_out.split("ssh_key=", 1)[1]), home_out
+    lines = check_shell_probe(out, [MODEL_KEY, OTHER_SECRET, d.token], own=own)
+    assert journal_untouched(d.state / "agentd.sqlite3")
     assert lines["uid"] == str(d.uid), "a normal user's runs are that user"
     sandbox = st["sandbox"]
     assert sandbox["mode"] == "landlock" and str(d.state) in sandbox["protected"], sandbox
@@ -314,7 +320,7 @@ async def test_an_mcp_server_and_a_setsid_grandchild_of_a_users_daemon_are_insid
         turns = [
             {"tool_calls": [{"name": f"probe__{name}", "arguments": args} for name, args in calls]},
             {"tool_calls": [{"name": "probe__listdir", "arguments": {"path": str(other_dir)}}]},
-            command(f"{sys.executable} -c '{GRANDCHILD}' {d.state} {other_dir}"),
+            command(f"{sys.executable} -c '{GRANDCHILD}' {d.state} {other_dir} {JUNK}"),
         ]
         servers = {"probe": {"command": sys.executable, "args": [PROBE_SERVER], "env": {"LEAK": MODEL_KEY}}}
         run_id = await spawn(d, scripted(turns, mcpServers=servers))
