@@ -534,12 +534,28 @@ class Ahead:
             seen = self._hidden_view(p)
             if seen is None:
                 return None
-            if not os.path.islink(seen):
+            link = self._first_link(p)
+            if link is None:
                 return seen if os.path.exists(seen) else None
-            target = os.readlink(seen)
-            p = os.path.normpath(target if os.path.isabs(target) else os.path.join(os.path.dirname(p), target))
+            at, rest = link
+            target = os.readlink(self._hidden_view(at) or at)
+            p = os.path.normpath(os.path.join(os.path.dirname(at), target, *rest))  # (an absolute target wins)
             if self._hidden_view(p) is None:  # out of the private dirs: as this view has it
                 return p if os.path.exists(p) else None
+        return None
+
+    def _first_link(self, p: str) -> tuple[str, list[str]] | None:
+        """The first link on ``p``'s way below its private dir, as the host has it, and the
+        components after it; None if there is none. Any component may be one: the kernel
+        would follow a link in the middle in this view, into the empty tmpfs."""
+        top = next(d for d in self.hidden if p.startswith(d.rstrip("/") + "/"))
+        parts = os.path.relpath(p, top).split("/")
+        at = top
+        for i, part in enumerate(parts):
+            at = os.path.join(at, part)
+            seen = self._hidden_view(at)
+            if seen is not None and os.path.islink(seen):
+                return at, parts[i + 1 :]
         return None
 
 

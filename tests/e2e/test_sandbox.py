@@ -514,6 +514,29 @@ async def test_a_write_grant_inside_a_read_grant_under_a_private_tmp_leaves_the_
 
 
 @pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
+async def test_a_grant_through_a_link_in_a_middle_component_under_a_private_tmp_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
+) -> None:
+    # A spare looks for its grants on the host through the descriptors of what its private
+    # /tmp hides; a link (absolute target) in a middle component of a granted path was
+    # followed in the private /tmp instead, where nothing is: the grant was dropped.
+    real = tmp_path / "real" / "data"
+    real.mkdir(parents=True)
+    (real / "file").write_text("host data\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "lnk").symlink_to(tmp_path / "real")  # absolute
+    (tmp_path / "rel").symlink_to("real")  # relative, for the same dir
+    granted = [tmp_path / "a" / "lnk" / "data", tmp_path / "rel" / "data"]
+    probe = "; ".join(f"cat {p}/file; echo r{i}=$?" for i, p in enumerate(granted))
+    st = await run_in_a_private_tmp(
+        tmp_path, monkeypatch, zygote, scripted([command(probe)], sandbox={"read": [str(p) for p in granted]})
+    )
+    assert st["state"] == "completed", st
+    (out,) = outputs(st)
+    assert out.count("host data") == 2 and "r0=0" in out and "r1=0" in out, (out, st["sandbox"])
+
+
+@pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
 @pytest.mark.parametrize("grant", ["none", "a read grant holding the state dir"])
 async def test_a_run_writes_its_private_tmp_though_the_state_dir_is_under_tmp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str, grant: str
