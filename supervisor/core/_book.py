@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Final
 
 import trio
@@ -174,14 +174,18 @@ class RunBook:
         if len(seqs) == len(begun):
             run.session_event = None
 
-    async def transition(self, run: Run, new: RunState, *, reason: str | None = None) -> bool:
-        """Move a live run to ``new`` (journaled, then announced); False if not allowed.
+    async def transition(
+        self, run: Run, new: RunState, *, reason: str | None = None, only_from: Collection[RunState] | None = None
+    ) -> bool:
+        """Move a live run to ``new`` (journaled, then announced); False if not allowed,
+        or (``only_from``) if the run is not in one of those states.
 
         Whole under the run's ``state_lock``: its end, written while this write was under
-        way, waits for this change's event, and is not followed by it.
+        way, waits for this change's event, and is not followed by it; a start under way
+        is in (``only_from`` sees the state it left).
         """
         async with run.state_lock:
-            if run.state in TERMINAL_STATES:
+            if run.state in TERMINAL_STATES or (only_from is not None and run.state not in only_from):
                 return False
             ok = await self.write(
                 run,

@@ -54,6 +54,10 @@ STARTING_LOST: Final = (
     "not started again"
 )
 
+# At a run's end, how long a steer still being written to its runner's input may take to
+# settle (``_unread_steering``).
+STEER_SETTLE_S: Final = 2.0
+
 
 class Lifecycle:
     """Supervision of live runs: events in, both cancel paths, the terminal fact out.
@@ -301,6 +305,12 @@ class Lifecycle:
         """Steering written to the runner's input that it never read (it had stopped
         reading as the run ended): reported unapplied, as the runner reports what it read
         and never applied (a ``steering`` event, and the result's ``unapplied_steering``)."""
+        # A steer still being written settles first (sent, or taken back): what a client
+        # was told was refused is never reported unapplied. (The runner is gone by now: a
+        # write to its input fails at once; the bound is for a pipe a child still holds.)
+        with trio.move_on_after(STEER_SETTLE_S):
+            async with run.stdin_lock:
+                pass
         read: dict[str, int] = {}
         for text in run.steers_read:
             read[text] = read.get(text, 0) + 1

@@ -49,8 +49,10 @@ class Run:
     # terminal one and its event after the end (``RunBook.transition``, ``start``, ``finish``).
     state_lock: trio.Lock = field(default_factory=trio.Lock)
     done: trio.Event = field(default_factory=trio.Event)
+    stop_recorded: trio.Event = field(default_factory=trio.Event)  # its stop's intent is journaled
     stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
+    stdin_closed: bool = False  # its runner's input was closed (the run is ending)
     # Steering written to its stdin, and what its runner said it read (``steering`` queued):
     # what it never read is reported unapplied at its end (``Lifecycle.conclude``).
     steers_sent: list[str] = field(default_factory=list)

@@ -123,6 +123,7 @@ class PipeSource:
             pass
         finally:
             run.stdin = None
+            run.stdin_closed = True
             with trio.CancelScope(shield=True):
                 await stdin.aclose()
 

@@ -117,8 +117,13 @@ class Recovery:
                 run.path_a = process.soft_stop(found.tree)
                 note["resumed_stop"] = {"reason": run.token.reason, "grace_left_s": self.lifecycle.grace_left(run)}
             await self.book.record(run, "daemon", note)
-            if run.token.cancelled and run.state in (RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL):
-                await self.book.transition(run, RunState.CANCELLING, reason=run.token.reason)
+            if run.token.cancelled:
+                await self.book.transition(
+                    run,
+                    RunState.CANCELLING,
+                    reason=run.token.reason,
+                    only_from=(RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL),
+                )
             return run, source
         stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
         await self._ended_while_down(run, row, source, stop, found.members)
@@ -209,6 +214,7 @@ class Recovery:
 def _resume_stop_intent(run: Run, row: Any) -> None:
     """The stop the old daemon acknowledged, as it was: reason, time, end of its grace."""
     run.token.cancel(row["cancel_reason"])
+    run.stop_recorded.set()  # durable already: a cancel now is acknowledged at once
     run.cancel_wall = row["cancel_requested_at"]
     run.stop_deadline = row["stop_deadline"]
     if run.cancel_wall is not None:

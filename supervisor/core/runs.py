@@ -68,6 +68,21 @@ SHUTDOWN_MARGIN_S: Final = 5.0
 INTERRUPT_MARGIN_S: Final = 5.0
 
 
+# The states a stop moves to ``cancelling`` (a queued run leaves its queue; it never started).
+_STOPPABLE: Final = frozenset({RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL})
+
+
+def _no_input_why(run: Run) -> str:
+    """Why a run takes no steering now (a stop, its end, or no input yet)."""
+    if run.token.cancelled:
+        return "a stop is under way"
+    if run.readopted:
+        return "its runner was found again after a daemon restart: its input went with the old daemon"
+    if run.stdin_closed:
+        return "the run is ending: its runner's input is closed"
+    return "the runner is not reading input yet"
+
+
 class RunManager:
     """Implements the control socket's Backend over the journal and the process layer."""
 
@@ -376,13 +391,25 @@ class RunManager:
         run_id = run.run_id
         if first:
             # Durable intent before the acknowledgement: a restarted daemon finishes it.
-            why, at, until = run.token.reason or reason, run.cancel_wall, run.stop_deadline
-            assert at is not None and until is not None
-            await self.book.write(
-                run, "stop intent", lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until), True
-            )
-            if run.state in (RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL):
-                await self.book.transition(run, RunState.CANCELLING, reason=reason)
+            # Shielded: a cancel whose own task is cancelled (a timeout's, as the run
+            # ends) still records the stop it started, which other cancels wait for.
+            with trio.CancelScope(shield=True):
+                try:
+                    why, at, until = run.token.reason or reason, run.cancel_wall, run.stop_deadline
+                    assert at is not None and until is not None
+                    await self.book.write(
+                        run,
+                        "stop intent",
+                        lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until),
+                        True,
+                    )
+                    await self.book.transition(run, RunState.CANCELLING, reason=reason, only_from=_STOPPABLE)
+                finally:
+                    run.stop_recorded.set()
+        elif was_active:
+            # Another cancel started this stop: acknowledged once that one's intent is
+            # durable, as the first one is (a `kill -9` after either reply loses no stop).
+            await run.stop_recorded.wait()
         out = {"run_id": run_id, "was_active": was_active, "state": str(run.state)}
         if self.backlog.pending(run_id):
             out["warning"] = "the journal cannot be written: the stop goes on, but is not durable yet"
@@ -407,21 +434,23 @@ class RunManager:
             if row is None:
                 raise RunNotFound(run_id)
             return {"run_id": run_id, "accepted": False, "state": row["state"], "why": "the run has ended"}
-        if run.token.cancelled or run.stdin is None:
-            if run.token.cancelled:
-                why = "a stop is under way"
-            elif run.readopted:
-                why = "its runner was found again after a daemon restart: its input went with the old daemon"
-            else:
-                why = "the runner is not reading input yet"
-            return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": why}
-        run.steers_sent.append(text)  # before the send: the run's end may come during it
-        try:
-            async with run.stdin_lock:
-                await run.stdin.send_all(line)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            run.steers_sent.pop()
-            return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": "the runner closed its input"}
+        async with run.stdin_lock:  # the feed's end (``PipeSource.feed``) changes run.stdin
+            stdin = run.stdin
+            if run.token.cancelled or stdin is None:
+                return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": _no_input_why(run)}
+            # Before the send (the run's end may come during it), under the lock (no other
+            # steer's text is appended meanwhile: the last one is this one).
+            run.steers_sent.append(text)
+            try:
+                await stdin.send_all(line)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                run.steers_sent.pop()
+                return {
+                    "run_id": run_id,
+                    "accepted": False,
+                    "state": str(run.state),
+                    "why": "the runner closed its input (its run is ending)",
+                }
         await self.book.record(run, "steer_sent", {"text": text})
         return {"run_id": run_id, "accepted": True, "state": str(run.state)}
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from supervisor.config import Config
 from supervisor.core.runs import RunManager
@@ -163,3 +164,71 @@ async def test_a_runner_signalled_by_its_own_tool_is_not_a_cancelled_run(manager
         st = await manager.wait_terminal(r["run_id"])
     assert (st["state"], st["reason"]) == ("failed", "signalled"), st
     assert st["cancel_reason"] is None and st["error"]["code"] == "signalled"
+
+
+async def test_a_steer_racing_the_runs_end_is_refused_and_never_reported_unapplied(manager: RunManager) -> None:
+    # A steer checked the runner's input, then waited for it (another steer was writing)
+    # while the run ended: it then wrote to no input at all (an internal error), and its
+    # text, refused, was still reported unapplied. Here the test holds the input's lock.
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_kind(manager, rid, command_started)
+        run = manager._live[rid]
+        pid = (await manager.status(rid))["pid"]
+        replies: list[dict[str, Any]] = []
+
+        async def steer() -> None:
+            replies.append(await manager.steer(rid, "too late"))
+
+        async with trio.open_nursery() as n:
+            async with run.stdin_lock:
+                n.start_soon(steer)
+                await trio.testing.wait_all_tasks_blocked()
+                os.kill(pid, signal.SIGKILL)  # the runner this test's daemon started: the run ends
+                while run.stdin is not None:
+                    await trio.sleep(0.01)
+        st = await manager.wait_terminal(rid)
+    assert replies and replies[0]["accepted"] is False, replies
+    assert replies[0]["why"] == "the run is ending: its runner's input is closed", replies
+    assert st["state"] == "failed"
+    events = await manager.events_after(rid, 0)
+    assert not [e for e in events if e["kind"] in ("steering", "steer_sent")], events
+
+
+async def test_a_second_cancel_is_acknowledged_only_once_the_stop_is_durable(
+    manager: RunManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two cancels at once: the one that started the stop waited for its durable intent,
+    # the other answered at once ("running"), before the journal held the stop: a `kill -9`
+    # then lost a stop it had acknowledged.
+    from supervisor.store.journal import Journal
+
+    gate = trio.Event()
+    real = Journal.record_cancel
+
+    async def held(self: Journal, *args: Any, **kwargs: Any) -> Any:
+        await gate.wait()
+        return await real(self, *args, **kwargs)
+
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_kind(manager, rid, command_started)
+        monkeypatch.setattr(Journal, "record_cancel", held)
+        replies: list[dict[str, Any]] = []
+
+        async def cancel() -> None:
+            replies.append(await manager.cancel(rid))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(cancel)
+            await trio.testing.wait_all_tasks_blocked()  # the first waits for its journal write
+            n.start_soon(cancel)
+            await trio.testing.wait_all_tasks_blocked()
+            assert replies == [], replies  # neither is acknowledged before the stop is durable
+            gate.set()
+        row = await manager.journal.get_run(rid)
+        await manager.wait_terminal(rid)
+    assert row is not None and row["cancel_reason"] == "user"
+    assert [(x["was_active"], x["state"]) for x in replies] == [(True, "cancelling")] * 2, replies
