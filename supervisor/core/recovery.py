@@ -147,6 +147,9 @@ class Recovery:
                 True,
                 what="cancelled",
             )
+            # Its terminal event, as every end has (a watcher, `logs`, a resumed subscriber).
+            end = {"state": str(RunState.CANCELLED), "partial": False, "reason": reason}
+            await backlog.append(run_id, row["last_seq"] + 1, "state", end, time.time())
             logger.warning("run %s: cancelled (its stop was acknowledged before it started)", run_id)
             return
         await backlog.write(
@@ -154,6 +157,9 @@ class Recovery:
             lambda j: j.mark_lost(run_id, reason="the daemon restarted before the run's process started"),
             True,
             what="lost",
+        )
+        await backlog.append(
+            run_id, row["last_seq"] + 1, "state", {"state": str(RunState.LOST), "partial": True}, time.time()
         )
         logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
 

@@ -229,18 +229,32 @@ async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next
     now = time.time()
     # What a daemon killed right after acknowledging the cancel of a queued run leaves.
     async with await Journal.open(config.journal_path) as j:
-        await j.create_run("r-queued", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None)
+        queued = [("state", {"state": "queued"}, now)]
+        await j.create_run(
+            "r-queued", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued
+        )
         assert await j.record_cancel("r-queued", reason="user", at=now, stop_deadline=now + 10)
-        await j.create_run("r-never", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None)
+        await j.create_run(
+            "r-never", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued
+        )
     stop = trio.Event()
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
             info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
             cancelled = await info["manager"].status("r-queued")
             lost = await info["manager"].status("r-never")
+            events = {r: await info["manager"].events_after(r, 0) for r in ("r-queued", "r-never")}
             stop.set()
     assert (cancelled["state"], cancelled["reason"]) == ("cancelled", "user")
     assert lost["state"] == "lost"  # no stop was asked of it: its fate is unknown
+    # Each end has its terminal event, as on every other path (`logs`, `watch`, a subscriber).
+    states = {r: [(e["seq"], e["data"]) for e in es if e["kind"] == "state"] for r, es in events.items()}
+    assert states["r-queued"] == [
+        (1, {"state": "queued"}),
+        (2, {"state": "cancelled", "partial": False, "reason": "user"}),
+    ], states
+    assert states["r-never"] == [(1, {"state": "queued"}), (2, {"state": "lost", "partial": True})], states
+    assert cancelled["last_seq"] == lost["last_seq"] == 2
 
 
 async def test_a_run_readopted_twice_has_each_of_its_events_journaled_once(tmp_path: Path) -> None:
