@@ -269,7 +269,9 @@ def _name_unwaited_children() -> None:
     import subprocess
 
     for obj in gc.get_objects():
-        if isinstance(obj, subprocess.Popen) and obj.returncode is None and obj.poll() is None:
+        if not isinstance(obj, subprocess.Popen) or getattr(obj, "pid", None) is None:
+            continue  # (one whose start failed, a NUL in its arguments, say: no process)
+        if obj.returncode is None and obj.poll() is None:
             st = _read_stat(obj.pid)
             sys.stderr.write(f"\nunwaited child {obj.pid} {obj.args!r} (stat {st})\n")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -55,6 +56,22 @@ class _Job:
     leader_ticks: int | None = None
     exit_code: int | None = None
     done: bool = False
+    reader: int | None = None  # its log, opened for reading before it started (``output``)
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    """A new regular file at ``path`` for a command's output: never through a link, and
+    never a FIFO or device a tool of the run put there (its open would block, or write
+    elsewhere)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class BackgroundCommands:
@@ -87,25 +104,32 @@ class BackgroundCommands:
         if self._dir is not None:
             log = self._dir / f"command-{job_id}.log"
             try:
-                log_file = open(log, "wb")
+                log_file = _open_log(log)
             except OSError:
-                log_file = None  # an unusable run dir: a temp file will do
+                log_file = None  # an unusable run dir (or a name the run's tools took): a temp file will do
         if log_file is None:
             log_file = tempfile.NamedTemporaryFile(prefix=f"command-{job_id}-", suffix=".log", delete=False)
             log = Path(log_file.name)
         try:
             with log_file:
-                proc = await trio.lowlevel.open_process(
-                    ["/bin/sh", "-c", command],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=_child_env(marker),
-                )
-        except OSError as exc:
+                # Read through this descriptor, never the name: the run's tools can write
+                # the run dir, and a FIFO put in the log's place blocked the runner's open.
+                reader = os.open(f"/proc/self/fd/{log_file.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    proc = await trio.lowlevel.open_process(
+                        ["/bin/sh", "-c", command],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=_child_env(marker),
+                    )
+                except BaseException:
+                    os.close(reader)
+                    raise
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return f"error: could not start the command: {type(exc).__name__}: {exc}"
-        job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid))
+        job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid), reader=reader)
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])
         self._nursery.start_soon(self._watch, job, marker)
@@ -131,10 +155,10 @@ class BackgroundCommands:
         if job is None:
             return False, f"error: no background command {job_id!r} (known: {', '.join(self._jobs) or 'none'})"
         try:
-            size = job.log.stat().st_size
-            with open(job.log, "rb") as f:
-                f.seek(max(0, size - self._max))
-                data = f.read(self._max)
+            if job.reader is None:
+                raise OSError("its output is closed")
+            size = os.fstat(job.reader).st_size
+            data = os.pread(job.reader, self._max, max(0, size - self._max))
         except OSError as exc:
             return True, f"error: cannot read its output: {exc}"
         state = "[running]" if not job.done else f"[exit code {job.exit_code}]"
@@ -148,3 +172,7 @@ class BackgroundCommands:
         self._nursery.cancel_scope.cancel(reason="the run ends: its background commands end")
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
             await self._finished.wait()
+        for job in self._jobs.values():
+            if job.reader is not None:
+                os.close(job.reader)
+                job.reader = None

@@ -266,7 +266,7 @@ async def run_command(
                 env=env,
                 cwd=cwd,
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
         pgid = proc.pid
         ticks = leader_ticks(pgid)

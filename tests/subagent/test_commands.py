@@ -215,3 +215,50 @@ async def test_a_stop_asked_while_the_command_spawns_finds_it_started(
         assert out.by_stop and "finished" not in out.output
     else:
         assert not out.by_stop and out.exit_code == 0 and out.output == "started\nfinished\n"
+
+
+@pytest.mark.parametrize("cmd", ["echo a\x00b", "echo \udfff"], ids=["nul", "lone surrogate"])
+async def test_a_command_no_process_can_take_is_a_spawn_error_not_a_crash(cmd: str, tmp_path: Path) -> None:
+    # A NUL (or a lone surrogate, not UTF-8) in the model's arguments: the spawn raised
+    # ValueError, which only OSError was caught for, and the whole run failed `internal`.
+    out, seen = await _run(cmd)
+    assert out.spawn_error is not None and out.pid is None and seen == []
+    assert format_outcome(out).startswith("error: could not start the command: ")
+    from subagent.tools.background import BackgroundCommands
+
+    async with trio.open_nursery() as n:
+        jobs = BackgroundCommands(tmp_path, lambda *_: None, 1000)
+        await n.start(jobs.run)
+        assert (await jobs.start(cmd)).startswith("error: could not start the command: ")
+        await jobs.aclose()
+
+
+async def test_a_background_commands_output_is_read_whatever_the_run_put_in_its_logs_place(tmp_path: Path) -> None:
+    # Its log is in the run dir, which the run's tools write: a FIFO put in its place
+    # blocked the runner's open() of it for good (its deadline never came; only the
+    # stop's SIGKILL ended it). A FIFO put where the next log goes blocked that start.
+    import os
+
+    from subagent.tools.background import BackgroundCommands
+
+    async with trio.open_nursery() as n:
+        jobs = BackgroundCommands(tmp_path, lambda *_: None, 1000)
+        await n.start(jobs.run)
+        with trio.fail_after(10):
+            assert "id bg1" in await jobs.start("echo first output")
+            log = tmp_path / "command-bg1.log"
+            while "first output" not in log.read_text():
+                await trio.sleep(0.01)
+            log.unlink()
+            os.mkfifo(log)
+            os.mkfifo(tmp_path / "command-bg2.log")  # taken before its start
+            known, text = jobs.output("bg1")
+            assert known and "first output" in text, text
+            assert "id bg2" in await jobs.start("echo second output")
+            for _ in range(1000):
+                known, text = jobs.output("bg2")
+                if "second output" in text:
+                    break
+                await trio.sleep(0.01)
+            assert "second output" in text, text
+        await jobs.aclose()
