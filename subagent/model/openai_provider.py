@@ -12,6 +12,7 @@ only importer of ``openai``; the runner imports it only for provider "openai".
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -69,7 +70,9 @@ class OpenAIProvider:
     async def stream_turn(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler
     ) -> None:
-        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True}
+        # A history that holds a lone surrogate (an earlier turn's, from a server before this
+        # was cleaned, or a tool's text) could never be encoded: every later turn failed.
+        kwargs: dict[str, Any] = {"model": self.model, "messages": _clean_deep(messages), "stream": True}
         if self._usage_option:
             kwargs["stream_options"] = {"include_usage": True}
         if tools:
@@ -93,6 +96,15 @@ class OpenAIProvider:
         try:
             async for chunk in stream:
                 _feed(sink, chunk)
+        except ModelError:
+            raise
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+            # What the server sent is not a chat completion chunk (not JSON, not UTF-8, a
+            # field of the wrong type): its verdict is a bad response, whatever came before.
+            raise ModelError(
+                f"the model server sent a malformed stream: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS],
+                kind="model_bad_response",
+            ) from None
         except openai.APIError as exc:
             if not sink.received_any or isinstance(exc, openai.APIStatusError) or _is_stream_error(exc):
                 raise ModelError(f"the model stream failed: {_message(exc)}", kind="model_stream") from None
@@ -124,23 +136,76 @@ def _message(exc: Exception) -> str:
 
 
 def _feed(sink: TurnAssembler, chunk: Any) -> None:
+    """One chunk into the assembler, its fields checked (the SDK builds chunks from the
+    server's JSON without checking them): a field of the wrong type is a ``ModelError``."""
     usage = getattr(chunk, "usage", None)
     if usage is not None:
-        sink.add_usage(getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None))
+        sink.add_usage(_count(getattr(usage, "prompt_tokens", None)), _count(getattr(usage, "completion_tokens", None)))
     for choice in getattr(chunk, "choices", None) or []:
         if getattr(choice, "index", 0) != 0:
             continue
         delta = choice.delta
         if delta is not None:
-            if delta.content:
-                sink.text(delta.content)
+            content = _field(delta.content, "content")
+            if content:
+                sink.text(_clean(content))
             for tc in delta.tool_calls or []:
+                if not isinstance(tc.index, int) or isinstance(tc.index, bool):
+                    raise _bad("tool_calls[].index", tc.index)
                 fn = tc.function
+                name = None if fn is None else _field(fn.name, "function.name")
+                arguments = None if fn is None else _field(fn.arguments, "function.arguments")
                 sink.tool_delta(
                     tc.index,
-                    id=tc.id,
-                    name=fn.name if fn is not None else None,
-                    arguments=fn.arguments if fn is not None else None,
+                    id=_field(tc.id, "tool_calls[].id"),
+                    name=_clean(name) if name else name,
+                    arguments=_clean(arguments) if arguments else arguments,
                 )
         if choice.finish_reason:
-            sink.finish(choice.finish_reason)
+            sink.finish(_field(choice.finish_reason, "finish_reason") or "stop")
+
+
+# How much of a malformed stream's error is kept (it may quote what the server sent).
+MAX_ERROR_CHARS: Final = 500
+
+
+def _bad(field: str, value: Any) -> ModelError:
+    return ModelError(
+        f"the model server sent a malformed stream: {field} is {type(value).__name__}, not a string"[:MAX_ERROR_CHARS],
+        kind="model_bad_response",
+    )
+
+
+def _field(value: Any, field: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise _bad(field, value)
+
+
+def _count(value: Any) -> int | None:
+    """A token count, or None for anything that is not one (it is reported, not relied on)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _clean(text: str) -> str:
+    """``text`` with each lone surrogate (JSON's ``\\udXXX`` escape of half a character,
+    which a broken emoji on a page becomes) replaced by U+FFFD: such a string cannot be
+    encoded, and in the history it failed every later request of the session."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def _clean_deep(value: Any) -> Any:
+    if isinstance(value, str):
+        return _clean(value)
+    if isinstance(value, list):
+        return [_clean_deep(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _clean_deep(v) for k, v in value.items()}
+    return value
