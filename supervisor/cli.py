@@ -27,9 +27,11 @@ _GC_WAS_ENABLED = gc.isenabled()
 gc.disable()
 
 import enum  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     buffered file). A process that ran trio (``serve``: the daemon, its threads, its log)
     exits the normal way.
     """
+    _safe_output()
     try:
         cli.main(args=argv, prog_name="agentd")
         code: Any = 0
@@ -342,6 +345,43 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except OSError:
         pass
     os._exit(code)
+
+
+def _safe_output() -> None:
+    """What a run wrote (a model's text, a tool's output) is printed as text, never as
+    terminal control: on a terminal, control characters (an escape sequence that retitles
+    the window or clears the screen, a carriage return that hides a line) are shown as
+    ``\\xNN``. Text no encoding takes (a lone surrogate, half a character) is replaced, on
+    a terminal or not: it raised in ``click.echo``, mid-output, with a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="replace")
+            except (ValueError, OSError):
+                pass
+    try:
+        tty = sys.stdout.isatty()
+        buffer = sys.stdout.buffer
+    except (AttributeError, ValueError, OSError):
+        return
+    if tty:
+        sys.stdout = _Shown(buffer, encoding="utf-8", errors="replace", line_buffering=True)
+
+
+class _Shown(io.TextIOWrapper):
+    """A terminal's stdout: control characters other than newline and tab shown as text."""
+
+    def write(self, s: str) -> int:
+        super().write(_CONTROL.sub(_visible, s))
+        return len(s)
+
+
+_CONTROL: Final = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(m: re.Match[str]) -> str:
+    return f"\\x{ord(m.group()):02x}"
 
 
 # ----------------------------------------------------------------------------- serve

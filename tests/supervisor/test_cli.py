@@ -871,3 +871,38 @@ def test_a_setting_that_is_not_a_finite_number_in_range_is_a_config_error(
 
     with pytest.raises(ConfigError, match=name):
         Config.load(state_dir=tmp_path, environ={"AGENTD_" + name.upper(): value})
+
+
+def test_logs_print_what_a_run_wrote_as_text_never_as_terminal_control(tmp_path: Path) -> None:
+    # A lone surrogate (half a character: a broken emoji on a page, as JSON escapes it)
+    # raised in click.echo with a traceback, mid-output; on a terminal, an escape sequence
+    # from a model or a tool (retitle the window, clear the screen) reached it raw.
+    import pty
+
+    state = tmp_path / "state"
+    hostile = "half \udfff a char; \x1b]0;owned\x07 title; \x1b[2J clear; done"
+    run_id = make_journal(state, [("log", {"level": "info", "message": hostile})])
+    argv = [sys.executable, "-m", "supervisor", "--state-dir", str(state), "logs", run_id]
+    piped = subprocess.run(argv, capture_output=True, timeout=60)
+    assert piped.returncode == 0 and b"Traceback" not in piped.stderr, piped.stderr
+    assert b"half ? a char" in piped.stdout and b"done" in piped.stdout
+    main, sub = pty.openpty()
+    try:
+        proc = subprocess.Popen(argv, stdout=sub, stderr=subprocess.PIPE)
+        os.close(sub)
+        seen = b""
+        while True:
+            try:
+                data = os.read(main, 65536)
+            except OSError:  # EIO: the other side closed
+                break
+            if not data:
+                break
+            seen += data
+        assert proc.wait(timeout=60) == 0
+        assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+        proc.stderr.close()
+    finally:
+        os.close(main)
+    assert b"\x1b" not in seen and b"\x07" not in seen, seen
+    assert b"\\x1b]0;owned\\x07 title; \\x1b[2J clear; done" in seen, seen
