@@ -562,7 +562,7 @@ class _Connection:
                     if terminal_seen:
                         # A subscription opened after the terminal state was reported has
                         # closed: the terminal event is journaled and sent (see Backend).
-                        await self._send(protocol.encode_end(sub, run_id, state, last))
+                        await self._send_end(sub, run_id, state, last)
                         return
                     state = str((await self.backend.status(run_id)).get("state"))
                     if state in TERMINAL_STATES:
@@ -572,7 +572,7 @@ class _Connection:
                         continue
                     empty_reopens = 0 if last > before else empty_reopens + 1
                     if empty_reopens > MAX_EMPTY_REOPENS:
-                        await self._send(protocol.encode_end(sub, run_id, state, last))
+                        await self._send_end(sub, run_id, state, last)
                         return
                     logger.info("control: run %s: live events ended while %s; resubscribing", run_id, state)
             if not acked:  # an unsubscribe overtook it: the request still gets its reply
@@ -595,6 +595,14 @@ class _Connection:
         finally:
             if self.subs.get(sub) is scope:
                 del self.subs[sub]
+
+    async def _send_end(self, sub: str, run_id: str, state: str, last: int) -> None:
+        """The subscription's ``end``, with the run's own last event number (``last`` is
+        the client's ``after_seq`` when nothing came after it: one past the run's end was
+        echoed back as if the run had it)."""
+        row = await self.backend.status(run_id)
+        seq = row.get("last_seq")
+        await self._send(protocol.encode_end(sub, run_id, state, seq if isinstance(seq, int) else last))
 
     async def _follow(self, sub: str, run_id: str, last: int, live: trio.MemoryReceiveChannel[dict[str, Any]]) -> int:
         # The forwarder's own failures (_Gone, RunNotFound) leave the nursery unwrapped:

@@ -61,6 +61,9 @@ class RunBook:
             row["last_seq"] = max(row.get("last_seq") or 0, run.last_seq)
         if self.backlog.pending(row["id"]):
             row["journal"] = "pending: some facts of this run wait in memory for the journal"
+            live = self.live.get(row["id"])
+            if live is not None:  # its events handed out, not yet written (`events` has them)
+                row["last_seq"] = max(row.get("last_seq") or 0, live.last_seq)
 
     async def write(self, run: Run, what: str, direct: JournalOp, predicted: Any) -> Any:
         """One journal write of the run's, or queued while the journal cannot be written."""
@@ -68,8 +71,10 @@ class RunBook:
 
     async def record(self, run: Run, kind: str, data: dict[str, Any], ts: float | None = None) -> int | None:
         """Journal one event of the run's and send it to its subscribers; its number."""
-        ts = time.time() if ts is None else ts
         async with run.lock:
+            # The daemon's own events never go back in time within the run. (A runner's
+            # event keeps its own stamp: a restarted daemon knows it by it, ``event_key``.)
+            ts = max(time.time(), run.last_ts) if ts is None else ts
             seq = await self.backlog.append(run.run_id, run.last_seq + 1, kind, data, ts)
             if seq is None:  # the journal is down and this run's backlog is full: dropped
                 return None
@@ -79,6 +84,7 @@ class RunBook:
     def _send(self, run: Run, seq: int, kind: str, data: dict[str, Any], ts: float) -> None:
         """Out to the run's subscribers: an event the journal numbered ``seq`` (under ``run.lock``)."""
         run.last_seq = max(run.last_seq, seq)
+        run.last_ts = max(run.last_ts, ts)
         msg = {"run_id": run.run_id, "seq": seq, "ts": ts, "kind": kind, "data": data}
         for send in list(run.subscribers):
             try:
@@ -175,14 +181,21 @@ class RunBook:
             run.session_event = None
 
     async def transition(
-        self, run: Run, new: RunState, *, reason: str | None = None, only_from: Collection[RunState] | None = None
+        self,
+        run: Run,
+        new: RunState,
+        *,
+        reason: str | None = None,
+        only_from: Collection[RunState] | None = None,
+        ts: float | None = None,
     ) -> bool:
         """Move a live run to ``new`` (journaled, then announced); False if not allowed,
         or (``only_from``) if the run is not in one of those states.
 
         Whole under the run's ``state_lock``: its end, written while this write was under
         way, waits for this change's event, and is not followed by it; a start under way
-        is in (``only_from`` sees the state it left).
+        is in (``only_from`` sees the state it left). ``ts``: its event's time (that of the
+        runner's event that moved it, which follows it: default now).
         """
         async with run.state_lock:
             if run.state in TERMINAL_STATES or (only_from is not None and run.state not in only_from):
@@ -198,7 +211,7 @@ class RunBook:
                 data: dict[str, Any] = {"state": str(new)}
                 if reason:
                     data["reason"] = reason
-                await self.record(run, "state", data)
+                await self.record(run, "state", data, ts)
             return bool(ok)
 
     async def finish(

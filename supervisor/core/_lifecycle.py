@@ -192,7 +192,9 @@ class Lifecycle:
                 if isinstance(data.get("sandbox"), dict):
                     run.sandbox = data["sandbox"]
                 if run.state == RunState.STARTING:
-                    await book.transition(run, RunState.RUNNING)
+                    # Stamped as the runner's start it comes just before (stamped later, it
+                    # went back in time from it).
+                    await book.transition(run, RunState.RUNNING, ts=item.ts)
             elif kind == EventKind.PROCESS_GROUP:
                 pgid = int(data["pgid"])
                 on_stop = data.get("on_stop")

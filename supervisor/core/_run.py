@@ -60,6 +60,7 @@ class Run:
     # This run's own model API key: for its runner's environment only, never journaled.
     model_key: Secret | None = field(default=None, repr=False)
     last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)
+    last_ts: float = 0.0  # its last event's time: the next one is never earlier
     stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)

@@ -460,6 +460,20 @@ async def test_subscribing_to_a_finished_run_replays_it_and_ends(server: Server)
     assert seqs == [2, 3] and end["state"] == "failed" and end["last_seq"] == 3
 
 
+async def test_an_end_says_the_runs_last_event_number_not_the_clients_after_seq(server: Server) -> None:
+    # A client resuming past the run's end was told last_seq = its own after_seq, a
+    # number the run never had.
+    b = server.backend
+    run = b.add_run()
+    b.emit(run, "log")
+    b.finish(run, "completed")
+    async with connect(server) as peer:
+        for after in (1_000_000, 3, 4):
+            await peer.ok("subscribe", run_id=run, after_seq=after)
+            seqs, end = await peer.events_until_end()
+            assert seqs == [] and (end["state"], end["last_seq"]) == ("completed", 3), (after, end)
+
+
 async def test_disconnect_mid_run_then_resume_gets_every_missed_event_once_in_order(server: Server) -> None:
     """Acceptance 7: a dropped client is not a cancel, and replay has no gap and no duplicate."""
     b = server.backend

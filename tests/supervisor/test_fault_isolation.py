@@ -258,6 +258,13 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
             assert "journal cannot be written" in refused["error"]["message"]
             b_status = await c.ok("status", run_id=b)
             assert b_status["state"] == "running" and psutil.pid_exists(b_status["pid"])
+            # An event of the live run's, handed out and waiting for the journal: status and
+            # list say its number (they said the journal's: behind what `events` gives).
+            assert (await c.ok("steer", run_id=b, text="while degraded"))["accepted"] is True
+            b_last = (await c.ok("events", run_id=b))["events"][-1]["seq"]
+            assert (await c.ok("status", run_id=b))["last_seq"] == b_last
+            listed = {r["id"]: r for r in (await c.ok("list"))["runs"]}
+            assert listed[b]["last_seq"] == b_last
             assert "degraded" in d.log_text()
             assert "journal not writable" in await status_line("degraded")
 

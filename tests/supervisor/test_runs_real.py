@@ -232,3 +232,17 @@ async def test_a_second_cancel_is_acknowledged_only_once_the_stop_is_durable(
         await manager.wait_terminal(rid)
     assert row is not None and row["cancel_reason"] == "user"
     assert [(x["was_active"], x["state"]) for x in replies] == [(True, "cancelling")] * 2, replies
+
+
+async def test_a_runs_event_times_never_go_back(manager: RunManager) -> None:
+    # The runner stamps its own events; the daemon's `running`, recorded as the runner's
+    # first event arrived, was stamped after it and came first: times went back, in every
+    # run. (A steer's `steer_sent` and a runner event can still cross: none here.)
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "echo hi"}}]}]}
+    with trio.fail_after(30):
+        for _ in range(3):
+            r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": script}})
+            await manager.wait_terminal(r["run_id"])
+            events = await manager.events_after(r["run_id"], 0)
+            times = [e["ts"] for e in events]
+            assert times == sorted(times), [(e["seq"], e["kind"], e["ts"]) for e in events]
