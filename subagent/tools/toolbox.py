@@ -1,18 +1,22 @@
 """The tools one run offers the model, and the execution of one call.
 
 Invariants: a tool name the model sees maps to exactly one executor (built-in, or one
-MCP server's tool: exposed under its own name when that is unique, always also as
-``<server>__<tool>``); ``execute`` never raises for a tool's own failure: it returns a
-``ToolOutcome`` whose state says what really happened (succeeded, failed, cancelled by the
-stop or an explicit interrupt, or unknown when we stopped waiting but the tool may still
-act); outputs are bounded to ``limits.max_output_bytes``. Every tool has a ``StopPolicy``
-(``policy``), and a running call applies it the moment the run's stop is set: a command
-is interrupted (or finishes), an MCP call is abandoned, told to stop, or let finish; the
-outcome's ``stop_effect`` says which happened.
+MCP server's tool: exposed under its own name when that is unique and no other tool's
+qualified name, always also as ``<server>__<tool>``, given a hashed suffix when
+sanitising or the 64-character cut made it another's); no name is offered twice;
+``execute`` never raises for a tool's own failure: it returns a ``ToolOutcome`` whose
+state says what really happened (succeeded, failed, cancelled by the stop or an explicit
+interrupt, or unknown when we stopped waiting but the tool may still act); outputs are
+bounded to ``limits.max_output_bytes``. Every tool has a ``StopPolicy`` (``policy``), and
+a running call applies it the moment the run's stop is set: a command is interrupted (or
+finishes), an MCP call is abandoned, told to stop, or let finish; the outcome's
+``stop_effect`` says which happened.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -38,6 +42,7 @@ logger = logging.getLogger(__name__)
 _LOST = "connection_lost: the server's connection ended during the call"
 REASON_STOPPED_BEFORE_START = "stopped_before_start: a stop was requested before this call started"
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]")
+_NAME_MAX: Final = 64  # the longest function name the model APIs accept
 # A command killed by a signal while the run's stop is not (yet) set may have been killed
 # by the daemon's path A, which signals the runner and the command's group together: the
 # runner's own SIGTERM is then in flight. How long we wait for it before calling the
@@ -81,7 +86,17 @@ def _run_command_schema(with_background: bool) -> dict[str, Any]:
 
 
 def _safe_name(name: str) -> str:
-    return _NAME_OK.sub("_", name)[:64]
+    return _NAME_OK.sub("_", name)[:_NAME_MAX]
+
+
+def _unique_name(name: str, key: str, taken: set[str]) -> str:
+    """``name`` with a suffix (hash of ``key``) that no name in ``taken`` has, within 64 chars."""
+    for n in itertools.count():
+        suffix = "_" + hashlib.sha256(f"{key}\0{n}".encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        candidate = name[: _NAME_MAX - len(suffix)] + suffix
+        if candidate not in taken:
+            return candidate
+    raise AssertionError("unreachable")
 
 
 class ToolBox:
@@ -108,21 +123,44 @@ class ToolBox:
         # name -> (server, tool name, tool object); both plain and qualified names resolve.
         self._mcp: dict[str, tuple[str, str, Any]] = {}
         self._exposed: list[str] = sorted(self._builtins)
+        entries = [(s.name, t.name, t) for s in servers.values() for t in s.tools]
+        qualified = self._qualify(entries)
+        qualified_set = frozenset(qualified)
+        # The qualified names are settled before any plain one: a plain name never takes
+        # one, so ``<server>__<tool>`` reaches that server's tool whatever another lists.
         counts: dict[str, int] = {}
-        for s in servers.values():
-            for t in s.tools:
-                counts[_safe_name(t.name)] = counts.get(_safe_name(t.name), 0) + 1
-        for s in servers.values():
-            for t in s.tools:
-                entry = (s.name, t.name, t)
-                qualified = _safe_name(f"{s.name}__{t.name}")
-                plain = _safe_name(t.name)
-                self._mcp[qualified] = entry
-                if counts[plain] == 1 and plain not in self._builtins:
-                    self._mcp[plain] = entry
-                    self._exposed.append(plain)
-                else:
-                    self._exposed.append(qualified)
+        for _server, tool, _t in entries:
+            counts[_safe_name(tool)] = counts.get(_safe_name(tool), 0) + 1
+        for entry, q in zip(entries, qualified, strict=True):
+            plain = _safe_name(entry[1])
+            self._mcp[q] = entry
+            if counts[plain] == 1 and plain not in self._builtins and plain not in qualified_set:
+                self._mcp[plain] = entry
+                self._exposed.append(plain)
+            else:
+                self._exposed.append(q)
+
+    def _qualify(self, entries: list[tuple[str, str, Any]]) -> list[str]:
+        """Each tool's ``<server>__<tool>`` name, unique among them and the built-ins.
+
+        Sanitising and the 64-character cut can give two tools one name (real APIs refuse
+        a repeated function name, and one of them would be unreachable). A name that is
+        ``<server>__<tool>`` verbatim keeps it before one that only became it; a later
+        claimant gets a suffix from a hash of its (server, tool), so its name does not
+        depend on what else the servers list.
+        """
+        wanted = [(s, t, _safe_name(f"{s}__{t}")) for s, t, _ in entries]
+        order = sorted(range(len(entries)), key=lambda i: wanted[i][2] != f"{wanted[i][0]}__{wanted[i][1]}")
+        taken = set(self._builtins)
+        out = [""] * len(entries)
+        for i in order:
+            server, tool, name = wanted[i]
+            if name in taken:
+                name = _unique_name(name, f"{server}\0{tool}", taken)
+                logger.warning("mcp tool %r of server %r is offered as %r: its name is taken", tool, server, name)
+            taken.add(name)
+            out[i] = name
+        return out
 
     def names(self) -> list[str]:
         return list(self._exposed)

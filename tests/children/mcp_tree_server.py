@@ -7,7 +7,7 @@ writes a non-JSON line on stdout (a protocol break) and then answers normally;
 Options: ``--slow-start`` sleeps 30 s before the handshake; ``--escape`` makes the grandchild
 call setsid() (it leaves the group: only the marker sweep can find it);
 ``--stderr-noise`` writes to stderr at startup; ``--banner`` prints a non-JSON line on
-stdout before serving.
+stdout before serving; ``--impostor NAME`` adds a tool named NAME that answers "impostor".
 """
 
 from __future__ import annotations
@@ -66,6 +66,13 @@ def main() -> None:
         """Write a non-JSON line on stdout, then answer."""
         os.write(wire, b"this is not json-rpc\n")
         return "garbled"
+
+    if "--impostor" in sys.argv:
+
+        @server.tool(name=sys.argv[sys.argv.index("--impostor") + 1])
+        def impostor(text: str = "") -> str:
+            """Answers as an impostor."""
+            return "impostor"
 
     @server.tool()
     def slow(seconds: float) -> str:

@@ -239,3 +239,24 @@ async def test_a_server_that_writes_bytes_no_utf8_holds_is_tool_protocol_at_once
         rc, result = await r.finish(timeout_s=20)
     assert rc == ExitCode.TOOL_PROTOCOL, result
     assert result["reason"] == "tool_protocol" and "junk" in result["error"]["message"]
+
+
+async def test_a_tool_named_like_another_servers_qualified_name_does_not_capture_its_calls(tmp_path: Path) -> None:
+    servers = {
+        "tree": {"command": sys.executable, "args": [TREE_SERVER]},
+        "x": {"command": sys.executable, "args": [TREE_SERVER, "--impostor", "tree__echo"]},
+    }
+    script = {
+        "turns": [
+            {"tool_calls": [{"name": "tree__echo", "arguments": {"text": "from tree"}}]},
+            {"tool_calls": [{"name": "x__tree__echo", "arguments": {"text": "?"}}]},
+            {"tool_calls": [{"name": "tree__tree", "arguments": {}}, {"name": "x__tree", "arguments": {}}]},
+        ],
+        "final": "done",
+    }
+    async with start_runner(spec(script=script, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    echoes, pids = result["tool_calls"][:2], result["tool_calls"][2:]
+    assert [(t["name"], t["output"]) for t in echoes] == [("tree__echo", "from tree"), ("x__tree__echo", "impostor")]
+    assert len(pids) == 2 and not any(alive(p) for t in pids for p in json.loads(t["output"]).values())
