@@ -7,7 +7,8 @@ own shutdown (stdin close, bounded wait, group kill: shielded, every wait bounde
 SDK, about 6 s at worst; no scope of ours may wrap it, as it exits a task group entered
 earlier) apply unchanged. A non-JSON line on a server's stdout is a protocol break: the
 SDK skips the line and hands it to the session's message handler; we record it on the
-server (``protocol_errors``) so the loop can end the run with ``TOOL_PROTOCOL``.
+server (``protocol_errors``, ``broken``): a call in flight ends at once (its answer may
+have been that line) and the loop ends the run with ``TOOL_PROTOCOL``.
 A stop reaches a call through MCP's own ``notifications/cancelled``: cancelling the SDK's
 request sends it (the SDK's courtesy cancel), and ``cancel_in_flight`` sends it for the
 call in flight while still waiting for its answer; the session's write stream is watched
@@ -151,6 +152,9 @@ class McpServer:
     tools: list[Any] = field(default_factory=list)
     stderr_path: Path | None = None
     protocol_errors: list[str] = field(default_factory=list)
+    # Set with the first protocol error: a call in flight ends then (its answer may have
+    # been the line the SDK dropped), rather than waiting out its timeout.
+    broken: trio.Event = field(default_factory=trio.Event)
     tap: _OutboundTap | None = None
 
     def stderr_tail(self) -> str:
@@ -247,6 +251,7 @@ async def start_server(
         if isinstance(message, Exception):
             line = _bad_line_text(message)
             server.protocol_errors.append(line)
+            server.broken.set()
             logger.error("mcp server %r wrote a non-JSON-RPC line on stdout: %s", name, line)
             starting.cancel(reason="a non-JSON-RPC line during the server's startup")
 

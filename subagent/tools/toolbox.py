@@ -342,7 +342,15 @@ class ToolBox:
                 stop_effect=StopEffect.STOPPED_BEFORE_START,
             )
         server = self.servers[server_name]
+        if server.protocol_errors:  # a server that broke the protocol gets no new call
+            return ToolOutcome(
+                ToolCallState.FAILED,
+                None,
+                error=f"not sent: the server broke the protocol earlier in the run: {server.protocol_errors[0]}",
+                reason="tool_protocol",
+            )
         call = trio.CancelScope()
+        broke = trio.CancelScope()
         effect: list[StopEffect] = []
         wait_s = self.stop_policy.cancel_wait_s
 
@@ -362,11 +370,16 @@ class ToolBox:
             effect.append(StopEffect.CANCEL_UNANSWERED)
             call.cancel(reason="no answer after notifications/cancelled")
 
+        async def end_at_the_break() -> None:
+            await server.broken.wait()
+            broke.cancel(reason="the server broke the protocol")
+
         async with trio.open_nursery() as nursery:
             if policy in (StopPolicy.ABANDON, StopPolicy.CANCEL):
                 nursery.start_soon(apply_stop)
+            nursery.start_soon(end_at_the_break)
             try:
-                outcome = await self._mcp_outcome(server, tool, args, interrupt, call, stop)
+                outcome = await self._mcp_outcome(server, tool, args, interrupt, call, broke, stop)
             finally:
                 nursery.cancel_scope.cancel(reason="the call ended")
         if call.cancelled_caught and effect:
@@ -387,8 +400,11 @@ class ToolBox:
         args: dict[str, Any],
         interrupt: trio.CancelScope,
         call: trio.CancelScope,
+        broke: trio.CancelScope,
         stop: StopControl,
     ) -> ToolOutcome:
+        """One call's outcome. ``call``: the stop's scope; ``broke``: cancelled when the
+        server breaks the protocol."""
         from mcp.shared.exceptions import MCPError
         from mcp_types import CONNECTION_CLOSED
 
@@ -398,7 +414,7 @@ class ToolBox:
         result: tuple[bool, str] | None = None
         try:
             with trio.move_on_after(timeout) as timer:
-                with interrupt, call:
+                with interrupt, call, broke:
                     result = await server.call(tool, args, stop=stop)
         except StoppedBeforeSend:
             # The stop came on the SDK's way to the transport: the call was never sent.
@@ -433,6 +449,15 @@ class ToolBox:
             )
         if call.cancelled_caught:
             return ToolOutcome(ToolCallState.CANCELLED, None, reason="interrupted: the stop abandoned the call")
+        if broke.cancelled_caught:
+            # The SDK dropped a line it could not take: it may have been this call's answer.
+            return ToolOutcome(
+                ToolCallState.UNKNOWN,
+                None,
+                error=f"the server broke the protocol during the call: {server.protocol_errors[0]}",
+                reason="tool_protocol: stopped waiting when the server wrote a line that is not JSON-RPC; "
+                "its answer may have been lost and the server may have acted",
+            )
         if timer.cancelled_caught or result is None:
             return ToolOutcome(
                 ToolCallState.UNKNOWN,

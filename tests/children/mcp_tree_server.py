@@ -3,7 +3,9 @@
 At startup it spawns a child, which spawns a grandchild; both sleep. Tools:
 ``tree`` returns {"server", "child", "grandchild"} pids; ``echo`` echoes; ``garble``
 writes a non-JSON line on stdout (a protocol break) and then answers normally;
-``slow`` sleeps ``seconds`` then answers; ``wait_for`` answers once ``path`` exists; ``die`` exits the server at once, mid-call.
+``bad_answer`` answers with a JSON line the SDK refuses (a lone surrogate escape) and
+never with a good one; ``slow`` sleeps ``seconds`` then answers; ``wait_for`` answers
+once ``path`` exists; ``die`` exits the server at once, mid-call.
 Options: ``--slow-start`` sleeps 30 s before the handshake; ``--escape`` makes the grandchild
 call setsid() (it leaves the group: only the marker sweep can find it);
 ``--stderr-noise`` writes to stderr at startup; ``--banner`` prints a non-JSON line on
@@ -17,6 +19,9 @@ import os
 import subprocess
 import sys
 import time
+
+import anyio
+from mcp.server.mcpserver import Context  # the tools' annotations are resolved in this module
 
 GRANDCHILD = "import os, sys, time\nif sys.argv[1] == '1': os.setsid()\ntime.sleep(600)\n"
 CHILD = (
@@ -66,6 +71,15 @@ def main() -> None:
         """Write a non-JSON line on stdout, then answer."""
         os.write(wire, b"this is not json-rpc\n")
         return "garbled"
+
+    @server.tool()
+    async def bad_answer(ctx: Context) -> str:
+        """Answer with a line the client's SDK cannot take, then hang."""
+        rid = json.dumps(ctx.request_context.request_id)
+        text = '{"type": "text", "text": "\\ud83d"}'
+        os.write(wire, f'{{"jsonrpc": "2.0", "id": {rid}, "result": {{"content": [{text}]}}}}\n'.encode())
+        await anyio.sleep(600)
+        return "never"
 
     if "--impostor" in sys.argv:
 
