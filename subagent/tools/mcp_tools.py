@@ -36,7 +36,7 @@ from mcp import ClientSession, StdioServerParameters
 from subagent.spec import McpServerSpec
 from subagent.tools.mcp_spawn import Prespawned
 
-__all__ = ["McpServer", "McpSetupError", "StoppedBeforeSend", "start_server", "tool_result_text"]
+__all__ = ["McpServer", "McpSetupError", "StoppedBeforeSend", "UnsendableArguments", "start_server", "tool_result_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,27 @@ class McpSetupError(Exception):
         self.server = server
         self.message = message
         self.protocol = protocol
+
+
+class UnsendableArguments(ValueError):
+    """A call's arguments cannot be written as UTF-8 JSON (a lone surrogate from a
+    ``\\udXXX`` escape in the model's JSON): refused before the SDK's writer sees them,
+    where the serialisation error would end the whole transport."""
+
+
+def _check_encodable(arguments: dict[str, Any]) -> None:
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsendableArguments(f"the arguments cannot be sent as JSON: {exc}") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Not the exception's text: it quotes the lone surrogate, which no event can carry.
+        raise UnsendableArguments(
+            f"the arguments cannot be sent as UTF-8 JSON: {exc.reason} (character {exc.start} of their JSON; "
+            "a \\ud800-\\udfff escape must be one half of a pair)"
+        ) from None
 
 
 class StoppedBeforeSend(Exception):
@@ -172,10 +193,12 @@ class McpServer:
     async def call(self, tool: str, arguments: dict[str, Any], *, stop: Any = None) -> tuple[bool, str]:
         """Call a tool; returns (is_error, text). Raises on transport or protocol failure.
 
+        Raises ``UnsendableArguments`` (nothing sent) for arguments no UTF-8 JSON holds.
         ``stop``: the run's StopControl; a stop before the call is handed to the transport
         raises ``StoppedBeforeSend`` (it was not sent).
         """
         assert self.session is not None
+        _check_encodable(arguments)
         if self.tap is not None:
             self.tap.stop = stop
         try:

@@ -408,7 +408,7 @@ class ToolBox:
         from mcp.shared.exceptions import MCPError
         from mcp_types import CONNECTION_CLOSED
 
-        from subagent.tools.mcp_tools import StoppedBeforeSend
+        from subagent.tools.mcp_tools import StoppedBeforeSend, UnsendableArguments
 
         timeout = self.limits.command_timeout_s
         result: tuple[bool, str] | None = None
@@ -416,6 +416,10 @@ class ToolBox:
             with trio.move_on_after(timeout) as timer:
                 with interrupt, call, broke:
                     result = await server.call(tool, args, stop=stop)
+        except UnsendableArguments as exc:
+            return ToolOutcome(
+                ToolCallState.FAILED, None, error=f"invalid_arguments: {exc}", reason="invalid_arguments"
+            )
         except StoppedBeforeSend:
             # The stop came on the SDK's way to the transport: the call was never sent.
             return ToolOutcome(

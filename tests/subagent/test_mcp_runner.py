@@ -293,3 +293,25 @@ async def test_an_answer_the_sdk_refuses_ends_the_call_at_once_and_the_run_with_
     assert after["state"] == "failed" and after["reason"] == "tool_protocol", after
     assert after["error"].startswith("not sent:")
     assert not any(alive(p) for p in tree_pids(result))
+
+
+async def test_arguments_no_utf8_holds_are_refused_before_sending_and_the_session_stays_usable(
+    tmp_path: Path,
+) -> None:
+    script = {
+        "turns": [
+            {"tool_calls": [{"name": "tree", "arguments": {}}]},
+            # Raw text, as a model sends it: a lone surrogate escape is valid JSON.
+            {"tool_calls": [{"name": "echo", "arguments": '{"text": "\\udfff"}'}]},
+            {"tool_calls": [{"name": "echo", "arguments": {"text": "still here"}}]},
+        ],
+        "final": "{{last_output}}",
+    }
+    async with start_runner(tree_spec(script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.COMPLETED, result
+    assert result["final_text"] == "still here"
+    bad = result["tool_calls"][1]
+    assert bad["state"] == "failed" and bad["reason"] == "invalid_arguments", bad
+    assert "cannot be sent as UTF-8 JSON" in bad["error"]
+    assert not any(alive(p) for p in tree_pids(result))
