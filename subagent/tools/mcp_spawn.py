@@ -27,6 +27,7 @@ import anyio
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
 from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
+from subagent.tools.runfiles import open_regular
 
 __all__ = ["Prespawned", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
 
@@ -79,7 +80,9 @@ def _open_errlog(name: str, run_dir: Path | None) -> tuple[IO[bytes], Path]:
     if run_dir is not None:
         path = run_dir / f"mcp-{_file_safe(name)}.stderr.log"
         try:
-            return open(path, "ab"), path
+            # A server spawned before this one can put a FIFO or a link there.
+            fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            return os.fdopen(fd, "ab"), path
         except OSError as exc:
             logger.warning("cannot write mcp server %r stderr into the run dir: %s", name, exc)
     f = tempfile.NamedTemporaryFile(prefix=f"mcp-{_file_safe(name)}-", suffix=".stderr.log", delete=False)

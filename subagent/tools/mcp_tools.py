@@ -35,6 +35,7 @@ from mcp import ClientSession, StdioServerParameters
 
 from subagent.spec import McpServerSpec
 from subagent.tools.mcp_spawn import Prespawned
+from subagent.tools.runfiles import NotRegularFile, open_regular
 
 __all__ = ["McpServer", "McpSetupError", "StoppedBeforeSend", "UnsendableArguments", "start_server", "tool_result_text"]
 
@@ -179,14 +180,22 @@ class McpServer:
     tap: _OutboundTap | None = None
 
     def stderr_tail(self) -> str:
+        """The end of the server's stderr log; "" when it cannot be read.
+
+        Never blocks: the log is in the run dir, where a tool (another server) may have
+        put a FIFO in its place, whose plain open would stop the runner for good.
+        """
         if self.stderr_path is None:
             return ""
         try:
-            with open(self.stderr_path, "rb") as f:
+            with os.fdopen(open_regular(self.stderr_path, os.O_RDONLY), "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
                 f.seek(max(0, size - STDERR_TAIL_BYTES))
                 return f.read().decode("utf-8", "replace").strip()
+        except NotRegularFile as exc:
+            logger.warning("mcp server %r: its stderr log is unreadable: %s", self.name, exc)
+            return ""
         except OSError:
             return ""
 

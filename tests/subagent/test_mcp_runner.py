@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -314,4 +316,43 @@ async def test_arguments_no_utf8_holds_are_refused_before_sending_and_the_sessio
     bad = result["tool_calls"][1]
     assert bad["state"] == "failed" and bad["reason"] == "invalid_arguments", bad
     assert "cannot be sent as UTF-8 JSON" in bad["error"]
+    assert not any(alive(p) for p in tree_pids(result))
+
+
+async def test_a_server_that_puts_a_fifo_in_place_of_its_stderr_log_cannot_block_the_runner(tmp_path: Path) -> None:
+    # Reading the log's tail for the setup error opened the FIFO and waited for a writer
+    # forever: the runner's deadline never fired.
+    code = (
+        "import os, sys; p = os.path.join(os.environ['AGENTD_RUN_DIR'], 'mcp-fifo.stderr.log'); "
+        "os.unlink(p); os.mkfifo(p); sys.exit(3)"
+    )
+    servers = {"fifo": {"command": sys.executable, "args": ["-c", code]}}
+    async with start_runner(spec(script={"final": "x"}, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish(timeout_s=20)
+    assert rc == ExitCode.TOOL_SETUP, result
+    assert "mcp server 'fifo'" in result["error"]["message"]
+    assert stat.S_ISFIFO((r.run_dir / "mcp-fifo.stderr.log").lstat().st_mode)  # it was there
+    warnings = [e.data["message"] for e in r.of(EventKind.LOG) if "not a regular file" in e.data["message"]]
+    assert warnings, [e.data for e in r.of(EventKind.LOG)]
+    assert r.of(EventKind.PROCESS_GROUP)[-1].data["alive"] is False
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link"])
+async def test_a_fifo_or_link_planted_as_a_servers_stderr_log_is_not_opened(tmp_path: Path, planted: str) -> None:
+    # A FIFO blocked the spawn's open for writing forever; a link had the server's stderr
+    # appended to the file it names. Either way the log goes to a temp file instead.
+    log = tmp_path / "run" / "mcp-tree.stderr.log"
+    log.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("")
+    if planted == "fifo":
+        os.mkfifo(log)
+    else:
+        log.symlink_to(elsewhere)
+    script = {"turns": [{"tool_calls": [{"name": "tree", "arguments": {}}]}], "final": "done"}
+    async with start_runner(tree_spec(script, "--stderr-noise"), tmp_path) as r:
+        rc, result = await r.finish(timeout_s=20)
+    assert rc == ExitCode.COMPLETED, result
+    assert elsewhere.read_text() == ""
+    assert any("stderr into the run dir" in e.data["message"] for e in r.of(EventKind.LOG))
     assert not any(alive(p) for p in tree_pids(result))
