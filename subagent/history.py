@@ -25,6 +25,8 @@ __all__ = [
     "HISTORY_FINISHED_BEFORE_STOP",
     "HISTORY_DENIED",
     "HISTORY_REJECTED",
+    "HISTORY_AWAITING_APPROVAL",
+    "HISTORY_NOT_STARTED_YET",
     "STOP_NOTES",
     "tool_result_text",
     "is_cut",
@@ -41,6 +43,11 @@ HISTORY_FINISHED_AFTER_STOP: Final = (
 HISTORY_FINISHED_BEFORE_STOP: Final = "[this call finished before the run was stopped]"
 HISTORY_DENIED: Final = "denied by the user"
 HISTORY_REJECTED: Final = "not executed: stopped while awaiting approval"
+# A call of a live turn that has not run yet (no reason: nothing final happened to it). It
+# may still run, so "not executed" would be a lie; a turn's end gives each such call its
+# final reason (the runner's result, or the journal's settling of a lost run).
+HISTORY_AWAITING_APPROVAL: Final = "awaiting approval: this call has not run yet"
+HISTORY_NOT_STARTED_YET: Final = "not started yet: this call has not run yet"
 
 # Reasons a call was never a whole call: its turn's stream was cut, aborted or failed
 # before the turn finished (``subagent.model.provider``). Such a call is never replayed as a call.
@@ -72,6 +79,7 @@ def tool_result_text(rec: Any, *, stop_reason: str | None) -> str:
     body = _get(rec, "output")
     body = body if isinstance(body, str) else ""
     reason, error = _get(rec, "reason"), _get(rec, "error")
+    why = reason or error or "no reason was recorded"  # never a bare "None" to the model
     effect = _get(rec, "stop_effect")
     after_stop = effect == StopEffect.FINISHED_AFTER_STOP
     if state == ToolCallState.SUCCEEDED:
@@ -81,24 +89,26 @@ def tool_result_text(rec: Any, *, stop_reason: str | None) -> str:
         return f"{body}{note}"
     if state == ToolCallState.FAILED:
         note = f"\n{HISTORY_FINISHED_AFTER_STOP}" if after_stop else ""
-        return f"error: {error or reason}\n{body}".rstrip() + note
+        return f"error: {error or why}\n{body}".rstrip() + note
     if state == ToolCallState.CANCELLED:
         if effect in (StopEffect.INTERRUPTED, StopEffect.ABANDONED, StopEffect.CANCEL_UNANSWERED):
             if body:
                 return f"{HISTORY_INTERRUPTED}\n{body}"
-            return f"interrupted by the stop; no output was known ({reason})"
+            return f"interrupted by the stop; no output was known ({why})"
         known = f"\noutput before the interruption:\n{body}" if body else ""
-        return f"interrupted: {reason}{known}"
+        return f"interrupted: {why}{known}"
     if state == ToolCallState.REJECTED:
         if _get(rec, "approval") == Approval.DENIED:
-            why = _get(rec, "approval_reason")
-            return f"{HISTORY_DENIED}: {why}" if why else HISTORY_DENIED
+            denial = _get(rec, "approval_reason")
+            return f"{HISTORY_DENIED}: {denial}" if denial else HISTORY_DENIED
         return HISTORY_REJECTED
     if state == ToolCallState.NOT_STARTED:
-        return f"not executed: {reason}"
+        if reason:
+            return f"not executed: {reason}"
+        return HISTORY_AWAITING_APPROVAL if _get(rec, "approval") == Approval.PENDING else HISTORY_NOT_STARTED_YET
     if state == ToolCallState.RUNNING:
         return "outcome not known yet: the call is still running"
-    return f"outcome unknown: {reason or error}" + (f"\n{body}" if body else "")
+    return f"outcome unknown: {why}" + (f"\n{body}" if body else "")
 
 
 def is_cut(rec: Mapping[str, Any]) -> bool:

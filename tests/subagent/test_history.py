@@ -5,7 +5,15 @@ from typing import Any
 
 import pytest
 
-from subagent.history import STOP_NOTES, is_cut, stop_note, tool_result_text, turn_messages
+from subagent.history import (
+    HISTORY_AWAITING_APPROVAL,
+    HISTORY_NOT_STARTED_YET,
+    STOP_NOTES,
+    is_cut,
+    stop_note,
+    tool_result_text,
+    turn_messages,
+)
 from subagent.model.fake_openai import history_problem
 from subagent.model.provider import (
     REASON_ABORTED_IN_ARGS,
@@ -104,6 +112,21 @@ def test_denied_and_rejected_calls_say_so() -> None:
     assert tool_result_text(denied, stop_reason=None) == "denied by the user: not today"
     assert tool_result_text({**denied, "approval_reason": None}, stop_reason=None) == "denied by the user"
     assert tool_result_text(waited, stop_reason="user") == "not executed: stopped while awaiting approval"
+
+
+def test_calls_of_a_live_turn_that_have_not_run_yet_say_so_and_never_none() -> None:
+    # A live turn's calls are announced before any runs: no reason yet, they may still run.
+    pending = rec("p", 1, "not_started", approval="pending", approval_deadline=1e10)
+    queued = rec("q", 1, "not_started")
+    msgs = turn_messages("t", [pending, queued], [text(1, "Asking.")], state="awaiting_approval")
+    results = {m["tool_call_id"]: m["content"] for m in msgs if m["role"] == "tool"}
+    assert results == {"p": HISTORY_AWAITING_APPROVAL, "q": HISTORY_NOT_STARTED_YET}
+    assert msgs[-1]["role"] == "tool"  # a live turn has no note
+    # Nor does any record without a reason or an error put "None" in front of the model.
+    for state in ("failed", "cancelled", "unknown"):
+        for effect in (None, "interrupted"):
+            said = tool_result_text(rec("x", 1, state, stop_effect=effect), stop_reason=None)
+            assert "None" not in said, (state, effect, said)
 
 
 def test_steering_is_a_user_message_before_the_step_that_applied_it() -> None:
