@@ -23,10 +23,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 
@@ -41,6 +41,7 @@ __all__ = [
     "Pending",
     "RunApprovals",
     "Hooks",
+    "Transition",
     "ApprovalDesk",
     "answers_path",
     "make_channel",
@@ -166,12 +167,19 @@ class RunApprovals:
         return min(dues) if dues else None
 
 
+class Transition(Protocol):
+    """Move a live run to ``new``, only if it is in one of ``only_from`` (checked under its
+    state lock: ``RunBook.transition``)."""
+
+    def __call__(self, run: Any, new: RunState, *, only_from: Collection[RunState]) -> Awaitable[Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Hooks:
     """What the desk asks of the run manager."""
 
     record: Callable[[Any, str, dict[str, Any]], Awaitable[Any]]  # (run, kind, data): journal + fan out
-    transition: Callable[[Any, RunState], Awaitable[Any]]  # (run, new live state)
+    transition: Transition
     cancel: Callable[[str, str], Awaitable[Any]]  # (run_id, reason): the normal cancel
 
 
@@ -187,13 +195,18 @@ class ApprovalDesk:
         approvals: RunApprovals = run.approvals
         if kind == EventKind.APPROVAL_REQUESTED:
             if approvals.add(data) is not None and run.state == RunState.RUNNING:
-                await self._hooks.transition(run, RunState.AWAITING_APPROVAL)
+                await self._hooks.transition(run, RunState.AWAITING_APPROVAL, only_from=(RunState.RUNNING,))
         elif kind == EventKind.APPROVAL_ANSWERED:
             call_id = data.get("call_id")
             if isinstance(call_id, str):
                 approvals.drop(call_id)
+            # A rejection is a stop's doing (the daemon's cancel, or the runner's own
+            # backstop, read late by a restarted daemon): the run is ending, not running
+            # again. Nor is any answer the runner acts on once the run's stop is under way.
+            if data.get("decision") == Approval.REJECTED or run.stopping:
+                return
             if not approvals.pending and run.state == RunState.AWAITING_APPROVAL:
-                await self._hooks.transition(run, RunState.RUNNING)
+                await self._hooks.transition(run, RunState.RUNNING, only_from=(RunState.AWAITING_APPROVAL,))
 
     async def answer(self, run: Any, call_id: str, *, approve: bool, reason: str | None = None) -> dict[str, Any]:
         """Send a person's answer to a pending call.

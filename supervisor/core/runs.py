@@ -109,7 +109,7 @@ class RunManager:
         self.approvals = ApprovalDesk(
             Hooks(
                 record=self.book.record,
-                transition=lambda run, new: self.book.transition(run, new),
+                transition=lambda run, new, *, only_from: self.book.transition(run, new, only_from=only_from),
                 cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
             )
         )

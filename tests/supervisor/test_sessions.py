@@ -133,7 +133,7 @@ async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_
     async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
         recorded.append((kind, data))
 
-    async def transition(r: Any, new: RunState) -> None:
+    async def transition(r: Any, new: RunState, *, only_from: Any = None) -> None:
         states.append(new)
         r.state = new
 
@@ -164,6 +164,57 @@ async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_
         await d.answer(run, "c2", approve=True)
 
 
+@pytest.mark.parametrize(
+    ("decision", "stopping"),
+    [("rejected", False), ("rejected", True), ("approved", True), ("denied", True)],
+)
+async def test_a_rejection_or_an_answer_once_the_stop_is_under_way_never_moves_the_run_back_to_running(
+    tmp_path: Path, decision: str, stopping: bool
+) -> None:
+    # A stop ends the wait (the daemon's cancel, or the runner's own backstop that a
+    # restarted daemon reads late): the run is ending, and 'running' would be a lie (it
+    # showed as running between 'call rejected' and 'cancelled').
+    moves: list[tuple[RunState, tuple[RunState, ...]]] = []
+    run = FakeRun(tmp_path)
+
+    async def transition(r: Any, new: RunState, *, only_from: Any = None) -> None:
+        moves.append((new, tuple(only_from or ())))
+        if only_from is None or r.state in only_from:
+            r.state = new
+
+    async def nothing(*a: Any, **kw: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=transition, cancel=nothing))
+    await d.on_event(run, "approval_requested", {"call_id": "c1", "name": "x", "deadline": None})
+    assert run.state == RunState.AWAITING_APPROVAL
+    run.stopping = stopping
+    await d.on_event(run, "approval_answered", {"call_id": "c1", "decision": decision, "reason": "user"})
+    assert run.state == RunState.AWAITING_APPROVAL and run.approvals.pending == {}
+    assert moves == [(RunState.AWAITING_APPROVAL, (RunState.RUNNING,))]
+
+
+async def test_an_answer_moves_the_run_to_running_only_from_awaiting_approval(tmp_path: Path) -> None:
+    # Checked under the run's state lock (RunBook.transition's only_from), not before it.
+    moves: list[tuple[RunState, tuple[RunState, ...]]] = []
+    run = FakeRun(tmp_path)
+
+    async def transition(r: Any, new: RunState, *, only_from: Any = None) -> None:
+        moves.append((new, tuple(only_from or ())))
+        r.state = new
+
+    async def nothing(*a: Any, **kw: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=transition, cancel=nothing))
+    await d.on_event(run, "approval_requested", {"call_id": "c1", "name": "x", "deadline": None})
+    await d.on_event(run, "approval_answered", {"call_id": "c1", "decision": "approved"})
+    assert moves == [
+        (RunState.AWAITING_APPROVAL, (RunState.RUNNING,)),
+        (RunState.RUNNING, (RunState.AWAITING_APPROVAL,)),
+    ]
+
+
 async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeout(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -173,7 +224,7 @@ async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeou
     async def cancel(run_id: str, reason: str) -> None:
         cancels.append((run_id, reason))
 
-    async def nothing(*a: Any) -> None:
+    async def nothing(*a: Any, **kw: Any) -> None:
         pass
 
     d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
@@ -213,7 +264,7 @@ async def test_a_call_answered_just_before_its_deadline_does_not_time_the_run_ou
     async def cancel(run_id: str, reason: str) -> None:
         cancels.append((trio.current_time() - start, reason))
 
-    async def nothing(*a: Any) -> None:
+    async def nothing(*a: Any, **kw: Any) -> None:
         pass
 
     d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
