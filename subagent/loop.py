@@ -20,9 +20,10 @@ session starts from the session's history (``spec.session.history``). The loop r
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -208,13 +209,13 @@ class AgentLoop:
         tool message here; runnable calls get theirs from ``_run_batch``.
         """
         # A call's id names it to the daemon (its record, an approval's answer), so it is
-        # unique within the run. A model may repeat one (a server that sends none gets
-        # ``call_auto_N`` again every step; a script may reuse "x"): the repeat is renamed
-        # here, before the history the model sees holds it.
+        # unique within the run and one a person can send back. A model may repeat one (a
+        # server that sends none gets ``call_auto_N`` again every step; a script may reuse
+        # "x"), or choose one ``approve``/``deny`` refuse (blank, too long): such an id is
+        # renamed here, before the history the model sees holds it.
         used = {r.id for r in self.records}
         for c in turn.calls:
-            if c.id in used:
-                c.id = _fresh_id(c.id, used)
+            c.id = _call_id(c.id, used)
             used.add(c.id)
         if turn.usage is not None:
             self.usage_known = True
@@ -417,6 +418,24 @@ def _snapshot_record(rec: ToolCallRecord) -> dict[str, Any]:
         d["output"] = out[:SNAPSHOT_OUTPUT_CHARS]
         d["output_truncated"] = True
     return d
+
+
+# The longest call id a person can answer: the daemon's protocol refuses longer ids (and
+# blank ones) as bad arguments (``supervisor.protocol.MAX_ID_CHARS``).
+MAX_CALL_ID_CHARS: Final = 256
+# What a call id the runner keeps may hold: printable ASCII without blanks, so it can be
+# typed (or pasted) back to ``agentd approve`` as it is shown.
+_SAFE_ID: Final = re.compile(r"[!-~]+")
+
+
+def _call_id(raw: str, used: set[str]) -> str:
+    """The id a call goes by in this run: the model's own if it is safe and new, else one
+    made of its safe characters (``call`` if none), cut to leave room for a suffix, and
+    made unique among ``used``."""
+    if raw not in used and len(raw) <= MAX_CALL_ID_CHARS and _SAFE_ID.fullmatch(raw):
+        return raw
+    base = "".join(_SAFE_ID.findall(raw))[: MAX_CALL_ID_CHARS - 16] or "call"
+    return base if base not in used else _fresh_id(base, used)
 
 
 def _fresh_id(base: str, used: set[str]) -> str:

@@ -141,6 +141,36 @@ async def test_an_approval_answers_one_call_though_the_model_repeats_its_id(tmp_
     assert [f.exists() for f in files] == [True, False, False]
 
 
+async def test_a_call_the_model_gave_an_id_approve_refuses_is_renamed_and_can_be_answered(tmp_path: Path) -> None:
+    # approve/deny refuse blank ids and ids over 256 characters: the runner renames such an
+    # id, so no call waits unanswerable until its approval times out.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    spec = approval_spec(shared)
+    (first,) = spec["model"]["script"]["turns"][0]["tool_calls"]
+    second = {**first, "id": "w" * 300, "arguments": {"command": f"echo wrote > {shared / 'second'}"}}
+    spec["model"]["script"]["turns"][0]["tool_calls"] = [{**first, "id": " "}, second]
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            blank = await s.wait(rid, asked)
+            assert blank is not None
+            await c.call("approve", run_id=rid, call_id=blank["data"]["call_id"])
+            long = await s.wait(rid, lambda m: asked(m) and m["data"]["call_id"] != blank["data"]["call_id"])
+            assert long is not None
+            await c.call("deny", run_id=rid, call_id=long["data"]["call_id"], reason="no")
+            final = await s.end(rid)
+    assert final["state"] == "completed"
+    calls = [(r["id"], r["state"], r["approval"]) for r in final["tool_calls"]]
+    assert calls == [
+        (blank["data"]["call_id"], "succeeded", "approved"),
+        (long["data"]["call_id"], "rejected", "denied"),
+    ]
+    assert all(0 < len(cid) <= 256 and cid.strip() == cid for cid, _, _ in calls)
+    assert (shared / "side-effect").read_text() == "wrote\n" and not (shared / "second").exists()
+
+
 async def test_a_cancel_while_awaiting_approval_rejects_the_call_and_cancels_the_run(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from subagent.model.scripted import ScriptedProvider
 from subagent.spec import RunSpec
 from subagent.stop import StopControl
 from subagent.tools.toolbox import ToolBox, ToolOutcome
+from supervisor.protocol import ApproveRequest, decode_request
 
 
 def make_loop(tmp_path: Path, script: dict[str, Any], **limits: Any) -> AgentLoop:
@@ -107,6 +109,26 @@ async def test_a_stop_as_a_call_is_about_to_start_means_it_never_starts(
     assert (rec.state, rec.stop_effect, rec.started_at) == (ToolCallState.NOT_STARTED, "stopped_before_start", None)
     assert not marker.exists()
     assert_history_whole(loop)
+
+
+async def test_every_call_id_the_runner_keeps_can_be_answered_and_the_history_uses_it(tmp_path: Path) -> None:
+    # approve/deny name a call by its id, and the protocol refuses blank ids and ids over
+    # 256 characters: a call the model named so would wait, unanswerable, until its timeout.
+    chosen = [" ", "x" * 300, "x" * 300, "y" * 256, "y" * 256, "\u00e9t\u00e9\u0001", "call_1", "call_1"]
+    script = {"turns": [{"tool_calls": [{"name": "nope", "id": cid, "arguments": {}} for cid in chosen]}]}
+    loop = make_loop(tmp_path, script)
+    outcome = await loop.run()
+    assert outcome.status == RunStatus.COMPLETED
+    ids = [r.id for r in loop.records]
+    assert len(set(ids)) == len(chosen)
+    assert ids[-2:] == ["call_1", "call_1_2"]  # a safe id stays as the model chose it
+    for cid in ids:
+        assert cid.isascii() and cid.isprintable() and cid.strip() == cid, cid
+        request = decode_request(json.dumps({"id": 1, "op": "approve", "run_id": "r", "call_id": cid}), max_bytes=4096)
+        assert isinstance(request, ApproveRequest) and request.call_id == cid, request
+    (asked,) = [m for m in loop.messages if m.get("tool_calls")]
+    assert [c["id"] for c in asked["tool_calls"]] == ids
+    assert [m["tool_call_id"] for m in loop.messages if m["role"] == "tool"] == ids
 
 
 async def test_a_deadline_during_the_model_turn_aborts_it(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
