@@ -38,9 +38,14 @@ ANSWERS_ENV: Final = "AGENTD_ANSWERS"
 # Beyond the approval's own timeout, how long the runner waits before it stops itself
 # (seconds): the daemon's stop at the deadline comes first when there is a daemon.
 BACKSTOP_S: Final = 5.0
-# A longer line on the channel is not an answer (bytes); the daemon writes each answer
-# in one write below PIPE_BUF, so lines never interleave.
-MAX_ANSWER_LINE_BYTES: Final = 4096
+# A longer line on the channel is not an answer (bytes). The daemon's longest answer fits:
+# a deny's reason of 1000 characters and a call id of 256, written as ASCII JSON where a
+# character outside the BMP is 12 bytes (two \u escapes), is ~15 KB. A line may be longer
+# than PIPE_BUF, so it can be torn by a daemon that dies while writing it: each answer
+# starts with a newline, which ends such a fragment (dropped, as any line that is not an
+# answer) before the answer is read. The daemon is the channel's only writer and writes
+# one answer at a time.
+MAX_ANSWER_LINE_BYTES: Final = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,8 +249,8 @@ class SteerRequest(NamedTuple):
     op: Op = Op.STEER
 
 
-# A deny's reason longer than this is refused (it is told to the model, and travels to the
-# runner in one atomic pipe write).
+# A deny's reason longer than this is refused (it is told to the model, whole: the answer
+# channel's line holds the longest, ``supervisor.core.approvals``).
 MAX_DENY_REASON_CHARS: Final = 1000
 
 

@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 
 import trio
 
+from subagent.approvals import MAX_ANSWER_LINE_BYTES
 from subagent.events import Approval, EventKind, ToolCallState
 from supervisor.errors import ControlProtocolError
 from supervisor.protocol import ErrorCode
@@ -52,8 +53,13 @@ logger = logging.getLogger(__name__)
 
 ANSWERS_SUFFIX: Final = ".answers"
 APPROVAL_TIMEOUT_REASON: Final = "approval_timeout"
-# One answer is one write below PIPE_BUF (4096 on Linux): atomic, never interleaved.
-MAX_ANSWER_BYTES: Final = 4000
+# An answer line (bytes): the runner reads lines up to this long, and the longest answer
+# the protocol accepts fits (a deny's reason of MAX_DENY_REASON_CHARS and a call id of
+# MAX_ID_CHARS, every character escaped; ``_line``), so a reason reaches the model whole.
+MAX_ANSWER_BYTES: Final = MAX_ANSWER_LINE_BYTES
+# How long an answer may wait for room in the channel (seconds): the runner reads it at
+# once; a runner that does not has stopped listening, and the answer is refused.
+SEND_TIMEOUT_S: Final = 10.0
 
 
 def answers_path(run_dir: Path) -> Path:
@@ -105,6 +111,9 @@ class RunApprovals:
 
     pending: dict[str, Pending] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
+    # Held while an answer is decided and written: one answer at a time goes into the
+    # channel (a line may be longer than PIPE_BUF), and a call is answered once.
+    sending: trio.Lock = field(default_factory=trio.Lock)
 
     def _changed(self) -> None:
         self.changed.set()
@@ -216,24 +225,28 @@ class ApprovalDesk:
                 answered already, the run is stopping) or the runner does not listen.
         """
         decision = "approve" if approve else "deny"
-        p: Pending | None = run.approvals.pending.get(call_id)
-        if p is None:
-            raise ControlProtocolError(
-                ErrorCode.REFUSED,
-                f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state})",
-            )
-        if p.sent is not None:
-            raise ControlProtocolError(
-                ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} was answered already ({p.sent})"
-            )
-        if run.stopping:
-            raise ControlProtocolError(
-                ErrorCode.REFUSED, f"run {run.run_id!r} is being stopped: call {call_id!r} will be rejected, not run"
-            )
-        if run.run_dir is None:
-            raise ControlProtocolError(ErrorCode.REFUSED, f"run {run.run_id!r} has no runner to answer")
-        _send(answers_path(run.run_dir), _line(call_id, decision, reason), run.run_id)
-        run.approvals.mark_sent(p, decision)
+        approvals: RunApprovals = run.approvals
+        async with approvals.sending:
+            p: Pending | None = approvals.pending.get(call_id)
+            if p is None:
+                raise ControlProtocolError(
+                    ErrorCode.REFUSED,
+                    f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state})",
+                )
+            if p.sent is not None:
+                raise ControlProtocolError(
+                    ErrorCode.REFUSED, f"call {call_id!r} of run {run.run_id!r} was answered already ({p.sent})"
+                )
+            if run.stopping:
+                raise ControlProtocolError(
+                    ErrorCode.REFUSED,
+                    f"run {run.run_id!r} is being stopped: call {call_id!r} will be rejected, not run",
+                )
+            if run.run_dir is None:
+                raise ControlProtocolError(ErrorCode.REFUSED, f"run {run.run_id!r} has no runner to answer")
+            # Whole or not at all: what is journaled below is what the runner reads.
+            await _send(answers_path(run.run_dir), _line(call_id, decision, reason), run.run_id)
+            approvals.mark_sent(p, decision)
         await self._hooks.record(run, "approval_sent", {"call_id": call_id, "decision": decision, "reason": reason})
         return {
             "run_id": run.run_id,
@@ -267,26 +280,46 @@ class ApprovalDesk:
 
 
 def _line(call_id: str, decision: str, reason: str | None) -> bytes:
+    """One answer line, never cut: a reason reaches the model as the person wrote it.
+
+    ASCII JSON (every other character escaped: at most 12 bytes each), so its length has a
+    known bound; it starts with a newline, which ends a fragment a dead daemon may have
+    left in the channel (``subagent.approvals.MAX_ANSWER_LINE_BYTES``).
+
+    Raises:
+        ControlProtocolError: ``bad_args``, the line would be longer than the runner reads
+            (never for an id and a reason the protocol accepts).
+    """
     obj: dict[str, Any] = {"call_id": call_id, "decision": decision}
     if reason:
         obj["reason"] = reason
-    data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
-    while len(data) > MAX_ANSWER_BYTES and obj.get("reason"):
-        obj["reason"] = obj["reason"][: max(0, len(obj["reason"]) // 2)]
-        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+    data = ("\n" + json.dumps(obj, ensure_ascii=True) + "\n").encode("ascii")
+    if len(data) > MAX_ANSWER_BYTES:
+        raise ControlProtocolError(
+            ErrorCode.BAD_ARGS, f"the answer to call {call_id!r} is too long for its channel ({len(data)} bytes)"
+        )
     return data
 
 
-def _send(path: Path, data: bytes, run_id: str) -> None:
-    """One atomic write into the channel; a runner that is not listening is a refusal."""
+async def _send(path: Path, data: bytes, run_id: str) -> None:
+    """Write one answer line into the channel, whole; a runner that is not listening (or
+    does not read within ``SEND_TIMEOUT_S``) is a refusal."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         why = "the runner is not listening (it has ended)" if exc.errno in (errno.ENXIO, errno.ENOENT) else str(exc)
         raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {why}") from exc
+    stream = trio.lowlevel.FdStream(fd)  # owns fd now
     try:
-        os.write(fd, data)
-    except OSError as exc:
+        with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+            await stream.send_all(data)
+    except (OSError, trio.BrokenResourceError) as exc:
         raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {exc}") from exc
     finally:
-        os.close(fd)
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+    if scope.cancelled_caught:
+        raise ControlProtocolError(
+            ErrorCode.REFUSED,
+            f"run {run_id!r}: cannot answer: the runner has not read its answers for {SEND_TIMEOUT_S:g} s",
+        )

@@ -103,6 +103,28 @@ async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tm
     assert states == ["queued", "starting", "running", "awaiting_approval", "running", "completed"]
 
 
+async def test_the_longest_deny_reason_the_protocol_accepts_reaches_the_model_whole(tmp_path: Path) -> None:
+    # 1000 emoji: ~4 KB of UTF-8, more escaped; the model got 500 of them, the journal 1000.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    reason = "\U0001f600" * 1000
+    spec = approval_spec(shared, final="The tool said: {{last_output}}")
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await s.wait(rid, awaiting)
+            await c.call("deny", run_id=rid, call_id="call_w", reason=reason)
+            final = await s.end(rid)
+            events = (await c.call("events", run_id=rid))["events"]
+    assert final["result"]["final_text"] == f"The tool said: denied by the user: {reason}"
+    (call,) = final["tool_calls"]
+    assert call["approval_reason"] == reason
+    (sent,) = [e["data"] for e in events if e["kind"] == "approval_sent"]
+    (answered,) = [e["data"] for e in events if e["kind"] == "approval_answered"]
+    assert sent["reason"] == answered["reason"] == reason
+
+
 async def test_an_approval_answers_one_call_though_the_model_repeats_its_id(tmp_path: Path) -> None:
     # A model may give several calls one id (a server that sends none gets call_auto_N
     # again every step): each call that needs approval still waits for its own answer.

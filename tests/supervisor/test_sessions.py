@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import trio
 
+from subagent.approvals import Answer, AnswerChannel
 from subagent.history import STOP_NOTES
+from supervisor import protocol
 from supervisor.config import Config
 from supervisor.core.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
 from supervisor.core.sessions import SessionDesk, SessionNotFound, history_messages, session_key
@@ -155,13 +157,73 @@ async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_
     await d.on_event(run, "approval_answered", {"call_id": "c1", "decision": "denied"})
     os.close(reader)
     assert reply == {"run_id": "r-1", "call_id": "c1", "decision": "denied", "state": "awaiting_approval"}
-    assert line == b'{"call_id": "c1", "decision": "deny", "reason": "no"}\n'
+    assert line == b'\n{"call_id": "c1", "decision": "deny", "reason": "no"}\n'
     assert recorded == [("approval_sent", {"call_id": "c1", "decision": "deny", "reason": "no"})]
     assert states == [RunState.AWAITING_APPROVAL, RunState.RUNNING] and run.approvals.pending == {}
     # The runner is gone (nobody holds the FIFO): an answer is a clear refusal.
     await d.on_event(run, "approval_requested", {"call_id": "c2", "name": "x", "deadline": None})
     with pytest.raises(ControlProtocolError, match="not listening"):
         await d.answer(run, "c2", approve=True)
+
+
+async def test_the_longest_reason_the_protocol_accepts_reaches_the_runner_whole_and_is_journaled_as_sent(
+    tmp_path: Path,
+) -> None:
+    # 1000 emoji are ~4 KB of UTF-8 and 12 KB escaped: the line was cut to fit one
+    # PIPE_BUF write, and the runner read 500 of them while the journal said 1000.
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir()
+    make_channel(run_dir)
+    call_id = "\U0001f600" * protocol.MAX_ID_CHARS  # a re-adopted runner's call may have such an id
+    reason = "\U0001f600" * protocol.MAX_DENY_REASON_CHARS
+    recorded: list[tuple[str, dict[str, Any]]] = []
+    run = FakeRun(run_dir)
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        recorded.append((kind, data))
+
+    async def nothing(*a: Any, **kw: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    # The runner's end of the channel, as the runner reads it.
+    channel = AnswerChannel(os.open(answers_path(run_dir), os.O_RDWR | os.O_NONBLOCK))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(channel.run)
+            for cid in (call_id, "c2"):
+                await d.on_event(run, "approval_requested", {"call_id": cid, "name": "x", "deadline": None})
+            await d.answer(run, call_id, approve=False, reason=reason)
+            await d.answer(run, "c2", approve=True)  # the next answer is read as well
+            got = await channel.wait(call_id)
+            assert await channel.wait("c2") == Answer("approved")
+            n.cancel_scope.cancel()
+    assert got == Answer("denied", reason)
+    assert recorded[0] == ("approval_sent", {"call_id": call_id, "decision": "deny", "reason": reason})
+
+
+async def test_a_line_left_half_written_in_the_channel_does_not_swallow_the_next_answer(tmp_path: Path) -> None:
+    # An answer may be longer than PIPE_BUF: a daemon that died mid-write leaves a fragment.
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir()
+    make_channel(run_dir)
+    run = FakeRun(run_dir)
+
+    async def nothing(*a: Any, **kw: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=nothing))
+    channel = AnswerChannel(os.open(answers_path(run_dir), os.O_RDWR | os.O_NONBLOCK))
+    writer = os.open(answers_path(run_dir), os.O_WRONLY | os.O_NONBLOCK)
+    os.write(writer, b'\n{"call_id": "c0", "decision": "deny", "reason": "cut he')
+    os.close(writer)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(channel.run)
+            await d.on_event(run, "approval_requested", {"call_id": "c1", "name": "x", "deadline": None})
+            await d.answer(run, "c1", approve=True)
+            assert await channel.wait("c1") == Answer("approved")
+            n.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize(
