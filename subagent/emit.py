@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Final
 
-from subagent.events import MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result, make_event
+from subagent.events import CUT_MARK, MAX_EVENT_LINE_BYTES, Event, EventKind, encode_event, encode_result, make_event
 
 __all__ = ["Emitter", "install_stderr_guards", "bare_result", "record_paths", "open_records"]
 
@@ -41,7 +41,7 @@ MAX_LOG_MESSAGE_CHARS: Final = 8192
 def _shrink(value: Any, cap: int) -> Any:
     """A copy of a JSON value with every string longer than ``cap`` characters cut."""
     if isinstance(value, str):
-        return value if len(value) <= cap else value[:cap] + "...[cut]"
+        return value if len(value) <= cap else value[:cap] + CUT_MARK
     if isinstance(value, dict):
         return {k: _shrink(v, cap) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -126,17 +126,12 @@ class Emitter:
 
     def log(self, level: str, message: str, **extra: Any) -> None:
         if len(message) > MAX_LOG_MESSAGE_CHARS:
-            message = message[:MAX_LOG_MESSAGE_CHARS] + "...[cut]"
+            message = message[:MAX_LOG_MESSAGE_CHARS] + CUT_MARK
         self.emit(EventKind.LOG, level=level, message=message, **extra)
 
     def result(self, result: dict[str, Any]) -> None:
         """Write the final result: the result file first (fsynced), then stdout."""
-        data = encode_result(result)
-        cap = MAX_LOG_MESSAGE_CHARS * 8
-        while len(data) > MAX_RESULT_BYTES and cap >= 16:
-            # The daemon reads at most 16 MiB: cut long strings (outputs, history) to fit.
-            data = encode_result({**_shrink(result, cap), "result_truncated": True})
-            cap //= 2
+        data = _fit_result(result)
         if self._records is not None:
             # Written once; a runner killed while writing leaves a partial document, which
             # the daemon reads as no result (as it reads an empty file).
@@ -153,6 +148,49 @@ class Emitter:
             _write_all(self._out_fd, data)
         except OSError:
             pass  # the daemon is gone; the result file is the record
+
+
+def _fit_result(result: dict[str, Any]) -> bytes:
+    """The result, encoded within ``MAX_RESULT_BYTES`` (the daemon reads at most 16 MiB).
+
+    What is cut, in order, until it fits (``result_truncated: true`` then): ``messages``,
+    the whole conversation, a session's earlier turns included, so the part that grows
+    (its long strings, then its oldest messages); then the other long strings (outputs,
+    progress); the turn's own answer (``final_text``) last, only when it alone is too long:
+    a large history never costs a turn its answer.
+    """
+    data = encode_result(result)
+    if len(data) <= MAX_RESULT_BYTES:
+        return data
+    fitted: dict[str, Any] = {**result, "result_truncated": True}
+    messages = result.get("messages")
+    if isinstance(messages, list):
+        cap = MAX_LOG_MESSAGE_CHARS * 8
+        while cap >= 16:
+            fitted["messages"] = _shrink(messages, cap)
+            data = encode_result(fitted)
+            if len(data) <= MAX_RESULT_BYTES:
+                return data
+            cap //= 2
+        kept: list[Any] = fitted["messages"]
+        while kept:
+            kept = kept[(len(kept) + 1) // 2 :]  # the older half goes
+            fitted["messages"] = kept
+            data = encode_result(fitted)
+            if len(data) <= MAX_RESULT_BYTES:
+                return data
+    answer = result.get("final_text")
+    for keep_answer in (True, False):
+        cap = MAX_LOG_MESSAGE_CHARS * 8
+        while cap >= 16:
+            shrunk = _shrink(fitted, cap)
+            if keep_answer:
+                shrunk["final_text"] = answer
+            data = encode_result(shrunk)
+            if len(data) <= MAX_RESULT_BYTES:
+                return data
+            cap //= 2
+    return data
 
 
 class _LogHandler(logging.Handler):

@@ -33,6 +33,7 @@ __all__ = [
     "StopEffect",
     "Approval",
     "MAX_EVENT_LINE_BYTES",
+    "CUT_MARK",
     "encode_event",
     "decode_event_line",
     "encode_result",
@@ -44,6 +45,9 @@ WIRE_VERSION: Final = 1
 
 # A longer stderr line is not an event: the reader cuts it and reports a BadLine.
 MAX_EVENT_LINE_BYTES: Final = 1024 * 1024
+# What a string the runner had to cut to bound a line or its result ends with (the part
+# before it is the string's start): a reader can tell a cut copy from another text.
+CUT_MARK: Final = "...[cut]"
 
 
 class EventKind(enum.StrEnum):

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from subagent.events import Approval, StopEffect, ToolCallState
+from subagent.events import CUT_MARK, Approval, StopEffect, ToolCallState
 
 __all__ = [
     "HISTORY_INTERRUPTED",
@@ -131,6 +131,11 @@ def replay_arguments(text: Any) -> str:
     return "{}"
 
 
+def _cut_copy(text: str, of: str) -> bool:
+    """Is ``text`` a copy of ``of`` that the runner cut to bound a line or its result?"""
+    return text.endswith(CUT_MARK) and of.startswith(text[: -len(CUT_MARK)]) and len(of) > len(text) - len(CUT_MARK)
+
+
 def stop_note(state: str, reason: str | None) -> str | None:
     """The short note after a turn that did not complete; None after a completed (or live) one."""
     if state == "cancelled":
@@ -179,7 +184,7 @@ def turn_messages(
             calls.setdefault(step, []).append(rec)
     stop_reason = reason if state == "cancelled" else None
     out: list[dict[str, Any]] = [{"role": "user", "content": task}]
-    last_text: str | None = None
+    last_text: dict[str, Any] | None = None  # the last message, if it is text alone
     for step in sorted(set(texts) | set(steering) | set(calls)):
         out.extend({"role": "user", "content": t} for t in steering.get(step, []))
         text, step_calls = texts.get(step), calls.get(step, [])
@@ -199,13 +204,19 @@ def turn_messages(
                 for rec in step_calls
             ]
         out.append(message)
-        last_text = text if not step_calls else None
+        last_text = message if not step_calls else None
         out.extend(
             {"role": "tool", "tool_call_id": rec["id"], "content": tool_result_text(rec, stop_reason=stop_reason)}
             for rec in step_calls
         )
-    if state == "completed" and final_text and last_text != final_text:
-        out.append({"role": "assistant", "content": final_text})
+    if state == "completed" and final_text:
+        # The answer is the last step's text, also in its event: shown once, whole. Either
+        # copy may have been cut (a large history cut the result's; a huge text its event's).
+        shown = last_text["content"] if last_text is not None else None
+        if last_text is not None and isinstance(shown, str) and _cut_copy(shown, final_text):
+            last_text["content"] = final_text
+        elif not (isinstance(shown, str) and (shown == final_text or _cut_copy(final_text, shown))):
+            out.append({"role": "assistant", "content": final_text})
     note = stop_note(state, reason)
     if note is not None:
         out.append({"role": "system", "content": note})

@@ -103,6 +103,27 @@ def test_an_oversized_result_is_cut_to_fit_and_says_so(tmp_path: Path) -> None:
     os.close(out)
 
 
+def test_a_large_history_is_cut_before_the_turns_answer(tmp_path: Path) -> None:
+    # A session's history travels in every result: once it was large (many steers), each
+    # turn's own answer was cut to fit (and then showed twice in the session's history).
+    from subagent import emit
+
+    out = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+    run_dir, fds = records(tmp_path)
+    e = Emitter(run_dir, records=fds, err_fd=out, out_fd=out)
+    history = [{"role": "user", "content": f"steer {i} " + "s" * 1000} for i in range(9000)]  # ~9 MiB
+    answer = "The answer. " + "a" * 100_000
+    e.result(
+        {"status": "completed", "final_text": answer, "messages": [*history, {"role": "assistant", "content": answer}]}
+    )
+    data = record_paths(run_dir)[1].read_bytes()
+    assert len(data) <= emit.MAX_RESULT_BYTES
+    decoded = decode_result(data)
+    assert isinstance(decoded, dict)
+    assert decoded["result_truncated"] is True and decoded["final_text"] == answer
+    os.close(out)
+
+
 def test_make_event_accepts_a_data_field_named_kind() -> None:
     from subagent.events import make_event
 

@@ -5,6 +5,7 @@ from typing import Any
 
 import pytest
 
+from subagent.events import CUT_MARK
 from subagent.history import (
     HISTORY_AWAITING_APPROVAL,
     HISTORY_NOT_STARTED_YET,
@@ -127,6 +128,19 @@ def test_calls_of_a_live_turn_that_have_not_run_yet_say_so_and_never_none() -> N
         for effect in (None, "interrupted"):
             said = tool_result_text(rec("x", 1, state, stop_effect=effect), stop_reason=None)
             assert "None" not in said, (state, effect, said)
+
+
+def test_an_answer_is_shown_once_and_whole_though_one_copy_of_it_was_cut() -> None:
+    # The result's final_text is cut when the history it carries is too large; an event's
+    # text is cut when it alone overflows a line: either way it is the same answer.
+    whole = "The answer is " + "x" * 1000
+    cut = whole[:100] + CUT_MARK
+    for event_text, final_text in ((whole, cut), (cut, whole), (whole, whole)):
+        msgs = turn_messages("t", [], [text(1, event_text)], state="completed", final_text=final_text)
+        assert msgs == [{"role": "user", "content": "t"}, {"role": "assistant", "content": whole}]
+    # A different answer (not a copy) is still shown.
+    msgs = turn_messages("t", [], [text(1, "Thinking.")], state="completed", final_text=cut)
+    assert [m["content"] for m in msgs] == ["t", "Thinking.", cut]
 
 
 def test_steering_is_a_user_message_before_the_step_that_applied_it() -> None:
