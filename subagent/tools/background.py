@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import IO, Final
 import trio
 
 from subagent.tools.commands import COMMAND_KILL_GRACE_S, _child_env, end_group_and_escapers, leader_ticks
+from subagent.tools.runfiles import open_regular
 
 __all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
 
@@ -62,16 +62,8 @@ class _Job:
 def _open_log(path: Path) -> IO[bytes]:
     """A new regular file at ``path`` for a command's output: never through a link, and
     never a FIFO or device a tool of the run put there (its open would block, or write
-    elsewhere)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "wb")
-    except BaseException:
-        os.close(fd)
-        raise
+    elsewhere): ``runfiles.open_regular``."""
+    return os.fdopen(open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
 
 class BackgroundCommands:
