@@ -275,6 +275,9 @@ async def start_server(
     if spawned.error is not None or spawned.process is None:
         exc = spawned.error
         why = (exc.strerror or str(exc)) if exc is not None else "no process"
+        if spec.cwd is not None and not os.path.isdir(spec.cwd):
+            # The spawn's chdir failed, not the command: ENOENT named the command.
+            why = f"its cwd {spec.cwd!r} is not a directory here"
         raise McpSetupError(name, f"cannot start {spec.command!r}: {why}{_tail(server)}")
 
     starting = trio.CancelScope()  # the handshake: garbage ends it at once

@@ -112,6 +112,15 @@ async def test_a_server_that_cannot_start_is_tool_setup(tmp_path: Path) -> None:
     assert errors and errors[-1].data["message"].startswith("error: ")
 
 
+async def test_a_server_whose_cwd_is_missing_is_tool_setup_naming_its_cwd(tmp_path: Path) -> None:
+    # The spawn's chdir failed with ENOENT, which was reported as the command missing.
+    servers = {"s": {"command": sys.executable, "args": ["-c", "pass"], "cwd": str(tmp_path / "nowhere")}}
+    async with start_runner(spec(script={"final": "x"}, mcpServers=servers), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.TOOL_SETUP
+    assert f"its cwd '{tmp_path / 'nowhere'}' is not a directory here" in result["error"]["message"], result["error"]
+
+
 async def test_a_server_that_dies_at_startup_is_tool_setup_with_its_stderr(tmp_path: Path) -> None:
     code = "import sys; print('missing config file', file=sys.stderr); sys.exit(3)"
     servers = {"dies": {"command": sys.executable, "args": ["-c", code]}}
