@@ -199,6 +199,22 @@ async def test_a_timeout_is_a_cancel_with_reason_timeout(daemon: Daemon) -> None
     assert st["reason"] == "timeout"
 
 
+async def test_a_specs_deadline_holds_for_a_runner_that_cannot_keep_it(daemon: Daemon) -> None:
+    # limits.deadline_s was the runner's alone: a runner that could not act (here one
+    # that ignores its stop and waits for ever) ran past it until a stop by hand.
+    from supervisor.core.runs import DEADLINE_BACKSTOP_MARGIN_S
+
+    spec = {**task(wait=True, ignore_term=True), "limits": {"deadline_s": 0.2}}
+    with trio.fail_after(30):
+        r = await daemon.m.spawn(spec)
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert (st["state"], st["reason"]) == ("cancelled", "timeout"), st
+    assert st["timeout_s"] == pytest.approx(0.2 + daemon.config.grace_s + DEADLINE_BACKSTOP_MARGIN_S)
+    with trio.fail_after(10):  # an earlier timeout of its own stays
+        r = await daemon.m.spawn({**task(), "limits": {"deadline_s": 600}}, timeout_s=0.3)
+        assert (await daemon.m.wait_terminal(r["run_id"]))["timeout_s"] == 0.3
+
+
 async def test_unknown_run_ids_are_a_clear_error(daemon: Daemon) -> None:
     with pytest.raises(RunNotFound):
         await daemon.m.cancel("r-nope")
