@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import ray
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from subagent.osedge import LINUX
@@ -295,8 +296,34 @@ def agent_for(node_id: str, node_root: str | None) -> Any:
     ).remote(node_root)
 
 
+# In Ray's own key-value store (the cluster's, as the agents are): set by `fleet down`,
+# cleared by `fleet up`. While it is set a front starts no agent and takes no run.
+_DOWN_KEY: Final = b"fleet-down"
+
+
+def mark_down(down: bool) -> None:
+    """Say (in the cluster) that the fleet was taken down, or is up again."""
+    if down:
+        internal_kv._internal_kv_put(_DOWN_KEY, str(time.time()).encode(), overwrite=True, namespace=NAMESPACE)
+    else:
+        internal_kv._internal_kv_del(_DOWN_KEY, namespace=NAMESPACE)
+
+
+def down_since() -> float | None:
+    """When `fleet down` took the fleet down (wall clock), or None while it is up."""
+    value = internal_kv._internal_kv_get(_DOWN_KEY, namespace=NAMESPACE)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
+
+
 def ensure_agents(node_root: str | None = None, *, timeout_s: float = DAEMON_READY_TIMEOUT_S) -> list[dict[str, Any]]:
-    """One agent (and so one daemon) on every live node; returns their ``info()``."""
+    """One agent (and so one daemon) on every live node; returns their ``info()``. The
+    fleet is up from now on (``mark_down``)."""
+    mark_down(False)
     agents = [agent_for(n["node_id"], node_root) for n in alive_nodes()]
     return list(ray.get([a.info.remote() for a in agents], timeout=timeout_s))
 
@@ -315,7 +342,10 @@ def list_agents() -> list[tuple[str, Any]]:
 
 
 def fleet_down(timeout_s: float = STOP_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Stop every node's daemon (cancel-everything, as ``systemctl stop``), then its agent."""
+    """Stop every node's daemon (cancel-everything, as ``systemctl stop``), then its agent.
+    The fleet stays down (``mark_down``) until ``ensure_agents`` (`fleet up`): a front
+    neither starts the agents again nor takes runs it could only fail."""
+    mark_down(True)
     agents = list_agents()
     refs = {node_id: agent.stop.remote(timeout_s) for node_id, agent in agents}
     out: list[dict[str, Any]] = []

@@ -51,7 +51,7 @@ from supervisor.config import Config
 from supervisor.core.sessions import SessionNotFound
 from supervisor.core.token import CancelToken
 from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
-from supervisor.fleet._agent import NAMESPACE, agent_for, agent_name, alive_nodes
+from supervisor.fleet._agent import NAMESPACE, agent_for, agent_name, alive_nodes, down_since
 from supervisor.fleet._index import Index
 from supervisor.fleet._nodelink import LinkDown, NodeLink
 from supervisor.fleet._resources import split_demand
@@ -160,6 +160,7 @@ class FleetFront:
         self._nodes: dict[str, dict[str, Any]] = {}  # alive per Ray: node_id -> {ip, resources}
         self._dead: set[str] = set()
         self._agents: dict[str, dict[str, Any]] = {}  # node_id -> agent info
+        self._down: float | None = None  # when `fleet down` took the fleet down, while it is
         self._agent_starting: set[str] = set()
         self._db_limiter = trio.CapacityLimiter(1)
         self._ray_limiter = trio.CapacityLimiter(RAY_THREADS)
@@ -256,6 +257,13 @@ class FleetFront:
         for run in list(self._live.values()):
             if run.node_id is not None and run.node_id not in nodes:
                 await self._node_lost(run.node_id)
+        down = await self._ray(down_since)
+        if down is not None:
+            if self._down is None:
+                logger.warning("fleet: the fleet is down (`agentd fleet down`): no agent is started, no run taken")
+            self._down = down
+            return
+        self._down = None
         for node_id in nodes:
             if node_id not in self._agents and node_id not in self._agent_starting:
                 self._agent_starting.add(node_id)
@@ -652,6 +660,13 @@ class FleetFront:
         _validate_spec(node_spec)
         if session_id is None and isinstance(node_spec.get("session_id"), str):
             session_id = node_spec["session_id"]
+        down = self._down  # as the node watch last read it (every NODE_POLL_S)
+        if down is not None:
+            raise ControlProtocolError(
+                ErrorCode.REFUSED,
+                f"the fleet is down (`agentd fleet down` at {time.strftime('%H:%M:%S', time.localtime(down))}): "
+                "bring it up with `agentd fleet up`",
+            )
         missing = _infeasible(bundle, self._nodes.values())
         if missing:
             raise SpawnError(f"no live node in the fleet offers {missing} (the run could never be placed)")

@@ -503,3 +503,30 @@ def test_fleet_down_cancels_every_live_run_with_its_receipt_and_leaves_nothing(f
         assert [index.terminal_event_count(r) for r in runs] == [1] * len(runs)
     finally:
         index.close()
+    # The fleet stays down: the front takes no run it could only fail (it took them, and
+    # each ended `failed`, `no_agent`), and a front started again does not bring the
+    # agents back (it did: a node without an agent gets one, but not after `fleet down`).
+    with fleet.client() as c:
+        refused = _refused_spawn(c)
+    assert "the fleet is down" in refused and "agentd fleet up" in refused, refused
+    fleet.stop_front()
+    fleet.start_front()
+    with fleet.client() as c:
+        refused = _refused_spawn(c)
+    assert "the fleet is down" in refused, refused
+    assert fleet.agents() == {}
+
+
+def _refused_spawn(c: Client) -> str:
+    """The front's refusal of a spawn, once it has read that the fleet is down (it reads
+    Ray's store every NODE_POLL_S): its message."""
+    from supervisor.errors import AgentdError
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            run_id = c.spawn(spec())["run_id"]
+        except AgentdError as exc:
+            return str(exc)
+        assert wait_terminal(c, run_id) == "failed"  # taken before it knew: no agent to run it
+        assert time.monotonic() < deadline, "the front kept taking runs after `fleet down`"
