@@ -186,4 +186,9 @@ class ApprovalGate:
             nursery.start_soon(answer)
             nursery.start_soon(stopped)
             nursery.start_soon(backstop)
+        if stop.requested:
+            # The answer and the stop came together (the person approved as another
+            # pressed Stop): the stop wins, whichever task appended first. The call never
+            # starts (it was let start, a background command ran after the stop).
+            return Answer("rejected", stop.reason)
         return outcome[0]

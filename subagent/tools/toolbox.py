@@ -229,7 +229,7 @@ class ToolBox:
         stop = stop if stop is not None else StopControl()
         if name == "run_command" and "run_command" in self._builtins:
             if arguments.get("background") is True and self.background is not None:
-                return await self._start_background(arguments)
+                return await self._start_background(arguments, stop)
             return await self._run_command(arguments, interrupt, stop, on_output)
         if name == "command_output" and "command_output" in self._builtins and self.background is not None:
             known, text = self.background.output(str(arguments.get("id", "")))
@@ -241,7 +241,7 @@ class ToolBox:
         policy = self.policy(name) or StopPolicy.FINISH
         return await self._call_mcp(server_name, tool, arguments, interrupt, stop, policy)
 
-    async def _start_background(self, args: dict[str, Any]) -> ToolOutcome:
+    async def _start_background(self, args: dict[str, Any], stop: StopControl) -> ToolOutcome:
         assert self.background is not None
         command = args.get("command")
         if not isinstance(command, str) or not command.strip():
@@ -251,7 +251,15 @@ class ToolBox:
                 error="invalid_arguments: 'command' must be a non-empty string",
                 reason="invalid_arguments",
             )
-        text = await self.background.start(command)
+        with stop.starting():  # as a foreground command: no start once the stop is set
+            if stop.stopped.is_set():
+                return ToolOutcome(
+                    ToolCallState.NOT_STARTED,
+                    None,
+                    reason=REASON_STOPPED_BEFORE_START,
+                    stop_effect=StopEffect.STOPPED_BEFORE_START,
+                )
+            text = await self.background.start(command)
         if text.startswith("error:"):
             return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
         return ToolOutcome(ToolCallState.SUCCEEDED, text)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from subagent.approvals import BACKSTOP_S, Answer, AnswerChannel, ApprovalGate, open_channel
 from subagent.spec import ApprovalSpec, RunSpec, SpecError
@@ -90,6 +91,27 @@ async def test_a_stop_ends_the_wait_and_the_call_is_rejected() -> None:
             answer = await g.wait("c1", stop)
     assert answer == Answer("rejected", "signal")
     assert await g.wait("c2", stop) == Answer("rejected", "signal")  # a stop already set
+
+
+async def test_an_answer_and_a_stop_that_come_together_reject_the_call() -> None:
+    # Approve and Stop at once: both waits woke, and the answer (its task first) won: the
+    # call started after the stop (a background command ran). Trio wakes the two in either
+    # order, at random: 20 rounds.
+    got: list[Answer] = []
+    for _ in range(20):
+        stop = StopControl()
+        g = gate(ApprovalSpec(tools=("run_command",)))
+        with trio.fail_after(5):
+            async with trio.open_nursery() as n:
+
+                async def wait(g: ApprovalGate = g, stop: StopControl = stop) -> None:
+                    got.append(await g.wait("c1", stop))
+
+                n.start_soon(wait)
+                await trio.testing.wait_all_tasks_blocked()
+                g.channel._take(b'{"call_id": "c1", "decision": "approve"}')  # no checkpoint between
+                stop.request("user")
+    assert got == [Answer("rejected", "user")] * 20
 
 
 async def _stop_soon(stop: StopControl) -> None:

@@ -262,3 +262,33 @@ async def test_a_background_commands_output_is_read_whatever_the_run_put_in_its_
                 await trio.sleep(0.01)
             assert "second output" in text, text
         await jobs.aclose()
+
+
+async def test_a_background_command_never_starts_once_the_stop_is_set(tmp_path: Path) -> None:
+    # A foreground command checked the stop at its spawn; a background one did not: one the
+    # person approved as another pressed Stop started after the stop.
+    from subagent.events import StopEffect, ToolCallState
+    from subagent.spec import Limits
+    from subagent.tools.background import BackgroundCommands
+    from subagent.tools.toolbox import ToolBox
+
+    groups: list[object] = []
+    async with trio.open_nursery() as n:
+        jobs = BackgroundCommands(tmp_path, lambda *a: groups.append(a), 1000)
+        await n.start(jobs.run)
+        tools = ToolBox(
+            builtins=("run_command", "command_output"),
+            limits=Limits(),
+            servers={},
+            on_group=lambda *a: None,
+            background=jobs,
+        )
+        stop = StopControl()
+        stop.request("user")
+        marker = tmp_path / "started"
+        out = await tools.execute(
+            "run_command", {"command": f"touch {marker}", "background": True}, trio.CancelScope(), stop
+        )
+        await jobs.aclose()
+    assert (out.state, out.stop_effect) == (ToolCallState.NOT_STARTED, StopEffect.STOPPED_BEFORE_START), out
+    assert groups == [] and not marker.exists()
