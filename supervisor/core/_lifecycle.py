@@ -231,6 +231,11 @@ class Lifecycle:
             await book.record(run, "stderr", {"text": text, "problem": f"bad {kind} event: {exc!r}"})
             return
         await book.record(run, str(kind), data, ts=item.ts)
+        if kind == EventKind.STOP_REQUESTED and data.get("reason") == "timeout" and not run.token.cancelled:
+            # The runner stopped itself at its spec's deadline: that stop is the daemon's
+            # too (both paths, the grace from now, the stop intent journaled). Otherwise a
+            # call let finish ran on until the daemon's own backstop, then a second grace.
+            await self._cancel(run.run_id, "timeout")
         if kind in (EventKind.APPROVAL_REQUESTED, EventKind.APPROVAL_ANSWERED):
             # After the event: a watcher sees what is asked, then the state it puts the run in.
             await self.approvals.on_event(run, kind, data)

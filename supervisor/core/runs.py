@@ -73,20 +73,21 @@ INTERRUPT_MARGIN_S: Final = 5.0
 _STOPPABLE: Final = frozenset({RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL})
 
 
-# After a spec's limits.deadline_s (and a grace for the runner's own stop), the daemon
-# stops the run itself: a runner that cannot act (stopped, stuck in a call) missed its own.
+# This long after a spec's limits.deadline_s, the daemon stops the run itself: a runner
+# that cannot act (stopped, stuck in a call) missed its own deadline. (A runner that keeps
+# it stops itself then, and the daemon takes that stop as its own: ``Lifecycle.on_event``.)
 DEADLINE_BACKSTOP_MARGIN_S: Final = 5.0
 
 
-def _with_deadline_backstop(timeout_s: float | None, spec: dict[str, Any], grace_s: float) -> float | None:
+def _with_deadline_backstop(timeout_s: float | None, spec: dict[str, Any]) -> float | None:
     """The run's timeout, no later than its spec's ``limits.deadline_s`` (the runner's own
-    deadline) plus the grace and a margin: the deadline holds even for a runner that can
-    no longer keep it (its own clock stopped with it)."""
+    deadline) plus a margin: the deadline holds even for a runner that can no longer keep
+    it (its own clock stopped with it)."""
     limits = spec.get("limits")
     deadline = limits.get("deadline_s") if isinstance(limits, dict) else None
     if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline):
         return timeout_s
-    backstop = float(deadline) + grace_s + DEADLINE_BACKSTOP_MARGIN_S
+    backstop = float(deadline) + DEADLINE_BACKSTOP_MARGIN_S
     return backstop if timeout_s is None else min(timeout_s, backstop)
 
 
@@ -250,7 +251,7 @@ class RunManager:
                 "browser profile); spawn with a session_id instead"
             )
         provider = validate_spec(spec, model_key, self.config)
-        timeout_s = _with_deadline_backstop(timeout_s, spec, self.config.grace_s)
+        timeout_s = _with_deadline_backstop(timeout_s, spec)
         if provider is not None:
             # The provider chosen here, from this daemon's environment, is the one the run
             # uses and the one status shows: the runner does not choose again.

@@ -246,3 +246,27 @@ async def test_a_runs_event_times_never_go_back(manager: RunManager) -> None:
             events = await manager.events_after(r["run_id"], 0)
             times = [e["ts"] for e in events]
             assert times == sorted(times), [(e["seq"], e["kind"], e["ts"]) for e in events]
+
+
+async def test_the_runners_stop_at_its_deadline_is_the_daemons_cancel(manager: RunManager) -> None:
+    # The runner stopped itself at limits.deadline_s, but the daemon knew nothing of it: a
+    # command let finish ran on until the daemon's backstop, then a second whole grace.
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 30"}}]}]}
+    spec = {
+        "task": "t",
+        "model": {"provider": "scripted", "script": script},
+        "limits": {"deadline_s": 0.5},
+        "stop_policy": {"run_command": "finish"},
+    }
+    with trio.fail_after(30):
+        r = await manager.spawn(spec)
+        rid = r["run_id"]
+        stopped = await wait_kind(manager, rid, lambda e: e["kind"] == "stop_requested")
+        assert stopped["data"]["reason"] == "timeout"
+        with trio.fail_after(3):  # well before the daemon's own backstop (0.5 + 5 s)
+            cancelling = await wait_kind(
+                manager, rid, lambda e: e["kind"] == "state" and e["data"]["state"] == "cancelling"
+            )
+        st = await manager.wait_terminal(rid)
+    assert cancelling["data"]["reason"] == "timeout"
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "timeout", "timeout"), st
