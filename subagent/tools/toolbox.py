@@ -11,6 +11,10 @@ bounded to ``limits.max_output_bytes``. Every tool has a ``StopPolicy`` (``polic
 a running call applies it the moment the run's stop is set: a command is interrupted (or
 finishes), an MCP call is abandoned, told to stop, or let finish; the outcome's
 ``stop_effect`` says which happened.
+
+Size: the one place where a call meets its tool and the run's stop (naming, the start
+guard, each tool kind's stop policy): split by tool kind, the stop's rules would be
+repeated in each part, and one missed (a background command started after the stop).
 """
 
 from __future__ import annotations

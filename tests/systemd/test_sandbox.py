@@ -16,7 +16,16 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_sandbox import CONNECT, GRANDCHILD, PROBE_SERVER, check_shell_probe, command, scripted, shell_probe
+from tests.e2e.test_sandbox import (
+    CONNECT,
+    GRANDCHILD,
+    JUNK,
+    PROBE_SERVER,
+    check_shell_probe,
+    command,
+    scripted,
+    shell_probe,
+)
 from tests.systemd.agentd_support import (
     STATE_DIR,
     UNIT,
@@ -159,7 +168,7 @@ def test_an_mcp_server_and_a_setsid_grandchild_under_the_unit(agentd: Container)
     ]
     turns = [
         {"tool_calls": [{"name": f"probe__{name}", "arguments": args} for name, args in calls]},
-        command(f"{py} -c '{GRANDCHILD}' {STATE_DIR} {other_dir}"),
+        command(f"{py} -c '{GRANDCHILD}' {STATE_DIR} {other_dir} {JUNK}"),
     ]
     servers = {"probe": {"command": py, "args": [PROBE_SERVER]}}
     run_id = spawn(c, scripted(turns, mcpServers=servers))
