@@ -57,7 +57,8 @@ def reap_adopted_zombies(
     member), or born in another session, or in the cgroup subtree ``subtree``
     ("/a/b/"), in the cgroup of a ``settled`` tree (one whose leader is known: while a
     tree is being spawned, a zombie in its cgroup may be the leader Trio has not been told
-    about yet). ``exclude`` holds pids never to touch (Trio's unreaped tree leaders).
+    about yet), or in the cgroup of a tree since removed (``in_removed_tree``). ``exclude``
+    holds pids never to touch (Trio's unreaped tree leaders).
     """
     if procs is None:
         procs = table.scan()
@@ -70,11 +71,27 @@ def reap_adopted_zombies(
             (seen is not None and seen.get(p.pid) == p.start_ticks)
             or p.sid not in (my_sid, p.pid)
             or in_settled_tree(table, p.pid, subtree, settled)
+            or in_removed_tree(table, p.pid, subtree)
         ):
             continue
         if table.kernel.reap(p.pid):
             reaped.append(p.pid)
     return reaped
+
+
+def in_removed_tree(table: ProcessTable, pid: int, subtree: str | None) -> bool:
+    """Did ``pid`` die in a tree cgroup (below ``subtree``) that has since been removed?
+
+    A tree's cgroup is removed once the tree is over, its leader reaped (an unreaped one
+    is in ``exclude``): a zombie left there is an adopted escaper, never a child Trio
+    waits for. (A setsid escaper the runner killed before the stop's scan saw it leads its
+    own session and was never seen alive: no other rule tells it from Trio's children, and
+    it stayed a zombie of the daemon for good.)
+    """
+    if subtree is None:
+        return False
+    path = table.kernel.cgroup(pid) or ""
+    return path.startswith(subtree) and path.endswith(" (deleted)")
 
 
 def in_settled_tree(table: ProcessTable, pid: int, subtree: str | None, settled: Container[str]) -> bool:

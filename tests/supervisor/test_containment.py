@@ -273,6 +273,39 @@ async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made
         await stream.aclose()
 
 
+async def test_a_setsid_escaper_never_seen_alive_is_reaped_once_its_trees_cgroup_is_gone(
+    made: list[Containment],
+) -> None:
+    # A setsid escaper the runner killed before the stop's scan saw it: it leads its own
+    # session (as Trio's own new-session children do) and was never noted, so it stayed
+    # a zombie of the daemon for good (pids leak in a long-lived daemon).
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    tree = await process.spawn_tree(
+        [sys.executable, "-c", ADOPTER], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
+    )
+    assert tree.process.stdout is not None and tree.process.stdin is not None
+    out = b""
+    with trio.fail_after(5):
+        while out.count(b"\n") < 2:
+            out += await tree.process.stdout.receive_some()
+        await tree.process.wait()
+    pids = {kind: int(pid) for kind, pid in (line.split() for line in out.decode().splitlines())}
+    own = await trio.lowlevel.open_process(["sh", "-c", "exit 9"], start_new_session=True)  # Trio's
+    await tree.process.stdin.aclose()
+    for pid in (*pids.values(), own.pid):
+        await exited(pid)
+    assert c.remove(tree)  # the tree is over: its cgroup goes
+    setsid = LINUX.stat(pids["setsid"])
+    assert setsid is not None and setsid.dead and setsid.sid == setsid.pid and setsid.ppid == os.getpid()
+    assert sorted(c.reap_adopted()) == sorted(pids.values())
+    with trio.fail_after(5):
+        assert await own.wait() == 9  # Trio's own child is left alone
+    for stream in (tree.process.stdout, tree.process.stderr):
+        assert stream is not None
+        await stream.aclose()
+
+
 async def test_a_reaping_loop_does_not_steal_trio_run_process_exit_codes(made: list[Containment]) -> None:
     c = setup(made, cgroups="off")
     done = trio.Event()
