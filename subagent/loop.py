@@ -366,6 +366,14 @@ class AgentLoop:
             rec.stop_to_end_s = round(max(0.0, trio.current_time() - stop_at), 4)
             if outcome.stop_effect is not None:
                 rec.stop_effect = str(outcome.stop_effect)
+            elif rec.state == ToolCallState.FAILED and self.tools.server_of(call.name) in self.stop.closed_servers:
+                # Its server was closed under it as the grace ran out (a session's browser,
+                # to keep its login): it was ended, not let finish.
+                rec.stop_effect = str(StopEffect.INTERRUPTED)
+                rec.reason = (
+                    "interrupted: its server was closed before the stop's grace ran out; "
+                    f"it ended {rec.stop_to_end_s:.3g} s after the stop"
+                )
             elif rec.state in (ToolCallState.SUCCEEDED, ToolCallState.FAILED):
                 rec.stop_effect = str(StopEffect.FINISHED_AFTER_STOP)
                 if rec.reason is None:

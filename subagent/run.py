@@ -81,8 +81,9 @@ class _SessionBrowser:
     it holds, a login's cookie, to the session's profile), once: at the run's end, or
     before a stop's grace runs out; whoever comes second waits for the first."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, name: str = "browser") -> None:
         self.server = server
+        self.name = name  # the server's name in the run's toolbox
         self._started = False
         self._done = trio.Event()
 
@@ -135,6 +136,7 @@ async def _save_session_browser_before_the_grace(stop: StopControl, browser: _Se
         "the stop's grace is running out with the run still busy: the session's browser is closed now "
         "so that what it holds (a login) is kept for the next turn",
     )
+    stop.closed_servers.add(browser.name)
     await browser.close(min(BROWSER_SAVE_RESERVE_S, grace / 2))
 
 

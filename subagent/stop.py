@@ -45,6 +45,9 @@ class StopControl:
         # to do (synchronously) when a stop reaches it; both cleared by ``tool_done``.
         self.running_tool: dict[str, Any] | None = None
         self.on_stop_during_tool: Callable[[], None] | None = None
+        # MCP servers the stop closed under their running calls (a session's browser, before
+        # the grace ran out): such a call that then fails was ended, not let finish.
+        self.closed_servers: set[str] = set()
         self._starting = 0  # tools being started (``starting``)
         self._deferred: str | None = None  # a stop asked meanwhile: applied once it has
 

@@ -169,6 +169,11 @@ class ToolBox:
     def names(self) -> list[str]:
         return list(self._exposed)
 
+    def server_of(self, name: str) -> str | None:
+        """The MCP server a tool name reaches, or None (a built-in, or no such tool)."""
+        entry = self._mcp.get(name)
+        return None if entry is None else entry[0]
+
     def has(self, name: str) -> bool:
         return name in self._builtins or name in self._mcp
 

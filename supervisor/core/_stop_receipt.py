@@ -50,6 +50,8 @@ def _line(rec: Mapping[str, Any], after: float | None) -> str | None:
             what = "a command the spec lets finish" if name == "run_command" else "destructive call"
             return f"{what} `{name}` allowed to finish; it finished{finished}"
         return f"`{name}` told to stop; it answered{finished}"
+    if effect == StopEffect.REJECTED_AWAITING_APPROVAL:
+        return f"`{name}` was awaiting approval: rejected, it never ran"
     if effect == StopEffect.GRACE_RAN_OUT:
         return f"`{name}` was still running when the grace ran out; the runner was killed; its outcome is unknown"
     return None

@@ -195,6 +195,10 @@ async def test_a_stop_whose_grace_runs_out_in_a_browser_call_still_keeps_the_log
     assert turn1["state"] == "cancelled", turn1
     nav, evaluate = turn1["tool_calls"]
     assert nav["state"] == "succeeded" and evaluate["state"] == "failed", evaluate  # the browser closed under it
+    # Said as such: ended by the stop (it was said to have finished, allowed to, after it).
+    assert evaluate["stop_effect"] == "interrupted", evaluate
+    assert evaluate["reason"].startswith("interrupted: its server was closed before the stop's grace ran out")
+    assert "interrupted `browser_evaluate`" in turn1["receipt"]["tool_summary"], turn1["receipt"]
     assert turn1["receipt"]["path_b"]["escalated"] is False  # it ended within the grace
     assert turn2["state"] == "completed", turn2
     assert turn2["result"]["final_text"] == "The site still knows me as alice-42.", turn2["tool_calls"]

@@ -20,6 +20,7 @@ def test_each_effect_is_said_plainly_with_times_counted_from_the_cancel() -> Non
         rec("write_file", "finished_after_stop", on_stop="finish", finished_at=T + 1.2),
         rec("navigate", "finished_after_stop", on_stop="cancel", finished_at=T + 0.3),
         rec("slow_write", "grace_ran_out", on_stop="finish"),
+        rec("rm_tmp", "rejected_awaiting_approval", state="rejected"),  # (it was left out)
         rec("next", "stopped_before_start"),
         rec("after", "stopped_before_start"),
     ]
@@ -31,6 +32,7 @@ def test_each_effect_is_said_plainly_with_times_counted_from_the_cancel() -> Non
         "destructive call `write_file` allowed to finish; it finished 1.2 s after the stop",
         "`navigate` told to stop; it answered 300 ms after the stop",
         "`slow_write` was still running when the grace ran out; the runner was killed; its outcome is unknown",
+        "`rm_tmp` was awaiting approval: rejected, it never ran",
         "2 calls never started: `next`, `after`",
     ]
 
