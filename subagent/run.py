@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -187,14 +187,25 @@ async def _start_servers(
         return {}
     from subagent.tools.mcp_spawn import prespawn
 
-    # Spawn every server first, then pay for importing mcp while they boot.
+    # Spawn every server first, then pay for importing mcp while they boot. Their groups
+    # are ended side by side at the run's end (after the SDK's own close of each started
+    # one): one after another, servers that ignore SIGTERM took a kill grace each, and a
+    # stop during setup outlasted the daemon's grace.
+    ends: list[Callable[[], Awaitable[None]]] = []
+
+    async def end_all() -> None:
+        async with trio.open_nursery() as nursery:
+            for end in ends:
+                nursery.start_soon(end)
+
+    stack.push_async_callback(end_all)
     spawned = []
     for name, s in specs.items():
 
         def on_group(pgid: int, alive: bool, name: str = name) -> None:
             emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind="mcp_server", name=name, alive=alive)
 
-        spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group))
+        spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group, ends=ends))
     from subagent.tools.mcp_tools import McpSetupError, start_server
 
     servers = {}
@@ -208,7 +219,22 @@ async def _start_servers(
                 break  # the stop aborted the startup: not a setup failure
             code = ExitCode.TOOL_PROTOCOL if exc.protocol else ExitCode.TOOL_SETUP
             raise SetupFailure(code, "tool_protocol" if exc.protocol else "tool_setup", f"error: {exc}") from None
+    if stop.requested:
+        # A stop during setup: no server has run a tool yet, and none is waited for (one
+        # that ignores SIGTERM cost the SDK's close and a kill grace each).
+        for p in spawned:
+            _kill_group_now(p.process)
     return servers
+
+
+def _kill_group_now(process: Any) -> None:
+    """SIGKILL a server's group, its leader not reaped yet (so the group id is still its)."""
+    if process is None or process.returncode is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 async def _watch_signals(signals: Any, stop: StopControl, emitter: Emitter) -> None:

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +96,7 @@ async def prespawn(
     *,
     run_dir: Path | None,
     on_group: Callable[[int, bool], None],
+    ends: list[Callable[[], Awaitable[None]]] | None = None,
 ) -> Prespawned:
     """Start one server process; ``stack`` ends its group (and escapers) on close.
 
@@ -118,7 +119,10 @@ async def prespawn(
                 await anyio.sleep(REAP_POLL_S)
         on_group(p.process.pid, False)
 
-    stack.push_async_callback(end)
+    if ends is None:
+        stack.push_async_callback(end)
+    else:
+        ends.append(end)  # the caller ends them all at once (each has its kill grace)
     try:
         p.process = await anyio.open_process(
             [spec.command, *spec.args],

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from subagent.events import EventKind, ExitCode
+from subagent.tools.mcp_spawn import MCP_KILL_GRACE_S
 from tests.subagent.harness import CHILDREN, runner_env, spec, start_runner
 
 TREE_SERVER = str(CHILDREN / "mcp_tree_server.py")
@@ -365,3 +366,22 @@ async def test_a_fifo_or_link_planted_as_a_servers_stderr_log_is_not_opened(tmp_
     assert elsewhere.read_text() == ""
     assert any("stderr into the run dir" in e.data["message"] for e in r.of(EventKind.LOG))
     assert not any(alive(p) for p in tree_pids(result))
+
+
+async def test_a_stop_during_setup_ends_its_servers_at_once_even_those_that_ignore_sigterm(tmp_path: Path) -> None:
+    # Servers that never answer the handshake and ignore SIGTERM: their groups were ended
+    # one after another, a kill grace (2 s) each, and four outlasted the daemon's grace.
+    deaf = {"command": "/bin/sh", "args": ["-c", "trap '' TERM; echo started >&2; sleep 300"]}
+    servers = {f"deaf{i}": deaf for i in range(4)}
+    async with start_runner(spec(script={"final": "x"}, mcpServers=servers), tmp_path) as r:
+        with trio.fail_after(20):  # all four spawned (each says so once running)
+            for i in range(4):
+                await r.wait_event(EventKind.PROCESS_GROUP, lambda e, i=i: e.data["name"] == f"deaf{i}")
+        r.signal()
+        started = trio.current_time()
+        rc, result = await r.finish(timeout_s=30)
+        took = trio.current_time() - started
+    assert rc == ExitCode.CANCELLED and result["reason"] == "signal"
+    groups = [e.data["pgid"] for e in r.of(EventKind.PROCESS_GROUP) if e.data["alive"]]
+    assert len(groups) == 4 and not any(alive(g) for g in groups)
+    assert took < 3 * MCP_KILL_GRACE_S, took  # at once: not the SDK's close and a kill grace each
