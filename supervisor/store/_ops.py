@@ -351,37 +351,37 @@ class Store(SessionStoreMixin):
     ) -> bool:
         sources = _LIVE_VALUES if any_live else _sources(state)
         with self._tx(durable=True) as conn:
-            cur = conn.execute(
-                "UPDATE runs SET state = ?, reason = ?, ended_at = ?, "
-                # No result but partial: the result is the last snapshot, taken here, in
-                # the same statement, so no snapshot can slip in between.
-                "result = CASE WHEN ? IS NULL AND ? THEN partial_snapshot ELSE ? END, "
-                "partial = ?, error = ?, receipt = coalesce(?, receipt) "
-                f"WHERE id = ? AND state IN ({_marks(sources)}) "
-                f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
-                (
-                    state.value,
-                    reason,
-                    at,
-                    result,
-                    partial,
-                    result,
-                    int(partial),
-                    error,
-                    receipt,
-                    run_id,
-                    *sources,
-                    *_TERMINAL_VALUES,
-                ),
-            )
-            if cur.rowcount == 0:
+            row = conn.execute("SELECT state, partial_snapshot FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None or row[0] not in sources or row[0] in _TERMINAL_VALUES:
                 self._require_run(conn, run_id)
                 return False
+            # The one call that ends the run (the transaction holds the write lock from the
+            # read above): its calls are settled first, so that a partial result, the last
+            # snapshot, shows them as their records say (``_fresh_snapshot``).
             if settle_reason is not None:
                 self._settle(conn, run_id, settle_reason, at)
+            if result is None and partial:
+                result = self._fresh_snapshot(conn, run_id, row[1])
+            conn.execute(
+                "UPDATE runs SET state = ?, reason = ?, ended_at = ?, result = ?, partial = ?, error = ?, "
+                "receipt = coalesce(?, receipt) WHERE id = ?",
+                (state.value, reason, at, result, int(partial), error, receipt, run_id),
+            )
             if groups_ended_at is not None:
                 self._end_groups(conn, run_id, groups_ended_at)
             return True
+
+    def _fresh_snapshot(self, conn: sqlite3.Connection, run_id: str, snapshot: str | None) -> str | None:
+        """The last step snapshot, as a partial result: its calls are as that step left them
+        (a call that ran since said `not_started`), so they are replaced by the calls' own
+        records, which every later event of theirs updated (and settling closed)."""
+        obj = _loads(snapshot)
+        if not isinstance(obj, dict) or not isinstance(obj.get("tool_calls"), list):
+            return snapshot
+        calls = self._tool_calls(conn, [run_id])[run_id]
+        if not calls:
+            return snapshot
+        return dumps({**obj, "tool_calls": calls})
 
     def record_cancel(self, run_id: str, reason: str, at: float, stop_deadline: float) -> bool:
         # The first cancel's facts win; a terminal run takes none.

@@ -436,6 +436,22 @@ async def test_finishing_without_a_result_takes_the_last_snapshot_marked_partial
     assert (run["partial"], run["ended_at"], run["receipt"]) == (True, T0 + 5, {"escalated": True})
 
 
+async def test_a_partial_results_calls_are_their_records_not_the_snapshots_stale_copies(journal: Journal) -> None:
+    # The snapshot was taken at its step's start: a call that ran since, then was killed at
+    # the grace, still said `not_started` in the result a client reads.
+    await new_run(journal, state=S.CANCELLING)
+    await journal.set_partial("r1", {"_id": "r1", "tool_calls": [tool_call("busy", "not_started")]})
+    await journal.upsert_tool_call("r1", tool_call("busy", "running"))
+    await journal.upsert_tool_call("r1", tool_call("busy", "unknown", reason="grace_ran_out"))
+    assert await journal.finish("r1", S.CANCELLED, reason="user", result=None, partial=True, error=None)
+    run = await journal.get_run("r1")
+    assert run is not None and run["partial"] is True
+    assert [(c["id"], c["state"], c.get("reason")) for c in run["result"]["tool_calls"]] == [
+        ("busy", "unknown", "grace_ran_out")
+    ]
+    assert run["result"]["tool_calls"] == run["tool_calls"]
+
+
 async def test_mark_lost_uses_the_last_snapshot_and_settles_open_tool_calls(
     journal: Journal,
 ) -> None:
