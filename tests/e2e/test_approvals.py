@@ -82,8 +82,8 @@ async def test_an_approved_call_runs(tmp_path: Path) -> None:
     assert again["ok"] is False and again["error"]["code"] == "refused"
 
 
-async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tmp_path: Path) -> None:
-    shared = tmp_path / "shared"
+async def denied_run(tmp_path: Path, shared: Path, reason: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run whose gated call is denied with ``reason``: its end and its events."""
     shared.mkdir()
     spec = approval_spec(shared, final="The tool said: {{last_output}}")
     with trio.fail_after(SCENARIO_S):
@@ -91,9 +91,15 @@ async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tm
             s = Session(c)
             rid = (await c.call("spawn", spec=spec))["run_id"]
             await s.wait(rid, awaiting)
-            await c.call("deny", run_id=rid, call_id="call_w", reason="not on a Friday")
+            await c.call("deny", run_id=rid, call_id="call_w", reason=reason)
             final = await s.end(rid)
             events = (await c.call("events", run_id=rid))["events"]
+    return final, events
+
+
+async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    final, events = await denied_run(tmp_path, shared, "not on a Friday")
     assert final["state"] == "completed"
     assert final["result"]["final_text"] == "The tool said: denied by the user: not on a Friday"
     (call,) = final["tool_calls"]
@@ -105,18 +111,8 @@ async def test_a_denied_call_never_runs_and_the_model_is_told_why_and_goes_on(tm
 
 async def test_the_longest_deny_reason_the_protocol_accepts_reaches_the_model_whole(tmp_path: Path) -> None:
     # 1000 emoji: ~4 KB of UTF-8, more escaped; the model got 500 of them, the journal 1000.
-    shared = tmp_path / "shared"
-    shared.mkdir()
     reason = "\U0001f600" * 1000
-    spec = approval_spec(shared, final="The tool said: {{last_output}}")
-    with trio.fail_after(SCENARIO_S):
-        async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
-            s = Session(c)
-            rid = (await c.call("spawn", spec=spec))["run_id"]
-            await s.wait(rid, awaiting)
-            await c.call("deny", run_id=rid, call_id="call_w", reason=reason)
-            final = await s.end(rid)
-            events = (await c.call("events", run_id=rid))["events"]
+    final, events = await denied_run(tmp_path, tmp_path / "shared", reason)
     assert final["result"]["final_text"] == f"The tool said: denied by the user: {reason}"
     (call,) = final["tool_calls"]
     assert call["approval_reason"] == reason

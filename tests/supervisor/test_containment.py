@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -237,8 +238,9 @@ os.waitpid(orphan(True), 0)  # the middle of the double fork exits at once
 """
 
 
-async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made: list[Containment]) -> None:
-    c = setup(made, cgroups="off")
+async def adopter_tree(c: Containment) -> tuple[Any, dict[str, int]]:
+    """A tree running ADOPTER, its leader exited: its two orphans' pids by kind, waiting
+    for EOF on the tree's stdin to exit."""
     tree = await process.spawn_tree(
         [sys.executable, "-c", ADOPTER], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
     )
@@ -248,8 +250,13 @@ async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made
         while out.count(b"\n") < 2:
             out += await tree.process.stdout.receive_some()
         await tree.process.wait()
-    pids = dict(line.split() for line in out.decode().splitlines())
-    setsid_pid, daemon_pid = int(pids["setsid"]), int(pids["daemon"])
+    return tree, {kind: int(pid) for kind, pid in (line.split() for line in out.decode().splitlines())}
+
+
+async def test_adopted_zombies_are_reaped_and_trios_children_are_left_alone(made: list[Containment]) -> None:
+    c = setup(made, cgroups="off")
+    tree, pids = await adopter_tree(c)
+    setsid_pid, daemon_pid = pids["setsid"], pids["daemon"]
     for pid in (setsid_pid, daemon_pid):
         p = LINUX.stat(pid)
         assert p is not None and p.ppid == os.getpid()  # adopted by us, not by PID 1
@@ -281,16 +288,7 @@ async def test_a_setsid_escaper_never_seen_alive_is_reaped_once_its_trees_cgroup
     # a zombie of the daemon for good (pids leak in a long-lived daemon).
     c = setup(made, cgroups="auto")
     conftest.require(c.root is not None, "a writable cgroup2 mount")
-    tree = await process.spawn_tree(
-        [sys.executable, "-c", ADOPTER], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
-    )
-    assert tree.process.stdout is not None and tree.process.stdin is not None
-    out = b""
-    with trio.fail_after(5):
-        while out.count(b"\n") < 2:
-            out += await tree.process.stdout.receive_some()
-        await tree.process.wait()
-    pids = {kind: int(pid) for kind, pid in (line.split() for line in out.decode().splitlines())}
+    tree, pids = await adopter_tree(c)
     own = await trio.lowlevel.open_process(["sh", "-c", "exit 9"], start_new_session=True)  # Trio's
     await tree.process.stdin.aclose()
     for pid in (*pids.values(), own.pid):
@@ -328,16 +326,7 @@ async def test_a_reaping_loop_does_not_steal_trio_run_process_exit_codes(made: l
 
 async def test_the_reaping_service_reaps_before_it_reports_started(made: list[Containment]) -> None:
     c = setup(made, cgroups="off")
-    tree = await process.spawn_tree(
-        [sys.executable, "-c", ADOPTER], env=None, cwd=None, tree_id="t-" + uuid.uuid4().hex, containment=c
-    )
-    assert tree.process.stdout is not None and tree.process.stdin is not None
-    out = b""
-    with trio.fail_after(5):
-        while out.count(b"\n") < 2:
-            out += await tree.process.stdout.receive_some()
-        await tree.process.wait()
-    pids = {kind: int(pid) for kind, pid in (line.split() for line in out.decode().splitlines())}
+    tree, pids = await adopter_tree(c)
     await tree.process.stdin.aclose()
     for pid in pids.values():
         await exited(pid)
