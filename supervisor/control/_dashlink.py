@@ -5,7 +5,7 @@ Stdlib only (the CLI mints a link without importing trio). A link carries
 token, of the rest. Whoever can read the token (mode 0600) can mint a link, and nobody
 else; the control token itself never appears in a URL, so it never sits in browser
 history. The daemon accepts a link once (it remembers used nonces until they expire) and
-only within ``LOGIN_TTL_S``; what it hands back is a session cookie (``dashboard``).
+only within ``LOGIN_TTL_S``; what it hands back is a session secret (``dashboard``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Access: every handshake presents the daemon's token (``Authorization: Bearer`` or
 ``?token=``), compared in constant time; a browser ``Origin`` not on
 ``Config.allowed_origins`` is refused with 403, a missing or wrong token with 401. The
-daemon's own dashboard page is let in by its session cookie instead of the token
-(``session_ok``: its origin and a signed-in session, see ``supervisor.control.dashboard``).
+daemon's own dashboard page is let in by its session instead of the token (``session_ok``:
+its origin and a signed-in session offered as a ``Sec-WebSocket-Protocol`` entry, see
+``supervisor.control.dashboard``); such a handshake is answered with the ``agentd-dashboard``
+subprotocol (a browser drops a socket whose server selects none of those it offered).
 A refused handshake is closed at once. A malformed, oversized or unknown message gets an
 error reply and a handler's bug an ``internal`` one: nothing an authenticated client sends
 ends its connection or the daemon (only a frame above the hard cap, which trio-websocket
@@ -30,7 +32,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -86,9 +88,11 @@ REPLAY_PAGE: Final = 500
 # row without a new event before the subscription ends with the run's current state.
 MAX_EMPTY_REOPENS: Final = 3
 RECEIVE_BYTES: Final = 64 * 1024
+# The subprotocol the dashboard's page offers (``dashboard._sessions.SUBPROTOCOL``).
+DASHBOARD_SUBPROTOCOL: Final = "agentd-dashboard"
 
 
-# session_ok(origin, cookie_header) -> bool: see check_access.
+# session_ok(origin, sec_websocket_protocol_header) -> bool: see check_access.
 SessionCheck = Callable[[str, str | None], bool]
 
 
@@ -103,26 +107,30 @@ def check_access(
     token: str | None,
     allowed_origins: tuple[str, ...],
     session_ok: SessionCheck | None = None,
+    subprotocols: Sequence[str] = (),
 ) -> tuple[int, str] | None:
     """Decide a handshake. Returns None to accept, or ``(http_status, reason)`` to refuse.
 
-    ``session_ok(origin, cookie_header)``, when given, accepts a browser that presents no
-    token but a dashboard session from the dashboard's own origin.
+    ``session_ok(origin, protocols)``, when given, accepts a browser that presents no
+    token but a dashboard session (in ``Sec-WebSocket-Protocol``: never a cookie, which a
+    browser sends to any port of the host) from the dashboard's own origin.
+    ``subprotocols``: those the handshake offers, when the websocket library has taken
+    the ``Sec-WebSocket-Protocol`` header out of ``headers`` (wsproto does).
     """
     origin: str | None = None
     auth: str | None = None
-    cookie: str | None = None
+    protocols: str | None = ", ".join(subprotocols) or None
     for name, value in headers:
         key = name.decode("latin-1").lower()
         if key == "origin":
             origin = value.decode("latin-1").strip()
         elif key == "authorization":
             auth = value.decode("latin-1").strip()
-        elif key == "cookie":
-            # Browsers send one Cookie header; should there be several, join them.
+        elif key == "sec-websocket-protocol":
+            # Browsers send one; should there be several, join them (the header is a list).
             text = value.decode("latin-1")
-            cookie = text if cookie is None else f"{cookie}; {text}"
-    if session_ok is not None and origin is not None and session_ok(origin, cookie):
+            protocols = text if protocols is None else f"{protocols}, {text}"
+    if session_ok is not None and origin is not None and session_ok(origin, protocols):
         return None
     if origin is not None:
         allowed = {o.rstrip("/").lower() for o in allowed_origins}
@@ -251,6 +259,7 @@ class _Server:
                 token=self.tokens.get(),
                 allowed_origins=self.config.allowed_origins,
                 session_ok=self.session_ok,
+                subprotocols=request.proposed_subprotocols,
             )
             if refusal is not None:
                 status, reason = refusal
@@ -264,7 +273,10 @@ class _Server:
                     if stream is not None:
                         await stream.close_now()
                 return
-            ws = await request.accept()
+            # The dashboard's page offers its subprotocol (and its session beside it): a
+            # browser drops a socket whose server selects none of the offered ones.
+            dash = DASHBOARD_SUBPROTOCOL in request.proposed_subprotocols
+            ws = await request.accept(subprotocol=DASHBOARD_SUBPROTOCOL if dash else None)
         except ConnectionClosed:
             return
         except Exception:

@@ -15,10 +15,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -577,41 +579,101 @@ def test_reload_and_a_dropped_connection_resume_without_gap_or_duplicate_and_clo
 # ------------------------------------------------------------------------------ access
 
 
-def test_no_or_wrong_or_used_login_tokens_are_refused_and_the_cookie_is_httponly_strict(
+def test_no_or_wrong_or_used_login_tokens_are_refused_and_the_session_is_no_cookie(
     daemon: Daemon, browser: Any
 ) -> None:
     t = _open_tab(browser)
     try:
         page = t.page
-        for url in (
-            daemon.dashboard_url,
-            f"{daemon.dashboard_url}login?t=v1.9999999999.x.y",
-            f"{daemon.dashboard_url}login",
-        ):
+        page.goto(daemon.dashboard_url)  # never signed in: the page sends it to /signed-out
+        page.get_by_role("heading", name="Not signed in").wait_for()
+        for url in (f"{daemon.dashboard_url}login?t=v1.9999999999.x.y", f"{daemon.dashboard_url}login"):
             resp = page.goto(url)
             assert resp is not None and resp.status == 401, url
             assert page.get_by_role("heading", name="Not signed in").is_visible()
-        assert t.context.cookies() == []
         link = daemon.login_url()
-        resp = page.goto(link)
-        assert resp is not None and resp.status == 200 and page.url == daemon.dashboard_url
-        (cookie,) = t.context.cookies()
-        assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
-        assert "agentd_session" not in page.evaluate("() => document.cookie")
-        assert "login" not in page.url and "t=" not in page.url  # the link left the address bar
+        page.goto(link)
+        page.wait_for_selector("#conn[data-state=open]")
+        assert page.url == daemon.dashboard_url  # the link left the address bar
+        # The secret is in this origin's storage (scoped to its port), never in a cookie,
+        # which the browser would send to any other server on 127.0.0.1.
+        assert t.context.cookies() == []
+        secret = page.evaluate("() => localStorage.getItem('agentd_session')")
+        assert secret and secret not in link
         other = _open_tab(browser)
         try:
             resp = other.page.goto(link)  # the same link, a second time
             assert resp is not None and resp.status == 401
         finally:
             other.context.close()
-        # Sign out from the page (a same-origin POST): the session ends.
-        page.wait_for_selector("#conn[data-state=open]")
+        # Sign out from the page: the session ends, for the page's secret too.
         page.get_by_role("button", name="Sign out").click()
         page.get_by_role("heading", name="Not signed in").wait_for()
-        assert page.evaluate("async () => (await fetch('/api/session')).status") == 401
+        assert page.evaluate("() => localStorage.getItem('agentd_session')") is None
+        status = page.evaluate(
+            "async (s) => (await fetch('/api/session', { headers: { 'X-Agentd-Session': s } })).status", secret
+        )
+        assert status == 401
     finally:
         t.context.close()
+
+
+def _handshake_status(control_url: str, headers: dict[str, str]) -> int:
+    """The HTTP status a raw websocket handshake to the control socket gets."""
+    host, port = control_url.removeprefix("ws://").rstrip("/").rsplit(":", 1)
+    lines = [
+        "GET / HTTP/1.1",
+        f"Host: {host}:{port}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version: 13",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            assert chunk, data
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def test_what_the_browser_would_send_another_port_does_not_open_the_control_socket(daemon: Daemon, tab: Tab) -> None:
+    # A non-browser client (another server on 127.0.0.1 that got the browser's cookies)
+    # forges the dashboard's Origin: a cookie with the session in it is no credential.
+    secret = tab.page.evaluate("() => localStorage.getItem('agentd_session')")
+    origin = daemon.dashboard_url.rstrip("/")
+    port = origin.rsplit(":", 1)[1]
+    for name in ("agentd_session", f"agentd_session_{port}"):
+        cookie = {"Origin": origin, "Cookie": f"{name}={secret}"}
+        assert _handshake_status(daemon.control_url, cookie) == 403, name
+    # The page's own way in (the secret offered as a subprotocol) is the credential.
+    offered = {"Origin": origin, "Sec-WebSocket-Protocol": f"agentd-dashboard, agentd-session.{secret}"}
+    assert _handshake_status(daemon.control_url, offered) == 101
+
+
+def test_a_login_link_from_a_page_of_another_origin_signs_in_and_a_head_request_does_not_use_it_up(
+    daemon: Daemon, browser: Any
+) -> None:
+    with LocalSite({"/": "<!doctype html><title>elsewhere</title>"}) as site:
+        port = site.url.rsplit(":", 1)[1]
+        for origin in (site.url, f"http://localhost:{port}"):  # same site other port; cross site
+            link = daemon.login_url()
+            # A link preview (chat app, mail scanner) asks with HEAD first.
+            head = urllib.request.Request(link, method="HEAD")
+            with urllib.request.urlopen(head, timeout=WAIT_S) as resp:
+                assert resp.status == 200
+            site.pages["/from"] = f'<!doctype html><title>elsewhere</title><a id="go" href="{link}">dashboard</a>'
+            t = _open_tab(browser)
+            try:
+                t.page.goto(f"{origin}/from")
+                t.page.click("#go")
+                t.page.wait_for_selector("#conn[data-state=open]")
+                assert t.page.url == daemon.dashboard_url, origin
+            finally:
+                t.context.close()
 
 
 def test_a_foreign_origin_and_a_cross_site_post_are_refused(daemon: Daemon, tab: Tab) -> None:
@@ -625,8 +687,8 @@ def test_a_foreign_origin_and_a_cross_site_post_are_refused(daemon: Daemon, tab:
 </script></body></html>"""
     with LocalSite({"/evil": evil}) as site:
         port = site.url.rsplit(":", 1)[1]
-        # Same site (127.0.0.1), other origin: the cookie goes along, the Origin check refuses.
-        # Cross site (localhost): the SameSite=Strict cookie does not even go along.
+        # Same site (127.0.0.1), other origin, and cross site (localhost): the page has no
+        # session to offer (it is in the dashboard origin's storage) and its Origin is wrong.
         for origin in (site.url, f"http://localhost:{port}"):
             page.goto(f"{origin}/evil")
             page.wait_for_function("() => document.title.startsWith('ws ')")

@@ -1,9 +1,11 @@
-"""The control socket lets the dashboard's page in by its session cookie, and no one else.
+"""The control socket lets the dashboard's page in by the session it offers, and no one else.
 
 The one addition to ``supervisor.control.server`` for the dashboard: ``session_ok`` (here the real
-``dashboard.Sessions.handshake_ok``) accepts a browser handshake that carries a signed-in
-session cookie from the dashboard's own origin, instead of the token. Everything else
-about access stays as it was: a foreign origin is refused even with a valid cookie.
+``dashboard.Sessions.handshake_ok``) accepts a browser handshake that offers a signed-in
+session as a ``Sec-WebSocket-Protocol`` entry from the dashboard's own origin, instead of the
+token. Everything else about access stays as it was: a foreign origin is refused even with a
+valid session. A cookie is no credential: a browser sends it to any port of the host, so
+another server on 127.0.0.1 could take it and forge the Origin.
 """
 
 from __future__ import annotations
@@ -31,45 +33,45 @@ def signed_in_sessions() -> tuple[Sessions, str]:
     sessions = Sessions(TOKEN)
     sessions.bind(DASH_PORT)
     sid = sessions.redeem(_dashlink.mint_login_token(TOKEN))
-    return sessions, f"{sessions.cookie_name}={sid}"
+    return sessions, f"agentd-dashboard, agentd-session.{sid}"
 
 
-def headers(origin: str | None, cookie: str | None) -> list[tuple[bytes, bytes]]:
+def headers(origin: str | None, protocols: str | None) -> list[tuple[bytes, bytes]]:
     out = []
     if origin is not None:
         out.append((b"Origin", origin.encode()))
-    if cookie is not None:
-        out.append((b"Cookie", cookie.encode()))
+    if protocols is not None:
+        out.append((b"Sec-WebSocket-Protocol", protocols.encode()))
     return out
 
 
 def test_check_access_takes_a_dashboard_session_from_the_dashboard_origin_instead_of_the_token() -> None:
-    sessions, cookie = signed_in_sessions()
+    sessions, offered = signed_in_sessions()
     check = partial(control.check_access, token=TOKEN, allowed_origins=(), session_ok=sessions.handshake_ok)
-    assert check(headers(DASH_ORIGIN, cookie), "/") is None
-    assert check(headers(f"http://localhost:{DASH_PORT}", f"theme=dark; {cookie}"), "/") is None
+    assert check(headers(DASH_ORIGIN, offered), "/") is None
+    assert check(headers(f"http://localhost:{DASH_PORT}", offered), "/") is None
 
 
-def test_check_access_refuses_a_session_cookie_from_a_foreign_origin_or_without_one() -> None:
-    sessions, cookie = signed_in_sessions()
+def test_check_access_refuses_a_session_from_a_foreign_origin_or_without_one() -> None:
+    sessions, offered = signed_in_sessions()
     check = partial(control.check_access, token=TOKEN, allowed_origins=(), session_ok=sessions.handshake_ok)
     for origin in ("http://evil.example", f"http://127.0.0.1:{DASH_PORT + 1}", "null"):
-        refusal = check(headers(origin, cookie), "/")
+        refusal = check(headers(origin, offered), "/")
         assert refusal is not None and refusal[0] == 403, origin
-    for bad_cookie in (None, f"{sessions.cookie_name}=forged", "other=1"):
-        refusal = check(headers(DASH_ORIGIN, bad_cookie), "/")
-        assert refusal is not None and refusal[0] == 403, bad_cookie  # the dashboard origin is not an allowed origin
-    # A cookie alone (no Origin: not a browser) is no credential.
-    refusal = check(headers(None, cookie), "/")
+    for bad in (None, "agentd-dashboard, agentd-session.forged", "agentd-dashboard"):
+        refusal = check(headers(DASH_ORIGIN, bad), "/")
+        assert refusal is not None and refusal[0] == 403, bad  # the dashboard origin is not an allowed origin
+    # A session alone (no Origin: not a browser) is no credential.
+    refusal = check(headers(None, offered), "/")
     assert refusal is not None and refusal[0] == 401
     # An ended session is refused.
-    sessions.end(cookie.split("=", 1)[1])
-    assert check(headers(DASH_ORIGIN, cookie), "/") is not None
+    sessions.end(offered.rsplit(".", 1)[1])
+    assert check(headers(DASH_ORIGIN, offered), "/") is not None
 
 
 def test_check_access_is_unchanged_without_a_session_check() -> None:
-    _, cookie = signed_in_sessions()
-    refusal = control.check_access(headers(DASH_ORIGIN, cookie), "/", token=TOKEN, allowed_origins=())
+    _, offered = signed_in_sessions()
+    refusal = control.check_access(headers(DASH_ORIGIN, offered), "/", token=TOKEN, allowed_origins=())
     assert refusal is not None and refusal[0] == 403
     assert (
         control.check_access([(b"Authorization", f"Bearer {TOKEN}".encode())], "/", token=TOKEN, allowed_origins=())
@@ -98,26 +100,49 @@ async def _status(port: int, extra: list[tuple[bytes, bytes]]) -> int:
     return int(data.split(b" ", 2)[1])
 
 
-async def test_a_real_handshake_with_the_session_cookie_is_served_and_a_foreign_one_refused(
+async def test_a_real_handshake_offering_the_session_is_served_and_a_foreign_one_refused(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    sessions, cookie = signed_in_sessions()
+    sessions, offered = signed_in_sessions()
     backend = FakeBackend()
     backend.nursery = nursery
     config = Config(state_dir=tmp_path, port=0)
     port = await nursery.start(
         partial(control.serve_control, config, backend, token=TOKEN, session_ok=sessions.handshake_ok)
     )
-    assert await _status(port, headers("http://evil.example", cookie)) == 403
+    assert await _status(port, headers("http://evil.example", offered)) == 403
     assert await _status(port, headers(DASH_ORIGIN, None)) == 403
-    assert await _status(port, headers(DASH_ORIGIN, cookie)) == 101
+    assert await _status(port, headers(DASH_ORIGIN, offered)) == 101
+    sid = offered.rsplit(".", 1)[1]
     async with open_websocket_url(
         f"ws://127.0.0.1:{port}/",
-        extra_headers=headers(DASH_ORIGIN, cookie),
+        subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
+        extra_headers=headers(DASH_ORIGIN, None),
         connect_timeout=WAIT_S,
         disconnect_timeout=WAIT_S,
     ) as ws:
+        # The dashboard's subprotocol is selected (a browser drops a socket otherwise),
+        # never the entry with the secret.
+        assert ws.subprotocol == "agentd-dashboard"
         await ws.send_message(json.dumps({"id": 1, "op": "ping"}))
         with trio.fail_after(WAIT_S):
             reply = json.loads(await ws.get_message())
     assert reply["ok"] is True and reply["result"]["pong"] is True
+
+
+async def test_a_non_browser_client_with_the_session_in_a_cookie_and_a_forged_origin_is_refused(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # What another server on 127.0.0.1 would receive from the browser (cookies go to every
+    # port of a host) must not open the control socket, even with the Origin forged.
+    sessions, offered = signed_in_sessions()
+    sid = offered.rsplit(".", 1)[1]
+    backend = FakeBackend()
+    backend.nursery = nursery
+    config = Config(state_dir=tmp_path, port=0)
+    port = await nursery.start(
+        partial(control.serve_control, config, backend, token=TOKEN, session_ok=sessions.handshake_ok)
+    )
+    for name in ("agentd_session", f"agentd_session_{DASH_PORT}"):
+        forged = [(b"Origin", DASH_ORIGIN.encode()), (b"Cookie", f"{name}={sid}".encode())]
+        assert await _status(port, forged) == 403, name

@@ -51,13 +51,13 @@ def header(resp: Response, name: str) -> str | None:
 
 
 def signed_in(a: DashboardApp) -> str:
-    """Log in through /login; returns the Cookie header value to send."""
+    """Log in through /login; returns the session secret its page keeps (login.js)."""
     login = _dashlink.mint_login_token(TOKEN, now=a.sessions._wall())
     resp = a.handle(req("GET", f"/login?t={login}"))
-    assert resp.status == 303
-    cookie = header(resp, "set-cookie")
-    assert cookie is not None
-    return cookie.split(";", 1)[0]
+    assert resp.status == 200 and header(resp, "set-cookie") is None
+    found = re.search(rb'<meta name="agentd-session" content="([A-Za-z0-9_-]+)">', resp.body)
+    assert found is not None, resp.body
+    return found.group(1).decode()
 
 
 # ------------------------------------------------------------------------- login links
@@ -111,7 +111,7 @@ def test_a_login_link_works_once() -> None:
     s = sessions(wall)
     login = _dashlink.mint_login_token(TOKEN, now=wall.t)
     sid = s.redeem(login)
-    assert s.session_of(f"{s.cookie_name}={sid}") == sid
+    assert s.session_of(sid) == sid
     with pytest.raises(LoginRefused, match="already used"):
         s.redeem(login)
     with pytest.raises(LoginRefused, match="expired"):
@@ -119,30 +119,20 @@ def test_a_login_link_works_once() -> None:
         s.redeem(_dashlink.mint_login_token(TOKEN, now=wall.t - _dashlink.LOGIN_TTL_S - 2))
 
 
-def test_a_session_is_found_among_other_cookies_and_ends_when_idle_or_signed_out() -> None:
+def test_a_session_ends_when_idle_or_signed_out() -> None:
     mono = Clock()
     s = sessions(mono=mono)
     sid = s.redeem(_dashlink.mint_login_token(TOKEN, now=s._wall()))
-    # Other apps on localhost set cookies too (cookies ignore ports), some malformed.
-    header_value = f'jupyter="a b; c"; agentd_session_1={sid}x; {s.cookie_name}={sid}; theme=dark'
-    assert s.session_of(header_value) == sid
-    assert s.session_of(f"{s.cookie_name}=not-a-session") is None
+    assert s.session_of(sid) == sid
+    assert s.session_of("not-a-session") is None
     assert s.session_of(None) is None
     mono.t += SESSION_IDLE_S - 1
-    assert s.session_of(f"{s.cookie_name}={sid}") == sid  # use renews it
+    assert s.session_of(sid) == sid  # use renews it
     mono.t += SESSION_IDLE_S + 1
-    assert s.session_of(f"{s.cookie_name}={sid}") is None
+    assert s.session_of(sid) is None
     sid2 = s.redeem(_dashlink.mint_login_token(TOKEN, now=s._wall()))
     assert s.end(sid2) is True
-    assert s.session_of(f"{s.cookie_name}={sid2}") is None
-
-
-def test_the_session_cookie_is_httponly_samesite_strict_and_named_for_this_dashboard() -> None:
-    s = sessions()
-    cookie = s.set_cookie("abc")
-    assert cookie.startswith(f"agentd_session_{PORT}=abc;")
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
-    assert "Max-Age=0" in s.clear_cookie()
+    assert s.session_of(sid2) is None
 
 
 def test_only_the_dashboards_own_origin_and_host_names_are_accepted() -> None:
@@ -166,37 +156,57 @@ def test_only_the_dashboards_own_origin_and_host_names_are_accepted() -> None:
     assert not s.host_ok(f"evil.example:{PORT}") and not s.host_ok("127.0.0.1") and not s.host_ok(None)
 
 
-def test_the_control_socket_check_needs_both_the_origin_and_a_session() -> None:
+def test_the_control_socket_check_needs_both_the_origin_and_a_session_subprotocol() -> None:
     s = sessions()
     sid = s.redeem(_dashlink.mint_login_token(TOKEN, now=s._wall()))
-    cookie = f"{s.cookie_name}={sid}"
-    assert s.handshake_ok(ORIGIN, cookie)
-    assert not s.handshake_ok("http://evil.example", cookie)
+    offered = f"agentd-dashboard, agentd-session.{sid}"
+    assert s.handshake_ok(ORIGIN, offered)
+    assert not s.handshake_ok("http://evil.example", offered)
     assert not s.handshake_ok(ORIGIN, None)
-    assert not s.handshake_ok(ORIGIN, f"{s.cookie_name}=forged")
+    assert not s.handshake_ok(ORIGIN, "agentd-dashboard, agentd-session.forged")
+    assert not s.handshake_ok(ORIGIN, f"agentd-dashboard, {sid}")
 
 
 # ------------------------------------------------------------------------- routes
 
 
-def test_without_a_session_the_page_says_how_to_sign_in() -> None:
+def test_without_a_session_the_api_refuses_and_the_signed_out_page_says_how_to_sign_in() -> None:
     a = app()
-    resp = a.handle(req("GET", "/"))
+    resp = a.handle(req("GET", "/signed-out"))
     assert resp.status == 401
     assert b"agentd dashboard" in resp.body
     api = a.handle(req("GET", "/api/session"))
     assert api.status == 401
 
 
-def test_login_sets_the_cookie_and_redirects_so_the_link_leaves_the_address_bar() -> None:
+def test_login_answers_a_page_that_keeps_the_session_and_sets_no_cookie() -> None:
     a = app()
-    cookie = signed_in(a)
-    page = a.handle(req("GET", "/", cookie=cookie))
+    sid = signed_in(a)
+    page = a.handle(req("GET", "/"))
     assert page.status == 200
     assert b'<script type="module" src="/static/js/main.js">' in page.body
-    api = a.handle(req("GET", "/api/session", cookie=cookie))
+    api = a.handle(req("GET", "/api/session", x_agentd_session=sid))
     assert api.status == 200
     assert b'"control_url": "ws://127.0.0.1:41000/"' in api.body
+
+
+def test_a_session_cookie_is_no_credential_for_the_api() -> None:
+    # A browser sends a host's cookies to every port: another server on 127.0.0.1 would
+    # have it. Only the secret the page presents itself counts.
+    a = app()
+    sid = signed_in(a)
+    for name in ("agentd_session", f"agentd_session_{PORT}"):
+        assert a.handle(req("GET", "/api/session", cookie=f"{name}={sid}")).status == 401
+        assert a.handle(req("POST", "/logout", origin=ORIGIN, cookie=f"{name}={sid}")).status == 403
+    assert a.handle(req("GET", "/api/session", x_agentd_session=sid)).status == 200
+
+
+def test_a_head_request_does_not_use_up_a_login_link() -> None:
+    a = app()
+    login = _dashlink.mint_login_token(TOKEN, now=a.sessions._wall())
+    assert a.handle(req("HEAD", f"/login?t={login}")).status == 200
+    resp = a.handle(req("GET", f"/login?t={login}"))
+    assert resp.status == 200 and b'content="{{session}}"' not in resp.body
 
 
 @pytest.mark.parametrize("target", ["/login", "/login?t=", "/login?t=v1.9999999999.abc.def", "/login?t=garbage"])
@@ -217,31 +227,31 @@ def test_a_request_target_that_is_not_a_url_or_a_token_gets_an_answer(target: st
 def test_a_used_login_token_is_refused() -> None:
     a = app()
     login = _dashlink.mint_login_token(TOKEN, now=a.sessions._wall())
-    assert a.handle(req("GET", f"/login?t={login}")).status == 303
+    assert a.handle(req("GET", f"/login?t={login}")).status == 200
     again = a.handle(req("GET", f"/login?t={login}"))
     assert again.status == 401 and header(again, "set-cookie") is None
 
 
 def test_a_foreign_host_header_is_refused_even_with_a_session() -> None:
     a = app()
-    cookie = signed_in(a)
+    sid = signed_in(a)
     for host in ("evil.example:41234", "127.0.0.1:80", "", "localhost"):
-        resp = a.handle(Request("GET", "/", (("host", host), ("cookie", cookie))))
+        resp = a.handle(Request("GET", "/api/session", (("host", host), ("x-agentd-session", sid))))
         assert resp.status == 421, host
-    assert a.handle(Request("GET", "/", (("cookie", cookie),))).status == 421
+    assert a.handle(Request("GET", "/api/session", (("x-agentd-session", sid),))).status == 421
 
 
 def test_every_response_has_a_strict_csp_allowing_only_the_control_socket() -> None:
     a = app()
-    cookie = signed_in(a)
-    for target in ("/", "/static/js/main.js", "/nope", "/login?t=x"):
-        csp = header(a.handle(req("GET", target, cookie=cookie)), "content-security-policy")
+    sid = signed_in(a)
+    for target in ("/", "/static/js/main.js", "/nope", "/login?t=x", "/api/session"):
+        csp = header(a.handle(req("GET", target, x_agentd_session=sid)), "content-security-policy")
         assert csp is not None, target
         assert "default-src 'none'" in csp and "script-src 'self';" in csp and "style-src 'self';" in csp
         assert "unsafe" not in csp
         assert "connect-src 'self' ws://127.0.0.1:41000;" in csp
         assert "frame-ancestors 'none'" in csp
-    resp = a.handle(req("GET", "/", cookie=cookie))
+    resp = a.handle(req("GET", "/"))
     assert header(resp, "x-content-type-options") == "nosniff"
     assert header(resp, "referrer-policy") == "same-origin"
     assert header(resp, "cache-control") == "no-store"
@@ -249,40 +259,40 @@ def test_every_response_has_a_strict_csp_allowing_only_the_control_socket() -> N
 
 def test_a_cross_site_post_is_refused_and_the_session_survives() -> None:
     a = app()
-    cookie = signed_in(a)
+    sid = signed_in(a)
     for headers in (
-        {"origin": "http://evil.example", "cookie": cookie},
-        {"origin": f"http://127.0.0.1:{PORT + 1}", "cookie": cookie},  # same site, other origin
-        {"origin": "null", "cookie": cookie},
-        {"origin": "null", "sec_fetch_site": "cross-site", "cookie": cookie},
-        {"origin": "http://evil.example", "sec_fetch_site": "same-origin", "cookie": cookie},
-        {"sec_fetch_site": "cross-site", "cookie": cookie},
-        {"cookie": cookie},  # neither Origin nor Sec-Fetch-Site: not provably same-origin
+        {"origin": "http://evil.example", "x_agentd_session": sid},
+        {"origin": f"http://127.0.0.1:{PORT + 1}", "x_agentd_session": sid},  # same site, other origin
+        {"origin": "null", "x_agentd_session": sid},
+        {"origin": "null", "sec_fetch_site": "cross-site", "x_agentd_session": sid},
+        {"origin": "http://evil.example", "sec_fetch_site": "same-origin", "x_agentd_session": sid},
+        {"sec_fetch_site": "cross-site", "x_agentd_session": sid},
+        {"x_agentd_session": sid},  # neither Origin nor Sec-Fetch-Site: not provably same-origin
     ):
         resp = a.handle(req("POST", "/logout", **headers))
         assert resp.status == 403, headers
-        assert header(resp, "set-cookie") is None
     for path in ("/", "/api/session", "/anything", "/login"):
-        assert a.handle(req("POST", path, origin="http://evil.example", cookie=cookie)).status == 403
-    assert a.handle(req("GET", "/api/session", cookie=cookie)).status == 200
+        assert a.handle(req("POST", path, origin="http://evil.example", x_agentd_session=sid)).status == 403
+    assert a.handle(req("GET", "/api/session", x_agentd_session=sid)).status == 200
 
 
 def test_a_same_origin_post_without_a_session_is_refused() -> None:
     a = app()
     assert a.handle(req("POST", "/logout", origin=ORIGIN)).status == 403
-    assert a.handle(req("POST", "/logout", origin=ORIGIN, cookie="agentd_session_41234=forged")).status == 403
+    assert a.handle(req("POST", "/logout", origin=ORIGIN, x_agentd_session="forged")).status == 403
 
 
 def test_sign_out_from_the_page_ends_the_session() -> None:
     a = app()
-    cookie = signed_in(a)
-    resp = a.handle(req("POST", "/logout", origin=ORIGIN, cookie=cookie))
-    assert resp.status == 303 and "Max-Age=0" in (header(resp, "set-cookie") or "")
-    assert a.handle(req("GET", "/api/session", cookie=cookie)).status == 401
-    cookie2 = signed_in(a)
-    assert a.handle(req("POST", "/logout", sec_fetch_site="same-origin", cookie=cookie2)).status == 303
-    cookie3 = signed_in(a)
-    assert a.handle(req("POST", "/logout", origin="null", sec_fetch_site="same-origin", cookie=cookie3)).status == 303
+    sid = signed_in(a)
+    resp = a.handle(req("POST", "/logout", origin=ORIGIN, x_agentd_session=sid))
+    assert resp.status == 200
+    assert a.handle(req("GET", "/api/session", x_agentd_session=sid)).status == 401
+    sid2 = signed_in(a)
+    assert a.handle(req("POST", "/logout", sec_fetch_site="same-origin", x_agentd_session=sid2)).status == 200
+    sid3 = signed_in(a)
+    resp = a.handle(req("POST", "/logout", origin="null", sec_fetch_site="same-origin", x_agentd_session=sid3))
+    assert resp.status == 200
 
 
 def test_static_files_have_their_types_and_nothing_else_is_served() -> None:

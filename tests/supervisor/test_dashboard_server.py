@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from pathlib import Path
 
@@ -68,16 +69,18 @@ async def test_the_server_signs_in_by_link_and_keeps_the_connection_alive(served
     buf = bytearray()
     async with stream:
         await stream.send_all(f"GET /login?t={login} HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode())
-        status, hs, _ = await read_response(stream, buf)
-        assert status == 303 and hs["location"] == "/"
-        cookie = hs["set-cookie"].split(";", 1)[0]
+        status, hs, body = await read_response(stream, buf)
+        assert status == 200 and "set-cookie" not in hs
+        found = re.search(rb'<meta name="agentd-session" content="([A-Za-z0-9_-]+)">', body)
+        assert found is not None, body
+        sid = found.group(1).decode()
         # Same connection, two requests pipelined.
         await stream.send_all(
-            f"GET / HTTP/1.1\r\nHost: {served.host}\r\nCookie: {cookie}\r\n\r\n"
+            f"GET /api/session HTTP/1.1\r\nHost: {served.host}\r\nX-Agentd-Session: {sid}\r\n\r\n"
             f"HEAD /static/app.css HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode()
         )
         status, hs, body = await read_response(stream, buf)
-        assert status == 200 and b"<title>agentd</title>" in body
+        assert status == 200 and b'"signed_in": true' in body
         assert "content-security-policy" in hs
         status, hs, body = await read_response(stream, buf, head=True)
         assert status == 200 and body == b"" and int(hs["content-length"]) > 0 and buf == b""
@@ -86,7 +89,7 @@ async def test_the_server_signs_in_by_link_and_keeps_the_connection_alive(served
 async def test_garbage_gets_400_and_the_server_goes_on(served: Served) -> None:
     status, _, _ = await request(served.port, b"NOT HTTP AT ALL\r\n\r\n")
     assert status == 400
-    status, _, _ = await request(served.port, f"GET / HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode())
+    status, _, _ = await request(served.port, f"GET /api/session HTTP/1.1\r\nHost: {served.host}\r\n\r\n".encode())
     assert status == 401
 
 

@@ -1,10 +1,11 @@
 """The web dashboard the daemon serves: live runs, a Stop that tells the truth, steering.
 
 An HTTP server of its own on a loopback port (``_server``), routes with no I/O (``_app``),
-sign-in by one-time link and session cookie (``_sessions``; links are minted by
+sign-in by one-time link and a session secret the page keeps in its origin's storage
+(``_sessions``, which says why not a cookie; links are minted by
 ``supervisor.control._dashlink``), and the page itself: plain HTML, CSS and JavaScript modules
 under ``static/``, shipped as package data, no build step. The page talks to the control
-socket with its session cookie; see ``docs/dashboard.md``.
+socket with that session; see ``docs/dashboard.md``.
 """
 
 from supervisor.control.dashboard._server import dashboard_url as dashboard_url

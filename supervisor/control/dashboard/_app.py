@@ -1,13 +1,17 @@
 """The dashboard's HTTP routes: a request in, a response out. No I/O.
 
-Routes: ``GET /`` (the page; signed out: a page saying how to sign in), ``GET /login?t=``
-(redeem a one-time link: session cookie, then a redirect to ``/`` so the link leaves the
-address bar), ``GET /api/session`` (where the control socket is, for the page's script),
-``POST /logout``, ``GET /static/...`` (the page's own files). Every response carries a
-strict Content-Security-Policy (no inline script or style; the only connection allowed
-besides the page's own origin is the control socket). A request whose ``Host`` is not
-this dashboard is refused (DNS rebinding). A state-changing request (any method but GET
-and HEAD) needs a session *and* a same-origin request (``Origin`` is the dashboard's, or
+Routes: ``GET /`` (the page: static, no state in it; its script sends a browser without a
+session to ``/signed-out``), ``GET /login?t=`` (redeem a one-time link: a 200 page whose
+script, ``login.js``, keeps the session secret in the origin's ``localStorage`` and goes on
+to ``/``, which also takes the link out of the address bar and history; ``HEAD`` redeems
+nothing, for link-preview bots), ``GET /api/session`` (where the control socket is, for the
+page's script), ``POST /logout``, ``GET /static/...`` (the page's own files). The session is
+presented only explicitly, in the ``X-Agentd-Session`` header (see ``_sessions``: no
+cookie, which a browser would send to other ports too). Every response carries a strict
+Content-Security-Policy (no inline script or style; the only connection allowed besides
+the page's own origin is the control socket). A request whose ``Host`` is not this
+dashboard is refused (DNS rebinding). A state-changing request (any method but GET and
+HEAD) needs a session *and* a same-origin request (``Origin`` is the dashboard's, or
 ``Sec-Fetch-Site: same-origin``), whatever its path; otherwise 403.
 """
 
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
-from supervisor.control.dashboard._sessions import LoginRefused, Sessions
+from supervisor.control.dashboard._sessions import SESSION_HEADER, LoginRefused, Sessions
 
 __all__ = ["Request", "Response", "DashboardApp", "CONTENT_TYPES"]
 
@@ -32,6 +36,8 @@ CONTENT_TYPES: Final = {
     ".ico": "image/x-icon",
 }
 SAFE_METHODS: Final = frozenset({"GET", "HEAD"})
+# In login.html, replaced by the new session's secret (URL-safe base64: nothing to escape).
+SESSION_PLACEHOLDER: Final = b"{{session}}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +81,7 @@ class DashboardApp:
             path = urlsplit(req.target).path
         except ValueError:  # e.g. "//[": not a URL urllib can split
             return self._finish(_text(400, "bad request target\n"), hostname)
-        sid = self.sessions.session_of(req.header("cookie"))
+        sid = self.sessions.session_of(req.header(SESSION_HEADER))
         if req.method not in SAFE_METHODS:
             refusal = self._check_state_change(req, sid)
             if refusal is not None:
@@ -99,21 +105,24 @@ class DashboardApp:
         if path == "/login":
             if req.method not in SAFE_METHODS:
                 return _text(405, "use GET\n", allow="GET, HEAD")
+            if req.method == "HEAD":
+                # A link preview (chat apps, mail scanners) must not use the link up.
+                return Response(200, b"", CONTENT_TYPES[".html"])
             return self._login(req)
         if path == "/logout":
             if req.method != "POST":
                 return _text(405, "use POST\n", allow="POST")
             assert sid is not None  # _check_state_change
             self.sessions.end(sid)
-            return _redirect("/", cookie=self.sessions.clear_cookie())
+            return _json(200, {"signed_in": False})
         if req.method not in SAFE_METHODS:
             return _text(
                 405 if path in ("/", "/api/session") or path.startswith("/static/") else 404, "no such action\n"
             )
         if path in ("/", "/index.html"):
-            if sid is None:
-                return self._page("signed-out.html", status=401)
             return self._page("index.html")
+        if path == "/signed-out":
+            return self._page("signed-out.html", status=401)
         if path == "/api/session":
             if sid is None:
                 return _json(
@@ -134,7 +143,8 @@ class DashboardApp:
             sid = self.sessions.redeem(values[0])
         except LoginRefused:
             return self._page("signed-out.html", status=401)
-        return _redirect("/", cookie=self.sessions.set_cookie(sid))
+        page = self.static["login.html"].replace(SESSION_PLACEHOLDER, sid.encode())
+        return Response(200, page, CONTENT_TYPES[".html"])
 
     def _page(self, name: str, *, status: int = 200) -> Response:
         return Response(status, self.static[name], CONTENT_TYPES[".html"])
@@ -148,7 +158,7 @@ class DashboardApp:
         return Response(200, body, ctype)
 
     def _control_url(self, hostname: str) -> str:
-        # The same host name the page was loaded from: the session cookie is scoped to it.
+        # The same host name the page was loaded from: its Origin is what the socket checks.
         return f"ws://{hostname}:{self.control_port}/"
 
     def _finish(self, resp: Response, hostname: str | None) -> Response:
@@ -179,7 +189,3 @@ def _text(status: int, text: str, *, allow: str | None = None) -> Response:
 
 def _json(status: int, obj: Any) -> Response:
     return Response(status, json.dumps(obj).encode(), "application/json")
-
-
-def _redirect(location: str, *, cookie: str) -> Response:
-    return Response(303, b"", headers=[("Location", location), ("Set-Cookie", cookie)])

@@ -1,7 +1,7 @@
 """The dashboard's HTTP/1.1 server: h11 over trio, on a loopback port of its own.
 
 Serves ``DashboardApp``'s responses and nothing else; the page then talks to the control
-socket (a websocket on the daemon's other port) with its session cookie. Bounded like the
+socket (a websocket on the daemon's other port) with its session (``_sessions``). Bounded like the
 control socket: connections at once, request head and body size, a deadline for each
 request to arrive and for each response to be taken. A bad or slow client gets an error or
 a closed connection; nothing a client sends ends the server or the daemon.

@@ -1,12 +1,20 @@
-"""Dashboard sessions: one-time login links exchanged for a session cookie. No I/O.
+"""Dashboard sessions: one-time login links exchanged for a session secret. No I/O.
 
 The one owner of who is signed in to the dashboard. Both servers ask it: the dashboard's
-HTTP server (``/login``, pages, state-changing requests) and the control socket, which
-accepts a browser handshake carrying a valid session cookie from the dashboard's own
-origin as an alternative to the control token. Sessions live in memory: a daemon restart
-(which also changes the control token) signs everyone out. Invariants: a login link works
-once; a session cookie is ``HttpOnly; SameSite=Strict``; a session is valid only with a
-request from the dashboard's own origin (checked by the callers through ``origin_ok``).
+HTTP server (``/login``, the API, state-changing requests) and the control socket, which
+accepts a browser handshake carrying a valid session from the dashboard's own origin as
+an alternative to the control token. Sessions live in memory: a daemon restart (which also
+changes the control token) signs everyone out.
+
+No cookie: a browser sends cookies to every port of a host (a local web app, or a server a
+supervised run starts on loopback, would receive it), and whoever holds the credential can
+forge ``Origin`` from a non-browser client. So the secret lives in the page's own
+origin-scoped storage (``localStorage`` is per scheme, host *and port*), and the page
+presents it explicitly: a ``X-Agentd-Session`` header on its HTTP API calls, and a
+websocket subprotocol entry ``agentd-session.<secret>`` on the control socket (browsers
+cannot set headers on a websocket). Invariants: a login link works once; a session is valid
+only when presented explicitly, with a request from the dashboard's own origin (checked by
+the callers through ``origin_ok``).
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from collections.abc import Callable
 from typing import Final
 
 from supervisor.control import _dashlink
+from supervisor.control.server import DASHBOARD_SUBPROTOCOL
 
-__all__ = ["Sessions", "LoginRefused", "LOOPBACK_NAMES"]
+__all__ = ["Sessions", "LoginRefused", "LOOPBACK_NAMES", "SESSION_HEADER", "SUBPROTOCOL", "SESSION_PROTOCOL_PREFIX"]
 
 # A session not used for this long ends (seconds).
 SESSION_IDLE_S: Final = 12 * 3600
@@ -28,6 +37,12 @@ MAX_SESSIONS: Final = 100
 # Used login nonces remembered at once (each only until its link expires anyway).
 MAX_USED_NONCES: Final = 10_000
 SESSION_BYTES: Final = 32
+# The HTTP header the page presents its session in (lower-case, as requests hold names).
+SESSION_HEADER: Final = "x-agentd-session"
+# The websocket subprotocol the control socket selects for the page; the page offers it
+# together with ``SESSION_PROTOCOL_PREFIX + secret`` (never echoed back, never logged).
+SUBPROTOCOL: Final = DASHBOARD_SUBPROTOCOL
+SESSION_PROTOCOL_PREFIX: Final = "agentd-session."
 
 # Host names a browser may use to reach a loopback-bound dashboard. Any other Host header
 # is refused (a DNS-rebinding page would present its own name).
@@ -61,11 +76,6 @@ class Sessions:
         self.port = port
         self.hosts = LOOPBACK_NAMES + tuple(h for h in extra_hosts if h not in LOOPBACK_NAMES)
 
-    @property
-    def cookie_name(self) -> str:
-        # Cookies ignore ports: two daemons on one host must not share one cookie.
-        return f"agentd_session_{self.port}"
-
     # ------------------------------------------------------------------ login
 
     def redeem(self, login: str) -> str:
@@ -97,12 +107,9 @@ class Sessions:
 
     # ------------------------------------------------------------------ checks
 
-    def session_of(self, cookie_header: str | None) -> str | None:
-        """The valid session id in a ``Cookie`` header, if any (its use is noted)."""
-        if not cookie_header or self.port is None:
-            return None
-        sid = _cookie_value(cookie_header, self.cookie_name)
-        if sid is None:
+    def session_of(self, sid: str | None) -> str | None:
+        """``sid`` if it is a valid session (its use is noted), else None."""
+        if not sid or self.port is None:
             return None
         last = self._sessions.get(sid)
         if last is None:
@@ -127,23 +134,17 @@ class Sessions:
             return False
         return origin.strip().rstrip("/").lower() in {f"http://{h}:{self.port}" for h in self.hosts}
 
-    def handshake_ok(self, origin: str | None, cookie_header: str | None) -> bool:
-        """For the control socket: a browser on the dashboard's origin with a session."""
-        return self.origin_ok(origin) and self.session_of(cookie_header) is not None
-
-    def set_cookie(self, sid: str) -> str:
-        # No Max-Age: a browser session cookie; the daemon ends it after SESSION_IDLE_S.
-        return f"{self.cookie_name}={sid}; Path=/; HttpOnly; SameSite=Strict"
-
-    def clear_cookie(self) -> str:
-        return f"{self.cookie_name}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0"
+    def handshake_ok(self, origin: str | None, protocols: str | None) -> bool:
+        """For the control socket: a browser on the dashboard's origin that offers its
+        session as a subprotocol entry (``protocols``: the ``Sec-WebSocket-Protocol``
+        header). A cookie would not do: see the module's docstring."""
+        return self.origin_ok(origin) and self.session_of(session_in_protocols(protocols)) is not None
 
 
-def _cookie_value(header: str, name: str) -> str | None:
-    # Not http.cookies.SimpleCookie: it stops at the first cookie it dislikes, and other
-    # apps on localhost set all sorts (cookies ignore ports).
-    for part in header.split(";"):
-        key, sep, value = part.strip().partition("=")
-        if sep and key == name:
-            return value.strip().strip('"')
+def session_in_protocols(protocols: str | None) -> str | None:
+    """The secret in a ``Sec-WebSocket-Protocol`` header's ``agentd-session.<secret>`` entry."""
+    for entry in (protocols or "").split(","):
+        entry = entry.strip()
+        if entry.startswith(SESSION_PROTOCOL_PREFIX):
+            return entry[len(SESSION_PROTOCOL_PREFIX) :]
     return None

@@ -4,7 +4,7 @@
 // tool and arguments; "approval_answered" resolves it) and from its status ("approvals":
 // what the daemon holds pending, which survives a page reload and a daemon restart). The
 // buttons send the control socket's "approve" / "deny" (with the optional reason from the
-// box beside Deny); the page is authenticated by its session cookie. Once a run is stopping
+// box beside Deny); the page is authenticated by its session (session.js). Once a run is stopping
 // or has ended, nothing can be answered: the section goes.
 
 import { clear, h } from "./dom.js";

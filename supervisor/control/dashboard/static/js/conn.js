@@ -1,12 +1,14 @@
 // The control socket, as the page uses it: requests with ids, and subscriptions that
 // survive a dropped connection.
 //
-// The websocket authenticates with the dashboard's session cookie (sent by the browser;
-// the page never sees a token). When the connection drops, pending requests fail with
+// The websocket authenticates with the dashboard's session secret, offered as a
+// subprotocol entry (session.js; the page never sees the control token). When the connection drops, pending requests fail with
 // "connection_lost" and every subscription is resumed on the next connection from the
 // last sequence number it delivered: no gap (the server replays from its journal) and no
 // duplicate (anything at or below that number is ignored). Closing the page, or losing
 // the connection, never stops a run: only an explicit "cancel" request does.
+
+import { authHeaders, forget, socketProtocols } from "./session.js";
 
 const BACKOFF_MS = [0, 250, 500, 1000, 2000, 4000];
 const REQUEST_TIMEOUT_MS = 30000;
@@ -60,7 +62,7 @@ export class Connection {
     // Where the control socket is; 401 once the session has ended.
     let resp;
     try {
-      resp = await fetch("/api/session", { credentials: "same-origin", cache: "no-store" });
+      resp = await fetch("/api/session", { headers: authHeaders(), cache: "no-store" });
     } catch {
       return { down: true };
     }
@@ -73,6 +75,7 @@ export class Connection {
     this.retryTimer = null;
     const info = await this._session();
     if (info.signedOut) {
+      forget();
       this._setState("signed-out", "Signed out: run `agentd dashboard` for a new login link");
       this._failQueued("unauthorized", "signed out");
       return;
@@ -85,7 +88,7 @@ export class Connection {
     this.url = info.control_url;
     let ws;
     try {
-      ws = new WebSocket(this.url);
+      ws = new WebSocket(this.url, socketProtocols());
     } catch (err) {
       this._setState("reconnecting", `Cannot connect (${err.message}); retrying…`);
       this._retry();

@@ -8,6 +8,7 @@
 import { Connection } from "./conn.js";
 import { RunView } from "./run.js";
 import { RunsView } from "./runs.js";
+import { authHeaders, forget, secret } from "./session.js";
 
 const conn = new Connection(document.getElementById("conn"));
 const runsView = new RunsView(conn);
@@ -34,6 +35,21 @@ function route() {
   route.started = true;
 }
 
-window.addEventListener("hashchange", route);
-route();
-conn.start();
+async function signOut() {
+  // The daemon ends the session (its sockets are refused from then on); the secret goes.
+  try {
+    await fetch("/logout", { method: "POST", headers: authHeaders(), cache: "no-store" });
+  } finally {
+    forget();
+    location.replace("/signed-out");
+  }
+}
+
+if (!secret()) {
+  location.replace("/signed-out"); // never signed in on this origin, or signed out
+} else {
+  document.getElementById("sign-out").addEventListener("click", signOut);
+  window.addEventListener("hashchange", route);
+  route();
+  conn.start();
+}
