@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from functools import partial
 from pathlib import Path
@@ -116,7 +117,9 @@ async def test_a_client_that_sends_nothing_is_dropped_at_the_request_timeout(
             assert await stream.receive_some() == b""  # closed by the server
 
 
-async def test_connections_beyond_the_limit_are_closed_at_once(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_connections_beyond_the_limit_are_closed_at_once_and_logged_once_an_interval(
+    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(_server, "MAX_CONNECTIONS", 2)
     # The limiter is built at serve time: start a second server with the patched limit.
     async with trio.open_nursery() as nursery:
@@ -130,9 +133,15 @@ async def test_connections_beyond_the_limit_are_closed_at_once(served: Served, m
             await s.send_all(f"GET /static/app.css HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
             status, _, _ = await read_response(s, bytearray())
             assert status == 200
-        third = await trio.open_tcp_stream("127.0.0.1", port)
-        with trio.fail_after(WAIT_S):
-            assert await third.receive_some() == b""
-        for s in [*held, third]:
+        caplog.set_level(logging.WARNING, logger=_server.logger.name)
+        extra = []
+        for _ in range(5):  # a client in a loop: each closed, one log line for them all
+            third = await trio.open_tcp_stream("127.0.0.1", port)
+            extra.append(third)
+            with trio.fail_after(WAIT_S):
+                assert await third.receive_some() == b""
+        refusals = [r for r in caplog.records if "connections already" in r.getMessage()]
+        assert len(refusals) == 1, [r.getMessage() for r in refusals]
+        for s in [*held, *extra]:
             await s.aclose()
         nursery.cancel_scope.cancel()

@@ -10,6 +10,8 @@ a closed connection; nothing a client sends ends the server or the daemon.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Mapping
 from http import HTTPStatus
 from importlib import resources
@@ -20,6 +22,7 @@ import h11
 import trio
 
 from supervisor.config import Config
+from supervisor.control._conn_limits import REFUSAL_LOG_INTERVAL_S
 from supervisor.control.dashboard._app import DashboardApp, Request, Response
 from supervisor.control.dashboard._sessions import Sessions
 from supervisor.control.server import open_listener
@@ -211,12 +214,25 @@ async def serve_dashboard(
         static = await trio.to_thread.run_sync(load_static)
     app = DashboardApp(sessions, static, control_port=control_port)
     limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
+    # Refusals come in floods (a client in a loop): one line per interval, like the
+    # control socket's, not one per connection.
+    refused = 0
+    last_log = -math.inf
 
     async def handler(stream: trio.SocketStream) -> None:
+        nonlocal refused, last_log
         try:
             limiter.acquire_nowait()
         except trio.WouldBlock:
-            logger.warning("dashboard: %d connections already; closing a new one", MAX_CONNECTIONS)
+            refused += 1
+            now = time.monotonic()
+            if now - last_log >= REFUSAL_LOG_INTERVAL_S:
+                last_log = now
+                logger.warning(
+                    "dashboard: %d connections already; closing a new one (%d refused so far)",
+                    MAX_CONNECTIONS,
+                    refused,
+                )
             await stream.aclose()
             return
         try:
