@@ -842,6 +842,50 @@ def approval_spec(tmp_path: Path) -> list[str]:
     return ["--spec", str(path)]
 
 
+TIMED_OUT_REQUEST = r"""
+async () => {
+  const { Connection, RequestError } = await import("/static/js/conn.js");
+  const { StopControl } = await import("/static/js/stop.js");
+  const t = window.__agentdTest;
+  const conn = new Connection(null, { requestTimeoutMs: 300 });
+  const state = (want) => new Promise((res) => {
+    if (conn.state === want) return res();
+    const off = conn.onState((s) => { if (s === want) { off(); res(); } });
+  });
+  conn.start();
+  await state("open");
+  t.block = true; // reconnects fail until unblocked
+  t.drop();
+  await state("reconnecting");
+  const err = await conn.request("cancel", { run_id: "r-timed-out", reason: "test" }).then(() => null, (e) => e);
+  t.block = false;
+  await state("open");
+  await conn.request("ping"); // answered: whatever was queued went before it
+  // What the Stop button says of each failure.
+  const said = {};
+  for (const code of ["not_sent", "timeout", "unauthorized"]) {
+    const [button, status, steps] = ["button", "p", "ol"].map((n) => document.createElement(n));
+    const c = new StopControl(button, status, steps, { cancel: () => Promise.reject(new RequestError(code, "why")) });
+    c.setState("running");
+    c.press();
+    await new Promise((res) => setTimeout(res, 0));
+    said[code] = status.textContent;
+  }
+  return { code: err && err.code, message: err && err.message, cancels: t.sentOps("cancel").length, said };
+}
+"""
+
+
+def test_a_request_that_timed_out_waiting_for_the_connection_is_never_sent_after_it_comes_back(tab: Tab) -> None:
+    # A Stop the page reported as failed must not be sent minutes later on the reconnect.
+    out = tab.page.evaluate(TIMED_OUT_REQUEST)
+    assert out["code"] == "not_sent", out
+    assert out["cancels"] == 0, out
+    assert "not sent" in out["said"]["not_sent"] and "refused" not in out["said"]["not_sent"]
+    assert "refused" not in out["said"]["timeout"] and "whether it arrived" in out["said"]["timeout"]
+    assert "refused" in out["said"]["unauthorized"]
+
+
 def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
     run_id = daemon.agentd("spawn", *approval_spec(tmp_path)).stdout.strip()

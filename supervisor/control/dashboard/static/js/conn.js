@@ -2,10 +2,16 @@
 // survive a dropped connection.
 //
 // The websocket authenticates with the dashboard's session secret, offered as a
-// subprotocol entry (session.js; the page never sees the control token). When the connection drops, pending requests fail with
-// "connection_lost" and every subscription is resumed on the next connection from the
+// subprotocol entry (session.js; the page never sees the control token). When the
+// connection drops, pending requests fail with "connection_lost" and every subscription
+// is resumed on the next connection from the
 // last sequence number it delivered: no gap (the server replays from its journal) and no
-// duplicate (anything at or below that number is ignored). Closing the page, or losing
+// duplicate (anything at or below that number is ignored). A request waiting for a
+// connection is sent once it opens, unless it has timed out first: then it is taken out
+// of the queue and never sent (the page has told the user it failed; a Stop or an approval
+// arriving minutes later would be a surprise). A timeout says whether the request was sent
+// ("timeout": it may or may not have been done) or not ("not_sent"); a dropped connection
+// fails only what went out on it ("connection_lost"). Closing the page, or losing
 // the connection, never stops a run: only an explicit "cancel" request does.
 
 import { authHeaders, forget, socketProtocols } from "./session.js";
@@ -24,13 +30,14 @@ export class RequestError extends Error {
 }
 
 export class Connection {
-  constructor(statusEl) {
+  constructor(statusEl, { requestTimeoutMs = REQUEST_TIMEOUT_MS } = {}) {
     this.statusEl = statusEl;
+    this.requestTimeoutMs = requestTimeoutMs;
     this.url = null;
     this.ws = null;
     this.state = "connecting";
     this.nextId = 1;
-    this.pending = new Map(); // request id -> {resolve, reject, timer}
+    this.pending = new Map(); // request id -> {resolve, reject, timer, sent}
     this.queue = []; // requests waiting for an open socket: {frame, entry}
     this.subs = new Set(); // Subscription
     this.bySub = new Map(); // server sub id -> Subscription
@@ -109,7 +116,10 @@ export class Connection {
       for (const sub of this.subs) sub._open();
       const queued = this.queue;
       this.queue = [];
-      for (const { frame } of queued) ws.send(frame);
+      for (const { frame, entry } of queued) {
+        entry.sent = true;
+        ws.send(frame);
+      }
     };
     ws.onmessage = (msg) => {
       if (this.ws === ws) this._onMessage(msg.data);
@@ -124,6 +134,9 @@ export class Connection {
 
   _dropped() {
     for (const [id, entry] of this.pending) {
+      // Only what went out on the lost socket is lost; what waits in the queue still
+      // goes on the next one (or times out there, unsent).
+      if (!entry.sent) continue;
       clearTimeout(entry.timer);
       entry.reject(new RequestError("connection_lost", "the connection to the daemon dropped"));
       this.pending.delete(id);
@@ -142,7 +155,10 @@ export class Connection {
   }
 
   _failQueued(code, message) {
-    for (const { entry } of this.queue) entry.reject(new RequestError(code, message));
+    for (const { entry } of this.queue) {
+      clearTimeout(entry.timer);
+      entry.reject(new RequestError(code, message));
+    }
     this.queue = [];
   }
 
@@ -171,17 +187,24 @@ export class Connection {
     const id = this.nextId++;
     const frame = JSON.stringify({ id, op, ...args });
     return new Promise((resolve, reject) => {
-      const entry = { resolve, reject, timer: null };
+      const entry = { resolve, reject, timer: null, sent: false };
       entry.timer = setTimeout(() => {
         this.pending.delete(id);
-        reject(new RequestError("timeout", `no answer to ${op} within ${REQUEST_TIMEOUT_MS / 1000} s`));
-      }, REQUEST_TIMEOUT_MS);
+        const secs = this.requestTimeoutMs / 1000;
+        if (!entry.sent) {
+          this.queue = this.queue.filter((q) => q.entry !== entry); // never sent later
+          reject(new RequestError("not_sent", `not sent: no connection to the daemon within ${secs} s`));
+        } else {
+          reject(new RequestError("timeout", `sent, but no answer within ${secs} s: whether it was done is unknown`));
+        }
+      }, this.requestTimeoutMs);
       this.pending.set(id, entry);
       if (this.state === "signed-out") {
         this.pending.delete(id);
         clearTimeout(entry.timer);
         reject(new RequestError("unauthorized", "signed out"));
       } else if (this.ws && this.ws.readyState === WebSocket.OPEN) {
+        entry.sent = true;
         this.ws.send(frame);
       } else {
         this.queue.push({ frame, entry });

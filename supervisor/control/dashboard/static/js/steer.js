@@ -15,6 +15,8 @@ const LABEL = {
   applied: "applied",
   unapplied: "never applied (the run ended first)",
   unknown: "sent; connection lost before the answer",
+  unanswered: "sent; no answer (whether it arrived is unknown)",
+  unsent: "not sent (no connection to the daemon)",
 };
 
 export class SteerModel {
@@ -85,7 +87,8 @@ export class SteerBox {
         this.local.push({ text, state: "refused", why: reply.why ?? reply.state });
       }
     } catch (err) {
-      this.local.push({ text, state: err.code === "connection_lost" ? "unknown" : "refused", why: err.message });
+      const state = { connection_lost: "unknown", timeout: "unanswered", not_sent: "unsent" }[err.code] ?? "refused";
+      this.local.push({ text, state, why: err.message });
     } finally {
       this.button.disabled = !this.live;
       this.render();

@@ -193,7 +193,13 @@ export class StopControl {
         } else {
           this.pressed = false;
           this.phase = this.model.stopSeen ? "stopping" : "idle";
-          this._status(`The stop was refused: ${err.message}`);
+          if (err.code === "not_sent") {
+            this._status(`The stop was not sent (${err.message}); it will not be sent later. Press Stop again.`);
+          } else if (err.code === "timeout") {
+            this._status(`No answer to the stop (${err.message}); the run's events will show whether it arrived.`);
+          } else {
+            this._status(`The stop was refused: ${err.message}`);
+          }
           this._render();
         }
       },
