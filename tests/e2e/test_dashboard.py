@@ -886,6 +886,14 @@ def test_a_request_that_timed_out_waiting_for_the_connection_is_never_sent_after
     assert "refused" in out["said"]["unauthorized"]
 
 
+def test_an_address_with_a_malformed_escape_shows_the_runs_list_and_connects(daemon: Daemon, tab: Tab) -> None:
+    page = tab.page
+    page.goto("about:blank")
+    page.goto(f"{daemon.dashboard_url}#/run/%E0%A4%A")
+    page.wait_for_selector("#conn[data-state=open]")
+    assert page.locator("#runs-view").is_visible()
+
+
 def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
     run_id = daemon.agentd("spawn", *approval_spec(tmp_path)).stdout.strip()

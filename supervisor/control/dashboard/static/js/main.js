@@ -17,11 +17,17 @@ const runView = new RunView(conn);
 function route() {
   const hash = location.hash.replace(/^#/, "") || "/";
   const [path, query = ""] = hash.split("?", 2);
-  const run = /^\/run\/([^/]+)$/.exec(path);
+  const match = /^\/run\/([^/]+)$/.exec(path);
+  let run = null;
+  try {
+    run = match ? decodeURIComponent(match[1]) : null;
+  } catch {
+    run = null; // a malformed % escape (a mangled link): the list, not a blank page
+  }
   let heading;
-  if (run) {
+  if (run !== null) {
     runsView.unmount();
-    runView.mount(decodeURIComponent(run[1]));
+    runView.mount(run);
     heading = document.getElementById("run-title");
   } else {
     runView.unmount();
@@ -50,6 +56,6 @@ if (!secret()) {
 } else {
   document.getElementById("sign-out").addEventListener("click", signOut);
   window.addEventListener("hashchange", route);
+  conn.start(); // first: whatever the address holds, the page connects
   route();
-  conn.start();
 }
