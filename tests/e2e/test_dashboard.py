@@ -404,7 +404,8 @@ def test_stop_inside_a_command_goes_to_stopping_at_once_then_shows_the_receipt_t
     else:
         assert text.startswith(f"Stopped in {took}"), text
     assert text.endswith("· 0 left"), text
-    assert re.search(r"· \d+ process(es)? ended ·", text), text
+    # A count of processes ended only when the receipt has one (its pid lists are not all).
+    assert bool(re.search(r"· \d+ process(es)? ended ·", text)) == ("processes_ended" in receipt), text
     # The page shows the receipt itself, every field of it.
     page.locator("#receipt-details summary").click()
     details = page.locator("#receipt").inner_text()
@@ -755,6 +756,10 @@ async () => {
   out.queued = stopSummary({ state: "cancelled", receipt: { note: "cancelled while queued: never started" } });
   out.completed = stopSummary({ state: "completed", receipt: { path_b: pb({}) } }, { pressed: true });
   out.unknownCount = processesEnded({ path_b: { leader: "gone" } });
+  // The cgroup ended a tree of 4: the receipt names none of them, nor how many.
+  out.cgroupKilled = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 0.05, containment: "cgroup",
+    path_b: pb({ cgroup: "/sys/fs/cgroup/agentd-1/t1" }) } });
+  out.cgroupCount = processesEnded({ path_b: pb({ cgroup: "/sys/fs/cgroup/agentd-1/t1", killed: [{ pid: 11 }] }) });
   // A stop as a later daemon may tell it: interrupted tool, an event kind not known today.
   const m = new StopModel();
   const ev = (seq, kind, data, ts) => ({ seq, kind, data, ts });
@@ -782,17 +787,17 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
 ) -> None:
     t = _open_tab(browser)
     try:
-        t.page.goto(daemon.dashboard_url)  # signed out is fine: the modules are the page's own files
+        t.page.goto(f"{daemon.dashboard_url}signed-out")  # signed out is fine: the modules are the page's own files
         out = t.page.evaluate(JS_CASES)
     finally:
         t.context.close()
     assert out["fast"] == "Stopped in 43 ms · 7 processes ended · 0 left"
-    assert out["counted"] == "Stopped in 200 ms · 3 processes ended · 0 left"
-    assert (
-        out["grace"]
-        == "Cancelled at the grace (10 s) · escalated to SIGKILL · 1 process ended · 1 process could not be confirmed"
-    )
-    assert out["finished"] == "Stopped · the write call finished first (1.2 s) · 1 process ended · 0 left"
+    # Without the receipt's count, no count (the pids it lists are not all that ended).
+    assert out["counted"] == "Stopped in 200 ms · 0 left"
+    assert out["grace"] == "Cancelled at the grace (10 s) · escalated to SIGKILL · 1 process could not be confirmed"
+    assert out["finished"] == "Stopped · the write call finished first (1.2 s) · 0 left"
+    assert out["cgroupKilled"] == "Stopped in 50 ms · 0 left"
+    assert out["cgroupCount"] is None
     assert out["queued"] == "Cancelled before it started · nothing was running"
     assert out["completed"] == "Completed before the stop took effect"
     assert out["unknownCount"] is None

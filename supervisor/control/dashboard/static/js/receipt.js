@@ -15,7 +15,12 @@ function pathB(receipt) {
   return pb && typeof pb === "object" ? pb : {};
 }
 
-/** Processes the receipt says were ended (null when it cannot tell). */
+/**
+ * Processes the receipt says were ended: its `processes_ended` count, else null. Not
+ * counted from path_b's `killed`/`reaped`/leader: those list only what was signalled by
+ * pid or reaped here, and a cgroup.kill or a killpg ends a whole tree without naming its
+ * members ("1 process ended" for a tree of 4).
+ */
 export function processesEnded(receipt) {
   if (!receipt) return null;
   for (const holder of [receipt, pathB(receipt)]) {
@@ -23,12 +28,7 @@ export function processesEnded(receipt) {
     if (typeof n === "number") return n;
     if (Array.isArray(n)) return n.length;
   }
-  const pb = pathB(receipt);
-  const pids = new Set();
-  for (const k of pb.killed ?? []) if (k && typeof k.pid === "number") pids.add(k.pid);
-  for (const pid of pb.reaped ?? []) if (typeof pid === "number") pids.add(pid);
-  if (typeof pb.pid === "number" && (pb.leader === "exited" || pb.leader === "killed")) pids.add(pb.pid);
-  return pids.size > 0 ? pids.size : null;
+  return null;
 }
 
 /** Processes still alive after the stop, as the receipt reports them. */
