@@ -899,6 +899,52 @@ def test_an_address_with_a_malformed_escape_shows_the_runs_list_and_connects(dae
     assert page.locator("#runs-view").is_visible()
 
 
+REFUSED_FINAL_STATUS = r"""
+async () => {
+  const { RunView } = await import("/static/js/run.js");
+  const { RequestError } = await import("/static/js/conn.js");
+  let runStatusCalls = 0;
+  let subscribed;
+  const gotSub = new Promise((res) => { subscribed = res; });
+  // A connection to a daemon that restarted between the run's end and the page's last
+  // status request: that request is refused.
+  const conn = {
+    request(op, args) {
+      if (op === "status" && args.run_id) {
+        runStatusCalls += 1;
+        return runStatusCalls === 1
+          ? Promise.resolve({ run_id: "r-restart", state: "running" })
+          : Promise.reject(new RequestError("not_found", "no run r-restart"));
+      }
+      if (op === "status") return Promise.resolve({ summary: { grace_s: 3 } });
+      if (op === "cancel") return Promise.resolve({ was_active: true, state: "cancelling" });
+      return Promise.reject(new RequestError("unsupported", op));
+    },
+    subscribe(runId, handlers) { subscribed(handlers); return { close() {} }; },
+  };
+  const view = new RunView(conn);
+  view.mount("r-restart");
+  const h = await gotSub;
+  document.getElementById("stop").click();
+  const ts = Date.now() / 1000;
+  h.onEvent({ seq: 1, kind: "stop_requested", data: { reason: "user" }, ts });
+  h.onEvent({ seq: 2, kind: "state", data: { state: "cancelling" }, ts });
+  h.onEvent({ seq: 3, kind: "state", data: { state: "cancelled" }, ts });
+  await h.onEnd({ op: "end", run_id: "r-restart", state: "cancelled" });
+  const stop = document.getElementById("stop");
+  const out = { phase: stop.dataset.phase, text: stop.textContent, calls: runStatusCalls };
+  view.unmount();
+  return out;
+}
+"""
+
+
+def test_a_run_page_whose_last_status_is_refused_ends_its_stop_on_the_state_the_events_showed(tab: Tab) -> None:
+    out = tab.page.evaluate(REFUSED_FINAL_STATUS)
+    assert out["calls"] == 2, out
+    assert out["phase"] == "done" and out["text"] != "Stopping…", out
+
+
 def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
     run_id = daemon.agentd("spawn", *approval_spec(tmp_path)).stdout.strip()

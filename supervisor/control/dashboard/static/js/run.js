@@ -166,7 +166,19 @@ class RunPage {
         if (err.code !== "connection_lost") break;
       }
     }
-    if (this.destroyed || !status) return;
+    if (this.destroyed) return;
+    if (!status) {
+      // The status was refused (a restarted daemon, say): the terminal state the events
+      // showed has the last word, not the "Stopping…" the button was left on.
+      const state = this.stop.model.terminal ?? end.state ?? this.state;
+      if (state && !LIVE.has(state)) {
+        this._setState(state);
+        this.stop.finish({ state });
+        this.steer.finish();
+        this._renderFacts();
+      }
+      return;
+    }
     this.status = status;
     // Calls the runner never reported an outcome for were settled by the daemon (e.g.
     // "unknown" after a kill): the status has their last word.
