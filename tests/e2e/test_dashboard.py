@@ -744,6 +744,7 @@ async () => {
   const { StopModel } = await import("/static/js/stop.js");
   const { SteerModel } = await import("/static/js/steer.js");
   const { fmtDuration } = await import("/static/js/dom.js");
+  const { toolLine } = await import("/static/js/events.js");
   const out = {};
   const pb = (extra) => ({ escalated: false, leader: "exited", pid: 10, killed: [], reaped: [], survivors: [], ...extra });
   out.fast = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 0.043, processes_ended: 7, path_b: pb({}) } });
@@ -770,6 +771,13 @@ async () => {
   m.feed(ev(5, "stop_escalated", { message: "SIGKILL to 2 processes at the grace" }, 110.0));
   m.feed(ev(6, "state", { state: "cancelled" }, 110.01));
   out.steps = m.steps.map((s) => s.text);
+  // A stop that ends a wait for approval.
+  const a = new StopModel();
+  a.feed(ev(1, "tool_call", { record: { id: "c9", name: "deploy", state: "running", approval: "pending", arguments: "{}" } }, 200.0));
+  a.feed(ev(2, "state", { state: "cancelling", reason: "user" }, 200.001));
+  a.feed(ev(3, "approval_answered", { call_id: "c9", decision: "rejected", reason: "user" }, 200.002));
+  out.approvalSteps = a.steps.map((s) => s.text);
+  out.rejectedLine = toolLine({ id: "c9", name: "deploy", state: "rejected", arguments: "{}" });
   out.firstAt = m.steps[0].atS;
   const s = new SteerModel();
   for (const [k, d] of [["steer_sent", { text: "a" }], ["steer_sent", { text: "a" }], ["steering", { state: "queued", text: "a", step: 1 }],
@@ -801,6 +809,9 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
     assert out["queued"] == "Cancelled before it started · nothing was running"
     assert out["completed"] == "Completed before the stop took effect"
     assert out["unknownCount"] is None
+    assert out["approvalSteps"][1] == "deploy was awaiting approval: the stop ended the wait; it never ran (user)"
+    assert "{" not in " ".join(out["approvalSteps"])
+    assert out["rejectedLine"].startswith("⊘ deploy rejected")
     assert out["steps"] == [
         "Stop sent to the runner (reason: user)",
         "The runner got the stop during a tool call",

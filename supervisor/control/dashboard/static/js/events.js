@@ -11,6 +11,7 @@ const TOOL_MARK = {
   cancelled: "■",
   unknown: "?",
   not_started: "∅",
+  rejected: "⊘", // denied, or a stop ended its wait for approval: it never ran
 };
 
 export function toolLine(rec) {

@@ -20,6 +20,7 @@ export class StopModel {
     this.stopTs = null; // wall-clock time of the "cancelling" state, or of the press
     this.steps = []; // [{atS, text}]
     this.running = new Map(); // tool call id -> record, while running
+    this.names = new Map(); // tool call id -> its tool's name (for approval answers)
     this.finishedFirst = []; // [{name, afterS}]
     this.terminal = null;
     this.stopSeen = false;
@@ -36,6 +37,7 @@ export class StopModel {
     const d = ev.data ?? {};
     if (ev.kind === "tool_call" && d.record) {
       const rec = d.record;
+      if (rec.id && rec.name) this.names.set(rec.id, rec.name);
       if (rec.state === "running") this.running.set(rec.id, rec);
       else this.running.delete(rec.id);
       if (!this.stopSeen) return false;
@@ -105,6 +107,19 @@ export class StopModel {
           return true;
         }
         return false;
+      case "approval_answered": {
+        // A call that awaited approval when the stop came: the stop ends the wait.
+        const name = this.names.get(d.call_id) ?? "a call";
+        const why = d.reason ? ` (${d.reason})` : "";
+        const text = {
+          rejected: `${name} was awaiting approval: the stop ended the wait; it never ran${why}`,
+          denied: `${name} denied${why}: it never ran`,
+          approved: `${name} approved${why}`,
+        }[d.decision] ?? `${name}: approval ${d.decision ?? "answered"}${why}`;
+        this._step(ev.ts, text);
+        return true;
+      }
+      case "approval_requested":
       case "assistant_text":
       case "step_started":
       case "step_snapshot":
