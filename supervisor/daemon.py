@@ -156,6 +156,7 @@ async def _serve_locked(
                         manager,
                         token=token,
                         session_ok=sessions.handshake_ok if sessions is not None else None,
+                        session_watch=sessions.watching if sessions is not None else None,
                         subscriptions=subscriptions,
                         listener=control_listener,
                     )

@@ -28,11 +28,13 @@ replay and gap filling, limits); the access checks and limits' bookkeeping are e
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -94,6 +96,9 @@ DASHBOARD_SUBPROTOCOL: Final = "agentd-dashboard"
 
 # session_ok(origin, sec_websocket_protocol_header) -> bool: see check_access.
 SessionCheck = Callable[[str, str | None], bool]
+# session_watch(offered_subprotocols) -> a context holding an event set when the session
+# the connection came in with ends (None: it came in with the token).
+SessionWatch = Callable[[str | None], AbstractContextManager["trio.Event | None"]]
 
 
 def hard_message_cap(config: Config) -> int:
@@ -198,6 +203,17 @@ class _Gone(Exception):
     """The client went away (or stalled and was dropped) while we were sending."""
 
 
+async def _close_when(ended: trio.Event, ws: WebSocketConnection, stream: GatedStream | None) -> None:
+    await ended.wait()
+    # Shielded: the connection's end (which this causes) cancels this task, and the TCP
+    # connection must still be closed here, by the server (RFC 6455 7.1.1).
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+            await ws.aclose(code=1008, reason="the dashboard session ended")
+        if stream is not None:
+            await stream.close_now()
+
+
 class Subscriptions:
     """The control server's live subscriptions, counted: a stopping daemon lets them
     deliver their runs' last events, and their ``end``, before it closes the connections
@@ -235,8 +251,10 @@ class _Server:
         limits: Limits,
         session_ok: SessionCheck | None = None,
         subscriptions: Subscriptions | None = None,
+        session_watch: SessionWatch | None = None,
     ) -> None:
         self.config = config
+        self.session_watch = session_watch
         self.backend = backend
         self.tokens = tokens
         self.limits = limits
@@ -286,8 +304,19 @@ class _Server:
             return
         self.connections += 1
         logger.debug("control: connection from %s", peer)
+        watching: AbstractContextManager[trio.Event | None] = contextlib.nullcontext(None)
+        if dash and self.session_watch is not None:
+            watching = self.session_watch(", ".join(request.proposed_subprotocols))
         try:
-            await _Connection(self, ws, peer, stream).run()
+            with watching as ended:
+                async with trio.open_nursery() as watch:
+                    if ended is not None:
+                        # Signed out: the socket closes (requests in flight still complete).
+                        watch.start_soon(_close_when, ended, ws, stream)
+                    try:
+                        await _Connection(self, ws, peer, stream).run()
+                    finally:
+                        watch.cancel_scope.cancel()
         except Exception:
             logger.exception("control: connection from %s failed", peer)
         finally:
@@ -833,6 +862,7 @@ async def serve_control(
     *,
     token: str | None = None,
     session_ok: SessionCheck | None = None,
+    session_watch: SessionWatch | None = None,
     limits: Limits | None = None,
     subscriptions: Subscriptions | None = None,
     listener: trio.SocketListener | None = None,
@@ -846,6 +876,7 @@ async def serve_control(
         token: the token clients must present; None: the one in ``config.token_path``,
             re-read when the file changes (a connection before it exists is refused).
         session_ok: accepts a dashboard session instead of the token (``check_access``).
+        session_watch: closes such a connection when its session ends (``Sessions.watching``).
         limits: connection limits; default ``Limits()``, its total capped by RLIMIT_NOFILE.
         subscriptions: where the live subscriptions are counted (the daemon's, to let them
             drain at shutdown); default a fresh one.
@@ -854,7 +885,9 @@ async def serve_control(
     """
     limits = limits or Limits()
     listeners = [listener or await open_listener(config.host, config.port)]
-    server = _Server(config, backend, _TokenSource(config.token_path, token), limits, session_ok, subscriptions)
+    server = _Server(
+        config, backend, _TokenSource(config.token_path, token), limits, session_ok, subscriptions, session_watch
+    )
     server.port = listeners[0].socket.getsockname()[1]
     gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total))
     server.gate = gate

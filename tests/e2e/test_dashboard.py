@@ -607,9 +607,15 @@ def test_no_or_wrong_or_used_login_tokens_are_refused_and_the_session_is_no_cook
             assert resp is not None and resp.status == 401
         finally:
             other.context.close()
-        # Sign out from the page: the session ends, for the page's secret too.
+        # Another tab of the same browser shares the secret (localStorage) and is connected.
+        second = t.context.new_page()
+        second.goto(daemon.dashboard_url)
+        second.wait_for_selector("#conn[data-state=open]")
+        # Sign out from the page: the session ends, for the page's secret too, and the
+        # other tab's open socket is closed (it then finds itself signed out).
         page.get_by_role("button", name="Sign out").click()
         page.get_by_role("heading", name="Not signed in").wait_for()
+        second.wait_for_selector("#conn[data-state=signed-out]")
         assert page.evaluate("() => localStorage.getItem('agentd_session')") is None
         status = page.evaluate(
             "async (s) => (await fetch('/api/session', { headers: { 'X-Agentd-Session': s } })).status", secret

@@ -14,8 +14,9 @@ import json
 from functools import partial
 from pathlib import Path
 
+import pytest
 import trio
-from trio_websocket import open_websocket_url
+from trio_websocket import ConnectionClosed, open_websocket_url
 
 from supervisor.config import Config
 from supervisor.control import _dashlink
@@ -146,3 +147,40 @@ async def test_a_non_browser_client_with_the_session_in_a_cookie_and_a_forged_or
     for name in ("agentd_session", f"agentd_session_{DASH_PORT}"):
         forged = [(b"Origin", DASH_ORIGIN.encode()), (b"Cookie", f"{name}={sid}".encode())]
         assert await _status(port, forged) == 403, name
+
+
+async def test_signing_out_closes_the_sessions_open_sockets_and_refuses_new_ones(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    sessions, offered = signed_in_sessions()
+    sid = offered.rsplit(".", 1)[1]
+    backend = FakeBackend()
+    backend.nursery = nursery
+    config = Config(state_dir=tmp_path, port=0)
+    port = await nursery.start(
+        partial(
+            control.serve_control,
+            config,
+            backend,
+            token=TOKEN,
+            session_ok=sessions.handshake_ok,
+            session_watch=sessions.watching,
+        )
+    )
+    async with open_websocket_url(
+        f"ws://127.0.0.1:{port}/",
+        subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
+        extra_headers=headers(DASH_ORIGIN, None),
+        connect_timeout=WAIT_S,
+        disconnect_timeout=WAIT_S,
+    ) as ws:
+        await ws.send_message(json.dumps({"id": 1, "op": "ping"}))
+        with trio.fail_after(WAIT_S):
+            assert json.loads(await ws.get_message())["ok"] is True
+        assert sessions.end(sid)
+        with trio.fail_after(WAIT_S), pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+        assert closed.value.reason is not None and closed.value.reason.code == 1008
+        # trio-websocket's client leaves its TCP stream open after a close the server began.
+        await ws._stream.aclose()
+    assert await _status(port, headers(DASH_ORIGIN, offered)) == 403

@@ -19,11 +19,14 @@ the callers through ``origin_ok``).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
+
+import trio
 
 from supervisor.control import _dashlink
 from supervisor.control.server import DASHBOARD_SUBPROTOCOL
@@ -68,6 +71,8 @@ class Sessions:
         self._clock = clock
         self._sessions: OrderedDict[str, float] = OrderedDict()  # id -> last use (clock)
         self._used: dict[str, float] = {}  # login nonce -> its expiry (wall clock)
+        # Open control-socket connections of each session (``watching``): set when it ends.
+        self._watchers: dict[str, set[trio.Event]] = {}
         self.port: int | None = None
         self.hosts: tuple[str, ...] = LOOPBACK_NAMES
 
@@ -99,11 +104,37 @@ class Sessions:
         sid = secrets.token_urlsafe(SESSION_BYTES)
         self._sessions[sid] = self._clock()
         while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+            self._drop(next(iter(self._sessions)))
         return sid
 
     def end(self, sid: str) -> bool:
+        """Sign out: the session is refused from now on, and its open sockets are closed."""
+        return self._drop(sid)
+
+    def _drop(self, sid: str) -> bool:
+        for ended in self._watchers.pop(sid, ()):
+            ended.set()
         return self._sessions.pop(sid, None) is not None
+
+    @contextlib.contextmanager
+    def watching(self, protocols: str | None) -> Iterator[trio.Event | None]:
+        """For an open control-socket connection let in by the session in ``protocols``:
+        an event set when that session ends (sign-out, idle, evicted), so the connection
+        is closed then; None when the connection came in otherwise (the token)."""
+        sid = session_in_protocols(protocols)
+        if sid is None or sid not in self._sessions:
+            yield None
+            return
+        ended = trio.Event()
+        self._watchers.setdefault(sid, set()).add(ended)
+        try:
+            yield ended
+        finally:
+            watchers = self._watchers.get(sid)
+            if watchers is not None:
+                watchers.discard(ended)
+                if not watchers:
+                    del self._watchers[sid]
 
     # ------------------------------------------------------------------ checks
 
@@ -116,7 +147,7 @@ class Sessions:
             return None
         now = self._clock()
         if now - last > SESSION_IDLE_S:
-            del self._sessions[sid]
+            self._drop(sid)
             return None
         self._sessions[sid] = now
         self._sessions.move_to_end(sid)
