@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -131,19 +132,26 @@ async def test_a_real_handshake_offering_the_session_is_served_and_a_foreign_one
     assert reply["ok"] is True and reply["result"]["pong"] is True
 
 
+async def serve_signed_in(nursery: trio.Nursery, tmp_path: Path, *, watch: bool) -> tuple[Any, str, int]:
+    """A control socket that lets a signed-in dashboard session in (``watch``: and closes
+    its connections when it ends): the sessions, the session's secret, the port."""
+    sessions, offered = signed_in_sessions()
+    backend = FakeBackend()
+    backend.nursery = nursery
+    config = Config(state_dir=tmp_path, port=0)
+    more: dict[str, Any] = {"session_watch": sessions.watching} if watch else {}
+    port = await nursery.start(
+        partial(control.serve_control, config, backend, token=TOKEN, session_ok=sessions.handshake_ok, **more)
+    )
+    return sessions, offered.rsplit(".", 1)[1], port
+
+
 async def test_a_non_browser_client_with_the_session_in_a_cookie_and_a_forged_origin_is_refused(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     # What another server on 127.0.0.1 would receive from the browser (cookies go to every
     # port of a host) must not open the control socket, even with the Origin forged.
-    sessions, offered = signed_in_sessions()
-    sid = offered.rsplit(".", 1)[1]
-    backend = FakeBackend()
-    backend.nursery = nursery
-    config = Config(state_dir=tmp_path, port=0)
-    port = await nursery.start(
-        partial(control.serve_control, config, backend, token=TOKEN, session_ok=sessions.handshake_ok)
-    )
+    sessions, sid, port = await serve_signed_in(nursery, tmp_path, watch=False)
     for name in ("agentd_session", f"agentd_session_{DASH_PORT}"):
         forged = [(b"Origin", DASH_ORIGIN.encode()), (b"Cookie", f"{name}={sid}".encode())]
         assert await _status(port, forged) == 403, name
@@ -152,21 +160,7 @@ async def test_a_non_browser_client_with_the_session_in_a_cookie_and_a_forged_or
 async def test_signing_out_closes_the_sessions_open_sockets_and_refuses_new_ones(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    sessions, offered = signed_in_sessions()
-    sid = offered.rsplit(".", 1)[1]
-    backend = FakeBackend()
-    backend.nursery = nursery
-    config = Config(state_dir=tmp_path, port=0)
-    port = await nursery.start(
-        partial(
-            control.serve_control,
-            config,
-            backend,
-            token=TOKEN,
-            session_ok=sessions.handshake_ok,
-            session_watch=sessions.watching,
-        )
-    )
+    sessions, sid, port = await serve_signed_in(nursery, tmp_path, watch=True)
     async with open_websocket_url(
         f"ws://127.0.0.1:{port}/",
         subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
@@ -183,4 +177,4 @@ async def test_signing_out_closes_the_sessions_open_sockets_and_refuses_new_ones
         assert closed.value.reason is not None and closed.value.reason.code == 1008
         # trio-websocket's client leaves its TCP stream open after a close the server began.
         await ws._stream.aclose()
-    assert await _status(port, headers(DASH_ORIGIN, offered)) == 403
+    assert await _status(port, headers(DASH_ORIGIN, f"agentd-dashboard, agentd-session.{sid}")) == 403
