@@ -38,6 +38,18 @@ def signed_in_sessions() -> tuple[Sessions, str]:
     return sessions, f"agentd-dashboard, agentd-session.{sid}"
 
 
+def as_the_page(port: int, sid: str) -> Any:
+    """A websocket to the control socket as the dashboard's page opens it: its origin, its
+    session offered as a subprotocol entry."""
+    return open_websocket_url(
+        f"ws://127.0.0.1:{port}/",
+        subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
+        extra_headers=headers(DASH_ORIGIN, None),
+        connect_timeout=WAIT_S,
+        disconnect_timeout=WAIT_S,
+    )
+
+
 def headers(origin: str | None, protocols: str | None) -> list[tuple[bytes, bytes]]:
     out = []
     if origin is not None:
@@ -116,13 +128,7 @@ async def test_a_real_handshake_offering_the_session_is_served_and_a_foreign_one
     assert await _status(port, headers(DASH_ORIGIN, None)) == 403
     assert await _status(port, headers(DASH_ORIGIN, offered)) == 101
     sid = offered.rsplit(".", 1)[1]
-    async with open_websocket_url(
-        f"ws://127.0.0.1:{port}/",
-        subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
-        extra_headers=headers(DASH_ORIGIN, None),
-        connect_timeout=WAIT_S,
-        disconnect_timeout=WAIT_S,
-    ) as ws:
+    async with as_the_page(port, sid) as ws:
         # The dashboard's subprotocol is selected (a browser drops a socket otherwise),
         # never the entry with the secret.
         assert ws.subprotocol == "agentd-dashboard"
@@ -161,13 +167,7 @@ async def test_signing_out_closes_the_sessions_open_sockets_and_refuses_new_ones
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     sessions, sid, port = await serve_signed_in(nursery, tmp_path, watch=True)
-    async with open_websocket_url(
-        f"ws://127.0.0.1:{port}/",
-        subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
-        extra_headers=headers(DASH_ORIGIN, None),
-        connect_timeout=WAIT_S,
-        disconnect_timeout=WAIT_S,
-    ) as ws:
+    async with as_the_page(port, sid) as ws:
         await ws.send_message(json.dumps({"id": 1, "op": "ping"}))
         with trio.fail_after(WAIT_S):
             assert json.loads(await ws.get_message())["ok"] is True
