@@ -43,7 +43,14 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from supervisor import protocol
 from supervisor.config import Config
-from supervisor.control._conn_limits import Gate, GatedStream, Limits, current_stream, fd_connection_cap
+from supervisor.control._conn_limits import (
+    REFUSAL_LOG_INTERVAL_S,
+    Gate,
+    GatedStream,
+    Limits,
+    current_stream,
+    fd_connection_cap,
+)
 from supervisor.control._statefiles import (
     endpoint_url,
     new_token,
@@ -99,6 +106,42 @@ SessionCheck = Callable[[str, str | None], bool]
 # session_watch(offered_subprotocols) -> a context holding an event set when the session
 # the connection came in with ends (None: it came in with the token).
 SessionWatch = Callable[[str | None], AbstractContextManager["trio.Event | None"]]
+
+
+class _ContainedServer(WebSocketServer):
+    """trio-websocket's server, each connection's failure kept to that connection.
+
+    A handshake wsproto cannot parse raises in the library's reader task, before our
+    handler runs, and the error ended the whole server, then the daemon and every run
+    (a ``Sec-WebSocket-Protocol`` byte outside ASCII was enough, with no token: wsproto
+    decodes comma-split headers as ASCII). Such a connection is closed, and said once a
+    ``REFUSAL_LOG_INTERVAL_S`` in the log.
+    """
+
+    _last_log = -float("inf")
+    _failed = 0
+
+    async def _handle_connection(self, stream: trio.abc.Stream) -> None:
+        try:
+            await super()._handle_connection(stream)
+        except Exception as exc:  # (Cancelled, KeyboardInterrupt: not ours to keep)
+            await trio.aclose_forcefully(stream)
+            self._failed += 1
+            now = time.monotonic()
+            if now - self._last_log >= REFUSAL_LOG_INTERVAL_S:
+                self._last_log = now
+                logger.warning(
+                    "control: a connection failed before or during its handshake (%d so far): %s",
+                    self._failed,
+                    _one_line(exc),
+                )
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception (the first leaf of a group) as one line, for a log that a client fills."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def hard_message_cap(config: Config) -> int:
@@ -891,7 +934,7 @@ async def serve_control(
     server.port = listeners[0].socket.getsockname()[1]
     gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total))
     server.gate = gate
-    ws_server = WebSocketServer(
+    ws_server = _ContainedServer(
         server.handle,
         # Typed for trio's socket and SSL listeners only; any trio Listener works (its docs:
         # "Other listener types are represented by their repr()").

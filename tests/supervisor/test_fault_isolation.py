@@ -54,6 +54,40 @@ async def stop_and_check(c: Client, *runs: str) -> None:
         assert (await c.wait_end(run, WAIT_S))["state"] == "cancelled"
 
 
+# --------------------------------------------------------------------------- hostile handshakes
+
+BAD_HANDSHAKES = [
+    b"Sec-WebSocket-Protocol: \xe9\r\n",
+    b"Sec-WebSocket-Protocol: agentd-dashboard, agentd-session.\xff\xfe\r\n",
+]
+
+
+async def test_a_handshake_the_websocket_library_cannot_parse_harms_nothing(tmp_path: Path) -> None:
+    # A byte outside ASCII in a comma-split header raised in trio-websocket's reader
+    # (wsproto decodes such headers as ASCII), before any handler or token check: the error
+    # ended the server, the daemon and every run. No token was needed.
+    with trio.fail_after(60):
+        async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+            a, b = await running_pair(c)
+            host, port = d.url.removeprefix("ws://").rstrip("/").rsplit(":", 1)
+            for extra in (*BAD_HANDSHAKES, b"Connection: Upgrade, \xe9\r\n"):
+                stream = await trio.open_tcp_stream(host, int(port))
+                connection = b"" if extra.startswith(b"Connection") else b"Connection: Upgrade\r\n"
+                await stream.send_all(
+                    b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n" + connection
+                    + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                    + extra + b"\r\n"
+                )  # fmt: skip
+                while await stream.receive_some(65536):  # closed by the daemon, not a crash
+                    pass
+                await stream.aclose()
+            assert d.alive(), d.log_text()[-2000:]
+            assert (await c.ok("status", run_id=a))["state"] == "running"
+            await stop_and_check(c, a, b)
+            assert d.alive()
+    assert "a connection failed before or during its handshake" in d.log_text()
+
+
 # --------------------------------------------------------------------------- hostile strings
 
 SURROGATE_FRAMES = [
