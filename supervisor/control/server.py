@@ -348,7 +348,7 @@ class _Server:
         self.connections += 1
         logger.debug("control: connection from %s", peer)
         watching: AbstractContextManager[trio.Event | None] = contextlib.nullcontext(None)
-        if dash and self.session_watch is not None:
+        if self.session_watch is not None:  # let in by a session (whatever else it offered): watched
             watching = self.session_watch(", ".join(request.proposed_subprotocols))
         try:
             with watching as ended:

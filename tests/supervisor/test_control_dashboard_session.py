@@ -38,12 +38,12 @@ def signed_in_sessions() -> tuple[Sessions, str]:
     return sessions, f"agentd-dashboard, agentd-session.{sid}"
 
 
-def as_the_page(port: int, sid: str) -> Any:
+def as_the_page(port: int, sid: str, offered: list[str] | None = None) -> Any:
     """A websocket to the control socket as the dashboard's page opens it: its origin, its
-    session offered as a subprotocol entry."""
+    session offered as a subprotocol entry (``offered``: beside which; the page's own)."""
     return open_websocket_url(
         f"ws://127.0.0.1:{port}/",
-        subprotocols=["agentd-dashboard", f"agentd-session.{sid}"],
+        subprotocols=[*(["agentd-dashboard"] if offered is None else offered), f"agentd-session.{sid}"],
         extra_headers=headers(DASH_ORIGIN, None),
         connect_timeout=WAIT_S,
         disconnect_timeout=WAIT_S,
@@ -163,11 +163,14 @@ async def test_a_non_browser_client_with_the_session_in_a_cookie_and_a_forged_or
         assert await _status(port, forged) == 403, name
 
 
+@pytest.mark.parametrize("offered", [["agentd-dashboard"], []], ids=["as the page", "the session entry alone"])
 async def test_signing_out_closes_the_sessions_open_sockets_and_refuses_new_ones(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, offered: list[str]
 ) -> None:
+    # A socket let in by the session alone (no browser's subprotocol: a non-browser holder
+    # of the secret) was not watched, and stayed open past the sign-out.
     sessions, sid, port = await serve_signed_in(nursery, tmp_path, watch=True)
-    async with as_the_page(port, sid) as ws:
+    async with as_the_page(port, sid, offered) as ws:
         await ws.send_message(json.dumps({"id": 1, "op": "ping"}))
         with trio.fail_after(WAIT_S):
             assert json.loads(await ws.get_message())["ok"] is True

@@ -94,6 +94,17 @@ async def test_garbage_gets_400_and_the_server_goes_on(served: Served) -> None:
     assert status == 401
 
 
+async def test_a_method_in_lower_case_is_another_method_answered_not_a_failed_connection(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `head` was taken for HEAD (upper-cased), so no body was sent where h11 expected one:
+    # the connection failed with a traceback in the log, as often as a client liked.
+    caplog.set_level(logging.WARNING, logger=_server.logger.name)
+    status, _, body = await request(served.port, b"head / HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % served.port)
+    assert status == 403 and body, body
+    assert not [r for r in caplog.records if "connection failed" in r.getMessage()]
+
+
 async def test_an_oversized_head_or_body_is_refused(served: Served) -> None:
     big = "x" * (_server.MAX_HEAD_BYTES + 10)
     status, _, _ = await request(served.port, f"GET / HTTP/1.1\r\nHost: {served.host}\r\nX-Big: {big}\r\n\r\n".encode())

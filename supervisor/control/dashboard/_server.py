@@ -100,7 +100,7 @@ async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> Requ
     if len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD_BYTES:
         return Response(431, b"request head too large\n")
     headers = tuple((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in event.headers)
-    request = Request(event.method.decode("ascii", "replace").upper(), event.target.decode("latin-1"), headers)
+    request = Request(event.method.decode("ascii", "replace"), event.target.decode("latin-1"), headers)
     size = 0
     while True:
         event = await _next_event(conn, stream)
