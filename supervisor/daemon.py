@@ -133,10 +133,18 @@ async def _serve_locked(
             sessions = dashboard.Sessions(token)
             static = await trio.to_thread.run_sync(dashboard.load_static)
             listeners.append(dash_listener := await dashboard.listen(config))
-            dashboard_url = dashboard.dashboard_url(config.host, dash_listener.socket.getsockname()[1])
+            # Published as the address bound, never a name (``localhost``): a name can
+            # lead a browser or the CLI to another address, where another process listens
+            # (``dashboard._sessions.names_for``); the CLI sends the token there.
+            dash_host, dash_port = dash_listener.socket.getsockname()[:2]
+            dashboard_url = dashboard.dashboard_url(dash_host, dash_port)
         try:
             endpoint = _statefiles.write_endpoint(
-                config.endpoint_path, host=config.host, port=port, pid=os.getpid(), dashboard_url=dashboard_url
+                config.endpoint_path,
+                host=control_listener.socket.getsockname()[0],
+                port=port,
+                pid=os.getpid(),
+                dashboard_url=dashboard_url,
             )
         except OSError as exc:
             raise ConfigError(

@@ -63,7 +63,7 @@ def test_check_access_takes_a_dashboard_session_from_the_dashboard_origin_instea
     sessions, offered = signed_in_sessions()
     check = partial(control.check_access, token=TOKEN, allowed_origins=(), session_ok=sessions.handshake_ok)
     assert check(headers(DASH_ORIGIN, offered), "/") is None
-    assert check(headers(f"http://localhost:{DASH_PORT}", offered), "/") is None
+    assert check(headers(f"http://localhost:{DASH_PORT}", offered), "/") is not None  # a name: refused
 
 
 def test_check_access_refuses_a_session_from_a_foreign_origin_or_without_one() -> None:

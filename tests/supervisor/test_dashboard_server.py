@@ -156,3 +156,22 @@ async def test_connections_beyond_the_limit_are_closed_at_once_and_logged_once_a
         for s in [*held, *extra]:
             await s.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_daemon_bound_by_name_publishes_the_address_it_bound_not_the_name(tmp_path: Path) -> None:
+    # `--host localhost` published ws://localhost:... and http://localhost:...: the CLI (its
+    # token) and the browser (the login link) could reach another process on the other
+    # family's address and the same port (::1 beside 127.0.0.1).
+    import json
+
+    from supervisor.config import Config
+    from supervisor.daemon import serve
+
+    config = Config.load(state_dir=tmp_path / "state", host="localhost", environ={})
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        endpoint = json.loads(config.endpoint_path.read_text())
+        stop.set()
+    for url in (info["url"], endpoint["url"], info["dashboard_url"], endpoint["dashboard_url"]):
+        assert "localhost" not in url and ("//127.0.0.1:" in url or "//[::1]:" in url), url

@@ -209,7 +209,7 @@ async def serve_dashboard(
     listener = listener or await listen(config)
     port = listener.socket.getsockname()[1]
     bound = listener.socket.getsockname()[0]
-    sessions.bind(port, () if config.host in ("", "0.0.0.0", "::") else (f"[{bound}]" if ":" in bound else bound,))
+    sessions.bind(port, bound)
     if static is None:
         static = await trio.to_thread.run_sync(load_static)
     app = DashboardApp(sessions, static, control_port=control_port)

@@ -31,7 +31,7 @@ import trio
 from supervisor.control import _dashlink
 from supervisor.control.server import DASHBOARD_SUBPROTOCOL
 
-__all__ = ["Sessions", "LoginRefused", "LOOPBACK_NAMES", "SESSION_HEADER", "SUBPROTOCOL", "SESSION_PROTOCOL_PREFIX"]
+__all__ = ["Sessions", "LoginRefused", "names_for", "SESSION_HEADER", "SUBPROTOCOL", "SESSION_PROTOCOL_PREFIX"]
 
 # A session not used for this long ends (seconds).
 SESSION_IDLE_S: Final = 12 * 3600
@@ -47,9 +47,18 @@ SESSION_HEADER: Final = "x-agentd-session"
 SUBPROTOCOL: Final = DASHBOARD_SUBPROTOCOL
 SESSION_PROTOCOL_PREFIX: Final = "agentd-session."
 
-# Host names a browser may use to reach a loopback-bound dashboard. Any other Host header
-# is refused (a DNS-rebinding page would present its own name).
-LOOPBACK_NAMES: Final = ("127.0.0.1", "localhost", "[::1]")
+
+def names_for(bound: str) -> tuple[str, ...]:
+    """The host names the dashboard answers to when bound to ``bound``: the address itself,
+    never a name. ``localhost`` can resolve to an address of another family than the one
+    bound (``::1`` beside ``127.0.0.1``), where another local process may listen on the
+    same port: a browser sent it the login link, and a page it served there shared the
+    dashboard's origin (its storage, the session) and passed the Origin check."""
+    if bound in ("", "0.0.0.0"):
+        return ("127.0.0.1",)
+    if bound == "::":  # both families (Linux binds :: dual-stack)
+        return ("127.0.0.1", "[::1]")
+    return (f"[{bound}]" if ":" in bound else bound,)
 
 
 class LoginRefused(Exception):
@@ -74,12 +83,13 @@ class Sessions:
         # Open control-socket connections of each session (``watching``): set when it ends.
         self._watchers: dict[str, set[trio.Event]] = {}
         self.port: int | None = None
-        self.hosts: tuple[str, ...] = LOOPBACK_NAMES
+        self.hosts: tuple[str, ...] = names_for("127.0.0.1")
 
-    def bind(self, port: int, extra_hosts: tuple[str, ...] = ()) -> None:
-        """The dashboard listens on ``port``; ``extra_hosts``: its non-loopback bind address."""
+    def bind(self, port: int, bound: str = "127.0.0.1") -> None:
+        """The dashboard listens on ``port`` at the address ``bound`` (as the listener has
+        it): the names a browser may use for it are that address's (``names_for``)."""
         self.port = port
-        self.hosts = LOOPBACK_NAMES + tuple(h for h in extra_hosts if h not in LOOPBACK_NAMES)
+        self.hosts = names_for(bound)
 
     # ------------------------------------------------------------------ login
 
