@@ -35,6 +35,21 @@ TREE_VAR = "AGENTD_BENCH_TREE"  # per baseline tree: finds its members after a k
 # ----------------------------------------------------------------------------- stats
 
 
+def remove_run_dir(path: str | Path, *, records_only: bool = False) -> None:
+    """A baseline runner's directory, and the records a runner writes beside it (its
+    events and result files: ``subagent.emit.record_paths``), which a temporary
+    directory's own cleanup leaves behind in /tmp (``records_only``: those alone)."""
+    import shutil
+
+    from subagent.emit import record_paths
+
+    run_dir = Path(path)
+    if not records_only:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    for record in record_paths(run_dir):
+        record.unlink(missing_ok=True)
+
+
 def summary(xs: Sequence[float]) -> dict[str, Any]:
     """n, median, p95, min, max and stdev of a sample (seconds in, seconds out)."""
     xs = sorted(x for x in xs if x is not None and not math.isnan(x))

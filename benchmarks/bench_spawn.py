@@ -40,6 +40,7 @@ from benchmarks._common import (  # noqa: E402
     install_mark,
     line,
     machine,
+    remove_run_dir,
     row,
     summary,
     write_json,
@@ -90,6 +91,7 @@ def bare_runner_first_step() -> float | None:
                 break
         p.stderr.close()
         p.wait()
+        remove_run_dir(d, records_only=True)  # beside the directory, which its own cleanup removes
         return took
 
 

@@ -62,6 +62,7 @@ from benchmarks._common import (  # noqa: E402
     line,
     machine,
     pids_with,
+    remove_run_dir,
     row,
     summary,
     wait_dead,
@@ -275,6 +276,7 @@ class Bare:
             if tool.dead_after is not None and dead is not None:
                 out["beyond_tool"] = dead - tool.dead_after
         kill_all(left + self.members())
+        remove_run_dir(self.dir)
         return out
 
 
