@@ -41,7 +41,7 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, NoReturn  # noqa: E402
+from typing import TYPE_CHECKING, Any, NoReturn  # noqa: E402
 
 from subagent.emit import Emitter, bare_result, install_stderr_guards, open_records, set_log_levels  # noqa: E402
 from subagent.events import ExitCode, RunStatus  # noqa: E402
@@ -166,6 +166,15 @@ async def _rehearse_in_trio() -> None:
             await nursery.start(read_to_eof, trio.lowlevel.FdStream(r))  # the stream closes r
 
 
+def _prepare_outside(spec: Any, run_dir: Path | None) -> None:
+    """What the run needs made outside its grants, before its sandbox closes them."""
+    if "run_command" in spec.builtin_tools:
+        from subagent import callgroups
+
+        callgroups.open_pool()  # its commands' cgroups, in cgroupfs (see callgroups)
+    _prepare_browser(spec, run_dir)
+
+
 def _prepare_browser(spec: object, run_dir: Path | None) -> None:
     # The browser's dirs and its short temp link (in /tmp) are made before the sandbox
     # closes /tmp; the preset finds them made.
@@ -245,7 +254,7 @@ def main(
         answers_fd = (answers or open_channel)()
         try:
             # Before trio (and so before any thread), any tool or any model request.
-            report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_browser(spec, run_dir), ahead=ahead)
+            report = sandbox.enter(spec, run_dir, prepare=lambda: _prepare_outside(spec, run_dir), ahead=ahead)
         except sandbox.SandboxError as exc:
             gate()
             message = f"error: {exc}"

@@ -22,7 +22,14 @@ from typing import IO, Final
 
 import trio
 
-from subagent.tools.commands import COMMAND_KILL_GRACE_S, _child_env, end_group_and_escapers, leader_ticks
+from subagent.callgroups import Slot
+from subagent.tools.commands import (
+    COMMAND_KILL_GRACE_S,
+    _child_env,
+    end_group_and_escapers,
+    leader_ticks,
+    open_in_call,
+)
 from subagent.tools.runfiles import open_regular
 
 __all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
@@ -108,12 +115,11 @@ class BackgroundCommands:
                 # the run dir, and a FIFO put in the log's place blocked the runner's open.
                 reader = os.open(f"/proc/self/fd/{log_file.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    proc = await trio.lowlevel.open_process(
+                    proc, cgroup = await open_in_call(
                         ["/bin/sh", "-c", command],
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
                         stderr=subprocess.STDOUT,
-                        start_new_session=True,
                         env=_child_env(marker),
                     )
                 except BaseException:
@@ -124,17 +130,22 @@ class BackgroundCommands:
         job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid), reader=reader)
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])
-        self._nursery.start_soon(self._watch, job, marker)
+        self._nursery.start_soon(self._watch, job, marker, cgroup)
         return f"started in the background: id {job_id}, pid {proc.pid}; read it with command_output"
 
-    async def _watch(self, job: _Job, marker: str) -> None:
+    async def _watch(self, job: _Job, marker: str, cgroup: Slot | None) -> None:
         try:
             await job.proc.wait()
             job.exit_code = job.proc.returncode
         finally:
             with trio.CancelScope(shield=True):
                 await end_group_and_escapers(
-                    job.pgid, job.leader_ticks, marker, grace_s=COMMAND_KILL_GRACE_S, what="background command group"
+                    job.pgid,
+                    job.leader_ticks,
+                    marker,
+                    grace_s=COMMAND_KILL_GRACE_S,
+                    what="background command group",
+                    cgroup=cgroup,
                 )
                 with trio.move_on_after(COMMAND_KILL_GRACE_S):
                     await job.proc.wait()

@@ -3,8 +3,10 @@
 Invariants: the command runs as ``/bin/sh -c`` in a new session (pgid == pid, reported
 alive=True before any output is read and alive=False only once the whole group is gone);
 captured output is bounded (the head is kept, the rest counted and dropped); when the
-shell exits, whatever it left in its group, or that escaped the group but carries this
-command's marker variable, is ended: nothing a command starts outlives its call. A
+shell exits, whatever it left in its group, or in its call's cgroup
+(``subagent.callgroups``: where it has one, even an escaper that emptied its environment),
+or that escaped the group but carries this command's marker variable, is ended: nothing a
+command starts outlives its call. A
 stop (when the call's policy is ``interrupt``), a timeout or an explicit interrupt (a
 repeated SIGINT to the runner) ends the group at once (SIGTERM, SIGKILL after a short
 grace) and returns the output captured so far and how the command ended. The child gets
@@ -18,18 +20,19 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import posixpath
 import signal
 import subprocess
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import trio
 
-from subagent.osedge import LINUX, Kernel, ProcessTable, Targets, TrioRuntime, escalate
+from subagent import callgroups
+from subagent.callgroups import TREE_VAR as TREE_VAR
+from subagent.callgroups import own_tree_cgroup as own_tree_cgroup
+from subagent.osedge import ProcessTable, Targets, TrioRuntime, escalate
 from subagent.sandbox import tool_env
 
 __all__ = [
@@ -63,9 +66,6 @@ SUBTREE_VAR: Final = "AGENTD_SUBTREE"
 # After SIGKILL, how long a group and its escapers may take to be dead before the runner
 # gives up on them, loudly (seconds).
 GROUP_KILL_REAP_S: Final = 2.0
-# Every process of a runner's tree carries its tree id here (the daemon's marker), and a
-# tree the daemon contains in a cgroup lives in ``.../agentd-<instance>/<tree id>``.
-TREE_VAR: Final = "AGENTD_TREE"
 
 _seq = itertools.count(1)
 
@@ -147,65 +147,57 @@ def format_outcome(o: CommandOutcome) -> str:
 
 
 async def end_group_and_escapers(
-    pgid: int, leader_ticks: int | None, marker: str, *, grace_s: float, what: str
+    pgid: int,
+    leader_ticks: int | None,
+    marker: str,
+    *,
+    grace_s: float,
+    what: str,
+    cgroup: callgroups.Slot | None = None,
 ) -> bool:
-    """End a group the runner started, and every escaper that carries its marker.
+    """End a group the runner started, and every escaper that carries its marker or is in
+    its call's ``cgroup`` (``subagent.callgroups``: back to the pool once empty).
 
     One escalation (``subagent.osedge.escalate``): SIGTERM, ``grace_s``, SIGKILL, a bounded
     wait. The group is signalled only while its leader is the one started (``leader_ticks``)
-    or gone; escapers (``setsid``, double fork) by pidfd. Shielded: safe under a cancelled
-    scope. Returns whether nothing of it is left.
+    or gone; escapers (``setsid``, double fork) by pidfd, or all at once by ``cgroup.kill``.
+    Shielded: safe under a cancelled scope. Returns whether nothing of it is left.
     """
     within = own_tree_cgroup()
-    targets = Targets(groups={pgid: leader_ticks}, marker=(SUBTREE_VAR, marker), within=within)
+    bound = cgroup.path if cgroup is not None else None
+    targets = Targets(groups={pgid: leader_ticks}, marker=(SUBTREE_VAR, marker), cgroup=bound, within=within)
     # Inside the tree's cgroup a read of the set is a few small files: inline, no thread.
-    runtime = TrioRuntime(threads=False) if within is not None else None
+    runtime = TrioRuntime(threads=False) if within is not None or cgroup is not None else None
     with trio.CancelScope(shield=True):
         r = await escalate(
             targets, grace_s=grace_s, kill_wait_s=GROUP_KILL_REAP_S, runtime=runtime, label=f"{what} {pgid}", log=logger
         )
+    if r.dead and cgroup is not None:
+        callgroups.give(cgroup)
     return r.dead
 
 
-_own_cgroup: tuple[int, Path | None] | None = None  # (pid, cgroup): a forked child looks again
+async def open_in_call(argv: list[str], **options: Any) -> tuple[trio.Process, callgroups.Slot | None]:
+    """``trio.lowlevel.open_process`` in a new session, in a cgroup of its own when one can
+    be had (``subagent.callgroups``): the process and that cgroup (None: found by group
+    and marker alone).
 
-
-def own_tree_cgroup(kernel: Kernel = LINUX) -> Path | None:
-    """This runner's tree cgroup, when the daemon contains its tree in one; else None.
-
-    Everything a command starts stays in it (a process cannot leave its cgroup on its
-    own), so a command's group and escapers are looked for among its few processes, not
-    in the whole process table: with a thousand runs stopping at once, a thousand walks
-    of a table of thousands of processes were most of the stop's cost.
+    Raises:
+        OSError, ValueError: it could not be started (a NUL in it, a lone surrogate).
     """
-    global _own_cgroup
-    pid = os.getpid()
-    if _own_cgroup is None or _own_cgroup[0] != pid:
-        _own_cgroup = (pid, _find_tree_cgroup(kernel, pid))
-    return _own_cgroup[1]
-
-
-def _find_tree_cgroup(kernel: Kernel, pid: int) -> Path | None:
-    tree_id = os.environ.get(TREE_VAR)
-    try:
-        own = kernel.cgroup(pid)
-        mount = kernel.cgroup2_mount()
-    except OSError:
-        return None
-    if not tree_id or not own or mount is None:
-        return None
-    point, root = mount
-    if own != root and not own.startswith(root.rstrip("/") + "/"):
-        return None
-    path = point / posixpath.relpath(own, root)
-    if path.name != tree_id or not path.parent.name.startswith("agentd-"):
-        return None
-    try:
-        if kernel.cgroup_populated(path) is None:
-            return None
-    except OSError:
-        return None
-    return path
+    slot = callgroups.take()
+    if slot is not None:
+        try:
+            proc = await trio.lowlevel.open_process(
+                argv, start_new_session=True, preexec_fn=callgroups.joiner(slot), **options
+            )
+            return proc, slot
+        except subprocess.SubprocessError as exc:  # the join was refused: nothing ran
+            logger.warning("command not started in its cgroup %s (%s): started without one", slot.path, exc)
+        except BaseException:
+            callgroups.give(slot)
+            raise
+    return await trio.lowlevel.open_process(argv, start_new_session=True, **options), None
 
 
 def leader_ticks(pid: int) -> int | None:
@@ -257,12 +249,11 @@ async def run_command(
         if stop is not None and stop.is_set():
             return CommandOutcome(None, None, "", False, not_started=True)
         try:
-            proc = await trio.lowlevel.open_process(
+            proc, cgroup = await open_in_call(
                 ["/bin/sh", "-c", command],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
                 env=env,
                 cwd=cwd,
             )
@@ -323,13 +314,17 @@ async def run_command(
                 if stop_at is not None:
                     grace = kill_grace_s
                 if proc.returncode is None:
-                    await end_group_and_escapers(pgid, ticks, marker, grace_s=grace, what="command group")
+                    await end_group_and_escapers(
+                        pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
+                    )
                     with trio.move_on_after(grace):
                         await proc.wait()
                 else:
                     with trio.move_on_after(DRAIN_AFTER_EXIT_S):
                         await eof.wait()
-                    await end_group_and_escapers(pgid, ticks, marker, grace_s=grace, what="command group")
+                    await end_group_and_escapers(
+                        pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
+                    )
                 ended_at = trio.current_time()
                 with trio.move_on_after(FINAL_DRAIN_S):
                     await eof.wait()

@@ -135,7 +135,7 @@ def test_a_set_within_a_cgroup_is_looked_for_there_and_not_in_the_whole_table() 
 
 
 def test_a_runner_finds_its_tree_cgroup_only_when_it_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from subagent.tools import commands
+    from subagent import callgroups
 
     class Mounted(FakeKernel):
         def cgroup2_mount(self) -> tuple[Path, str] | None:
@@ -146,14 +146,14 @@ def test_a_runner_finds_its_tree_cgroup_only_when_it_is_one(monkeypatch: pytest.
     k.start(ME, cgroup=tree)
     k.cgroup = lambda pid: "/agentd-1-x/t-abc" if pid == ME else None  # type: ignore[method-assign]
     monkeypatch.setenv("AGENTD_TREE", "t-abc")
-    assert commands._find_tree_cgroup(k, ME) == tree
+    assert callgroups.find_tree_cgroup(k, ME, os.environ.get("AGENTD_TREE")) == tree
     monkeypatch.setenv("AGENTD_TREE", "t-other")  # not this tree's cgroup
-    assert commands._find_tree_cgroup(k, ME) is None
+    assert callgroups.find_tree_cgroup(k, ME, os.environ.get("AGENTD_TREE")) is None
     monkeypatch.delenv("AGENTD_TREE")
-    assert commands._find_tree_cgroup(k, ME) is None
+    assert callgroups.find_tree_cgroup(k, ME, os.environ.get("AGENTD_TREE")) is None
     monkeypatch.setenv("AGENTD_TREE", "t-abc")
     k.cgroup = lambda pid: "/system.slice/t-abc"  # type: ignore[method-assign]  # not in an agentd subtree
-    assert commands._find_tree_cgroup(k, ME) is None
+    assert callgroups.find_tree_cgroup(k, ME, os.environ.get("AGENTD_TREE")) is None
 
 
 # ----------------------------------------------------------------------------- identity
