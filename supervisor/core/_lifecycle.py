@@ -94,13 +94,25 @@ class Lifecycle:
         Args:
             source: where its events and result come from.
             announce: awaited inside the run's scope once its events flow (a spawned
-                run's process record); a stop during it is path B like any other.
+                run's process record); a stop during it is path B like any other. The
+                runner gets its spec only once it is through: a runner that has its spec
+                acts, and one whose record is not in the journal would be found by no
+                recovery (a daemon killed meanwhile left it running its run, unsupervised,
+                which the next start recorded `lost` and whose directory it removed).
         """
         tree = source.tree
+        announced = trio.Event()
+        if announce is None:
+            announced.set()
+
+        async def feed() -> None:
+            await announced.wait()
+            await source.feed(run)
+
         try:
             receipt: dict[str, Any] = {}
             async with trio.open_nursery() as io:
-                io.start_soon(source.feed, run)
+                io.start_soon(feed)
                 io.start_soon(self.approvals.watch, run)
                 if run.deadline is not None and not run.token.cancelled:
                     io.start_soon(self._timeout, run)
@@ -115,6 +127,7 @@ class Lifecycle:
                         try:
                             if announce is not None:
                                 await announce()
+                                announced.set()
                             await process.wait_leader(tree)
                         finally:
                             # Path B (scope cancelled) or the runner ended by itself: either

@@ -54,6 +54,19 @@ def _hold_after_spare_go() -> None:
     zygote.Spare.go = hold  # type: ignore[method-assign,assignment]
 
 
+def _hold_at_process_record() -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT=process_record``): where a runner the spawn
+    started (not a spare) has its process record written, print ``at process_record`` on
+    stdout and hold there for good (the test SIGKILLs the daemon)."""
+    from supervisor.store.journal import Journal
+
+    async def hold(*_args: object, **_kwargs: object) -> None:
+        print("at process_record", flush=True)
+        await trio.sleep_forever()
+
+    Journal.record_process = hold  # type: ignore[method-assign,assignment]
+
+
 def _fail_after_recovery() -> None:
     """Fault injection (``AGENTD_TEST_FAIL_AT=after_recovery``): the start fails once the
     runs a previous daemon left were found again (a step of the start that comes after
@@ -93,6 +106,8 @@ async def main(state_dir: str) -> None:
         _hold_at_spare_go(hold_at == "spare_go_stopped")
     elif hold_at == "spare_let_go":
         _hold_after_spare_go()
+    elif hold_at == "process_record":
+        _hold_at_process_record()
     config = Config.load(state_dir=state_dir)
     async with trio.open_nursery() as n:
         info = await n.start(serve, config)

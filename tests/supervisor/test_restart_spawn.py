@@ -153,3 +153,42 @@ async def test_a_run_whose_start_event_died_with_the_daemon_is_what_its_result_s
     assert call["state"] == "succeeded" and "it ran" in call["output"]
     states = [e["data"]["state"] for e in events if e["kind"] == "state"]
     assert states == ["queued", "starting", "running", "completed"], states
+
+
+NEVER_STARTED = "the daemon restarted before the run's process started"  # recovery.py
+
+
+def runner_of(run_id: str) -> int:
+    """The pid of the runner started for ``run_id`` (its ``AGENTD_RUN_ID``: this test's run)."""
+    needle = f"\0AGENTD_RUN_ID={run_id}\0".encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if needle in b"\0" + f.read():
+                        return int(name)
+            except OSError:
+                continue
+    raise AssertionError(f"no runner carries AGENTD_RUN_ID={run_id}")
+
+
+async def test_a_runner_gets_its_spec_only_once_its_process_record_is_journaled(tmp_path: Path) -> None:
+    """A runner the spawn starts (no spare: the zygote off, no warm pool) is fed its spec
+    only once its process record is in the journal. A daemon SIGKILLed while that write
+    is under way leaves a runner that never had its spec: it exits at the hang-up, having
+    done nothing. (It used to have its spec at once: it ran its command, unsupervised,
+    while the next daemon recorded its run `lost` and removed its directory.)"""
+    state, marker = tmp_path / "state", tmp_path / "ran"
+    cold = {**ENV, "AGENTD_ZYGOTE": "off"}
+    with trio.fail_after(120):
+        async with real_daemon(state, env={**cold, "AGENTD_TEST_HOLD_AT": "process_record"}) as d1:
+            async with d1.connect() as c:
+                acknowledged = await spawn_and_kill(c, d1, f"touch {marker}; exec sleep 300", at=b"at process_record\n")
+                runner = runner_of(acknowledged)
+        await exited(runner, timeout_s=20)  # at the hang-up: it never had a run to run
+        assert not marker.exists()
+        async with real_daemon(state, env=cold) as d2, d2.connect() as c:
+            st = await the_run(c, acknowledged)
+            assert st["state"] == "lost" and st["reason"] == NEVER_STARTED, st
+            assert st["tool_calls"] == [] and not marker.exists()
+            assert (await c.ok("status"))["live_runs"] == []
