@@ -74,7 +74,8 @@ async def serve(
         try:
             await _serve_locked(config, stop, signals, task_status)
         finally:
-            os.close(lock)
+            for fd in lock:
+                os.close(fd)
 
 
 async def _stop_at_a_signal(signals: Any, stop: trio.Event) -> None:
@@ -87,21 +88,33 @@ async def _stop_at_a_signal(signals: Any, stop: trio.Event) -> None:
         stop.set()
 
 
-def _lock_state_dir(config: Config) -> int:
-    """One daemon per state dir: a second one would share the journal and the runs."""
-    path = config.state_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+def _lock_state_dir(config: Config) -> list[int]:
+    """One daemon per state dir: a second one would share the journal and the runs.
+
+    The lock is on the directory itself, which cannot be removed while it holds the
+    journal, and on ``daemon.lock``, which names the holder. (On the file alone, a
+    ``daemon.lock`` removed as "stale" let a second daemon start beside a live one: both
+    then supervised its runs, and a user's cancel ended `failed`.)"""
+    fds: list[int] = []
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fds.append(os.open(config.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        fds.append(os.open(config.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         try:
-            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            other = os.pread(fds[1], 32, 0).decode(errors="replace").strip() if len(fds) > 1 else ""
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         raise DaemonAlreadyRunning(str(config.state_dir), other) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    os.ftruncate(fds[1], 0)
+    os.pwrite(fds[1], f"{os.getpid()}\n".encode(), 0)
+    return fds
 
 
 async def _serve_locked(

@@ -318,6 +318,16 @@ async def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: Daemon) 
         await serve(daemon.config, stop=trio.Event())
 
 
+async def test_a_second_daemon_is_refused_even_once_the_lock_file_is_removed(daemon: Daemon) -> None:
+    # A "stale" daemon.lock removed by hand: the state dir itself is still locked (two
+    # daemons used to supervise the same runs, and a cancel ended `failed`).
+    from supervisor.errors import DaemonAlreadyRunning
+
+    (daemon.config.state_dir / "daemon.lock").unlink()
+    with pytest.raises(DaemonAlreadyRunning, match="already using state dir"):
+        await serve(daemon.config, stop=trio.Event())
+
+
 async def test_a_spec_session_id_is_held_to_the_requests_limits(daemon: Daemon) -> None:
     # A session that could never be closed, read or cancelled by its id is refused at spawn.
     for bad in ("S" * 257, "  ", 5):
