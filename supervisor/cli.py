@@ -135,6 +135,18 @@ def _translate(exc: AgentdError) -> CliError:
     return CliError(str(exc), ExitCode.REFUSED)
 
 
+class _StateDir(click.Path):
+    """``--state-dir``: made absolute (a runner works in its run dir, so a relative one
+    named files that were not there once it had moved); an empty one is a usage error
+    (click took it for ".", while an empty ``AGENTD_STATE_DIR`` means the default)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("expected a directory, got an empty string", param, ctx)
+        rv = super().convert(value, param, ctx)
+        return Path(rv).absolute()
+
+
 def _set_state_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
     if value is not None:
         ctx.find_object(Obj).state_dir = value  # type: ignore[union-attr]
@@ -154,7 +166,7 @@ def _global_options() -> list[click.Parameter]:
     return [
         click.Option(
             ["--state-dir"],
-            type=click.Path(file_okay=False, path_type=Path),
+            type=_StateDir(file_okay=False, path_type=Path),
             expose_value=False,
             callback=_set_state_dir,
             help=_STATE_DIR_HELP,
@@ -290,7 +302,7 @@ Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
 @click.option(
     "--state-dir",
     envvar="AGENTD_STATE_DIR",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=_StateDir(file_okay=False, path_type=Path),
     help=_STATE_DIR_HELP,
 )
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)

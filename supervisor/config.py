@@ -119,11 +119,16 @@ class Config:
         """Build a Config from defaults, a TOML file, the environment and overrides."""
         env = dict(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
+        if state_dir is not None and not str(state_dir):
+            raise ConfigError("state_dir", "empty (leave it out for the default)")
         sd = Path(state_dir) if state_dir is not None else None
         if sd is None and env.get("AGENTD_STATE_DIR"):
             sd = Path(env["AGENTD_STATE_DIR"])
         if sd is None:
             sd = default_state_dir()
+        # Absolute here, once: a runner works in its run dir (the zygote's forks chdir
+        # there), so a relative state dir named files that were not there.
+        sd = sd.absolute()
         path = Path(config_file) if config_file is not None else sd / "agentd.toml"
         if config_file is not None or path.exists():
             import tomllib  # only when there is a file: the CLI's status path stays light
@@ -156,7 +161,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
         v = values[f.name]
         try:
             if f.name in {"state_dir", "runs_dir"}:
-                v = None if v in (None, "") else Path(v)
+                v = None if v in (None, "") else Path(v).absolute()
             elif f.name in {
                 "port",
                 "max_concurrent",

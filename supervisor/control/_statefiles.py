@@ -36,12 +36,12 @@ def default_state_dir() -> Path:
     """The daemon's state dir when none is given (``supervisor.config`` re-exports it)."""
     env = os.environ.get("AGENTD_STATE_DIR")
     if env:
-        return Path(env)
+        return Path(env).absolute()  # a runner's cwd is its run dir: never relative
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         return Path("/var/lib/agentd")
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".local" / "state"
-    return base / "agentd"
+    return (base / "agentd").absolute()
 
 
 def new_token() -> str:

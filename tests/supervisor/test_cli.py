@@ -906,3 +906,58 @@ def test_logs_print_what_a_run_wrote_as_text_never_as_terminal_control(tmp_path:
         os.close(main)
     assert b"\x1b" not in seen and b"\x07" not in seen, seen
     assert b"\\x1b]0;owned\\x07 title; \\x1b[2J clear; done" in seen, seen
+
+
+# --------------------------------------------------------------------------- the state dir, resolved
+
+
+def test_a_relative_state_dir_is_made_absolute_wherever_it_is_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A relative one reached the daemon as given; the zygote's runners chdir into their run
+    # dir and then opened it: FileNotFoundError, every run after the first few seconds.
+    from supervisor.config import Config, default_state_dir
+
+    monkeypatch.chdir(tmp_path)
+    want = tmp_path / "rel" / "sd"
+    assert Config.load(state_dir="rel/sd", environ={}).state_dir == want
+    loaded = Config.load(environ={"AGENTD_STATE_DIR": "rel/sd", "AGENTD_RUNS_DIR": "rel/runs"})
+    assert loaded.state_dir == want and loaded.run_root == tmp_path / "rel" / "runs"
+    monkeypatch.setenv("AGENTD_STATE_DIR", "rel/sd")
+    assert default_state_dir() == want
+    assert Config.load().state_dir == want
+
+    import click
+
+    from supervisor.cli import pass_obj
+
+    @cli.command("test-echo-sd")
+    @pass_obj
+    def echo_obj(obj: Any) -> None:
+        click.echo(str(obj.state_dir))
+
+    try:
+        for args, env in (
+            (["--state-dir", "rel/sd", "test-echo-sd"], None),
+            (["test-echo-sd", "--state-dir", "rel/sd"], None),
+            (["test-echo-sd"], {"AGENTD_STATE_DIR": "rel/sd"}),
+        ):
+            res = run_bare(*args, env=env)
+            assert (res.exit_code, res.stdout) == (0, f"{want}\n"), (args, res.output)
+    finally:
+        cli.commands.pop("test-echo-sd")
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_an_empty_state_dir_option_is_a_usage_error(where: str, tmp_path: Path) -> None:
+    # It meant "." (the current directory), while an empty AGENTD_STATE_DIR means the default.
+    from supervisor.config import Config
+    from supervisor.errors import ConfigError
+
+    args = ["--state-dir", "", "status"] if where == "before" else ["status", "--state-dir", ""]
+    res = run_bare(*args)
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr.startswith("error: invalid value for '--state-dir': expected a directory, got an empty string")
+    assert res.stderr.count("\n") == 1
+    with pytest.raises(ConfigError, match="state_dir"):
+        Config.load(state_dir="")
