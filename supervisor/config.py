@@ -200,6 +200,12 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 v = {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else str(v)
                 if v not in {"on", "off"}:
                     raise ValueError("expected 'on' or 'off'")
+            elif f.name == "host":
+                v = str(v)
+                if not v.strip():
+                    # trio took "" for every interface: the socket was open to the network,
+                    # said only in a log line. 0.0.0.0 or :: says so on purpose.
+                    raise ValueError("empty (to listen on every interface, say 0.0.0.0 or ::)")
             elif f.name == "sandbox":
                 v = str(v)
                 if v not in {"auto", "required", "off"}:

@@ -961,3 +961,27 @@ def test_an_empty_state_dir_option_is_a_usage_error(where: str, tmp_path: Path) 
     assert res.stderr.count("\n") == 1
     with pytest.raises(ConfigError, match="state_dir"):
         Config.load(state_dir="")
+
+
+@pytest.mark.parametrize("source", ["option", "env", "config file"])
+def test_serve_refuses_an_empty_host(tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--host ""` listened on every interface, with a log line alone to say so.
+    import supervisor.daemon
+
+    async def no_daemon(config: Any) -> None:
+        raise AssertionError(f"the daemon was started on host {config.host!r}")
+
+    monkeypatch.setattr(supervisor.daemon, "serve", no_daemon)  # (never one left behind)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    args, env = ["--state-dir", str(state_dir), "serve"], None
+    if source == "option":
+        args += ["--host", ""]
+    elif source == "env":
+        env = {"AGENTD_HOST": ""}
+    else:
+        (state_dir / "agentd.toml").write_text('host = ""\n')
+    res = run_bare(*args, env=env)
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr == "error: config host: bad value '': empty (to listen on every interface, say 0.0.0.0 or ::)\n"
+    assert not (state_dir / "daemon.json").exists()
