@@ -80,6 +80,9 @@ OUTCOME_EXIT = {
 
 # A follow with after_seq past any real event: no replay, only the terminal state.
 _ONLY_THE_END = 2**62
+# The largest `--after` (what the protocol takes; SQLite's integers end at 2**63 - 1, and
+# `logs --after 2**63` was an OverflowError with a traceback).
+MAX_AFTER_SEQ: Final = 2**62
 
 
 class CliError(click.ClickException):
@@ -799,7 +802,9 @@ def _follow_to_end(obj: Obj, run_id: str, *, after_seq: int) -> NoReturn:
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
-@click.option("--after", "after_seq", type=click.IntRange(min=0), default=0, help="Start after this event number.")
+@click.option(
+    "--after", "after_seq", type=click.IntRange(0, MAX_AFTER_SEQ), default=0, help="Start after this event number."
+)
 @pass_obj
 def watch(obj: Obj, run_id: str, after_seq: int) -> None:
     """Show a run's progress live until it ends (resumes after a dropped connection).
@@ -811,7 +816,9 @@ def watch(obj: Obj, run_id: str, after_seq: int) -> None:
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
-@click.option("--after", "after_seq", type=click.IntRange(min=0), default=0, help="Start after this event number.")
+@click.option(
+    "--after", "after_seq", type=click.IntRange(0, MAX_AFTER_SEQ), default=0, help="Start after this event number."
+)
 @click.option(
     "-f", "--follow", "follow", is_flag=True, help="Keep printing new events until the run ends (needs the daemon)."
 )
@@ -828,7 +835,13 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
 
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     last = after_seq
-    if not (state_dir / JOURNAL_FILE).is_file() and (state_dir / "daemon.json").is_file():
+    try:
+        front = not (state_dir / JOURNAL_FILE).is_file() and (state_dir / "daemon.json").is_file()
+    except OSError as exc:  # a state dir under a directory this user cannot search
+        raise CliError(
+            f"cannot read the journal in {str(state_dir)!r}: {exc.strerror or exc}", ExitCode.NO_DAEMON
+        ) from None
+    if front:
         # A server with no journal of its own here (the fleet front: `--fleet`): its
         # events come over the socket.
         client = obj.client()

@@ -130,7 +130,11 @@ class Config:
         # there), so a relative state dir named files that were not there.
         sd = sd.absolute()
         path = Path(config_file) if config_file is not None else sd / "agentd.toml"
-        if config_file is not None or path.exists():
+        try:
+            found = config_file is not None or path.exists()
+        except OSError as exc:  # a state dir under a directory this user cannot search
+            raise ConfigError("state_dir", f"cannot use state dir {str(sd)!r}: {exc.strerror or exc}") from exc
+        if found:
             import tomllib  # only when there is a file: the CLI's status path stays light
 
             try:

@@ -36,7 +36,11 @@ class JournalReader:
             JournalError: no such file, not a journal, or one newer than this agentd.
         """
         self.path = path
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError as exc:  # a state dir under a directory this user cannot search
+            raise JournalError(f"cannot read the journal {str(path)!r}: {exc.strerror or exc}", path=str(path)) from exc
+        if not found:
             raise JournalError(f"no journal at {str(path)!r} (is this the daemon's state dir?)", path=str(path))
         try:
             self._conn = sqlite3.connect(

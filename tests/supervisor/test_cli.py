@@ -985,3 +985,52 @@ def test_serve_refuses_an_empty_host(tmp_path: Path, source: str, monkeypatch: p
     assert res.exit_code == ExitCode.USAGE, res.output
     assert res.stderr == "error: config host: bad value '': empty (to listen on every interface, say 0.0.0.0 or ::)\n"
     assert not (state_dir / "daemon.json").exists()
+
+
+@pytest.mark.parametrize("command", ["logs", "watch"])
+def test_an_after_beyond_any_event_number_is_a_usage_error(tmp_path: Path, command: str) -> None:
+    # logs passed it to SQLite: an OverflowError and a traceback (watch's daemon refused it).
+    make_journal(tmp_path, STEPS[:1], final="completed")
+    res = run(tmp_path, command, "r-1", "--after", str(2**63))
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr.startswith(f"error: invalid value for '--after': {2**63} is not in the range 0<=x<={2**62}")
+    assert res.stderr.count("\n") == 1
+
+
+def _unsearchable(monkeypatch: pytest.MonkeyPatch, under: Path, method: str) -> None:
+    """Path.<method> raises as it does for a path under a directory this user cannot search."""
+    real = getattr(Path, method)
+
+    def denied(self: Path) -> bool:
+        if str(self).startswith(str(under) + os.sep):
+            raise PermissionError(13, "Permission denied", str(self))
+        return bool(real(self))
+
+    monkeypatch.setattr(Path, method, denied)
+
+
+def test_logs_under_a_directory_it_cannot_search_is_one_line_exit_3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_journal(tmp_path / "state", STEPS[:1], final="completed")
+    _unsearchable(monkeypatch, tmp_path, "is_file")  # (a uid 0 test cannot be refused by a chmod)
+    res = run(tmp_path / "state", "logs", "r-1")
+    assert res.exit_code == ExitCode.NO_DAEMON, res.output
+    assert res.stderr == f"error: cannot read the journal in {str(tmp_path / 'state')!r}: Permission denied\n"
+
+
+def test_serve_under_a_directory_it_cannot_search_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import supervisor.daemon
+
+    async def no_daemon(config: Any) -> None:
+        raise AssertionError("the daemon was started")
+
+    monkeypatch.setattr(supervisor.daemon, "serve", no_daemon)
+    _unsearchable(monkeypatch, tmp_path, "exists")
+    res = run(tmp_path / "state", "serve")
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr == (
+        f"error: config state_dir: cannot use state dir {str(tmp_path / 'state')!r}: Permission denied\n"
+    )
