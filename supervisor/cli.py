@@ -69,6 +69,10 @@ class ExitCode(enum.IntEnum):
     RUN_LOST = 8  # the daemon restarted and found the run's process gone
     ALREADY_RUNNING = 9  # serve: another daemon holds this state dir
     INTERRUPTED = 130  # Ctrl-C: the CLI stopped watching; the run goes on
+    # stdout closed (`agentd watch RUN | head -n1`) under a command whose exit code is the
+    # run's outcome: 128 + SIGPIPE, as a shell shows a process SIGPIPE killed (0 said
+    # "completed" of a run still going). Other commands exit 0 then.
+    BROKEN_PIPE = 141
 
 
 OUTCOME_EXIT = {
@@ -242,7 +246,16 @@ class _Group(click.Group):
             # Point stdout at devnull so the interpreter's final flush does not fail too.
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
-            raise SystemExit(0) from None
+            raise SystemExit(ExitCode.BROKEN_PIPE if _outcome_command[0] else 0) from None
+
+
+# Whether this command's exit code is a run's outcome (watch, spawn --wait, logs -f,
+# cancel): a closed stdout then exits BROKEN_PIPE, never 0. Set by the command.
+_outcome_command = [False]
+
+
+def _exit_is_the_outcome() -> None:
+    _outcome_command[0] = True
 
 
 class Obj:
@@ -297,7 +310,8 @@ _EPILOG = """\b
 Exit codes: 0 ok (run completed), 1 run failed, 2 usage or bad file,
 3 no daemon, 4 no such run, 5 refused by the daemon, 6 connection lost,
 7 run cancelled, 8 run lost, 9 daemon already running, 130 interrupted.
-spawn --wait, watch, cancel and logs -f exit with the run's outcome (0, 1, 7, 8).
+spawn --wait, watch, cancel and logs -f exit with the run's outcome (0, 1, 7, 8),
+or 141 when their output is closed first (`watch RUN | head -n1`).
 Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
 
 
@@ -326,6 +340,7 @@ def cli(ctx: click.Context, state_dir: Path | None, as_json: bool, use_fleet: bo
         state_dir = fleet_state_dir(state_dir)
     obj = Obj(state_dir, as_json)
     ctx.obj = obj
+    _outcome_command[0] = False
     ctx.call_on_close(obj.close)
 
 
@@ -354,7 +369,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     try:
         sys.stdout.flush()
     except OSError:  # the reader left (`agentd logs RUN | head`)
-        pass
+        if _outcome_command[0]:
+            code = ExitCode.BROKEN_PIPE
     try:
         sys.stderr.flush()
     except OSError:
@@ -662,6 +678,8 @@ def spawn(
                 f"--model-key-env: environment variable {model_key_env!r} is not set or empty in this shell",
                 ExitCode.USAGE,
             )
+    if wait:
+        _exit_is_the_outcome()
     if wait and len(spec_files) > 1:
         raise CliError("--wait follows one run: give it one --spec", ExitCode.USAGE)
     if session_id is not None and len(spec_files) > 1:
@@ -809,8 +827,10 @@ def _follow_to_end(obj: Obj, run_id: str, *, after_seq: int) -> NoReturn:
 def watch(obj: Obj, run_id: str, after_seq: int) -> None:
     """Show a run's progress live until it ends (resumes after a dropped connection).
 
-    The exit code is the run's outcome: 0 completed, 1 failed, 7 cancelled, 8 lost.
+    The exit code is the run's outcome: 0 completed, 1 failed, 7 cancelled, 8 lost
+    (141 if stdout is closed first: `watch RUN | head`).
     """
+    _exit_is_the_outcome()
     _follow_to_end(obj, run_id, after_seq=after_seq)
 
 
@@ -833,6 +853,8 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
     from supervisor.config import JOURNAL_FILE, default_state_dir
     from supervisor.store._read import JournalReader
 
+    if follow:
+        _exit_is_the_outcome()
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     last = after_seq
     try:
@@ -883,6 +905,8 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
     """
     if (run_id is None) == (session_id is None):
         raise CliError("expected a RUN or --session, not both and not neither", ExitCode.USAGE)
+    if not no_wait:
+        _exit_is_the_outcome()
     client = obj.client()
     if session_id is not None:
         result = client.cancel_session(session_id, reason=reason)

@@ -1034,3 +1034,40 @@ def test_serve_under_a_directory_it_cannot_search_is_one_line_exit_2(
     assert res.stderr == (
         f"error: config state_dir: cannot use state dir {str(tmp_path / 'state')!r}: Permission denied\n"
     )
+
+
+def run_into_a_closed_pipe(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in a process whose stdout is a pipe nobody reads any more (`... | head -n0`)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor", "--state-dir", str(state_dir), *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("command", [["watch", "RUN"], ["logs", "-f", "RUN"], ["spawn", "--wait", "go"]])
+def test_a_command_whose_exit_is_the_outcome_exits_141_when_its_stdout_is_closed(
+    server: ServerThread, command: list[str]
+) -> None:
+    # `agentd watch RUN | head -n1` exited 0, "the run completed", of a run still running.
+    run_id = server.call(server.backend.add_run)
+    res = run_into_a_closed_pipe(server.config.state_dir, *(run_id if a == "RUN" else a for a in command))
+    assert res.returncode == 141, res.stderr  # 128 + SIGPIPE (ExitCode.BROKEN_PIPE)
+    assert "Traceback" not in res.stderr
+    assert all(r.state == "running" for r in server.backend.runs.values())
+
+
+def test_a_command_whose_exit_is_not_an_outcome_still_exits_0_when_its_stdout_is_closed(
+    server: ServerThread,
+) -> None:
+    run_id = server.call(server.backend.add_run)
+    res = run_into_a_closed_pipe(server.config.state_dir, "status", run_id)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
