@@ -919,18 +919,43 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
     # Wait for every run not yet ended: the one this stop reached, and one an earlier
     # stop is still ending (was_active false, state cancelling).
     targets = [rid for rid, state in final.items() if state not in OUTCOME_EXIT]
-    if not no_wait:
-        for rid in targets:
-            follow = client.follow(rid, after_seq=_ONLY_THE_END)
-            for _ in follow:
-                pass
-            final[rid] = follow.state or final[rid]
+    # What the daemon answered is printed before the wait (flushed): a Ctrl-C or a dropped
+    # connection during the wait lost it, and the stop had been sent. One run: its line is
+    # ended by the terminal state ("R: stop sent (was active); cancelled").
+    one_line = len(runs) == 1 and not no_wait and not obj.as_json
+    waited = not no_wait and bool(targets)
+    if waited and not obj.as_json:
+        for r in runs:
+            if r.get("was_active"):
+                click.echo(f"{r['run_id']}: stop sent (was active)", nl=not one_line)
+        sys.stdout.flush()
+    if waited:
+        try:
+            for rid in targets:
+                follow = client.follow(rid, after_seq=_ONLY_THE_END)
+                for _ in follow:
+                    pass
+                final[rid] = follow.state or final[rid]
+        except BaseException as exc:
+            if obj.as_json:  # what the daemon answered, the state then (one object, as ever)
+                click.echo(json.dumps(result, default=str))
+            elif one_line and runs[0].get("was_active"):
+                click.echo("")  # the line printed before the wait ends here
+            if isinstance(exc, KeyboardInterrupt):
+                what = f"run {run_id} is" if run_id else f"runs of session {session_id} are"
+                raise CliError(
+                    f"interrupted: the stop was sent and the {what} stopping (`agentd status` shows when it ends)",
+                    ExitCode.INTERRUPTED,
+                ) from None
+            raise
     out = {**result, "state": final.get(run_id, result.get("state"))} if run_id else {**result, "final": final}
 
     def human() -> None:
         for r in runs:
             rid = str(r["run_id"])
-            if r.get("was_active"):
+            if r.get("was_active") and waited:
+                click.echo(f"; {final[rid]}" if one_line else f"{rid}: {final[rid]}")
+            elif r.get("was_active"):
                 ending = f"; {final[rid]}" if not no_wait else f" (state: {final[rid]})"
                 click.echo(f"{rid}: stop sent (was active){ending}")
             else:

@@ -1071,3 +1071,36 @@ def test_a_command_whose_exit_is_not_an_outcome_still_exits_0_when_its_stdout_is
     res = run_into_a_closed_pipe(server.config.state_dir, "status", run_id)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_cancel_prints_was_active_before_the_wait_and_a_ctrl_c_there_says_the_stop_was_sent(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    # Nothing was printed until the run had ended: a Ctrl-C during the wait lost was_active
+    # and said "stop one with `agentd cancel RUN`" of a run already stopping.
+    b = server.backend
+    run_id = server.call(b.add_run)
+
+    async def cancel_that_takes_time(rid: str, *, reason: str = "user") -> dict[str, Any]:
+        b.cancels.append((rid, reason))
+        b.emit(rid, "state", {"state": "cancelling", "reason": reason})
+        b.runs[rid].state = "cancelling"
+        return {"run_id": rid, "was_active": True, "state": "cancelling"}
+
+    monkeypatch.setattr(b, "cancel", cancel_that_takes_time)
+
+    def ctrl_c_while_following(self: Any, rid: str, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client_mod.Client, "follow", ctrl_c_while_following)
+    res = run(server, *(["--json"] if as_json else []), "cancel", run_id)
+    assert res.exit_code == ExitCode.INTERRUPTED, res.output
+    if as_json:
+        assert json.loads(res.stdout) == {"run_id": run_id, "was_active": True, "state": "cancelling"}
+    else:
+        assert res.stdout == f"{run_id}: stop sent (was active)\n"
+    assert res.stderr == (
+        f"error: interrupted: the stop was sent and the run {run_id} is stopping (`agentd status` shows when it ends)\n"
+    )
+    assert b.cancels == [(run_id, "user")]
