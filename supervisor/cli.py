@@ -154,6 +154,20 @@ class _StateDir(click.Path):
         return Path(rv).absolute()
 
 
+def _translate_spawn(exc: AgentdError) -> CliError:
+    """A spawn's error: the daemon's ``bad_args`` about the spec (a text SQLite cannot
+    store, a lone surrogate) is a refused spec, exit 5 as README says, not a usage error;
+    about what was typed on the command line (``--session``) it stays one (exit 2)."""
+    error = _translate(exc)
+    if (
+        isinstance(exc, ControlProtocolError)
+        and exc.code == "bad_args"
+        and not any(f"'{arg}'" in str(exc) for arg in ("session_id", "model_key", "timeout_s", "interrupt"))
+    ):
+        error.exit_code = ExitCode.REFUSED  # type: ignore[misc]
+    return error
+
+
 def _set_state_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
     if value is not None:
         ctx.find_object(Obj).state_dir = value  # type: ignore[union-attr]
@@ -701,9 +715,12 @@ def spawn(
     if len(specs) > 1:
         _spawn_several(obj, client, specs, spec_files, timeout_s=timeout_s, model_key=model_key)
         return
-    result = client.spawn(
-        specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt
-    )
+    try:
+        result = client.spawn(
+            specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt
+        )
+    except AgentdError as exc:
+        raise _translate_spawn(exc) from None
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))
     if wait:
@@ -721,8 +738,12 @@ def _spawn_several(
     failed: CliError | None = None
     for path, result in zip(spec_files, client.spawn_many(specs, **options), strict=True):
         if isinstance(result, AgentdError):
-            error = _translate(result)
-            click.echo(f"error: spec file {str(path)!r}: {error.format_message()}", err=True)
+            error = _translate_spawn(result)
+            message = error.format_message()
+            if error.exit_code == ExitCode.DISCONNECTED and not message.startswith("not sent"):
+                # Sent, and no answer came: the daemon may have started it.
+                message += "; the spec was sent and may have started (check with `agentd list`)"
+            click.echo(f"error: spec file {str(path)!r}: {message}", err=True)
             failed = failed or error
             continue
         obj.emit(result, lambda: click.echo(str(result["run_id"])))  # noqa: B023 (emit calls it at once)
@@ -982,14 +1003,13 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
 def steer(obj: Obj, run_id: str, text: str) -> None:
     """Give a running run extra input, applied at its next step (not a stop)."""
     result = obj.client().steer(run_id, text)
-
-    def human() -> None:
-        if result.get("accepted"):
-            click.echo(f"{run_id}: queued for the next step")
-        else:
-            click.echo(f"{run_id}: not accepted ({result.get('why', 'not running')}; state: {result.get('state')})")
-
-    obj.emit(result, human)
+    if not result.get("accepted") and not obj.as_json:
+        # A user error: one line on stderr (--json keeps its object on stdout, exit 5 too).
+        raise CliError(
+            f"{run_id}: not accepted ({result.get('why', 'not running')}; state: {result.get('state')})",
+            ExitCode.REFUSED,
+        )
+    obj.emit(result, lambda: click.echo(f"{run_id}: queued for the next step"))
     if not result.get("accepted"):
         click.get_current_context().exit(ExitCode.REFUSED)
 

@@ -164,7 +164,7 @@ async def test_steer_through_the_cli_reaches_a_running_run_and_is_refused_after_
         assert code == 0, err
         code, out, err = await agentd("steer", run_id, "too late")
     assert code == 5
-    assert "not accepted" in out
+    assert "not accepted" in err and err.startswith("error: ") and not out
     events = [json.loads(line) for line in (await agentd("--json", "logs", run_id))[1].splitlines()]
     assert [e["data"]["state"] for e in events if e["kind"] == "steering"] == ["queued", "applied"]
 

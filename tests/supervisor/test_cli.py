@@ -1104,3 +1104,63 @@ def test_cancel_prints_was_active_before_the_wait_and_a_ctrl_c_there_says_the_st
         f"error: interrupted: the stop was sent and the run {run_id} is stopping (`agentd status` shows when it ends)\n"
     )
     assert b.cancels == [(run_id, "user")]
+
+
+def test_a_spec_the_daemon_finds_bad_args_in_is_refused_exit_5_alone_or_among_several(
+    server: ServerThread, tmp_path: Path
+) -> None:
+    # It exited 2 (usage), while README says a refused spec exits 5.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"task": "caf\\udcff"}')  # a lone surrogate, written as JSON allows
+    res = run(server, "spawn", "--spec", str(bad))
+    assert res.exit_code == ExitCode.REFUSED, res.output
+    assert res.stderr.startswith("error: expected text without lone surrogates") and res.stderr.count("\n") == 1
+    good = write_spec(tmp_path, {"task": "fine"})
+    res = run(server, "spawn", "--spec", good, "--spec", str(bad))
+    assert res.exit_code == ExitCode.REFUSED, res.output
+    assert res.stderr.startswith(f"error: spec file {str(bad)!r}: expected text without lone surrogates")
+    assert [server.backend.runs[r].spec["task"] for r in res.stdout.split()] == ["fine"]
+    # What was typed on the command line stays a usage error.
+    assert run(server, "spawn", "--spec", good, "--session", "S" * 300).exit_code == ExitCode.USAGE
+
+
+def test_specs_sent_before_the_connection_broke_may_have_started_and_say_so(
+    server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They said only "lost the connection": the daemon may well have started them.
+    monkeypatch.setattr(client_mod, "PIPELINE_WINDOW", 1)  # one at a time: spec 2 sent, 3 not
+    real_recv = _wsclient.WebSocket.recv_text
+    replies = {"n": 0}
+
+    def drop_after_the_first_reply(self: Any, timeout_s: float | None) -> str:
+        replies["n"] += 1
+        if replies["n"] == 2:  # waiting for spec 2's reply: the network drops us
+            self._sock.shutdown(socket.SHUT_RDWR)
+            raise client_mod.ConnectionLost("the daemon closed the connection")
+        return real_recv(self, timeout_s)
+
+    monkeypatch.setattr(_wsclient.WebSocket, "recv_text", drop_after_the_first_reply)
+    paths = write_specs(tmp_path, [{"task": f"t{i}"} for i in range(3)])
+    res = run(server, "spawn", *(a for p in paths for a in ("--spec", p)))
+    assert res.exit_code == ExitCode.DISCONNECTED, res.output
+    lines = res.stderr.splitlines()
+    assert len(lines) == 2 and len(res.stdout.split()) == 1, res.output
+    assert lines[0].startswith(f"error: spec file {paths[1]!r}: ")
+    assert lines[0].endswith("; the spec was sent and may have started (check with `agentd list`)")
+    assert lines[1].startswith(f"error: spec file {paths[2]!r}: not sent") and "may have started" not in lines[1]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_refused_steer_is_one_error_line_on_stderr(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    # It printed "R: not accepted (...)" on stdout, exit 5, unlike every other user error.
+    reply = {"run_id": "r-1", "accepted": False, "why": "the run has ended", "state": "completed"}
+    monkeypatch.setattr(client_mod.Client, "steer", lambda self, run_id, text: dict(reply))
+    res = run(server, *(["--json"] if as_json else []), "steer", "r-1", "mind the logs")
+    assert res.exit_code == ExitCode.REFUSED, res.output
+    if as_json:
+        assert json.loads(res.stdout) == reply and res.stderr == ""
+    else:
+        assert res.stdout == ""
+        assert res.stderr == "error: r-1: not accepted (the run has ended; state: completed)\n"
