@@ -87,6 +87,9 @@ _ONLY_THE_END = 2**62
 # The largest `--after` (what the protocol takes; SQLite's integers end at 2**63 - 1, and
 # `logs --after 2**63` was an OverflowError with a traceback).
 MAX_AFTER_SEQ: Final = 2**62
+# The longest run id (the protocol's MAX_ID_CHARS): `logs`, reading the journal itself,
+# refuses a longer one as the daemon does for the other commands.
+MAX_RUN_ID_CHARS: Final = 256
 
 
 class CliError(click.ClickException):
@@ -121,7 +124,14 @@ def _translate(exc: AgentdError) -> CliError:
     from supervisor.control.client import ConnectionLost
 
     if isinstance(exc, DaemonNotRunning):
-        return CliError(str(exc), ExitCode.NO_DAEMON)
+        message = str(exc)
+        ctx = click.get_current_context(silent=True)
+        if ctx is not None and ctx.find_root().params.get("use_fleet"):  # the front, not a daemon
+            from supervisor.control.client import START_HINT
+
+            message = message.replace("no agentd daemon is running", "no agentd fleet front is running")
+            message = message.replace(START_HINT, "start one with `agentd fleet serve`")
+        return CliError(message, ExitCode.NO_DAEMON)
     if isinstance(exc, DaemonAlreadyRunning):
         return CliError(str(exc), ExitCode.ALREADY_RUNNING)
     if isinstance(exc, RunNotFound):
@@ -502,8 +512,9 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 # ----------------------------------------------------------------------------- spawn
 
 
-# A spec or MCP config file is read up to this much (the daemon's hard cap on a message):
-# a larger one could never be sent; /dev/zero or an endless pipe is refused, not swallowed.
+# A spec or MCP config file is read up to this much: /dev/zero or an endless pipe is
+# refused, not swallowed. A bound on reading, not the daemon's limit: it refuses a message
+# over its max_message_bytes (1 MiB by default) itself, with its own error.
 JSON_FILE_MAX_BYTES: Final = 16 * 1024 * 1024
 
 
@@ -876,6 +887,8 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
 
     if follow:
         _exit_is_the_outcome()
+    if len(run_id) > MAX_RUN_ID_CHARS:  # (as the daemon refuses it for every other command)
+        raise CliError(f"expected 'run_id' of at most {MAX_RUN_ID_CHARS} chars, got {len(run_id)}", ExitCode.USAGE)
     state_dir = obj.state_dir if obj.state_dir is not None else default_state_dir()
     last = after_seq
     try:

@@ -1164,3 +1164,21 @@ def test_a_refused_steer_is_one_error_line_on_stderr(
     else:
         assert res.stdout == ""
         assert res.stderr == "error: r-1: not accepted (the run has ended; state: completed)\n"
+
+
+def test_logs_of_a_run_id_too_long_is_refused_as_the_daemon_does_without_echoing_it(tmp_path: Path) -> None:
+    from supervisor.cli import MAX_RUN_ID_CHARS
+    from supervisor.protocol import MAX_ID_CHARS
+
+    assert MAX_RUN_ID_CHARS == MAX_ID_CHARS
+    make_journal(tmp_path, STEPS[:1], final="completed")
+    res = run(tmp_path, "logs", "r" * 100_000)  # the whole id was echoed in the error
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr == "error: expected 'run_id' of at most 256 chars, got 100000\n"
+
+
+def test_fleet_with_no_front_says_to_start_one_with_agentd_fleet_serve(tmp_path: Path) -> None:
+    res = run_bare("--fleet", "--state-dir", str(tmp_path), "status")
+    assert res.exit_code == ExitCode.NO_DAEMON, res.output
+    assert res.stderr.startswith("error: no agentd fleet front is running") and res.stderr.count("\n") == 1
+    assert "start one with `agentd fleet serve`" in res.stderr and "systemctl" not in res.stderr
