@@ -588,6 +588,12 @@ def build_spec(
                 f"spec file {str(spec_file)!r}: expected a json object, got {type(loaded).__name__}", ExitCode.USAGE
             )
         spec = loaded
+        m = spec.get("model")
+        if isinstance(m, dict) and isinstance(m.get("script_path"), str) and m["script_path"]:
+            script_path = Path(m["script_path"]).expanduser()
+            if not script_path.is_absolute():
+                # The runner reads it from its run dir: relative to the spec file, as written.
+                spec["model"] = {**m, "script_path": str((spec_file.parent / script_path).absolute())}
     if task is not None:
         spec["task"] = task
     if not isinstance(spec.get("task"), str) or not spec["task"].strip():

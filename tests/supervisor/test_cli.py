@@ -1182,3 +1182,17 @@ def test_fleet_with_no_front_says_to_start_one_with_agentd_fleet_serve(tmp_path:
     assert res.exit_code == ExitCode.NO_DAEMON, res.output
     assert res.stderr.startswith("error: no agentd fleet front is running") and res.stderr.count("\n") == 1
     assert "start one with `agentd fleet serve`" in res.stderr and "systemctl" not in res.stderr
+
+
+def test_a_relative_script_path_in_a_spec_file_is_taken_from_the_spec_files_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was sent as written, and the runner, working in its run dir, failed bad_spec.
+    (tmp_path / "specs").mkdir()
+    spec = tmp_path / "specs" / "spec.json"
+    spec.write_text(json.dumps({"task": "t", "model": {"provider": "scripted", "script_path": "s/script.json"}}))
+    monkeypatch.chdir("/")
+    built = build_spec(None, spec_file=spec)
+    assert built["model"] == {"provider": "scripted", "script_path": str(tmp_path / "specs" / "s" / "script.json")}
+    spec.write_text(json.dumps({"task": "t", "model": {"script_path": "/abs/script.json"}}))
+    assert build_spec(None, spec_file=spec)["model"] == {"script_path": "/abs/script.json"}
