@@ -161,7 +161,7 @@ class _StateDir(click.Path):
         if isinstance(value, str) and not value:
             self.fail("expected a directory, got an empty string", param, ctx)
         rv = super().convert(value, param, ctx)
-        return Path(rv).absolute()
+        return Path(os.fsdecode(rv)).absolute()
 
 
 def _translate_spawn(exc: AgentdError) -> CliError:
