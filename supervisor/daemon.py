@@ -25,6 +25,7 @@ from supervisor import _sdnotify
 from supervisor.config import Config
 from supervisor.control import _statefiles
 from supervisor.control import server as control
+from supervisor.control._peer_cgroup import RunPeers
 from supervisor.core.runs import SHUTDOWN_MARGIN_S, RunManager
 from supervisor.errors import ConfigError, DaemonAlreadyRunning
 from supervisor.store.journal import Journal
@@ -125,6 +126,7 @@ async def _serve_locked(
     containment = await trio.to_thread.run_sync(Containment.setup, config)
     manager = RunManager(config, journal, containment)
     listeners: list[trio.SocketListener] = []
+    runs: RunPeers | None = None
     try:
         # Before the runs a previous daemon left are found again, everything a start can
         # fail at for the user's reasons (a full disk, a busy port, a host that does not
@@ -163,6 +165,8 @@ async def _serve_locked(
             raise ConfigError(
                 "state_dir", f"cannot write the endpoint file {str(config.endpoint_path)!r}: {exc.strerror or exc}"
             ) from exc
+        # A connection a run's processes made is closed at once, on both sockets.
+        runs = RunPeers.open(lambda: containment.root)
         async with trio.open_nursery() as nursery:
             if signals is not None:  # (one that came before is waiting in it)
                 nursery.start_soon(_stop_at_a_signal, signals, stop)
@@ -180,6 +184,7 @@ async def _serve_locked(
                         session_watch=sessions.watching if sessions is not None else None,
                         subscriptions=subscriptions,
                         listener=control_listener,
+                        runs=runs,
                     )
                 )
                 if sessions is not None:
@@ -191,6 +196,7 @@ async def _serve_locked(
                             control_port=port,
                             listener=dash_listener,
                             static=static,
+                            runs=runs,
                         )
                     )
                 await nursery.start(_sdnotify.watchdog_loop, notifier)
@@ -242,6 +248,8 @@ async def _serve_locked(
         with trio.CancelScope(shield=True):
             for listener in listeners:  # (closed already once served; closing again is harmless)
                 await listener.aclose()
+            if runs is not None:
+                runs.close()
             _statefiles.remove_endpoint(config.endpoint_path, pid=os.getpid())
             await journal.aclose()
             await trio.to_thread.run_sync(containment.close)

@@ -8,6 +8,8 @@ a reserve goes to connections, the rest stays for runs (pipes, pidfds), the jour
 /proc scans. Each accepted connection is a ``GatedStream``: it gives its slot back when
 closed, remembers when its peer last sent a byte (for idle timeouts), and can be closed
 by its handler at once (a refused handshake is not left open for the client to keep).
+A connection a run's process made (``_peer_cgroup.RunPeers``) is closed at once and takes
+no slot: every local client is 127.0.0.1, and a run must not be able to fill its slots.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Final, final
 
 import trio
+
+from supervisor.control._peer_cgroup import RunPeers, refuse_a_runs
 
 __all__ = ["Limits", "Gate", "GatedStream", "current_stream", "fd_connection_cap"]
 
@@ -136,8 +140,9 @@ class GatedStream(trio.abc.HalfCloseableStream):
 class Gate(trio.abc.Listener[trio.abc.Stream]):
     """A listener that admits at most ``per_peer`` connections per address, ``total`` in all."""
 
-    def __init__(self, inner: trio.SocketListener, *, per_peer: int, total: int) -> None:
+    def __init__(self, inner: trio.SocketListener, *, per_peer: int, total: int, runs: RunPeers | None = None) -> None:
         self.inner = inner
+        self.runs = runs
         self.per_peer = per_peer
         self.total = total
         self.open: Counter[str] = Counter()
@@ -160,6 +165,8 @@ class Gate(trio.abc.Listener[trio.abc.Stream]):
             except OSError:  # already reset by the peer
                 await trio.aclose_forcefully(stream)
                 continue
+            if await refuse_a_runs(stream, self.runs, "control"):
+                continue  # a run's: no slot, no handshake (counted and logged by ``runs``)
             if self.open[peer] >= self.per_peer or self.count >= self.total:
                 self.refused += 1
                 self._log_refusal(peer)

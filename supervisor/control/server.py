@@ -11,7 +11,8 @@ A refused handshake is closed at once. A malformed, oversized or unknown message
 error reply and a handler's bug an ``internal`` one: nothing an authenticated client sends
 ends its connection or the daemon (only a frame above the hard cap, which trio-websocket
 closes with 1009). Every hold a client can take is bounded (``_conn_limits.Limits``):
-connections per peer and in all, the handshake, idleness, requests in flight,
+connections per peer and in all (a connection a run's process made is never admitted,
+``_peer_cgroup``), the handshake, idleness, requests in flight,
 subscriptions, bytes buffered per subscriber, replay pages in bytes. A connection that
 goes away ends its subscriptions and nothing else: runs are stopped only by an explicit
 ``cancel``, and a spawn or cancel already in flight completes.
@@ -51,6 +52,7 @@ from supervisor.control._conn_limits import (
     current_stream,
     fd_connection_cap,
 )
+from supervisor.control._peer_cgroup import RunPeers
 from supervisor.control._statefiles import (
     endpoint_url,
     new_token,
@@ -383,6 +385,8 @@ class _Server:
                 "total": self.gate.total,
                 "open": self.gate.count,
                 "refused": self.gate.refused,
+                # Connections made by a run's processes, closed at once (both listeners).
+                "refused_runs": self.gate.runs.refused if self.gate.runs is not None else None,
             }
         return info
 
@@ -909,6 +913,7 @@ async def serve_control(
     limits: Limits | None = None,
     subscriptions: Subscriptions | None = None,
     listener: trio.SocketListener | None = None,
+    runs: RunPeers | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control socket on ``config.host:config.port`` until cancelled.
@@ -924,6 +929,8 @@ async def serve_control(
         subscriptions: where the live subscriptions are counted (the daemon's, to let them
             drain at shutdown); default a fresh one.
         listener: bound already (``open_listener``); default: bound here.
+        runs: tells the connections a run's processes made, which are closed at once
+            (``_peer_cgroup``); None: all are admitted.
         task_status: started with the bound port once connections are accepted.
     """
     limits = limits or Limits()
@@ -932,7 +939,7 @@ async def serve_control(
         config, backend, _TokenSource(config.token_path, token), limits, session_ok, subscriptions, session_watch
     )
     server.port = listeners[0].socket.getsockname()[1]
-    gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total))
+    gate = Gate(listeners[0], per_peer=limits.per_peer, total=fd_connection_cap(limits.total), runs=runs)
     server.gate = gate
     ws_server = _ContainedServer(
         server.handle,

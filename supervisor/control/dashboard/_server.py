@@ -2,7 +2,8 @@
 
 Serves ``DashboardApp``'s responses and nothing else; the page then talks to the control
 socket (a websocket on the daemon's other port) with its session (``_sessions``). Bounded like the
-control socket: connections at once, request head and body size, a deadline for each
+control socket: connections at once (a connection a run's process made is closed before it
+counts, ``_peer_cgroup``), request head and body size, a deadline for each
 request to arrive and for each response to be taken. A bad or slow client gets an error or
 a closed connection; nothing a client sends ends the server or the daemon.
 """
@@ -23,6 +24,7 @@ import trio
 
 from supervisor.config import Config
 from supervisor.control._conn_limits import REFUSAL_LOG_INTERVAL_S
+from supervisor.control._peer_cgroup import RefusingListener, RunPeers
 from supervisor.control.dashboard._app import DashboardApp, Request, Response
 from supervisor.control.dashboard._sessions import Sessions
 from supervisor.control.server import open_listener
@@ -194,6 +196,7 @@ async def serve_dashboard(
     control_port: int,
     listener: trio.SocketListener | None = None,
     static: Mapping[str, bytes] | None = None,
+    runs: RunPeers | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the dashboard on ``config.host:config.dashboard_port`` until cancelled.
@@ -204,6 +207,8 @@ async def serve_dashboard(
         control_port: the control socket's port, which the page connects to.
         listener: bound already (``listen``); default: bound here.
         static: the page's files (``load_static``); default: loaded here.
+        runs: tells the connections a run's processes made, which are closed at once
+            (before ``MAX_CONNECTIONS`` counts them); None: all are admitted.
         task_status: started with the bound port once connections are accepted.
     """
     listener = listener or await listen(config)
@@ -243,6 +248,9 @@ async def serve_dashboard(
             limiter.release()
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handler, [listener])
+        served: trio.abc.Listener[trio.SocketStream] = listener
+        if runs is not None:
+            served = RefusingListener(listener, runs, "dashboard")
+        await nursery.start(trio.serve_listeners, handler, [served])
         logger.info("dashboard: serving %s", dashboard_url(config.host, port))
         task_status.started(port)
