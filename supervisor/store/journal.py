@@ -166,8 +166,29 @@ class _Job(Generic[T]):
             pass  # the caller's Trio run is gone; nobody is waiting any more
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """The journal file at ``path``: (device, inode), or None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _replaced(path: str) -> JournalUnavailable:
+    # The open connection would go on writing to a file nobody will read again (an
+    # unlinked one, or one another file took the place of): every call fails instead, as
+    # for a journal that cannot be written, and the daemon says so and takes no new runs.
+    return JournalUnavailable(
+        f"journal {path!r}: the file was removed or replaced while the daemon ran; "
+        "what is written now would be lost: restart the daemon",
+        path=path,
+    )
+
+
 class _Worker:
-    """The thread that owns the connection. sqlite3 objects never leave it."""
+    """The thread that owns the connection. sqlite3 objects never leave it. Before each
+    group of calls it checks that the file at its path is still the one it opened."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -195,6 +216,7 @@ class _Worker:
         except JournalError as exc:
             open_error = exc
         store = Store(conn, self.path) if conn is not None else None
+        opened = _identity(self.path) if store is not None else None
         try:
             stopping = False
             while not stopping and (job := self._jobs.get()) is not None:
@@ -209,9 +231,10 @@ class _Worker:
                         stopping = True
                         break
                     jobs.append(more)
-                if store is None:
+                gone = store is not None and opened is not None and _identity(self.path) != opened
+                if store is None or gone:
                     for j in jobs:
-                        j.error = open_error
+                        j.error = open_error if store is None else _replaced(self.path)
                 elif len(jobs) == 1:
                     self._run(store, job)
                 else:

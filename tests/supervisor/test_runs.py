@@ -328,6 +328,19 @@ async def test_a_second_daemon_is_refused_even_once_the_lock_file_is_removed(dae
         await serve(daemon.config, stop=trio.Event())
 
 
+async def test_a_journal_removed_under_the_daemon_takes_no_new_runs_and_says_so(daemon: Daemon) -> None:
+    # It said the journal was writable and acknowledged spawns written to an unlinked
+    # file: a restart found none of them, and their runners ran on unsupervised.
+    from supervisor.errors import JournalUnavailable
+
+    for f in daemon.config.state_dir.glob("agentd.sqlite3*"):
+        f.unlink()
+    with trio.fail_after(10), pytest.raises(JournalUnavailable, match="removed or replaced"):
+        await daemon.m.spawn(task(wait=False))
+    journal = (await daemon.m.summary())["journal"]
+    assert journal["writable"] is False and "removed or replaced" in journal["error"], journal
+
+
 async def test_a_spec_session_id_is_held_to_the_requests_limits(daemon: Daemon) -> None:
     # A session that could never be closed, read or cancelled by its id is refused at spawn.
     for bad in ("S" * 257, "  ", 5):
