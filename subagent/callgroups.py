@@ -11,8 +11,8 @@ The run itself may write nothing in cgroupfs: with a write to a ``cgroup.procs``
 own, a process may move in any process whose cgroup shares an ancestor it can write (for
 a root daemon's run, every process of the host, the daemon too), then kill it with its
 call. So the runner makes a few such cgroups (``open_pool``) while it still may, before
-its sandbox is applied, and keeps each one's ``cgroup.procs`` open: the forked shell
-writes its own pid to that descriptor, which needs no path (Landlock checks paths as
+its sandbox is applied, and keeps each one's ``cgroup.procs`` open (and ``cgroup.kill``,
+for the call's end): the forked shell writes its own pid to that descriptor, which needs no path (Landlock checks paths as
 they are opened). A cgroup is used again once its call has left nothing in it. A call
 that finds none free (more than ``POOL_SIZE`` at once), or a runner with no tree cgroup,
 runs as before: its group and its marker variable find what it started.
@@ -99,10 +99,12 @@ def find_tree_cgroup(kernel: Kernel, pid: int, tree_id: str | None) -> Path | No
 
 @dataclass
 class Slot:
-    """One call cgroup of the pool, with its ``cgroup.procs`` open for writing."""
+    """One call cgroup of the pool, with its ``cgroup.procs`` and ``cgroup.kill`` open for
+    writing (``kill_fd`` None: a kernel without ``cgroup.kill``)."""
 
     path: Path
     procs_fd: int
+    kill_fd: int | None = None
 
 
 _pool: tuple[int, list[Slot]] | None = None  # (pid, free slots): a forked child has none
@@ -122,7 +124,12 @@ def open_pool(tree: Path | None = None, size: int = POOL_SIZE) -> Path | None:
         for i in range(size):
             path = calls / str(i)
             os.makedirs(path, exist_ok=True)
-            slots.append(Slot(path, os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)))
+            slot = Slot(path, os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+            slots.append(slot)
+            try:
+                slot.kill_fd = os.open(path / "cgroup.kill", os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # a kernel before 5.14: each process by pidfd
+                pass
     except OSError as exc:
         logger.debug("cgroups for the run's calls: %s (%d made)", exc, len(slots))
     if not slots:

@@ -279,7 +279,7 @@ async def escalate(
         return r
     await read(targets)  # note the members while they still show marker and cgroup
     if targets.cgroup is not None:
-        record("cgroup.kill", "cgroup", targets.cgroup, kill_cgroup(table, targets.cgroup))
+        record("cgroup.kill", "cgroup", targets.cgroup, kill_cgroup(table, targets.cgroup, fd=targets.cgroup_kill_fd))
     for g in table.live_groups(targets.groups):
         record("SIGKILL", "group", g, signal_group(table, g, SIGKILL))
     killed: dict[int, int] = {}  # pid -> start ticks: a recycled pid is not re-killed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -125,17 +126,21 @@ def group_exists(table: ProcessTable, pgid: int) -> bool:
     return True
 
 
-def kill_cgroup(table: ProcessTable, path: Path, sig: int = 9) -> Delivery:
+def kill_cgroup(table: ProcessTable, path: Path, sig: int = 9, *, fd: int | None = None) -> Delivery:
     """SIGKILL every process in a cgroup and below it, forks in flight included.
 
-    ``cgroup.kill`` where the kernel has it (5.14+); else each process by pidfd. Refused
-    for a cgroup that holds the caller.
+    ``cgroup.kill`` where the kernel has it (5.14+), through ``fd`` if given (its
+    ``cgroup.kill`` opened earlier: a sandboxed runner may not open it by path); else each
+    process by pidfd. Refused for a cgroup that holds the caller.
     """
     kernel = table.kernel
     try:
         if kernel.own_ids()[0] in kernel.cgroup_pids(path):
             return Delivery.REFUSED
-        kernel.cgroup_kill(path)
+        if fd is not None:
+            os.write(fd, b"1")
+        else:
+            kernel.cgroup_kill(path)
     except FileNotFoundError:
         if not path.exists():
             return Delivery.GONE

@@ -58,6 +58,8 @@ class Targets:
             among its processes (``cgroup.procs``) instead of the whole table. Unlike
             ``cgroup``, its processes are not members by that alone, and it is never
             killed. Ignored once it is gone.
+        cgroup_kill_fd: ``cgroup``'s ``cgroup.kill``, opened for writing by the caller
+            while it still could (a sandboxed runner may not open it by its path).
     """
 
     groups: Mapping[int, int | None] = field(default_factory=dict)
@@ -68,6 +70,7 @@ class Targets:
     pipes: frozenset[int] = frozenset()
     follow: bool = False
     within: Path | None = None
+    cgroup_kill_fd: int | None = None
 
     @classmethod
     def group(cls, pgid: int, leader_ticks: int | None = None) -> Targets:

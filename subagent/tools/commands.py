@@ -164,8 +164,13 @@ async def end_group_and_escapers(
     Shielded: safe under a cancelled scope. Returns whether nothing of it is left.
     """
     within = own_tree_cgroup()
-    bound = cgroup.path if cgroup is not None else None
-    targets = Targets(groups={pgid: leader_ticks}, marker=(SUBTREE_VAR, marker), cgroup=bound, within=within)
+    targets = Targets(
+        groups={pgid: leader_ticks},
+        marker=(SUBTREE_VAR, marker),
+        cgroup=cgroup.path if cgroup is not None else None,
+        within=within,
+        cgroup_kill_fd=cgroup.kill_fd if cgroup is not None else None,
+    )
     # Inside the tree's cgroup a read of the set is a few small files: inline, no thread.
     runtime = TrioRuntime(threads=False) if within is not None or cgroup is not None else None
     with trio.CancelScope(shield=True):

@@ -29,6 +29,7 @@ from subagent.osedge import (
     ProcessTable,
     Targets,
     escalate,
+    kill_cgroup,
     parse_stat,
     signal_group,
     signal_process,
@@ -484,3 +485,19 @@ def test_a_signal_while_trio_closes_is_never_written_to_its_closed_socket(how: s
         assert caught == ["OSError(9, 'Bad file descriptor')"]
     else:
         assert "wakeup fd" not in out.stderr
+
+
+def test_a_cgroup_killed_through_a_descriptor_opened_earlier_is_not_opened_by_path() -> None:
+    # A sandboxed runner may not open a call cgroup's cgroup.kill by its path (EACCES):
+    # it writes to the descriptor it opened before its sandbox (``callgroups.Slot``).
+    k = FakeKernel()
+    call = Path("/sys/fs/cgroup/agentd-1-x/t-abc/calls/0")
+    k.start(300, ppid=ME, cgroup=call)
+    r, w = os.pipe()
+    try:
+        assert kill_cgroup(ProcessTable(k), call, fd=w) == Delivery.SENT
+        assert os.read(r, 8) == b"1"
+        assert [s for s in k.sent if s.how == "cgroup"] == []  # never by path
+    finally:
+        os.close(r)
+        os.close(w)

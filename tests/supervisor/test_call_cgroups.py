@@ -10,6 +10,7 @@ real runner and sandbox, scripted model: the run's next command reports what it 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,24 @@ BG_LOOK = (
 )
 
 
+# A process that hops to a new pid as fast as it can forks (the parent exits at once),
+# ignoring SIGTERM, in a session of its own: one SIGKILL per pid it is seen at does not
+# catch it; cgroup.kill does. Then what the run's next command sees in the other calls'
+# cgroups (it runs in its own): nothing.
+HOP = (
+    f"{sys.executable} -c 'import os,signal,time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); os.setsid(); end = time.time() + 8\n"
+    "while time.time() < end:\n"
+    "    os.fork() and os._exit(0)\n"
+    'os.execvp("sleep", ["sleep", "300"])\' >/dev/null 2>&1 & echo hopping'
+)
+OTHERS = (
+    "mine=$(awk -F: '$1==0{print $3}' /proc/self/cgroup); "
+    "root=$(awk '$9==\"cgroup2\"{print $5; exit}' /proc/self/mountinfo); "
+    'for d in $root$(dirname $mine)/*/; do [ "$d" = "$root$mine/" ] || cat $d/cgroup.procs; done | wc -l'
+)
+
+
 def script(*commands: str | dict[str, Any]) -> dict[str, Any]:
     calls = [c if isinstance(c, dict) else {"command": c} for c in commands]
     turns = [
@@ -105,6 +124,17 @@ async def test_a_background_commands_escaper_ends_when_it_does(tmp_path: Path) -
             first, second = (t["output"] for t in st["tool_calls"])
             assert first.startswith("started in the background"), st["tool_calls"]
             assert second.strip().splitlines()[-1] in ("state=gone", "state=Z"), second
+            await none_left(d.pid, _zygote(await c.ok("status")))
+
+
+async def test_a_process_that_keeps_forking_ends_with_its_call(tmp_path: Path) -> None:
+    with trio.fail_after(90):
+        async with real_daemon(tmp_path / "state", env=ENV) as d, d.connect() as c:
+            st = await run_to_end(c, script(HOP, OTHERS))
+            require_cgroups(st)
+            first, second = (t["output"] for t in st["tool_calls"])
+            assert "hopping" in first, st["tool_calls"]
+            assert second.strip().splitlines()[-1] == "0", second  # nothing left in any other call's cgroup
             await none_left(d.pid, _zygote(await c.ok("status")))
 
 

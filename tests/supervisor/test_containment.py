@@ -540,3 +540,44 @@ async def test_a_closed_sigchld_receiver_leaves_a_python_handler_for_a_late_sigc
     finally:
         if callable(before):  # never SIG_DFL again: that is the window this test is about
             signal.signal(signal.SIGCHLD, before)
+
+
+async def test_a_runners_call_pool_joins_and_kills_through_its_descriptors(made: list[Containment]) -> None:
+    # ``callgroups.open_pool``: the call cgroups a runner makes before its sandbox, each
+    # joined and killed through a descriptor (cgroup.procs, cgroup.kill) opened then.
+    from subagent import callgroups
+
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    tree = c.prepare("t-" + uuid.uuid4().hex)
+    assert tree is not None
+    calls = callgroups.open_pool(tree)
+    assert calls == tree / "calls"
+    slot = callgroups.take()
+    assert slot is not None and slot.kill_fd is not None
+    proc = await trio.lowlevel.open_process(
+        ["sh", "-c", "sleep 300 & exec sleep 300"], start_new_session=True, preexec_fn=callgroups.joiner(slot)
+    )
+    try:
+        with trio.fail_after(5):
+            while len(LINUX.cgroup_pids(slot.path)) < 2:  # the shell and its child, both born there
+                await trio.sleep(0.01)
+        assert (LINUX.cgroup(proc.pid) or "").endswith(f"/{tree.name}/calls/{slot.path.name}")
+        os.write(slot.kill_fd, b"1")
+        with trio.fail_after(5):
+            assert await proc.wait() == -signal.SIGKILL
+            while LINUX.cgroup_populated(slot.path):
+                await trio.sleep(0.01)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        callgroups.give(slot)
+        assert callgroups._pool is not None
+        for s in callgroups._pool[1]:
+            os.close(s.procs_fd)
+            if s.kill_fd is not None:
+                os.close(s.kill_fd)
+        callgroups._pool = None
+    c.discard(tree.name)
+    assert _cgroupfs.rmdir_tree(tree) and not tree.exists()  # its calls' cgroups with it
