@@ -24,6 +24,7 @@ connection is admitted as before, and the log says so once.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -73,6 +74,31 @@ REFRESH_S: Final = 0.2
 MAX_OTHERS: Final = 4096
 
 
+def is_local(peer: str, ours: str) -> bool:
+    """Is a peer at ``peer`` on this host (a loopback address, or the address it reached)?"""
+    try:
+        address = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or peer == ours
+
+
+def _peer_is_local(sock: socket.socket | trio.socket.SocketType) -> bool:
+    try:
+        return is_local(str(sock.getpeername()[0]), str(sock.getsockname()[0]))
+    except OSError:  # already gone: whoever it was, it is not let in
+        return True
+
+
+def _loopback_index() -> int:
+    try:
+        return socket.if_nametoindex("lo")
+    except OSError:
+        return 1  # the loopback device is the first one made
+
+
 class Unsupported(Exception):
     """The kernel cannot say which cgroup made a socket."""
 
@@ -82,10 +108,12 @@ def _address(family: int, host: str) -> bytes:
     return packed.ljust(16, b"\0")
 
 
-def pack_request(family: int, src: tuple[str, int], dst: tuple[str, int], *, seq: int) -> bytes:
-    """A SOCK_DIAG_BY_FAMILY request for the TCP socket bound at ``src``, connected to ``dst``."""
+def pack_request(family: int, src: tuple[str, int], dst: tuple[str, int], *, seq: int, ifindex: int = 0) -> bytes:
+    """A SOCK_DIAG_BY_FAMILY request for the TCP socket bound at ``src``, connected to
+    ``dst`` (and bound to the device ``ifindex``, if not 0: the kernel's lookup of such a
+    socket needs it)."""
     sockid = SOCKID.pack(src[1], dst[1], _address(family, src[0]), _address(family, dst[0]))
-    sockid += SOCKID_TAIL.pack(0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
+    sockid += SOCKID_TAIL.pack(ifindex, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
     body = REQ_HEAD.pack(family, socket.IPPROTO_TCP, 0, 0, ALL_STATES) + sockid
     return NLMSGHDR.pack(NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body
 
@@ -137,7 +165,7 @@ class SockDiag:
     def close(self) -> None:
         self._sock.close()
 
-    def cgroup_of(self, family: int, src: tuple[str, int], dst: tuple[str, int]) -> int | None:
+    def cgroup_of(self, family: int, src: tuple[str, int], dst: tuple[str, int], *, ifindex: int = 0) -> int | None:
         """The cgroup id of the TCP socket bound at ``src`` and connected to ``dst``; None
         if there is none (gone, or on another host).
 
@@ -147,7 +175,7 @@ class SockDiag:
         """
         self._seq = self._seq % 0x7FFFFFFF + 1
         seq = self._seq
-        self._sock.send(pack_request(family, src, dst, seq=seq))
+        self._sock.send(pack_request(family, src, dst, seq=seq, ifindex=ifindex))
         # The kernel answers a request for one socket within the send: the reply is queued.
         for _ in range(8):  # skip a stale reply, if any
             try:
@@ -161,10 +189,22 @@ class SockDiag:
         raise LookupError("no netlink reply")
 
     def cgroup_of_peer(self, sock: socket.socket | trio.socket.SocketType) -> int | None:
-        """The cgroup id of the socket at the other end of the accepted connection ``sock``."""
+        """The cgroup id of the socket at the other end of the accepted connection ``sock``.
+
+        A local peer (this host's) is asked for again as bound to the loopback device: a
+        socket bound to a device (``SO_BINDTODEVICE``, which needs no privilege) is not
+        found without it. None: no such socket (or one on another host).
+
+        Raises:
+            Unsupported, OSError, LookupError: see ``cgroup_of``.
+        """
         remote = sock.getpeername()
         local = sock.getsockname()
-        return self.cgroup_of(sock.family, (remote[0], remote[1]), (local[0], local[1]))
+        src, dst = (remote[0], remote[1]), (local[0], local[1])
+        found = self.cgroup_of(sock.family, src, dst)
+        if found is None and is_local(remote[0], local[0]):
+            found = self.cgroup_of(sock.family, src, dst, ifindex=_loopback_index())
+        return found
 
 
 def probe(diag: SockDiag) -> int:
@@ -234,6 +274,7 @@ class RunPeers:
         self._walked_at = -float("inf")  # trio time a walk began
         self._logged: set[tuple[str, str]] = set()
         self.refused = 0
+        self.refused_unplaced = 0  # of them: local peers the kernel could not place
 
     @classmethod
     def open(cls, subtree: Callable[[], Path | None]) -> RunPeers | None:
@@ -274,11 +315,24 @@ class RunPeers:
         try:
             cgroup = self._diag.cgroup_of_peer(sock)
         except (Unsupported, OSError, LookupError) as exc:
-            # One connection's question failed (its peer is gone, say): admitted as before.
+            cgroup = None
             logger.debug("%s: cgroup of a peer not known: %s", what, exc)
-            return False
         if cgroup is None:
-            return False
+            # The kernel said at the start it can tell (``probe``). A local peer it cannot
+            # place now is refused, not admitted: a socket closed before the accept (a
+            # time-wait one carries no cgroup), one it could not find. A remote one is
+            # on another host: not a run's.
+            if not _peer_is_local(sock):
+                return False
+            self.refused += 1
+            self.refused_unplaced += 1
+            if self.refused_unplaced == 1:
+                logger.warning(
+                    "%s: refusing a local connection whose socket the kernel cannot place "
+                    "(closed before it was accepted, or not found): only the first is logged",
+                    what,
+                )
+            return True
         if cgroup not in self._ours and cgroup not in self._others:
             # Only a walk that began after ``since`` surely saw its cgroup (one at the same
             # instant may have begun before: walked again). Another connection's may begin

@@ -173,16 +173,72 @@ async def test_ids_of_the_subtree_are_refused_and_the_walks_are_bounded(
     assert [r.getMessage().split("run tree ")[1].split()[0] for r in refusals] == ["t1", "(subtree", "t2"]
 
 
-async def test_a_failed_question_admits_the_connection(tmp_path: Path) -> None:
+class Peer:
+    """An accepted connection's addresses, as a socket gives them."""
+
+    def __init__(self, peer: str, ours: str = "127.0.0.1") -> None:
+        self.peer, self.ours = peer, ours
+
+    def getpeername(self) -> tuple[str, int]:
+        return self.peer, 40000
+
+    def getsockname(self) -> tuple[str, int]:
+        return self.ours, 8765
+
+
+@pytest.mark.parametrize(
+    ("peer", "refused"),
+    [
+        ("127.0.0.1", True),
+        ("127.5.6.7", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("10.0.0.5", False),  # another host's: not a run's
+    ],
+)
+async def test_a_local_peer_the_kernel_cannot_place_is_refused_and_a_remote_one_admitted(
+    tmp_path: Path, peer: str, refused: bool
+) -> None:
+    # A run's socket bound to a device (SO_BINDTODEVICE) was not found, and one closed
+    # right after its request (time-wait: no cgroup id) was found without an id: both
+    # were admitted, and a run reached the handshake and filled the per-peer slots.
     class Broken(FakeDiag):
         def cgroup_of_peer(self, sock: object) -> int | None:
-            raise OSError(errno.ENOBUFS, "no buffer")
+            raise _peer_cgroup.Unsupported("no INET_DIAG_CGROUP_ID")
 
-    runs = RunPeers(lambda: tmp_path, Broken())  # type: ignore[arg-type]
-    assert not await runs.made_by_a_run(object(), "dashboard")  # type: ignore[arg-type]
-    none = RunPeers(lambda: tmp_path, FakeDiag())  # type: ignore[arg-type]
-    none._diag.ids.append(None)  # type: ignore[union-attr]
-    assert not await none.made_by_a_run(object(), "dashboard")  # type: ignore[arg-type]
+    for diag in (Broken(), FakeDiag()):
+        diag.ids.append(None)  # type: ignore[arg-type]  # FakeDiag: not found
+        runs = RunPeers(lambda: tmp_path, diag)  # type: ignore[arg-type]
+        assert await runs.made_by_a_run(Peer(peer), "dashboard") is refused  # type: ignore[arg-type]
+        assert runs.refused == runs.refused_unplaced == int(refused)
+
+
+def test_a_socket_bound_to_the_loopback_device_is_found_by_asking_with_it() -> None:
+    # SO_BINDTODEVICE needs no privilege; the kernel's lookup of such a socket needs the
+    # device's index in the request.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = socket.socket()
+        with client:
+            try:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
+            except OSError:
+                conftest.require(False, "SO_BINDTODEVICE")
+            client.connect(listener.getsockname())
+            accepted, _ = listener.accept()
+            with accepted:
+                diag = _peer_cgroup.SockDiag()
+                try:
+                    remote, local = accepted.getpeername(), accepted.getsockname()
+                    assert diag.cgroup_of(socket.AF_INET, remote, local) is None  # not found without it
+                    try:
+                        got = diag.cgroup_of_peer(accepted)
+                    except _peer_cgroup.Unsupported:
+                        conftest.require(False, "INET_DIAG_CGROUP_ID (kernel >= 5.7)")
+                    assert got is not None and got == os.stat(own_cgroup_dir()).st_ino
+                finally:
+                    diag.close()
 
 
 def test_without_a_subtree_nothing_is_checked(caplog: pytest.LogCaptureFixture) -> None:
