@@ -80,6 +80,15 @@ class RunOutcome:
     error: dict[str, str] | None = None
 
 
+# A model whose stream is cut this many turns in a row fails the run (model_stream).
+MAX_CUTS_IN_A_ROW = 3
+# An answer (no calls) that ended for one of these reasons is cut short: said so.
+CUT_SHORT = {
+    "length": "the model's answer stopped at its output limit (finish_reason length)",
+    "content_filter": "the model server's content filter stopped the answer (finish_reason content_filter)",
+}
+
+
 @dataclass
 class AgentLoop:
     spec: RunSpec
@@ -131,11 +140,14 @@ class AgentLoop:
 
     async def run(self) -> RunOutcome:
         schemas = self.tools.schemas()
+        cuts = 0  # turns in a row whose stream ended before the turn finished
         while True:
             if self.stop.requested:
                 return self._cancelled()
             if self.steps >= self.spec.limits.max_steps:
                 msg = f"the model did not answer within max_steps={self.spec.limits.max_steps}"
+                if cuts:
+                    msg += f" (the stream of its last {cuts} turn(s) ended before the turn finished)"
                 return RunOutcome(
                     RunStatus.FAILED, ExitCode.FAILED, reason="max_steps", error={"code": "max_steps", "message": msg}
                 )
@@ -174,13 +186,34 @@ class AgentLoop:
             if aborted:
                 return self._cancelled()
             if not turn.finished:
-                # A cut stream: nothing of this turn runs; the model is told and asked again.
+                # A cut stream: nothing of this turn runs; the model is told and asked again,
+                # not for ever: each ask is billed, and a server that cuts every stream
+                # fails the run for what it is, not as max_steps.
+                cuts += 1
                 self.emitter.log("warning", f"step {self.steps}: the model's stream ended before its turn finished")
+                if cuts >= MAX_CUTS_IN_A_ROW:
+                    msg = f"the model's stream ended before its turn finished {cuts} times in a row"
+                    return RunOutcome(
+                        RunStatus.FAILED,
+                        ExitCode.MODEL_ERROR,
+                        reason="model_error",
+                        error={"code": "model_stream", "message": msg},
+                    )
                 continue
+            cuts = 0
             if not turn.calls:
                 if self.steering is not None and self.steering.pending and not self.stop.requested:
                     continue  # new input arrived: the next step applies it
-                return RunOutcome(RunStatus.COMPLETED, ExitCode.COMPLETED, final_text=turn.text)
+                cut_short = CUT_SHORT.get(turn.finish_reason or "")
+                if cut_short is not None:
+                    # Still the model's answer, but not a whole one: said, not hidden.
+                    self.emitter.log("warning", f"step {self.steps}: {cut_short}")
+                return RunOutcome(
+                    RunStatus.COMPLETED,
+                    ExitCode.COMPLETED,
+                    final_text=turn.text,
+                    reason=None if cut_short is None else f"answer_{turn.finish_reason}: {cut_short}",
+                )
             await self._run_batch(turn.calls, records)
             self._snapshot()
             broken = self.tools.protocol_errors()

@@ -59,7 +59,7 @@ class OpenAIProvider:
         self.model = model or env.get("OPENAI_MODEL") or DEFAULT_MODEL
         self.base_url = base_url
         self._usage_option = True  # stream_options.include_usage, until a server rejects it
-        timeout = request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S
+        timeout = self._timeout = request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S
         self._client = openai.AsyncOpenAI(
             api_key=key,
             base_url=base_url,
@@ -106,6 +106,12 @@ class OpenAIProvider:
                 kind="model_bad_response",
             ) from None
         except openai.APIError as exc:
+            if isinstance(exc, openai.APITimeoutError):
+                # The server went quiet mid-stream for the whole read timeout: its failure,
+                # not a cut to ask again (each ask billed, then a run failed as max_steps).
+                raise ModelError(
+                    f"the model server sent nothing for {self._timeout:g} s (request_timeout_s)", kind="model_timeout"
+                ) from None
             if not sink.received_any or isinstance(exc, openai.APIStatusError) or _is_stream_error(exc):
                 raise ModelError(f"the model stream failed: {_message(exc)}", kind="model_stream") from None
             # The connection broke mid-turn: a cut. The assembler saw no finish.

@@ -28,6 +28,12 @@ REASON_TURN_INCOMPLETE = "turn_incomplete: the model's stream ended before its t
 REASON_ARGS_AT_LIMIT = "arguments_incomplete: the model hit its output limit inside this call's arguments"
 REASON_ABORTED_IN_ARGS = "arguments_incomplete: the stop aborted the stream inside this call's arguments"
 REASON_ABORTED_TURN = "stopped_before_start: the stop aborted the model's turn"
+# What one turn keeps of the model's text, and of one call's arguments (characters). The
+# rest is counted and dropped as it streams: a model that streamed hundreds of MB kept
+# them all (the runner at GBs, then seconds of CPU fitting its result, deaf to a stop).
+MAX_TURN_TEXT_CHARS = 256 * 1024
+MAX_CALL_ARGUMENTS_CHARS = 1024 * 1024
+REASON_ARGS_TOO_LONG = f"invalid_arguments: longer than {MAX_CALL_ARGUMENTS_CHARS} characters"
 
 
 class ModelError(Exception):
@@ -45,6 +51,7 @@ class DraftCall:
     id: str = ""
     name: str = ""
     arguments: str = ""
+    too_long: bool = False  # its arguments passed MAX_CALL_ARGUMENTS_CHARS: the rest dropped
     # Set by TurnAssembler.result(): None when executable, else why not.
     problem: str | None = None
     parsed: dict[str, Any] | None = None
@@ -73,11 +80,20 @@ class TurnAssembler:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     received_any: bool = False
+    text_dropped: int = 0  # characters past MAX_TURN_TEXT_CHARS
+    _text_chars: int = 0
     _last_index: int | None = None
 
     def text(self, delta: str) -> None:
         if delta:
             self.received_any = True
+            room = MAX_TURN_TEXT_CHARS - self._text_chars
+            if len(delta) > room:
+                self.text_dropped += len(delta) - max(room, 0)
+                delta = delta[: max(room, 0)]
+                if not delta:
+                    return
+            self._text_chars += len(delta)
             self.text_parts.append(delta)
 
     def tool_delta(
@@ -92,8 +108,11 @@ class TurnAssembler:
         if name:
             # Some servers repeat the name in every delta; others send it once.
             call.name = name if not call.name or call.name == name else call.name + name
-        if arguments:
-            call.arguments += arguments
+        if arguments and not call.too_long:
+            if len(call.arguments) + len(arguments) > MAX_CALL_ARGUMENTS_CHARS:
+                call.too_long = True
+            else:
+                call.arguments += arguments
         self._last_index = index
 
     def finish(self, reason: str | None) -> None:
@@ -106,6 +125,15 @@ class TurnAssembler:
             "completion_tokens": int(completion_tokens or 0),
         }
 
+    def joined_text(self) -> str:
+        text = "".join(self.text_parts)
+        if self.text_dropped:
+            text += (
+                f"\n[{self.text_dropped} more characters of the model's answer were dropped: "
+                f"a turn keeps {MAX_TURN_TEXT_CHARS}]"
+            )
+        return text
+
     def result(self, *, aborted: bool = False) -> ModelTurn:
         finished = self.finish_reason is not None and not aborted
         calls = [self.calls[i] for i in sorted(self.calls)]
@@ -114,11 +142,13 @@ class TurnAssembler:
             for call in calls:
                 call.problem = REASON_ARGS_AT_LIMIT if call.index == self._last_index else REASON_TURN_INCOMPLETE
                 call.id = call.id or f"call_auto_{call.index + 1}"
-            return ModelTurn("".join(self.text_parts), calls, False, False, self.finish_reason, self.usage)
+            return ModelTurn(self.joined_text(), calls, False, False, self.finish_reason, self.usage)
         for n, call in enumerate(calls):
             if not call.id:
                 call.id = f"call_auto_{n + 1}"
-            if finished:
+            if finished and call.too_long:
+                call.problem = REASON_ARGS_TOO_LONG
+            elif finished:
                 call.problem, call.parsed = _check_arguments(call)
             elif call.index == self._last_index:
                 call.problem = REASON_ABORTED_IN_ARGS if aborted else REASON_ARGS_INCOMPLETE
@@ -128,7 +158,7 @@ class TurnAssembler:
             else:
                 call.problem = REASON_ABORTED_TURN if aborted else REASON_TURN_INCOMPLETE
         return ModelTurn(
-            text="".join(self.text_parts),
+            text=self.joined_text(),
             calls=calls,
             finished=finished,
             aborted=aborted,

@@ -96,6 +96,7 @@ class Turn:
     cut: bool = False
     http_status: int | None = None
     usage: Mapping[str, int] | None = None
+    finish_reason: str | None = None  # default: "tool_calls" with calls, else "stop"
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Turn:
@@ -116,6 +117,7 @@ class Turn:
                 "cut",
                 "http_status",
                 "usage",
+                "finish_reason",
             },
         )
         text = d.get("text", "")
@@ -147,6 +149,9 @@ class Turn:
             for k, v in usage.items():
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise ScriptError(f"{where}.usage.{k}", f"expected an integer >= 0, got {v!r}")
+        finish = d.get("finish_reason")
+        if finish is not None and (not isinstance(finish, str) or not finish):
+            raise ScriptError(f"{where}.finish_reason", f"expected a non-empty string, got {finish!r}")
         parsed = tuple(ScriptedCall.from_dict(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls))
         for i, c in enumerate(parsed[:-1]):
             if c.cut_after is not None or c.hang_after is not None:
@@ -166,6 +171,7 @@ class Turn:
             cut=bool(d.get("cut", False)),
             http_status=status,
             usage=usage,
+            finish_reason=finish,
         )
 
 
@@ -345,7 +351,8 @@ def plan(script: Script, turn_index: int, last_output: str) -> list[Piece]:
     if turn.hang:
         pieces.append(Piece("hang"))
         return pieces
-    pieces.append(Piece("finish", text="tool_calls" if turn.tool_calls else "stop", usage=turn.usage))
+    finish = turn.finish_reason or ("tool_calls" if turn.tool_calls else "stop")
+    pieces.append(Piece("finish", text=finish, usage=turn.usage))
     return pieces
 
 

@@ -93,3 +93,31 @@ def test_a_text_answer_cut_by_the_output_limit_is_still_an_answer() -> None:
     a.text("long answ")
     a.finish("length")
     assert a.result().finished
+
+
+def test_a_turns_text_and_a_calls_arguments_are_bounded_as_they_stream() -> None:
+    # A model that streamed hundreds of MB: all kept (the runner at GBs, then seconds of
+    # CPU fitting its result, deaf to a stop, SIGKILLed and its result lost).
+    from subagent.model.provider import MAX_CALL_ARGUMENTS_CHARS, MAX_TURN_TEXT_CHARS, REASON_ARGS_TOO_LONG
+
+    sink = TurnAssembler()
+    chunk = "x" * 8000
+    streamed = (MAX_TURN_TEXT_CHARS // len(chunk) + 100) * len(chunk)
+    for _ in range(streamed // len(chunk)):
+        sink.text(chunk)
+    sink.tool_delta(0, id="c1", name="run_command", arguments='{"command": "')
+    for _ in range(MAX_CALL_ARGUMENTS_CHARS // len(chunk) + 10):
+        sink.tool_delta(0, arguments=chunk)
+    sink.tool_delta(0, arguments='"}')
+    sink.tool_delta(1, id="c2", name="run_command", arguments='{"command": "true"}')
+    sink.finish("tool_calls")
+    turn = sink.result()
+    kept, note = turn.text[:MAX_TURN_TEXT_CHARS], turn.text[MAX_TURN_TEXT_CHARS:]
+    assert kept == "x" * MAX_TURN_TEXT_CHARS
+    dropped = streamed - MAX_TURN_TEXT_CHARS
+    assert (
+        note == f"\n[{dropped} more characters of the model's answer were dropped: a turn keeps {MAX_TURN_TEXT_CHARS}]"
+    )
+    big, small = turn.calls
+    assert big.problem == REASON_ARGS_TOO_LONG and len(big.arguments) <= MAX_CALL_ARGUMENTS_CHARS
+    assert small.problem is None and small.parsed == {"command": "true"}

@@ -206,3 +206,38 @@ async def test_a_server_that_rejects_stream_options_still_works(tmp_path: Path) 
     bodies = [q.body for q in server.chat_requests]
     assert "stream_options" in bodies[0] and all("stream_options" not in b for b in bodies[1:])
     assert len(bodies) == 4  # the rejected one, then three turns
+
+
+async def test_a_stream_cut_turn_after_turn_fails_the_run_as_the_streams_not_as_max_steps(tmp_path: Path) -> None:
+    # Each cut turn was asked again (and billed) until max_steps, whose failure named no cut.
+    script = {"turns": [{"text": f"part {n}", "cut": True} for n in range(5)], "final": "never"}
+    async with fake_server(script) as server:
+        async with start_runner(openai_spec(server), tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish()
+    assert rc == ExitCode.MODEL_ERROR, result
+    assert result["error"]["code"] == "model_stream" and "3 times in a row" in result["error"]["message"]
+    assert len(server.chat_requests) == 3
+    assert "part 0" in result["progress"]  # what was said is kept
+
+
+async def test_a_server_that_goes_quiet_mid_stream_is_a_model_timeout(tmp_path: Path) -> None:
+    # The read timeout mid-stream was taken for a cut: asked again, then max_steps.
+    async with fake_server({"turns": [{"text": "thinking", "hang": True}]}) as server:
+        spec = openai_spec(server, max_steps=5)
+        spec["model"]["request_timeout_s"] = 1
+        async with start_runner(spec, tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.MODEL_ERROR, result
+    assert result["error"]["code"] == "model_timeout", result["error"]
+    assert len(server.chat_requests) == 1
+    assert "thinking" in result["progress"]
+
+
+async def test_an_answer_cut_at_the_output_limit_completes_and_says_so(tmp_path: Path) -> None:
+    for finish in ("length", "content_filter"):
+        async with fake_server({"turns": [{"text": "The answer is trunc", "finish_reason": finish}]}) as server:
+            async with start_runner(openai_spec(server), tmp_path / finish, env=env_with_key(tmp_path / finish)) as r:
+                rc, result = await r.finish()
+        assert rc == ExitCode.COMPLETED, result
+        assert result["final_text"] == "The answer is trunc"
+        assert result["reason"].startswith(f"answer_{finish}: "), result["reason"]
