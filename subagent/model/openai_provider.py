@@ -24,7 +24,8 @@ from subagent.model.provider import ModelError, TurnAssembler
 __all__ = ["OpenAIProvider", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL: Final = "gpt-4o-mini"
-# Bounds one whole model request when the spec gives no request_timeout_s (seconds).
+# Bounds one whole model request (retries and stream included) when the spec gives no
+# request_timeout_s (seconds); the SDK's own timeout, per read, is the same.
 DEFAULT_REQUEST_TIMEOUT_S: Final = 600.0
 # Bounds connecting to the server (seconds).
 CONNECT_TIMEOUT_S: Final = 10.0
@@ -68,6 +69,18 @@ class OpenAIProvider:
         )
 
     async def stream_turn(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler
+    ) -> None:
+        # The whole request, its retries and its stream: a server that trickles a byte a
+        # second never met the SDK's timeout, which is per read.
+        with trio.move_on_after(self._timeout) as whole:
+            await self._stream_turn(messages, tools, sink)
+        if whole.cancelled_caught:
+            raise ModelError(
+                f"the model request took longer than {self._timeout:g} s (request_timeout_s)", kind="model_timeout"
+            )
+
+    async def _stream_turn(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sink: TurnAssembler
     ) -> None:
         # A history that holds a lone surrogate (an earlier turn's, from a server before this

@@ -241,3 +241,18 @@ async def test_an_answer_cut_at_the_output_limit_completes_and_says_so(tmp_path:
         assert rc == ExitCode.COMPLETED, result
         assert result["final_text"] == "The answer is trunc"
         assert result["reason"].startswith(f"answer_{finish}: "), result["reason"]
+
+
+async def test_request_timeout_s_bounds_a_whole_request_even_a_trickling_one(tmp_path: Path) -> None:
+    # A byte at a time, each within the SDK's read timeout: the request went on until the
+    # run's deadline (or for ever without one).
+    script = {"turns": [{"text": "slowly " * 40, "chunk_size": 1, "chunk_delay_s": 0.1}], "final": "x"}
+    async with fake_server(script) as server:
+        spec = openai_spec(server, max_steps=5)
+        spec["model"]["request_timeout_s"] = 1.5
+        async with start_runner(spec, tmp_path, env=env_with_key(tmp_path)) as r:
+            rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.MODEL_ERROR, result
+    assert result["error"]["code"] == "model_timeout" and "longer than 1.5 s" in result["error"]["message"]
+    assert len(server.chat_requests) == 1
+    assert result["progress"].startswith("slowly")
