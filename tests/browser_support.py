@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -139,9 +140,13 @@ def read_with_own_browser(url: str, selector: str) -> str:
     a sub-agent reported."""
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as pw:
+    # Its temp dirs in one of the test's own (Chromium left org.chromium.Chromium.* in /tmp).
+    with tempfile.TemporaryDirectory(prefix="agentd-test-chromium-") as tmp, sync_playwright() as pw:
         b = pw.chromium.launch(
-            executable_path=os.environ.get("AGENTD_CHROMIUM") or str(CHROMIUM), headless=True, args=["--no-sandbox"]
+            executable_path=os.environ.get("AGENTD_CHROMIUM") or str(CHROMIUM),
+            headless=True,
+            args=["--no-sandbox"],
+            env={**os.environ, "TMPDIR": tmp},
         )
         try:
             page = b.new_page()

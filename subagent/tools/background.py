@@ -64,6 +64,7 @@ class _Job:
     exit_code: int | None = None
     done: bool = False
     reader: int | None = None  # its log, opened for reading before it started (``output``)
+    temporary: bool = False  # its log is a temp file of ours (not in the run dir): removed at the end
 
 
 def _open_log(path: Path) -> IO[bytes]:
@@ -106,6 +107,7 @@ class BackgroundCommands:
                 log_file = _open_log(log)
             except OSError:
                 log_file = None  # an unusable run dir (or a name the run's tools took): a temp file will do
+        temporary = log_file is None
         if log_file is None:
             log_file = tempfile.NamedTemporaryFile(prefix=f"command-{job_id}-", suffix=".log", delete=False)
             log = Path(log_file.name)
@@ -127,7 +129,7 @@ class BackgroundCommands:
                     raise
         except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return f"error: could not start the command: {type(exc).__name__}: {exc}"
-        job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid), reader=reader)
+        job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid), reader=reader, temporary=temporary)
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])
         self._nursery.start_soon(self._watch, job, marker, cgroup)
@@ -179,3 +181,8 @@ class BackgroundCommands:
             if job.reader is not None:
                 os.close(job.reader)
                 job.reader = None
+            if job.temporary:  # made outside the run dir: nothing else removes it
+                try:
+                    job.log.unlink()
+                except OSError:
+                    pass

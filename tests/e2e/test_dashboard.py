@@ -174,13 +174,15 @@ def no_run_left_live(daemon: Daemon) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
+    # Its temp dirs in the test's own (Chromium left org.chromium.Chromium.* in /tmp).
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium-tmp"))}
     pw = sync_playwright().start()
     try:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, chromium_sandbox=False)
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, chromium_sandbox=False, env=env)
         try:
             # Chromium starts its GPU, network and storage helpers with the first page and
             # keeps them for its life: start them now, so no test is blamed for them.

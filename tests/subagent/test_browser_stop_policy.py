@@ -91,13 +91,18 @@ async def list_tools(run_dir: pathlib.Path) -> list[object]:
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
 
+    from subagent.tools.browser import release_browser_dir
+
     entry = browser_server_config(run_dir, True)
     params = StdioServerParameters(command=entry["command"], args=entry["args"], env=entry["env"], cwd=entry.get("cwd"))
-    with open(run_dir / "server.stderr.log", "wb") as errlog:
-        async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write) as session:
-                await session.initialize()
-                return list((await session.list_tools()).tools)
+    try:
+        with open(run_dir / "server.stderr.log", "wb") as errlog:
+            async with stdio_client(params, errlog=errlog) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    return list((await session.list_tools()).tools)
+    finally:
+        release_browser_dir(run_dir)  # its short TMPDIR link in /tmp (a run's end removes it)
 
 
 @pytest.mark.chromium

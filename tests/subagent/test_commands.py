@@ -261,7 +261,10 @@ async def test_a_background_commands_output_is_read_whatever_the_run_put_in_its_
                     break
                 await trio.sleep(0.01)
             assert "second output" in text, text
+            temp = jobs._jobs["bg2"].log  # a temp file of its own, outside the run dir
+            assert temp.parent != tmp_path and temp.is_file()
         await jobs.aclose()
+    assert not temp.exists()  # removed with the run's commands (it was left in /tmp)
 
 
 async def test_a_background_command_never_starts_once_the_stop_is_set(tmp_path: Path) -> None:
