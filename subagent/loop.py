@@ -89,6 +89,10 @@ CUT_SHORT = {
 }
 
 
+def _failed(exit_code: ExitCode, reason: str, code: str, message: str) -> RunOutcome:
+    return RunOutcome(RunStatus.FAILED, exit_code, reason=reason, error={"code": code, "message": message})
+
+
 @dataclass
 class AgentLoop:
     spec: RunSpec
@@ -148,9 +152,7 @@ class AgentLoop:
                 msg = f"the model did not answer within max_steps={self.spec.limits.max_steps}"
                 if cuts:
                     msg += f" (the stream of its last {cuts} turn(s) ended before the turn finished)"
-                return RunOutcome(
-                    RunStatus.FAILED, ExitCode.FAILED, reason="max_steps", error={"code": "max_steps", "message": msg}
-                )
+                return _failed(ExitCode.FAILED, "max_steps", "max_steps", msg)
             self.steps += 1
             self.emitter.emit(EventKind.STEP_STARTED, step=self.steps)
             self._apply_steering()
@@ -163,20 +165,10 @@ class AgentLoop:
             except ModelError as exc:
                 turn = sink.result(aborted=True)
                 self._take_turn(turn, failed=f"model_error: {exc.message}")
-                return RunOutcome(
-                    RunStatus.FAILED,
-                    ExitCode.MODEL_ERROR,
-                    reason="model_error",
-                    error={"code": exc.kind, "message": exc.message},
-                )
+                return _failed(ExitCode.MODEL_ERROR, "model_error", exc.kind, exc.message)
             if not aborted and not sink.received_any:
                 msg = "the model's stream ended without sending anything"
-                return RunOutcome(
-                    RunStatus.FAILED,
-                    ExitCode.MODEL_ERROR,
-                    reason="model_error",
-                    error={"code": "model_stream", "message": msg},
-                )
+                return _failed(ExitCode.MODEL_ERROR, "model_error", "model_stream", msg)
             turn = sink.result(aborted=aborted)
             records = self._take_turn(turn)
             if turn.text or turn.calls:
@@ -193,12 +185,7 @@ class AgentLoop:
                 self.emitter.log("warning", f"step {self.steps}: the model's stream ended before its turn finished")
                 if cuts >= MAX_CUTS_IN_A_ROW:
                     msg = f"the model's stream ended before its turn finished {cuts} times in a row"
-                    return RunOutcome(
-                        RunStatus.FAILED,
-                        ExitCode.MODEL_ERROR,
-                        reason="model_error",
-                        error={"code": "model_stream", "message": msg},
-                    )
+                    return _failed(ExitCode.MODEL_ERROR, "model_error", "model_stream", msg)
                 continue
             cuts = 0
             if not turn.calls:
@@ -220,12 +207,7 @@ class AgentLoop:
             if broken:
                 server, line = broken[0]
                 msg = f"mcp server {server!r} broke the protocol: it wrote a non-JSON line on stdout: {line}"
-                return RunOutcome(
-                    RunStatus.FAILED,
-                    ExitCode.TOOL_PROTOCOL,
-                    reason="tool_protocol",
-                    error={"code": "tool_protocol", "message": msg},
-                )
+                return _failed(ExitCode.TOOL_PROTOCOL, "tool_protocol", "tool_protocol", msg)
             if self.stop.requested:
                 return self._cancelled()
 
