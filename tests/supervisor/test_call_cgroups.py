@@ -101,41 +101,36 @@ def require_cgroups(st: dict[str, Any]) -> None:
     conftest.require(st["containment"] == "cgroup", "a writable cgroup2 mount (cgroup containment)")
 
 
-async def test_an_escaper_with_an_empty_environment_ends_with_its_call(tmp_path: Path) -> None:
+async def outputs_of(tmp_path: Path, *commands: str | dict[str, Any]) -> list[str]:
+    """The outputs of a run of these commands, on a daemon with cgroup containment; then
+    nothing of the run is left."""
     with trio.fail_after(90):
         async with real_daemon(tmp_path / "state", env=ENV) as d, d.connect() as c:
-            st = await run_to_end(c, script(ESCAPE, LOOK))
+            st = await run_to_end(c, script(*commands))
             require_cgroups(st)
-            first, second = (t["output"] for t in st["tool_calls"])
-            assert "started" in first, st["tool_calls"]
-            # The call ended it, before the run's next step (a zombie is dead, not reaped yet).
-            assert second.strip().splitlines()[-1] in ("state=gone", "state=Z"), second
-            escaper = int(first.split("started ")[1].split()[0])
-            p = LINUX.stat(escaper)
-            assert p is None or p.dead
             await none_left(d.pid, _zygote(await c.ok("status")))
+    return [t["output"] for t in st["tool_calls"]]
+
+
+async def test_an_escaper_with_an_empty_environment_ends_with_its_call(tmp_path: Path) -> None:
+    first, second = await outputs_of(tmp_path, ESCAPE, LOOK)
+    assert "started" in first, first
+    # The call ended it, before the run's next step (a zombie is dead, not reaped yet).
+    assert second.strip().splitlines()[-1] in ("state=gone", "state=Z"), second
+    p = LINUX.stat(int(first.split("started ")[1].split()[0]))
+    assert p is None or p.dead
 
 
 async def test_a_background_commands_escaper_ends_when_it_does(tmp_path: Path) -> None:
-    with trio.fail_after(90):
-        async with real_daemon(tmp_path / "state", env=ENV) as d, d.connect() as c:
-            st = await run_to_end(c, script({"command": BG_ESCAPE, "background": True}, BG_LOOK))
-            require_cgroups(st)
-            first, second = (t["output"] for t in st["tool_calls"])
-            assert first.startswith("started in the background"), st["tool_calls"]
-            assert second.strip().splitlines()[-1] in ("state=gone", "state=Z"), second
-            await none_left(d.pid, _zygote(await c.ok("status")))
+    first, second = await outputs_of(tmp_path, {"command": BG_ESCAPE, "background": True}, BG_LOOK)
+    assert first.startswith("started in the background"), first
+    assert second.strip().splitlines()[-1] in ("state=gone", "state=Z"), second
 
 
 async def test_a_process_that_keeps_forking_ends_with_its_call(tmp_path: Path) -> None:
-    with trio.fail_after(90):
-        async with real_daemon(tmp_path / "state", env=ENV) as d, d.connect() as c:
-            st = await run_to_end(c, script(HOP, OTHERS))
-            require_cgroups(st)
-            first, second = (t["output"] for t in st["tool_calls"])
-            assert "hopping" in first, st["tool_calls"]
-            assert second.strip().splitlines()[-1] == "0", second  # nothing left in any other call's cgroup
-            await none_left(d.pid, _zygote(await c.ok("status")))
+    first, second = await outputs_of(tmp_path, HOP, OTHERS)
+    assert "hopping" in first, first
+    assert second.strip().splitlines()[-1] == "0", second  # nothing left in any other call's cgroup
 
 
 async def test_a_sandboxed_command_writes_nothing_in_cgroupfs(tmp_path: Path) -> None:
