@@ -210,8 +210,10 @@ async def test_a_stop_asked_while_the_command_spawns_finds_it_started(
         )
     assert stop.reason == "signal" and stop.count == 1
     assert stop.stopped_at is not None and stop.stopped_at >= spawned_at[0]
-    assert not out.not_started and out.output.startswith("started\n")
+    assert not out.not_started and out.pid is not None  # started, then met the stop
     if interrupt_on_stop:
+        # Interrupted at once: whether its shell got to its first echo first is a race
+        # (under load it did not, once in CI), so its output is not asked for.
         assert out.by_stop and "finished" not in out.output
     else:
         assert not out.by_stop and out.exit_code == 0 and out.output == "started\nfinished\n"

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -764,10 +766,21 @@ async def test_a_failing_sink_propagates_as_itself(autojump_clock: Any) -> None:
 CHROMIUM = Path("/usr/lib/chromium/chromium")
 
 
+@pytest.fixture
+def short_tmpdir() -> Iterator[str]:
+    """A TMPDIR of the test's own, short enough for Chromium's singleton socket path:
+    killed, Chromium leaves its org.chromium.Chromium.* dir there (it was left in /tmp)."""
+    path = tempfile.mkdtemp(prefix="agentd-test-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.chromium
 @pytest.mark.parametrize("mode", [CGROUP, SUBREAPER_SWEEP])
 async def test_a_stopped_chromium_with_its_helper_sessions_is_ended(
-    mode: str, make_containment: MakeContainment, tmp_path: Path
+    mode: str, make_containment: MakeContainment, tmp_path: Path, short_tmpdir: str
 ) -> None:
     conftest.require(CHROMIUM.is_file(), "chromium (apt-get install chromium)")
     c = make_containment(mode)
@@ -776,11 +789,12 @@ async def test_a_stopped_chromium_with_its_helper_sessions_is_ended(
             str(CHROMIUM),
             "--headless",
             "--no-sandbox",
-            f"--user-data-dir={tmp_path}",
+            f"--user-data-dir={tmp_path / 'profile'}",
             "--remote-debugging-port=0",
             "about:blank",
         ],
         c,
+        env={**os.environ, "TMPDIR": short_tmpdir},
     )
     assert tree.process.stderr is not None
     err = b""
