@@ -16,6 +16,10 @@ next allowed walk rather than being admitted unchecked); an id not found by a wa
 began after its socket existed is not a run's, for good: cgroups do not move between
 parents and their ids are not reused, so both answers are cached.
 
+A local peer the kernel cannot place is refused too: a socket bound to a device is asked
+for again with the loopback device (its lookup needs it), and one gone before the accept
+(time-wait, no cgroup id) is nobody's to admit. A remote peer is on another host: admitted.
+
 Where the question cannot be asked (no cgroup containment, netlink refused, a kernel
 without the attribute: found by asking about a connection of our own at start), every
 connection is admitted as before, and the log says so once.
