@@ -12,14 +12,13 @@ only importer of ``openai``; the runner imports it only for provider "openai".
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from typing import Any, Final
 
 import openai
 import trio
 
-from subagent.model.provider import ModelError, TurnAssembler
+from subagent.model.provider import ModelError, TurnAssembler, clean_text
 
 __all__ = ["OpenAIProvider", "DEFAULT_MODEL"]
 
@@ -167,7 +166,7 @@ def _feed(sink: TurnAssembler, chunk: Any) -> None:
         if delta is not None:
             content = _field(delta.content, "content")
             if content:
-                sink.text(_clean(content))
+                sink.text(content)
             for tc in delta.tool_calls or []:
                 if not isinstance(tc.index, int) or isinstance(tc.index, bool):
                     raise _bad("tool_calls[].index", tc.index)
@@ -177,8 +176,8 @@ def _feed(sink: TurnAssembler, chunk: Any) -> None:
                 sink.tool_delta(
                     tc.index,
                     id=_field(tc.id, "tool_calls[].id"),
-                    name=_clean(name) if name else name,
-                    arguments=_clean(arguments) if arguments else arguments,
+                    name=name,
+                    arguments=arguments,
                 )
         if choice.finish_reason:
             sink.finish(_field(choice.finish_reason, "finish_reason") or "stop")
@@ -206,23 +205,9 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _clean(text: str) -> str:
-    """``text`` with each lone surrogate (JSON's ``\\udXXX`` escape of half a character,
-    which a broken emoji on a page becomes) replaced by U+FFFD: such a string cannot be
-    encoded, and in the history it failed every later request of the session."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return _SURROGATE.sub("\ufffd", text)
-    return text
-
-
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
-
-
 def _clean_deep(value: Any) -> Any:
     if isinstance(value, str):
-        return _clean(value)
+        return clean_text(value)
     if isinstance(value, list):
         return [_clean_deep(v) for v in value]
     if isinstance(value, dict):

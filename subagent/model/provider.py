@@ -10,6 +10,7 @@ its text is kept as received, never repaired. Pure: no I/O, no clock.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ __all__ = [
     "Provider",
     "REASON_ARGS_INCOMPLETE",
     "REASON_TURN_INCOMPLETE",
+    "clean_text",
 ]
 
 REASON_ARGS_INCOMPLETE = "arguments_incomplete: the stream was cut inside this call's arguments"
@@ -34,6 +36,25 @@ REASON_ABORTED_TURN = "stopped_before_start: the stop aborted the model's turn"
 MAX_TURN_TEXT_CHARS = 256 * 1024
 MAX_CALL_ARGUMENTS_CHARS = 1024 * 1024
 REASON_ARGS_TOO_LONG = f"invalid_arguments: longer than {MAX_CALL_ARGUMENTS_CHARS} characters"
+
+
+# A surrogate pair (JSON's two ``\\udXXX`` escapes of one character, which a server that
+# counts UTF-16 units may send in two deltas), and a lone surrogate (half a character: a
+# broken emoji on a page). Neither can be encoded as UTF-8.
+_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """``text`` as it can be encoded: each surrogate pair joined into its character, each
+    lone surrogate replaced by U+FFFD. Text with a lone surrogate failed every later request
+    of the session once it was in the history, and no event could carry it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = _PAIR.sub(lambda m: m.group().encode("utf-16-le", "surrogatepass").decode("utf-16-le"), text)
+        return _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 class ModelError(Exception):
@@ -126,7 +147,8 @@ class TurnAssembler:
         }
 
     def joined_text(self) -> str:
-        text = "".join(self.text_parts)
+        # Cleaned once the deltas are joined: a pair split over two deltas is one character.
+        text = clean_text("".join(self.text_parts))
         if self.text_dropped:
             text += (
                 f"\n[{self.text_dropped} more characters of the model's answer were dropped: "
@@ -137,6 +159,8 @@ class TurnAssembler:
     def result(self, *, aborted: bool = False) -> ModelTurn:
         finished = self.finish_reason is not None and not aborted
         calls = [self.calls[i] for i in sorted(self.calls)]
+        for call in calls:
+            call.name, call.arguments = clean_text(call.name), clean_text(call.arguments)
         if finished and calls and self.finish_reason == "length":
             # The model hit its output limit: the last call's arguments may be cut short.
             for call in calls:

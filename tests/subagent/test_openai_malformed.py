@@ -119,3 +119,21 @@ async def test_a_lone_surrogate_never_reaches_the_conversation_nor_a_later_reque
     assert error is None and sink.result().text == "fine"
     sent = json.loads(requests[0].decode("utf-8"))
     assert sent["messages"][1]["content"] == "x \ufffd y"
+
+
+async def test_a_surrogate_pair_split_over_two_deltas_is_one_character() -> None:
+    # A server that counts UTF-16 units (a JavaScript proxy) can cut an emoji in two deltas:
+    # each half alone is a lone surrogate, the two joined are one character, not two U+FFFD.
+    halves = [
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"smile \\ud83d"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"\\ude00 ok"},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"k","function":{"name":"f","arguments":"{\\"q\\": \\"\\ud83d"}}]},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\\ude00 \\udfff\\"}"}}]},"finish_reason":null}]}\n\n',
+    ]
+    sink, _, error = await turn(b"".join(halves) + OK_END)
+    result = sink.result()
+    assert error is None
+    assert result.text == "smile \U0001f600 ok"
+    assert result.calls[0].problem is None
+    assert result.calls[0].parsed == {"q": "\U0001f600 \ufffd"}
+    json.dumps(result.calls[0].arguments, ensure_ascii=False).encode("utf-8")
