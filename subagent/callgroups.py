@@ -139,8 +139,17 @@ def open_pool(tree: Path | None = None, size: int = POOL_SIZE) -> Path | None:
 
 
 def take() -> Slot | None:
-    """A free call cgroup of this runner's pool, or None."""
-    if _pool is None or _pool[0] != os.getpid() or not _pool[1]:
+    """A free call cgroup of this runner's pool, or None (none made, or all in use: that
+    is said in the run's log, since such a call's escapers may outlive it)."""
+    if _pool is None or _pool[0] != os.getpid():
+        return None
+    if not _pool[1]:
+        logger.warning(
+            "all %d cgroups for the run's commands are in use: this command runs without one "
+            "(what it starts is found by its group and marker; an escaper that also empties its "
+            "environment lives on until the run ends)",
+            POOL_SIZE,
+        )
         return None
     return _pool[1].pop()
 

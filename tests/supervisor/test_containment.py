@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -581,3 +582,25 @@ async def test_a_runners_call_pool_joins_and_kills_through_its_descriptors(made:
         callgroups._pool = None
     c.discard(tree.name)
     assert _cgroupfs.rmdir_tree(tree) and not tree.exists()  # its calls' cgroups with it
+
+
+def test_a_call_beyond_the_pool_says_it_runs_without_a_cgroup(caplog: pytest.LogCaptureFixture) -> None:
+    # More commands at once than the pool holds: the one without a cgroup is said in the
+    # run's log (its escapers are found by group and marker only); a runner with no pool
+    # (no cgroups here) says nothing.
+    from subagent import callgroups
+
+    assert callgroups._pool is None
+    with caplog.at_level(logging.WARNING, logger="subagent.callgroups"):
+        assert callgroups.take() is None
+        assert not caplog.records
+        callgroups._pool = (os.getpid(), [])
+        try:
+            assert callgroups.take() is None
+        finally:
+            callgroups._pool = None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"all {callgroups.POOL_SIZE} cgroups for the run's commands are in use: this command runs without one "
+        "(what it starts is found by its group and marker; an escaper that also empties its "
+        "environment lives on until the run ends)"
+    ]
