@@ -248,6 +248,22 @@ async def _watch_signals(signals: Any, stop: StopControl, emitter: Emitter) -> N
             stop.request("signal")
 
 
+def _note_sigterm_at_once(stop: StopControl) -> None:
+    """Wrap trio's SIGTERM handler (installed by ``open_signal_receiver``, which puts the
+    one it replaced back at its end) so that the handler also notes the stop at once: the
+    signal task that requests it may run only after the loop has started a step or a tool.
+    SIGINT is left to that task alone (a repeat is told from the first there)."""
+    wake = signal.getsignal(signal.SIGTERM)
+    if not callable(wake):
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.note_signal()
+        wake(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 async def _deadline(seconds: float, stop: StopControl) -> None:
     await trio.sleep(seconds)
     stop.request("timeout")
@@ -290,6 +306,7 @@ async def run(
     steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            _note_sigterm_at_once(stop)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, stop, emitter)
                 channel = AnswerChannel(answers_fd, warn=lambda msg: emitter.log("warning", msg))

@@ -7,8 +7,12 @@ tool call, so no tool starts after it. A model request in flight is aborted at o
 side effects; aborting closes its connection). What happens to a *running* tool is the
 tool's own policy (``subagent.stop_policy``): the tool watches ``stopped`` and interrupts,
 abandons, cancels or finishes; an explicit ``interrupt_tool`` (a repeated SIGINT) ends it
-early whatever its policy. Pure trio, no signals here: the runner's main task turns
-SIGTERM into ``request("signal")``, the deadline task into ``request("timeout")``.
+early whatever its policy. No signals here: the runner's main task turns
+SIGTERM into ``request("signal")``, the deadline task into ``request("timeout")``. That task
+may run late (the loop can go on for tens of ms without yielding: a step, a steer, a
+spawn), so the signal handler also notes the SIGTERM at once (``note_signal``), and every
+check of the flag (``requested``, ``starting``) applies a noted one first: nothing starts
+once a SIGTERM has arrived, however late the signal task runs.
 
 A tool's start is one step with the check that no stop came (``starting``): a stop asked
 while a command is being spawned (the spawn yields to the loop, where the SIGTERM task
@@ -50,10 +54,21 @@ class StopControl:
         self.closed_servers: set[str] = set()
         self._starting = 0  # tools being started (``starting``)
         self._deferred: str | None = None  # a stop asked meanwhile: applied once it has
+        self._signalled = False  # a SIGTERM arrived (``note_signal``): applied at the next check
 
     @property
     def requested(self) -> bool:
+        self._catch_up()
         return self.reason is not None
+
+    def note_signal(self) -> None:
+        """Called from the SIGTERM handler itself: only notes it (no trio call is safe
+        there); the next check of the flag applies it as ``request("signal")``."""
+        self._signalled = True
+
+    def _catch_up(self) -> None:
+        if self._signalled and self.reason is None and not self._starting:
+            self._apply("signal")
 
     @property
     def during(self) -> str:
@@ -73,6 +88,9 @@ class StopControl:
         if self._starting:
             self._deferred = self._deferred or reason
             return
+        self._apply(reason)
+
+    def _apply(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
             self.stopped_at = trio.current_time()
@@ -90,6 +108,7 @@ class StopControl:
         """A tool's start: the caller checks ``stopped`` and starts the tool inside; a stop
         asked in between is applied on the way out (the tool has started, or failed to).
         Hold it for the start alone (a spawn), never for a wait."""
+        self._catch_up()  # a SIGTERM that came before: the caller's check sees it
         self._starting += 1
         try:
             yield
@@ -100,6 +119,7 @@ class StopControl:
                 self._deferred = None
                 self.count -= 1  # counted when it was asked
                 self.request(deferred)
+            self._catch_up()  # one that came while it was being started
 
     def interrupt_tool(self) -> bool:
         """Interrupt the running tool (its record says so). Returns whether one was running."""

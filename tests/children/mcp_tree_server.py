@@ -5,7 +5,7 @@ At startup it spawns a child, which spawns a grandchild; both sleep. Tools:
 writes a non-JSON line on stdout (a protocol break) and then answers normally;
 ``bad_answer`` answers with a JSON line the SDK refuses (a lone surrogate escape) and
 never with a good one; ``slow`` sleeps ``seconds`` then answers; ``wait_for`` answers
-once ``path`` exists; ``die`` exits the server at once, mid-call.
+once ``path`` exists (it makes ``path.waiting`` as it begins); ``die`` exits the server at once, mid-call.
 Options: ``--slow-start`` sleeps 30 s before the handshake; ``--escape`` makes the grandchild
 call setsid() (it leaves the group: only the marker sweep can find it);
 ``--stderr-noise`` writes to stderr at startup; ``--banner`` prints a non-JSON line on
@@ -96,7 +96,8 @@ def main() -> None:
 
     @server.tool()
     def wait_for(path: str) -> str:
-        """Wait until the file exists, then answer."""
+        """Wait until the file exists, then answer (``path + ".waiting"`` says it began)."""
+        open(path + ".waiting", "w").close()
         while not os.path.exists(path):
             time.sleep(0.02)
         return f"saw {path}"
