@@ -42,6 +42,8 @@ __all__ = [
     "RUN_COMMAND_TOOL",
     "SUBTREE_VAR",
     "format_outcome",
+    "killed_by_signal",
+    "STOP_SETTLE_S",
 ]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,13 @@ FINAL_DRAIN_S: Final = 0.2
 PIPE_CLOSE_TIMEOUT_S: Final = 0.1
 # Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds).
 COMMAND_KILL_GRACE_S: Final = 2.0
+# A command killed by a signal while the run's stop is not (yet) set may have been killed
+# by the daemon's path A, which signals the runner and the command's group together: the
+# runner's own SIGTERM is then in flight. How long we wait for it before calling the
+# command's death its own (seconds; only ever waited for a command killed by a signal).
+STOP_SETTLE_S: Final = 0.2
+# Exit statuses of a shell whose child died of SIGTERM/SIGKILL (128 + signal number).
+SHELL_SIGNAL_EXITS: Final = frozenset({128 + 15, 128 + 9})
 # The same after a stop: spec.DEFAULT_COMMAND_STOP_GRACE_S unless the spec's
 # ``stop_policy.command_grace_s`` says otherwise.
 READ_CHUNK_BYTES: Final = 65536
@@ -205,6 +214,11 @@ async def open_in_call(argv: list[str], **options: Any) -> tuple[trio.Process, c
     return await trio.lowlevel.open_process(argv, start_new_session=True, **options), None
 
 
+def killed_by_signal(code: int | None) -> bool:
+    """Did a command end by SIGTERM or SIGKILL (itself, or the child its shell waited for)?"""
+    return code is not None and (code in (-signal.SIGTERM, -signal.SIGKILL) or code in SHELL_SIGNAL_EXITS)
+
+
 def leader_ticks(pid: int) -> int | None:
     """The start ticks of a child just started (unreaped, so its pid is still its own)."""
     p = ProcessTable().read(pid)
@@ -316,9 +330,19 @@ async def run_command(
         finally:
             # Whatever happened, nothing of this command survives it (shielded, bounded).
             with trio.CancelScope(shield=True):
-                if stop_at is not None:
+                by_path_a = (
+                    stop is not None and stop_at is None and interrupt_on_stop and killed_by_signal(proc.returncode)
+                )
+                if by_path_a:
+                    # The daemon's path A killed the shell for the run's stop: its escapers
+                    # get the stop's grace too, at once (no drain first), not a timeout's.
+                    assert stop is not None
+                    with trio.move_on_after(STOP_SETTLE_S):
+                        await stop.wait()
+                    by_path_a = stop.is_set()
+                if stop_at is not None or by_path_a:
                     grace = kill_grace_s
-                if proc.returncode is None:
+                if proc.returncode is None or by_path_a:
                     await end_group_and_escapers(
                         pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
                     )

@@ -34,7 +34,14 @@ from subagent.spec import Limits, StopPolicySpec
 from subagent.stop import StopControl
 from subagent.stop_policy import command_policy, mcp_policy
 from subagent.tools.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
-from subagent.tools.commands import RUN_COMMAND_TOOL, CommandOutcome, format_outcome, run_command
+from subagent.tools.commands import (
+    RUN_COMMAND_TOOL,
+    STOP_SETTLE_S,
+    CommandOutcome,
+    format_outcome,
+    killed_by_signal,
+    run_command,
+)
 
 if TYPE_CHECKING:
     from subagent.tools.mcp_tools import McpServer
@@ -47,13 +54,6 @@ _LOST = "connection_lost: the server's connection ended during the call"
 REASON_STOPPED_BEFORE_START = "stopped_before_start: a stop was requested before this call started"
 _NAME_OK = re.compile(r"[^A-Za-z0-9_-]")
 _NAME_MAX: Final = 64  # the longest function name the model APIs accept
-# A command killed by a signal while the run's stop is not (yet) set may have been killed
-# by the daemon's path A, which signals the runner and the command's group together: the
-# runner's own SIGTERM is then in flight. How long we wait for it before calling the
-# command's death its own (seconds; only ever waited for a command killed by a signal).
-STOP_SETTLE_S: Final = 0.2
-# Exit statuses of a shell whose child died of SIGTERM/SIGKILL (128 + signal number).
-_SHELL_SIGNAL_EXITS: Final = frozenset({128 + 15, 128 + 9})
 
 
 @dataclass(slots=True)
@@ -502,8 +502,7 @@ async def _killed_by_the_stop(outcome: CommandOutcome, stop: StopControl) -> boo
     be seen here before the runner's own SIGTERM has set the stop flag: a command killed
     by SIGTERM/SIGKILL waits (bounded) for that flag.
     """
-    code = outcome.exit_code
-    if code is None or not (code in (-15, -9) or code in _SHELL_SIGNAL_EXITS):
+    if not killed_by_signal(outcome.exit_code):
         return False
     if not stop.requested:
         with trio.move_on_after(STOP_SETTLE_S):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +299,48 @@ async def test_a_background_command_never_starts_once_the_stop_is_set(tmp_path: 
         await jobs.aclose()
     assert (out.state, out.stop_effect) == (ToolCallState.NOT_STARTED, StopEffect.STOPPED_BEFORE_START), out
     assert groups == [] and not marker.exists()
+
+
+async def test_a_command_path_a_killed_gives_its_escapers_the_stops_grace_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The daemon's path A SIGTERMs the command's group and the runner together: the shell
+    # may die before the runner's stop is set. Its escaper (setsid, ignoring SIGTERM) got a
+    # drain, then a timeout's 2 s grace, not the stop's: it wrote on for ~2.5 s after the stop.
+    calls: list[float] = []
+    real = commands.end_group_and_escapers
+
+    async def spy(*args: Any, grace_s: float, **kw: Any) -> bool:
+        calls.append(grace_s)
+        return await real(*args, grace_s=grace_s, **kw)
+
+    monkeypatch.setattr(commands, "end_group_and_escapers", spy)
+    stop = trio.Event()
+    flag = tmp_path / "flag"
+    seen: list[tuple[int, bool]] = []
+    result: list[CommandOutcome] = []
+    escaper = f"setsid sh -c 'trap \"\" TERM; touch {flag}; while :; do sleep 0.05; done' & sleep 30"
+
+    async def go() -> None:
+        result.append(
+            await run_command(
+                escaper,
+                timeout_s=30,
+                max_output_bytes=1000,
+                interrupt=trio.CancelScope(),
+                on_group=lambda pgid, alive: seen.append((pgid, alive)),
+                stop=stop,
+                kill_grace_s=0.2,
+            )
+        )
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not flag.exists():
+                await trio.sleep(0.01)
+            os.killpg(seen[0][0], signal.SIGTERM)  # path A: the group of the command this test started
+            stop.set()  # the runner's own SIGTERM, a moment later
+    (out,) = result
+    assert out.exit_code == -signal.SIGTERM
+    assert calls == [0.2]  # the stop's grace (it was the timeout's 2 s, after a 0.5 s drain)
