@@ -51,7 +51,7 @@ from supervisor.core.sessions import SessionDesk
 from supervisor.core.token import CancelToken
 from supervisor.errors import ControlProtocolError, JournalError, JournalUnavailable, RunNotFound, SpawnError
 from supervisor.protocol import MAX_ID_CHARS, ErrorCode, Secret
-from supervisor.states import RunState
+from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store.journal import Journal
 from supervisor.trees import process
 from supervisor.trees.containment import Containment
@@ -585,12 +585,18 @@ class RunManager:
         record = await self.journal.get_run(run_id)
         if record is None:
             raise RunNotFound(run_id)
+        run = self._live.get(run_id)
+        if run is not None and run.state in TERMINAL_STATES and record["state"] not in TERMINAL_STATES:
+            # Its end was written while the journal was read: its result is there now (a
+            # terminal state laid over the older row said "completed" with no result).
+            record = await self.journal.get_run(run_id) or record
+            run = self._live.get(run_id)
         # The reply: the journal's record, and what only the daemon knows beside it.
         row: dict[str, Any] = {**record}
-        run = self._live.get(run_id)
         row["live"] = run is not None
         row["approvals"] = run.approvals.view() if run is not None else []
-        if run is not None:
+        if run is not None and not (record["state"] in TERMINAL_STATES and run.state not in TERMINAL_STATES):
+            # (A journaled end whose state is not yet set in memory stays the end.)
             row["state"] = str(run.state)
             if run.partial is not None:
                 row["partial_snapshot"] = run.partial

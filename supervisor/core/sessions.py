@@ -82,6 +82,11 @@ def _turn_reason(turn: TurnRecord) -> str | None:
     return turn["reason"]
 
 
+def _still_live(turns: Iterable[TurnRecord], run_id: str) -> bool:
+    """Whether the journal does not hold an end for this turn (one not in it: still live)."""
+    return all(t["run_id"] != run_id or t["state"] not in TERMINAL_STATES for t in turns)
+
+
 def _messages(turn: TurnRecord) -> list[dict[str, Any]]:
     task = turn["spec"].get("task") if isinstance(turn["spec"], dict) else None
     return turn_messages(
@@ -223,6 +228,9 @@ class SessionDesk:
         record = await self.journal.get_session(session_id)
         if not turns and record is None:
             raise SessionNotFound(session_id)
+        # A turn that ended while the journal was read is live in ``live`` (taken before):
+        # its journaled end wins.
+        live = {run_id: state for run_id, state in live.items() if _still_live(turns, run_id)}
         out_turns = []
         for t in turns:
             state = live.get(t["run_id"], t["state"])

@@ -442,3 +442,55 @@ async def test_a_start_removes_the_trees_a_killed_daemon_left_that_no_run_holds(
         stop.set()
     names = sorted(p.name for p in root.iterdir())
     assert names == ["notes.txt", "t-short"], names
+
+
+async def test_status_read_as_the_run_ends_has_its_result_with_its_end(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # status read the journal's row, and meanwhile the run's end was written and its state
+    # set in memory: the state laid over the older row said "cancelled" (or "completed")
+    # with no result and no end time. A probe polling status saw it in ~1 run of 10.
+    m = daemon.m
+    journal_read, end_written, status_done = trio.Event(), trio.Event(), trio.Event()
+    armed: list[str] = []
+    real_get_run, real_record = m.journal.get_run, m.book.record
+
+    async def slow_get_run(run_id: str) -> Any:
+        record = await real_get_run(run_id)
+        if armed and run_id == armed[0]:
+            armed.clear()
+            journal_read.set()
+            await end_written.wait()  # the end is written while this read is in flight
+        return record
+
+    async def record(run: Any, kind: str, data: dict[str, Any], ts: float | None = None) -> int | None:
+        if kind == "state" and data.get("state") == "cancelled":
+            end_written.set()  # the terminal row is in the journal and run.state is set
+            await status_done.wait()
+        return await real_record(run, kind, data, ts)
+
+    monkeypatch.setattr(m.journal, "get_run", slow_get_run)
+    monkeypatch.setattr(m.book, "record", record)
+    with trio.fail_after(20):
+        r = await m.spawn(task(snapshots=1))
+        run_id = r["run_id"]
+        async with m.subscribe(run_id) as live:
+            async for e in live:
+                if e["kind"] == "state" and e["data"]["state"] == "running":
+                    break
+        armed.append(run_id)
+        seen: list[dict[str, Any]] = []
+        async with trio.open_nursery() as n:
+
+            async def read_status() -> None:
+                seen.append(await m.status(run_id))
+                status_done.set()
+
+            n.start_soon(read_status)
+            await journal_read.wait()
+            n.start_soon(m.cancel, run_id)
+        st = await m.wait_terminal(run_id)
+    (during,) = seen
+    assert during["state"] == "cancelled" and during["live"] is True
+    assert during["result"] is not None and during["ended_at"] is not None
+    assert st["state"] == "cancelled"

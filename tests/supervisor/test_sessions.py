@@ -112,6 +112,11 @@ async def test_the_history_is_rebuilt_from_the_journal_with_what_each_turn_reall
     shown = await desk(tmp_path, journal).history("s", {"r2": "running"})
     assert [t["state"] for t in shown["turns"]] == ["cancelled", "running"] and shown["live_run"] == "r2"
     assert shown["messages"] == msgs and shown["turns"][1]["messages"] == [{"role": "user", "content": "two"}]
+    # A turn that ended while the journal was read is in the live map taken before: its
+    # journaled end wins, and it is not the session's live turn.
+    shown = await desk(tmp_path, journal).history("s", {"r1": "running", "r2": "running"})
+    assert [t["state"] for t in shown["turns"]] == ["cancelled", "running"] and shown["live_run"] == "r2"
+    assert shown["turns"][0]["messages"][-1] == {"role": "system", "content": STOP_NOTES["user"]}
 
 
 class FakeRun:
