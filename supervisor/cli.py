@@ -737,7 +737,11 @@ def spawn(
             specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt
         )
     except AgentdError as exc:
-        raise _translate_spawn(exc) from None
+        error = _translate_spawn(exc)
+        if getattr(exc, "sent", False):  # a ConnectionLost after the request went out
+            sent = "; the spec was sent and may have started (check with `agentd list`)"
+            error = CliError(error.format_message() + sent, error.exit_code)
+        raise error from None
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))
     if wait:
@@ -1138,7 +1142,14 @@ def session_group() -> None:
 @pass_obj
 def session_close(obj: Obj, session_id: str) -> None:
     """Close a session: stop its live turn, remove its browser profile; it takes no new turn."""
-    result = obj.client().close_session(session_id)
+    try:
+        result = obj.client().close_session(session_id)
+    except AgentdError as exc:
+        error = _translate(exc)
+        if getattr(exc, "sent", False):  # a ConnectionLost after the request went out
+            sent = "; the close was sent and may have been done (check with `agentd sessions`)"
+            error = CliError(error.format_message() + sent, error.exit_code)
+        raise error from None
 
     def human() -> None:
         parts = [

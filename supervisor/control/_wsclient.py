@@ -40,7 +40,11 @@ CLOSE_SEND_TIMEOUT_S: Final = 0.2
 
 
 class ConnectionLost(ControlProtocolError):
-    """The connection to the daemon broke (or timed out) before the reply came."""
+    """The connection to the daemon broke (or timed out) before the reply came.
+
+    ``sent``: the request had been sent, so the daemon may have acted on it."""
+
+    sent: bool = False
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.CONNECTION_LOST, message)

@@ -178,30 +178,43 @@ class Client:
                 raise
         return self._request_once(op, args)
 
-    def _request_once(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _request_once(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         self.connect()
         assert self._ws is not None
         ws = self._ws
         rid = next(self._ids)
+        sent = False
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             ws.send_text(protocol.encode_request(rid, op, **args))
-            deadline = time.monotonic() + self.timeout_s
+            sent = True
+            deadline = time.monotonic() + timeout_s
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ConnectionLost(f"no reply to {op!r} within {self.timeout_s} s")
+                    raise ConnectionLost(f"no reply to {op!r} within {timeout_s:g} s")
                 msg = protocol.decode_server_message(ws.recv_text(remaining))
                 if msg.get("id") != rid or "ok" not in msg:
                     continue  # a pushed message or a stale reply
                 if msg["ok"] is True:
                     return _object_result(op, msg.get("result"))
                 raise protocol.error_from_reply(msg.get("error"), run_id=args.get("run_id"))
-        except ConnectionLost:
+        except ConnectionLost as exc:
             self.close()
+            exc.sent = sent
             raise
 
     def ping(self) -> dict[str, Any]:
         return self.request("ping")
+
+    def _waits_for_a_stop(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A request the daemon answers only once a stop has ended (a session's live turn,
+        for ``spawn`` with ``interrupt`` and ``session_close``): up to its grace and a
+        margin (``stop_wait_s`` from ``ping``), which the reply timeout covers too. A
+        timeout then did not mean that nothing was done: the daemon went on with it."""
+        wait = self.ping().get("stop_wait_s")
+        extra = float(wait) if isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait > 0 else 0.0
+        return self._request_once(op, args, self.timeout_s + extra)
 
     def spawn(
         self,
@@ -216,14 +229,16 @@ class Client:
         (never journaled); the daemon's own ``OPENAI_API_KEY`` is used without it. With a
         session, ``interrupt`` stops the session's live turn first (else a session with a
         live turn refuses the new one: ``ControlProtocolError`` coded ``session_busy``)."""
-        return self.request(
-            "spawn",
-            spec=spec,
-            session_id=session_id,
-            timeout_s=timeout_s,
-            model_key=model_key,
-            interrupt=interrupt or None,
-        )
+        args = {
+            "spec": spec,
+            "session_id": session_id,
+            "timeout_s": timeout_s,
+            "model_key": model_key,
+            "interrupt": interrupt or None,
+        }
+        if interrupt:
+            return self._waits_for_a_stop("spawn", args)
+        return self.request("spawn", **args)
 
     def spawn_many(
         self,
@@ -369,7 +384,7 @@ class Client:
 
     def close_session(self, session_id: str) -> dict[str, Any]:
         """Stop the session's live turn, remove its browser profile; it takes no new turn."""
-        return self.request("session_close", session_id=session_id)
+        return self._waits_for_a_stop("session_close", {"session_id": session_id})
 
     def status(self, run_id: str | None = None) -> dict[str, Any]:
         return self.request("status", run_id=run_id)

@@ -101,6 +101,9 @@ MAX_EMPTY_REOPENS: Final = 3
 RECEIVE_BYTES: Final = 64 * 1024
 # The subprotocol the dashboard's page offers (``dashboard._sessions.SUBPROTOCOL``).
 DASHBOARD_SUBPROTOCOL: Final = "agentd-dashboard"
+# The most a request that waits for a stop adds to the grace (the run manager's and the
+# fleet's margins for an interrupted turn to end): published by ``ping`` as ``stop_wait_s``.
+STOP_WAIT_MARGIN_S: Final = 10.0
 
 
 # session_ok(origin, sec_websocket_protocol_header) -> bool: see check_access.
@@ -378,6 +381,9 @@ class _Server:
             "url": endpoint_url(self.config.host, self.port),
             "state_dir": str(self.config.state_dir),
             "connections": self.connections,
+            # How long a request may wait for a stop before it answers (``spawn`` with
+            # ``interrupt``, ``session_close``): a client waits that much longer for it.
+            "stop_wait_s": self.config.grace_s + STOP_WAIT_MARGIN_S,
         }
         if self.gate is not None:
             info["connection_limits"] = {

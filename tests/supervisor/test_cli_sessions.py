@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from supervisor.cli import ExitCode
+from supervisor.control.client import Client, ConnectionLost
 from supervisor.core.sessions import SessionNotFound
 from supervisor.errors import ControlProtocolError
 from tests.supervisor.control_thread import ServerThread
@@ -138,3 +139,24 @@ def test_interrupt_without_a_session_is_a_usage_error(server: ServerThread) -> N
         res.exit_code == ExitCode.USAGE
         and res.output == "error: --interrupt needs --session: it stops that session's live turn\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "method", "said"),
+    [
+        (["session", "close", "chat-1"], "close_session", "the close was sent and may have been done"),
+        (["spawn", "t", "--session", "chat-1", "--interrupt"], "spawn", "the spec was sent and may have started"),
+    ],
+)
+def test_a_request_lost_after_it_was_sent_says_the_daemon_may_have_done_it(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch, args: list[str], method: str, said: str
+) -> None:
+    def lost(self: Client, *a: Any, **kw: Any) -> dict[str, Any]:
+        exc = ConnectionLost("no reply to 'x' within 45 s")
+        exc.sent = True
+        raise exc
+
+    monkeypatch.setattr(Client, method, lost)
+    res = run(server, *args)
+    assert res.exit_code == ExitCode.DISCONNECTED
+    assert res.output.startswith("error: no reply to 'x' within 45 s; ") and said in res.output

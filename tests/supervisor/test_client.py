@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from supervisor.control import _wsclient
 from supervisor.control import server as control
@@ -397,3 +398,25 @@ def test_a_daemon_that_takes_the_connection_and_drops_it_is_not_called_absent(tm
         finally:
             t.join(10)
     assert "connection limit" in str(info.value) and not isinstance(info.value, DaemonNotRunning)
+
+
+def test_a_request_that_waits_for_a_stop_gets_the_daemons_stop_wait_on_top_of_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `spawn --interrupt` and `session close` are answered once the session's live turn
+    # has ended: up to the grace and a margin. With a grace of 35 s the CLI gave up at its
+    # 30 s and said "timed out" while the daemon went on and did it.
+    monkeypatch.setattr(control, "STOP_WAIT_MARGIN_S", 0.5)
+    with ServerThread(tmp_path / "state", grace_s=0.5) as srv:
+
+        async def close_session(session_id: str) -> dict[str, Any]:
+            await trio.sleep(0.6 if session_id == "s-1" else 30)  # the daemon's wait for the turn to end
+            return {"session_id": session_id, "was_open": True, "stopped": [], "profile_removed": False}
+
+        srv.backend.close_session = close_session  # type: ignore[method-assign]
+        with Client(state_dir=srv.config.state_dir, timeout_s=0.3) as c:
+            assert c.ping()["stop_wait_s"] == 1.0
+            assert c.close_session("s-1")["was_open"] is True  # past 0.3 s, within 0.3 + 1.0
+            with pytest.raises(ConnectionLost) as info:
+                c.close_session("s-2")  # past it: lost, and it says the request had gone out
+            assert info.value.sent is True
