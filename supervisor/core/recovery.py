@@ -124,6 +124,12 @@ class Recovery:
                     reason=run.token.reason,
                     only_from=(RunState.STARTING, RunState.RUNNING, RunState.AWAITING_APPROVAL),
                 )
+            elif run.approvals.pending and run.state == RunState.RUNNING:
+                # Killed between a call's approval request and the run's move to awaiting it:
+                # the state follows the calls (it stayed "running" with a call awaiting).
+                await self.book.transition(run, RunState.AWAITING_APPROVAL, only_from=(RunState.RUNNING,))
+            elif not run.approvals.pending and run.state == RunState.AWAITING_APPROVAL:
+                await self.book.transition(run, RunState.RUNNING, only_from=(RunState.AWAITING_APPROVAL,))
             return run, source
         stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
         await self._ended_while_down(run, row, source, stop, found.members)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
-from subagent.events import TERMINAL_TOOL_STATES, ToolCallState
+from subagent.events import TERMINAL_TOOL_STATES, Approval, ToolCallState
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 from supervisor.store._sessions import SessionStoreMixin
@@ -590,6 +590,10 @@ class Store(SessionStoreMixin):
                 record["reason"] = reason if pending_reason is None else pending_reason
             if stop_effects is not None:
                 record["stop_effect"] = stop_effects[0 if rank == _RANK_RUNNING else 1]
+            if record.get("approval") == Approval.PENDING:
+                # The run's end ended the wait: no answer will come (a lost run's record
+                # said "pending", with a deadline, for ever).
+                record["approval"], record["approval_deadline"] = Approval.REJECTED.value, None
             record["state"] = state.value
             conn.execute(
                 "UPDATE tool_calls SET state = ?, rank = ?, record = ?, updated_at = ? "

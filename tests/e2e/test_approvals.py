@@ -8,6 +8,7 @@ is a ``run_command`` that leaves a side-effect file in a directory granted to th
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -279,4 +280,41 @@ async def test_watch_shows_the_call_awaiting_approval_with_its_arguments_and_how
     assert f"`agentd approve {rid} call_w` or `agentd deny {rid} call_w --reason TEXT`" in line, line
     assert any("approval: call call_w approved" in ln for ln in lines), lines
     assert lines[-1] == f"run {rid} completed" and code == 0
+    assert (shared / "side-effect").read_text() == "wrote\n"
+
+
+async def test_a_daemon_killed_before_the_run_moved_to_awaiting_approval_moves_it_at_its_restart(
+    tmp_path: Path,
+) -> None:
+    # The approval request is journaled, then the run's move to awaiting_approval: a daemon
+    # killed between the two left a re-adopted run "running" with a call awaiting (not in
+    # `list --state awaiting_approval`). The kill is made at that point by taking the
+    # move out of the journal while no daemon runs.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = tmp_path / "state"
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
+            await Session(c).wait(rid, awaiting)
+            await kill9(d1, c)
+        db = sqlite3.connect(state / "agentd.sqlite3")
+        with db:
+            (seq,) = db.execute(
+                "SELECT max(seq) FROM events WHERE run_id = ? AND kind = 'state'"
+                " AND json_extract(data, '$.state') = 'awaiting_approval'",
+                (rid,),
+            ).fetchone()
+            db.execute("DELETE FROM events WHERE run_id = ? AND seq >= ?", (rid, seq))
+            db.execute("UPDATE runs SET state = 'running' WHERE id = ?", (rid,))
+        db.close()
+        async with daemon(state, grace_s=5.0) as (_d2, c):
+            s = Session(c)
+            waiting = await c.call("status", run_id=rid)
+            listed = await c.call("list", state="awaiting_approval")
+            await c.call("approve", run_id=rid, call_id="call_w")
+            final = await s.end(rid)
+    assert waiting["state"] == "awaiting_approval" and [a["call_id"] for a in waiting["approvals"]] == ["call_w"]
+    assert [r["id"] for r in listed["runs"]] == [rid]
+    assert final["state"] == "completed"
     assert (shared / "side-effect").read_text() == "wrote\n"

@@ -627,6 +627,20 @@ async def test_settling_under_a_stop_says_which_calls_never_started(journal: Jou
     }
 
 
+async def test_settling_a_call_that_awaited_approval_ends_its_wait(journal: Journal) -> None:
+    # A lost run's call that awaited approval kept "approval: pending" and its deadline.
+    await new_run(journal)
+    await journal.upsert_tool_call(
+        "r1", {**tool_call("w", "not_started"), "approval": "pending", "approval_deadline": T0 + 300}
+    )
+    await journal.upsert_tool_call("r1", {**tool_call("a", "succeeded", output="ok"), "approval": "approved"})
+    assert await journal.settle_tool_calls("r1", reason="the runner was gone") == 1
+    calls = {
+        c["id"]: (c["state"], c.get("approval"), c.get("approval_deadline")) for c in await journal.tool_calls("r1")
+    }
+    assert calls == {"w": ("not_started", "rejected", None), "a": ("succeeded", "approved", None)}
+
+
 async def test_a_version_2_journal_gains_the_stop_columns_and_keeps_its_runs(db: Path) -> None:
     conn = _journal_schema.connect(str(db), target=2)
     conn.execute(
