@@ -542,7 +542,9 @@ def _shown(path: str) -> str:
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid json")
+    # NaN, Infinity: valid to Python's decoder, not JSON; refused as 1e999 is (bad_args,
+    # with the request's id), not as unreadable json with no id.
+    raise _Bad(ErrorCode.BAD_ARGS, f"expected finite numbers, got {name} (not valid json)")
 
 
 def _kind(v: Any) -> str:
@@ -813,17 +815,24 @@ def encode_error(rid: Any, code: str, message: str) -> str:
 
 
 def encode_event(sub: str, run_id: str, event: Mapping[str, Any]) -> str:
+    return event_message(sub, run_id, encode_event_body(event))
+
+
+def encode_event_body(event: Mapping[str, Any]) -> str:
+    """What an event's pushed message holds of the event (``seq``, ``ts``, ``kind``,
+    ``data``): the costly part of its encoding, the same for every subscription to it.
+
+    Raises:
+        ValueError: its data cannot be encoded (see ``_dumps``).
+    """
     return _dumps(
-        {
-            "op": "event",
-            "sub": sub,
-            "run_id": run_id,
-            "seq": event["seq"],
-            "ts": event.get("ts"),
-            "kind": event.get("kind"),
-            "data": event.get("data", {}),
-        }
+        {"seq": event["seq"], "ts": event.get("ts"), "kind": event.get("kind"), "data": event.get("data", {})}
     )
+
+
+def event_message(sub: str, run_id: str, body: str) -> str:
+    """The pushed message ``{"op": "event", "sub", "run_id", ...body}`` of an encoded body."""
+    return f'{{"op":"event","sub":{_dumps(sub)},"run_id":{_dumps(run_id)},{body[1:]}'
 
 
 def encode_end(sub: str, run_id: str, state: str, last_seq: int) -> str:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from subagent.osedge import run_trio
+from supervisor import protocol
 from supervisor.config import Config
 from supervisor.control import server as control
 from supervisor.errors import RunNotFound
@@ -763,3 +764,53 @@ def test_live_events_buffered_for_all_subscriptions_together_are_bounded() -> No
     a.release()
     b.release()
     assert pool.buffered == 0
+
+
+async def test_live_events_are_encoded_once_for_all_subscriptions_and_never_for_one_past_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 64 subscriptions past a run's end, never read, made the daemon encode each event of
+    # the run 64 times (json.dumps was ~94% of its loop) and the run ~10x slower.
+    encoded: list[int] = []
+    real = protocol.encode_event_body
+
+    def counting(event: Any) -> str:
+        encoded.append(event["seq"])
+        return real(event)
+
+    monkeypatch.setattr(protocol, "encode_event_body", counting)
+    texts = control._EventTexts()
+    pool = control.Subscriptions()
+    events = [{"seq": n, "ts": 1.0, "kind": "log", "data": {"text": "x" * 1000}} for n in range(1, 11)]
+    buffers = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            for i, after in enumerate([0, 0, 0, 10**9]):
+                send, live = trio.open_memory_channel[dict[str, Any]](100)
+                buffer = control._Buffer(100, 1 << 20, pool, 1 << 24)
+                buffers.append(buffer)
+                n.start_soon(partial(control._drain, live, buffer, f"s{i}", "r-1", after=after, texts=texts))
+                async with send:
+                    for e in events:
+                        send.send_nowait(e)
+    assert encoded == list(range(1, 11))  # once each, for three subscriptions; none for the fourth
+    got = [buffers[0].recv.receive_nowait() for _ in range(10)]
+    assert [seq for seq, _ in got] == list(range(1, 11))
+    msg = json.loads(got[3][1])
+    assert msg == {"op": "event", "sub": "s0", "run_id": "r-1", **events[3]}
+    assert json.loads(buffers[2].recv.receive_nowait()[1])["sub"] == "s2"
+    with pytest.raises(trio.EndOfChannel):  # nothing buffered: it ended empty
+        buffers[3].recv.receive_nowait()
+
+
+async def test_refused_handshakes_are_logged_one_line_a_while_with_the_reason_cut_short(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A client with no token that kept asking, with a 12 KB Origin, wrote ~10 MB/s to the log.
+    origin = [(b"Origin", b"http://" + b"e" * 12000)]
+    with caplog.at_level(logging.WARNING, logger="supervisor.control.server"):
+        for _ in range(20):
+            assert await handshake_status(server, origin) == 403
+        assert await handshake_status(server, []) == 401
+    lines = [r.getMessage() for r in caplog.records if "control: refused" in r.getMessage()]
+    assert len(lines) == 1 and len(lines[0]) < 400, lines

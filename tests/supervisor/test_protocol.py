@@ -68,7 +68,8 @@ def test_defaults_fill_optional_arguments() -> None:
         ('{"id": 1, "op": "spawn", "spec": "task"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": -1}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": true}', ErrorCode.BAD_ARGS),
-        ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": NaN}', ErrorCode.BAD_JSON),
+        ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": NaN}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "ping", "x": -Infinity}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_id": "r", "session_id": "s"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_id": "r", "run_ids": ["r"]}', ErrorCode.BAD_ARGS),
@@ -95,6 +96,9 @@ def test_bad_messages_become_error_values_not_exceptions(text: str, code: ErrorC
 def test_an_error_value_keeps_the_request_id_when_there_is_one() -> None:
     req = decode_request('{"id": "abc", "op": "nope"}', max_bytes=MAX)
     assert isinstance(req, BadRequest) and req.id == "abc"
+    for constant in ("NaN", "Infinity", "-Infinity"):  # as docs/control-protocol.md says (it was id null)
+        req = decode_request('{"id": 4, "op": "ping", "x": ' + constant + "}", max_bytes=MAX)
+        assert isinstance(req, BadRequest) and (req.id, req.code) == (4, ErrorCode.BAD_ARGS)
 
 
 def test_deeply_nested_json_is_a_bad_json_reply_not_a_recursion_error() -> None:
