@@ -10,6 +10,8 @@ second one. ``fleet_up``/``fleet_down`` are the driver side (``agentd fleet up/d
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import signal
@@ -19,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import ray
 from ray.experimental import internal_kv
@@ -28,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from subagent.osedge import LINUX
 from supervisor.config import ENDPOINT_FILE, TOKEN_FILE, default_state_dir
 from supervisor.control._statefiles import read_endpoint, read_token
+from supervisor.control._wsclient import ConnectionLost
 from supervisor.errors import AgentdError
 from supervisor.fleet._resources import BROWSER, SLOTS
 
@@ -58,6 +61,17 @@ RESTART_BACKOFF_S: Final = (0.2, 0.5, 1.0, 2.0, 5.0)
 STOP_TIMEOUT_S: Final = 60.0
 # Threads serving the front's calls on one agent (spawns of a burst run side by side).
 AGENT_CONCURRENCY: Final = 32
+# How long one spawn call waits for the daemon's answer before it says the outcome is
+# not known yet (the hand-off goes on waiting for it; the front asks again).
+SPAWN_ANSWER_S: Final = 30.0
+# While a spawn's answer is awaited: how often the hand-off looks up from its socket (the
+# agent stopping), and reads the journal of a daemon whose connection broke.
+SPAWN_POLL_S: Final = 1.0
+# A run in the journal created this long before its spawn was recorded as sent still
+# matches it (the two clocks are this machine's; the record is written just before).
+MATCH_SLACK_S: Final = 5.0
+# The journal runs read to find a spawn whose answer was lost (newest first).
+MATCH_SCAN_LIMIT: Final = 1000
 
 
 def _parent_of(pid: int) -> int | None:
@@ -70,7 +84,12 @@ def agent_name(node_id: str) -> str:
 
 
 class _SpawnMap:
-    """fleet run id -> node run id, durable on the node: what makes a hand-off idempotent."""
+    """fleet run id -> node run id, durable on the node: what makes a hand-off idempotent.
+
+    Beside the hand-offs done it keeps those in flight (``pending``: sent to the daemon,
+    whose answer has not come: the daemon may yet start the run) and those settled as
+    never started (``refused``: a later spawn of that fleet id is refused, so a run the
+    front recorded as never started never starts)."""
 
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
@@ -79,6 +98,15 @@ class _SpawnMap:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS spawns (fleet_run_id TEXT PRIMARY KEY, node_run_id TEXT NOT NULL, at REAL)"
         )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS pending (fleet_run_id TEXT PRIMARY KEY, daemon_pid INTEGER, sent_at REAL,"
+            " spec TEXT NOT NULL, session_id TEXT, timeout_s REAL)"
+        )
+        self._db.execute("CREATE TABLE IF NOT EXISTS refused (fleet_run_id TEXT PRIMARY KEY, why TEXT, at REAL)")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 
     def get(self, fleet_run_id: str) -> str | None:
         with self._lock:
@@ -86,8 +114,315 @@ class _SpawnMap:
         return None if row is None else str(row[0])
 
     def put(self, fleet_run_id: str, node_run_id: str) -> None:
-        with self._lock:
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
             self._db.execute("INSERT OR IGNORE INTO spawns VALUES (?, ?, ?)", (fleet_run_id, node_run_id, time.time()))
+            self._db.execute("DELETE FROM pending WHERE fleet_run_id = ?", (fleet_run_id,))
+
+    def claimed(self, node_run_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT 1 FROM spawns WHERE node_run_id = ?", (node_run_id,)).fetchone()
+        return row is not None
+
+    def pend(
+        self, fleet_run_id: str, daemon_pid: int | None, spec: dict[str, Any], session_id: str | None,
+        timeout_s: float | None,
+    ) -> None:  # fmt: skip
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?, ?, ?)",
+                (fleet_run_id, daemon_pid, time.time(), json.dumps(spec), session_id, timeout_s),
+            )
+
+    def pending(self, fleet_run_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT daemon_pid, sent_at, spec, session_id, timeout_s FROM pending WHERE fleet_run_id = ?",
+                (fleet_run_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        return {
+            "daemon_pid": row[0], "sent_at": row[1], "spec": json.loads(row[2]), "session_id": row[3],
+            "timeout_s": row[4],
+        }  # fmt: skip
+
+    def unpend(self, fleet_run_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM pending WHERE fleet_run_id = ?", (fleet_run_id,))
+
+    def refuse(self, fleet_run_id: str, why: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO refused VALUES (?, ?, ?)", (fleet_run_id, why, time.time()))
+
+    def refused(self, fleet_run_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT why FROM refused WHERE fleet_run_id = ?", (fleet_run_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+
+class _Conn(Protocol):
+    """A websocket to the node's daemon (``supervisor.control._wsclient.WebSocket``)."""
+
+    closed: bool
+
+    def send_text(self, text: str) -> None: ...
+
+    def recv_text(self, timeout_s: float | None) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class _Daemon(Protocol):
+    """What the hand-off needs of the node's daemon (the agent's, or a test's)."""
+
+    def endpoint(self) -> dict[str, Any]:
+        """Where the daemon listens: ``{"url", "token", "pid"}``, waiting for it to be ready
+        (``AgentdError`` if it is not)."""
+        ...
+
+    def serving(self, pid: int | None) -> bool:
+        """Whether the daemon process ``pid`` may still act on what it was sent."""
+        ...
+
+    def stopping(self) -> bool: ...
+
+    def open(self, endpoint: dict[str, Any]) -> _Conn: ...
+
+    def runs(self, endpoint: dict[str, Any]) -> list[dict[str, Any]]:
+        """The daemon's journal, newest runs first."""
+        ...
+
+
+class _Pending:
+    """One hand-off in flight: every call for its fleet id waits on this one answer."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: dict[str, Any] | None = None
+
+
+def _unknown(fleet_run_id: str, waited_s: float) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "unknown": True,
+        "error": {
+            "code": "spawn_unknown",
+            "message": f"run {fleet_run_id}: the node's daemon has not answered its spawn within {waited_s:.0f} s"
+            " (it may yet start it): ask again",
+        },
+    }
+
+
+def _refused(code: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"code": code, "message": message}}
+
+
+class HandOffs:
+    """The hand-off of runs to the node's daemon, once per fleet run id.
+
+    A fleet id is reserved while its spawn is in flight: a repeat (a restarted front
+    asking again) waits for, and gets, the first one's answer. A spawn the daemon has
+    been sent is answered ``unknown`` while no answer has come (``{"ok": False,
+    "unknown": True}``: the daemon may yet start it, never "refused"); the answer is
+    still awaited on its connection, and a later call gets it. Where that connection
+    breaks (the daemon died, or the agent did) the outcome is read from the daemon's
+    journal once the daemon that was sent it is gone: a run created since, with that
+    spec and not claimed by another fleet id, is the run; none means it never started.
+    ``settle`` is the front's question for a run it would cancel: the node run, if it
+    was handed over, else the fleet id is refused for good (it never starts here).
+    """
+
+    def __init__(
+        self, spawn_map: _SpawnMap, daemon: _Daemon, *, answer_s: float = SPAWN_ANSWER_S, poll_s: float = SPAWN_POLL_S
+    ) -> None:
+        self._map = spawn_map
+        self._daemon = daemon
+        self._answer_s = answer_s
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._inflight: dict[str, _Pending] = {}
+
+    def spawn(
+        self, fleet_run_id: str, spec: dict[str, Any], session_id: str | None, timeout_s: float | None
+    ) -> dict[str, Any]:
+        return self._ask(fleet_run_id, (spec, session_id, timeout_s))
+
+    def settle(self, fleet_run_id: str) -> dict[str, Any]:
+        return self._ask(fleet_run_id, None)
+
+    def _ask(self, fleet_run_id: str, spawn: tuple[dict[str, Any], str | None, float | None] | None) -> dict[str, Any]:
+        with self._lock:
+            known = self._map.get(fleet_run_id)
+            if known is not None:
+                return {"ok": True, "node_run_id": known, "state": None, "again": True}
+            why = self._map.refused(fleet_run_id)
+            if why is not None:
+                return {**_refused("never_started", why), "never": True}
+            pending = self._inflight.get(fleet_run_id)
+            if pending is None:
+                pending = self._inflight[fleet_run_id] = _Pending()
+                sent = self._map.pending(fleet_run_id)
+                if sent is not None:  # sent by an agent before this one: what came of it?
+                    work = functools.partial(self._recover, fleet_run_id, pending, sent, again=spawn is not None)
+                elif spawn is not None:
+                    work = functools.partial(self._hand_off, fleet_run_id, pending, *spawn)
+                else:  # never sent: it never starts here now
+                    self._map.refuse(fleet_run_id, "cancelled before it reached the node")
+                    del self._inflight[fleet_run_id]
+                    return {**_refused("never_started", "cancelled before it reached the node"), "never": True}
+                threading.Thread(target=work, name=f"hand-off {fleet_run_id}", daemon=True).start()
+        if pending.done.wait(self._answer_s):
+            assert pending.reply is not None
+            return pending.reply
+        return _unknown(fleet_run_id, self._answer_s)
+
+    def _answer(self, fleet_run_id: str, pending: _Pending, reply: dict[str, Any]) -> None:
+        with self._lock:
+            self._inflight.pop(fleet_run_id, None)
+            pending.reply = reply
+            pending.done.set()
+
+    def _hand_off(
+        self,
+        fleet_run_id: str,
+        pending: _Pending,
+        spec: dict[str, Any],
+        session_id: str | None,
+        timeout_s: float | None,
+    ) -> None:
+        from supervisor import protocol
+
+        try:
+            endpoint = self._daemon.endpoint()
+            conn = self._daemon.open(endpoint)
+        except (OSError, AgentdError) as exc:  # nothing was sent
+            code, _message = protocol.error_code_for(exc) if isinstance(exc, AgentdError) else ("refused", "")
+            self._answer(fleet_run_id, pending, _refused(str(getattr(exc, "code", code)), str(exc)))
+            return
+        # Durable before it is sent: from here the daemon may start the run.
+        self._map.pend(fleet_run_id, endpoint.get("pid"), spec, session_id, timeout_s)
+        try:
+            try:
+                conn.send_text(
+                    protocol.encode_request(1, "spawn", spec=spec, session_id=session_id, timeout_s=timeout_s)
+                )
+            except ConnectionLost as exc:  # not (wholly) sent: the daemon cannot act on it
+                self._map.unpend(fleet_run_id)
+                self._answer(fleet_run_id, pending, _refused(str(exc.code), str(exc)))
+                return
+            while True:
+                try:
+                    text = conn.recv_text(self._poll_s)
+                except ConnectionLost:
+                    if conn.closed:
+                        break  # the daemon went away: its journal says what came of it
+                    if self._daemon.stopping():
+                        self._answer(fleet_run_id, pending, _unknown(fleet_run_id, self._answer_s))
+                        return
+                    continue  # no answer yet (a daemon stopped, or slow): keep waiting for it
+                try:
+                    msg = protocol.decode_server_message(text)
+                except AgentdError:
+                    continue
+                if msg.get("id") != 1 or "ok" not in msg:
+                    continue
+                if msg["ok"] is True:
+                    result = msg.get("result") or {}
+                    node_run_id = str(result["run_id"])
+                    self._map.put(fleet_run_id, node_run_id)
+                    self._answer(
+                        fleet_run_id, pending, {"ok": True, "node_run_id": node_run_id, "state": result.get("state")}
+                    )
+                else:  # the daemon refused it: nothing started
+                    self._map.unpend(fleet_run_id)
+                    error = msg.get("error") or {}
+                    self._answer(
+                        fleet_run_id, pending, _refused(str(error.get("code", "refused")), str(error.get("message")))
+                    )
+                return
+        finally:
+            conn.close()
+        sent = self._map.pending(fleet_run_id)
+        assert sent is not None
+        self._recover(fleet_run_id, pending, sent, again=True)
+
+    def _recover(self, fleet_run_id: str, pending: _Pending, sent: dict[str, Any], *, again: bool) -> None:
+        """What came of a spawn whose answer was lost with its connection: from the journal."""
+        while not self._daemon.stopping():
+            gone = not self._daemon.serving(sent["daemon_pid"])  # before the journal is read
+            try:
+                endpoint = self._daemon.endpoint()
+                runs = self._daemon.runs(endpoint)
+            except (OSError, AgentdError) as exc:
+                logger.info("run %s: cannot read the daemon's journal yet: %r", fleet_run_id, exc)
+            else:
+                found = _match(runs, sent, self._map.claimed)
+                if found is not None:
+                    self._map.put(fleet_run_id, found)
+                    self._answer(
+                        fleet_run_id, pending, {"ok": True, "node_run_id": found, "state": None, "again": True}
+                    )
+                    return
+                if gone:  # that daemon is gone, and no daemon since has the run: it never started
+                    self._map.unpend(fleet_run_id)
+                    if again:
+                        self._hand_off(fleet_run_id, pending, sent["spec"], sent["session_id"], sent["timeout_s"])
+                    else:
+                        why = "cancelled before it reached the node (its daemon died before it started it)"
+                        self._map.refuse(fleet_run_id, why)
+                        self._answer(fleet_run_id, pending, {**_refused("never_started", why), "never": True})
+                    return
+            time.sleep(self._poll_s)
+        self._answer(fleet_run_id, pending, _unknown(fleet_run_id, self._answer_s))
+
+
+def _match(runs: list[dict[str, Any]], sent: dict[str, Any], claimed: Any) -> str | None:
+    """The oldest run of the journal that is the spawn ``sent``: created since it was sent,
+    with its task and session, claimed by no other fleet id. (Runs alike in all these
+    are alike: which of them is whose does not matter.)"""
+    spec = sent["spec"]
+    hits = [
+        r
+        for r in runs
+        if isinstance(r.get("created_at"), (int, float))
+        and r["created_at"] >= sent["sent_at"] - MATCH_SLACK_S
+        and isinstance(r.get("spec"), dict)
+        and r["spec"].get("task") == spec.get("task")
+        and r.get("session_id") == (sent["session_id"] or spec.get("session_id"))
+        and not claimed(str(r.get("id")))
+    ]
+    hits.sort(key=lambda r: float(r["created_at"]))
+    return str(hits[0]["id"]) if hits else None
+
+
+class _NodeDaemon:
+    """The agent's daemon as ``HandOffs`` sees it."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def endpoint(self) -> dict[str, Any]:
+        return dict(self._agent._wait_ready(DAEMON_READY_TIMEOUT_S))
+
+    def serving(self, pid: int | None) -> bool:
+        # The daemon sent it may act on it while that process lives (a stopped one too).
+        return pid is not None and LINUX.stat(pid) is not None
+
+    def stopping(self) -> bool:
+        return bool(self._agent._stopping.is_set())
+
+    def open(self, endpoint: dict[str, Any]) -> _Conn:
+        from supervisor.control._wsclient import WebSocket
+        from supervisor.control.client import CONNECT_TIMEOUT_S
+
+        return WebSocket.connect(endpoint["url"], {"Authorization": f"Bearer {endpoint['token']}"}, CONNECT_TIMEOUT_S)
+
+    def runs(self, endpoint: dict[str, Any]) -> list[dict[str, Any]]:
+        from supervisor.control.client import Client
+
+        with Client(endpoint["url"], endpoint["token"], state_dir=self._agent.state_dir) as client:
+            return client.list_runs(limit=MATCH_SCAN_LIMIT)
 
 
 # Ray's keyword overload of remote() is typed for tasks; max_concurrency is an actor option.
@@ -113,9 +448,9 @@ class NodeAgent:
         self._endpoint: dict[str, Any] | None = None
         self._failure: str | None = None
         self._restarts = 0
-        self._local = threading.local()
         self._thread = threading.Thread(target=self._supervise, name="agentd-daemon", daemon=True)
         self._thread.start()
+        self._hand_offs = HandOffs(self._map, _NodeDaemon(self))
         self._wait_ready(DAEMON_READY_TIMEOUT_S)
 
     # -------------------------------------------------------------- the daemon
@@ -211,34 +546,20 @@ class NodeAgent:
     def spawn(
         self, fleet_run_id: str, spec: dict[str, Any], session_id: str | None, timeout_s: float | None
     ) -> dict[str, Any]:
-        """Hand a run to this node's daemon, once per fleet run id.
+        """Hand a run to this node's daemon, once per fleet run id (see ``HandOffs``).
 
-        Returns ``{"ok": True, "node_run_id", "state"}`` or ``{"ok": False, "error": {code, message}}``
-        (errors as values: they cross Ray intact).
+        Returns ``{"ok": True, "node_run_id", "state"}``, ``{"ok": False, "error": {code,
+        message}}`` (it never started here), or ``{"ok": False, "unknown": True, ...}``: the
+        daemon was sent it and has not answered yet; ask again (errors as values: they
+        cross Ray intact).
         """
-        from supervisor import protocol
-        from supervisor.control.client import Client
+        return self._hand_offs.spawn(fleet_run_id, spec, session_id, timeout_s)
 
-        known = self._map.get(fleet_run_id)
-        if known is not None:
-            return {"ok": True, "node_run_id": known, "state": None, "again": True}
-        endpoint = self._wait_ready(DAEMON_READY_TIMEOUT_S)
-        client: Client | None = getattr(self._local, "client", None)
-        if client is None or getattr(self._local, "endpoint", None) != endpoint:
-            if client is not None:
-                client.close()
-            client = Client(endpoint["url"], endpoint["token"], state_dir=self.state_dir)
-            self._local.client = client
-            self._local.endpoint = endpoint
-        try:
-            result = client.spawn(spec, session_id=session_id, timeout_s=timeout_s)
-        except AgentdError as exc:
-            client.close()
-            code, message = protocol.error_code_for(exc)
-            return {"ok": False, "error": {"code": str(getattr(exc, "code", code)), "message": str(exc)}}
-        node_run_id = str(result["run_id"])
-        self._map.put(fleet_run_id, node_run_id)
-        return {"ok": True, "node_run_id": node_run_id, "state": result.get("state")}
+    def settle(self, fleet_run_id: str) -> dict[str, Any]:
+        """For a run the front would cancel: its node run if it was handed to the daemon
+        (``ok``), else ``{"ok": False, "never": True}`` and the fleet id is refused here
+        from now on, or ``unknown`` while a hand-off's answer is awaited."""
+        return self._hand_offs.settle(fleet_run_id)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> dict[str, Any]:
         """Stop the daemon the way ``systemctl stop`` does: SIGTERM, and wait for its exit."""

@@ -209,6 +209,8 @@ class FleetFront:
         )
         if row["cancel_reason"]:
             run.token.cancel(row["cancel_reason"])
+        # Recorded on a node (written before any hand-off): the run may be there.
+        run.handed_over = run.node_id is not None
         self._live[run.id] = run
         logger.info("fleet: resuming run %s (%s, node %s)", run.id, run.state, (run.node_id or "-")[:8])
         self._nursery.start_soon(self._drive, run, name=f"fleet run {run.id}")
@@ -400,45 +402,111 @@ class FleetFront:
             await self._finish_here(run, "failed", reason="internal", error={"code": "internal", "message": repr(exc)})
 
     async def _place_and_hand_off(self, run: _Run) -> bool:
-        """Wait for Ray to place the lease, then hand the run to that node. False: it ended here."""
+        """Wait for Ray to place the lease, then hand the run to that node. False: it ended here.
+
+        The run's node is written to the index before the hand-off, so a run without one
+        never reached a node. A run with one (a front before this one recorded it) may be
+        on that node, and only there: it is asked there by its fleet id, never handed to
+        wherever its lease is now (a dead node's lease moves to a live one; the run is
+        lost with its node).
+        """
         run.pg = await self._ray(_lease, LEASE_PREFIX + run.id, run.bundle)
-        with trio.CancelScope() as run.queue_scope:
-            if not run.token.cancelled:
-                await _await_ref(run.pg.ready())
-        run.queue_scope = None
-        if run.token.cancelled:
-            await self._finish_queued_cancel(run)
-            return False
-        node_id = await self._ray(_lease_node, run.pg)
         if run.node_id is None:
-            run.node_id = node_id
-            await self._db(self.index.set_node, run.id, node_id)
-        if node_id in self._dead or node_id not in self._nodes and await self._node_dead_now(node_id):
-            return False
-        try:
-            handle = await self._ray(ray.get_actor, agent_name(node_id), namespace=NAMESPACE)
+            with trio.CancelScope() as run.queue_scope:
+                if not run.token.cancelled:
+                    await _await_ref(run.pg.ready())
+            run.queue_scope = None
             if run.token.cancelled:
-                # A cancel came while the lease was read: the run is still queued here, as
-                # that cancel's reply said, and never reaches the node.
                 await self._finish_queued_cancel(run)
                 return False
-            run.handed_over = True  # (with the check above: no await between them)
-            reply = await _await_ref(handle.spawn.remote(run.id, run.spec, run.session_id, run.timeout_s))
-        except (ValueError, ray.exceptions.RayError) as exc:
-            if await self._node_dead_now(node_id):
-                return False
-            await self._finish_here(
-                run, "failed", reason="no_agent", error={"code": "no_agent", "message": f"node {node_id[:8]}: {exc}"}
-            )
+            node_id = await self._ray(_lease_node, run.pg)
+            run.node_id = node_id
+            await self._db(self.index.set_node, run.id, node_id)
+        else:
+            node_id = run.node_id
+        if node_id in self._dead or node_id not in self._nodes and await self._node_dead_now(node_id):
+            # Its node died (before this drive looked, maybe before the node was on the
+            # run's record: then no one wrote its end): it is lost with it.
+            if run.id in self._live:
+                await self._finish_lost(run, node_id)
             return False
-        if not reply.get("ok"):
-            error = reply.get("error") or {}
-            await self._finish_here(run, "failed", reason="refused_by_node", error=error)
+        reply = await self._ask_node(run, node_id)
+        if reply is None:
             return False
         run.node_run_id = str(reply["node_run_id"])
         await self._db(self.index.set_node_run, run.id, run.node_run_id)
         logger.info("fleet: run %s is %s on node %s", run.id, run.node_run_id, node_id[:8])
         return True
+
+    async def _ask_node(self, run: _Run, node_id: str) -> dict[str, Any] | None:
+        """Hand the run to its node's agent, or (cancelled) settle it there; None: it ended here.
+
+        An answer the node cannot give yet (its daemon was sent the spawn and has not
+        answered: stalled, or restarting) is asked again, by the fleet id, until it comes:
+        the lease is held all that time, as the node may yet run it. Only a node that
+        says the run never started there (refused, or settled as never started) ends it
+        here; a node that dies makes it lost.
+        """
+        delays = iter(RELINK_BACKOFF_S)
+        gone_since: float | None = None
+        while True:
+            try:
+                handle = await self._ray(ray.get_actor, agent_name(node_id), namespace=NAMESPACE)
+            except ValueError as exc:
+                if await self._node_dead_now(node_id):
+                    return None
+                if not run.handed_over:  # nothing was sent: it never started there
+                    await self._finish_here(
+                        run,
+                        "failed",
+                        reason="no_agent",
+                        error={"code": "no_agent", "message": f"node {node_id[:8]}: {exc}"},
+                    )
+                    return None
+                now = trio.current_time()
+                gone_since = now if gone_since is None else gone_since
+                if now - gone_since >= self.agent_gone_s:
+                    await self._finish_lost(
+                        run,
+                        node_id,
+                        reason="agent_gone",
+                        message=f"node {node_id} has had no agentd agent for {self.agent_gone_s:.0f} s while its"
+                        " hand-off of the run was unsettled (its daemon gets SIGTERM when its agent goes)",
+                    )
+                    return None
+            else:
+                gone_since = None
+                if run.token.cancelled and not run.handed_over:
+                    # A cancel came while the lease was read: the run is still queued here, as
+                    # that cancel's reply said, and never reaches the node.
+                    await self._finish_queued_cancel(run)
+                    return None
+                ref: Any
+                if run.token.cancelled:  # it may be there: the node run to stop, or never to start
+                    ref = handle.settle.remote(run.id)
+                else:
+                    ref = handle.spawn.remote(run.id, run.spec, run.session_id, run.timeout_s)
+                run.handed_over = True  # (with the check above: no await between them)
+                try:
+                    reply = await _await_ref(ref)
+                except ray.exceptions.RayError as exc:
+                    if await self._node_dead_now(node_id):
+                        return None
+                    # The agent failed mid-call (Ray restarts it): the spawn may have reached
+                    # its daemon. Its durable record of the hand-off answers the next ask.
+                    logger.warning("fleet: run %s: node %s's agent failed mid-hand-off: %r", run.id, node_id[:8], exc)
+                else:
+                    if reply.get("ok"):
+                        return dict(reply)
+                    if not reply.get("unknown"):  # the node says it never started there
+                        if run.token.cancelled:
+                            await self._finish_queued_cancel(run)
+                        else:
+                            error = reply.get("error") or {}
+                            await self._finish_here(run, "failed", reason="refused_by_node", error=error)
+                        return None
+                    logger.warning("fleet: run %s: %s", run.id, (reply.get("error") or {}).get("message"))
+            await trio.sleep(next(delays, RELINK_BACKOFF_S[-1]))
 
     async def _finish_queued_cancel(self, run: _Run) -> None:
         await self._finish_here(
