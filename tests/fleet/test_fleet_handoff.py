@@ -359,3 +359,41 @@ async def test_a_cancel_answered_starting_then_a_front_restart_asks_the_node_not
     else:  # the node settled it: it never starts there now
         assert handed is False and (row["state"], row["reason"]) == ("cancelled", "user")
         assert freed == ["f-1"]
+
+
+async def test_a_real_daemon_stopped_mid_hand_off_runs_the_spawn_once_it_resumes_and_the_agent_says_which(
+    tmp_path: Path,
+) -> None:
+    # What the stand-in daemon above models, against agentd's own daemon: SIGSTOP while a
+    # spawn is sent; the agent says `unknown` (not refused), a repeat waits on the same
+    # hand-off; SIGCONT: the daemon starts it from its socket's buffer, once, and the
+    # agent's next answer is that run.
+    import os
+    import signal
+    import types
+
+    from supervisor.control.client import Client
+    from supervisor.fleet._agent import HandOffs, _NodeDaemon, _SpawnMap
+    from tests.supervisor.real_daemon import real_daemon
+
+    async with real_daemon(tmp_path / "node") as daemon:
+        endpoint = {"url": daemon.url, "token": daemon.token, "pid": daemon.pid}
+        agent = types.SimpleNamespace(
+            _wait_ready=lambda _timeout: endpoint, _stopping=threading.Event(), state_dir=tmp_path / "node"
+        )
+        hand_offs = HandOffs(_SpawnMap(tmp_path / "spawns.sqlite3"), _NodeDaemon(agent), answer_s=0.5, poll_s=0.05)
+        spec = {"task": "stalled hand-off"}
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            first, second = [await trio.to_thread.run_sync(hand_offs.spawn, "f-1", spec, None, None) for _ in range(2)]
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        with trio.fail_after(WAIT_S):
+            while not (reply := await trio.to_thread.run_sync(hand_offs.spawn, "f-1", spec, None, None))["ok"]:
+                assert reply["unknown"] is True
+        with Client(daemon.url, daemon.token, state_dir=tmp_path / "node") as client:
+            runs = await trio.to_thread.run_sync(client.list_runs)
+            await trio.to_thread.run_sync(lambda: client.cancel(reply["node_run_id"]))
+        agent._stopping.set()
+    assert first["unknown"] is True and second["unknown"] is True
+    assert [r["id"] for r in runs if r["spec"]["task"] == "stalled hand-off"] == [reply["node_run_id"]]
