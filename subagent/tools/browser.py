@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ __all__ = [
     "browser_tmpdir",
     "browser_processes",
     "check_browser",
+    "prepare_session_profile",
     "end_browser_processes",
     "release_browser_dir",
     "find_chromium",
@@ -298,6 +300,56 @@ def release_browser_dir(run_dir: pathlib.Path) -> None:
     _sweep_dangling_links(pathlib.Path(LINK_ROOT))
 
 
+# Chromium keeps a login's session cookies (no Expires/Max-Age: PHPSESSID, JSESSIONID,
+# express-session) only for a profile set to continue where it left off: it writes them to
+# its cookie store on every shutdown, but deletes them at the next start unless
+# ``session.restore_on_startup`` is 1 ("last session") or the last exit was a crash. With
+# it, the previous session's tabs would reopen too: their record is removed first, so a
+# turn still starts on one blank page.
+_PROFILE: Final = "Default"  # the profile a persistent context uses in its user data dir
+_RESTORE_LAST_SESSION: Final = 1
+_SESSION_RECORDS: Final = ("Sessions", "Sessions_Encrypted")  # the tabs to reopen
+
+
+def prepare_session_profile(profile_dir: pathlib.Path | str) -> None:
+    """Set a session's profile up so that its next browser keeps every cookie, session
+    cookies included, and reopens none of the previous turn's tabs. Call it before the
+    browser starts; idempotent.
+
+    Keeps the rest of the profile's ``Preferences``; one Chromium cannot parse is replaced
+    (Chromium would reset it anyway).
+
+    Raises:
+        OSError: the profile cannot be written.
+    """
+    profile = pathlib.Path(profile_dir) / _PROFILE
+    profile.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name in _SESSION_RECORDS:
+        records = profile / name
+        if records.is_symlink() or records.is_file():
+            records.unlink()
+        elif records.is_dir():
+            shutil.rmtree(records)
+    path = profile / "Preferences"
+    prefs: Any = None
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):  # (never a FIFO or a link a page's run left)
+            prefs = json.loads(path.read_text())
+    except (FileNotFoundError, UnicodeDecodeError, ValueError):
+        pass
+    if not isinstance(prefs, dict):
+        prefs = {}
+    session = prefs.get("session")
+    if not isinstance(session, dict):
+        session = {}
+    if session.get("restore_on_startup") == _RESTORE_LAST_SESSION:
+        return
+    prefs["session"] = {**session, "restore_on_startup": _RESTORE_LAST_SESSION}
+    tmp = path.with_name(path.name + ".agentd-tmp")
+    tmp.write_text(json.dumps(prefs))
+    os.replace(tmp, path)
+
+
 def browser_server_config(
     run_dir: pathlib.Path,
     options: Mapping[str, Any] | bool | None,
@@ -317,7 +369,8 @@ def browser_server_config(
         sandbox: whether Chromium's own sandbox can work for this run, and why not
             (``subagent.sandbox.browser_sandbox``): the default of option ``sandbox``.
         profile_dir: a session's profile directory (cookies, storage), kept across its
-            turns; None: an isolated, throwaway profile in the run's own directory.
+            turns (``prepare_session_profile``: session cookies too); None: an isolated,
+            throwaway profile in the run's own directory.
 
     Returns:
         ``{"command", "args", "env", "cwd"}`` for an MCP stdio client.
@@ -352,6 +405,13 @@ def browser_server_config(
     browser_config: dict[str, Any] = {"browserName": "chromium", "isolated": True, "launchOptions": launch}
     if profile_dir is not None:
         # The session's profile: a persistent context, used by one turn at a time.
+        try:
+            prepare_session_profile(profile_dir)
+        except OSError as exc:
+            raise BrowserSetupError(
+                f"cannot prepare the session's browser profile {str(profile_dir)!r}: {exc.strerror or exc}",
+                "check that the daemon's state dir is writable",
+            ) from exc
         browser_config = {**browser_config, "isolated": False, "userDataDir": str(profile_dir)}
     config: dict[str, Any] = {
         "browser": browser_config,

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.chromium
 GRACE_S = 3.0
 SCENARIO_S = 120.0
 COOKIE = "agentd_login=alice-42"
+# A login many sites make with a session cookie (no Expires/Max-Age: PHPSESSID, JSESSIONID),
+# and a persistent one beside it.
+SESSION_COOKIE, LASTING_COOKIE = "agentd_sess=s-77", "agentd_pers=p-88"
 
 
 class _Site(http.server.ThreadingHTTPServer):
@@ -42,6 +45,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path == "/set":
             body, extra = "<h1>Signed in</h1>", [("Set-Cookie", f"{COOKIE}; Max-Age=3600; Path=/")]
+        elif self.path == "/login":
+            body = "<h1>Signed in for this session</h1>"
+            extra = [
+                ("Set-Cookie", f"{SESSION_COOKIE}; Path=/"),
+                ("Set-Cookie", f"{LASTING_COOKIE}; Max-Age=3600; Path=/"),
+            ]
         elif self.path == "/show":
             cookie = self.headers.get("Cookie") or "none"
             self.server.cookies_seen.append(cookie)
@@ -245,3 +254,63 @@ async def test_closing_a_session_as_its_browser_turn_starts_stops_that_turn_at_o
     assert turn["receipt"]["note"] == "cancelled before its runner started: never started"
     assert turn["pid"] is None  # no runner was ever started for it
     assert not Path(desk.profile_path("web-2")).exists()  # nor a profile made after the close
+
+
+@pytest.mark.parametrize("end", ["completed", "cancelled", "grace"])
+async def test_a_login_kept_in_a_session_cookie_outlives_the_turn_that_made_it(
+    manager: RunManager, site: Any, end: str
+) -> None:
+    # Chromium writes session cookies at every shutdown but, by default, drops them at the
+    # next start: turn 2 was signed out of any site whose login is a session cookie. Turn 1
+    # ends by itself, is cancelled while its model thinks, or is cancelled in a call that
+    # outlives the grace (its browser closed before the grace runs out).
+    url = f"http://127.0.0.1:{site.server_address[1]}"
+    slow = "() => new Promise(r => setTimeout(() => r('late'), 60000))"
+    login = {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/login"}}]}
+    then = {
+        "completed": [],
+        "cancelled": [{"hang": True}],
+        "grace": [{"tool_calls": [{"name": "browser_evaluate", "arguments": {"function": slow}}]}],
+    }[end]
+    said = 1 if end == "cancelled" else 2  # turn 1's assistant messages: turn 2's script starts there
+    read_back = spec(
+        [
+            *([{}] * said),
+            {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/show"}}]},
+            {"tool_calls": [{"name": "browser_tabs", "arguments": {"action": "list"}}]},
+            {"tool_calls": [{"name": "browser_snapshot", "arguments": {}}]},
+        ],
+        extract=r"agentd_sess=([\w-]+)",
+        final="session {{match}}",
+    )
+    session_id = f"web-sess-{end}"
+    with trio.fail_after(SCENARIO_S):
+        first = await manager.spawn(spec([login, *then]), session_id=session_id)
+        if end != "completed":
+            async with manager.subscribe(first["run_id"]) as live:
+                async for ev in live:  # the login page loaded; the model thinks, or evaluates
+                    record = ev["data"].get("record") or {}
+                    if end == "cancelled" and ev["kind"] == "step_started" and ev["data"]["step"] == 2:
+                        break
+                    if end == "grace" and record.get("name") == "browser_evaluate" and record.get("state") == "running":
+                        break
+            await manager.cancel(first["run_id"])
+        turn1 = await manager.wait_terminal(first["run_id"])
+        second = await manager.spawn(read_back, session_id=session_id)
+        turn2 = await manager.wait_terminal(second["run_id"])
+        profile = str(manager.session_desk.profile_path(session_id))
+        await manager.close_session(session_id)
+        frags = [profile, *(f"{turn['run_dir']}/" for turn in (turn1, turn2))]
+        await trio.to_thread.run_sync(lambda: bs.wait_no_browser_left(None, frags))
+    assert turn1["state"] == ("cancelled" if end == "grace" else end), turn1
+    assert turn1["tool_calls"][0]["state"] == "succeeded", turn1["tool_calls"]
+    if end != "completed":
+        assert turn1["receipt"]["path_b"]["escalated"] is False  # ended within the grace, browser closed
+    assert turn2["state"] == "completed", turn2
+    (seen,) = site.cookies_seen  # what turn 2's browser sent: both cookies
+    assert sorted(seen.split("; ")) == sorted([LASTING_COOKIE, SESSION_COOKIE]), seen
+    assert turn2["result"]["final_text"] == "session s-77", turn2["tool_calls"]
+    # And no tab of turn 1 came back: turn 2's browser has one page, the one it opened.
+    (tabs,) = [c for c in turn2["tool_calls"] if c["name"] == "browser_tabs"]
+    listed = [line for line in tabs["output"].splitlines() if line.startswith("- ")]
+    assert listed == [f"- 0: (current) []({url}/show)"], tabs["output"]
