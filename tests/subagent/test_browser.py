@@ -117,6 +117,47 @@ def test_everything_the_browser_writes_is_under_the_run_dir(
         assert quiet in launch["args"]
 
 
+def test_a_sessions_profile_is_set_to_keep_session_cookies_and_reopen_no_tab(
+    tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path]
+) -> None:
+    # Chromium deletes the session cookies it wrote at its last shutdown unless the profile
+    # continues where it left off; the tabs it would then reopen are removed first.
+    profile = tmp_path / "sessions" / "s1" / "browser-profile"
+    default = profile / "Default"
+    (default / "Sessions").mkdir(parents=True)
+    (default / "Sessions" / "Session_1").write_text("tabs")
+    (default / "Sessions_Encrypted").mkdir()
+    prefs = {"profile": {"exit_type": "Normal"}, "session": {"startup_urls": ["http://x/"]}}
+    (default / "Preferences").write_text(json.dumps(prefs))
+    cfg = browser_server_config(tmp_path / "run", True, profile_dir=profile)
+    assert _flag(cfg["args"], "--user-data-dir") == str(profile) and "--isolated" not in cfg["args"]
+    assert sorted(p.name for p in default.iterdir()) == ["Preferences"]
+    kept = json.loads((default / "Preferences").read_text())
+    assert kept == {
+        "profile": {"exit_type": "Normal"},
+        "session": {"startup_urls": ["http://x/"], "restore_on_startup": 1},
+    }
+    # A fresh profile, an unreadable Preferences, one that is not a file: set, never read.
+    for before in (None, "{not json", b"\xff", "fifo"):
+        shutil.rmtree(profile)
+        if before is not None:
+            default.mkdir(parents=True)
+            if before == "fifo":
+                os.mkfifo(default / "Preferences")  # a read would block the runner for good
+            elif isinstance(before, bytes):
+                (default / "Preferences").write_bytes(before)
+            else:
+                (default / "Preferences").write_text(before)
+        browser.prepare_session_profile(profile)
+        assert json.loads((default / "Preferences").read_text()) == {"session": {"restore_on_startup": 1}}
+    # Idempotent; a profile that cannot be written is a setup error naming it.
+    browser.prepare_session_profile(profile)
+    shutil.rmtree(default)
+    default.write_text("not a dir")  # (as root too, unlike a read-only dir)
+    with pytest.raises(BrowserSetupError, match="session's browser profile"):
+        browser_server_config(tmp_path / "run", True, profile_dir=profile)
+
+
 def test_env_carries_agentd_markers_and_nothing_else_from_the_caller(
     tmp_path: pathlib.Path, fake_tools: dict[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
