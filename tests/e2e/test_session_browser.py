@@ -256,14 +256,14 @@ async def test_closing_a_session_as_its_browser_turn_starts_stops_that_turn_at_o
     assert not Path(desk.profile_path("web-2")).exists()  # nor a profile made after the close
 
 
-@pytest.mark.parametrize("end", ["completed", "cancelled", "grace"])
+@pytest.mark.parametrize("end", ["completed", "cancelled", "grace", "interrupt"])
 async def test_a_login_kept_in_a_session_cookie_outlives_the_turn_that_made_it(
     manager: RunManager, site: Any, end: str
 ) -> None:
     # Chromium writes session cookies at every shutdown but, by default, drops them at the
     # next start: turn 2 was signed out of any site whose login is a session cookie. Turn 1
-    # ends by itself, is cancelled while its model thinks, or is cancelled in a call that
-    # outlives the grace (its browser closed before the grace runs out).
+    # ends by itself, is cancelled while its model thinks, or is cancelled (or interrupted by
+    # turn 2) in a call that outlives the grace (its browser closed before the grace runs out).
     url = f"http://127.0.0.1:{site.server_address[1]}"
     slow = "() => new Promise(r => setTimeout(() => r('late'), 60000))"
     login = {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/login"}}]}
@@ -271,7 +271,7 @@ async def test_a_login_kept_in_a_session_cookie_outlives_the_turn_that_made_it(
         "completed": [],
         "cancelled": [{"hang": True}],
         "grace": [{"tool_calls": [{"name": "browser_evaluate", "arguments": {"function": slow}}]}],
-    }[end]
+    }[end if end != "interrupt" else "grace"]
     said = 1 if end == "cancelled" else 2  # turn 1's assistant messages: turn 2's script starts there
     read_back = spec(
         [
@@ -292,17 +292,22 @@ async def test_a_login_kept_in_a_session_cookie_outlives_the_turn_that_made_it(
                     record = ev["data"].get("record") or {}
                     if end == "cancelled" and ev["kind"] == "step_started" and ev["data"]["step"] == 2:
                         break
-                    if end == "grace" and record.get("name") == "browser_evaluate" and record.get("state") == "running":
+                    if record.get("name") == "browser_evaluate" and record.get("state") == "running":
                         break
-            await manager.cancel(first["run_id"])
-        turn1 = await manager.wait_terminal(first["run_id"])
-        second = await manager.spawn(read_back, session_id=session_id)
+        if end == "interrupt":  # turn 2 stops turn 1 and waits for it to end
+            second = await manager.spawn(read_back, session_id=session_id, interrupt=True)
+            turn1 = await manager.wait_terminal(first["run_id"])
+        else:
+            if end != "completed":
+                await manager.cancel(first["run_id"])
+            turn1 = await manager.wait_terminal(first["run_id"])
+            second = await manager.spawn(read_back, session_id=session_id)
         turn2 = await manager.wait_terminal(second["run_id"])
         profile = str(manager.session_desk.profile_path(session_id))
         await manager.close_session(session_id)
         frags = [profile, *(f"{turn['run_dir']}/" for turn in (turn1, turn2))]
         await trio.to_thread.run_sync(lambda: bs.wait_no_browser_left(None, frags))
-    assert turn1["state"] == ("cancelled" if end == "grace" else end), turn1
+    assert turn1["state"] == ("completed" if end == "completed" else "cancelled"), turn1
     assert turn1["tool_calls"][0]["state"] == "succeeded", turn1["tool_calls"]
     if end != "completed":
         assert turn1["receipt"]["path_b"]["escalated"] is False  # ended within the grace, browser closed
