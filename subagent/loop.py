@@ -212,7 +212,9 @@ class AgentLoop:
                 return self._cancelled()
 
     def _apply_steering(self) -> None:
-        if self.steering is None:
+        # Not once the stop has come (the step's emit can wait on a busy daemon's pipe):
+        # a steer applied then is carried by no model turn, yet was reported applied.
+        if self.steering is None or self.stop.requested:
             return
         for text in self.steering.take(self.steps):
             self.messages.append({"role": "user", "content": text})

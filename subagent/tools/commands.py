@@ -342,7 +342,8 @@ async def run_command(
                     by_path_a = stop.is_set()
                 if stop_at is not None or by_path_a:
                     grace = kill_grace_s
-                if proc.returncode is None or by_path_a:
+                if proc.returncode is None or by_path_a or stop_at is not None:
+                    # (A stop's: its escapers get the stop's grace at once, no drain first.)
                     await end_group_and_escapers(
                         pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
                     )

@@ -344,3 +344,51 @@ async def test_a_command_path_a_killed_gives_its_escapers_the_stops_grace_at_onc
     (out,) = result
     assert out.exit_code == -signal.SIGTERM
     assert calls == [0.2]  # the stop's grace (it was the timeout's 2 s, after a 0.5 s drain)
+
+
+async def test_a_stopped_command_whose_shell_is_already_dead_gets_no_drain_before_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runner's interrupt came (stop_at set) after path A had killed the shell: the code
+    # took the normal exit's path, a drain (0.5 s, which an escaper holding the pipe uses
+    # up) before the stop's grace. The drain is made long here: taken, the test times out
+    # (in ~1 run of 3 without the fix: the shell's death and the stop race in the loop).
+    import time
+
+    monkeypatch.setattr(commands, "DRAIN_AFTER_EXIT_S", 15.0)
+    stop = trio.Event()
+    flag = tmp_path / "flag"
+    seen: list[tuple[int, bool]] = []
+    result: list[CommandOutcome] = []
+    escaper = f"setsid sh -c 'trap \"\" TERM; touch {flag}; while :; do sleep 0.05; done' & sleep 30"
+
+    async def go() -> None:
+        result.append(
+            await run_command(
+                escaper,
+                timeout_s=60,
+                max_output_bytes=1000,
+                interrupt=trio.CancelScope(),
+                on_group=lambda pgid, alive: seen.append((pgid, alive)),
+                stop=stop,
+                kill_grace_s=0.2,
+            )
+        )
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not flag.exists():
+                await trio.sleep(0.01)
+            shell = seen[0][0]
+            os.killpg(shell, signal.SIGTERM)  # path A, on the group of the command this test started
+            deadline = time.monotonic() + 10
+            # Dead, not yet seen by the command's wait (no yield to trio meanwhile):
+            while Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                assert time.monotonic() < deadline
+            stop.set()  # the runner's stop comes first
+            stopped_at = trio.current_time()
+    ended_in = trio.current_time() - stopped_at
+    (out,) = result
+    assert out.exit_code == -signal.SIGTERM and out.stop_at is not None
+    assert ended_in < 7.5  # the grace (0.2 s) and a kill: far below the 15 s drain

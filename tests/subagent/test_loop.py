@@ -143,3 +143,28 @@ async def test_a_deadline_during_the_model_turn_aborts_it(tmp_path: Path, autoju
         outcome = await loop.run()
         assert trio.current_time() == pytest.approx(5)
     assert outcome.status == RunStatus.CANCELLED and outcome.reason == "timeout"
+
+
+async def test_a_steer_is_not_applied_once_a_sigterm_came_as_the_step_began(tmp_path: Path) -> None:
+    # The step's start is emitted on the daemon's pipe, which a busy daemon can hold for
+    # half a second; a SIGTERM then, and the queued steer was applied (reported so) though
+    # no model turn carried it.
+    from subagent.events import EventKind
+    from subagent.steering import SteeringQueue
+
+    loop = make_loop(tmp_path, {"turns": [], "final": "done"})
+    steered: list[dict[str, Any]] = []
+    loop.steering = SteeringQueue(emit=lambda **kw: steered.append(kw))
+    loop.steering.push("also check the disk", 0)
+    emit = loop.emitter.emit
+
+    def emit_then_sigterm(kind: Any, **data: Any) -> None:
+        emit(kind, **data)
+        if kind == EventKind.STEP_STARTED:
+            loop.stop.note_signal()  # what the SIGTERM handler does, as the emit returns
+
+    loop.emitter.emit = emit_then_sigterm  # type: ignore[method-assign]
+    outcome = await loop.run()
+    assert outcome.status == RunStatus.CANCELLED
+    assert [s["state"] for s in steered] == ["queued"] and loop.steering.pending == ["also check the disk"]
+    assert not any(m["content"] == "also check the disk" for m in loop.messages if m["role"] == "user")
