@@ -66,6 +66,9 @@ class StopControl:
         there); the next check of the flag applies it as ``request("signal")``."""
         self._signalled = True
 
+    def _asked(self) -> bool:
+        return self.reason is not None or self._deferred is not None or self._signalled
+
     def _catch_up(self) -> None:
         if self._signalled and self.reason is None and not self._starting:
             self._apply("signal")
@@ -104,14 +107,16 @@ class StopControl:
                 self._model_scope.cancel(reason=f"stop ({reason}) aborts the model request")
 
     @contextmanager
-    def starting(self) -> Iterator[None]:
+    def starting(self) -> Iterator[Callable[[], bool]]:
         """A tool's start: the caller checks ``stopped`` and starts the tool inside; a stop
         asked in between is applied on the way out (the tool has started, or failed to).
-        Hold it for the start alone (a spawn), never for a wait."""
+        Hold it for the start alone (a spawn), never for a wait. It gives whether a stop
+        has been asked meanwhile (not yet applied): a command spawned but held at its gate
+        is then let go without running (``subagent.tools.commands``)."""
         self._catch_up()  # a SIGTERM that came before: the caller's check sees it
         self._starting += 1
         try:
-            yield
+            yield self._asked
         finally:
             self._starting -= 1
             deferred = self._deferred if not self._starting else None

@@ -28,7 +28,9 @@ from subagent.tools.commands import (
     _child_env,
     end_group_and_escapers,
     leader_ticks,
-    open_in_call,
+    let_go_unrun,
+    open_gate,
+    open_gated,
 )
 from subagent.tools.runfiles import open_regular
 
@@ -95,8 +97,9 @@ class BackgroundCommands:
         finally:
             self._finished.set()
 
-    async def start(self, command: str) -> str:
-        """Start a command in the background; returns the text the model sees."""
+    async def start(self, command: str, asked: Callable[[], bool] | None = None) -> str | None:
+        """Start a command in the background; returns the text the model sees, or None
+        when a stop was ``asked`` while it was spawned: it never ran (held at its gate)."""
         assert self._nursery is not None, "BackgroundCommands.run is not running"
         job_id = f"bg{next(self._seq)}"
         marker = f"{os.getpid()}-{job_id}"
@@ -117,19 +120,23 @@ class BackgroundCommands:
                 # the run dir, and a FIFO put in the log's place blocked the runner's open.
                 reader = os.open(f"/proc/self/fd/{log_file.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    proc, cgroup = await open_in_call(
-                        ["/bin/sh", "-c", command],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        env=_child_env(marker),
+                    proc, cgroup, gate = await open_gated(
+                        command, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(marker)
                     )
                 except BaseException:
                     os.close(reader)
                     raise
         except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return f"error: could not start the command: {type(exc).__name__}: {exc}"
-        job = _Job(job_id, command, proc.pid, log, proc, leader_ticks(proc.pid), reader=reader, temporary=temporary)
+        ticks = leader_ticks(proc.pid)
+        go = asked is None or not asked()
+        open_gate(gate, go)
+        if not go:
+            await let_go_unrun(proc, ticks, marker, cgroup)
+            os.close(reader)
+            log.unlink(missing_ok=True)  # (empty: nothing ran)
+            return None
+        job = _Job(job_id, command, proc.pid, log, proc, ticks, reader=reader, temporary=temporary)
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])
         self._nursery.start_soon(self._watch, job, marker, cgroup)

@@ -48,6 +48,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# How long a shell let go at its gate may take to exit before it is killed (seconds).
+GATE_EXIT_S: Final = 1.0
 # After the shell exits, how long a descendant holding the pipe may keep writing (seconds).
 DRAIN_AFTER_EXIT_S: Final = 0.5
 # After the group is gone, how long the last buffered output may take to drain (seconds).
@@ -214,6 +216,52 @@ async def open_in_call(argv: list[str], **options: Any) -> tuple[trio.Process, c
     return await trio.lowlevel.open_process(argv, start_new_session=True, **options), None
 
 
+# A command's shell first waits at a gate (a line on its stdin, written by the runner),
+# then runs the command with its stdin from /dev/null. A spawn takes tens of ms (a fork and
+# an exec, in a thread), and a stop that came meanwhile found the command running: it did
+# its work after the stop (27 of 150 stops in a probe). The runner opens the gate only if
+# no stop was asked by the time the spawn returned; else the shell exits, having run nothing.
+_GATED: Final = 'IFS= read -r _ || exit 125; exec </dev/null; exec /bin/sh -c "$0"'
+
+
+async def open_gated(command: str, **options: Any) -> tuple[trio.Process, callgroups.Slot | None, int]:
+    """``open_in_call`` of ``/bin/sh -c command``, held at its gate: the process, its cgroup,
+    and the gate's descriptor for ``open_gate``. Every command goes through it.
+
+    Raises:
+        OSError, ValueError: it could not be started (a NUL in it, a lone surrogate).
+    """
+    read_end, gate = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc, slot = await open_in_call(["/bin/sh", "-c", _GATED, command], stdin=read_end, **options)
+    except BaseException:
+        os.close(gate)
+        raise
+    finally:
+        os.close(read_end)
+    return proc, slot, gate
+
+
+def open_gate(gate: int, go: bool) -> None:
+    """Let the held command run (``go``), or let its shell exit without running it."""
+    try:
+        if go:
+            os.write(gate, b"\n")
+    except OSError:
+        pass  # its shell is gone already (killed as it started): nothing of it ran
+    finally:
+        os.close(gate)
+
+
+async def let_go_unrun(proc: trio.Process, ticks: int | None, marker: str, cgroup: callgroups.Slot | None) -> None:
+    """A command whose gate stayed shut: its shell exits at once; reap it, and end (and
+    confirm ended) whatever is in its group or cgroup. Shielded, bounded."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(GATE_EXIT_S):
+            await proc.wait()
+        await end_group_and_escapers(proc.pid, ticks, marker, grace_s=0.0, what="command group", cgroup=cgroup)
+
+
 def killed_by_signal(code: int | None) -> bool:
     """Did a command end by SIGTERM or SIGKILL (itself, or the child its shell waited for)?"""
     return code is not None and (code in (-signal.SIGTERM, -signal.SIGKILL) or code in SHELL_SIGNAL_EXITS)
@@ -243,7 +291,7 @@ async def run_command(
     kill_grace_s: float = COMMAND_KILL_GRACE_S,
     cwd: str | None = None,
     extra_env: Mapping[str, str] | None = None,
-    starting: AbstractContextManager[None] | None = None,
+    starting: AbstractContextManager[Callable[[], bool] | None] | None = None,
     on_output: Callable[[str, bool], None] | None = None,
 ) -> CommandOutcome:
     """Run one command to its end (or timeout, or interrupt) and report what happened.
@@ -254,7 +302,8 @@ async def run_command(
     like the interrupt, its group then getting ``kill_grace_s`` between SIGTERM and
     SIGKILL. ``on_group(pgid, alive)`` is called when the group appears and when it is
     gone. ``starting`` (``StopControl.starting``): held from the check of ``stop`` to the
-    spawn's end, so that a stop asked meanwhile finds the command started, not the reverse.
+    spawn's end; a stop asked meanwhile leaves the command at its gate: it never runs
+    (``not_started``).
     ``on_output(text, truncated)``: the output so far, reported from the stop on (at once,
     then every ``OUTPUT_REPORT_S``) while the command runs past it.
     """
@@ -264,22 +313,25 @@ async def run_command(
         env.update(extra_env)
     captured = bytearray()
     total = 0
-    with starting if starting is not None else nullcontext():
+    with starting if starting is not None else nullcontext() as asked:
         if stop is not None and stop.is_set():
             return CommandOutcome(None, None, "", False, not_started=True)
         try:
-            proc, cgroup = await open_in_call(
-                ["/bin/sh", "-c", command],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=cwd,
+            proc, cgroup, gate = await open_gated(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd
             )
         except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
         pgid = proc.pid
         ticks = leader_ticks(pgid)
+        go = not ((asked is not None and asked()) or (stop is not None and stop.is_set()))
+        open_gate(gate, go)
+        if not go:  # a stop came while it was spawned: it never ran
+            await let_go_unrun(proc, ticks, marker, cgroup)
+            assert proc.stdout is not None
+            with trio.CancelScope(shield=True):
+                await proc.stdout.aclose()
+            return CommandOutcome(None, None, "", False, not_started=True)
         on_group(pgid, True)
     assert proc.stdout is not None
     stdout = proc.stdout

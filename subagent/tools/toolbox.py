@@ -260,15 +260,15 @@ class ToolBox:
                 error="invalid_arguments: 'command' must be a non-empty string",
                 reason="invalid_arguments",
             )
-        with stop.starting():  # as a foreground command: no start once the stop is set
-            if stop.stopped.is_set():
-                return ToolOutcome(
-                    ToolCallState.NOT_STARTED,
-                    None,
-                    reason=REASON_STOPPED_BEFORE_START,
-                    stop_effect=StopEffect.STOPPED_BEFORE_START,
-                )
-            text = await self.background.start(command)
+        with stop.starting() as asked:  # as a foreground command: no start once the stop is set
+            text = None if stop.stopped.is_set() else await self.background.start(command, asked)
+        if text is None:
+            return ToolOutcome(
+                ToolCallState.NOT_STARTED,
+                None,
+                reason=REASON_STOPPED_BEFORE_START,
+                stop_effect=StopEffect.STOPPED_BEFORE_START,
+            )
         if text.startswith("error:"):
             return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
         return ToolOutcome(ToolCallState.SUCCEEDED, text)
