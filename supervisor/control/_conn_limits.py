@@ -10,6 +10,16 @@ closed, remembers when its peer last sent a byte (for idle timeouts), and can be
 by its handler at once (a refused handshake is not left open for the client to keep).
 A connection a run's process made (``_peer_cgroup.RunPeers``) is closed at once and takes
 no slot: every local client is 127.0.0.1, and a run must not be able to fill its slots.
+
+A connection still in its handshake (it has not shown the token yet) holds its slot only
+until a newer one needs it: when a peer's slots or all of them are taken, the oldest such
+connection is closed (evicted) to make room for the newcomer, instead of refusing the
+newcomer. Otherwise any local process, with no token, could keep all 128 slots every
+local client shares by opening them and sending nothing (each held for the handshake's
+5 s): ``agentd cancel`` got "at its connection limit". Now such a flood only churns, and a
+real client's handshake (a few ms) gets through unless the flood opens more than
+``per_peer`` connections in that time. An authenticated connection (``authenticated``) is
+never evicted: when every slot is one, the newcomer is refused as before.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import logging
 import resource
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, final
 
@@ -51,6 +62,8 @@ class Limits:
     idle_s: float = 300.0
     # Open connections (handshaking or authenticated) from one peer address. Every local
     # client is 127.0.0.1, so on loopback this is the cap for all local users together.
+    # A newcomer beyond it (or beyond ``total``) evicts the oldest connection still in
+    # its handshake; it is refused only when every slot is an authenticated connection.
     per_peer: int = 128
     # Open connections in all (further capped by RLIMIT_NOFILE, see fd_connection_cap).
     total: int = 1024
@@ -93,7 +106,11 @@ current_stream: contextvars.ContextVar[GatedStream | None] = contextvars.Context
 
 @final
 class GatedStream(trio.abc.HalfCloseableStream):
-    """An accepted TCP connection that holds one of its gate's slots until closed."""
+    """An accepted TCP connection that holds one of its gate's slots until closed.
+
+    It may be evicted (closed by the gate for a newer connection) until its handler calls
+    ``authenticated``; ``evict_scope``, set by the task that serves it, is cancelled then.
+    """
 
     def __init__(self, stream: trio.SocketStream, peer: str, gate: Gate) -> None:
         self._stream = stream
@@ -101,6 +118,20 @@ class GatedStream(trio.abc.HalfCloseableStream):
         self._gate = gate
         self._released = False
         self.last_received = trio.current_time()
+        self.evicted = False
+        self.evict_scope: trio.CancelScope | None = None
+
+    def authenticated(self) -> None:
+        """The handshake showed the token (or a session): no newcomer evicts it now."""
+        self._gate.authenticated(self)
+
+    def evict(self) -> None:
+        """Close now, from another task: the slot is free at once, and so is the fd."""
+        self.evicted = True
+        self._release()
+        if self.evict_scope is not None:
+            self.evict_scope.cancel(reason="evicted for a newer connection")
+        self._stream.socket.close()  # its reader, if any, gets ClosedResourceError
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self._stream.send_all(data)
@@ -133,12 +164,13 @@ class GatedStream(trio.abc.HalfCloseableStream):
     def _release(self) -> None:
         if not self._released:
             self._released = True
-            self._gate.release(self.peer)
+            self._gate.release(self)
 
 
 @final
 class Gate(trio.abc.Listener[trio.abc.Stream]):
-    """A listener that admits at most ``per_peer`` connections per address, ``total`` in all."""
+    """A listener that admits at most ``per_peer`` connections per address, ``total`` in
+    all; a newcomer beyond either evicts the oldest connection still in its handshake."""
 
     def __init__(self, inner: trio.SocketListener, *, per_peer: int, total: int, runs: RunPeers | None = None) -> None:
         self.inner = inner
@@ -146,8 +178,12 @@ class Gate(trio.abc.Listener[trio.abc.Stream]):
         self.per_peer = per_peer
         self.total = total
         self.open: Counter[str] = Counter()
+        # Connections not authenticated yet, oldest first (a dict keeps insertion order).
+        self.pending: dict[GatedStream, None] = {}
         self.refused = 0
+        self.evicted = 0
         self._last_log = -float("inf")
+        self._last_evict_log = -float("inf")
 
     @property
     def socket(self) -> trio.socket.SocketType:
@@ -167,20 +203,57 @@ class Gate(trio.abc.Listener[trio.abc.Stream]):
                 continue
             if await refuse_a_runs(stream, self.runs, "control"):
                 continue  # a run's: no slot, no handshake (counted and logged by ``runs``)
-            if self.open[peer] >= self.per_peer or self.count >= self.total:
+            if not self._make_room(peer):
                 self.refused += 1
                 self._log_refusal(peer)
                 await trio.aclose_forcefully(stream)
                 continue
             self.open[peer] += 1
             gated = GatedStream(stream, peer, self)
+            self.pending[gated] = None
             current_stream.set(gated)
             return gated
 
-    def release(self, peer: str) -> None:
+    def _make_room(self, peer: str) -> bool:
+        """Whether a new connection from ``peer`` fits, once the oldest handshaking one
+        (of ``peer``, or of anyone for the total) is evicted if need be."""
+        if self.open[peer] >= self.per_peer and not self._evict_oldest(lambda s: s.peer == peer):
+            return False
+        if self.count >= self.total and not self._evict_oldest(lambda s: True):
+            return False
+        return True
+
+    def _evict_oldest(self, which: Callable[[GatedStream], bool]) -> bool:
+        for stream in self.pending:
+            if which(stream):
+                stream.evict()  # releases it: out of ``pending`` and ``open``
+                self.evicted += 1
+                self._log_eviction(stream.peer)
+                return True
+        return False
+
+    def authenticated(self, stream: GatedStream) -> None:
+        self.pending.pop(stream, None)
+
+    def release(self, stream: GatedStream) -> None:
+        self.pending.pop(stream, None)
+        peer = stream.peer
         self.open[peer] -= 1
         if self.open[peer] <= 0:
             del self.open[peer]
+
+    def _log_eviction(self, peer: str) -> None:
+        now = time.monotonic()
+        if now - self._last_evict_log >= REFUSAL_LOG_INTERVAL_S:
+            self._last_evict_log = now
+            logger.warning(
+                "control: at the connection limit (%d from %s, %d in all); closed the oldest "
+                "connection still in its handshake for a new one; %d closed so far",
+                self.open[peer],
+                peer,
+                self.count,
+                self.evicted,
+            )
 
     def _log_refusal(self, peer: str) -> None:
         now = time.monotonic()

@@ -12,7 +12,8 @@ error reply and a handler's bug an ``internal`` one: nothing an authenticated cl
 ends its connection or the daemon (only a frame above the hard cap, which trio-websocket
 closes with 1009). Every hold a client can take is bounded (``_conn_limits.Limits``):
 connections per peer and in all (a connection a run's process made is never admitted,
-``_peer_cgroup``), the handshake, idleness, requests in flight,
+``_peer_cgroup``; at the limit the oldest one still in its handshake is closed for the
+newcomer, ``_conn_limits.Gate``), the handshake, idleness, requests in flight,
 subscriptions, bytes buffered per subscriber, replay pages in bytes. A connection that
 goes away ends its subscriptions and nothing else: runs are stopped only by an explicit
 ``cancel``, and a spawn or cancel already in flight completes.
@@ -133,6 +134,17 @@ class _ContainedServer(WebSocketServer):
 
     async def _handle_connection(self, stream: trio.abc.Stream) -> None:
         try:
+            if isinstance(stream, GatedStream):
+                # Evicted by the gate while still in its handshake (a newer connection
+                # needed the slot): the handshake is cancelled, the socket closed.
+                if stream.evicted:
+                    await trio.aclose_forcefully(stream)
+                    return
+                with trio.CancelScope() as stream.evict_scope:
+                    await super()._handle_connection(stream)
+                if stream.evicted:
+                    await trio.aclose_forcefully(stream)
+                return
             await super()._handle_connection(stream)
         except Exception as exc:  # (Cancelled, KeyboardInterrupt: not ours to keep)
             await trio.aclose_forcefully(stream)
@@ -349,7 +361,10 @@ class _Server:
                 session_ok=self.session_ok,
                 subprotocols=request.proposed_subprotocols,
             )
-            if refusal is not None:
+            if refusal is None:
+                if stream is not None:
+                    stream.authenticated()  # no newcomer evicts it now
+            else:
                 status, reason = refusal
                 self._log_refusal(peer, reason)
                 headers = [(b"WWW-Authenticate", b"Bearer")] if status == 401 else []
@@ -413,6 +428,8 @@ class _Server:
                 "total": self.gate.total,
                 "open": self.gate.count,
                 "refused": self.gate.refused,
+                # Connections still in their handshake closed for newer ones at the limit.
+                "evicted": self.gate.evicted,
                 # Connections made by a run's processes, closed at once (both listeners).
                 "refused_runs": self.gate.runs.refused if self.gate.runs is not None else None,
             }

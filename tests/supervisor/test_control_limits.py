@@ -8,6 +8,7 @@ replies in bytes. What is over a limit is refused or closed; nothing else is tou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -89,25 +90,75 @@ async def upgrade_status(srv: Server) -> int | None:
     return int(data.split(b" ", 2)[1])
 
 
-async def test_connections_above_the_per_peer_limit_are_closed_and_the_others_served(
+async def test_at_the_per_peer_limit_the_oldest_handshaking_connection_makes_room(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     srv = await start_server(nursery, tmp_path, limits=control.Limits(per_peer=3, handshake_s=600))
-    held = []
     async with connect(srv) as peer:
         held = [await trio.open_tcp_stream("127.0.0.1", srv.port) for _ in range(2)]  # 3 with peer
+        # A fourth: the oldest silent one is closed for it, not the newcomer (nor the
+        # authenticated one).
+        extra = await trio.open_tcp_stream("127.0.0.1", srv.port)
+        assert await read_until_closed(held[0]) == b""
+        info = (await peer.ok("ping"))["connection_limits"]
+        assert info["evicted"] == 1 and info["refused"] == 0 and info["open"] == 3 and info["per_peer"] == 3
+        # The newest silent one is still open; an authenticated newcomer evicts the oldest
+        # (held[1]) and is served.
+        status = await upgrade_status(srv)
+        assert status == 101
+        assert await read_until_closed(held[1]) == b""
+        for s in [*held, extra]:
+            await s.aclose()
+
+
+async def test_when_every_slot_is_authenticated_a_newcomer_is_refused_and_none_evicted(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(per_peer=3, handshake_s=600))
+    async with connect(srv) as a, connect(srv) as b, connect(srv) as c:
         extra = await trio.open_tcp_stream("127.0.0.1", srv.port)
         assert await read_until_closed(extra) == b""  # closed before a byte was read
         await extra.aclose()
-        info = (await peer.ok("ping"))["connection_limits"]
-        assert info["refused"] >= 1 and info["open"] == 3 and info["per_peer"] == 3
-    # The websocket's slot comes back once it closed; the silent ones still hold theirs.
-    with trio.fail_after(WAIT_S):
-        while (status := await upgrade_status(srv)) is None:
-            await trio.sleep(0.02)
-    assert status == 101
-    for s in held:
-        await s.aclose()
+        for peer in (a, b):
+            await peer.ok("ping")
+        info = (await c.ok("ping"))["connection_limits"]
+        assert info["refused"] >= 1 and info["evicted"] == 0 and info["open"] == 3
+
+
+async def test_a_flood_of_silent_connections_without_the_token_does_not_lock_clients_out(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The probe's attack: a local process with no token fills every slot with connections
+    # that send nothing, and reopens each as soon as it is closed. Handshakes used to hold
+    # their slots for handshake_s (here far away) and every newcomer was refused.
+    slots = 32
+    srv = await start_server(nursery, tmp_path, limits=control.Limits(per_peer=slots, handshake_s=600))
+    async with connect(srv) as held:  # authenticated before the flood: never evicted
+        reopened = 0
+        flooding = trio.Event()
+
+        async def silent() -> None:
+            nonlocal reopened
+            while True:
+                stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
+                async with stream:
+                    if reopened >= slots:
+                        flooding.set()
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await stream.receive_some()  # until the server closes it
+                reopened += 1
+
+        async with trio.open_nursery() as flood:
+            for _ in range(slots):
+                flood.start_soon(silent)
+            with trio.fail_after(WAIT_S):
+                await flooding.wait()  # the slots are full and churning
+            for _ in range(5):
+                async with connect(srv) as peer:  # a new client's handshake gets through
+                    assert (await peer.ok("ping"))["pong"] is True
+            info = (await held.ok("ping"))["connection_limits"]
+            flood.cancel_scope.cancel()
+        assert info["evicted"] >= slots and info["refused"] == 0, info
 
 
 def test_the_connection_total_is_capped_by_the_fd_limit() -> None:
