@@ -128,34 +128,94 @@ async def test_a_client_that_sends_nothing_is_dropped_at_the_request_timeout(
             assert await stream.receive_some() == b""  # closed by the server
 
 
-async def test_connections_beyond_the_limit_are_closed_at_once_and_logged_once_an_interval(
-    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+async def start_small(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, limit: int) -> int:
+    """A second server with ``MAX_CONNECTIONS`` = ``limit`` (read at serve time): its port."""
+    monkeypatch.setattr(_server, "MAX_CONNECTIONS", limit)
+    port: int = await nursery.start(
+        partial(serve_dashboard, Config(state_dir=Path("/nonexistent")), Sessions(TOKEN), control_port=1)
+    )
+    return port
+
+
+def get(port: int) -> bytes:
+    return f"GET /static/app.css HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+
+
+async def test_beyond_the_limit_a_newcomer_closes_the_connection_waiting_longest_logged_once_an_interval(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_server, "MAX_CONNECTIONS", 2)
-    # The limiter is built at serve time: start a second server with the patched limit.
-    async with trio.open_nursery() as nursery:
-        sessions = Sessions(TOKEN)
-        port = await nursery.start(
-            partial(serve_dashboard, Config(state_dir=Path("/nonexistent")), sessions, control_port=1)
-        )
-        held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
-        # Make sure both are being served (a request each) before the third comes.
-        for s in held:
-            await s.send_all(f"GET /static/app.css HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
-            status, _, _ = await read_response(s, bytearray())
-            assert status == 200
-        caplog.set_level(logging.WARNING, logger=_server.logger.name)
-        extra = []
-        for _ in range(5):  # a client in a loop: each closed, one log line for them all
-            third = await trio.open_tcp_stream("127.0.0.1", port)
-            extra.append(third)
-            with trio.fail_after(WAIT_S):
-                assert await third.receive_some() == b""
-        refusals = [r for r in caplog.records if "connections already" in r.getMessage()]
-        assert len(refusals) == 1, [r.getMessage() for r in refusals]
-        for s in [*held, *extra]:
-            await s.aclose()
-        nursery.cancel_scope.cancel()
+    port = await start_small(nursery, monkeypatch, 2)
+    held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+    for s in held:  # each answered once, then idle (kept alive): held[0] has waited longest
+        await s.send_all(get(port))
+        assert (await read_response(s, bytearray()))[0] == 200
+    caplog.set_level(logging.WARNING, logger=_server.logger.name)
+    extra = []
+    for _ in range(5):  # a client in a loop: each served, one log line for them all
+        newcomer = await trio.open_tcp_stream("127.0.0.1", port)
+        extra.append(newcomer)
+        await newcomer.send_all(get(port))
+        assert (await read_response(newcomer, bytearray()))[0] == 200
+    for s in held:  # closed, oldest first, for the newcomers
+        with trio.fail_after(WAIT_S):
+            assert await s.receive_some() == b""
+    lines = [r.getMessage() for r in caplog.records if "connections already" in r.getMessage()]
+    assert len(lines) == 1 and "waiting longest" in lines[0], lines
+    for s in [*held, *extra]:
+        await s.aclose()
+
+
+async def test_a_flood_of_slow_requests_without_a_session_does_not_lock_clients_out(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The probe's attack: every slot holds a request that never finishes arriving (a header
+    # line now and then keeps it under REQUEST_TIMEOUT_S), each reopened once closed. Every
+    # other client used to be closed at once.
+    limit = 16
+    port = await start_small(nursery, monkeypatch, limit)
+    opened = 0
+    flooding = trio.Event()
+
+    async def slow() -> None:
+        nonlocal opened
+        while True:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                try:
+                    await stream.send_all(b"GET / HTTP/1.1\r\n")
+                    opened += 1
+                    if opened >= limit:
+                        flooding.set()
+                    await stream.receive_some()  # until the server closes it
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+    async with trio.open_nursery() as flood:
+        for _ in range(limit):
+            flood.start_soon(slow)
+        with trio.fail_after(WAIT_S):
+            await flooding.wait()  # every slot taken (a newcomer is accepted after them)
+        for _ in range(5):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(get(port))
+                assert (await read_response(stream, bytearray()))[0] == 200
+        flood.cancel_scope.cancel()
+
+
+async def test_a_connection_being_answered_is_never_closed_for_a_newcomer() -> None:
+    streams = [trio.SocketStream(trio.socket.socket()) for _ in range(4)]
+    slots = _server._Slots(2)
+    a, b = slots.take(streams[0]), slots.take(streams[1])
+    assert a is not None and b is not None
+    a.serving()
+    b.serving()
+    assert slots.take(streams[2]) is None  # both being answered: the newcomer is refused
+    b.waiting()
+    c = slots.take(streams[3])
+    assert c is not None and b.evicted and not a.evicted and slots.open == {a, c}
+    for stream in streams:
+        stream.socket.close()
 
 
 async def test_a_daemon_bound_by_name_publishes_the_address_it_bound_not_the_name(tmp_path: Path) -> None:

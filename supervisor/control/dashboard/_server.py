@@ -6,6 +6,13 @@ control socket: connections at once (a connection a run's process made is closed
 counts, ``_peer_cgroup``), request head and body size, a deadline for each
 request to arrive and for each response to be taken. A bad or slow client gets an error or
 a closed connection; nothing a client sends ends the server or the daemon.
+
+At ``MAX_CONNECTIONS`` a new connection closes the one that has waited longest for its
+next request (``_Slots``), not itself: 64 sockets that each sent a request line and then a
+header every few seconds (no token needed) kept every slot for ``REQUEST_TIMEOUT_S`` at a
+time, and every other client was reset. Now such a flood churns, and a real request (a
+few ms) gets through. A connection whose response is being made or sent is never closed
+for a newcomer; when all are, the newcomer is closed as before.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ __all__ = ["serve_dashboard", "load_static", "dashboard_url"]
 
 logger = logging.getLogger(__name__)
 
-# Connections served at once; more are closed at once (a browser opens about six).
+# Connections served at once (a browser opens about six); a newcomer beyond them closes
+# the one waiting longest for a request, or is closed at once when none waits.
 MAX_CONNECTIONS: Final = 64
 # Largest request head (request line + headers), bytes.
 MAX_HEAD_BYTES: Final = 16 * 1024
@@ -71,6 +79,57 @@ def dashboard_url(host: str, port: int) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}/"
+
+
+class _Slot:
+    """One connection's slot: evictable while it waits for a request (``waiting``)."""
+
+    def __init__(self, slots: _Slots, stream: trio.SocketStream) -> None:
+        self._slots = slots
+        self.stream = stream
+        self.scope = trio.CancelScope()
+        self.evicted = False
+
+    def waiting(self) -> None:
+        """From now until ``serving``, a newcomer at the limit may close this one."""
+        self._slots.waiting.pop(self, None)
+        self._slots.waiting[self] = None  # the newest waiter: evicted last
+
+    def serving(self) -> None:
+        self._slots.waiting.pop(self, None)
+
+    def evict(self) -> None:
+        self.evicted = True
+        self._slots.release(self)
+        self.scope.cancel(reason="evicted for a newer connection")
+        self.stream.socket.close()  # the fd is free now, not when the task gets to it
+
+
+class _Slots:
+    """At most ``capacity`` connections; a newcomer beyond them evicts the connection that
+    has waited longest for its next request (none is evicted while being answered)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.open: set[_Slot] = set()
+        self.waiting: dict[_Slot, None] = {}  # oldest first
+        self.evicted = 0
+
+    def take(self, stream: trio.SocketStream) -> _Slot | None:
+        if len(self.open) >= self.capacity:
+            oldest = next(iter(self.waiting), None)
+            if oldest is None:
+                return None
+            oldest.evict()
+            self.evicted += 1
+        slot = _Slot(self, stream)
+        self.open.add(slot)
+        slot.waiting()
+        return slot
+
+    def release(self, slot: _Slot) -> None:
+        self.open.discard(slot)
+        self.waiting.pop(slot, None)
 
 
 class _Closed(Exception):
@@ -144,13 +203,19 @@ async def _send(
         raise _Closed()
 
 
-async def _serve_connection(app: DashboardApp, stream: trio.SocketStream) -> None:
+async def _serve_connection(app: DashboardApp, stream: trio.SocketStream, slot: _Slot | None = None) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     try:
         while True:
             with trio.move_on_after(REQUEST_TIMEOUT_S):
                 try:
-                    got = await _read_request(conn, stream)
+                    if slot is not None:
+                        slot.waiting()
+                    try:
+                        got = await _read_request(conn, stream)
+                    finally:
+                        if slot is not None:
+                            slot.serving()
                 except h11.RemoteProtocolError as exc:
                     if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                         status = exc.error_status_hint
@@ -218,19 +283,19 @@ async def serve_dashboard(
     if static is None:
         static = await trio.to_thread.run_sync(load_static)
     app = DashboardApp(sessions, static, control_port=control_port)
-    limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
-    # Refusals come in floods (a client in a loop): one line per interval, like the
-    # control socket's, not one per connection.
+    slots = _Slots(MAX_CONNECTIONS)
+    # Refusals and evictions come in floods (a client in a loop): one line per interval,
+    # like the control socket's, not one per connection.
     refused = 0
-    last_log = -math.inf
+    last_log = last_evict_log = -math.inf
 
     async def handler(stream: trio.SocketStream) -> None:
-        nonlocal refused, last_log
-        try:
-            limiter.acquire_nowait()
-        except trio.WouldBlock:
+        nonlocal refused, last_log, last_evict_log
+        evicted = slots.evicted
+        slot = slots.take(stream)
+        now = time.monotonic()
+        if slot is None:
             refused += 1
-            now = time.monotonic()
             if now - last_log >= REFUSAL_LOG_INTERVAL_S:
                 last_log = now
                 logger.warning(
@@ -240,12 +305,24 @@ async def serve_dashboard(
                 )
             await stream.aclose()
             return
+        if slots.evicted > evicted and now - last_evict_log >= REFUSAL_LOG_INTERVAL_S:
+            last_evict_log = now
+            logger.warning(
+                "dashboard: %d connections already; closed the one waiting longest for a "
+                "request for a new one (%d closed so far)",
+                MAX_CONNECTIONS,
+                slots.evicted,
+            )
         try:
-            await _serve_connection(app, stream)
+            with slot.scope:
+                await _serve_connection(app, stream, slot)
         except Exception:
-            logger.exception("dashboard: a connection failed")
+            if not slot.evicted:
+                logger.exception("dashboard: a connection failed")
         finally:
-            limiter.release()
+            slots.release(slot)
+            if slot.evicted:
+                await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:
         served: trio.abc.Listener[trio.SocketStream] = listener
