@@ -21,6 +21,7 @@ each, the error codes): splitting it would scatter a contract clients read as a 
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import re
@@ -88,6 +89,9 @@ MAX_CANCEL_RUN_IDS: Final = 10_000
 # Containers nested deeper than this (anywhere in a message) are refused: every later
 # encoder (the reply, the journal, the runner's spec) then stays far from the recursion limit.
 MAX_DEPTH: Final = 64
+# Objects and arrays in one message (outside its strings), counted before it is parsed:
+# parsing a megabyte of brackets (~330k empty arrays) took the daemon's thread ~0.1 s.
+MAX_CONTAINERS: Final = 100_000
 # Integers outside a signed 64-bit range are refused: SQLite, C and float conversions
 # downstream raise OverflowError on them.
 MAX_INT: Final = 2**63 - 1
@@ -395,6 +399,12 @@ def decode_request(message: str | bytes, *, max_bytes: int) -> Request | BadRequ
         )
     try:
         text = message.decode("utf-8") if isinstance(message, bytes) else message
+        shape = _brackets(text) if text.count("{") + text.count("[") > MAX_DEPTH else b""
+        if (containers := shape.count(b"(")) > MAX_CONTAINERS:
+            raise _Bad(
+                ErrorCode.BAD_ARGS,
+                f"expected at most {MAX_CONTAINERS} objects and arrays in a message, got {containers}",
+            )
         obj = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
     except _Bad as exc:
         return BadRequest(sniff_id(message), exc.code, exc.message)
@@ -404,7 +414,7 @@ def decode_request(message: str | bytes, *, max_bytes: int) -> Request | BadRequ
         return BadRequest(None, ErrorCode.BAD_JSON, "expected a json object, got json nested too deep")
     if not isinstance(obj, dict):
         return BadRequest(None, ErrorCode.BAD_MESSAGE, f"expected a json object, got {_kind(obj)}")
-    problem = _unstorable(obj, text)
+    problem = _unstorable(obj, text, deep=bool(shape) and _too_deep(shape))
     if problem is not None:
         return BadRequest(_safe_id(obj.get("id")), ErrorCode.BAD_ARGS, problem)
     rid = obj.get("id")
@@ -472,14 +482,14 @@ def _encodable(s: str) -> bool:
 _SURROGATE_ESCAPE: Final = r"\\u[dD][89a-fA-F]"
 
 
-def _unstorable(obj: dict[str, Any], text: str) -> str | None:
-    """Why a decoded message cannot be served safely: too deep, or a lone surrogate.
+def _unstorable(obj: dict[str, Any], text: str, *, deep: bool) -> str | None:
+    """Why a decoded message cannot be served safely: too deep (``deep``, ``_too_deep`` of
+    its text), or a lone surrogate.
 
     Iterative (it must not recurse on what it checks), and only walked when the text could
-    hold either problem: enough brackets for the depth, or a surrogate escape (text from a
-    websocket is valid UTF-8, so a surrogate can only come from a ``\\u`` escape).
+    hold either problem: too deep, or a surrogate escape (text from a websocket is valid
+    UTF-8, so a surrogate can only come from a ``\\u`` escape).
     """
-    deep = text.count("{") + text.count("[") > MAX_DEPTH and _too_deep(text)
     surrogates = not text.isascii() and not _encodable(text) or re.search(_SURROGATE_ESCAPE, text) is not None
     if not deep and not (surrogates and _has_surrogate(obj)):
         return None
@@ -505,20 +515,34 @@ def _unstorable(obj: dict[str, Any], text: str) -> str | None:
     return None
 
 
-_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_INNERMOST: Final = re.compile(r"[\[{][^\[\]{}]*[\]}]")
+_JSON_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Every byte but a bracket is deleted, and the brackets become ( and ).
+_BRACKETS: Final = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKETS: Final = bytes(c for c in range(256) if c not in b"[]{}")
 
 
-def _too_deep(text: str) -> bool:
-    """Is any container of this (valid) JSON nested beyond ``MAX_DEPTH``? In C, not in a
-    Python loop over a hundred thousand nodes: without its strings, each round removes
-    the innermost containers; what is left after ``MAX_DEPTH`` rounds is deeper."""
-    rest = _JSON_STRING.sub("", text)
-    for _ in range(MAX_DEPTH):
-        rest, n = _INNERMOST.subn("", rest)
-        if n == 0:
-            return False
-    return "{" in rest or "[" in rest
+def _brackets(text: str) -> bytes:
+    """The brackets of this JSON text outside its strings, each opening one ``(`` and each
+    closing one ``)``: the shape of its objects and arrays. All in C: ~4 ms a megabyte."""
+    data = _JSON_STRING.sub(b"", text.encode("utf-8", "surrogatepass"))
+    return data.translate(_BRACKETS, _NOT_BRACKETS)
+
+
+@functools.cache
+def _nested_at_most(depth: int) -> re.Pattern[bytes]:
+    """Matches a run of balanced ``(...)`` groups nested at most ``depth`` deep. Its
+    repetitions are possessive: nothing is tried twice, one pass over the text."""
+    pattern = b""
+    for _ in range(depth):
+        pattern = rb"(?:\(" + pattern + rb"\))*+"
+    return re.compile(pattern)
+
+
+def _too_deep(shape: bytes) -> bool:
+    """Is any container of this (valid) JSON, as ``_brackets`` gives it, nested beyond
+    ``MAX_DEPTH``? One pass of the regex engine, in C (it was ``MAX_DEPTH`` passes, each
+    removing the innermost containers: ~0.6 s for a megabyte of brackets 64 deep)."""
+    return _nested_at_most(MAX_DEPTH).fullmatch(shape) is None
 
 
 def _has_surrogate(obj: dict[str, Any]) -> bool:

@@ -31,6 +31,7 @@ replay and gap filling, limits); the access checks and limits' bookkeeping are e
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -105,6 +106,11 @@ EVENT_TEXTS_CACHED: Final = 512
 # row without a new event before the subscription ends with the run's current state.
 MAX_EMPTY_REOPENS: Final = 3
 RECEIVE_BYTES: Final = 64 * 1024
+# A message larger than this is decoded and checked in a worker thread (one at a time,
+# ``_Server.decoding``): a megabyte of small integers or containers took the event loop
+# ~0.1 s (a megabyte of nested brackets ~1 s, before the checks were made linear), and
+# four clients sending such messages made another's ``status`` take 6-14 s.
+DECODE_IN_THREAD_CHARS: Final = 64 * 1024
 # The subprotocol the dashboard's page offers (``dashboard._sessions.SUBPROTOCOL``).
 DASHBOARD_SUBPROTOCOL: Final = "agentd-dashboard"
 # The most a request that waits for a stop adds to the grace (the run manager's and the
@@ -330,6 +336,9 @@ class _Server:
         self.port = 0
         self.connections = 0
         self.gate: Gate | None = None
+        # Large messages are decoded in a thread, one at a time for all connections: the
+        # decoder holds the GIL, and the event loop gets it back between two of them.
+        self.decoding = trio.CapacityLimiter(1)
 
     _refusals_unlogged = 0
     _last_refusal_log = -float("inf")
@@ -501,7 +510,15 @@ class _Connection:
                 message = await self.ws.get_message()
             except ConnectionClosed:
                 return
-            req = protocol.decode_request(message, max_bytes=self.max_bytes)
+            if len(message) > DECODE_IN_THREAD_CHARS:
+                # Awaited here: this connection's messages are still taken in order (the
+                # other connections are served meanwhile).
+                req = await trio.to_thread.run_sync(
+                    functools.partial(protocol.decode_request, message, max_bytes=self.max_bytes),
+                    limiter=self.server.decoding,
+                )
+            else:
+                req = protocol.decode_request(message, max_bytes=self.max_bytes)
             del message
             try:
                 if isinstance(req, BadRequest):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed
 
+from supervisor import protocol
 from supervisor.control import server as control
 from supervisor.control._conn_limits import fd_connection_cap
 from tests.supervisor.fake_backend import FakeBackend
@@ -266,3 +268,33 @@ async def test_a_backends_short_pages_are_read_on_until_an_empty_one(nursery: tr
         assert seqs == list(range(1, 23)) and end["state"] == "completed"
         page = await peer.ok("events", run_id=run, after_seq=0, limit=1000)
         assert len(page["events"]) == 3 and page["more"] is True
+
+
+async def test_a_large_message_is_decoded_off_the_event_loop_and_the_others_are_served_meanwhile(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A megabyte of nested brackets took ~1 s to check on the event loop, and four clients
+    # sending such messages made another's status take 6-14 s. Here the decoding of the
+    # large message waits until another connection's ping has been answered: it can only
+    # be if the event loop goes on while that message is decoded.
+    srv = await start_server(nursery, tmp_path)
+    started, others_served = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real = protocol.decode_request
+
+    def decode(message: str | bytes, *, max_bytes: int) -> protocol.Request | protocol.BadRequest:
+        if len(message) > control.DECODE_IN_THREAD_CHARS:
+            started.set()
+            waited.append(others_served.wait(WAIT_S))
+        return real(message, max_bytes=max_bytes)
+
+    monkeypatch.setattr(protocol, "decode_request", decode)
+    async with connect(srv) as big, connect(srv) as other:
+        pad = "x" * (control.DECODE_IN_THREAD_CHARS + 1)
+        await big.send({"id": 1, "op": "ping", "pad": pad})
+        await big.send({"id": 2, "op": "ping"})  # taken after the large one, as ever
+        assert await trio.to_thread.run_sync(started.wait, WAIT_S)
+        assert (await other.ok("ping"))["pong"] is True
+        others_served.set()
+        assert [(await big.recv())["id"] for _ in range(2)] == [1, 2]
+    assert waited == [True]
