@@ -415,14 +415,19 @@ async def run_command(
                     await stdout.aclose()
                 on_group(pgid, False)
     timed_out = timer.cancelled_caught
+    # A shell that exited (not killed by a signal: it finished, or answered the SIGTERM
+    # with an exit of its own) was not cut short by the interrupt: the same outcome, a
+    # command done as the stop came, was "succeeded" or "interrupted" by whether the loop
+    # saw its exit or the stop first.
+    ended_by_itself = proc.returncode is not None and not killed_by_signal(proc.returncode)
     return CommandOutcome(
         pid=pgid,
         exit_code=proc.returncode,
         output=captured.decode("utf-8", errors="replace"),
         truncated=total > len(captured),
         timed_out=timed_out,
-        interrupted=interrupt.cancelled_caught,
-        by_stop=stop_at is not None and interrupt.cancelled_caught,
+        interrupted=interrupt.cancelled_caught and not ended_by_itself,
+        by_stop=stop_at is not None and interrupt.cancelled_caught and not ended_by_itself,
         stop_at=stop_at,
         ended_at=ended_at,
     )
