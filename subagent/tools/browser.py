@@ -19,6 +19,10 @@ Invariants: stdlib only at import (the daemon checks a spec's browser at spawn t
 through ``subagent.presets``, to reject a run whose browser cannot start); a missing piece is a ``BrowserSetupError`` naming what
 is missing and what to install; nothing here starts a process, and only
 ``end_browser_processes`` sends signals.
+
+Size: everything this module knows is the one browser a run has (its command line, its
+files, its profile's preparation for a session, its teardown): the facts of
+``docs/dev/BROWSER.md``, each in the one place that acts on it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ node-local state dir, restarts it if it exits on its own, and hands a run's spec
 on the front's behalf. That hand-off is idempotent per fleet run id (a node-local map in
 SQLite): a front that restarts mid-spawn asks again and gets the same node run, never a
 second one. ``fleet_up``/``fleet_down`` are the driver side (``agentd fleet up/down``).
+
+Size: the agent's two jobs share one actor's state and are kept together: the daemon it
+supervises, and the hand-off to that daemon (``HandOffs``: a spawn in flight is reserved,
+a stalled daemon's answer is "unknown" and awaited, a lost answer is read back from the
+journal), which is most of the length and is what must not be split from the spawn map.
 """
 
 from __future__ import annotations

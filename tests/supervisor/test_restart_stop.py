@@ -146,13 +146,17 @@ async def test_a_timeout_is_a_wall_clock_deadline_that_a_restart_does_not_extend
 
 
 async def wait_call_running(c: Client, run_id: str, call_id: str) -> None:
-    """Until the run's tool call ``call_id`` is journaled running."""
+    """Until the run's command call ``call_id`` is journaled running and its command's
+    group alive: the command has passed its gate (a stop before that leaves it unrun)."""
     await c.call("subscribe", run_id=run_id, after_seq=0)
+    running = False
     while True:
         msg = json.loads(await c.ws.get_message())
         if msg.get("op") == "event" and msg["run_id"] == run_id and msg["kind"] == "tool_call":
             record = msg["data"]["record"]
-            if (record["id"], record["state"]) == (call_id, "running"):
+            running = running or (record["id"], record["state"]) == (call_id, "running")
+        elif running and msg.get("op") == "event" and msg["run_id"] == run_id and msg["kind"] == "process_group":
+            if msg["data"]["kind"] == "command" and msg["data"]["alive"] is True:
                 await c.call("unsubscribe", sub=msg["sub"])
                 return
         assert msg.get("op") != "end", f"run {run_id} ended before {call_id} ran"
