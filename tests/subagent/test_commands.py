@@ -321,6 +321,46 @@ async def test_a_background_command_never_starts_once_the_stop_is_set(
     assert not list(tmp_path.glob("command-*.log"))  # its log went with it
 
 
+ESCAPER = "setsid sh -c 'trap \"\" TERM; touch {flag}; while :; do sleep 0.05; done' & sleep 30"
+
+
+async def _escaper_killed_by_path_a(tmp_path: Path, stop: trio.Event, *, shell_dead_first: bool) -> CommandOutcome:
+    """A command whose escaper ignores SIGTERM and holds its pipe, its group SIGTERMed as
+    the daemon's path A does, then the run's stop set: at once, or (``shell_dead_first``)
+    only once its shell is dead and before the command's wait has seen it (no yield)."""
+    import time
+
+    flag = tmp_path / "flag"
+    seen: list[tuple[int, bool]] = []
+    result: list[CommandOutcome] = []
+
+    async def go() -> None:
+        result.append(
+            await run_command(
+                ESCAPER.format(flag=flag),
+                timeout_s=60,
+                max_output_bytes=1000,
+                interrupt=trio.CancelScope(),
+                on_group=lambda pgid, alive: seen.append((pgid, alive)),
+                stop=stop,
+                kill_grace_s=0.2,
+            )
+        )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(go)
+        while not flag.exists():
+            await trio.sleep(0.01)
+        shell = seen[0][0]
+        os.killpg(shell, signal.SIGTERM)  # path A, on the group of the command this test started
+        deadline = time.monotonic() + 10
+        while shell_dead_first and Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+        stop.set()  # the runner's own stop
+    (out,) = result
+    return out
+
+
 async def test_a_command_path_a_killed_gives_its_escapers_the_stops_grace_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -335,33 +375,8 @@ async def test_a_command_path_a_killed_gives_its_escapers_the_stops_grace_at_onc
         return await real(*args, grace_s=grace_s, **kw)
 
     monkeypatch.setattr(commands, "end_group_and_escapers", spy)
-    stop = trio.Event()
-    flag = tmp_path / "flag"
-    seen: list[tuple[int, bool]] = []
-    result: list[CommandOutcome] = []
-    escaper = f"setsid sh -c 'trap \"\" TERM; touch {flag}; while :; do sleep 0.05; done' & sleep 30"
-
-    async def go() -> None:
-        result.append(
-            await run_command(
-                escaper,
-                timeout_s=30,
-                max_output_bytes=1000,
-                interrupt=trio.CancelScope(),
-                on_group=lambda pgid, alive: seen.append((pgid, alive)),
-                stop=stop,
-                kill_grace_s=0.2,
-            )
-        )
-
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(go)
-            while not flag.exists():
-                await trio.sleep(0.01)
-            os.killpg(seen[0][0], signal.SIGTERM)  # path A: the group of the command this test started
-            stop.set()  # the runner's own SIGTERM, a moment later
-    (out,) = result
+        out = await _escaper_killed_by_path_a(tmp_path, trio.Event(), shell_dead_first=False)
     assert out.exit_code == -signal.SIGTERM
     assert calls == [0.2]  # the stop's grace (it was the timeout's 2 s, after a 0.5 s drain)
 
@@ -371,45 +386,14 @@ async def test_a_stopped_command_whose_shell_is_already_dead_gets_no_drain_befor
 ) -> None:
     # The runner's interrupt came (stop_at set) after path A had killed the shell: the code
     # took the normal exit's path, a drain (0.5 s, which an escaper holding the pipe uses
-    # up) before the stop's grace. The drain is made long here: taken, the test times out
+    # up) before the stop's grace. The drain is made long here: taken, the test fails
     # (in ~1 run of 3 without the fix: the shell's death and the stop race in the loop).
-    import time
-
     monkeypatch.setattr(commands, "DRAIN_AFTER_EXIT_S", 15.0)
     stop = trio.Event()
-    flag = tmp_path / "flag"
-    seen: list[tuple[int, bool]] = []
-    result: list[CommandOutcome] = []
-    escaper = f"setsid sh -c 'trap \"\" TERM; touch {flag}; while :; do sleep 0.05; done' & sleep 30"
-
-    async def go() -> None:
-        result.append(
-            await run_command(
-                escaper,
-                timeout_s=60,
-                max_output_bytes=1000,
-                interrupt=trio.CancelScope(),
-                on_group=lambda pgid, alive: seen.append((pgid, alive)),
-                stop=stop,
-                kill_grace_s=0.2,
-            )
-        )
-
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(go)
-            while not flag.exists():
-                await trio.sleep(0.01)
-            shell = seen[0][0]
-            os.killpg(shell, signal.SIGTERM)  # path A, on the group of the command this test started
-            deadline = time.monotonic() + 10
-            # Dead, not yet seen by the command's wait (no yield to trio meanwhile):
-            while Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                assert time.monotonic() < deadline
-            stop.set()  # the runner's stop comes first
-            stopped_at = trio.current_time()
-    ended_in = trio.current_time() - stopped_at
-    (out,) = result
+        out = await _escaper_killed_by_path_a(tmp_path, stop, shell_dead_first=True)
+    assert stop.is_set()
+    ended_in = trio.current_time() - (out.stop_at or 0.0)
     assert out.exit_code == -signal.SIGTERM and out.stop_at is not None
     assert ended_in < 7.5  # the grace (0.2 s) and a kill: far below the 15 s drain
 
