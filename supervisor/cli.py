@@ -178,6 +178,14 @@ def _translate_spawn(exc: AgentdError) -> CliError:
     return error
 
 
+def _if_sent(exc: AgentdError, error: CliError, said: str) -> CliError:
+    """``error``, saying ``said`` too when ``exc`` is a connection lost after the request
+    went out (the daemon may have acted on it)."""
+    if getattr(exc, "sent", False):
+        return CliError(f"{error.format_message()}; {said}", error.exit_code)
+    return error
+
+
 def _set_state_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
     if value is not None:
         ctx.find_object(Obj).state_dir = value  # type: ignore[union-attr]
@@ -737,11 +745,8 @@ def spawn(
             specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt
         )
     except AgentdError as exc:
-        error = _translate_spawn(exc)
-        if getattr(exc, "sent", False):  # a ConnectionLost after the request went out
-            sent = "; the spec was sent and may have started (check with `agentd list`)"
-            error = CliError(error.format_message() + sent, error.exit_code)
-        raise error from None
+        said = "the spec was sent and may have started (check with `agentd list`)"
+        raise _if_sent(exc, _translate_spawn(exc), said) from None
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))
     if wait:
@@ -1145,11 +1150,8 @@ def session_close(obj: Obj, session_id: str) -> None:
     try:
         result = obj.client().close_session(session_id)
     except AgentdError as exc:
-        error = _translate(exc)
-        if getattr(exc, "sent", False):  # a ConnectionLost after the request went out
-            sent = "; the close was sent and may have been done (check with `agentd sessions`)"
-            error = CliError(error.format_message() + sent, error.exit_code)
-        raise error from None
+        said = "the close was sent and may have been done (check with `agentd sessions`)"
+        raise _if_sent(exc, _translate(exc), said) from None
 
     def human() -> None:
         parts = [
