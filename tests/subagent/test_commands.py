@@ -109,21 +109,27 @@ async def _run_with_stop(
     return out, seen
 
 
-async def test_a_stop_interrupts_the_command_at_once_and_says_how_it_ended(tmp_path: Path) -> None:
+async def _stopped_once_started(command: str, flag: Path, **options: Any) -> CommandOutcome:
+    """Run ``command`` (which makes ``flag`` once it runs) and set the run's stop then."""
     stop = trio.Event()
-    flag = tmp_path / "flag"
     result: list[CommandOutcome] = []
 
     async def go() -> None:
-        result.append((await _run_with_stop(f"echo partial; touch {flag}; sleep 30", stop))[0])
+        result.append((await _run_with_stop(command, stop, **options))[0])
 
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(go)
-            while not flag.exists():
-                await trio.sleep(0.01)
-            stop.set()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(go)
+        while not flag.exists():
+            await trio.sleep(0.01)
+        stop.set()
     (out,) = result
+    return out
+
+
+async def test_a_stop_interrupts_the_command_at_once_and_says_how_it_ended(tmp_path: Path) -> None:
+    flag = tmp_path / "flag"
+    with trio.fail_after(10):
+        out = await _stopped_once_started(f"echo partial; touch {flag}; sleep 30", flag)
     assert out.by_stop and out.interrupted and out.output == "partial\n"
     assert out.exit_code == -15 and out.ended_by == "SIGTERM"
     assert out.stop_at is not None and out.ended_at is not None and out.ended_at >= out.stop_at
@@ -131,20 +137,9 @@ async def test_a_stop_interrupts_the_command_at_once_and_says_how_it_ended(tmp_p
 
 
 async def test_a_stop_kills_a_command_that_ignores_sigterm_after_the_short_command_grace(tmp_path: Path) -> None:
-    stop = trio.Event()
     flag = tmp_path / "flag"
-    result: list[CommandOutcome] = []
-
-    async def go() -> None:
-        result.append((await _run_with_stop(f"trap '' TERM; touch {flag}; sleep 30", stop, kill_grace_s=0.3))[0])
-
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(go)
-            while not flag.exists():
-                await trio.sleep(0.01)
-            stop.set()
-    (out,) = result
+        out = await _stopped_once_started(f"trap '' TERM; touch {flag}; sleep 30", flag, kill_grace_s=0.3)
     assert out.by_stop and out.ended_by == "SIGKILL"
     assert out.stop_at is not None and out.ended_at is not None
     assert 0.3 <= out.ended_at - out.stop_at < commands.COMMAND_KILL_GRACE_S  # the stop's grace, not the timeout's
@@ -403,19 +398,8 @@ async def test_a_command_that_exits_of_its_own_at_the_stop_is_not_called_interru
     # its work, was "succeeded" or "interrupted by the stop" by whether the runner saw its
     # exit or the stop first (a probe: 4 of 23 such commands, exit 0, called interrupted).
     # A shell that answers the SIGTERM with an exit of its own is the deterministic case.
-    stop = trio.Event()
     flag = tmp_path / "flag"
-    result: list[CommandOutcome] = []
-
-    async def go() -> None:
-        result.append((await _run_with_stop(f"trap 'exit 0' TERM; touch {flag}; sleep 30 & wait", stop))[0])
-
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(go)
-            while not flag.exists():
-                await trio.sleep(0.01)
-            stop.set()
-    (out,) = result
+        out = await _stopped_once_started(f"trap 'exit 0' TERM; touch {flag}; sleep 30 & wait", flag)
     assert out.exit_code == 0 and out.stop_at is not None
     assert not out.by_stop and not out.interrupted
