@@ -23,7 +23,7 @@ from supervisor.control._conn_limits import Limits
 from supervisor.control.client import Client
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
-from tests.supervisor.test_stop_tools import running, scripted, start_daemon, tree_members, wait_event
+from tests.supervisor.test_stop_tools import command_alive, scripted, start_daemon, tree_members, wait_event
 
 RUNS = 6
 
@@ -35,7 +35,7 @@ def waiting() -> dict[str, Any]:
 async def live_runs(m: RunManager, n: int) -> list[str]:
     ids = [(await m.spawn(waiting()))["run_id"] for _ in range(n)]
     for run_id in ids:
-        await wait_event(m, run_id, running("run_command"))
+        await wait_event(m, run_id, command_alive)  # past its gate: a stop interrupts it
     return ids
 
 

@@ -17,6 +17,7 @@ from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from supervisor.errors import ControlProtocolError
+from tests.supervisor.test_stop_tools import command_alive
 
 
 @pytest.fixture
@@ -57,10 +58,6 @@ def running_tool(e: dict[str, Any]) -> bool:
     return e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running"
 
 
-def command_started(e: dict[str, Any]) -> bool:
-    return e["kind"] == "process_group" and e["data"]["kind"] == "command" and e["data"]["alive"] is True
-
-
 async def test_steering_is_applied_at_the_next_step_boundary(manager: RunManager) -> None:
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
@@ -91,7 +88,7 @@ async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steerin
         rid = r["run_id"]
         # Its command's process is up (a command the stop finds still spawning is ended:
         # its policy applies to a running command), not only its record.
-        await wait_kind(manager, rid, command_started)
+        await wait_kind(manager, rid, command_alive)
         assert (await manager.steer(rid, "do more"))["accepted"] is True
         await wait_kind(manager, rid, lambda e: e["kind"] == "steering")
         cancel = await manager.cancel(rid)
@@ -138,7 +135,7 @@ async def test_steering_its_runner_never_read_is_reported_unapplied(manager: Run
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, command_started)
+        await wait_kind(manager, rid, command_alive)
         pid = (await manager.status(rid))["pid"]
         os.kill(pid, signal.SIGSTOP)  # the runner this test's daemon started
         reply = await manager.steer(rid, "never read")
@@ -173,7 +170,7 @@ async def test_a_steer_racing_the_runs_end_is_refused_and_never_reported_unappli
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, command_started)
+        await wait_kind(manager, rid, command_alive)
         run = manager._live[rid]
         pid = (await manager.status(rid))["pid"]
         replies: list[dict[str, Any]] = []
@@ -214,7 +211,7 @@ async def test_a_second_cancel_is_acknowledged_only_once_the_stop_is_durable(
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, command_started)
+        await wait_kind(manager, rid, command_alive)
         monkeypatch.setattr(Journal, "record_cancel", held)
         replies: list[dict[str, Any]] = []
 

@@ -94,6 +94,12 @@ def running(name: str) -> Any:
     )
 
 
+def command_alive(e: dict[str, Any]) -> bool:
+    """A command's group is up, past its gate: from then on a stop interrupts it (before
+    then, a stop leaves it unrun and its record ``not_started``)."""
+    return e["kind"] == "process_group" and e["data"]["kind"] == "command" and e["data"]["alive"] is True
+
+
 async def wait_log(log: Path, prefix: str) -> str:
     with trio.fail_after(20):
         while True:
