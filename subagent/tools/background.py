@@ -27,10 +27,7 @@ from subagent.tools.commands import (
     COMMAND_KILL_GRACE_S,
     _child_env,
     end_group_and_escapers,
-    leader_ticks,
-    let_go_unrun,
-    open_gate,
-    open_gated,
+    start_gated,
 )
 from subagent.tools.runfiles import open_regular
 
@@ -120,22 +117,24 @@ class BackgroundCommands:
                 # the run dir, and a FIFO put in the log's place blocked the runner's open.
                 reader = os.open(f"/proc/self/fd/{log_file.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    proc, cgroup, gate = await open_gated(
-                        command, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(marker)
+                    started = await start_gated(
+                        command,
+                        marker,
+                        asked or (lambda: False),
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=_child_env(marker),
                     )
                 except BaseException:
                     os.close(reader)
                     raise
         except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return f"error: could not start the command: {type(exc).__name__}: {exc}"
-        ticks = leader_ticks(proc.pid)
-        go = asked is None or not asked()
-        open_gate(gate, go)
-        if not go:
-            await let_go_unrun(proc, ticks, marker, cgroup)
+        if started is None:  # a stop came while it was spawned: it never ran
             os.close(reader)
             log.unlink(missing_ok=True)  # (empty: nothing ran)
             return None
+        proc, ticks, cgroup = started
         job = _Job(job_id, command, proc.pid, log, proc, ticks, reader=reader, temporary=temporary)
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])

@@ -25,7 +25,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import trio
 
@@ -262,6 +262,37 @@ async def let_go_unrun(proc: trio.Process, ticks: int | None, marker: str, cgrou
         await end_group_and_escapers(proc.pid, ticks, marker, grace_s=0.0, what="command group", cgroup=cgroup)
 
 
+class Started(NamedTuple):
+    """A command past its gate: its process (its group's leader), the leader's start
+    ticks, and its call cgroup (None: found by group and marker only)."""
+
+    proc: trio.Process
+    ticks: int | None
+    cgroup: callgroups.Slot | None
+
+
+async def start_gated(command: str, marker: str, stopped: Callable[[], bool], **options: Any) -> Started | None:
+    """Spawn ``command`` held at its gate, then let it run unless ``stopped()`` says a stop
+    came meanwhile: then its shell exits having run nothing, its group is ended, and the
+    answer is None. Every command starts here (foreground and background alike).
+
+    Raises:
+        OSError, ValueError: it could not be started (a NUL in it, a lone surrogate).
+    """
+    proc, cgroup, gate = await open_gated(command, **options)
+    ticks = leader_ticks(proc.pid)
+    go = not stopped()
+    open_gate(gate, go)
+    if not go:
+        await let_go_unrun(proc, ticks, marker, cgroup)
+        with trio.CancelScope(shield=True):
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    await pipe.aclose()
+        return None
+    return Started(proc, ticks, cgroup)
+
+
 def killed_by_signal(code: int | None) -> bool:
     """Did a command end by SIGTERM or SIGKILL (itself, or the child its shell waited for)?"""
     return code is not None and (code in (-signal.SIGTERM, -signal.SIGKILL) or code in SHELL_SIGNAL_EXITS)
@@ -316,22 +347,20 @@ async def run_command(
     with starting if starting is not None else nullcontext() as asked:
         if stop is not None and stop.is_set():
             return CommandOutcome(None, None, "", False, not_started=True)
+
+        def stopped() -> bool:
+            return (asked is not None and asked()) or (stop is not None and stop.is_set())
+
         try:
-            proc, cgroup, gate = await open_gated(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd
+            started = await start_gated(
+                command, marker, stopped, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd
             )
         except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
             return CommandOutcome(None, None, "", False, spawn_error=f"{type(exc).__name__}: {exc}")
-        pgid = proc.pid
-        ticks = leader_ticks(pgid)
-        go = not ((asked is not None and asked()) or (stop is not None and stop.is_set()))
-        open_gate(gate, go)
-        if not go:  # a stop came while it was spawned: it never ran
-            await let_go_unrun(proc, ticks, marker, cgroup)
-            assert proc.stdout is not None
-            with trio.CancelScope(shield=True):
-                await proc.stdout.aclose()
+        if started is None:  # a stop came while it was spawned: it never ran
             return CommandOutcome(None, None, "", False, not_started=True)
+        proc, ticks, cgroup = started
+        pgid = proc.pid
         on_group(pgid, True)
     assert proc.stdout is not None
     stdout = proc.stdout
