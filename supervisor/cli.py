@@ -950,7 +950,8 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
 
     The exit code is the run's outcome, like watch: 0 completed (it ended before the stop
     reached it), 1 failed, 7 cancelled, 8 lost; for --session, the first of lost, failed,
-    cancelled that one of its runs ended in. With --no-wait: 0 once the stop is sent.
+    cancelled that one of its runs ended in (4: no run ever had that session). With
+    --no-wait: 0 once the stop is sent.
     """
     if (run_id is None) == (session_id is None):
         raise CliError("expected a RUN or --session, not both and not neither", ExitCode.USAGE)

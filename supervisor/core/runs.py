@@ -530,13 +530,21 @@ class RunManager:
             "sandbox": self.config.sandbox,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
             "zygote": self._zygote.describe() if self._zygote is not None else {"state": "off"},
-            "accepting": self._accepting,
+            # A spawn is refused while the journal cannot be written (``journal`` says why).
+            "accepting": self._accepting and not self.backlog.degraded,
             "journal": self.backlog.describe(),
             "containment_problem": self.containment.problem,
         }
 
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
+        """Stop every live turn of a session (none: an empty ``runs``).
+
+        Raises:
+            SessionNotFound: no run ever had this session (a mistyped id is not "no live run").
+        """
         hits = [r.run_id for r in list(self._live.values()) if r.session_id == session_id]
+        if not hits:
+            await self.session_desk.known(session_id)
         out = await self._cancel_many(hits, reason)
         return {"session_id": session_id, "was_active": any(o.get("was_active") for o in out), "runs": out}
 

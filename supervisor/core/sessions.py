@@ -278,6 +278,12 @@ class SessionDesk:
 
     # ------------------------------------------------------------------ closing, sweeping
 
+    async def known(self, session_id: str) -> None:
+        """Raises SessionNotFound if no run ever had this session."""
+        record = await self.journal.get_session(session_id)
+        if record is None and not await self.journal.list_runs(limit=1, session_id=session_id):
+            raise SessionNotFound(session_id)
+
     async def close(self, session_id: str) -> tuple[bool, bool]:
         """Mark the session closed and remove its profile (its turns have ended).
 
@@ -286,9 +292,7 @@ class SessionDesk:
         Raises:
             SessionNotFound: no run ever had this session.
         """
-        record = await self.journal.get_session(session_id)
-        if record is None and not await self.journal.list_runs(limit=1, session_id=session_id):
-            raise SessionNotFound(session_id)
+        await self.known(session_id)
         was_open = await self.journal.close_session(session_id)
         removed = await self._remove_profile(session_id, "the session was closed")
         return was_open, removed

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from supervisor.core.sessions import SessionNotFound
 from supervisor.errors import RunNotFound, SpawnError
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
@@ -156,6 +157,8 @@ class FakeBackend:
         return {"journal": {"writable": down is None, "error": down, "pending_writes": 0 if down is None else 3}}
 
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
+        if not any(r.session_id == session_id for r in self.runs.values()):
+            raise SessionNotFound(session_id)
         out = [
             await self.cancel(r.run_id, reason=reason)
             for r in list(self.runs.values())

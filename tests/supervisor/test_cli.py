@@ -522,6 +522,8 @@ def test_cancel_no_wait_and_cancel_by_session(server: ServerThread) -> None:
     out = json.loads(res.stdout)
     assert out["was_active"] is True and out["final"] == {a: "cancelled"}
     assert server.backend.cancels == [(a, "stop button")]
+    res = run(server, "cancel", "--session", "s-mistyped")  # not "no live run", exit 0
+    assert res.exit_code == ExitCode.NOT_FOUND and "no session with id 's-mistyped'" in res.stderr, res.output
     res = run(server, "cancel")
     assert res.exit_code == ExitCode.USAGE
     b = server.call(server.backend.add_run)

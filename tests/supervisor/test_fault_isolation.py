@@ -290,6 +290,7 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
             refused = await c.call("spawn", spec=spec(snapshots=1))
             assert refused["ok"] is False and refused["error"]["code"] == "refused"
             assert "journal cannot be written" in refused["error"]["message"]
+            assert (await c.ok("status"))["summary"]["accepting"] is False  # as the refusal says
             b_status = await c.ok("status", run_id=b)
             assert b_status["state"] == "running" and psutil.pid_exists(b_status["pid"])
             # An event of the live run's, handed out and waiting for the journal: status and
@@ -305,6 +306,7 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
             filler.unlink()  # space again: what waited is written
             await until(lambda: _writable(c))
             assert "live run" in await status_line("running")  # healthy again
+            assert (await c.ok("status"))["summary"]["accepting"] is True
             st = await c.ok("status", run_id=a)
             assert st["state"] == "cancelled" and "journal" not in st
             seqs = [e["seq"] for e in (await c.ok("events", run_id=a))["events"]]

@@ -357,6 +357,17 @@ async def test_requests_naming_sessions_that_never_were_leave_no_lock_behind(dae
     assert daemon.m.session_desk._locks == {}
 
 
+async def test_cancelling_a_session_that_never_was_is_not_found_and_one_with_no_live_turn_is_empty(
+    daemon: Daemon,
+) -> None:
+    # A mistyped session id is not "no live run": the user would think the stop was done.
+    with pytest.raises(SessionNotFound):
+        await daemon.m.cancel_session("never-was")
+    r = await daemon.m.spawn(task(wait=False), session_id="real")
+    await daemon.m.wait_terminal(r["run_id"])
+    assert await daemon.m.cancel_session("real") == {"session_id": "real", "was_active": False, "runs": []}
+
+
 async def test_a_state_dir_that_cannot_take_the_token_stops_the_start_before_any_run_is_touched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
