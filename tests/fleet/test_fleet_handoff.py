@@ -201,7 +201,9 @@ def test_settling_a_run_that_never_reached_the_node_keeps_it_from_ever_starting(
 # ------------------------------------------------------------------ the front's side
 
 
-class _Ref:
+class Ref:
+    """A Ray object ref already resolved to ``value`` (what the front awaits: its future)."""
+
     def __init__(self, value: object) -> None:
         self.value = value
 
@@ -223,9 +225,9 @@ class _Agent:
             def __init__(self, name: str) -> None:
                 self.name = name
 
-            def remote(self, *args: object) -> _Ref:
+            def remote(self, *args: object) -> Ref:
                 agent.calls.append((self.name, args))
-                return _Ref(agent.replies.pop(0) if len(agent.replies) > 1 else agent.replies[0])
+                return Ref(agent.replies.pop(0) if len(agent.replies) > 1 else agent.replies[0])
 
         self.spawn = Method("spawn")
         self.settle = Method("settle")
@@ -254,8 +256,8 @@ def _front(
     freed: list[str] = []
 
     class Lease:
-        def ready(self) -> _Ref:
-            return _Ref(None)
+        def ready(self) -> Ref:
+            return Ref(None)
 
     async def ray_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         if fn is _lease:

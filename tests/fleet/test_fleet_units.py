@@ -341,25 +341,15 @@ def test_fleet_commands_give_up_on_an_address_nothing_answers_at() -> None:
 async def test_a_cancel_while_the_lease_is_read_keeps_the_run_from_its_node(tmp_path: Path) -> None:
     # The cancel's reply says "queued" (never started); it came after the lease was placed
     # and before the hand-off, which then went to the node all the same.
-    import concurrent.futures
-
     import ray
 
     from supervisor.fleet._front import _lease, _lease_node
+    from tests.fleet.test_fleet_handoff import Ref
 
     front, run, index, _attempts = _front_with_a_placed_run(tmp_path, ConnectionError)
     run.node_id = run.node_run_id = None
     front._nodes = {"n1": {"ip": "10.0.0.7", "resources": {SLOTS: 4.0}}}
     spawned: list[object] = []
-
-    class Ref:
-        def __init__(self, value: object) -> None:
-            self.value = value
-
-        def future(self) -> concurrent.futures.Future[object]:
-            f: concurrent.futures.Future[object] = concurrent.futures.Future()
-            f.set_result(self.value)
-            return f
 
     class Lease:
         def ready(self) -> Ref:
