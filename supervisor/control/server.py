@@ -10,7 +10,8 @@ subprotocol (a browser drops a socket whose server selects none of those it offe
 A refused handshake is closed at once. A malformed, oversized or unknown message gets an
 error reply and a handler's bug an ``internal`` one: nothing an authenticated client sends
 ends its connection or the daemon (only a frame above the hard cap, which trio-websocket
-closes with 1009). Every hold a client can take is bounded (``_conn_limits.Limits``):
+closes with 1009, and a frame that breaks the websocket protocol, closed with 1007 or 1002
+once the requests before it are answered: ``_wsfail``). Every hold a client can take is bounded (``_conn_limits.Limits``):
 connections per peer and in all (a connection a run's process made is never admitted,
 ``_peer_cgroup``; at the limit the oldest one still in its handshake is closed for the
 newcomer, ``_conn_limits.Gate``), the handshake, idleness, requests in flight,
@@ -65,6 +66,7 @@ from supervisor.control._statefiles import (
     write_endpoint,
     write_token,
 )
+from supervisor.control._wsfail import FailingConnection, handle_connection
 from supervisor.errors import AgentdError, ControlProtocolError, ListenError
 from supervisor.protocol import BadRequest, ErrorCode
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
@@ -128,6 +130,10 @@ SessionWatch = Callable[[str | None], AbstractContextManager["trio.Event | None"
 class _ContainedServer(WebSocketServer):
     """trio-websocket's server, each connection's failure kept to that connection.
 
+    Its connections are ``_wsfail.FailingConnection``s: a frame that breaks the protocol
+    (a text frame not UTF-8...) gets the replies owed before it, then a close frame (1007
+    or 1002), where trio-websocket dropped the connection and the replies.
+
     A handshake wsproto cannot parse raises in the library's reader task, before our
     handler runs, and the error ended the whole server, then the daemon and every run
     (a ``Sec-WebSocket-Protocol`` byte outside ASCII was enough, with no token: wsproto
@@ -147,11 +153,11 @@ class _ContainedServer(WebSocketServer):
                     await trio.aclose_forcefully(stream)
                     return
                 with trio.CancelScope() as stream.evict_scope:
-                    await super()._handle_connection(stream)
+                    await handle_connection(self, stream)
                 if stream.evicted:
                     await trio.aclose_forcefully(stream)
                 return
-            await super()._handle_connection(stream)
+            await handle_connection(self, stream)
         except Exception as exc:  # (Cancelled, KeyboardInterrupt: not ours to keep)
             await trio.aclose_forcefully(stream)
             self._failed += 1
@@ -411,6 +417,14 @@ class _Server:
                         await _Connection(self, ws, peer, stream).run()
                     finally:
                         watch.cancel_scope.cancel()
+            if isinstance(ws, FailingConnection) and ws.failure is not None:
+                logger.info(
+                    "control: %s sent a frame that breaks the websocket protocol (%s); replied to the "
+                    "requests before it, closing with %d",
+                    peer,
+                    (ws.failure.reason or "")[:REFUSAL_LOG_CHARS],
+                    ws.failure.code,
+                )
         except Exception:
             logger.exception("control: connection from %s failed", peer)
         finally:
