@@ -487,6 +487,9 @@ class _Connection:
         self.next_sub = 0
         self.in_flight = trio.Semaphore(self.limits.in_flight)
         self.busy = 0  # requests being served
+        self.idle_scope = trio.CancelScope()
+        # Why a subscription cancelled before it was answered is refused (None: unsubscribed).
+        self.refusal: str | None = None
 
     async def run(self) -> None:
         # Requests run in `requests`, which is NOT cancelled when the client goes: a spawn
@@ -498,9 +501,22 @@ class _Connection:
                 try:
                     await self._read_loop(requests, subs_nursery)
                 finally:
-                    subs_nursery.cancel_scope.cancel(reason="control connection closed")
+                    if isinstance(self.ws, FailingConnection) and self.ws.failure is not None:
+                        # A frame broke the protocol; the client may still read. Each
+                        # subscription ends, one not answered yet with a refusal (its
+                        # request came before that frame); then the nursery is done.
+                        self.refusal = "the connection is closing: a frame broke the websocket protocol"
+                        self.idle_scope.cancel()
+                        for scope in self.subs.values():
+                            scope.cancel(reason="control connection failed")
+                    else:
+                        subs_nursery.cancel_scope.cancel(reason="control connection closed")
 
     async def _idle_watch(self) -> None:
+        with self.idle_scope:
+            await self._close_when_idle()
+
+    async def _close_when_idle(self) -> None:
         """Close the connection once it is idle: nothing received, asked or subscribed."""
         if self.stream is None:
             return
@@ -739,9 +755,11 @@ class _Connection:
                         await self._send_end(sub, run_id, state, last)
                         return
                     logger.info("control: run %s: live events ended while %s; resubscribing", run_id, state)
-            if not acked:  # an unsubscribe overtook it: the request still gets its reply
+            if not acked:  # an unsubscribe overtook it, or a bad frame (``run``): still a reply
                 await self._send(
-                    protocol.encode_error(req.id, ErrorCode.REFUSED, "unsubscribed before the subscription started")
+                    protocol.encode_error(
+                        req.id, ErrorCode.REFUSED, self.refusal or "unsubscribed before the subscription started"
+                    )
                 )
         except _Gone:
             return

@@ -188,6 +188,36 @@ async def test_a_client_that_half_closes_after_a_bad_frame_still_gets_its_replie
     check_reply_then_close(srv, events, seen, code)
 
 
+async def test_a_subscription_not_started_when_a_frame_breaks_the_protocol_is_refused_not_dropped(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    srv = await start_server(nursery, tmp_path)
+    run = srv.backend.add_run()
+    entered = trio.Event()
+    real_subscribe = srv.backend.subscribe
+
+    @asynccontextmanager
+    async def stuck_subscribe(run_id: str) -> AsyncIterator[Any]:
+        entered.set()
+        await trio.sleep_forever()  # until the subscription is cancelled
+        async with real_subscribe(run_id) as live:  # pragma: no cover
+            yield live
+
+    srv.backend.subscribe = stuck_subscribe  # type: ignore[method-assign]
+    async with raw_peer(srv.port) as peer:
+        with failure_seen() as failed:
+            await peer.stream.send_all(text({"id": 1, "op": "subscribe", "run_id": run}) + BAD_FRAMES["unmasked"][0])
+            with trio.fail_after(WAIT_S):
+                await entered.wait()
+                await failed.wait()
+            events = await peer.events_until_eof()
+    replies = [json.loads(e.data) for e in events if isinstance(e, TextMessage)]
+    assert [(r["id"], r["ok"], r["error"]["code"]) for r in replies] == [(1, False, "refused")], events
+    assert "broke the websocket protocol" in replies[0]["error"]["message"]
+    assert [e.code for e in events if isinstance(e, CloseConnection)] == [1002], events
+    assert srv.backend.runs[run].subscribers == []
+
+
 async def test_a_real_daemon_answers_a_spawn_sent_before_a_frame_not_utf8_then_closes_1007(tmp_path: Path) -> None:
     spawn = {"id": 1, "op": "spawn", "spec": {"task": json.dumps({"wait": False})}}
     async with real_daemon(tmp_path / "state") as daemon:
