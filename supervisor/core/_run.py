@@ -65,6 +65,9 @@ class Run:
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
     approvals: RunApprovals = field(default_factory=RunApprovals)  # calls awaiting a person's OK
+    # A re-adopted run's catch-up: set once what its runner wrote to its events file while
+    # no daemon read it has been taken in (``FileSource.pump``). None: nothing to catch up.
+    caught_up: trio.Event | None = None
     runner_spec: dict[str, Any] | None = None  # what the runner reads: spec + its session's history
     session_event: dict[str, Any] | None = None  # a turn prepared at its creation: recorded at its start
 

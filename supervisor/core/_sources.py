@@ -188,6 +188,10 @@ class FileSource:
         self._run_dir = run_dir
         self._offset = 0
         self._splitter = LineSplitter()
+        # Set once ``pump`` has taken in the file as it was when it started (what the runner
+        # wrote while no daemon read it), or has ended: a request about the run (an answer
+        # to a call it asked about meanwhile) waits for that, not for the file's end.
+        self.caught_up = trio.Event()
         # Events the journal holds (``event_key``): skipped once each, never journaled twice.
         self._journaled = collections.Counter(journaled)
 
@@ -218,7 +222,14 @@ class FileSource:
             await on_item(item)
 
     async def pump(self, on_item: OnItem) -> None:
+        try:
+            await self._pump(on_item)
+        finally:
+            self.caught_up.set()  # also when it failed or ended early: never leave a waiter hanging
+
+    async def _pump(self, on_item: OnItem) -> None:
         if self._run_dir is None:
+            self.caught_up.set()
             await process.wait_leader(self._tree)
             return
         watch = Watch.open([(record_paths(self._run_dir)[0], IN_MODIFY)])
@@ -243,6 +254,7 @@ class FileSource:
                     n.start_soon(appended, watch)
                 while True:
                     await self.read_once(on_item)
+                    self.caught_up.set()
                     if gone.is_set():
                         await self.read_once(on_item)  # what it wrote last
                         break

@@ -10,7 +10,10 @@ runner says what it did with it (``approval_answered``) and the run goes back to
 ``running``. At the earliest deadline still pending the run is cancelled with reason
 ``approval_timeout``, through the manager's normal cancel (both paths, journaled intent):
 a timeout is a stop. Pending calls live in the journal (the records), so ``restore``
-rebuilds them for a re-adopted run, deadlines included.
+rebuilds them for a re-adopted run, deadlines included; a call its runner asked about
+while no daemon ran is only in its events file, which the restarted daemon reads once
+it serves: an answer to a re-adopted run waits (``CATCH_UP_WAIT_S`` at most) until that
+read has caught up (``Run.caught_up``), so it is not refused for a call not yet known.
 
 The manager owns the runs; this module sees it through ``Hooks`` (record an event, move
 a run's state, cancel a run) and keeps each run's pending calls in its ``RunApprovals``.
@@ -39,6 +42,7 @@ from supervisor.states import RunState
 __all__ = [
     "ANSWERS_SUFFIX",
     "APPROVAL_TIMEOUT_REASON",
+    "CATCH_UP_WAIT_S",
     "Pending",
     "RunApprovals",
     "Hooks",
@@ -60,6 +64,9 @@ MAX_ANSWER_BYTES: Final = MAX_ANSWER_LINE_BYTES
 # How long an answer may wait for room in the channel (seconds): the runner reads it at
 # once; a runner that does not has stopped listening, and the answer is refused.
 SEND_TIMEOUT_S: Final = 10.0
+# How long an answer to a re-adopted run waits for the run's catch-up on its events file
+# (seconds): one run's slow catch-up delays only answers to that run, and not forever.
+CATCH_UP_WAIT_S: Final = 10.0
 
 
 def answers_path(run_dir: Path) -> Path:
@@ -193,8 +200,9 @@ class Hooks:
 
 
 class ApprovalDesk:
-    """Pending calls of every run, through each run's ``approvals`` (a ``RunApprovals``)
-    and its ``stopping`` flag (a stop is under way: answers are refused)."""
+    """Pending calls of every run, through each run's ``approvals`` (a ``RunApprovals``),
+    its ``stopping`` flag (a stop is under way: answers are refused) and its ``caught_up``
+    (a re-adopted run's catch-up on its events file: answers wait for it, bounded)."""
 
     def __init__(self, hooks: Hooks) -> None:
         self._hooks = hooks
@@ -226,12 +234,19 @@ class ApprovalDesk:
         """
         decision = "approve" if approve else "deny"
         approvals: RunApprovals = run.approvals
+        caught_up = await _caught_up(run)
         async with approvals.sending:
             p: Pending | None = approvals.pending.get(call_id)
             if p is None:
+                behind = (
+                    ""
+                    if caught_up
+                    else f"; what its runner wrote while the daemon was down is still being read "
+                    f"(waited {CATCH_UP_WAIT_S:g} s): try again"
+                )
                 raise ControlProtocolError(
                     ErrorCode.REFUSED,
-                    f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state})",
+                    f"call {call_id!r} of run {run.run_id!r} is not awaiting approval (run state: {run.state}){behind}",
                 )
             if p.sent is not None:
                 raise ControlProtocolError(
@@ -277,6 +292,18 @@ class ApprovalDesk:
                 logger.info("run %s: an approval ran out of time; stopping the run", run.run_id)
                 await self._hooks.cancel(run.run_id, APPROVAL_TIMEOUT_REASON)
                 return
+
+
+async def _caught_up(run: Any) -> bool:
+    """Wait, at most ``CATCH_UP_WAIT_S``, until a re-adopted run has taken in what its
+    runner wrote while no daemon read it (a call it asked about meanwhile is known then);
+    whether it has. A run this daemon started has nothing to catch up."""
+    event: trio.Event | None = run.caught_up
+    if event is None:
+        return True
+    with trio.move_on_after(CATCH_UP_WAIT_S):
+        await event.wait()
+    return event.is_set()
 
 
 def _line(call_id: str, decision: str, reason: str | None) -> bytes:

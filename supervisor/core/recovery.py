@@ -9,10 +9,11 @@ cancel paths still reach its tree). A stop the old daemon acknowledged is resume
 once, without a second cancel: path A again, path B with what is left of the grace
 counted from the original cancel, the original reason kept; a timeout keeps its
 wall-clock deadline, and so does a call awaiting approval (still answerable through the
-run's answer channel). A run whose runner is gone is what its complete result file
-says it was (completed, failed, cancelled, with its tool records); only a run without a
-result is marked ``lost`` with its last partial result. Any leftovers are swept. Nothing
-terminal changes.
+run's answer channel; one its runner asked about while no daemon ran is known once the
+run's events file is read, which an answer to it waits for: ``Run.caught_up``). A run
+whose runner is gone is what its complete result file says it was (completed, failed,
+cancelled, with its tool records); only a run without a result is marked ``lost`` with
+its last partial result. Any leftovers are swept. Nothing terminal changes.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class Recovery:
         if row["cancel_reason"] is not None:
             _resume_stop_intent(run, row)
         source = FileSource(found.tree, run.run_dir, journaled=await self._journaled(run_id))
+        run.caught_up = source.caught_up
         if found.leader_alive:
             logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
             self.book.live[run_id] = run

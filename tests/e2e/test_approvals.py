@@ -17,8 +17,9 @@ from typing import Any
 
 import trio
 
+from subagent.emit import record_paths
 from tests.e2e.test_conversations import Session
-from tests.supervisor.test_restart_stop import daemon, kill9
+from tests.supervisor.test_restart_stop import daemon, kill9, wait_call_running
 
 SCENARIO_S = 60.0
 AGENTD = str(Path(sys.executable).with_name("agentd"))
@@ -317,4 +318,43 @@ async def test_a_daemon_killed_before_the_run_moved_to_awaiting_approval_moves_i
     assert waiting["state"] == "awaiting_approval" and [a["call_id"] for a in waiting["approvals"]] == ["call_w"]
     assert [r["id"] for r in listed["runs"]] == [rid]
     assert final["state"] == "completed"
+    assert (shared / "side-effect").read_text() == "wrote\n"
+
+
+async def test_an_approval_asked_while_the_daemon_was_down_is_answerable_as_soon_as_it_is_back(
+    tmp_path: Path,
+) -> None:
+    # The runner asks while no daemon runs: the request is only in its events file. The
+    # restarted daemon serves before it has read that file; an approve sent at once must
+    # wait for the run's catch-up, not be refused as "not awaiting approval".
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = tmp_path / "state"
+    flag = shared / "go"
+    spec = approval_spec(shared)
+    gate = f"while [ ! -e {flag} ]; do sleep 0.02; done; echo gate"
+    # Then many events before the request: the restarted daemon's catch-up takes a while.
+    busy = [{"name": "run_command", "id": f"call_b{i}", "arguments": {"command": "true"}} for i in range(40)]
+    gate_call = {"name": "run_command", "id": "call_g", "arguments": {"command": gate}}
+    spec["model"]["script"]["turns"].insert(0, {"text": "Waiting.", "tool_calls": [gate_call, *busy]})
+    spec["sandbox"]["read"] = [str(shared)]
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await wait_call_running(c, rid, "call_g")
+            run_dir = Path((await c.call("status", run_id=rid))["run_dir"])
+            await kill9(d1, c)
+        flag.touch()  # on to the gated call, with no daemon reading its pipe
+        events_file = record_paths(run_dir)[0]
+        while b'"approval_requested"' not in events_file.read_bytes():
+            await trio.sleep(0.02)
+        async with daemon(state, grace_s=5.0) as (_d2, c):
+            s = Session(c)
+            answer = await s.reply("approve", run_id=rid, call_id="call_w")
+            assert answer["ok"] is True, answer
+            final = await s.end(rid)
+    assert answer["result"]["decision"] == "approved"
+    assert final["state"] == "completed", final
+    *_, call = final["tool_calls"]
+    assert call["id"] == "call_w" and (call["state"], call["approval"]) == ("succeeded", "approved")
     assert (shared / "side-effect").read_text() == "wrote\n"

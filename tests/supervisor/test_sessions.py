@@ -17,6 +17,7 @@ from subagent.approvals import Answer, AnswerChannel
 from subagent.history import STOP_NOTES
 from supervisor import protocol
 from supervisor.config import Config
+from supervisor.core import approvals as desk_module
 from supervisor.core.approvals import ApprovalDesk, Hooks, RunApprovals, answers_path, make_channel
 from supervisor.core.sessions import SessionDesk, SessionNotFound, history_messages, session_key
 from supervisor.errors import ControlProtocolError
@@ -126,6 +127,7 @@ class FakeRun:
         self.run_dir = run_dir
         self.approvals = RunApprovals()
         self.stopping = False
+        self.caught_up: trio.Event | None = None
 
 
 async def test_an_answer_goes_into_the_runs_fifo_once_and_the_state_follows_the_runner(tmp_path: Path) -> None:
@@ -229,6 +231,46 @@ async def test_a_line_left_half_written_in_the_channel_does_not_swallow_the_next
             await d.answer(run, "c1", approve=True)
             assert await channel.wait("c1") == Answer("approved")
             n.cancel_scope.cancel()
+
+
+async def test_an_answer_to_a_readopted_run_waits_for_its_catch_up_and_only_so_long(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A restarted daemon serves before it has read what a re-adopted runner wrote while no
+    # daemon ran: an approve of a call asked about meanwhile was refused ("not awaiting
+    # approval") until the events file was read, though the call was waiting.
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir()
+    make_channel(run_dir)
+    run = FakeRun(run_dir)
+    run.caught_up = trio.Event()
+
+    async def nothing(*a: Any, **kw: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=nothing))
+    channel = AnswerChannel(os.open(answers_path(run_dir), os.O_RDWR | os.O_NONBLOCK))
+    replies: list[dict[str, Any]] = []
+
+    async def approve() -> None:
+        replies.append(await d.answer(run, "c1", approve=True))
+
+    async with trio.open_nursery() as n:
+        await n.start(channel.run)
+        n.start_soon(approve)
+        await trio.testing.wait_all_tasks_blocked()
+        assert replies == []  # it waits for the catch-up, which then finds the call
+        await d.on_event(run, "approval_requested", {"call_id": "c1", "name": "x", "deadline": None})
+        run.caught_up.set()
+        assert await channel.wait("c1") == Answer("approved")
+        n.cancel_scope.cancel()
+    assert [r["decision"] for r in replies] == ["approved"]
+    # A catch-up that takes longer than the bound: a refusal that says so, at the bound.
+    run.caught_up = trio.Event()
+    start = trio.current_time()
+    with pytest.raises(ControlProtocolError, match="still being read .* try again"):
+        await d.answer(run, "c2", approve=True)
+    assert trio.current_time() - start == pytest.approx(desk_module.CATCH_UP_WAIT_S)
 
 
 @pytest.mark.parametrize(
