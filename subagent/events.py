@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
@@ -39,6 +40,8 @@ __all__ = [
     "encode_result",
     "decode_result",
     "make_event",
+    "SnapshotDeltas",
+    "fold_snapshot",
 ]
 
 WIRE_VERSION: Final = 1
@@ -61,7 +64,11 @@ class EventKind(enum.StrEnum):
     # stop policy ("interrupt": the daemon's path A may SIGTERM the group at cancel time,
     # "finish": never before the grace); absent for MCP servers (the runner stops their calls)
     PROCESS_GROUP = "process_group"
-    STEP_SNAPSHOT = "step_snapshot"  # step, progress (str), tool_calls: [record dicts], _id
+    # A delta since the runner's previous snapshot (``SnapshotDeltas``): step, snapshot_n,
+    # progress_at, progress_added, tool_calls_changed, _id; ``fold_snapshot`` makes the whole
+    # snapshot (step, progress, tool_calls, _id, snapshot_n) from them. A runner of an older
+    # version sends the whole snapshot (step, progress, tool_calls, _id): also accepted.
+    STEP_SNAPSHOT = "step_snapshot"
     # reason ("signal"|"timeout"), during ("model"|"tool"|"setup"|"idle"); during a tool
     # also tool: {id, name, on_stop} of the running call
     STOP_REQUESTED = "stop_requested"
@@ -299,3 +306,99 @@ def decode_result(data: bytes | str) -> dict[str, Any] | BadLine:
                 return BadLine(text=line, problem=f"unknown status {obj['status']!r}")
             return obj
     return BadLine(text=text[-500:], problem="no result object on stdout")
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+class SnapshotDeltas:
+    """The runner's side of ``step_snapshot``: each snapshot as a delta since the last one.
+
+    A whole snapshot repeats all progress and every record so far: a run of N steps sent
+    O(N^2) bytes on the pipe and into the journal. A delta carries the step, the
+    snapshot's number in the run (``snapshot_n``: 1, 2, ...), the progress text added
+    since the previous snapshot (``progress_added``) and where it goes (``progress_at``:
+    the length of the progress the previous one left), and only the records that are new
+    or changed since (``tool_calls_changed``). ``fold_snapshot`` rebuilds the whole one.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._progress = ""
+        self._sent: dict[str, dict[str, Any]] = {}
+
+    def next(self, *, step: int, progress: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fields of the next snapshot event (``_id`` aside)."""
+        self.n += 1
+        if progress.startswith(self._progress):
+            at, added = len(self._progress), progress[len(self._progress) :]
+        else:  # not a continuation (never, from the loop): the whole text again, from 0
+            at, added = 0, progress
+        self._progress = progress
+        changed = []
+        for rec in records:
+            rid = str(rec.get("id"))
+            if self._sent.get(rid) != rec:
+                changed.append(rec)
+                self._sent[rid] = rec
+        return {
+            "step": step,
+            "snapshot_n": self.n,
+            "progress_at": at,
+            "progress_added": added,
+            "tool_calls_changed": changed,
+        }
+
+
+def _int_field(data: Mapping[str, Any], key: str) -> int:
+    v = data.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{key}: expected an integer >= 0, got {v!r}")
+    return v
+
+
+def fold_snapshot(base: dict[str, Any] | None, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole snapshot after ``data`` (a ``step_snapshot`` event's fields), given the
+    whole one before it (``base``, None for none).
+
+    A whole snapshot (a runner of an older version: no ``progress_at``) replaces ``base``.
+    A delta is folded into it: its text goes at ``progress_at`` (a delta whose earlier text
+    never arrived, ``progress_at`` past the end, is appended: what did arrive is kept), its
+    records replace those with the same id, new ones follow in order. A delta that is not
+    newer than ``base`` (``snapshot_n`` not above base's: one already folded, read again
+    after a restart) changes nothing: ``base`` itself is returned. Pure; raises ValueError
+    or TypeError on a malformed delta.
+    """
+    if "progress_at" not in data:
+        return dict(data)
+    n = _int_field(data, "snapshot_n")
+    at = _int_field(data, "progress_at")
+    added = data.get("progress_added", "")
+    changed = data.get("tool_calls_changed", [])
+    if not isinstance(added, str):
+        raise TypeError(f"progress_added: expected a string, got {type(added).__name__}")
+    if not isinstance(changed, list) or not all(isinstance(r, dict) and "id" in r for r in changed):
+        raise TypeError("tool_calls_changed: expected a list of records with an id")
+    old: dict[str, Any] = base if base is not None else {}
+    old_n = old.get("snapshot_n")
+    if base is not None and isinstance(old_n, int) and not isinstance(old_n, bool) and n <= old_n:
+        return base
+    progress = old.get("progress")
+    progress = progress if isinstance(progress, str) else ""
+    progress = progress[:at] + added if at <= len(progress) else progress + added
+    calls = [r for r in old.get("tool_calls") or [] if isinstance(r, dict)]
+    where = {r.get("id"): i for i, r in enumerate(calls)}
+    for rec in changed:
+        i = where.get(rec["id"])
+        if i is None:
+            where[rec["id"]] = len(calls)
+            calls.append(rec)
+        else:
+            calls[i] = rec
+    return {
+        "step": data.get("step"),
+        "progress": progress,
+        "tool_calls": calls,
+        "_id": data.get("_id"),
+        "snapshot_n": n,
+    }

@@ -10,7 +10,8 @@ mid-arguments is never run and never repaired. Every call of a turn is announced
 a runner killed mid-batch still leaves a record of each; every record is emitted on
 every state change and every call gets a tool message in the history that says what
 really happened. A ``step_snapshot`` follows each model turn that said anything and each
-tool batch. A call the spec's ``approval`` names waits for a person's answer before it
+tool batch: a delta since the previous one (``events.SnapshotDeltas``), which the daemon
+folds into the whole snapshot, the run's partial result. A call the spec's ``approval`` names waits for a person's answer before it
 runs (``subagent.approvals``): approved, it runs; denied, the model is told why and the
 turn goes on; a stop during the wait makes it ``rejected`` (it never ran). A turn of a
 session starts from the session's history (``spec.session.history``). The loop returns a
@@ -34,6 +35,7 @@ from subagent.events import (
     EventKind,
     ExitCode,
     RunStatus,
+    SnapshotDeltas,
     StopEffect,
     StopPolicy,
     ToolCallRecord,
@@ -109,6 +111,7 @@ class AgentLoop:
     usage: dict[str, int] = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
     usage_known: bool = False
     steps: int = 0
+    snapshots: SnapshotDeltas = field(default_factory=SnapshotDeltas)
 
     def __post_init__(self) -> None:
         # A turn of a session starts from the session's earlier turns (the daemon rebuilt
@@ -129,13 +132,13 @@ class AgentLoop:
         self.emitter.emit(EventKind.TOOL_CALL, record=rec.to_dict())
 
     def _snapshot(self) -> None:
-        self.emitter.emit(
-            EventKind.STEP_SNAPSHOT,
-            step=self.steps,
-            progress=self.progress,
-            tool_calls=[_snapshot_record(r) for r in self.records],
-            _id=self.run_id,
+        # A delta since the last snapshot (the text said since, the records changed since):
+        # the daemon folds them into the whole snapshot, its partial result. Sent whole each
+        # time, a run's snapshots grew with the square of its length.
+        delta = self.snapshots.next(
+            step=self.steps, progress=self.progress, records=[_snapshot_record(r) for r in self.records]
         )
+        self.emitter.emit(EventKind.STEP_SNAPSHOT, **delta, _id=self.run_id)
 
     def _cancelled(self) -> RunOutcome:
         return RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=self.stop.reason)
@@ -431,8 +434,8 @@ class AgentLoop:
         }
 
 
-# A snapshot repeats every record so far: keep each output short there (the full output
-# went out in the call's own tool_call event and is in the result).
+# A snapshot's records keep each output short (the full output went out in the call's own
+# tool_call event and is in the result): the partial result's records are these.
 SNAPSHOT_OUTPUT_CHARS = 2000
 
 

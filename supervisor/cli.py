@@ -811,6 +811,14 @@ def format_event(event: dict[str, Any]) -> str:
     elif kind == "process_group":
         alive = "" if d.get("alive", True) else " ended"
         text = f"process group {d.get('pgid')} ({d.get('kind')} {d.get('name')}){alive}"
+    elif kind == "step_snapshot" and "progress_at" in d:
+        # A delta: what the model said since the last snapshot, and the calls that changed.
+        calls = d.get("tool_calls_changed")
+        n = len(calls) if isinstance(calls, list) else 0
+        said = _short(d.get("progress_added") or "", 80)
+        text = f"snapshot after step {d.get('step')}: " + (f"+{said}" if said else "no new text")
+        if n:
+            text += f" ({n} tool call{'s' if n != 1 else ''} updated)"
     elif kind == "step_snapshot":
         text = f"snapshot after step {d.get('step')}: {_short(d.get('progress', ''), 80)}"
     elif kind == "stop_requested":

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import trio
 
-from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus
+from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, fold_snapshot
 from supervisor.config import Config
 from supervisor.core._book import RunBook
 from supervisor.core._run import Run
@@ -235,10 +235,14 @@ class Lifecycle:
                     run.steers_read.append(data["text"])
             elif kind == EventKind.STEP_SNAPSHOT:
                 # The partial-result cache: a stale writer's _id does not match; a
-                # terminal run keeps its result.
+                # terminal run keeps its result. The event is a delta since the runner's
+                # previous snapshot (or, from an older runner, a whole one): the cache holds
+                # the whole snapshot it folds into; the journal keeps the event as sent.
                 if data.get("_id") == run.run_id and run.state not in TERMINAL_STATES:
-                    run.partial = data
-                    await book.write(run, "partial result", lambda j: j.set_partial(run.run_id, data), True)
+                    whole = fold_snapshot(run.partial, data)
+                    if whole is not run.partial:  # (a delta folded already, read again: nothing)
+                        run.partial = whole
+                        await book.write(run, "partial result", lambda j: j.set_partial(run.run_id, whole), True)
         except (KeyError, TypeError, ValueError) as exc:
             text = json.dumps(item.to_dict())[:2000]
             await book.record(run, "stderr", {"text": text, "problem": f"bad {kind} event: {exc!r}"})

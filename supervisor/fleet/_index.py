@@ -17,6 +17,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Final
 
+from subagent.events import fold_snapshot
 from supervisor.states import TERMINAL_STATES
 
 __all__ = ["Index"]
@@ -130,14 +131,28 @@ class Index:
             )
             last = max(e["seq"] for e in events)
             self._db.execute("UPDATE runs SET last_seq = max(last_seq, ?) WHERE id = ?", (last, run_id))
-            for e in events:
+            row = self._db.execute(
+                "SELECT partial_snapshot, node_run_id FROM runs WHERE id = ? AND terminal = 0", (run_id,)
+            ).fetchone()
+            snapshot = json.loads(row[0]) if row is not None and row[0] is not None else None
+            before = snapshot
+            for e in sorted(events, key=lambda e: e["seq"]):
                 data = e.get("data") or {}
-                if e.get("kind") == "step_snapshot":
-                    self._db.execute(
-                        "UPDATE runs SET partial_snapshot = ? WHERE id = ? AND terminal = 0", (_dumps(data), run_id)
-                    )
+                if e.get("kind") == "step_snapshot" and row is not None:
+                    # A delta since the runner's previous snapshot (a whole one from an older
+                    # runner): the index keeps the whole snapshot, the node's partial result.
+                    if "_id" in data and row[1] is not None and data["_id"] != row[1]:
+                        continue  # not this run's runner (as the node's daemon refuses it)
+                    try:
+                        snapshot = fold_snapshot(snapshot if isinstance(snapshot, dict) else None, data)
+                    except (TypeError, ValueError):
+                        continue  # malformed: the node's daemon did not keep it either
                 elif e.get("kind") == "state" and isinstance(data.get("state"), str) and data["state"] not in _TERMINAL:
                     self._db.execute("UPDATE runs SET state = ? WHERE id = ? AND terminal = 0", (data["state"], run_id))
+            if snapshot is not before:
+                self._db.execute(
+                    "UPDATE runs SET partial_snapshot = ? WHERE id = ? AND terminal = 0", (_dumps(snapshot), run_id)
+                )
 
     def finish(
         self,

@@ -345,6 +345,9 @@ def test_a_run_spawned_from_the_cli_appears_within_a_second_and_its_steps_stream
     open_gate(tmp_path, "gate1")
     page.locator("#events li[data-kind=step_started]", has_text="Step 2").wait_for()
     page.locator("#events li[data-kind=assistant_text]", has_text="Waiting for gate2.").wait_for()
+    # The partial result so far is all the run said: the page folds each snapshot's delta
+    # (the text said since the last one) into what it shows.
+    page.locator("#result", has_text="Waiting for gate1.").filter(has_text="Waiting for gate2.").wait_for()
     open_gate(tmp_path, "gate2")
     page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
     # The last model turn's snapshot shows "All done." as a partial result first; the

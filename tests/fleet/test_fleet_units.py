@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from subagent.events import SnapshotDeltas
 from supervisor.errors import SpawnError
 from supervisor.fleet import BROWSER, SLOTS, node_resources, split_demand
 from supervisor.fleet._index import Index
@@ -47,6 +48,38 @@ def test_a_spec_maps_to_a_bundle_and_loses_its_fleet_only_key() -> None:
     for bad in ({"gpu": 1}, {"cpu": -1}, {"cpu": True}, "lots"):
         with pytest.raises(SpawnError):
             split_demand({"task": "t", "resources": bad})
+
+
+def test_the_index_folds_a_nodes_snapshot_deltas_into_the_whole_partial_result(tmp_path: Path) -> None:
+    index = Index(tmp_path / "fleet.sqlite3")
+    index.create("f-1", session_id=None, spec={"task": "t"}, bundle={SLOTS: 1.0}, created_at=1.0, timeout_s=None)
+    index.set_node("f-1", "n1")
+    index.set_node_run("f-1", "r-1")
+    deltas = SnapshotDeltas()
+    a0, a1 = {"id": "a", "state": "not_started"}, {"id": "a", "state": "succeeded"}
+    sent = [
+        deltas.next(step=1, progress="first", records=[a0]),
+        deltas.next(step=1, progress="first", records=[a1]),
+        deltas.next(step=2, progress="first\n\nsecond", records=[a1, {"id": "b", "state": "not_started"}]),
+    ]
+    events = [
+        {"seq": i, "ts": float(i), "kind": "step_snapshot", "data": {**d, "_id": "r-1"}} for i, d in enumerate(sent, 1)
+    ]
+    index.add_events("f-1", events[:2])
+    index.add_events("f-1", events[1:])  # the mirror resumes one event back: none folded twice
+    # Another runner's snapshot (its _id is not this run's node run): not this run's.
+    stray = {**deltas.next(step=3, progress="first\n\nsecond\n\nstray", records=[]), "_id": "r-other"}
+    index.add_events("f-1", [{"seq": 4, "ts": 4.0, "kind": "step_snapshot", "data": stray}])
+    row = index.get("f-1")
+    assert row is not None
+    assert row["partial_snapshot"] == {
+        "step": 2,
+        "progress": "first\n\nsecond",
+        "tool_calls": [a1, {"id": "b", "state": "not_started"}],
+        "_id": "r-1",
+        "snapshot_n": 3,
+    }
+    index.close()
 
 
 def test_the_index_writes_a_terminal_fact_once_and_survives_a_reopen(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from subagent.events import BadLine, Event, EventKind, decode_event_line, decode_result
+from subagent.events import BadLine, Event, EventKind, decode_event_line, decode_result, fold_snapshot
 from tests import conftest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +90,14 @@ class RunnerProc:
 
     def of(self, kind: EventKind) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """The whole snapshot after each ``step_snapshot`` (each is a delta: folded, as
+        the daemon folds them)."""
+        out: list[dict[str, Any]] = []
+        for e in self.of(EventKind.STEP_SNAPSHOT):
+            out.append(fold_snapshot(out[-1] if out else None, e.data))
+        return out
 
     async def wait_event(self, kind: EventKind, pred: Callable[[Event], bool] = lambda e: True) -> Event:
         """The first event of ``kind`` matching ``pred``: seen already, or when it arrives."""

@@ -43,16 +43,21 @@ async def test_scripted_run_calls_run_command_twice_and_completes(tmp_path: Path
     assert kinds[0] == EventKind.RUNNER_STARTED
     # One snapshot after each model turn that said something (its text and its announced
     # calls), one after each tool batch.
-    snaps = r.of(EventKind.STEP_SNAPSHOT)
-    assert [s.data["progress"] for s in snaps] == [
+    snaps = r.snapshots()
+    assert [s["progress"] for s in snaps] == [
         "first",
         "first",
         "first\n\nsecond",
         "first\n\nsecond",
         result["progress"],
     ]
-    assert [t["state"] for t in snaps[0].data["tool_calls"]] == ["not_started"]
-    assert snaps[0].data["tool_calls"][0]["on_stop"] == "interrupt"
+    assert [t["state"] for t in snaps[0]["tool_calls"]] == ["not_started"]
+    assert snaps[0]["tool_calls"][0]["on_stop"] == "interrupt"
+    assert [t["state"] for t in snaps[-1]["tool_calls"]] == ["succeeded", "succeeded"]
+    # Each is sent as a delta: only the text said since, only the records changed since.
+    deltas = [s.data for s in r.of(EventKind.STEP_SNAPSHOT)]
+    assert [d["progress_added"] for d in deltas][:4] == ["first", "", "\n\nsecond", ""]
+    assert [len(d["tool_calls_changed"]) for d in deltas] == [1, 1, 1, 1, 0]
     # Each call is announced (not started, no reason) before it runs.
     first_id = result["tool_calls"][0]["id"]
     states = [e.data["record"]["state"] for e in r.of(EventKind.TOOL_CALL) if e.data["record"]["id"] == first_id]
@@ -197,10 +202,10 @@ async def test_a_command_the_spec_lets_finish_finishes_after_sigterm_then_stops(
     assert second["state"] == "not_started" and second["reason"].startswith("stopped_before_start")
     assert result["steps"] == 1  # no further model call
     assert r.of(EventKind.STOP_REQUESTED)[0].data["during"] == "tool"
-    snaps = r.of(EventKind.STEP_SNAPSHOT)
-    assert snaps[-1].data["progress"] == "working"
-    assert [t["state"] for t in snaps[-1].data["tool_calls"]] == ["succeeded", "not_started"]
-    assert snaps[-1].data["_id"] == "run-test"
+    snaps = r.snapshots()
+    assert snaps[-1]["progress"] == "working"
+    assert [t["state"] for t in snaps[-1]["tool_calls"]] == ["succeeded", "not_started"]
+    assert snaps[-1]["_id"] == "run-test"
     # Only one command ever started.
     assert len([g for g in r.of(EventKind.PROCESS_GROUP) if g.data["alive"]]) == 1
     assert r.of(EventKind.PROCESS_GROUP)[0].data["on_stop"] == "finish"  # path A must spare it

@@ -462,6 +462,32 @@ def test_logs_follow_continues_through_the_daemon_until_the_end(real_daemon: Pat
             "[error] bad run spec: task",
         ),
         ({"seq": 8, "kind": "steer_sent", "data": {"text": "mind the logs"}}, "steering sent: mind the logs"),
+        (
+            {"seq": 9, "kind": "step_snapshot", "data": {"step": 2, "progress": "listed the files"}},
+            "snapshot after step 2: listed the files",
+        ),
+        (
+            {
+                "seq": 10,
+                "kind": "step_snapshot",
+                "data": {
+                    "step": 3,
+                    "snapshot_n": 5,
+                    "progress_at": 16,
+                    "progress_added": "\n\nread them",
+                    "tool_calls_changed": [{"id": "a"}, {"id": "b"}],
+                },
+            },
+            "snapshot after step 3: +read them (2 tool calls updated)",
+        ),
+        (
+            {
+                "seq": 11,
+                "kind": "step_snapshot",
+                "data": {"step": 3, "snapshot_n": 6, "progress_at": 27, "progress_added": "", "tool_calls_changed": []},
+            },
+            "snapshot after step 3: no new text",
+        ),
     ],
 )
 def test_format_event_makes_one_readable_line(event: dict[str, Any], line: str) -> None:

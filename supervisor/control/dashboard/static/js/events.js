@@ -104,3 +104,32 @@ export function renderEvent(ev) {
     extra ?? [],
   );
 }
+
+/**
+ * The whole step snapshot after a `step_snapshot` event's data `d`, given the whole one
+ * before (`base`, or null): as the daemon folds it (subagent/events.py `fold_snapshot`).
+ * A delta (it has `progress_at`) adds its text at `progress_at` and replaces or adds its
+ * changed records; one not newer than `base` (`snapshot_n`) changes nothing. An older
+ * runner's whole snapshot replaces `base`.
+ */
+export function foldSnapshot(base, d) {
+  if (!("progress_at" in d)) return d;
+  if (base && typeof base.snapshot_n === "number" && d.snapshot_n <= base.snapshot_n) return base;
+  let progress = typeof base?.progress === "string" ? base.progress : "";
+  const added = d.progress_added ?? "";
+  progress = d.progress_at <= progress.length ? progress.slice(0, d.progress_at) + added : progress + added;
+  const calls = Array.isArray(base?.tool_calls) ? [...base.tool_calls] : [];
+  for (const rec of d.tool_calls_changed ?? []) {
+    const i = calls.findIndex((c) => c && c.id === rec.id);
+    if (i < 0) calls.push(rec);
+    else calls[i] = rec;
+  }
+  return { step: d.step, progress, tool_calls: calls, _id: d._id, snapshot_n: d.snapshot_n };
+}
+
+/** The later of two whole snapshots (by `snapshot_n`; an older runner's has none: the new one). */
+export function laterSnapshot(a, b) {
+  if (!a) return b;
+  if (!b) return a;
+  return typeof a.snapshot_n === "number" && typeof b.snapshot_n === "number" && a.snapshot_n > b.snapshot_n ? a : b;
+}

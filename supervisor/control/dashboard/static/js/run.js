@@ -7,7 +7,7 @@
 
 import { Approvals } from "./approvals.js";
 import { clear, fmtAge, fmtClock, h, renderValue, stateBadge } from "./dom.js";
-import { renderEvent, toolLine } from "./events.js";
+import { foldSnapshot, laterSnapshot, renderEvent, toolLine } from "./events.js";
 import { SessionTranscript } from "./sessions.js";
 import { SteerBox } from "./steer.js";
 import { StopControl } from "./stop.js";
@@ -104,7 +104,7 @@ class RunPage {
       if (this.destroyed) return;
       this.status = status;
       this._setState(status.state);
-      if (status.partial_snapshot) this.snapshot = status.partial_snapshot;
+      if (status.partial_snapshot) this.snapshot = laterSnapshot(this.snapshot, status.partial_snapshot);
       this.approvals.onStatus(status);
       this.transcript.onStatus(status);
       this._renderFacts();
@@ -141,7 +141,8 @@ class RunPage {
       this._renderTools();
     }
     if (ev.kind === "step_snapshot") {
-      this.snapshot = d;
+      // A delta since the runner's last snapshot: folded into the whole one shown.
+      this.snapshot = foldSnapshot(this.snapshot, d);
       this._renderResult();
     }
     if (ev.kind === "runner_started" && this.status) this.status.pid = d.pid;
