@@ -37,7 +37,7 @@ import trio
 
 from supervisor.control._peer_cgroup import RunPeers, refuse_a_runs
 
-__all__ = ["Limits", "Gate", "GatedStream", "current_stream", "fd_connection_cap"]
+__all__ = ["Limits", "Gate", "GatedStream", "Throttled", "current_stream", "fd_connection_cap"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,28 @@ FD_RESERVE: Final = 64
 MIN_CONNECTIONS: Final = 8
 # At most one "refused: too many connections" line per this many seconds.
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
+
+
+class Throttled:
+    """A warning a client can cause at will, logged at most once per ``interval_s``: a
+    flood of refusals must not become a flood of log lines (each line says how many so far)."""
+
+    def __init__(self, log: logging.Logger, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self._log = log
+        self._interval_s = interval_s
+        self._last = -float("inf")
+
+    def due(self) -> bool:
+        """Whether a line may be logged now (then the next is ``interval_s`` away)."""
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            return False
+        self._last = now
+        return True
+
+    def warning(self, msg: str, *args: object) -> None:
+        if self.due():
+            self._log.warning(msg, *args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +204,8 @@ class Gate(trio.abc.Listener[trio.abc.Stream]):
         self.pending: dict[GatedStream, None] = {}
         self.refused = 0
         self.evicted = 0
-        self._last_log = -float("inf")
-        self._last_evict_log = -float("inf")
+        self._refusal_log = Throttled(logger)
+        self._eviction_log = Throttled(logger)
 
     @property
     def socket(self) -> trio.socket.SocketType:
@@ -243,32 +265,26 @@ class Gate(trio.abc.Listener[trio.abc.Stream]):
             del self.open[peer]
 
     def _log_eviction(self, peer: str) -> None:
-        now = time.monotonic()
-        if now - self._last_evict_log >= REFUSAL_LOG_INTERVAL_S:
-            self._last_evict_log = now
-            logger.warning(
-                "control: at the connection limit (%d from %s, %d in all); closed the oldest "
-                "connection still in its handshake for a new one; %d closed so far",
-                self.open[peer],
-                peer,
-                self.count,
-                self.evicted,
-            )
+        self._eviction_log.warning(
+            "control: at the connection limit (%d from %s, %d in all); closed the oldest "
+            "connection still in its handshake for a new one; %d closed so far",
+            self.open[peer],
+            peer,
+            self.count,
+            self.evicted,
+        )
 
     def _log_refusal(self, peer: str) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= REFUSAL_LOG_INTERVAL_S:
-            self._last_log = now
-            logger.warning(
-                "control: refused a connection from %s: %d open from it, %d in all "
-                "(limits %d per peer, %d in all); %d refused so far",
-                peer,
-                self.open[peer],
-                self.count,
-                self.per_peer,
-                self.total,
-                self.refused,
-            )
+        self._refusal_log.warning(
+            "control: refused a connection from %s: %d open from it, %d in all "
+            "(limits %d per peer, %d in all); %d refused so far",
+            peer,
+            self.open[peer],
+            self.count,
+            self.per_peer,
+            self.total,
+            self.refused,
+        )
 
     async def aclose(self) -> None:
         await self.inner.aclose()

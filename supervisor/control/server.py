@@ -49,10 +49,10 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from supervisor import protocol
 from supervisor.config import Config
 from supervisor.control._conn_limits import (
-    REFUSAL_LOG_INTERVAL_S,
     Gate,
     GatedStream,
     Limits,
+    Throttled,
     current_stream,
     fd_connection_cap,
 )
@@ -141,8 +141,8 @@ class _ContainedServer(WebSocketServer):
     ``REFUSAL_LOG_INTERVAL_S`` in the log.
     """
 
-    _last_log = -float("inf")
     _failed = 0
+    _failure_log: Throttled | None = None  # (its own, made at the first failure)
 
     async def _handle_connection(self, stream: trio.abc.Stream) -> None:
         try:
@@ -161,14 +161,13 @@ class _ContainedServer(WebSocketServer):
         except Exception as exc:  # (Cancelled, KeyboardInterrupt: not ours to keep)
             await trio.aclose_forcefully(stream)
             self._failed += 1
-            now = time.monotonic()
-            if now - self._last_log >= REFUSAL_LOG_INTERVAL_S:
-                self._last_log = now
-                logger.warning(
-                    "control: a connection failed before or during its handshake (%d so far): %s",
-                    self._failed,
-                    _one_line(exc),
-                )
+            if self._failure_log is None:
+                self._failure_log = Throttled(logger)
+            self._failure_log.warning(
+                "control: a connection failed before or during its handshake (%d so far): %s",
+                self._failed,
+                _one_line(exc),
+            )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -345,20 +344,18 @@ class _Server:
         # Large messages are decoded in a thread, one at a time for all connections: the
         # decoder holds the GIL, and the event loop gets it back between two of them.
         self.decoding = trio.CapacityLimiter(1)
-
-    _refusals_unlogged = 0
-    _last_refusal_log = -float("inf")
+        self._refusals_unlogged = 0
+        self._refusal_log = Throttled(logger)
 
     def _log_refusal(self, peer: str, reason: str) -> None:
         """One line a ``REFUSAL_LOG_INTERVAL_S``, its reason cut short, with how many were
         refused meanwhile: a client with no token that kept asking, with a long Origin,
         wrote ~10 MB/s to the log."""
-        now = time.monotonic()
-        if now - self._last_refusal_log < REFUSAL_LOG_INTERVAL_S:
+        if not self._refusal_log.due():
             self._refusals_unlogged += 1
             return
         more = f" ({self._refusals_unlogged} more refused since the last line)" if self._refusals_unlogged else ""
-        self._last_refusal_log, self._refusals_unlogged = now, 0
+        self._refusals_unlogged = 0
         shown = reason if len(reason) <= REFUSAL_LOG_CHARS else reason[:REFUSAL_LOG_CHARS] + "..."
         logger.warning("control: refused %s: %s%s", peer, shown, more)
 

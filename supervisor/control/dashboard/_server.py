@@ -18,8 +18,6 @@ for a newcomer; when all are, the newcomer is closed as before.
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Mapping
 from http import HTTPStatus
 from importlib import resources
@@ -30,7 +28,7 @@ import h11
 import trio
 
 from supervisor.config import Config
-from supervisor.control._conn_limits import REFUSAL_LOG_INTERVAL_S
+from supervisor.control._conn_limits import Throttled
 from supervisor.control._peer_cgroup import RefusingListener, RunPeers
 from supervisor.control.dashboard._app import DashboardApp, Request, Response
 from supervisor.control.dashboard._sessions import Sessions
@@ -287,27 +285,23 @@ async def serve_dashboard(
     # Refusals and evictions come in floods (a client in a loop): one line per interval,
     # like the control socket's, not one per connection.
     refused = 0
-    last_log = last_evict_log = -math.inf
+    refusal_log, eviction_log = Throttled(logger), Throttled(logger)
 
     async def handler(stream: trio.SocketStream) -> None:
-        nonlocal refused, last_log, last_evict_log
+        nonlocal refused
         evicted = slots.evicted
         slot = slots.take(stream)
-        now = time.monotonic()
         if slot is None:
             refused += 1
-            if now - last_log >= REFUSAL_LOG_INTERVAL_S:
-                last_log = now
-                logger.warning(
-                    "dashboard: %d connections already; closing a new one (%d refused so far)",
-                    MAX_CONNECTIONS,
-                    refused,
-                )
+            refusal_log.warning(
+                "dashboard: %d connections already; closing a new one (%d refused so far)",
+                MAX_CONNECTIONS,
+                refused,
+            )
             await stream.aclose()
             return
-        if slots.evicted > evicted and now - last_evict_log >= REFUSAL_LOG_INTERVAL_S:
-            last_evict_log = now
-            logger.warning(
+        if slots.evicted > evicted:
+            eviction_log.warning(
                 "dashboard: %d connections already; closed the one waiting longest for a "
                 "request for a new one (%d closed so far)",
                 MAX_CONNECTIONS,
