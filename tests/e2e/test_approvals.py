@@ -228,15 +228,21 @@ async def test_an_approval_that_times_out_cancels_the_run_with_its_own_reason(tm
     assert not (shared / "side-effect").exists()
 
 
+async def killed_while_awaiting(state: Path, shared: Path) -> str:
+    """A run whose call ``call_w`` awaits approval, its daemon then ``kill -9``ed: its id."""
+    async with daemon(state, grace_s=5.0) as (d1, c):
+        rid = str((await c.call("spawn", spec=approval_spec(shared)))["run_id"])
+        await Session(c).wait(rid, awaiting)
+        await kill9(d1, c)
+    return rid
+
+
 async def test_a_pending_approval_survives_a_daemon_kill_and_the_call_runs_once_approved(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     state = tmp_path / "state"
     with trio.fail_after(SCENARIO_S):
-        async with daemon(state, grace_s=5.0) as (d1, c):
-            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
-            await Session(c).wait(rid, awaiting)
-            await kill9(d1, c)
+        rid = await killed_while_awaiting(state, shared)
         async with daemon(state, grace_s=5.0) as (_d2, c):
             s = Session(c)
             waiting = await c.call("status", run_id=rid)
@@ -295,10 +301,7 @@ async def test_a_daemon_killed_before_the_run_moved_to_awaiting_approval_moves_i
     shared.mkdir()
     state = tmp_path / "state"
     with trio.fail_after(SCENARIO_S):
-        async with daemon(state, grace_s=5.0) as (d1, c):
-            rid = (await c.call("spawn", spec=approval_spec(shared)))["run_id"]
-            await Session(c).wait(rid, awaiting)
-            await kill9(d1, c)
+        rid = await killed_while_awaiting(state, shared)
         db = sqlite3.connect(state / "agentd.sqlite3")
         with db:
             (seq,) = db.execute(
