@@ -497,6 +497,13 @@ class _Connection:
                 subs_nursery.start_soon(self._idle_watch)
                 try:
                     await self._read_loop(requests, subs_nursery)
+                except trio.Cancelled:
+                    # The connection itself is cancelled (the daemon stops, past its
+                    # subscribers' drain): a send in flight is not waited for (``_send``
+                    # shields it), the TCP stream closes now and every send fails at once.
+                    if self.stream is not None:
+                        await trio.aclose_forcefully(self.stream)
+                    raise
                 finally:
                     if isinstance(self.ws, FailingConnection) and self.ws.failure is not None:
                         # A frame broke the protocol; the client may still read. Each
@@ -567,21 +574,29 @@ class _Connection:
 
     async def _send(self, text: str) -> None:
         send_s = self.limits.send_s
-        with trio.move_on_after(send_s) as scope:
-            try:
-                await self.ws.send_message(text)
-            except ConnectionClosed:
-                raise _Gone() from None
-        if scope.cancelled_caught:
-            logger.warning("control: %s read nothing for %.0f s; disconnecting it", self.peer, send_s)
-            # A frame may be half written: a close frame now would land inside it (the
-            # client reads garbage, "invalid utf-8"). The TCP stream goes, no handshake.
-            if self.stream is not None:
-                await self.stream.close_now()
-            else:
-                with trio.move_on_after(DISCONNECT_TIMEOUT_S):
-                    await self.ws.aclose(1008, "client too slow")
-            raise _Gone()
+        # Shielded: a send cancelled from outside (an unsubscribe, a subscription's end, a
+        # bad frame's refusals) may have written part of its frame, and the connection's
+        # next message went inside it (the client read garbage, "invalid utf-8", and lost
+        # the replies). A send finishes, or fails with the connection, within ``send_s``;
+        # an outer cancellation takes effect right after. (``run`` closes the stream at
+        # once when the connection itself is cancelled: a stop waits for no slow client.)
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(send_s) as scope:
+                try:
+                    await self.ws.send_message(text)
+                except ConnectionClosed:
+                    raise _Gone() from None
+            if scope.cancelled_caught:
+                logger.warning("control: %s read nothing for %.0f s; disconnecting it", self.peer, send_s)
+                # A frame may be half written: a close frame now would land inside it (the
+                # client reads garbage, "invalid utf-8"). The TCP stream goes, no handshake.
+                if self.stream is not None:
+                    await self.stream.close_now()
+                else:
+                    with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                        await self.ws.aclose(1008, "client too slow")
+                raise _Gone()
+        await trio.lowlevel.checkpoint_if_cancelled()
 
     async def _serve(self, req: protocol.Request) -> None:
         try:
