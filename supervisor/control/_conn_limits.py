@@ -179,8 +179,8 @@ class GatedStream(trio.abc.HalfCloseableStream):
         self._release()
         try:
             await self._stream.send_eof()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError):
+            pass  # (busy: a send is stuck mid-frame; the close below ends it)
         await trio.aclose_forcefully(self._stream)
 
     def _release(self) -> None:

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from trio_websocket import ConnectionClosed
 
 from supervisor import protocol
 from supervisor.control import server as control
-from supervisor.control._conn_limits import fd_connection_cap
+from supervisor.control._conn_limits import Gate, GatedStream, fd_connection_cap
 from tests.supervisor.fake_backend import FakeBackend
 from tests.supervisor.test_control import TOKEN, WAIT_S, Server, connect, start_server
 
@@ -298,3 +299,28 @@ async def test_a_large_message_is_decoded_off_the_event_loop_and_the_others_are_
         others_served.set()
         assert [(await big.recv())["id"] for _ in range(2)] == [1, 2]
     assert waited == [True]
+
+
+async def test_close_now_closes_a_connection_whose_send_is_stuck_mid_frame() -> None:
+    # A send blocked on a client that reads nothing holds the stream's send side: a
+    # ``send_eof`` then raised BusyResourceError, and close_now raised instead of closing.
+    a, b = trio.socket.socketpair()
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")  # (the gate's; unused)
+    gate = Gate(listener, per_peer=4, total=4)
+    gate.open["peer"] += 1
+    stream = GatedStream(trio.SocketStream(a), "peer", gate)
+    ended: list[type[BaseException]] = []
+
+    async def stuck() -> None:
+        try:
+            await stream.send_all(b"x" * (64 << 20))  # far beyond both socket buffers
+        except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            ended.append(type(exc))
+
+    with b, trio.fail_after(WAIT_S):
+        async with trio.open_nursery() as n:
+            n.start_soon(stuck)
+            await trio.testing.wait_all_tasks_blocked()
+            await stream.close_now()
+        await listener.aclose()
+    assert ended and gate.open["peer"] == 0
