@@ -67,6 +67,9 @@ SHUTDOWN_MARGIN_S: Final = 5.0
 # Margin on top of the grace for an interrupted (or closed) session's live turn to end
 # before the new turn (or the close) goes ahead.
 INTERRUPT_MARGIN_S: Final = 5.0
+# How long a ``status`` of a run re-adopted at a restart waits for the daemon to have read
+# what its runner did while no daemon watched (its events file); then it answers anyway.
+STATUS_CATCH_UP_WAIT_S: Final = 2.0
 
 
 # The states a stop moves to ``cancelling`` (a queued run leaves its queue; it never started).
@@ -590,6 +593,14 @@ class RunManager:
         return [out[r] for r in run_ids]
 
     async def status(self, run_id: str) -> dict[str, Any]:
+        """The run's record, with what only the daemon knows beside it. A run re-adopted at
+        a restart is shown once its events file has been read (what its runner did while no
+        daemon watched), waiting ``STATUS_CATCH_UP_WAIT_S`` at most; past that the reply
+        says ``catching_up: true``."""
+        run = self._live.get(run_id)
+        if run is not None and run.caught_up is not None:
+            with trio.move_on_after(STATUS_CATCH_UP_WAIT_S):
+                await run.caught_up.wait()
         record = await self.journal.get_run(run_id)
         if record is None:
             raise RunNotFound(run_id)
@@ -610,6 +621,8 @@ class RunManager:
                 row["partial_snapshot"] = run.partial
         self.book.overlay_unwritten(row)
         row["sandbox"] = _sandbox_of(run, row)
+        if run is not None and run.caught_up is not None and not run.caught_up.is_set():
+            row["catching_up"] = True
         return row
 
     async def list_runs(

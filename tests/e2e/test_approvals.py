@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from subagent.emit import record_paths
@@ -324,12 +325,14 @@ async def test_a_daemon_killed_before_the_run_moved_to_awaiting_approval_moves_i
     assert (shared / "side-effect").read_text() == "wrote\n"
 
 
+@pytest.mark.parametrize("first", ["approve", "status"])
 async def test_an_approval_asked_while_the_daemon_was_down_is_answerable_as_soon_as_it_is_back(
-    tmp_path: Path,
+    tmp_path: Path, first: str
 ) -> None:
     # The runner asks while no daemon runs: the request is only in its events file. The
     # restarted daemon serves before it has read that file; an approve sent at once must
-    # wait for the run's catch-up, not be refused as "not awaiting approval".
+    # wait for the run's catch-up, not be refused as "not awaiting approval", and a status
+    # at once must say what the run is doing (awaiting), not what it was ("running").
     shared = tmp_path / "shared"
     shared.mkdir()
     state = tmp_path / "state"
@@ -353,6 +356,11 @@ async def test_an_approval_asked_while_the_daemon_was_down_is_answerable_as_soon
             await trio.sleep(0.02)
         async with daemon(state, grace_s=5.0) as (_d2, c):
             s = Session(c)
+            if first == "status":
+                st = await s.reply("status", run_id=rid)
+                assert st["result"]["state"] == "awaiting_approval", st["result"]["state"]
+                assert [a["call_id"] for a in st["result"]["approvals"]] == ["call_w"]
+                assert "catching_up" not in st["result"]
             answer = await s.reply("approve", run_id=rid, call_id="call_w")
             assert answer["ok"] is True, answer
             final = await s.end(rid)
