@@ -17,7 +17,7 @@ from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from supervisor.errors import ControlProtocolError
-from tests.supervisor.test_stop_tools import command_alive
+from tests.supervisor.test_stop_tools import command_alive, wait_event
 
 
 @pytest.fixture
@@ -43,17 +43,6 @@ def gated_script(turns_after: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def wait_kind(m: RunManager, run_id: str, pred: Any) -> dict[str, Any]:
-    async with m.subscribe(run_id) as live:
-        for e in await m.events_after(run_id, 0):
-            if pred(e):
-                return e
-        async for e in live:
-            if pred(e):
-                return e
-    raise AssertionError("run ended first")
-
-
 def running_tool(e: dict[str, Any]) -> bool:
     return e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running"
 
@@ -62,7 +51,7 @@ async def test_steering_is_applied_at_the_next_step_boundary(manager: RunManager
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, running_tool)
+        await wait_event(manager, rid, running_tool)
         reply = await manager.steer(rid, "also check the disk")
         assert reply["accepted"] is True
         run_dir = Path((await manager.status(rid))["run_dir"])
@@ -88,13 +77,13 @@ async def test_a_stop_lets_the_running_tool_finish_and_reports_unapplied_steerin
         rid = r["run_id"]
         # Its command's process is up (a command the stop finds still spawning is ended:
         # its policy applies to a running command), not only its record.
-        await wait_kind(manager, rid, command_alive)
+        await wait_event(manager, rid, command_alive)
         assert (await manager.steer(rid, "do more"))["accepted"] is True
-        await wait_kind(manager, rid, lambda e: e["kind"] == "steering")
+        await wait_event(manager, rid, lambda e: e["kind"] == "steering")
         cancel = await manager.cancel(rid)
         assert cancel["was_active"] is True
         assert (await manager.steer(rid, "too late"))["accepted"] is False
-        await wait_kind(manager, rid, lambda e: e["kind"] == "stop_requested")
+        await wait_event(manager, rid, lambda e: e["kind"] == "stop_requested")
         run_dir = Path((await manager.status(rid))["run_dir"])
         (run_dir / "go").touch()  # the running tool finishes after the stop
         st = await manager.wait_terminal(rid)
@@ -135,7 +124,7 @@ async def test_steering_its_runner_never_read_is_reported_unapplied(manager: Run
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, command_alive)
+        await wait_event(manager, rid, command_alive)
         pid = (await manager.status(rid))["pid"]
         os.kill(pid, signal.SIGSTOP)  # the runner this test's daemon started
         reply = await manager.steer(rid, "never read")
@@ -170,7 +159,7 @@ async def test_a_steer_racing_the_runs_end_is_refused_and_never_reported_unappli
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, command_alive)
+        await wait_event(manager, rid, command_alive)
         run = manager._live[rid]
         pid = (await manager.status(rid))["pid"]
         replies: list[dict[str, Any]] = []
@@ -211,7 +200,7 @@ async def test_a_second_cancel_is_acknowledged_only_once_the_stop_is_durable(
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
-        await wait_kind(manager, rid, command_alive)
+        await wait_event(manager, rid, command_alive)
         monkeypatch.setattr(Journal, "record_cancel", held)
         replies: list[dict[str, Any]] = []
 
@@ -258,10 +247,10 @@ async def test_the_runners_stop_at_its_deadline_is_the_daemons_cancel(manager: R
     with trio.fail_after(30):
         r = await manager.spawn(spec)
         rid = r["run_id"]
-        stopped = await wait_kind(manager, rid, lambda e: e["kind"] == "stop_requested")
+        stopped = await wait_event(manager, rid, lambda e: e["kind"] == "stop_requested")
         assert stopped["data"]["reason"] == "timeout"
         with trio.fail_after(3):  # well before the daemon's own backstop (0.5 + 5 s)
-            cancelling = await wait_kind(
+            cancelling = await wait_event(
                 manager, rid, lambda e: e["kind"] == "state" and e["data"]["state"] == "cancelling"
             )
         st = await manager.wait_terminal(rid)

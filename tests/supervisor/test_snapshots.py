@@ -26,6 +26,7 @@ from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from tests.supervisor.test_restart_stop import daemon, kill9, wait_call_running
+from tests.supervisor.test_stop_tools import wait_event
 
 
 @asynccontextmanager
@@ -50,17 +51,6 @@ def folded(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         if e["kind"] == "step_snapshot":
             whole = fold_snapshot(whole, e["data"])
     return whole
-
-
-async def wait_event(m: RunManager, run_id: str, pred: Any) -> dict[str, Any]:
-    async with m.subscribe(run_id) as live:
-        for e in await m.events_after(run_id, 0):
-            if pred(e):
-                return e
-        async for e in live:
-            if pred(e):
-                return e
-    raise AssertionError("the run ended first")
 
 
 async def all_events(m: RunManager, run_id: str) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
 from tests import conftest
-from tests.supervisor.test_stop_tools import command_alive
+from tests.supervisor.test_stop_tools import command_alive, wait_event
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 
@@ -91,14 +91,7 @@ async def spawn_at_once(m: RunManager, n: int) -> list[dict[str, Any]]:
 async def wait_running_tool(m: RunManager, run_id: str) -> None:
     """Until the run's command is running: its group alive, past its gate (a stop before
     that leaves it unrun, and its record ``not_started``)."""
-    async with m.subscribe(run_id) as live:
-        for e in await m.events_after(run_id, 0):
-            if command_alive(e):
-                return
-        async for e in live:
-            if command_alive(e):
-                return
-    raise AssertionError("the run ended before its command ran")
+    await wait_event(m, run_id, command_alive)
 
 
 def _status_masks(pid: int) -> dict[str, str]:
