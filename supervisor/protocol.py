@@ -100,10 +100,10 @@ MAX_TIMEOUT_S: Final = 1e9
 
 
 class Op(enum.StrEnum):
-    SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number, model_key?: str}
+    SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number, model_key?: str, key?: str}
     CANCEL = "cancel"  # {run_id: str, reason?: str} | {session_id: str, reason?: str} | {run_ids: [str], reason?: str}
     STATUS = "status"  # {run_id?: str}; without run_id: the daemon and its live runs
-    LIST = "list"  # {limit?: int, state?: RunState, session_id?: str}
+    LIST = "list"  # {limit?: int, state?: RunState, session_id?: str, key?: str}
     EVENTS = "events"  # {run_id: str, after_seq?: int, limit?: int}: one page of the journal
     SUBSCRIBE = "subscribe"  # {run_id: str, after_seq?: int}: replay, then live, then "end"
     UNSUBSCRIBE = "unsubscribe"  # {sub: str}
@@ -169,7 +169,9 @@ class Backend(Protocol):
         journaled or logged); one without a key does not pass it. A spawn with
         ``interrupt: true`` passes ``interrupt=True`` (stop the session's live turn first);
         one without does not pass it. A session with a live turn refuses a new one with a
-        ``ControlProtocolError`` coded ``session_busy``.
+        ``ControlProtocolError`` coded ``session_busy``. A spawn with an idempotency key
+        passes ``key=`` (one without does not): a key already used returns its run (with
+        ``"existing": true``) and starts nothing.
         """
         ...
 
@@ -181,7 +183,9 @@ class Backend(Protocol):
         """The run as a dict (state, result, partial, receipt, ...). Raises RunNotFound."""
         ...
 
-    async def list_runs(self, *, limit: int, state: str | None, session_id: str | None) -> list[dict[str, Any]]: ...
+    async def list_runs(self, *, limit: int, state: str | None, session_id: str | None) -> list[dict[str, Any]]:
+        """Newest first. A ``list`` with a key passes ``key=`` (the run its spawn created, if any)."""
+        ...
 
     async def events_after(self, run_id: str, after_seq: int, limit: int) -> list[dict[str, Any]]:
         """Journal events with ``seq > after_seq``, in order, at most ``limit``. Raises RunNotFound."""
@@ -235,6 +239,8 @@ class SpawnRequest(NamedTuple):
     model_key: Secret | None = None
     # Stop the session's live turn first (through the normal cancel path), then start this one.
     interrupt: bool = False
+    # An idempotency key: a spawn whose key made a run already returns that run, starts nothing.
+    key: str | None = None
 
 
 class CancelRequest(NamedTuple):
@@ -303,6 +309,8 @@ class ListRequest(NamedTuple):
     state: str | None = None
     session_id: str | None = None
     op: Op = Op.LIST
+    # Only the run a spawn with this idempotency key created (none or one).
+    key: str | None = None
 
 
 class EventsRequest(NamedTuple):
@@ -631,7 +639,15 @@ def _spawn(rid: Any, obj: Mapping[str, Any]) -> SpawnRequest:
     session_id = _ident(obj, "session_id", required=False)
     if interrupt and session_id is None and not isinstance(spec.get("session_id"), str):
         raise _Bad(ErrorCode.BAD_ARGS, "'interrupt' needs a 'session_id': it stops that session's live turn")
-    return SpawnRequest(rid, spec, session_id, timeout, model_key=_model_key(obj.get("model_key")), interrupt=interrupt)
+    return SpawnRequest(
+        rid,
+        spec,
+        session_id,
+        timeout,
+        model_key=_model_key(obj.get("model_key")),
+        interrupt=interrupt,
+        key=_ident(obj, "key", required=False),
+    )
 
 
 def _model_key(v: Any) -> Secret | None:
@@ -743,6 +759,7 @@ def _list(rid: Any, obj: Mapping[str, Any]) -> ListRequest:
         _int(obj, "limit", DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT),
         state,
         _ident(obj, "session_id", required=False),
+        key=_ident(obj, "key", required=False),
     )
 
 

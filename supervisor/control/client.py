@@ -224,17 +224,22 @@ class Client:
         timeout_s: float | None = None,
         model_key: str | None = None,
         interrupt: bool = False,
+        key: str | None = None,
     ) -> dict[str, Any]:
         """Start a run. ``model_key``: this run's model API key, handed to its runner only
         (never journaled); the daemon's own ``OPENAI_API_KEY`` is used without it. With a
         session, ``interrupt`` stops the session's live turn first (else a session with a
-        live turn refuses the new one: ``ControlProtocolError`` coded ``session_busy``)."""
+        live turn refuses the new one: ``ControlProtocolError`` coded ``session_busy``).
+        ``key``: an idempotency key; a spawn whose key already made a run returns that
+        run (``"existing": true``) and starts nothing, so a spawn whose answer was lost
+        may be sent again with its key."""
         args = {
             "spec": spec,
             "session_id": session_id,
             "timeout_s": timeout_s,
             "model_key": model_key,
             "interrupt": interrupt or None,
+            "key": key,
         }
         if interrupt:
             return self._waits_for_a_stop("spawn", args)
@@ -390,9 +395,15 @@ class Client:
         return self.request("status", run_id=run_id)
 
     def list_runs(
-        self, *, limit: int = protocol.DEFAULT_LIST_LIMIT, state: str | None = None, session_id: str | None = None
+        self,
+        *,
+        limit: int = protocol.DEFAULT_LIST_LIMIT,
+        state: str | None = None,
+        session_id: str | None = None,
+        key: str | None = None,
     ) -> list[dict[str, Any]]:
-        return _list_in(self.request("list", limit=limit, state=state, session_id=session_id), "runs")
+        """Newest first; with ``key``, the run a spawn with that idempotency key made (or none)."""
+        return _list_in(self.request("list", limit=limit, state=state, session_id=session_id, key=key), "runs")
 
     def events(
         self, run_id: str, *, after_seq: int = 0, limit: int = protocol.DEFAULT_EVENTS_LIMIT

@@ -649,6 +649,8 @@ class _Connection:
                 extra["model_key"] = req.model_key
             if req.interrupt:
                 extra["interrupt"] = True
+            if req.key is not None:
+                extra["key"] = req.key
             return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s, **extra)
         if isinstance(req, protocol.CancelRequest):
             if req.run_id is not None:
@@ -665,7 +667,8 @@ class _Connection:
                 return await b.status(req.run_id)
             return await self._daemon_status()
         if isinstance(req, protocol.ListRequest):
-            runs = await b.list_runs(limit=req.limit, state=req.state, session_id=req.session_id)
+            keyed: dict[str, Any] = {} if req.key is None else {"key": req.key}
+            runs = await b.list_runs(limit=req.limit, state=req.state, session_id=req.session_id, **keyed)
             return {"runs": [summary_row(r) for r in runs]}
         if isinstance(req, protocol.EventsRequest):
             events, more = await _page(

@@ -98,11 +98,16 @@ class RunBook:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 run.subscribers.discard(send)
 
-    async def create(self, run: Run, *, created_at: float, start: dict[str, Any] | None = None) -> None:
+    async def create(
+        self, run: Run, *, created_at: float, start: dict[str, Any] | None = None, key: str | None = None
+    ) -> None:
         """A new run: its record and its ``queued`` state event, one commit (fsynced).
         With ``start`` (its process record: a spare runner took it, and its place under
         ``max_concurrent`` is held) the run starts at once, as ``start`` writes it, in that
         same commit (a turn prepared at its creation: its ``session`` event too).
+
+        With ``key`` (the spawn's idempotency key) the key is recorded as this run's, in
+        that commit too.
 
         Not queued when the journal cannot be written: no new run then.
 
@@ -122,6 +127,7 @@ class RunBook:
                 timeout_s=run.timeout_s,
                 events=[("state", queued, created_at)],
                 start=None if start is None else RunStart(created_at, begun, deadline, start),
+                key=key,
             )
             self._send(run, seqs[0], "state", queued, created_at)
             if start is not None and len(seqs) > 1:

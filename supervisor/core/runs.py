@@ -105,6 +105,16 @@ def _no_input_why(run: Run) -> str:
     return "the runner is not reading input yet"
 
 
+class _KeyLock:
+    """One idempotency key's lock, and how many spawns hold or wait for it."""
+
+    __slots__ = ("lock", "holders")
+
+    def __init__(self) -> None:
+        self.lock = trio.Lock()
+        self.holders = 0
+
+
 class RunManager:
     """Implements the control socket's Backend over the journal and the process layer."""
 
@@ -122,6 +132,8 @@ class RunManager:
         # Runs that asked for a spare at their spawn and found none: asking again at their
         # start is not one more spawn that wanted one (``Zygote.take_spare`` counts them).
         self._spare_asked: set[str] = set()
+        # Spawns with an idempotency key, one at a time per key (dropped when none waits).
+        self._key_locks: dict[str, _KeyLock] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
@@ -214,8 +226,15 @@ class RunManager:
         timeout_s: float | None = None,
         model_key: Secret | None = None,
         interrupt: bool = False,
+        key: str | None = None,
     ) -> dict[str, Any]:
         """Start a run. ``model_key``: its own model API key (see ``_validate_spec``).
+
+        ``key``: the spawn's idempotency key (client-chosen). The first spawn with a key
+        that creates a run records the key with it, in the run's creation commit; a
+        spawn with a key already recorded starts nothing and returns that run, whatever
+        its state now (``"existing": true``; its spec is not compared). Spawns with one
+        key are taken one at a time. A spawn refused creates no run and records nothing.
 
         With a session (``session_id``, or the spec's) the run is the session's next turn:
         it gets the history of the turns before it. One turn of a session is live at a
@@ -231,6 +250,38 @@ class RunManager:
             raise SpawnError("the daemon is not accepting runs (shutting down)")
         if not isinstance(spec, dict):
             raise SpawnError(f"spec must be a json object, got {type(spec).__name__}")
+        if key is None:
+            return await self._spawn(spec, session_id, timeout_s, model_key, interrupt, None)
+        if not isinstance(key, str) or not key.strip() or len(key) > MAX_ID_CHARS:
+            raise SpawnError(f"invalid spawn key: a non-empty string of at most {MAX_ID_CHARS} chars")
+        lock = self._key_locks.get(key)
+        if lock is None:
+            lock = self._key_locks[key] = _KeyLock()
+        lock.holders += 1
+        try:
+            async with lock.lock:
+                existing = await self.journal.run_for_key(key)
+                if existing is not None:
+                    run = self._live.get(existing)
+                    record = await self.journal.get_run(existing) if run is None else None
+                    state = str(run.state) if run is not None else str(record["state"]) if record else None
+                    session = run.session_id if run is not None else record["session_id"] if record else None
+                    return {"run_id": existing, "state": state, "session_id": session, "existing": True}
+                return await self._spawn(spec, session_id, timeout_s, model_key, interrupt, key)
+        finally:
+            lock.holders -= 1
+            if lock.holders == 0:
+                del self._key_locks[key]
+
+    async def _spawn(
+        self,
+        spec: dict[str, Any],
+        session_id: str | None,
+        timeout_s: float | None,
+        model_key: Secret | None,
+        interrupt: bool,
+        key: str | None,
+    ) -> dict[str, Any]:
         run_id = "r-" + uuid.uuid4().hex[:16]
         spec = dict(spec)
         spec["run_id"] = run_id
@@ -260,7 +311,7 @@ class RunManager:
             # uses and the one status shows: the runner does not choose again.
             spec["model"] = {**(spec.get("model") or {}), "provider": provider}
         if not isinstance(session_id, str):
-            return await self._create(run_id, None, spec, timeout_s, model_key)
+            return await self._create(run_id, None, spec, timeout_s, model_key, key)
         async with self.session_desk.lock(session_id):
             await self.session_desk.open(session_id)
             live = [r for r in self._live.values() if r.session_id == session_id]
@@ -271,7 +322,7 @@ class RunManager:
                     "wait for it to end, cancel it, or start the new turn with interrupt (agentd spawn --interrupt)",
                 )
             await self._end_turns(live, "user", f"a new turn of session {session_id!r}")
-            return await self._create(run_id, session_id, spec, timeout_s, model_key)
+            return await self._create(run_id, session_id, spec, timeout_s, model_key, key)
 
     async def _end_turns(self, runs: list[Run], reason: str, why: str) -> None:
         """Cancel live turns through the normal path and wait for their terminal facts.
@@ -298,6 +349,7 @@ class RunManager:
         spec: dict[str, Any],
         timeout_s: float | None,
         model_key: Secret | None,
+        key: str | None = None,
     ) -> dict[str, Any]:
         if not self._accepting or self._nursery is None:
             raise SpawnError("the daemon is not accepting runs (shutting down)")
@@ -332,7 +384,7 @@ class RunManager:
                     self._started_at_spawn.add(run_id)
                     start = spare.process_record()
         try:
-            await self.book.create(run, created_at=time.time(), start=start)
+            await self.book.create(run, created_at=time.time(), start=start, key=key)
         except BaseException as exc:
             self._undo_spawn(run)
             if not isinstance(exc, JournalUnavailable):
@@ -626,10 +678,11 @@ class RunManager:
         return row
 
     async def list_runs(
-        self, *, limit: int = 50, state: str | None = None, session_id: str | None = None
+        self, *, limit: int = 50, state: str | None = None, session_id: str | None = None, key: str | None = None
     ) -> list[dict[str, Any]]:
+        """The newest runs first; with ``key``, the run a spawn with that key created (or none)."""
         states = [RunState(state)] if state else None
-        records = await self.journal.list_runs(limit=limit, states=states, session_id=session_id)
+        records = await self.journal.list_runs(limit=limit, states=states, session_id=session_id, key=key)
         rows: list[dict[str, Any]] = [{**record} for record in records]
         for row in rows:
             run = self._live.get(row["id"])

@@ -308,6 +308,7 @@ class Store(SessionStoreMixin):
         spec: str,
         created_at: float,
         timeout_s: float | None,
+        key: str | None = None,
     ) -> None:
         with self._tx(durable=True) as conn:
             cur = conn.execute(
@@ -320,6 +321,19 @@ class Store(SessionStoreMixin):
                     f"journal {self._path!r}: a run with id {run_id!r} already exists",
                     path=self._path,
                 )
+            if key is not None:
+                cur = conn.execute(
+                    "INSERT INTO spawn_keys (key, run_id) VALUES (?, ?) ON CONFLICT DO NOTHING", (key, run_id)
+                )
+                if cur.rowcount != 1:  # the transaction is rolled back: no run either
+                    raise JournalError(
+                        f"journal {self._path!r}: the spawn key {key!r} names a run already", path=self._path
+                    )
+
+    def run_for_key(self, key: str) -> str | None:
+        with self._read() as conn:
+            row = conn.execute("SELECT run_id FROM spawn_keys WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
 
     def transition(self, run_id: str, new: RunState, reason: str | None, at: float) -> bool:
         sources = _sources(new)
@@ -665,9 +679,14 @@ class Store(SessionStoreMixin):
                 out.update((str(r[0]), str(r[1])) for r in rows)
         return out
 
-    def list_runs(self, limit: int, states: Sequence[RunState] | None, session_id: str | None) -> list[RunRecord]:
+    def list_runs(
+        self, limit: int, states: Sequence[RunState] | None, session_id: str | None, key: str | None = None
+    ) -> list[RunRecord]:
         clauses: list[str] = []
         params: list[object] = []
+        if key is not None:
+            clauses.append("id IN (SELECT run_id FROM spawn_keys WHERE key = ?)")
+            params.append(key)
         if states is not None:
             clauses.append(f"state IN ({_marks(states)})")
             params.extend(s.value for s in states)

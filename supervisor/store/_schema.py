@@ -252,7 +252,18 @@ CREATE TABLE sessions (
 ) STRICT;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4)
+# Version 5: spawn idempotency keys. A spawn may carry a key its client chose; the key
+# and the run it created are written in the run's creation transaction, so a spawn
+# repeated with that key (its answer lost, its client restarted) finds the run, across a
+# restart too. One key names one run, and a run has at most one key.
+_V5 = """
+CREATE TABLE spawn_keys (
+    key    TEXT PRIMARY KEY NOT NULL,
+    run_id TEXT NOT NULL UNIQUE REFERENCES runs (id)
+) STRICT;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5)
 # Migrations that rebuild a table others reference: run with foreign keys off (SQLite's
 # documented procedure), checked with foreign_key_check before they commit.
 _FOREIGN_KEYS_OFF: Final = frozenset({4})

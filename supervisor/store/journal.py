@@ -403,14 +403,17 @@ class Journal:
         timeout_s: float | None,
         events: Iterable[tuple[str, Mapping[str, Any], float]] = (),
         start: RunStart | None = None,
+        key: str | None = None,
     ) -> list[int]:
         """Record a new run in state ``queued`` (durably), with its first ``(kind, data,
         ts)`` events (its ``queued`` state) in the same transaction, and with ``start``
         its start as ``start_run`` writes it, in that transaction too (a run that starts
-        at once: one commit, one fsync). The numbers of the events written.
+        at once: one commit, one fsync). With ``key`` (the spawn's idempotency key) the
+        key is recorded as this run's in that transaction too (``run_for_key``). The
+        numbers of the events written.
 
         Raises:
-            JournalError: a run with this id exists.
+            JournalError: a run with this id exists, or a run with this key.
         """
         spec_json = dumps(dict(spec))
         rid = _text(run_id)
@@ -418,7 +421,7 @@ class Journal:
         started = None if start is None else _start_op(rid, start)
 
         def create(s: Store) -> list[int]:
-            s.create_run(rid, _opt_text(session_id), spec_json, created_at, timeout_s)
+            s.create_run(rid, _opt_text(session_id), spec_json, created_at, timeout_s, _opt_text(key))
             seqs = s.append_events(rid, items) if items else []
             if started is not None:
                 seqs += started(s)[1]
@@ -784,6 +787,10 @@ class Journal:
     async def get_run(self, run_id: str) -> RunRecord | None:
         return await self._call(lambda s: s.get_run(_text(run_id)))
 
+    async def run_for_key(self, key: str) -> str | None:
+        """The id of the run a spawn with this idempotency key created, if one did."""
+        return await self._call(lambda s: s.run_for_key(_text(key)))
+
     async def run_states(self, run_ids: Iterable[str]) -> dict[str, str]:
         """Run id -> state, for those of ``run_ids`` that exist: one call, however many."""
         ids = [_text(r) for r in run_ids]
@@ -795,10 +802,12 @@ class Journal:
         limit: int = 50,
         states: Iterable[RunState] | None = None,
         session_id: str | None = None,
+        key: str | None = None,
     ) -> list[RunRecord]:
-        """The newest runs first, optionally only those in ``states`` or one session."""
+        """The newest runs first, optionally only those in ``states``, of one session, or
+        the one a spawn with this idempotency ``key`` created."""
         wanted = None if states is None else [RunState(s) for s in states]
-        return await self._call(lambda s: s.list_runs(limit, wanted, _opt_text(session_id)))
+        return await self._call(lambda s: s.list_runs(limit, wanted, _opt_text(session_id), _opt_text(key)))
 
     async def live_runs(self) -> list[RunRecord]:
         """Every run not in a terminal state, oldest first: what recovery looks at."""

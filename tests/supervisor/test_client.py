@@ -157,6 +157,29 @@ def test_ops_round_trip_through_the_real_server(server: ServerThread, client: Cl
     assert server.backend.spawns == [{"spec": {"task": "hi"}, "session_id": "s1", "timeout_s": 9.0}]
 
 
+def test_a_spawn_key_and_a_list_by_key_reach_the_backend_and_only_when_given(tmp_path: Path) -> None:
+    class Keyed(FakeBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.keys: list[tuple[str, str | None]] = []
+
+        async def spawn(self, spec: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            self.keys.append(("spawn", kw.pop("key", None)))
+            return await super().spawn(spec, **kw)
+
+        async def list_runs(self, **kw: Any) -> list[dict[str, Any]]:
+            self.keys.append(("list", kw.pop("key", None)))
+            return await super().list_runs(**kw)
+
+    backend = Keyed()
+    with ServerThread(tmp_path, backend) as srv, Client(state_dir=srv.config.state_dir, timeout_s=10) as c:
+        c.spawn({"task": "t"}, key="f-1")
+        c.spawn({"task": "t"})
+        c.list_runs(key="f-1")
+        c.list_runs()
+    assert backend.keys == [("spawn", "f-1"), ("spawn", None), ("list", "f-1"), ("list", None)]
+
+
 def test_cancel_many_is_one_request_and_answers_each_run_in_order(tmp_path: Path) -> None:
     class Many(FakeBackend):
         def __init__(self) -> None:

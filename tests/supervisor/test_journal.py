@@ -77,7 +77,7 @@ async def test_a_new_file_gets_the_latest_schema_in_wal_mode(db: Path) -> None:
     async with await Journal.open(db):
         pass
     conn = raw(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
     assert {"runs", "events", "tool_calls", "process_groups"} <= tables
@@ -122,6 +122,39 @@ async def test_a_journal_from_an_older_schema_is_migrated_and_keeps_its_runs(db:
     with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
         conn.execute("UPDATE runs SET state = 'running' WHERE id = 'old'")
     conn.close()
+
+
+async def test_a_spawn_key_is_recorded_with_its_run_and_found_after_a_reopen(db: Path) -> None:
+    async with await Journal.open(db) as j:
+        await j.create_run("r1", session_id=None, spec={"task": "t"}, created_at=1.0, timeout_s=None, key="k-1")
+        await j.create_run("r2", session_id=None, spec={"task": "t"}, created_at=2.0, timeout_s=None)
+        assert await j.run_for_key("k-1") == "r1"
+        assert await j.run_for_key("k-2") is None
+    async with await Journal.open(db) as j:
+        assert await j.run_for_key("k-1") == "r1"
+        assert [r["id"] for r in await j.list_runs(key="k-1")] == ["r1"]
+        assert await j.list_runs(key="k-2") == []
+
+
+async def test_a_key_already_used_creates_no_second_run(db: Path) -> None:
+    async with await Journal.open(db) as j:
+        await j.create_run("r1", session_id=None, spec={}, created_at=1.0, timeout_s=None, key="k")
+        with pytest.raises(JournalError, match="spawn key"):
+            await j.create_run("r2", session_id=None, spec={}, created_at=2.0, timeout_s=None, key="k")
+        assert await j.get_run("r2") is None  # one transaction: the run went with the key
+        assert await j.run_for_key("k") == "r1"
+
+
+async def test_a_version_4_journal_is_migrated_and_takes_spawn_keys(db: Path) -> None:
+    conn = _journal_schema.connect(str(db), target=4)
+    conn.execute("INSERT INTO runs (id, state, created_at, spec) VALUES ('old', 'completed', 1.0, '{}')")
+    conn.close()
+    async with await Journal.open(db) as j:
+        assert await j.run_for_key("k") is None
+        await j.create_run("new", session_id=None, spec={}, created_at=2.0, timeout_s=None, key="k")
+        assert await j.run_for_key("k") == "new"
+        old = await j.get_run("old")
+        assert old is not None and old["state"] is S.COMPLETED
 
 
 async def test_a_file_that_is_not_a_database_is_a_journal_error_naming_the_path(

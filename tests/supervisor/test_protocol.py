@@ -372,6 +372,17 @@ def test_the_conversation_and_approval_ops_decode_with_their_arguments() -> None
     assert dec({"op": "spawn", "spec": {"task": "x"}}).interrupt is False  # type: ignore[union-attr]
 
 
+def test_a_spawn_and_a_list_carry_an_idempotency_key_validated_like_an_id() -> None:
+    req = dec({"op": "spawn", "spec": {"task": "x"}, "key": "f-1"})
+    assert isinstance(req, protocol.SpawnRequest) and req.key == "f-1"
+    assert dec({"op": "spawn", "spec": {"task": "x"}}).key is None  # type: ignore[union-attr]
+    assert dec({"op": "list", "key": "f-1"}) == protocol.ListRequest(None, key="f-1")
+    for op in ("spawn", "list"):
+        for bad in ("", "  ", 5, "k" * (protocol.MAX_ID_CHARS + 1)):
+            out = dec({"id": 3, "op": op, "spec": {"task": "x"}, "key": bad})
+            assert isinstance(out, BadRequest) and out.code == ErrorCode.BAD_ARGS and "'key'" in out.message, out
+
+
 @pytest.mark.parametrize(
     "msg",
     [

@@ -6,6 +6,7 @@ real processes; the stand-in runner lets each test pick the child's behaviour.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -346,6 +347,63 @@ async def test_a_spec_session_id_is_held_to_the_requests_limits(daemon: Daemon) 
     for bad in ("S" * 257, "  ", 5):
         with pytest.raises(SpawnError, match="session_id"):
             await daemon.m.spawn({**task(wait=False), "session_id": bad})
+
+
+async def test_a_spawn_repeated_with_its_key_returns_its_run_and_starts_nothing(daemon: Daemon) -> None:
+    with trio.fail_after(15):
+        first = await daemon.m.spawn(task(), session_id="s", key="k-1")
+        assert "existing" not in first
+        await _wait_event(daemon, first["run_id"], "step_snapshot")
+        # Live, in a session with a live turn: the repeat is that turn, not session_busy.
+        again = await daemon.m.spawn(task(), session_id="s", key="k-1")
+        assert again == {"run_id": first["run_id"], "state": "running", "session_id": "s", "existing": True}
+        await daemon.m.cancel(first["run_id"])
+        await daemon.m.wait_terminal(first["run_id"])
+        # Ended: still that run, whatever its state now (a different spec is not compared).
+        ended = await daemon.m.spawn(task(wait=False), key="k-1")
+        assert ended["run_id"] == first["run_id"] and ended["state"] == "cancelled" and ended["existing"] is True
+        assert [r["id"] for r in await daemon.m.list_runs()] == [first["run_id"]]
+        assert [r["id"] for r in await daemon.m.list_runs(key="k-1")] == [first["run_id"]]
+        assert await daemon.m.list_runs(key="k-2") == []
+        assert daemon.m._key_locks == {}
+    for bad in ("K" * 257, "  ", 5):
+        with pytest.raises(SpawnError, match="spawn key"):
+            await daemon.m.spawn(task(wait=False), key=bad)  # type: ignore[arg-type]
+
+
+async def test_concurrent_spawns_with_one_key_start_one_run(daemon: Daemon) -> None:
+    replies: list[dict[str, Any]] = []
+
+    async def one() -> None:
+        replies.append(await daemon.m.spawn(task(wait=False), key="k-same"))
+
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(one)
+        assert len({r["run_id"] for r in replies}) == 1
+        assert sum(1 for r in replies if not r.get("existing")) == 1
+        await daemon.m.wait_terminal(replies[0]["run_id"])
+        assert len(await daemon.m.list_runs()) == 1
+    assert daemon.m._key_locks == {}
+
+
+async def test_a_spawn_key_holds_across_a_daemon_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent.parent))
+    config = Config.load(state_dir=tmp_path / "state", runner_command=tuple(FAKE), grace_s=0.5, environ={})
+    replies = []
+    with trio.fail_after(30):
+        for _ in range(2):
+            stop = trio.Event()
+            async with trio.open_nursery() as n:
+                info = await n.start(functools.partial(serve, config, stop=stop))
+                m: RunManager = info["manager"]
+                replies.append(await m.spawn(task(wait=False), key="k-durable"))
+                await m.wait_terminal(replies[-1]["run_id"])
+                runs = await m.list_runs()
+                stop.set()
+    assert replies[1] == {**replies[0], "state": "completed", "existing": True}
+    assert [r["id"] for r in runs] == [replies[0]["run_id"]]
 
 
 async def test_requests_naming_sessions_that_never_were_leave_no_lock_behind(daemon: Daemon) -> None:
