@@ -9,8 +9,9 @@ second one. ``fleet_up``/``fleet_down`` are the driver side (``agentd fleet up/d
 
 Size: the agent's two jobs share one actor's state and are kept together: the daemon it
 supervises, and the hand-off to that daemon (``HandOffs``: a spawn in flight is reserved,
-a stalled daemon's answer is "unknown" and awaited, a lost answer is read back from the
-journal), which is most of the length and is what must not be split from the spawn map.
+a stalled daemon's answer is "unknown" and awaited, a lost answer is looked up in the
+daemon by its key, the fleet run id), which is most of the length and is what must not be
+split from the spawn map.
 """
 
 from __future__ import annotations
@@ -70,13 +71,8 @@ AGENT_CONCURRENCY: Final = 32
 # not known yet (the hand-off goes on waiting for it; the front asks again).
 SPAWN_ANSWER_S: Final = 30.0
 # While a spawn's answer is awaited: how often the hand-off looks up from its socket (the
-# agent stopping), and reads the journal of a daemon whose connection broke.
+# agent stopping), and asks a daemon whose connection broke for the run its key made.
 SPAWN_POLL_S: Final = 1.0
-# A run in the journal created this long before its spawn was recorded as sent still
-# matches it (the two clocks are this machine's; the record is written just before).
-MATCH_SLACK_S: Final = 5.0
-# The journal runs read to find a spawn whose answer was lost (newest first).
-MATCH_SCAN_LIMIT: Final = 1000
 
 
 def _parent_of(pid: int) -> int | None:
@@ -123,11 +119,6 @@ class _SpawnMap:
             self._db.execute("BEGIN")
             self._db.execute("INSERT OR IGNORE INTO spawns VALUES (?, ?, ?)", (fleet_run_id, node_run_id, time.time()))
             self._db.execute("DELETE FROM pending WHERE fleet_run_id = ?", (fleet_run_id,))
-
-    def claimed(self, node_run_id: str) -> bool:
-        with self._lock:
-            row = self._db.execute("SELECT 1 FROM spawns WHERE node_run_id = ?", (node_run_id,)).fetchone()
-        return row is not None
 
     def pend(
         self, fleet_run_id: str, daemon_pid: int | None, spec: dict[str, Any], session_id: str | None,
@@ -194,8 +185,9 @@ class _Daemon(Protocol):
 
     def open(self, endpoint: dict[str, Any]) -> _Conn: ...
 
-    def runs(self, endpoint: dict[str, Any]) -> list[dict[str, Any]]:
-        """The daemon's journal, newest runs first."""
+    def find(self, endpoint: dict[str, Any], key: str) -> str | None:
+        """The run a spawn with this idempotency key made, from the daemon's journal (None:
+        no spawn with it made one)."""
         ...
 
 
@@ -230,10 +222,12 @@ class HandOffs:
     asking again) waits for, and gets, the first one's answer. A spawn the daemon has
     been sent is answered ``unknown`` while no answer has come (``{"ok": False,
     "unknown": True}``: the daemon may yet start it, never "refused"); the answer is
-    still awaited on its connection, and a later call gets it. Where that connection
-    breaks (the daemon died, or the agent did) the outcome is read from the daemon's
-    journal once the daemon that was sent it is gone: a run created since, with that
-    spec and not claimed by another fleet id, is the run; none means it never started.
+    still awaited on its connection, and a later call gets it. The spawn carries the
+    fleet run id as its idempotency key (the daemon journals it with the run it makes, in
+    one transaction). Where that connection breaks (the daemon died, or the agent did)
+    the daemon is asked for the run of that key: found, it is the run (exactly that
+    one: two alike runs of one session are never swapped); not found once the daemon that
+    was sent it is gone, it never started.
     ``settle`` is the front's question for a run it would cancel: the node run, if it
     was handed over, else the fleet id is refused for good (it never starts here).
     """
@@ -310,7 +304,9 @@ class HandOffs:
         try:
             try:
                 conn.send_text(
-                    protocol.encode_request(1, "spawn", spec=spec, session_id=session_id, timeout_s=timeout_s)
+                    protocol.encode_request(
+                        1, "spawn", spec=spec, session_id=session_id, timeout_s=timeout_s, key=fleet_run_id
+                    )
                 )
             except ConnectionLost as exc:  # not (wholly) sent: the daemon cannot act on it
                 self._map.unpend(fleet_run_id)
@@ -353,16 +349,16 @@ class HandOffs:
         self._recover(fleet_run_id, pending, sent, again=True)
 
     def _recover(self, fleet_run_id: str, pending: _Pending, sent: dict[str, Any], *, again: bool) -> None:
-        """What came of a spawn whose answer was lost with its connection: from the journal."""
+        """What came of a spawn whose answer was lost with its connection: the daemon's
+        run of its key (the fleet run id)."""
         while not self._daemon.stopping():
-            gone = not self._daemon.serving(sent["daemon_pid"])  # before the journal is read
+            gone = not self._daemon.serving(sent["daemon_pid"])  # before the key is looked up
             try:
                 endpoint = self._daemon.endpoint()
-                runs = self._daemon.runs(endpoint)
+                found = self._daemon.find(endpoint, fleet_run_id)
             except (OSError, AgentdError) as exc:
-                logger.info("run %s: cannot read the daemon's journal yet: %r", fleet_run_id, exc)
+                logger.info("run %s: cannot ask the daemon for it yet: %r", fleet_run_id, exc)
             else:
-                found = _match(runs, sent, self._map.claimed)
                 if found is not None:
                     self._map.put(fleet_run_id, found)
                     self._answer(
@@ -380,25 +376,6 @@ class HandOffs:
                     return
             time.sleep(self._poll_s)
         self._answer(fleet_run_id, pending, _unknown(fleet_run_id, self._answer_s))
-
-
-def _match(runs: list[dict[str, Any]], sent: dict[str, Any], claimed: Any) -> str | None:
-    """The oldest run of the journal that is the spawn ``sent``: created since it was sent,
-    with its task and session, claimed by no other fleet id. (Runs alike in all these
-    are alike: which of them is whose does not matter.)"""
-    spec = sent["spec"]
-    hits = [
-        r
-        for r in runs
-        if isinstance(r.get("created_at"), (int, float))
-        and r["created_at"] >= sent["sent_at"] - MATCH_SLACK_S
-        and isinstance(r.get("spec"), dict)
-        and r["spec"].get("task") == spec.get("task")
-        and r.get("session_id") == (sent["session_id"] or spec.get("session_id"))
-        and not claimed(str(r.get("id")))
-    ]
-    hits.sort(key=lambda r: float(r["created_at"]))
-    return str(hits[0]["id"]) if hits else None
 
 
 class _NodeDaemon:
@@ -423,11 +400,12 @@ class _NodeDaemon:
 
         return WebSocket.connect(endpoint["url"], {"Authorization": f"Bearer {endpoint['token']}"}, CONNECT_TIMEOUT_S)
 
-    def runs(self, endpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    def find(self, endpoint: dict[str, Any], key: str) -> str | None:
         from supervisor.control.client import Client
 
         with Client(endpoint["url"], endpoint["token"], state_dir=self._agent.state_dir) as client:
-            return client.list_runs(limit=MATCH_SCAN_LIMIT)
+            runs = client.list_runs(key=key, limit=1)
+        return str(runs[0]["id"]) if runs else None
 
 
 # Ray's keyword overload of remote() is typed for tasks; max_concurrency is an actor option.

@@ -28,7 +28,8 @@ WAIT_S = 10.0  # a deadline, never a pause: every wait below ends on an event fi
 
 class _StallableDaemon:
     """A node daemon: a spawn it gets is journaled and answered at once, or, while it is
-    stalled (SIGSTOP), when it resumes (what a real daemon does with its socket's buffer)."""
+    stalled (SIGSTOP), when it resumes (what a real daemon does with its socket's buffer).
+    A spawn's key is journaled with its run; one whose key has a run gets that run."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -55,9 +56,23 @@ class _StallableDaemon:
         self.conns.append(conn)
         return conn
 
-    def runs(self, endpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    def find(self, endpoint: dict[str, Any], key: str) -> str | None:
         with self.lock:
-            return [dict(r) for r in reversed(self.journal)]
+            return next((r["id"] for r in self.journal if r.get("key") == key), None)
+
+    def journal_held(self, index: int, run_id: str) -> None:
+        """The daemon journals the ``index``th spawn it holds (stalled) as ``run_id``,
+        and dies before it answers it."""
+        _conn, request = self.held[index]
+        self.journal.append(
+            {
+                "id": run_id,
+                "created_at": time.time(),
+                "session_id": request.get("session_id"),
+                "spec": {**request["spec"], "run_id": run_id},
+                "key": request.get("key"),
+            }
+        )
 
     # the daemon's own side
     def receive(self, conn: _Conn, request: dict[str, Any]) -> None:
@@ -69,16 +84,20 @@ class _StallableDaemon:
         self._serve(conn, request)
 
     def _serve(self, conn: _Conn, request: dict[str, Any]) -> None:
-        run_id = f"r-{next(self._ids)}"
         with self.lock:
-            self.journal.append(
-                {
-                    "id": run_id,
-                    "created_at": time.time(),
-                    "session_id": request.get("session_id"),
-                    "spec": {**request["spec"], "run_id": run_id},
-                }
-            )
+            key = request.get("key")
+            run_id = next((r["id"] for r in self.journal if key is not None and r.get("key") == key), None)
+            if run_id is None:
+                run_id = f"r-{next(self._ids)}"
+                self.journal.append(
+                    {
+                        "id": run_id,
+                        "created_at": time.time(),
+                        "session_id": request.get("session_id"),
+                        "spec": {**request["spec"], "run_id": run_id},
+                        "key": key,
+                    }
+                )
         conn.replies.put(
             json.dumps({"id": request["id"], "ok": True, "result": {"run_id": run_id, "state": "starting"}})
         )
@@ -171,8 +190,7 @@ def test_a_spawn_whose_daemon_died_unanswered_is_found_in_its_journal_or_handed_
     daemon.stalled = True
     assert hand_offs.spawn("f-1", {"task": "a"}, None, None)["unknown"] is True
     _until(lambda: daemon.held)
-    (_conn, request), daemon.held = daemon.held[0], []
-    daemon.journal.append({"id": "r-a", "created_at": time.time(), "session_id": None, "spec": request["spec"]})
+    daemon.journal_held(0, "r-a")
     daemon.die()
     _until(lambda: hand_offs.spawn("f-1", {"task": "a"}, None, None)["ok"])
     assert hand_offs.spawn("f-1", {"task": "a"}, None, None)["node_run_id"] == "r-a"
@@ -184,6 +202,37 @@ def test_a_spawn_whose_daemon_died_unanswered_is_found_in_its_journal_or_handed_
     _until(lambda: hand_offs.spawn("f-2", {"task": "a"}, None, None)["ok"])
     again = hand_offs.spawn("f-2", {"task": "a"}, None, None)
     assert again["node_run_id"] == "r-1" and [r["id"] for r in daemon.journal] == ["r-a", "r-1"]
+
+
+def test_two_alike_runs_of_one_session_with_lost_answers_each_get_their_own_node_run(tmp_path: Path) -> None:
+    # The lost answers were found by matching the journal on task, session and time: the
+    # oldest unclaimed alike run went to whichever fleet id asked first, so two alike runs
+    # of one session journaled in the other order were swapped between their fleet ids.
+    daemon = _StallableDaemon()
+    hand_offs = _hand_offs(tmp_path, daemon)
+    daemon.stalled = True
+    assert hand_offs.spawn("f-1", {"task": "a"}, "s", None)["unknown"] is True
+    _until(lambda: len(daemon.held) == 1)
+    assert hand_offs.spawn("f-2", {"task": "a"}, "s", None)["unknown"] is True
+    _until(lambda: len(daemon.held) == 2)
+    daemon.journal_held(1, "r-for-f-2")  # journaled in the other order than they were sent
+    daemon.journal_held(0, "r-for-f-1")
+    daemon.die()
+    _until(lambda: hand_offs.spawn("f-1", {"task": "a"}, "s", None)["ok"])
+    _until(lambda: hand_offs.spawn("f-2", {"task": "a"}, "s", None)["ok"])
+    assert hand_offs.spawn("f-1", {"task": "a"}, "s", None)["node_run_id"] == "r-for-f-1"
+    assert hand_offs.spawn("f-2", {"task": "a"}, "s", None)["node_run_id"] == "r-for-f-2"
+    assert daemon.spawns_received == 2 and len(daemon.journal) == 2
+
+
+def test_a_hand_off_sends_its_fleet_run_id_as_the_spawns_idempotency_key(tmp_path: Path) -> None:
+    daemon = _StallableDaemon()
+    daemon.stalled = True
+    hand_offs = _hand_offs(tmp_path, daemon)
+    hand_offs.spawn("f-1", {"task": "a"}, None, None)
+    _until(lambda: daemon.held)
+    assert daemon.held[0][1]["key"] == "f-1"
+    daemon.resume()
 
 
 def test_settling_a_run_that_never_reached_the_node_keeps_it_from_ever_starting(tmp_path: Path) -> None:
