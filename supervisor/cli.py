@@ -172,7 +172,7 @@ def _translate_spawn(exc: AgentdError) -> CliError:
     if (
         isinstance(exc, ControlProtocolError)
         and exc.code == "bad_args"
-        and not any(f"'{arg}'" in str(exc) for arg in ("session_id", "model_key", "timeout_s", "interrupt"))
+        and not any(f"'{arg}'" in str(exc) for arg in ("session_id", "model_key", "timeout_s", "interrupt", "key"))
     ):
         error.exit_code = ExitCode.REFUSED  # type: ignore[misc]
     return error
@@ -677,6 +677,11 @@ def build_spec(
     help="Read this run's model API key from environment variable VAR (of this shell) and hand it to "
     "the runner only: it is never written to the journal, events or logs.",
 )
+@click.option(
+    "--key",
+    help="An idempotency key: a spawn whose key already started a run prints that run and starts nothing "
+    "(send a spawn whose answer was lost again with its key).",
+)
 @click.option("--wait", is_flag=True, help="Follow the run to its end; the exit code reflects the outcome.")
 @pass_obj
 def spawn(
@@ -693,6 +698,7 @@ def spawn(
     max_steps: int | None,
     spec_files: tuple[Path, ...],
     model_key_env: str | None,
+    key: str | None,
     wait: bool,
 ) -> None:
     """Start a sub-agent on TASK and print its run id.
@@ -721,6 +727,8 @@ def spawn(
         _exit_is_the_outcome()
     if wait and len(spec_files) > 1:
         raise CliError("--wait follows one run: give it one --spec", ExitCode.USAGE)
+    if key is not None and len(spec_files) > 1:
+        raise CliError("--key names one run: give it one --spec", ExitCode.USAGE)
     if session_id is not None and len(spec_files) > 1:
         raise CliError("--session takes one --spec: a session runs one turn at a time", ExitCode.USAGE)
     specs = [
@@ -742,10 +750,12 @@ def spawn(
         return
     try:
         result = client.spawn(
-            specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt
+            specs[0], session_id=session_id, timeout_s=timeout_s, model_key=model_key, interrupt=interrupt, key=key
         )
     except AgentdError as exc:
         said = "the spec was sent and may have started (check with `agentd list`)"
+        if key is not None:
+            said = "the spec was sent and may have started (spawn it again with the same --key: it starts once)"
         raise _if_sent(exc, _translate_spawn(exc), said) from None
     run_id = str(result["run_id"])
     obj.emit(result, lambda: click.echo(run_id))

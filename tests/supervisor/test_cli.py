@@ -440,6 +440,40 @@ def test_logs_follow_continues_through_the_daemon_until_the_end(real_daemon: Pat
     assert res.stdout.splitlines()[-1] == f"run {spawned.stdout.strip()} completed"
 
 
+def test_spawn_with_a_key_twice_prints_one_run(real_daemon: Path) -> None:
+    first = run(real_daemon, "spawn", "--key", "job-1", "count the files")
+    again = run(real_daemon, "spawn", "--key", "job-1", "count the files")
+    assert first.exit_code == again.exit_code == 0 and first.stdout == again.stdout
+    listed = run(real_daemon, "--json", "list")
+    assert listed.exit_code == 0 and len(json.loads(listed.stdout)["runs"]) == 1, listed.stdout
+
+
+def test_a_spawn_key_on_the_wire_starts_one_run_and_the_fleet_agents_lookup_finds_it(real_daemon: Path) -> None:
+    # The daemon end to end (socket, journal) for the fleet's hand-off: a spawn sent again
+    # with its key, its answer lost, is the run the first one made; the agent's lookup of
+    # a lost answer by key finds exactly that run, and no run for a key never used.
+    from types import SimpleNamespace
+
+    from supervisor.config import ENDPOINT_FILE, TOKEN_FILE
+    from supervisor.control._statefiles import read_endpoint, read_token
+    from supervisor.fleet._agent import _NodeDaemon
+
+    with client_mod.Client(state_dir=real_daemon, timeout_s=10) as c:
+        first = c.spawn({"task": "count the files"}, key="f-1")
+        again = c.spawn({"task": "count the files"}, key="f-1")
+        other = c.spawn({"task": "count the files"})
+        assert [r["id"] for r in c.list_runs(key="f-1")] == [first["run_id"]]
+        assert len(c.list_runs()) == 2
+    assert again["run_id"] == first["run_id"] and again["existing"] is True and "existing" not in first
+    endpoint = {
+        "url": read_endpoint(real_daemon / ENDPOINT_FILE)["url"],
+        "token": read_token(real_daemon / TOKEN_FILE),
+    }
+    node = _NodeDaemon(SimpleNamespace(state_dir=real_daemon))
+    assert node.find(endpoint, "f-1") == first["run_id"] != other["run_id"]
+    assert node.find(endpoint, "f-2") is None
+
+
 @pytest.mark.parametrize(
     ("event", "line"),
     [
