@@ -776,6 +776,11 @@ class _Connection:
                         req.id, ErrorCode.REFUSED, self.refusal or "unsubscribed before the subscription started"
                     )
                 )
+            elif self.refusal is not None:
+                # A bad frame failed the connection under a running subscription: its client
+                # learns it ended, and why, before the close frame (an unsubscribe has its
+                # own reply).
+                await self._send(_end_with_error(sub, run_id, ErrorCode.REFUSED, self.refusal))
         except _Gone:
             return
         except Exception as exc:

@@ -256,3 +256,31 @@ def test_trio_websocket_is_the_version_failing_connection_was_written_for() -> N
         "_handle_close_connection_event and _aclose, and relies on the reader task ending on "
         "ConnectionClosed from a handler), then update the pin here"
     )
+
+
+async def test_a_running_subscription_gets_its_end_when_a_frame_breaks_the_protocol(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    srv = await start_server(nursery, tmp_path)
+    run = srv.backend.add_run()
+    async with raw_peer(srv.port) as peer:
+        with failure_seen() as failed:
+            await peer.stream.send_all(text({"id": 1, "op": "subscribe", "run_id": run}))
+            events: list[Event] = []
+            with trio.fail_after(WAIT_S):  # its reply: the subscription follows the run
+                while not any(isinstance(e, TextMessage) and json.loads(e.data).get("id") == 1 for e in events):
+                    data = await peer.stream.receive_some()
+                    assert data, events
+                    peer.ws.receive_data(data)
+                    events.extend(peer.ws.events())
+            await peer.stream.send_all(BAD_FRAMES["text not utf-8"][0])
+            with trio.fail_after(WAIT_S):
+                await failed.wait()
+            events += await peer.events_until_eof()
+    messages = [json.loads(e.data) for e in events if isinstance(e, TextMessage)]
+    assert [(m.get("id"), m.get("ok")) for m in messages if "id" in m] == [(1, True)], events
+    (end,) = [m for m in messages if m.get("op") == "end"]
+    assert (end["sub"], end["run_id"], end["state"], end["error"]["code"]) == ("1", run, None, "refused"), end
+    assert "broke the websocket protocol" in end["error"]["message"]
+    assert isinstance(events[-1], CloseConnection) and events[-1].code == 1007, events
+    assert srv.backend.runs[run].subscribers == []
