@@ -1211,12 +1211,18 @@ def _task(row: dict[str, Any]) -> str:
 def _table(rows: list[dict[str, Any]]) -> None:
     header = ("RUN", "STATE", "SESSION", "CREATED", "TASK")
     cells = [
-        (_run_id(r), str(r.get("state", "?")), str(r.get("session_id") or "-"), _when(r.get("created_at")), _task(r))
+        (_run_id(r), _state_cell(r), str(r.get("session_id") or "-"), _when(r.get("created_at")), _task(r))
         for r in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
     for line in (header, *cells):
         click.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+def _state_cell(row: dict[str, Any]) -> str:
+    state = str(row.get("state", "?"))
+    # Re-adopted at a restart, its events file not read yet: its state may be behind.
+    return f"{state}?" if row.get("catching_up") is True else state
 
 
 def _duration(seconds: float) -> str:
@@ -1285,6 +1291,8 @@ def _print_run(run: dict[str, Any]) -> None:
     rows: list[tuple[str, str]] = [("run", _run_id(run))]
     state = str(run.get("state"))
     rows.append(("state", state + (f" ({run['reason']})" if run.get("reason") else "")))
+    if run.get("catching_up") is True:
+        rows.append(("catching up", "re-adopted at a restart; what it did meanwhile is still being read"))
     if run.get("session_id"):
         rows.append(("session", str(run["session_id"])))
     if _task(run):

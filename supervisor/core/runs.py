@@ -680,7 +680,9 @@ class RunManager:
     async def list_runs(
         self, *, limit: int = 50, state: str | None = None, session_id: str | None = None, key: str | None = None
     ) -> list[dict[str, Any]]:
-        """The newest runs first; with ``key``, the run a spawn with that key created (or none)."""
+        """The newest runs first; with ``key``, the run a spawn with that key created (or none).
+        A run re-adopted at a restart whose events file is not read yet says
+        ``catching_up: true`` (its state may be behind; ``status`` of it waits for the read)."""
         states = [RunState(state)] if state else None
         records = await self.journal.list_runs(limit=limit, states=states, session_id=session_id, key=key)
         rows: list[dict[str, Any]] = [{**record} for record in records]
@@ -689,6 +691,9 @@ class RunManager:
             row["live"] = run is not None
             if run is not None:
                 row["state"] = str(run.state)
+                if run.caught_up is not None and not run.caught_up.is_set():
+                    # Re-adopted, its events file not read yet: its state may be behind.
+                    row["catching_up"] = True
             self.book.overlay_unwritten(row)
         return rows
 

@@ -325,14 +325,15 @@ async def test_a_daemon_killed_before_the_run_moved_to_awaiting_approval_moves_i
     assert (shared / "side-effect").read_text() == "wrote\n"
 
 
-@pytest.mark.parametrize("first", ["approve", "status"])
+@pytest.mark.parametrize("first", ["approve", "status", "list"])
 async def test_an_approval_asked_while_the_daemon_was_down_is_answerable_as_soon_as_it_is_back(
     tmp_path: Path, first: str
 ) -> None:
     # The runner asks while no daemon runs: the request is only in its events file. The
     # restarted daemon serves before it has read that file; an approve sent at once must
-    # wait for the run's catch-up, not be refused as "not awaiting approval", and a status
-    # at once must say what the run is doing (awaiting), not what it was ("running").
+    # wait for the run's catch-up, not be refused as "not awaiting approval", a status at
+    # once must say what the run is doing (awaiting), not what it was ("running"), and a
+    # list at once (which does not wait) must say which rows may be behind.
     shared = tmp_path / "shared"
     shared.mkdir()
     state = tmp_path / "state"
@@ -361,6 +362,9 @@ async def test_an_approval_asked_while_the_daemon_was_down_is_answerable_as_soon
                 assert st["result"]["state"] == "awaiting_approval", st["result"]["state"]
                 assert [a["call_id"] for a in st["result"]["approvals"]] == ["call_w"]
                 assert "catching_up" not in st["result"]
+            if first == "list":  # does not wait: a row not caught up says so, never a stale "running"
+                (row,) = (await s.reply("list"))["result"]["runs"]
+                assert row.get("catching_up") is True or row["state"] == "awaiting_approval", row
             answer = await s.reply("approve", run_id=rid, call_id="call_w")
             assert answer["ok"] is True, answer
             final = await s.end(rid)

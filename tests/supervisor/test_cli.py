@@ -619,6 +619,23 @@ def test_list_shows_a_table_and_filters(server: ServerThread) -> None:
     assert res.stdout.strip() == "no runs"
 
 
+def test_a_run_whose_state_may_be_behind_is_marked_in_the_table_and_status(server: ServerThread) -> None:
+    b = server.backend
+    behind = server.call(b.add_run, {"task": "re-adopted"})
+    real_list, real_status = b.list_runs, b.status
+
+    async def list_runs(**kw: Any) -> list[dict[str, Any]]:
+        return [{**r, "catching_up": True} if r["id"] == behind else r for r in await real_list(**kw)]
+
+    async def status(run_id: str) -> dict[str, Any]:
+        return {**(await real_status(run_id)), "catching_up": True}
+
+    b.list_runs, b.status = list_runs, status  # type: ignore[method-assign]
+    row = next(line for line in run(server, "list").stdout.splitlines() if line.startswith(behind))
+    assert row.split()[:2] == [behind, "running?"]
+    assert "catching up" in run(server, "status", behind).stdout
+
+
 # --------------------------------------------------------------------------- global options, usage errors
 
 
