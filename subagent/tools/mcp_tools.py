@@ -5,7 +5,8 @@ also owns ending its group); it is handed to the SDK through the SDK's seam
 ``mcp.client.stdio._create_platform_compatible_process``, so the SDK's transport and its
 own shutdown (stdin close, bounded wait, group kill: shielded, every wait bounded by the
 SDK, about 6 s at worst; no scope of ours may wrap it, as it exits a task group entered
-earlier) apply unchanged. A non-JSON line on a server's stdout is a protocol break: the
+earlier) apply unchanged; only its stdout reaches the SDK a whole line at a time, with
+a bound on a line (``subagent.tools._mcp_lines``). A non-JSON line on a server's stdout is a protocol break: the
 SDK skips the line and hands it to the session's message handler; we record it on the
 server (``protocol_errors``, ``broken``): a call in flight ends at once (its answer may
 have been that line) and the loop ends the run with ``TOOL_PROTOCOL``.
@@ -34,6 +35,7 @@ import trio
 from mcp import ClientSession, StdioServerParameters
 
 from subagent.spec import McpServerSpec
+from subagent.tools._mcp_lines import WholeLinesProcess
 from subagent.tools.mcp_spawn import Prespawned
 from subagent.tools.runfiles import NotRegularFile, open_regular
 
@@ -53,7 +55,9 @@ _sdk_spawn = _stdio._create_platform_compatible_process
 async def _spawn_or_hand_over(*args: Any, **kwargs: Any) -> Any:
     process = _handover.get()
     if process is not None:
-        return process
+        # Its stdout a whole line at a time: the SDK's reader is quadratic in a line's
+        # length otherwise (``subagent.tools._mcp_lines``).
+        return WholeLinesProcess(process)
     return await _sdk_spawn(*args, **kwargs)
 
 

@@ -67,6 +67,11 @@ def main() -> None:
         return text
 
     @server.tool()
+    def big(size: int) -> str:
+        """A text of ``size`` characters (one long line on the wire)."""
+        return "x" * size
+
+    @server.tool()
     def garble() -> str:
         """Write a non-JSON line on stdout, then answer."""
         os.write(wire, b"this is not json-rpc\n")
