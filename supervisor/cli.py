@@ -433,18 +433,25 @@ def _safe_output() -> None:
 
 
 class _Shown(io.TextIOWrapper):
-    """A terminal's stdout: control characters other than newline and tab shown as text."""
+    """A terminal's stdout: control characters other than newline and tab shown as text,
+    and so are the invisible characters that reorder or hide text (bidi embeddings,
+    overrides, isolates and marks; zero-width spaces): a task or an output could otherwise
+    show a terminal something other than what it holds. The zero-width joiners stay (emoji
+    sequences, Indic and Persian scripts need them)."""
 
     def write(self, s: str) -> int:
         super().write(_CONTROL.sub(_visible, s))
         return len(s)
 
 
-_CONTROL: Final = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL: Final = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
+)
 
 
 def _visible(m: re.Match[str]) -> str:
-    return f"\\x{ord(m.group()):02x}"
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 # ----------------------------------------------------------------------------- serve

@@ -959,7 +959,7 @@ def test_logs_print_what_a_run_wrote_as_text_never_as_terminal_control(tmp_path:
     import pty
 
     state = tmp_path / "state"
-    hostile = "half \udfff a char; \x1b]0;owned\x07 title; \x1b[2J clear; done"
+    hostile = "half \udfff a char; \x1b]0;owned\x07 title; \x1b[2J clear; \u202eevil\u202c \u200b\u2066; \U0001f468\u200d\U0001f469 done"
     run_id = make_journal(state, [("log", {"level": "info", "message": hostile})])
     argv = [sys.executable, "-m", "supervisor", "--state-dir", str(state), "logs", run_id]
     piped = subprocess.run(argv, capture_output=True, timeout=60)
@@ -984,7 +984,9 @@ def test_logs_print_what_a_run_wrote_as_text_never_as_terminal_control(tmp_path:
     finally:
         os.close(main)
     assert b"\x1b" not in seen and b"\x07" not in seen, seen
-    assert b"\\x1b]0;owned\\x07 title; \\x1b[2J clear; done" in seen, seen
+    assert b"\\x1b]0;owned\\x07 title; \\x1b[2J clear; " in seen, seen
+    # Text that reorders or hides what follows is shown as its code points; joiners stay.
+    assert "\\u202eevil\\u202c \\u200b\\u2066; \U0001f468\u200d\U0001f469 done".encode() in seen, seen
 
 
 # --------------------------------------------------------------------------- the state dir, resolved
