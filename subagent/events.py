@@ -59,7 +59,9 @@ class EventKind(enum.StrEnum):
     RUNNER_STARTED = "runner_started"  # pid, pgid, run_id, provider
     STEP_STARTED = "step_started"  # step
     ASSISTANT_TEXT = "assistant_text"  # step, text (the model's text of this step, complete)
-    TOOL_CALL = "tool_call"  # record: ToolCallRecord as dict; sent on every state change
+    # record: ToolCallRecord as dict; sent on every state change (and an MCP call's again,
+    # still running, with sent_at once its request is handed to the server's transport)
+    TOOL_CALL = "tool_call"
     # pgid, pid, kind ("mcp_server"|"command"), name, alive: bool, on_stop: a command's
     # stop policy ("interrupt": the daemon's path A may SIGTERM the group at cancel time,
     # "finish": never before the grace); absent for MCP servers (the runner stops their calls)
@@ -169,7 +171,11 @@ class ToolCallRecord:
     the first one runs. ``on_stop`` is the call's ``StopPolicy``; if a stop came while it
     ran, ``stop_requested_at`` (wall clock) is set at once, and at its end ``stop_effect``
     (a ``StopEffect``) and ``stop_to_end_s`` (seconds from the stop to the call's end).
-    A call that needs approval carries ``approval`` (an ``Approval``), while pending its
+    An MCP call's ``sent_at`` (wall clock) is set once its request has been handed to
+    its server's transport, and the record is sent again then (still ``RUNNING``): a
+    stop before that leaves it unsent (``NOT_STARTED``, ``stopped_before_start``, no
+    ``sent_at``); a stop after it gets the call's stop policy. None for other tools and
+    in records of older runners. A call that needs approval carries ``approval`` (an ``Approval``), while pending its
     ``approval_deadline`` (wall clock), and once answered ``approval_reason`` (a denial's
     reason, or why the wait ended).
     """
@@ -192,6 +198,7 @@ class ToolCallRecord:
     approval: str | None = None
     approval_deadline: float | None = None
     approval_reason: str | None = None
+    sent_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -219,6 +226,7 @@ class ToolCallRecord:
             approval=d.get("approval"),
             approval_deadline=d.get("approval_deadline"),
             approval_reason=d.get("approval_reason"),
+            sent_at=d.get("sent_at"),
         )
 
 

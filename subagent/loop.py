@@ -369,10 +369,18 @@ class AgentLoop:
             rec.output, rec.output_truncated = text, truncated
             self._emit_record(rec)
 
+        def handed_over() -> None:
+            # An MCP call's request is with its server's transport: a stop from now on
+            # meets a sent call (its policy), not an unsent one (``stopped_before_start``).
+            rec.sent_at = time.time()
+            self._emit_record(rec)
+
         self.stop.running_tool = {"id": rec.id, "name": rec.name, "on_stop": rec.on_stop}
         self.stop.on_stop_during_tool = note_the_stop
         try:
-            outcome = await self.tools.execute(call.name, call.parsed, interrupt, self.stop, output_so_far)
+            outcome = await self.tools.execute(
+                call.name, call.parsed, interrupt, self.stop, output_so_far, on_sent=handed_over
+            )
         finally:
             self.stop.tool_done()
         rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated

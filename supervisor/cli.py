@@ -824,6 +824,12 @@ def format_event(event: dict[str, Any]) -> str:
         record = d.get("record")
         rec = record if isinstance(record, dict) else d
         detail = rec.get("error") or rec.get("reason")
+        if rec.get("state") == "running" and not detail:
+            # The same state again: what changed (the stop reached it; its request went out).
+            if rec.get("stop_requested_at") is not None:
+                detail = "a stop reached it"
+            elif rec.get("sent_at") is not None:
+                detail = "sent to its server"
         text = f"tool {rec.get('name')} {rec.get('state')}" + (f": {_short(detail, 80)}" if detail else "")
     elif kind == "process_group":
         alive = "" if d.get("alive", True) else " ended"

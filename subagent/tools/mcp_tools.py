@@ -112,12 +112,15 @@ class _OutboundTap:
     A call's hand-off to the transport is one step with the check that no stop came
     (``stop``, set for the call): the SDK's path from our check to its write yields to the
     loop, where a stop may arrive; a call a stop reaches before its hand-off is never sent.
+    ``on_sent`` (set for the call) is told once, right after the hand-off and never
+    without one: what makes the hand-off observable (the record's ``sent_at``).
     """
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.in_flight: str | int | None = None
         self.stop: Any = None  # the run's StopControl, for the call being made
+        self.on_sent: Callable[[], None] | None = None  # for the call being made
         self._cancelled: set[str | int] = set()
 
     async def send(self, item: Any, /) -> None:
@@ -127,8 +130,12 @@ class _OutboundTap:
         if isinstance(msg, JSONRPCRequest) and msg.method == "tools/call":
             if self.stop is not None:
                 await self._hand_over(item, msg.id, self.stop)
+                self._sent()
                 return
             self.in_flight = msg.id
+            await self._inner.send(item)
+            self._sent()
+            return
         elif isinstance(msg, JSONRPCNotification) and msg.method == "notifications/cancelled":
             rid = (msg.params or {}).get("requestId")
             if isinstance(rid, (str, int)):
@@ -157,6 +164,16 @@ class _OutboundTap:
                 continue
             self.in_flight = rid
             return
+
+    def _sent(self) -> None:
+        on_sent, self.on_sent = self.on_sent, None  # once per call
+        if on_sent is None:
+            return
+        try:
+            on_sent()
+        except Exception:
+            # The request is with the transport all the same: the SDK must not see a failed write.
+            logger.exception("mcp: recording a call's hand-off failed")
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -203,23 +220,28 @@ class McpServer:
         except OSError:
             return ""
 
-    async def call(self, tool: str, arguments: dict[str, Any], *, stop: Any = None) -> tuple[bool, str]:
+    async def call(
+        self, tool: str, arguments: dict[str, Any], *, stop: Any = None, on_sent: Callable[[], None] | None = None
+    ) -> tuple[bool, str]:
         """Call a tool; returns (is_error, text). Raises on transport or protocol failure.
 
         Raises ``UnsendableArguments`` (nothing sent) for arguments no UTF-8 JSON holds.
         ``stop``: the run's StopControl; a stop before the call is handed to the transport
-        raises ``StoppedBeforeSend`` (it was not sent).
+        raises ``StoppedBeforeSend`` (it was not sent). ``on_sent()``: called once, at once
+        after the request was handed to the transport (never for a call that was not).
         """
         assert self.session is not None
         _check_encodable(arguments)
         if self.tap is not None:
             self.tap.stop = stop
+            self.tap.on_sent = on_sent
         try:
             result = await self.session.call_tool(tool, arguments)
         finally:
             if self.tap is not None:
                 self.tap.in_flight = None
                 self.tap.stop = None
+                self.tap.on_sent = None
         return bool(getattr(result, "is_error", False)), tool_result_text(result)
 
     async def cancel_in_flight(self, reason: str) -> bool:

@@ -231,10 +231,13 @@ class ToolBox:
         interrupt: trio.CancelScope,
         stop: StopControl | None = None,
         on_output: Callable[[str, bool], None] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> ToolOutcome:
         """Run one call. ``interrupt``: an explicit interrupt ends it whatever its policy;
         ``stop``: the run's stop, applied to the running call by its policy;
-        ``on_output(text, truncated)``: a command's output so far, once it runs past the stop."""
+        ``on_output(text, truncated)``: a command's output so far, once it runs past the stop;
+        ``on_sent()``: an MCP call's request was handed to its server's transport (at once
+        after the hand-off; never for a call that was not sent)."""
         stop = stop if stop is not None else StopControl()
         if name == "run_command" and "run_command" in self._builtins:
             if arguments.get("background") is True and self.background is not None:
@@ -248,7 +251,7 @@ class ToolBox:
             return ToolOutcome(ToolCallState.SUCCEEDED, bounded, truncated)
         server_name, tool, _ = self._mcp[name]
         policy = self.policy(name) or StopPolicy.FINISH
-        return await self._call_mcp(server_name, tool, arguments, interrupt, stop, policy)
+        return await self._call_mcp(server_name, tool, arguments, interrupt, stop, policy, on_sent)
 
     async def _start_background(self, args: dict[str, Any], stop: StopControl) -> ToolOutcome:
         assert self.background is not None
@@ -350,6 +353,7 @@ class ToolBox:
         interrupt: trio.CancelScope,
         stop: StopControl,
         policy: StopPolicy,
+        on_sent: Callable[[], None] | None = None,
     ) -> ToolOutcome:
         if stop.requested:  # no call starts after the stop
             return ToolOutcome(
@@ -396,7 +400,7 @@ class ToolBox:
                 nursery.start_soon(apply_stop)
             nursery.start_soon(end_at_the_break)
             try:
-                outcome = await self._mcp_outcome(server, tool, args, interrupt, call, broke, stop)
+                outcome = await self._mcp_outcome(server, tool, args, interrupt, call, broke, stop, on_sent)
             finally:
                 nursery.cancel_scope.cancel(reason="the call ended")
         if call.cancelled_caught and effect:
@@ -419,6 +423,7 @@ class ToolBox:
         call: trio.CancelScope,
         broke: trio.CancelScope,
         stop: StopControl,
+        on_sent: Callable[[], None] | None = None,
     ) -> ToolOutcome:
         """One call's outcome. ``call``: the stop's scope; ``broke``: cancelled when the
         server breaks the protocol."""
@@ -432,7 +437,7 @@ class ToolBox:
         try:
             with trio.move_on_after(timeout) as timer:
                 with interrupt, call, broke:
-                    result = await server.call(tool, args, stop=stop)
+                    result = await server.call(tool, args, stop=stop, on_sent=on_sent)
         except UnsendableArguments as exc:
             return ToolOutcome(
                 ToolCallState.FAILED, None, error=f"invalid_arguments: {exc}", reason="invalid_arguments"

@@ -789,6 +789,8 @@ async () => {
   a.feed(ev(3, "approval_answered", { call_id: "c9", decision: "rejected", reason: "user" }, 200.002));
   out.approvalSteps = a.steps.map((s) => s.text);
   out.rejectedLine = toolLine({ id: "c9", name: "deploy", state: "rejected", arguments: "{}" });
+  out.sentLine = toolLine({ id: "c8", name: "read", state: "running", arguments: "{}", sent_at: 300.5 });
+  out.unsentLine = toolLine({ id: "c8", name: "read", state: "running", arguments: "{}" });
   out.firstAt = m.steps[0].atS;
   const s = new SteerModel();
   for (const [k, d] of [["steer_sent", { text: "a" }], ["steer_sent", { text: "a" }], ["steering", { state: "queued", text: "a", step: 1 }],
@@ -823,6 +825,7 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
     assert out["approvalSteps"][1] == "deploy was awaiting approval: the stop ended the wait; it never ran (user)"
     assert "{" not in " ".join(out["approvalSteps"])
     assert out["rejectedLine"].startswith("⊘ deploy rejected")
+    assert (out["sentLine"], out["unsentLine"]) == ("▶ read {} · sent", "▶ read {}")
     assert out["steps"] == [
         "Stop sent to the runner (reason: user)",
         "The runner got the stop during a tool call",

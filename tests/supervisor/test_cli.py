@@ -495,6 +495,22 @@ def test_a_spawn_key_on_the_wire_starts_one_run_and_the_fleet_agents_lookup_find
             {"seq": 7, "kind": "log", "data": {"level": "error", "message": "error: bad run spec: task"}},
             "[error] bad run spec: task",
         ),
+        (
+            {"seq": 12, "kind": "tool_call", "data": {"record": {"name": "read", "state": "running", "sent_at": 5.0}}},
+            "tool read running: sent to its server",
+        ),
+        (
+            {
+                "seq": 13,
+                "kind": "tool_call",
+                "data": {"record": {"name": "read", "state": "running", "sent_at": 5.0, "stop_requested_at": 6.0}},
+            },
+            "tool read running: a stop reached it",
+        ),
+        (
+            {"seq": 14, "kind": "tool_call", "data": {"record": {"name": "read", "state": "running"}}},
+            "tool read running",
+        ),
         ({"seq": 8, "kind": "steer_sent", "data": {"text": "mind the logs"}}, "steering sent: mind the logs"),
         (
             {"seq": 9, "kind": "step_snapshot", "data": {"step": 2, "progress": "listed the files"}},

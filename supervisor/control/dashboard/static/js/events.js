@@ -16,8 +16,11 @@ const TOOL_MARK = {
 
 export function toolLine(rec) {
   const bits = [`${TOOL_MARK[rec.state] ?? "•"} ${rec.name}`];
-  if (rec.state === "running") bits.push(short(rec.arguments, 160));
-  else bits.push(rec.state.replace("_", " "));
+  if (rec.state === "running") {
+    bits.push(short(rec.arguments, 160));
+    // An MCP call's request was handed to its server (a stop now meets a sent call).
+    if (rec.sent_at) bits.push("· sent");
+  } else bits.push(rec.state.replace("_", " "));
   if (rec.started_at && rec.finished_at) bits.push(`in ${fmtDuration(rec.finished_at - rec.started_at)}`);
   return bits.join(" ");
 }
