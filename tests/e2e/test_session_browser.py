@@ -191,7 +191,9 @@ async def test_a_stop_whose_grace_runs_out_in_a_browser_call_still_keeps_the_log
             async for ev in live:
                 record = ev["data"].get("record") or {}
                 if ev["kind"] == "tool_call" and record.get("name") == "browser_evaluate":
-                    if record.get("state") == "running":
+                    # Sent (its first "running" record comes before the hand-off: a stop
+                    # in between leaves it unsent, and this case untested).
+                    if record.get("state") == "running" and record.get("sent_at") is not None:
                         break
         await manager.cancel(first["run_id"])
         turn1 = await manager.wait_terminal(first["run_id"])
@@ -292,8 +294,8 @@ async def test_a_login_kept_in_a_session_cookie_outlives_the_turn_that_made_it(
                     record = ev["data"].get("record") or {}
                     if end == "cancelled" and ev["kind"] == "step_started" and ev["data"]["step"] == 2:
                         break
-                    if record.get("name") == "browser_evaluate" and record.get("state") == "running":
-                        break
+                    if record.get("name") == "browser_evaluate" and record.get("sent_at") is not None:
+                        break  # the call was handed to the browser server (not just announced running)
         if end == "interrupt":  # turn 2 stops turn 1 and waits for it to end
             second = await manager.spawn(read_back, session_id=session_id, interrupt=True)
             turn1 = await manager.wait_terminal(first["run_id"])

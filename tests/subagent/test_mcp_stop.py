@@ -46,10 +46,13 @@ async def wait_log(log: Path, prefix: str) -> str:
             await trio.sleep(0.01)
 
 
-async def running(r: RunnerProc, name: str) -> None:
+async def sent(r: RunnerProc, name: str) -> None:
+    """Until the call's request has been handed to the server (its record's ``sent_at``):
+    a stop before that leaves it unsent (``not_started``), not the case under test."""
     with trio.fail_after(30):
         await r.wait_event(
-            EventKind.TOOL_CALL, lambda e: e.data["record"]["name"] == name and e.data["record"]["state"] == "running"
+            EventKind.TOOL_CALL,
+            lambda e: e.data["record"]["name"] == name and e.data["record"].get("sent_at") is not None,
         )
 
 
@@ -62,7 +65,7 @@ async def test_a_read_only_call_is_abandoned_at_once_and_the_server_told_its_req
         ],
     )
     async with start_runner(runner_spec, tmp_path) as r:
-        await running(r, "read_slowly")
+        await sent(r, "read_slowly")
         started = await wait_log(log, "start read_slowly ")
         t0 = trio.current_time()
         r.signal()
@@ -92,8 +95,7 @@ async def test_a_destructive_call_finishes_after_the_stop_and_the_next_never_sta
         ],
     )
     async with start_runner(runner_spec, tmp_path) as r:
-        await running(r, "write_record")
-        await wait_log(log, "start write_record ")
+        await sent(r, "write_record")
         r.signal()
         rc, result = await r.finish()
     assert rc == ExitCode.CANCELLED
@@ -114,7 +116,7 @@ async def test_a_destructive_call_finishes_after_the_stop_and_the_next_never_sta
 async def test_a_cancellable_call_is_told_once_then_abandoned_after_a_short_wait(tmp_path: Path) -> None:
     runner_spec, log = stop_spec(tmp_path, [{"name": "tidy_up", "arguments": {}}], stop_policy={"cancel_wait_s": 0.2})
     async with start_runner(runner_spec, tmp_path) as r:
-        await running(r, "tidy_up")
+        await sent(r, "tidy_up")
         started = await wait_log(log, "start tidy_up ")
         r.signal()
         rc, result = await r.finish()

@@ -94,6 +94,18 @@ def running(name: str) -> Any:
     )
 
 
+def sent(name: str) -> Any:
+    """An MCP call's request was handed to its server (its record's ``sent_at``): from then
+    on a stop meets it by its policy. Its first ``running`` record comes before that: a stop
+    in between leaves it unsent (``not_started``, ``stopped_before_start``)."""
+    return lambda e: (
+        e["kind"] == "tool_call"
+        and e["data"]["record"]["name"] == name
+        and e["data"]["record"]["state"] == "running"
+        and e["data"]["record"].get("sent_at") is not None
+    )
+
+
 def command_alive(e: dict[str, Any]) -> bool:
     """A command's group is up, past its gate: from then on a stop interrupts it (before
     then, a stop leaves it unrun and its record ``not_started``)."""
@@ -173,7 +185,7 @@ async def test_a_stop_inside_a_read_only_mcp_call_abandons_it_and_tells_the_serv
     with trio.fail_after(60):
         r = await manager.spawn(spec)
         rid = r["run_id"]
-        await wait_event(manager, rid, running("read_slowly"))
+        await wait_event(manager, rid, sent("read_slowly"))
         started = await wait_log(log, "start read_slowly ")
         tree_id = (await manager.status(rid))["tree_id"]
         st, took = await cancel_and_time(manager, rid)
@@ -203,8 +215,7 @@ async def test_a_destructive_mcp_call_finishes_after_the_stop_and_the_next_never
     with trio.fail_after(60):
         r = await manager.spawn(with_stop_server(scripted(calls), log))
         rid = r["run_id"]
-        await wait_event(manager, rid, running("write_record"))
-        await wait_log(log, "start write_record ")
+        await wait_event(manager, rid, sent("write_record"))
         st, _took = await cancel_and_time(manager, rid)
     assert st["state"] == "cancelled" and st["reason"] == "user"
     first, second = st["tool_calls"]
