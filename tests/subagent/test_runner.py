@@ -90,11 +90,28 @@ async def test_a_scripted_run_without_mcp_imports_neither_openai_nor_mcp(tmp_pat
     assert result["imported"] == {"openai": False, "mcp": False}
 
 
+async def wait_asleep(pid: int) -> None:
+    """Until the process's one thread is asleep (``S``: blocked in a wait, not running or
+    runnable). With one thread no lock or GIL can put it there: only a blocking call can."""
+    with trio.fail_after(10):
+        while True:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            if fields["Threads"].strip() == "1" and fields["State"].strip().startswith("S"):
+                return
+            await trio.sleep(0.005)
+
+
 async def test_sigterm_while_the_model_streams_cancels_at_once(tmp_path: Path) -> None:
     script = {"turns": [{"text": "thinking", "chunk_size": 2, "chunk_delay_s": 5}]}
     async with start_runner(spec(script=script), tmp_path) as r:
         with trio.fail_after(10):
             await r.wait_event(EventKind.STEP_STARTED)
+            # `step_started` comes just before the model request: a SIGTERM read before the
+            # loop enters it is a stop during no work ("idle"), and the stream never began.
+            # From that event to the scripted model's first delay (its first chunk is fed
+            # before it) the runner never blocks: asleep now, it is in that delay, inside
+            # the model request, with "th" streamed.
+            await wait_asleep(r.proc.pid)
         t0 = trio.current_time()
         r.signal()
         rc, result = await r.finish()
