@@ -378,9 +378,7 @@ class AgentLoop:
         self.stop.running_tool = {"id": rec.id, "name": rec.name, "on_stop": rec.on_stop}
         self.stop.on_stop_during_tool = note_the_stop
         try:
-            outcome = await self.tools.execute(
-                call.name, call.parsed, interrupt, self.stop, output_so_far, on_sent=handed_over
-            )
+            outcome = await self.tools.execute(call.name, call.parsed, interrupt, self.stop, output_so_far, handed_over)
         finally:
             self.stop.tool_done()
         rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated
