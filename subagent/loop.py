@@ -8,8 +8,9 @@ at once by a stop. Only calls of a *whole* turn with valid arguments run; a call
 mid-arguments is never run and never repaired. Every call of a turn is announced (a
 ``not_started`` record without a reason, with its policy) before the first one runs, so
 a runner killed mid-batch still leaves a record of each; every record is emitted on
-every state change and every call gets a tool message in the history that says what
-really happened. A ``step_snapshot`` follows each model turn that said anything and each
+every state change (an MCP call's again once its request is handed to its server:
+``sent_at``, emitted right after the hand-off, never for a call that was not sent) and
+every call gets a tool message in the history that says what really happened. A ``step_snapshot`` follows each model turn that said anything and each
 tool batch: a delta since the previous one (``events.SnapshotDeltas``), which the daemon
 folds into the whole snapshot, the run's partial result. A call the spec's ``approval`` names waits for a person's answer before it
 runs (``subagent.approvals``): approved, it runs; denied, the model is told why and the

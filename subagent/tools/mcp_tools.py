@@ -13,7 +13,9 @@ have been that line) and the loop ends the run with ``TOOL_PROTOCOL``.
 A stop reaches a call through MCP's own ``notifications/cancelled``: cancelling the SDK's
 request sends it (the SDK's courtesy cancel), and ``cancel_in_flight`` sends it for the
 call in flight while still waiting for its answer; the session's write stream is watched
-(``_OutboundTap``) to know that request's id and to send each cancel only once.
+(``_OutboundTap``) to know that request's id and to send each cancel only once, and to
+tell the caller the moment a call is handed to the transport (``on_sent``: its record's
+``sent_at``; a stop before that leaves it unsent).
 This module imports ``mcp``; the runner imports it only when the spec has MCP servers.
 """
 
