@@ -175,9 +175,9 @@ class ToolCallRecord:
     its server's transport, and the record is sent again then (still ``RUNNING``): a
     stop before that leaves it unsent (``NOT_STARTED``, ``stopped_before_start``, no
     ``sent_at``); a stop after it gets the call's stop policy. None for other tools and
-    in records of older runners. A call that needs approval carries ``approval`` (an ``Approval``), while pending its
-    ``approval_deadline`` (wall clock), and once answered ``approval_reason`` (a denial's
-    reason, or why the wait ended).
+    in records of older runners. A call that needs approval carries ``approval`` (an
+    ``Approval``), while pending its ``approval_deadline`` (wall clock), and once answered
+    ``approval_reason`` (a denial's reason, or why the wait ended).
     """
 
     id: str

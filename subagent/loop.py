@@ -10,8 +10,9 @@ mid-arguments is never run and never repaired. Every call of a turn is announced
 a runner killed mid-batch still leaves a record of each; every record is emitted on
 every state change (an MCP call's again once its request is handed to its server:
 ``sent_at``, emitted right after the hand-off, never for a call that was not sent) and
-every call gets a tool message in the history that says what really happened. A ``step_snapshot`` follows each model turn that said anything and each
-tool batch: a delta since the previous one (``events.SnapshotDeltas``), which the daemon
+every call gets a tool message in the history that says what really happened. A
+``step_snapshot`` follows each model turn that said anything and each tool batch: a
+delta since the previous one (``events.SnapshotDeltas``), which the daemon
 folds into the whole snapshot, the run's partial result. A call the spec's ``approval`` names waits for a person's answer before it
 runs (``subagent.approvals``): approved, it runs; denied, the model is told why and the
 turn goes on; a stop during the wait makes it ``rejected`` (it never ran). A turn of a
