@@ -42,6 +42,8 @@ __all__ = [
     "make_event",
     "SnapshotDeltas",
     "fold_snapshot",
+    "STREAM_SNAPSHOT_EVERY_S",
+    "STREAM_SNAPSHOT_MAX_CHARS",
 ]
 
 WIRE_VERSION: Final = 1
@@ -51,6 +53,13 @@ MAX_EVENT_LINE_BYTES: Final = 1024 * 1024
 # What a string the runner had to cut to bound a line or its result ends with (the part
 # before it is the string's start): a reader can tell a cut copy from another text.
 CUT_MARK: Final = "...[cut]"
+# While the model streams, the runner sends the text streamed so far as a ``step_snapshot``
+# delta at most this often (seconds), the first one this long after the request began: a
+# turn that streams faster sends none (no extra event on a fast step), a slow one shows its
+# text within this long, and a runner killed mid-stream loses at most this much of it.
+STREAM_SNAPSHOT_EVERY_S: Final = 0.25
+# ... or sooner, once this many characters wait (one event stays far below the line limit).
+STREAM_SNAPSHOT_MAX_CHARS: Final = 32 * 1024
 
 
 class EventKind(enum.StrEnum):
@@ -67,9 +76,16 @@ class EventKind(enum.StrEnum):
     # "finish": never before the grace); absent for MCP servers (the runner stops their calls)
     PROCESS_GROUP = "process_group"
     # A delta since the runner's previous snapshot (``SnapshotDeltas``): step, snapshot_n,
-    # progress_at, progress_added, tool_calls_changed, _id; ``fold_snapshot`` makes the whole
-    # snapshot (step, progress, tool_calls, _id, snapshot_n) from them. A runner of an older
-    # version sends the whole snapshot (step, progress, tool_calls, _id): also accepted.
+    # progress_at, progress_added, tool_calls_changed, _id, and (newer runners) where the
+    # model's text is not whole: unfinished_text ({step, at, streaming}, absent when the
+    # progress ends whole: the progress from ``at`` on is step ``step``'s model text as
+    # streamed so far). ``streaming: true``: sent while the model streams, at most every
+    # ``STREAM_SNAPSHOT_EVERY_S`` (a run that ends with it, its runner killed mid-stream,
+    # ends with that text cut short); ``false``: after a turn that a stop, a cut stream or
+    # a model error ended, its text cut short. ``fold_snapshot`` makes the whole
+    # snapshot (step, progress, tool_calls, _id, snapshot_n, unfinished_text where set)
+    # from them. A runner of an older version sends the whole snapshot (step, progress,
+    # tool_calls, _id): also accepted.
     STEP_SNAPSHOT = "step_snapshot"
     # reason ("signal"|"timeout"), during ("model"|"tool"|"setup"|"idle"); during a tool
     # also tool: {id, name, on_stop} of the running call
@@ -335,13 +351,27 @@ class SnapshotDeltas:
         self._progress = ""
         self._sent: dict[str, dict[str, Any]] = {}
 
-    def next(self, *, step: int, progress: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """The fields of the next snapshot event (``_id`` aside)."""
+    def next(
+        self,
+        *,
+        step: int,
+        progress: str,
+        records: list[dict[str, Any]],
+        unfinished: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The fields of the next snapshot event (``_id`` aside). ``unfinished``: where the
+        progress ends with model text that is not a whole turn (``{step, at}``), or None.
+
+        The text goes from where it first differs from what was sent: a whole turn's text
+        that streamed already travels once (a character the stream ended on half-way, a
+        surrogate cleaned differently once whole, is sent again from there, never twice)."""
         self.n += 1
-        if progress.startswith(self._progress):
-            at, added = len(self._progress), progress[len(self._progress) :]
-        else:  # not a continuation (never, from the loop): the whole text again, from 0
-            at, added = 0, progress
+        old = self._progress
+        if progress.startswith(old):
+            at = len(old)
+        else:
+            at = _common_prefix(old, progress)
+        added = progress[at:]
         self._progress = progress
         changed = []
         for rec in records:
@@ -349,13 +379,29 @@ class SnapshotDeltas:
             if self._sent.get(rid) != rec:
                 changed.append(rec)
                 self._sent[rid] = rec
-        return {
+        delta: dict[str, Any] = {
             "step": step,
             "snapshot_n": self.n,
             "progress_at": at,
             "progress_added": added,
             "tool_calls_changed": changed,
         }
+        if unfinished is not None:
+            delta["unfinished_text"] = unfinished
+        return delta
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    lo, hi = 0, n
+    while lo < hi:  # by halves: the slices compare in C
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _int_field(data: Mapping[str, Any], key: str) -> int:
@@ -374,8 +420,10 @@ def fold_snapshot(base: dict[str, Any] | None, data: Mapping[str, Any]) -> dict[
     never arrived, ``progress_at`` past the end, is appended: what did arrive is kept), its
     records replace those with the same id, new ones follow in order. A delta that is not
     newer than ``base`` (``snapshot_n`` not above base's: one already folded, read again
-    after a restart) changes nothing: ``base`` itself is returned. Pure; raises ValueError
-    or TypeError on a malformed delta.
+    after a restart) changes nothing: ``base`` itself is returned. A delta's
+    ``unfinished_text`` (where the progress ends with model text that is not a whole turn)
+    is the whole snapshot's, present only when set: it is the latest delta's alone. Pure;
+    raises ValueError or TypeError on a malformed delta.
     """
     if "progress_at" not in data:
         return dict(data)
@@ -403,10 +451,14 @@ def fold_snapshot(base: dict[str, Any] | None, data: Mapping[str, Any]) -> dict[
             calls.append(rec)
         else:
             calls[i] = rec
-    return {
+    whole: dict[str, Any] = {
         "step": data.get("step"),
         "progress": progress,
         "tool_calls": calls,
         "_id": data.get("_id"),
         "snapshot_n": n,
     }
+    unfinished = data.get("unfinished_text")
+    if isinstance(unfinished, dict):
+        whole["unfinished_text"] = unfinished
+    return whole

@@ -806,6 +806,12 @@ def _short(text: Any, width: int = 100) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
+def _tail(text: Any, width: int = 100) -> str:
+    """The end of a text on one line: a live run's latest words."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= width else "…" + s[-(width - 1) :]
+
+
 def format_event(event: dict[str, Any]) -> str:
     """One human progress line for an event."""
     kind = str(event.get("kind"))
@@ -839,9 +845,17 @@ def format_event(event: dict[str, Any]) -> str:
         calls = d.get("tool_calls_changed")
         n = len(calls) if isinstance(calls, list) else 0
         said = _short(d.get("progress_added") or "", 80)
-        text = f"snapshot after step {d.get('step')}: " + (f"+{said}" if said else "no new text")
+        unfinished = d.get("unfinished_text")
+        unfinished = unfinished if isinstance(unfinished, dict) else {}
+        if unfinished.get("streaming"):
+            # The model's text as it streams (the step's own snapshot follows at its end).
+            text = f"step {d.get('step')} streaming: " + (f"+{said}" if said else "no new text")
+        else:
+            text = f"snapshot after step {d.get('step')}: " + (f"+{said}" if said else "no new text")
         if n:
             text += f" ({n} tool call{'s' if n != 1 else ''} updated)"
+        if unfinished and not unfinished.get("streaming"):
+            text += " (its text was cut short)"
     elif kind == "step_snapshot":
         text = f"snapshot after step {d.get('step')}: {_short(d.get('progress', ''), 80)}"
     elif kind == "stop_requested":
@@ -1328,6 +1342,19 @@ def _print_run(run: dict[str, Any]) -> None:
     if isinstance(result, dict):
         text = result.get("final_text") or result.get("progress") or ""
         rows.append(("result", f"{result.get('status')}" + (f": {_short(text, 100)}" if text else "")))
+    snapshot = run.get("partial_snapshot")
+    if not isinstance(result, dict) and isinstance(snapshot, dict):
+        # A live run: what it has said so far, the model's text as it streams included.
+        said = str(snapshot.get("progress") or "")
+        rows.append(("progress", f"step {snapshot.get('step')}: " + (_tail(said, 100) if said else "(no text yet)")))
+    shown = result if isinstance(result, dict) else snapshot
+    unfinished = shown.get("unfinished_text") if isinstance(shown, dict) else None
+    if isinstance(unfinished, dict):
+        live = run.get("state") not in OUTCOME_EXIT
+        if unfinished.get("streaming") and live:
+            rows.append(("streaming", f"the model is writing step {unfinished.get('step')}'s text"))
+        else:
+            rows.append(("cut short", f"step {unfinished.get('step')}'s text: the model's stream ended before it did"))
     if run.get("partial"):
         rows.append(("partial", "yes: the result is the last step snapshot"))
     if run.get("error"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -102,8 +103,21 @@ class TurnAssembler:
     usage: dict[str, int] | None = None
     received_any: bool = False
     text_dropped: int = 0  # characters past MAX_TURN_TEXT_CHARS
+    # Called (synchronously, no argument) after text was added: how the loop shows the text
+    # as it streams. Not called for text dropped past the bound.
+    on_text: Callable[[], None] | None = None
     _text_chars: int = 0
     _last_index: int | None = None
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of text kept so far (``MAX_TURN_TEXT_CHARS`` at most)."""
+        return self._text_chars
+
+    def text_so_far(self) -> str:
+        """The text kept so far, as it can be encoded (a character still half-way, a lone
+        surrogate, is U+FFFD until its other half comes)."""
+        return clean_text("".join(self.text_parts))
 
     def text(self, delta: str) -> None:
         if delta:
@@ -116,6 +130,8 @@ class TurnAssembler:
                     return
             self._text_chars += len(delta)
             self.text_parts.append(delta)
+            if self.on_text is not None:
+                self.on_text()
 
     def tool_delta(
         self, index: int, *, id: str | None = None, name: str | None = None, arguments: str | None = None

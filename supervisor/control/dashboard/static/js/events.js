@@ -76,7 +76,8 @@ export function describe(ev) {
         text: `${d.kind ?? "process"} group ${d.pgid} ${d.alive === false ? "ended" : "started"}: ${short(d.name, 100)}`,
       };
     case "step_snapshot":
-      return { text: `Partial result saved after step ${d.step}` };
+      if (d.unfinished_text?.streaming) return { text: `Model text streaming, step ${d.step}` };
+      return { text: `Partial result saved after step ${d.step}${d.unfinished_text ? " (its text cut short)" : ""}` };
     case "stop_requested": {
       const during = { tool: "a tool call", model: "a model request (aborted)", idle: "no work" }[d.during] ?? d.during;
       return { text: `The runner got the stop (${d.reason}) during ${during}` };
@@ -112,8 +113,9 @@ export function renderEvent(ev) {
  * The whole step snapshot after a `step_snapshot` event's data `d`, given the whole one
  * before (`base`, or null): as the daemon folds it (subagent/events.py `fold_snapshot`).
  * A delta (it has `progress_at`) adds its text at `progress_at` and replaces or adds its
- * changed records; one not newer than `base` (`snapshot_n`) changes nothing. An older
- * runner's whole snapshot replaces `base`.
+ * changed records; one not newer than `base` (`snapshot_n`) changes nothing; its
+ * `unfinished_text` (set while the model streams, or after a turn cut short) is the whole
+ * one's. An older runner's whole snapshot replaces `base`.
  */
 export function foldSnapshot(base, d) {
   if (!("progress_at" in d)) return d;
@@ -127,7 +129,10 @@ export function foldSnapshot(base, d) {
     if (i < 0) calls.push(rec);
     else calls[i] = rec;
   }
-  return { step: d.step, progress, tool_calls: calls, _id: d._id, snapshot_n: d.snapshot_n };
+  const whole = { step: d.step, progress, tool_calls: calls, _id: d._id, snapshot_n: d.snapshot_n };
+  // Where the progress ends with model text that is not whole (streaming, or cut short).
+  if (d.unfinished_text && typeof d.unfinished_text === "object") whole.unfinished_text = d.unfinished_text;
+  return whole;
 }
 
 /** The later of two whole snapshots (by `snapshot_n`; an older runner's has none: the new one). */

@@ -243,12 +243,18 @@ class RunPage {
       else if (s.state !== "completed") box.append(h("p", { class: "muted", text: `The run ${s.state} with this progress:` }));
       if (r.final_text) box.append(h("p", { text: r.final_text }));
       else if (r.progress) box.append(h("p", { text: r.progress }));
+      if (!r.final_text && r.unfinished_text) {
+        box.append(h("p", { class: "muted", text: `Step ${r.unfinished_text.step}'s text was cut short.` }));
+      }
       if (Array.isArray(r.unapplied_steering) && r.unapplied_steering.length) {
         box.append(h("p", { class: "muted", text: `Steering never applied: ${r.unapplied_steering.join(" · ")}` }));
       }
     } else if (this.snapshot) {
-      box.append(h("p", { class: "muted", text: `After step ${this.snapshot.step}:` }));
+      const u = this.snapshot.unfinished_text;
+      const where = u?.streaming ? `Step ${u.step}, the model writing:` : `After step ${this.snapshot.step}:`;
+      box.append(h("p", { class: "muted", text: where }));
       box.append(h("p", { text: this.snapshot.progress || "(no text yet)" }));
+      if (u && !u.streaming) box.append(h("p", { class: "muted", text: `Step ${u.step}'s text was cut short.` }));
     } else {
       box.append(h("p", { class: "muted", text: "Nothing yet." }));
     }
