@@ -32,6 +32,7 @@ from supervisor.core._run import Run
 from supervisor.core._sources import EventSource
 from supervisor.core._stop_receipt import describe_tool_stops
 from supervisor.core.approvals import ApprovalDesk
+from supervisor.core.progress import checkpoint_due
 from supervisor.errors import JournalError
 from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store.journal import Journal
@@ -200,6 +201,7 @@ class Lifecycle:
             return
         data = item.data
         kind = item.kind
+        checkpoint: dict[str, Any] | None = None
         try:
             if kind == EventKind.RUNNER_STARTED:
                 if isinstance(data.get("sandbox"), dict):
@@ -238,16 +240,22 @@ class Lifecycle:
                 # terminal run keeps its result. The event is a delta since the runner's
                 # previous snapshot (or, from an older runner, a whole one): the cache holds
                 # the whole snapshot it folds into; the journal keeps the event as sent.
+                # The whole snapshot is journaled as a checkpoint only now and then
+                # (``checkpoint_due``): a reader of the journal folds the deltas after it.
                 if data.get("_id") == run.run_id and run.state not in TERMINAL_STATES:
                     whole = fold_snapshot(run.partial, data)
                     if whole is not run.partial:  # (a delta folded already, read again: nothing)
                         run.partial = whole
-                        await book.write(run, "partial result", lambda j: j.set_partial(run.run_id, whole), True)
+                        checkpoint = checkpoint_due(run, data, whole)
         except (KeyError, TypeError, ValueError) as exc:
             text = json.dumps(item.to_dict())[:2000]
             await book.record(run, "stderr", {"text": text, "problem": f"bad {kind} event: {exc!r}"})
             return
-        await book.record(run, str(kind), data, ts=item.ts)
+        seq = await book.record(run, str(kind), data, ts=item.ts)
+        if checkpoint is not None and seq is not None:
+            # After its event: the checkpoint holds every delta up to ``seq``.
+            cp, at = checkpoint, seq
+            await book.write(run, "partial result", lambda j: j.set_partial(run.run_id, cp, seq=at), True)
         if kind == EventKind.STOP_REQUESTED and data.get("reason") == "timeout" and not run.token.cancelled:
             # The runner stopped itself at its spec's deadline: that stop is the daemon's
             # too (both paths, the grace from now, the stop intent journaled). Otherwise a

@@ -37,6 +37,10 @@ class Run:
     scope: trio.CancelScope | None = None  # cancelled: path B
     queue_scope: trio.CancelScope | None = None  # cancelled: leave the queue
     partial: dict[str, Any] | None = None  # the last step_snapshot
+    # Checkpoints of ``partial`` (``progress.PartialCheckpoints``): about how many bytes of
+    # snapshot deltas were journaled since the last one, and how big that one was.
+    partial_since: int = 0
+    partial_checkpoint: int = 0
     cancel_at: float | None = None  # trio clock
     cancel_wall: float | None = None
     stop_deadline: float | None = None  # wall clock: the end of the stop's grace

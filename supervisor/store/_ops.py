@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
-from subagent.events import TERMINAL_TOOL_STATES, Approval, ToolCallState
+from subagent.events import TERMINAL_TOOL_STATES, Approval, ToolCallState, fold_snapshot
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 from supervisor.store._sessions import SessionStoreMixin
@@ -374,16 +374,46 @@ class Store(SessionStoreMixin):
             # snapshot, shows them as their records say (``_fresh_snapshot``).
             if settle_reason is not None:
                 self._settle(conn, run_id, settle_reason, at)
+            # Its partial result as of its end, whole (the last checkpoint and the snapshots
+            # after it): a terminal run's is read as stored, never rebuilt.
+            whole, upto = self._partial_now(conn, run_id, row[1])
             if result is None and partial:
-                result = self._fresh_snapshot(conn, run_id, row[1])
+                result = self._fresh_snapshot(conn, run_id, whole)
             conn.execute(
                 "UPDATE runs SET state = ?, reason = ?, ended_at = ?, result = ?, partial = ?, error = ?, "
-                "receipt = coalesce(?, receipt) WHERE id = ?",
-                (state.value, reason, at, result, int(partial), error, receipt, run_id),
+                "receipt = coalesce(?, receipt), partial_snapshot = ?, partial_seq = ? WHERE id = ?",
+                (state.value, reason, at, result, int(partial), error, receipt, whole, upto, run_id),
             )
             if groups_ended_at is not None:
                 self._end_groups(conn, run_id, groups_ended_at)
             return True
+
+    def _partial_now(
+        self, conn: sqlite3.Connection, run_id: str, checkpoint: str | None
+    ) -> tuple[str | None, int | None]:
+        """A live run's partial result now (its text) and the last event in it: its last
+        checkpoint (``partial_snapshot``, as of event ``partial_seq``) with the run's own
+        ``step_snapshot`` events after it folded in, as the daemon folded them."""
+        row = conn.execute("SELECT partial_seq, last_seq FROM runs WHERE id = ?", (run_id,)).fetchone()
+        after = row[0] if row is not None and row[0] is not None else 0
+        upto = row[1] if row is not None else after
+        rows = conn.execute(
+            "SELECT data FROM events WHERE run_id = ? AND seq > ? AND kind = 'step_snapshot' ORDER BY seq",
+            (run_id, after),
+        ).fetchall()
+        if not rows:
+            return checkpoint, upto
+        obj = _loads(checkpoint)
+        whole: dict[str, Any] | None = obj if isinstance(obj, dict) else None
+        before = whole
+        for (data,) in rows:
+            try:
+                delta = json.loads(data)
+                if isinstance(delta, dict) and delta.get("_id") == run_id:
+                    whole = fold_snapshot(whole, delta)
+            except (TypeError, ValueError):
+                continue  # malformed: the daemon did not fold it either
+        return (checkpoint if whole is before else dumps(whole)), upto
 
     def _fresh_snapshot(self, conn: sqlite3.Connection, run_id: str, snapshot: str | None) -> str | None:
         """The last step snapshot, as a partial result: its calls are as that step left them
@@ -417,12 +447,12 @@ class Store(SessionStoreMixin):
             )
             return self._changed(conn, run_id, cur)
 
-    def set_partial(self, run_id: str, snapshot_id: object, snapshot: str) -> bool:
+    def set_partial(self, run_id: str, snapshot_id: object, snapshot: str, seq: int | None = None) -> bool:
         with self._tx(durable=False) as conn:
             cur = conn.execute(
-                "UPDATE runs SET partial_snapshot = ? WHERE id = ? AND id IS ? "
+                "UPDATE runs SET partial_snapshot = ?, partial_seq = ? WHERE id = ? AND id IS ? "
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
-                (snapshot, run_id, snapshot_id if isinstance(snapshot_id, str) else None, *_TERMINAL_VALUES),
+                (snapshot, seq, run_id, snapshot_id if isinstance(snapshot_id, str) else None, *_TERMINAL_VALUES),
             )
             return self._changed(conn, run_id, cur)
 
@@ -662,7 +692,14 @@ class Store(SessionStoreMixin):
             chunk = ids[i : i + 500]
             groups.update(self._groups(conn, chunk))
             calls.update(self._tool_calls(conn, chunk))
-        return [_run_record(row, groups[row[0]], calls[row[0]]) for row in rows]
+        records = [_run_record(row, groups[row[0]], calls[row[0]]) for row in rows]
+        for row, record in zip(rows, records, strict=True):
+            if record["state"] not in TERMINAL_STATES:
+                # The checkpoint and the snapshots after it: the partial result now.
+                text, _ = self._partial_now(conn, record["id"], row[11])
+                if text is not row[11]:
+                    record["partial_snapshot"] = _loads(text)
+        return records
 
     def get_run(self, run_id: str) -> RunRecord | None:
         with self._read() as conn:

@@ -263,7 +263,23 @@ CREATE TABLE spawn_keys (
 ) STRICT;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5)
+# Version 6: a run's partial result is checkpointed, not rewritten whole at each snapshot.
+# ``partial_seq`` is the sequence number of the last event ``partial_snapshot`` folded in:
+# the partial result now is that checkpoint plus the ``step_snapshot`` events after it
+# (``Store`` rebuilds it so for every reader). NULL (a journal from before): the
+# checkpoint may be older than any event, and folding them all over it is exact (a delta
+# already in it changes nothing). The guard is rebuilt to cover the new column.
+_V6_GUARD = _V3[_V3.index("CREATE TRIGGER runs_terminal_is_final") :].replace(
+    "    OR NEW.deadline IS NOT OLD.deadline\n",
+    "    OR NEW.deadline IS NOT OLD.deadline\n    OR NEW.partial_seq IS NOT OLD.partial_seq\n",
+)
+_V6 = f"""
+ALTER TABLE runs ADD COLUMN partial_seq INTEGER;
+DROP TRIGGER runs_terminal_is_final;
+{_V6_GUARD}
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6)
 # Migrations that rebuild a table others reference: run with foreign keys off (SQLite's
 # documented procedure), checked with foreign_key_check before they commit.
 _FOREIGN_KEYS_OFF: Final = frozenset({4})

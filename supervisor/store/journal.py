@@ -571,8 +571,11 @@ class Journal:
         """
         return await self._call(lambda s: s.record_deadline(_text(run_id), deadline))
 
-    async def set_partial(self, run_id: str, snapshot: Mapping[str, Any]) -> bool:
-        """Store the run's latest partial result (a ``step_snapshot``).
+    async def set_partial(self, run_id: str, snapshot: Mapping[str, Any], *, seq: int | None = None) -> bool:
+        """Store a checkpoint of the run's partial result (its ``step_snapshot`` events
+        folded), as of its event ``seq``: whoever reads the run gets this checkpoint with
+        the run's ``step_snapshot`` events after ``seq`` folded in (``seq`` None: all of
+        them, which a delta already in it does not change), and ``finish`` stores it whole.
 
         Accepted only while the run is live and only if ``snapshot["_id"] == run_id``: a
         stale run's write and a write after the terminal result are refused (False).
@@ -582,7 +585,7 @@ class Journal:
         """
         data = dumps(dict(snapshot))
         snap_id = snapshot.get("_id")
-        return await self._call(lambda s: s.set_partial(_text(run_id), snap_id, data))
+        return await self._call(lambda s: s.set_partial(_text(run_id), snap_id, data, seq))
 
     async def set_receipt(self, run_id: str, receipt: Mapping[str, Any]) -> bool:
         """Store the stop receipt: any time while live, once after the run is terminal.

@@ -77,7 +77,7 @@ async def test_a_new_file_gets_the_latest_schema_in_wal_mode(db: Path) -> None:
     async with await Journal.open(db):
         pass
     conn = raw(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
     assert {"runs", "events", "tool_calls", "process_groups"} <= tables
