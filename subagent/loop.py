@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -34,8 +33,6 @@ import trio
 from subagent.approvals import ApprovalGate
 from subagent.emit import Emitter
 from subagent.events import (
-    STREAM_SNAPSHOT_EVERY_S,
-    STREAM_SNAPSHOT_MAX_CHARS,
     Approval,
     EventKind,
     ExitCode,
@@ -57,6 +54,7 @@ from subagent.model.provider import DraftCall, ModelError, ModelTurn, Provider, 
 from subagent.spec import RunSpec
 from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
+from subagent.textstream import TextStream
 from subagent.tools.toolbox import REASON_STOPPED_BEFORE_START, ToolBox
 
 __all__ = [
@@ -153,12 +151,11 @@ class AgentLoop:
         self.emitter.emit(EventKind.STEP_SNAPSHOT, **delta, _id=self.run_id)
 
     def _unfinished(self, turn: ModelTurn) -> dict[str, Any]:
-        """Where this step's text (the last part of the progress, taken), which a stop, a cut
-        stream or a model error left short, begins in it."""
+        """Where this step's text (taken, the progress's last part; left short) begins in it."""
         return {"step": self.steps, "at": len(self.progress) - len(turn.text), "streaming": False}
 
     def stream_snapshot(self, text: str) -> None:
-        """The model's text of this step as streamed so far, as a snapshot (``_TextStream``)."""
+        """The model's text of this step as streamed so far, as a snapshot (``subagent.textstream``)."""
         before = self.progress
         at = len(before) + (2 if before else 0)
         progress = f"{before}\n\n{text}" if before else text
@@ -184,7 +181,7 @@ class AgentLoop:
             self.emitter.emit(EventKind.STEP_STARTED, step=self.steps)
             self._apply_steering()
             sink = TurnAssembler()
-            streamed = _TextStream(self, sink)
+            streamed = TextStream(sink, self.stream_snapshot)
             aborted = False
             try:
                 with self.stop.model_request() as scope:
@@ -205,7 +202,7 @@ class AgentLoop:
             if turn.text or turn.calls:
                 # What the model said is progress as soon as it is said (a runner killed
                 # during the batch keeps it), and the calls are announced in it. Its text
-                # went out as it streamed (``_TextStream``): only the rest travels now, and
+                # went out as it streamed (``subagent.textstream``): only the rest travels now, and
                 # a turn a stop or a cut stream ended says its text is not whole.
                 self._snapshot(unfinished=None if turn.whole else self._unfinished(turn))
             if aborted:
@@ -469,67 +466,6 @@ class AgentLoop:
             "messages": self.messages,
             **extra,
         }
-
-
-class _TextStream:
-    """Shows a step's model text while it streams: the text so far goes out as a snapshot
-    (``AgentLoop.stream_snapshot``) at most every ``STREAM_SNAPSHOT_EVERY_S``, the first
-    that long after the request began (a turn that streams faster sends none: its step's
-    own snapshot carries it), or sooner once ``STREAM_SNAPSHOT_MAX_CHARS`` wait. Text held
-    back goes out when its time comes, by a task that sleeps until then (a model that
-    streams a burst then goes quiet still shows it). A stop cancels that task with the
-    request: nothing here waits on the stop path."""
-
-    def __init__(self, loop: AgentLoop, sink: TurnAssembler) -> None:
-        self._loop = loop
-        self._sink = sink
-        self._sent_chars = 0
-        self._last = 0.0  # trio clock: the request's start, then the last send
-        self._held = trio.Event()
-        self.sent = False  # some text went out while it streamed
-        sink.on_text = self._arrived
-
-    async def play(
-        self,
-        stream_turn: Callable[[list[dict[str, Any]], list[dict[str, Any]], TurnAssembler], Awaitable[None]],
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-    ) -> None:
-        self._last = trio.current_time()
-        failed: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._flusher)
-            try:
-                await stream_turn(messages, tools, self._sink)
-            except Exception as exc:  # raised as itself, not in the nursery's group
-                failed = exc
-            finally:
-                nursery.cancel_scope.cancel()
-                self._sink.on_text = None
-        if failed is not None:
-            raise failed
-
-    def _arrived(self) -> None:
-        waiting = self._sink.text_chars - self._sent_chars
-        if waiting >= STREAM_SNAPSHOT_MAX_CHARS or trio.current_time() - self._last >= STREAM_SNAPSHOT_EVERY_S:
-            self._send()
-        else:
-            self._held.set()
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._held.wait()
-            self._held = trio.Event()
-            await trio.sleep_until(self._last + STREAM_SNAPSHOT_EVERY_S)
-            self._send()
-
-    def _send(self) -> None:
-        if self._sink.text_chars <= self._sent_chars:
-            return
-        self._sent_chars = self._sink.text_chars
-        self._last = trio.current_time()
-        self.sent = True
-        self._loop.stream_snapshot(self._sink.text_so_far())
 
 
 # A snapshot's records keep each output short (the full output went out in the call's own
