@@ -6,9 +6,13 @@ compare-and-set is in the WHERE clause of the UPDATE that makes it; the schema's
 ``runs_terminal_is_final`` backs that up. Commits that carry facts recovery depends on
 (run creation, state changes, terminal writes, pids and groups) are made with
 ``synchronous = FULL``; the high-volume ones (events, tool-call records, partial
-snapshots) with NORMAL: they survive a daemon crash, and a power loss can drop only a
+snapshot checkpoints) with NORMAL: they survive a daemon crash, and a power loss can drop only a
 suffix of them, never one that a later FULL commit covered, so sequence numbers stay
 gapless.
+
+A run's partial result is stored as a checkpoint (``partial_snapshot`` as of event
+``partial_seq``); a live run is read with its ``step_snapshot`` events after that folded
+in (``_partial_now``), and its end stores the result whole.
 
 Size: one method per journal operation, each one transaction, on one connection; the
 schema, the session operations and the async front are in their own modules.

@@ -487,7 +487,8 @@ class Journal:
         Compare-and-set: returns True for the one call that ended the run; any later
         call (a cancel racing a completion) returns False and changes nothing. With
         ``result=None`` and ``partial=True`` the result is the last partial snapshot,
-        taken atomically with the write. ``receipt`` (if given) is stored with it.
+        taken atomically with the write. Either way the run's partial result (its last
+        checkpoint with the snapshot events after it folded in) is stored whole with it. ``receipt`` (if given) is stored with it.
         ``groups_ended_at`` (when the stop receipt saw the whole tree dead): every group
         still recorded alive is marked ended at that time, in the same transaction.
         ``from_any_live_state``: whatever live state the stored run is in (a fact kept in
