@@ -87,8 +87,13 @@ class EventKind(enum.StrEnum):
     # from them. A runner of an older version sends the whole snapshot (step, progress,
     # tool_calls, _id): also accepted.
     STEP_SNAPSHOT = "step_snapshot"
-    # reason ("signal"|"timeout"), during ("model"|"tool"|"setup"|"idle"); during a tool
-    # also tool: {id, name, on_stop} of the running call
+    # reason ("signal"|"timeout"|"approval_timeout"|"signalled"), during
+    # ("model"|"tool"|"setup"|"idle"|"approval"); during a tool also tool: {id, name,
+    # on_stop} of the running call. "signal": a stop the daemon sent (its SIGTERM, its
+    # stop marker read: ``subagent.stopmark``), whose reason is in stop_reason ("user",
+    # "timeout", "shutdown", ...); "signalled": a SIGTERM or SIGINT no stop of the
+    # daemon's sent (a run's own tool may signal its runner): the run stops, but it fails
+    # (result reason "signalled"), it is not cancelled
     STOP_REQUESTED = "stop_requested"
     STEERING = "steering"  # state ("queued"|"applied"|"unapplied"), text, step
     # A call that needs a person's OK before it runs: call_id, name, arguments (as
@@ -144,6 +149,8 @@ class ExitCode(enum.IntEnum):
     TOOL_SETUP = 4  # a tool could not be set up (an MCP server failed to start, unknown tool)
     MODEL_ERROR = 5  # the model provider failed (connection, auth, bad response)
     TOOL_PROTOCOL = 6  # a tool broke its protocol (e.g. non-JSON on an MCP server's stdout)
+    # stopped by a SIGTERM/SIGINT that no stop of the daemon's sent (result reason "signalled")
+    SIGNALLED = 7
     INTERNAL = 70  # a bug in the runner (EX_SOFTWARE)
 
 
@@ -304,7 +311,8 @@ def encode_result(result: dict[str, Any]) -> bytes:
     """The final result as one JSON line for stdout.
 
     Fields: ``v``, ``status`` (RunStatus), ``reason`` (None, "signal", "timeout", an error
-    code), ``final_text``, ``progress`` (assistant content so far), ``steps``,
+    code such as "signalled"), ``stop_reason`` (with "signal": the daemon's reason for its
+    stop, from the stop marker; absent otherwise), ``final_text``, ``progress`` (assistant content so far), ``steps``,
     ``tool_calls`` (record dicts), ``usage`` ({prompt_tokens, completion_tokens} where
     known), ``error`` ({code, message} or None), ``unapplied_steering`` (texts).
     """

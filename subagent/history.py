@@ -18,9 +18,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from subagent.events import CUT_MARK, Approval, StopEffect, ToolCallState
+from subagent.stopmark import SIGNALLED
 
 __all__ = [
     "HISTORY_INTERRUPTED",
+    "HISTORY_INTERRUPTED_SIGNALLED",
     "HISTORY_FINISHED_AFTER_STOP",
     "HISTORY_FINISHED_BEFORE_STOP",
     "HISTORY_DENIED",
@@ -37,6 +39,10 @@ __all__ = [
 
 # What the model is told, per stop effect, ahead of what is known.
 HISTORY_INTERRUPTED: Final = "interrupted by the stop; output known before the interruption:"
+# The same for a run that stopped on a signal no stop of the daemon's sent (``signalled``).
+HISTORY_INTERRUPTED_SIGNALLED: Final = (
+    "interrupted as the run stopped on a SIGTERM not sent by agentd's stop; output known before the interruption:"
+)
 HISTORY_FINISHED_AFTER_STOP: Final = (
     "[finished after the stop: this call was allowed to finish; the result above is real]"
 )
@@ -92,6 +98,10 @@ def tool_result_text(rec: Any, *, stop_reason: str | None) -> str:
         return f"error: {error or why}\n{body}".rstrip() + note
     if state == ToolCallState.CANCELLED:
         if effect in (StopEffect.INTERRUPTED, StopEffect.ABANDONED, StopEffect.CANCEL_UNANSWERED):
+            if stop_reason == SIGNALLED:
+                if body:
+                    return f"{HISTORY_INTERRUPTED_SIGNALLED}\n{body}"
+                return f"interrupted as the run stopped on a SIGTERM not sent by agentd's stop; no output was known ({why})"
             if body:
                 return f"{HISTORY_INTERRUPTED}\n{body}"
             return f"interrupted by the stop; no output was known ({why})"
@@ -182,7 +192,8 @@ def turn_messages(
         step = rec.get("step")
         if isinstance(step, int) and isinstance(rec.get("id"), str) and not is_cut(rec):
             calls.setdefault(step, []).append(rec)
-    stop_reason = reason if state == "cancelled" else None
+    # (A turn that failed on a signal no stop of the daemon's sent stopped all the same.)
+    stop_reason = reason if state == "cancelled" or reason == SIGNALLED else None
     out: list[dict[str, Any]] = [{"role": "user", "content": task}]
     last_text: dict[str, Any] | None = None  # the last message, if it is text alone
     for step in sorted(set(texts) | set(steering) | set(calls)):

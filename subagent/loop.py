@@ -54,6 +54,7 @@ from subagent.model.provider import DraftCall, ModelError, ModelTurn, Provider, 
 from subagent.spec import RunSpec
 from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
+from subagent.stopmark import SIGNALLED, SIGNALLED_MESSAGE
 from subagent.textstream import TextStream
 from subagent.tools.toolbox import REASON_STOPPED_BEFORE_START, ToolBox
 
@@ -96,6 +97,15 @@ CUT_SHORT = {
 
 def _failed(exit_code: ExitCode, reason: str, code: str, message: str) -> RunOutcome:
     return RunOutcome(RunStatus.FAILED, exit_code, reason=reason, error={"code": code, "message": message})
+
+
+def stopped_outcome(reason: str | None) -> RunOutcome:
+    """How a stopped run ends: ``cancelled`` with its stop's reason, except a stop on a
+    signal no stop of the daemon's sent (``signalled``): nobody cancelled the run, so it
+    failed, in the words the daemon records for it (``subagent.stopmark``)."""
+    if reason == SIGNALLED:
+        return _failed(ExitCode.SIGNALLED, SIGNALLED, SIGNALLED, SIGNALLED_MESSAGE)
+    return RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=reason)
 
 
 @dataclass
@@ -162,7 +172,7 @@ class AgentLoop:
         self._snapshot(progress=progress, unfinished={"step": self.steps, "at": at, "streaming": True})
 
     def _cancelled(self) -> RunOutcome:
-        return RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=self.stop.reason)
+        return stopped_outcome(self.stop.reason)
 
     # --- the loop ------------------------------------------------------------------
 

@@ -25,11 +25,12 @@ import trio
 from subagent.approvals import AnswerChannel, ApprovalGate
 from subagent.emit import Emitter, bare_result
 from subagent.events import EventKind, ExitCode, RunStatus
-from subagent.loop import AgentLoop, RunOutcome
+from subagent.loop import AgentLoop, RunOutcome, stopped_outcome
 from subagent.model.provider import ModelError, Provider
 from subagent.spec import McpServerSpec, RunSpec
 from subagent.steering import SteeringQueue, read_steering
 from subagent.stop import StopControl
+from subagent.stopmark import SIGNALLED, read_marker
 from subagent.tools.background import BackgroundCommands
 from subagent.tools.toolbox import ToolBox
 
@@ -264,6 +265,21 @@ def _note_sigterm_at_once(stop: StopControl) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _signal_sender(reason: str, marker: int | None, stop_reason: list[str]) -> str:
+    """The reason a stop asked as ``reason`` is applied with: a signal (``"signal"``) is
+    the daemon's stop if its stop marker holds the stop's reason (noted in
+    ``stop_reason``), else ``"signalled"``: no stop of the daemon's sent it. Read after
+    the signal came: the daemon writes the marker before it signals. Without a marker (a
+    runner started by hand) a signal is a stop, as it always was."""
+    if reason != "signal" or marker is None:
+        return reason
+    why = read_marker(marker)
+    if why is None:
+        return SIGNALLED
+    stop_reason.append(why)
+    return reason
+
+
 async def _deadline(seconds: float, stop: StopControl) -> None:
     await trio.sleep(seconds)
     stop.request("timeout")
@@ -282,13 +298,17 @@ async def run(
     early_stop: Callable[[], bool] = lambda: False,
     sandbox: dict[str, Any] | None = None,
     answers_fd: int | None = None,
+    stop_marker: int | None = None,
 ) -> int:
     """Run one spec to its end; write the result; return the exit code.
 
     ``stdin_leftover`` (bytes read past the spec) turns on the steering reader on stdin;
     ``early_stop()``: whether a SIGTERM came before trio's signal receiver took over;
     ``sandbox``: the report of ``subagent.sandbox.enter`` (in ``runner_started`` and the result);
-    ``answers_fd``: the approval answer channel (``subagent.approvals.open_channel``).
+    ``answers_fd``: the approval answer channel (``subagent.approvals.open_channel``);
+    ``stop_marker``: the run's stop marker (``subagent.stopmark.open_marker``): a signal
+    is the daemon's stop only if it holds the stop's reason; without one (a runner started
+    by hand), every SIGTERM is a stop.
     """
     run_id = spec.run_id or os.environ.get("AGENTD_RUN_ID")
     if run_id:
@@ -296,11 +316,19 @@ async def run(
         os.environ["AGENTD_RUN_ID"] = run_id
     emitter.run_id = run_id
 
+    # The daemon's reason for its stop, read from the marker when its signal is applied.
+    stop_reason: list[str] = []
+
+    def resolve(reason: str) -> str:
+        return _signal_sender(reason, stop_marker, stop_reason)
+
     def on_first_stop(reason: str, during: str) -> None:
-        extra = {"tool": stop.running_tool} if during == "tool" and stop.running_tool else {}
+        extra: dict[str, Any] = {"tool": stop.running_tool} if during == "tool" and stop.running_tool else {}
+        if stop_reason:
+            extra["stop_reason"] = stop_reason[0]
         emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during, **extra)
 
-    stop = StopControl(on_first_stop=on_first_stop)
+    stop = StopControl(on_first_stop=on_first_stop, resolve=resolve)
     loop: AgentLoop | None = None
     outcome = RunOutcome(RunStatus.FAILED, ExitCode.INTERNAL, reason="internal")
     steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
@@ -411,7 +439,7 @@ async def run(
             error={"code": "internal", "message": f"{type(exc).__name__}: {exc}"},
         )
     if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
-        outcome = RunOutcome(RunStatus.CANCELLED, ExitCode.CANCELLED, reason=stop.reason)
+        outcome = stopped_outcome(stop.reason)
     extra: dict[str, Any] = {
         "run_id": run_id,
         "session_id": spec.session_id,
@@ -419,6 +447,8 @@ async def run(
         "imported": _imported(),
     }
     extra["sandbox"] = sandbox
+    if stop_reason and outcome.reason == "signal":
+        extra["stop_reason"] = stop_reason[0]  # whose stop it was: the daemon's, and why
     extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
     result = (
         loop.result(outcome, **extra)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NoReturn  # noqa: E402
 from subagent.emit import Emitter, bare_result, install_stderr_guards, open_records, set_log_levels  # noqa: E402
 from subagent.events import ExitCode, RunStatus  # noqa: E402
 from subagent.spec import SpecError, parse_spec_text  # noqa: E402
+from subagent.stopmark import SIGNALLED, SIGNALLED_MESSAGE, open_marker, read_marker  # noqa: E402
 
 if TYPE_CHECKING:
     from subagent.sandbox import Ahead
@@ -202,6 +203,7 @@ def main(
     ahead: Ahead | None = None,
     answers: Callable[[], int | None] | None = None,
     records: Callable[[], tuple[int, int] | None] | None = None,
+    marker: Callable[[], int | None] | None = None,
 ) -> int:
     """The whole runner process; returns its exit code (``events.ExitCode``).
 
@@ -211,7 +213,8 @@ def main(
     start is journaled) and ends the process otherwise. ``ahead``: the half of the sandbox it made before it had a run
     (``sandbox.prepare_ahead``); ``answers``: its approvals channel, opened then (it may be
     hidden since, under a private /tmp); ``records``: its events and result files, opened
-    then as well (``emit.open_records``).
+    then as well (``emit.open_records``); ``marker``: its stop marker, opened then too
+    (``stopmark.open_marker``).
     """
     global _waiting_for_spec
     gate = _once(gate)
@@ -219,6 +222,8 @@ def main(
     run_dir = Path(run_dir_env) if run_dir_env else None
     # Its events and result files, opened now: its sandbox closes the way to them.
     emitter = Emitter(run_dir, records=records() if records is not None else open_records(run_dir))
+    # Its stop marker too: whether a SIGTERM was the daemon's stop (``subagent.stopmark``).
+    marker_fd = marker() if marker is not None else open_marker(run_dir)
     install_stderr_guards(emitter)  # first: even a usage error must reach stderr as JSON
     args = _arg_parser().parse_args(argv)
     # stdout carries the result alone (written with os.write): a library's print goes to the log.
@@ -236,6 +241,10 @@ def main(
         except _StoppedBeforeSpec:
             gate()
             emitter.log("info", "stopped before a spec arrived")
+            if marker_fd is not None and read_marker(marker_fd) is None:
+                error = {"code": SIGNALLED, "message": SIGNALLED_MESSAGE}
+                emitter.result(bare_result(str(RunStatus.FAILED), SIGNALLED, error))
+                return int(ExitCode.SIGNALLED)
             emitter.result(bare_result(str(RunStatus.CANCELLED), "signal", None))
             return int(ExitCode.CANCELLED)
         try:
@@ -276,6 +285,7 @@ def main(
                 early_stop=lambda: bool(_early_signals),
                 sandbox=report.to_dict(),
                 answers_fd=answers_fd,
+                stop_marker=marker_fd,
             )
 
         return run_trio(gated)
@@ -305,6 +315,7 @@ def start(
     ahead: Ahead | None = None,
     answers: Callable[[], int | None] | None = None,
     records: Callable[[], tuple[int, int] | None] | None = None,
+    marker: Callable[[], int | None] | None = None,
 ) -> NoReturn:
     """Become a runner and run to the end: the one entry of every runner process.
 
@@ -313,11 +324,11 @@ def start(
     process what a cold start is (session, cgroup, marker, pipes, environment, working
     directory: ``subagent.zygote``). What every runner must do first, whichever way it
     was born (the SIGTERM handler that only sets the stop flag; a sandbox), goes here.
-    ``gate``, ``ahead``, ``answers``, ``records``: see ``main``.
+    ``gate``, ``ahead``, ``answers``, ``records``, ``marker``: see ``main``.
     """
     signal.signal(signal.SIGTERM, _early_handler)
     signal.signal(signal.SIGINT, _early_handler)
-    code = main(argv, gate=gate, ahead=ahead, answers=answers, records=records)
+    code = main(argv, gate=gate, ahead=ahead, answers=answers, records=records, marker=marker)
     sys.stderr.flush()  # a partial line a library left in the log wrapper becomes an event
     # Everything is closed and the result is written (unbuffered, os.write): skip the
     # interpreter's teardown of openai/mcp modules, which costs a noticeable part of a

@@ -14,6 +14,11 @@ spawn), so the signal handler also notes the SIGTERM at once (``note_signal``), 
 check of the flag (``requested``, ``starting``) applies a noted one first: nothing starts
 once a SIGTERM has arrived, however late the signal task runs.
 
+Whose stop a signal was is decided when it is applied (``resolve``: the runner reads its
+stop marker, ``subagent.stopmark``, then): ``"signal"`` stays ``"signal"`` for a stop the
+daemon asked for and becomes ``"signalled"`` for a SIGTERM (or SIGINT) no stop of the
+daemon's sent; the run still stops, but it is not a cancelled run.
+
 A tool's start is one step with the check that no stop came (``starting``): a stop asked
 while a command is being spawned (the spawn yields to the loop, where the SIGTERM task
 runs) is applied once it is spawned, so the record never says that a tool started after
@@ -34,8 +39,15 @@ __all__ = ["StopControl"]
 
 
 class StopControl:
-    def __init__(self, on_first_stop: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_first_stop: Callable[[str, str], None] | None = None,
+        resolve: Callable[[str], str] | None = None,
+    ) -> None:
         self.reason: str | None = None
+        # The reason a stop is applied with, from the one asked (a signal's sender is
+        # looked up as it is applied, after the signal came): identity by default.
+        self._resolve = resolve
         self.count = 0
         self.stopped = trio.Event()
         self.stopped_at: float | None = None  # trio clock
@@ -95,6 +107,8 @@ class StopControl:
 
     def _apply(self, reason: str) -> None:
         if self.reason is None:
+            if self._resolve is not None:
+                reason = self._resolve(reason)
             self.reason = reason
             self.stopped_at = trio.current_time()
             self.stopped_wall = time.time()

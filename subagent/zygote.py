@@ -406,6 +406,7 @@ class _Zygote:
             chan = socket.socket(fileno=chan_fd)
             from subagent import approvals, runner, sandbox
             from subagent.emit import open_records
+            from subagent.stopmark import open_marker
 
             # Its run directory is known: be there, as a forked runner is (and so is sys.path[0]).
             self._chdir(req.get("cwd"))
@@ -413,6 +414,7 @@ class _Zygote:
             # runner opens it before its sandbox.
             answers_fd = approvals.open_channel({approvals.ANSWERS_ENV: str(req.get("answers") or "")})
             records = open_records(Path(str(req["cwd"]))) if req.get("cwd") else None
+            marker_fd = open_marker(Path(str(req["cwd"]))) if req.get("cwd") else None
             ahead = None
             if isinstance(req.get("sandbox"), str):
                 settings = sandbox.Settings.from_env({sandbox.SANDBOX_ENV: req["sandbox"]})
@@ -432,6 +434,8 @@ class _Zygote:
                 keep.append(answers_fd)
             if records is not None:
                 keep.extend(records)
+            if marker_fd is not None:
+                keep.append(marker_fd)
             args = self._take(assignment, fds, keep=keep)
 
             def gate() -> None:
@@ -443,7 +447,14 @@ class _Zygote:
                 if go != b"go":
                     os._exit(0)  # the daemon never journaled its start: do nothing
 
-            runner.start(args, gate=gate, ahead=ahead, answers=lambda: answers_fd, records=lambda: records)
+            runner.start(
+                args,
+                gate=gate,
+                ahead=ahead,
+                answers=lambda: answers_fd,
+                records=lambda: records,
+                marker=lambda: marker_fd,
+            )
         except BaseException as exc:  # noqa: BLE001 - start() ends in os._exit; this is a bug
             if not assigned and _hung_up(chan_fd):
                 # Given up while it was parking (the daemon stopping, say): its tree may be

@@ -136,8 +136,9 @@ def ended_by(code: int | None) -> str:
     return f"exit {code}"
 
 
-def format_outcome(o: CommandOutcome) -> str:
-    """The text the model sees."""
+def format_outcome(o: CommandOutcome, *, foreign_signal: bool = False) -> str:
+    """The text the model sees. ``foreign_signal``: the run stopped on a signal no stop of
+    the daemon's sent (``subagent.stopmark``): a command the stop ended says that."""
     if o.spawn_error is not None:
         return f"error: could not start the command: {o.spawn_error}"
     if o.exit_code is None:
@@ -148,7 +149,12 @@ def format_outcome(o: CommandOutcome) -> str:
         head = f"[exit code {o.exit_code}]"
     if o.timed_out:
         head += " [timed out: the command was stopped]"
-    if o.by_stop:
+    if o.by_stop and foreign_signal:
+        head += (
+            " [interrupted as the run stopped on a SIGTERM not sent by agentd's stop: "
+            "the command was stopped; output so far below]"
+        )
+    elif o.by_stop:
         head += " [interrupted by the stop: the command was stopped; output so far below]"
     elif o.interrupted:
         head += " [interrupted: the command was stopped]"

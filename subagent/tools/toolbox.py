@@ -33,6 +33,7 @@ from subagent.events import StopEffect, StopPolicy, ToolCallState
 from subagent.spec import Limits, StopPolicySpec
 from subagent.stop import StopControl
 from subagent.stop_policy import command_policy, mcp_policy
+from subagent.stopmark import SIGNALLED
 from subagent.tools.background import COMMAND_OUTPUT_TOOL, BackgroundCommands
 from subagent.tools.commands import (
     RUN_COMMAND_TOOL,
@@ -320,13 +321,19 @@ class ToolBox:
         # that comes as it spawns reaches it before it leaves the runner's process group.
         if not outcome.by_stop and await _killed_by_the_stop(outcome, stop):
             outcome.by_stop = True
-        text = format_outcome(outcome)
+        foreign = stop.reason == SIGNALLED
+        text = format_outcome(outcome, foreign_signal=foreign)
         if outcome.spawn_error is not None:
             return ToolOutcome(ToolCallState.FAILED, text, error=outcome.spawn_error, reason="spawn_failed")
         if outcome.by_stop:
             after = _command_stop_to_end(outcome, stop)
             how = f"; it ended on {outcome.ended_by} {_ms(after)} after the stop" if after is not None else ""
             reason = f"interrupted: interrupted by the stop (SIGTERM to its process group){how}"
+            if foreign:
+                reason = (
+                    "interrupted: the run stopped on a SIGTERM not sent by agentd's stop "
+                    f"(SIGTERM to its process group){how}"
+                )
             if policy is not StopPolicy.INTERRUPT:
                 reason = f"interrupted: killed by {outcome.ended_by} as the stop came (it was spawning; its policy would have let it finish)"
             return ToolOutcome(

@@ -28,7 +28,7 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, fold_snapshot
 from supervisor.config import Config
 from supervisor.core._book import RunBook
-from supervisor.core._run import Run
+from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import EventSource
 from supervisor.core._stop_receipt import describe_tool_stops
 from supervisor.core.approvals import ApprovalDesk
@@ -123,18 +123,25 @@ class Lifecycle:
                     with trio.CancelScope() as run.scope:
                         if run.token.cancelled:  # the stop came while it was starting
                             if not run.path_a:
+                                mark_stop(run, run.token.reason)
                                 run.path_a = process.soft_stop(tree)
                             run.scope.cancel()
+                        exited = False
                         try:
                             if announce is not None:
                                 await announce()
                                 announced.set()
                             await process.wait_leader(tree)
+                            exited = True
                         finally:
                             # Path B (scope cancelled) or the runner ended by itself: either
                             # way the whole tree is ended and confirmed dead, shielded, bounded.
                             # (Unless the daemon is leaving its runs: then it is cancelled.)
                             if not self.leaving:
+                                if not exited and not run.path_a:
+                                    # Path B's SIGTERM is the runner's first: the daemon's stop
+                                    # too (its supervision failed, say), marked as such.
+                                    mark_stop(run, run.token.reason or "internal")
                                 with trio.CancelScope(shield=True):
                                     stop = await process.terminate_and_kill(
                                         tree, grace_s=self._grace(run), sigterm_sent=bool(run.path_a)

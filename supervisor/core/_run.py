@@ -14,13 +14,14 @@ from typing import Any
 
 import trio
 
+from subagent.stopmark import write_marker
 from supervisor.core.approvals import RunApprovals
 from supervisor.core.token import CancelToken
 from supervisor.protocol import Secret
 from supervisor.states import RunState
 from supervisor.trees._handles import AnyTree
 
-__all__ = ["Run"]
+__all__ = ["Run", "mark_stop"]
 
 
 @dataclass(eq=False)
@@ -78,3 +79,12 @@ class Run:
     @property
     def stopping(self) -> bool:
         return self.token.cancelled
+
+
+def mark_stop(run: Run, reason: str | None) -> None:
+    """Say in the run's stop marker that this SIGTERM is the daemon's stop, and why: called
+    before every SIGTERM the daemon sends a live runner (``subagent.stopmark``; the write
+    has returned before the signal goes, so the runner, which reads it after the signal,
+    sees it). A SIGTERM sent without it is taken by the runner for someone else's."""
+    if run.run_dir is not None:
+        write_marker(run.run_dir, reason or "stop")

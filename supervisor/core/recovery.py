@@ -28,7 +28,7 @@ import trio
 
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
-from supervisor.core._run import Run
+from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import FileSource, event_key
 from supervisor.core.token import CancelToken
 from supervisor.states import RunState
@@ -115,7 +115,9 @@ class Recovery:
             self.book.live[run_id] = run
             note: dict[str, Any] = {"note": "re-adopted after a daemon restart", "members": found.members}
             if run.token.cancelled:
-                # The acknowledged stop goes on at once: path A again, before any await.
+                # The acknowledged stop goes on at once: path A again, before any await
+                # (its marker first: this daemon's SIGTERM is the stop's too).
+                mark_stop(run, run.token.reason)
                 run.path_a = process.soft_stop(found.tree)
                 note["resumed_stop"] = {"reason": run.token.reason, "grace_left_s": self.lifecycle.grace_left(run)}
             await self.book.record(run, "daemon", note)

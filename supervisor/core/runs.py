@@ -42,7 +42,7 @@ from subagent.steering import MAX_STEER_LINE_BYTES
 from supervisor.config import Config
 from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
 from supervisor.core._lifecycle import Lifecycle
-from supervisor.core._run import Run
+from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import PipeSource
 from supervisor.core._spec_check import spec_for_runner, validate_spec
 from supervisor.core.approvals import ApprovalDesk, Hooks
@@ -451,8 +451,10 @@ class RunManager:
         if first:
             run.cancel_at, run.cancel_wall = asked if asked is not None else (trio.current_time(), time.time())
             run.stop_deadline = run.cancel_wall + self.config.grace_s
-            # Path A: fire and forget, whole-group soft stop.
+            # Path A: fire and forget, whole-group soft stop; its marker first, so the
+            # runner knows the SIGTERM for the daemon's stop (``mark_stop``).
             if run.tree is not None:
+                mark_stop(run, run.token.reason or reason)
                 run.path_a = process.soft_stop(run.tree)
             # Path B: unwinding the run's scope ends in terminate_and_kill.
             if run.scope is not None:

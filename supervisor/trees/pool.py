@@ -28,6 +28,7 @@ import trio
 
 from subagent.approvals import ANSWERS_ENV
 from subagent.sandbox import SANDBOX_ENV, Settings
+from subagent.stopmark import make_marker, marker_path
 from supervisor.config import Config
 from supervisor.core.approvals import make_channel, remove_channel
 from supervisor.errors import SpawnError
@@ -218,11 +219,15 @@ async def _wait_ready(warm: Warm) -> Warm | None:
 def _make_run_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=False, mode=0o700)
     (path / "tmp").mkdir(mode=0o700)
+    # Beside it, its stop marker (``subagent.stopmark``): its runner opens it before its
+    # sandbox; the daemon writes a stop's reason there before it SIGTERMs the runner.
+    make_marker(path)
 
 
 # A tree's run directory, and what lies beside it (its answer channel, its runner's events
-# and result files): ``t-`` and 16 hex digits, as ``new_tree`` and the zygote name them.
-_TREE_ENTRY: Final = re.compile(r"(t-[0-9a-f]{16})(?:\.answers|\.events\.jsonl|\.result\.json)?")
+# and result files, its stop marker): ``t-`` and 16 hex digits, as ``new_tree`` and the
+# zygote name them.
+_TREE_ENTRY: Final = re.compile(r"(t-[0-9a-f]{16})(?:\.answers|\.events\.jsonl|\.result\.json|\.stop)?")
 
 
 def sweep_run_root(root: Path, keep: set[str]) -> int:
@@ -240,14 +245,14 @@ def sweep_run_root(root: Path, keep: set[str]) -> int:
 
 def remove_dir(path: Path) -> None:
     """Remove a run directory, the short browser TMPDIR link that may point into it, its
-    approval answer channel and its runner's events and result files."""
+    approval answer channel, its runner's events and result files and its stop marker."""
     from subagent.emit import record_paths
     from subagent.presets import release_run_dir
 
     release_run_dir(path)
     shutil.rmtree(path, ignore_errors=True)
     remove_channel(path)
-    for record in record_paths(path):
+    for record in (*record_paths(path), marker_path(path)):
         try:
             record.unlink()
         except FileNotFoundError:

@@ -244,6 +244,38 @@ async def test_a_run_cannot_forge_its_own_result_or_events(daemon: Daemon) -> No
     assert not [e for e in events if e["kind"] == "assistant_text"]
 
 
+async def test_a_run_cannot_forge_the_daemons_stop_marker(daemon: Daemon) -> None:
+    # A tool writes the daemon's stop marker (beside its run dir, as the daemon writes it
+    # before it SIGTERMs a runner it stops), then SIGTERMs its runner: the runner must not
+    # take that for the daemon's stop (a user's cancel), and nor must what the daemon keeps.
+    d = daemon
+    script = "; ".join(
+        [
+            'printf user > "$AGENTD_RUN_DIR.stop"; echo forge=$?',
+            'rm -f "$AGENTD_RUN_DIR.stop" && printf user > "$AGENTD_RUN_DIR.stop"; echo replace=$?',
+            "kill -TERM $PPID",
+            "sleep 30",
+        ]
+    )
+    with trio.fail_after(SCENARIO_S):
+        r = await d.m.spawn(scripted([command(script)]))
+        st = await d.m.wait_terminal(r["run_id"])
+        events = await d.m.events_after(r["run_id"], 0)
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("failed", "signalled", None), st
+    result = st["result"]
+    assert (result["status"], result["reason"]) == ("failed", "signalled"), result
+    assert "stop_reason" not in result, result
+    stops = [e["data"] for e in events if e["kind"] == "stop_requested"]
+    assert [s["reason"] for s in stops] == ["signalled"] and "stop_reason" not in stops[0], stops
+    (out,) = outputs(st)
+    if not own_view(d.state, st["sandbox"]):
+        # Landlock refuses both: the runs dir is protected. (Under a private /tmp the path
+        # is the run's own tmpfs, not the marker the runner holds open: the result above.)
+        lines = dict(line.split("=", 1) for line in out.splitlines() if line.startswith(("forge=", "replace=")))
+        assert_denied(lines, "forge")
+        assert_denied(lines, "replace")
+
+
 async def test_an_mcp_server_process_cannot_reach_the_daemons_state(daemon: Daemon) -> None:
     d = daemon
     with trio.fail_after(SCENARIO_S):

@@ -15,6 +15,7 @@ import trio
 
 from subagent.emit import record_paths
 from subagent.events import EventKind, ExitCode, ToolCallState, decode_result
+from subagent.stopmark import make_marker, write_marker
 from tests.subagent.harness import runner_env, spec, start_runner
 
 TWO_COMMANDS = {
@@ -124,6 +125,68 @@ async def test_sigterm_while_the_model_streams_cancels_at_once(tmp_path: Path) -
     # The partial text is kept as progress, marked incomplete.
     assert result["progress"] == "th"
     assert r.of(EventKind.ASSISTANT_TEXT)[0].data["complete"] is False
+
+
+def _marked_run_dir(tmp_path: Path) -> Path:
+    """The run dir the harness uses, with the stop marker a daemon makes beside it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    make_marker(run_dir)
+    return run_dir
+
+
+async def test_a_sigterm_from_the_runs_own_command_is_not_the_daemons_stop(tmp_path: Path) -> None:
+    # The runner has a stop marker (a daemon made it) and it is empty: the SIGTERM its own
+    # command sends it is nobody's stop. The run stops, but it fails "signalled": not
+    # cancelled, and not "interrupted by the stop" in what the model and the record say.
+    _marked_run_dir(tmp_path)
+    script = {
+        "turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "kill -TERM $PPID; sleep 30"}}]}]
+    }
+    async with start_runner(spec(script=script), tmp_path) as r:
+        rc, result = await r.finish()
+    assert rc == ExitCode.SIGNALLED, result
+    assert (result["status"], result["reason"]) == ("failed", "signalled"), result
+    assert result["error"]["code"] == "signalled" and "agentd's stop did not send" in result["error"]["message"]
+    assert "stop_reason" not in result
+    stop = r.of(EventKind.STOP_REQUESTED)
+    assert [e.data["reason"] for e in stop] == ["signalled"] and stop[0].data["during"] == "tool", stop
+    assert "stop_reason" not in stop[0].data
+    [call] = result["tool_calls"]
+    assert call["state"] == "cancelled" and call["stop_effect"] == "interrupted", call
+    assert "not sent by agentd's stop" in call["reason"] and "interrupted by the stop" not in call["reason"], call
+    told = [m["content"] for m in result["messages"] if m.get("role") == "tool"]
+    assert len(told) == 1 and "interrupted by the stop" not in told[0] and "not sent by agentd's stop" in told[0], told
+    # Its record files say the same (the daemon keeps the result file's).
+    events_file, result_file = record_paths(tmp_path / "run")
+    assert json.loads(result_file.read_text())["reason"] == "signalled"
+
+
+async def test_a_sigterm_after_the_daemon_marked_its_stop_is_that_stop(tmp_path: Path) -> None:
+    # The daemon writes the stop's reason in the marker, then signals: the runner reads it
+    # after the signal, and its stop is the daemon's, with the reason.
+    run_dir = _marked_run_dir(tmp_path)
+    script = {"turns": [{"text": "thinking", "chunk_size": 2, "chunk_delay_s": 5}]}
+    async with start_runner(spec(script=script), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.STEP_STARTED)
+        assert write_marker(run_dir, "user")
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "user"), result
+    stop = r.of(EventKind.STOP_REQUESTED)
+    assert len(stop) == 1 and stop[0].data == {"reason": "signal", "during": "model", "stop_reason": "user"}
+
+
+async def test_a_sigterm_before_the_spec_without_the_daemons_mark_is_not_a_stop(tmp_path: Path) -> None:
+    _marked_run_dir(tmp_path)
+    async with start_runner(b"", tmp_path, args=("--warm",), stdin_close=False) as r:
+        with trio.fail_after(20):
+            await r.wait_event(EventKind.LOG, lambda e: e.data.get("warm") is True)
+        r.signal()
+        rc, result = await r.finish(timeout_s=30)
+    assert rc == ExitCode.SIGNALLED and (result["status"], result["reason"]) == ("failed", "signalled"), result
 
 
 FINISH_COMMANDS = {"run_command": "finish"}

@@ -409,3 +409,29 @@ async def test_a_sighup_stops_the_daemon_as_sigterm_does(tmp_path: Path) -> None
         async with daemon(state, grace_s=2.0) as (_proc, c):
             st = await c.call("status", run_id=run_id)
     assert st["state"] == "cancelled" and st["reason"] == "shutdown", st
+
+
+async def test_a_readopted_run_cancelled_by_the_restarted_daemon_is_that_daemons_stop(tmp_path: Path) -> None:
+    """The stop of a run a restarted daemon found again is this daemon's, a process the
+    runner never knew: it marks the stop where the runner looks (the marker beside the
+    run dir, which the runner opened before its sandbox), then signals. The runner's own
+    result and its stop_requested event say it was the daemon's stop, with its reason."""
+    state = tmp_path / "state"
+    spec = command_spec("sleep 300")
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await wait_call_running(c, rid, "call_1_1")
+            await kill9(d1, c)
+        async with daemon(state, grace_s=5.0) as (d2, c):
+            assert (await c.call("cancel", run_id=rid))["was_active"] is True
+            assert await c.wait_for(rid) == "cancelled"
+            final = await c.call("status", run_id=rid)
+            events = (await c.call("events", run_id=rid, after_seq=0))["events"]
+    assert (final["state"], final["reason"], final["cancel_reason"]) == ("cancelled", "user", "user"), final
+    result = final["result"]
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "user"), result
+    stops = [e["data"] for e in events if e["kind"] == "stop_requested"]
+    assert [(s["reason"], s.get("stop_reason")) for s in stops] == [("signal", "user")], stops
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["stop_effect"]) == ("cancelled", "interrupted"), call

@@ -31,6 +31,28 @@ async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         stop.set()
 
 
+@pytest.fixture(params=["cold", "spare"])
+async def any_runner(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[RunManager]:
+    """A daemon whose next run's runner is a cold ``python -m subagent.runner`` (a runner
+    the zygote forks at the spawn opens its files as a cold one does), or the zygote's
+    spare (which opens them before it has a run)."""
+    from tests.supervisor.test_zygote_spare import spare_ready
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    how = {"cold": {"zygote": "off"}, "spare": {"zygote_spares": 1}}[request.param]
+    config = Config.load(state_dir=tmp_path / "state", grace_s=5, environ={}, **how)
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        m: RunManager = info["manager"]
+        if request.param == "spare":
+            await spare_ready(m)
+        yield m
+        stop.set()
+
+
 def gated_script(turns_after: list[dict[str, Any]]) -> dict[str, Any]:
     """A first turn whose command waits for a file named ``go`` in the run's directory."""
     wait = "while [ ! -f go ]; do sleep 0.02; done; echo gate open"
@@ -139,17 +161,62 @@ async def test_steering_its_runner_never_read_is_reported_unapplied(manager: Run
     assert steering == [{"state": "unapplied", "text": "never read", "step": None, "unread": True}]
 
 
-async def test_a_runner_signalled_by_its_own_tool_is_not_a_cancelled_run(manager: RunManager) -> None:
+async def _stop_requested(manager: RunManager, rid: str) -> dict[str, Any]:
+    events = await manager.events_after(rid, 0)
+    stops = [e["data"] for e in events if e["kind"] == "stop_requested"]
+    assert len(stops) == 1, stops
+    return stops[0]
+
+
+def _result_file(st: dict[str, Any]) -> dict[str, Any]:
+    # What the runner wrote beside its run dir is gone with the run: the daemon kept it.
+    result = st["result"]
+    assert isinstance(result, dict), st
+    return result
+
+
+async def test_a_runner_signalled_by_its_own_tool_is_not_a_cancelled_run(any_runner: RunManager) -> None:
     # A stop is a cancel, never inferred: a SIGTERM no cancel sent (here the run's own
-    # command signals its runner) is recorded for what it was.
+    # command signals its runner) is recorded for what it was, by the daemon and by the
+    # runner's own result and stop_requested event, which the daemon keeps. (A tool that
+    # forges the daemon's stop marker first: tests/e2e/test_sandbox.py.)
     script = {
         "turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "kill -TERM $PPID; sleep 30"}}]}]
     }
+    manager = any_runner
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": script}})
         st = await manager.wait_terminal(r["run_id"])
+        stop = await _stop_requested(manager, r["run_id"])
     assert (st["state"], st["reason"]) == ("failed", "signalled"), st
     assert st["cancel_reason"] is None and st["error"]["code"] == "signalled"
+    result = _result_file(st)
+    assert (result["status"], result["reason"], result["error"]["code"]) == ("failed", "signalled", "signalled"), result
+    assert "stop_reason" not in result, result
+    assert "agentd's stop did not send" in result["error"]["message"]
+    assert stop["reason"] == "signalled" and "stop_reason" not in stop, stop
+    [call] = result["tool_calls"]
+    assert "interrupted by the stop" not in (call["reason"] or "") + (call["output"] or ""), call
+    assert "not sent by agentd's stop" in call["reason"], call
+
+
+async def test_a_cancelled_runs_runner_says_whose_stop_it_was(manager: RunManager) -> None:
+    # The daemon's stop: its marker then its SIGTERM; the runner reads the marker and says
+    # it was the daemon's stop, with its reason ("user"), and is cancelled.
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_event(manager, rid, command_alive)
+        await manager.cancel(rid)
+        st = await manager.wait_terminal(rid)
+        stop = await _stop_requested(manager, rid)
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "user", "user"), st
+    result = _result_file(st)
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "user"), result
+    assert (stop["reason"], stop["stop_reason"], stop["during"]) == ("signal", "user", "tool"), stop
+    [call] = result["tool_calls"]
+    assert (call["state"], call["stop_effect"]) == ("cancelled", "interrupted"), call
+    assert call["reason"].startswith("interrupted: interrupted by the stop (SIGTERM to its process group)"), call
 
 
 async def test_a_steer_racing_the_runs_end_is_refused_and_never_reported_unapplied(manager: RunManager) -> None:
