@@ -2,7 +2,8 @@
 
 This module is the entry only: early signal handling, stderr guards, reading and
 validating the spec, the exit code. ``subagent.run`` does the run.
-Invariants: SIGTERM only sets the stop flag, however often it comes (a handler is
+Invariants: SIGTERM only sets the stop flag (whose stop it was is read in the run's stop
+marker, ``subagent.stopmark``, opened here before the sandbox), however often it comes (a handler is
 installed before anything slow; trio's receiver takes over during the run), except while
 ``--warm`` waits for its spec, when a signal ends the process at once; the stderr guards
 are installed before any non-stdlib import, so even an import error reaches stderr as a

@@ -304,7 +304,9 @@ class Lifecycle:
             if state == RunState.CANCELLED and not run.token.cancelled and reason == "signal" and not run.readopted:
                 # A stop is a cancel, never inferred: nobody cancelled this run, yet its
                 # runner took a signal for one (a tool of the run, or another process,
-                # signalled it).
+                # signalled it). A runner with a stop marker says so itself (its result
+                # `failed`, `signalled`, taken as it is above); one without (started by a
+                # daemon that made none) is corrected here.
                 state, reason = RunState.FAILED, "signalled"
                 error = {
                     "code": "signalled",

@@ -8,7 +8,9 @@ facts go through the book (``supervisor.core._book``), its supervision is the on
 (``supervisor.core.recovery``) alike.
 
 Cancel goes two ways on purpose (DESIGN.md): path A at cancel time (``process.soft_stop``:
-SIGTERM to the runner's group and to the command groups it reported interruptible), and
+SIGTERM to the runner's group and to the command groups it reported interruptible; the
+stop's reason is written into the run's stop marker first, ``_run.mark_stop``, so the
+runner knows the SIGTERM for the daemon's stop and not someone else's), and
 path B when the run's scope is cancelled (the lifecycle unwinds into a shielded
 ``process.terminate_and_kill``). A stop is journaled (reason, time, the wall-clock end of
 its grace) before it is acknowledged, and a timeout is a wall-clock deadline, so a

@@ -164,7 +164,9 @@ def soft_stop(tree: AnyTree) -> list[str]:
     interruptible (``tree.interruptible``: commands a stop interrupts; seed 000 sends
     run_command's groups SIGTERM at cancel time), so a stuck runner does not keep them
     running; a group whose tool may finish, or an MCP server, is never signalled here.
-    Once the runner is gone, every known group is. Returns one line per signal, e.g.
+    Once the runner is gone, every known group is. A caller stopping a run writes its stop
+    marker first (``supervisor.core._run.mark_stop``): the runner takes a SIGTERM with no
+    reason there for someone else's. Returns one line per signal, e.g.
     ``"SIGTERM group 4242: sent"`` ("gone": nothing there; "eperm": maybe alive, not ours
     to signal).
     """

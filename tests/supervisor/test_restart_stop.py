@@ -162,13 +162,15 @@ async def wait_call_running(c: Client, run_id: str, call_id: str) -> None:
         assert msg.get("op") != "end", f"run {run_id} ended before {call_id} ran"
 
 
-@pytest.mark.parametrize("ending", ["completed", "failed", "cancelled", "no result"])
+@pytest.mark.parametrize("ending", ["completed", "failed", "signalled", "no result"])
 async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_says(
     tmp_path: Path, ending: str
 ) -> None:
     """The runner ends with no daemon watching: by itself (its result says `completed`, or
-    `failed` when the model fails), stopped by someone else's SIGTERM (`cancelled`), or
-    SIGKILLed (no result: `lost`, with what the journal knew as its partial result)."""
+    `failed` when the model fails), stopped by someone else's SIGTERM (`failed`,
+    `signalled`: no stop of a daemon's sent it, so its runner's result says so, not
+    `cancelled`), or SIGKILLed (no result: `lost`, with what the journal knew as its
+    partial result)."""
     state = tmp_path / "state"
     shared = tmp_path / "shared"  # granted to the run: its sandbox reaches only its own dir
     shared.mkdir()
@@ -198,7 +200,7 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
         if ending in ("completed", "failed"):
             flag.touch()  # the run goes on and ends by itself with no daemon watching
         else:
-            os.kill(runner, signal.SIGTERM if ending == "cancelled" else signal.SIGKILL)
+            os.kill(runner, signal.SIGTERM if ending == "signalled" else signal.SIGKILL)
         await wait_gone(runner, 30)
         async with daemon(state, grace_s=5.0) as (d2, c):
             final = await c.call("status", run_id=rid)
@@ -211,7 +213,8 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
         assert final["receipt"]["recovery"]["survivors"] == []
         return
     assert final["receipt"]["path_b"]["note"] == "the run ended while the daemon was down"
-    assert final["partial"] is False and final["result"]["status"] == ending, final
+    assert final["partial"] is False, final
+    assert final["result"]["status"] == ("failed" if ending == "signalled" else ending), final
     if ending == "completed":
         assert final["state"] == "completed" and final["result"]["final_text"] == "done"
         assert second["state"] == "succeeded" and "finished" in second["output"]
@@ -219,8 +222,10 @@ async def test_a_run_that_finished_while_the_daemon_was_down_is_what_its_result_
         assert final["state"] == "failed" and "the model broke" in json.dumps(final["error"]), final
         assert second["state"] == "succeeded" and "finished" in second["output"]
     else:
-        assert final["state"] == "cancelled", final
+        assert (final["state"], final["reason"], final["cancel_reason"]) == ("failed", "signalled", None), final
+        assert final["result"]["reason"] == "signalled" and final["error"]["code"] == "signalled", final
         assert second["state"] == "cancelled" and second["stop_effect"] == "interrupted", second
+        assert "not sent by agentd's stop" in second["reason"], second
 
 
 async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next_daemon(tmp_path: Path) -> None:
