@@ -502,6 +502,7 @@ async def test_a_start_removes_the_trees_a_killed_daemon_left_that_no_run_holds(
     (left / "tmp").mkdir(parents=True)
     os.mkfifo(root / "t-0123456789abcdef.answers")
     (root / "t-fedcba9876543210.result.json").write_text("{}")
+    (root / "t-00000000000000aa.stop").write_text("")  # a stop marker, its tree gone already
     others = [root / "notes.txt", root / "t-short"]
     for p in others:
         p.write_text("not a tree")
