@@ -397,6 +397,9 @@ async def test_a_sigterm_during_the_start_stops_the_daemon_cleanly_once_started(
         async with daemon(state, grace_s=2.0) as (_proc, c):
             st = await c.call("status", run_id=run_id)
     assert st["state"] == "cancelled" and st["reason"] == "shutdown", st
+    # The runner's own result says whose stop it was: the daemon's, at its shutdown.
+    result = st["result"]
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "shutdown"), result
 
 
 async def test_a_sighup_stops_the_daemon_as_sigterm_does(tmp_path: Path) -> None:
@@ -414,6 +417,9 @@ async def test_a_sighup_stops_the_daemon_as_sigterm_does(tmp_path: Path) -> None
         async with daemon(state, grace_s=2.0) as (_proc, c):
             st = await c.call("status", run_id=run_id)
     assert st["state"] == "cancelled" and st["reason"] == "shutdown", st
+    # The runner's own result says whose stop it was: the daemon's, at its shutdown.
+    result = st["result"]
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "shutdown"), result
 
 
 async def test_a_readopted_run_cancelled_by_the_restarted_daemon_is_that_daemons_stop(tmp_path: Path) -> None:
