@@ -242,11 +242,13 @@ def main(
         except _StoppedBeforeSpec:
             gate()
             emitter.log("info", "stopped before a spec arrived")
-            if marker_fd is not None and read_marker(marker_fd) is None:
+            why = read_marker(marker_fd) if marker_fd is not None else None
+            if marker_fd is not None and why is None:  # no stop of the daemon's sent it
                 error = {"code": SIGNALLED, "message": SIGNALLED_MESSAGE}
                 emitter.result(bare_result(str(RunStatus.FAILED), SIGNALLED, error))
                 return int(ExitCode.SIGNALLED)
-            emitter.result(bare_result(str(RunStatus.CANCELLED), "signal", None))
+            extra = {"stop_reason": why} if why is not None else None
+            emitter.result(bare_result(str(RunStatus.CANCELLED), "signal", None, extra))
             return int(ExitCode.CANCELLED)
         try:
             spec = parse_spec_text(text)

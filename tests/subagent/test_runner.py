@@ -179,15 +179,22 @@ async def test_a_sigterm_after_the_daemon_marked_its_stop_is_that_stop(tmp_path:
     assert len(stop) == 1 and (stop[0].data["reason"], stop[0].data["stop_reason"]) == ("signal", "user"), stop
 
 
-async def test_a_sigterm_before_the_spec_without_the_daemons_mark_is_not_a_stop(tmp_path: Path) -> None:
-    _marked_run_dir(tmp_path)
+@pytest.mark.parametrize("marked", [False, True])
+async def test_a_sigterm_before_the_spec_is_a_stop_only_if_the_daemon_marked_it(tmp_path: Path, marked: bool) -> None:
+    run_dir = _marked_run_dir(tmp_path)
     async with start_runner(b"", tmp_path, args=("--warm",), stdin_close=False) as r:
         with trio.fail_after(20):
             await r.wait_event(EventKind.LOG, lambda e: e.data.get("warm") is True)
+        if marked:
+            assert write_marker(run_dir, "shutdown")
         r.signal()
         rc, result = await r.finish(timeout_s=30)
-    assert (result["status"], result["reason"]) == ("failed", "signalled"), result
-    assert rc == ExitCode.SIGNALLED
+    if marked:
+        assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "shutdown")
+        assert rc == ExitCode.CANCELLED
+    else:
+        assert (result["status"], result["reason"]) == ("failed", "signalled"), result
+        assert rc == ExitCode.SIGNALLED
 
 
 FINISH_COMMANDS = {"run_command": "finish"}

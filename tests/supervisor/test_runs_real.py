@@ -324,3 +324,18 @@ async def test_the_runners_stop_at_its_deadline_is_the_daemons_cancel(manager: R
         st = await manager.wait_terminal(rid)
     assert cancelling["data"]["reason"] == "timeout"
     assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "timeout", "timeout"), st
+
+
+async def test_the_daemons_deadline_is_the_daemons_stop_in_the_runners_result(manager: RunManager) -> None:
+    # The daemon's own timeout (the spawn's timeout_s; no deadline in the runner's spec):
+    # its stop is marked before its SIGTERM like a user's cancel, with its own reason.
+    with trio.fail_after(30):
+        r = await manager.spawn(
+            {"task": "t", "model": {"provider": "scripted", "script": gated_script([])}}, timeout_s=1
+        )
+        st = await manager.wait_terminal(r["run_id"])
+        stop = await _stop_requested(manager, r["run_id"])
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "timeout", "timeout"), st
+    result = _result_file(st)
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "timeout"), result
+    assert (stop["reason"], stop["stop_reason"]) == ("signal", "timeout"), stop
