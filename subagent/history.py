@@ -66,6 +66,7 @@ STOP_NOTES: Final[Mapping[str, str]] = {
     "timeout": "[This turn was stopped before it finished: it ran out of time.]",
     "approval_timeout": "[This turn was stopped before it finished: a tool call waited too long for approval.]",
     "shutdown": "[This turn was stopped before it finished: agentd was shutting down.]",
+    "disk_full": "[This turn was stopped before it finished: the files it wrote filled the disk, and were removed.]",
 }
 _STOPPED_NOTE: Final = "[This turn was stopped before it finished ({reason}).]"
 _FAILED_NOTE: Final = "[This turn failed before it finished ({reason}).]"

@@ -86,6 +86,11 @@ class Config:
     # used beyond this many.
     session_profile_ttl_s: float = 7 * 24 * 3600.0
     session_profiles_max: int = 32
+    # The disk guard's low-water mark (``supervisor/core/diskguard.py``): when the state
+    # dir's (or the runs dir's) filesystem has less free space than the larger of these,
+    # the live run holding the most there is stopped, reason "disk_full". Both 0: off.
+    disk_min_free_mib: int = 256
+    disk_min_free_percent: float = 1.0
 
     @property
     def token_path(self) -> Path:
@@ -102,6 +107,10 @@ class Config:
     @property
     def runner_argv(self) -> tuple[str, ...]:
         return self.runner_command or (self.runner_python, "-m", "subagent.runner")
+
+    def min_free_bytes(self, total_bytes: int) -> int:
+        """The disk guard's low-water mark for a filesystem of ``total_bytes``."""
+        return max(self.disk_min_free_mib * 1024 * 1024, int(total_bytes * self.disk_min_free_percent / 100))
 
     @property
     def run_root(self) -> Path:
@@ -175,6 +184,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "session_profiles_max",
                 "zygote_spares",
                 "zygote_spares_max",
+                "disk_min_free_mib",
             }:
                 v = int(v)
                 if v < 0:
@@ -185,6 +195,10 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 v = float(v)
                 if not math.isfinite(v) or v < 0:  # NaN passed `v < 0`: a grace of NaN SIGKILLed at once
                     raise ValueError("must be a finite number >= 0")
+            elif f.name == "disk_min_free_percent":
+                v = float(v)
+                if not math.isfinite(v) or not 0 <= v < 100:
+                    raise ValueError("must be a percentage, >= 0 and < 100")
             elif f.name == "default_timeout_s":
                 v = None if v in (None, "", "none") else float(v)
                 if v is not None and (not math.isfinite(v) or v <= 0):

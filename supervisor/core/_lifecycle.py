@@ -424,13 +424,16 @@ class Lifecycle:
         )
 
     def receipt_head(self, run: Run) -> dict[str, Any]:
-        return {
+        head = {
             "cancel_reason": run.token.reason,
             "cancel_requested_wall": run.cancel_wall,
             "path_a": run.path_a,
             "containment": run.tree.containment if run.tree else None,
             "sandbox": run.sandbox,
         }
+        if run.stop_detail is not None:
+            head["stop_detail"] = run.stop_detail
+        return head
 
 
 def _upsert(run_id: str, record: dict[str, Any]) -> Callable[[Journal], Awaitable[object]]:

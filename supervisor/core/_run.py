@@ -67,6 +67,9 @@ class Run:
     last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)
     last_ts: float = 0.0  # its last event's time: the next one is never earlier
     stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
+    # Why the daemon itself stopped the run, beyond its reason (a full disk's measurement:
+    # ``supervisor.core.diskguard``); in its receipt as ``stop_detail``.
+    stop_detail: dict[str, Any] | None = None
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
     approvals: RunApprovals = field(default_factory=RunApprovals)  # calls awaiting a person's OK

@@ -48,6 +48,7 @@ from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import PipeSource
 from supervisor.core._spec_check import spec_for_runner, validate_spec
 from supervisor.core.approvals import ApprovalDesk, Hooks
+from supervisor.core.diskguard import DiskGuard
 from supervisor.core.recovery import Recovery
 from supervisor.core.sessions import SessionDesk
 from supervisor.core.token import CancelToken
@@ -160,6 +161,18 @@ class RunManager:
         self.session_desk = SessionDesk(
             config, journal, live_sessions=lambda: {r.session_id for r in self._live.values() if r.session_id}
         )
+        # A run that fills the disk is stopped (reason ``disk_full``): looked at when the
+        # journal is written or cannot be, at a spawn, and on a slow tick while runs are live.
+        self.disk = DiskGuard(
+            config,
+            self._live,
+            record=self.book.record,
+            cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
+            profile_of=self._profile_of,
+            evict_profile=self.session_desk.evict_profile,
+        )
+        self.backlog.on_written = self.disk.poke
+        self.backlog.on_unavailable = self.disk.journal_failed
 
     # ------------------------------------------------------------------ service
 
@@ -185,9 +198,16 @@ class RunManager:
             if self._pool is not None:
                 await nursery.start(self._pool.run)
             await nursery.start(self.session_desk.run)
+            await nursery.start(self.disk.run)
             self._accepting = True
             task_status.started()
             await trio.sleep_forever()
+
+    def _profile_of(self, run: Run) -> Path | None:
+        """The browser profile a session's browser turn may write (its session's), or None."""
+        if run.session_id is None or not run.spec.get("browser"):
+            return None
+        return self.session_desk.profile_path(run.session_id)
 
     def leave_runs(self) -> None:
         """The daemon's start failed: its live runs (re-adopted ones: it took no spawn
@@ -592,6 +612,7 @@ class RunManager:
             # A spawn is refused while the journal cannot be written (``journal`` says why).
             "accepting": self._accepting and not self.backlog.degraded,
             "journal": self.backlog.describe(),
+            "disk": self.disk.describe(),
             "containment_problem": self.containment.problem,
         }
 

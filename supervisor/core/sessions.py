@@ -308,6 +308,24 @@ class SessionDesk:
             logger.info("session %s: browser profile removed (%s)", session_id, why)
         return had
 
+    async def evict_profile(self, session_id: str, why: str) -> bool:
+        """Remove a session's profile now, its turn over (that turn filled the disk:
+        ``supervisor.core.diskguard``); the session stays open and its next browser turn
+        starts with a new profile. Not while a turn of it is live again. The files go even
+        when the journal cannot be written (its record of the profile then names a
+        directory that is gone, which the next turn makes again). Returns: it went."""
+        async with self.lock(session_id):
+            if session_id in self._live_sessions():
+                return False
+            path = self.profile_path(session_id)
+            await trio.to_thread.run_sync(_remove_tree, path.parent)
+            try:
+                await self.journal.set_profile(session_id, None)
+            except JournalError as exc:
+                logger.warning("session %s: the removed profile stays in the journal's record: %s", session_id, exc)
+            logger.warning("session %s: browser profile removed (%s)", session_id, why)
+            return True
+
     async def sweep(self, *, now: float | None = None, keep: Iterable[str] = ()) -> builtins.list[str]:
         """Remove profiles idle beyond the TTL, then the least recently used beyond the
         bound; never one of a session with a live turn (or in ``keep``). Returns the

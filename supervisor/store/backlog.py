@@ -67,6 +67,10 @@ class Backlog:
         self.flushed = 0  # queued writes written later, in all
         self._wake = trio.Event()
         self._flushing = trio.Lock()
+        # Told of each write that went through and of each that could not (the disk guard
+        # looks at the free space then: ``supervisor.core.diskguard``). Must not raise.
+        self.on_written: Callable[[], None] | None = None
+        self.on_unavailable: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -114,8 +118,7 @@ class Backlog:
             except JournalUnavailable as exc:
                 self._degrade(exc, what, run_id)
             else:
-                if self.degraded and not self._queues:
-                    self._healthy()
+                self._written()
                 return value
         self._enqueue(run_id, _Op(replay or direct, what))
         return predicted
@@ -140,8 +143,7 @@ class Backlog:
             except JournalUnavailable as exc:
                 self._degrade(exc, f"event {kind}", run_id)
             else:
-                if self.degraded and not self._queues:
-                    self._healthy()
+                self._written()
                 return got
         count = self._event_count.get(run_id, 0)
         size = len(repr(data))  # a cheap bound on its JSON; no second encoding
@@ -166,8 +168,13 @@ class Backlog:
 
     def note_success(self) -> None:
         """A write that is not queued went through."""
+        self._written()
+
+    def _written(self) -> None:
         if self.degraded and not self._queues:
             self._healthy()
+        if self.on_written is not None:
+            self.on_written()
 
     def _enqueue(self, run_id: str, op: _Op) -> None:
         self._queues.setdefault(run_id, deque()).append(op)
@@ -175,6 +182,8 @@ class Backlog:
 
     def _degrade(self, exc: JournalUnavailable, what: str, run_id: str | None) -> None:
         self.error = str(exc)
+        if self.on_unavailable is not None:
+            self.on_unavailable()
         if self.since is None:
             self.since = time.time()
             logger.error(
@@ -223,6 +232,8 @@ class Backlog:
                     await op.apply(self.journal)
                 except JournalUnavailable as exc:
                     self.error = str(exc)
+                    if self.on_unavailable is not None:
+                        self.on_unavailable()
                     return False
                 except RunNotFound:
                     logger.error("run %s: gone from the journal; dropping its waiting writes", run_id)

@@ -1,0 +1,338 @@
+"""The disk guard: a run that fills the disk is stopped; the daemon and the other runs go on.
+
+A run's writable space (its run dir with its ``TMPDIR``; its runner's events and result
+files beside it; a session turn's browser profile) lies on the state dir's filesystem, or
+the runs dir's, with no quota. A run that writes until the disk is full would make the
+journal unwritable (the daemon degraded, every spawn refused) and leave the other runs no
+room for their own files. ``DiskGuard`` stops that run instead:
+
+- *when it looks*: a ``statvfs`` of each watched filesystem (the state dir's, the runs
+  dir's) when the daemon is awake anyway: a journal write or a spawn (``poke``, at most
+  once per ``POKE_S``), a journal write that fails (``journal_failed``: ENOSPC is one
+  cause), and every ``TICK_S`` while runs are live (a command writing with ``dd`` makes no
+  event). No run live: no timer, nothing to do on an idle daemon.
+- *what it measures*: only when a filesystem has less free space than its low-water mark
+  (``Config.min_free_bytes``: the larger of ``disk_min_free_mib`` and
+  ``disk_min_free_percent`` of its size), each live run's space on it (``space_held``: a
+  walk of its files in a worker thread, links not followed, other filesystems not
+  entered).
+- *whom it stops*: ``choose_run``: the run holding the most, if it holds at least
+  ``1/BLAME_DIVISOR`` of the mark (and ``BLAME_MIN_BYTES``). Less, and the space went
+  elsewhere (the host's own files): stopping a run would not bring it back, so nobody is
+  stopped and the daemon says so in its log. One stop at a time: the next check that may
+  stop a run comes once the stopped run's directory is gone (its space back).
+- *how*: a ``disk_full`` event on the run says what was measured; then the manager's
+  normal cancel with reason ``disk_full`` (both paths, its intent journaled, its partial
+  result kept: that lives in the journal and the daemon's memory, not in the run dir), and
+  the measurement goes into its receipt (``stop_detail``). Its run dir is removed when it
+  ends, as every run's is; a session turn's browser profile is removed then too (a stop
+  never removes a profile otherwise: here the space would not come back).
+
+Not seen: space a run holds in files it deleted but keeps open (no path leads to them);
+such space comes back when its processes end, but no check blames the run for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+from subagent.emit import record_paths
+from supervisor.config import Config
+from supervisor.core._run import Run
+
+__all__ = ["DiskGuard", "DISK_FULL_REASON", "choose_run", "space_held"]
+
+logger = logging.getLogger(__name__)
+
+DISK_FULL_REASON: Final = "disk_full"
+# How often a journal write or a spawn may lead to a statvfs (seconds).
+POKE_S: Final = 1.0
+# How often the free space is looked at while runs are live, between pokes (seconds).
+TICK_S: Final = 5.0
+# After a measurement that found no run to blame, the next one waits this long (seconds),
+# or URGENT_REMEASURE_S when a journal write failed meanwhile.
+REMEASURE_S: Final = 30.0
+URGENT_REMEASURE_S: Final = 5.0
+# A run is blamed for a full disk only if it holds at least this share of the mark...
+BLAME_DIVISOR: Final = 8
+# ...and at least this much.
+BLAME_MIN_BYTES: Final = 1024 * 1024
+
+
+def choose_run(held: Mapping[str, int], min_free: int) -> str | None:
+    """The run to stop for a filesystem below its mark ``min_free`` (bytes), given what
+    each live run holds on it (bytes), or None.
+
+    The run holding the most, if that is at least ``min_free / BLAME_DIVISOR`` and
+    ``BLAME_MIN_BYTES``: a run holding less did not fill the disk, and stopping it would
+    not bring the space back. On a tie, the run that came first in ``held``.
+    """
+    floor = max(BLAME_MIN_BYTES, min_free // BLAME_DIVISOR)
+    worst: str | None = None
+    for run_id, size in held.items():
+        if size >= floor and (worst is None or size > held[worst]):
+            worst = run_id
+    return worst
+
+
+def space_held(paths: Iterable[Path], dev: int) -> int:
+    """Bytes the files under ``paths`` take on device ``dev`` (allocated blocks). Blocking.
+
+    Links are not followed and other filesystems are not entered; a path that is gone
+    (or goes during the walk) counts nothing."""
+    total = 0
+    stack = [os.fspath(p) for p in paths]
+    while stack:
+        path = stack.pop()
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_dev != dev:
+            continue
+        total += st.st_blocks * 512
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                with os.scandir(path) as entries:
+                    stack.extend(entry.path for entry in entries)
+            except OSError:
+                pass
+    return total
+
+
+def _held_by_run(paths: Mapping[str, list[Path]], dev: int) -> dict[str, int]:
+    return {run_id: space_held(p, dev) for run_id, p in paths.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Low:
+    path: Path  # the watched directory
+    dev: int
+    free: int
+    total: int
+    min_free: int
+
+
+class DiskGuard:
+    """Watches the free space under the state dir and the runs dir (see the module).
+
+    Args:
+        live: the live runs by id (the run book's).
+        record: journals an event of a run's (``RunBook.record``).
+        cancel: the manager's cancel (``run_id``, ``reason``).
+        profile_of: a session turn's browser profile directory, or None.
+        evict_profile: removes a session's profile once its turn has ended.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        live: Mapping[str, Run],
+        *,
+        record: Callable[[Run, str, dict[str, Any]], Awaitable[object]],
+        cancel: Callable[[str, str], Awaitable[object]],
+        profile_of: Callable[[Run], Path | None],
+        evict_profile: Callable[[str, str], Awaitable[object]],
+    ) -> None:
+        self.config = config
+        self._live = live
+        self._record = record
+        self._cancel = cancel
+        self._profile_of = profile_of
+        self._evict_profile = evict_profile
+        self._wake = trio.Event()
+        self._urgent = False  # a journal write failed since the last check
+        self._ticking = False  # runs are live: the loop wakes every TICK_S anyway
+        self._checked_at = -float("inf")
+        self._measured_at = -float("inf")
+        # One disk_full stop at a time: the run, its run dir, set once its profile is dealt with.
+        self._stopping: tuple[Run, Path | None, trio.Event] | None = None
+        self._nursery: trio.Nursery | None = None
+        self._low_said = False
+        self.stopped = 0  # runs stopped for a full disk, in all
+        self.last: dict[str, Any] | None = None  # the last stop's measurement
+
+    @property
+    def on(self) -> bool:
+        return self.config.disk_min_free_mib > 0 or self.config.disk_min_free_percent > 0
+
+    def describe(self) -> dict[str, Any]:
+        """For ``status``: the watched filesystems' free space, and the stops made."""
+        watched: list[dict[str, Any]] = []
+        for path in self._watched():
+            try:
+                vfs = os.statvfs(path)
+            except OSError as exc:
+                watched.append({"path": str(path), "error": str(exc)})
+                continue
+            total = vfs.f_blocks * vfs.f_frsize
+            watched.append(
+                {
+                    "path": str(path),
+                    "free_bytes": vfs.f_bavail * vfs.f_frsize,
+                    "total_bytes": total,
+                    "min_free_bytes": self.config.min_free_bytes(total),
+                }
+            )
+        return {"on": self.on, "watched": watched, "runs_stopped": self.stopped, "last_stop": self.last}
+
+    # ------------------------------------------------------------------ wake-ups
+
+    def poke(self) -> None:
+        """The daemon is awake anyway (a journal write, a spawn): look soon, cheaply."""
+        if not self._ticking or trio.current_time() - self._checked_at >= POKE_S:
+            self._wake.set()
+
+    def journal_failed(self) -> None:
+        """A journal write failed (ENOSPC, or another cause the free space tells apart)."""
+        self._urgent = True
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Check on every wake-up, and every ``TICK_S`` while runs are live (a service)."""
+        if not self.on:
+            task_status.started()
+            return
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                self._ticking = bool(self._live)
+                if self._ticking:
+                    with trio.move_on_after(TICK_S):
+                        await self._wake.wait()
+                else:
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                try:
+                    await self.check()
+                except Exception:  # a task root: a failed check must not take the daemon down
+                    logger.exception("disk guard: a check failed")
+
+    # ------------------------------------------------------------------ the check
+
+    def _watched(self) -> list[Path]:
+        paths = [self.config.state_dir]
+        if self.config.run_root != self.config.state_dir:
+            paths.append(self.config.run_root)
+        return paths
+
+    def _low(self) -> list[_Low]:
+        """The watched filesystems below their mark, each once."""
+        low: dict[int, _Low] = {}
+        for path in self._watched():
+            try:
+                dev = os.stat(path).st_dev
+                vfs = os.statvfs(path)
+            except OSError:
+                continue
+            total = vfs.f_blocks * vfs.f_frsize
+            free = vfs.f_bavail * vfs.f_frsize
+            min_free = self.config.min_free_bytes(total)
+            if free < min_free and dev not in low:
+                low[dev] = _Low(path, dev, free, total, min_free)
+        return list(low.values())
+
+    async def check(self) -> None:
+        """Look at the free space; below a mark, find the run to blame and stop it."""
+        urgent, self._urgent = self._urgent, False
+        self._checked_at = trio.current_time()
+        if self._stopping is not None:
+            run, run_dir, settled = self._stopping
+            if not run.done.is_set() or not settled.is_set() or (run_dir is not None and run_dir.exists()):
+                return  # its space is not back yet: nobody else is blamed meanwhile
+            self._stopping = None
+            self._measured_at = -float("inf")  # still low: another run may be filling it too
+        low = self._low()
+        if not low:
+            if self._low_said:
+                logger.warning("disk guard: free space is above the low-water mark again")
+            self._low_said = False
+            return
+        if trio.current_time() - self._measured_at < (URGENT_REMEASURE_S if urgent else REMEASURE_S):
+            return
+        runs = [r for r in self._live.values() if r.run_dir is not None and not r.token.cancelled]
+        if not runs:
+            self._say_low(low[0], "no live run holds space there")
+            return
+        self._measured_at = trio.current_time()
+        paths = {r.run_id: self._paths(r) for r in runs}
+        for fs in low:
+            held = await trio.to_thread.run_sync(_held_by_run, paths, fs.dev)
+            worst = choose_run(held, fs.min_free)
+            if worst is None:
+                top = max(held.values(), default=0)
+                self._say_low(fs, f"no run holds enough of it to blame (the most: {top} bytes)")
+                continue
+            await self._stop(self._live[worst], fs, held)
+            return
+
+    def _paths(self, run: Run) -> list[Path]:
+        assert run.run_dir is not None
+        paths = [run.run_dir, *record_paths(run.run_dir)]
+        profile = self._profile_of(run)
+        if profile is not None:
+            paths.append(profile)
+        return paths
+
+    def _say_low(self, fs: _Low, why: str) -> None:
+        if not self._low_said:
+            logger.warning(
+                "disk guard: %s has %d bytes free, below its low-water mark of %d; %s: no run stopped",
+                fs.path,
+                fs.free,
+                fs.min_free,
+                why,
+            )
+        self._low_said = True
+
+    async def _stop(self, run: Run, fs: _Low, held: Mapping[str, int]) -> None:
+        others = sorted((v for k, v in held.items() if k != run.run_id), reverse=True)
+        detail = {
+            "reason": DISK_FULL_REASON,
+            "path": str(fs.path),
+            "free_bytes": fs.free,
+            "total_bytes": fs.total,
+            "min_free_bytes": fs.min_free,
+            "held_bytes": held[run.run_id],
+            "next_most_bytes": others[0] if others else 0,
+            "message": (
+                f"the filesystem of {fs.path} had {fs.free} bytes free, below its low-water mark of "
+                f"{fs.min_free}; this run held {held[run.run_id]} bytes there, the most of the live runs"
+            ),
+        }
+        logger.warning("run %s: stopped: %s", run.run_id, detail["message"])
+        settled = trio.Event()
+        self._stopping = (run, run.run_dir, settled)
+        self.stopped += 1
+        self.last = {"run_id": run.run_id, "at": time.time(), **detail}
+        run.stop_detail = detail
+        try:
+            await self._record(run, DISK_FULL_REASON, detail)
+            await self._cancel(run.run_id, DISK_FULL_REASON)
+        finally:
+            if run.session_id is not None and self._profile_of(run) is not None and self._nursery is not None:
+                self._nursery.start_soon(self._evict_after, run, settled)
+            else:
+                settled.set()
+
+    async def _evict_after(self, run: Run, settled: trio.Event) -> None:
+        """A session turn stopped for a full disk: its profile goes once the turn has ended."""
+        assert run.session_id is not None
+        try:
+            await run.done.wait()
+            await self._evict_profile(run.session_id, f"its turn {run.run_id} filled the disk")
+        except Exception:
+            logger.exception("session %s: removing the browser profile of a turn that filled the disk", run.session_id)
+        finally:
+            settled.set()
+            self._wake.set()

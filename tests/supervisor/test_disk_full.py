@@ -1,0 +1,179 @@
+"""A run that fills the disk harms that run only (``supervisor.core.diskguard``).
+
+The end-to-end test puts a daemon's state dir (journal, run dirs) on a small tmpfs it
+mounts (root only) and runs real runners (scripted model): one runs ``dd`` until the
+disk is full, two wait at a gate. The filler is stopped, reason ``disk_full``, its run
+dir removed; the journal is writable again, a spawn is accepted, the other two complete.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.core import diskguard
+from supervisor.core.diskguard import BLAME_MIN_BYTES, DISK_FULL_REASON, choose_run, space_held
+from supervisor.core.runs import RunManager
+from supervisor.daemon import serve
+from tests.conftest import require
+from tests.supervisor.test_runs_real import gated_script
+from tests.supervisor.test_stop_tools import command_alive, wait_event
+
+MiB = 1024 * 1024
+
+# --------------------------------------------------------------------------- the choice
+
+
+def test_the_run_holding_the_most_is_chosen() -> None:
+    held = {"a": 3 * MiB, "b": 40 * MiB, "c": 12 * MiB}
+    assert choose_run(held, min_free=64 * MiB) == "b"
+
+
+def test_no_run_is_chosen_when_none_holds_a_share_of_the_mark() -> None:
+    # The disk went full with files no run holds (the host's): stopping the biggest run
+    # (7 MiB, under 1/8 of a 256 MiB mark) would not bring the space back.
+    assert choose_run({"a": 7 * MiB, "b": 1 * MiB}, min_free=256 * MiB) is None
+    assert choose_run({"a": 32 * MiB, "b": 1 * MiB}, min_free=256 * MiB) == "a"
+    # A small mark still asks for a run holding something worth stopping it for.
+    assert choose_run({"a": BLAME_MIN_BYTES - 1}, min_free=MiB) is None
+    assert choose_run({}, min_free=MiB) is None
+
+
+def test_a_tie_goes_to_the_first_run() -> None:
+    assert choose_run({"a": 5 * MiB, "b": 5 * MiB}, min_free=MiB) == "a"
+
+
+def test_space_held_counts_a_runs_files_and_not_what_its_links_point_to(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "tmp" / "deep").mkdir(parents=True)
+    (run_dir / "tmp" / "deep" / "a").write_bytes(os.urandom(3 * MiB))
+    (run_dir / "b").write_bytes(os.urandom(MiB))
+    outside = tmp_path / "outside"
+    outside.write_bytes(os.urandom(5 * MiB))
+    (run_dir / "link").symlink_to(outside)
+    dev = os.stat(tmp_path).st_dev
+    held = space_held([run_dir, tmp_path / "gone"], dev)
+    assert 4 * MiB <= held < 4 * MiB + 256 * 1024
+    assert space_held([run_dir], dev + 1) == 0  # another filesystem: not entered
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs mounted for the test (root only), unmounted after it."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    require(os.geteuid() == 0, "root, to mount a tmpfs")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    require(done.returncode == 0, f"mount -t tmpfs ({done.stderr.decode().strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def scripted(script: dict[str, Any]) -> dict[str, Any]:
+    return {"task": "t", "model": {"provider": "scripted", "script": script}}
+
+
+FILL = 'dd if=/dev/zero of="$TMPDIR/fill" bs=64k; echo filled; sleep 600'
+
+
+async def until(check: Any, timeout_s: float = 20.0) -> Any:
+    """Poll what the daemon changes on its own clock (its 1 s journal retry)."""
+    with trio.fail_after(timeout_s):
+        while not (value := await check()):
+            await trio.sleep(0.05)
+        return value
+
+
+@pytest.mark.parametrize("noticed_by", ["tick", "journal_full"])
+async def test_a_run_that_fills_the_disk_is_stopped_and_the_others_go_on(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, noticed_by: str
+) -> None:
+    """``tick``: the guard's slow timer while runs are live finds the disk full (nothing
+    else wakes the daemon: ``dd`` makes no event). ``journal_full``: no timer; a journal
+    write that fails for want of space makes the guard look at once."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    if noticed_by == "journal_full":
+        monkeypatch.setattr(diskguard, "TICK_S", 3600.0)
+    config = Config.load(state_dir=disk / "state", grace_s=2, disk_min_free_mib=2, disk_min_free_percent=0, environ={})
+    stop = trio.Event()
+    with trio.fail_after(90):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+            m: RunManager = info["manager"]
+            a, b = [(await m.spawn(scripted(gated_script([]))))["run_id"] for _ in range(2)]
+            for run in (a, b):
+                await wait_event(m, run, command_alive)
+            filler = (
+                await m.spawn(
+                    scripted(
+                        {
+                            "turns": [
+                                {
+                                    "text": "Filling.",
+                                    "tool_calls": [{"name": "run_command", "arguments": {"command": FILL}}],
+                                }
+                            ],
+                            "final": "never",
+                        }
+                    )
+                )
+            )["run_id"]
+            await wait_event(m, filler, command_alive)
+            filler_dir = Path((await m.status(filler))["run_dir"])
+            if noticed_by == "journal_full":
+                await until(lambda: _full(disk))
+                # An event of another run's: its journal write fails (SQLITE_FULL).
+                assert (await m.steer(a, "go on"))["accepted"] is True
+
+            st = await m.wait_terminal(filler)
+            assert st["state"] == "cancelled" and st["reason"] == DISK_FULL_REASON, st
+            detail = st["receipt"]["stop_detail"]
+            assert detail["reason"] == DISK_FULL_REASON and detail["held_bytes"] > 10 * MiB
+            assert detail["free_bytes"] < detail["min_free_bytes"] == 2 * MiB
+            assert st["result"] is not None  # its progress is kept, as for any stop
+            kinds = [e["kind"] for e in await m.events_after(filler, 0)]
+            assert DISK_FULL_REASON in kinds
+
+            # Its space comes back: its run dir goes as every run's does; the journal can
+            # be written again and spawns are taken.
+            await until(lambda: _gone(filler_dir))
+            await until(lambda: _journal_writable(m))
+            summary = await m.summary()
+            assert summary["accepting"] is True
+            assert summary["disk"]["runs_stopped"] == 1 and summary["disk"]["last_stop"]["run_id"] == filler
+            # The others went on throughout, and end as they would have.
+            for run in (a, b):
+                assert (await m.status(run))["state"] == "running"
+                (Path((await m.status(run))["run_dir"]) / "go").touch()
+            for run in (a, b):
+                assert (await m.wait_terminal(run))["state"] == "completed"
+            d = (await m.spawn(scripted({"turns": [], "final": "after"})))["run_id"]
+            done = await m.wait_terminal(d)
+            assert done["state"] == "completed" and done["result"]["final_text"] == "after"
+            st = await m.status(filler)
+            assert st["state"] == "cancelled" and st["reason"] == DISK_FULL_REASON and "journal" not in st
+            stop.set()
+
+
+async def _full(path: Path) -> bool:
+    return os.statvfs(path).f_bavail == 0
+
+
+async def _gone(path: Path) -> bool:
+    return not path.exists()
+
+
+async def _journal_writable(m: RunManager) -> bool:
+    return bool((await m.summary())["journal"]["writable"])
