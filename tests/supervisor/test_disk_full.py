@@ -9,6 +9,7 @@ dir removed; the journal is writable again, a spawn is accepted, the other two c
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +17,16 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from supervisor.config import Config
 from supervisor.core import diskguard
-from supervisor.core.diskguard import BLAME_MIN_BYTES, DISK_FULL_REASON, choose_run, space_held
+from supervisor.core._run import Run
+from supervisor.core.diskguard import BLAME_MIN_BYTES, DISK_FULL_REASON, DiskGuard, choose_run, space_held
 from supervisor.core.runs import RunManager
+from supervisor.core.token import CancelToken
 from supervisor.daemon import serve
+from supervisor.states import RunState
 from tests.conftest import require
 from tests.supervisor.test_runs_real import gated_script
 from tests.supervisor.test_stop_tools import command_alive, wait_event
@@ -177,3 +182,106 @@ async def _gone(path: Path) -> bool:
 
 async def _journal_writable(m: RunManager) -> bool:
     return bool((await m.summary())["journal"]["writable"])
+
+
+# --------------------------------------------------------------------------- the guard's check
+
+
+class FakeManager:
+    """What the guard calls: the run book's record, the manager's cancel, the sessions'
+    profile eviction; each call kept."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.live: dict[str, Run] = {}
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+        self.cancels: list[tuple[str, str]] = []
+        self.evicted: list[tuple[str, str]] = []
+        self.profiles = tmp_path / "profiles"
+
+    def add(self, run_id: str, size: int, tmp_path: Path, *, profile: int = 0) -> Run:
+        run = Run(
+            run_id=run_id,
+            session_id="s-" + run_id if profile else None,
+            spec={"browser": True} if profile else {},
+            timeout_s=None,
+            token=CancelToken(run_id),
+            state=RunState.RUNNING,
+            run_dir=tmp_path / "runs" / run_id,
+        )
+        assert run.run_dir is not None
+        (run.run_dir / "tmp").mkdir(parents=True)
+        (run.run_dir / "tmp" / "data").write_bytes(os.urandom(size))
+        if profile:
+            (self.profiles / run_id).mkdir(parents=True)
+            (self.profiles / run_id / "Cookies").write_bytes(os.urandom(profile))
+        self.live[run_id] = run
+        return run
+
+    def profile_of(self, run: Run) -> Path | None:
+        return self.profiles / run.run_id if run.session_id is not None else None
+
+    async def record(self, run: Run, kind: str, data: dict[str, Any]) -> None:
+        self.events.append((run.run_id, kind, data))
+
+    async def cancel(self, run_id: str, reason: str) -> None:
+        self.live[run_id].token.cancel(reason)
+        self.cancels.append((run_id, reason))
+
+    async def evict(self, session_id: str, why: str) -> None:
+        self.evicted.append((session_id, why))
+
+    def end(self, run: Run) -> None:
+        """The run ends as the lifecycle ends it: let go, then its directory removed."""
+        del self.live[run.run_id]
+        run.done.set()
+        assert run.run_dir is not None
+        shutil.rmtree(run.run_dir)
+
+
+def full_disk(path: str | os.PathLike[str]) -> os.statvfs_result:  # noqa: ARG001
+    """A 64 MiB filesystem with nothing free."""
+    return os.statvfs_result((4096, 4096, 16384, 0, 0, 0, 0, 0, 0, 255))
+
+
+async def test_the_guard_stops_the_worst_run_one_at_a_time_and_a_session_turn_loses_its_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "state").mkdir()
+    config = Config.load(state_dir=tmp_path / "state", disk_min_free_mib=1, disk_min_free_percent=0, environ={})
+    fake = FakeManager(tmp_path)
+    small = fake.add("small", 3 * MiB, tmp_path)
+    fake.add("tiny", 512 * 1024, tmp_path)
+    browser = fake.add("browser", 256 * 1024, tmp_path, profile=6 * MiB)  # its profile holds the most
+    guard = DiskGuard(
+        config,
+        fake.live,
+        record=fake.record,
+        cancel=fake.cancel,
+        profile_of=fake.profile_of,
+        evict_profile=fake.evict,
+    )
+    await guard.check()
+    assert fake.cancels == []  # the disk has room
+    monkeypatch.setattr(os, "statvfs", full_disk)
+    async with trio.open_nursery() as nursery:
+        guard._nursery = nursery
+        await guard.check()
+        assert fake.cancels == [("browser", DISK_FULL_REASON)]
+        [(run_id, kind, detail)] = fake.events
+        assert (run_id, kind) == ("browser", DISK_FULL_REASON)
+        assert detail["free_bytes"] == 0 and detail["min_free_bytes"] == MiB
+        assert 6 * MiB <= detail["held_bytes"] < 7 * MiB and 3 * MiB <= detail["next_most_bytes"] < 4 * MiB
+        assert browser.stop_detail == detail
+        guard.journal_failed()
+        await guard.check()  # still full, but its stop has not brought the space back yet
+        assert len(fake.cancels) == 1 and fake.evicted == []
+        fake.end(browser)
+        await trio.testing.wait_all_tasks_blocked()
+        assert fake.evicted == [("s-browser", "its turn browser filled the disk")]
+        await guard.check()  # still full: the next worst, right away
+        assert fake.cancels[1:] == [("small", DISK_FULL_REASON)]
+        fake.end(small)
+        guard.journal_failed()
+        await guard.check()  # what is left holds too little to blame (the host filled it)
+        assert len(fake.cancels) == 2
+    assert guard.stopped == 2 and guard.describe()["last_stop"]["run_id"] == "small"
