@@ -862,6 +862,8 @@ def format_event(event: dict[str, Any]) -> str:
         text = f"stop requested ({d.get('reason')}, during {d.get('during')})"
     elif kind == "steering":
         text = f"steering {d.get('state')}: {_short(d.get('text', ''), 80)}"
+    elif kind == "disk_full":
+        text = f"stopped by the daemon, the disk is full: {_short(d.get('message', ''), 160)}"
     elif kind == "steer_sent":
         text = f"steering sent: {_short(d.get('text', ''), 80)}"
     elif kind == "approval_requested":
@@ -1368,6 +1370,9 @@ def _print_run(run: dict[str, Any]) -> None:
                     f"call {a.get('call_id')}: {a.get('name')} {_short(a.get('arguments', ''), 60)} (approve or deny)",
                 )
             )
+    detail = run.get("receipt", {}).get("stop_detail") if isinstance(run.get("receipt"), dict) else None
+    if isinstance(detail, dict) and detail.get("message"):
+        rows.append(("stopped", f"by the daemon: {detail['message']}"))
     receipt = _receipt_summary(run.get("receipt"))
     if receipt:
         rows.append(("teardown", receipt))
@@ -1401,6 +1406,24 @@ def status(obj: Obj, run_id: str | None) -> None:
             click.echo(
                 f"degraded: the journal cannot be written ({journal.get('error')}); "
                 f"{journal.get('pending_writes', '?')} writes wait in memory, not durable yet"
+            )
+        disk = (result.get("summary") or {}).get("disk") or {}
+        for fs in disk.get("watched") or []:
+            if (
+                isinstance(fs, dict)
+                and isinstance(fs.get("free_bytes"), int)
+                and isinstance(fs.get("min_free_bytes"), int)
+            ):
+                if fs["free_bytes"] < fs["min_free_bytes"]:
+                    click.echo(
+                        f"low on disk: {fs.get('path')} has {fs['free_bytes'] // 2**20} MiB free, "
+                        f"below its low-water mark of {fs['min_free_bytes'] // 2**20} MiB"
+                    )
+        last = disk.get("last_stop")
+        if isinstance(last, dict) and disk.get("runs_stopped"):
+            click.echo(
+                f"runs stopped for filling the disk: {disk['runs_stopped']} (last: {last.get('run_id')}, "
+                f"{_when(last.get('at'))})"
             )
         live = result.get("live_runs", [])
         if live:

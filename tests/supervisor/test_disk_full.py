@@ -19,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 
+from supervisor.cli import _print_run, format_event
 from supervisor.config import Config
 from supervisor.core import diskguard
 from supervisor.core._run import Run
@@ -26,6 +27,7 @@ from supervisor.core.diskguard import BLAME_MIN_BYTES, DISK_FULL_REASON, DiskGua
 from supervisor.core.runs import RunManager
 from supervisor.core.token import CancelToken
 from supervisor.daemon import serve
+from supervisor.errors import ConfigError
 from supervisor.states import RunState
 from tests.conftest import require
 from tests.supervisor.test_runs_real import gated_script
@@ -285,3 +287,28 @@ async def test_the_guard_stops_the_worst_run_one_at_a_time_and_a_session_turn_lo
         await guard.check()  # what is left holds too little to blame (the host filled it)
         assert len(fake.cancels) == 2
     assert guard.stopped == 2 and guard.describe()["last_stop"]["run_id"] == "small"
+
+
+def test_the_cli_says_why_the_daemon_stopped_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    message = "the filesystem of /s had 0 bytes free, below its low-water mark of 2097152; this run held ..."
+    line = format_event({"seq": 7, "ts": 0.0, "kind": DISK_FULL_REASON, "data": {"message": message}})
+    assert "stopped by the daemon, the disk is full: the filesystem of /s had 0 bytes free" in line
+    receipt = {"cancel_reason": DISK_FULL_REASON, "stop_detail": {"reason": DISK_FULL_REASON, "message": message}}
+    _print_run({"id": "r-1", "state": "cancelled", "reason": DISK_FULL_REASON, "receipt": receipt})
+    out = capsys.readouterr().out
+    assert "cancelled (disk_full)" in out and f"by the daemon: {message}" in out
+
+
+def test_the_low_water_mark_is_the_larger_of_its_two_settings(tmp_path: Path) -> None:
+    default = Config.load(state_dir=tmp_path, environ={})
+    assert (default.disk_min_free_mib, default.disk_min_free_percent) == (256, 1.0)
+    assert default.min_free_bytes(10 * 1024 * MiB) == 256 * MiB  # 1 % of 10 GiB is less
+    assert default.min_free_bytes(1024 * 1024 * MiB) == 1024 * 1024 * MiB // 100  # 1 % of 1 TiB
+    env = {"AGENTD_DISK_MIN_FREE_MIB": "0", "AGENTD_DISK_MIN_FREE_PERCENT": "0"}
+    off = Config.load(state_dir=tmp_path, environ=env)
+    assert off.min_free_bytes(MiB * 1024) == 0
+    for bad in ("-1", "100", "nan"):
+        with pytest.raises(ConfigError, match="disk_min_free_percent"):
+            Config.load(state_dir=tmp_path, environ={"AGENTD_DISK_MIN_FREE_PERCENT": bad})
+    with pytest.raises(ConfigError, match="disk_min_free_mib"):
+        Config.load(state_dir=tmp_path, environ={"AGENTD_DISK_MIN_FREE_MIB": "-5"})
