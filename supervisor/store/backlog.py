@@ -12,6 +12,10 @@ Replays are safe to repeat: events keep the numbers they were given (``put_event
 idempotent), states and terminal facts are compare-and-set. A run's queued events are
 bounded; beyond the bound new events are dropped and counted (a state, a process record
 or a terminal fact is never dropped). What is still queued at shutdown is logged.
+
+``on_written`` and ``on_unavailable`` tell the disk guard (``supervisor.core.diskguard``)
+of each write that went through and each that could not: a full disk is usually a run's
+doing, and the guard stops that run so the queues can be written.
 """
 
 from __future__ import annotations
