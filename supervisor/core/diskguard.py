@@ -273,7 +273,9 @@ class DiskGuard:
                 top = max(held.values(), default=0)
                 self._say_low(fs, f"no run holds enough of it to blame (the most: {top} bytes)")
                 continue
-            await self._stop(self._live[worst], fs, held)
+            target = self._live.get(worst)
+            if target is not None and not target.token.cancelled:  # (it may have ended meanwhile)
+                await self._stop(target, fs, held)
             return
 
     def _paths(self, run: Run) -> list[Path]:
