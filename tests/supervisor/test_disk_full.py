@@ -25,10 +25,12 @@ from supervisor.core import diskguard
 from supervisor.core._run import Run
 from supervisor.core.diskguard import BLAME_MIN_BYTES, DISK_FULL_REASON, DiskGuard, choose_run, space_held
 from supervisor.core.runs import RunManager
+from supervisor.core.sessions import SessionDesk
 from supervisor.core.token import CancelToken
 from supervisor.daemon import serve
 from supervisor.errors import ConfigError
 from supervisor.states import RunState
+from supervisor.store.journal import Journal
 from tests.conftest import require
 from tests.supervisor.test_runs_real import gated_script
 from tests.supervisor.test_stop_tools import command_alive, wait_event
@@ -312,3 +314,22 @@ def test_the_low_water_mark_is_the_larger_of_its_two_settings(tmp_path: Path) ->
             Config.load(state_dir=tmp_path, environ={"AGENTD_DISK_MIN_FREE_PERCENT": bad})
     with pytest.raises(ConfigError, match="disk_min_free_mib"):
         Config.load(state_dir=tmp_path, environ={"AGENTD_DISK_MIN_FREE_MIB": "-5"})
+
+
+async def test_a_session_whose_turn_filled_the_disk_loses_its_profile_and_stays_open(tmp_path: Path) -> None:
+    async with await Journal.open(tmp_path / "j.sqlite3") as journal:
+        live = {"s1"}
+        sessions = SessionDesk(
+            Config.load(state_dir=tmp_path / "state", environ={}), journal, live_sessions=lambda: set(live)
+        )
+        await sessions.open("s1")
+        profile = sessions.profile_path("s1")
+        profile.mkdir(parents=True)
+        (profile / "junk").write_bytes(b"\0" * 4096)
+        await journal.set_profile("s1", str(profile), used_at=0.0)
+        assert await sessions.evict_profile("s1", "its turn r-1 filled the disk") is False  # a turn is live
+        assert (profile / "junk").exists()
+        live.clear()
+        assert await sessions.evict_profile("s1", "its turn r-1 filled the disk") is True
+        assert not profile.exists() and await journal.profiles() == []
+        await sessions.open("s1")  # still open: its next turn makes a new profile
