@@ -18,6 +18,11 @@ runs (``subagent.approvals``): approved, it runs; denied, the model is told why 
 turn goes on; a stop during the wait makes it ``rejected`` (it never ran). A turn of a
 session starts from the session's history (``spec.session.history``). The loop returns a
 ``RunOutcome``; it never writes the result.
+
+Size: one loop and the records it keeps, with the stop checked at each of its points
+(step, call, batch, approval wait, streamed text, hand-off): split, each half would read
+and write the other's records. The streamed text's throttle (``subagent.textstream``)
+and a stop's outcome words (``subagent.stopmark``) already live apart.
 """
 
 from __future__ import annotations
