@@ -493,28 +493,40 @@ class _Connection:
         # or cancel in flight completes (its reply just has nowhere to go). Subscriptions
         # run in `subs_nursery`, cancelled on disconnect: they only read.
         async with trio.open_nursery() as requests:
-            async with trio.open_nursery() as subs_nursery:
-                subs_nursery.start_soon(self._idle_watch)
-                try:
-                    await self._read_loop(requests, subs_nursery)
-                except trio.Cancelled:
-                    # The connection itself is cancelled (the daemon stops, past its
-                    # subscribers' drain): a send in flight is not waited for (``_send``
-                    # shields it), the TCP stream closes now and every send fails at once.
-                    if self.stream is not None:
-                        await trio.aclose_forcefully(self.stream)
-                    raise
-                finally:
-                    if isinstance(self.ws, FailingConnection) and self.ws.failure is not None:
-                        # A frame broke the protocol; the client may still read. Each
-                        # subscription ends, one not answered yet with a refusal (its
-                        # request came before that frame); then the nursery is done.
-                        self.refusal = "the connection is closing: a frame broke the websocket protocol"
-                        self.idle_scope.cancel()
-                        for scope in self.subs.values():
-                            scope.cancel(reason="control connection failed")
-                    else:
-                        subs_nursery.cancel_scope.cancel(reason="control connection closed")
+            closer = trio.CancelScope()
+            requests.start_soon(self._close_when_cancelled, closer)
+            try:
+                await self._read_and_follow(requests)
+            finally:
+                closer.cancel()
+
+    async def _close_when_cancelled(self, own: trio.CancelScope) -> None:
+        """Close the TCP stream at once when the connection itself is cancelled (the daemon
+        stops), whatever its tasks are doing: its subscriptions' sends are shielded (a frame
+        goes out whole), and after a bad frame they still send while nothing reads."""
+        with own:
+            try:
+                await trio.sleep_forever()
+            finally:
+                if not own.cancel_called and self.stream is not None:
+                    await trio.aclose_forcefully(self.stream)
+
+    async def _read_and_follow(self, requests: trio.Nursery) -> None:
+        async with trio.open_nursery() as subs_nursery:
+            subs_nursery.start_soon(self._idle_watch)
+            try:
+                await self._read_loop(requests, subs_nursery)
+            finally:
+                if isinstance(self.ws, FailingConnection) and self.ws.failure is not None:
+                    # A frame broke the protocol; the client may still read. Each
+                    # subscription ends, one not answered yet with a refusal (its
+                    # request came before that frame); then the nursery is done.
+                    self.refusal = "the connection is closing: a frame broke the websocket protocol"
+                    self.idle_scope.cancel()
+                    for scope in self.subs.values():
+                        scope.cancel(reason="control connection failed")
+                else:
+                    subs_nursery.cancel_scope.cancel(reason="control connection closed")
 
     async def _idle_watch(self) -> None:
         with self.idle_scope:

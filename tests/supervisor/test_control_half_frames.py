@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from wsproto.events import CloseConnection, TextMessage
@@ -141,11 +142,14 @@ async def test_a_frame_breaking_the_protocol_in_the_middle_of_a_large_event_gets
     assert isinstance(got.done[-1], CloseConnection)
 
 
+@pytest.mark.parametrize("bad_frame", [False, True], ids=["stalled", "stalled after a bad frame"])
 async def test_a_stopping_server_does_not_wait_for_a_client_stalled_in_the_middle_of_a_frame(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, bad_frame: bool
 ) -> None:
     """A started send is shielded (it finishes its frame), but the connection's own end,
-    the daemon stopping, closes the stream at once: the stop is not ``send_s`` longer."""
+    the daemon stopping, closes the stream at once: the stop is not ``send_s`` longer.
+    Also once a bad frame has ended the connection's reading (its subscriptions still
+    sending, the daemon waited ``send_s`` for them)."""
     stopped = trio.Event()
 
     async def daemon(task_status: trio.TaskStatus[tuple[Server, trio.CancelScope]]) -> None:
@@ -159,6 +163,10 @@ async def test_a_stopping_server_does_not_wait_for_a_client_stalled_in_the_middl
     async with slow_peer(srv.port) as peer:
         got = Messages(peer)
         await got.subscribe_and_stall(run)
+        if bad_frame:
+            await peer.stream.send_all(BAD_FRAMES["unmasked"][0])
+            with trio.fail_after(WAIT_S):
+                await trio.testing.wait_all_tasks_blocked()  # the server has read it
         scope.cancel()
         with trio.fail_after(WAIT_S):
             await stopped.wait()
