@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
+from subagent.events import fold_snapshot
 from supervisor.control.client import Client
 from tests import conftest
 from tests.browser_support import CHROMIUM, LocalSite
@@ -755,8 +756,14 @@ async () => {
   const { StopModel } = await import("/static/js/stop.js");
   const { SteerModel } = await import("/static/js/steer.js");
   const { fmtDuration } = await import("/static/js/dom.js");
-  const { toolLine } = await import("/static/js/events.js");
+  const { toolLine, foldSnapshot } = await import("/static/js/events.js");
   const out = {};
+  // The runner counts progress_at in code points (as the daemon's fold does), not UTF-16 units.
+  let snap = null;
+  for (const d of [{ progress_at: 0, progress_added: "ok \u{1F600}", snapshot_n: 1, step: 1 },
+                   { progress_at: 4, progress_added: " next \u{1F600}\u{1F600}", snapshot_n: 2, step: 2 },
+                   { progress_at: 10, progress_added: " \u00e9", snapshot_n: 3, step: 3 }]) snap = foldSnapshot(snap, d);
+  out.folded = snap.progress;
   const pb = (extra) => ({ escalated: false, leader: "exited", pid: 10, killed: [], reaped: [], survivors: [], ...extra });
   out.fast = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 0.043, processes_ended: 7, path_b: pb({}) } });
   out.counted = stopSummary({ state: "cancelled", receipt: { cancel_to_tree_dead_s: 0.2,
@@ -826,6 +833,14 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
     assert "{" not in " ".join(out["approvalSteps"])
     assert out["rejectedLine"].startswith("⊘ deploy rejected")
     assert (out["sentLine"], out["unsentLine"]) == ("▶ read {} · sent", "▶ read {}")
+    whole: dict[str, Any] | None = None
+    for d in [
+        {"progress_at": 0, "progress_added": "ok \U0001f600", "snapshot_n": 1, "step": 1},
+        {"progress_at": 4, "progress_added": " next \U0001f600\U0001f600", "snapshot_n": 2, "step": 2},
+        {"progress_at": 10, "progress_added": " \u00e9", "snapshot_n": 3, "step": 3},
+    ]:
+        whole = fold_snapshot(whole, d)
+    assert whole is not None and out["folded"] == whole["progress"] == "ok \U0001f600 next  \u00e9", out["folded"]
     assert out["steps"] == [
         "Stop sent to the runner (reason: user)",
         "The runner got the stop during a tool call",

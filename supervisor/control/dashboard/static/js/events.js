@@ -122,7 +122,7 @@ export function foldSnapshot(base, d) {
   if (base && typeof base.snapshot_n === "number" && d.snapshot_n <= base.snapshot_n) return base;
   let progress = typeof base?.progress === "string" ? base.progress : "";
   const added = d.progress_added ?? "";
-  progress = d.progress_at <= progress.length ? progress.slice(0, d.progress_at) + added : progress + added;
+  progress = progress.slice(0, codePointIndex(progress, d.progress_at)) + added;
   const calls = Array.isArray(base?.tool_calls) ? [...base.tool_calls] : [];
   for (const rec of d.tool_calls_changed ?? []) {
     const i = calls.findIndex((c) => c && c.id === rec.id);
@@ -133,6 +133,22 @@ export function foldSnapshot(base, d) {
   // Where the progress ends with model text that is not whole (streaming, or cut short).
   if (d.unfinished_text && typeof d.unfinished_text === "object") whole.unfinished_text = d.unfinished_text;
   return whole;
+}
+
+/**
+ * Where the `n`th code point of `s` starts, as a JS string index (`s.length` past its end).
+ * The runner counts `progress_at` in code points, as Python does; a JS string counts UTF-16
+ * units, two for a character beyond the BMP (an emoji).
+ */
+export function codePointIndex(s, n) {
+  if (!/[\uD800-\uDBFF]/.test(s)) return Math.min(n, s.length);
+  let i = 0;
+  for (let k = 0; k < n && i < s.length; k++) {
+    const high = s.charCodeAt(i) >= 0xd800 && s.charCodeAt(i) <= 0xdbff;
+    const low = i + 1 < s.length && s.charCodeAt(i + 1) >= 0xdc00 && s.charCodeAt(i + 1) <= 0xdfff;
+    i += high && low ? 2 : 1;
+  }
+  return i;
 }
 
 /** The later of two whole snapshots (by `snapshot_n`; an older runner's has none: the new one). */
