@@ -765,7 +765,21 @@ def spawn(
             said = "the spec was sent and may have started (spawn it again with the same --key: it starts once)"
         raise _if_sent(exc, _translate_spawn(exc), said) from None
     run_id = str(result["run_id"])
-    obj.emit(result, lambda: click.echo(run_id))
+
+    def human() -> None:
+        click.echo(run_id)
+        if result.get("existing") is True:
+            # The run id alone read as a new run: a person could not tell a key used before.
+            first = result.get("session_id")
+            whose = f"a turn of session {first!r}" if first else "not a turn of any session"
+            asked = f", not a turn of session {session_id!r} as asked" if session_id and session_id != first else ""
+            click.echo(
+                f"note: --key {key!r} was used before: {run_id} is the run it made ({whose}{asked}; "
+                f"now {result.get('state')}); nothing new was started",
+                err=True,
+            )
+
+    obj.emit(result, human)
     if wait:
         _follow_to_end(obj, run_id, after_seq=0)
 

@@ -444,6 +444,11 @@ def test_spawn_with_a_key_twice_prints_one_run(real_daemon: Path) -> None:
     first = run(real_daemon, "spawn", "--key", "job-1", "count the files")
     again = run(real_daemon, "spawn", "--key", "job-1", "count the files")
     assert first.exit_code == again.exit_code == 0 and first.stdout == again.stdout
+    # The run id alone would read as a new run: the second one says it is not.
+    assert first.stderr == "" and again.stderr.startswith("note: --key 'job-1' was used before: "), again.stderr
+    assert "nothing new was started" in again.stderr and "not a turn of any session" in again.stderr
+    other = run(real_daemon, "spawn", "--key", "job-1", "--session", "s-other", "count the files")
+    assert other.stdout == first.stdout and "not a turn of session 's-other' as asked" in other.stderr, other.stderr
     listed = run(real_daemon, "--json", "list")
     assert listed.exit_code == 0 and len(json.loads(listed.stdout)["runs"]) == 1, listed.stdout
 
