@@ -25,8 +25,9 @@ room for their own files. ``DiskGuard`` stops that run instead:
   normal cancel with reason ``disk_full`` (both paths, its intent journaled, its partial
   result kept: that lives in the journal and the daemon's memory, not in the run dir), and
   the measurement goes into its receipt (``stop_detail``). Its run dir is removed when it
-  ends, as every run's is; a session turn's browser profile is removed then too (a stop
-  never removes a profile otherwise: here the space would not come back).
+  ends, as every run's is; a session turn's browser profile is removed then too if the
+  profile itself holds enough to be blamed (a stop never removes a profile otherwise:
+  here the space would not come back).
 
 Not seen: space a run holds in files it deleted but keeps open (no path leads to them);
 such space comes back when its processes end, but no check blames the run for it.
@@ -323,16 +324,23 @@ class DiskGuard:
             await self._cancel(run.run_id, DISK_FULL_REASON)
         finally:
             if run.session_id is not None and self._profile_of(run) is not None and self._nursery is not None:
-                self._nursery.start_soon(self._evict_after, run, settled)
+                self._nursery.start_soon(self._evict_after, run, fs, settled)
             else:
                 settled.set()
 
-    async def _evict_after(self, run: Run, settled: trio.Event) -> None:
-        """A session turn stopped for a full disk: its profile goes once the turn has ended."""
+    async def _evict_after(self, run: Run, fs: _Low, settled: trio.Event) -> None:
+        """A session turn stopped for a full disk: once the turn has ended, its profile goes
+        if the profile itself holds enough of the disk to be blamed (what the turn wrote
+        there stays otherwise: a stop never removes a profile but to bring space back)."""
         assert run.session_id is not None
         try:
             await run.done.wait()
-            await self._evict_profile(run.session_id, f"its turn {run.run_id} filled the disk")
+            profile = self._profile_of(run)
+            held = 0 if profile is None else await trio.to_thread.run_sync(space_held, [profile], fs.dev)
+            if choose_run({run.run_id: held}, fs.min_free) is None:
+                logger.info("session %s: its browser profile holds %d bytes: kept", run.session_id, held)
+                return
+            await self._evict_profile(run.session_id, f"its turn {run.run_id} filled the disk ({held} bytes in it)")
         except Exception:
             logger.exception("session %s: removing the browser profile of a turn that filled the disk", run.session_id)
         finally:

@@ -242,6 +242,13 @@ class FakeManager:
         shutil.rmtree(run.run_dir)
 
 
+async def settled(guard: DiskGuard) -> None:
+    """The guard's stop has dealt with its session's profile (removed it, or kept it)."""
+    assert guard._stopping is not None
+    with trio.fail_after(10):
+        await guard._stopping[2].wait()
+
+
 def full_disk(path: str | os.PathLike[str]) -> os.statvfs_result:  # noqa: ARG001
     """A 64 MiB filesystem with nothing free."""
     return os.statvfs_result((4096, 4096, 16384, 0, 0, 0, 0, 0, 0, 255))
@@ -280,8 +287,10 @@ async def test_the_guard_stops_the_worst_run_one_at_a_time_and_a_session_turn_lo
         await guard.check()  # still full, but its stop has not brought the space back yet
         assert len(fake.cancels) == 1 and fake.evicted == []
         fake.end(browser)
-        await trio.testing.wait_all_tasks_blocked()
-        assert fake.evicted == [("s-browser", "its turn browser filled the disk")]
+        await settled(guard)
+        assert [(sid, why.split(" (")[0]) for sid, why in fake.evicted] == [
+            ("s-browser", "its turn browser filled the disk")
+        ]
         await guard.check()  # still full: the next worst, right away
         assert fake.cancels[1:] == [("small", DISK_FULL_REASON)]
         fake.end(small)
@@ -289,6 +298,27 @@ async def test_the_guard_stops_the_worst_run_one_at_a_time_and_a_session_turn_lo
         await guard.check()  # what is left holds too little to blame (the host filled it)
         assert len(fake.cancels) == 2
     assert guard.stopped == 2 and guard.describe()["last_stop"]["run_id"] == "small"
+
+
+async def test_a_session_turn_that_filled_its_run_dir_keeps_its_small_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "state").mkdir()
+    config = Config.load(state_dir=tmp_path / "state", disk_min_free_mib=1, disk_min_free_percent=0, environ={})
+    fake = FakeManager(tmp_path)
+    turn = fake.add("turn", 6 * MiB, tmp_path, profile=4096)  # the space is in its run dir
+    guard = DiskGuard(
+        config, fake.live, record=fake.record, cancel=fake.cancel, profile_of=fake.profile_of, evict_profile=fake.evict
+    )
+    monkeypatch.setattr(os, "statvfs", full_disk)
+    async with trio.open_nursery() as nursery:
+        guard._nursery = nursery
+        await guard.check()
+        assert fake.cancels == [("turn", DISK_FULL_REASON)]
+        fake.end(turn)
+        await settled(guard)
+    # Its run dir goes with the run; the session's profile (cookies, a login) stays.
+    assert fake.evicted == [] and (fake.profiles / "turn" / "Cookies").exists()
 
 
 def test_the_cli_says_why_the_daemon_stopped_the_run(capsys: pytest.CaptureFixture[str]) -> None:
