@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -302,3 +303,20 @@ def require(condition: bool, what: str) -> None:
     if in_ci():
         pytest.fail(f"prerequisite missing in CI: {what}")
     pytest.skip(f"prerequisite missing: {what}")
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(tmp_path: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` MiB mounted at ``tmp_path/tmpfs`` (root only), unmounted after."""
+    import subprocess
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    require(os.geteuid() == 0, "root, to mount a tmpfs")
+    options = f"size={size_mib}m,mode=0700"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
+    require(done.returncode == 0, f"mount -t tmpfs ({done.stderr.decode().strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from supervisor.daemon import serve
 from supervisor.errors import ConfigError
 from supervisor.states import RunState
 from supervisor.store.journal import Journal
-from tests.conftest import require
+from tests.conftest import mounted_tmpfs
 from tests.supervisor.test_runs_real import gated_script
 from tests.supervisor.test_stop_tools import command_alive, wait_event
 
@@ -79,15 +78,8 @@ def test_space_held_counts_a_runs_files_and_not_what_its_links_point_to(tmp_path
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
     """A 24 MiB tmpfs mounted for the test (root only), unmounted after it."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    require(os.geteuid() == 0, "root, to mount a tmpfs")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
-    require(done.returncode == 0, f"mount -t tmpfs ({done.stderr.decode().strip()})")
-    try:
+    with mounted_tmpfs(tmp_path, 24) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def scripted(script: dict[str, Any]) -> dict[str, Any]:
