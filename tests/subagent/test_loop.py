@@ -21,10 +21,12 @@ from subagent.tools.toolbox import ToolBox, ToolOutcome
 from supervisor.protocol import ApproveRequest, decode_request
 
 
-def make_loop(tmp_path: Path, script: dict[str, Any], **limits: Any) -> AgentLoop:
+def make_loop(tmp_path: Path, script: dict[str, Any], emitter: Emitter | None = None, **limits: Any) -> AgentLoop:
+    """A loop on the scripted model; its events go to ``emitter`` (default: a file in ``tmp_path``)."""
     spec = RunSpec.from_dict({"task": "t", "limits": limits, "model": {"script": script}}, env={})
-    fd = os.open(tmp_path / "events", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    emitter = Emitter(tmp_path, err_fd=fd, out_fd=fd)
+    if emitter is None:
+        fd = os.open(tmp_path / "events", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        emitter = Emitter(tmp_path, err_fd=fd, out_fd=fd)
     tools = ToolBox(builtins=spec.builtin_tools, limits=spec.limits, servers={}, on_group=lambda *a: None)
     return AgentLoop(
         spec=spec,

@@ -25,11 +25,7 @@ from subagent.events import (
     fold_snapshot,
 )
 from subagent.loop import AgentLoop
-from subagent.model.script import Script
-from subagent.model.scripted import ScriptedProvider
-from subagent.spec import RunSpec
-from subagent.stop import StopControl
-from subagent.tools.toolbox import ToolBox
+from tests.subagent import test_loop
 
 
 class Caught(Emitter):
@@ -55,18 +51,8 @@ class Caught(Emitter):
 
 
 def make_loop(tmp_path: Path, script: dict[str, Any]) -> tuple[AgentLoop, Caught]:
-    spec = RunSpec.from_dict({"task": "t", "model": {"script": script}}, env={})
     emitter = Caught(tmp_path)
-    tools = ToolBox(builtins=spec.builtin_tools, limits=spec.limits, servers={}, on_group=lambda *a: None)
-    loop = AgentLoop(
-        spec=spec,
-        provider=ScriptedProvider(Script.from_dict(script)),
-        tools=tools,
-        stop=StopControl(),
-        emitter=emitter,
-        run_id="r",
-    )
-    return loop, emitter
+    return test_loop.make_loop(tmp_path, script, emitter), emitter
 
 
 def folded(snapshots: list[tuple[float, dict[str, Any]]]) -> dict[str, Any] | None:
