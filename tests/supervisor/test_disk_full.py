@@ -213,6 +213,16 @@ class FakeManager:
         self.live[run_id] = run
         return run
 
+    def guard(self, config: Config) -> DiskGuard:
+        return DiskGuard(
+            config,
+            self.live,
+            record=self.record,
+            cancel=self.cancel,
+            profile_of=self.profile_of,
+            evict_profile=self.evict,
+        )
+
     def profile_of(self, run: Run) -> Path | None:
         return self.profiles / run.run_id if run.session_id is not None else None
 
@@ -255,14 +265,7 @@ async def test_the_guard_stops_the_worst_run_one_at_a_time_and_a_session_turn_lo
     small = fake.add("small", 3 * MiB, tmp_path)
     fake.add("tiny", 512 * 1024, tmp_path)
     browser = fake.add("browser", 256 * 1024, tmp_path, profile=6 * MiB)  # its profile holds the most
-    guard = DiskGuard(
-        config,
-        fake.live,
-        record=fake.record,
-        cancel=fake.cancel,
-        profile_of=fake.profile_of,
-        evict_profile=fake.evict,
-    )
+    guard = fake.guard(config)
     await guard.check()
     assert fake.cancels == []  # the disk has room
     monkeypatch.setattr(os, "statvfs", full_disk)
@@ -299,9 +302,7 @@ async def test_a_session_turn_that_filled_its_run_dir_keeps_its_small_profile(
     config = Config.load(state_dir=tmp_path / "state", disk_min_free_mib=1, disk_min_free_percent=0, environ={})
     fake = FakeManager(tmp_path)
     turn = fake.add("turn", 6 * MiB, tmp_path, profile=4096)  # the space is in its run dir
-    guard = DiskGuard(
-        config, fake.live, record=fake.record, cancel=fake.cancel, profile_of=fake.profile_of, evict_profile=fake.evict
-    )
+    guard = fake.guard(config)
     monkeypatch.setattr(os, "statvfs", full_disk)
     async with trio.open_nursery() as nursery:
         guard._nursery = nursery
