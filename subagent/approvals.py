@@ -10,7 +10,8 @@ through it as the first one did. One JSON line per answer:
 ``{"call_id": ..., "decision": "approve"|"deny", "reason": ...}``.
 
 The wait ends with the first of: the answer, the run's stop (the call is then
-``rejected``: it never ran), or the backstop (``timeout_s`` + ``BACKSTOP_S`` with no
+``rejected``: it never ran; its reason is the stop's ``why``: the daemon's reason,
+``user``, ``approval_timeout``, ..., when its stop marker gave one), or the backstop (``timeout_s`` + ``BACKSTOP_S`` with no
 answer: the runner stops itself with reason ``approval_timeout``; the daemon stops the run
 at the deadline itself, so this only matters without one).
 """
@@ -166,7 +167,7 @@ class ApprovalGate:
     async def wait(self, call_id: str, stop: StopControl) -> Answer:
         """The call's answer; ``rejected`` if the stop comes first (also one already set)."""
         if stop.requested:
-            return Answer("rejected", stop.reason)
+            return Answer("rejected", stop.why)
         outcome: list[Answer] = []
         async with trio.open_nursery() as nursery:
 
@@ -176,7 +177,7 @@ class ApprovalGate:
 
             async def stopped() -> None:
                 await stop.stopped.wait()
-                outcome.append(Answer("rejected", stop.reason))
+                outcome.append(Answer("rejected", stop.why))
                 nursery.cancel_scope.cancel(reason="the stop ends the wait for approval")
 
             async def backstop() -> None:
@@ -190,5 +191,5 @@ class ApprovalGate:
             # The answer and the stop came together (the person approved as another
             # pressed Stop): the stop wins, whichever task appended first. The call never
             # starts (it was let start, a background command ran after the stop).
-            return Answer("rejected", stop.reason)
+            return Answer("rejected", stop.why)
         return outcome[0]

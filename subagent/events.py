@@ -200,7 +200,8 @@ class ToolCallRecord:
     ``sent_at``); a stop after it gets the call's stop policy. None for other tools and
     in records of older runners. A call that needs approval carries ``approval`` (an
     ``Approval``), while pending its ``approval_deadline`` (wall clock), and once answered
-    ``approval_reason`` (a denial's reason, or why the wait ended).
+    ``approval_reason`` (a denial's reason, or why the wait ended: the stop's reason, the
+    daemon's own, e.g. ``user`` or ``approval_timeout``, when its stop marker gave one).
     """
 
     id: str

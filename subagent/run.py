@@ -265,10 +265,10 @@ def _note_sigterm_at_once(stop: StopControl) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _signal_sender(reason: str, marker: int | None, stop_reason: list[str]) -> str:
+def _signal_sender(reason: str, marker: int | None, stop: StopControl) -> str:
     """The reason a stop asked as ``reason`` is applied with: a signal (``"signal"``) is
-    the daemon's stop if its stop marker holds the stop's reason (noted in
-    ``stop_reason``), else ``"signalled"``: no stop of the daemon's sent it. Read after
+    the daemon's stop if its stop marker holds the stop's reason (noted as
+    ``stop.stop_reason``), else ``"signalled"``: no stop of the daemon's sent it. Read after
     the signal came: the daemon writes the marker before it signals. Without a marker (a
     runner started by hand) a signal is a stop, as it always was."""
     if reason != "signal" or marker is None:
@@ -276,7 +276,7 @@ def _signal_sender(reason: str, marker: int | None, stop_reason: list[str]) -> s
     why = read_marker(marker)
     if why is None:
         return SIGNALLED
-    stop_reason.append(why)
+    stop.stop_reason = why
     return reason
 
 
@@ -316,16 +316,15 @@ async def run(
         os.environ["AGENTD_RUN_ID"] = run_id
     emitter.run_id = run_id
 
-    # The daemon's reason for its stop, read from the marker when its signal is applied.
-    stop_reason: list[str] = []
-
+    # The daemon's reason for its stop is read from the marker when its signal is applied
+    # (``stop.stop_reason``).
     def resolve(reason: str) -> str:
-        return _signal_sender(reason, stop_marker, stop_reason)
+        return _signal_sender(reason, stop_marker, stop)
 
     def on_first_stop(reason: str, during: str) -> None:
         extra: dict[str, Any] = {"tool": stop.running_tool} if during == "tool" and stop.running_tool else {}
-        if stop_reason:
-            extra["stop_reason"] = stop_reason[0]
+        if stop.stop_reason is not None:
+            extra["stop_reason"] = stop.stop_reason
         emitter.emit(EventKind.STOP_REQUESTED, reason=reason, during=during, **extra)
 
     stop = StopControl(on_first_stop=on_first_stop, resolve=resolve)
@@ -447,8 +446,8 @@ async def run(
         "imported": _imported(),
     }
     extra["sandbox"] = sandbox
-    if stop_reason and outcome.reason == "signal":
-        extra["stop_reason"] = stop_reason[0]  # whose stop it was: the daemon's, and why
+    if stop.stop_reason is not None and outcome.reason == "signal":
+        extra["stop_reason"] = stop.stop_reason  # whose stop it was: the daemon's, and why
     extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
     result = (
         loop.result(outcome, **extra)

@@ -17,7 +17,12 @@ once a SIGTERM has arrived, however late the signal task runs.
 Whose stop a signal was is decided when it is applied (``resolve``: the runner reads its
 stop marker, ``subagent.stopmark``, then): ``"signal"`` stays ``"signal"`` for a stop the
 daemon asked for and becomes ``"signalled"`` for a SIGTERM (or SIGINT) no stop of the
-daemon's sent; the run still stops, but it is not a cancelled run.
+daemon's sent; the run still stops, but it is not a cancelled run. The daemon's own
+reason for a stop it sent (``user``, ``timeout``, ``approval_timeout``, ``shutdown``, ...)
+is kept beside it (``stop_reason``, set by the resolver as it reads the marker), and
+``why`` is the reason every place that reports the stop to the model or in a record uses:
+the daemon's when there is one, else the applied reason (``signal`` for a runner started
+by hand, ``signalled`` for a foreign signal, the runner's own ``timeout`` ...).
 
 A tool's start is one step with the check that no stop came (``starting``): a stop asked
 while a command is being spawned (the spawn yields to the loop, where the SIGTERM task
@@ -45,6 +50,9 @@ class StopControl:
         resolve: Callable[[str], str] | None = None,
     ) -> None:
         self.reason: str | None = None
+        # The daemon's reason for a stop it signalled (its stop marker's), set by
+        # ``resolve`` when it applies the signal; None otherwise (``why``).
+        self.stop_reason: str | None = None
         # The reason a stop is applied with, from the one asked (a signal's sender is
         # looked up as it is applied, after the signal came): identity by default.
         self._resolve = resolve
@@ -72,6 +80,12 @@ class StopControl:
     def requested(self) -> bool:
         self._catch_up()
         return self.reason is not None
+
+    @property
+    def why(self) -> str | None:
+        """Why the run stopped, as a call's record and the model are told: the daemon's
+        reason when it sent the stop (``stop_reason``), else the applied ``reason``."""
+        return self.stop_reason or self.reason
 
     def note_signal(self) -> None:
         """Called from the SIGTERM handler itself: only notes it (no trio call is safe

@@ -192,6 +192,15 @@ async def test_a_call_the_model_gave_an_id_approve_refuses_is_renamed_and_can_be
     assert (shared / "side-effect").read_text() == "wrote\n" and not (shared / "second").exists()
 
 
+def assert_rejected_for(call: dict[str, Any], events: list[dict[str, Any]], why: str) -> None:
+    """The call a stop rejected names the daemon's reason for the stop (its stop marker's),
+    not the runner's ``signal``: in its record and in the ``approval_answered`` event."""
+    assert call["approval_reason"] == why, call
+    assert call["reason"].startswith(f"stopped_while_awaiting_approval: the run was stopped ({why})"), call
+    (answered,) = [e["data"] for e in events if e["kind"] == "approval_answered"]
+    assert (answered["call_id"], answered["decision"], answered["reason"]) == ("call_w", "rejected", why), answered
+
+
 async def test_a_cancel_while_awaiting_approval_rejects_the_call_and_cancels_the_run(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -203,9 +212,11 @@ async def test_a_cancel_while_awaiting_approval_rejects_the_call_and_cancels_the
             await c.call("cancel", run_id=rid)
             final = await s.end(rid)
             late = await s.reply("approve", run_id=rid, call_id="call_w")
+            events = (await c.call("events", run_id=rid))["events"]
     assert (final["state"], final["reason"]) == ("cancelled", "user")
     (call,) = final["tool_calls"]
     assert (call["state"], call["approval"]) == ("rejected", "rejected")
+    assert_rejected_for(call, events, "user")
     assert call["output"] is None and call["started_at"] is None
     assert call["stop_effect"] == "rejected_awaiting_approval"
     assert not (shared / "side-effect").exists()
@@ -219,6 +230,7 @@ async def test_an_approval_that_times_out_cancels_the_run_with_its_own_reason(tm
         async with daemon(tmp_path / "state", grace_s=5.0) as (_d, c):
             rid = (await c.call("spawn", spec=approval_spec(shared, timeout_s=1.0)))["run_id"]
             final = await Session(c).end(rid)
+            events = (await c.call("events", run_id=rid))["events"]
     assert (final["state"], final["reason"], final["cancel_reason"]) == (
         "cancelled",
         "approval_timeout",
@@ -226,6 +238,7 @@ async def test_an_approval_that_times_out_cancels_the_run_with_its_own_reason(tm
     )
     (call,) = final["tool_calls"]
     assert (call["state"], call["approval"]) == ("rejected", "rejected")
+    assert_rejected_for(call, events, "approval_timeout")
     assert not (shared / "side-effect").exists()
 
 

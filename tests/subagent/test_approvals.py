@@ -93,6 +93,43 @@ async def test_a_stop_ends_the_wait_and_the_call_is_rejected() -> None:
     assert await g.wait("c2", stop) == Answer("rejected", "signal")  # a stop already set
 
 
+@pytest.mark.parametrize(
+    ("marker", "why"),
+    [
+        ("user", "user"),  # the daemon's stop: its reason, from the marker
+        ("approval_timeout", "approval_timeout"),
+        ("", "signalled"),  # a marker with no reason: a SIGTERM no stop of the daemon's sent
+        (None, "signal"),  # no marker (a runner started by hand): any signal is a stop
+    ],
+)
+async def test_a_signal_stop_rejects_the_call_with_the_daemons_reason(
+    tmp_path: Path, marker: str | None, why: str
+) -> None:
+    from subagent.run import _signal_sender
+    from subagent.stopmark import make_marker, open_marker, write_marker
+
+    run_dir = tmp_path / "run"
+    fd = None
+    if marker is not None:
+        make_marker(run_dir)
+        if marker:
+            assert write_marker(run_dir, marker)
+        fd = open_marker(run_dir)
+        assert fd is not None
+    try:
+        stop = StopControl(resolve=lambda reason: _signal_sender(reason, fd, stop))
+        g = gate(ApprovalSpec(tools=("run_command",)))
+        with trio.fail_after(5):
+            async with trio.open_nursery() as n:
+                n.start_soon(lambda: _stop_soon(stop))
+                answer = await g.wait("c1", stop)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    assert answer == Answer("rejected", why)
+    assert stop.reason == ("signalled" if why == "signalled" else "signal")  # the applied reason is unchanged
+
+
 async def test_an_answer_and_a_stop_that_come_together_reject_the_call() -> None:
     # Approve and Stop at once: both waits woke, and the answer (its task first) won: the
     # call started after the stop (a background command ran). Trio wakes the two in either
