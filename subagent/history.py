@@ -6,8 +6,13 @@ its journal (``turn_messages``) for the next turn. Rules (seed 004, DESIGN "Conv
 every call in the history has exactly one result, and the result says what happened
 (ran, interrupted with the output known, finished after the stop, never ran, denied); a
 call whose arguments were cut mid-stream (its turn never finished) is not a call at all:
-only the turn's text stays; a turn that did not complete ends with one short note. The
-words are stable on purpose: models and tests read them.
+only the turn's text stays; a turn that did not complete ends with one short note. In
+such a turn, text the model never finished (its stream stopped, cut or failed:
+``assistant_text`` with ``complete: false``; or still streaming when its runner was
+killed, so only the turn's partial result holds it: ``unfinished_text``) is the
+assistant's words all the same, marked as cut short (``HISTORY_CUT_SHORT``), and told
+once. (A completed turn's cut stream, asked again, is shown as its model saw it.) The words are stable on
+purpose: models and tests read them.
 Pure and stdlib only (the daemon imports it): records are ``ToolCallRecord`` dicts.
 """
 
@@ -29,12 +34,14 @@ __all__ = [
     "HISTORY_REJECTED",
     "HISTORY_AWAITING_APPROVAL",
     "HISTORY_NOT_STARTED_YET",
+    "HISTORY_CUT_SHORT",
     "STOP_NOTES",
     "tool_result_text",
     "is_cut",
     "replay_arguments",
     "stop_note",
     "turn_messages",
+    "unfinished_text",
 ]
 
 # What the model is told, per stop effect, ahead of what is known.
@@ -54,6 +61,11 @@ HISTORY_REJECTED: Final = "not executed: stopped while awaiting approval"
 # final reason (the runner's result, or the journal's settling of a lost run).
 HISTORY_AWAITING_APPROVAL: Final = "awaiting approval: this call has not run yet"
 HISTORY_NOT_STARTED_YET: Final = "not started yet: this call has not run yet"
+# After model text the turn ended before the model finished (stopped, cut, or its runner
+# killed while it streamed): what it had said, not a whole answer.
+HISTORY_CUT_SHORT: Final = "[cut short: the turn ended before the model finished this text]"
+# The states whose partial result may hold text no ``assistant_text`` carried.
+_ENDED_EARLY: Final = frozenset({"cancelled", "failed", "lost"})
 
 # Reasons a call was never a whole call: its turn's stream was cut, aborted or failed
 # before the turn finished (``subagent.model.provider``). Such a call is never replayed as a call.
@@ -158,6 +170,24 @@ def stop_note(state: str, reason: str | None) -> str | None:
     return None
 
 
+def unfinished_text(result: Any) -> tuple[int, str] | None:
+    """The model text a turn's result ends with that is not a whole turn, as ``(step,
+    text)``, or None: the progress from ``unfinished_text.at`` on (``events.STEP_SNAPSHOT``).
+    A runner killed while its model streamed leaves it only there (its partial result):
+    no ``assistant_text`` was sent for it."""
+    if not isinstance(result, Mapping):
+        return None
+    where, progress = result.get("unfinished_text"), result.get("progress")
+    if not isinstance(where, Mapping) or not isinstance(progress, str):
+        return None
+    step, at = where.get("step"), where.get("at")
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(at, int) or isinstance(at, bool):
+        return None
+    if not 0 <= at < len(progress):
+        return None
+    return step, progress[at:]
+
+
 def turn_messages(
     task: str,
     records: Iterable[Mapping[str, Any]],
@@ -166,6 +196,7 @@ def turn_messages(
     state: str,
     reason: str | None = None,
     final_text: str | None = None,
+    unfinished: tuple[int, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One turn of a session as OpenAI-shaped messages, from what the journal recorded.
 
@@ -176,8 +207,13 @@ def turn_messages(
         state: the run's state (a terminal one gets its note; a live one is shown as far as it went).
         reason: the stop's reason (cancelled) or the failure's (failed).
         final_text: the result's answer, used when no ``assistant_text`` event carries it.
+        unfinished: the text the result ends with that is not a whole turn
+            (``unfinished_text``), used for a turn that ended early when no
+            ``assistant_text`` event of its step carries it (its runner was killed while
+            the model streamed): shown cut short.
     """
     texts: dict[int, str] = {}
+    cut_short: set[int] = set()  # steps whose text the model never finished
     steering: dict[int, list[str]] = {}
     for ev in events:
         data = ev.get("data") or {}
@@ -186,8 +222,15 @@ def turn_messages(
             continue
         if ev.get("kind") == "assistant_text" and isinstance(data.get("text"), str) and data["text"]:
             texts[step] = texts.get(step, "") + data["text"]
+            if data.get("complete") is False and state in _ENDED_EARLY:
+                cut_short.add(step)
         elif ev.get("kind") == "steering" and data.get("state") == "applied" and isinstance(data.get("text"), str):
             steering.setdefault(step, []).append(data["text"])
+    if state in _ENDED_EARLY and unfinished is not None and unfinished[1] and unfinished[0] not in texts:
+        # Said while it streamed, its runner killed before the step ended: the partial
+        # result alone holds it. (Carried by an event already, it is not told twice.)
+        texts[unfinished[0]] = unfinished[1]
+        cut_short.add(unfinished[0])
     calls: dict[int, list[Mapping[str, Any]]] = {}
     for rec in records:
         step = rec.get("step")
@@ -202,6 +245,8 @@ def turn_messages(
         text, step_calls = texts.get(step), calls.get(step, [])
         if not text and not step_calls:
             continue
+        if text and step in cut_short:
+            text = f"{text}\n{HISTORY_CUT_SHORT}"
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if step_calls:
             message["tool_calls"] = [

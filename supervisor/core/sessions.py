@@ -6,7 +6,8 @@ and browser state"). This module owns what a session has beyond its runs:
 - its history: rebuilt from the journal for each new turn (``prepare_turn``), so it
   survives restarts: every earlier turn as ``subagent.history.turn_messages`` says it
   (tasks, the assistant's messages and calls, one honest result per call, a note after a
-  turn that did not complete);
+  turn that did not complete; text the model was still streaming when its runner was
+  killed, from the turn's partial result, marked cut short);
 - its browser profile: ``<state_dir>/sessions/<key>/browser-profile``, made for the
   session's first ``--browser`` turn and granted to its turns alone (``sandbox.write``,
   a grant only the daemon may make inside its state dir); a stop never removes it;
@@ -32,7 +33,7 @@ from typing import Any, Final
 
 import trio
 
-from subagent.history import turn_messages
+from subagent.history import turn_messages, unfinished_text
 from supervisor.config import Config
 from supervisor.errors import ControlProtocolError, JournalError
 from supervisor.protocol import ErrorCode
@@ -96,6 +97,8 @@ def _messages(turn: TurnRecord) -> list[dict[str, Any]]:
         state=turn["state"],
         reason=_turn_reason(turn),
         final_text=_final_text(turn),
+        # A runner killed while its model streamed: that text is in its partial result only.
+        unfinished=unfinished_text(turn["result"]),
     )
 
 

@@ -8,12 +8,14 @@ import pytest
 from subagent.events import CUT_MARK
 from subagent.history import (
     HISTORY_AWAITING_APPROVAL,
+    HISTORY_CUT_SHORT,
     HISTORY_NOT_STARTED_YET,
     STOP_NOTES,
     is_cut,
     stop_note,
     tool_result_text,
     turn_messages,
+    unfinished_text,
 )
 from subagent.model.fake_openai import history_problem
 from subagent.model.provider import (
@@ -187,3 +189,51 @@ def test_the_fake_server_refuses_what_the_api_refuses() -> None:
     )
     assert history_problem([call, {"role": "tool", "tool_call_id": "a", "content": "ok"}]) is None
     assert json.dumps(history_problem([])) == "null"
+
+
+def test_text_a_killed_runner_was_streaming_is_handed_on_cut_short_from_its_partial_result() -> None:
+    # Step 1 said its text and ran a call; step 2 was streaming when the runner was killed:
+    # only the partial result (progress, unfinished_text) holds step 2's text.
+    partial = {
+        "progress": "Looking.\n\nThe logs say",
+        "unfinished_text": {"step": 2, "at": 10, "streaming": True},
+        "tool_calls": [],
+    }
+    assert unfinished_text(partial) == (2, "The logs say")
+    records = [rec("c1", 1, "succeeded", output="ok")]
+    for state in ("failed", "lost", "cancelled"):
+        msgs = turn_messages(
+            "t", records, [text(1, "Looking.")], state=state, reason="runner_died", unfinished=unfinished_text(partial)
+        )
+        said = [m["content"] for m in msgs if m["role"] == "assistant"]
+        assert said == ["Looking.", f"The logs say\n{HISTORY_CUT_SHORT}"], msgs
+        assert msgs[-1]["role"] == "system"  # the turn's note still ends it
+    # A completed turn's text is its events' (and its answer): nothing is added.
+    done = turn_messages("t", [], [text(1, "All done.")], state="completed", unfinished=(1, "All"))
+    assert [m["content"] for m in done if m["role"] == "assistant"] == ["All done."]
+
+
+def test_text_an_event_carried_is_told_once_and_a_stopped_streams_text_is_marked_cut_short() -> None:
+    # The runner stopped the stream itself: assistant_text complete false carries the text,
+    # and the result's unfinished_text points at the same text: told once, cut short.
+    cut = {"kind": "assistant_text", "data": {"step": 1, "text": "Half a", "complete": False}}
+    msgs = turn_messages("t", [], [cut], state="cancelled", reason="user", unfinished=(1, "Half a"))
+    assert [m["content"] for m in msgs if m["role"] == "assistant"] == [f"Half a\n{HISTORY_CUT_SHORT}"]
+    # A completed turn whose stream was cut and asked again: shown as its model saw it.
+    done = turn_messages("t", [], [cut, text(2, "Whole.")], state="completed", final_text="Whole.")
+    assert [m["content"] for m in done if m["role"] == "assistant"] == ["Half a", "Whole."]
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        None,
+        {"progress": "abc"},
+        {"progress": "abc", "unfinished_text": {"step": 1, "at": 3}},  # nothing from there on
+        {"progress": "abc", "unfinished_text": {"step": True, "at": 0}},
+        {"progress": None, "unfinished_text": {"step": 1, "at": 0}},
+        {"progress": "abc", "unfinished_text": {"step": 1, "at": -1}},
+    ],
+)
+def test_a_result_without_unfinished_text_gives_none(result: Any) -> None:
+    assert unfinished_text(result) is None

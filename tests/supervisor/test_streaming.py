@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from subagent.events import fold_snapshot
+from subagent.history import HISTORY_CUT_SHORT
 from subagent.model.fake_openai import FakeOpenAI
 from supervisor.cli import _print_run, format_event
 from tests.supervisor.test_snapshots import all_events, in_process_daemon, kill_runner
@@ -107,3 +108,33 @@ async def test_a_stop_mid_stream_ends_the_stream_at_once_keeps_its_text_and_says
     for d in snaps:
         whole = fold_snapshot(whole, d)
     assert whole is not None and whole["progress"] == TEXT
+
+
+async def test_a_session_turn_whose_runner_was_sigkilled_mid_stream_hands_its_streamed_text_on_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Turn 1 streams slowly and its runner is SIGKILLed mid-stream: its text is in its
+    # partial result alone (no assistant_text). Turn 2's model is told it, cut short, once.
+    script = {"turns": [{"text": TEXT, "chunk_size": 12, "chunk_delay_s": 0.02, "hang": True}], "final": "ok"}
+    fake = FakeOpenAI(script)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fake.serve)
+            model = {"provider": "openai", "name": "fake", "base_url": fake.base_url}
+            async with in_process_daemon(tmp_path, monkeypatch) as m:
+                first = (await m.spawn({"task": "read the logs", "model": model}, session_id="s1"))["run_id"]
+                await wait_event(m, first, streamed_whole(first))
+                kill_runner((await m.status(first))["pid"])  # by pidfd, the pid this daemon reports
+                st = await m.wait_terminal(first)
+                second = (await m.spawn({"task": "go on", "model": model}, session_id="s1"))["run_id"]
+                await fake.wait_for(lambda f: len(f.chat_requests) >= 2)
+                if (await m.status(second))["state"] not in ("completed", "failed", "cancelled"):
+                    await m.cancel(second)  # (without the history, turn 2 replays the hanging turn)
+                await m.wait_terminal(second)
+            nursery.cancel_scope.cancel()
+    assert (st["state"], st["partial"], st["result"]["progress"]) == ("failed", True, TEXT), st
+    messages = fake.chat_requests[1].body["messages"]
+    said = [m for m in messages if m["role"] == "assistant"]
+    assert said == [{"role": "assistant", "content": f"{TEXT}\n{HISTORY_CUT_SHORT}"}], messages
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["read the logs", "go on"], messages
+    assert sum(TEXT in str(m.get("content")) for m in messages) == 1  # told once
