@@ -1411,8 +1411,9 @@ def status(obj: Obj, run_id: str | None) -> None:
 
     def human() -> None:
         d = result.get("daemon", {})
+        doing = "stopping" if (result.get("summary") or {}).get("stopping") is True else "running"
         click.echo(
-            f"agentd {d.get('version', '?')} running: pid {d.get('pid')}, up {_duration(float(d.get('uptime_s', 0)))}, "
+            f"agentd {d.get('version', '?')} {doing}: pid {d.get('pid')}, up {_duration(float(d.get('uptime_s', 0)))}, "
             f"{d.get('url')}, state dir {d.get('state_dir')}"
         )
         journal = (result.get("summary") or {}).get("journal") or {}

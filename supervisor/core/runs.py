@@ -140,6 +140,7 @@ class RunManager:
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
         self._nursery: trio.Nursery | None = None
         self._accepting = False
+        self._stopping = False  # ``shutdown`` began: the daemon is stopping its runs
         # Runners are forked by the zygote when it is usable and ready, else started cold.
         self._zygote = Zygote(config, containment) if usable(config, containment) else None
         self._pool = WarmPool(config, containment, self._zygote) if config.pool_size > 0 else None
@@ -229,6 +230,7 @@ class RunManager:
     async def shutdown(self, reason: str = "shutdown") -> None:
         """Stop accepting runs, cancel every live run (both paths) and wait for them."""
         self._accepting = False
+        self._stopping = True
         runs = list(self._live.values())
         await self._cancel_many([r.run_id for r in runs], reason)
         with trio.move_on_after(self.config.grace_s + SHUTDOWN_MARGIN_S):
@@ -611,6 +613,8 @@ class RunManager:
             "zygote": self._zygote.describe() if self._zygote is not None else {"state": "off"},
             # A spawn is refused while the journal cannot be written (``journal`` says why).
             "accepting": self._accepting and not self.backlog.degraded,
+            # Shutting down (``systemctl stop``, SIGTERM): its runs are being stopped.
+            "stopping": self._stopping,
             "journal": self.backlog.describe(),
             "disk": self.disk.describe(),
             "containment_problem": self.containment.problem,

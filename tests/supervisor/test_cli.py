@@ -585,6 +585,17 @@ def test_a_stop_the_journal_could_not_take_and_a_degraded_daemon_are_said_in_pla
     assert "degraded" not in run(server, "status").stdout
 
 
+def test_status_says_stopping_while_the_daemon_stops_its_runs(server: ServerThread) -> None:
+    assert " running: pid " in run(server, "status").stdout.splitlines()[0]
+    real = server.backend.summary
+
+    async def stopping() -> dict[str, Any]:
+        return {**(await real()), "stopping": True}
+
+    server.backend.summary = stopping  # type: ignore[method-assign]
+    assert " stopping: pid " in run(server, "status").stdout.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("state", "code"), [("completed", ExitCode.OK), ("failed", ExitCode.RUN_FAILED), ("lost", ExitCode.RUN_LOST)]
 )

@@ -564,3 +564,13 @@ async def test_status_read_as_the_run_ends_has_its_result_with_its_end(
     assert during["state"] == "cancelled" and during["live"] is True
     assert during["result"] is not None and during["ended_at"] is not None
     assert st["state"] == "cancelled"
+
+
+async def test_status_says_the_daemon_is_stopping_once_its_shutdown_began(daemon: Daemon) -> None:
+    # It said running (and the CLI "agentd ... running") while systemd showed the unit
+    # deactivating and every run was being stopped.
+    assert (await daemon.m.summary())["stopping"] is False
+    with trio.fail_after(15):
+        await daemon.m.shutdown()
+    summary = await daemon.m.summary()
+    assert summary["stopping"] is True and summary["accepting"] is False
