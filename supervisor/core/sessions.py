@@ -301,10 +301,11 @@ class SessionDesk:
         return was_open, removed
 
     async def _remove_profile(self, session_id: str, why: str) -> bool:
-        record = await self.journal.get_session(session_id)
         path = self.profile_path(session_id)
-        had = (record is not None and record["profile_dir"] is not None) or path.exists()
-        await trio.to_thread.run_sync(_remove_tree, path.parent)
+        had = path.exists()
+        await trio.to_thread.run_sync(_remove_tree, path.parent)  # the files first, whatever the journal says
+        record = await self.journal.get_session(session_id)
+        had = had or (record is not None and record["profile_dir"] is not None)
         if record is not None and record["profile_dir"] is not None:
             await self.journal.set_profile(session_id, None)
         if had:
@@ -320,13 +321,10 @@ class SessionDesk:
         async with self.lock(session_id):
             if session_id in self._live_sessions():
                 return False
-            path = self.profile_path(session_id)
-            await trio.to_thread.run_sync(_remove_tree, path.parent)
             try:
-                await self.journal.set_profile(session_id, None)
+                await self._remove_profile(session_id, why)
             except JournalError as exc:
                 logger.warning("session %s: the removed profile stays in the journal's record: %s", session_id, exc)
-            logger.warning("session %s: browser profile removed (%s)", session_id, why)
             return True
 
     async def sweep(self, *, now: float | None = None, keep: Iterable[str] = ()) -> builtins.list[str]:
