@@ -577,6 +577,59 @@ class _Seconds(click.FloatRange):
         return rv
 
 
+def _from_file(base: Path, value: Any) -> Any:
+    """A relative path as written in a file in ``base``: absolute, taken from ``base``.
+
+    Anything else (absolute, empty, not a string) as it was: the spec's own checks judge it."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    return value if path.is_absolute() else str((base / path).absolute())
+
+
+def _servers_from(file: Path, servers: Any) -> Any:
+    """MCP servers as written in ``file``: a relative ``cwd`` is the file's directory's, and so
+    is a relative ``command`` path (one with a ``/``) of a server with no ``cwd`` (with one,
+    the server's process is started there, as a shell would)."""
+    if not isinstance(servers, dict):
+        return servers
+    out: dict[Any, Any] = {}
+    for name, server in servers.items():
+        if isinstance(server, dict):
+            server = dict(server)
+            command = server.get("command")
+            if "cwd" in server:
+                server["cwd"] = _from_file(file.parent, server["cwd"])
+            elif isinstance(command, str) and "/" in command:
+                server["command"] = _from_file(file.parent, command)
+        out[name] = server
+    return out
+
+
+def _paths_from(spec_file: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """A spec file's relative paths, taken from the file's directory as written (the runner
+    works in its run dir, where they would mean nothing): ``model.script_path``, the
+    ``sandbox`` grants (``read``, ``write``, ``workdir``) and the MCP servers' ``cwd`` (and
+    ``command``, see ``_servers_from``). Other values are left to the spec's checks."""
+    base = spec_file.parent
+    spec = dict(spec)
+    m = spec.get("model")
+    if isinstance(m, dict) and "script_path" in m:
+        spec["model"] = {**m, "script_path": _from_file(base, m["script_path"])}
+    box = spec.get("sandbox")
+    if isinstance(box, dict):
+        box = dict(box)
+        for key in ("read", "write"):
+            if isinstance(box.get(key), list):
+                box[key] = [_from_file(base, p) for p in box[key]]
+        if "workdir" in box:
+            box["workdir"] = _from_file(base, box["workdir"])
+        spec["sandbox"] = box
+    if "mcpServers" in spec:
+        spec["mcpServers"] = _servers_from(spec_file, spec["mcpServers"])
+    return spec
+
+
 def build_spec(
     task: str | None,
     *,
@@ -590,7 +643,8 @@ def build_spec(
 ) -> dict[str, Any]:
     """The run spec (``subagent.spec`` shape) from a spec file and command-line options.
 
-    Options override the file. Paths become absolute: the runner's cwd is its run dir.
+    Options override the file. Paths become absolute: the runner's cwd is its run dir, so a
+    file's relative paths are taken from its directory (``_paths_from``).
 
     Raises:
         CliError: an unreadable or invalid file, or no task anywhere.
@@ -602,13 +656,7 @@ def build_spec(
             raise CliError(
                 f"spec file {str(spec_file)!r}: expected a json object, got {type(loaded).__name__}", ExitCode.USAGE
             )
-        spec = loaded
-        m = spec.get("model")
-        if isinstance(m, dict) and isinstance(m.get("script_path"), str) and m["script_path"]:
-            script_path = Path(m["script_path"]).expanduser()
-            if not script_path.is_absolute():
-                # The runner reads it from its run dir: relative to the spec file, as written.
-                spec["model"] = {**m, "script_path": str((spec_file.parent / script_path).absolute())}
+        spec = _paths_from(spec_file, loaded)
     if task is not None:
         spec["task"] = task
     if not isinstance(spec.get("task"), str) or not spec["task"].strip():
@@ -634,7 +682,7 @@ def build_spec(
                 f"mcp config {str(mcp_config)!r}: expected an object with an 'mcpServers' object", ExitCode.USAGE
             )
         merged = dict(spec.get("mcpServers") or {})
-        merged.update(servers)
+        merged.update(_servers_from(mcp_config, servers))
         spec["mcpServers"] = merged
     if browser:
         spec["browser"] = True

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from subagent.osedge import run_trio
+from subagent.spec import RunSpec
 from supervisor.cli import ExitCode, build_spec, cli, format_event
 from supervisor.control import _wsclient
 from supervisor.control import client as client_mod
@@ -1309,3 +1310,54 @@ def test_a_relative_script_path_in_a_spec_file_is_taken_from_the_spec_files_dire
     assert built["model"] == {"provider": "scripted", "script_path": str(tmp_path / "specs" / "s" / "script.json")}
     spec.write_text(json.dumps({"task": "t", "model": {"script_path": "/abs/script.json"}}))
     assert build_spec(None, spec_file=spec)["model"] == {"script_path": "/abs/script.json"}
+
+
+def test_a_spec_files_relative_grants_and_server_paths_are_taken_from_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They were sent as written: a relative grant failed the spec's check (absolute paths
+    # only), and a server's relative cwd or ./command meant the run dir, where the runner
+    # starts its servers.
+    here = tmp_path / "specs"
+    here.mkdir()
+    spec = here / "spec.json"
+    servers = {
+        "site": {"command": "node", "args": ["srv.js"], "cwd": "site"},
+        "local": {"command": "./bin/srv", "args": ["./not-a-path-we-know"]},
+        "there": {"command": "./srv", "cwd": "/srv"},
+        "onpath": {"command": "npx"},
+    }
+    spec.write_text(
+        json.dumps(
+            {
+                "task": "t",
+                "sandbox": {"read": ["data", "/etc/abs"], "write": ["../out"], "workdir": "work"},
+                "mcpServers": servers,
+            }
+        )
+    )
+    monkeypatch.chdir("/")
+    built = build_spec(None, spec_file=spec)
+    assert built["sandbox"] == {
+        "read": [str(here / "data"), "/etc/abs"],
+        "write": [str(here / ".." / "out")],
+        "workdir": str(here / "work"),
+    }
+    assert built["mcpServers"] == {
+        "site": {"command": "node", "args": ["srv.js"], "cwd": str(here / "site")},
+        "local": {"command": str(here / "bin" / "srv"), "args": ["./not-a-path-we-know"]},
+        "there": {"command": "./srv", "cwd": "/srv"},
+        "onpath": {"command": "npx"},
+    }
+    # The spec takes it (normalised), where it refused the relative grants before.
+    parsed = RunSpec.from_dict(built)
+    assert parsed.sandbox.write == (str(tmp_path / "out"),)
+    # An --mcp-config file's servers are taken from its own directory, not the spec file's.
+    (tmp_path / "cfg").mkdir()
+    cfg = tmp_path / "cfg" / "mcp.json"
+    cfg.write_text(json.dumps({"mcpServers": {"x": {"command": "./x", "cwd": "."}}}))
+    built = build_spec("t", mcp_config=cfg)
+    assert built["mcpServers"] == {"x": {"command": "./x", "cwd": str(tmp_path / "cfg" / ".")}}
+    # What is not a string is left to the spec's checks, as before.
+    spec.write_text(json.dumps({"task": "t", "sandbox": {"read": [3]}, "mcpServers": {"y": 5}}))
+    assert build_spec(None, spec_file=spec)["sandbox"] == {"read": [3]}
