@@ -36,6 +36,7 @@ __all__ = [
     "open_marker",
     "read_marker",
     "write_marker",
+    "clear_marker",
 ]
 
 STOP_SUFFIX: Final = ".stop"
@@ -82,6 +83,20 @@ def write_marker(run_dir: Path, reason: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def clear_marker(run_dir: Path) -> bool:
+    """Empty the run's marker: a restarted daemon's, for a run it re-adopts with no stop to
+    resume. A daemon killed between ``write_marker`` and its signal (or before it recorded
+    the stop) left a reason there that no stop of the new daemon's stands behind; a later
+    SIGTERM from anyone else would have been read as that stop. The file the runner holds
+    open (truncated, never replaced). Returns whether it is empty now; never raises."""
+    try:
+        fd = os.open(marker_path(run_dir), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
 
 
 def open_marker(run_dir: Path | None) -> int | None:

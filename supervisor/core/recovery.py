@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from subagent.stopmark import clear_marker
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
 from supervisor.core._run import Run, mark_stop
@@ -114,6 +115,10 @@ class Recovery:
             logger.info("run %s: re-adopted runner pid %d (%d live processes)", run_id, pid, len(found.members))
             self.book.live[run_id] = run
             note: dict[str, Any] = {"note": "re-adopted after a daemon restart", "members": found.members}
+            if not run.token.cancelled and run.run_dir is not None:
+                # No stop to resume: a reason the dead daemon wrote (killed between its
+                # mark and its signal, or before it recorded the stop) is no stop of ours.
+                clear_marker(run.run_dir)
             if run.token.cancelled:
                 # The acknowledged stop goes on at once: path A again, before any await
                 # (its marker first: this daemon's SIGTERM is the stop's too).

@@ -446,3 +446,35 @@ async def test_a_readopted_run_cancelled_by_the_restarted_daemon_is_that_daemons
     assert [(s["reason"], s.get("stop_reason")) for s in stops] == [("signal", "user")], stops
     (call,) = final["tool_calls"]
     assert (call["state"], call["stop_effect"]) == ("cancelled", "interrupted"), call
+
+
+async def test_a_reason_a_killed_daemon_left_in_the_marker_is_no_stop_of_the_next(tmp_path: Path) -> None:
+    """A daemon SIGKILLed between its marker write and its signal (or before it recorded
+    the stop) left a reason in the marker that no stop stands behind. The daemon that
+    re-adopts the run, with no stop to resume, empties it: a later SIGTERM nobody's stop
+    sent is the run's failure (``signalled``), not a user's cancel."""
+    state = tmp_path / "state"
+    spec = command_spec("sleep 300")
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await wait_call_running(c, rid, "call_1_1")
+            runner = (await c.call("status", run_id=rid))["pid"]
+            (marker,) = (state / "runs").glob("*.stop")  # this test's only run
+            marker.write_text("user\n")  # the dead daemon's write, its signal never sent
+            await kill9(d1, c)
+        pidfd = os.pidfd_open(runner)  # the runner this test's daemon started, pinned
+        try:
+            async with daemon(state, grace_s=5.0) as (_d2, c):
+                st = await c.call("status", run_id=rid)
+                assert st["live"] is True and st["pid"] == runner, st
+                assert marker.read_text() == ""
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)  # nobody's stop
+                assert await c.wait_for(rid) == "failed"
+                final = await c.call("status", run_id=rid)
+        finally:
+            os.close(pidfd)
+    assert (final["state"], final["reason"]) == ("failed", "signalled"), final
+    assert final["cancel_reason"] is None, final
+    result = final["result"]
+    assert (result["status"], result["reason"]) == ("failed", "signalled"), result
