@@ -234,8 +234,15 @@ class AgentLoop:
                 continue
             cuts = 0
             if not turn.calls:
-                if self.steering is not None and self.steering.pending and not self.stop.requested:
+                if (
+                    self.steering is not None
+                    and self.steering.pending
+                    and not self.stop.requested
+                    and self.steps < self.spec.limits.max_steps
+                ):
                     continue  # new input arrived: the next step applies it
+                # (At max_steps no step is left to apply it: the answer stands, and the
+                # input is reported unapplied, not the answer dropped as max_steps.)
                 cut_short = CUT_SHORT.get(turn.finish_reason or "")
                 if cut_short is not None:
                     # Still the model's answer, but not a whole one: said, not hidden.

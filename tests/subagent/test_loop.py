@@ -170,3 +170,28 @@ async def test_a_steer_is_not_applied_once_a_sigterm_came_as_the_step_began(tmp_
     assert outcome.status == RunStatus.CANCELLED
     assert [s["state"] for s in steered] == ["queued"] and loop.steering.pending == ["also check the disk"]
     assert not any(m["content"] == "also check the disk" for m in loop.messages if m["role"] == "user")
+
+
+async def test_a_steer_during_the_answer_of_the_last_allowed_step_keeps_the_answer(tmp_path: Path) -> None:
+    # A steer queued while the model gave its answer at step max_steps asked for a step
+    # that could not be taken: the run failed max_steps ("the model did not answer"),
+    # its answer dropped. The answer stands; the steer is left pending (reported unapplied).
+    from subagent.events import EventKind
+    from subagent.steering import SteeringQueue
+
+    loop = make_loop(tmp_path, {"turns": ["The answer is 42."], "final": "unused"}, max_steps=1)
+    steered: list[dict[str, Any]] = []
+    loop.steering = SteeringQueue(emit=lambda **kw: steered.append(kw))
+    emit = loop.emitter.emit
+
+    def emit_then_steer(kind: Any, **data: Any) -> None:
+        emit(kind, **data)
+        if kind == EventKind.ASSISTANT_TEXT:
+            assert loop.steering is not None
+            loop.steering.push("also say hi", loop.steps)  # came while the answer streamed
+
+    loop.emitter.emit = emit_then_steer  # type: ignore[method-assign]
+    outcome = await loop.run()
+    assert (outcome.status, outcome.final_text) == (RunStatus.COMPLETED, "The answer is 42.")
+    assert loop.steering.pending == ["also say hi"]
+    assert [s["state"] for s in steered] == ["queued"]
