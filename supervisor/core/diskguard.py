@@ -20,7 +20,10 @@ room for their own files. ``DiskGuard`` stops that run instead:
   ``1/BLAME_DIVISOR`` of the mark (and ``BLAME_MIN_BYTES``). Less, and the space went
   elsewhere (the host's own files): stopping a run would not bring it back, so nobody is
   stopped and the daemon says so in its log. One stop at a time: the next check that may
-  stop a run comes once the stopped run's directory is gone (its space back).
+  stop a run comes once the stopped run's directory is gone (its space back). A run being
+  stopped already for another reason (a user's stop, a timeout: it may write on through
+  its grace) is measured too: if it holds the most, the guard waits for its end as for
+  its own stop's, and blames nobody else meanwhile.
 - *how*: a ``disk_full`` event on the run says what was measured; then the manager's
   normal cancel with reason ``disk_full`` (both paths, its intent journaled, its partial
   result kept: that lives in the journal and the daemon's memory, not in the run dir), and
@@ -261,7 +264,9 @@ class DiskGuard:
             return
         if trio.current_time() - self._measured_at < (URGENT_REMEASURE_S if urgent else REMEASURE_S):
             return
-        runs = [r for r in self._live.values() if r.run_dir is not None and not r.token.cancelled]
+        # Runs being stopped already (a user's stop, a timeout) are measured too: one that
+        # holds the most gets its space back when it ends, and no other run is blamed for it.
+        runs = [r for r in self._live.values() if r.run_dir is not None]
         if not runs:
             self._say_low(low[0], "no live run holds space there")
             return
@@ -275,7 +280,11 @@ class DiskGuard:
                 self._say_low(fs, f"no run holds enough of it to blame (the most: {top} bytes)")
                 continue
             target = self._live.get(worst)
-            if target is not None and not target.token.cancelled:  # (it may have ended meanwhile)
+            if target is None:  # it ended meanwhile: its space comes back
+                return
+            if target.token.cancelled:
+                self._wait_for(target, fs, held)
+            else:
                 await self._stop(target, fs, held)
             return
 
@@ -297,6 +306,24 @@ class DiskGuard:
                 why,
             )
         self._low_said = True
+
+    def _wait_for(self, run: Run, fs: _Low, held: Mapping[str, int]) -> None:
+        """The run holding the most is being stopped already, for another reason: its
+        space comes back when it ends (its run dir removed), as a ``disk_full`` stop's
+        does; nobody else is stopped meanwhile (not its stop: no event, no detail)."""
+        logger.warning(
+            "disk guard: %s has %d bytes free, below its low-water mark of %d; run %s, which holds the most "
+            "(%d bytes), is being stopped already (%s): waiting for its end",
+            fs.path,
+            fs.free,
+            fs.min_free,
+            run.run_id,
+            held[run.run_id],
+            run.token.reason,
+        )
+        settled = trio.Event()
+        settled.set()
+        self._stopping = (run, run.run_dir, settled)
 
     async def _stop(self, run: Run, fs: _Low, held: Mapping[str, int]) -> None:
         others = sorted((v for k, v in held.items() if k != run.run_id), reverse=True)

@@ -356,3 +356,29 @@ async def test_a_session_whose_turn_filled_the_disk_loses_its_profile_and_stays_
         assert await sessions.evict_profile("s1", "its turn r-1 filled the disk") is True
         assert not profile.exists() and await journal.profiles() == []
         await sessions.open("s1")  # still open: its next turn makes a new profile
+
+
+async def test_a_run_being_stopped_for_another_reason_that_holds_the_most_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The run that filled the disk is being stopped by its user (its command may write on
+    # through the grace): the guard left it out and stopped an innocent run holding far
+    # less, "the most of the live runs". It waits for the stopping run's end instead.
+    (tmp_path / "state").mkdir()
+    config = Config.load(state_dir=tmp_path / "state", disk_min_free_mib=1, disk_min_free_percent=0, environ={})
+    fake = FakeManager(tmp_path)
+    filler = fake.add("filler", 8 * MiB, tmp_path)
+    fake.add("innocent", 2 * MiB, tmp_path)
+    filler.token.cancel("user")  # its stop is under way (its grace)
+    guard = fake.guard(config)
+    monkeypatch.setattr(os, "statvfs", full_disk)
+    guard.journal_failed()
+    await guard.check()
+    assert fake.cancels == [] and fake.events == [] and filler.stop_detail is None
+    guard.journal_failed()
+    await guard.check()  # still full: its stop has not brought the space back yet
+    assert fake.cancels == []
+    fake.end(filler)
+    await guard.check()  # its space is back; were the disk still full, the next worst goes
+    assert fake.cancels == [("innocent", DISK_FULL_REASON)]
+    assert guard.stopped == 1
