@@ -133,6 +133,7 @@ class Lifecycle:
                                 announced.set()
                             await process.wait_leader(tree)
                             exited = True
+                            run.leader_exited_at = trio.current_time()
                         finally:
                             # Path B (scope cancelled) or the runner ended by itself: either
                             # way the whole tree is ended and confirmed dead, shielded, bounded.
@@ -280,6 +281,10 @@ class Lifecycle:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
         unread = await self._unread_steering(run)
+        # Whether the stop (if any) came before the runner ended: one that came after (a
+        # cancel racing the run's own end) does not make its failure a cancel. Read once,
+        # here: a cancel during the awaits below must not change the outcome either.
+        stopped = run.stopped_first
         error: dict[str, Any] | None
         if run.cancel_at is not None and receipt.get("tree_dead_at") is not None:
             full_receipt["cancel_to_tree_dead_s"] = max(0.0, receipt["tree_dead_at"] - run.cancel_at)
@@ -298,10 +303,10 @@ class Lifecycle:
             elif status == RunStatus.CANCELLED:
                 state = RunState.CANCELLED
             else:
-                state = RunState.CANCELLED if run.token.cancelled else RunState.FAILED
-            reason = run.token.reason if state == RunState.CANCELLED and run.token.cancelled else result.get("reason")
+                state = RunState.CANCELLED if stopped else RunState.FAILED
+            reason = run.token.reason if state == RunState.CANCELLED and stopped else result.get("reason")
             error = result.get("error")
-            if state == RunState.CANCELLED and not run.token.cancelled and reason == "signal" and not run.readopted:
+            if state == RunState.CANCELLED and not stopped and reason == "signal" and not run.readopted:
                 # A stop is a cancel, never inferred: nobody cancelled this run, yet its
                 # runner took a signal for one (a tool of the run, or another process,
                 # signalled it). A runner with a stop marker says so itself (its result
@@ -319,9 +324,9 @@ class Lifecycle:
             return
         # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
         # a tool that was running has an unknown outcome, one only announced never ran.
-        await self._settle_unreported(run)
+        await self._settle_unreported(run, stopped)
         await self._add_tool_stops(run, full_receipt, None)
-        if run.token.cancelled:
+        if stopped:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
         elif run.readopted and run.state == RunState.STARTING:
             state, reason = RunState.LOST, STARTING_LOST
@@ -375,10 +380,11 @@ class Lifecycle:
                 except ValueError:
                     logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
 
-    async def _settle_unreported(self, run: Run) -> None:
-        """Close the records a runner that left no result never closed."""
+    async def _settle_unreported(self, run: Run, stopped: bool) -> None:
+        """Close the records a runner that left no result never closed (``stopped``: a
+        stop came before it ended)."""
         settle: Callable[[Journal], Awaitable[object]]
-        if run.token.cancelled:
+        if stopped:
             settle = lambda j: j.settle_tool_calls(  # noqa: E731
                 run.run_id,
                 reason="grace_ran_out: the runner was killed at the end of the stop's grace while this call ran; its outcome is unknown",

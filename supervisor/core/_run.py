@@ -43,6 +43,9 @@ class Run:
     partial_since: int = 0
     partial_checkpoint: int = 0
     cancel_at: float | None = None  # trio clock
+    # When this daemon saw its runner exit by itself (trio clock): a stop asked after that
+    # did not end it (``stopped_first``).
+    leader_exited_at: float | None = None
     cancel_wall: float | None = None
     stop_deadline: float | None = None  # wall clock: the end of the stop's grace
     deadline: float | None = None  # wall clock: the timeout
@@ -82,6 +85,15 @@ class Run:
     @property
     def stopping(self) -> bool:
         return self.token.cancelled
+
+    @property
+    def stopped_first(self) -> bool:
+        """A stop was asked before its runner ended by itself, so it may be why it ended.
+        A stop asked after (a cancel that met the run's own end while its tree was being
+        ended and its output read) does not turn the runner's own outcome into a cancel."""
+        if not self.token.cancelled:
+            return False
+        return self.leader_exited_at is None or self.cancel_at is None or self.cancel_at <= self.leader_exited_at
 
 
 def mark_stop(run: Run, reason: str | None) -> None:

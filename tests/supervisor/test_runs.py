@@ -23,6 +23,7 @@ from supervisor.core.runs import RunManager
 from supervisor.core.sessions import SessionNotFound
 from supervisor.daemon import serve
 from supervisor.errors import RunNotFound, SpawnError
+from supervisor.trees._handles import Tree
 
 CHILDREN = Path(__file__).parent.parent / "children"
 FAKE = [sys.executable, str(CHILDREN / "fake_runner.py")]
@@ -574,3 +575,25 @@ async def test_status_says_the_daemon_is_stopping_once_its_shutdown_began(daemon
         await daemon.m.shutdown()
     summary = await daemon.m.summary()
     assert summary["stopping"] is True and summary["accepting"] is False
+
+
+async def test_a_cancel_that_comes_after_the_runner_ended_by_itself_does_not_make_its_failure_a_cancel(
+    daemon: Daemon,
+) -> None:
+    # The runner dies without a result (exit 5); a process it left holds its stdout and
+    # ignores SIGTERM, so its tree is ended over the grace. A cancel then (the run still
+    # live, was_active true) turned the crash into "cancelled (user)", its calls' records
+    # "grace_ran_out": the stop came after the end and ended nothing.
+    with trio.fail_after(15):
+        r = await daemon.m.spawn(task(wait=False, no_result=True, exit_code=5, hold_stdout_scrubbed=True))
+        run = daemon.m._live[r["run_id"]]
+        await _wait_event(daemon, r["run_id"], "runner_started")
+        assert isinstance(run.tree, Tree)
+        await run.tree.process.wait()  # the runner has ended by itself
+        assert run.token.cancelled is False and not run.done.is_set()  # its tree is being ended
+        c = await daemon.m.cancel(r["run_id"])
+        assert c["was_active"] is True
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert (st["state"], st["reason"]) == ("failed", "runner_died"), st
+    assert st["error"]["code"] == "model_error"
+    assert st["receipt"]["cancel_reason"] == "user"  # the stop asked is still on the record
