@@ -345,8 +345,23 @@ class RunManager:
                     f"session {session_id!r} has a live turn, run {live[0].run_id!r} ({live[0].state}): "
                     "wait for it to end, cancel it, or start the new turn with interrupt (agentd spawn --interrupt)",
                 )
+            if live and self.backlog.degraded:
+                # The new turn could not be created (no new run while the journal cannot be
+                # written): its interrupt would stop the live turn for nothing.
+                raise JournalUnavailable(
+                    f"no new turn while the journal cannot be written ({self.backlog.error}); "
+                    f"the live turn {live[0].run_id!r} goes on"
+                )
             await self._end_turns(live, "user", f"a new turn of session {session_id!r}")
-            return await self._create(run_id, session_id, spec, timeout_s, model_key, key)
+            try:
+                return await self._create(run_id, session_id, spec, timeout_s, model_key, key)
+            except JournalUnavailable as exc:
+                if not live:
+                    raise
+                # Found only now (the first write that failed): said, not hidden.
+                raise JournalUnavailable(
+                    f"{exc}; the live turn {live[0].run_id!r} was stopped first (interrupt)", path=exc.path
+                ) from exc
 
     async def _end_turns(self, runs: list[Run], reason: str, why: str) -> None:
         """Cancel live turns through the normal path and wait for their terminal facts.

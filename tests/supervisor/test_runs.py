@@ -597,3 +597,38 @@ async def test_a_cancel_that_comes_after_the_runner_ended_by_itself_does_not_mak
     assert (st["state"], st["reason"]) == ("failed", "runner_died"), st
     assert st["error"]["code"] == "model_error"
     assert st["receipt"]["cancel_reason"] == "user"  # the stop asked is still on the record
+
+
+async def test_an_interrupt_that_cannot_start_its_turn_does_not_stop_the_live_one_for_nothing(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The journal cannot be written (a full disk): a spawn with interrupt stopped the live
+    # turn, then was refused ("no new runs"): the session lost its turn and got none.
+    from supervisor.errors import JournalUnavailable
+
+    real = daemon.m.journal.create_run
+
+    async def full(*a: Any, **k: Any) -> Any:
+        raise JournalUnavailable("database or disk is full")
+
+    with trio.fail_after(15):
+        first = (await daemon.m.spawn(task(), session_id="s"))["run_id"]
+        await _wait_event(daemon, first, "step_snapshot")
+        monkeypatch.setattr(daemon.m.journal, "create_run", full)
+        # Its first failing write is this spawn's: the live turn was stopped, and it says so.
+        with pytest.raises(JournalUnavailable, match=f"the live turn '{first}' was stopped first"):
+            await daemon.m.spawn(task(wait=False), session_id="s", interrupt=True)
+        assert (await daemon.m.wait_terminal(first))["state"] == "cancelled"
+        monkeypatch.setattr(daemon.m.journal, "create_run", real)
+        second = (await daemon.m.spawn(task(), session_id="s"))["run_id"]
+        await _wait_event(daemon, second, "step_snapshot")
+        monkeypatch.setattr(daemon.m.journal, "create_run", full)
+        with pytest.raises(JournalUnavailable):
+            await daemon.m.spawn(task(wait=False))  # the daemon knows: degraded
+        with pytest.raises(JournalUnavailable, match=f"the live turn '{second}' goes on"):
+            await daemon.m.spawn(task(wait=False), session_id="s", interrupt=True)
+        st = await daemon.m.status(second)
+        assert st["state"] == "running" and st.get("cancel_reason") is None, st
+        monkeypatch.setattr(daemon.m.journal, "create_run", real)
+        await daemon.m.cancel(second)
+        await daemon.m.wait_terminal(second)
