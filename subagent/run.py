@@ -329,6 +329,9 @@ async def run(
 
     stop = StopControl(on_first_stop=on_first_stop, resolve=resolve)
     loop: AgentLoop | None = None
+    # The outcome was decided before any stop reached the runner (its own failure, not
+    # the stop's doing: the daemon does not take it for a cancel, ``failed_before_stop``).
+    before_stop = False
     outcome = RunOutcome(RunStatus.FAILED, ExitCode.INTERNAL, reason="internal")
     steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
     try:
@@ -414,7 +417,9 @@ async def run(
                             approvals=gate,
                         )
                         outcome = await loop.run()
+                        before_stop = not stop.asked
                     except SetupFailure as exc:
+                        before_stop = not stop.asked
                         emitter.log("error", exc.message, code=exc.code)
                         outcome = RunOutcome(
                             RunStatus.FAILED,
@@ -449,6 +454,8 @@ async def run(
     if stop.stop_reason is not None and outcome.reason == "signal":
         extra["stop_reason"] = stop.stop_reason  # whose stop it was: the daemon's, and why
     extra["unapplied_steering"] = steering.unapplied(loop.steps if loop is not None else 0)
+    if before_stop and outcome.status == RunStatus.FAILED:
+        extra["failed_before_stop"] = True
     result = (
         loop.result(outcome, **extra)
         if loop is not None

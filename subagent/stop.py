@@ -87,6 +87,12 @@ class StopControl:
         reason when it sent the stop (``stop_reason``), else the applied ``reason``."""
         return self.stop_reason or self.reason
 
+    @property
+    def asked(self) -> bool:
+        """Whether any stop has reached the runner: applied, deferred, or a SIGTERM only
+        noted so far (nothing is applied here)."""
+        return self._asked()
+
     def note_signal(self) -> None:
         """Called from the SIGTERM handler itself: only notes it (no trio call is safe
         there); the next check of the flag applies it as ``request("signal")``."""

@@ -303,7 +303,10 @@ class Lifecycle:
             elif status == RunStatus.CANCELLED:
                 state = RunState.CANCELLED
             else:
-                state = RunState.CANCELLED if stopped else RunState.FAILED
+                # A failure the runner decided before any stop reached it is its own, even
+                # if a stop was asked before it exited (a cancel racing the failure).
+                own = result.get("failed_before_stop") is True
+                state = RunState.CANCELLED if stopped and not own else RunState.FAILED
             reason = run.token.reason if state == RunState.CANCELLED and stopped else result.get("reason")
             error = result.get("error")
             if state == RunState.CANCELLED and not stopped and reason == "signal" and not run.readopted:

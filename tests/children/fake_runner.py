@@ -14,6 +14,8 @@ The behaviour comes from the spec's ``task``, a JSON object:
   hold_stdout_scrubbed: bool  the same, with an empty environment (no marker) and
                       ignoring SIGTERM: only the pipe it holds ties it to the run
   echo_steer: bool    while it waits, log each steering line from stdin ("steered: <text>")
+  failed_before_stop: bool  on SIGTERM, end as a runner whose own failure was decided just
+                      before the stop reached it: result failed (model_error), flagged so
 """
 
 from __future__ import annotations
@@ -123,6 +125,12 @@ def main() -> None:
             signal.pause()
     if b.get("no_result"):
         sys.exit(int(b.get("exit_code", 0)))
+    if stop and b.get("failed_before_stop"):
+        error = {"code": "model_error", "message": "the model failed"}
+        result = {"status": "failed", "reason": "model_error", "progress": progress, "tool_calls": [], "error": error}
+        sys.stdout.buffer.write(encode_result({**result, "failed_before_stop": True}))
+        sys.stdout.buffer.flush()
+        sys.exit(5)
     status = "cancelled" if stop else "completed"
     sys.stdout.buffer.write(
         encode_result(

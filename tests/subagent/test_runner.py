@@ -446,6 +446,8 @@ async def test_a_model_error_fails_the_run_with_model_error(tmp_path: Path) -> N
     assert rc == ExitCode.MODEL_ERROR
     assert result["status"] == "failed" and result["error"]["message"] == "scripted model error: rate limited"
     assert result["progress"] == "partial"
+    # No stop had reached it: its own failure, which a cancel racing it does not make a cancel.
+    assert result["failed_before_stop"] is True
 
 
 async def test_max_steps_without_an_answer_fails(tmp_path: Path) -> None:
@@ -455,6 +457,7 @@ async def test_max_steps_without_an_answer_fails(tmp_path: Path) -> None:
         rc, result = await r.finish()
     assert rc == ExitCode.FAILED and result["reason"] == "max_steps"
     assert result["steps"] == 2 and len(result["tool_calls"]) == 2
+    assert result["failed_before_stop"] is True
 
 
 async def test_deadline_stops_the_run_with_reason_timeout(tmp_path: Path) -> None:
@@ -464,6 +467,7 @@ async def test_deadline_stops_the_run_with_reason_timeout(tmp_path: Path) -> Non
     assert rc == ExitCode.CANCELLED
     assert result["status"] == "cancelled" and result["reason"] == "timeout"
     assert r.of(EventKind.STOP_REQUESTED)[0].data["reason"] == "timeout"
+    assert "failed_before_stop" not in result
 
 
 async def test_command_timeout_and_output_bound_are_enforced(tmp_path: Path) -> None:

@@ -632,3 +632,14 @@ async def test_an_interrupt_that_cannot_start_its_turn_does_not_stop_the_live_on
         monkeypatch.setattr(daemon.m.journal, "create_run", real)
         await daemon.m.cancel(second)
         await daemon.m.wait_terminal(second)
+
+
+async def test_a_failure_the_runner_decided_before_the_stop_reached_it_stays_a_failure(daemon: Daemon) -> None:
+    # A cancel that raced the runner's own failure (the model failed; the SIGTERM came as it
+    # wrote its result) made it "cancelled (user)": the runner says its failure came first.
+    with trio.fail_after(15):
+        r = await daemon.m.spawn(task(failed_before_stop=True))
+        await _wait_event(daemon, r["run_id"], "step_snapshot")
+        assert (await daemon.m.cancel(r["run_id"]))["was_active"] is True
+        st = await daemon.m.wait_terminal(r["run_id"])
+    assert (st["state"], st["reason"], st["error"]["code"]) == ("failed", "model_error", "model_error"), st
