@@ -240,6 +240,10 @@ class Store(SessionStoreMixin):
         conn.execute("RELEASE op")
         return value
 
+    def changes(self) -> int:
+        """Rows changed on this connection so far (a call that changed none only read)."""
+        return self._conn.total_changes
+
     def group_alive(self) -> bool:
         """The group's transaction is still open (SQLite rolls a whole transaction back
         on some errors: a full disk, an I/O error)."""

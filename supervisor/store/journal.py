@@ -267,9 +267,11 @@ class _Worker:
         The group starts in the connection's current mode; a job that needs FULL in a
         NORMAL group ends it there (what came before commits NORMAL, as it would have
         alone) and the rest go in a FULL one. A failed commit, or a transaction SQLite
-        rolled back under the group, fails every job whose writes it held."""
+        rolled back under the group, fails every job whose writes it held; a job that
+        wrote nothing (a read: a ``status`` while the disk is full) runs again alone."""
         i = 0
         durable = store.durable_mode
+        wrote: set[int] = set()  # the jobs (by index) that changed rows
         while i < len(jobs):
             try:
                 store.begin_group(durable=durable)
@@ -281,6 +283,7 @@ class _Worker:
             first = i
             while i < len(jobs):
                 job = jobs[i]
+                before = store.changes()
                 try:
                     job.value = store.group_op(job.fn)
                 except NeedsDurableCommit:
@@ -293,16 +296,31 @@ class _Worker:
                 except Exception as exc:  # a bug: hand it to the caller
                     logger.exception("journal %s: a call failed unexpectedly", self.path)
                     job.error = exc
+                if store.changes() != before:
+                    wrote.add(i)
                 i += 1
                 if not store.group_alive():  # rolled back under us: nothing of it stands
                     store.abandon_group()
-                    self._fail(jobs[first:i], job.error)
+                    self._fail_group(store, jobs, first, i, wrote, job.error)
                     break
             if store.in_group:
                 try:
                     store.commit_group()
                 except sqlite3.Error as exc:
-                    self._fail(jobs[first:i], _journal_error(self.path, exc))
+                    self._fail_group(store, jobs, first, i, wrote, _journal_error(self.path, exc))
+
+    def _fail_group(
+        self, store: Store, jobs: list[_Job[Any]], first: int, end: int, wrote: set[int], error: BaseException | None
+    ) -> None:
+        """The group ``jobs[first:end]`` was not committed: the jobs that wrote fail; those
+        that only read, and succeeded, run again, each alone (their values may have seen
+        the lost writes): their outcome is their own, as if they had run alone. A job
+        that failed keeps its own error."""
+        reads = [jobs[k] for k in range(first, end) if k not in wrote and jobs[k].error is None]
+        self._fail([jobs[k] for k in range(first, end) if k in wrote or jobs[k].error is not None], error)
+        for job in reads:
+            job.value = None
+            self._run(store, job)
 
     def _fail(self, jobs: list[_Job[Any]], error: BaseException | None) -> None:
         """Jobs whose writes were not committed: each gets the error, none a value."""

@@ -1339,3 +1339,36 @@ async def test_a_journal_file_removed_or_replaced_under_it_fails_every_call_as_u
             await new_run(j, "r2")
         with pytest.raises(JournalUnavailable, match="removed or replaced"):
             await j.get_run("r1")
+
+
+async def test_a_read_in_a_group_that_could_not_be_committed_is_answered_alone(journal: Journal) -> None:
+    # A full disk fails the group's commit: a read grouped with the writes failed with
+    # "database or disk is full" too (a `status` while the journal was degraded).
+    await new_run(journal, "r0")
+    outcomes: dict[str, Any] = {}
+
+    async def call(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            outcomes[name] = await fn()
+        except JournalError as exc:
+            outcomes[name] = exc
+
+    def lose_the_transaction(store: Any) -> None:  # as SQLite does on a full disk or an I/O error
+        store._conn.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            release = await hold_the_worker(journal, n)
+            n.start_soon(call, "write", lambda: new_run(journal, "a"))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "read", lambda: journal.get_run("a"))  # sees "a", never committed
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "read r0", lambda: journal.get_run("r0"))
+            await trio.lowlevel.checkpoint()
+            n.start_soon(call, "failing", lambda: journal._call(lose_the_transaction))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert isinstance(outcomes["write"], JournalError) and isinstance(outcomes["failing"], JournalError)
+    assert outcomes["read"] is None  # answered alone: "a" is not in the journal
+    assert outcomes["read r0"] is not None and outcomes["read r0"]["id"] == "r0"
