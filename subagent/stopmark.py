@@ -22,6 +22,7 @@ SIGTERM for a stop, as before. Stdlib only: the daemon imports it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -47,9 +48,12 @@ SIGNALLED_MESSAGE: Final = (
     "the runner got a SIGTERM or SIGINT that agentd's stop did not send (a process of the run, "
     "or another one, signalled it); it stopped as it would for a stop"
 )
-# What a marker may hold: one word (the daemon's stop reasons are such words).
+# What a marker holds: one word (the daemon's own stop reasons are such words), or a
+# client's reason that is not one (``cancel``'s ``reason``, at most 256 characters) as one
+# json string in ASCII.
 _REASON: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
-_MAX_READ: Final = 256
+_MAX_REASON_CHARS: Final = 256
+_MAX_READ: Final = 8 * _MAX_REASON_CHARS
 
 
 def marker_path(run_dir: Path) -> Path:
@@ -71,7 +75,7 @@ def write_marker(run_dir: Path, reason: str) -> bool:
     which reads after the signal, sees it. A few bytes on the caller's thread. Returns
     whether it was written (no marker: a runner made without one takes any SIGTERM for a
     stop anyway); never raises."""
-    word = reason if _REASON.fullmatch(reason or "") else "stop"
+    word = reason if _REASON.fullmatch(reason or "") else json.dumps((reason or "stop")[:_MAX_REASON_CHARS])
     try:
         fd = os.open(marker_path(run_dir), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
@@ -120,4 +124,10 @@ def read_marker(fd: int) -> str | None:
     text = data.decode("ascii", errors="replace").strip()
     if not text:
         return None
-    return text if _REASON.fullmatch(text) else "stop"
+    if _REASON.fullmatch(text):
+        return text
+    try:
+        reason = json.loads(text)
+    except ValueError:
+        return "stop"
+    return reason if isinstance(reason, str) and reason.strip() else "stop"

@@ -1,5 +1,5 @@
 """The stop marker (``subagent.stopmark``): the daemon's write reaches the descriptor the
-runner opened before its sandbox; no marker, no write; what it holds is one word."""
+runner opened before its sandbox; no marker, no write; what it holds is one word or a client's reason as a json string."""
 
 from __future__ import annotations
 
@@ -22,7 +22,13 @@ def test_the_daemons_write_reaches_the_runners_descriptor(tmp_path: Path) -> Non
         assert read_marker(fd) == "user"
         assert write_marker(run_dir, "shutdown")  # a later write replaces it, same file
         assert read_marker(fd) == "shutdown"
-        assert write_marker(run_dir, "not a word\nuser")  # never more than a word
+        # A client's reason that is not a word is the client's still: it was "stop".
+        assert write_marker(run_dir, "User-Request: not now\nuser ☃")
+        assert read_marker(fd) == "User-Request: not now\nuser ☃"
+        assert b"\n" not in marker_path(run_dir).read_bytes().rstrip(b"\n")  # one line
+        assert write_marker(run_dir, "x" * 300)  # cut at the protocol's 256
+        assert read_marker(fd) == "x" * 256
+        marker_path(run_dir).write_text("not json\n")  # what no daemon writes
         assert read_marker(fd) == "stop"
     finally:
         os.close(fd)

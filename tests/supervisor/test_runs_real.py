@@ -201,20 +201,22 @@ async def test_a_runner_signalled_by_its_own_tool_is_not_a_cancelled_run(any_run
     assert "not sent by agentd's stop" in call["reason"], call
 
 
-async def test_a_cancelled_runs_runner_says_whose_stop_it_was(manager: RunManager) -> None:
+@pytest.mark.parametrize("reason", ["user", "Rolled back: not now"])
+async def test_a_cancelled_runs_runner_says_whose_stop_it_was(manager: RunManager, reason: str) -> None:
     # The daemon's stop: its marker then its SIGTERM; the runner reads the marker and says
-    # it was the daemon's stop, with its reason ("user"), and is cancelled.
+    # it was the daemon's stop, with its reason ("user", or a client's own text, which the
+    # marker once turned into "stop"), and is cancelled.
     with trio.fail_after(30):
         r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
         rid = r["run_id"]
         await wait_event(manager, rid, command_alive)
-        await manager.cancel(rid)
+        await manager.cancel(rid, reason=reason)
         st = await manager.wait_terminal(rid)
         stop = await _stop_requested(manager, rid)
-    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "user", "user"), st
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", reason, reason), st
     result = _result_file(st)
-    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "user"), result
-    assert (stop["reason"], stop["stop_reason"], stop["during"]) == ("signal", "user", "tool"), stop
+    assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", reason), result
+    assert (stop["reason"], stop["stop_reason"], stop["during"]) == ("signal", reason, "tool"), stop
     [call] = result["tool_calls"]
     assert (call["state"], call["stop_effect"]) == ("cancelled", "interrupted"), call
     assert call["reason"].startswith("interrupted: interrupted by the stop (SIGTERM to its process group)"), call
