@@ -56,7 +56,7 @@ STARTING_LOST: Final = (
 )
 
 # At a run's end, how long a steer still being written to its runner's input may take to
-# settle (``_unread_steering``).
+# settle (``unread_steering``).
 STEER_SETTLE_S: Final = 2.0
 
 
@@ -280,7 +280,7 @@ class Lifecycle:
     ) -> None:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
-        unread = await self._unread_steering(run)
+        unread = await self.unread_steering(run)
         # Whether the stop (if any) came before the runner ended: one that came after (a
         # cancel racing the run's own end) does not make its failure a cancel. Read once,
         # here: a cancel during the awaits below must not change the outcome either.
@@ -350,7 +350,7 @@ class Lifecycle:
             receipt=full_receipt,
         )
 
-    async def _unread_steering(self, run: Run) -> list[str]:
+    async def unread_steering(self, run: Run) -> list[str]:
         """Steering written to the runner's input that it never read (it had stopped
         reading as the run ended): reported unapplied, as the runner reports what it read
         and never applied (a ``steering`` event, and the result's ``unapplied_steering``)."""

@@ -103,6 +103,10 @@ class Recovery:
             last_seq=row["last_seq"],
         )
         run.deadline = row["deadline"]
+        # What the dead daemon sent the runner's input and what the runner said it read: a
+        # steer it was sent and never read is reported unapplied at the run's end, as the
+        # dead daemon would have (its account was in its memory only).
+        run.steers_sent, run.steers_read = await self.book.journal.steering_texts(run_id)
         # Calls that were awaiting approval still are: their records say so, deadlines included.
         run.approvals.restore(row["tool_calls"])
         if run.deadline is None and run.timeout_s is not None and row["started_at"] is not None:
@@ -202,6 +206,8 @@ class Recovery:
             receipt = {**run.stop_receipt, "note": "the run ended while the daemon was down", "swept": swept}
             await self.lifecycle.conclude(run, None, receipt, result)
             return
+        # Steering its runner never read is reported, as at any run's end.
+        await self.lifecycle.unread_steering(run)
         snapshot = run.partial if run.partial is not None else row["partial_snapshot"]
         reason = (
             STARTING_LOST

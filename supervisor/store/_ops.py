@@ -575,6 +575,29 @@ class Store(SessionStoreMixin):
                 self._require_run(conn, run_id)
         return [EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data)) for seq, ts, kind, data in rows]
 
+    def steering_texts(self, run_id: str) -> tuple[list[str], list[str]]:
+        """The steering texts the daemon sent the run's runner (``steer_sent`` events) and
+        those the runner said it read (``steering`` events, ``queued``), in order."""
+        sent: list[str] = []
+        read: list[str] = []
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT kind, data FROM events WHERE run_id = ? AND kind IN ('steer_sent', 'steering') ORDER BY seq",
+                (run_id,),
+            ).fetchall()
+        for kind, data in rows:
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                continue
+            if kind == "steer_sent":
+                sent.append(obj["text"])
+            elif obj.get("state") == "queued":
+                read.append(obj["text"])
+        return sent, read
+
     # -- tool calls ------------------------------------------------------------------
 
     def upsert_tool_call(

@@ -752,6 +752,11 @@ class Journal:
             raise ValueError(f"expected a limit of at least 1, got {limit!r}")
         return await self._call(lambda s: s.events_after(_text(run_id), after_seq, limit))
 
+    async def steering_texts(self, run_id: str) -> tuple[list[str], list[str]]:
+        """The steering texts sent to the run's runner and those it said it read, in order
+        (a restarted daemon's account of what it never read)."""
+        return await self._call(lambda s: s.steering_texts(_text(run_id)))
+
     # -- tool calls ------------------------------------------------------------------
 
     async def upsert_tool_call(self, run_id: str, record: Mapping[str, Any]) -> bool:

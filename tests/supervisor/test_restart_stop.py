@@ -478,3 +478,31 @@ async def test_a_reason_a_killed_daemon_left_in_the_marker_is_no_stop_of_the_nex
     assert final["cancel_reason"] is None, final
     result = final["result"]
     assert (result["status"], result["reason"]) == ("failed", "signalled"), result
+
+
+async def test_a_steer_sent_before_a_crash_and_never_read_is_reported_at_the_runs_end(tmp_path: Path) -> None:
+    """A steer the daemon wrote to the runner's input, which the runner never read: the
+    daemon that would have said so at the run's end was SIGKILLed, and what it had sent
+    was in its memory only. The next daemon takes it from the journal: the run (its
+    runner gone without a result) is lost, and the steer is reported unapplied, unread."""
+    state = tmp_path / "state"
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
+            await wait_call_running(c, rid, "call_1_1")
+            runner = (await c.call("status", run_id=rid))["pid"]
+            pidfd = os.pidfd_open(runner)  # the runner this test's daemon started, pinned
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGSTOP)  # it reads nothing more
+                assert (await c.call("steer", run_id=rid, text="also check the logs"))["accepted"] is True
+                await kill9(d1, c)
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # gone without reading it
+                await wait_gone(runner, 10)
+            finally:
+                os.close(pidfd)
+        async with daemon(state, grace_s=5.0) as (_d2, c):
+            final = await c.call("status", run_id=rid)
+            events = (await c.call("events", run_id=rid, after_seq=0))["events"]
+    assert final["state"] == "lost", final
+    steering = [e["data"] for e in events if e["kind"] == "steering"]
+    assert steering == [{"state": "unapplied", "text": "also check the logs", "step": None, "unread": True}], steering
