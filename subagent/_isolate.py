@@ -19,6 +19,7 @@ __all__ = [
     "KERNEL_TUNABLES",
     "enter_user_namespace",
     "private_mounts",
+    "shared_tmpfs",
     "drop_capabilities",
     "bind_fd",
     "bind_plan",
@@ -163,14 +164,16 @@ def private_mounts(
     keep: Iterable[str] = (),
     keep_read_only: Iterable[str] = (),
     check: Callable[[str, str], None] | None = None,
+    tmpfs_max_mib: int = 0,
 ) -> list[str]:
-    """In this (new) mount namespace: an empty tmpfs on each ``tmpfs`` directory, then
+    """In this (new) mount namespace: an empty directory of one new tmpfs on each ``tmpfs``
+    directory (``shared_tmpfs``: one ``tmpfs_max_mib`` budget for all of them), then
     ``keep`` (files or directories under them that the run needs: its own directory, the
     interpreter, ``/etc/resolv.conf``'s target) bound back at their own paths, those of
     them in ``keep_read_only`` read-only (a write rule on the tmpfs reaches down through
     the mounts under it: a bind's own flag is what keeps it read-only), then
     ``read_only`` bound read-only over themselves. Missing paths are skipped. Returns what
-    was mounted, in order.
+    was mounted, in order (each path once).
 
     ``check(path, named)``: called for each path kept, with what its open descriptor names
     (the path, a link followed), before that same descriptor is bound; it raises to refuse
@@ -179,14 +182,42 @@ def private_mounts(
     done: list[str] = []
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
     try:
-        _private_mounts(done, tmpfs, read_only, keep, keep_read_only, check)
+        _private_mounts(done, tmpfs, read_only, keep, keep_read_only, check, tmpfs_max_mib)
     except BaseException:
         # Half a view is worse than none (a tmpfs over /tmp without the run dir bound back
         # would hide the run's own files): undo, newest first, and let the caller report.
         for path in reversed(done):
             _c().umount2(os.fsencode(path), _MNT_DETACH)
         raise
-    return done
+    return list(dict.fromkeys(done))
+
+
+def shared_tmpfs(dirs: list[str], max_mib: int, done: list[str]) -> None:
+    """One new tmpfs (at most ``max_mib`` MiB; 0: the kernel's default, half the RAM),
+    mounted at ``dirs[0]``, and a directory of it (mode 1777) bound on each of ``dirs``
+    (``dirs[0]``'s over the tmpfs's root, which nothing reaches then). One budget for the
+    run, whichever of them it fills: a tmpfs per directory, each bounded, let a run hold
+    that bound times their number. What is mounted is appended to ``done``.
+    """
+    if not dirs:
+        return
+    size = f",size={max_mib}m" if max_mib > 0 else ""
+    _mount("tmpfs", dirs[0], "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700" + size)
+    done.append(dirs[0])
+    fds: list[int] = []
+    try:
+        for i in range(len(dirs)):
+            sub = os.path.join(dirs[0], str(i))
+            os.mkdir(sub)
+            os.chmod(sub, 0o1777)  # (mkdir's mode goes through the umask)
+            fds.append(os.open(sub, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY))
+        for path, fd in zip(dirs, fds, strict=True):
+            # Without flags of its own, a bind keeps the tmpfs's (nosuid, nodev).
+            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND, None)
+            done.append(path)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _private_mounts(
@@ -196,6 +227,7 @@ def _private_mounts(
     keep: Iterable[str],
     keep_ro: Iterable[str],
     check: Callable[[str, str], None] | None,
+    tmpfs_max_mib: int,
 ) -> None:
     dirs = [p for p in tmpfs if os.path.isdir(p) and not os.path.islink(p)]
     real_ro, real = ([os.path.realpath(k) for k in ks if os.path.exists(k)] for ks in (keep_ro, keep))
@@ -207,9 +239,7 @@ def _private_mounts(
             held.append((k, ro, fd))
             if check is not None:
                 check(k, os.readlink(f"/proc/self/fd/{fd}"))  # what is bound: this descriptor
-        for path in dirs:
-            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
-            done.append(path)
+        shared_tmpfs(dirs, tmpfs_max_mib, done)
         for path, ro, fd in held:
             _bind_fd_at(fd, path, stat.S_ISDIR(os.fstat(fd).st_mode))
             done.append(path)

@@ -46,6 +46,7 @@ from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
     "SANDBOX_ENV",
+    "TMPFS_MAX_MIB",
     "SANDBOX_ID",
     "MODES",
     "DEFAULT_PROTECT",
@@ -88,6 +89,12 @@ DEVICES_RW: Final = (
 )
 # Private (an empty tmpfs each) when the runner has its own mount namespace; writable then.
 PRIVATE_DIRS: Final = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+# What the private dirs may hold together, in MiB (one tmpfs: memory), unless the daemon
+# says otherwise (its ``run_tmpfs_max_mib``); 0: the kernel's default (half the RAM).
+# Chromium and @playwright/mcp put next to nothing there (their files go to TMPDIR, in the
+# run dir; Chromium's shared memory is memfd); 1 GiB is what Chrome is given in a container
+# (``--shm-size=1g``, Docker's 64 MiB being what makes it crash).
+TMPFS_MAX_MIB: Final = 1024
 # Never reachable, whatever is granted around them: this daemon's configuration and the
 # files a uid-0 run could otherwise read as their owner.
 DEFAULT_PROTECT: Final = (
@@ -141,6 +148,8 @@ class Settings:
     mode: str = "auto"
     protect: tuple[str, ...] = ()
     tool_env: tuple[str, ...] = ()
+    # The private dirs' one tmpfs: at most this many MiB (0: the kernel's default).
+    tmpfs_max_mib: int = TMPFS_MAX_MIB
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -156,12 +165,20 @@ class Settings:
                 mode=mode if mode in MODES else "required",  # unreadable intent: the safe side
                 protect=tuple(str(p) for p in d.get("protect", ())),
                 tool_env=tuple(str(n) for n in d.get("tool_env", ())),
+                tmpfs_max_mib=max(0, int(d.get("tmpfs_max_mib", TMPFS_MAX_MIB))),
             )
         except (ValueError, AttributeError, TypeError):
             return cls(mode="required")
 
     def to_env(self) -> str:
-        return json.dumps({"mode": self.mode, "protect": list(self.protect), "tool_env": list(self.tool_env)})
+        return json.dumps(
+            {
+                "mode": self.mode,
+                "protect": list(self.protect),
+                "tool_env": list(self.tool_env),
+                "tmpfs_max_mib": self.tmpfs_max_mib,
+            }
+        )
 
 
 @dataclass
@@ -174,6 +191,7 @@ class Report:
     landlock_abi: int = 0
     identity: str = ""
     private: list[str] = field(default_factory=list)
+    private_max_mib: int | None = None  # what ``private`` may hold together (0: the kernel's default)
     read: list[str] = field(default_factory=list)
     write: list[str] = field(default_factory=list)
     protected: list[str] = field(default_factory=list)
@@ -197,7 +215,7 @@ class Report:
             "scopes": self.scopes,
             "network": "unrestricted",
         }
-        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why", "setup_ms"):
+        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why", "setup_ms", "private_max_mib"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = v
@@ -633,6 +651,7 @@ def prepare_ahead(
             keep=[*ahead.write, *keep],
             keep_read_only=[*ahead.read, *keep_read_only, *resolv],
             check=_refuse_protected(ahead.protect, checked),
+            tmpfs_max_mib=settings.tmpfs_max_mib,
         )
         os.chdir(base)
     except OSError as exc:
@@ -680,6 +699,8 @@ def _finish(
     read = list(dict.fromkeys([*ahead.read, *_exists(spec_read)]))
     write = list(dict.fromkeys([*ahead.write, *_exists(spec_write)]))
     report.private = ahead.private
+    if any(p in PRIVATE_DIRS for p in ahead.private):
+        report.private_max_mib = ahead.settings.tmpfs_max_mib
     report.problems.extend(ahead.problems)
     if ahead.root or ahead.userns:
         try:

@@ -91,6 +91,10 @@ class Config:
     # the live run holding the most there is stopped, reason "disk_full". Both 0: off.
     disk_min_free_mib: int = 256
     disk_min_free_percent: float = 1.0
+    # A run's private /tmp, /var/tmp, /dev/shm and /run (subagent/sandbox.py) are one tmpfs
+    # (memory): at most this many MiB together; a run that fills it gets ENOSPC there, the
+    # others and the daemon keep their memory. 0: the kernel's default (half the RAM).
+    run_tmpfs_max_mib: int = 1024
 
     @property
     def token_path(self) -> Path:
@@ -185,6 +189,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "zygote_spares",
                 "zygote_spares_max",
                 "disk_min_free_mib",
+                "run_tmpfs_max_mib",
             }:
                 v = int(v)
                 if v < 0:

@@ -79,7 +79,12 @@ def protected_paths(config: Config) -> tuple[str, ...]:
 
 
 def sandbox_settings(config: Config) -> Settings:
-    return Settings(mode=config.sandbox, protect=protected_paths(config), tool_env=config.tool_env)
+    return Settings(
+        mode=config.sandbox,
+        protect=protected_paths(config),
+        tool_env=config.tool_env,
+        tmpfs_max_mib=config.run_tmpfs_max_mib,
+    )
 
 
 async def new_tree(

@@ -699,3 +699,58 @@ async def test_a_grant_swapped_for_a_link_into_the_state_dir_after_the_spawn_is_
     assert (st["state"], st["reason"]) == ("failed", "sandbox"), st
     assert "which no run may reach" in st["error"]["message"]
     assert d.token not in json.dumps(st)
+
+
+@pytest.mark.parametrize("zygote", ["off", "auto"])  # a cold runner, a spare
+async def test_a_run_that_fills_its_private_tmp_gets_enospc_and_the_others_do_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
+) -> None:
+    # A run's private /tmp, /var/tmp, /dev/shm and /run were a tmpfs each with the kernel's
+    # default size, half the RAM each: one run writing there could take the machine's
+    # memory. They are one tmpfs now, of ``run_tmpfs_max_mib`` for them all.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, zygote=zygote,
+        sandbox="required", run_tmpfs_max_mib=8,
+    )  # fmt: skip
+    fill = "; ".join(
+        [
+            "dd if=/dev/zero of=/tmp/a bs=1M count=5 2>&1; echo tmp=$?",
+            # The budget is shared: 5 MiB in /tmp leave less than 5 for /dev/shm.
+            "dd if=/dev/zero of=/dev/shm/b bs=1M count=5 2>&1; echo shm=$?",
+            "dd if=/dev/zero of=/run/c bs=1M count=64 2>&1; echo run=$?",
+            "df -k /tmp /var/tmp /dev/shm /run",
+            "awk '$5 ~ /^\\/(tmp|var\\/tmp|dev\\/shm|run)$/ {print \"mnt\", $5, $6}' /proc/self/mountinfo",
+        ]
+    )
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        d = Daemon(info["manager"], config, info)
+        with trio.fail_after(SCENARIO_S):
+            if zygote == "auto":
+                await spare_ready(d.m)
+            other_id, other_dir = await gated_run(d)
+            r = await d.m.spawn(scripted([command(fill)]))
+            st = await d.m.wait_terminal(r["run_id"])
+            # The other run, live throughout, has its own budget whole.
+            (other_dir / "go").touch()
+            gated = await d.m.wait_terminal(other_id)
+            after = await d.m.spawn(
+                scripted([command("dd if=/dev/zero of=/dev/shm/x bs=1M count=6 2>&1; echo shm=$?")])
+            )
+            other = await d.m.wait_terminal(after["run_id"])
+        stop.set()
+    assert st["state"] == "completed", st  # a tool's failure; the run ends as it would
+    (out,) = outputs(st)
+    lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and "/" not in line)
+    assert lines["tmp"] == "0" and lines["shm"] != "0" and lines["run"] != "0", out
+    assert out.count("No space left on device") == 2, out
+    sizes = {line.split()[1] for line in out.splitlines() if line.endswith(("/tmp", "/var/tmp", "/dev/shm", "/run"))}
+    assert sizes == {"8192"}, out  # one tmpfs of 8 MiB, seen at each of the four
+    assert st["sandbox"]["private_max_mib"] == 8, st["sandbox"]
+    top = {m[1]: m[2] for m in (line.split() for line in out.splitlines() if line.startswith("mnt "))}
+    assert sorted(top) == sorted(PRIVATE_DIRS), out  # (the last line of each: what is on top)
+    assert all({"nosuid", "nodev"} <= set(flags.split(",")) for flags in top.values()), top
+    assert gated["state"] == "completed" and other["state"] == "completed", (gated, other)
+    assert outputs(other)[0].splitlines()[-1] == "shm=0", outputs(other)

@@ -14,7 +14,7 @@ import pytest
 
 from subagent import _isolate, _landlock
 from subagent._landlock import FS_READ, FS_WRITE, Grant, plan_rules
-from subagent.sandbox import SANDBOX_ENV, Settings, check_grants, tool_env
+from subagent.sandbox import SANDBOX_ENV, TMPFS_MAX_MIB, Settings, check_grants, tool_env
 from subagent.spec import RunSpec, SpecError
 from tests import conftest
 
@@ -100,8 +100,19 @@ def test_settings_from_the_environment_err_on_the_safe_side(raw: str | None, mod
 
 
 def test_settings_round_trip() -> None:
-    s = Settings(mode="required", protect=("/a", "/b"), tool_env=("X",))
+    s = Settings(mode="required", protect=("/a", "/b"), tool_env=("X",), tmpfs_max_mib=64)
     assert Settings.from_env({SANDBOX_ENV: s.to_env()}) == s
+
+
+def test_the_private_tmpfs_bound_is_the_daemons_setting_and_the_same_by_default(tmp_path: Path) -> None:
+    from supervisor.config import Config
+    from supervisor.trees.pool import sandbox_settings
+
+    assert Config().run_tmpfs_max_mib == Settings().tmpfs_max_mib == TMPFS_MAX_MIB > 0
+    config = Config.load(state_dir=tmp_path, environ={"AGENTD_RUN_TMPFS_MAX_MIB": "0"})
+    assert sandbox_settings(config).tmpfs_max_mib == 0  # the kernel's default
+    # A runner told nothing of it (an older daemon's settings) keeps the bound.
+    assert Settings.from_env({SANDBOX_ENV: '{"mode": "auto"}'}).tmpfs_max_mib == TMPFS_MAX_MIB
 
 
 def test_grants_inside_a_protected_path_are_refused(tmp_path: Path) -> None:
