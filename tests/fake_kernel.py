@@ -126,6 +126,9 @@ class FakeKernel:
     def pipe_inodes(self, pid: int) -> set[int] | None:
         return None
 
+    def deleted_files(self, pid: int) -> dict[tuple[int, int], int] | None:
+        return None
+
     def children(self) -> list[int] | None:
         return [p.pid for p in self.procs.values() if p.ppid == ME]
 

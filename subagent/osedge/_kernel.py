@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import stat as stat_
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol, final
@@ -107,6 +108,12 @@ class Kernel(Protocol):
 
     def pipe_inodes(self, pid: int) -> set[int] | None:
         """Inode numbers of the pipes ``pid`` holds open; None when unreadable."""
+        ...
+
+    def deleted_files(self, pid: int) -> dict[tuple[int, int], int] | None:
+        """The regular files ``pid`` holds open that no path leads to any more (unlinked,
+        their last link gone: their space comes back only when they are closed), by
+        (``st_dev``, ``st_ino``): their allocated bytes. None when unreadable."""
         ...
 
     def children(self) -> list[int] | None:
@@ -229,6 +236,24 @@ class LinuxKernel:
                     found.add(int(target[6:-1]))
                 except ValueError:
                     continue
+        return found
+
+    def deleted_files(self, pid: int) -> dict[tuple[int, int], int] | None:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return None  # gone, not ours to read, or out of fds
+        found: dict[tuple[int, int], int] = {}
+        for name in names:
+            link = f"/proc/{pid}/fd/{name}"
+            try:
+                if not os.readlink(link).endswith(" (deleted)"):
+                    continue
+                st = os.stat(link)  # the open file itself, through its descriptor
+            except OSError:
+                continue
+            if stat_.S_ISREG(st.st_mode) and st.st_nlink == 0:
+                found[(st.st_dev, st.st_ino)] = st.st_blocks * 512
         return found
 
     def children(self) -> list[int] | None:

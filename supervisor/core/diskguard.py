@@ -15,7 +15,9 @@ room for their own files. ``DiskGuard`` stops that run instead:
   (``Config.min_free_bytes``: the larger of ``disk_min_free_mib`` and
   ``disk_min_free_percent`` of its size), each live run's space on it (``space_held``: a
   walk of its files in a worker thread, links not followed, other filesystems not
-  entered).
+  entered), and the files on it that the run's processes deleted but keep open
+  (``deleted_held``: ``dd of=f & rm f`` takes the space from ``df`` and from any walk;
+  it comes back only when the file is closed), each inode once.
 - *whom it stops*: ``choose_run``: the run holding the most, if it holds at least
   ``1/BLAME_DIVISOR`` of the mark (and ``BLAME_MIN_BYTES``). Less, and the space went
   elsewhere (the host's own files): stopping a run would not bring it back, so nobody is
@@ -32,8 +34,9 @@ room for their own files. ``DiskGuard`` stops that run instead:
   profile itself holds enough to be blamed (a stop never removes a profile otherwise:
   here the space would not come back).
 
-Not seen: space a run holds in files it deleted but keeps open (no path leads to them);
-such space comes back when its processes end, but no check blames the run for it.
+Not seen: space held open by a process whose descriptors are not the daemon's to read
+(a normal user's daemon cannot read those of its runner itself, which is not dumpable;
+the commands and servers it starts are readable), and paths a spec's ``sandbox`` grants.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ import trio
 from subagent.emit import record_paths
 from supervisor.config import Config
 from supervisor.core._run import Run
+from supervisor.trees._handles import AnyTree
 
-__all__ = ["DiskGuard", "DISK_FULL_REASON", "choose_run", "space_held"]
+__all__ = ["DiskGuard", "DISK_FULL_REASON", "choose_run", "space_held", "deleted_held"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +117,35 @@ def space_held(paths: Iterable[Path], dev: int) -> int:
     return total
 
 
-def _held_by_run(paths: Mapping[str, list[Path]], dev: int) -> dict[str, int]:
-    return {run_id: space_held(p, dev) for run_id, p in paths.items()}
+def deleted_held(tree: AnyTree, dev: int, seen: set[tuple[int, int]]) -> int:
+    """Bytes on device ``dev`` that the live processes of ``tree`` hold in files they
+    deleted but keep open (``Kernel.deleted_files``), each inode not in ``seen`` (then
+    added to it). Blocking (the tree's processes: its cgroup, or a scan of the table)."""
+    table = tree.table
+    total = 0
+    for pid, p in table.members(tree.targets()).items():
+        if p.dead:
+            continue
+        for key, size in (table.kernel.deleted_files(pid) or {}).items():
+            if key[0] == dev and key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
+def _held_by_run(
+    paths: Mapping[str, list[Path]], trees: Mapping[str, AnyTree | None], dev: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """What each run holds on ``dev`` in all (its files, and what it deleted but keeps
+    open), and the second part alone."""
+    seen: set[tuple[int, int]] = set()
+    held: dict[str, int] = {}
+    deleted: dict[str, int] = {}
+    for run_id, p in paths.items():
+        tree = trees.get(run_id)
+        deleted[run_id] = deleted_held(tree, dev, seen) if tree is not None else 0
+        held[run_id] = space_held(p, dev) + deleted[run_id]
+    return held, deleted
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +303,9 @@ class DiskGuard:
             return
         self._measured_at = trio.current_time()
         paths = {r.run_id: self._paths(r) for r in runs}
+        trees = {r.run_id: r.tree for r in runs}
         for fs in low:
-            held = await trio.to_thread.run_sync(_held_by_run, paths, fs.dev)
+            held, deleted = await trio.to_thread.run_sync(_held_by_run, paths, trees, fs.dev)
             worst = choose_run(held, fs.min_free)
             if worst is None:
                 top = max(held.values(), default=0)
@@ -285,7 +317,7 @@ class DiskGuard:
             if target.token.cancelled:
                 self._wait_for(target, fs, held)
             else:
-                await self._stop(target, fs, held)
+                await self._stop(target, fs, held, deleted.get(worst, 0))
             return
 
     def _paths(self, run: Run) -> list[Path]:
@@ -325,7 +357,7 @@ class DiskGuard:
         settled.set()
         self._stopping = (run, run.run_dir, settled)
 
-    async def _stop(self, run: Run, fs: _Low, held: Mapping[str, int]) -> None:
+    async def _stop(self, run: Run, fs: _Low, held: Mapping[str, int], deleted: int = 0) -> None:
         others = sorted((v for k, v in held.items() if k != run.run_id), reverse=True)
         detail = {
             "reason": DISK_FULL_REASON,
@@ -334,10 +366,14 @@ class DiskGuard:
             "total_bytes": fs.total,
             "min_free_bytes": fs.min_free,
             "held_bytes": held[run.run_id],
+            # (of which in files it deleted but keeps open)
+            "held_deleted_bytes": deleted,
             "next_most_bytes": others[0] if others else 0,
             "message": (
                 f"the filesystem of {fs.path} had {fs.free} bytes free, below its low-water mark of "
-                f"{fs.min_free}; this run held {held[run.run_id]} bytes there, the most of the live runs"
+                f"{fs.min_free}; this run held {held[run.run_id]} bytes there"
+                + (f" ({deleted} of them in files it deleted but keeps open)" if deleted else "")
+                + ", the most of the live runs"
             ),
         }
         logger.warning("run %s: stopped: %s", run.run_id, detail["message"])

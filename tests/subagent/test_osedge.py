@@ -501,3 +501,27 @@ def test_a_cgroup_killed_through_a_descriptor_opened_earlier_is_not_opened_by_pa
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_deleted_files_are_the_open_files_no_path_leads_to(tmp_path: Path) -> None:
+    # What the disk guard counts for a run beyond its files: space only a close gives back.
+    gone = open(tmp_path / "gone", "wb")  # noqa: SIM115 - held open on purpose
+    kept = open(tmp_path / "kept", "wb")  # noqa: SIM115
+    linked = open(tmp_path / "linked", "wb")  # noqa: SIM115
+    try:
+        for f in (gone, kept, linked):
+            f.write(os.urandom(1024 * 1024))
+            f.flush()
+        os.link(tmp_path / "linked", tmp_path / "other-name")
+        os.unlink(tmp_path / "gone")
+        os.unlink(tmp_path / "linked")  # deleted, but another path still leads to it
+        found = LINUX.deleted_files(os.getpid())
+        assert found is not None
+        st = os.fstat(gone.fileno())
+        assert found.get((st.st_dev, st.st_ino), 0) >= 1024 * 1024, found
+        others = {(os.fstat(f.fileno()).st_dev, os.fstat(f.fileno()).st_ino) for f in (kept, linked)}
+        assert not others & set(found), found
+        assert LINUX.deleted_files(2**22 + 1) is None  # no such process
+    finally:
+        for f in (gone, kept, linked):
+            f.close()

@@ -87,6 +87,9 @@ def scripted(script: dict[str, Any]) -> dict[str, Any]:
 
 
 FILL = 'dd if=/dev/zero of="$TMPDIR/fill" bs=64k; echo filled; sleep 600'
+# The same into a file it deleted first and keeps open (the shell's fd 3, dd's stdout):
+# no path leads to the space, no walk of the run dir finds it, ``df`` shows it gone.
+FILL_DELETED = 'exec 3>"$TMPDIR/fill"; rm "$TMPDIR/fill"; dd if=/dev/zero bs=64k >&3; echo filled; sleep 600'
 
 
 async def until(check: Any, timeout_s: float = 20.0) -> Any:
@@ -97,13 +100,19 @@ async def until(check: Any, timeout_s: float = 20.0) -> Any:
         return value
 
 
-@pytest.mark.parametrize("noticed_by", ["tick", "journal_full"])
+@pytest.mark.parametrize(
+    ("noticed_by", "fill"),
+    [("tick", FILL), ("journal_full", FILL), ("tick", FILL_DELETED)],
+    ids=["tick", "journal_full", "deleted_but_open"],
+)
 async def test_a_run_that_fills_the_disk_is_stopped_and_the_others_go_on(
-    disk: Path, monkeypatch: pytest.MonkeyPatch, noticed_by: str
+    disk: Path, monkeypatch: pytest.MonkeyPatch, noticed_by: str, fill: str
 ) -> None:
     """``tick``: the guard's slow timer while runs are live finds the disk full (nothing
     else wakes the daemon: ``dd`` makes no event). ``journal_full``: no timer; a journal
-    write that fails for want of space makes the guard look at once."""
+    write that fails for want of space makes the guard look at once. ``deleted_but_open``:
+    the filler writes into a file it deleted (held open by two of its processes): the
+    guard counts it through their descriptors, once."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     if noticed_by == "journal_full":
         monkeypatch.setattr(diskguard, "TICK_S", 3600.0)
@@ -123,7 +132,7 @@ async def test_a_run_that_fills_the_disk_is_stopped_and_the_others_go_on(
                             "turns": [
                                 {
                                     "text": "Filling.",
-                                    "tool_calls": [{"name": "run_command", "arguments": {"command": FILL}}],
+                                    "tool_calls": [{"name": "run_command", "arguments": {"command": fill}}],
                                 }
                             ],
                             "final": "never",
@@ -138,10 +147,15 @@ async def test_a_run_that_fills_the_disk_is_stopped_and_the_others_go_on(
                 # An event of another run's: its journal write fails (SQLITE_FULL).
                 assert (await m.steer(a, "go on"))["accepted"] is True
 
-            st = await m.wait_terminal(filler)
+            with trio.fail_after(30):
+                st = await m.wait_terminal(filler)
             assert st["state"] == "cancelled" and st["reason"] == DISK_FULL_REASON, st
             detail = st["receipt"]["stop_detail"]
             assert detail["reason"] == DISK_FULL_REASON and detail["held_bytes"] > 10 * MiB
+            if fill == FILL_DELETED:  # all of it through the descriptors; the inode once
+                assert 10 * MiB < detail["held_deleted_bytes"] <= detail["held_bytes"] < 24 * MiB, detail
+            else:
+                assert detail["held_deleted_bytes"] == 0, detail
             assert detail["free_bytes"] < detail["min_free_bytes"] == 2 * MiB
             assert st["result"] is not None  # its progress is kept, as for any stop
             kinds = [e["kind"] for e in await m.events_after(filler, 0)]
