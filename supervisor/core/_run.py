@@ -71,7 +71,8 @@ class Run:
     last_ts: float = 0.0  # its last event's time: the next one is never earlier
     stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
     # Why the daemon itself stopped the run, beyond its reason (a full disk's measurement:
-    # ``supervisor.core.diskguard``); in its receipt as ``stop_detail``.
+    # ``supervisor.core.diskguard``); in its receipt as ``stop_detail``. Journaled with the
+    # stop's intent (``Journal.record_cancel``): a restarted daemon finds it again.
     stop_detail: dict[str, Any] | None = None
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)

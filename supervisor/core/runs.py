@@ -513,10 +513,11 @@ class RunManager:
                 try:
                     why, at, until = run.token.reason or reason, run.cancel_wall, run.stop_deadline
                     assert at is not None and until is not None
+                    detail = run.stop_detail  # (the disk guard's measurement), with the intent
                     await self.book.write(
                         run,
                         "stop intent",
-                        lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until),
+                        lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until, detail=detail),
                         True,
                     )
                     await self.book.transition(run, RunState.CANCELLING, reason=reason, only_from=_STOPPABLE)

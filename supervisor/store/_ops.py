@@ -97,6 +97,7 @@ class RunRecord(TypedDict):
     cancel_requested_at: float | None
     stop_deadline: float | None
     deadline: float | None
+    stop_detail: dict[str, Any] | None  # what the daemon measured for its stop (a full disk)
     groups: list[GroupRecord]
     tool_calls: list[dict[str, Any]]
 
@@ -148,7 +149,7 @@ _RUN_COLUMNS: Final = (
     "id, session_id, state, reason, created_at, started_at, ended_at, timeout_s, spec, "
     "result, partial, partial_snapshot, error, receipt, pid, pid_start_time, pgid, "
     "tree_id, cgroup, containment, run_dir, last_seq, cancel_reason, cancel_requested_at, "
-    "stop_deadline, deadline"
+    "stop_deadline, deadline, stop_detail"
 )
 
 
@@ -435,14 +436,16 @@ class Store(SessionStoreMixin):
             return snapshot
         return dumps({**obj, "tool_calls": calls})
 
-    def record_cancel(self, run_id: str, reason: str, at: float, stop_deadline: float) -> bool:
+    def record_cancel(
+        self, run_id: str, reason: str, at: float, stop_deadline: float, detail: str | None = None
+    ) -> bool:
         # The first cancel's facts win; a terminal run takes none.
         with self._tx(durable=True) as conn:
             cur = conn.execute(
-                "UPDATE runs SET cancel_reason = ?, cancel_requested_at = ?, stop_deadline = ? "
+                "UPDATE runs SET cancel_reason = ?, cancel_requested_at = ?, stop_deadline = ?, stop_detail = ? "
                 "WHERE id = ? AND cancel_requested_at IS NULL "
                 f"AND state NOT IN ({_marks(_TERMINAL_VALUES)})",
-                (reason, at, stop_deadline, run_id, *_TERMINAL_VALUES),
+                (reason, at, stop_deadline, detail, run_id, *_TERMINAL_VALUES),
             )
             return self._changed(conn, run_id, cur)
 
@@ -779,7 +782,7 @@ def _run_record(row: Sequence[Any], groups: list[GroupRecord], tool_calls: list[
         run_id, session_id, state, reason, created_at, started_at, ended_at, timeout_s,
         spec, result, partial, partial_snapshot, error, receipt, pid, pid_start_time,
         pgid, tree_id, cgroup, containment, run_dir, last_seq, cancel_reason,
-        cancel_requested_at, stop_deadline, deadline,
+        cancel_requested_at, stop_deadline, deadline, stop_detail,
     ) = row  # fmt: skip
     return RunRecord(
         id=run_id,
@@ -808,6 +811,7 @@ def _run_record(row: Sequence[Any], groups: list[GroupRecord], tool_calls: list[
         cancel_requested_at=cancel_requested_at,
         stop_deadline=stop_deadline,
         deadline=deadline,
+        stop_detail=_loads(stop_detail),
         groups=groups,
         tool_calls=tool_calls,
     )

@@ -279,7 +279,21 @@ DROP TRIGGER runs_terminal_is_final;
 {_V6_GUARD}
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6)
+# Version 7: a stop's detail (``stop_detail``: what the daemon measured when it stopped the
+# run for a reason of its own, a full disk's measurement), written in the statement that
+# writes its intent (``cancel_reason``), so a restarted daemon's receipt carries it too.
+# The guard is rebuilt to cover the new column.
+_V7_GUARD = _V6_GUARD.replace(
+    "    OR NEW.partial_seq IS NOT OLD.partial_seq\n",
+    "    OR NEW.partial_seq IS NOT OLD.partial_seq\n    OR NEW.stop_detail IS NOT OLD.stop_detail\n",
+)
+_V7 = f"""
+ALTER TABLE runs ADD COLUMN stop_detail TEXT;
+DROP TRIGGER runs_terminal_is_final;
+{_V7_GUARD}
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 # Migrations that rebuild a table others reference: run with foreign keys off (SQLite's
 # documented procedure), checked with foreign_key_check before they commit.
 _FOREIGN_KEYS_OFF: Final = frozenset({4})

@@ -570,9 +570,19 @@ class Journal:
             )
         )
 
-    async def record_cancel(self, run_id: str, *, reason: str, at: float, stop_deadline: float) -> bool:
+    async def record_cancel(
+        self,
+        run_id: str,
+        *,
+        reason: str,
+        at: float,
+        stop_deadline: float,
+        detail: Mapping[str, Any] | None = None,
+    ) -> bool:
         """Record (durably) a stop the daemon is about to acknowledge: its reason, when it
-        was asked (wall clock) and when its grace ends (wall clock).
+        was asked (wall clock), when its grace ends (wall clock), and ``detail``, what the
+        daemon measured when it stopped the run for a reason of its own (the receipt's
+        ``stop_detail``).
 
         Only the first cancel of a live run is recorded (False for a later one, or once the
         run is terminal): a restarted daemon resumes that stop, not a newer one.
@@ -580,7 +590,8 @@ class Journal:
         Raises:
             RunNotFound: no run has this id.
         """
-        return await self._call(lambda s: s.record_cancel(_text(run_id), _text(reason), at, stop_deadline))
+        text = None if detail is None else dumps(dict(detail))
+        return await self._call(lambda s: s.record_cancel(_text(run_id), _text(reason), at, stop_deadline, text))
 
     async def record_deadline(self, run_id: str, deadline: float) -> bool:
         """Record (durably) the run's timeout as a wall-clock deadline, once.

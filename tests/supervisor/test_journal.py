@@ -77,7 +77,7 @@ async def test_a_new_file_gets_the_latest_schema_in_wal_mode(db: Path) -> None:
     async with await Journal.open(db):
         pass
     conn = raw(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type='table'")}
     assert {"runs", "events", "tool_calls", "process_groups"} <= tables
@@ -279,6 +279,7 @@ async def test_a_new_run_is_queued_with_every_field_readable(journal: Journal) -
         "cancel_requested_at": None,
         "stop_deadline": None,
         "deadline": None,
+        "stop_detail": None,
         "groups": [],
         "tool_calls": [],
     }
@@ -626,6 +627,46 @@ async def test_the_first_cancel_is_recorded_once_and_frozen_at_the_end(journal: 
     conn.close()
     with pytest.raises(RunNotFound):
         await journal.record_cancel("nope", reason="user", at=T0, stop_deadline=T0)
+
+
+async def test_a_stops_detail_is_recorded_with_its_intent_once_and_frozen_at_the_end(
+    journal: Journal, db: Path
+) -> None:
+    # What the disk guard measured lived in the daemon's memory only: a daemon restarted
+    # mid-stop wrote a receipt without it. It is written with the intent now.
+    detail = {"reason": "disk_full", "held_bytes": 123, "message": "m"}
+    await new_run(journal, state=S.RUNNING)
+    assert await journal.record_cancel("r1", reason="disk_full", at=T0, stop_deadline=T0 + 10, detail=detail)
+    assert not await journal.record_cancel("r1", reason="user", at=T0 + 1, stop_deadline=T0 + 11, detail={"x": 1})
+    (live,) = await journal.live_runs()
+    assert (live["cancel_reason"], live["stop_detail"]) == ("disk_full", detail)
+    await new_run(journal, "r2", state=S.RUNNING)
+    assert await journal.record_cancel("r2", reason="user", at=T0, stop_deadline=T0 + 10)
+    run = await journal.get_run("r2")
+    assert run is not None and run["stop_detail"] is None  # a stop without one
+    assert await journal.finish("r1", S.CANCELLED, reason="disk_full", result=None, partial=False)
+    conn = raw(db)
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("UPDATE runs SET stop_detail = NULL WHERE id = 'r1'")
+    conn.close()
+
+
+async def test_a_version_6_journal_is_migrated_and_keeps_its_stop_intent(db: Path) -> None:
+    conn = _journal_schema.connect(str(db), target=6)
+    conn.execute(
+        "INSERT INTO runs (id, state, created_at, spec, cancel_reason, cancel_requested_at, stop_deadline) "
+        "VALUES ('old', 'cancelling', 1.0, '{}', 'user', 1.0, 11.0)"
+    )
+    conn.close()
+    async with await Journal.open(db) as j:
+        (old,) = await j.live_runs()
+        assert (old["id"], old["cancel_reason"], old["stop_detail"]) == ("old", "user", None)
+        assert await j.finish("old", S.CANCELLED, reason="user", result=None, partial=False)
+    conn = raw(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
+        conn.execute("""UPDATE runs SET stop_detail = '{"late": 1}' WHERE id = 'old'""")
+    conn.close()
 
 
 async def test_a_deadline_is_recorded_once_and_a_cancel_before_acknowledging_is_fsynced(journal: Journal) -> None:

@@ -166,7 +166,7 @@ async def test_a_journal_of_schema_5_is_migrated_and_its_partial_result_is_rebui
         assert run is not None and run["result"] is not None
         assert run["result"]["progress"] == "said 1\n\nsaid 2\n\nsaid 3"
     conn = sqlite3.connect(db, isolation_level=None)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     stored = conn.execute("SELECT partial_snapshot, partial_seq FROM runs WHERE id = 'old'").fetchone()
     assert json.loads(stored[0])["snapshot_n"] == 3 and stored[1] == 3  # stored whole at its end
     with pytest.raises(sqlite3.IntegrityError, match="terminal run is final"):
