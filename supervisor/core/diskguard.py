@@ -123,7 +123,12 @@ def deleted_held(tree: AnyTree, dev: int, seen: set[tuple[int, int]]) -> int:
     added to it). Blocking (the tree's processes: its cgroup, or a scan of the table)."""
     table = tree.table
     total = 0
-    for pid, p in table.members(tree.targets()).items():
+    try:
+        members = table.members(tree.targets())
+    except OSError:  # the table could not be read (out of descriptors): the walk still counts
+        logger.warning("disk guard: the processes of tree %s could not be listed", tree.tree_id)
+        return 0
+    for pid, p in members.items():
         if p.dead:
             continue
         for key, size in (table.kernel.deleted_files(pid) or {}).items():
