@@ -97,9 +97,9 @@ def command(cmd: str) -> dict[str, Any]:
     return {"tool_calls": [{"name": "run_command", "arguments": {"command": cmd}}]}
 
 
-async def gated_run(d: Daemon) -> tuple[str, Path]:
-    """A run that waits at a gate (a file ``go`` in its run dir): the other run."""
-    r = await d.m.spawn(scripted([command("while [ ! -f go ]; do sleep 0.02; done; echo gate open")]))
+async def gated_run(d: Daemon, then: str = "echo gate open") -> tuple[str, Path]:
+    """A run that waits at a gate (a file ``go`` in its run dir), then runs ``then``: the other run."""
+    r = await d.m.spawn(scripted([command(f"while [ ! -f go ]; do sleep 0.02; done; {then}")]))
     async with d.m.subscribe(r["run_id"]) as live:
         seen = await d.m.events_after(r["run_id"], 0)
         while not any(e["kind"] == "tool_call" and e["data"]["record"]["state"] == "running" for e in seen):
@@ -721,6 +721,8 @@ async def test_a_run_that_fills_its_private_tmp_gets_enospc_and_the_others_do_no
             "dd if=/dev/zero of=/run/c bs=1M count=64 2>&1; echo run=$?",
             "df -k /tmp /var/tmp /dev/shm /run",
             "awk '$5 ~ /^\\/(tmp|var\\/tmp|dev\\/shm|run)$/ {print \"mnt\", $5, $6}' /proc/self/mountinfo",
+            # Full, it waits at a gate while the other run writes its own.
+            "touch filled; while [ ! -f go ]; do sleep 0.02; done",
         ]
     )
     stop = trio.Event()
@@ -730,16 +732,18 @@ async def test_a_run_that_fills_its_private_tmp_gets_enospc_and_the_others_do_no
         with trio.fail_after(SCENARIO_S):
             if zygote == "auto":
                 await spare_ready(d.m)
-            other_id, other_dir = await gated_run(d)
+            other_id, other_dir = await gated_run(d, "dd if=/dev/zero of=/dev/shm/x bs=1M count=6 2>&1; echo shm=$?")
             r = await d.m.spawn(scripted([command(fill)]))
-            st = await d.m.wait_terminal(r["run_id"])
-            # The other run, live throughout, has its own budget whole.
+            while (filler := (await d.m.status(r["run_id"]))["run_dir"]) is None:
+                await trio.sleep(0.02)
+            filler_dir = Path(filler)
+            while not (filler_dir / "filled").exists():  # (its command's own file, on its clock)
+                await trio.sleep(0.02)
+            # The other run, live beside the full one, has its own budget whole.
             (other_dir / "go").touch()
-            gated = await d.m.wait_terminal(other_id)
-            after = await d.m.spawn(
-                scripted([command("dd if=/dev/zero of=/dev/shm/x bs=1M count=6 2>&1; echo shm=$?")])
-            )
-            other = await d.m.wait_terminal(after["run_id"])
+            other = await d.m.wait_terminal(other_id)
+            (filler_dir / "go").touch()
+            st = await d.m.wait_terminal(r["run_id"])
         stop.set()
     assert st["state"] == "completed", st  # a tool's failure; the run ends as it would
     (out,) = outputs(st)
@@ -752,5 +756,5 @@ async def test_a_run_that_fills_its_private_tmp_gets_enospc_and_the_others_do_no
     top = {m[1]: m[2] for m in (line.split() for line in out.splitlines() if line.startswith("mnt "))}
     assert sorted(top) == sorted(PRIVATE_DIRS), out  # (the last line of each: what is on top)
     assert all({"nosuid", "nodev"} <= set(flags.split(",")) for flags in top.values()), top
-    assert gated["state"] == "completed" and other["state"] == "completed", (gated, other)
+    assert other["state"] == "completed", other
     assert outputs(other)[0].splitlines()[-1] == "shm=0", outputs(other)
