@@ -95,6 +95,11 @@ class Config:
     # (memory): at most this many MiB together; a run that fills it gets ENOSPC there, the
     # others and the daemon keep their memory. 0: the kernel's default (half the RAM).
     run_tmpfs_max_mib: int = 1024
+    # Most tasks (processes and threads) one run's tree may have at once (``pids.max`` of
+    # its pids group: ``supervisor/trees/_pidslimit.py``): a run that forks without end
+    # gets EAGAIN at this many, and the other runs and the daemon can still fork. A browser
+    # run (runner, node, Chromium and its helpers, their threads) peaked at ~130 here. 0: off.
+    run_pids_max: int = 2048
 
     @property
     def token_path(self) -> Path:
@@ -190,6 +195,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "zygote_spares_max",
                 "disk_min_free_mib",
                 "run_tmpfs_max_mib",
+                "run_pids_max",
             }:
                 v = int(v)
                 if v < 0:

@@ -280,6 +280,7 @@ class Lifecycle:
     ) -> None:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
+        self._add_pids(run, full_receipt)
         unread = await self.unread_steering(run)
         # Whether the stop (if any) came before the runner ended: one that came after (a
         # cancel racing the run's own end) does not make its failure a cancel. Read once,
@@ -431,6 +432,26 @@ class Lifecycle:
             error={"code": "internal", "message": f"supervision failed: {_leaf_errors(exc)}"},
             receipt=receipt,
         )
+
+    def _add_pids(self, run: Run, receipt: dict[str, Any]) -> None:
+        """The run's per-run pids limit in its receipt (``pids``: max, peak, hit), read
+        once its tree is dead; a run whose forks hit it says so in the log too."""
+        if run.tree is None:
+            return
+        try:
+            pids = self.containment.pids_report(run.tree)
+        except OSError:
+            return
+        if pids is None:
+            return
+        receipt["pids"] = pids
+        if pids["hit"]:
+            logger.warning(
+                "run %s: hit its pids limit (%d tasks): %d forks failed with EAGAIN",
+                run.run_id,
+                pids["max"],
+                pids["hit"],
+            )
 
     def receipt_head(self, run: Run) -> dict[str, Any]:
         head = {

@@ -86,6 +86,9 @@ class Recovery:
                 table=self.containment.table,
             )
         )
+        # Its pids group (an earlier daemon's v1 one, found by name): read for its receipt,
+        # removed with the tree.
+        found.tree.pids_group = self.containment.pids.group_of(tree_id, found.tree.cgroup)
         for g in row["groups"]:
             if g["alive"] and g["kind"] == "command":
                 found.tree.set_interruptible(g["pgid"], g.get("on_stop") == "interrupt")

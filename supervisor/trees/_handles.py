@@ -55,6 +55,9 @@ class _TreeBase:
     # path A SIGTERMs them at cancel time, even while the runner lives. Never a group whose
     # tool the policy lets finish, never an MCP server (the runner cancels its calls).
     interruptible: set[int] = field(default_factory=set)
+    # The directory of its per-run pids limit (``pids.max``, ``pids.events``): its v2
+    # cgroup or a v1 pids group (``_pidslimit``); None: no limit.
+    pids_group: Path | None = None
     # Where its process table reads go (and the cache they share): the containment's.
     table: ProcessTable = field(default_factory=ProcessTable, kw_only=True, repr=False)
 

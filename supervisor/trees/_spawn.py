@@ -2,12 +2,14 @@
 
 ``spawn_tree`` starts ``argv`` as the leader of a new tree (re-exported by
 ``supervisor.trees.process``, whose stop routines end what it starts). The child joins its
-cgroup in a preexec hook, before it runs a single instruction of ``argv``, so before it
-can fork; its start time is read at once (its pid cannot be reused before Trio reaps it).
+cgroup (and its v1 pids group, where the per-run pids limit lives in one: ``_pidslimit``)
+in a preexec hook, before it runs a single instruction of ``argv``, so before it can fork;
+its start time is read at once (its pid cannot be reused before Trio reaps it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -57,18 +59,29 @@ async def spawn_tree(
     child_env[MARKER_VAR] = tree_id
     child_env.pop(HOST_VAR, None)  # what the daemon forks besides trees carries it; trees not
     cgroup = containment.prepare(tree_id) if containment is not None else None
+    pids_group, pids_join = containment.prepare_pids(tree_id, cgroup) if containment is not None else (None, None)
     try:
+        proc: trio.Process | None = None
         try:
-            proc = await _open_leader(argv, child_env, cwd, cgroup)
+            proc = await _open_leader(argv, child_env, cwd, cgroup, pids_join)
         except subprocess.SubprocessError:
-            # Only the preexec hook raises this: the child could not join its cgroup and
-            # never ran argv, so starting it again without one is safe.
-            logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
-            if containment is not None and cgroup is not None:
-                _rmdir_quietly(cgroup)
-            cgroup = None
-            proc = await _open_leader(argv, child_env, cwd, None)
+            # Only the preexec hook raises this: the child could not join its cgroup (or
+            # its pids group) and never ran argv, so starting it again without is safe.
+            if pids_join is not None:
+                logger.warning("tree %s: could not join pids group %s; continuing without it", tree_id, pids_join)
+                _rmdir_quietly(pids_join)
+                pids_group = pids_join = None
+                with contextlib.suppress(subprocess.SubprocessError):
+                    proc = await _open_leader(argv, child_env, cwd, cgroup, None)
+            if proc is None:
+                logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
+                if containment is not None and cgroup is not None:
+                    _rmdir_quietly(cgroup)
+                cgroup = pids_group = None
+                proc = await _open_leader(argv, child_env, cwd, None, None)
     except BaseException as exc:  # OSError, or a cancel before the child existed
+        if pids_join is not None:
+            _rmdir_quietly(pids_join)
         if cgroup is not None:
             _rmdir_quietly(cgroup)
         if containment is not None:
@@ -93,6 +106,7 @@ async def spawn_tree(
         containment=label,
         process=proc,
         leader_ticks=leader.start_ticks if leader is not None else None,
+        pids_group=pids_group,
         table=table,
     )
     tree.groups[tree.pgid] = tree.leader_ticks
@@ -108,12 +122,14 @@ async def _open_leader(
     env: dict[str, str],
     cwd: str | os.PathLike[str] | None,
     cgroup: Path | None,
+    pids_join: Path | None,
 ) -> trio.Process:
     options: dict[str, Any] = {}
     if _POSIX:
         options["start_new_session"] = True
-        if cgroup is not None:
-            options["preexec_fn"] = _joiner(os.fsencode(cgroup / "cgroup.procs"))
+        joins = [os.fsencode(g / "cgroup.procs") for g in (cgroup, pids_join) if g is not None]
+        if joins:
+            options["preexec_fn"] = _joiner(*joins)
     else:
         options["creationflags"] = getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)
     return await trio.lowlevel.open_process(
@@ -127,14 +143,15 @@ async def _open_leader(
     )
 
 
-def _joiner(procs_file: bytes) -> Callable[[], None]:
+def _joiner(*procs_files: bytes) -> Callable[[], None]:
     # Runs in the forked child before exec: raw syscalls only, nothing that takes a lock.
     def join_cgroup() -> None:
-        fd = os.open(procs_file, os.O_WRONLY)
-        try:
-            os.write(fd, b"0")  # "0": the writing process itself
-        finally:
-            os.close(fd)
+        for procs_file in procs_files:
+            fd = os.open(procs_file, os.O_WRONLY)
+            try:
+                os.write(fd, b"0")  # "0": the writing process itself
+            finally:
+                os.close(fd)
 
     return join_cgroup
 

@@ -3,7 +3,8 @@
 Labels, best first: "cgroup" (a leaf ``<own cgroup>/agentd-<instance>/<tree_id>``, ended by
 ``cgroup.kill``), "subreaper+sweep" (orphans re-parent to the daemon; members are swept
 from /proc by marker, session/group and ancestry), "group" (groups + marker sweep only).
-API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.track(tree)``, ``.remove(tree)``,
+API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.prepare_pids(tree_id, cgroup)``
+(the tree's per-run pids limit: ``_pidslimit``), ``.track(tree)``, ``.remove(tree)``,
 ``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``. Its
 ``table`` is the daemon's one process-table reader (``subagent.osedge``); it sends no
 signal: ``process.py`` sends them all, through the OS edge.
@@ -65,13 +66,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import trio
 
 from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch
 from supervisor.trees import _cgroupfs
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AnyTree, Tree
+from supervisor.trees._pidslimit import PidsLimit
 from supervisor.trees._reaping import (
     Wakeup,
     in_settled_tree,
@@ -157,6 +159,8 @@ class Containment:
     # The flock on ``root`` that says a live daemon owns it (see the module comment).
     _root_lock: int | None = None
     _host: str = ""  # this process's HOST_VAR value
+    # Each tree's pids group (``pids.max`` = ``config.run_pids_max``): ``_pidslimit``.
+    pids: PidsLimit = field(default_factory=lambda: PidsLimit(0))
     _scan_failed_at: float = -float("inf")
 
     @property
@@ -178,6 +182,7 @@ class Containment:
         subreaper: bool = True,
         instance: str | None = None,
         kernel: Kernel = LINUX,
+        pids_max: int | None = None,
     ) -> Containment:
         """Become a child subreaper and make this daemon's cgroup subtree where possible.
 
@@ -191,6 +196,8 @@ class Containment:
             subreaper: False leaves the subreaper flag alone (tests of the "group" mode).
             instance: names the subtree ``agentd-<instance>``; default ``<pid>-<random>``.
             kernel: the kernel every read and signal goes through (tests pass a fake).
+            pids_max: overrides ``config.run_pids_max`` (each tree's pids limit; 0: none;
+                without a config: none).
         """
         want = cgroups if cgroups is not None else (config.cgroups if config is not None else "auto")
         instance = instance or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -209,7 +216,11 @@ class Containment:
             made = _cgroupfs.make_subtree(instance, kernel=kernel)
             if made is not None:
                 root, lock = made
+        limit = pids_max if pids_max is not None else (config.run_pids_max if config is not None else 0)
+        pids = PidsLimit.setup(limit, v2_root=root, instance=instance, kernel=kernel) if want == "auto" else None
         self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=mark_host(table))
+        if pids is not None:
+            self.pids = pids
         logger.info(
             "containment: %s (cgroup subtree %s, subreaper %s)",
             self.mode,
@@ -247,6 +258,17 @@ class Containment:
             logger.warning("tree %s: cannot create cgroup %s (%s); using %s", tree_id, path, exc, self.fallback_mode)
             return None
         return path
+
+    def prepare_pids(self, tree_id: str, cgroup: Path | None) -> tuple[Path | None, Path | None]:
+        """The per-run pids limit of a new tree (after ``prepare``, before its runner
+        exists): (its ``Tree.pids_group``, the v1 group its runner joins, or None).
+        Blocking: a mkdir and a write, or nothing without a limit."""
+        return self.pids.prepare(tree_id, cgroup)
+
+    def pids_report(self, tree: AnyTree) -> dict[str, Any] | None:
+        """``{"max", "peak", "hit"}`` of a tree's pids group (``hit``: forks its limit
+        refused), for its receipt once its processes are gone; None without one."""
+        return self.pids.report(tree.pids_group)
 
     def discard(self, tree_id: str) -> None:
         """Forget a prepared tree that never started (its cgroup is the caller's to remove)."""
@@ -311,8 +333,9 @@ class Containment:
                 if not tree.leader_reaped:
                     self._unreaped[tree.pid] = tree
             self._tree_ids.discard(tree.tree_id)
+        pids_ok = self.pids.remove(tree.pids_group, tree.cgroup)
         if tree.cgroup is None:
-            return True
+            return pids_ok
         ok = _cgroupfs.rmdir_tree(tree.cgroup)
         with self._lock:
             if ok:
@@ -325,7 +348,7 @@ class Containment:
                 parent.rmdir()
             except OSError:
                 pass  # other trees of that daemon are still there
-        return ok
+        return ok and pids_ok
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Reap adopted zombies as children exit, until cancelled (a daemon service).
@@ -505,6 +528,7 @@ class Containment:
             logger.warning("containment: could not reap adopted zombies at close: %s", exc)
         if self.root is not None and not _cgroupfs.rmdir_tree(self.root):
             logger.warning("cgroup subtree %s not removed: processes are still in it", self.root)
+        self.pids.close()
         if self._root_lock is not None:
             os.close(self._root_lock)
             self._root_lock = None

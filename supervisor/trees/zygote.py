@@ -521,6 +521,8 @@ class Zygote:
         tree_id = "t-" + uuid.uuid4().hex[:16]
         run_dir = self.config.run_root / tree_id
         cgroup: Path | None = None
+        pids_group: Path | None = None
+        pids_join: Path | None = None
         chan: socket.socket | None = None
         try:
             await trio.to_thread.run_sync(_make_run_dir, run_dir)
@@ -533,6 +535,7 @@ class Zygote:
             env.pop(HOST_VAR, None)
             # Its leaf only: the tree is tracked once it has a run (``Spare.go``).
             cgroup = containment.prepare(tree_id, ahead=True)
+            pids_group, pids_join = containment.prepare_pids(tree_id, cgroup)
             chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 req = {
@@ -543,6 +546,7 @@ class Zygote:
                     "answers": env[ANSWERS_ENV],  # its approvals channel (a path)
                     "tree_id": tree_id,
                     "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
+                    "pids_procs": str(pids_join / "cgroup.procs") if pids_join is not None else None,
                 }
                 with trio.CancelScope(shield=True):  # a child may exist once the request is out
                     reply = await self._request(req, [theirs.fileno()])
@@ -551,6 +555,8 @@ class Zygote:
         except BaseException as exc:
             if chan is not None:
                 chan.close()
+            if pids_join is not None:
+                _rmdir_quietly(pids_join)
             if cgroup is not None:
                 _rmdir_quietly(cgroup)
             containment.discard(tree_id)
@@ -566,13 +572,18 @@ class Zygote:
             pidfd = open_pidfd(containment.table, ProcessId(pid, ticks))
         except OSError:
             pidfd = None
+        pids_group = _joined_pids(tree_id, reply, pids_group, pids_join)
         if cgroup is not None and not reply.get("cgroup"):
             _rmdir_quietly(cgroup)
             cgroup = None
+            if pids_join is None:  # v2: the limit was that cgroup's
+                pids_group = None
         chan.setblocking(False)
-        return Spare(
+        spare = Spare(
             self, tree_id, run_dir, cgroup, env, chan, pid, ticks, pidfd if pidfd is not None else -1, reply["_exit"]
         )
+        spare.pids_group = pids_group
+        return spare
 
     def take_spare(self, *, count: bool = True) -> Spare | None:
         """A live spare for the next run, or None (then fork as usual). No checkpoint.
@@ -613,6 +624,8 @@ class Zygote:
                     pass
                 with trio.move_on_after(REPLY_TIMEOUT_S):
                     await spare.process.wait()
+            if spare.pids_group is not None and spare.pids_group != spare.cgroup:
+                _rmdir_quietly(spare.pids_group)
             if spare.cgroup is not None:
                 _rmdir_quietly(spare.cgroup)
             self.containment.discard(spare.tree_id)
@@ -641,6 +654,7 @@ class Zygote:
             return None
         containment = self.containment
         cgroup = containment.prepare(tree_id)
+        pids_group, pids_join = containment.prepare_pids(tree_id, cgroup)
         child_env = dict(env)
         child_env[MARKER_VAR] = tree_id
         child_env.pop(HOST_VAR, None)  # as process.spawn_tree: a tree's processes never carry it
@@ -660,12 +674,15 @@ class Zygote:
                 "cwd": os.fspath(cwd),
                 "tree_id": tree_id,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
+                "pids_procs": str(pids_join / "cgroup.procs") if pids_join is not None else None,
             }
             with trio.CancelScope(shield=True):  # a child may exist once the request is out
                 reply = await self._request(req, theirs)
         except BaseException as exc:
             for fd in ours:
                 _close_quietly(fd)
+            if pids_join is not None:
+                _rmdir_quietly(pids_join)
             if cgroup is not None:
                 _rmdir_quietly(cgroup)
             # A request the zygote took before it died may have left a runner: it reads EOF
@@ -690,10 +707,13 @@ class Zygote:
         except OSError:
             pidfd = None
         start_time = table.kernel.boot_time() + ticks / table.kernel.clock_ticks
+        pids_group = _joined_pids(tree_id, reply, pids_group, pids_join)
         if cgroup is not None and not reply.get("cgroup"):
             logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
             _rmdir_quietly(cgroup)
             cgroup = None
+            if pids_group is not None and pids_join is None:  # v2: the limit was that cgroup's
+                pids_group = None
         proc = ForkedProcess(
             pid,
             pidfd if pidfd is not None else -1,
@@ -712,6 +732,7 @@ class Zygote:
             containment=containment.label(cgroup),
             process=proc,
             leader_ticks=ticks,
+            pids_group=pids_group,
             table=table,
         )
         tree.groups[tree.pgid] = tree.leader_ticks
@@ -787,6 +808,7 @@ class Spare:
         self.ticks = ticks
         self.args: list[str] = []
         self.spec_sent = False  # the spec is in its stdin already
+        self.pids_group: Path | None = None  # its per-run pids limit (``_pidslimit``), joined
         self._ours: list[int] = []
         argv = [zygote.config.runner_python, "-m", "subagent.runner"]
         self.process = ForkedProcess(pid, pidfd, exit, args=argv, stdin=None, stdout=None, stderr=None)
@@ -881,6 +903,7 @@ class Spare:
             containment=containment.label(self.cgroup),
             process=proc,
             leader_ticks=self.ticks,
+            pids_group=self.pids_group,
             table=table,
         )
         tree.groups[tree.pgid] = tree.leader_ticks
@@ -906,6 +929,18 @@ class Spare:
         self._discarded = True
         self.close()
         self.zygote._discarded(self, released=released)
+
+
+def _joined_pids(
+    tree_id: str, reply: Mapping[str, Any], pids_group: Path | None, pids_join: Path | None
+) -> Path | None:
+    """The tree's pids group once the runner replied: a v1 group it could not join is
+    removed (the run goes on without a limit, as a cold one would)."""
+    if pids_join is not None and not reply.get("pids"):
+        logger.warning("tree %s: could not join pids group %s; continuing without it", tree_id, pids_join)
+        _rmdir_quietly(pids_join)
+        return None
+    return pids_group
 
 
 def _env_pipe(env: Mapping[str, str]) -> int:
