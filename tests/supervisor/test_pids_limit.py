@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 import trio
 
+from supervisor.trees import process
 from supervisor.trees._pidslimit import V1, PidsLimit, v1_pids_dir
+from supervisor.trees.containment import Containment
 from tests import conftest
 from tests.supervisor.real_daemon import Client, real_daemon
 from tests.supervisor.test_sweep_mode import none_left
@@ -326,3 +328,32 @@ def test_the_v2_pids_controller_is_used_where_offered_and_enabled_else_the_next(
         "mode": None,
         "subtree": None,
     }
+
+
+async def test_a_cold_runner_joins_its_pids_group_in_the_preexec_hook(tmp_path: Path) -> None:
+    # process.spawn_tree (no zygote): the leader is in the group before it runs, so the
+    # forks of what it runs count; the group goes with the tree.
+    conftest.require(pids_controller_here(), "a pids controller (cgroup v1 pids, or v2 delegated)")
+    c = await trio.to_thread.run_sync(
+        lambda: Containment.setup(instance=f"{os.getpid()}-{uuid.uuid4().hex[:8]}", pids_max=8)
+    )
+    try:
+        assert c.pids.mode is not None
+        tree = await process.spawn_tree(
+            [sys.executable, str(FORKER), "50"], env=None, cwd=tmp_path, tree_id="t-cold", containment=c
+        )
+        assert tree.pids_group is not None
+        with trio.fail_after(WAIT_S):
+            assert tree.process.stdout is not None
+            out = b""
+            while chunk := await tree.process.stdout.receive_some():
+                out += chunk
+            await tree.process.wait()
+        assert out.decode().strip() == f"made 7 errno {errno.EAGAIN}"  # itself + 7 = 8
+        report = c.pids_report(tree)
+        assert report is not None and report["max"] == 8 and report["hit"] >= 1, report
+        receipt = await process.terminate_and_kill(tree, grace_s=1)
+        assert receipt.survivors == []
+        assert c.remove(tree) and not tree.pids_group.exists()
+    finally:
+        c.close()
