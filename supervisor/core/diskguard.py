@@ -388,8 +388,11 @@ class DiskGuard:
         self.last = {"run_id": run.run_id, "at": time.time(), **detail}
         run.stop_detail = detail
         try:
-            await self._record(run, DISK_FULL_REASON, detail)
+            # The stop first: its first half (the token, path A) runs before the cancel's
+            # first await, so no other stop lands between this choice and it (a user's,
+            # during the event's write, made the run 'user' while this said 'disk_full').
             await self._cancel(run.run_id, DISK_FULL_REASON)
+            await self._record(run, DISK_FULL_REASON, detail)
         finally:
             if run.session_id is not None and self._profile_of(run) is not None and self._nursery is not None:
                 self._nursery.start_soon(self._evict_after, run, fs, settled)

@@ -491,3 +491,32 @@ async def test_a_disk_full_stop_keeps_its_measurement_across_a_daemon_kill(disk:
     assert (final["reason"], final["cancel_reason"]) == (DISK_FULL_REASON, DISK_FULL_REASON), final
     assert measured["held_bytes"] >= 14 * MiB and measured["min_free_bytes"] == 12 * MiB
     assert final["receipt"]["stop_detail"] == measured, final["receipt"]
+
+
+async def test_a_users_stop_during_the_guards_event_write_does_not_take_its_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The guard wrote its disk_full event, then stopped the run: a user's cancel that
+    # landed during that write won the run's reason ('user'), while the event, the
+    # receipt's detail and the guard's count said 'disk_full'. Its stop comes first now.
+    (tmp_path / "state").mkdir()
+    config = Config.load(state_dir=tmp_path / "state", disk_min_free_mib=1, disk_min_free_percent=0, environ={})
+    fake = FakeManager(tmp_path)
+    filler = fake.add("filler", 8 * MiB, tmp_path)
+    fake.add("other", 1 * MiB, tmp_path)
+    written = fake.record
+
+    async def record(run: Run, kind: str, data: dict[str, Any]) -> None:
+        run.token.cancel("user")  # a user's stop, while the event is being written
+        await trio.lowlevel.checkpoint()
+        await written(run, kind, data)
+
+    monkeypatch.setattr(fake, "record", record)
+    guard = fake.guard(config)
+    monkeypatch.setattr(os, "statvfs", full_disk)
+    guard.journal_failed()
+    await guard.check()
+    assert filler.token.reason == DISK_FULL_REASON
+    assert fake.cancels == [("filler", DISK_FULL_REASON)]
+    assert [(rid, kind) for rid, kind, _ in fake.events] == [("filler", DISK_FULL_REASON)]
+    assert filler.stop_detail is not None and guard.stopped == 1
