@@ -7,10 +7,10 @@ garbage collector (so a child's collections do not write to the pages it shares 
 zygote), prepares its memory for forks (``_prepare_memory``: a runner then copies fewer
 of its pages, and each fork and exit handles fewer page table entries), says ``ready``, then serves one request at a time until EOF:
 
-  daemon -> zygote: {"id", "args", "cwd", "tree_id", "cgroup_procs", "pids_procs"}
+  daemon -> zygote: {"id", "args", "cwd", "tree_id", "cgroup_procs", "pids_procs", "memory_procs"}
                     + SCM_RIGHTS [stdin read end, stdout write end, stderr write end,
                                   environment read end]
-  runner -> daemon: {"id", "pid", "ticks", "cgroup": bool, "pids": bool}  or  {"id", "error"}
+  runner -> daemon: {"id", "pid", "ticks", "cgroup": bool, "pids": bool, "memory": bool}  or  {"id", "error"}
                     (the forked runner sends its own reply, on the zygote's socket)
   zygote -> daemon: {"id", "error"}                 a request it could not fork for
                     {"exit": pid, "code", "request"} a runner it forked has exited
@@ -18,9 +18,10 @@ of its pages, and each fork and exit handles fewer page table entries), says ``r
 A spare (``supervisor.trees.zygote.Spare``): a runner forked ahead, for a tree the daemon
 has made (id, run directory, cgroup) but no run yet:
 
-  daemon -> zygote: {"id", "spare": true, "cwd", "tree_id", "cgroup_procs", "pids_procs", "sandbox", "answers"}
+  daemon -> zygote: {"id", "spare": true, "cwd", "tree_id", "cgroup_procs", "pids_procs", "memory_procs",
+                     "sandbox", "answers"}
                     + SCM_RIGHTS [the spare's end of a socket pair, its channel]
-  spare  -> daemon: {"id", "pid", "ticks", "cgroup", "pids"}  (on the zygote's socket, as above)
+  spare  -> daemon: {"id", "pid", "ticks", "cgroup", "pids", "memory"}  (on the zygote's socket, as above)
   then, on its channel:
   daemon -> spare:  {"args", "cwd"} + SCM_RIGHTS [stdin, stdout, stderr, environment]
   spare  -> daemon: {"assigned": pid}
@@ -41,8 +42,9 @@ code (and the request it was forked for: one that died before replying fails it)
 daemon sees the exit through a pidfd and takes the code from that report. If
 the zygote dies first, its runners are re-parented to the daemon (a child subreaper),
 which then reaps them itself. Before the reply the runner has made itself a new session,
-joined its cgroup and its v1 pids group (``pids_procs``, where the daemon's per-run pids
-limit lives in one; before it can fork) and written its marker where
+joined its cgroup, its v1 pids group (``pids_procs``, where the daemon's per-run pids
+limit lives in one) and its v1 memory group (``memory_procs``, the per-run memory limit),
+before it can fork, and written its marker where
 ``/proc/<pid>/environ`` shows it; then it takes its pipes as fds 0-2, closes every other
 descriptor, resets signal dispositions and mask, reseeds every random generator the
 imports created, takes the run's environment, working directory and argv, and calls
@@ -290,11 +292,17 @@ def _join_pids(req: dict[str, Any]) -> bool:
     """Join the run's v1 pids group (``pids_procs``: the daemon's per-run pids limit; no
     clone3 into a v1 cgroup), before this process can fork. False: none asked, or refused
     (the daemon goes on without a limit for this run)."""
-    pids = req.get("pids_procs")
-    if not pids:
+    return _join_v1(req, "pids_procs")
+
+
+def _join_v1(req: dict[str, Any], key: str) -> bool:
+    """Join the v1 group whose ``cgroup.procs`` is ``req[key]`` (``pids_procs``,
+    ``memory_procs``), before this process can fork. False: none asked, or refused."""
+    procs = req.get(key)
+    if not procs:
         return False
     try:
-        fd = os.open(pids, os.O_WRONLY)
+        fd = os.open(procs, os.O_WRONLY)
         try:
             os.write(fd, b"0")
         finally:
@@ -380,6 +388,7 @@ class _Zygote:
             # quiet (10-30 ms: no clone3 into a v1 cgroup); joining after the reply, beside
             # the daemon's journal write, measured no faster to the run's first step.
             pids_ok = _join_pids(req)
+            memory_ok = _join_v1(req, "memory_procs")  # the per-run memory limit's group
             self.view.become(str(req["tree_id"]))
             return {
                 "id": req.get("id"),
@@ -387,6 +396,7 @@ class _Zygote:
                 "ticks": _start_ticks(),
                 "cgroup": cgroup_ok,
                 "pids": pids_ok,
+                "memory": memory_ok,
             }
         except BaseException as exc:  # noqa: BLE001 - any failure is reported, never raised
             return {"id": req.get("id"), "error": f"cannot set up the runner: {exc!r}"}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -41,7 +42,7 @@ from supervisor.trees._handles import AnyTree
 from supervisor.trees.containment import Containment
 from supervisor.trees.pool import remove_dir
 
-__all__ = ["Lifecycle", "STARTING_LOST"]
+__all__ = ["Lifecycle", "MEMORY_LIMIT", "STARTING_LOST"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ STARTING_LOST: Final = (
     "(a runner the daemon had not let go yet exits at its hang-up, having done nothing of the run); "
     "not started again"
 )
+
+# The reason of a run whose runner the kernel's OOM killer killed at the run's memory
+# limit (``config.run_memory_max_mib``, ``trees/_memlimit.py``): its group counted it.
+MEMORY_LIMIT: Final = "memory_limit"
 
 # At a run's end, how long a steer still being written to its runner's input may take to
 # settle (``unread_steering``).
@@ -281,6 +286,7 @@ class Lifecycle:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
         self._add_pids(run, full_receipt)
+        memory = self._add_memory(run, full_receipt)
         unread = await self.unread_steering(run)
         # Whether the stop (if any) came before the runner ended: one that came after (a
         # cancel racing the run's own end) does not make its failure a cancel. Read once,
@@ -335,6 +341,15 @@ class Lifecycle:
         elif run.readopted and run.state == RunState.STARTING:
             state, reason = RunState.LOST, STARTING_LOST
             error = {"code": _exit_name(code), "message": f"runner exited with code {code} without a result"}
+        elif code == -signal.SIGKILL and memory is not None and (memory["oom_kills"] or memory["failcnt"]):
+            # The kernel's OOM killer, at the run's own memory limit: its group counted the
+            # kill (or, where the kernel counts no kills, the charges its limit refused).
+            state, reason = RunState.FAILED, MEMORY_LIMIT
+            error = {
+                "code": _exit_name(code),
+                "message": f"the runner was killed by the kernel's OOM killer at the run's memory limit "
+                f"({memory['max'] >> 20} MiB, run_memory_max_mib): no result",
+            }
         else:
             state, reason = RunState.FAILED, "runner_died"
             error = {
@@ -452,6 +467,32 @@ class Lifecycle:
                 pids["max"],
                 pids["hit"],
             )
+
+    def _add_memory(self, run: Run, receipt: dict[str, Any]) -> dict[str, Any] | None:
+        """The run's per-run memory limit in its receipt (``memory``: max, peak, failcnt,
+        oom_kills, in bytes), read once its tree is dead; a run whose group saw an OOM kill
+        says so in the log too. Returns what it added (None: no group)."""
+        if run.tree is None:
+            return None
+        try:
+            memory = self.containment.memory_report(run.tree)
+        except OSError:
+            return None
+        if memory is None:
+            return None
+        receipt["memory"] = memory
+        if memory["oom_kills"]:
+            logger.warning(
+                "run %s: hit its memory limit (%d MiB): the kernel's OOM killer killed %d of its processes",
+                run.run_id,
+                memory["max"] >> 20,
+                memory["oom_kills"],
+            )
+        elif memory["failcnt"]:
+            logger.info(
+                "run %s: reached its memory limit (%d MiB) %d times", run.run_id, memory["max"] >> 20, memory["failcnt"]
+            )
+        return memory
 
     def receipt_head(self, run: Run) -> dict[str, Any]:
         head = {

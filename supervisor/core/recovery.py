@@ -89,6 +89,7 @@ class Recovery:
         # Its pids group (an earlier daemon's v1 one, found by name): read for its receipt,
         # removed with the tree.
         found.tree.pids_group = self.containment.pids.group_of(tree_id, found.tree.cgroup)
+        found.tree.memory_group = self.containment.memory.group_of(tree_id, found.tree.cgroup)
         for g in row["groups"]:
             if g["alive"] and g["kind"] == "command":
                 found.tree.set_interruptible(g["pgid"], g.get("on_stop") == "interrupt")

@@ -626,6 +626,8 @@ class RunManager:
             "cgroup_subtree": str(self.containment.root) if self.containment.root is not None else None,
             # Each run's pids limit: where it lives ("v2", "v1") or None (no limit).
             "pids_limit": self.containment.pids.describe(),
+            # Each run's memory limit: "v1" (a cgroup v1 memory group) or None (no limit).
+            "memory_limit": self.containment.memory.describe(),
             "sandbox": self.config.sandbox,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
             "zygote": self._zygote.describe() if self._zygote is not None else {"state": "off"},

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import posixpath
 from pathlib import Path
 
 from subagent.osedge import LINUX, Kernel
@@ -30,6 +31,8 @@ __all__ = [
     "lock_dir",
     "delegated",
     "remove_stale_subtrees",
+    "v1_controller_dir",
+    "claim_v1_subtree",
 ]
 
 logger = logging.getLogger(__name__)
@@ -153,3 +156,42 @@ def remove_stale_subtrees(own: Path, *, kernel: Kernel = LINUX) -> None:
                 rmdir_tree(path)
         finally:
             os.close(fd)
+
+
+def v1_controller_dir(controller: str, cgroup_text: str, mountinfo_text: str) -> Path | None:
+    """The directory of a process's group in the cgroup v1 hierarchy of ``controller``
+    (``pids``, ``memory``): from its ``/proc/<pid>/cgroup`` (the ``N:<controller>:/path``
+    line) and ``/proc/<pid>/mountinfo`` (a ``cgroup`` mount whose options name it); None
+    without that v1 hierarchy, or when it is not mounted in this namespace at or above
+    the group."""
+    own: str | None = None
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] != "0" and controller in parts[1].split(","):
+            own = parts[2]
+            break
+    if own is None:
+        return None
+    for line in mountinfo_text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] != "cgroup":
+            continue
+        if controller not in tail[2].split(","):
+            continue
+        root, point = fields[3], fields[4]
+        if own != root and not own.startswith(root.rstrip("/") + "/"):
+            return None  # mounted below our group: not ours to see
+        rel = posixpath.relpath(own, root)
+        return Path(point) if rel == "." else Path(point) / rel
+    return None
+
+
+def claim_v1_subtree(own: Path, instance: str, *, kernel: Kernel = LINUX) -> tuple[Path, int] | None:
+    """The daemon's ``own/agentd-<instance>`` in a v1 hierarchy (``own``: its group
+    there), made and locked after the stale ones are removed, as ``make_subtree`` does in
+    v2; None where ``own`` is not writable or the subtree cannot be made."""
+    if not os.access(own, os.W_OK):
+        return None
+    remove_stale_subtrees(own, kernel=kernel)
+    return claim_subtree(own, instance)

@@ -58,6 +58,8 @@ class _TreeBase:
     # The directory of its per-run pids limit (``pids.max``, ``pids.events``): its v2
     # cgroup or a v1 pids group (``_pidslimit``); None: no limit.
     pids_group: Path | None = None
+    # Its per-run memory limit's v1 memory group (``_memlimit``); None: no limit.
+    memory_group: Path | None = None
     # Where its process table reads go (and the cache they share): the containment's.
     table: ProcessTable = field(default_factory=ProcessTable, kw_only=True, repr=False)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, final
@@ -58,27 +57,7 @@ def v1_pids_dir(cgroup_text: str, mountinfo_text: str) -> Path | None:
     (the ``N:pids:/path`` line) and ``/proc/<pid>/mountinfo`` (a ``cgroup`` mount whose
     options name ``pids``); None without a v1 pids hierarchy, or when it is not mounted in
     this namespace at or above the group."""
-    own: str | None = None
-    for line in cgroup_text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and parts[0] != "0" and "pids" in parts[1].split(","):
-            own = parts[2]
-            break
-    if own is None:
-        return None
-    for line in mountinfo_text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] != "cgroup":
-            continue
-        if "pids" not in tail[2].split(","):
-            continue
-        root, point = fields[3], fields[4]
-        if own != root and not own.startswith(root.rstrip("/") + "/"):
-            return None  # mounted below our group: not ours to see
-        rel = posixpath.relpath(own, root)
-        return Path(point) if rel == "." else Path(point) / rel
-    return None
+    return _cgroupfs.v1_controller_dir("pids", cgroup_text, mountinfo_text)
 
 
 def _read(path: str) -> str:
@@ -159,9 +138,8 @@ class PidsLimit:
             logger.info("per-run pids limit %d: pids.max of each run's cgroup v2", self.limit)
             return self
         own = v1_pids_dir(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo")) if v1_own is True else v1_own
-        if isinstance(own, Path) and os.access(own, os.W_OK):
-            _cgroupfs.remove_stale_subtrees(own, kernel=kernel)
-            made = _cgroupfs.claim_subtree(own, instance)
+        if isinstance(own, Path):
+            made = _cgroupfs.claim_v1_subtree(own, instance, kernel=kernel)
             if made is not None:
                 self.root, self._lock = made
                 self.mode = V1

@@ -2,8 +2,8 @@
 
 ``spawn_tree`` starts ``argv`` as the leader of a new tree (re-exported by
 ``supervisor.trees.process``, whose stop routines end what it starts). The child joins its
-cgroup (and its v1 pids group, where the per-run pids limit lives in one: ``_pidslimit``)
-in a preexec hook, before it runs a single instruction of ``argv``, so before it can fork;
+cgroup (and its v1 pids group, where the per-run pids limit lives in one: ``_pidslimit``,
+and its v1 memory group, the per-run memory limit: ``_memlimit``) in a preexec hook, before it runs a single instruction of ``argv``, so before it can fork;
 its start time is read at once (its pid cannot be reused before Trio reaps it).
 """
 
@@ -60,28 +60,35 @@ async def spawn_tree(
     child_env.pop(HOST_VAR, None)  # what the daemon forks besides trees carries it; trees not
     cgroup = containment.prepare(tree_id) if containment is not None else None
     pids_group, pids_join = containment.prepare_pids(tree_id, cgroup) if containment is not None else (None, None)
+    memory_group = containment.prepare_memory(tree_id) if containment is not None else None
+    v1_joins = [g for g in (pids_join, memory_group) if g is not None]
     try:
         proc: trio.Process | None = None
         try:
-            proc = await _open_leader(argv, child_env, cwd, cgroup, pids_join)
+            proc = await _open_leader(argv, child_env, cwd, cgroup, v1_joins)
         except subprocess.SubprocessError:
             # Only the preexec hook raises this: the child could not join its cgroup (or
-            # its pids group) and never ran argv, so starting it again without is safe.
-            if pids_join is not None:
-                logger.warning("tree %s: could not join pids group %s; continuing without it", tree_id, pids_join)
-                _rmdir_quietly(pids_join)
-                pids_group = pids_join = None
+            # its v1 pids or memory group) and never ran argv, so starting it again
+            # without is safe.
+            if v1_joins:
+                logger.warning("tree %s: could not join v1 groups %s; continuing without them", tree_id, v1_joins)
+                for g in v1_joins:
+                    _rmdir_quietly(g)
+                v1_joins = []
+                if pids_join is not None:
+                    pids_group = pids_join = None
+                memory_group = None
                 with contextlib.suppress(subprocess.SubprocessError):
-                    proc = await _open_leader(argv, child_env, cwd, cgroup, None)
+                    proc = await _open_leader(argv, child_env, cwd, cgroup, [])
             if proc is None:
                 logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
                 if containment is not None and cgroup is not None:
                     _rmdir_quietly(cgroup)
                 cgroup = pids_group = None
-                proc = await _open_leader(argv, child_env, cwd, None, None)
+                proc = await _open_leader(argv, child_env, cwd, None, [])
     except BaseException as exc:  # OSError, or a cancel before the child existed
-        if pids_join is not None:
-            _rmdir_quietly(pids_join)
+        for g in v1_joins:
+            _rmdir_quietly(g)
         if cgroup is not None:
             _rmdir_quietly(cgroup)
         if containment is not None:
@@ -107,6 +114,7 @@ async def spawn_tree(
         process=proc,
         leader_ticks=leader.start_ticks if leader is not None else None,
         pids_group=pids_group,
+        memory_group=memory_group,
         table=table,
     )
     tree.groups[tree.pgid] = tree.leader_ticks
@@ -122,12 +130,12 @@ async def _open_leader(
     env: dict[str, str],
     cwd: str | os.PathLike[str] | None,
     cgroup: Path | None,
-    pids_join: Path | None,
+    v1_joins: Sequence[Path],
 ) -> trio.Process:
     options: dict[str, Any] = {}
     if _POSIX:
         options["start_new_session"] = True
-        joins = [os.fsencode(g / "cgroup.procs") for g in (cgroup, pids_join) if g is not None]
+        joins = [os.fsencode(g / "cgroup.procs") for g in (cgroup, *v1_joins) if g is not None]
         if joins:
             options["preexec_fn"] = _joiner(*joins)
     else:

@@ -4,7 +4,8 @@ Labels, best first: "cgroup" (a leaf ``<own cgroup>/agentd-<instance>/<tree_id>`
 ``cgroup.kill``), "subreaper+sweep" (orphans re-parent to the daemon; members are swept
 from /proc by marker, session/group and ancestry), "group" (groups + marker sweep only).
 API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.prepare_pids(tree_id, cgroup)``
-(the tree's per-run pids limit: ``_pidslimit``), ``.track(tree)``, ``.remove(tree)``,
+(the tree's per-run pids limit: ``_pidslimit``), ``.prepare_memory(tree_id)`` (its memory
+limit: ``_memlimit``), ``.track(tree)``, ``.remove(tree)``,
 ``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``. Its
 ``table`` is the daemon's one process-table reader (``subagent.osedge``); it sends no
 signal: ``process.py`` sends them all, through the OS edge.
@@ -73,6 +74,7 @@ import trio
 from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch
 from supervisor.trees import _cgroupfs
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AnyTree, Tree
+from supervisor.trees._memlimit import MemoryLimit
 from supervisor.trees._pidslimit import PidsLimit
 from supervisor.trees._reaping import (
     Wakeup,
@@ -161,6 +163,8 @@ class Containment:
     _host: str = ""  # this process's HOST_VAR value
     # Each tree's pids group (``pids.max`` = ``config.run_pids_max``): ``_pidslimit``.
     pids: PidsLimit = field(default_factory=lambda: PidsLimit(0))
+    # Each tree's v1 memory group (``config.run_memory_max_mib``): ``_memlimit``.
+    memory: MemoryLimit = field(default_factory=lambda: MemoryLimit(0))
     _scan_failed_at: float = -float("inf")
 
     @property
@@ -183,6 +187,7 @@ class Containment:
         instance: str | None = None,
         kernel: Kernel = LINUX,
         pids_max: int | None = None,
+        memory_max_mib: int | None = None,
     ) -> Containment:
         """Become a child subreaper and make this daemon's cgroup subtree where possible.
 
@@ -198,6 +203,8 @@ class Containment:
             kernel: the kernel every read and signal goes through (tests pass a fake).
             pids_max: overrides ``config.run_pids_max`` (each tree's pids limit; 0: none;
                 without a config: none).
+            memory_max_mib: overrides ``config.run_memory_max_mib`` (each tree's memory
+                limit; 0: none; without a config: none).
         """
         want = cgroups if cgroups is not None else (config.cgroups if config is not None else "auto")
         instance = instance or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -218,9 +225,15 @@ class Containment:
                 root, lock = made
         limit = pids_max if pids_max is not None else (config.run_pids_max if config is not None else 0)
         pids = PidsLimit.setup(limit, v2_root=root, instance=instance, kernel=kernel) if want == "auto" else None
+        mem_mib = (
+            memory_max_mib if memory_max_mib is not None else (config.run_memory_max_mib if config is not None else 0)
+        )
+        memory = MemoryLimit.setup(mem_mib, instance=instance, kernel=kernel) if want == "auto" else None
         self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=mark_host(table))
         if pids is not None:
             self.pids = pids
+        if memory is not None:
+            self.memory = memory
         logger.info(
             "containment: %s (cgroup subtree %s, subreaper %s)",
             self.mode,
@@ -264,6 +277,17 @@ class Containment:
         exists): (its ``Tree.pids_group``, the v1 group its runner joins, or None).
         Blocking: a mkdir and a write, or nothing without a limit."""
         return self.pids.prepare(tree_id, cgroup)
+
+    def prepare_memory(self, tree_id: str) -> Path | None:
+        """The per-run memory limit of a new tree (before its runner exists): the v1
+        memory group its runner joins (its ``Tree.memory_group``), or None. Blocking: a
+        mkdir and a write, or nothing without a limit."""
+        return self.memory.prepare(tree_id)
+
+    def memory_report(self, tree: AnyTree) -> dict[str, Any] | None:
+        """``{"max", "peak", "failcnt", "oom_kills"}`` of a tree's memory group, for its
+        receipt once its processes are gone; None without one."""
+        return self.memory.report(tree.memory_group)
 
     def pids_report(self, tree: AnyTree) -> dict[str, Any] | None:
         """``{"max", "peak", "hit"}`` of a tree's pids group (``hit``: forks its limit
@@ -334,6 +358,7 @@ class Containment:
                     self._unreaped[tree.pid] = tree
             self._tree_ids.discard(tree.tree_id)
         pids_ok = self.pids.remove(tree.pids_group, tree.cgroup)
+        pids_ok = self.memory.remove(tree.memory_group) and pids_ok
         if tree.cgroup is None:
             return pids_ok
         ok = _cgroupfs.rmdir_tree(tree.cgroup)
@@ -529,6 +554,7 @@ class Containment:
         if self.root is not None and not _cgroupfs.rmdir_tree(self.root):
             logger.warning("cgroup subtree %s not removed: processes are still in it", self.root)
         self.pids.close()
+        self.memory.close()
         if self._root_lock is not None:
             os.close(self._root_lock)
             self._root_lock = None

@@ -523,6 +523,7 @@ class Zygote:
         cgroup: Path | None = None
         pids_group: Path | None = None
         pids_join: Path | None = None
+        memory_group: Path | None = None
         chan: socket.socket | None = None
         try:
             await trio.to_thread.run_sync(_make_run_dir, run_dir)
@@ -536,6 +537,7 @@ class Zygote:
             # Its leaf only: the tree is tracked once it has a run (``Spare.go``).
             cgroup = containment.prepare(tree_id, ahead=True)
             pids_group, pids_join = containment.prepare_pids(tree_id, cgroup)
+            memory_group = containment.prepare_memory(tree_id)
             chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 req = {
@@ -547,6 +549,7 @@ class Zygote:
                     "tree_id": tree_id,
                     "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
                     "pids_procs": str(pids_join / "cgroup.procs") if pids_join is not None else None,
+                    "memory_procs": str(memory_group / "cgroup.procs") if memory_group is not None else None,
                 }
                 with trio.CancelScope(shield=True):  # a child may exist once the request is out
                     reply = await self._request(req, [theirs.fileno()])
@@ -557,6 +560,8 @@ class Zygote:
                 chan.close()
             if pids_join is not None:
                 _rmdir_quietly(pids_join)
+            if memory_group is not None:
+                _rmdir_quietly(memory_group)
             if cgroup is not None:
                 _rmdir_quietly(cgroup)
             containment.discard(tree_id)
@@ -573,6 +578,7 @@ class Zygote:
         except OSError:
             pidfd = None
         pids_group = _joined_pids(tree_id, reply, pids_group, pids_join)
+        memory_group = _joined_memory(tree_id, reply, memory_group)
         if cgroup is not None and not reply.get("cgroup"):
             _rmdir_quietly(cgroup)
             cgroup = None
@@ -583,6 +589,7 @@ class Zygote:
             self, tree_id, run_dir, cgroup, env, chan, pid, ticks, pidfd if pidfd is not None else -1, reply["_exit"]
         )
         spare.pids_group = pids_group
+        spare.memory_group = memory_group
         return spare
 
     def take_spare(self, *, count: bool = True) -> Spare | None:
@@ -626,6 +633,8 @@ class Zygote:
                     await spare.process.wait()
             if spare.pids_group is not None and spare.pids_group != spare.cgroup:
                 _rmdir_quietly(spare.pids_group)
+            if spare.memory_group is not None:
+                _rmdir_quietly(spare.memory_group)
             if spare.cgroup is not None:
                 _rmdir_quietly(spare.cgroup)
             self.containment.discard(spare.tree_id)
@@ -655,6 +664,7 @@ class Zygote:
         containment = self.containment
         cgroup = containment.prepare(tree_id)
         pids_group, pids_join = containment.prepare_pids(tree_id, cgroup)
+        memory_group = containment.prepare_memory(tree_id)
         child_env = dict(env)
         child_env[MARKER_VAR] = tree_id
         child_env.pop(HOST_VAR, None)  # as process.spawn_tree: a tree's processes never carry it
@@ -675,6 +685,7 @@ class Zygote:
                 "tree_id": tree_id,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
                 "pids_procs": str(pids_join / "cgroup.procs") if pids_join is not None else None,
+                "memory_procs": str(memory_group / "cgroup.procs") if memory_group is not None else None,
             }
             with trio.CancelScope(shield=True):  # a child may exist once the request is out
                 reply = await self._request(req, theirs)
@@ -683,6 +694,8 @@ class Zygote:
                 _close_quietly(fd)
             if pids_join is not None:
                 _rmdir_quietly(pids_join)
+            if memory_group is not None:
+                _rmdir_quietly(memory_group)
             if cgroup is not None:
                 _rmdir_quietly(cgroup)
             # A request the zygote took before it died may have left a runner: it reads EOF
@@ -708,6 +721,7 @@ class Zygote:
             pidfd = None
         start_time = table.kernel.boot_time() + ticks / table.kernel.clock_ticks
         pids_group = _joined_pids(tree_id, reply, pids_group, pids_join)
+        memory_group = _joined_memory(tree_id, reply, memory_group)
         if cgroup is not None and not reply.get("cgroup"):
             logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
             _rmdir_quietly(cgroup)
@@ -733,6 +747,7 @@ class Zygote:
             process=proc,
             leader_ticks=ticks,
             pids_group=pids_group,
+            memory_group=memory_group,
             table=table,
         )
         tree.groups[tree.pgid] = tree.leader_ticks
@@ -809,6 +824,7 @@ class Spare:
         self.args: list[str] = []
         self.spec_sent = False  # the spec is in its stdin already
         self.pids_group: Path | None = None  # its per-run pids limit (``_pidslimit``), joined
+        self.memory_group: Path | None = None  # its per-run memory limit (``_memlimit``), joined
         self._ours: list[int] = []
         argv = [zygote.config.runner_python, "-m", "subagent.runner"]
         self.process = ForkedProcess(pid, pidfd, exit, args=argv, stdin=None, stdout=None, stderr=None)
@@ -904,6 +920,7 @@ class Spare:
             process=proc,
             leader_ticks=self.ticks,
             pids_group=self.pids_group,
+            memory_group=self.memory_group,
             table=table,
         )
         tree.groups[tree.pgid] = tree.leader_ticks
@@ -973,3 +990,13 @@ def _rmdir_quietly(path: Path) -> None:
         os.rmdir(path)
     except OSError:
         pass
+
+
+def _joined_memory(tree_id: str, reply: Mapping[str, Any], memory_group: Path | None) -> Path | None:
+    """The tree's v1 memory group once the runner replied: one it could not join is
+    removed (the run goes on without a memory limit, as a cold one would)."""
+    if memory_group is not None and not reply.get("memory"):
+        logger.warning("tree %s: could not join memory group %s; continuing without it", tree_id, memory_group)
+        _rmdir_quietly(memory_group)
+        return None
+    return memory_group

@@ -1,0 +1,230 @@
+"""A per-run memory limit: each tree in a cgroup v1 memory group of its own.
+
+A run that allocates without end (a prompt-injected command, a runaway browser tab) meets
+``config.run_memory_max_mib`` in its own group: the kernel reclaims there, then its OOM
+killer kills a process of that group (the largest: usually the allocator), never the
+daemon or another run. Every process of the tree is in the group (as in its pids group,
+``_pidslimit``: a v1 group is left only by exiting or by a write the run's sandbox cannot
+make). What the group counted goes into the run's receipt (``memory``: max, peak,
+failcnt, oom_kills).
+
+Where the group is: ``<the daemon's v1 memory cgroup>/agentd-<instance>/<tree id>``, a
+subtree the daemon owns as it owns its v1 pids one (``_cgroupfs.claim_v1_subtree``: same
+name, a flock held for its life, stale subtrees of dead daemons removed at start only when
+their lock can be taken and they hold no process). Below the daemon's own group, never at
+the hierarchy's root: a run's memory still counts against whatever limit the host put on
+the daemon (``memory.use_hierarchy``). The runner joins it before it runs a single
+instruction of its run, with its v1 pids group (the cold spawn's preexec hook, the
+zygote's child: ``memory_procs``). Pages a zygote-forked runner shares with the zygote
+stay charged to the zygote's group (v1 charges a page to the group that first touched it);
+what the run allocates is charged to the run.
+
+Not in cgroup v2 (yet): memory is a domain controller there, and enabling it in the
+daemon's cgroup while the daemon is in it is refused (the no-internal-process rule,
+``_cgroupfs.make_subtree``); the daemon would first have to move itself into a leaf, and
+its own v2 placement is relied on (``_peer_cgroup``, containment's sweeps). A host with
+no writable v1 memory hierarchy (pure v2) has no per-run memory limit: logged once, and a
+spawn never fails for want of one.
+
+Sends no signal: the kernel's OOM killer does, inside the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, final
+
+from subagent.osedge import LINUX, Kernel
+from supervisor.trees import _cgroupfs
+
+__all__ = ["V1", "MemoryLimit", "v1_memory_dir"]
+
+logger = logging.getLogger(__name__)
+
+V1: Final = "v1"
+MIB: Final = 1 << 20
+
+
+def v1_memory_dir(cgroup_text: str, mountinfo_text: str) -> Path | None:
+    """The directory of a process's cgroup v1 memory group (``_cgroupfs.v1_controller_dir``)."""
+    return _cgroupfs.v1_controller_dir("memory", cgroup_text, mountinfo_text)
+
+
+def _read(path: Path) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _int(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text.isdigit() else None
+
+
+@final
+@dataclass(eq=False)
+class MemoryLimit:
+    """The daemon's per-tree v1 memory groups (see the module docstring).
+
+    Attributes:
+        limit_mib: each tree's ``memory.limit_in_bytes`` in MiB; 0: no limit.
+        mode: ``"v1"`` or None (no limit).
+        root: the v1 subtree (``.../agentd-<instance>``) in mode ``"v1"``, else None.
+    """
+
+    limit_mib: int
+    mode: str | None = None
+    root: Path | None = None
+    _lock: int | None = None
+    _warned: bool = False
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.limit_mib * MIB
+
+    @classmethod
+    def setup(
+        cls, limit_mib: int, *, instance: str, kernel: Kernel = LINUX, v1_own: Path | None | bool = True
+    ) -> MemoryLimit:
+        """Make the v1 subtree where the v1 memory hierarchy is writable. Blocking. Never
+        raises: no limit then, said in one log line.
+
+        Args:
+            limit_mib: ``config.run_memory_max_mib`` (0: off, nothing made).
+            instance: the subtree's name is ``agentd-<instance>`` (the v2 one's).
+            v1_own: the daemon's v1 memory cgroup directory; True: found from
+                ``/proc/self`` (tests pass a directory, or None for none).
+        """
+        self = cls(limit_mib=max(0, limit_mib))
+        if self.limit_mib == 0:
+            return self
+        own = (
+            v1_memory_dir(_read(Path("/proc/self/cgroup")), _read(Path("/proc/self/mountinfo")))
+            if v1_own is True
+            else v1_own
+        )
+        if isinstance(own, Path):
+            made = _cgroupfs.claim_v1_subtree(own, instance, kernel=kernel)
+            if made is not None:
+                self.root, self._lock = made
+                with contextlib.suppress(OSError):  # the default on cgroup v1 >= 5.x anyway
+                    if _read(own / "memory.use_hierarchy").strip() == "0":
+                        _write(self.root / "memory.use_hierarchy", b"1")
+                self.mode = V1
+                logger.info(
+                    "per-run memory limit %d MiB: a cgroup v1 memory group per run under %s", self.limit_mib, self.root
+                )
+                return self
+        logger.warning(
+            "no per-run memory limit (run_memory_max_mib %d): no writable cgroup v1 memory hierarchy "
+            "(the cgroup v2 memory controller is not used: docs/dev/PROCESS.md); a run that allocates "
+            "without end meets only the host's limit",
+            self.limit_mib,
+        )
+        return self
+
+    def prepare(self, tree_id: str) -> Path | None:
+        """A new tree's group, made before its runner exists (the runner joins it):
+        a mkdir and a write (two where swap is accounted). None: no limit for this tree
+        (logged once)."""
+        if self.mode != V1 or self.root is None:
+            return None
+        path = self.root / tree_id
+        try:
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+            limit = str(self.limit_bytes).encode()
+            _write(path / "memory.limit_in_bytes", limit)
+            memsw = path / "memory.memsw.limit_in_bytes"
+            with contextlib.suppress(FileNotFoundError):  # no swap accounting: nothing to bound
+                _write(memsw, limit)  # swap too: a run must not page its excess out instead
+            return path
+        except OSError as exc:
+            self._warn(f"cannot make memory group {path} ({exc})")
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """For ``status``: ``{"max_mib", "mode", "subtree"}`` (``mode`` None: no limit)."""
+        return {
+            "max_mib": self.limit_mib,
+            "mode": self.mode,
+            "subtree": str(self.root) if self.root is not None else None,
+        }
+
+    def _warn(self, what: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("per-run memory limit: %s; such runs have none (said once)", what)
+
+    def group_of(self, tree_id: str, cgroup: Path | None) -> Path | None:
+        """Where a re-adopted tree's group is, by the names its daemon gave it (the v1
+        subtree named as the daemon's v2 subtree that holds ``cgroup``); None if none."""
+        if self.mode != V1 or self.root is None or cgroup is None:
+            return None
+        if not cgroup.parent.name.startswith("agentd-"):
+            return None
+        path = self.root.parent / cgroup.parent.name / tree_id
+        return path if path.is_dir() else None
+
+    def report(self, group: Path | None) -> dict[str, Any] | None:
+        """The tree's ``{"max", "peak", "failcnt", "oom_kills"}`` (bytes; ``failcnt``:
+        charges its limit refused, each then reclaimed or OOM-killed for; ``oom_kills``:
+        processes the kernel's OOM killer killed in it, None where the kernel does not
+        count them), read once its processes are gone; None without a group."""
+        if group is None:
+            return None
+        limit = _int(_read(group / "memory.limit_in_bytes"))
+        if limit is None:
+            return None  # gone already
+        oom_kills: int | None = None
+        for line in _read(group / "memory.oom_control").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                oom_kills = _int(value)
+        return {
+            "max": limit,
+            "peak": _int(_read(group / "memory.max_usage_in_bytes")),
+            "failcnt": _int(_read(group / "memory.failcnt")) or 0,
+            "oom_kills": oom_kills,
+        }
+
+    def remove(self, group: Path | None) -> bool:
+        """rmdir a tree's group; True if nothing is left. A re-adopted tree's group sits in
+        an earlier daemon's subtree: that goes too once empty and unlocked."""
+        if group is None:
+            return True
+        ok = _cgroupfs.rmdir_tree(group)
+        parent = group.parent
+        if ok and parent != self.root and parent.name.startswith("agentd-"):
+            fd = _cgroupfs.lock_dir(parent)
+            if fd is not None:
+                try:
+                    with contextlib.suppress(OSError):
+                        parent.rmdir()  # refused while other groups are in it
+                finally:
+                    os.close(fd)
+        return ok
+
+    def close(self) -> None:
+        """Remove the (empty) v1 subtree and drop its lock. Idempotent."""
+        if self.root is not None and not _cgroupfs.rmdir_tree(self.root):
+            logger.warning("memory subtree %s not removed: processes are still in it", self.root)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
