@@ -133,6 +133,37 @@ async def test_a_runner_the_oom_killer_kills_at_its_limit_is_recorded_as_such(tm
                     await trio.sleep(0.05)
 
 
+async def test_a_readopted_runs_memory_group_is_read_and_removed_by_the_next_daemon(tmp_path: Path) -> None:
+    # The first daemon is SIGKILLed while its run's command runs: its v1 memory subtree,
+    # unlocked now, still holds the run, so the next daemon keeps it at its start, then
+    # reports the group in the run's receipt and removes it (and the subtree) at its end.
+    conftest.require(v1_writable(), "root and a cgroup v1 memory hierarchy")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {"AGENTD_RUNNER_COMMAND": "", "AGENTD_RUN_MEMORY_MAX_MIB": str(LIMIT_MIB)}
+    with trio.fail_after(90):
+        async with real_daemon(tmp_path / "state", env=env) as d1, d1.connect() as c:
+            run = (await c.ok("spawn", spec=command_spec("sleep 300", shared)))["run_id"]
+            assert (await c.wait_kind(run, "process_group", WAIT_S))["op"] == "event"
+            tree_id = (await c.ok("status", run_id=run))["tree_id"]
+            (group,) = [g for g in memory_groups(d1.pid) if g.name == tree_id]
+            await c.ws.aclose()
+            d1.proc.kill()  # SIGKILL: no clean-up at all
+            await d1.proc.wait()
+        assert (group / "cgroup.procs").read_text().split()  # the run lives on in it
+        async with real_daemon(tmp_path / "state", env=env) as d2, d2.connect() as c:
+            assert group.is_dir()  # not a stale subtree: it holds a process
+            summary = await c.ok("status")
+            assert (await c.ok("cancel", run_id=run))["was_active"] is True
+            assert (await c.wait_end(run, WAIT_S))["state"] == "cancelled"
+            st = await c.ok("status", run_id=run)
+            assert st["receipt"]["memory"]["max"] == LIMIT_MIB * MIB, st["receipt"]
+            await none_left(d2.pid, frozenset([summary["summary"]["zygote"]["pid"]]) - {None})
+            with trio.fail_after(10):
+                while group.parent.exists():
+                    await trio.sleep(0.05)
+
+
 # --------------------------------------------------------------------------- the v1 subtree
 
 
