@@ -92,7 +92,7 @@ async def test_a_run_that_allocates_without_end_is_oom_killed_inside_itself_and_
             assert mem_b["oom_kills"] == 0, mem_b
             assert f"run {a}: hit its memory limit ({LIMIT_MIB} MiB)" in d.log_text()
             assert f"run {b}: hit its memory limit" not in d.log_text()
-            await none_left(d.pid, frozenset([summary["summary"]["zygote"]["pid"]]) - {None})
+            await none_left(d.pid, frozenset([summary["summary"]["zygote"].get("pid")]) - {None})
             trees = {st_a["tree_id"], st_b["tree_id"]}
             with trio.fail_after(10):  # their groups go once their clean-up ran
                 while trees & {g.name for g in memory_groups(d.pid)}:
@@ -101,22 +101,50 @@ async def test_a_run_that_allocates_without_end_is_oom_killed_inside_itself_and_
         assert own is not None and not list(own.glob(f"agentd-{daemon_pid}-*"))  # gone at its exit
 
 
-async def test_a_runner_the_oom_killer_kills_at_its_limit_is_recorded_as_such(tmp_path: Path) -> None:
+# How the run's runner is made: each joins the run's memory group its own way (the cold
+# spawn's preexec hook; the zygote's child, forked at the spawn or ahead as a spare).
+RUNNERS = {
+    "cold": {"AGENTD_ZYGOTE": "off"},
+    "forked": {"AGENTD_ZYGOTE_SPARES": "0", "AGENTD_ZYGOTE_SPARES_MAX": "0"},
+    "spare": {"AGENTD_ZYGOTE_SPARES": "1"},
+}
+
+
+@pytest.mark.parametrize("how", list(RUNNERS))
+async def test_a_runner_the_oom_killer_kills_at_its_limit_is_recorded_as_such(tmp_path: Path, how: str) -> None:
     # The runner made the OOM killer's first choice (oom_score_adj 1000, written by this
     # test, root) while its command allocates past the limit: the kernel kills the runner.
     conftest.require(v1_writable(), "root and a cgroup v1 memory hierarchy")
     shared = tmp_path / "shared"
     shared.mkdir()
     hog = f"{sys.executable} {ALLOC} 384 --wait-before {shared}/go"
-    env = {"AGENTD_RUNNER_COMMAND": "", "AGENTD_RUN_MEMORY_MAX_MIB": str(LIMIT_MIB)}
+    env = {"AGENTD_RUNNER_COMMAND": "", "AGENTD_RUN_MEMORY_MAX_MIB": str(LIMIT_MIB), **RUNNERS[how]}
     with trio.fail_after(90):
         async with real_daemon(tmp_path / "state", env=env) as d, d.connect() as c:
             summary = await c.ok("status")
+            spare: int | None = None
+            with trio.fail_after(WAIT_S):  # the zygote (and its spare) ready: no cold fallback
+                while (
+                    how != "cold"
+                    and summary["summary"]["zygote"]["state"] != "ready"
+                    or (how == "spare" and not summary["summary"]["zygote"]["spares"]["pids"])
+                ):
+                    await trio.sleep(0.02)
+                    summary = await c.ok("status")
+            if how == "spare":
+                spare = summary["summary"]["zygote"]["spares"]["pids"][0]
             run = (await c.ok("spawn", spec=command_spec(hog, shared)))["run_id"]
             assert (await c.wait_kind(run, "process_group", WAIT_S))["op"] == "event"
             st = await c.ok("status", run_id=run)
             (group,) = [g for g in memory_groups(d.pid) if g.name == st["tree_id"]]
             runner = st["pid"]
+            assert spare is None or runner == spare, (runner, spare)
+            zygote = (await c.ok("status"))["summary"]["zygote"]
+            if how == "cold":
+                assert zygote["state"] == "off", zygote
+            else:  # forked by the zygote (at the spawn, or its spare): no cold fallback
+                assert zygote["spawned"] == 1 and zygote["cold_fallbacks"] == 0, zygote
+                assert zygote["spares"]["used"] == (1 if how == "spare" else 0), zygote
             assert str(runner) in (group / "cgroup.procs").read_text().split()  # ours: in its group
             Path(f"/proc/{runner}/oom_score_adj").write_text("1000")
             (shared / "go").write_text("")
@@ -127,7 +155,14 @@ async def test_a_runner_the_oom_killer_kills_at_its_limit_is_recorded_as_such(tm
             assert "OOM killer" in st["error"]["message"] and f"{LIMIT_MIB} MiB" in st["error"]["message"], st
             assert st["receipt"]["memory"]["oom_kills"] >= 1, st["receipt"]
             assert f"run {run}: hit its memory limit" in d.log_text()
-            await none_left(d.pid, frozenset([summary["summary"]["zygote"]["pid"]]) - {None})
+            helpers = {summary["summary"]["zygote"].get("pid")}
+            if how == "spare":  # the zygote's next spare (its floor is 1): kept, not the run's
+                with trio.fail_after(WAIT_S):
+                    while not (spares := (await c.ok("status"))["summary"]["zygote"]["spares"]["pids"]):
+                        await trio.sleep(0.02)
+                assert runner not in spares
+                helpers.update(spares)
+            await none_left(d.pid, frozenset(helpers) - {None})
             with trio.fail_after(10):
                 while group.exists():
                     await trio.sleep(0.05)
