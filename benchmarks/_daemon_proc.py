@@ -80,13 +80,16 @@ class DaemonProc:
         return None
 
     def helper_pids(self) -> list[int]:
-        """The daemon's own helper processes (its runner zygote): no run's members."""
+        """The daemon's own helper processes: its runner zygote and the spare runners the
+        zygote keeps parked (forked ahead, no run's yet: they carry the mark and live as
+        long as the zygote). No run's members; a spare a spawn takes is one from then on."""
         try:
             with self.client(timeout_s=30) as c:
                 z = (c.status().get("summary") or {}).get("zygote") or {}
         except Exception:  # noqa: BLE001 - an older daemon, or none: no helper known
             return []
-        return [z["pid"]] if isinstance(z.get("pid"), int) else []
+        spares = (z.get("spares") or {}).get("pids") or []
+        return [p for p in [z.get("pid"), *spares] if isinstance(p, int)]
 
     def log_tail(self, n: int = 2000) -> str:
         try:

@@ -70,13 +70,16 @@ def spec() -> dict[str, Any]:
     }
 
 
-_helpers: dict[int, list[int]] = {}
-
-
-def run_members(mark: str, daemon_pid: int) -> list[PidId]:
-    """Every process of the runs' trees: marked, and neither the daemon nor its zygote
-    (which carries the mark too, and lives as long as the daemon)."""
-    return pids_with(MARK_VAR, mark, exclude=[daemon_pid, *_helpers.get(daemon_pid, [])])
+def run_members(mark: str, d: DaemonProc) -> list[PidId]:
+    """Every process of the runs' trees: marked, and neither the daemon nor its zygote nor
+    the zygote's parked spares (which carry the mark too, and live as long as the daemon:
+    counted, they were survivors of every cancel and kept the waits below to their
+    deadlines). Spares are asked for before and after the listing: one forked or taken
+    between is known either way."""
+    before = d.helper_pids()
+    found = pids_with(MARK_VAR, mark, exclude=[d.pid])
+    helpers = {*before, *d.helper_pids()}
+    return [p for p in found if p.pid not in helpers]
 
 
 def sleepers(members: list[PidId]) -> list[int]:
@@ -156,7 +159,7 @@ def wait_live(mark: str, d: DaemonProc, n: int, timeout_s: float) -> float | Non
     t0 = time.perf_counter()
     deadline = t0 + timeout_s
     while time.perf_counter() < deadline:
-        if len(sleepers(run_members(mark, d.pid))) >= n:
+        if len(sleepers(run_members(mark, d))) >= n:
             return time.perf_counter() - t0
         if d.p.poll() is not None:
             raise RuntimeError(f"the daemon exited: {d.log_tail()}")
@@ -167,13 +170,13 @@ def wait_live(mark: str, d: DaemonProc, n: int, timeout_s: float) -> float | Non
 def grow(mark: str, d: DaemonProc, c: Any, n: int, spawned: list[str]) -> dict[str, Any]:
     """Spawn runs until ``n`` are live in their command (their ids go to ``spawned``);
     returns how long it took. (Not one session: a session has one live turn at a time.)"""
-    have = len(sleepers(run_members(mark, d.pid)))
+    have = len(sleepers(run_members(mark, d)))
     t0 = time.perf_counter()
     for _ in range(max(0, n - have)):
         spawned.append(c.spawn(spec())["run_id"])
     requests_s = time.perf_counter() - t0
     took = wait_live(mark, d, n, timeout_s=max(120.0, n * 0.6))
-    members = run_members(mark, d.pid)
+    members = run_members(mark, d)
     out = {
         "spawned": n - have,
         "spawn_requests_s": requests_s,
@@ -192,7 +195,7 @@ def grow(mark: str, d: DaemonProc, c: Any, n: int, spawned: list[str]) -> dict[s
 def measure(mark: str, d: DaemonProc, idle_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     daemon = psutil.Process(d.pid)
-    members = run_members(mark, d.pid)
+    members = run_members(mark, d)
     renice([d.pid] + [p.pid for p in members], 0)
     time.sleep(2.0)  # let the spawn work settle
     out["daemon_idle_cpu_s"] = idle_cpu(d.pid, idle_s)
@@ -226,7 +229,7 @@ def cancel_all(mark: str, d: DaemonProc, run_ids: list[str], grace: float, deadl
     process found before it has exited (each watched through a pidfd: no /proc polling
     that would take CPU from what is measured) and when every run is terminal."""
     out: dict[str, Any] = {"grace_s": grace}
-    members = run_members(mark, d.pid)
+    members = run_members(mark, d)
     deaths = Deaths(members)
     reply: dict[str, Any] = {}
 
@@ -309,7 +312,7 @@ def per_run_probe(mark: str, d: DaemonProc) -> dict[str, Any]:
         probe_id = c.spawn(spec())["run_id"]
         wait_live(mark, d, 1, timeout_s=60)
         time.sleep(0.5)
-        members = run_members(mark, d.pid)
+        members = run_members(mark, d)
         uss = tree_uss([p.pid for p in members])
         r = runners(members)
         rm = mem(r[0]) if r else None
@@ -375,7 +378,6 @@ def main() -> None:
         if True:
             d = DaemonProc(Path(tmp) / "state", nice=10, max_concurrent=max(sizes) + 10, grace_s=args.grace)
             waited = d.wait_zygote()
-            _helpers[d.pid] = d.helper_pids()
             header("baselines")
             line(
                 f"  runners forked by the zygote: {f'yes, ready after {waited:.1f} s' if waited is not None else 'no (cold)'}"
