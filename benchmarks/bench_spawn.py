@@ -271,7 +271,7 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="show the daemon's warnings")
     args = ap.parse_args()
     args.reps = args.reps or (2 if args.quick else 20)
-    args.burst = args.burst or (3 if args.quick else 50)
+    args.burst = args.burst or (2 if args.quick else 50)
     args.pool = args.pool or (1 if args.quick else 4)
     quiet_logs(args.verbose)
     mark = install_mark()
