@@ -53,7 +53,9 @@ SIGNALLED_MESSAGE: Final = (
 # json string in ASCII.
 _REASON: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _MAX_REASON_CHARS: Final = 256
-_MAX_READ: Final = 8 * _MAX_REASON_CHARS
+# The longest marker: every character outside the BMP is two ``\uXXXX`` escapes (12 bytes),
+# plus the quotes. (8 bytes a character cut a reason of 171 emoji, read back as 'stop'.)
+_MAX_READ: Final = 12 * _MAX_REASON_CHARS + 2
 
 
 def marker_path(run_dir: Path) -> Path:

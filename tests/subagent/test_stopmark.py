@@ -28,6 +28,10 @@ def test_the_daemons_write_reaches_the_runners_descriptor(tmp_path: Path) -> Non
         assert b"\n" not in marker_path(run_dir).read_bytes().rstrip(b"\n")  # one line
         assert write_marker(run_dir, "x" * 300)  # cut at the protocol's 256
         assert read_marker(fd) == "x" * 256
+        # The longest a reason can be written: 256 characters outside the BMP (each two
+        # \u escapes): read back whole, not cut short and taken for 'stop'.
+        assert write_marker(run_dir, "\U0001f600" * 256)
+        assert read_marker(fd) == "\U0001f600" * 256
         marker_path(run_dir).write_text("not json\n")  # what no daemon writes
         assert read_marker(fd) == "stop"
     finally:
