@@ -32,6 +32,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import stat  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -587,31 +588,47 @@ def _from_file(base: Path, value: Any) -> Any:
     return value if path.is_absolute() else str((base / path).absolute())
 
 
+def _base_dir(file: Path) -> Path:
+    """The directory a file's relative paths are taken from: the file's own, or the current
+    one for a file read through a descriptor (``/dev/stdin``, ``/dev/fd/N``, ``<(...)``,
+    ``/proc/self/fd/N``, a pipe): its name says nothing of where it was written (``/dev``
+    or ``/dev/fd`` were taken for its directory: a grant ``data`` became ``/dev/data``)."""
+    try:
+        regular = stat.S_ISREG(file.stat().st_mode)
+        parent = Path(os.path.realpath(file.parent))
+    except OSError:
+        return file.parent
+    if not regular or parent == Path("/dev") or (parent.name == "fd" and parent.parent.parent == Path("/proc")):
+        return Path.cwd()
+    return file.parent
+
+
 def _servers_from(file: Path, servers: Any) -> Any:
     """MCP servers as written in ``file``: a relative ``cwd`` is the file's directory's, and so
     is a relative ``command`` path (one with a ``/``) of a server with no ``cwd`` (with one,
     the server's process is started there, as a shell would)."""
     if not isinstance(servers, dict):
         return servers
+    base = _base_dir(file)
     out: dict[Any, Any] = {}
     for name, server in servers.items():
         if isinstance(server, dict):
             server = dict(server)
             command = server.get("command")
             if "cwd" in server:
-                server["cwd"] = _from_file(file.parent, server["cwd"])
+                server["cwd"] = _from_file(base, server["cwd"])
             elif isinstance(command, str) and "/" in command:
-                server["command"] = _from_file(file.parent, command)
+                server["command"] = _from_file(base, command)
         out[name] = server
     return out
 
 
 def _paths_from(spec_file: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """A spec file's relative paths, taken from the file's directory as written (the runner
+    """A spec file's relative paths, taken from the file's directory (``_base_dir``) as written (the runner
     works in its run dir, where they would mean nothing): ``model.script_path``, the
     ``sandbox`` grants (``read``, ``write``, ``workdir``) and the MCP servers' ``cwd`` (and
     ``command``, see ``_servers_from``). Other values are left to the spec's checks."""
-    base = spec_file.parent
+    base = _base_dir(spec_file)
     spec = dict(spec)
     m = spec.get("model")
     if isinstance(m, dict) and "script_path" in m:

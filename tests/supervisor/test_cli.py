@@ -1361,3 +1361,38 @@ def test_a_spec_files_relative_grants_and_server_paths_are_taken_from_its_direct
     # What is not a string is left to the spec's checks, as before.
     spec.write_text(json.dumps({"task": "t", "sandbox": {"read": [3]}, "mcpServers": {"y": 5}}))
     assert build_spec(None, spec_file=spec)["sandbox"] == {"read": [3]}
+
+
+def test_a_spec_read_through_a_descriptor_takes_relative_paths_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--spec /dev/stdin < x.json`, `--spec <(...)`: the file's "directory" was /dev or
+    # /dev/fd, so a grant "data" was sent as /dev/data (the run could not read ./data).
+    here = tmp_path / "here"
+    here.mkdir()
+    spec = tmp_path / "elsewhere.json"
+    spec.write_text(json.dumps({"task": "t", "sandbox": {"read": ["data"]}, "mcpServers": {"s": {"command": "./srv"}}}))
+    monkeypatch.chdir(here)
+    want_read, want_srv = [str(here / "data")], {"s": {"command": str(here / "srv")}}
+    # A pipe, as bash's <(...) gives one.
+    r, w = os.pipe()
+    try:
+        os.write(w, spec.read_bytes())
+        os.close(w)
+        built = build_spec(None, spec_file=Path(f"/dev/fd/{r}"))
+    finally:
+        os.close(r)
+    assert (built["sandbox"]["read"], built["mcpServers"]) == (want_read, want_srv)
+    # A regular file named through a descriptor.
+    fd = os.open(spec, os.O_RDONLY)
+    try:
+        assert build_spec(None, spec_file=Path(f"/proc/self/fd/{fd}"))["sandbox"]["read"] == want_read
+    finally:
+        os.close(fd)
+    # /dev/stdin redirected from the file (the CLI's own process: stdin is the file).
+    code = "from pathlib import Path; from supervisor.cli import build_spec; print(build_spec(None, spec_file=Path('/dev/stdin'))['sandbox']['read'][0])"
+    with spec.open("rb") as stdin:
+        out = subprocess.run([sys.executable, "-c", code], stdin=stdin, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(here / "data")
+    # A file in a directory still takes its own directory's (not the current one).
+    assert build_spec(None, spec_file=spec)["sandbox"]["read"] == [str(tmp_path / "data")]
