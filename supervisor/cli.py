@@ -579,13 +579,18 @@ class _Seconds(click.FloatRange):
 
 
 def _from_file(base: Path, value: Any) -> Any:
-    """A relative path as written in a file in ``base``: absolute, taken from ``base``.
+    """A relative path as written in a file in ``base``: absolute, taken from ``base``; one
+    in a home directory (``~/data``, ``~user/data``) expanded, as a shell would.
 
     Anything else (absolute, empty, not a string) as it was: the spec's own checks judge it."""
     if not isinstance(value, str) or not value:
         return value
     path = Path(value).expanduser()
-    return value if path.is_absolute() else str((base / path).absolute())
+    if path.is_absolute():
+        # (The expansion was dropped: '~/data' was sent as written, a grant refused as not
+        # absolute, a script_path read from the run dir's '~' and refused as in the state dir.)
+        return str(path) if value.startswith("~") else value
+    return str((base / path).absolute())
 
 
 def _base_dir(file: Path) -> Path:

@@ -1396,3 +1396,26 @@ def test_a_spec_read_through_a_descriptor_takes_relative_paths_from_the_current_
     assert out.stdout.strip() == str(here / "data")
     # A file in a directory still takes its own directory's (not the current one).
     assert build_spec(None, spec_file=spec)["sandbox"]["read"] == [str(tmp_path / "data")]
+
+
+def test_a_spec_files_paths_in_a_home_directory_are_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # '~/data' was sent as written: the daemon refused the grant (not absolute), and a
+    # script_path '~/s.json' was read from the run dir's '~' (refused: in the state dir).
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "task": "t",
+                "model": {"provider": "scripted", "script_path": "~/s.json"},
+                "sandbox": {"read": ["~/data", "/abs/"], "workdir": "~"},
+                "mcpServers": {"m": {"command": "~/bin/srv"}},
+            }
+        )
+    )
+    built = build_spec(None, spec_file=spec)
+    home = tmp_path / "home"
+    assert built["model"]["script_path"] == str(home / "s.json")
+    assert built["sandbox"] == {"read": [str(home / "data"), "/abs/"], "workdir": str(home)}
+    assert built["mcpServers"] == {"m": {"command": str(home / "bin" / "srv")}}
+    RunSpec.from_dict(built)  # the spec's checks take them
