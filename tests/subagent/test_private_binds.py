@@ -98,3 +98,39 @@ def test_a_mount_inside_a_read_only_grant_is_read_only_too(tmp_path: Path) -> No
         f"{grant}/file Read-only file system",
         f"{grant}/mnt/file Read-only file system",
     ], out
+
+
+_FILES = r"""
+import errno, os, sys
+from subagent import _isolate
+
+a, b, most = sys.argv[1], sys.argv[2], int(sys.argv[3])
+done = []
+_isolate.shared_tmpfs([a, b], 1, done)
+n = 0
+try:
+    while n < most:  # (unbounded, the kernel's default took minutes and gigabytes)
+        open(f"{a}/{n}", "w").close()  # empty: no block of the budget
+        n += 1
+    print("a", n, "none")
+except OSError as exc:
+    print("a", n, errno.errorcode[exc.errno])
+try:
+    open(f"{b}/x", "w").close()
+    print("b written")
+except OSError as exc:
+    print("b", errno.errorcode[exc.errno])
+"""
+
+
+def test_the_private_tmpfs_bounds_its_files_too(tmp_path: Path) -> None:
+    # Empty files take none of the size bound but ~1 KiB of kernel memory each: the
+    # kernel's default inode count (half the RAM's pages) let a run hold gigabytes there.
+    from subagent._isolate import TMPFS_INODES_PER_MIB, TMPFS_MIN_INODES
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    most = max(TMPFS_MIN_INODES, 1 * TMPFS_INODES_PER_MIB)
+    out = in_a_mount_namespace(_FILES, str(tmp_path / "a"), str(tmp_path / "b"), str(most + 1000)).split()
+    assert out[0] == "a" and out[2] == "ENOSPC" and most - 16 <= int(out[1]) <= most, out
+    assert out[3:] == ["b", "ENOSPC"], out  # one count for the dirs together
