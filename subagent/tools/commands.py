@@ -17,6 +17,7 @@ and runs in the runner's working directory (the run dir, or the spec's
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -205,21 +206,33 @@ async def open_in_call(argv: list[str], **options: Any) -> tuple[trio.Process, c
     and marker alone).
 
     Raises:
-        OSError, ValueError: it could not be started (a NUL in it, a lone surrogate).
+        OSError, ValueError: it could not be started (a NUL in it, a lone surrogate; EAGAIN
+            at the run's pids limit, the fork's or the thread's that would make it).
     """
     slot = callgroups.take()
     if slot is not None:
         try:
-            proc = await trio.lowlevel.open_process(
-                argv, start_new_session=True, preexec_fn=callgroups.joiner(slot), **options
-            )
+            proc = await _open_process(argv, start_new_session=True, preexec_fn=callgroups.joiner(slot), **options)
             return proc, slot
         except subprocess.SubprocessError as exc:  # the join was refused: nothing ran
             logger.warning("command not started in its cgroup %s (%s): started without one", slot.path, exc)
         except BaseException:
             callgroups.give(slot)
             raise
-    return await trio.lowlevel.open_process(argv, start_new_session=True, **options), None
+    return await _open_process(argv, start_new_session=True, **options), None
+
+
+async def _open_process(argv: list[str], **options: Any) -> trio.Process:
+    """``trio.lowlevel.open_process``, whose fork runs in a worker thread: a thread that
+    cannot be started (the run's tasks at its pids limit) is the fork's own ``EAGAIN``
+    (the call fails, the run goes on), not a ``RuntimeError`` that failed the whole run
+    'internal'."""
+    try:
+        return await trio.lowlevel.open_process(argv, **options)
+    except RuntimeError as exc:
+        if "can't start new thread" not in str(exc):
+            raise
+        raise OSError(errno.EAGAIN, f"{os.strerror(errno.EAGAIN)}: no thread to start it ({exc})") from exc
 
 
 # A command's shell first waits at a gate (a line on its stdin, written by the runner),

@@ -357,3 +357,36 @@ async def test_a_cold_runner_joins_its_pids_group_in_the_preexec_hook(tmp_path: 
         assert c.remove(tree) and not tree.pids_group.exists()
     finally:
         c.close()
+
+
+_NO_THREAD_LEFT = r"""
+import os, sys, trio
+from subagent.tools import commands
+
+group = sys.argv[1]
+with open(f"{group}/cgroup.procs", "w") as f:
+    f.write("0")
+with open(f"{group}/pids.max", "w") as f:  # the run at its limit: not one task more
+    f.write(str(len(os.listdir("/proc/self/task"))))
+
+async def main():
+    out = await commands.run_command(
+        "echo ran", timeout_s=10, max_output_bytes=1000, interrupt=trio.CancelScope(), on_group=lambda *a: None
+    )
+    print("error:", out.spawn_error, "| output:", out.output.strip())
+
+trio.run(main)
+"""
+
+
+def test_a_runner_at_its_limit_fails_the_command_not_the_run(v1_parent: Path) -> None:
+    # A runner whose run used its whole limit (its MCP server's threads, say) could not
+    # start the worker thread trio forks a command in: a RuntimeError, and the whole run
+    # failed 'internal' (the call 'unknown: runner_failed'). It is the call's EAGAIN now.
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_THREAD_LEFT, str(v1_parent)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"error: BlockingIOError: [Errno {errno.EAGAIN}]"), out.stdout
+    report = PidsLimit(1).report(v1_parent)
+    assert report is not None and report["hit"] >= 1, report  # the kernel refused it, not a fake
