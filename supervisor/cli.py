@@ -32,7 +32,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import stat  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -596,14 +595,13 @@ def _from_file(base: Path, value: Any) -> Any:
 def _base_dir(file: Path) -> Path:
     """The directory a file's relative paths are taken from: the file's own, or the current
     one for a file read through a descriptor (``/dev/stdin``, ``/dev/fd/N``, ``<(...)``,
-    ``/proc/self/fd/N``, a pipe): its name says nothing of where it was written (``/dev``
-    or ``/dev/fd`` were taken for its directory: a grant ``data`` became ``/dev/data``)."""
+    ``/proc/self/fd/N``): its name says nothing of where it was written (``/dev`` or
+    ``/dev/fd`` were taken for its directory: a grant ``data`` became ``/dev/data``)."""
     try:
-        regular = stat.S_ISREG(file.stat().st_mode)
         parent = Path(os.path.realpath(file.parent))
     except OSError:
         return file.parent
-    if not regular or parent == Path("/dev") or (parent.name == "fd" and parent.parent.parent == Path("/proc")):
+    if parent == Path("/dev") or (parent.name == "fd" and parent.parent.parent == Path("/proc")):
         return Path.cwd()
     return file.parent
 

@@ -1419,3 +1419,19 @@ def test_a_spec_files_paths_in_a_home_directory_are_expanded(tmp_path: Path, mon
     assert built["sandbox"] == {"read": [str(home / "data"), "/abs/"], "workdir": str(home)}
     assert built["mcpServers"] == {"m": {"command": str(home / "bin" / "srv")}}
     RunSpec.from_dict(built)  # the spec's checks take them
+
+
+def test_a_named_pipe_spec_in_a_directory_takes_that_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only a descriptor's name (/dev/stdin, /dev/fd/N) says nothing of where a spec was
+    # written; a FIFO made in a directory is that directory's, as a file there is.
+    fifo = tmp_path / "spec.fifo"
+    os.mkfifo(fifo)
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps({"task": "t", "sandbox": {"read": ["data"]}}))
+    monkeypatch.chdir("/")
+    writer = subprocess.Popen(["sh", "-c", 'cat "$1" > "$2"', "sh", str(src), str(fifo)])
+    try:
+        built = build_spec(None, spec_file=fifo)
+    finally:
+        writer.wait(timeout=30)
+    assert built["sandbox"]["read"] == [str(tmp_path / "data")]
