@@ -525,3 +525,22 @@ def test_deleted_files_are_the_open_files_no_path_leads_to(tmp_path: Path) -> No
     finally:
         for f in (gone, kept, linked):
             f.close()
+
+
+async def test_a_read_with_no_thread_to_be_had_runs_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A runner at its run's pids limit cannot start a thread: the escalation's reads (the
+    # runner's stop of its command) ran in one and failed the stop with RuntimeError.
+    from subagent.osedge._escalate import TrioRuntime
+
+    async def no_thread(fn: object, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", no_thread)
+    assert await TrioRuntime().run_sync(lambda: 42) == 42
+
+    async def other(fn: object, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", other)
+    with pytest.raises(RuntimeError, match="something else"):
+        await TrioRuntime().run_sync(lambda: 42)
