@@ -26,6 +26,10 @@ from supervisor.errors import ConfigError
 __all__ = ["Config", "default_state_dir", "TOKEN_FILE", "ENDPOINT_FILE", "JOURNAL_FILE"]
 
 JOURNAL_FILE = "agentd.sqlite3"
+# The most a ``*_mib`` setting may say (2**40 MiB = 2**60 bytes): a larger one wrapped in
+# the kernel's 64-bit byte counts (a tmpfs ``size=`` of 2**44 MiB was no bound at all).
+_MAX_MIB = 2**40
+_MAX_PIDS = 4 * 1024 * 1024  # PID_MAX_LIMIT on 64-bit Linux
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +212,10 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                     raise ValueError("must be >= 0")
                 if f.name == "port" and v > 65535:
                     raise ValueError("must be <= 65535")
+                if f.name.endswith("_mib") and v > _MAX_MIB:  # in bytes past 2**63: it wrapped
+                    raise ValueError(f"must be <= {_MAX_MIB} (MiB)")
+                if f.name == "run_pids_max" and v > _MAX_PIDS:
+                    raise ValueError(f"must be <= {_MAX_PIDS} (the kernel's most pids)")
             elif f.name in {"grace_s", "session_profile_ttl_s", "zygote_spares_keep_s"}:
                 v = float(v)
                 if not math.isfinite(v) or v < 0:  # NaN passed `v < 0`: a grace of NaN SIGKILLed at once

@@ -971,6 +971,11 @@ def test_a_second_daemon_on_the_same_state_dir_exits_9_with_one_line(real_daemon
         ("grace_s", "-1"),
         ("default_timeout_s", "-5"),
         ("default_timeout_s", "nan"),
+        # In bytes past 2**63 they wrapped: a private tmpfs of 2**44 MiB had no bound.
+        ("run_tmpfs_max_mib", str(2**44)),
+        ("run_memory_max_mib", str(2**41)),
+        ("disk_min_free_mib", str(2**41)),
+        ("run_pids_max", str(2**23)),
     ],
 )
 def test_a_setting_that_is_not_a_finite_number_in_range_is_a_config_error(
