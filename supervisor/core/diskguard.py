@@ -125,6 +125,8 @@ def deleted_held(tree: AnyTree, dev: int, seen: set[tuple[int, int]]) -> int:
     total = 0
     try:
         members = table.members(tree.targets())
+    except FileNotFoundError:  # its cgroup went with it: the tree ended while measured
+        return 0
     except OSError:  # the table could not be read (out of descriptors): the walk still counts
         logger.warning("disk guard: the processes of tree %s could not be listed", tree.tree_id)
         return 0
