@@ -29,6 +29,7 @@ import trio
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, fold_snapshot
 from supervisor.config import Config
 from supervisor.core._book import RunBook
+from supervisor.core._limits import add_memory, add_pids
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import EventSource
 from supervisor.core._stop_receipt import describe_tool_stops
@@ -285,8 +286,8 @@ class Lifecycle:
     ) -> None:
         """The run's terminal fact, from its runner's result (or its absence) and the receipt."""
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
-        self._add_pids(run, full_receipt)
-        memory = self._add_memory(run, full_receipt)
+        add_pids(self.containment, run, full_receipt)
+        memory = add_memory(self.containment, run, full_receipt)
         unread = await self.unread_steering(run)
         # Whether the stop (if any) came before the runner ended: one that came after (a
         # cancel racing the run's own end) does not make its failure a cancel. Read once,
@@ -447,52 +448,6 @@ class Lifecycle:
             error={"code": "internal", "message": f"supervision failed: {_leaf_errors(exc)}"},
             receipt=receipt,
         )
-
-    def _add_pids(self, run: Run, receipt: dict[str, Any]) -> None:
-        """The run's per-run pids limit in its receipt (``pids``: max, peak, hit), read
-        once its tree is dead; a run whose forks hit it says so in the log too."""
-        if run.tree is None:
-            return
-        try:
-            pids = self.containment.pids_report(run.tree)
-        except OSError:
-            return
-        if pids is None:
-            return
-        receipt["pids"] = pids
-        if pids["hit"]:
-            logger.warning(
-                "run %s: hit its pids limit (%d tasks): %d forks failed with EAGAIN",
-                run.run_id,
-                pids["max"],
-                pids["hit"],
-            )
-
-    def _add_memory(self, run: Run, receipt: dict[str, Any]) -> dict[str, Any] | None:
-        """The run's per-run memory limit in its receipt (``memory``: max, peak, failcnt,
-        oom_kills, in bytes), read once its tree is dead; a run whose group saw an OOM kill
-        says so in the log too. Returns what it added (None: no group)."""
-        if run.tree is None:
-            return None
-        try:
-            memory = self.containment.memory_report(run.tree)
-        except OSError:
-            return None
-        if memory is None:
-            return None
-        receipt["memory"] = memory
-        if memory["oom_kills"]:
-            logger.warning(
-                "run %s: hit its memory limit (%d MiB): the kernel's OOM killer killed %d of its processes",
-                run.run_id,
-                memory["max"] >> 20,
-                memory["oom_kills"],
-            )
-        elif memory["failcnt"]:
-            logger.info(
-                "run %s: reached its memory limit (%d MiB) %d times", run.run_id, memory["max"] >> 20, memory["failcnt"]
-            )
-        return memory
 
     def receipt_head(self, run: Run) -> dict[str, Any]:
         head = {
