@@ -15,6 +15,7 @@ whose lock is held is never touched, whatever its name says.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -24,6 +25,8 @@ from pathlib import Path
 from subagent.osedge import LINUX, Kernel
 
 __all__ = [
+    "remove_v1_group",
+    "release_v1_subtree",
     "own_cgroup_dir",
     "rmdir_tree",
     "make_subtree",
@@ -195,3 +198,28 @@ def claim_v1_subtree(own: Path, instance: str, *, kernel: Kernel = LINUX) -> tup
         return None
     remove_stale_subtrees(own, kernel=kernel)
     return claim_subtree(own, instance)
+
+
+def remove_v1_group(group: Path, own_root: Path | None) -> bool:
+    """rmdir a tree's group in a v1 subtree (the per-run limits'); True if nothing is left.
+    A re-adopted tree's group sits in an earlier daemon's subtree: that goes too once
+    empty and unlocked (never ``own_root``, this daemon's, which lives on)."""
+    ok = rmdir_tree(group)
+    parent = group.parent
+    if ok and parent != own_root and parent.name.startswith("agentd-"):
+        fd = lock_dir(parent)
+        if fd is not None:
+            try:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # refused while other groups are in it
+            finally:
+                os.close(fd)
+    return ok
+
+
+def release_v1_subtree(root: Path | None, lock: int | None, what: str) -> None:
+    """Remove this daemon's (empty) v1 subtree ``root`` and drop its ``lock``."""
+    if root is not None and not rmdir_tree(root):
+        logger.warning("%s subtree %s not removed: processes are still in it", what, root)
+    if lock is not None:
+        os.close(lock)

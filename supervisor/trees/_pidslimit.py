@@ -224,22 +224,9 @@ class PidsLimit:
         empty and unlocked."""
         if pids_dir is None or pids_dir == cgroup:
             return True
-        ok = _cgroupfs.rmdir_tree(pids_dir)
-        parent = pids_dir.parent
-        if ok and parent != self.root and parent.name.startswith("agentd-"):
-            fd = _cgroupfs.lock_dir(parent)
-            if fd is not None:
-                try:
-                    with contextlib.suppress(OSError):
-                        parent.rmdir()  # refused while other groups are in it
-                finally:
-                    os.close(fd)
-        return ok
+        return _cgroupfs.remove_v1_group(pids_dir, self.root)
 
     def close(self) -> None:
         """Remove the (empty) v1 subtree and drop its lock. Idempotent."""
-        if self.root is not None and not _cgroupfs.rmdir_tree(self.root):
-            logger.warning("pids subtree %s not removed: processes are still in it", self.root)
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        _cgroupfs.release_v1_subtree(self.root, self._lock, "pids")
+        self._lock = None

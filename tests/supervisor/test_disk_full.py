@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,6 @@ import psutil
 import pytest
 import trio
 import trio.testing
-from trio_websocket import open_websocket_url
 
 from supervisor.cli import _print_run, format_event
 from supervisor.config import Config
@@ -37,7 +33,8 @@ from supervisor.errors import ConfigError
 from supervisor.states import RunState
 from supervisor.store.journal import Journal
 from tests.conftest import mounted_tmpfs
-from tests.supervisor.test_restart import CHILDREN, Client
+from tests.supervisor.test_restart import Client
+from tests.supervisor.test_restart_stop import daemon
 from tests.supervisor.test_runs_real import gated_script
 from tests.supervisor.test_stop_tools import command_alive, wait_event
 
@@ -408,35 +405,6 @@ async def test_a_run_being_stopped_for_another_reason_that_holds_the_most_is_wai
 # --------------------------------------------------------------------------- across a restart
 
 
-@asynccontextmanager
-async def _daemon(state: Path, **settings: str) -> AsyncIterator[tuple[trio.Process, Client]]:
-    """A real daemon process (``tests/children/daemon_main.py``) with the real runner."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
-    env.update({f"AGENTD_{k.upper()}": v for k, v in settings.items()})
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(CHILDREN / "daemon_main.py"), str(state)], stdout=-1, env=env, start_new_session=True
-    )
-    try:
-        buf = b""
-        assert proc.stdout is not None
-        while b"\n" not in buf:
-            chunk = await proc.stdout.receive_some()
-            assert chunk, "daemon exited before it served"
-            buf += chunk
-        info = json.loads(buf.split(b"\n")[0])
-        headers = [(b"authorization", f"Bearer {info['token']}".encode())]
-        async with open_websocket_url(info["url"], extra_headers=headers) as ws:
-            yield proc, Client(ws)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            with trio.move_on_after(15):
-                await proc.wait()
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-
-
 async def _until_state(c: Client, run_id: str, state: str) -> None:
     await c.call("subscribe", run_id=run_id, after_seq=0)
     while True:
@@ -472,9 +440,9 @@ async def test_a_disk_full_stop_keeps_its_measurement_across_a_daemon_kill(disk:
     )
     spec["stop_policy"] = {"run_command": "finish"}
     state = disk / "state"
-    settings = {"grace_s": "4", "disk_min_free_mib": "12", "disk_min_free_percent": "0"}
+    settings = {"disk_min_free_mib": "12", "disk_min_free_percent": "0"}
     with trio.fail_after(60):
-        async with _daemon(state, **settings) as (d1, c):
+        async with daemon(state, grace_s=4.0, **settings) as (d1, c):
             rid = (await c.call("spawn", spec=spec))["run_id"]
             await _until_state(c, rid, "cancelling")  # its intent is journaled: then the reply
             first = await c.call("status", run_id=rid)
@@ -485,7 +453,7 @@ async def test_a_disk_full_stop_keeps_its_measurement_across_a_daemon_kill(disk:
             d1.kill()  # SIGKILL, mid-stop: the daemon this test started
             await d1.wait()
         assert first["cancel_reason"] == DISK_FULL_REASON and psutil.pid_exists(runner)
-        async with _daemon(state, **settings) as (d2, c):
+        async with daemon(state, grace_s=4.0, **settings) as (d2, c):
             assert await c.wait_for(rid) == "cancelled"
             final = await c.call("status", run_id=rid)
     assert (final["reason"], final["cancel_reason"]) == (DISK_FULL_REASON, DISK_FULL_REASON), final

@@ -26,9 +26,12 @@ from tests.supervisor.test_restart import CHILDREN, Client
 
 
 @asynccontextmanager
-async def daemon(state_dir: Path, *, grace_s: float) -> AsyncIterator[tuple[trio.Process, Client]]:
+async def daemon(state_dir: Path, *, grace_s: float, **settings: str) -> AsyncIterator[tuple[trio.Process, Client]]:
+    """A real daemon process (``tests/children/daemon_main.py``) with the real runner;
+    ``settings``: more of its settings, by name (``disk_min_free_mib="12"``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
     env["AGENTD_GRACE_S"] = str(grace_s)
+    env.update({f"AGENTD_{k.upper()}": v for k, v in settings.items()})
     proc = await trio.lowlevel.open_process(
         [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)], stdout=-1, env=env, start_new_session=True
     )
