@@ -25,6 +25,8 @@ from pathlib import Path
 from subagent.osedge import LINUX, Kernel
 
 __all__ = [
+    "read_text",
+    "write_value",
     "remove_v1_group",
     "release_v1_subtree",
     "own_cgroup_dir",
@@ -223,3 +225,21 @@ def release_v1_subtree(root: Path | None, lock: int | None, what: str) -> None:
         logger.warning("%s subtree %s not removed: processes are still in it", what, root)
     if lock is not None:
         os.close(lock)
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """A cgroup (or /proc) file's text; "" when it cannot be read (gone, say)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def write_value(path: str | os.PathLike[str], data: bytes) -> None:
+    """One write to a cgroup file (its kernel handler takes it whole). Raises OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

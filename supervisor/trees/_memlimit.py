@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, final
@@ -52,22 +51,6 @@ MIB: Final = 1 << 20
 def v1_memory_dir(cgroup_text: str, mountinfo_text: str) -> Path | None:
     """The directory of a process's cgroup v1 memory group (``_cgroupfs.v1_controller_dir``)."""
     return _cgroupfs.v1_controller_dir("memory", cgroup_text, mountinfo_text)
-
-
-def _read(path: Path) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
 def _int(text: str) -> int | None:
@@ -113,7 +96,9 @@ class MemoryLimit:
         if self.limit_mib == 0:
             return self
         own = (
-            v1_memory_dir(_read(Path("/proc/self/cgroup")), _read(Path("/proc/self/mountinfo")))
+            v1_memory_dir(
+                _cgroupfs.read_text(Path("/proc/self/cgroup")), _cgroupfs.read_text(Path("/proc/self/mountinfo"))
+            )
             if v1_own is True
             else v1_own
         )
@@ -122,8 +107,8 @@ class MemoryLimit:
             if made is not None:
                 self.root, self._lock = made
                 with contextlib.suppress(OSError):  # the default on cgroup v1 >= 5.x anyway
-                    if _read(own / "memory.use_hierarchy").strip() == "0":
-                        _write(self.root / "memory.use_hierarchy", b"1")
+                    if _cgroupfs.read_text(own / "memory.use_hierarchy").strip() == "0":
+                        _cgroupfs.write_value(self.root / "memory.use_hierarchy", b"1")
                 self.mode = V1
                 logger.info(
                     "per-run memory limit %d MiB: a cgroup v1 memory group per run under %s", self.limit_mib, self.root
@@ -148,10 +133,10 @@ class MemoryLimit:
             with contextlib.suppress(FileExistsError):
                 path.mkdir()
             limit = str(self.limit_bytes).encode()
-            _write(path / "memory.limit_in_bytes", limit)
+            _cgroupfs.write_value(path / "memory.limit_in_bytes", limit)
             memsw = path / "memory.memsw.limit_in_bytes"
             with contextlib.suppress(FileNotFoundError):  # no swap accounting: nothing to bound
-                _write(memsw, limit)  # swap too: a run must not page its excess out instead
+                _cgroupfs.write_value(memsw, limit)  # swap too: a run must not page its excess out instead
             return path
         except OSError as exc:
             self._warn(f"cannot make memory group {path} ({exc})")
@@ -189,18 +174,18 @@ class MemoryLimit:
         count them), read once its processes are gone; None without a group."""
         if group is None:
             return None
-        limit = _int(_read(group / "memory.limit_in_bytes"))
+        limit = _int(_cgroupfs.read_text(group / "memory.limit_in_bytes"))
         if limit is None:
             return None  # gone already
         oom_kills: int | None = None
-        for line in _read(group / "memory.oom_control").splitlines():
+        for line in _cgroupfs.read_text(group / "memory.oom_control").splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 oom_kills = _int(value)
         return {
             "max": limit,
-            "peak": _int(_read(group / "memory.max_usage_in_bytes")),
-            "failcnt": _int(_read(group / "memory.failcnt")) or 0,
+            "peak": _int(_cgroupfs.read_text(group / "memory.max_usage_in_bytes")),
+            "failcnt": _int(_cgroupfs.read_text(group / "memory.failcnt")) or 0,
             "oom_kills": oom_kills,
         }
 

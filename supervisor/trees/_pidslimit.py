@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, final
@@ -60,33 +59,17 @@ def v1_pids_dir(cgroup_text: str, mountinfo_text: str) -> Path | None:
     return _cgroupfs.v1_controller_dir("pids", cgroup_text, mountinfo_text)
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
 def _enable_v2_pids(own: Path, root: Path) -> bool:
     """``+pids`` in ``own``'s and ``root``'s ``cgroup.subtree_control`` (where it is not
     yet): the tree cgroups below ``root`` then have ``pids.max``. False (nothing changed
     but what the kernel accepted) where the controller is not offered or is refused."""
-    if "pids" not in _read(str(own / "cgroup.controllers")).split():
+    if "pids" not in _cgroupfs.read_text(str(own / "cgroup.controllers")).split():
         return False
     for path in (own, root):
-        if "pids" in _read(str(path / "cgroup.subtree_control")).split():
+        if "pids" in _cgroupfs.read_text(str(path / "cgroup.subtree_control")).split():
             continue
         try:
-            _write(path / "cgroup.subtree_control", b"+pids")
+            _cgroupfs.write_value(path / "cgroup.subtree_control", b"+pids")
         except OSError as exc:
             logger.info("pids controller not enabled in %s (%s)", path, exc)
             return False
@@ -137,7 +120,11 @@ class PidsLimit:
             self.mode = V2
             logger.info("per-run pids limit %d: pids.max of each run's cgroup v2", self.limit)
             return self
-        own = v1_pids_dir(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo")) if v1_own is True else v1_own
+        own = (
+            v1_pids_dir(_cgroupfs.read_text("/proc/self/cgroup"), _cgroupfs.read_text("/proc/self/mountinfo"))
+            if v1_own is True
+            else v1_own
+        )
         if isinstance(own, Path):
             made = _cgroupfs.claim_v1_subtree(own, instance, kernel=kernel)
             if made is not None:
@@ -159,7 +146,7 @@ class PidsLimit:
         a mkdir and a write. (None, None): no limit for this tree (logged once)."""
         if self.mode == V2 and cgroup is not None:
             try:
-                _write(cgroup / "pids.max", str(self.limit).encode())
+                _cgroupfs.write_value(cgroup / "pids.max", str(self.limit).encode())
                 return cgroup, None
             except OSError as exc:
                 self._warn(f"cannot set {cgroup}/pids.max ({exc})")
@@ -169,7 +156,7 @@ class PidsLimit:
             try:
                 with contextlib.suppress(FileExistsError):
                     path.mkdir()
-                _write(path / "pids.max", str(self.limit).encode())
+                _cgroupfs.write_value(path / "pids.max", str(self.limit).encode())
                 return path, path
             except OSError as exc:
                 self._warn(f"cannot make pids group {path} ({exc})")
@@ -204,12 +191,12 @@ class PidsLimit:
         if pids_dir is None:
             return None
         hit: int | None = None
-        for line in _read(str(pids_dir / "pids.events")).splitlines():
+        for line in _cgroupfs.read_text(str(pids_dir / "pids.events")).splitlines():
             key, _, value = line.partition(" ")
             if key == "max" and value.strip().isdigit():
                 hit = int(value)
-        peak = _read(str(pids_dir / "pids.peak")).strip()
-        limit = _read(str(pids_dir / "pids.max")).strip()
+        peak = _cgroupfs.read_text(str(pids_dir / "pids.peak")).strip()
+        limit = _cgroupfs.read_text(str(pids_dir / "pids.max")).strip()
         if hit is None and not limit:
             return None  # gone already
         return {
