@@ -276,6 +276,9 @@ async def test_a_sessions_next_turn_is_a_spares_with_its_history(tmp_path: Path)
     with trio.fail_after(120):
         async with daemon(tmp_path, zygote_spares=1) as m:
             await zygote_state(m)
+            # The first turn a spare's too (``used`` counts both): waited for, as the second
+            # is (a spare's v1 joins, made ahead, can leave it not yet ready at the spawn).
+            first_spare = await spare_ready(m)
             first = await m.spawn(turn("first question", "first answer"), session_id="chat")
             one = await m.wait_terminal(first["run_id"])
             spare_pid = await spare_ready(m, other_than=one["pid"])
@@ -284,6 +287,7 @@ async def test_a_sessions_next_turn_is_a_spares_with_its_history(tmp_path: Path)
             z = (await m.summary())["zygote"]
             events = [e["kind"] for e in await m.journal.events_after(second["run_id"])]
     assert one["state"] == two["state"] == "completed", (one, two)
+    assert one["pid"] == first_spare
     assert two["pid"] == spare_pid and z["spares"]["used"] == 2 and z["cold_fallbacks"] == 0
     given = [(msg["role"], msg["content"]) for msg in two["result"]["messages"][1:4]]
     assert given == [("user", "first question"), ("assistant", "first answer"), ("user", "second question")]
