@@ -2,7 +2,8 @@
 
 The daemon contains a runner's tree in ``.../agentd-<instance>/<tree id>``. A command
 (``run_command``, a background command) runs in a cgroup of its own below it,
-``<tree>/calls/<n>``, joined by the forked shell before it execs: every process it starts
+``<tree>/calls/<n>``, into which the runner moves the command's shell while the shell is
+held at its gate, before it has run anything (``move``): every process it starts
 is born there, and none can leave on its own. So when the call ends, its cgroup is its
 whole set, including an escaper that left the group (``setsid``), was re-parented (a
 double fork) and emptied its environment (``env -i``), which the marker alone cannot find.
@@ -12,7 +13,7 @@ own, a process may move in any process whose cgroup shares an ancestor it can wr
 a root daemon's run, every process of the host, the daemon too), then kill it with its
 call. So the runner makes a few such cgroups (``open_pool``) while it still may, before
 its sandbox is applied, and keeps each one's ``cgroup.procs`` open (and ``cgroup.kill``,
-for the call's end): the forked shell writes its own pid to that descriptor, which needs no path (Landlock checks paths as
+for the call's end): the runner writes its held shell's pid to that descriptor, which needs no path (Landlock checks paths as
 they are opened). A cgroup is used again once its call has left nothing in it. A call
 that finds none free (more than ``POOL_SIZE`` at once), or a runner with no tree cgroup,
 runs as before: its group and its marker variable find what it started.
@@ -43,6 +44,7 @@ __all__ = [
     "take",
     "give",
     "joiner",
+    "move",
 ]
 
 logger = logging.getLogger(__name__)
@@ -158,6 +160,23 @@ def give(slot: Slot) -> None:
     """Back to the pool: its call left nothing in it (else it is not given back)."""
     if _pool is not None and _pool[0] == os.getpid():
         _pool[1].append(slot)
+
+
+def move(slot: Slot, pid: int) -> None:
+    """Move the runner's child ``pid`` (forked, not yet reaped) into ``slot``.
+
+    For a child that starts nothing before it is moved: a command's shell held at its gate
+    (``subagent.tools.commands``). Moving it from the runner, rather than having the child
+    join in a ``preexec_fn``, lets the spawn use ``vfork``: a ``preexec_fn`` makes
+    subprocess ``fork`` the whole runner, ~10 ms of page tables for a runner forked from
+    the zygote (its ~110 MiB mapped), copy-on-write faults after it, and its teardown at
+    the exec. The write may wait for an RCU grace period (a cgroup move, when cgroups were
+    quiet): call it from a thread where one can be had.
+
+    Raises:
+        OSError: the move was refused (the child stays in the tree's cgroup).
+    """
+    os.write(slot.procs_fd, str(pid).encode())
 
 
 def joiner(slot: Slot) -> Callable[[], None]:

@@ -201,25 +201,40 @@ async def end_group_and_escapers(
 
 
 async def open_in_call(argv: list[str], **options: Any) -> tuple[trio.Process, callgroups.Slot | None]:
-    """``trio.lowlevel.open_process`` in a new session, in a cgroup of its own when one can
-    be had (``subagent.callgroups``): the process and that cgroup (None: found by group
-    and marker alone).
+    """``trio.lowlevel.open_process`` in a new session, then moved into a cgroup of its own
+    when one can be had (``subagent.callgroups``): the process and that cgroup (None:
+    found by group and marker alone).
+
+    Only for a process that starts nothing before it is moved: a shell held at its gate
+    (``open_gated``), which the runner lets go once the move is done, so that everything
+    its command starts is born in the call's cgroup. Spawned without a ``preexec_fn``, so
+    by ``vfork`` (``callgroups.move``: why).
 
     Raises:
         OSError, ValueError: it could not be started (a NUL in it, a lone surrogate; EAGAIN
             at the run's pids limit, the fork's or the thread's that would make it).
     """
     slot = callgroups.take()
-    if slot is not None:
-        try:
-            proc = await _open_process(argv, start_new_session=True, preexec_fn=callgroups.joiner(slot), **options)
-            return proc, slot
-        except subprocess.SubprocessError as exc:  # the join was refused: nothing ran
-            logger.warning("command not started in its cgroup %s (%s): started without one", slot.path, exc)
-        except BaseException:
+    try:
+        proc = await _open_process(argv, start_new_session=True, **options)
+    except BaseException:
+        if slot is not None:
             callgroups.give(slot)
-            raise
-    return await _open_process(argv, start_new_session=True, **options), None
+        raise
+    if slot is None:
+        return proc, None
+    try:
+        try:
+            await trio.to_thread.run_sync(callgroups.move, slot, proc.pid)
+        except RuntimeError as exc:  # no thread to be had (the run at its pids limit)
+            if "can't start new thread" not in str(exc):
+                raise
+            callgroups.move(slot, proc.pid)
+    except OSError as exc:  # refused: the shell stays in the tree's cgroup, held at its gate
+        logger.warning("command not moved into its cgroup %s (%s): it runs without one", slot.path, exc)
+        callgroups.give(slot)
+        return proc, None
+    return proc, slot
 
 
 async def _open_process(argv: list[str], **options: Any) -> trio.Process:

@@ -584,6 +584,102 @@ async def test_a_runners_call_pool_joins_and_kills_through_its_descriptors(made:
     assert _cgroupfs.rmdir_tree(tree) and not tree.exists()  # its calls' cgroups with it
 
 
+def _close_pool() -> None:
+    from subagent import callgroups
+
+    assert callgroups._pool is not None
+    for s in callgroups._pool[1]:
+        os.close(s.procs_fd)
+        if s.kill_fd is not None:
+            os.close(s.kill_fd)
+    callgroups._pool = None
+
+
+async def test_a_command_is_spawned_by_vfork_and_moved_into_its_call_cgroup_at_its_gate(
+    made: list[Containment], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runner's real path (``start_gated``): the shell is spawned with no preexec_fn (so
+    # by vfork: a fork of a zygote-born runner was ~10 ms), moved into its call cgroup
+    # while it waits at its gate, and what its command starts is born there.
+    from subagent import callgroups
+    from subagent.tools import commands
+
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    tree = c.prepare("t-" + uuid.uuid4().hex)
+    assert tree is not None
+    assert callgroups.open_pool(tree) == tree / "calls"
+    spawned: list[dict[str, Any]] = []
+    real_open = trio.lowlevel.open_process
+
+    async def recording_open(argv: Any, **options: Any) -> trio.Process:
+        spawned.append(options)
+        return await real_open(argv, **options)
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", recording_open)
+    started = await commands.start_gated(
+        "sleep 300 & exec sleep 300", "m-" + uuid.uuid4().hex, lambda: False, stdout=subprocess.DEVNULL
+    )
+    assert started is not None and started.cgroup is not None
+    try:
+        assert [o.get("preexec_fn") for o in spawned] == [None]
+        with trio.fail_after(5):
+            while len(LINUX.cgroup_pids(started.cgroup.path)) < 2:  # the shell and its child
+                await trio.sleep(0.01)
+        assert (LINUX.cgroup(started.proc.pid) or "").endswith(f"/calls/{started.cgroup.path.name}")
+        assert await commands.end_group_and_escapers(
+            started.proc.pid, started.ticks, "m", grace_s=0.5, what="test", cgroup=started.cgroup
+        )
+        with trio.fail_after(5):
+            await started.proc.wait()
+    finally:
+        if started.proc.returncode is None:
+            started.proc.kill()
+            await started.proc.wait()
+        _close_pool()
+    c.discard(tree.name)
+    assert _cgroupfs.rmdir_tree(tree) and not tree.exists()
+
+
+async def test_a_refused_move_runs_the_command_without_a_cgroup_and_keeps_the_slot(
+    made: list[Containment], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The move is refused (here: a descriptor that cannot be written): nothing ran yet, so
+    # the command runs as a call beyond the pool does, said in the log, and the slot stays
+    # in the pool.
+    from subagent import callgroups
+    from subagent.tools import commands
+
+    c = setup(made, cgroups="auto")
+    conftest.require(c.root is not None, "a writable cgroup2 mount")
+    tree = c.prepare("t-" + uuid.uuid4().hex)
+    assert tree is not None
+    assert callgroups.open_pool(tree, size=1) == tree / "calls"
+    assert callgroups._pool is not None
+    slot = callgroups._pool[1][0]
+    os.close(slot.procs_fd)
+    slot.procs_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    r, w = os.pipe()
+    try:
+        with caplog.at_level(logging.WARNING, logger="subagent.tools.commands"):
+            started = await commands.start_gated("echo ran", "m-" + uuid.uuid4().hex, lambda: False, stdout=w)
+        os.close(w)
+        w = -1
+        assert started is not None and started.cgroup is None
+        with trio.fail_after(5):
+            assert await started.proc.wait() == 0
+        assert os.read(r, 100) == b"ran\n"
+        assert "runs without one" in caplog.text
+        assert callgroups._pool[1] == [slot]
+    finally:
+        os.close(r)
+        if w != -1:
+            os.close(w)
+        _close_pool()
+    c.discard(tree.name)
+    assert _cgroupfs.rmdir_tree(tree) and not tree.exists()
+
+
 def test_a_call_beyond_the_pool_says_it_runs_without_a_cgroup(caplog: pytest.LogCaptureFixture) -> None:
     # More commands at once than the pool holds: the one without a cgroup is said in the
     # run's log (its escapers are found by group and marker only); a runner with no pool
