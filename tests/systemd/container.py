@@ -76,6 +76,27 @@ def read_only_binds() -> list[Path]:
     return out
 
 
+def editable_override(workdir: Path) -> list[str]:
+    """nspawn options that make the venv's editable install name this checkout inside the
+    container, where the venv's ``__editable__.*.pth`` names another one (a git worktree
+    sharing the main checkout's venv): that checkout is not bound inside, so without this
+    the daemon would fail to import (or run other code). A file naming this checkout is
+    bound over the .pth, for the units, the runners and the CLI alike; nothing otherwise."""
+    args: list[str] = []
+    venv = (CHECKOUT / ".venv").resolve()  # bound inside at this (real) path
+    for pth in sorted((venv / "lib").glob("python*/site-packages/__editable__.*.pth")):
+        try:
+            text = pth.read_text().strip()
+        except OSError:
+            continue
+        if not text.startswith("/") or "\n" in text or Path(text) == CHECKOUT:
+            continue
+        ours = workdir / pth.name
+        ours.write_text(f"{CHECKOUT}\n")
+        args.append(f"--bind-ro={ours}:{pth}")
+    return args
+
+
 HOSTROOT = "/hostroot"
 
 
@@ -182,6 +203,7 @@ class Container:
                 # unsandboxed and the unit's sandbox could not be tested.
                 f"--system-call-filter={' '.join(LANDLOCK_SYSCALLS)}",
                 *[f"--bind-ro={p}" for p in self.binds_ro],
+                *editable_override(self.workdir),
                 *self.extra_args,
             ]
             argv = self._in_own_cgroup(argv)
