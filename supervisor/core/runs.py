@@ -624,9 +624,13 @@ class RunManager:
             "grace_s": self.config.grace_s,
             "containment": self.containment.mode,
             "cgroup_subtree": str(self.containment.root) if self.containment.root is not None else None,
+            # The daemon's own leaf cgroup beside that subtree (per-run limits on cgroup v2:
+            # ``trees/_placement.py``), or None: it stayed in the subtree's parent.
+            "daemon_cgroup": str(self.containment.leaf) if self.containment.leaf is not None else None,
             # Each run's pids limit: where it lives ("v2", "v1") or None (no limit).
             "pids_limit": self.containment.pids.describe(),
-            # Each run's memory limit: "v1" (a cgroup v1 memory group) or None (no limit).
+            # Each run's memory limit: "v2" (its cgroup's memory.max), "v1" (a cgroup v1
+            # memory group) or None (no limit).
             "memory_limit": self.containment.memory.describe(),
             "sandbox": self.config.sandbox,
             "warm_runners": self._pool.ready if self._pool is not None else 0,

@@ -70,19 +70,25 @@ def rmdir_tree(path: Path) -> bool:
 
 
 def make_subtree(instance: str, *, kernel: Kernel = LINUX) -> tuple[Path, int] | None:
-    """Create and lock ``<own cgroup>/agentd-<instance>``; None (logged) when not possible."""
+    """Create and lock ``<base>/agentd-<instance>``; None (logged) when not possible.
+
+    ``base`` is the daemon's own cgroup, or its parent where the daemon was started in
+    its leaf (``_placement.base_of``). The daemon may stay in ``base`` beside its subtree
+    while no domain controller is enabled there (measured: a process in a non-root
+    cgroup whose child holds another works while ``cgroup.subtree_control`` is empty, or
+    holds only threaded controllers); for a per-run memory limit it moves into its leaf
+    first (``_placement.move_into_leaf``, by ``Containment.setup``).
+    """
+    from supervisor.trees._placement import base_of
+
     own = own_cgroup_dir(kernel)
     if own is None:
         logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")
         return None
+    own = base_of(own)
     if not delegated(own):
         logger.warning("cgroup %s belongs to systemd and is not delegated (Delegate=yes missing?): no cgroups", own)
         return None
-    # We never enable controllers in our subtree, so the no-internal-process rule does
-    # not apply: the daemon stays in its own cgroup next to agentd-<instance> (measured:
-    # a process in a non-root cgroup whose child holds another works while
-    # cgroup.subtree_control is empty). Were controllers ever enabled there, the daemon
-    # would first have to move itself into a leaf.
     remove_stale_subtrees(own, kernel=kernel)
     made = claim_subtree(own, instance)
     if made is not None and not (made[0] / "cgroup.kill").exists():

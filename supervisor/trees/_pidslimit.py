@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Final, final
 
 from subagent.osedge import LINUX, Kernel
-from supervisor.trees import _cgroupfs
+from supervisor.trees import _cgroupfs, _placement
 
 __all__ = ["V1", "V2", "PidsLimit", "v1_pids_dir"]
 
@@ -59,23 +59,6 @@ def v1_pids_dir(cgroup_text: str, mountinfo_text: str) -> Path | None:
     return _cgroupfs.v1_controller_dir("pids", cgroup_text, mountinfo_text)
 
 
-def _enable_v2_pids(own: Path, root: Path) -> bool:
-    """``+pids`` in ``own``'s and ``root``'s ``cgroup.subtree_control`` (where it is not
-    yet): the tree cgroups below ``root`` then have ``pids.max``. False (nothing changed
-    but what the kernel accepted) where the controller is not offered or is refused."""
-    if "pids" not in _cgroupfs.read_text(str(own / "cgroup.controllers")).split():
-        return False
-    for path in (own, root):
-        if "pids" in _cgroupfs.read_text(str(path / "cgroup.subtree_control")).split():
-            continue
-        try:
-            _cgroupfs.write_value(path / "cgroup.subtree_control", b"+pids")
-        except OSError as exc:
-            logger.info("pids controller not enabled in %s (%s)", path, exc)
-            return False
-    return True
-
-
 @final
 @dataclass(eq=False)
 class PidsLimit:
@@ -90,6 +73,9 @@ class PidsLimit:
     limit: int
     mode: str | None = None
     root: Path | None = None
+    # ``pids.max`` of the whole v2 subtree (the service's task bound less the daemon's
+    # reserve: ``_placement.reserve_tasks``), or None (no bound above it).
+    runs_max: int | None = None
     _lock: int | None = None
     _warned: bool = False
 
@@ -116,9 +102,11 @@ class PidsLimit:
         self = cls(limit=max(0, limit))
         if self.limit == 0:
             return self
-        if v2_root is not None and _enable_v2_pids(v2_root.parent, v2_root):
+        if v2_root is not None and _placement.enable("pids", v2_root.parent, v2_root):
             self.mode = V2
             logger.info("per-run pids limit %d: pids.max of each run's cgroup v2", self.limit)
+            mount = kernel.cgroup2_mount()
+            self.runs_max = _placement.reserve_tasks(v2_root.parent, v2_root, mount=mount[0] if mount else None)
             return self
         own = (
             v1_pids_dir(_cgroupfs.read_text("/proc/self/cgroup"), _cgroupfs.read_text("/proc/self/mountinfo"))
@@ -139,6 +127,14 @@ class PidsLimit:
             self.limit,
         )
         return self
+
+    def restore(self, v2_root: Path) -> None:
+        """The v2 limit again in a subtree made again (``Containment.check_subtree``):
+        ``+pids`` and its tasks bound, which a fresh cgroup lacks. Blocking; logged."""
+        if self.mode == V2 and not _placement.enable("pids", v2_root.parent, v2_root):
+            self._warn(f"pids controller not enabled again in {v2_root}")
+        elif self.mode == V2 and self.runs_max is not None:
+            self.runs_max = _placement.reserve_tasks(v2_root.parent, v2_root)
 
     def prepare(self, tree_id: str, cgroup: Path | None) -> tuple[Path | None, Path | None]:
         """The limit of a new tree, made before its runner exists: (the directory whose
@@ -165,8 +161,14 @@ class PidsLimit:
         return None, None
 
     def describe(self) -> dict[str, Any]:
-        """For ``status``: ``{"max", "mode", "subtree"}`` (``mode`` None: no limit)."""
-        return {"max": self.limit, "mode": self.mode, "subtree": str(self.root) if self.root is not None else None}
+        """For ``status``: ``{"max", "mode", "subtree", "runs_max"}`` (``mode`` None: no
+        limit; ``runs_max``: all runs' tasks together, v2, where the service is bounded)."""
+        return {
+            "max": self.limit,
+            "mode": self.mode,
+            "subtree": str(self.root) if self.root is not None else None,
+            "runs_max": self.runs_max,
+        }
 
     def _warn(self, what: str) -> None:
         if not self._warned:

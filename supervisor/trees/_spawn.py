@@ -60,8 +60,8 @@ async def spawn_tree(
     child_env.pop(HOST_VAR, None)  # what the daemon forks besides trees carries it; trees not
     cgroup = containment.prepare(tree_id) if containment is not None else None
     pids_group, pids_join = containment.prepare_pids(tree_id, cgroup) if containment is not None else (None, None)
-    memory_group = containment.prepare_memory(tree_id) if containment is not None else None
-    v1_joins = [g for g in (pids_join, memory_group) if g is not None]
+    memory_group, memory_join = containment.prepare_memory(tree_id, cgroup) if containment is not None else (None, None)
+    v1_joins = [g for g in (pids_join, memory_join) if g is not None]
     try:
         proc: trio.Process | None = None
         try:
@@ -77,14 +77,15 @@ async def spawn_tree(
                 v1_joins = []
                 if pids_join is not None:
                     pids_group = pids_join = None
-                memory_group = None
+                if memory_join is not None:
+                    memory_group = memory_join = None
                 with contextlib.suppress(subprocess.SubprocessError):
                     proc = await _open_leader(argv, child_env, cwd, cgroup, [])
             if proc is None:
                 logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
                 if containment is not None and cgroup is not None:
                     _rmdir_quietly(cgroup)
-                cgroup = pids_group = None
+                cgroup = pids_group = memory_group = None
                 proc = await _open_leader(argv, child_env, cwd, None, [])
     except BaseException as exc:  # OSError, or a cancel before the child existed
         for g in v1_joins:

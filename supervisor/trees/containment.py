@@ -4,8 +4,8 @@ Labels, best first: "cgroup" (a leaf ``<own cgroup>/agentd-<instance>/<tree_id>`
 ``cgroup.kill``), "subreaper+sweep" (orphans re-parent to the daemon; members are swept
 from /proc by marker, session/group and ancestry), "group" (groups + marker sweep only).
 API: ``Containment.setup(config)``, ``.prepare(tree_id)``, ``.prepare_pids(tree_id, cgroup)``
-(the tree's per-run pids limit: ``_pidslimit``), ``.prepare_memory(tree_id)`` (its memory
-limit: ``_memlimit``), ``.track(tree)``, ``.remove(tree)``,
+(the tree's per-run pids limit: ``_pidslimit``), ``.prepare_memory(tree_id, cgroup)`` (its memory
+limit: ``_memlimit``; the daemon's own leaf beside its subtree: ``_placement``), ``.track(tree)``, ``.remove(tree)``,
 ``.reap_adopted()``, ``.run()`` (periodic reaping), ``.strays()``, ``.close()``. Its
 ``table`` is the daemon's one process-table reader (``subagent.osedge``); it sends no
 signal: ``process.py`` sends them all, through the OS edge.
@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 import trio
 
 from subagent.osedge import IN_DELETE, LINUX, Kernel, Proc, ProcessTable, TrioRuntime, Watch
-from supervisor.trees import _cgroupfs
+from supervisor.trees import _cgroupfs, _placement
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, AnyTree, Tree
 from supervisor.trees._memlimit import MemoryLimit
 from supervisor.trees._pidslimit import PidsLimit
@@ -163,8 +163,11 @@ class Containment:
     _host: str = ""  # this process's HOST_VAR value
     # Each tree's pids group (``pids.max`` = ``config.run_pids_max``): ``_pidslimit``.
     pids: PidsLimit = field(default_factory=lambda: PidsLimit(0))
-    # Each tree's v1 memory group (``config.run_memory_max_mib``): ``_memlimit``.
+    # Each tree's memory cgroup (``config.run_memory_max_mib``): ``_memlimit``.
     memory: MemoryLimit = field(default_factory=lambda: MemoryLimit(0))
+    # The daemon's own leaf beside ``root`` (``_placement``), where it moved; None: it
+    # stayed in ``root``'s parent.
+    leaf: Path | None = None
     _scan_failed_at: float = -float("inf")
 
     @property
@@ -224,12 +227,18 @@ class Containment:
             if made is not None:
                 root, lock = made
         limit = pids_max if pids_max is not None else (config.run_pids_max if config is not None else 0)
-        pids = PidsLimit.setup(limit, v2_root=root, instance=instance, kernel=kernel) if want == "auto" else None
         mem_mib = (
             memory_max_mib if memory_max_mib is not None else (config.run_memory_max_mib if config is not None else 0)
         )
-        memory = MemoryLimit.setup(mem_mib, instance=instance, kernel=kernel) if want == "auto" else None
-        self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=mark_host(table))
+        # Per-run limits wanted: the daemon leaves its delegated cgroup for a leaf beside
+        # its runs' subtree, so the kernel lets domain controllers (memory) be enabled
+        # for them (``_placement``); before it forks anything.
+        leaf = (
+            _placement.move_into_leaf(root.parent, kernel=kernel) if root is not None and (limit or mem_mib) else None
+        )
+        pids = PidsLimit.setup(limit, v2_root=root, instance=instance, kernel=kernel) if want == "auto" else None
+        memory = MemoryLimit.setup(mem_mib, instance=instance, kernel=kernel, v2_root=root) if want == "auto" else None
+        self = cls(root=root, subreaper=is_reaper, table=table, _root_lock=lock, _host=mark_host(table), leaf=leaf)
         if pids is not None:
             self.pids = pids
         if memory is not None:
@@ -278,11 +287,11 @@ class Containment:
         Blocking: a mkdir and a write, or nothing without a limit."""
         return self.pids.prepare(tree_id, cgroup)
 
-    def prepare_memory(self, tree_id: str) -> Path | None:
-        """The per-run memory limit of a new tree (before its runner exists): the v1
-        memory group its runner joins (its ``Tree.memory_group``), or None. Blocking: a
-        mkdir and a write, or nothing without a limit."""
-        return self.memory.prepare(tree_id)
+    def prepare_memory(self, tree_id: str, cgroup: Path | None) -> tuple[Path | None, Path | None]:
+        """The per-run memory limit of a new tree (after ``prepare``, before its runner
+        exists): (its ``Tree.memory_group``, the v1 group its runner joins, or None).
+        Blocking: a write (v2), a mkdir and writes (v1), or nothing without a limit."""
+        return self.memory.prepare(tree_id, cgroup)
 
     def memory_report(self, tree: AnyTree) -> dict[str, Any] | None:
         """``{"max", "peak", "failcnt", "oom_kills"}`` of a tree's memory group, for its
@@ -329,6 +338,9 @@ class Containment:
                 logger.error("containment: %s", self.problem)
                 return False
             self.root, self._root_lock = made
+            # A fresh cgroup has no controllers: the per-run limits' again.
+            self.pids.restore(made[0])
+            self.memory.restore(made[0])
         logger.warning("containment: cgroup subtree %s vanished (removed by someone else); made it again", root)
         return True
 
@@ -358,7 +370,7 @@ class Containment:
                     self._unreaped[tree.pid] = tree
             self._tree_ids.discard(tree.tree_id)
         pids_ok = self.pids.remove(tree.pids_group, tree.cgroup)
-        pids_ok = self.memory.remove(tree.memory_group) and pids_ok
+        pids_ok = self.memory.remove(tree.memory_group, tree.cgroup) and pids_ok
         if tree.cgroup is None:
             return pids_ok
         ok = _cgroupfs.rmdir_tree(tree.cgroup)

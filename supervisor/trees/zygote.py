@@ -524,6 +524,7 @@ class Zygote:
         pids_group: Path | None = None
         pids_join: Path | None = None
         memory_group: Path | None = None
+        memory_join: Path | None = None
         chan: socket.socket | None = None
         try:
             await trio.to_thread.run_sync(_make_run_dir, run_dir)
@@ -537,7 +538,7 @@ class Zygote:
             # Its leaf only: the tree is tracked once it has a run (``Spare.go``).
             cgroup = containment.prepare(tree_id, ahead=True)
             pids_group, pids_join = containment.prepare_pids(tree_id, cgroup)
-            memory_group = containment.prepare_memory(tree_id)
+            memory_group, memory_join = containment.prepare_memory(tree_id, cgroup)
             chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 req = {
@@ -549,7 +550,7 @@ class Zygote:
                     "tree_id": tree_id,
                     "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
                     "pids_procs": str(pids_join / "cgroup.procs") if pids_join is not None else None,
-                    "memory_procs": str(memory_group / "cgroup.procs") if memory_group is not None else None,
+                    "memory_procs": str(memory_join / "cgroup.procs") if memory_join is not None else None,
                 }
                 with trio.CancelScope(shield=True):  # a child may exist once the request is out
                     reply = await self._request(req, [theirs.fileno()])
@@ -560,8 +561,8 @@ class Zygote:
                 chan.close()
             if pids_join is not None:
                 _rmdir_quietly(pids_join)
-            if memory_group is not None:
-                _rmdir_quietly(memory_group)
+            if memory_join is not None:
+                _rmdir_quietly(memory_join)
             if cgroup is not None:
                 _rmdir_quietly(cgroup)
             containment.discard(tree_id)
@@ -578,12 +579,14 @@ class Zygote:
         except OSError:
             pidfd = None
         pids_group = _joined_pids(tree_id, reply, pids_group, pids_join)
-        memory_group = _joined_memory(tree_id, reply, memory_group)
+        memory_group = _joined_memory(tree_id, reply, memory_group, memory_join)
         if cgroup is not None and not reply.get("cgroup"):
             _rmdir_quietly(cgroup)
             cgroup = None
             if pids_join is None:  # v2: the limit was that cgroup's
                 pids_group = None
+            if memory_join is None:
+                memory_group = None
         chan.setblocking(False)
         spare = Spare(
             self, tree_id, run_dir, cgroup, env, chan, pid, ticks, pidfd if pidfd is not None else -1, reply["_exit"]
@@ -633,7 +636,7 @@ class Zygote:
                     await spare.process.wait()
             if spare.pids_group is not None and spare.pids_group != spare.cgroup:
                 _rmdir_quietly(spare.pids_group)
-            if spare.memory_group is not None:
+            if spare.memory_group is not None and spare.memory_group != spare.cgroup:
                 _rmdir_quietly(spare.memory_group)
             if spare.cgroup is not None:
                 _rmdir_quietly(spare.cgroup)
@@ -664,7 +667,7 @@ class Zygote:
         containment = self.containment
         cgroup = containment.prepare(tree_id)
         pids_group, pids_join = containment.prepare_pids(tree_id, cgroup)
-        memory_group = containment.prepare_memory(tree_id)
+        memory_group, memory_join = containment.prepare_memory(tree_id, cgroup)
         child_env = dict(env)
         child_env[MARKER_VAR] = tree_id
         child_env.pop(HOST_VAR, None)  # as process.spawn_tree: a tree's processes never carry it
@@ -685,7 +688,7 @@ class Zygote:
                 "tree_id": tree_id,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup is not None else None,
                 "pids_procs": str(pids_join / "cgroup.procs") if pids_join is not None else None,
-                "memory_procs": str(memory_group / "cgroup.procs") if memory_group is not None else None,
+                "memory_procs": str(memory_join / "cgroup.procs") if memory_join is not None else None,
             }
             with trio.CancelScope(shield=True):  # a child may exist once the request is out
                 reply = await self._request(req, theirs)
@@ -694,8 +697,8 @@ class Zygote:
                 _close_quietly(fd)
             if pids_join is not None:
                 _rmdir_quietly(pids_join)
-            if memory_group is not None:
-                _rmdir_quietly(memory_group)
+            if memory_join is not None:
+                _rmdir_quietly(memory_join)
             if cgroup is not None:
                 _rmdir_quietly(cgroup)
             # A request the zygote took before it died may have left a runner: it reads EOF
@@ -721,13 +724,15 @@ class Zygote:
             pidfd = None
         start_time = table.kernel.boot_time() + ticks / table.kernel.clock_ticks
         pids_group = _joined_pids(tree_id, reply, pids_group, pids_join)
-        memory_group = _joined_memory(tree_id, reply, memory_group)
+        memory_group = _joined_memory(tree_id, reply, memory_group, memory_join)
         if cgroup is not None and not reply.get("cgroup"):
             logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
             _rmdir_quietly(cgroup)
             cgroup = None
             if pids_group is not None and pids_join is None:  # v2: the limit was that cgroup's
                 pids_group = None
+            if memory_join is None:
+                memory_group = None
         proc = ForkedProcess(
             pid,
             pidfd if pidfd is not None else -1,
@@ -992,11 +997,14 @@ def _rmdir_quietly(path: Path) -> None:
         pass
 
 
-def _joined_memory(tree_id: str, reply: Mapping[str, Any], memory_group: Path | None) -> Path | None:
-    """The tree's v1 memory group once the runner replied: one it could not join is
-    removed (the run goes on without a memory limit, as a cold one would)."""
-    if memory_group is not None and not reply.get("memory"):
-        logger.warning("tree %s: could not join memory group %s; continuing without it", tree_id, memory_group)
-        _rmdir_quietly(memory_group)
+def _joined_memory(
+    tree_id: str, reply: Mapping[str, Any], memory_group: Path | None, memory_join: Path | None
+) -> Path | None:
+    """The tree's memory group once the runner replied: a v1 group it could not join is
+    removed (the run goes on without a memory limit, as a cold one would); a v2 one is
+    its cgroup, joined at its birth."""
+    if memory_join is not None and not reply.get("memory"):
+        logger.warning("tree %s: could not join memory group %s; continuing without it", tree_id, memory_join)
+        _rmdir_quietly(memory_join)
         return None
     return memory_group

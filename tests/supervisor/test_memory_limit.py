@@ -258,8 +258,9 @@ def test_stale_v1_memory_subtrees_are_removed_only_when_unlocked_and_empty(v1_pa
         with pytest.raises(BlockingIOError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(fd)
-        group = mem.prepare("t-9")
-        assert group == mem.root / "t-9"
+        group, join = mem.prepare("t-9")
+        assert group == join == mem.root / "t-9"
+        assert group is not None
         assert int((group / "memory.limit_in_bytes").read_text()) == LIMIT_MIB * MIB
         assert mem.report(group) == {"max": LIMIT_MIB * MIB, "peak": 0, "failcnt": 0, "oom_kills": 0}
         assert mem.remove(group) and not group.exists()
@@ -280,7 +281,7 @@ def test_no_memory_limit_when_off_or_without_a_v1_hierarchy(tmp_path: Path) -> N
     off = MemoryLimit.setup(0, instance="9-mine", v1_own=tmp_path)
     assert off.describe() == {"max_mib": 0, "mode": None, "subtree": None} and not list(tmp_path.iterdir())
     none = MemoryLimit.setup(LIMIT_MIB, instance="9-mine", v1_own=None)
-    assert none.mode is None and none.prepare("t-1") is None and none.report(None) is None
+    assert none.mode is None and none.prepare("t-1") == (None, None) and none.report(None) is None
 
 
 async def test_a_cold_runner_joins_its_memory_group_in_the_preexec_hook(tmp_path: Path) -> None:

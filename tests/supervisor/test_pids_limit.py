@@ -327,6 +327,7 @@ def test_the_v2_pids_controller_is_used_where_offered_and_enabled_else_the_next(
         "max": 0,
         "mode": None,
         "subtree": None,
+        "runs_max": None,
     }
 
 
