@@ -104,8 +104,9 @@ class Config:
     # gets EAGAIN at this many, and the other runs and the daemon can still fork. A browser
     # run (runner, node, Chromium and its helpers, their threads) peaked at ~130 here. 0: off.
     run_pids_max: int = 2048
-    # Most memory (MiB) one run's tree may charge at once (``memory.limit_in_bytes`` of its
-    # cgroup v1 memory group: ``supervisor/trees/_memlimit.py``): past it the kernel's OOM
+    # Most memory (MiB) one run's tree may charge at once (``memory.max`` of its cgroup v2,
+    # or ``memory.limit_in_bytes`` of its cgroup v1 memory group on a hybrid host:
+    # ``supervisor/trees/_memlimit.py``): past it the kernel's OOM
     # killer kills a process of that run only, never the daemon or another run. A browser
     # run (runner, @playwright/mcp, Chromium and its helpers) peaked far below. 0: off.
     run_memory_max_mib: int = 4096

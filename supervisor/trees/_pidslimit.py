@@ -12,11 +12,14 @@ Where the group is, best first (chosen once, at start, and logged once):
 
 - ``v2``: the tree's own cgroup v2 (``containment``), where the daemon's v2 subtree offers
   the pids controller (a systemd unit with ``Delegate=yes``). ``+pids`` is enabled in the
-  daemon's cgroup and in its subtree: pids is a threaded controller, so the kernel lets
-  the daemon stay in its own cgroup beside its subtree (the no-internal-process rule binds
-  domain controllers only); where it refuses (EBUSY, e.g. a domain controller enabled
-  there), the next is tried. A tree's limit is one write (``pids.max``) before its runner
-  is born in that cgroup.
+  daemon's delegated cgroup and in its subtree: pids is a threaded controller, so the
+  kernel would let the daemon stay beside its subtree (the no-internal-process rule binds
+  domain controllers only), though with limits on it has moved into its leaf anyway for
+  the memory limit (``_placement``); where the kernel refuses (EBUSY), the next is tried.
+  A tree's limit is one write (``pids.max``) before its runner is born in that cgroup. The
+  subtree as a whole gets ``pids.max`` = the service's task bound (``TasksMax=``) less a
+  reserve for the daemon (``_placement.reserve_tasks``): runs at their limits together
+  cannot take the daemon's last tasks.
 - ``v1``: a hybrid host whose v1 pids hierarchy is mounted: a group
   ``<the daemon's v1 pids cgroup>/agentd-<instance>/<tree id>``, a subtree the daemon owns
   as it owns its v2 one (``_cgroupfs``: same name, a flock held for its life, stale

@@ -76,12 +76,13 @@ def read_only_binds() -> list[Path]:
     return out
 
 
-def editable_override(workdir: Path) -> list[str]:
+def editable_override(workdir: Path, dest: str = "") -> list[str]:
     """nspawn options that make the venv's editable install name this checkout inside the
     container, where the venv's ``__editable__.*.pth`` names another one (a git worktree
     sharing the main checkout's venv): that checkout is not bound inside, so without this
     the daemon would fail to import (or run other code). A file naming this checkout is
-    bound over the .pth, for the units, the runners and the CLI alike; nothing otherwise."""
+    bound over the .pth, for the units, the runners and the CLI alike; nothing otherwise.
+    ``dest``: the same inside a root at that path (``hostroot_args``'s overlay)."""
     args: list[str] = []
     venv = (CHECKOUT / ".venv").resolve()  # bound inside at this (real) path
     for pth in sorted((venv / "lib").glob("python*/site-packages/__editable__.*.pth")):
@@ -93,7 +94,7 @@ def editable_override(workdir: Path) -> list[str]:
             continue
         ours = workdir / pth.name
         ours.write_text(f"{CHECKOUT}\n")
-        args.append(f"--bind-ro={ours}:{pth}")
+        args.append(f"--bind-ro={ours}:{dest}{pth}")
     return args
 
 
@@ -205,6 +206,13 @@ class Container:
                 *[f"--bind-ro={p}" for p in self.binds_ro],
                 *editable_override(self.workdir),
                 *self.extra_args,
+                # A root overlaid at DEST (hostroot_args) sees the host's .pth: overlaid too.
+                *[
+                    a
+                    for x in self.extra_args
+                    if x.startswith("--overlay=/::")
+                    for a in editable_override(self.workdir, x[13:])
+                ],
             ]
             argv = self._in_own_cgroup(argv)
             env = {"PATH": os.environ.get("PATH", CONTAINER_PATH), "NOTIFY_SOCKET": str(notify_path)}
