@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -543,37 +544,20 @@ async def test_a_closed_sigchld_receiver_leaves_a_python_handler_for_a_late_sigc
             signal.signal(signal.SIGCHLD, before)
 
 
-async def test_a_runners_call_pool_joins_and_kills_through_its_descriptors(made: list[Containment]) -> None:
-    # ``callgroups.open_pool``: the call cgroups a runner makes before its sandbox, each
-    # joined and killed through a descriptor (cgroup.procs, cgroup.kill) opened then.
+@contextlib.contextmanager
+def _tree_with_pool(made: list[Containment], size: int = 4) -> Iterator[Path]:
+    """A tree cgroup with a runner's call pool (``callgroups.open_pool``) in this process;
+    the pool's descriptors closed and the tree removed after."""
     from subagent import callgroups
 
     c = setup(made, cgroups="auto")
     conftest.require(c.root is not None, "a writable cgroup2 mount")
     tree = c.prepare("t-" + uuid.uuid4().hex)
     assert tree is not None
-    calls = callgroups.open_pool(tree)
-    assert calls == tree / "calls"
-    slot = callgroups.take()
-    assert slot is not None and slot.kill_fd is not None
-    proc = await trio.lowlevel.open_process(
-        ["sh", "-c", "sleep 300 & exec sleep 300"], start_new_session=True, preexec_fn=callgroups.joiner(slot)
-    )
+    assert callgroups.open_pool(tree, size=size) == tree / "calls"
     try:
-        with trio.fail_after(5):
-            while len(LINUX.cgroup_pids(slot.path)) < 2:  # the shell and its child, both born there
-                await trio.sleep(0.01)
-        assert (LINUX.cgroup(proc.pid) or "").endswith(f"/{tree.name}/calls/{slot.path.name}")
-        os.write(slot.kill_fd, b"1")
-        with trio.fail_after(5):
-            assert await proc.wait() == -signal.SIGKILL
-            while LINUX.cgroup_populated(slot.path):
-                await trio.sleep(0.01)
+        yield tree
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        callgroups.give(slot)
         assert callgroups._pool is not None
         for s in callgroups._pool[1]:
             os.close(s.procs_fd)
@@ -584,15 +568,32 @@ async def test_a_runners_call_pool_joins_and_kills_through_its_descriptors(made:
     assert _cgroupfs.rmdir_tree(tree) and not tree.exists()  # its calls' cgroups with it
 
 
-def _close_pool() -> None:
+async def test_a_runners_call_pool_joins_and_kills_through_its_descriptors(made: list[Containment]) -> None:
+    # ``callgroups.open_pool``: the call cgroups a runner makes before its sandbox, each
+    # joined and killed through a descriptor (cgroup.procs, cgroup.kill) opened then.
     from subagent import callgroups
 
-    assert callgroups._pool is not None
-    for s in callgroups._pool[1]:
-        os.close(s.procs_fd)
-        if s.kill_fd is not None:
-            os.close(s.kill_fd)
-    callgroups._pool = None
+    with _tree_with_pool(made) as tree:
+        slot = callgroups.take()
+        assert slot is not None and slot.kill_fd is not None
+        proc = await trio.lowlevel.open_process(
+            ["sh", "-c", "sleep 300 & exec sleep 300"], start_new_session=True, preexec_fn=callgroups.joiner(slot)
+        )
+        try:
+            with trio.fail_after(5):
+                while len(LINUX.cgroup_pids(slot.path)) < 2:  # the shell and its child, both born there
+                    await trio.sleep(0.01)
+            assert (LINUX.cgroup(proc.pid) or "").endswith(f"/{tree.name}/calls/{slot.path.name}")
+            os.write(slot.kill_fd, b"1")
+            with trio.fail_after(5):
+                assert await proc.wait() == -signal.SIGKILL
+                while LINUX.cgroup_populated(slot.path):
+                    await trio.sleep(0.01)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            callgroups.give(slot)
 
 
 async def test_a_command_is_spawned_by_vfork_and_moved_into_its_call_cgroup_at_its_gate(
@@ -601,14 +602,8 @@ async def test_a_command_is_spawned_by_vfork_and_moved_into_its_call_cgroup_at_i
     # The runner's real path (``start_gated``): the shell is spawned with no preexec_fn (so
     # by vfork: a fork of a zygote-born runner was ~10 ms), moved into its call cgroup
     # while it waits at its gate, and what its command starts is born there.
-    from subagent import callgroups
     from subagent.tools import commands
 
-    c = setup(made, cgroups="auto")
-    conftest.require(c.root is not None, "a writable cgroup2 mount")
-    tree = c.prepare("t-" + uuid.uuid4().hex)
-    assert tree is not None
-    assert callgroups.open_pool(tree) == tree / "calls"
     spawned: list[dict[str, Any]] = []
     real_open = trio.lowlevel.open_process
 
@@ -617,28 +612,26 @@ async def test_a_command_is_spawned_by_vfork_and_moved_into_its_call_cgroup_at_i
         return await real_open(argv, **options)
 
     monkeypatch.setattr(trio.lowlevel, "open_process", recording_open)
-    started = await commands.start_gated(
-        "sleep 300 & exec sleep 300", "m-" + uuid.uuid4().hex, lambda: False, stdout=subprocess.DEVNULL
-    )
-    assert started is not None and started.cgroup is not None
-    try:
-        assert [o.get("preexec_fn") for o in spawned] == [None]
-        with trio.fail_after(5):
-            while len(LINUX.cgroup_pids(started.cgroup.path)) < 2:  # the shell and its child
-                await trio.sleep(0.01)
-        assert (LINUX.cgroup(started.proc.pid) or "").endswith(f"/calls/{started.cgroup.path.name}")
-        assert await commands.end_group_and_escapers(
-            started.proc.pid, started.ticks, "m", grace_s=0.5, what="test", cgroup=started.cgroup
+    with _tree_with_pool(made):
+        started = await commands.start_gated(
+            "sleep 300 & exec sleep 300", "m-" + uuid.uuid4().hex, lambda: False, stdout=subprocess.DEVNULL
         )
-        with trio.fail_after(5):
-            await started.proc.wait()
-    finally:
-        if started.proc.returncode is None:
-            started.proc.kill()
-            await started.proc.wait()
-        _close_pool()
-    c.discard(tree.name)
-    assert _cgroupfs.rmdir_tree(tree) and not tree.exists()
+        assert started is not None and started.cgroup is not None
+        try:
+            assert [o.get("preexec_fn") for o in spawned] == [None]
+            with trio.fail_after(5):
+                while len(LINUX.cgroup_pids(started.cgroup.path)) < 2:  # the shell and its child
+                    await trio.sleep(0.01)
+            assert (LINUX.cgroup(started.proc.pid) or "").endswith(f"/calls/{started.cgroup.path.name}")
+            assert await commands.end_group_and_escapers(
+                started.proc.pid, started.ticks, "m", grace_s=0.5, what="test", cgroup=started.cgroup
+            )
+            with trio.fail_after(5):
+                await started.proc.wait()
+        finally:
+            if started.proc.returncode is None:
+                started.proc.kill()
+                await started.proc.wait()
 
 
 async def test_a_refused_move_runs_the_command_without_a_cgroup_and_keeps_the_slot(
@@ -650,34 +643,27 @@ async def test_a_refused_move_runs_the_command_without_a_cgroup_and_keeps_the_sl
     from subagent import callgroups
     from subagent.tools import commands
 
-    c = setup(made, cgroups="auto")
-    conftest.require(c.root is not None, "a writable cgroup2 mount")
-    tree = c.prepare("t-" + uuid.uuid4().hex)
-    assert tree is not None
-    assert callgroups.open_pool(tree, size=1) == tree / "calls"
-    assert callgroups._pool is not None
-    slot = callgroups._pool[1][0]
-    os.close(slot.procs_fd)
-    slot.procs_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    r, w = os.pipe()
-    try:
-        with caplog.at_level(logging.WARNING, logger="subagent.tools.commands"):
-            started = await commands.start_gated("echo ran", "m-" + uuid.uuid4().hex, lambda: False, stdout=w)
-        os.close(w)
-        w = -1
-        assert started is not None and started.cgroup is None
-        with trio.fail_after(5):
-            assert await started.proc.wait() == 0
-        assert os.read(r, 100) == b"ran\n"
-        assert "runs without one" in caplog.text
-        assert callgroups._pool[1] == [slot]
-    finally:
-        os.close(r)
-        if w != -1:
+    with _tree_with_pool(made, size=1):
+        assert callgroups._pool is not None
+        slot = callgroups._pool[1][0]
+        os.close(slot.procs_fd)
+        slot.procs_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        r, w = os.pipe()
+        try:
+            with caplog.at_level(logging.WARNING, logger="subagent.tools.commands"):
+                started = await commands.start_gated("echo ran", "m-" + uuid.uuid4().hex, lambda: False, stdout=w)
             os.close(w)
-        _close_pool()
-    c.discard(tree.name)
-    assert _cgroupfs.rmdir_tree(tree) and not tree.exists()
+            w = -1
+            assert started is not None and started.cgroup is None
+            with trio.fail_after(5):
+                assert await started.proc.wait() == 0
+            assert os.read(r, 100) == b"ran\n"
+            assert "runs without one" in caplog.text
+            assert callgroups._pool[1] == [slot]
+        finally:
+            os.close(r)
+            if w != -1:
+                os.close(w)
 
 
 def test_a_call_beyond_the_pool_says_it_runs_without_a_cgroup(caplog: pytest.LogCaptureFixture) -> None:
