@@ -1502,6 +1502,9 @@ def status(obj: Obj, run_id: str | None) -> None:
                         f"low on disk: {fs.get('path')} has {fs['free_bytes'] // 2**20} MiB free, "
                         f"below its low-water mark of {fs['min_free_bytes'] // 2**20} MiB"
                     )
+                free, mark = fs.get("free_inodes"), fs.get("min_free_inodes")
+                if isinstance(free, int) and isinstance(mark, int) and free < mark:
+                    click.echo(f"low on inodes: {fs.get('path')} has {free} free, below its low-water mark of {mark}")
         last = disk.get("last_stop")
         if isinstance(last, dict) and disk.get("runs_stopped"):
             click.echo(

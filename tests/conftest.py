@@ -306,14 +306,15 @@ def require(condition: bool, what: str) -> None:
 
 
 @contextlib.contextmanager
-def mounted_tmpfs(tmp_path: Path, size_mib: int) -> Iterator[Path]:
-    """A tmpfs of ``size_mib`` MiB mounted at ``tmp_path/tmpfs`` (root only), unmounted after."""
+def mounted_tmpfs(tmp_path: Path, size_mib: int, *, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` MiB (and ``inodes`` files at most, if given) mounted at
+    ``tmp_path/tmpfs`` (root only), unmounted after."""
     import subprocess
 
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     require(os.geteuid() == 0, "root, to mount a tmpfs")
-    options = f"size={size_mib}m,mode=0700"
+    options = f"size={size_mib}m,mode=0700" + (f",nr_inodes={inodes}" if inodes is not None else "")
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
     require(done.returncode == 0, f"mount -t tmpfs ({done.stderr.decode().strip()})")
     try:

@@ -13,13 +13,17 @@ room for their own files. ``DiskGuard`` stops that run instead:
   event). No run live: no timer, nothing to do on an idle daemon.
 - *what it measures*: only when a filesystem has less free space than its low-water mark
   (``Config.min_free_bytes``: the larger of ``disk_min_free_mib`` and
-  ``disk_min_free_percent`` of its size), each live run's space on it (``space_held``: a
-  walk of its files in a worker thread, links not followed, other filesystems not
-  entered), and the files on it that the run's processes deleted but keep open
-  (``deleted_held``: ``dd of=f & rm f`` takes the space from ``df`` and from any walk;
-  it comes back only when the file is closed), each inode once.
-- *whom it stops*: ``choose_run``: the run holding the most, if it holds at least
-  ``1/BLAME_DIVISOR`` of the mark (and ``BLAME_MIN_BYTES``). Less, and the space went
+  ``disk_min_free_percent`` of its size), or fewer free inodes than the same share of
+  its inodes (``min_free_inodes``: a run that makes empty files without end takes no
+  space, yet once the inodes are gone no run dir, no file of another run's can be made),
+  each live run's space and inodes on it (``usage_held``: a walk of its files in a worker
+  thread, links not followed, other filesystems not entered), and the files on it that
+  the run's processes deleted but keep open (``deleted_held``: ``dd of=f & rm f`` takes
+  the space from ``df`` and from any walk; it comes back only when the file is closed),
+  each inode once.
+- *whom it stops*: ``choose_run``: the run holding the most (bytes, or inodes when the
+  inodes ran low), if it holds at least ``1/BLAME_DIVISOR`` of the mark (and
+  ``BLAME_MIN_BYTES``, ``BLAME_MIN_INODES``). Less, and the space went
   elsewhere (the host's own files): stopping a run would not bring it back, so nobody is
   stopped and the daemon says so in its log. One stop at a time: the next check that may
   stop a run comes once the stopped run's directory is gone (its space back). A run being
@@ -43,9 +47,8 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -54,10 +57,32 @@ import trio
 
 from subagent.emit import record_paths
 from supervisor.config import Config
+from supervisor.core._diskusage import (
+    BLAME_DIVISOR,
+    BLAME_MIN_BYTES,
+    BLAME_MIN_INODES,
+    Held,
+    choose_run,
+    deleted_held,
+    held_by_run,
+    min_free_inodes,
+    space_held,
+    usage_held,
+)
 from supervisor.core._run import Run
-from supervisor.trees._handles import AnyTree
 
-__all__ = ["DiskGuard", "DISK_FULL_REASON", "choose_run", "space_held", "deleted_held"]
+__all__ = [
+    "DiskGuard",
+    "DISK_FULL_REASON",
+    "BLAME_DIVISOR",
+    "BLAME_MIN_BYTES",
+    "BLAME_MIN_INODES",
+    "choose_run",
+    "min_free_inodes",
+    "space_held",
+    "usage_held",
+    "deleted_held",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,89 +95,6 @@ TICK_S: Final = 5.0
 # or URGENT_REMEASURE_S when a journal write failed meanwhile.
 REMEASURE_S: Final = 30.0
 URGENT_REMEASURE_S: Final = 5.0
-# A run is blamed for a full disk only if it holds at least this share of the mark...
-BLAME_DIVISOR: Final = 8
-# ...and at least this much.
-BLAME_MIN_BYTES: Final = 1024 * 1024
-
-
-def choose_run(held: Mapping[str, int], min_free: int) -> str | None:
-    """The run to stop for a filesystem below its mark ``min_free`` (bytes), given what
-    each live run holds on it (bytes), or None.
-
-    The run holding the most, if that is at least ``min_free / BLAME_DIVISOR`` and
-    ``BLAME_MIN_BYTES``: a run holding less did not fill the disk, and stopping it would
-    not bring the space back. On a tie, the run that came first in ``held``.
-    """
-    floor = max(BLAME_MIN_BYTES, min_free // BLAME_DIVISOR)
-    worst: str | None = None
-    for run_id, size in held.items():
-        if size >= floor and (worst is None or size > held[worst]):
-            worst = run_id
-    return worst
-
-
-def space_held(paths: Iterable[Path], dev: int) -> int:
-    """Bytes the files under ``paths`` take on device ``dev`` (allocated blocks). Blocking.
-
-    Links are not followed and other filesystems are not entered; a path that is gone
-    (or goes during the walk) counts nothing."""
-    total = 0
-    stack = [os.fspath(p) for p in paths]
-    while stack:
-        path = stack.pop()
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if st.st_dev != dev:
-            continue
-        total += st.st_blocks * 512
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                with os.scandir(path) as entries:
-                    stack.extend(entry.path for entry in entries)
-            except OSError:
-                pass
-    return total
-
-
-def deleted_held(tree: AnyTree, dev: int, seen: set[tuple[int, int]]) -> int:
-    """Bytes on device ``dev`` that the live processes of ``tree`` hold in files they
-    deleted but keep open (``Kernel.deleted_files``), each inode not in ``seen`` (then
-    added to it). Blocking (the tree's processes: its cgroup, or a scan of the table)."""
-    table = tree.table
-    total = 0
-    try:
-        members = table.members(tree.targets())
-    except FileNotFoundError:  # its cgroup went with it: the tree ended while measured
-        return 0
-    except OSError:  # the table could not be read (out of descriptors): the walk still counts
-        logger.warning("disk guard: the processes of tree %s could not be listed", tree.tree_id)
-        return 0
-    for pid, p in members.items():
-        if p.dead:
-            continue
-        for key, size in (table.kernel.deleted_files(pid) or {}).items():
-            if key[0] == dev and key not in seen:
-                seen.add(key)
-                total += size
-    return total
-
-
-def _held_by_run(
-    paths: Mapping[str, list[Path]], trees: Mapping[str, AnyTree | None], dev: int
-) -> tuple[dict[str, int], dict[str, int]]:
-    """What each run holds on ``dev`` in all (its files, and what it deleted but keeps
-    open), and the second part alone."""
-    seen: set[tuple[int, int]] = set()
-    held: dict[str, int] = {}
-    deleted: dict[str, int] = {}
-    for run_id, p in paths.items():
-        tree = trees.get(run_id)
-        deleted[run_id] = deleted_held(tree, dev, seen) if tree is not None else 0
-        held[run_id] = space_held(p, dev) + deleted[run_id]
-    return held, deleted
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +104,18 @@ class _Low:
     free: int
     total: int
     min_free: int
+    # Its inodes (0, 0, 0: a filesystem without a fixed number of them).
+    free_inodes: int = 0
+    total_inodes: int = 0
+    min_free_inodes: int = 0
+
+    @property
+    def low_bytes(self) -> bool:
+        return self.free < self.min_free
+
+    @property
+    def low_inodes(self) -> bool:
+        return self.free_inodes < self.min_free_inodes
 
 
 class DiskGuard:
@@ -217,14 +171,17 @@ class DiskGuard:
                 watched.append({"path": str(path), "error": str(exc)})
                 continue
             total = vfs.f_blocks * vfs.f_frsize
-            watched.append(
-                {
-                    "path": str(path),
-                    "free_bytes": vfs.f_bavail * vfs.f_frsize,
-                    "total_bytes": total,
-                    "min_free_bytes": self.config.min_free_bytes(total),
-                }
-            )
+            fs: dict[str, Any] = {
+                "path": str(path),
+                "free_bytes": vfs.f_bavail * vfs.f_frsize,
+                "total_bytes": total,
+                "min_free_bytes": self.config.min_free_bytes(total),
+            }
+            if vfs.f_files > 0:
+                fs["free_inodes"] = vfs.f_favail
+                fs["total_inodes"] = vfs.f_files
+                fs["min_free_inodes"] = min_free_inodes(self.config, total, vfs.f_files)
+            watched.append(fs)
         return {"on": self.on, "watched": watched, "runs_stopped": self.stopped, "last_stop": self.last}
 
     # ------------------------------------------------------------------ wake-ups
@@ -269,7 +226,7 @@ class DiskGuard:
         return paths
 
     def _low(self) -> list[_Low]:
-        """The watched filesystems below their mark, each once."""
+        """The watched filesystems below their mark (of bytes or of inodes), each once."""
         low: dict[int, _Low] = {}
         for path in self._watched():
             try:
@@ -278,10 +235,18 @@ class DiskGuard:
             except OSError:
                 continue
             total = vfs.f_blocks * vfs.f_frsize
-            free = vfs.f_bavail * vfs.f_frsize
-            min_free = self.config.min_free_bytes(total)
-            if free < min_free and dev not in low:
-                low[dev] = _Low(path, dev, free, total, min_free)
+            fs = _Low(
+                path,
+                dev,
+                free=vfs.f_bavail * vfs.f_frsize,
+                total=total,
+                min_free=self.config.min_free_bytes(total),
+                free_inodes=vfs.f_favail,
+                total_inodes=vfs.f_files,
+                min_free_inodes=min_free_inodes(self.config, total, vfs.f_files),
+            )
+            if (fs.low_bytes or fs.low_inodes) and dev not in low:
+                low[dev] = fs
         return list(low.values())
 
     async def check(self) -> None:
@@ -312,19 +277,25 @@ class DiskGuard:
         paths = {r.run_id: self._paths(r) for r in runs}
         trees = {r.run_id: r.tree for r in runs}
         for fs in low:
-            held, deleted = await trio.to_thread.run_sync(_held_by_run, paths, trees, fs.dev)
-            worst = choose_run(held, fs.min_free)
+            held = await trio.to_thread.run_sync(held_by_run, paths, trees, fs.dev)
+            worst = choose_run(held.bytes, fs.min_free) if fs.low_bytes else None
+            inodes = worst is None and fs.low_inodes
+            if inodes:
+                worst = choose_run(held.inodes, fs.min_free_inodes, least=BLAME_MIN_INODES)
             if worst is None:
-                top = max(held.values(), default=0)
-                self._say_low(fs, f"no run holds enough of it to blame (the most: {top} bytes)")
+                top = max(held.bytes.values(), default=0)
+                most = f"the most: {top} bytes" + (
+                    f", {max(held.inodes.values(), default=0)} inodes" if fs.low_inodes else ""
+                )
+                self._say_low(fs, f"no run holds enough of it to blame ({most})")
                 continue
             target = self._live.get(worst)
             if target is None:  # it ended meanwhile: its space comes back
                 return
             if target.token.cancelled:
-                self._wait_for(target, fs, held)
+                self._wait_for(target, fs, held, inodes)
             else:
-                await self._stop(target, fs, held, deleted.get(worst, 0))
+                await self._stop(target, fs, held, inodes)
             return
 
     def _paths(self, run: Run) -> list[Path]:
@@ -337,52 +308,56 @@ class DiskGuard:
 
     def _say_low(self, fs: _Low, why: str) -> None:
         if not self._low_said:
-            logger.warning(
-                "disk guard: %s has %d bytes free, below its low-water mark of %d; %s: no run stopped",
-                fs.path,
-                fs.free,
-                fs.min_free,
-                why,
-            )
+            logger.warning("disk guard: %s; %s: no run stopped", _below(fs, inodes=not fs.low_bytes), why)
         self._low_said = True
 
-    def _wait_for(self, run: Run, fs: _Low, held: Mapping[str, int]) -> None:
+    def _wait_for(self, run: Run, fs: _Low, held: Held, inodes: bool) -> None:
         """The run holding the most is being stopped already, for another reason: its
         space comes back when it ends (its run dir removed), as a ``disk_full`` stop's
         does; nobody else is stopped meanwhile (not its stop: no event, no detail)."""
         logger.warning(
-            "disk guard: %s has %d bytes free, below its low-water mark of %d; run %s, which holds the most "
-            "(%d bytes), is being stopped already (%s): waiting for its end",
-            fs.path,
-            fs.free,
-            fs.min_free,
+            "disk guard: %s; run %s, which holds the most (%d %s), is being stopped already (%s): waiting for its end",
+            _below(fs, inodes=inodes),
             run.run_id,
-            held[run.run_id],
+            (held.inodes if inodes else held.bytes)[run.run_id],
+            "inodes" if inodes else "bytes",
             run.token.reason,
         )
         settled = trio.Event()
         settled.set()
         self._stopping = (run, run.run_dir, settled)
 
-    async def _stop(self, run: Run, fs: _Low, held: Mapping[str, int], deleted: int = 0) -> None:
-        others = sorted((v for k, v in held.items() if k != run.run_id), reverse=True)
-        detail = {
+    async def _stop(self, run: Run, fs: _Low, held: Held, inodes: bool = False) -> None:
+        def next_most(by: Mapping[str, int]) -> int:
+            return max((v for k, v in by.items() if k != run.run_id), default=0)
+
+        deleted = held.deleted.get(run.run_id, 0)
+        detail: dict[str, Any] = {
             "reason": DISK_FULL_REASON,
             "path": str(fs.path),
             "free_bytes": fs.free,
             "total_bytes": fs.total,
             "min_free_bytes": fs.min_free,
-            "held_bytes": held[run.run_id],
+            "held_bytes": held.bytes[run.run_id],
             # (of which in files it deleted but keeps open)
             "held_deleted_bytes": deleted,
-            "next_most_bytes": others[0] if others else 0,
-            "message": (
-                f"the filesystem of {fs.path} had {fs.free} bytes free, below its low-water mark of "
-                f"{fs.min_free}; this run held {held[run.run_id]} bytes there"
-                + (f" ({deleted} of them in files it deleted but keeps open)" if deleted else "")
-                + ", the most of the live runs"
-            ),
+            "next_most_bytes": next_most(held.bytes),
         }
+        if inodes:  # what it was stopped for: the inodes it holds
+            detail.update(
+                short_of="inodes",
+                free_inodes=fs.free_inodes,
+                total_inodes=fs.total_inodes,
+                min_free_inodes=fs.min_free_inodes,
+                held_inodes=held.inodes[run.run_id],
+                next_most_inodes=next_most(held.inodes),
+            )
+            holds = f"this run held {held.inodes[run.run_id]} inodes there (files and directories)"
+        else:
+            holds = f"this run held {held.bytes[run.run_id]} bytes there" + (
+                f" ({deleted} of them in files it deleted but keeps open)" if deleted else ""
+            )
+        detail["message"] = f"the filesystem of {_below(fs, inodes=inodes)}; {holds}, the most of the live runs"
         logger.warning("run %s: stopped: %s", run.run_id, detail["message"])
         settled = trio.Event()
         self._stopping = (run, run.run_dir, settled)
@@ -397,25 +372,42 @@ class DiskGuard:
             await self._record(run, DISK_FULL_REASON, detail)
         finally:
             if run.session_id is not None and self._profile_of(run) is not None and self._nursery is not None:
-                self._nursery.start_soon(self._evict_after, run, fs, settled)
+                self._nursery.start_soon(self._evict_after, run, fs, settled, inodes)
             else:
                 settled.set()
 
-    async def _evict_after(self, run: Run, fs: _Low, settled: trio.Event) -> None:
+    async def _evict_after(self, run: Run, fs: _Low, settled: trio.Event, inodes: bool = False) -> None:
         """A session turn stopped for a full disk: once the turn has ended, its profile goes
         if the profile itself holds enough of the disk to be blamed (what the turn wrote
-        there stays otherwise: a stop never removes a profile but to bring space back)."""
+        there stays otherwise: a stop never removes a profile but to bring space back);
+        its inodes, for a turn stopped for those."""
         assert run.session_id is not None
         try:
             await run.done.wait()
             profile = self._profile_of(run)
-            held = 0 if profile is None else await trio.to_thread.run_sync(space_held, [profile], fs.dev)
-            if choose_run({run.run_id: held}, fs.min_free) is None:
-                logger.info("session %s: its browser profile holds %d bytes: kept", run.session_id, held)
+            size, count = (0, 0) if profile is None else await trio.to_thread.run_sync(usage_held, [profile], fs.dev)
+            if inodes:
+                held, what = count, "inodes"
+                blamed = choose_run({run.run_id: count}, fs.min_free_inodes, least=BLAME_MIN_INODES)
+            else:
+                held, what = size, "bytes"
+                blamed = choose_run({run.run_id: size}, fs.min_free)
+            if blamed is None:
+                logger.info("session %s: its browser profile holds %d %s: kept", run.session_id, held, what)
                 return
-            await self._evict_profile(run.session_id, f"its turn {run.run_id} filled the disk ({held} bytes in it)")
+            await self._evict_profile(run.session_id, f"its turn {run.run_id} filled the disk ({held} {what} in it)")
         except Exception:
             logger.exception("session %s: removing the browser profile of a turn that filled the disk", run.session_id)
         finally:
             settled.set()
             self._wake.set()
+
+
+def _below(fs: _Low, *, inodes: bool) -> str:
+    """What a filesystem is short of, in words (bytes, or inodes)."""
+    if inodes:
+        return (
+            f"{fs.path} had {fs.free_inodes} inodes free of {fs.total_inodes}, below its low-water mark of "
+            f"{fs.min_free_inodes} (the same share of its inodes as of its bytes)"
+        )
+    return f"{fs.path} had {fs.free} bytes free, below its low-water mark of {fs.min_free}"

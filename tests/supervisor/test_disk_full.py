@@ -24,7 +24,15 @@ from supervisor.cli import _print_run, format_event
 from supervisor.config import Config
 from supervisor.core import diskguard
 from supervisor.core._run import Run
-from supervisor.core.diskguard import BLAME_MIN_BYTES, DISK_FULL_REASON, DiskGuard, choose_run, space_held
+from supervisor.core.diskguard import (
+    BLAME_MIN_BYTES,
+    DISK_FULL_REASON,
+    DiskGuard,
+    choose_run,
+    min_free_inodes,
+    space_held,
+    usage_held,
+)
 from supervisor.core.runs import RunManager
 from supervisor.core.sessions import SessionDesk
 from supervisor.core.token import CancelToken
@@ -74,6 +82,27 @@ def test_space_held_counts_a_runs_files_and_not_what_its_links_point_to(tmp_path
     held = space_held([run_dir, tmp_path / "gone"], dev)
     assert 4 * MiB <= held < 4 * MiB + 256 * 1024
     assert space_held([run_dir], dev + 1) == 0  # another filesystem: not entered
+
+
+def test_usage_held_counts_a_runs_inodes_each_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "d").mkdir(parents=True)
+    for i in range(5):
+        (run_dir / "d" / str(i)).touch()
+    os.link(run_dir / "d" / "0", run_dir / "again")  # one inode, two names
+    (run_dir / "link").symlink_to(tmp_path)
+    dev = os.stat(tmp_path).st_dev
+    assert usage_held([run_dir], dev)[1] == 1 + 1 + 5 + 1  # run, d, five files, the link itself
+    assert usage_held([run_dir], dev + 1) == (0, 0)
+
+
+def test_the_inode_mark_is_the_share_of_the_inodes_that_the_byte_mark_is_of_the_bytes(tmp_path: Path) -> None:
+    config = Config.load(state_dir=tmp_path, disk_min_free_mib=2, disk_min_free_percent=0, environ={})
+    assert min_free_inodes(config, 64 * MiB, 4000) == 125
+    assert min_free_inodes(config, MiB, 4000) == 4000  # a mark past the size: all of them
+    assert min_free_inodes(config, 64 * MiB, 0) == 0  # no fixed number of inodes (btrfs)
+    off = Config.load(state_dir=tmp_path, disk_min_free_mib=0, disk_min_free_percent=0, environ={})
+    assert min_free_inodes(off, 64 * MiB, 4000) == 0
 
 
 # --------------------------------------------------------------------------- end to end
@@ -184,6 +213,65 @@ async def test_a_run_that_fills_the_disk_is_stopped_and_the_others_go_on(
             st = await m.status(filler)
             assert st["state"] == "cancelled" and st["reason"] == DISK_FULL_REASON and "journal" not in st
             stop.set()
+
+
+# Empty files until the filesystem has no inode left: no space taken, yet no other run
+# could make a file, and no spawn its run dir.
+FILL_INODES = (
+    "python3 -c 'import os\n"
+    'd, i = os.environ["TMPDIR"], 0\n'
+    "try:\n"
+    '    while True: open(f"{d}/f{i}", "x").close(); i += 1\n'
+    'except OSError as e: print("made", i, e)\'; sleep 600'
+)
+
+
+async def test_a_run_that_uses_up_the_inodes_is_stopped_and_the_others_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The guard looked at free bytes only: a run that made empty files until the state
+    # dir's filesystem had no inode left was never stopped (its files take no space),
+    # while every spawn failed ('could not start the runner: No space left on device')
+    # and the other runs could make no file in their own run dirs.
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setattr(diskguard, "TICK_S", 0.5)
+    with mounted_tmpfs(tmp_path, 64, inodes=4000) as disk:
+        config = Config.load(
+            state_dir=disk / "state", grace_s=2, disk_min_free_mib=2, disk_min_free_percent=0, environ={}
+        )
+        stop = trio.Event()
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+                m: RunManager = info["manager"]
+                a = (await m.spawn(scripted(gated_script([]))))["run_id"]
+                await wait_event(m, a, command_alive)
+                fill = [
+                    {"text": "Filling.", "tool_calls": [{"name": "run_command", "arguments": {"command": FILL_INODES}}]}
+                ]
+                filler = (await m.spawn(scripted({"turns": fill, "final": "never"})))["run_id"]
+                await wait_event(m, filler, command_alive)
+                filler_dir = Path((await m.status(filler))["run_dir"])
+                with trio.fail_after(30):
+                    st = await m.wait_terminal(filler)
+                assert st["state"] == "cancelled" and st["reason"] == DISK_FULL_REASON, st
+                detail = st["receipt"]["stop_detail"]
+                assert detail["short_of"] == "inodes" and detail["total_inodes"] == 4000, detail
+                # 4000 inodes, a mark of 2 MiB of 64: 1/32 of them, 125.
+                assert detail["min_free_inodes"] == 125 and detail["free_inodes"] < 125, detail
+                assert 2000 < detail["held_inodes"] <= 4000 and detail["next_most_inodes"] < 100, detail
+                assert "inodes free of 4000" in detail["message"], detail
+                # Its inodes come back with its run dir: the other run makes its file and
+                # ends as it would have, and a spawn is taken and completes.
+                await until(lambda: _gone(filler_dir))
+                assert (await m.status(a))["state"] == "running"
+                (Path((await m.status(a))["run_dir"]) / "go").touch()
+                assert (await m.wait_terminal(a))["state"] == "completed"
+                d = (await m.spawn(scripted({"turns": [], "final": "after"})))["run_id"]
+                assert (await m.wait_terminal(d))["state"] == "completed"
+                watched = (await m.summary())["disk"]["watched"][0]
+                assert watched["total_inodes"] == 4000 and watched["min_free_inodes"] == 125, watched
+                stop.set()
 
 
 async def _full(path: Path) -> bool:
