@@ -24,7 +24,6 @@ import builtins  # `list` below is a method's name in class scope
 import hashlib
 import logging
 import re
-import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -39,6 +38,7 @@ from supervisor.errors import ControlProtocolError, JournalError
 from supervisor.protocol import ErrorCode
 from supervisor.states import TERMINAL_STATES
 from supervisor.store.journal import Journal, TurnRecord
+from supervisor.trees.pool import remove_tree
 
 __all__ = ["SessionDesk", "SessionNotFound", "session_key", "history_messages", "PROFILE_SWEEP_INTERVAL_S"]
 
@@ -114,7 +114,7 @@ def history_messages(turns: Iterable[TurnRecord], *, before: str | None = None) 
 
 
 def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)  # a directory its turn left read-only too
 
 
 def _clear_singletons(profile: Path) -> None:
@@ -124,7 +124,7 @@ def _clear_singletons(profile: Path) -> None:
         except FileNotFoundError:
             pass
         except IsADirectoryError:
-            shutil.rmtree(profile / name, ignore_errors=True)
+            remove_tree(profile / name)
 
 
 class SessionDesk:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +39,16 @@ from supervisor.trees.containment import Containment
 if TYPE_CHECKING:
     from supervisor.trees.zygote import Zygote
 
-__all__ = ["WarmPool", "Warm", "new_tree", "runner_env", "protected_paths", "sandbox_settings", "sweep_run_root"]
+__all__ = [
+    "WarmPool",
+    "Warm",
+    "new_tree",
+    "runner_env",
+    "protected_paths",
+    "sandbox_settings",
+    "sweep_run_root",
+    "remove_tree",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -255,10 +265,60 @@ def remove_dir(path: Path) -> None:
     from subagent.presets import release_run_dir
 
     release_run_dir(path)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
     remove_channel(path)
     for record in (*record_paths(path), marker_path(path)):
         try:
             record.unlink()
         except FileNotFoundError:
             pass
+
+
+# A tree left read-only is opened up this many times at most (each time, what is left of
+# it is walked again: one more level of nested read-only directories each).
+_OPEN_UP_ROUNDS: Final = 256
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove the directory ``path`` and all in it, as far as possible; True if it is gone.
+
+    A run's files are its daemon user's (a normal user's runner stays that uid), and it
+    may have left directories that user cannot write or read (``chmod 0``, or Go's module
+    cache under the run's ``HOME``, made read-only on purpose): ``rmtree`` could not empty
+    them, and the run dir stayed for good (the disk guard, waiting for a stopped run's
+    space, waited for ever). Such a directory is made ``0700`` again, never through a link
+    (opened ``O_PATH | O_NOFOLLOW``, a link itself left alone), and the removal tried again.
+    Blocking."""
+    refused: list[str] = []  # the directories that kept a removal from being made
+
+    def note(func: object, failed: str, exc: object) -> None:
+        err = exc[1] if isinstance(exc, tuple) else exc
+        if isinstance(err, PermissionError):
+            unread = func in (os.open, os.scandir, os.listdir)  # a directory it could not read
+            refused.append(failed if unread else os.path.dirname(failed))
+
+    for _ in range(_OPEN_UP_ROUNDS):
+        refused.clear()
+        shutil.rmtree(path, onerror=note)
+        if not refused or not path.exists():
+            break
+        if not [p for p in refused if _open_up(p)]:
+            break
+    return not path.exists()
+
+
+def _open_up(path: str) -> bool:
+    """Make the directory ``path`` (not a link to one) ``0700``; True if it was done."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            return False
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)  # the directory the descriptor holds
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

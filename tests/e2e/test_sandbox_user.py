@@ -180,6 +180,8 @@ async def user_daemon(place: Path) -> AsyncIterator[UserDaemon]:
         "USER": USER,
         "LOGNAME": USER,
         "LANG": "C.UTF-8",
+        # This checkout's code (the venv's own install may be another checkout's: a worktree).
+        "PYTHONPATH": str(REPO),
         "AGENTD_GRACE_S": "3",
         "AGENTD_SANDBOX": "required",
         "AGENTD_DASHBOARD": "off",
@@ -339,6 +341,32 @@ async def test_an_mcp_server_and_a_setsid_grandchild_of_a_users_daemon_are_insid
             assert secret not in text
     assert journal_ok(d.state / "agentd.sqlite3") == "ok"
     assert other["state"] == "completed"
+
+
+# What ``go build`` leaves under the run's HOME (its module cache, read-only on purpose),
+# and a directory the run closed to its own uid.
+READ_ONLY_TREE = (
+    "m=$HOME/go/pkg/mod/example.com/x@v1.0.0; mkdir -p $m/sub locked/in && echo package x > $m/sub/x.go "
+    "&& chmod -R a-w $HOME/go && chmod 0 locked && echo made"
+)
+
+
+@pytest.mark.parametrize("place", ["home"], indirect=True)
+async def test_a_read_only_tree_a_run_of_a_users_daemon_leaves_goes_with_its_run_dir(
+    user_daemon: UserDaemon,
+) -> None:
+    # The run's files are the daemon user's, and rmtree cannot empty a directory that
+    # user may not write (or read): the run dir stayed for good, a leak at every Go build
+    # (and a disk_full stop of such a run waited for ever for its space).
+    d = user_daemon
+    with trio.fail_after(SCENARIO_S):
+        run_id = await spawn(d, scripted([command(READ_ONLY_TREE)]))
+        st = await wait_end(d, run_id)
+        assert st["state"] == "completed" and outputs(st) == ["[exit code 0]\nmade\n"], st
+    run_dir = Path(st["run_dir"])
+    with trio.fail_after(10):
+        while run_dir.exists():  # removed once the run has ended: polled, bounded
+            await trio.sleep(0.05)
 
 
 @pytest.mark.parametrize("place", ["home"], indirect=True)
