@@ -21,10 +21,13 @@ import logging
 import os
 import posixpath
 from pathlib import Path
+from typing import Final
 
 from subagent.osedge import LINUX, Kernel
 
 __all__ = [
+    "LEAF",
+    "base_of",
     "read_text",
     "write_value",
     "remove_v1_group",
@@ -69,18 +72,30 @@ def rmdir_tree(path: Path) -> bool:
     return ok
 
 
+# The daemon's own leaf beside its runs' subtree in a delegated cgroup v2 (``_placement``:
+# the name systemd's delegation notes suggest for a manager beside its payloads).
+LEAF: Final = "supervisor"
+
+
+def base_of(own: Path) -> Path:
+    """The delegated cgroup whose subtrees are the daemon's: ``own``, or its parent where
+    ``own`` is the daemon's leaf (``LEAF``: a daemon started in it, or moved there)."""
+    parent = own.parent
+    if own.name == LEAF and (parent / "cgroup.procs").exists() and delegated(parent):
+        return parent
+    return own
+
+
 def make_subtree(instance: str, *, kernel: Kernel = LINUX) -> tuple[Path, int] | None:
     """Create and lock ``<base>/agentd-<instance>``; None (logged) when not possible.
 
     ``base`` is the daemon's own cgroup, or its parent where the daemon was started in
-    its leaf (``_placement.base_of``). The daemon may stay in ``base`` beside its subtree
+    its leaf (``base_of``). The daemon may stay in ``base`` beside its subtree
     while no domain controller is enabled there (measured: a process in a non-root
     cgroup whose child holds another works while ``cgroup.subtree_control`` is empty, or
     holds only threaded controllers); for a per-run memory limit it moves into its leaf
     first (``_placement.move_into_leaf``, by ``Containment.setup``).
     """
-    from supervisor.trees._placement import base_of
-
     own = own_cgroup_dir(kernel)
     if own is None:
         logger.info("no cgroup2 mount: trees are contained by subreaper and sweep")

@@ -41,28 +41,16 @@ from typing import Final
 
 from subagent.osedge import LINUX, Kernel
 from supervisor.trees import _cgroupfs
+from supervisor.trees._cgroupfs import LEAF, base_of
 
 __all__ = ["LEAF", "TASKS_RESERVE", "base_of", "enable", "move_into_leaf", "reserve_tasks", "tasks_reserve"]
 
 logger = logging.getLogger(__name__)
 
-LEAF: Final = "supervisor"
 # Tasks (processes and threads) kept for the daemon out of the service's bound: its
 # threads (Trio's worker threads, ~40 at most), its zygote and whatever it forks besides
 # runs; a quarter of the bound where that is smaller.
 TASKS_RESERVE: Final = 256
-
-
-def _is_delegated_dir(path: Path) -> bool:
-    return (path / "cgroup.procs").exists() and _cgroupfs.delegated(path)
-
-
-def base_of(own: Path) -> Path:
-    """The delegated cgroup whose subtrees are the daemon's: ``own``, or its parent where
-    ``own`` is the daemon's leaf (``LEAF``: a daemon started in it, or moved there)."""
-    if own.name == LEAF and _is_delegated_dir(own.parent):
-        return own.parent
-    return own
 
 
 def move_into_leaf(base: Path, *, kernel: Kernel = LINUX) -> Path | None:
