@@ -202,11 +202,21 @@ async def _start_servers(
     stack.push_async_callback(end_all)
     spawned = []
     for name, s in specs.items():
+        if stop.requested:
+            # No server is started once the stop came (before the setup, or while the
+            # servers before this one were spawned): it would start after the stop.
+            break
 
         def on_group(pgid: int, alive: bool, name: str = name) -> None:
             emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind="mcp_server", name=name, alive=alive)
 
         spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group, ends=ends))
+    if stop.requested:
+        # Nor is mcp imported for nothing (a cold runner's import blocks its loop for most
+        # of a second): the servers spawned are ended at once, as below.
+        for p in spawned:
+            _kill_group_now(p.process)
+        return {}
     from subagent.tools.mcp_tools import McpSetupError, start_server
 
     servers = {}

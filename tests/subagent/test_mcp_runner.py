@@ -387,3 +387,50 @@ async def test_a_stop_during_setup_ends_its_servers_at_once_even_those_that_igno
     groups = [e.data["pgid"] for e in r.of(EventKind.PROCESS_GROUP) if e.data["alive"]]
     assert len(groups) == 4 and not any(alive(g) for g in groups)
     assert took < 3 * MCP_KILL_GRACE_S, took  # at once: not the SDK's close and a kill grace each
+
+
+@pytest.mark.parametrize("when", ["before the setup", "while the first server is spawned"])
+async def test_no_server_is_started_once_the_stop_came(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    # The runner spawned every server of the spec, whatever the stop: a stop that came as
+    # the setup began (a SIGTERM right after a spare's `go`), or while the first of four
+    # servers was spawned, still started the rest after it (their `process_group` events
+    # came after `stop_requested`), and then imported mcp before ending them.
+    from subagent import run as runner_run
+    from subagent.spec import McpServerSpec
+    from subagent.stop import StopControl
+    from subagent.tools import mcp_spawn
+
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    class Emitted:
+        def emit(self, kind: EventKind, /, **data: Any) -> None:
+            events.append((str(kind), data))
+
+    stop = StopControl(on_first_stop=lambda reason, during: events.append(("stop_requested", {"during": during})))
+    real_prespawn = mcp_spawn.prespawn
+
+    async def stopped_while_spawned(name: str, *args: Any, **kwargs: Any) -> Any:
+        spawned = await real_prespawn(name, *args, **kwargs)
+        stop.request("signal")  # the stop comes while this server is being started
+        return spawned
+
+    stop.phase = "setup"
+    if when == "before the setup":
+        stop.request("signal")
+    else:
+        monkeypatch.setattr(mcp_spawn, "prespawn", stopped_while_spawned)
+    server = McpServerSpec.from_dict({"command": "/bin/sh", "args": ["-c", "sleep 300"]}, "s")
+    specs = {f"s{i}": server for i in range(4)}
+    with trio.fail_after(20):
+        async with AsyncExitStack() as stack:
+            servers = await runner_run._start_servers(specs, stack, tmp_path, stop, Emitted())  # type: ignore[arg-type]
+            started = [d for k, d in events if k == str(EventKind.PROCESS_GROUP) and d["alive"]]
+    assert servers == {}
+    assert [d["name"] for d in started] == ([] if when == "before the setup" else ["s0"]), events
+    if started:
+        assert not alive(started[0]["pgid"])  # ended with the run's stack
+        assert [k for k, _ in events].index("stop_requested") > [k for k, _ in events].index(
+            str(EventKind.PROCESS_GROUP)
+        )
