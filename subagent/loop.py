@@ -435,6 +435,10 @@ class AgentLoop:
         stop_at = self.stop.stopped_at
         if rec.state == ToolCallState.NOT_STARTED:  # the stop came as it was about to start
             rec.started_at, rec.stop_effect = None, str(StopEffect.STOPPED_BEFORE_START)
+        elif outcome.finished_before_stop:
+            # Done before any stop (a command whose shell had exited): a stop met only its
+            # clean-up, which is not the call's outcome.
+            rec.stop_requested_at = None
         elif stop_at is not None and stop_at >= started:
             # The stop came while this call ran: say what it did, and when the call ended.
             rec.stop_requested_at = self.stop.stopped_wall

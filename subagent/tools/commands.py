@@ -9,7 +9,9 @@ or that escaped the group but carries this command's marker variable, is ended: 
 command starts outlives its call. A
 stop (when the call's policy is ``interrupt``), a timeout or an explicit interrupt (a
 repeated SIGINT to the runner) ends the group at once (SIGTERM, SIGKILL after a short
-grace) and returns the output captured so far and how the command ended. The child gets
+grace) and returns the output captured so far and how the command ended; a stop while a
+shell that exited by itself has its output drained ends what it left with the stop's
+grace, and the command counts as done before the stop. The child gets
 the tool environment (``subagent.sandbox.tool_env``: an allowlist, never the model key),
 and runs in the runner's working directory (the run dir, or the spec's
 ``sandbox.workdir``).
@@ -119,6 +121,9 @@ class CommandOutcome:
     by_stop: bool = False  # the run's stop interrupted it (its ``stop`` event fired while it ran)
     stop_at: float | None = None  # trio clock: when the stop reached it
     ended_at: float | None = None  # trio clock: when its group was gone
+    # Its shell exited by itself before any stop was asked: what came after (its output's
+    # drain, the end of what it left running) is no part of the command's outcome.
+    finished_before_stop: bool = False
 
     @property
     def ended_by(self) -> str:
@@ -413,12 +418,16 @@ async def run_command(
         eof.set()
 
     stop_at: float | None = None
+    finished_before_stop = False
+    draining: trio.CancelScope | None = None  # its output after its shell exited
 
     async def interrupt_at(stop: trio.Event) -> None:
         nonlocal stop_at
         await stop.wait()
         stop_at = trio.current_time()
         interrupt.cancel(reason="the run's stop interrupts the command")
+        if draining is not None:  # what its shell left gets the stop's grace, at once
+            draining.cancel(reason="the run's stop ends the drain")
 
     async def report_output(stop: trio.Event, report: Callable[[str, bool], None]) -> None:
         await stop.wait()
@@ -442,6 +451,9 @@ async def run_command(
             with trio.move_on_after(timeout_s) as timer:
                 with interrupt:
                     await proc.wait()
+                    # Seen exiting before any stop was asked (a stop noted but not applied
+                    # yet counts as asked: path A may have ended it).
+                    finished_before_stop = not killed_by_signal(proc.returncode) and not stopped()
         finally:
             # Whatever happened, nothing of this command survives it (shielded, bounded).
             with trio.CancelScope(shield=True):
@@ -465,8 +477,10 @@ async def run_command(
                     with trio.move_on_after(grace):
                         await proc.wait()
                 else:
-                    with trio.move_on_after(DRAIN_AFTER_EXIT_S):
+                    with trio.move_on_after(DRAIN_AFTER_EXIT_S) as draining:
                         await eof.wait()
+                    if stop_at is not None:  # the stop came meanwhile (``interrupt_at``)
+                        grace = kill_grace_s
                     await end_group_and_escapers(
                         pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
                     )
@@ -493,4 +507,5 @@ async def run_command(
         by_stop=stop_at is not None and interrupt.cancelled_caught and not ended_by_itself,
         stop_at=stop_at,
         ended_at=ended_at,
+        finished_before_stop=finished_before_stop,
     )

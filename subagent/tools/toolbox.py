@@ -65,6 +65,9 @@ class ToolOutcome:
     error: str | None = None
     reason: str | None = None
     stop_effect: StopEffect | None = None  # set when the tool applied its stop policy
+    # The tool's own work ended before any stop was asked; only its clean-up (a command's
+    # output drained, what it left running ended) was under way when one came.
+    finished_before_stop: bool = False
 
 
 def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
@@ -350,7 +353,9 @@ class ToolBox:
             return ToolOutcome(
                 ToolCallState.FAILED, text, outcome.truncated, error=f"timed out after {timeout:g} s", reason="timeout"
             )
-        return ToolOutcome(ToolCallState.SUCCEEDED, text, outcome.truncated)
+        return ToolOutcome(
+            ToolCallState.SUCCEEDED, text, outcome.truncated, finished_before_stop=outcome.finished_before_stop
+        )
 
     async def _call_mcp(
         self,

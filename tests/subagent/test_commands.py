@@ -403,3 +403,53 @@ async def test_a_command_that_exits_of_its_own_at_the_stop_is_not_called_interru
         out = await _stopped_once_started(f"trap 'exit 0' TERM; touch {flag}; sleep 30 & wait", flag)
     assert out.exit_code == 0 and out.stop_at is not None
     assert not out.by_stop and not out.interrupted
+
+
+async def test_a_stop_while_a_finished_commands_output_drains_ends_what_it_left_with_the_stops_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The shell exited by itself (exit 0), leaving a child that holds its output pipe and
+    # ignores SIGTERM. A stop that came while that pipe was drained waited the drain out
+    # (0.5 s; made long here), then gave the child the timeout's 2 s grace: ~2.5 s after
+    # the stop, where the stop's own grace is 1 s by default. And the command, done before
+    # the stop, was taken for one that answered it (``finished_before_stop``).
+    monkeypatch.setattr(commands, "DRAIN_AFTER_EXIT_S", 15.0)
+    graces: list[float] = []
+    real = commands.end_group_and_escapers
+
+    async def spy(*args: Any, grace_s: float, **kw: Any) -> bool:
+        graces.append(grace_s)
+        return await real(*args, grace_s=grace_s, **kw)
+
+    monkeypatch.setattr(commands, "end_group_and_escapers", spy)
+    stop = trio.Event()
+    groups: list[int] = []
+    result: list[CommandOutcome] = []
+
+    async def go() -> None:
+        out = await run_command(
+            "(trap '' TERM; exec sleep 300) & echo done",
+            timeout_s=30,
+            max_output_bytes=1000,
+            interrupt=trio.CancelScope(),
+            on_group=lambda pgid, alive: groups.append(pgid) if alive else None,
+            stop=stop,
+            kill_grace_s=0.2,
+        )
+        result.append(out)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not groups:
+                await trio.sleep(0.005)
+            while os.path.exists(f"/proc/{groups[0]}"):  # the shell is reaped: its exit was seen
+                await trio.sleep(0.005)
+            stop.set()
+            stopped_at = trio.current_time()
+    ended_in = trio.current_time() - stopped_at
+    (out,) = result
+    assert out.exit_code == 0 and out.output == "done\n"
+    assert graces == [0.2], graces  # the stop's grace (it was the timeout's 2 s, after the drain)
+    assert ended_in < 7.5, ended_in  # the grace and a kill: far below the 15 s drain
+    assert out.finished_before_stop and not out.by_stop and not out.interrupted

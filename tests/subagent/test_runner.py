@@ -261,6 +261,30 @@ async def wait_output_file_free(pgid: int) -> None:
             await trio.sleep(0.01)
 
 
+async def test_a_command_done_before_the_stop_is_not_recorded_as_finishing_after_it(tmp_path: Path) -> None:
+    # Its shell exited (exit 0) before the SIGTERM; a child it left, holding its output and
+    # ignoring SIGTERM, was still being drained. The call was recorded "finished_after_stop:
+    # it answered the stop; it ended 2.4 s after the stop", and the model told it finished
+    # after the stop: it had finished before it.
+    from subagent.history import HISTORY_FINISHED_BEFORE_STOP
+
+    command = "(trap '' TERM; exec sleep 300) & echo done"
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
+    async with start_runner(spec(script=script, stop_policy={"command_grace_s": 0.2}), tmp_path) as r:
+        with trio.fail_after(10):
+            group = await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
+            while os.path.exists(f"/proc/{group.data['pgid']}"):  # reaped: the runner saw it exit
+                await trio.sleep(0.005)
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
+    (call,) = result["tool_calls"]
+    assert call["state"] == "succeeded" and call["output"].endswith("done\n"), call
+    assert call["stop_effect"] is None and call["stop_requested_at"] is None, call
+    told = next(m["content"] for m in result["messages"] if m["role"] == "tool")
+    assert told.endswith(HISTORY_FINISHED_BEFORE_STOP), told
+
+
 async def test_a_command_the_spec_lets_finish_finishes_after_sigterm_then_stops(tmp_path: Path) -> None:
     script = {
         "turns": [
