@@ -24,7 +24,7 @@ import trio
 
 from subagent.approvals import AnswerChannel, ApprovalGate
 from subagent.emit import Emitter, bare_result
-from subagent.events import EventKind, ExitCode, RunStatus
+from subagent.events import EventKind, ExitCode, RunStatus, StopPolicy
 from subagent.loop import AgentLoop, RunOutcome, stopped_outcome
 from subagent.model.provider import ModelError, Provider
 from subagent.spec import McpServerSpec, RunSpec
@@ -405,7 +405,10 @@ async def run(
                                 spec.limits.max_output_bytes,
                             )
                             await nursery.start(background.run)
-                            stack.push_async_callback(background.aclose)
+                            bg = background
+                            # After a stop that interrupts commands, they get its command grace.
+                            grace = spec.stop_policy.command_grace_s if bg_policy == StopPolicy.INTERRUPT else None
+                            stack.push_async_callback(lambda: bg.aclose(grace if stop.requested else None))
                         tools = ToolBox(
                             builtins=spec.builtin_tools,
                             limits=spec.limits,

@@ -34,7 +34,8 @@ from subagent.tools.runfiles import open_regular
 __all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
 
 # Bounds ending all background commands at the end of a run: their groups and escapers
-# get COMMAND_KILL_GRACE_S each, in parallel, then a bounded wait after SIGKILL (seconds).
+# get COMMAND_KILL_GRACE_S each (after a stop, the stop's command grace), in parallel,
+# then a bounded wait after SIGKILL (seconds; for the default grace).
 CLOSE_TIMEOUT_S: Final = 3 * COMMAND_KILL_GRACE_S + 2.0
 
 COMMAND_OUTPUT_TOOL: Final = {
@@ -84,6 +85,7 @@ class BackgroundCommands:
         self._seq = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self._finished = trio.Event()
+        self._grace_s = COMMAND_KILL_GRACE_S  # each group's, between SIGTERM and SIGKILL (``aclose``)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -151,11 +153,11 @@ class BackgroundCommands:
                     job.pgid,
                     job.leader_ticks,
                     marker,
-                    grace_s=COMMAND_KILL_GRACE_S,
+                    grace_s=self._grace_s,
                     what="background command group",
                     cgroup=cgroup,
                 )
-                with trio.move_on_after(COMMAND_KILL_GRACE_S):
+                with trio.move_on_after(self._grace_s):
                     await job.proc.wait()
                 job.done = True
                 self._on_group(job.pgid, False, job.command[:200])
@@ -176,12 +178,17 @@ class BackgroundCommands:
         cut = " [earlier output dropped]" if size > self._max else ""
         return True, f"{state}{cut}\n{data.decode('utf-8', 'replace')}"
 
-    async def aclose(self) -> None:
-        """End every background command (the run is ending) and wait for it. Shielded, bounded."""
+    async def aclose(self, grace_s: float | None = None) -> None:
+        """End every background command (the run is ending) and wait for it. Shielded, bounded.
+        ``grace_s``: each group's between SIGTERM and SIGKILL (a stop's command grace; by
+        default ``COMMAND_KILL_GRACE_S``)."""
         if self._nursery is None:
             return
+        if grace_s is not None:
+            self._grace_s = grace_s
         self._nursery.cancel_scope.cancel(reason="the run ends: its background commands end")
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+        bound = CLOSE_TIMEOUT_S + 3 * max(0.0, self._grace_s - COMMAND_KILL_GRACE_S)
+        with trio.CancelScope(shield=True), trio.move_on_after(bound):
             await self._finished.wait()
         for job in self._jobs.values():
             if job.reader is not None:

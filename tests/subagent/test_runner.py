@@ -285,6 +285,29 @@ async def test_a_command_done_before_the_stop_is_not_recorded_as_finishing_after
     assert told.endswith(HISTORY_FINISHED_BEFORE_STOP), told
 
 
+async def test_a_stop_gives_the_runs_background_commands_its_command_grace(tmp_path: Path) -> None:
+    # A background command that ignores SIGTERM got the 2 s of a run's normal end after a
+    # stop too, not the stop's command grace (`stop_policy.command_grace_s`, 0.2 s here).
+    from subagent.tools.commands import COMMAND_KILL_GRACE_S
+
+    background = {"command": "trap '' TERM; sleep 300", "background": True}
+    turns = [
+        {"tool_calls": [{"name": "run_command", "arguments": background}]},
+        {"tool_calls": [{"name": "run_command", "arguments": {"command": "sleep 300"}}]},
+    ]
+    async with start_runner(spec(script={"turns": turns}, stop_policy={"command_grace_s": 0.2}), tmp_path) as r:
+        with trio.fail_after(10):
+            await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"] and e.data["name"] == "sleep 300")
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED and result["status"] == "cancelled"
+    stopped = r.of(EventKind.STOP_REQUESTED)[0].ts
+    (gone,) = [
+        e for e in r.of(EventKind.PROCESS_GROUP) if not e.data["alive"] and e.data["name"].startswith("[background]")
+    ]
+    assert 0.2 <= gone.ts - stopped < COMMAND_KILL_GRACE_S, gone.ts - stopped
+
+
 async def test_a_command_the_spec_lets_finish_finishes_after_sigterm_then_stops(tmp_path: Path) -> None:
     script = {
         "turns": [
