@@ -181,6 +181,9 @@ class StopEffect(enum.StrEnum):
     FINISHED_AFTER_STOP = "finished_after_stop"  # allowed to finish (or answered the cancel): real result
     STOPPED_BEFORE_START = "stopped_before_start"  # announced, never started
     GRACE_RAN_OUT = "grace_ran_out"  # still running when the runner was killed at the grace
+    # Still running when the runner died during the stop, inside its grace and not by the
+    # daemon's hand (its own tool killed it, the OOM killer, a crash): outcome unknown.
+    RUNNER_DIED = "runner_died"
     REJECTED_AWAITING_APPROVAL = "rejected_awaiting_approval"  # waited for approval; never ran
 
 

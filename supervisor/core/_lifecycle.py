@@ -32,7 +32,7 @@ from supervisor.core._book import RunBook
 from supervisor.core._limits import add_memory, add_pids
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import EventSource
-from supervisor.core._stop_receipt import describe_tool_stops
+from supervisor.core._stop_receipt import describe_tool_stops, runner_death
 from supervisor.core.approvals import ApprovalDesk
 from supervisor.core.progress import checkpoint_due
 from supervisor.errors import JournalError
@@ -335,7 +335,7 @@ class Lifecycle:
             return
         # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
         # a tool that was running has an unknown outcome, one only announced never ran.
-        await self._settle_unreported(run, stopped)
+        await self._settle_unreported(run, stopped, None if receipt.get("escalated") else runner_death(code, memory))
         await self._add_tool_stops(run, full_receipt, None)
         if stopped:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
@@ -400,16 +400,22 @@ class Lifecycle:
                 except ValueError:
                     logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
 
-    async def _settle_unreported(self, run: Run, stopped: bool) -> None:
+    async def _settle_unreported(self, run: Run, stopped: bool, died: str | None = None) -> None:
         """Close the records a runner that left no result never closed (``stopped``: a
-        stop came before it ended)."""
+        stop came before it ended; ``died``: how it ended if path B did not kill it at the
+        end of the grace, ``_stop_receipt.runner_death``: its calls did not run out of grace)."""
         settle: Callable[[Journal], Awaitable[object]]
         if stopped:
+            effect, how = (
+                ("grace_ran_out", "the runner was killed at the end of the stop's grace")
+                if died is None
+                else ("runner_died", f"the runner died during the stop ({died}), inside its grace,")
+            )
             settle = lambda j: j.settle_tool_calls(  # noqa: E731
                 run.run_id,
-                reason="grace_ran_out: the runner was killed at the end of the stop's grace while this call ran; its outcome is unknown",
+                reason=f"{effect}: {how} while this call ran; its outcome is unknown",
                 pending_reason="stopped_before_start: the runner was stopped before this call started",
-                stop_effects=("grace_ran_out", "stopped_before_start"),
+                stop_effects=(effect, "stopped_before_start"),
             )
         else:
             settle = lambda j: j.settle_tool_calls(  # noqa: E731

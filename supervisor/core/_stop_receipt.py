@@ -10,12 +10,13 @@ finish; it finished 1.2 s after the stop".
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from subagent.events import StopEffect, StopPolicy
 
-__all__ = ["describe_tool_stops", "duration_text"]
+__all__ = ["describe_tool_stops", "duration_text", "runner_death"]
 
 
 def duration_text(seconds: float) -> str:
@@ -54,6 +55,8 @@ def _line(rec: Mapping[str, Any], after: float | None) -> str | None:
         return f"`{name}` was awaiting approval: rejected, it never ran"
     if effect == StopEffect.GRACE_RAN_OUT:
         return f"`{name}` was still running when the grace ran out; the runner was killed; its outcome is unknown"
+    if effect == StopEffect.RUNNER_DIED:
+        return f"`{name}` was still running when the runner died during the stop (not killed by agentd); its outcome is unknown"
     return None
 
 
@@ -88,3 +91,17 @@ def describe_tool_stops(
         text = f"{len(never)} call{'s' if len(never) > 1 else ''} never started: {names}"
         out.append({"effect": str(StopEffect.STOPPED_BEFORE_START), "count": len(never), "text": text})
     return out
+
+
+def runner_death(code: int | None, memory: Mapping[str, Any] | None) -> str:
+    """How a runner that left no result ended, when the daemon did not kill it (its exit
+    code; ``memory``: the receipt's, whose OOM kills name the kernel's OOM killer)."""
+    if code == -signal.SIGKILL and memory is not None and (memory.get("oom_kills") or memory.get("failcnt")):
+        return "killed by the kernel's OOM killer at the run's memory limit"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}, which agentd did not send"
+    return f"exit code {code}" if code is not None else "no exit status"

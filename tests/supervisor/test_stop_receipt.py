@@ -42,3 +42,18 @@ def test_without_the_cancel_time_the_runners_own_figure_is_used() -> None:
     assert entry["text"] == "interrupted `run_command` after 500 ms" and entry["after_s"] == 0.5
     assert describe_tool_stops([rec("x", None, state="succeeded")]) == []
     assert duration_text(0.0404) == "40 ms" and duration_text(12.34) == "12.3 s"
+
+
+def test_a_runner_that_died_during_the_stop_is_said_so_not_the_grace() -> None:
+    from supervisor.core._stop_receipt import runner_death
+
+    (line,) = describe_tool_stops([{"id": "a", "name": "run_command", "stop_effect": "runner_died"}])
+    assert line["text"] == (
+        "`run_command` was still running when the runner died during the stop (not killed by agentd); "
+        "its outcome is unknown"
+    )
+    oom = {"max": 1 << 27, "peak": 1 << 27, "failcnt": 3, "oom_kills": 1}
+    assert runner_death(-9, oom) == "killed by the kernel's OOM killer at the run's memory limit"
+    assert runner_death(-9, {**oom, "failcnt": 0, "oom_kills": 0}) == "killed by SIGKILL, which agentd did not send"
+    assert runner_death(-11, None) == "killed by SIGSEGV, which agentd did not send"
+    assert runner_death(70, None) == "exit code 70" and runner_death(None, None) == "no exit status"

@@ -266,6 +266,32 @@ async def test_a_runner_killed_at_the_grace_mid_batch_leaves_a_record_for_every_
     assert "`run_command` was still running when the grace ran out" in st["receipt"]["tool_summary"]
 
 
+async def test_a_runner_its_own_tool_kills_during_the_stop_is_not_said_to_have_run_out_of_grace(
+    manager: RunManager,
+) -> None:
+    # The command answers the stop's SIGTERM by SIGKILLing its runner, milliseconds after
+    # the cancel: no result. Its call was settled "grace_ran_out: the runner was killed at
+    # the end of the stop's grace" and the receipt said so, while path B never escalated
+    # (the same for a runner the OOM killer or a crash ends during a stop).
+    calls = [
+        {"name": "run_command", "arguments": {"command": "trap 'kill -9 $PPID' TERM; sleep 300 & wait"}},
+        {"name": "run_command", "arguments": {"command": "echo never"}},
+    ]
+    with trio.fail_after(30):
+        r = await manager.spawn(scripted(calls))
+        rid = r["run_id"]
+        await wait_event(manager, rid, command_alive)
+        st, _took = await cancel_and_time(manager, rid)
+    assert st["state"] == "cancelled" and st["reason"] == "user"
+    assert st["receipt"]["exit_code"] == -signal.SIGKILL and st["receipt"]["path_b"]["escalated"] is False
+    first, second = st["tool_calls"]
+    assert (first["state"], first["stop_effect"]) == ("unknown", "runner_died"), first
+    assert first["reason"].startswith("runner_died: the runner died during the stop (killed by SIGKILL"), first
+    assert (second["state"], second["stop_effect"]) == ("not_started", "stopped_before_start")
+    summary = st["receipt"]["tool_summary"]
+    assert "grace ran out" not in summary and "`run_command` was still running when the runner died" in summary
+
+
 async def test_path_a_reaches_an_interruptible_command_when_the_runner_is_stuck(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
