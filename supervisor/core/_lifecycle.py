@@ -335,7 +335,8 @@ class Lifecycle:
             return
         # No final JSON: killed before it wrote one, or it crashed. Keep the last snapshot;
         # a tool that was running has an unknown outcome, one only announced never ran.
-        await self._settle_unreported(run, stopped, None if receipt.get("escalated") else runner_death(code, memory))
+        died = None if receipt.get("escalated") else runner_death(code, memory, gone=receipt.get("leader") == "gone")
+        await self._settle_unreported(run, stopped, died)
         await self._add_tool_stops(run, full_receipt, None)
         if stopped:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
@@ -409,7 +410,7 @@ class Lifecycle:
             effect, how = (
                 ("grace_ran_out", "the runner was killed at the end of the stop's grace")
                 if died is None
-                else ("runner_died", f"the runner died during the stop ({died}), inside its grace,")
+                else ("runner_died", f"the runner died during the stop ({died}), not at the end of its grace,")
             )
             settle = lambda j: j.settle_tool_calls(  # noqa: E731
                 run.run_id,

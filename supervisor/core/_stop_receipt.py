@@ -93,9 +93,10 @@ def describe_tool_stops(
     return out
 
 
-def runner_death(code: int | None, memory: Mapping[str, Any] | None) -> str:
+def runner_death(code: int | None, memory: Mapping[str, Any] | None, *, gone: bool = False) -> str:
     """How a runner that left no result ended, when the daemon did not kill it (its exit
-    code; ``memory``: the receipt's, whose OOM kills name the kernel's OOM killer)."""
+    code; ``memory``: the receipt's, whose OOM kills name the kernel's OOM killer;
+    ``gone``: it had ended when path B began, e.g. while no daemon ran)."""
     if code == -signal.SIGKILL and memory is not None and (memory.get("oom_kills") or memory.get("failcnt")):
         return "killed by the kernel's OOM killer at the run's memory limit"
     if code is not None and code < 0:
@@ -104,4 +105,6 @@ def runner_death(code: int | None, memory: Mapping[str, Any] | None) -> str:
         except ValueError:
             name = f"signal {-code}"
         return f"killed by {name}, which agentd did not send"
-    return f"exit code {code}" if code is not None else "no exit status"
+    if code is not None:
+        return f"exit code {code}"
+    return "it was gone when agentd's stop came to end it" if gone else "no exit status"

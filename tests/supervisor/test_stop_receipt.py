@@ -57,3 +57,4 @@ def test_a_runner_that_died_during_the_stop_is_said_so_not_the_grace() -> None:
     assert runner_death(-9, {**oom, "failcnt": 0, "oom_kills": 0}) == "killed by SIGKILL, which agentd did not send"
     assert runner_death(-11, None) == "killed by SIGSEGV, which agentd did not send"
     assert runner_death(70, None) == "exit code 70" and runner_death(None, None) == "no exit status"
+    assert runner_death(None, None, gone=True) == "it was gone when agentd's stop came to end it"
