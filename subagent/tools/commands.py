@@ -6,15 +6,13 @@ captured output is bounded (the head is kept, the rest counted and dropped); whe
 shell exits, whatever it left in its group, or in its call's cgroup
 (``subagent.callgroups``: where it has one, even an escaper that emptied its environment),
 or that escaped the group but carries this command's marker variable, is ended: nothing a
-command starts outlives its call. A
-stop (when the call's policy is ``interrupt``), a timeout or an explicit interrupt (a
-repeated SIGINT to the runner) ends the group at once (SIGTERM, SIGKILL after a short
-grace) and returns the output captured so far and how the command ended; a stop while a
-shell that exited by itself has its output drained ends what it left with the stop's
-grace, and the command counts as done before the stop. The child gets
-the tool environment (``subagent.sandbox.tool_env``: an allowlist, never the model key),
-and runs in the runner's working directory (the run dir, or the spec's
-``sandbox.workdir``).
+command starts outlives its call. A stop (when the call's policy is ``interrupt``), a
+timeout or an explicit interrupt (a repeated SIGINT to the runner) ends the group at once
+(SIGTERM, SIGKILL after a short grace) and returns the output captured so far and how the
+command ended; a stop after its shell exited by itself ends what it left with the stop's
+grace, and the command counts as done before the stop. The child gets the tool
+environment (``subagent.sandbox.tool_env``: an allowlist, never the model key), and runs
+in the runner's working directory (the run dir, or the spec's ``sandbox.workdir``).
 """
 
 from __future__ import annotations
@@ -59,7 +57,8 @@ DRAIN_AFTER_EXIT_S: Final = 0.5
 FINAL_DRAIN_S: Final = 0.2
 # Bounds closing our end of the command's stdout pipe (seconds).
 PIPE_CLOSE_TIMEOUT_S: Final = 0.1
-# Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds).
+# Between SIGTERM and SIGKILL for a command's group on timeout or interrupt (seconds); after
+# a stop, spec.DEFAULT_COMMAND_STOP_GRACE_S unless ``stop_policy.command_grace_s`` says otherwise.
 COMMAND_KILL_GRACE_S: Final = 2.0
 # A command killed by a signal while the run's stop is not (yet) set may have been killed
 # by the daemon's path A, which signals the runner and the command's group together: the
@@ -68,12 +67,9 @@ COMMAND_KILL_GRACE_S: Final = 2.0
 STOP_SETTLE_S: Final = 0.2
 # Exit statuses of a shell whose child died of SIGTERM/SIGKILL (128 + signal number).
 SHELL_SIGNAL_EXITS: Final = frozenset({128 + 15, 128 + 9})
-# The same after a stop: spec.DEFAULT_COMMAND_STOP_GRACE_S unless the spec's
-# ``stop_policy.command_grace_s`` says otherwise.
 READ_CHUNK_BYTES: Final = 65536
-# A command that goes on after the run's stop (its policy lets it finish) reports the output
-# it has so far at the stop and this often after (seconds): if the grace runs out and the
-# runner is killed, that much of it is kept.
+# A command that goes on after the run's stop (its policy lets it finish) reports its output
+# at the stop and this often after (seconds): if the grace runs out, that much is kept.
 OUTPUT_REPORT_S: Final = 1.0
 # Marks every process a command starts, so escapers can be found after the group kill.
 SUBTREE_VAR: Final = "AGENTD_SUBTREE"
@@ -177,6 +173,7 @@ async def end_group_and_escapers(
     grace_s: float,
     what: str,
     cgroup: callgroups.Slot | None = None,
+    give: bool = True,
 ) -> bool:
     """End a group the runner started, and every escaper that carries its marker or is in
     its call's ``cgroup`` (``subagent.callgroups``: back to the pool once empty).
@@ -185,6 +182,7 @@ async def end_group_and_escapers(
     wait. The group is signalled only while its leader is the one started (``leader_ticks``)
     or gone; escapers (``setsid``, double fork) by pidfd, or all at once by ``cgroup.kill``.
     Shielded: safe under a cancelled scope. Returns whether nothing of it is left.
+    ``give``: False for a second escalation of the same set (its cgroup is given back once).
     """
     within = own_tree_cgroup()
     targets = Targets(
@@ -200,7 +198,7 @@ async def end_group_and_escapers(
         r = await escalate(
             targets, grace_s=grace_s, kill_wait_s=GROUP_KILL_REAP_S, runtime=runtime, label=f"{what} {pgid}", log=logger
         )
-    if r.dead and cgroup is not None:
+    if r.dead and cgroup is not None and give:
         callgroups.give(cgroup)
     return r.dead
 
@@ -420,6 +418,7 @@ async def run_command(
     stop_at: float | None = None
     finished_before_stop = False
     draining: trio.CancelScope | None = None  # its output after its shell exited
+    leftovers = False  # what its exited shell left is being ended, with a timeout's grace
 
     async def interrupt_at(stop: trio.Event) -> None:
         nonlocal stop_at
@@ -428,6 +427,10 @@ async def run_command(
         interrupt.cancel(reason="the run's stop interrupts the command")
         if draining is not None:  # what its shell left gets the stop's grace, at once
             draining.cancel(reason="the run's stop ends the drain")
+        if leftovers:  # (being ended already: the stop's grace, from now, ends it sooner)
+            await end_group_and_escapers(
+                pgid, ticks, marker, grace_s=kill_grace_s, what="command group", cgroup=cgroup, give=False
+            )
 
     async def report_output(stop: trio.Event, report: Callable[[str, bool], None]) -> None:
         await stop.wait()
@@ -481,6 +484,7 @@ async def run_command(
                         await eof.wait()
                     if stop_at is not None:  # the stop came meanwhile (``interrupt_at``)
                         grace = kill_grace_s
+                    leftovers = stop_at is None
                     await end_group_and_escapers(
                         pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
                     )

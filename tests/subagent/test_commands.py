@@ -453,3 +453,34 @@ async def test_a_stop_while_a_finished_commands_output_drains_ends_what_it_left_
     assert graces == [0.2], graces  # the stop's grace (it was the timeout's 2 s, after the drain)
     assert ended_in < 7.5, ended_in  # the grace and a kill: far below the 15 s drain
     assert out.finished_before_stop and not out.by_stop and not out.interrupted
+
+
+async def test_a_stop_while_what_a_finished_command_left_is_ended_cuts_its_grace_to_the_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The shell exited by itself; the child it left (holding its output, ignoring SIGTERM)
+    # was being ended with the timeout's grace (2 s; made long here) when the stop came:
+    # it got that whole grace, not the stop's (``stop_policy.command_grace_s``).
+    monkeypatch.setattr(commands, "DRAIN_AFTER_EXIT_S", 0.05)
+    monkeypatch.setattr(commands, "COMMAND_KILL_GRACE_S", 15.0)
+    stop = trio.Event()
+    graces: list[float] = []
+    real = commands.end_group_and_escapers
+
+    async def stop_as_it_begins(*args: Any, grace_s: float, **kw: Any) -> bool:
+        graces.append(grace_s)
+        if len(graces) == 1:
+            stop.set()  # the stop comes as what the shell left is being ended
+        return await real(*args, grace_s=grace_s, **kw)
+
+    monkeypatch.setattr(commands, "end_group_and_escapers", stop_as_it_begins)
+    with trio.fail_after(30):
+        started = trio.current_time()
+        out, seen = await _run_with_stop("(trap '' TERM; exec sleep 300) & echo done", stop, kill_grace_s=0.2)
+        took = trio.current_time() - started
+    assert out.exit_code == 0 and out.output == "done\n" and out.finished_before_stop
+    assert graces == [15.0, 0.2], graces  # the stop's grace, from the stop on
+    assert took < 7.5, took  # far below the 15 s grace
+    assert seen[-1] == (seen[0][0], False)
+    with pytest.raises(ProcessLookupError):  # nothing of its group is left
+        os.killpg(seen[0][0], 0)
