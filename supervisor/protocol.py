@@ -45,6 +45,7 @@ __all__ = [
     "MAX_MODEL_KEY_CHARS",
     "CancelRequest",
     "MAX_CANCEL_RUN_IDS",
+    "RESERVED_CANCEL_REASONS",
     "StatusRequest",
     "ListRequest",
     "EventsRequest",
@@ -84,6 +85,12 @@ DEFAULT_EVENTS_LIMIT: Final = 1000
 MAX_EVENTS_LIMIT: Final = 10000
 # Identifiers (run ids, session ids, reasons) longer than this are refused as bad args.
 MAX_ID_CHARS: Final = 256
+# Reasons agentd gives its own stops (and the runner's own ending): a client's ``cancel``
+# may not claim one, or the run's record, its receipt and the next turn's history would
+# say the daemon stopped it (a timeout, a full disk, a SIGTERM no stop sent...).
+RESERVED_CANCEL_REASONS: Final = frozenset(
+    {"timeout", "approval_timeout", "shutdown", "disk_full", "signal", "signalled", "memory_limit", "runner_died"}
+)
 # Run ids one ``cancel`` may name (``run_ids``): a cancel-all of more is several requests.
 MAX_CANCEL_RUN_IDS: Final = 10_000
 # Containers nested deeper than this (anywhere in a message) are refused: every later
@@ -670,6 +677,11 @@ def _cancel(rid: Any, obj: Mapping[str, Any]) -> CancelRequest:
     if [run_id, session_id, run_ids].count(None) != 2:
         raise _Bad(ErrorCode.BAD_ARGS, "expected exactly one of 'run_id', 'session_id' or 'run_ids'")
     reason = _ident(obj, "reason", required=False) or "user"
+    if reason in RESERVED_CANCEL_REASONS:
+        raise _Bad(
+            ErrorCode.BAD_ARGS,
+            f"reason {reason!r} is one agentd gives its own stops; a cancel may not claim it (use another word)",
+        )
     return CancelRequest(rid, run_id, session_id, reason, run_ids=run_ids)
 
 

@@ -199,7 +199,7 @@ def test_cancel_many_is_one_request_and_answers_each_run_in_order(tmp_path: Path
     backend = Many()
     with ServerThread(tmp_path, backend) as srv, Client(state_dir=srv.config.state_dir, timeout_s=10) as c:
         ids = [c.spawn({"task": f"t{i}"})["run_id"] for i in range(3)]
-        out = c.cancel_many([ids[2], "r-missing", ids[0]], reason="shutdown")
+        out = c.cancel_many([ids[2], "r-missing", ids[0]], reason="stop_all")
         assert backend.bulk == [[ids[2], "r-missing", ids[0]]]  # one request for them all
         assert out["was_active"] is True
         assert [r["run_id"] for r in out["runs"]] == [ids[2], "r-missing", ids[0]]

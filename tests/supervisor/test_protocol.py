@@ -75,6 +75,10 @@ def test_defaults_fill_optional_arguments() -> None:
         ('{"id": 1, "op": "cancel", "run_id": "r", "session_id": "s"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_id": "r", "run_ids": ["r"]}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_ids": []}', ErrorCode.BAD_ARGS),
+        # A client's cancel may not claim a reason agentd gives its own stops.
+        ('{"id": 1, "op": "cancel", "run_id": "r", "reason": "signalled"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "session_id": "s", "reason": "timeout"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "run_ids": ["r"], "reason": "disk_full"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_ids": "r"}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_ids": ["r", 5]}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_ids": ["r", " "]}', ErrorCode.BAD_ARGS),
