@@ -133,6 +133,17 @@ class AgentLoop:
     # Where the progress ends with model text that is not a whole turn, as the last snapshot
     # said (``events.SnapshotDeltas``): the result says it too.
     unfinished_text: dict[str, Any] | None = None
+    # The records changed since the last snapshot (by id, in order): a snapshot looks at
+    # these alone. Looking at every record of the run each time cost each snapshot the
+    # whole run so far (a run of many steps of many calls: the square of its length).
+    dirty: dict[str, ToolCallRecord] = field(default_factory=dict)
+    # The turns that asked for more calls than ``limits.max_tool_calls_per_step``: what
+    # was refused (the result's ``refused_calls``), and the note the model is still owed.
+    refused_calls: list[dict[str, Any]] = field(default_factory=list)
+    refused_note: str | None = None
+    # The next suffix to try per call-id base (``_call_id``): a model that gave every
+    # call of a turn the same id cost a scan of all the suffixes taken so far per call.
+    id_suffixes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A turn of a session starts from the session's earlier turns (the daemon rebuilt
@@ -150,6 +161,7 @@ class AgentLoop:
     # --- events --------------------------------------------------------------------
 
     def _emit_record(self, rec: ToolCallRecord) -> None:
+        self.dirty[rec.id] = rec
         self.emitter.emit(EventKind.TOOL_CALL, record=rec.to_dict())
 
     def _snapshot(self, *, progress: str | None = None, unfinished: dict[str, Any] | None = None) -> None:
@@ -160,9 +172,10 @@ class AgentLoop:
         delta = self.snapshots.next(
             step=self.steps,
             progress=self.progress if progress is None else progress,
-            records=[_snapshot_record(r) for r in self.records],
+            records=[_snapshot_record(r) for r in self.dirty.values()],
             unfinished=unfinished,
         )
+        self.dirty.clear()
         self.emitter.emit(EventKind.STEP_SNAPSHOT, **delta, _id=self.run_id)
 
     def _unfinished(self, turn: ModelTurn) -> dict[str, Any]:
@@ -263,7 +276,53 @@ class AgentLoop:
             if self.stop.requested:
                 return self._cancelled()
 
+    def _note_refused(self) -> None:
+        """Tell the model of the calls of its last turn that were refused (after that
+        turn's tool results: each call the history keeps has its result first)."""
+        if self.refused_note is not None:
+            self.messages.append({"role": "user", "content": self.refused_note})
+            self.refused_note = None
+
+    def _refuse_excess(self, turn: ModelTurn) -> None:
+        """Keep the first ``limits.max_tool_calls_per_step`` calls of ``turn``; refuse the
+        rest: never run, never announced one by one (each would cost the daemon an event,
+        a record and journal writes: the flood the bound is for), left out of the history
+        the model sees, and said once: a ``log`` event (``code: too_many_calls``), the
+        result's ``refused_calls``, and a note to the model after the turn's results."""
+        limit = self.spec.limits.max_tool_calls_per_step
+        if len(turn.calls) <= limit:
+            return
+        asked = len(turn.calls)
+        refused = turn.calls[limit:]
+        turn.calls = turn.calls[:limit]
+        names = sorted({c.name or "unknown" for c in refused})
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        self.refused_calls.append(
+            {"step": self.steps, "asked": asked, "limit": limit, "refused": len(refused), "names": names[:10]}
+        )
+        why = (
+            f"too_many_calls: the model asked for {asked} tool calls in one step; at most {limit} run per step "
+            f"(limits.max_tool_calls_per_step): the first {limit} were taken, the other {len(refused)} "
+            f"({shown}) were refused and never ran"
+        )
+        self.emitter.log(
+            "warning",
+            f"step {self.steps}: {why}",
+            code="too_many_calls",
+            step=self.steps,
+            asked=asked,
+            limit=limit,
+            refused=len(refused),
+        )
+        self.refused_note = (
+            f"[agentd: your last message asked for {asked} tool calls; at most {limit} run in one step. "
+            f"Only the first {limit} were taken (their results are above); the other {len(refused)} "
+            f"({shown}) were refused, never ran, and are not shown. Ask again, at most {limit} at a time, "
+            "for those you still need.]"
+        )
+
     def _apply_steering(self) -> None:
+        self._note_refused()  # the last turn's refused calls, before any new input
         # Not once the stop has come (the step's emit can wait on a busy daemon's pipe):
         # a steer applied then is carried by no model turn, yet was reported applied.
         if self.steering is None or self.stop.requested:
@@ -282,9 +341,10 @@ class AgentLoop:
         # server that sends none gets ``call_auto_N`` again every step; a script may reuse
         # "x"), or choose one ``approve``/``deny`` refuse (blank, too long): such an id is
         # renamed here, before the history the model sees holds it.
+        self._refuse_excess(turn)
         used = {r.id for r in self.records}
         for c in turn.calls:
-            c.id = _call_id(c.id, used)
+            c.id = _call_id(c.id, used, self.id_suffixes)
             used.add(c.id)
         if turn.usage is not None:
             self.usage_known = True
@@ -479,6 +539,7 @@ class AgentLoop:
                 self.messages.append(
                     {"role": "tool", "tool_call_id": rec.id, "content": tool_result_text(rec, stop_reason=None)}
                 )
+        self._note_refused()
         return {
             "status": str(outcome.status),
             "reason": outcome.reason,
@@ -490,6 +551,7 @@ class AgentLoop:
             "usage": dict(self.usage) if self.usage_known else None,
             "error": outcome.error,
             "messages": self.messages,
+            **({"refused_calls": self.refused_calls} if self.refused_calls else {}),
             **extra,
         }
 
@@ -516,19 +578,24 @@ MAX_CALL_ID_CHARS: Final = 256
 _SAFE_ID: Final = re.compile(r"[!-~]+")
 
 
-def _call_id(raw: str, used: set[str]) -> str:
+def _call_id(raw: str, used: set[str], suffixes: dict[str, int] | None = None) -> str:
     """The id a call goes by in this run: the model's own if it is safe and new, else one
     made of its safe characters (``call`` if none), cut to leave room for a suffix, and
-    made unique among ``used``."""
+    made unique among ``used``. ``suffixes``: where each base's search for a free suffix
+    goes on from (kept by the caller across calls)."""
     if raw not in used and len(raw) <= MAX_CALL_ID_CHARS and _SAFE_ID.fullmatch(raw):
         return raw
     base = "".join(_SAFE_ID.findall(raw))[: MAX_CALL_ID_CHARS - 16] or "call"
-    return base if base not in used else _fresh_id(base, used)
+    return base if base not in used else _fresh_id(base, used, {} if suffixes is None else suffixes)
 
 
-def _fresh_id(base: str, used: set[str]) -> str:
-    """``base`` made unique among ``used``: ``base_2``, ``base_3``, ..."""
-    n = 2
+def _fresh_id(base: str, used: set[str], suffixes: dict[str, int]) -> str:
+    """``base`` made unique among ``used``: ``base_2``, ``base_3``, ... The search goes on
+    from where the last one for ``base`` ended (``suffixes``): ids are never given back,
+    so every suffix below it was found taken. (From 2 each time, N calls of one id cost
+    N^2/2 look-ups.)"""
+    n = suffixes.get(base, 2)
     while f"{base}_{n}" in used:
         n += 1
+    suffixes[base] = n + 1
     return f"{base}_{n}"

@@ -39,6 +39,12 @@ BUILTIN_TOOLS: Final = frozenset({"run_command"})
 PROVIDERS: Final = frozenset({"scripted", "openai"})
 
 DEFAULT_MAX_STEPS: Final = 20
+# Bounds the tool calls one model turn may have run (``limits.max_tool_calls_per_step``):
+# calls beyond it are refused, never run. Each call that runs costs its events, its
+# record and the daemon's journal writes: one turn of thousands of calls flooded the
+# daemon for a minute. The ceiling keeps a spec from lifting the bound out of reach.
+DEFAULT_MAX_TOOL_CALLS_PER_STEP: Final = 256
+MAX_MAX_TOOL_CALLS_PER_STEP: Final = 4096
 # Bounds one run_command call: the command's group is stopped when it runs out (seconds).
 DEFAULT_COMMAND_TIMEOUT_S: Final = 120.0
 DEFAULT_MAX_OUTPUT_BYTES: Final = 65536
@@ -219,11 +225,16 @@ class Limits:
     deadline_s: float | None = None
     command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
+    max_tool_calls_per_step: int = DEFAULT_MAX_TOOL_CALLS_PER_STEP
 
     @classmethod
     def from_dict(cls, d: Any) -> Limits:
         d = _obj(d, "limits")
-        _check_keys(d, "limits", {"max_steps", "deadline_s", "command_timeout_s", "max_output_bytes"})
+        _check_keys(
+            d,
+            "limits",
+            {"max_steps", "deadline_s", "command_timeout_s", "max_output_bytes", "max_tool_calls_per_step"},
+        )
         deadline = d.get("deadline_s")
         return cls(
             max_steps=_int(d.get("max_steps", DEFAULT_MAX_STEPS), "limits.max_steps"),
@@ -235,6 +246,11 @@ class Limits:
                 minimum=64,
                 maximum=MAX_MAX_OUTPUT_BYTES,
             ),
+            max_tool_calls_per_step=_int(
+                d.get("max_tool_calls_per_step", DEFAULT_MAX_TOOL_CALLS_PER_STEP),
+                "limits.max_tool_calls_per_step",
+                maximum=MAX_MAX_TOOL_CALLS_PER_STEP,
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,6 +258,7 @@ class Limits:
             "max_steps": self.max_steps,
             "command_timeout_s": self.command_timeout_s,
             "max_output_bytes": self.max_output_bytes,
+            "max_tool_calls_per_step": self.max_tool_calls_per_step,
         }
         if self.deadline_s is not None:
             out["deadline_s"] = self.deadline_s

@@ -195,3 +195,99 @@ async def test_a_steer_during_the_answer_of_the_last_allowed_step_keeps_the_answ
     assert (outcome.status, outcome.final_text) == (RunStatus.COMPLETED, "The answer is 42.")
     assert loop.steering.pending == ["also say hi"]
     assert [s["state"] for s in steered] == ["queued"]
+
+
+async def test_calls_beyond_the_steps_limit_are_refused_said_and_never_run(tmp_path: Path) -> None:
+    # One model turn of thousands of calls flooded the daemon (an event, a record and
+    # journal writes per call): a step runs at most limits.max_tool_calls_per_step.
+    from subagent.events import EventKind
+    from subagent.model.fake_openai import history_problem
+
+    calls = [{"name": "run_command", "arguments": {"command": f"touch {tmp_path}/ran{i}"}} for i in range(5)]
+    script = {"turns": [{"tool_calls": [*calls, {"name": "nope", "arguments": {}}]}], "final": "ok"}
+    loop = make_loop(tmp_path, script, max_tool_calls_per_step=2)
+    outcome = await loop.run()
+    assert outcome.status == RunStatus.COMPLETED and outcome.final_text == "ok"
+    assert sorted(p.name for p in tmp_path.glob("ran*")) == ["ran0", "ran1"]  # the rest never ran
+    assert [r.state for r in loop.records] == [ToolCallState.SUCCEEDED] * 2  # no record for the refused
+    result = loop.result(outcome)
+    assert result["refused_calls"] == [
+        {"step": 1, "asked": 6, "limit": 2, "refused": 4, "names": ["nope", "run_command"]}
+    ]
+    # Said once in the record (a log event with its code), and to the model after the
+    # turn's results, in a history the API takes.
+    events = [json.loads(line) for line in (tmp_path / "events").read_text().splitlines()]
+    (said,) = [e for e in events if e.get("code") == "too_many_calls"]
+    assert (
+        said["event"] == str(EventKind.LOG)
+        and said["refused"] == 4
+        and "limits.max_tool_calls_per_step" in said["message"]
+    )
+    assert sum(e["event"] == str(EventKind.TOOL_CALL) for e in events) == 6  # two calls: announced, running, done
+    assert history_problem(loop.messages) is None
+    (asked,) = [m for m in loop.messages if m.get("tool_calls")]
+    assert len(asked["tool_calls"]) == 2
+    note = loop.messages[loop.messages.index(asked) + 3]
+    assert note["role"] == "user" and "asked for 6 tool calls" in note["content"] and "never ran" in note["content"]
+
+
+def test_a_spec_bounds_the_calls_per_step() -> None:
+    from subagent.spec import DEFAULT_MAX_TOOL_CALLS_PER_STEP, SpecError
+
+    assert RunSpec.from_dict({"task": "t"}, env={}).limits.max_tool_calls_per_step == DEFAULT_MAX_TOOL_CALLS_PER_STEP
+    assert RunSpec.from_dict({"task": "t"}, env={}).limits.to_dict()["max_tool_calls_per_step"] == 256
+    for bad in (0, 10**6, True, "5"):
+        with pytest.raises(SpecError, match="limits.max_tool_calls_per_step"):
+            RunSpec.from_dict({"task": "t", "limits": {"max_tool_calls_per_step": bad}}, env={})
+
+
+class _CountingSet(set[str]):
+    looked = 0
+
+    def __contains__(self, item: object) -> bool:
+        _CountingSet.looked += 1
+        return super().__contains__(item)
+
+
+async def test_thousands_of_calls_of_one_id_are_renamed_with_a_lookup_or_two_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model that gave every call the same id cost a scan of every suffix taken so far
+    # per call: 15,000 such calls took the runner 29 s.
+    import subagent.loop as loop_module
+
+    real = loop_module._call_id
+
+    def counted(raw: str, used: set[str], *rest: Any) -> str:
+        return real(raw, _CountingSet(used), *rest)  # the ids taken, their look-ups counted
+
+    monkeypatch.setattr(loop_module, "_call_id", counted)
+    calls = [{"name": "nope", "id": "x", "arguments": {}} for _ in range(2000)]
+    loop = make_loop(tmp_path, {"turns": [{"tool_calls": calls}]}, max_tool_calls_per_step=4096)
+    assert (await loop.run()).status == RunStatus.COMPLETED
+    ids = [r.id for r in loop.records]
+    assert len(set(ids)) == 2000 and ids[:3] == ["x", "x_2", "x_3"]
+    assert _CountingSet.looked <= 3 * 2000
+
+
+async def test_a_snapshot_looks_only_at_the_records_changed_since_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each snapshot encoded every record of the run so far: a run of many steps of many
+    # calls cost the square of its length (40 steps of 256 calls: 21 s, now 2.5 s).
+    import subagent.loop as loop_module
+
+    seen = 0
+    real = loop_module._snapshot_record
+
+    def counting(rec: Any) -> dict[str, Any]:
+        nonlocal seen
+        seen += 1
+        return real(rec)
+
+    monkeypatch.setattr(loop_module, "_snapshot_record", counting)
+    turns = [{"tool_calls": [{"name": "nope", "arguments": {"s": s, "i": i}} for i in range(10)]} for s in range(12)]
+    loop = make_loop(tmp_path, {"turns": turns, "final": "done"}, max_steps=20)
+    outcome = await loop.run()
+    assert outcome.status == RunStatus.COMPLETED and len(loop.records) == 120
+    assert seen <= 2 * 120  # each record in the snapshot of its turn and of its batch at most
