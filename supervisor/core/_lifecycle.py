@@ -195,7 +195,10 @@ class Lifecycle:
         """Remove what a stopped tree leaves (its dir, its cgroup, untraceable orphans)."""
         try:
             if run_dir is not None:
-                await trio.to_thread.run_sync(remove_dir, run_dir)
+                try:
+                    await trio.to_thread.run_sync(remove_dir, run_dir)
+                finally:
+                    run.removal_tried.set()  # done or failed: the disk guard waits no longer
             self.containment.remove(tree)
             # An orphan that shed every trace of its tree can only be ended when no tree
             # is live to claim it.

@@ -57,6 +57,9 @@ class Run:
     # terminal one and its event after the end (``RunBook.transition``, ``start``, ``finish``).
     state_lock: trio.Lock = field(default_factory=trio.Lock)
     done: trio.Event = field(default_factory=trio.Event)
+    # Set once the removal of what its tree left (its run dir) was tried, done or failed
+    # (``Lifecycle.clean_up``, after ``done``): the disk guard waits for no more than that.
+    removal_tried: trio.Event = field(default_factory=trio.Event)
     stop_recorded: trio.Event = field(default_factory=trio.Event)  # its stop's intent is journaled
     stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)

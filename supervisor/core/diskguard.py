@@ -26,7 +26,10 @@ room for their own files. ``DiskGuard`` stops that run instead:
   ``BLAME_MIN_BYTES``, ``BLAME_MIN_INODES``). Less, and the space went
   elsewhere (the host's own files): stopping a run would not bring it back, so nobody is
   stopped and the daemon says so in its log. One stop at a time: the next check that may
-  stop a run comes once the stopped run's directory is gone (its space back). A run being
+  stop a run comes once the stopped run's directory is gone (its space back), or its
+  removal was tried and failed, or was not tried ``REMOVAL_WAIT_S`` after the run's end
+  (said in the log: its space did not come back, and a run that still fills the disk must
+  not go unstopped for it). A run being
   stopped already for another reason (a user's stop, a timeout: it may write on through
   its grace) is measured too: if it holds the most, the guard waits for its end as for
   its own stop's, and blames nobody else meanwhile.
@@ -95,6 +98,9 @@ TICK_S: Final = 5.0
 # or URGENT_REMEASURE_S when a journal write failed meanwhile.
 REMEASURE_S: Final = 30.0
 URGENT_REMEASURE_S: Final = 5.0
+# A run the guard stopped has ended: how long it waits at most for its run dir's removal
+# to be tried (seconds; ``Run.removal_tried``, normally at once) before it blames others.
+REMOVAL_WAIT_S: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +158,7 @@ class DiskGuard:
         self._measured_at = -float("inf")
         # One disk_full stop at a time: the run, its run dir, set once its profile is dealt with.
         self._stopping: tuple[Run, Path | None, trio.Event] | None = None
+        self._ended_at: float | None = None  # when the guard first saw that run ended (trio clock)
         self._nursery: trio.Nursery | None = None
         self._low_said = False
         self.stopped = 0  # runs stopped for a full disk, in all
@@ -255,9 +262,10 @@ class DiskGuard:
         self._checked_at = trio.current_time()
         if self._stopping is not None:
             run, run_dir, settled = self._stopping
-            if not run.done.is_set() or not settled.is_set() or (run_dir is not None and run_dir.exists()):
+            if not self._stop_over(run, run_dir, settled):
                 return  # its space is not back yet: nobody else is blamed meanwhile
             self._stopping = None
+            self._ended_at = None
             self._measured_at = -float("inf")  # still low: another run may be filling it too
         low = self._low()
         if not low:
@@ -297,6 +305,39 @@ class DiskGuard:
             else:
                 await self._stop(target, fs, held, inodes)
             return
+
+    def _stop_over(self, run: Run, run_dir: Path | None, settled: trio.Event) -> bool:
+        """Whether the run being stopped is done with: ended, its profile dealt with, and
+        its run dir gone, or its removal tried (and failed: a file it cannot remove), or
+        not tried ``REMOVAL_WAIT_S`` after its end. Waiting for the dir alone, a removal
+        that failed kept every other run from being stopped for good."""
+        if not run.done.is_set() or not settled.is_set():
+            return False
+        if run_dir is None or not run_dir.exists():
+            return True
+        now = trio.current_time()
+        if self._ended_at is None:
+            self._ended_at = now
+            if self._nursery is not None:  # look again once the wait is over
+                self._nursery.start_soon(self._wake_after, REMOVAL_WAIT_S)
+        if run.removal_tried.is_set():
+            why = "its removal failed"
+        elif now - self._ended_at >= REMOVAL_WAIT_S:
+            why = f"its removal was not tried within {REMOVAL_WAIT_S:g} s of its end"
+        else:
+            return False
+        logger.warning(
+            "disk guard: run %s ended but its directory %s is still there (%s): its space did not come back; "
+            "the guard goes on",
+            run.run_id,
+            run_dir,
+            why,
+        )
+        return True
+
+    async def _wake_after(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+        self._wake.set()
 
     def _paths(self, run: Run) -> list[Path]:
         assert run.run_dir is not None

@@ -576,3 +576,38 @@ async def test_a_users_stop_during_the_guards_event_write_does_not_take_its_stop
     assert fake.cancels == [("filler", DISK_FULL_REASON)]
     assert [(rid, kind) for rid, kind, _ in fake.events] == [("filler", DISK_FULL_REASON)]
     assert filler.stop_detail is not None and guard.stopped == 1
+
+
+async def test_a_stopped_run_whose_directory_cannot_be_removed_does_not_hold_the_guard_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock
+) -> None:
+    # The guard waited for the stopped run's directory to disappear before it would stop
+    # anyone else: a removal that failed for another reason (a file it may not remove)
+    # kept the run that fills the disk now from ever being stopped.
+    from supervisor.core.diskguard import REMOVAL_WAIT_S
+
+    (tmp_path / "state").mkdir()
+    config = Config.load(state_dir=tmp_path / "state", disk_min_free_mib=1, disk_min_free_percent=0, environ={})
+    for how in ("failed", "never tried"):
+        fake = FakeManager(tmp_path / how)
+        filler = fake.add("filler", 8 * MiB, tmp_path / how)
+        fake.add("next", 2 * MiB, tmp_path / how)
+        guard = fake.guard(config)
+        monkeypatch.setattr(os, "statvfs", full_disk)
+        guard.journal_failed()
+        await guard.check()
+        assert fake.cancels == [("filler", DISK_FULL_REASON)]
+        await settled(guard)
+        del fake.live["filler"]
+        filler.done.set()  # it ended; its directory stays
+        guard.journal_failed()
+        await guard.check()
+        assert fake.cancels == [("filler", DISK_FULL_REASON)], how  # its removal may still come
+        if how == "failed":
+            filler.removal_tried.set()
+        else:
+            await trio.sleep(REMOVAL_WAIT_S)
+        guard.journal_failed()
+        await guard.check()
+        assert fake.cancels == [("filler", DISK_FULL_REASON), ("next", DISK_FULL_REASON)], how
+        assert guard.stopped == 2
