@@ -48,6 +48,10 @@ MAX_RESULT_BYTES: Final = 16 * 1024 * 1024
 # inotify is missing this is the poll; with it, a bound on a missed event.
 TAIL_POLL_S: Final = 0.2
 TAIL_FALLBACK_S: Final = 5.0
+# A re-adopted run's events file is read this much at a time, in a worker thread: at a
+# restart it may hold all a runner wrote while no daemon read it (gigabytes, say), and one
+# ``read()`` of it on the Trio thread stalled the daemon's every task, and held it all.
+READ_CHUNK_BYTES: Final = 1024 * 1024
 
 OnItem = Callable[[Event | BadLine], Awaitable[None]]
 
@@ -178,6 +182,13 @@ class PipeSource:
             receipt["pipes_held_open"] = True
 
 
+def _read_at(path: Path, offset: int, size: int) -> bytes:
+    """Up to ``size`` bytes of the file at ``path`` from ``offset`` (a worker thread's)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
 class FileSource:
     """A runner re-adopted after a restart: its events file and its result file."""
 
@@ -203,23 +214,27 @@ class FileSource:
         return  # its stdin went with the old daemon
 
     async def read_once(self, on_item: OnItem) -> None:
-        """Hand on what was appended to the events file since the last read."""
+        """Hand on what was appended to the events file since the last read: up to
+        ``READ_CHUNK_BYTES`` at a time, each read in a worker thread, each chunk's events
+        handed on before the next is read."""
         if self._run_dir is None:
             return
-        try:
-            with open(record_paths(self._run_dir)[0], "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            return
-        self._offset += len(data)
-        for item in self._splitter.feed(data):
-            if isinstance(item, Event):
-                key = event_key(str(item.kind), item.ts, item.data)
-                if self._journaled[key] > 0:
-                    self._journaled[key] -= 1
-                    continue
-            await on_item(item)
+        path = record_paths(self._run_dir)[0]
+        while True:
+            try:
+                data = await trio.to_thread.run_sync(_read_at, path, self._offset, READ_CHUNK_BYTES)
+            except OSError:
+                return
+            self._offset += len(data)
+            for item in self._splitter.feed(data):
+                if isinstance(item, Event):
+                    key = event_key(str(item.kind), item.ts, item.data)
+                    if self._journaled[key] > 0:
+                        self._journaled[key] -= 1
+                        continue
+                await on_item(item)
+            if len(data) < READ_CHUNK_BYTES:
+                return
 
     async def pump(self, on_item: OnItem) -> None:
         try:
