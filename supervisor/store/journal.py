@@ -791,6 +791,32 @@ class Journal:
             lambda s: s.upsert_tool_call(_text(run_id), _text(rec["id"]), step, _text(state), rank, data, ts)
         )
 
+    async def upsert_tool_calls(self, run_id: str, records: Sequence[Mapping[str, Any]]) -> int:
+        """``upsert_tool_call`` for each of ``records``, in order, in one transaction (one
+        commit): a run's end takes its result's records in (thousands, at a time: one
+        commit each cost ~0.6 ms of the journal's thread apiece). How many were written.
+
+        Raises:
+            ValueError: a record has no string ``id`` or an unknown ``state`` (nothing written).
+            RunNotFound: no run has this id.
+        """
+        rows = []
+        for record in records:
+            rec = dict(record)
+            rank = tool_call_rank(rec)
+            rows.append(
+                (_text(rec["id"]), int(rec.get("step", 0)), _text(str(rec.get("state", "not_started"))), rank, rec)
+            )
+        rid = _text(run_id)
+        ts = time.time()
+
+        def upsert_all(s: Store) -> int:
+            return sum(
+                s.upsert_tool_call(rid, cid, step, state, rank, dumps(rec), ts) for cid, step, state, rank, rec in rows
+            )
+
+        return await self._call(lambda s: s.together([upsert_all])[0])
+
     async def settle_tool_calls(
         self,
         run_id: str,
