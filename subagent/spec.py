@@ -42,9 +42,10 @@ DEFAULT_MAX_STEPS: Final = 20
 # Bounds the tool calls one model turn may have run (``limits.max_tool_calls_per_step``):
 # calls beyond it are refused, never run. Each call that runs costs its events, its
 # record and the daemon's journal writes: one turn of thousands of calls flooded the
-# daemon for a minute. The ceiling keeps a spec from lifting the bound out of reach.
+# daemon for a minute. The ceiling keeps a spec from lifting the bound out of reach, and
+# a step's snapshot (its calls' records) within one event line (1 MiB).
 DEFAULT_MAX_TOOL_CALLS_PER_STEP: Final = 256
-MAX_MAX_TOOL_CALLS_PER_STEP: Final = 4096
+MAX_MAX_TOOL_CALLS_PER_STEP: Final = 1024
 # Bounds one run_command call: the command's group is stopped when it runs out (seconds).
 DEFAULT_COMMAND_TIMEOUT_S: Final = 120.0
 DEFAULT_MAX_OUTPUT_BYTES: Final = 65536

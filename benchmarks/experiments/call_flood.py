@@ -9,7 +9,7 @@ daemon's CPU (all threads) meanwhile, the status replies and the slowest of them
 how many calls ran and were refused. ``--limit`` sets the spec's limit (default: none
 given, the runner's default).
 
-    .venv/bin/python benchmarks/experiments/call_flood.py [N ...] [--limit 4096]
+    .venv/bin/python benchmarks/experiments/call_flood.py [N ...] [--limit 1024]
 """
 
 from __future__ import annotations
