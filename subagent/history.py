@@ -40,6 +40,7 @@ __all__ = [
     "is_cut",
     "replay_arguments",
     "stop_note",
+    "refused_calls_note",
     "turn_messages",
     "unfinished_text",
 ]
@@ -159,6 +160,19 @@ def _cut_copy(text: str, of: str) -> bool:
     return text.endswith(CUT_MARK) and of.startswith(text[: -len(CUT_MARK)]) and len(of) > len(text) - len(CUT_MARK)
 
 
+def refused_calls_note(asked: int, limit: int, refused: int, names: Iterable[str]) -> str:
+    """What the model is told, after a turn's tool results, of the calls of that turn
+    beyond ``limits.max_tool_calls_per_step``: refused, never run, not shown."""
+    listed = list(names)
+    shown = f" ({', '.join(listed)})" if listed else ""
+    return (
+        f"[agentd: your last message asked for {asked} tool calls; at most {limit} run in one step. "
+        f"Only the first {limit} were taken (their results are above); the other {refused}{shown} "
+        f"were refused, never ran, and are not shown. Ask again, at most {limit} at a time, "
+        "for those you still need.]"
+    )
+
+
 def stop_note(state: str, reason: str | None) -> str | None:
     """The short note after a turn that did not complete; None after a completed (or live) one."""
     if state == "cancelled":
@@ -197,6 +211,7 @@ def turn_messages(
     reason: str | None = None,
     final_text: str | None = None,
     unfinished: tuple[int, str] | None = None,
+    refused: Iterable[Mapping[str, Any]] = (),
 ) -> list[dict[str, Any]]:
     """One turn of a session as OpenAI-shaped messages, from what the journal recorded.
 
@@ -211,6 +226,8 @@ def turn_messages(
             (``unfinished_text``), used for a turn that ended early when no
             ``assistant_text`` event of its step carries it (its runner was killed while
             the model streamed): shown cut short.
+        refused: the result's ``refused_calls`` (``{step, asked, limit, refused, names}``):
+            the calls of a step beyond its bound, told after that step's tool results.
     """
     texts: dict[int, str] = {}
     cut_short: set[int] = set()  # steps whose text the model never finished
@@ -231,6 +248,13 @@ def turn_messages(
         # result alone holds it. (Carried by an event already, it is not told twice.)
         texts[unfinished[0]] = unfinished[1]
         cut_short.add(unfinished[0])
+    notes: dict[int, str] = {}
+    for r in refused:
+        try:
+            names = [str(n) for n in r.get("names") or []]
+            notes[int(r["step"])] = refused_calls_note(int(r["asked"]), int(r["limit"]), int(r["refused"]), names)
+        except (KeyError, TypeError, ValueError):
+            continue  # not one the runner wrote: nothing to tell
     calls: dict[int, list[Mapping[str, Any]]] = {}
     for rec in records:
         step = rec.get("step")
@@ -266,6 +290,8 @@ def turn_messages(
             {"role": "tool", "tool_call_id": rec["id"], "content": tool_result_text(rec, stop_reason=stop_reason)}
             for rec in step_calls
         )
+        if step_calls and step in notes:
+            out.append({"role": "user", "content": notes[step]})
     if state == "completed" and final_text:
         # The answer is the last step's text, also in its event: shown once, whole. Either
         # copy may have been cut (a large history cut the result's; a huge text its event's).

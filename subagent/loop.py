@@ -53,6 +53,7 @@ from subagent.history import (
     HISTORY_FINISHED_AFTER_STOP,
     HISTORY_FINISHED_BEFORE_STOP,
     HISTORY_INTERRUPTED,
+    refused_calls_note,
     tool_result_text,
 )
 from subagent.model.provider import DraftCall, ModelError, ModelTurn, Provider, TurnAssembler
@@ -314,12 +315,7 @@ class AgentLoop:
             limit=limit,
             refused=len(refused),
         )
-        self.refused_note = (
-            f"[agentd: your last message asked for {asked} tool calls; at most {limit} run in one step. "
-            f"Only the first {limit} were taken (their results are above); the other {len(refused)} "
-            f"({shown}) were refused, never ran, and are not shown. Ask again, at most {limit} at a time, "
-            "for those you still need.]"
-        )
+        self.refused_note = refused_calls_note(asked, limit, len(refused), names[:10])
 
     def _apply_steering(self) -> None:
         self._note_refused()  # the last turn's refused calls, before any new input

@@ -99,7 +99,14 @@ def _messages(turn: TurnRecord) -> list[dict[str, Any]]:
         final_text=_final_text(turn),
         # A runner killed while its model streamed: that text is in its partial result only.
         unfinished=unfinished_text(turn["result"]),
+        # Calls of a step beyond its bound: told after that step's results, as it was.
+        refused=_refused(turn["result"]),
     )
+
+
+def _refused(result: Any) -> list[dict[str, Any]]:
+    refused = result.get("refused_calls") if isinstance(result, dict) else None
+    return [r for r in refused if isinstance(r, dict)] if isinstance(refused, list) else []
 
 
 def history_messages(turns: Iterable[TurnRecord], *, before: str | None = None) -> list[dict[str, Any]]:

@@ -237,3 +237,23 @@ def test_text_an_event_carried_is_told_once_and_a_stopped_streams_text_is_marked
 )
 def test_a_result_without_unfinished_text_gives_none(result: Any) -> None:
     assert unfinished_text(result) is None
+
+
+def test_a_turn_whose_step_had_calls_refused_tells_them_after_that_steps_results() -> None:
+    # The runner told its model after the step's results; the next turn of the session,
+    # rebuilt from the journal, must tell it the same, or the model takes the calls it
+    # asked for as the ones that ran.
+    from subagent.history import refused_calls_note, turn_messages
+    from subagent.model.fake_openai import history_problem
+
+    records = [
+        {"id": f"c{i}", "name": "run_command", "arguments": "{}", "step": 1, "state": "succeeded", "output": "ok"}
+        for i in range(2)
+    ]
+    refused = [{"step": 1, "asked": 5, "limit": 2, "refused": 3, "names": ["run_command"]}, {"bogus": 1}]
+    out = turn_messages("t", records, [], state="completed", final_text="done", refused=refused)
+    assert history_problem(out) is None
+    roles = [m["role"] for m in out]
+    assert roles == ["user", "assistant", "tool", "tool", "user", "assistant"], roles
+    assert out[4]["content"] == refused_calls_note(5, 2, 3, ["run_command"])
+    assert "asked for 5 tool calls" in out[4]["content"] and "never ran" in out[4]["content"]
