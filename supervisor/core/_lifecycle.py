@@ -28,7 +28,7 @@ import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, fold_snapshot
 from supervisor.config import Config
-from supervisor.core._book import RunBook
+from supervisor.core._book import RunBook, take_result_records
 from supervisor.core._limits import add_memory, add_pids
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import EventSource
@@ -37,7 +37,6 @@ from supervisor.core.approvals import ApprovalDesk
 from supervisor.core.progress import checkpoint_due
 from supervisor.errors import JournalError
 from supervisor.states import TERMINAL_STATES, RunState
-from supervisor.store._ops import tool_call_rank
 from supervisor.store.journal import Journal
 from supervisor.trees import process
 from supervisor.trees._handles import AnyTree
@@ -65,9 +64,6 @@ MEMORY_LIMIT: Final = "memory_limit"
 # At a run's end, how long a steer still being written to its runner's input may take to
 # settle (``unread_steering``).
 STEER_SETTLE_S: Final = 2.0
-
-# A run's end takes its result's tool-call records into the journal this many to a write.
-RESULT_RECORDS_PER_WRITE: Final = 256
 
 
 class Lifecycle:
@@ -306,7 +302,7 @@ class Lifecycle:
         if isinstance(result, dict):
             if unread:
                 result = {**result, "unapplied_steering": [*(result.get("unapplied_steering") or []), *unread]}
-            await self._take_result_records(run, result)
+            await take_result_records(self.book, run, result)
             await self._add_tool_stops(run, full_receipt, result.get("tool_calls"))
             status = result.get("status")
             if status == RunStatus.COMPLETED:
@@ -400,20 +396,6 @@ class Lifecycle:
             )
         return unread
 
-    async def _take_result_records(self, run: Run, result: dict[str, Any]) -> None:
-        """The result's records into the journal, ``RESULT_RECORDS_PER_WRITE`` to a write
-        (a commit per record: 5,000 records held the journal's thread for 3 s)."""
-        good = []
-        for record in result.get("tool_calls") or []:
-            try:
-                tool_call_rank(record), int(record.get("step", 0))
-                good.append(record)
-            except (AttributeError, TypeError, ValueError):
-                logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)
-        for at in range(0, len(good), RESULT_RECORDS_PER_WRITE):
-            chunk = good[at : at + RESULT_RECORDS_PER_WRITE]
-            await self.book.write(run, "tool calls", _upsert_all(run.run_id, chunk), len(chunk))
-
     async def _settle_unreported(self, run: Run, stopped: bool, died: str | None = None) -> None:
         """Close the records a runner that left no result never closed (``stopped``: a
         stop came before it ended; ``died``: how it ended if path B did not kill it at the
@@ -480,10 +462,6 @@ class Lifecycle:
         if run.stop_detail is not None:
             head["stop_detail"] = run.stop_detail
         return head
-
-
-def _upsert_all(run_id: str, records: list[dict[str, Any]]) -> Callable[[Journal], Awaitable[object]]:
-    return lambda j: j.upsert_tool_calls(run_id, records)
 
 
 def _leaf_errors(exc: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""A run's lifecycle (``supervisor.core._lifecycle``): its end's bookkeeping."""
+"""A run's end's bookkeeping (``supervisor.core._book.take_result_records``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ async def test_a_runs_end_takes_thousands_of_result_records_in_a_few_journal_wri
     # thread 3 s at the run's end, every other run's and client's call queued behind.
     import time
 
-    from supervisor.core._lifecycle import RESULT_RECORDS_PER_WRITE, Lifecycle
+    from supervisor.core._book import RESULT_RECORDS_PER_WRITE, take_result_records
     from supervisor.core._run import Run
     from supervisor.core.token import CancelToken
     from supervisor.store.journal import Journal
@@ -36,9 +36,8 @@ async def test_a_runs_end_takes_thousands_of_result_records_in_a_few_journal_wri
         await journal.upsert_tool_call("r", {**records[0], "state": "running"})
         book = Book()
         book.journal = journal
-        life = Lifecycle(None, book, None, None, None)  # type: ignore[arg-type]  # (only its book is used)
         run = Run(run_id="r", session_id=None, spec={}, timeout_s=None, token=CancelToken("r"))
-        await life._take_result_records(run, {"tool_calls": records})
+        await take_result_records(book, run, {"tool_calls": records})  # type: ignore[arg-type]  # (only write)
         stored = await journal.tool_calls("r")
     assert [r["id"] for r in stored] == [f"c{i}" for i in range(n)]
     assert {r["state"] for r in stored} == {"failed"}  # the running one moved on

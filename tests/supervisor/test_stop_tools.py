@@ -267,20 +267,24 @@ async def test_a_runner_killed_at_the_grace_mid_batch_leaves_a_record_for_every_
 
 
 async def test_a_runner_its_own_tool_kills_during_the_stop_is_not_said_to_have_run_out_of_grace(
-    manager: RunManager,
+    manager: RunManager, tmp_path: Path
 ) -> None:
     # The command answers the stop's SIGTERM by SIGKILLing its runner, milliseconds after
     # the cancel: no result. Its call was settled "grace_ran_out: the runner was killed at
     # the end of the stop's grace" and the receipt said so, while path B never escalated
     # (the same for a runner the OOM killer or a crash ends during a stop).
+    armed = shared_dir(tmp_path) / "armed"
+    command = f"trap 'kill -9 $PPID' TERM; touch {armed}; sleep 300 & wait"
     calls = [
-        {"name": "run_command", "arguments": {"command": "trap 'kill -9 $PPID' TERM; sleep 300 & wait"}},
+        {"name": "run_command", "arguments": {"command": command}},
         {"name": "run_command", "arguments": {"command": "echo never"}},
     ]
     with trio.fail_after(30):
-        r = await manager.spawn(scripted(calls))
+        r = await manager.spawn(granted(scripted(calls), tmp_path))
         rid = r["run_id"]
         await wait_event(manager, rid, command_alive)
+        while not armed.exists():  # its trap is set: the process group exists before it is
+            await trio.sleep(0.01)
         st, _took = await cancel_and_time(manager, rid)
     assert st["state"] == "cancelled" and st["reason"] == "user"
     assert st["receipt"]["exit_code"] == -signal.SIGKILL and st["receipt"]["path_b"]["escalated"] is False
