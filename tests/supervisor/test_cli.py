@@ -597,6 +597,34 @@ def test_status_says_stopping_while_the_daemon_stops_its_runs(server: ServerThre
     assert " stopping: pid " in run(server, "status").stdout.splitlines()[0]
 
 
+def test_status_says_which_watched_filesystem_is_low_on_space_or_inodes(server: ServerThread) -> None:
+    # The disk guard's marks (``summary.disk.watched``): a filesystem below its byte mark
+    # or its inode mark is named; one above both, or with no inode count, is not.
+    real = server.backend.summary
+    watched = [
+        {"path": "/full", "free_bytes": 100 * 2**20, "total_bytes": 2**40, "min_free_bytes": 256 * 2**20},
+        {
+            "path": "/no-inodes",
+            "free_bytes": 2**30,
+            "total_bytes": 2**40,
+            "min_free_bytes": 256 * 2**20,
+            "free_inodes": 10,
+            "total_inodes": 4000,
+            "min_free_inodes": 40,
+        },
+        {"path": "/fine", "free_bytes": 2**30, "total_bytes": 2**40, "min_free_bytes": 256 * 2**20},
+    ]
+
+    async def low() -> dict[str, Any]:
+        return {**(await real()), "disk": {"watched": watched}}
+
+    server.backend.summary = low  # type: ignore[method-assign]
+    lines = run(server, "status").stdout.splitlines()
+    assert "low on disk: /full has 100 MiB free, below its low-water mark of 256 MiB" in lines
+    assert "low on inodes: /no-inodes has 10 free, below its low-water mark of 40" in lines
+    assert not [line for line in lines if "/fine" in line or "low on disk: /no-inodes" in line]
+
+
 @pytest.mark.parametrize(
     ("state", "code"), [("completed", ExitCode.OK), ("failed", ExitCode.RUN_FAILED), ("lost", ExitCode.RUN_LOST)]
 )
