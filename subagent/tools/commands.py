@@ -120,6 +120,9 @@ class CommandOutcome:
     # Its shell exited by itself before any stop was asked: what came after (its output's
     # drain, the end of what it left running) is no part of the command's outcome.
     finished_before_stop: bool = False
+    # Something of it outlived its SIGTERM (the shell died of it, a child ignored it): it
+    # was SIGKILLed at the end of the grace. The shell's own exit does not say so.
+    killed_after_grace: bool = False
 
     @property
     def ended_by(self) -> str:
@@ -160,6 +163,8 @@ def format_outcome(o: CommandOutcome, *, foreign_signal: bool = False) -> str:
         head += " [interrupted by the stop: the command was stopped; output so far below]"
     elif o.interrupted:
         head += " [interrupted: the command was stopped]"
+    if o.killed_after_grace and (o.interrupted or o.timed_out):
+        head += " [what it started did not end on SIGTERM: SIGKILLed at the end of the grace]"
     if o.truncated:
         head += " [output truncated]"
     return f"{head}\n{o.output}"
@@ -174,6 +179,7 @@ async def end_group_and_escapers(
     what: str,
     cgroup: callgroups.Slot | None = None,
     give: bool = True,
+    escalated: list[bool] | None = None,
 ) -> bool:
     """End a group the runner started, and every escaper that carries its marker or is in
     its call's ``cgroup`` (``subagent.callgroups``: back to the pool once empty).
@@ -183,6 +189,7 @@ async def end_group_and_escapers(
     or gone; escapers (``setsid``, double fork) by pidfd, or all at once by ``cgroup.kill``.
     Shielded: safe under a cancelled scope. Returns whether nothing of it is left.
     ``give``: False for a second escalation of the same set (its cgroup is given back once).
+    ``escalated``: told whether SIGKILL came at the end of the grace (appended).
     """
     within = own_tree_cgroup()
     targets = Targets(
@@ -198,6 +205,8 @@ async def end_group_and_escapers(
         r = await escalate(
             targets, grace_s=grace_s, kill_wait_s=GROUP_KILL_REAP_S, runtime=runtime, label=f"{what} {pgid}", log=logger
         )
+    if escalated is not None:
+        escalated.append(r.escalated)
     if r.dead and cgroup is not None and give:
         callgroups.give(cgroup)
     return r.dead
@@ -332,6 +341,7 @@ async def run_command(
     finished_before_stop = False
     draining: trio.CancelScope | None = None  # its output after its shell exited
     leftovers = False  # what its exited shell left is being ended, with a timeout's grace
+    escalations: list[bool] = []  # each ending of its group: did it need SIGKILL
 
     async def interrupt_at(stop: trio.Event) -> None:
         nonlocal stop_at
@@ -342,7 +352,14 @@ async def run_command(
             draining.cancel(reason="the run's stop ends the drain")
         if leftovers:  # (being ended already: the stop's grace, from now, ends it sooner)
             await end_group_and_escapers(
-                pgid, ticks, marker, grace_s=kill_grace_s, what="command group", cgroup=cgroup, give=False
+                pgid,
+                ticks,
+                marker,
+                grace_s=kill_grace_s,
+                what="command group",
+                cgroup=cgroup,
+                give=False,
+                escalated=escalations,
             )
 
     async def report_output(stop: trio.Event, report: Callable[[str, bool], None]) -> None:
@@ -388,7 +405,7 @@ async def run_command(
                 if proc.returncode is None or by_path_a or stop_at is not None:
                     # (A stop's: its escapers get the stop's grace at once, no drain first.)
                     await end_group_and_escapers(
-                        pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
+                        pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup, escalated=escalations
                     )
                     with trio.move_on_after(grace):
                         await proc.wait()
@@ -399,7 +416,7 @@ async def run_command(
                         grace = kill_grace_s
                     leftovers = stop_at is None
                     await end_group_and_escapers(
-                        pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup
+                        pgid, ticks, marker, grace_s=grace, what="command group", cgroup=cgroup, escalated=escalations
                     )
                 ended_at = trio.current_time()
                 with trio.move_on_after(FINAL_DRAIN_S):
@@ -425,4 +442,5 @@ async def run_command(
         stop_at=stop_at,
         ended_at=ended_at,
         finished_before_stop=finished_before_stop,
+        killed_after_grace=any(escalations),
     )

@@ -134,6 +134,20 @@ async def test_a_stop_interrupts_the_command_at_once_and_says_how_it_ended(tmp_p
     assert out.exit_code == -15 and out.ended_by == "SIGTERM"
     assert out.stop_at is not None and out.ended_at is not None and out.ended_at >= out.stop_at
     assert format_outcome(out).startswith("[killed by SIGTERM] [interrupted by the stop")
+    assert not out.killed_after_grace and "SIGKILLed" not in format_outcome(out)
+
+
+async def test_a_stopped_command_whose_child_outlived_the_sigterm_says_it_was_sigkilled(tmp_path: Path) -> None:
+    # The shell dies of the stop's SIGTERM, its child ignores it and is SIGKILLed at the
+    # end of the grace: "[killed by SIGTERM]" alone (the shell's exit) hid that.
+    flag = tmp_path / "flag"
+    with trio.fail_after(20):
+        out = await _stopped_once_started(f"(trap '' TERM; touch {flag}; sleep 30) & wait", flag, kill_grace_s=0.3)
+    assert out.by_stop and out.ended_by == "SIGTERM" and out.killed_after_grace
+    assert format_outcome(out).startswith(
+        "[killed by SIGTERM] [interrupted by the stop: the command was stopped; output so far below] "
+        "[what it started did not end on SIGTERM: SIGKILLed at the end of the grace]"
+    )
 
 
 async def test_a_stop_kills_a_command_that_ignores_sigterm_after_the_short_command_grace(tmp_path: Path) -> None:
