@@ -40,6 +40,7 @@ __all__ = [
     "delegated",
     "remove_stale_subtrees",
     "v1_controller_dir",
+    "own_v1_dir",
     "claim_v1_subtree",
 ]
 
@@ -182,6 +183,15 @@ def remove_stale_subtrees(own: Path, *, kernel: Kernel = LINUX) -> None:
                 rmdir_tree(path)
         finally:
             os.close(fd)
+
+
+def own_v1_dir(controller: str, given: Path | None | bool = True) -> Path | None:
+    """This process's group in the cgroup v1 hierarchy of ``controller``
+    (``v1_controller_dir`` of ``/proc/self``) when ``given`` is True, else ``given`` (a
+    directory a test names, or None for none)."""
+    if given is not True:
+        return given if isinstance(given, Path) else None
+    return v1_controller_dir(controller, read_text(Path("/proc/self/cgroup")), read_text(Path("/proc/self/mountinfo")))
 
 
 def v1_controller_dir(controller: str, cgroup_text: str, mountinfo_text: str) -> Path | None:

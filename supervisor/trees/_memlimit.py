@@ -121,13 +121,7 @@ class MemoryLimit:
             self.mode = V2
             logger.info("per-run memory limit %d MiB: memory.max of each run's cgroup v2", self.limit_mib)
             return self
-        own = (
-            v1_memory_dir(
-                _cgroupfs.read_text(Path("/proc/self/cgroup")), _cgroupfs.read_text(Path("/proc/self/mountinfo"))
-            )
-            if v1_own is True
-            else v1_own
-        )
+        own = _cgroupfs.own_v1_dir("memory", v1_own)
         if isinstance(own, Path):
             made = _cgroupfs.claim_v1_subtree(own, instance, kernel=kernel)
             if made is not None:

@@ -111,11 +111,7 @@ class PidsLimit:
             mount = kernel.cgroup2_mount()
             self.runs_max = _placement.reserve_tasks(v2_root.parent, v2_root, mount=mount[0] if mount else None)
             return self
-        own = (
-            v1_pids_dir(_cgroupfs.read_text("/proc/self/cgroup"), _cgroupfs.read_text("/proc/self/mountinfo"))
-            if v1_own is True
-            else v1_own
-        )
+        own = _cgroupfs.own_v1_dir("pids", v1_own)
         if isinstance(own, Path):
             made = _cgroupfs.claim_v1_subtree(own, instance, kernel=kernel)
             if made is not None:
