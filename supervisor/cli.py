@@ -217,8 +217,8 @@ def _global_options() -> list[click.Parameter]:
 class _Group(click.Group):
     """The command group: global options on every command, errors as one line.
 
-    Every command added (``@cli.command()``, ``cli.add_command``, and the commands of a
-    subgroup made with ``@cli.group()``, which is a ``_Group`` too) gets ``--state-dir``
+    Every command added (``@cli.command()``, ``cli.add_command``, a subgroup made with
+    ``@cli.group()``, which is a ``_Group`` too, and its commands) gets ``--state-dir``
     and ``--json`` so they may follow the command's name; an expected failure
     (``AgentdError``) or a usage error becomes one ``error:`` line and its exit code.
     """
@@ -245,9 +245,10 @@ class _Group(click.Group):
         return sorted({*self.commands, *self._lazy})
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
-        if not isinstance(cmd, click.Group):
-            taken = {opt for p in cmd.params for opt in p.opts}
-            cmd.params.extend(p for p in _global_options() if not taken & set(p.opts))
+        # A subgroup gets them too: `agentd session --json close S` as well as before
+        # `session` or after `close`.
+        taken = {opt for p in cmd.params for opt in p.opts}
+        cmd.params.extend(p for p in _global_options() if not taken & set(p.opts))
         super().add_command(cmd, name)
 
     def make_context(

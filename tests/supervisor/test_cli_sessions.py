@@ -133,6 +133,21 @@ def test_sessions_and_session_close(server: ServerThread) -> None:
     assert res.exit_code == 0 and res.output == "session chat-1 closed; stopped r-2; browser profile removed\n"
 
 
+def test_global_options_may_sit_between_session_and_close(server: ServerThread) -> None:
+    """`agentd session --json close S`: the options work wherever a user puts them."""
+    from tests.supervisor.test_cli import run_bare
+
+    sd = str(server.config.state_dir)
+    for args in (
+        ["--json", "session", "close", "chat-1", "--state-dir", sd],
+        ["session", "--json", "--state-dir", sd, "close", "chat-1"],
+        ["session", "--state-dir", sd, "close", "chat-1", "--json"],
+    ):
+        res = run_bare(*args)
+        assert res.exit_code == 0, (args, res.output)
+        assert json.loads(res.stdout)["was_open"] is True, args
+
+
 def test_interrupt_without_a_session_is_a_usage_error(server: ServerThread) -> None:
     res = run(server, "spawn", "x", "--interrupt")
     assert (
