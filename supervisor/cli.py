@@ -152,6 +152,31 @@ def _translate(exc: AgentdError) -> CliError:
     return CliError(str(exc), ExitCode.REFUSED)
 
 
+class _Text(click.ParamType[str]):
+    """A free-text value (a task, a reason, a session or run id): text, so an argument
+    that is not valid UTF-8 (a Latin-1 file name pasted into a task, say) is a usage error
+    naming the byte, not a lone surrogate the daemon refuses as an odd spec. Every
+    parameter a command declares with click's default ``STRING`` gets it (``_Group``);
+    paths keep click's ``Path``, which takes any bytes a file name may hold."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                try:  # as typed: the bytes that are not UTF-8 as \xNN
+                    shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                except UnicodeEncodeError:  # a surrogate no byte made (not from argv)
+                    shown = value.encode("utf-8", "backslashreplace").decode()
+                self.fail(f"'{shown}' is not valid UTF-8 (at character {exc.start + 1})", param, ctx)
+        return value
+
+
+_TEXT: Final = _Text()
+
+
 class _StateDir(click.Path):
     """``--state-dir``: made absolute (a runner works in its run dir, so a relative one
     named files that were not there once it had moved); an empty one is a usage error
@@ -249,6 +274,9 @@ class _Group(click.Group):
         # `session` or after `close`.
         taken = {opt for p in cmd.params for opt in p.opts}
         cmd.params.extend(p for p in _global_options() if not taken & set(p.opts))
+        for p in cmd.params:
+            if p.type is click.STRING:
+                p.type = _TEXT
         super().add_command(cmd, name)
 
     def make_context(

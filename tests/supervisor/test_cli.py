@@ -1468,3 +1468,24 @@ def test_a_named_pipe_spec_in_a_directory_takes_that_directory(tmp_path: Path, m
     finally:
         writer.wait(timeout=30)
     assert built["sandbox"]["read"] == [str(tmp_path / "data")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["spawn", "ab\udcffc"], "error: invalid value for '[TASK]': 'ab\\xffc' is not valid UTF-8 (at character 3)"),
+        (["cancel", "r-1", "--reason", "\udce9t\udce9"], "error: invalid value for '--reason': '\\xe9t\\xe9'"),
+        (["session", "close", "s\udcff"], "error: invalid value for 'SESSION': 's\\xff' is not valid UTF-8"),
+    ],
+)
+def test_an_argument_that_is_not_utf8_is_a_usage_error_naming_its_bytes(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    """`agentd spawn $'ab\\xffc'`: argv's bytes that are not UTF-8 come as lone surrogates,
+    which the daemon refused as a spec "with lone surrogates" (exit 5): now a usage error
+    that shows the bytes as typed. A path may hold such bytes (its type is not text)."""
+    res = run_bare("--state-dir", str(tmp_path), *args)
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert res.stderr.startswith(message) and res.stderr.count("\n") == 1, res.stderr
+    res = run_bare("--state-dir", str(tmp_path), "spawn", "--spec", str(tmp_path / "s\udcff.json"))
+    assert res.exit_code == ExitCode.USAGE and "cannot read spec file" in res.stderr
