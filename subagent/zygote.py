@@ -467,7 +467,12 @@ class _Zygote:
                 os._exit(0)  # discarded (or the daemon is gone): no run was ever ours
             assigned = True
             self._deathsig(0)  # a runner outlives its zygote, as a forked one does
-            chan.send(encode({"assigned": os.getpid()}))
+            try:
+                chan.send(encode({"assigned": os.getpid()}))
+            except OSError:
+                # Hung up on right after its assignment (its run was stopped before it
+                # started): nothing of the run ran, not an error.
+                os._exit(0)
             keep = [chan_fd, *(ahead.fds() if ahead is not None else [])]
             if answers_fd is not None:
                 keep.append(answers_fd)

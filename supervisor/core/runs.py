@@ -930,13 +930,38 @@ class RunManager:
         recorded = False  # the journal's process record is the runner's already (a spare's)
         if spare is not None:
             # Its start is journaled: the spare may run (or, gone, the run forks below).
+            # Unless a stop came meanwhile (its start's commit, the spare's acknowledgement
+            # are checkpoints): then it is never let go (``Spare.go``), and a stop ends the
+            # wait for its acknowledgement (``queue_scope``: what ``_stop_now`` cancels).
             taken, spare = spare, None
-            spare_tree = await taken.go()
+            spare_tree = None
+            if not run.token.cancelled:
+                with trio.CancelScope() as run.queue_scope:
+                    spare_tree = await taken.go(stopped=lambda: run.token.cancelled)
+                run.queue_scope = None
             if spare_tree is not None:
                 warm = Warm(tree=spare_tree, run_dir=taken.run_dir, spec_sent=taken.spec_sent)
                 recorded = True
-        elif self._pool is not None and run.model_key is None:
+            elif run.token.cancelled:
+                taken.discard(released=True)  # hung up on: it exits having done nothing
+        elif self._pool is not None and run.model_key is None and not run.token.cancelled:
             warm = self._pool.take()
+        if warm is None and run.token.cancelled:
+            # Stopped before its runner was let go (or forked): none ever is; the spare
+            # it had exits at its hang-up having done nothing of the run (``_execute``).
+            await self.book.finish(
+                run,
+                RunState.CANCELLED,
+                reason=run.token.reason,
+                result=None,
+                partial=False,
+                error=None,
+                receipt={
+                    "note": "cancelled before its runner was let go: never started",
+                    **self.lifecycle.receipt_head(run),
+                },
+            )
+            return
         if warm is None:
             extra_env = {"AGENTD_RUN_ID": run.run_id}
             if run.model_key is not None:

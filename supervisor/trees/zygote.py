@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, final
 
@@ -891,15 +891,25 @@ class Spare:
         kernel = self.zygote.containment.table.kernel
         return kernel.boot_time() + self.ticks / kernel.clock_ticks
 
-    async def go(self) -> Tree | None:
+    async def go(self, stopped: Callable[[], bool] | None = None) -> Tree | None:
         """The run's start is journaled: let the spare run. Its tree, or None when it did
-        not take the run (it died, or it hung up): it is discarded then; fork instead."""
+        not take the run (it died, or it hung up): it is discarded then; fork instead.
+
+        ``stopped``: whether the run was stopped meanwhile, asked right before ``go`` is
+        sent (no checkpoint between): a stopped run's spare is never let go (its wait for
+        the spare's acknowledgement is a checkpoint, where a stop may come and be
+        acknowledged); it is hung up on instead and exits having done nothing of the run
+        (no ``runner_started``, no step). None then too: the caller tells it by its stop."""
         try:
             with trio.move_on_after(SPARE_ACK_TIMEOUT_S):
                 await trio.lowlevel.wait_readable(self.chan)
             ack = decode(self.chan.recv(MAX_MESSAGE))
             if ack is None or ack.get("assigned") != self.pid:
                 raise OSError(f"no acknowledgement ({ack!r})")
+            if stopped is not None and stopped():
+                logger.debug("spare runner pid %d: its run was stopped before its go; hung up on", self.pid)
+                self.discard(released=True)
+                return None
             self.chan.send(b"go")
         except (OSError, trio.ClosedResourceError) as exc:
             logger.warning("spare runner pid %d: did not take its run (%s); forking instead", self.pid, exc)

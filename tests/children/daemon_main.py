@@ -28,7 +28,7 @@ def _hold_at_spare_go(stop_the_spare: bool) -> None:
 
     from supervisor.trees import zygote
 
-    async def hold(spare: zygote.Spare) -> None:
+    async def hold(spare: zygote.Spare, *args: object, **kwargs: object) -> None:
         await trio.lowlevel.wait_readable(spare.chan)  # its acknowledgement
         if stop_the_spare:
             os.kill(spare.pid, signal.SIGSTOP)
@@ -46,8 +46,8 @@ def _hold_after_spare_go() -> None:
 
     let_go = zygote.Spare.go
 
-    async def hold(spare: zygote.Spare) -> None:
-        await let_go(spare)
+    async def hold(spare: zygote.Spare, *args: object, **kwargs: object) -> None:
+        await let_go(spare, *args, **kwargs)  # type: ignore[arg-type]
         print("at spare_let_go", flush=True)
         await trio.sleep_forever()
 

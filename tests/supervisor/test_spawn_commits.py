@@ -51,9 +51,9 @@ def trace_go(monkeypatch: pytest.MonkeyPatch, seen: list[tuple[str, str]]) -> No
     """Note ("go", spare pid) in ``seen`` as each spare is let go."""
     real_go = zygote_mod.Spare.go
 
-    async def go(spare: zygote_mod.Spare) -> Any:
+    async def go(spare: zygote_mod.Spare, *args: Any, **kwargs: Any) -> Any:
         seen.append(("go", str(spare.pid)))
-        return await real_go(spare)
+        return await real_go(spare, *args, **kwargs)
 
     monkeypatch.setattr(zygote_mod.Spare, "go", go)
 

@@ -208,12 +208,12 @@ async def test_a_spare_that_dies_does_not_lose_a_spawn(tmp_path: Path, monkeypat
             victim = await spare_ready(m, other_than=dead)
             real_go = zygote_mod.Spare.go
 
-            async def go_after_its_death(spare: zygote_mod.Spare) -> Any:
+            async def go_after_its_death(spare: zygote_mod.Spare, *args: Any, **kwargs: Any) -> Any:
                 os.kill(spare.pid, signal.SIGKILL)
                 with trio.fail_after(10):
                     while spare.process.returncode is None:
                         await trio.sleep(0.01)
-                return await real_go(spare)
+                return await real_go(spare, *args, **kwargs)
 
             monkeypatch.setattr(zygote_mod.Spare, "go", go_after_its_death)
             r2 = await m.spawn(gated("echo after a dying spare"))
