@@ -185,6 +185,10 @@ class StopEffect(enum.StrEnum):
     # daemon's hand (its own tool killed it, the OOM killer, a crash): outcome unknown.
     RUNNER_DIED = "runner_died"
     REJECTED_AWAITING_APPROVAL = "rejected_awaiting_approval"  # waited for approval; never ran
+    # A call that started a background command (it succeeded: the command started) whose
+    # command was still running when the stop came: the stop ended it (the call's record,
+    # updated at the run's end, says so; its ``stop_to_end_s``: until the command ended).
+    BACKGROUND_ENDED = "background_ended"
 
 
 @dataclass(slots=True)

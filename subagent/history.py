@@ -30,6 +30,8 @@ __all__ = [
     "HISTORY_INTERRUPTED_SIGNALLED",
     "HISTORY_FINISHED_AFTER_STOP",
     "HISTORY_FINISHED_BEFORE_STOP",
+    "HISTORY_BACKGROUND_ENDED_BY_STOP",
+    "HISTORY_BACKGROUND_ENDED_WITH_RUN",
     "HISTORY_DENIED",
     "HISTORY_REJECTED",
     "HISTORY_AWAITING_APPROVAL",
@@ -55,6 +57,17 @@ HISTORY_FINISHED_AFTER_STOP: Final = (
     "[finished after the stop: this call was allowed to finish; the result above is real]"
 )
 HISTORY_FINISHED_BEFORE_STOP: Final = "[this call finished before the run was stopped]"
+# A call that started a background command still running when the stop came (``stop_effect``
+# ``background_ended``), or when its run ended without one: it did start it, and it no
+# longer runs.
+HISTORY_BACKGROUND_ENDED_BY_STOP: Final = (
+    "[this call finished before the run was stopped, but the background command it started was "
+    "still running then: the stop ended it; it no longer runs]"
+)
+HISTORY_BACKGROUND_ENDED_WITH_RUN: Final = (
+    "[the background command this call started was still running when the run ended: it was ended "
+    "with the run; it no longer runs]"
+)
 HISTORY_DENIED: Final = "denied by the user"
 HISTORY_REJECTED: Final = "not executed: stopped while awaiting approval"
 # A call of a live turn that has not run yet (no reason: nothing final happened to it). It
@@ -72,6 +85,8 @@ _ENDED_EARLY: Final = frozenset({"cancelled", "failed", "lost"})
 # before the turn finished (``subagent.model.provider``). Such a call is never replayed as a call.
 _CUT_PREFIXES: Final = ("arguments_incomplete:", "turn_incomplete:", "model_error:")
 _ABORTED_TURN: Final = "stopped_before_start: the stop aborted the model's turn"
+# (``subagent.tools.background.BACKGROUND_ENDED_WITH_RUN``: this module stays stdlib-only.)
+_BACKGROUND_ENDED_WITH_RUN: Final = "background_ended_with_run:"
 
 # The note after a turn that did not complete, by its outcome (and a stop's reason).
 STOP_NOTES: Final[Mapping[str, str]] = {
@@ -103,6 +118,10 @@ def tool_result_text(rec: Any, *, stop_reason: str | None) -> str:
     effect = _get(rec, "stop_effect")
     after_stop = effect == StopEffect.FINISHED_AFTER_STOP
     if state == ToolCallState.SUCCEEDED:
+        if effect == StopEffect.BACKGROUND_ENDED:
+            return f"{body}\n{HISTORY_BACKGROUND_ENDED_BY_STOP} ({why})"
+        if isinstance(reason, str) and reason.startswith(_BACKGROUND_ENDED_WITH_RUN):
+            return f"{body}\n{HISTORY_BACKGROUND_ENDED_WITH_RUN} ({why})"
         if after_stop:
             return f"{body}\n{HISTORY_FINISHED_AFTER_STOP}"
         note = "" if stop_reason is None else f"\n{HISTORY_FINISHED_BEFORE_STOP}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -62,6 +63,7 @@ from subagent.steering import SteeringQueue
 from subagent.stop import StopControl
 from subagent.stopmark import SIGNALLED, SIGNALLED_MESSAGE
 from subagent.textstream import TextStream
+from subagent.tools.background import BackgroundEnd, settle_call
 from subagent.tools.toolbox import REASON_STOPPED_BEFORE_START, ToolBox
 
 __all__ = [
@@ -145,6 +147,8 @@ class AgentLoop:
     # The next suffix to try per call-id base (``_call_id``): a model that gave every
     # call of a turn the same id cost a scan of all the suffixes taken so far per call.
     id_suffixes: dict[str, int] = field(default_factory=dict)
+    # The calls that started a background command, by its id (``settle_background``).
+    background_calls: dict[str, ToolCallRecord] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A turn of a session starts from the session's earlier turns (the daemon rebuilt
@@ -486,6 +490,8 @@ class AgentLoop:
             outcome = await self.tools.execute(call.name, call.parsed, interrupt, self.stop, output_so_far, handed_over)
         finally:
             self.stop.tool_done()
+        if outcome.background_id is not None:
+            self.background_calls[outcome.background_id] = rec
         rec.state, rec.output, rec.output_truncated = outcome.state, outcome.output, outcome.truncated
         rec.error, rec.reason, rec.finished_at = outcome.error, outcome.reason, time.time()
         stop_at = self.stop.stopped_at
@@ -516,6 +522,16 @@ class AgentLoop:
                     rec.reason = f"finished_after_stop: {why}; it ended {rec.stop_to_end_s:.3g} s after the stop"
         self._emit_record(rec)
         return tool_result_text(rec, stop_reason=self.stop.reason)
+
+    def settle_background(self, ends: Iterable[BackgroundEnd]) -> None:
+        """The run's background commands are ended (its end, ``BackgroundCommands.aclose``):
+        each call whose command was still running then, or when the stop came, says so in
+        its record (``background.settle_call``), sent again; the next turn's history then
+        tells the model its command no longer runs."""
+        for end in ends:
+            rec = self.background_calls.get(end.id)
+            if rec is not None and settle_call(rec, end, self.stop.stopped_at, self.stop.stopped_wall):
+                self._emit_record(rec)
 
     def result(self, outcome: RunOutcome, **extra: Any) -> dict[str, Any]:
         # Only an internal error can leave a call running or unstarted without a reason:

@@ -344,6 +344,7 @@ async def run(
     before_stop = False
     outcome = RunOutcome(RunStatus.FAILED, ExitCode.INTERNAL, reason="internal")
     steering = SteeringQueue(emit=lambda **kw: emitter.emit(EventKind.STEERING, **kw))
+    background: BackgroundCommands | None = None
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             _note_sigterm_at_once(stop)
@@ -394,7 +395,6 @@ async def run(
                                 EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind=kind, name=name, alive=alive, **extra
                             )
 
-                        background = None
                         if "run_command" in spec.builtin_tools:
                             bg_policy = spec.stop_policy.run_command
                             background = BackgroundCommands(
@@ -455,6 +455,10 @@ async def run(
             reason="internal",
             error={"code": "internal", "message": f"{type(exc).__name__}: {exc}"},
         )
+    if loop is not None and background is not None:
+        # Its background commands were ended with the run (its exit stack): a call whose
+        # command still ran then, or when the stop came, says it no longer runs.
+        loop.settle_background(background.ends())
     if loop is None and stop.requested and outcome.exit_code != ExitCode.INTERNAL:
         outcome = stopped_outcome(stop.reason)
     extra: dict[str, Any] = {

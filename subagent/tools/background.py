@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import IO, Final
 import trio
 
 from subagent.callgroups import Slot
+from subagent.events import StopEffect, ToolCallRecord, ToolCallState
 from subagent.tools.commands import (
     COMMAND_KILL_GRACE_S,
     _child_env,
@@ -31,7 +33,7 @@ from subagent.tools.commands import (
 )
 from subagent.tools.runfiles import open_regular
 
-__all__ = ["BackgroundCommands", "COMMAND_OUTPUT_TOOL"]
+__all__ = ["BACKGROUND_ENDED_WITH_RUN", "BackgroundCommands", "BackgroundEnd", "COMMAND_OUTPUT_TOOL", "settle_call"]
 
 # Bounds ending all background commands at the end of a run: their groups and escapers
 # get COMMAND_KILL_GRACE_S each (after a stop, the stop's command grace), in parallel,
@@ -65,6 +67,19 @@ class _Job:
     done: bool = False
     reader: int | None = None  # its log, opened for reading before it started (``output``)
     temporary: bool = False  # its log is a temp file of ours (not in the run dir): removed at the end
+    exited_at: float | None = None  # (Trio clock) its shell's exit
+    killed: bool = False  # something of it outlived SIGTERM: SIGKILLed at the end of the grace
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundEnd:
+    """How one background command ended, for its call's record (``AgentLoop.settle_background``)."""
+
+    id: str
+    exited_at: float | None  # (Trio clock) its shell's exit; None: not seen to exit
+    exit_code: int | None  # its shell's (negative: the signal that killed it)
+    killed: bool  # something of it was SIGKILLed at the end of the grace
+    by_run_end: bool  # still running when the run's end (``aclose``) began: the runner ended it
 
 
 def _open_log(path: Path) -> IO[bytes]:
@@ -72,6 +87,54 @@ def _open_log(path: Path) -> IO[bytes]:
     never a FIFO or device a tool of the run put there (its open would block, or write
     elsewhere): ``runfiles.open_regular``."""
     return os.fdopen(open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
+# The start of the reason of a call whose background command was still running when its
+# run ended without a stop (the runner ended it with the run; no ``stop_effect``).
+BACKGROUND_ENDED_WITH_RUN: Final = "background_ended_with_run:"
+
+
+def _how(end: BackgroundEnd) -> str:
+    if end.exit_code is None:
+        how = "not seen to exit"
+    elif end.exit_code < 0:
+        try:
+            how = f"killed by {signal.Signals(-end.exit_code).name}"
+        except ValueError:
+            how = f"killed by signal {-end.exit_code}"
+    else:
+        how = f"exit code {end.exit_code}"
+    return how + (", SIGKILLed at the end of the grace" if end.killed else "")
+
+
+def settle_call(rec: ToolCallRecord, end: BackgroundEnd, stop_at: float | None, stop_wall: float | None) -> bool:
+    """The record of the call that started a background command, once the run has ended
+    it: True if changed. The call stays ``succeeded`` (it did start the command); if the
+    command was still running when the stop came (``stop_at``, Trio clock), the stop ended
+    it: ``stop_effect`` ``background_ended``, its reason and ``stop_to_end_s`` say so and
+    how; if it was still running when the run ended without a stop, the reason says the
+    run's end ended it. The model's history then says it no longer runs."""
+    if rec.state != ToolCallState.SUCCEEDED or rec.stop_effect is not None:
+        return False
+    how = _how(end)
+    if stop_at is not None and (end.exited_at is None or end.exited_at >= stop_at):
+        rec.stop_effect = str(StopEffect.BACKGROUND_ENDED)
+        rec.stop_requested_at = stop_wall
+        after = None if end.exited_at is None else round(max(0.0, end.exited_at - stop_at), 4)
+        rec.stop_to_end_s = after
+        when = "" if after is None else f", {after:.3g} s after the stop"
+        rec.reason = (
+            f"background_ended: its background command {end.id} was still running when the run was "
+            f"stopped; the stop ended it ({how}{when})"
+        )
+        return True
+    if end.by_run_end:
+        rec.reason = (
+            f"{BACKGROUND_ENDED_WITH_RUN} its background command {end.id} was still running when the run "
+            f"ended; it was ended with the run ({how})"
+        )
+        return True
+    return False
 
 
 class BackgroundCommands:
@@ -86,6 +149,7 @@ class BackgroundCommands:
         self._nursery: trio.Nursery | None = None
         self._finished = trio.Event()
         self._grace_s = COMMAND_KILL_GRACE_S  # each group's, between SIGTERM and SIGKILL (``aclose``)
+        self._closing_at: float | None = None  # (Trio clock) when ``aclose`` began
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -99,6 +163,11 @@ class BackgroundCommands:
     async def start(self, command: str, asked: Callable[[], bool] | None = None) -> str | None:
         """Start a command in the background; returns the text the model sees, or None
         when a stop was ``asked`` while it was spawned: it never ran (held at its gate)."""
+        launched = await self.launch(command, asked)
+        return None if launched is None else launched[0]
+
+    async def launch(self, command: str, asked: Callable[[], bool] | None = None) -> tuple[str, str | None] | None:
+        """``start``, with the command's id (None when it could not start)."""
         assert self._nursery is not None, "BackgroundCommands.run is not running"
         job_id = f"bg{next(self._seq)}"
         marker = f"{os.getpid()}-{job_id}"
@@ -131,7 +200,7 @@ class BackgroundCommands:
                     os.close(reader)
                     raise
         except (OSError, ValueError) as exc:  # ValueError: a NUL in it, a lone surrogate (not UTF-8)
-            return f"error: could not start the command: {type(exc).__name__}: {exc}"
+            return f"error: could not start the command: {type(exc).__name__}: {exc}", None
         if started is None:  # a stop came while it was spawned: it never ran
             os.close(reader)
             log.unlink(missing_ok=True)  # (empty: nothing ran)
@@ -141,12 +210,14 @@ class BackgroundCommands:
         self._jobs[job_id] = job
         self._on_group(proc.pid, True, command[:200])
         self._nursery.start_soon(self._watch, job, marker, cgroup)
-        return f"started in the background: id {job_id}, pid {proc.pid}; read it with command_output"
+        return f"started in the background: id {job_id}, pid {proc.pid}; read it with command_output", job_id
 
     async def _watch(self, job: _Job, marker: str, cgroup: Slot | None) -> None:
+        escalated: list[bool] = []
         try:
             await job.proc.wait()
             job.exit_code = job.proc.returncode
+            job.exited_at = trio.current_time()
         finally:
             with trio.CancelScope(shield=True):
                 await end_group_and_escapers(
@@ -156,9 +227,13 @@ class BackgroundCommands:
                     grace_s=self._grace_s,
                     what="background command group",
                     cgroup=cgroup,
+                    escalated=escalated,
                 )
                 with trio.move_on_after(self._grace_s):
                     await job.proc.wait()
+                if job.exited_at is None and job.proc.returncode is not None:
+                    job.exit_code, job.exited_at = job.proc.returncode, trio.current_time()
+                job.killed = any(escalated)
                 job.done = True
                 self._on_group(job.pgid, False, job.command[:200])
 
@@ -178,6 +253,20 @@ class BackgroundCommands:
         cut = " [earlier output dropped]" if size > self._max else ""
         return True, f"{state}{cut}\n{data.decode('utf-8', 'replace')}"
 
+    def ends(self) -> list[BackgroundEnd]:
+        """How each background command ended (once ``aclose`` is through: all have)."""
+        closing = self._closing_at
+        return [
+            BackgroundEnd(
+                id=job.id,
+                exited_at=job.exited_at,
+                exit_code=job.exit_code,
+                killed=job.killed,
+                by_run_end=closing is not None and (job.exited_at is None or job.exited_at >= closing),
+            )
+            for job in self._jobs.values()
+        ]
+
     async def aclose(self, grace_s: float | None = None) -> None:
         """End every background command (the run is ending) and wait for it. Shielded, bounded.
         ``grace_s``: each group's between SIGTERM and SIGKILL (a stop's command grace; by
@@ -186,6 +275,8 @@ class BackgroundCommands:
             return
         if grace_s is not None:
             self._grace_s = grace_s
+        if self._closing_at is None:
+            self._closing_at = trio.current_time()
         self._nursery.cancel_scope.cancel(reason="the run ends: its background commands end")
         bound = CLOSE_TIMEOUT_S + 3 * max(0.0, self._grace_s - COMMAND_KILL_GRACE_S)
         with trio.CancelScope(shield=True), trio.move_on_after(bound):

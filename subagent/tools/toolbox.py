@@ -68,6 +68,7 @@ class ToolOutcome:
     # The tool's own work ended before any stop was asked; only its clean-up (a command's
     # output drained, what it left running ended) was under way when one came.
     finished_before_stop: bool = False
+    background_id: str | None = None  # the background command it started (``bg1``, ...)
 
 
 def bound_text(text: str, max_bytes: int) -> tuple[str, bool]:
@@ -268,17 +269,18 @@ class ToolBox:
                 reason="invalid_arguments",
             )
         with stop.starting() as asked:  # as a foreground command: no start once the stop is set
-            text = None if stop.stopped.is_set() else await self.background.start(command, asked)
-        if text is None:
+            launched = None if stop.stopped.is_set() else await self.background.launch(command, asked)
+        if launched is None:
             return ToolOutcome(
                 ToolCallState.NOT_STARTED,
                 None,
                 reason=REASON_STOPPED_BEFORE_START,
                 stop_effect=StopEffect.STOPPED_BEFORE_START,
             )
-        if text.startswith("error:"):
+        text, job_id = launched
+        if job_id is None:
             return ToolOutcome(ToolCallState.FAILED, text, error=text, reason="spawn_failed")
-        return ToolOutcome(ToolCallState.SUCCEEDED, text)
+        return ToolOutcome(ToolCallState.SUCCEEDED, text, background_id=job_id)
 
     async def _run_command(
         self,

@@ -27,6 +27,8 @@ def _after(rec: Mapping[str, Any], cancel_wall: float | None) -> float | None:
     """Seconds from the cancel (the daemon's clock) to the call's end; else from the stop
     as the runner saw it (its SIGTERM may come after path A ended the command)."""
     finished = rec.get("finished_at")
+    if rec.get("stop_effect") == StopEffect.BACKGROUND_ENDED:
+        finished = None  # the call ended before the stop; its background command after it
     if cancel_wall is not None and isinstance(finished, (int, float)):
         return max(0.0, float(finished) - cancel_wall)
     after = rec.get("stop_to_end_s")
@@ -51,6 +53,8 @@ def _line(rec: Mapping[str, Any], after: float | None) -> str | None:
             what = "a command the spec lets finish" if name == "run_command" else "destructive call"
             return f"{what} `{name}` allowed to finish; it finished{finished}"
         return f"`{name}` told to stop; it answered{finished}"
+    if effect == StopEffect.BACKGROUND_ENDED:
+        return f"background command of `{name}` ended by the stop{took}"
     if effect == StopEffect.REJECTED_AWAITING_APPROVAL:
         return f"`{name}` was awaiting approval: rejected, it never ran"
     if effect == StopEffect.GRACE_RAN_OUT:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, TypedDict
 
-from subagent.events import TERMINAL_TOOL_STATES, Approval, ToolCallState, fold_snapshot
+from subagent.events import TERMINAL_TOOL_STATES, Approval, StopEffect, ToolCallState, fold_snapshot
 from supervisor.errors import JournalError, RunNotFound
 from supervisor.states import ALLOWED, LIVE_STATES, TERMINAL_STATES, RunState
 from supervisor.store._sessions import SessionStoreMixin
@@ -48,6 +48,12 @@ _RANK_PENDING: Final = 0
 _RANK_RUNNING: Final = 1
 _RANK_UNKNOWN: Final = 2
 _RANK_FINAL: Final = 3
+# A known outcome a later fact of its run amended: a call that started a background
+# command, told at the run's end that the command was still running when the stop came
+# (``stop_effect`` ``background_ended``) or when the run ended, and was ended then. Its
+# call stays ``succeeded``; the amended record replaces the first one, never the reverse.
+_RANK_AMENDED: Final = 4
+_AMENDED_REASON: Final = "background_ended_with_run:"  # (``subagent.tools.background``)
 
 _TERMINAL_VALUES: Final = tuple(sorted(s.value for s in TERMINAL_STATES))
 _LIVE_VALUES: Final = tuple(sorted(s.value for s in LIVE_STATES))
@@ -129,6 +135,11 @@ def tool_call_rank(record: dict[str, Any]) -> int:
     if state is ToolCallState.UNKNOWN:
         return _RANK_UNKNOWN
     assert state in TERMINAL_TOOL_STATES
+    if state is ToolCallState.SUCCEEDED and (
+        record.get("stop_effect") == StopEffect.BACKGROUND_ENDED
+        or str(record.get("reason") or "").startswith(_AMENDED_REASON)
+    ):
+        return _RANK_AMENDED
     return _RANK_FINAL
 
 

@@ -775,7 +775,9 @@ class Journal:
 
         Records only move forward (not started < running < unknown < a known outcome):
         a late record behind the stored one is refused (False), and a known outcome
-        (succeeded, failed, cancelled, or not_started with a reason) is final.
+        (succeeded, failed, cancelled, or not_started with a reason) is final, but for
+        one amendment of a call whose background command the run's end or its stop ended
+        (``stop_effect`` ``background_ended``; ``_ops.tool_call_rank``).
 
         Raises:
             ValueError: the record has no string ``id`` or an unknown ``state``.

@@ -46,6 +46,10 @@ export class StopModel {
         this._step(ev.ts, `${rec.name} interrupted${rec.reason ? `: ${rec.reason}` : ""}`);
       } else if (rec.state === "not_started") {
         this._step(ev.ts, `${rec.name} never started (the stop came first)`);
+      } else if (rec.stop_effect === "background_ended") {
+        // A call done before the stop, whose background command the stop ended (its
+        // record is sent again at the run's end): not a call that finished after the stop.
+        this._step(ev.ts, `${rec.name}: its background command was ended by the stop`);
       } else if (rec.state === "succeeded" || rec.state === "failed") {
         const afterS = typeof rec.finished_at === "number" && this.stopTs !== null ? Math.max(0, rec.finished_at - this.stopTs) : 0;
         this.finishedFirst.push({ name: rec.name, afterS });
