@@ -23,7 +23,7 @@ import trio
 
 from supervisor.trees import zygote as zygote_mod
 from tests.supervisor.test_zygote import daemon, gated, zygote_state
-from tests.supervisor.test_zygote_spare import spare_ready
+from tests.supervisor.test_zygote_spare import ZygoteProc, assign, read_all, spare_ready
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 
@@ -115,3 +115,25 @@ async def test_a_queued_run_stopped_while_its_spare_acknowledged_is_never_let_go
     kinds = [e["kind"] for e in events]
     assert "runner_started" not in kinds and "step_started" not in kinds, kinds
     assert st["state"] == "cancelled" and st["receipt"]["note"] == NEVER_STARTED
+
+
+def test_a_spare_hung_up_on_right_after_its_assignment_exits_quietly(tmp_path: Path) -> None:
+    """The daemon hangs up on a spare whose run was stopped as it was assigned (before the
+    spare acknowledged it): the spare exits 0 without a word, as one hung up on at its gate
+    does. (It failed to send its acknowledgement and reported 'the forked runner could not
+    start: BrokenPipeError', exit 70, on the daemon's log.)"""
+    log = tmp_path / "zygote.err"
+    with open(log, "wb") as err:
+        z = ZygoteProc(tmp_path, stderr=err.fileno())
+    try:
+        pid, chan, run_dir = z.spare(1)
+        stdin_w, stdout_r, stderr_r = assign(chan, run_dir, "touch ran")
+        chan.close()  # its assignment is in its socket; its acknowledgement finds none to take it
+        code = z.wait_exit(pid)
+        os.close(stdin_w)
+        assert read_all(stdout_r) == b"" and read_all(stderr_r) == b""
+    finally:
+        z.close()
+    said = log.read_text()
+    assert code == 0 and "could not start" not in said, (code, said)
+    assert not (run_dir / "ran").exists()
