@@ -186,7 +186,7 @@ async def _start_servers(
 ) -> dict[str, Any]:
     if not specs:
         return {}
-    from subagent.tools.mcp_spawn import prespawn
+    from subagent.tools.mcp_spawn import import_mcp_tools, prespawn
 
     # Spawn every server first, then pay for importing mcp while they boot. Their groups
     # are ended side by side at the run's end (after the SDK's own close of each started
@@ -211,9 +211,9 @@ async def _start_servers(
             emitter.emit(EventKind.PROCESS_GROUP, pgid=pgid, pid=pgid, kind="mcp_server", name=name, alive=alive)
 
         spawned.append(await prespawn(name, s, stack, run_dir=run_dir, on_group=on_group, ends=ends))
-    if stop.requested:
-        # Nor is mcp imported for nothing (a cold runner's import blocks its loop for most
-        # of a second): the servers spawned are ended at once, as below.
+    if stop.requested or not await import_mcp_tools(stop.abortable):
+        # Nor is mcp imported for nothing, nor waited for (a cold runner's import takes
+        # most of a second or more): the servers spawned are ended at once, as below.
         for p in spawned:
             _kill_group_now(p.process)
         return {}

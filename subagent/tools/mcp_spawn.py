@@ -4,17 +4,21 @@ Importing ``mcp`` costs over half a second; a server (``node``, a Python SDK ser
 needs about as long to boot. So the runner spawns every server first, exactly as the
 SDK's ``_create_platform_compatible_process`` would on POSIX (``anyio.open_process``,
 new session, stderr to a file), reports its group at once, then imports ``mcp`` while the
-servers boot, and hands each process to the SDK through that seam (``subagent.tools.mcp_tools``).
-Invariants: no ``mcp`` import here; the environment is the tool environment
+servers boot (in a worker thread, so that a stop meanwhile is not held: ``import_mcp_tools``),
+and hands each process to the SDK through that seam (``subagent.tools.mcp_tools``).
+Invariants: no ``mcp`` import at this module's import; the environment is the tool environment
 (``subagent.sandbox.tool_env``: an allowlist that covers the SDK's default inherited set)
 plus the server's configured ``env``, never a secret of the runner's (``server_env``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -23,15 +27,19 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 import anyio
+import trio
 
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
 from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
 from subagent.tools.runfiles import open_regular
 
-__all__ = ["Prespawned", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
+__all__ = ["Prespawned", "import_mcp_tools", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
 
 logger = logging.getLogger(__name__)
+
+# The module whose import brings in mcp (``import_mcp_tools``).
+MCP_TOOLS_MODULE: Final = "subagent.tools.mcp_tools"
 
 # Between SIGTERM and SIGKILL for a server's group when it is ended (seconds).
 MCP_KILL_GRACE_S: Final = 2.0
@@ -137,3 +145,26 @@ async def prespawn(
     p.leader_ticks = leader_ticks(p.process.pid)
     on_group(p.process.pid, True)
     return p
+
+
+async def import_mcp_tools(abortable: Callable[[str], contextlib.AbstractContextManager[trio.CancelScope]]) -> bool:
+    """Import ``subagent.tools.mcp_tools`` (so ``mcp``: 1.3-1.6 s in a cold runner) in a
+    worker thread while the loop watches the stop (``abortable("setup")``: a scope the stop
+    cancels, ``StopControl.abortable``); False when the stop came first.
+
+    On the loop, the import held the stop until it was done: a cold runner stopped then
+    exited 1.5-2 s after its SIGTERM. A stop now abandons the import (a setup has no side
+    effect to wait for): its thread goes on until the process exits, which it then does
+    at once (``runner.start``: ``os._exit``); nothing of the run uses ``mcp`` after a stop
+    in its setup. A forked runner has it already (the zygote's ``preload``): no thread.
+    With no thread to be had (the run's pids limit) it is imported on the loop, as before.
+    """
+    if MCP_TOOLS_MODULE in sys.modules:
+        return True
+    with abortable("setup"):
+        try:
+            await trio.to_thread.run_sync(importlib.import_module, MCP_TOOLS_MODULE, abandon_on_cancel=True)
+        except RuntimeError:  # no thread could be started
+            importlib.import_module(MCP_TOOLS_MODULE)
+        return True
+    return False
