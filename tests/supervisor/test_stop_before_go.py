@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
+from supervisor.store.journal import Journal
 from supervisor.trees import zygote as zygote_mod
 from tests.supervisor.test_zygote import daemon, gated, zygote_state
 from tests.supervisor.test_zygote_spare import ZygoteProc, assign, read_all, spare_ready
@@ -137,3 +139,31 @@ def test_a_spare_hung_up_on_right_after_its_assignment_exits_quietly(tmp_path: P
     said = log.read_text()
     assert code == 0 and "could not start" not in said, (code, said)
     assert not (run_dir / "ran").exists()
+
+
+async def test_a_run_stopped_while_its_start_is_journaled_gets_no_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No zygote: a stop that comes while the run's start commits (before its runner is
+    spawned) spawns none. (A cold runner was started after the stop, then stopped.)"""
+    real_start = Journal.start_run
+    entered, release = trio.Event(), trio.Event()
+
+    async def held(journal: Journal, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await release.wait()
+        return await real_start(journal, *args, **kwargs)
+
+    monkeypatch.setattr(Journal, "start_run", held)
+    with trio.fail_after(60):
+        async with daemon(tmp_path, zygote="off") as m, trio.open_nursery() as nursery:
+            r = await m.spawn(gated("echo never"))
+            await entered.wait()
+            nursery.start_soon(m.cancel, r["run_id"])
+            await trio.testing.wait_all_tasks_blocked()  # the stop is taken (its token), not yet journaled
+            release.set()
+            st = await m.wait_terminal(r["run_id"])
+            events = await m.journal.events_after(r["run_id"])
+    assert st["state"] == "cancelled" and st["receipt"]["note"] == NEVER_STARTED, st.get("receipt")
+    assert st["pid"] is None and st["tree_id"] is None  # no runner was ever spawned
+    assert "runner_started" not in [e["kind"] for e in events]
