@@ -27,8 +27,10 @@ from subagent.callgroups import Slot
 from subagent.events import StopEffect, ToolCallRecord, ToolCallState
 from subagent.tools.commands import (
     COMMAND_KILL_GRACE_S,
+    STOP_SETTLE_S,
     _child_env,
     end_group_and_escapers,
+    killed_by_signal,
     start_gated,
 )
 from subagent.tools.runfiles import open_regular
@@ -117,7 +119,15 @@ def settle_call(rec: ToolCallRecord, end: BackgroundEnd, stop_at: float | None, 
     if rec.state != ToolCallState.SUCCEEDED or rec.stop_effect is not None:
         return False
     how = _how(end)
-    if stop_at is not None and (end.exited_at is None or end.exited_at >= stop_at):
+    # Killed by a signal just before the runner saw the stop: the daemon's path A signals
+    # the runner and an interruptible command's group at once (as ``commands`` reads it).
+    by_path_a = (
+        stop_at is not None
+        and end.exited_at is not None
+        and killed_by_signal(end.exit_code)
+        and end.exited_at >= stop_at - STOP_SETTLE_S
+    )
+    if stop_at is not None and (end.exited_at is None or end.exited_at >= stop_at or by_path_a):
         rec.stop_effect = str(StopEffect.BACKGROUND_ENDED)
         rec.stop_requested_at = stop_wall
         after = None if end.exited_at is None else round(max(0.0, end.exited_at - stop_at), 4)
