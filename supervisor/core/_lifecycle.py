@@ -32,6 +32,7 @@ from supervisor.core._book import RunBook, take_result_records
 from supervisor.core._limits import add_memory, add_pids
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import EventSource
+from supervisor.core._steers import unreported_steering
 from supervisor.core._stop_receipt import describe_tool_stops, runner_death
 from supervisor.core.approvals import ApprovalDesk
 from supervisor.core.progress import checkpoint_due
@@ -60,10 +61,6 @@ STARTING_LOST: Final = (
 # The reason of a run whose runner the kernel's OOM killer killed at the run's memory
 # limit (``config.run_memory_max_mib``, ``trees/_memlimit.py``): its group counted it.
 MEMORY_LIMIT: Final = "memory_limit"
-
-# At a run's end, how long a steer still being written to its runner's input may take to
-# settle (``unread_steering``).
-STEER_SETTLE_S: Final = 2.0
 
 
 class Lifecycle:
@@ -250,8 +247,11 @@ class Lifecycle:
                 if isinstance(record, dict) and "id" in record:
                     await book.write(run, "tool call", lambda j: j.upsert_tool_call(run.run_id, record), True)
             elif kind == EventKind.STEERING:
-                if data.get("state") == "queued" and isinstance(data.get("text"), str):
-                    run.steers_read.append(data["text"])
+                text, how = data.get("text"), data.get("state")
+                if isinstance(text, str) and how == "queued":
+                    run.steers_read.append(text)
+                elif isinstance(text, str) and how in ("applied", "unapplied"):
+                    run.steers_settled.append(text)  # said what became of it
             elif kind == EventKind.STEP_SNAPSHOT:
                 # The partial-result cache: a stale writer's _id does not match; a
                 # terminal run keeps its result. The event is a delta since the runner's
@@ -291,7 +291,7 @@ class Lifecycle:
         full_receipt = {**self.receipt_head(run), "exit_code": code, "path_b": receipt}
         add_pids(self.containment, run, full_receipt)
         memory = add_memory(self.containment, run, full_receipt)
-        unread = await self.unread_steering(run)
+        unread = await unreported_steering(self.book, run, result_written=isinstance(result, dict))
         # Whether the stop (if any) came before the runner ended: one that came after (a
         # cancel racing the run's own end) does not make its failure a cancel. Read once,
         # here: a cancel during the awaits below must not change the outcome either.
@@ -361,40 +361,18 @@ class Lifecycle:
                 "code": _exit_name(code),
                 "message": f"runner exited with code {code} without a result ({result.problem})",
             }
+        partial = run.partial
+        if unread and isinstance(partial, dict):  # said in the result, as a runner's own would be
+            partial = {**partial, "unapplied_steering": [*(partial.get("unapplied_steering") or []), *unread]}
         await self.book.finish(
             run,
             state,
             reason=reason,
-            result=run.partial,
-            partial=run.partial is not None,
+            result=partial,
+            partial=partial is not None,
             error=error,
             receipt=full_receipt,
         )
-
-    async def unread_steering(self, run: Run) -> list[str]:
-        """Steering written to the runner's input that it never read (it had stopped
-        reading as the run ended): reported unapplied, as the runner reports what it read
-        and never applied (a ``steering`` event, and the result's ``unapplied_steering``)."""
-        # A steer still being written settles first (sent, or taken back): what a client
-        # was told was refused is never reported unapplied. (The runner is gone by now: a
-        # write to its input fails at once; the bound is for a pipe a child still holds.)
-        with trio.move_on_after(STEER_SETTLE_S):
-            async with run.stdin_lock:
-                pass
-        read: dict[str, int] = {}
-        for text in run.steers_read:
-            read[text] = read.get(text, 0) + 1
-        unread = []
-        for text in run.steers_sent:
-            if read.get(text, 0) > 0:
-                read[text] -= 1
-            else:
-                unread.append(text)
-        for text in unread:
-            await self.book.record(
-                run, str(EventKind.STEERING), {"state": "unapplied", "text": text, "step": None, "unread": True}
-            )
-        return unread
 
     async def _settle_unreported(self, run: Run, stopped: bool, died: str | None = None) -> None:
         """Close the records a runner that left no result never closed (``stopped``: a

@@ -64,10 +64,13 @@ class Run:
     stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
     stdin_closed: bool = False  # its runner's input was closed (the run is ending)
-    # Steering written to its stdin, and what its runner said it read (``steering`` queued):
-    # what it never read is reported unapplied at its end (``Lifecycle.conclude``).
+    # Steering written to its stdin, what its runner said it read (``steering`` queued),
+    # and what it said became of it (``applied``, ``unapplied``): what it never read, or
+    # read and never settled before it ended without a result, is reported unapplied at
+    # its end (``supervisor.core._steers``).
     steers_sent: list[str] = field(default_factory=list)
     steers_read: list[str] = field(default_factory=list)
+    steers_settled: list[str] = field(default_factory=list)
     # This run's own model API key: for its runner's environment only, never journaled.
     model_key: Secret | None = field(default=None, repr=False)
     last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)

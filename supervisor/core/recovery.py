@@ -31,6 +31,7 @@ from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import FileSource, event_key
+from supervisor.core._steers import unreported_steering
 from supervisor.core.token import CancelToken
 from supervisor.states import RunState
 from supervisor.trees import process
@@ -107,10 +108,11 @@ class Recovery:
             last_seq=row["last_seq"],
         )
         run.deadline = row["deadline"]
-        # What the dead daemon sent the runner's input and what the runner said it read: a
-        # steer it was sent and never read is reported unapplied at the run's end, as the
+        # What the dead daemon sent the runner's input, what the runner said it read and
+        # what it said became of it: a steer it was sent and never read (or read and never
+        # applied, if it leaves no result) is reported unapplied at the run's end, as the
         # dead daemon would have (its account was in its memory only).
-        run.steers_sent, run.steers_read = await self.book.journal.steering_texts(run_id)
+        run.steers_sent, run.steers_read, run.steers_settled = await self.book.journal.steering_texts(run_id)
         # Calls that were awaiting approval still are: their records say so, deadlines included.
         run.approvals.restore(row["tool_calls"])
         if run.deadline is None and run.timeout_s is not None and row["started_at"] is not None:
@@ -210,9 +212,12 @@ class Recovery:
             receipt = {**run.stop_receipt, "note": "the run ended while the daemon was down", "swept": swept}
             await self.lifecycle.conclude(run, None, receipt, result)
             return
-        # Steering its runner never read is reported, as at any run's end.
-        await self.lifecycle.unread_steering(run)
+        # Steering its runner never read, or read and never applied, is reported, as at
+        # the end of any run that left no result.
+        unapplied = await unreported_steering(self.book, run, result_written=False)
         snapshot = run.partial if run.partial is not None else row["partial_snapshot"]
+        if unapplied and isinstance(snapshot, dict):
+            snapshot = {**snapshot, "unapplied_steering": [*(snapshot.get("unapplied_steering") or []), *unapplied]}
         reason = (
             STARTING_LOST
             if run.state == RunState.STARTING

@@ -589,11 +589,13 @@ class Store(SessionStoreMixin):
                 self._require_run(conn, run_id)
         return [EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data)) for seq, ts, kind, data in rows]
 
-    def steering_texts(self, run_id: str) -> tuple[list[str], list[str]]:
-        """The steering texts the daemon sent the run's runner (``steer_sent`` events) and
-        those the runner said it read (``steering`` events, ``queued``), in order."""
+    def steering_texts(self, run_id: str) -> tuple[list[str], list[str], list[str]]:
+        """The steering texts the daemon sent the run's runner (``steer_sent`` events),
+        those the runner said it read (``steering`` events, ``queued``), and those it said
+        became something (``applied``, ``unapplied``), in order."""
         sent: list[str] = []
         read: list[str] = []
+        settled: list[str] = []
         with self._read() as conn:
             rows = conn.execute(
                 "SELECT kind, data FROM events WHERE run_id = ? AND kind IN ('steer_sent', 'steering') ORDER BY seq",
@@ -610,7 +612,9 @@ class Store(SessionStoreMixin):
                 sent.append(obj["text"])
             elif obj.get("state") == "queued":
                 read.append(obj["text"])
-        return sent, read
+            elif obj.get("state") in ("applied", "unapplied"):
+                settled.append(obj["text"])
+        return sent, read, settled
 
     # -- tool calls ------------------------------------------------------------------
 

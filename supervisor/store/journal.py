@@ -763,9 +763,10 @@ class Journal:
             raise ValueError(f"expected a limit of at least 1, got {limit!r}")
         return await self._call(lambda s: s.events_after(_text(run_id), after_seq, limit))
 
-    async def steering_texts(self, run_id: str) -> tuple[list[str], list[str]]:
-        """The steering texts sent to the run's runner and those it said it read, in order
-        (a restarted daemon's account of what it never read)."""
+    async def steering_texts(self, run_id: str) -> tuple[list[str], list[str], list[str]]:
+        """The steering texts sent to the run's runner, those it said it read, and those
+        it said it applied or left unapplied, in order (a restarted daemon's account of
+        what it never read, or read and never applied)."""
         return await self._call(lambda s: s.steering_texts(_text(run_id)))
 
     # -- tool calls ------------------------------------------------------------------

@@ -161,6 +161,30 @@ async def test_steering_its_runner_never_read_is_reported_unapplied(manager: Run
     assert steering == [{"state": "unapplied", "text": "never read", "step": None, "unread": True}]
 
 
+async def test_steering_its_runner_read_but_never_applied_is_reported_unapplied_when_it_leaves_no_result(
+    manager: RunManager,
+) -> None:
+    # The runner read the steer (``queued``) and was killed before it applied it or wrote
+    # a result (its grace ran out, the OOM killer, a crash): the text was neither applied
+    # nor reported unapplied, though the client was told it was accepted.
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_event(manager, rid, command_alive)
+        reply = await manager.steer(rid, "read, never applied")
+        await wait_event(manager, rid, lambda e: e["kind"] == "steering" and e["data"]["state"] == "queued")
+        pid = (await manager.status(rid))["pid"]
+        os.kill(pid, signal.SIGKILL)  # the runner this test's daemon started
+        st = await manager.wait_terminal(rid)
+    assert reply["accepted"] is True
+    assert (st["state"], st["reason"], st["partial"]) == ("failed", "runner_died", True)
+    events = await manager.events_after(rid, 0)
+    steering = [e["data"] for e in events if e["kind"] == "steering"]
+    assert [s["state"] for s in steering] == ["queued", "unapplied"], steering
+    assert steering[1]["text"] == "read, never applied"
+    assert st["result"]["unapplied_steering"] == ["read, never applied"]
+
+
 async def _stop_requested(manager: RunManager, rid: str) -> dict[str, Any]:
     events = await manager.events_after(rid, 0)
     stops = [e["data"] for e in events if e["kind"] == "stop_requested"]
