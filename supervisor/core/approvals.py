@@ -13,7 +13,8 @@ a timeout is a stop. Pending calls live in the journal (the records), so ``resto
 rebuilds them for a re-adopted run, deadlines included; a call its runner asked about
 while no daemon ran is only in its events file, which the restarted daemon reads once
 it serves: an answer to a re-adopted run waits (``CATCH_UP_WAIT_S`` at most) until that
-read has caught up (``Run.caught_up``), so it is not refused for a call not yet known.
+read has caught up (``Run.caught_up``), so it is not refused for a call not yet known;
+nor is a restored deadline acted on before it (the call may have been answered in time).
 
 The manager owns the runs; this module sees it through ``Hooks`` (record an event, move
 a run's state, cancel a run) and keeps each run's pending calls in its ``RunApprovals``.
@@ -275,9 +276,16 @@ class ApprovalDesk:
         nobody answered. A call answered (sent) before its deadline no longer counts, even
         if the runner has not acted on the answer yet.
 
+        A re-adopted run's calls were restored from the journal: what its runner wrote while
+        no daemon read it (an answer it acted on) is known once its catch-up has read its
+        events file, so no deadline is acted on before that (``CATCH_UP_WAIT_S`` at most): a
+        deadline that passed while no daemon ran would otherwise stop a run whose call was
+        answered in time.
+
         Runs beside the run's supervision until the run ends (its nursery cancels it).
         """
         approvals: RunApprovals = run.approvals
+        await _caught_up(run)
         while True:
             changed = approvals.changed
             due = approvals.next_due()

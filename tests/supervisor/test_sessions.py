@@ -357,6 +357,49 @@ async def test_the_earliest_deadline_cancels_the_run_with_reason_approval_timeou
     assert 29 <= trio.current_time() - start <= 31
 
 
+async def test_a_readopted_runs_approval_deadline_waits_for_its_catch_up_which_may_show_the_call_answered(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # A restarted daemon restores a call awaiting approval from the journal; what the runner
+    # wrote while no daemon read it (its `approval_answered`: the call was approved, and
+    # runs) is in its events file, read by the catch-up. A deadline past by then cancelled
+    # the run (`approval_timeout`) before the catch-up read that the call was answered.
+    cancels: list[tuple[float, str]] = []
+    start = trio.current_time()
+
+    async def cancel(run_id: str, reason: str) -> None:
+        cancels.append((trio.current_time() - start, reason))
+
+    async def nothing(*a: Any, **kw: Any) -> None:
+        pass
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
+
+    def readopted(call_id: str) -> FakeRun:
+        run = FakeRun(Path("/nonexistent"))
+        run.caught_up = trio.Event()
+        past = time.time() - 1  # its deadline passed while no daemon ran
+        run.approvals.restore(
+            [{"id": call_id, "name": "x", "state": "not_started", "approval": "pending", "approval_deadline": past}]
+        )
+        return run
+
+    answered, unanswered = readopted("c1"), readopted("c2")
+    with trio.fail_after(100):
+        async with trio.open_nursery() as n:
+            n.start_soon(d.watch, answered)
+            n.start_soon(d.watch, unanswered)
+            await trio.sleep(1)  # the catch-up reads the events file
+            await d.on_event(answered, "approval_answered", {"call_id": "c1", "decision": "approved"})
+            answered.caught_up.set()
+            unanswered.caught_up.set()
+            await trio.sleep(3 * desk_module.CATCH_UP_WAIT_S)
+            n.cancel_scope.cancel()
+    # The answered call does not time its run out; the one nobody answered does, once known.
+    assert len(cancels) == 1 and cancels[0][1] == "approval_timeout", cancels
+    assert 1 <= cancels[0][0] <= 2
+
+
 async def test_a_call_answered_just_before_its_deadline_does_not_time_the_run_out(
     tmp_path: Path, autojump_clock: trio.abc.Clock
 ) -> None:
