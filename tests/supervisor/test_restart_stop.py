@@ -509,3 +509,29 @@ async def test_a_steer_sent_before_a_crash_and_never_read_is_reported_at_the_run
     assert final["state"] == "lost", final
     steering = [e["data"] for e in events if e["kind"] == "steering"]
     assert steering == [{"state": "unapplied", "text": "also check the logs", "step": None, "unread": True}], steering
+
+
+async def test_a_steer_read_before_a_crash_and_never_applied_is_reported_at_the_runs_end(tmp_path: Path) -> None:
+    """A steer the runner read (``queued``) while its command ran, then the daemon and the
+    runner died before it was applied or the runner wrote a result: the next daemon finds
+    the run lost, and the steer, read and never applied, reported unapplied (it was
+    neither before: the client was told it was accepted, and that was all)."""
+    state = tmp_path / "state"
+    with trio.fail_after(60):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
+            await wait_call_running(c, rid, "call_1_1")
+            runner = (await c.call("status", run_id=rid))["pid"]
+            assert (await c.call("steer", run_id=rid, text="also check the logs"))["accepted"] is True
+            assert await c.wait_for(rid, kind="steering") is None  # read: queued
+            await kill9(d1, c)
+        os.kill(runner, signal.SIGKILL)  # the runner this test's daemon started: no result
+        await wait_gone(runner, 30)
+        async with daemon(state, grace_s=5.0) as (_d2, c):
+            final = await c.call("status", run_id=rid)
+            events = (await c.call("events", run_id=rid, after_seq=0))["events"]
+    assert (final["state"], final["partial"]) == ("lost", True), final
+    steering = [e["data"] for e in events if e["kind"] == "steering"]
+    assert [s["state"] for s in steering] == ["queued", "unapplied"], steering
+    assert steering[1] == {"state": "unapplied", "text": "also check the logs", "step": None}
+    assert final["result"]["unapplied_steering"] == ["also check the logs"]
