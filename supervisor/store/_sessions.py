@@ -117,12 +117,13 @@ class SessionStoreMixin:
         return [_session(r) for r in rows]
 
     def sessions(self, limit: int) -> list[SessionSummary]:
-        """Sessions with at least one run, most recently active first."""
+        """Sessions with at least one run, most recently active first; each one's last run
+        is the last one made (``session_turns``)."""
         with self._read() as conn:
             rows = conn.execute(
                 "SELECT r.session_id, count(*), min(r.created_at), max(r.created_at), "
-                "(SELECT id FROM runs l WHERE l.session_id = r.session_id ORDER BY created_at DESC, rowid DESC LIMIT 1), "
-                "(SELECT state FROM runs l WHERE l.session_id = r.session_id ORDER BY created_at DESC, rowid DESC LIMIT 1), "
+                "(SELECT id FROM runs l WHERE l.session_id = r.session_id ORDER BY rowid DESC LIMIT 1), "
+                "(SELECT state FROM runs l WHERE l.session_id = r.session_id ORDER BY rowid DESC LIMIT 1), "
                 "s.closed_at, s.profile_dir, s.profile_used_at "
                 "FROM runs r LEFT JOIN sessions s ON s.session_id = r.session_id "
                 "WHERE r.session_id IS NOT NULL GROUP BY r.session_id ORDER BY max(r.created_at) DESC LIMIT ?",
@@ -144,11 +145,17 @@ class SessionStoreMixin:
         ]
 
     def session_turns(self, session_id: str) -> list[TurnRecord]:
-        """The session's runs, oldest first, with what their history is rebuilt from."""
+        """The session's runs, oldest first, with what their history is rebuilt from.
+
+        In the order they were made (``rowid``: runs are only ever inserted, one at a time,
+        and a session's turns one after the other under its lock), not by ``created_at``: a
+        wall clock stepped back between two turns would put the later one first (the next
+        turn was given the turns out of order, and a browser turn, prepared once it is in
+        the journal, none of those before it)."""
         with self._read() as conn:
             runs = conn.execute(
                 "SELECT id, state, reason, cancel_reason, created_at, ended_at, spec, result, error FROM runs "
-                "WHERE session_id = ? ORDER BY created_at, rowid",
+                "WHERE session_id = ? ORDER BY rowid",
                 (session_id,),
             ).fetchall()
             return [_turn(conn, row) for row in runs]

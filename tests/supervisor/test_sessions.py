@@ -120,6 +120,28 @@ async def test_the_history_is_rebuilt_from_the_journal_with_what_each_turn_reall
     assert shown["turns"][0]["messages"][-1] == {"role": "system", "content": STOP_NOTES["user"]}
 
 
+async def test_a_sessions_turns_are_in_the_order_they_were_made_though_the_clock_went_back(
+    tmp_path: Path, journal: Journal
+) -> None:
+    # The wall clock stepped back between two turns (an NTP correction, a VM resumed): the
+    # turns were ordered by their creation time, so the next turn came first, and its
+    # history (the turns before it) was empty: turn one was lost to it, and shown after it.
+    now = time.time()
+    await journal.create_run("r1", session_id="s", spec={"task": "one"}, created_at=now, timeout_s=None)
+    for state in (RunState.STARTING, RunState.RUNNING):
+        await journal.transition("r1", state)
+    await journal.finish("r1", RunState.COMPLETED, reason=None, result={"final_text": "Answer one."}, partial=False)
+    await journal.create_run("r2", session_id="s", spec={"task": "two"}, created_at=now - 60, timeout_s=None)
+    turns = await journal.session_turns("s")
+    assert [t["run_id"] for t in turns] == ["r1", "r2"]
+    assert history_messages(turns, before="r2") == [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "Answer one."},
+    ]
+    (row,) = (await desk(tmp_path, journal).list(10, {}))["sessions"]
+    assert (row["last_run"], row["last_state"]) == ("r2", "queued")
+
+
 class FakeRun:
     def __init__(self, run_dir: Path) -> None:
         self.run_id = "r-1"
