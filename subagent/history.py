@@ -37,6 +37,7 @@ __all__ = [
     "HISTORY_AWAITING_APPROVAL",
     "HISTORY_NOT_STARTED_YET",
     "HISTORY_CUT_SHORT",
+    "LOST_BEFORE_START",
     "STOP_NOTES",
     "tool_result_text",
     "is_cut",
@@ -100,6 +101,12 @@ _STOPPED_NOTE: Final = "[This turn was stopped before it finished ({reason}).]"
 _FAILED_NOTE: Final = "[This turn failed before it finished ({reason}).]"
 _LOST_NOTE: Final = (
     "[This turn was lost: agentd restarted and its runner was gone; what it did after the last record is unknown.]"
+)
+# The reason of a turn a restarted daemon found with no process record: its runner never
+# had its spec (it gets it once that record is journaled), so nothing of the turn ran.
+LOST_BEFORE_START: Final = "the daemon restarted before the run's process started"
+_LOST_BEFORE_START_NOTE: Final = (
+    "[This turn never started: agentd restarted before its runner started; nothing of it ran.]"
 )
 
 
@@ -199,7 +206,7 @@ def stop_note(state: str, reason: str | None) -> str | None:
     if state == "failed":
         return _FAILED_NOTE.format(reason=reason or "an error")
     if state == "lost":
-        return _LOST_NOTE
+        return _LOST_BEFORE_START_NOTE if reason == LOST_BEFORE_START else _LOST_NOTE
     return None
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from subagent.history import LOST_BEFORE_START
 from subagent.stopmark import clear_marker
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
@@ -179,7 +180,7 @@ class Recovery:
             return
         await backlog.write(
             run_id,
-            lambda j: j.mark_lost(run_id, reason="the daemon restarted before the run's process started"),
+            lambda j: j.mark_lost(run_id, reason=LOST_BEFORE_START),
             True,
             what="lost",
         )

@@ -25,6 +25,10 @@ from subagent.model.provider import (
     REASON_TURN_INCOMPLETE,
 )
 
+_LOST_NOTE = (
+    "[This turn was lost: agentd restarted and its runner was gone; what it did after the last record is unknown.]"
+)
+
 
 def rec(cid: str, step: int, state: str, **more: Any) -> dict[str, Any]:
     return {"id": cid, "name": "run_command", "arguments": '{"command": "ls"}', "step": step, "state": state, **more}
@@ -170,6 +174,14 @@ def test_steering_is_a_user_message_before_the_step_that_applied_it() -> None:
         ("cancelled", "approval_timeout", STOP_NOTES["approval_timeout"]),
         ("cancelled", "session_closed", "[This turn was stopped before it finished (session_closed).]"),
         ("failed", "model_http", "[This turn failed before it finished (model_http).]"),
+        # A turn a restarted daemon found before its runner had its spec: nothing of it ran
+        # (it was told "what it did after the last record is unknown").
+        (
+            "lost",
+            "the daemon restarted before the run's process started",
+            "[This turn never started: agentd restarted before its runner started; nothing of it ran.]",
+        ),
+        ("lost", "the runner was gone when the daemon restarted, without a result", _LOST_NOTE),
     ],
 )
 def test_only_a_turn_that_did_not_complete_gets_a_note(state: str, reason: str | None, note: str | None) -> None:
