@@ -157,15 +157,19 @@ class RunApprovals:
             self._changed()
         return found
 
-    def restore(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """A re-adopted run's pending calls, from its journaled records."""
+    def restore(self, records: Iterable[Mapping[str, Any]], sent: Mapping[str, str] | None = None) -> None:
+        """A re-adopted run's pending calls, from its journaled records; ``sent``: the
+        answers the dead daemon sent (``approval_sent``), by call id. A call answered
+        already, whose runner had not acted on the answer when that daemon died, is not
+        answered again (the runner takes the first answer: a second would be told as
+        what happens while the first one does) and its deadline no longer runs."""
         for rec in records:
             if (
                 rec.get("approval") == Approval.PENDING
                 and rec.get("state") == ToolCallState.NOT_STARTED
                 and not rec.get("reason")
             ):
-                self.add(
+                p = self.add(
                     {
                         "call_id": rec.get("id"),
                         "name": rec.get("name"),
@@ -174,6 +178,9 @@ class RunApprovals:
                         "deadline": rec.get("approval_deadline"),
                     }
                 )
+                decision = (sent or {}).get(p.call_id) if p is not None else None
+                if p is not None and decision is not None:
+                    self.mark_sent(p, decision)
 
     def view(self) -> list[dict[str, Any]]:
         return [p.view() for p in self.pending.values()]

@@ -616,6 +616,23 @@ class Store(SessionStoreMixin):
                 settled.append(obj["text"])
         return sent, read, settled
 
+    def approvals_sent(self, run_id: str) -> dict[str, str]:
+        """The answers the daemon sent the run's runner (``approval_sent`` events): call id
+        -> decision (``approve``/``deny``), the first one per call (the one its runner takes)."""
+        out: dict[str, str] = {}
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT data FROM events WHERE run_id = ? AND kind = 'approval_sent' ORDER BY seq", (run_id,)
+            ).fetchall()
+        for (data,) in rows:
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("call_id"), str) and isinstance(obj.get("decision"), str):
+                out.setdefault(obj["call_id"], obj["decision"])
+        return out
+
     # -- tool calls ------------------------------------------------------------------
 
     def upsert_tool_call(

@@ -769,6 +769,11 @@ class Journal:
         what it never read, or read and never applied)."""
         return await self._call(lambda s: s.steering_texts(_text(run_id)))
 
+    async def approvals_sent(self, run_id: str) -> dict[str, str]:
+        """The answers sent to the run's runner, by call id (the first per call): a
+        restarted daemon's account of the calls answered already."""
+        return await self._call(lambda s: s.approvals_sent(_text(run_id)))
+
     # -- tool calls ------------------------------------------------------------------
 
     async def upsert_tool_call(self, run_id: str, record: Mapping[str, Any]) -> bool:

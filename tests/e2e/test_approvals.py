@@ -8,6 +8,8 @@ is a ``run_command`` that leaves a side-effect file in a directory granted to th
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -385,4 +387,41 @@ async def test_an_approval_asked_while_the_daemon_was_down_is_answerable_as_soon
     assert final["state"] == "completed", final
     *_, call = final["tool_calls"]
     assert call["id"] == "call_w" and (call["state"], call["approval"]) == ("succeeded", "approved")
+    assert (shared / "side-effect").read_text() == "wrote\n"
+
+
+async def test_an_answer_sent_before_a_daemon_kill_is_the_calls_answer_for_the_next_daemon(tmp_path: Path) -> None:
+    # An approve went into the run's channel and was journaled (`approval_sent`), and the
+    # client told so; the daemon was then killed before its runner acted on it (here:
+    # frozen). The next daemon restored the call as awaiting an answer from its record
+    # alone: it took a deny too, said "denied", while the runner took the first answer
+    # (the approve) and ran the call.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = tmp_path / "state"
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0) as (d1, c):
+            rid = str((await c.call("spawn", spec=approval_spec(shared)))["run_id"])
+            await Session(c).wait(rid, awaiting)
+            runner = (await c.call("status", run_id=rid))["pid"]
+            pidfd = os.pidfd_open(runner)  # the runner this test's daemon started, pinned
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGSTOP)  # it reads no answer yet
+                approved = await c.call("approve", run_id=rid, call_id="call_w")
+                await kill9(d1, c)
+                async with daemon(state, grace_s=5.0) as (_d2, c):
+                    s = Session(c)
+                    waiting = await c.call("status", run_id=rid)
+                    deny = await s.reply("deny", run_id=rid, call_id="call_w", reason="changed my mind")
+                    signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+                    final = await s.end(rid)
+            finally:
+                os.close(pidfd)
+    assert approved["decision"] == "approved"
+    assert deny["ok"] is False and deny["error"]["code"] == "refused", deny
+    assert [(a["call_id"], a.get("answer_sent")) for a in waiting["approvals"]] == [("call_w", "approve")]
+    assert "answered already (approve)" in deny["error"]["message"]
+    assert final["state"] == "completed", final
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"]) == ("succeeded", "approved")
     assert (shared / "side-effect").read_text() == "wrote\n"
