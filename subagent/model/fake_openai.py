@@ -25,6 +25,7 @@ Size: one server for one API: the HTTP side (``h11``, chunked SSE), the API's an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -76,6 +77,10 @@ class LoggedRequest:
 
 class _ClientGone(Exception):
     pass
+
+
+# What ends a connection's handler quietly: the client went away, or spoke nonsense.
+_GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError, ValueError, _ClientGone)
 
 
 class FakeOpenAI:
@@ -203,14 +208,15 @@ class FakeOpenAI:
                 conn.start_next_cycle()
         except h11.RemoteProtocolError as exc:
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # a bad request gets its 400
-                with trio.move_on_after(CLOSE_TIMEOUT_S):
+                # (To a client that may be gone: a request cut short by its sender's death.)
+                with trio.move_on_after(CLOSE_TIMEOUT_S), contextlib.suppress(*_GONE):
                     await _send_json(
                         stream,
                         conn,
                         exc.error_status_hint,
                         {"error": {"message": str(exc), "type": "invalid_request_error"}},
                     )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError, ValueError, _ClientGone):
+        except _GONE:
             return
         finally:
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):

@@ -133,6 +133,24 @@ async def test_a_malformed_request_gets_a_400_and_the_server_lives_on() -> None:
     assert again.startswith(b"HTTP/1.1 200 ") and b"fake-model" in again
 
 
+async def test_a_client_gone_before_its_malformed_request_got_its_400_does_not_take_the_server_down() -> None:
+    # A runner stopped while it sent its request (an `--interrupt` racing its turn): the
+    # request is cut, and the 400 for it met a closed socket. That error escaped the
+    # handler and ended the whole server (every later request of the test refused).
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(FakeOpenAI({"final": "x"}).serve)
+        assert server.port is not None
+        for _ in range(20):  # each one a chance for the 400 to meet the closed socket
+            sock = trio.socket.socket()
+            await sock.connect(("127.0.0.1", server.port))
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n{"
+            await sock.send(head)
+            sock.close()  # the request cut short: its 400 goes to a closed socket
+        again = await _exchange(server, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        nursery.cancel_scope.cancel()
+    assert again.startswith(b"HTTP/1.1 200 ") and b"fake-model" in again
+
+
 async def test_a_history_with_a_tool_call_that_has_no_result_is_refused_as_the_real_api_does() -> None:
     call = {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     broken = [
