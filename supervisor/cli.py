@@ -1519,6 +1519,14 @@ def status(obj: Obj, run_id: str | None) -> None:
                 f"degraded: the journal cannot be written ({journal.get('error')}); "
                 f"{journal.get('pending_writes', '?')} writes wait in memory, not durable yet"
             )
+        for restored in journal.get("restored") or []:
+            if isinstance(restored, dict) and isinstance(restored.get("at"), (int, float)):
+                kept = restored.get("kept_aside")
+                click.echo(
+                    f"journal: its file was {'removed' if restored.get('found') == 'missing' else 'replaced'} "
+                    f"under the daemon and put back at {_when(float(restored['at']))}"
+                    + (f"; the file found there is kept as {kept}" if kept else "")
+                )
         disk = (result.get("summary") or {}).get("disk") or {}
         for fs in disk.get("watched") or []:
             if (

@@ -103,6 +103,8 @@ class Backlog:
             "pending_writes": sum(len(q) for q in self._queues.values()),
             "dropped_events": sum(self._dropped.values()),
             "flushed_writes": self.flushed,
+            # Each time its file was found removed or replaced, and it was put back.
+            "restored": self.journal.restorations[-10:],
         }
 
     # ------------------------------------------------------------------ writes

@@ -11,7 +11,11 @@ fact (or a state, a pid, a group) was fsynced first. Errors reach callers as
 ``JournalError`` (naming the file) or ``RunNotFound``, never as sqlite3 exceptions; a
 condition of the store rather than of the data (disk full, read-only, I/O error) is a
 ``JournalUnavailable``, which the same call may not meet later. Text that SQLite cannot
-store (lone surrogates) is written with those characters escaped, never refused.
+store (lone surrogates) is written with those characters escaped, never refused. A
+journal file removed or replaced under the open journal is put back at its path with
+everything written to it before any call that wrote after that returns (the other file
+kept aside: ``supervisor.store._restore``); until it can be, every call fails as
+``JournalUnavailable``.
 
 Size: the async face of every journal operation (one short method each, in the worker
 thread), plus the typed records callers read.
@@ -43,6 +47,7 @@ from supervisor.store._ops import (
     dumps,
     tool_call_rank,
 )
+from supervisor.store._restore import CHECK_S, FileIds, Restored, file_ids, restore, take_interrupted
 from supervisor.store._schema import SCHEMA_VERSION, connect
 from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
 
@@ -166,34 +171,22 @@ class _Job(Generic[T]):
             pass  # the caller's Trio run is gone; nobody is waiting any more
 
 
-def _identity(path: str) -> tuple[int, int] | None:
-    """The journal file at ``path``: (device, inode), or None if there is none."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _replaced(path: str) -> JournalUnavailable:
-    # The open connection would go on writing to a file nobody will read again (an
-    # unlinked one, or one another file took the place of): every call fails instead, as
-    # for a journal that cannot be written, and the daemon says so and takes no new runs.
-    return JournalUnavailable(
-        f"journal {path!r}: the file was removed or replaced while the daemon ran; "
-        "what is written now would be lost: restart the daemon",
-        path=path,
-    )
-
-
 class _Worker:
-    """The thread that owns the connection. sqlite3 objects never leave it. Before each
-    group of calls it checks that the file at its path is still the one it opened."""
+    """The thread that owns the connection. sqlite3 objects never leave it. Before and
+    after each group of calls, and every ``CHECK_S`` when idle, it checks that the file
+    at its path is the one it opened, and puts the journal back there if it is not
+    (``supervisor.store._restore``)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=f"agentd-journal:{path}", daemon=True)
+        self._conn: sqlite3.Connection | None = None
+        self._store: Store | None = None
+        self._opened: FileIds = (None, None, None)
+        self._broken: JournalError | None = None  # why the calls fail, while they do
+        # Each time the journal was put back at its path (read from other threads).
+        self.restorations: list[Restored] = []
 
     def start(self) -> None:
         self._thread.start()
@@ -208,18 +201,63 @@ class _Worker:
     def join(self) -> None:
         self._thread.join()
 
-    def _serve(self) -> None:
-        conn: sqlite3.Connection | None = None
-        open_error: JournalError | None = None
+    def _open(self) -> None:
         try:
-            conn = connect(self.path)
+            take_interrupted(self.path)
+            self._conn = connect(self.path)
+        except OSError as exc:
+            self._broken = JournalError(f"cannot open journal {self.path!r}: {exc}", path=self.path)
+            return
         except JournalError as exc:
-            open_error = exc
-        store = Store(conn, self.path) if conn is not None else None
-        opened = _identity(self.path) if store is not None else None
+            self._broken = exc
+            return
+        self._store = Store(self._conn, self.path)
+        self._opened = file_ids(self.path)
+        self._broken = None
+
+    def _check(self) -> None:
+        """Is the file at the path the journal that is open? If not, put it back there."""
+        if self._conn is None:
+            if self.restorations:  # put back, but it did not open: try again
+                self._open()
+            return
+        if file_ids(self.path)[0] == self._opened[0]:
+            return
+        conn = self._conn
+        try:
+            restored = restore(conn, self.path, self._opened)
+        except JournalUnavailable as exc:
+            if self._broken is None or str(self._broken) != str(exc):
+                logger.error("%s", exc)
+            self._broken = exc
+            return
+        self._conn = self._store = None
+        self._open()
+        self.restorations.append(restored)
+        kept = f"; the file found there is kept as {restored.kept_aside}" if restored.kept_aside else ""
+        if self._store is None:
+            logger.error("journal %s: put back at its path, but it does not open: %s", self.path, self._broken)
+        else:
+            logger.warning(
+                "journal %s: the file was %s while the daemon ran; the journal was put back at its "
+                "path with everything written to it%s",
+                self.path,
+                "removed" if restored.found == "missing" else "replaced",
+                kept,
+            )
+
+    def _serve(self) -> None:
+        self._open()
         try:
             stopping = False
-            while not stopping and (job := self._jobs.get()) is not None:
+            while not stopping:
+                try:
+                    job = self._jobs.get(timeout=CHECK_S)
+                except queue.Empty:
+                    self._check()
+                    continue
+                if job is None:
+                    break
                 # Whatever queued up meanwhile goes with it: one transaction, one commit.
                 jobs = [job]
                 while len(jobs) < GROUP_COMMIT_MAX:
@@ -231,20 +269,29 @@ class _Worker:
                         stopping = True
                         break
                     jobs.append(more)
-                gone = store is not None and opened is not None and _identity(self.path) != opened
-                if store is None or gone:
+                self._check()
+                store = self._store
+                if store is None or self._broken is not None:
                     for j in jobs:
-                        j.error = open_error if store is None else _replaced(self.path)
-                elif len(jobs) == 1:
-                    self._run(store, job)
+                        j.error = self._broken
                 else:
-                    self._run_group(store, jobs)
+                    before = store.changes()
+                    if len(jobs) == 1:
+                        self._run(store, job)
+                    else:
+                        self._run_group(store, jobs)
+                    # What was just written went to the file at the path: one removed or
+                    # replaced meanwhile is put back before any caller hears of it, and
+                    # if it cannot be, what was written is not said to be.
+                    self._check()
+                    if self._broken is not None and self._store is store and store.changes() != before:
+                        self._fail(jobs, self._broken)
                 for j in jobs:
                     j.resolve()
         finally:
-            if conn is not None:
+            if self._conn is not None:
                 try:
-                    conn.close()
+                    self._conn.close()
                 except sqlite3.Error:
                     logger.exception("journal %s: closing the connection failed", self.path)
 
@@ -373,6 +420,14 @@ class Journal:
     @property
     def path(self) -> str:
         return self._worker.path
+
+    @property
+    def restorations(self) -> list[dict[str, Any]]:
+        """Each time the file at the path was found removed or replaced while the journal
+        was open and the journal was put back there, oldest first: ``at`` (wall clock),
+        ``found`` (``missing`` or ``another file``), ``kept_aside`` (where the file found
+        there was moved, or None)."""
+        return [r.as_dict() for r in list(self._worker.restorations)]
 
     async def aclose(self) -> None:
         """Let queued calls finish, close the connection and end the thread. Idempotent."""

@@ -586,6 +586,24 @@ def test_a_stop_the_journal_could_not_take_and_a_degraded_daemon_are_said_in_pla
     assert "degraded" not in run(server, "status").stdout
 
 
+def test_status_says_when_the_journal_was_put_back_and_where_the_other_file_is(server: ServerThread) -> None:
+    real = server.backend.summary
+    kept = "/state/agentd.sqlite3.replaced-20261203T124334Z"
+    at = time.time() - 60
+
+    async def restored() -> dict[str, Any]:
+        summary = await real()
+        journal = {**summary.get("journal", {}), "restored": [{"at": at, "found": "another file", "kept_aside": kept}]}
+        return {**summary, "journal": journal}
+
+    assert "journal:" not in run(server, "status").stdout
+    server.backend.summary = restored  # type: ignore[method-assign]
+    lines = run(server, "status").stdout.splitlines()
+    clock = time.strftime("%H:%M:%S", time.localtime(at))
+    said = f"journal: its file was replaced under the daemon and put back at {clock}; the file found there is kept as {kept}"
+    assert said in lines, lines
+
+
 def test_status_says_stopping_while_the_daemon_stops_its_runs(server: ServerThread) -> None:
     assert " running: pid " in run(server, "status").stdout.splitlines()[0]
     real = server.backend.summary

@@ -1363,25 +1363,6 @@ async def test_a_runs_start_in_a_group_after_stream_writes_still_commits_fsynced
     assert await journal._call(lambda store: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2
 
 
-@pytest.mark.parametrize("how", ["removed", "replaced"])
-async def test_a_journal_file_removed_or_replaced_under_it_fails_every_call_as_unavailable(db: Path, how: str) -> None:
-    # The open connection wrote on to a file nobody would read again (the daemon said it
-    # was writable and took runs; a restart found none of them).
-    from supervisor.errors import JournalUnavailable
-
-    async with await Journal.open(db) as j:
-        await new_run(j, "r1")
-        for f in db.parent.glob(db.name + "*"):
-            f.unlink()
-        if how == "replaced":
-            async with await Journal.open(db) as other:
-                await new_run(other, "r-other")
-        with pytest.raises(JournalUnavailable, match="removed or replaced"):
-            await new_run(j, "r2")
-        with pytest.raises(JournalUnavailable, match="removed or replaced"):
-            await j.get_run("r1")
-
-
 async def test_a_read_in_a_group_that_could_not_be_committed_is_answered_alone(journal: Journal) -> None:
     # A full disk fails the group's commit: a read grouped with the writes failed with
     # "database or disk is full" too (a `status` while the journal was degraded).

@@ -330,17 +330,24 @@ async def test_a_second_daemon_is_refused_even_once_the_lock_file_is_removed(dae
         await serve(daemon.config, stop=trio.Event())
 
 
-async def test_a_journal_removed_under_the_daemon_takes_no_new_runs_and_says_so(daemon: Daemon) -> None:
+async def test_a_journal_removed_under_the_daemon_is_put_back_and_it_goes_on(daemon: Daemon) -> None:
     # It said the journal was writable and acknowledged spawns written to an unlinked
-    # file: a restart found none of them, and their runners ran on unsupervised.
-    from supervisor.errors import JournalUnavailable
-
-    for f in daemon.config.state_dir.glob("agentd.sqlite3*"):
-        f.unlink()
-    with trio.fail_after(10), pytest.raises(JournalUnavailable, match="removed or replaced"):
-        await daemon.m.spawn(task(wait=False))
+    # file (a restart found none of them); then it refused every call until a restart,
+    # which found no journal at all.
+    with trio.fail_after(15):
+        first = await daemon.m.spawn(task(wait=False))
+        await daemon.m.wait_terminal(first["run_id"])
+        for f in daemon.config.state_dir.glob("agentd.sqlite3*"):
+            f.unlink()
+        r = await daemon.m.spawn(task(wait=False))
+        assert (await daemon.m.wait_terminal(r["run_id"]))["state"] == "completed"
     journal = (await daemon.m.summary())["journal"]
-    assert journal["writable"] is False and "removed or replaced" in journal["error"], journal
+    assert journal["writable"] is True, journal
+    assert [x["found"] for x in journal["restored"]] == ["missing"], journal
+    from supervisor.store._read import JournalReader
+
+    with JournalReader(daemon.config.state_dir / "agentd.sqlite3") as reader:  # where a restart reads
+        assert [reader.run_state(run["run_id"]) for run in (first, r)] == ["completed", "completed"]
 
 
 async def test_a_spec_session_id_is_held_to_the_requests_limits(daemon: Daemon) -> None:
