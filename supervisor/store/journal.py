@@ -184,7 +184,9 @@ class _Worker:
         self._conn: sqlite3.Connection | None = None
         self._store: Store | None = None
         self._opened: FileIds = (None, None, None)
-        self._broken: JournalError | None = None  # why the calls fail, while they do
+        self._broken: JournalError | None = None  # why it does not open, while it does not
+        self._unrestored: JournalUnavailable | None = None  # why it is not back at its path
+        self._retry_at = 0.0  # a restore that failed is not tried again before (monotonic)
         # Each time the journal was put back at its path (read from other threads).
         self.restorations: list[Restored] = []
 
@@ -222,15 +224,19 @@ class _Worker:
                 self._open()
             return
         if file_ids(self.path)[0] == self._opened[0]:
+            self._unrestored = None
             return
-        conn = self._conn
+        if self._unrestored is not None and time.monotonic() < self._retry_at:
+            return  # a copy that failed (a full disk) is not made again at every call
         try:
-            restored = restore(conn, self.path, self._opened)
+            restored = restore(self._conn, self.path, self._opened)
         except JournalUnavailable as exc:
-            if self._broken is None or str(self._broken) != str(exc):
+            if self._unrestored is None or str(self._unrestored) != str(exc):
                 logger.error("%s", exc)
-            self._broken = exc
+            self._unrestored = exc
+            self._retry_at = time.monotonic() + CHECK_S
             return
+        self._unrestored = None
         self._conn = self._store = None
         self._open()
         self.restorations.append(restored)
@@ -271,9 +277,9 @@ class _Worker:
                     jobs.append(more)
                 self._check()
                 store = self._store
-                if store is None or self._broken is not None:
+                if store is None or self._unrestored is not None:
                     for j in jobs:
-                        j.error = self._broken
+                        j.error = self._broken or self._unrestored
                 else:
                     before = store.changes()
                     if len(jobs) == 1:
@@ -284,8 +290,8 @@ class _Worker:
                     # replaced meanwhile is put back before any caller hears of it, and
                     # if it cannot be, what was written is not said to be.
                     self._check()
-                    if self._broken is not None and self._store is store and store.changes() != before:
-                        self._fail(jobs, self._broken)
+                    if self._unrestored is not None and store.changes() != before:
+                        self._fail(jobs, self._unrestored)
                 for j in jobs:
                     j.resolve()
         finally:

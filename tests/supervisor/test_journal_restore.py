@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from supervisor.store import _restore
 from supervisor.store.journal import Journal
 from tests.conftest import mounted_tmpfs
 from tests.supervisor.real_daemon import Daemon, real_daemon
-from tests.supervisor.test_fault_isolation import spec
+from tests.supervisor.test_fault_isolation import fill, spec
 from tests.supervisor.test_journal import new_run
 
 
@@ -36,6 +37,18 @@ def stored(path: Path, table: str = "runs", column: str = "id") -> list[str]:
 def remove(db: Path, *, side_files: bool = True) -> None:
     for suffix in ("", "-wal", "-shm") if side_files else ("",):
         Path(f"{db}{suffix}").unlink()
+
+
+async def retried(call: Callable[[], Awaitable[object]], timeout_s: float = 5.0) -> None:
+    """``call`` until it is not ``JournalUnavailable`` (a failed restore is tried again
+    after CHECK_S), with a deadline."""
+    with trio.fail_after(timeout_s):
+        while True:
+            try:
+                await call()
+                return
+            except JournalUnavailable:
+                await trio.sleep(0.05)
 
 
 async def wait_restored(j: Journal, timeout_s: float = 5.0) -> None:
@@ -112,19 +125,34 @@ async def test_a_restore_that_cannot_copy_fails_calls_as_unavailable_then_succee
             await new_run(j, "r1")
             remove(db)
             filler = mnt / "filler"
-            with open(filler, "wb", buffering=0) as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 65536)
-                except OSError:
-                    pass
+            fill(filler)
             with pytest.raises(JournalUnavailable, match="removed or replaced"):
                 await new_run(j, "r2")
             assert not db.exists() and j.restorations == []
             filler.unlink()
-            await new_run(j, "r2")
+            await retried(lambda: new_run(j, "r2"))  # as the daemon's backlog does
             assert stored(db) == ["r1", "r2"]
             assert [r["found"] for r in j.restorations] == ["missing"]
+
+
+async def test_a_write_the_removal_raced_is_not_said_written_while_it_cannot_be_put_back(tmp_path: Path) -> None:
+    # Written to the removed file, which cannot be copied back (no room): its caller hears
+    # "unavailable" (the daemon keeps it in memory and writes it again), not "written".
+    with mounted_tmpfs(tmp_path, 1) as mnt:
+        db = mnt / "agentd.sqlite3"
+        async with await Journal.open(db) as j:
+            await new_run(j, "r1")
+
+            def write_then_remove(store: object) -> None:
+                store.create_run("r2", "s1", "{}", 1.0, None, None)  # type: ignore[attr-defined]
+                remove(db)
+                fill(mnt / "filler")
+
+            with pytest.raises(JournalUnavailable, match="removed or replaced"):
+                await j._call(write_then_remove)
+            (mnt / "filler").unlink()
+            await retried(lambda: j.get_run("r1"))
+            assert stored(db) == ["r1", "r2"]  # what it had written is not lost either
 
 
 async def test_a_copy_left_by_a_restore_a_daemon_did_not_finish_is_the_journal(db: Path) -> None:
