@@ -975,6 +975,8 @@ def format_event(event: dict[str, Any]) -> str:
         text = f"steering {d.get('state')}: {_short(d.get('text', ''), 80)}"
     elif kind == "disk_full":
         text = f"stopped by the daemon, the disk is full: {_short(d.get('message', ''), 160)}"
+    elif kind == "journal_gap":
+        text = f"facts may be missing: {_short(d.get('message', ''), 160)}"
     elif kind == "steer_sent":
         text = f"steering sent: {_short(d.get('text', ''), 80)}"
     elif kind == "approval_requested":
@@ -1518,6 +1520,16 @@ def status(obj: Obj, run_id: str | None) -> None:
             click.echo(
                 f"degraded: the journal cannot be written ({journal.get('error')}); "
                 f"{journal.get('pending_writes', '?')} writes wait in memory, not durable yet"
+            )
+        lost = journal.get("unwritten_before_restart")
+        if isinstance(lost, dict):
+            named = lost.get("runs")
+            runs: list[Any] = named if isinstance(named, list) else []
+            click.echo(
+                f"journal: the previous daemon (pid {lost.get('pid', '?')}) ended while writes waited in its memory "
+                f"for the journal: the last facts of {len(runs) + int(lost.get('more') or 0)} runs may be missing"
+                + (f" ({', '.join(map(str, runs[:5]))}{', ...' if len(runs) > 5 else ''})" if runs else "")
+                + ("; which runs is not known" if lost.get("unreadable") else "")
             )
         for restored in journal.get("restored") or []:
             if isinstance(restored, dict) and isinstance(restored.get("at"), (int, float)):

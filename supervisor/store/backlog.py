@@ -13,6 +13,11 @@ idempotent), states and terminal facts are compare-and-set. A run's queued event
 bounded; beyond the bound new events are dropped and counted (a state, a process record
 or a terminal fact is never dropped). What is still queued at shutdown is logged.
 
+What waits dies with the daemon's memory. Which runs had writes waiting is kept on disk
+meanwhile (``supervisor.store._unwritten``): a daemon killed while degraded is followed
+by one that says so at its start (its log, ``describe()['unwritten_before_restart']``)
+and gives each of those runs a ``journal_gap`` event.
+
 ``on_written`` and ``on_unavailable`` tell the disk guard (``supervisor.core.diskguard``)
 of each write that went through and each that could not: a full disk is usually a run's
 doing, and the guard stops that run so the queues can be written.
@@ -21,15 +26,19 @@ doing, and the guard stops that run so the queues can be written.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import trio
 
-from supervisor.errors import JournalUnavailable, RunNotFound
+from supervisor.errors import JournalError, JournalUnavailable, RunNotFound
+from supervisor.store._unwritten import NAME as NOTE_NAME
+from supervisor.store._unwritten import UnwrittenNote
 from supervisor.store.journal import EventRecord, Journal
 
 __all__ = ["Backlog"]
@@ -75,6 +84,12 @@ class Backlog:
         # looks at the free space then: ``supervisor.core.diskguard``). Must not raise.
         self.on_written: Callable[[], None] | None = None
         self.on_unavailable: Callable[[], None] | None = None
+        # Which runs have writes waiting, on disk (``_unwritten``), and what the previous
+        # daemon's note said (None: nothing waited when it ended).
+        self._note = UnwrittenNote(Path(journal.path).parent / NOTE_NAME)
+        self._noted: frozenset[str] = frozenset()
+        self._noting = trio.Lock()
+        self.unwritten_before_restart: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -105,6 +120,8 @@ class Backlog:
             "flushed_writes": self.flushed,
             # Each time its file was found removed or replaced, and it was put back.
             "restored": self.journal.restorations[-10:],
+            # The previous daemon ended with these runs' writes in memory: lost.
+            "unwritten_before_restart": self.unwritten_before_restart,
         }
 
     # ------------------------------------------------------------------ writes
@@ -127,6 +144,7 @@ class Backlog:
                 self._written()
                 return value
         self._enqueue(run_id, _Op(replay or direct, what))
+        await self._note_runs()
         return predicted
 
     async def append(self, run_id: str, seq: int, kind: str, data: dict[str, Any], ts: float) -> int | None:
@@ -165,6 +183,7 @@ class Backlog:
         self._event_count[run_id] = count + 1
         self._event_bytes[run_id] = self._event_bytes.get(run_id, 0) + size
         self._enqueue(run_id, _Op(replay, f"event {kind}", event, size))
+        await self._note_runs()
         return seq
 
     def note_failure(self, exc: JournalUnavailable, what: str) -> None:
@@ -214,19 +233,66 @@ class Backlog:
     # ------------------------------------------------------------------ flushing
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Retry what waits every ``RETRY_S`` until cancelled (a daemon service)."""
-        task_status.started()
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while self._queues:
-                await trio.sleep(RETRY_S)
-                await self.flush()
+        """Retry what waits every ``RETRY_S`` until cancelled (a daemon service).
+
+        First, before it says it started (before the runs a previous daemon left are
+        recovered): what that daemon's note says it lost (see the module)."""
+        try:
+            await self._take_previous_note()
+            task_status.started()
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while self._queues:
+                    await trio.sleep(RETRY_S)
+                    await self.flush()
+        finally:
+            # What still waits stays named in the note, for the next daemon to say.
+            self._note.close()
+
+    async def _take_previous_note(self) -> None:
+        previous = await trio.to_thread.run_sync(self._note.read)
+        if previous is not None:
+            self.unwritten_before_restart = previous
+            runs = previous["runs"]
+            logger.error(
+                "the previous daemon (pid %s) ended while the journal could not be written (since %s)%s: "
+                "what waited in its memory was lost; %d runs are told so by a journal_gap event%s",
+                previous.get("pid", "?"),
+                previous.get("since", "?"),
+                " and its note of which runs had writes waiting is unreadable" if previous.get("unreadable") else "",
+                len(runs),
+                f" ({previous['more']} more were not named)" if previous.get("more") else "",
+            )
+            gap = {
+                "message": "the daemon ended while facts of this run waited in its memory for the journal: "
+                "its last events, state or end may be missing",
+                "degraded_since": previous.get("since"),
+                "daemon_pid": previous.get("pid"),
+            }
+            for run_id in runs:
+                try:
+                    await self.journal.append_event(run_id, "journal_gap", gap)
+                except (RunNotFound, JournalError) as exc:
+                    logger.warning("run %s: its journal_gap event could not be written: %s", run_id, exc)
+        await trio.to_thread.run_sync(self._note.reset)
+
+    async def _note_runs(self) -> None:
+        """The note on disk names the runs that have writes waiting now (see the module)."""
+        async with self._noting:
+            runs = frozenset(self._queues)
+            if runs == self._noted:
+                return
+            note = None if not runs else {"pid": os.getpid(), "since": self.since, "runs": sorted(runs)}
+            await trio.to_thread.run_sync(self._note.save, note)
+            self._noted = runs
 
     async def flush(self) -> bool:
         """Write what waits, run by run, in order. True if nothing waits any more."""
         async with self._flushing:
-            return await self._flush()
+            done = await self._flush()
+        await self._note_runs()
+        return done
 
     async def _flush(self) -> bool:
         wrote = False

@@ -604,6 +604,27 @@ def test_status_says_when_the_journal_was_put_back_and_where_the_other_file_is(s
     assert said in lines, lines
 
 
+def test_status_and_events_say_a_daemon_killed_while_degraded_lost_runs_facts(server: ServerThread) -> None:
+    real = server.backend.summary
+    runs = [f"r-{i}" for i in range(7)]
+
+    async def lost() -> dict[str, Any]:
+        summary = await real()
+        note = {"pid": 4242, "since": 1.0, "runs": runs, "more": 3}
+        return {**summary, "journal": {**summary.get("journal", {}), "unwritten_before_restart": note}}
+
+    assert "previous daemon" not in run(server, "status").stdout
+    server.backend.summary = lost  # type: ignore[method-assign]
+    lines = run(server, "status").stdout.splitlines()
+    said = (
+        "journal: the previous daemon (pid 4242) ended while writes waited in its memory for the journal: "
+        "the last facts of 10 runs may be missing (r-0, r-1, r-2, r-3, r-4, ...)"
+    )
+    assert said in lines, lines
+    event = {"seq": 3, "ts": 0, "kind": "journal_gap", "data": {"message": "its last events may be missing"}}
+    assert format_event(event).endswith("facts may be missing: its last events may be missing")
+
+
 def test_status_says_stopping_while_the_daemon_stops_its_runs(server: ServerThread) -> None:
     assert " running: pid " in run(server, "status").stdout.splitlines()[0]
     real = server.backend.summary
