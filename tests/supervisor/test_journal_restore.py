@@ -13,6 +13,7 @@ import trio
 
 from supervisor.errors import JournalUnavailable
 from supervisor.store import _restore
+from supervisor.store import journal as journal_module
 from supervisor.store.journal import Journal
 from tests.conftest import mounted_tmpfs
 from tests.supervisor.real_daemon import Daemon, real_daemon
@@ -23,6 +24,12 @@ from tests.supervisor.test_journal import new_run
 @pytest.fixture
 def db(tmp_path: Path) -> Path:
     return tmp_path / "agentd.sqlite3"
+
+
+@pytest.fixture
+def quick_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker looks at its file (and tries a failed restore again) every 50 ms."""
+    monkeypatch.setattr(journal_module, "CHECK_S", 0.05)
 
 
 def stored(path: Path, table: str = "runs", column: str = "id") -> list[str]:
@@ -106,7 +113,7 @@ async def test_a_write_the_removal_raced_is_in_the_journal_at_the_path_when_the_
         assert stored(db) == ["r1", "r2"]
 
 
-async def test_an_idle_journal_puts_its_file_back_without_a_call(db: Path) -> None:
+async def test_an_idle_journal_puts_its_file_back_without_a_call(db: Path, quick_checks: None) -> None:
     # Nothing written since the removal: a daemon killed now lost everything at its restart.
     async with await Journal.open(db) as j:
         await new_run(j, "r1")
@@ -116,7 +123,9 @@ async def test_an_idle_journal_puts_its_file_back_without_a_call(db: Path) -> No
         assert [r["found"] for r in j.restorations] == ["missing"]
 
 
-async def test_a_restore_that_cannot_copy_fails_calls_as_unavailable_then_succeeds(tmp_path: Path) -> None:
+async def test_a_restore_that_cannot_copy_fails_calls_as_unavailable_then_succeeds(
+    tmp_path: Path, quick_checks: None
+) -> None:
     # No room for the copy: nothing is said written that would be lost, and the journal
     # is put back once there is room.
     with mounted_tmpfs(tmp_path, 1) as mnt:
@@ -135,7 +144,9 @@ async def test_a_restore_that_cannot_copy_fails_calls_as_unavailable_then_succee
             assert [r["found"] for r in j.restorations] == ["missing"]
 
 
-async def test_a_write_the_removal_raced_is_not_said_written_while_it_cannot_be_put_back(tmp_path: Path) -> None:
+async def test_a_write_the_removal_raced_is_not_said_written_while_it_cannot_be_put_back(
+    tmp_path: Path, quick_checks: None
+) -> None:
     # Written to the removed file, which cannot be copied back (no room): its caller hears
     # "unavailable" (the daemon keeps it in memory and writes it again), not "written".
     with mounted_tmpfs(tmp_path, 1) as mnt:
