@@ -18,8 +18,10 @@ of calls and every ``CHECK_S`` when idle, and when they differ it restores the j
    and opened as the journal.
 
 A copy that fails (no space, the directory gone) leaves the old connection open and
-changes nothing at the path: the calls fail as ``JournalUnavailable`` (the daemon is
-degraded, its run manager keeps their writes in memory) and the restore is tried again.
+changes nothing at the path: the connection is made read-only (``PRAGMA query_only``:
+reads go on, ``status`` answers), a write fails as ``JournalUnavailable`` (the daemon is
+degraded, its run manager keeps its writes in memory) and the restore is tried again
+every ``CHECK_S``.
 """
 
 from __future__ import annotations

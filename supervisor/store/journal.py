@@ -14,8 +14,8 @@ condition of the store rather than of the data (disk full, read-only, I/O error)
 store (lone surrogates) is written with those characters escaped, never refused. A
 journal file removed or replaced under the open journal is put back at its path with
 everything written to it before any call that wrote after that returns (the other file
-kept aside: ``supervisor.store._restore``); until it can be, every call fails as
-``JournalUnavailable``.
+kept aside: ``supervisor.store._restore``); until it can be, it is read-only and a write
+fails as ``JournalUnavailable``.
 
 Size: the async face of every journal operation (one short method each, in the worker
 thread), plus the typed records callers read.
@@ -224,7 +224,9 @@ class _Worker:
                 self._open()
             return
         if file_ids(self.path)[0] == self._opened[0]:
-            self._unrestored = None
+            if self._unrestored is not None:  # back at its path (a hard link made again)
+                self._query_only(False)
+                self._unrestored = None
             return
         if self._unrestored is not None and time.monotonic() < self._retry_at:
             return  # a copy that failed (a full disk) is not made again at every call
@@ -233,6 +235,10 @@ class _Worker:
         except JournalUnavailable as exc:
             if self._unrestored is None or str(self._unrestored) != str(exc):
                 logger.error("%s", exc)
+            if self._unrestored is None:
+                # Until it is back at its path: read (status, list, events go on), never
+                # written (what is written to a file nobody will open again is lost).
+                self._query_only(True)
             self._unrestored = exc
             self._retry_at = time.monotonic() + CHECK_S
             return
@@ -251,6 +257,13 @@ class _Worker:
                 "removed" if restored.found == "missing" else "replaced",
                 kept,
             )
+
+    def _query_only(self, on: bool) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.execute(f"PRAGMA query_only = {int(on)}")
+            except sqlite3.Error:
+                logger.exception("journal %s: setting query_only failed", self.path)
 
     def _serve(self) -> None:
         self._open()
@@ -277,10 +290,11 @@ class _Worker:
                     jobs.append(more)
                 self._check()
                 store = self._store
-                if store is None or self._unrestored is not None:
+                if store is None:
                     for j in jobs:
-                        j.error = self._broken or self._unrestored
+                        j.error = self._broken
                 else:
+                    unrestored = self._unrestored  # then it is query_only: reads only
                     before = store.changes()
                     if len(jobs) == 1:
                         self._run(store, job)
@@ -292,6 +306,10 @@ class _Worker:
                     self._check()
                     if self._unrestored is not None and store.changes() != before:
                         self._fail(jobs, self._unrestored)
+                    if unrestored is not None:  # a write refused as read-only: say why
+                        for j in jobs:
+                            if isinstance(j.error, JournalUnavailable):
+                                j.error = unrestored
                 for j in jobs:
                     j.resolve()
         finally:

@@ -7,6 +7,7 @@ import os
 import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -16,9 +17,19 @@ from supervisor.store import _restore
 from supervisor.store import journal as journal_module
 from supervisor.store.journal import Journal
 from tests.conftest import mounted_tmpfs
-from tests.supervisor.real_daemon import Daemon, real_daemon
-from tests.supervisor.test_fault_isolation import fill, spec
+from tests.supervisor.real_daemon import Client, Daemon, real_daemon
+from tests.supervisor.test_fault_isolation import (
+    fill,
+    journal_state,
+    running_pair,
+    small_tmpfs,
+    spec,
+    stop_and_check,
+    until,
+)
 from tests.supervisor.test_journal import new_run
+
+__all__ = ["small_tmpfs"]  # a fixture, used by name
 
 
 @pytest.fixture
@@ -138,6 +149,7 @@ async def test_a_restore_that_cannot_copy_fails_calls_as_unavailable_then_succee
             with pytest.raises(JournalUnavailable, match="removed or replaced"):
                 await new_run(j, "r2")
             assert not db.exists() and j.restorations == []
+            assert (await j.get_run("r1")) is not None  # read meanwhile: status goes on
             filler.unlink()
             await retried(lambda: new_run(j, "r2"))  # as the daemon's backlog does
             assert stored(db) == ["r1", "r2"]
@@ -162,7 +174,7 @@ async def test_a_write_the_removal_raced_is_not_said_written_while_it_cannot_be_
             with pytest.raises(JournalUnavailable, match="removed or replaced"):
                 await j._call(write_then_remove)
             (mnt / "filler").unlink()
-            await retried(lambda: j.get_run("r1"))
+            await wait_restored(j)
             assert stored(db) == ["r1", "r2"]  # what it had written is not lost either
 
 
@@ -225,3 +237,42 @@ async def replace_under(d: Daemon, path: Path) -> tuple[str, str]:
         for run in (a, b):
             assert (await c.wait_end(run))["state"] == "cancelled"
         return a, b
+
+
+async def test_a_daemon_whose_journal_cannot_be_put_back_yet_is_degraded_answers_status_and_recovers(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    # Removed while the disk is full: no room for the copy. It answers status, keeps the
+    # run's end in memory, and once there is room it puts the journal back, writes what
+    # waited and is healthy again, with nothing lost at a restart.
+    state = small_tmpfs / "state"
+    env = {"AGENTD_RUNS_DIR": str(tmp_path / "runs")}
+    filler = small_tmpfs / "filler"
+    with trio.fail_after(60):
+        async with real_daemon(state, env=env) as d, d.connect() as c:
+            a, b = await running_pair(c)
+            fill(filler)
+            remove(state / "agentd.sqlite3")
+            reply = await c.ok("cancel", run_id=a)
+            assert reply["was_active"] is True and "not durable yet" in reply["warning"], reply
+            assert (await c.wait_end(a))["state"] == "cancelled"
+            journal = await journal_state(c)
+            assert journal["writable"] is False and "removed or replaced" in journal["error"], journal
+            assert journal["pending_writes"] > 0 and journal["restored"] == []
+            assert (await c.ok("status", run_id=b))["state"] == "running"  # read from the open journal
+            refused = await c.call("spawn", spec=spec(snapshots=1))
+            assert refused["ok"] is False and refused["error"]["code"] == "refused", refused
+            filler.unlink()
+            journal = await until(lambda: writable(c))
+            assert [r["found"] for r in journal["restored"]] == ["missing"] and journal["pending_writes"] == 0
+            await stop_and_check(c, b)
+        async with real_daemon(state, env=env) as d, d.connect() as c:
+            for run in (a, b):
+                events = (await c.ok("events", run_id=run))["events"]
+                assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+                assert events[-1]["kind"] == "state" and events[-1]["data"]["state"] == "cancelled", events[-3:]
+
+
+async def writable(c: Client) -> dict[str, Any] | None:
+    journal = await journal_state(c)
+    return journal if journal["writable"] else None
