@@ -302,9 +302,16 @@ class RunBook:
                 from_any_live_state=any_live,
             )
 
+        # Named in the backlog's note on disk while it waits (a daemon killed meanwhile).
+        end = {"state": str(state), "ended_at": ended_at, "groups_ended_at": groups_ended_at}
         try:
             ok = await self.backlog.write(
-                run.run_id, write(False), predicted, what=f"terminal state {state}", replay=write(True)
+                run.run_id,
+                write(False),
+                predicted,
+                what=f"terminal state {state}",
+                replay=write(True),
+                end={**end, "reason": reason},
             )
         except Exception:
             logger.exception("run %s: its terminal fact cannot be stored as it is; storing a minimal one", run.run_id)
@@ -313,7 +320,12 @@ class RunBook:
             error = {"code": "internal", "message": "the run's end could not be recorded in full (see the daemon log)"}
             fact.update(reason=reason, result=run.partial if partial else None, error=error, receipt=None)
             ok = await self.backlog.write(
-                run.run_id, write(False), predicted, what=f"terminal state {state} (minimal)", replay=write(True)
+                run.run_id,
+                write(False),
+                predicted,
+                what=f"terminal state {state} (minimal)",
+                replay=write(True),
+                end={**end, "reason": reason},
             )
         if ok and self.backlog.pending(run.run_id):
             run.final = fact

@@ -4,15 +4,16 @@ What degraded mode keeps in memory (``supervisor.store.backlog``) dies with a da
 meanwhile (``kill -9``, the OOM killer, a power cut). The writes themselves cannot be
 kept here cheaply (they may be many, and the disk is often full), but which runs had some
 waiting can: ``journal-unwritten`` beside the journal holds, while the daemon is degraded,
-the daemon's pid, since when it is degraded, and the ids of the runs whose writes wait,
-as JSON ended by a NUL. The file is written whole with zeros (``SIZE``) at each start, so
+the daemon's pid, since when it is degraded, the ids of the runs whose writes wait and
+the ends (state, reason, when) of those whose end waits, as JSON ended by a NUL. The file is written whole with zeros (``SIZE``) at each start, so
 that rewriting it needs no new block on a full disk; it is rewritten in place (``pwrite``,
 ``fdatasync``) when that set of runs changes, and emptied once nothing waits.
 
 The next daemon reads it at its start (before it recovers runs), says in its log and in
 ``status`` (``summary.journal.unwritten_before_restart``) that the previous daemon ended
-with writes unwritten, and gives each of those runs a ``journal_gap`` event: its last facts
-(events, a state, its end) may be missing from the journal.
+with writes unwritten, gives each of those runs a ``journal_gap`` event (its last facts
+may be missing from the journal) and writes the ends the note has, the result being the
+run's last checkpoint, marked partial (``supervisor.store.backlog``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class UnwrittenNote:
                 cut = max(1, len(runs) // 4)
                 runs = runs[: len(runs) - cut]
                 more = len(note["runs"]) - len(runs)
-                data = json.dumps({**note, "runs": runs, "more": more}).encode()
+                ends = {r: e for r, e in (note.get("ends") or {}).items() if r in set(runs)}
+                data = json.dumps({**note, "runs": runs, "ends": ends, "more": more}).encode()
         try:
             os.pwrite(self._fd, data + b"\0", 0)
             os.fdatasync(self._fd)

@@ -13,10 +13,13 @@ idempotent), states and terminal facts are compare-and-set. A run's queued event
 bounded; beyond the bound new events are dropped and counted (a state, a process record
 or a terminal fact is never dropped). What is still queued at shutdown is logged.
 
-What waits dies with the daemon's memory. Which runs had writes waiting is kept on disk
-meanwhile (``supervisor.store._unwritten``): a daemon killed while degraded is followed
-by one that says so at its start (its log, ``describe()['unwritten_before_restart']``)
-and gives each of those runs a ``journal_gap`` event.
+What waits dies with the daemon's memory. Which runs had writes waiting, and the end of
+those that ended (``write(end=...)``: state, reason, when), is kept on disk meanwhile
+(``supervisor.store._unwritten``): a daemon killed while degraded is followed by one that
+says so at its start (its log, ``describe()['unwritten_before_restart']``), gives each of
+those runs a ``journal_gap`` event and writes the ends it finds there (the result is the
+run's last stored checkpoint, marked partial), before it recovers the runs: a run a client
+was told ended ``cancelled`` is not found ``lost``.
 
 ``on_written`` and ``on_unavailable`` tell the disk guard (``supervisor.core.diskguard``)
 of each write that went through and each that could not: a full disk is usually a run's
@@ -29,7 +32,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -37,6 +40,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from supervisor.errors import JournalError, JournalUnavailable, RunNotFound
+from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store._unwritten import NAME as NOTE_NAME
 from supervisor.store._unwritten import UnwrittenNote
 from supervisor.store.journal import EventRecord, Journal
@@ -87,7 +91,8 @@ class Backlog:
         # Which runs have writes waiting, on disk (``_unwritten``), and what the previous
         # daemon's note said (None: nothing waited when it ended).
         self._note = UnwrittenNote(Path(journal.path).parent / NOTE_NAME)
-        self._noted: frozenset[str] = frozenset()
+        self._ends: dict[str, dict[str, Any]] = {}  # queued runs' ends, for the note
+        self._noted: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._noting = trio.Lock()
         self.unwritten_before_restart: dict[str, Any] | None = None
 
@@ -126,10 +131,21 @@ class Backlog:
 
     # ------------------------------------------------------------------ writes
 
-    async def write(self, run_id: str, direct: Write, predicted: T, *, what: str, replay: Write | None = None) -> T:
+    async def write(
+        self,
+        run_id: str,
+        direct: Write,
+        predicted: T,
+        *,
+        what: str,
+        replay: Write | None = None,
+        end: Mapping[str, Any] | None = None,
+    ) -> T:
         """Write now, or queue the write and return ``predicted`` (the journal is down).
 
         ``replay`` (default ``direct``) is what the flush runs; it must be safe to repeat.
+        ``end``: the write is the run's end (``state``, ``reason``, ``ended_at``,
+        ``groups_ended_at``), named in the note on disk while it waits (see the module).
 
         Raises:
             Whatever ``direct`` raises except ``JournalUnavailable`` (a bug, or bad data:
@@ -144,6 +160,8 @@ class Backlog:
                 self._written()
                 return value
         self._enqueue(run_id, _Op(replay or direct, what))
+        if end is not None:
+            self._ends[run_id] = dict(end)
         await self._note_runs()
         return predicted
 
@@ -270,22 +288,59 @@ class Backlog:
                 "degraded_since": previous.get("since"),
                 "daemon_pid": previous.get("pid"),
             }
+            noted = previous.get("ends")
+            ends: dict[str, Any] = noted if isinstance(noted, dict) else {}
             for run_id in runs:
                 try:
                     await self.journal.append_event(run_id, "journal_gap", gap)
+                    await self._write_noted_end(run_id, ends.get(run_id))
                 except (RunNotFound, JournalError) as exc:
-                    logger.warning("run %s: its journal_gap event could not be written: %s", run_id, exc)
+                    logger.warning("run %s: what its note says could not be written: %s", run_id, exc)
         await trio.to_thread.run_sync(self._note.reset)
+
+    async def _write_noted_end(self, run_id: str, end: Any) -> None:
+        """The end a dead daemon decided for the run and noted, written if the run is live
+        in the journal: its result is its last checkpoint, marked partial."""
+        if not isinstance(end, dict):
+            return
+        try:
+            state = RunState(str(end.get("state")))
+        except ValueError:
+            return
+        reason = end.get("reason") if isinstance(end.get("reason"), str) else None
+        ended_at = end.get("ended_at") if isinstance(end.get("ended_at"), (int, float)) else None
+        groups = end.get("groups_ended_at") if isinstance(end.get("groups_ended_at"), (int, float)) else None
+        if state not in TERMINAL_STATES:
+            return
+        finished = await self.journal.finish(
+            run_id,
+            state,
+            reason=reason,
+            result=None,
+            partial=True,
+            ended_at=ended_at,
+            groups_ended_at=groups,
+            from_any_live_state=True,
+        )
+        if finished:
+            data: dict[str, Any] = {"state": str(state), "partial": True}
+            if reason:
+                data["reason"] = reason
+            await self.journal.append_event(run_id, "state", data, ended_at)
+            logger.warning("run %s: its end (%s) written from the previous daemon's note", run_id, state)
 
     async def _note_runs(self) -> None:
         """The note on disk names the runs that have writes waiting now (see the module)."""
         async with self._noting:
             runs = frozenset(self._queues)
-            if runs == self._noted:
+            noted = (runs, frozenset(self._ends))
+            if noted == self._noted:
                 return
-            note = None if not runs else {"pid": os.getpid(), "since": self.since, "runs": sorted(runs)}
+            note = None
+            if runs:
+                note = {"pid": os.getpid(), "since": self.since, "runs": sorted(runs), "ends": dict(self._ends)}
             await trio.to_thread.run_sync(self._note.save, note)
-            self._noted = runs
+            self._noted = noted
 
     async def flush(self) -> bool:
         """Write what waits, run by run, in order. True if nothing waits any more."""
@@ -332,6 +387,7 @@ class Backlog:
         if self._queues.get(run_id):
             return  # refilled while the last write was in flight
         self._queues.pop(run_id, None)
+        self._ends.pop(run_id, None)
         self._event_bytes.pop(run_id, None)
         self._event_count.pop(run_id, None)
         dropped = self._dropped.pop(run_id, 0)

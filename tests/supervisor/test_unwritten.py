@@ -33,7 +33,8 @@ async def test_a_daemon_killed_while_degraded_is_followed_by_one_that_says_which
     tmp_path: Path, small_tmpfs: Path
 ) -> None:
     # What waited in its memory is lost with it; the next daemon said nothing of it (the
-    # run's last events were silently missing).
+    # run's last events were silently missing) and found the run the client was told
+    # ended `cancelled` gone without a result: `lost`.
     state = small_tmpfs / "state"
     env = {"AGENTD_RUNS_DIR": str(tmp_path / "runs")}
     filler = small_tmpfs / "filler"
@@ -48,6 +49,11 @@ async def test_a_daemon_killed_while_degraded_is_followed_by_one_that_says_which
         [said] = [e for e in events if e["kind"] == "journal_gap"]
         assert "may be missing" in said["data"]["message"] and said["data"]["daemon_pid"] == old_pid
         assert "journal_gap" not in [e["kind"] for e in (await c.ok("events", run_id=b))["events"]]
+        # Its end, which the client heard (cancelled), is the one written: not `lost`.
+        st = await c.ok("status", run_id=a)
+        assert (st["state"], st["reason"]) == ("cancelled", "user"), st
+        assert [e["kind"] for e in events][-2:] == ["journal_gap", "state"]
+        assert events[-1]["data"] == {"state": "cancelled", "partial": True, "reason": "user"}
         assert f"the previous daemon (pid {old_pid}) ended while the journal could not be written" in d.log_text()
         await stop_and_check(c, b)
     async with real_daemon(state, env=env) as d, d.connect() as c:  # said once
@@ -60,9 +66,11 @@ def test_a_torn_note_says_something_waited_and_a_long_one_is_cut(tmp_path: Path)
     note.reset()
     assert note.read() is None and (tmp_path / "note").stat().st_size == SIZE
     runs = [f"r-{i:016x}" for i in range(10_000)]
-    note.save({"pid": 1, "since": 2.0, "runs": runs})
+    ends = {r: {"state": "cancelled", "reason": "user", "ended_at": 3.0} for r in runs}
+    note.save({"pid": 1, "since": 2.0, "runs": runs, "ends": ends})
     got = note.read()
     assert got is not None and got["runs"] == runs[: len(got["runs"])] and got["more"] == 10_000 - len(got["runs"])
+    assert got["ends"] == {r: ends[r] for r in got["runs"]}
     assert (tmp_path / "note").stat().st_size == SIZE
     note.save(None)
     assert note.read() is None
