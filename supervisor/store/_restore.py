@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from supervisor.errors import JournalUnavailable
 
-__all__ = ["CHECK_S", "FileIds", "Restored", "file_ids", "restore", "take_interrupted"]
+__all__ = ["CHECK_S", "FileIds", "Restored", "file_id", "file_ids", "restore", "take_interrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ FileId = tuple[int, int] | None
 FileIds = tuple[FileId, FileId, FileId]
 
 
-def _file_id(name: str) -> FileId:
+def file_id(name: str) -> FileId:
+    """The file at ``name``: (device, inode), or None if there is none (one ``stat``)."""
     try:
         st = os.stat(name)
     except OSError:
@@ -60,7 +61,7 @@ def _file_id(name: str) -> FileId:
 
 def file_ids(path: str) -> FileIds:
     """The journal file at ``path`` and its ``-wal`` and ``-shm``: (device, inode) each."""
-    return _file_id(path), _file_id(path + "-wal"), _file_id(path + "-shm")
+    return file_id(path), file_id(path + "-wal"), file_id(path + "-shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,7 @@ def restore(conn: sqlite3.Connection, path: str, opened: FileIds) -> Restored:
     except (sqlite3.Error, OSError) as exc:
         raise JournalUnavailable(
             f"journal {path!r}: the file was removed or replaced while the daemon ran, and "
-            f"copying it back failed ({exc}); tried again",
+            f"copying it back failed ({exc}); tried again (until it is back, a restart loses it)",
             path=path,
         ) from exc
     now = file_ids(path)

@@ -47,7 +47,7 @@ from supervisor.store._ops import (
     dumps,
     tool_call_rank,
 )
-from supervisor.store._restore import CHECK_S, FileIds, Restored, file_ids, restore, take_interrupted
+from supervisor.store._restore import CHECK_S, FileIds, Restored, file_id, file_ids, restore, take_interrupted
 from supervisor.store._schema import SCHEMA_VERSION, connect
 from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
 
@@ -223,7 +223,7 @@ class _Worker:
             if self.restorations:  # put back, but it did not open: try again
                 self._open()
             return
-        if file_ids(self.path)[0] == self._opened[0]:
+        if file_id(self.path) == self._opened[0]:
             if self._unrestored is not None:  # back at its path (a hard link made again)
                 self._query_only(False)
                 self._unrestored = None
@@ -302,10 +302,12 @@ class _Worker:
                         self._run_group(store, jobs)
                     # What was just written went to the file at the path: one removed or
                     # replaced meanwhile is put back before any caller hears of it, and
-                    # if it cannot be, what was written is not said to be.
-                    self._check()
-                    if self._unrestored is not None and store.changes() != before:
-                        self._fail(jobs, self._unrestored)
+                    # if it cannot be, what was written is not said to be. (A group that
+                    # only read leaves it to the next look.)
+                    if store.changes() != before:
+                        self._check()
+                        if self._unrestored is not None and self._store is store:
+                            self._fail(jobs, self._unrestored)
                     if unrestored is not None:  # a write refused as read-only: say why
                         for j in jobs:
                             if isinstance(j.error, JournalUnavailable):
