@@ -639,10 +639,14 @@ class RunManager:
             "accepting": self._accepting and not self.backlog.degraded,
             # Shutting down (``systemctl stop``, SIGTERM): its runs are being stopped.
             "stopping": self._stopping,
-            "journal": self.backlog.describe(),
+            "journal": {**self.backlog.describe(), **self._commit_counts()},
             "disk": self.disk.describe(),
             "containment_problem": self.containment.problem,
         }
+
+    def _commit_counts(self) -> dict[str, int]:
+        commits, durable = self.book.journal.commit_counts()
+        return {"commits": commits, "durable_commits": durable}
 
     async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
         """Stop every live turn of a session (none: an empty ``runs``).

@@ -177,6 +177,10 @@ class Store(SessionStoreMixin):
         self._path = path
         self._full = False  # the connection's current synchronous mode is FULL
         self._group = False  # inside a group commit: operations share its transaction
+        # Write transactions committed so far, and how many of them FULL (fsynced): what
+        # the daemon's journal costs, per event (``Journal.commit_counts``).
+        self.commits = 0
+        self.durable_commits = 0
 
     @contextmanager
     def _tx(self, *, durable: bool) -> Iterator[sqlite3.Connection]:
@@ -196,6 +200,7 @@ class Store(SessionStoreMixin):
         try:
             yield conn
             conn.execute("COMMIT")
+            self._count_commit()
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -268,10 +273,16 @@ class Store(SessionStoreMixin):
         try:
             if conn.in_transaction:
                 conn.execute("COMMIT")
+                self._count_commit()
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+    def _count_commit(self) -> None:
+        self.commits += 1
+        if self._full:
+            self.durable_commits += 1
 
     def together(self, ops: Sequence[Callable[[Store], Any]]) -> list[Any]:
         """Several operations as one: one transaction, committed FULL (fsynced) once for

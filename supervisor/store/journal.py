@@ -189,6 +189,8 @@ class _Worker:
         self._retry_at = 0.0  # a restore that failed is not tried again before (monotonic)
         # Each time the journal was put back at its path (read from other threads).
         self.restorations: list[Restored] = []
+        # Write transactions of the stores the journal had before it was put back (``commit_counts``).
+        self.carried_commits = (0, 0)
 
     def start(self) -> None:
         self._thread.start()
@@ -243,6 +245,9 @@ class _Worker:
             self._retry_at = time.monotonic() + CHECK_S
             return
         self._unrestored = None
+        if self._store is not None:
+            c, d = self.carried_commits
+            self.carried_commits = (c + self._store.commits, d + self._store.durable_commits)
         self._conn = self._store = None
         self._open()
         self.restorations.append(restored)
@@ -466,6 +471,14 @@ class Journal:
             await trio.to_thread.run_sync(self._worker.join)
         finally:
             self._closed.set()
+
+    def commit_counts(self) -> tuple[int, int]:
+        """Write transactions committed since the journal opened, and how many of them
+        FULL (fsynced at the commit; the others are written to the WAL and fsynced at its
+        checkpoints): what its writers cost it (``status``'s ``journal``)."""
+        worker = self._worker
+        (c, d), store = worker.carried_commits, worker._store
+        return (c, d) if store is None else (c + store.commits, d + store.durable_commits)
 
     async def __aenter__(self) -> Journal:
         return self
