@@ -28,9 +28,9 @@ import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, fold_snapshot
 from supervisor.config import Config
-from supervisor.core._book import RunBook, take_result_records
+from supervisor.core._book import STAGED_MAX, RunBook, take_result_records
 from supervisor.core._limits import add_memory, add_pids
-from supervisor.core._run import Run, mark_stop
+from supervisor.core._run import Run, Staged, mark_stop
 from supervisor.core._sources import EventSource
 from supervisor.core._steers import unreported_steering
 from supervisor.core._stop_receipt import describe_tool_stops, runner_death
@@ -38,6 +38,7 @@ from supervisor.core.approvals import ApprovalDesk
 from supervisor.core.progress import checkpoint_due
 from supervisor.errors import JournalError
 from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.store._ops import tool_call_rank
 from supervisor.store.journal import Journal
 from supervisor.trees import process
 from supervisor.trees._handles import AnyTree
@@ -61,6 +62,11 @@ STARTING_LOST: Final = (
 # The reason of a run whose runner the kernel's OOM killer killed at the run's memory
 # limit (``config.run_memory_max_mib``, ``trees/_memlimit.py``): its group counted it.
 MEMORY_LIMIT: Final = "memory_limit"
+
+# The runner's events the daemon acts on beyond journaling them (after what came before).
+_ACTS_ON: Final = frozenset(
+    {EventKind.RUNNER_STARTED, EventKind.STOP_REQUESTED, EventKind.APPROVAL_REQUESTED, EventKind.APPROVAL_ANSWERED}
+)
 
 
 class Lifecycle:
@@ -122,7 +128,7 @@ class Lifecycle:
                     io.start_soon(self._timeout, run)
                 # The events are read outside the run's scope (a stop must not deafen us).
                 async with trio.open_nursery() as pumps:
-                    pumps.start_soon(source.pump, lambda item: self.on_event(run, tree, item))
+                    pumps.start_soon(source.pump, lambda items: self.on_events(run, tree, items))
                     with trio.CancelScope() as run.scope:
                         if run.token.cancelled:  # the stop came while it was starting
                             if not run.path_a:
@@ -207,15 +213,33 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ events
 
+    async def on_events(self, run: Run, tree: AnyTree, items: list[Event | BadLine]) -> None:
+        """What one read of the runner's output brought, in order, each taken by ``on_event``;
+        the events it staged (nearly all: those that only need journaling) are journaled
+        together at the end, in one commit (``RunBook.flush``; every ``STAGED_MAX`` on a
+        long read), and only then sent to watchers. A busy daemon reads more at a time, so
+        its commits per event fall as its load grows; a quiet one writes each at once."""
+        try:
+            for item in items:
+                await self.on_event(run, tree, item)
+                if len(run.staged) >= STAGED_MAX:
+                    await self.book.flush(run)
+        finally:
+            await self.book.flush(run)  # what was read before a failure is kept, as it was
+
     async def on_event(self, run: Run, tree: AnyTree, item: Event | BadLine) -> None:
-        """One line from the runner: journaled, fanned out, and acted on."""
+        """One line from the runner: staged (``on_events`` writes it), or, if the daemon
+        acts on it, journaled at once after what was staged before it, and acted on."""
         book = self.book
         if isinstance(item, BadLine):
-            await book.record(run, "stderr", {"text": item.text, "problem": item.problem})
+            book.stage(run, Staged("stderr", {"text": item.text, "problem": item.problem}, None))
             return
         data = item.data
         kind = item.kind
-        checkpoint: dict[str, Any] | None = None
+        staged = Staged(str(kind), data, item.ts)
+        acts = kind in _ACTS_ON
+        if acts:
+            await book.flush(run)  # what came before it is written before it acts
         try:
             if kind == EventKind.RUNNER_STARTED:
                 if isinstance(data.get("sandbox"), dict):
@@ -232,20 +256,15 @@ class Lifecycle:
                     tree.add_group(pgid)
                     # Path A may SIGTERM this group at cancel time only if a stop interrupts its tool.
                     tree.set_interruptible(pgid, data.get("kind") == "command" and on_stop == "interrupt")
-                    gkind, name = str(data.get("kind", "")), str(data.get("name", ""))
-                    await book.write(
-                        run,
-                        "process group",
-                        lambda j: j.add_group(run.run_id, pgid, gkind, name, on_stop=on_stop),
-                        None,
-                    )
+                    staged.group = (pgid, str(data.get("kind", "")), str(data.get("name", "")), on_stop)
                 else:
                     tree.set_interruptible(pgid, False)
-                    await book.write(run, "process group ended", lambda j: j.remove_group(run.run_id, pgid), True)
+                    staged.group_ended = pgid
             elif kind == EventKind.TOOL_CALL:
                 record = data.get("record")
                 if isinstance(record, dict) and "id" in record:
-                    await book.write(run, "tool call", lambda j: j.upsert_tool_call(run.run_id, record), True)
+                    tool_call_rank(record), int(record.get("step", 0))  # a bad one is a bad event
+                    staged.tool_call = record
             elif kind == EventKind.STEERING:
                 text, how = data.get("text"), data.get("state")
                 if isinstance(text, str) and how == "queued":
@@ -253,26 +272,25 @@ class Lifecycle:
                 elif isinstance(text, str) and how in ("applied", "unapplied"):
                     run.steers_settled.append(text)  # said what became of it
             elif kind == EventKind.STEP_SNAPSHOT:
-                # The partial-result cache: a stale writer's _id does not match; a
-                # terminal run keeps its result. The event is a delta since the runner's
-                # previous snapshot (or, from an older runner, a whole one): the cache holds
-                # the whole snapshot it folds into; the journal keeps the event as sent.
-                # The whole snapshot is journaled as a checkpoint only now and then
-                # (``checkpoint_due``): a reader of the journal folds the deltas after it.
+                # The partial-result cache: a stale writer's _id does not match; a terminal
+                # run keeps its result. The event is a delta since the runner's previous
+                # snapshot (from an older runner, a whole one), folded into the whole one;
+                # the journal keeps the event as sent, and the whole now and then
+                # (``checkpoint_due``), after its event: a reader folds the deltas after it.
                 if data.get("_id") == run.run_id and run.state not in TERMINAL_STATES:
-                    whole = fold_snapshot(run.partial, data)
-                    if whole is not run.partial:  # (a delta folded already, read again: nothing)
-                        run.partial = whole
-                        checkpoint = checkpoint_due(run, data, whole)
+                    before = book.staged_partial(run)
+                    whole = fold_snapshot(before, data)
+                    if whole is not before:  # (a delta folded already, read again: nothing)
+                        staged.partial = whole
+                        staged.checkpoint = checkpoint_due(run, data, whole)
         except (KeyError, TypeError, ValueError) as exc:
             text = json.dumps(item.to_dict())[:2000]
-            await book.record(run, "stderr", {"text": text, "problem": f"bad {kind} event: {exc!r}"})
+            book.stage(run, Staged("stderr", {"text": text, "problem": f"bad {kind} event: {exc!r}"}, None))
             return
-        seq = await book.record(run, str(kind), data, ts=item.ts)
-        if checkpoint is not None and seq is not None:
-            # After its event: the checkpoint holds every delta up to ``seq``.
-            cp, at = checkpoint, seq
-            await book.write(run, "partial result", lambda j: j.set_partial(run.run_id, cp, seq=at), True)
+        if not acts:
+            book.stage(run, staged)
+            return
+        await book.record(run, str(kind), data, ts=item.ts)
         if kind == EventKind.STOP_REQUESTED and data.get("reason") == "timeout" and not run.token.cancelled:
             # The runner stopped itself at its spec's deadline: that stop is the daemon's
             # too (both paths, the grace from now, the stop intent journaled). Otherwise a

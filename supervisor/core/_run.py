@@ -21,7 +21,25 @@ from supervisor.protocol import Secret
 from supervisor.states import RunState
 from supervisor.trees._handles import AnyTree
 
-__all__ = ["Run", "mark_stop"]
+__all__ = ["Run", "Staged", "mark_stop"]
+
+
+@dataclass(slots=True)
+class Staged:
+    """One of a run's events read from its runner, waiting to be journaled with the rest
+    of its read in one commit (``RunBook.stage``, ``RunBook.flush``): its event (``ts``
+    None: the daemon's own, stamped when written), the facts that come with it (as
+    ``journal.EventWrite``), and ``partial``, the run's partial result once it is written
+    (a snapshot folded)."""
+
+    kind: str
+    data: dict[str, Any]
+    ts: float | None
+    tool_call: dict[str, Any] | None = None
+    group: tuple[int, str, str, str | None] | None = None
+    group_ended: int | None = None
+    checkpoint: dict[str, Any] | None = None
+    partial: dict[str, Any] | None = None
 
 
 @dataclass(eq=False)
@@ -74,6 +92,9 @@ class Run:
     # This run's own model API key: for its runner's environment only, never journaled.
     model_key: Secret | None = field(default=None, repr=False)
     last_seq: int = 0  # the number of its last event (given out, maybe not yet journaled)
+    # Its events read from its runner and not yet journaled (``RunBook.stage``): written
+    # together, then sent to its watchers, at the end of the read that brought them.
+    staged: list[Staged] = field(default_factory=list)
     last_ts: float = 0.0  # its last event's time: the next one is never earlier
     stop_receipt: dict[str, Any] | None = None  # path B's, once the tree was stopped
     # Why the daemon itself stopped the run, beyond its reason (a full disk's measurement:

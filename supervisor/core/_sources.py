@@ -53,7 +53,8 @@ TAIL_FALLBACK_S: Final = 5.0
 # ``read()`` of it on the Trio thread stalled the daemon's every task, and held it all.
 READ_CHUNK_BYTES: Final = 1024 * 1024
 
-OnItem = Callable[[Event | BadLine], Awaitable[None]]
+# Takes what one read brought, in order (the run's lifecycle journals it in one commit).
+OnItems = Callable[[list[Event | BadLine]], Awaitable[None]]
 
 
 class EventSource(Protocol):
@@ -67,8 +68,9 @@ class EventSource(Protocol):
         once when the runner has no input from us."""
         ...
 
-    async def pump(self, on_item: OnItem) -> None:
-        """Hand every event to ``on_item``; return once the runner's output is complete."""
+    async def pump(self, on_items: OnItems) -> None:
+        """Hand every event to ``on_items``, what each read brought at a time, in order;
+        return once the runner's output is complete."""
         ...
 
     def result(self) -> dict[str, Any] | BadLine:
@@ -131,10 +133,10 @@ class PipeSource:
             with trio.CancelScope(shield=True):
                 await stdin.aclose()
 
-    async def pump(self, on_item: OnItem) -> None:
+    async def pump(self, on_items: OnItems) -> None:
         async with trio.open_nursery() as pumps:
             pumps.start_soon(self._pump_stdout)
-            pumps.start_soon(self._pump_stderr, on_item)
+            pumps.start_soon(self._pump_stderr, on_items)
 
     async def _pump_stdout(self) -> None:
         proc = self._tree.process
@@ -150,22 +152,24 @@ class PipeSource:
         if not await process.drain_bounded(proc.stdout, sink, process=proc):
             self.pipes_held_open = True
 
-    async def _pump_stderr(self, on_item: OnItem) -> None:
+    async def _pump_stderr(self, on_items: OnItems) -> None:
         proc = self._tree.process
         if proc.stderr is None:
             return
         splitter = LineSplitter()
 
         async def sink(chunk: bytes) -> None:
-            for item in splitter.feed(chunk):
-                await on_item(item)
+            items = splitter.feed(chunk)
+            if items:
+                await on_items(items)
 
         if self._early:
             await sink(self._early)
         if not await process.drain_bounded(proc.stderr, sink, process=proc):
             self.pipes_held_open = True
-        for item in splitter.close():
-            await on_item(item)
+        last = splitter.close()
+        if last:
+            await on_items(last)
 
     def result(self) -> dict[str, Any] | BadLine:
         result = decode_result(bytes(self._stdout))
@@ -213,10 +217,10 @@ class FileSource:
     async def feed(self, run: Run) -> None:
         return  # its stdin went with the old daemon
 
-    async def read_once(self, on_item: OnItem) -> None:
+    async def read_once(self, on_items: OnItems) -> None:
         """Hand on what was appended to the events file since the last read: up to
         ``READ_CHUNK_BYTES`` at a time, each read in a worker thread, each chunk's events
-        handed on before the next is read."""
+        handed on (together) before the next is read."""
         if self._run_dir is None:
             return
         path = record_paths(self._run_dir)[0]
@@ -226,23 +230,26 @@ class FileSource:
             except OSError:
                 return
             self._offset += len(data)
+            items = []
             for item in self._splitter.feed(data):
                 if isinstance(item, Event):
                     key = event_key(str(item.kind), item.ts, item.data)
                     if self._journaled[key] > 0:
                         self._journaled[key] -= 1
                         continue
-                await on_item(item)
+                items.append(item)
+            if items:
+                await on_items(items)
             if len(data) < READ_CHUNK_BYTES:
                 return
 
-    async def pump(self, on_item: OnItem) -> None:
+    async def pump(self, on_items: OnItems) -> None:
         try:
-            await self._pump(on_item)
+            await self._pump(on_items)
         finally:
             self.caught_up.set()  # also when it failed or ended early: never leave a waiter hanging
 
-    async def _pump(self, on_item: OnItem) -> None:
+    async def _pump(self, on_items: OnItems) -> None:
         if self._run_dir is None:
             self.caught_up.set()
             await process.wait_leader(self._tree)
@@ -268,10 +275,10 @@ class FileSource:
                 if watch is not None:
                     n.start_soon(appended, watch)
                 while True:
-                    await self.read_once(on_item)
+                    await self.read_once(on_items)
                     self.caught_up.set()
                     if gone.is_set():
-                        await self.read_once(on_item)  # what it wrote last
+                        await self.read_once(on_items)  # what it wrote last
                         break
                     with trio.move_on_after(TAIL_FALLBACK_S if watch is not None else TAIL_POLL_S):
                         await wake.wait()

@@ -196,7 +196,7 @@ class Recovery:
         """The runner ended while no daemon watched: its complete result says what the run was."""
         run_id = run.run_id
         # Its events after the old daemon died went to its events file: keep them (tool records).
-        await source.read_once(lambda item: self.lifecycle.on_event(run, source.tree, item))
+        await source.read_once(lambda items: self.lifecycle.on_events(run, source.tree, items))
         result = source.result()
         if isinstance(result, dict):
             logger.warning("run %s: finished while the daemon was down: %s", run_id, result.get("status"))

@@ -284,10 +284,12 @@ class Store(SessionStoreMixin):
         if self._full:
             self.durable_commits += 1
 
-    def together(self, ops: Sequence[Callable[[Store], Any]]) -> list[Any]:
+    def together(self, ops: Sequence[Callable[[Store], Any]], *, durable: bool = True) -> list[Any]:
         """Several operations as one: one transaction, committed FULL (fsynced) once for
-        all; any of them raising leaves none of their writes. Their values, in order."""
-        with self._tx(durable=True):
+        all (``durable=False``: NORMAL, for operations none of which needs FULL; one that
+        does raises ``NeedsDurableCommit`` and leaves nothing); any of them raising leaves
+        none of their writes. Their values, in order."""
+        with self._tx(durable=durable):
             was, self._group = self._group, True  # each one's own ``_tx`` joins this one
             try:
                 return [op(self) for op in ops]

@@ -54,6 +54,7 @@ from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
 __all__ = [
     "Journal",
     "RunStart",
+    "EventWrite",
     "RunRecord",
     "EventRecord",
     "GroupRecord",
@@ -123,6 +124,64 @@ class RunStart:
     events: Sequence[tuple[str, Mapping[str, Any], float]]
     deadline: float | None = None
     process: Mapping[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventWrite:
+    """One event of a run's as ``Journal.append_run_events`` writes it, with the facts that
+    come with it: ``tool_call``, the tool-call record it carries (upserted before it, as
+    ``upsert_tool_call``); ``group`` (pgid, kind, name, on_stop), a process group it says
+    is alive (as ``add_group``), or ``group_ended``, the pgid of one it says ended (as
+    ``remove_group``; either at the event's time, ``ts``); ``checkpoint``, a partial-result
+    checkpoint as of it (after it, as ``set_partial`` with its number)."""
+
+    kind: str
+    data: Mapping[str, Any]
+    ts: float
+    tool_call: Mapping[str, Any] | None = None
+    group: tuple[int, str, str, str | None] | None = None
+    group_ended: int | None = None
+    checkpoint: Mapping[str, Any] | None = None
+
+
+def _event_write_op(run_id: str, writes: Sequence[EventWrite], at: float) -> Callable[[Store], list[int]]:
+    """``writes`` as one operation (see ``Journal.append_run_events``); encoded here, on
+    the caller's thread, as each write alone is."""
+    rows = []
+    for w in writes:
+        call = None
+        if w.tool_call is not None:
+            rec = dict(w.tool_call)
+            rank = tool_call_rank(rec)
+            call = (_text(rec["id"]), int(rec.get("step", 0)), _text(str(rec.get("state", "not_started"))), rank)
+            call_text = dumps(rec)
+        group = None
+        if w.group is not None:
+            pgid, kind, name, on_stop = w.group
+            group = (int(pgid), _text(kind), _text(name), _opt_text(on_stop))
+        ended = None if w.group_ended is None else int(w.group_ended)
+        item = (_text(str(w.kind)), dumps(dict(w.data)), float(w.ts))
+        cp = None if w.checkpoint is None else (w.checkpoint.get("_id"), dumps(dict(w.checkpoint)))
+        rows.append((None if call is None else (*call, call_text), group, ended, item, cp))
+
+    def op(s: Store) -> list[int]:
+        seqs = []
+        for call, group, ended, item, cp in rows:
+            if call is not None:
+                cid, step, state, rank, text = call
+                s.upsert_tool_call(run_id, cid, step, state, rank, text, at)
+            if group is not None:
+                pgid, kind, name, on_stop = group
+                s.add_group(run_id, pgid, kind, name, item[2], on_stop)
+            if ended is not None:
+                s.remove_group(run_id, ended, item[2])
+            (seq,) = s.append_events(run_id, [item])
+            seqs.append(seq)
+            if cp is not None:
+                s.set_partial(run_id, cp[0], cp[1], seq)
+        return seqs
+
+    return op
 
 
 def _start_op(run_id: str, start: RunStart) -> Callable[[Store], tuple[bool, list[int]]]:
@@ -818,6 +877,24 @@ class Journal:
         now = time.time()
         items = [(_text(str(kind)), dumps(dict(data)), now if ts is None else float(ts)) for kind, data, ts in events]
         return await self._call(lambda s: s.append_events(_text(run_id), items))
+
+    async def append_run_events(self, run_id: str, writes: Sequence[EventWrite]) -> list[int]:
+        """``writes`` (a run's events with the facts that come with them: ``EventWrite``),
+        in order, in one transaction: one commit for the lot (a group commit of what one
+        read of a runner's output brought), NORMAL as each write alone would be, FULL
+        (fsynced) if a process group becomes alive in it (as ``add_group``). Nothing of it
+        is written unless all of it is. Returns the events' numbers, in order.
+
+        Raises:
+            ValueError: a tool-call record has no string ``id`` or an unknown ``state``
+                (nothing written).
+            RunNotFound: no run has this id.
+        """
+        if not writes:
+            return []
+        op = _event_write_op(_text(run_id), writes, time.time())
+        durable = any(w.group is not None for w in writes)
+        return await self._call(lambda s: s.together([op], durable=durable)[0])
 
     async def put_events(self, run_id: str, events: Iterable[tuple[int, str, Mapping[str, Any], float]]) -> int:
         """Store ``(seq, kind, data, ts)`` events whose numbers were given out earlier.

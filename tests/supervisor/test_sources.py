@@ -43,16 +43,20 @@ async def test_a_readopted_runs_big_events_file_is_read_in_bounded_chunks_off_th
 
     monkeypatch.setattr(_sources, "open", watched_open, raising=False)
     got: list[str] = []
+    batches: list[int] = []
 
-    async def on_item(item: Event | BadLine) -> None:
-        assert isinstance(item, Event), item
-        got.append(item.data["message"].split()[0])
+    async def on_items(items: list[Event | BadLine]) -> None:
+        batches.append(len(items))  # what one chunk brought, handed on together
+        for item in items:
+            assert isinstance(item, Event), item
+            got.append(item.data["message"].split()[0])
 
-    await source.read_once(on_item)
+    await source.read_once(on_items)
     assert got == [f"m{i}" for i in range(12_000)]
     assert max(fed) <= READ_CHUNK_BYTES and len(fed) >= 3, fed
+    assert len(batches) == len(fed), (batches, fed)
     assert on_trio_thread and not any(on_trio_thread)
     with path.open("ab") as f:  # what it appends next is read from where the last read ended
         f.write(lines(12_000, 3))
-    await source.read_once(on_item)
+    await source.read_once(on_items)
     assert got[-4:] == ["m11999", "m12000", "m12001", "m12002"] and len(got) == 12_003
