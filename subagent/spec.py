@@ -39,6 +39,14 @@ BUILTIN_TOOLS: Final = frozenset({"run_command"})
 PROVIDERS: Final = frozenset({"scripted", "openai"})
 
 DEFAULT_MAX_STEPS: Final = 20
+# Bounds ``limits.max_steps`` (model turns of one run): with ``max_tool_calls_per_step``
+# it bounds the calls, events and journal rows one run can cost the daemon (by default
+# 20 x 256 calls; at most 1,000 x 1,024). A spec could ask for 2**63 - 1: no bound at all.
+MAX_MAX_STEPS: Final = 1000
+# Bounds ``limits.deadline_s`` and ``limits.command_timeout_s`` (seconds): 30 days, far
+# beyond any turn, yet a wall-clock time every reader (status, the CLI, the dashboard's
+# dates) can show and add to. A run with no deadline leaves ``deadline_s`` out.
+MAX_LIMIT_S: Final = 30 * 24 * 3600.0
 # Bounds the tool calls one model turn may have run (``limits.max_tool_calls_per_step``):
 # calls beyond it are refused, never run. Each call that runs costs its events, its
 # record and the daemon's journal writes: one turn of thousands of calls flooded the
@@ -109,7 +117,7 @@ def _opt_str(d: Mapping[str, Any], key: str, where: str) -> str | None:
     return None if v is None else _str(v, f"{where}{key}")
 
 
-def _num(v: Any, where: str, *, positive: bool = True) -> float:
+def _num(v: Any, where: str, *, positive: bool = True, maximum: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SpecError(where, f"expected a number, got {type(v).__name__}")
     f = float(v)
@@ -117,6 +125,8 @@ def _num(v: Any, where: str, *, positive: bool = True) -> float:
         raise SpecError(where, f"expected a finite number, got {v!r}")
     if positive and f <= 0:
         raise SpecError(where, f"expected a positive number, got {v!r}")
+    if maximum is not None and f > maximum:
+        raise SpecError(where, f"expected a number <= {maximum:.15g}, got {v!r}")
     return f
 
 
@@ -238,9 +248,11 @@ class Limits:
         )
         deadline = d.get("deadline_s")
         return cls(
-            max_steps=_int(d.get("max_steps", DEFAULT_MAX_STEPS), "limits.max_steps"),
-            deadline_s=None if deadline is None else _num(deadline, "limits.deadline_s"),
-            command_timeout_s=_num(d.get("command_timeout_s", DEFAULT_COMMAND_TIMEOUT_S), "limits.command_timeout_s"),
+            max_steps=_int(d.get("max_steps", DEFAULT_MAX_STEPS), "limits.max_steps", maximum=MAX_MAX_STEPS),
+            deadline_s=None if deadline is None else _num(deadline, "limits.deadline_s", maximum=MAX_LIMIT_S),
+            command_timeout_s=_num(
+                d.get("command_timeout_s", DEFAULT_COMMAND_TIMEOUT_S), "limits.command_timeout_s", maximum=MAX_LIMIT_S
+            ),
             max_output_bytes=_int(
                 d.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES),
                 "limits.max_output_bytes",

@@ -121,3 +121,26 @@ def test_spec_module_imports_only_the_stdlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "at_bound", "over", "said"),
+    [
+        ("max_steps", 1000, 1001, "<= 1000"),
+        ("max_steps", 1000, 2**63 - 1, "<= 1000"),  # what the socket's 64-bit ints still let through
+        ("deadline_s", 30 * 24 * 3600, 30 * 24 * 3600 + 1, "<= 2592000"),
+        ("deadline_s", 30 * 24 * 3600, 1e308, "<= 2592000"),
+        ("command_timeout_s", 30 * 24 * 3600, 1e20, "<= 2592000"),
+    ],
+)
+def test_a_specs_limits_have_an_upper_bound_named_when_refused(
+    name: str, at_bound: float, over: float, said: str
+) -> None:
+    # A spec could ask for max_steps 2**63 - 1 (a run with no bound on its model turns, so
+    # none on its calls and events), or deadlines of 1e308 s; the bound is said by name.
+    assert RunSpec.from_dict({"task": "t", "limits": {name: at_bound}}, env={}).limits.to_dict()[name] == at_bound
+    with pytest.raises(SpecError, match=f"limits.{name}: expected .*{said}, got") as info:
+        RunSpec.from_dict({"task": "t", "limits": {name: over}}, env={})
+    assert info.value.field == f"limits.{name}"
+    defaults = RunSpec.from_dict({"task": "t"}, env={}).limits  # the defaults stay as they were
+    assert (defaults.max_steps, defaults.deadline_s, defaults.command_timeout_s) == (20, None, 120.0)

@@ -350,6 +350,21 @@ async def test_a_journal_removed_under_the_daemon_is_put_back_and_it_goes_on(dae
         assert [reader.run_state(run["run_id"]) for run in (first, r)] == ["completed", "completed"]
 
 
+async def test_a_spec_whose_limits_are_over_their_bounds_is_refused_at_spawn_naming_limit_and_bound(
+    daemon: Daemon,
+) -> None:
+    # limits.max_steps had no upper bound (2**63 - 1 passed: no bound on a run's model
+    # turns); deadlines and command timeouts took 1e308 s.
+    for limits, said in (
+        ({"max_steps": 1001}, "limits.max_steps: expected an integer <= 1000"),
+        ({"deadline_s": 1e308}, "limits.deadline_s: expected a number <= 2592000"),
+        ({"command_timeout_s": 1e12}, "limits.command_timeout_s: expected a number <= 2592000"),
+    ):
+        with pytest.raises(SpawnError, match=f"invalid run spec: {said}"):
+            await daemon.m.spawn({**task(wait=False), "limits": limits})
+    assert await daemon.m.list_runs() == []  # nothing was created
+
+
 async def test_a_spec_session_id_is_held_to_the_requests_limits(daemon: Daemon) -> None:
     # A session that could never be closed, read or cancelled by its id is refused at spawn.
     for bad in ("S" * 257, "  ", 5):
