@@ -133,7 +133,8 @@ class EventWrite:
     ``upsert_tool_call``); ``group`` (pgid, kind, name, on_stop), a process group it says
     is alive (as ``add_group``), or ``group_ended``, the pgid of one it says ended (as
     ``remove_group``; either at the event's time, ``ts``); ``checkpoint``, a partial-result
-    checkpoint as of it (after it, as ``set_partial`` with its number)."""
+    checkpoint as of it (as ``set_partial`` with its number; of several in one call, the
+    last is stored: each supersedes the one before)."""
 
     kind: str
     data: Mapping[str, Any]
@@ -165,8 +166,12 @@ def _event_write_op(run_id: str, writes: Sequence[EventWrite], at: float) -> Cal
         rows.append((None if call is None else (*call, call_text), group, ended, item, cp))
 
     def op(s: Store) -> list[int]:
-        seqs = []
-        for call, group, ended, item, cp in rows:
+        # The records and groups in order (a call's later record after its earlier one),
+        # then the events in one append: the run's row (its counter, beside its spec and
+        # its partial-result checkpoint, megabytes on a long run) is rewritten once for
+        # the lot, not once an event; then the last checkpoint, as of its event (an
+        # earlier one in the same commit is superseded by it).
+        for call, group, ended, item, _cp in rows:
             if call is not None:
                 cid, step, state, rank, text = call
                 s.upsert_tool_call(run_id, cid, step, state, rank, text, at)
@@ -175,10 +180,10 @@ def _event_write_op(run_id: str, writes: Sequence[EventWrite], at: float) -> Cal
                 s.add_group(run_id, pgid, kind, name, item[2], on_stop)
             if ended is not None:
                 s.remove_group(run_id, ended, item[2])
-            (seq,) = s.append_events(run_id, [item])
-            seqs.append(seq)
-            if cp is not None:
-                s.set_partial(run_id, cp[0], cp[1], seq)
+        seqs = s.append_events(run_id, [row[3] for row in rows])
+        last = [(seq, row[4]) for seq, row in zip(seqs, rows, strict=True) if row[4] is not None][-1:]
+        for seq, (snap_id, snap) in last:
+            s.set_partial(run_id, snap_id, snap, seq)
         return seqs
 
     return op

@@ -128,7 +128,7 @@ async def test_a_quiet_runners_single_event_is_written_and_sent_at_once(tmp_path
         assert watcher.uncommitted == [] and [m["data"]["record"]["id"] for m in watcher.got] == ["c1"]
 
 
-async def test_append_run_events_writes_all_or_nothing_in_one_commit(tmp_path: Path) -> None:
+async def test_append_run_events_writes_all_or_nothing_in_one_commit_and_the_runs_row_once(tmp_path: Path) -> None:
     async with await Journal.open(tmp_path / "j.db") as journal:
         await journal.create_run("r", session_id=None, spec={"task": "t"}, created_at=time.time(), timeout_s=None)
         good = [
@@ -139,13 +139,17 @@ async def test_append_run_events_writes_all_or_nothing_in_one_commit(tmp_path: P
         with pytest.raises(ValueError):
             await journal.append_run_events("r", [*good, bad])
         assert await journal.events_after("r") == [] and await journal.tool_calls("r") == []
-        before = journal.commit_counts()
-        snap = {"_id": "r", "step": 1, "progress": "p", "tool_calls": []}
-        seqs = await journal.append_run_events(
-            "r", [*good, EventWrite("step_snapshot", snap, time.time(), checkpoint=snap)]
-        )
-        after = journal.commit_counts()
+        snaps = [{"_id": "r", "step": 1, "progress": p, "tool_calls": []} for p in ("p", "pq")]
+        cps = [EventWrite("step_snapshot", snap, time.time(), checkpoint=snap) for snap in snaps]
+        store = journal._worker.store
+        assert store is not None
+        before, changed = journal.commit_counts(), store.changes()
+        seqs = await journal.append_run_events("r", [cps[0], *good, cps[1]])
+        after, changed = journal.commit_counts(), store.changes() - changed
         row = await journal.get_run("r")
-    assert seqs == [1, 2, 3, 4, 5, 6]
+    assert seqs == [1, 2, 3, 4, 5, 6, 7]
     assert (after[0] - before[0], after[1] - before[1]) == (1, 0)  # one commit, NORMAL (no group started)
-    assert row is not None and row["partial_snapshot"] == snap
+    # 5 records, 7 events, the run's row once for its event counter and once for the last
+    # checkpoint: the row (its checkpoint megabytes on a long run) was rewritten an event.
+    assert changed == 5 + 7 + 1 + 1, changed
+    assert row is not None and row["partial_snapshot"] == snaps[1]
