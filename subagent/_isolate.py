@@ -19,6 +19,7 @@ __all__ = [
     "KERNEL_TUNABLES",
     "enter_user_namespace",
     "private_mounts",
+    "private_devpts",
     "shared_tmpfs",
     "drop_capabilities",
     "bind_fd",
@@ -29,10 +30,12 @@ __all__ = [
 ]
 
 _CLONE_NEWNS: Final = 0x00020000
+_CLONE_NEWIPC: Final = 0x08000000
 _CLONE_NEWUSER: Final = 0x10000000
 _MS_RDONLY: Final = 1
 _MS_NOSUID: Final = 2
 _MS_NODEV: Final = 4
+_MS_NOEXEC: Final = 8
 _MS_REMOUNT: Final = 32
 _MS_BIND: Final = 4096
 _MS_REC: Final = 16384
@@ -85,14 +88,21 @@ def thread_count() -> int:
 
 
 def enter_user_namespace(inner_id: int) -> None:
-    """Move into a new user and mount namespace, as ``inner_id`` (uid and gid) there.
+    """Move into a new user, mount and IPC namespace, as ``inner_id`` (uid and gid) there.
 
     The host still sees the old uid (file owners, signals); inside, the process is
     ``inner_id``, and anything it executes has no capability at all. The process keeps
     every capability inside the new namespace until it executes (for ``private_mounts``).
+
+    The IPC namespace: System V shared memory, semaphores and message queues, and POSIX
+    message queues, are no files (Landlock does not see them) and are checked by uid
+    alone: in the host's namespace a run could attach the segments of its uid (the
+    host's, another run's) and leave its own behind, memory that outlived its stop. Its
+    own namespace is freed, and everything in it, when the run's last process exits.
     """
     uid, gid = os.geteuid(), os.getegid()
-    _check(_c().unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWIPC
+    _check(_c().unshare(flags), "unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)")
     with open("/proc/self/setgroups", "w") as f:
         f.write("deny")
     with open("/proc/self/uid_map", "w") as f:
@@ -190,6 +200,16 @@ def private_mounts(
             _c().umount2(os.fsencode(path), _MNT_DETACH)
         raise
     return list(dict.fromkeys(done))
+
+
+def private_devpts(path: str = "/dev/pts") -> None:
+    """A new devpts instance at ``path``, in this (new) mount namespace: the terminals the
+    run opens are its own, and the host's (a person's shell, a terminal of another run)
+    are out of its sight. A process that may open one of those may write into it (text
+    that person then sees as their own program's) and read what is typed there (a
+    password). ``/dev/ptmx`` opens a terminal in the devpts mounted beside it (``pts``,
+    Linux 4.7+), so the run's ``openpty`` still works, in this instance."""
+    _mount("devpts", path, "devpts", _MS_NOSUID | _MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
 
 
 # Files the private tmpfs may hold (``shared_tmpfs``): this many per MiB of its bound, at

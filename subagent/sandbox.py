@@ -5,10 +5,11 @@ before it starts any thread, tool or model request; everything it starts afterwa
 inherits the sandbox and cannot leave it. A forked runner (a zygote's child) does the same
 first thing after its fork. Layers, each reported (``Report``, shown by ``status``):
 
-- identity: the runner moves into its own user and mount namespace, where it is uid
+- identity: the runner moves into its own user, mount and IPC namespace, where it is uid
   ``SANDBOX_ID`` if it was uid 0 (so Chromium's own sandbox can run), else its own uid;
   /tmp, /var/tmp, /dev/shm and /run are private to the run (a user's sockets there are
-  out of reach) and the kernel's tunables read-only; where namespaces are refused
+  out of reach), so are its terminals (``/dev/pts``: a devpts of its own) and its System V
+  IPC (freed with its last process), and the kernel's tunables read-only; where namespaces are refused
   (systemd's ``RestrictNamespaces=``) a uid 0 runner is uid 0 without any capability.
   The runner is not dumpable: its tools cannot read its memory or environment (the key).
 - Landlock: read the system, the interpreter and this checkout; write the run directory;
@@ -87,6 +88,9 @@ DEVICES_RW: Final = (
     "/dev/ptmx",
     "/dev/pts",
 )
+# The run's own terminals: a new devpts instance here when it has its own mount namespace
+# (the host's, other people's and other runs' terminals out of sight); granted read-write.
+DEVPTS: Final = "/dev/pts"
 # Private (an empty tmpfs each) when the runner has its own mount namespace; writable then.
 PRIVATE_DIRS: Final = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 # What the private dirs may hold together, in MiB (one tmpfs: memory), unless the daemon
@@ -653,6 +657,7 @@ def prepare_ahead(
             check=_refuse_protected(ahead.protect, checked),
             tmpfs_max_mib=settings.tmpfs_max_mib,
         )
+        _private_terminals(ahead)
         os.chdir(base)
     except OSError as exc:
         ahead.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
@@ -677,6 +682,19 @@ def prepare_ahead(
             ahead.ruleset = None
         ahead.landlock_error = exc
     return ahead
+
+
+def _private_terminals(ahead: Ahead) -> None:
+    """The run's own devpts at ``DEVPTS`` (``_isolate.private_devpts``), before the
+    Landlock rules name it (a rule holds the inode it was made on: the new instance's)."""
+    if not os.path.isdir(DEVPTS) or os.path.islink(DEVPTS):
+        return
+    try:
+        _isolate.private_devpts(DEVPTS)
+    except OSError as exc:
+        ahead.problems.append(f"the host's terminals ({DEVPTS}) are in the run's reach: {exc.strerror or exc}")
+        return
+    ahead.private.append(DEVPTS)
 
 
 def _finish(
