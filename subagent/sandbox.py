@@ -16,6 +16,8 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
   plus the spec's explicit grants; never the daemon's protected paths (state directory,
   token, journal, other runs, config). No ptrace of, signal to, or abstract socket of a
   process outside the run (ABI 6). The network is not restricted.
+- seccomp: ``clone3`` is refused (``_seccomp``: its ``CLONE_INTO_CGROUP`` starts a child
+  in any cgroup the uid may write by mode, which Landlock does not see).
 - environment: tools get ``tool_env()``: an allowlist, never a secret of the runner's.
 
 The daemon passes ``Settings`` in ``AGENTD_RUN_SANDBOX`` (JSON). Stdlib only (the daemon
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from subagent import _isolate, _landlock
+from subagent import _isolate, _landlock, _seccomp
 from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
@@ -200,6 +202,9 @@ class Report:
     write: list[str] = field(default_factory=list)
     protected: list[str] = field(default_factory=list)
     scopes: list[str] = field(default_factory=list)
+    # System calls a seccomp filter refuses the run (``_seccomp``: clone3, which starts a
+    # child outside the run's cgroup).
+    denied_syscalls: list[str] = field(default_factory=list)
     workdir: str | None = None
     browser_sandbox: bool | None = None
     browser_sandbox_why: str | None = None
@@ -223,6 +228,8 @@ class Report:
             v = getattr(self, k)
             if v is not None:
                 out[k] = v
+        if self.denied_syscalls:
+            out["denied_syscalls"] = self.denied_syscalls
         if self.problems:
             out["problems"] = self.problems
         return out
@@ -726,6 +733,11 @@ def _finish(
         except OSError as exc:
             report.problems.append(f"capabilities: {exc}")
     _isolate.set_dumpable(False)
+    try:
+        _seccomp.deny_clone3()  # no child born outside the run's cgroup (``_seccomp``)
+        report.denied_syscalls = list(_seccomp.DENIED)
+    except OSError as exc:
+        report.problems.append(f"clone3 is not refused (a child could start outside the run's cgroup): {exc}")
     host = f"uid {ahead.host_uid}"
     if ahead.userns:
         report.identity = f"{host} on the host, uid {ahead.inner} in its own user namespace, no capabilities"

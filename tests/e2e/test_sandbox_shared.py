@@ -1,18 +1,21 @@
 """A run and what the kernel checks by uid alone, not as files Landlock sees: System V
-IPC, terminals.
+IPC, terminals, cgroups.
 
-A segment has no path; a terminal's path is granted (the device class whole). So a run
-of the daemon's uid reached the host's and the other runs' segments and terminals, and
-left segments that outlived it. Each run now has its own IPC namespace (freed with its
-last process) and devpts (``subagent/_isolate.py``). The daemon runs in-process
-(``tests/e2e/test_sandbox.py``'s fixture); the runs are real runners whose commands try
-what a prompt-injected model would.
+A segment has no path; a terminal's path is granted (the device class whole); a cgroup
+is entered at a child's birth (``clone3(CLONE_INTO_CGROUP)``) by the file mode of its
+``cgroup.procs``, no file opened. So a run of the daemon's uid reached the host's and the
+other runs' segments and terminals, and started a child outside its cgroup that outlived
+it. Each run now has its own IPC namespace (freed with its last process) and devpts
+(``subagent/_isolate.py``), and ``clone3`` is refused (``subagent/_seccomp.py``). The
+daemon runs in-process (``tests/e2e/test_sandbox.py``'s fixture); the runs are real
+runners whose commands try what a prompt-injected model would.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -131,3 +134,49 @@ async def test_a_run_reaches_no_host_terminal_and_has_its_own(daemon: Daemon) ->
     finally:
         os.close(master)
         os.close(slave)
+
+
+# In the run: a child born in the cgroup v2 hierarchy's root (or argv[1]), outside the
+# run's cgroup, as clone3(CLONE_INTO_CGROUP) makes one; it leaves the session and sleeps.
+ESCAPE = r"""
+import ctypes, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+root = next(line.split()[4] for line in open("/proc/self/mountinfo") if " - cgroup2 " in line)
+fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+args = struct.pack("11Q", 0x200000000, 0, 0, 0, 17, 0, 0, 0, 0, 0, fd)
+buf = ctypes.create_string_buffer(args, len(args))
+pid = libc.syscall(ctypes.c_long(435), buf, ctypes.c_size_t(len(args)))
+if pid == 0:
+    os.setsid()
+    null = os.open("/dev/null", os.O_RDWR)
+    for i in (0, 1, 2):
+        os.dup2(null, i)
+    os.execv("/bin/sleep", ["sleep", "60"])
+elif pid < 0:
+    print("clone3=%d" % ctypes.get_errno(), flush=True)
+else:
+    print("escaped=%d" % pid, flush=True)
+"""
+
+
+async def test_a_run_starts_no_child_outside_its_cgroup(daemon: Daemon) -> None:  # noqa: F811
+    d = daemon
+    escaped: list[int] = []
+    try:
+        with trio.fail_after(SCENARIO_S):
+            r = await d.m.spawn(scripted([command(f"{sys.executable} -c '{ESCAPE}'")]))
+            st = await d.m.wait_terminal(r["run_id"])
+        conftest.require(st.get("containment") == "cgroup", "cgroup containment (a cgroup v2 the daemon may write)")
+        (out,) = outputs(st)
+        escaped = [int(p) for p in re.findall(r"escaped=(\d+)", out)]
+        assert not escaped, f"a child of the run was born outside its cgroup and outlived it: {out}"
+        assert "clone3=38" in out, out  # ENOSYS: what a kernel without clone3 says
+        assert st["sandbox"]["denied_syscalls"] == ["clone3"], st["sandbox"]
+        assert st["state"] == "completed", st
+    finally:
+        # The run's escaped child (it named itself, and carries this test's mark): end it,
+        # as the stop did not, before the daemon cleans its cgroups up.
+        for p in conftest.leftovers(os.environ[conftest.MARK_VAR], set()):
+            if p.pid in escaped:
+                conftest.kill_exactly(p)
