@@ -20,6 +20,7 @@ __all__ = [
     "enter_user_namespace",
     "private_mounts",
     "private_devpts",
+    "cover",
     "shared_tmpfs",
     "drop_capabilities",
     "bind_fd",
@@ -200,6 +201,41 @@ def private_mounts(
             _c().umount2(os.fsencode(path), _MNT_DETACH)
         raise
     return list(dict.fromkeys(done))
+
+
+def cover(dirs: Iterable[str], *, keep: Iterable[str] = (), keep_read_only: Iterable[str] = ()) -> list[str]:
+    """In this (new) mount namespace: a small empty tmpfs over each of ``dirs`` (the
+    daemon's own directories), then what of ``keep`` and ``keep_read_only`` lies under
+    them bound back (``bind_plan``: the run's own directory, say), as ``private_mounts``
+    does for its tmpfs. Landlock keeps a run from opening what is there, not from
+    ``connect()`` to a unix socket there (another run's); out of its sight, there is no
+    path to one. Returns what was mounted, in order; undone, newest first, if a step fails.
+    """
+    dirs = [d for d in dirs if os.path.isdir(d) and not os.path.islink(d)]
+    real_ro, real = ([os.path.realpath(k) for k in ks if os.path.exists(k)] for ks in (keep_read_only, keep))
+    held: list[tuple[str, bool, int]] = []
+    done: list[str] = []
+    try:
+        for k, ro in bind_plan(real_ro, real, within=dirs):
+            held.append((k, ro, os.open(k, os.O_PATH | os.O_CLOEXEC)))
+        for d in dirs:
+            # Nothing is written here but the mount points of what is bound back (the run
+            # may write none of it: no Landlock rule covers these directories).
+            _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=0755,size=64k,nr_inodes=1024")
+            done.append(d)
+        for path, ro, fd in held:
+            _bind_fd_at(fd, path, stat.S_ISDIR(os.fstat(fd).st_mode))
+            done.append(path)
+            if ro:
+                _read_only_tree(path)
+    except BaseException:
+        for path in reversed(done):
+            _c().umount2(os.fsencode(path), _MNT_DETACH)
+        raise
+    finally:
+        for _p, _r, fd in held:
+            os.close(fd)
+    return done
 
 
 def private_devpts(path: str = "/dev/pts") -> None:

@@ -9,7 +9,9 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
   ``SANDBOX_ID`` if it was uid 0 (so Chromium's own sandbox can run), else its own uid;
   /tmp, /var/tmp, /dev/shm and /run are private to the run (a user's sockets there are
   out of reach), so are its terminals (``/dev/pts``: a devpts of its own) and its System V
-  IPC (freed with its last process), and the kernel's tunables read-only; where namespaces are refused
+  IPC (freed with its last process), the daemon's protected directories covered by an
+  empty tmpfs (the run's own directory bound back: Landlock does not refuse a
+  ``connect()`` to another run's unix socket there), and the kernel's tunables read-only; where namespaces are refused
   (systemd's ``RestrictNamespaces=``) a uid 0 runner is uid 0 without any capability.
   The runner is not dumpable: its tools cannot read its memory or environment (the key).
 - Landlock: read the system, the interpreter and this checkout; write the run directory;
@@ -665,6 +667,7 @@ def prepare_ahead(
             tmpfs_max_mib=settings.tmpfs_max_mib,
         )
         _private_terminals(ahead)
+        _cover_protected(ahead, [*ahead.write, *keep], [*ahead.read, *keep_read_only, *resolv])
         os.chdir(base)
     except OSError as exc:
         ahead.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
@@ -689,6 +692,31 @@ def prepare_ahead(
             ahead.ruleset = None
         ahead.landlock_error = exc
     return ahead
+
+
+def _cover_protected(ahead: Ahead, keep: list[str], keep_read_only: list[str]) -> None:
+    """The protected directories (the daemon's state and runs, ``protected``) out of the
+    run's sight where its view still shows them (not under a private tmpfs): an empty
+    tmpfs over each, the run's own directory (``keep``) and what it reads there
+    (``keep_read_only``) bound back (``_isolate.cover``); a spare's spec paths there
+    later (a session's browser profile) by ``bind_hidden``, through the host's directory
+    held in ``hidden``. Landlock refuses every open there, but not a ``connect()`` to a
+    unix socket: another run's tool listening in its run directory was in reach."""
+    tops: list[str] = []
+    for p in sorted({os.path.normpath(p) for p in ahead.protect if os.path.isabs(p)}, key=len):
+        if any(p == t or p.startswith(t.rstrip("/") + "/") for t in [*tops, *ahead.hidden]):
+            continue  # out of sight already
+        if os.path.isdir(p) and not os.path.islink(p):
+            tops.append(p)
+    fds = {p: os.open(p, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY) for p in tops}
+    try:
+        ahead.private += _isolate.cover(tops, keep=keep, keep_read_only=keep_read_only)
+    except OSError as exc:
+        for fd in fds.values():
+            os.close(fd)
+        ahead.problems.append(f"the daemon's directories are in the run's sight: {exc.strerror or exc}")
+        return
+    ahead.hidden.update(fds)
 
 
 def _private_terminals(ahead: Ahead) -> None:

@@ -1,12 +1,14 @@
 """A run and what the kernel checks by uid alone, not as files Landlock sees: System V
-IPC, terminals, cgroups.
+IPC, terminals, cgroups, a unix socket's ``connect()``.
 
 A segment has no path; a terminal's path is granted (the device class whole); a cgroup
 is entered at a child's birth (``clone3(CLONE_INTO_CGROUP)``) by the file mode of its
 ``cgroup.procs``, no file opened. So a run of the daemon's uid reached the host's and the
 other runs' segments and terminals, and started a child outside its cgroup that outlived
-it. Each run now has its own IPC namespace (freed with its last process) and devpts
-(``subagent/_isolate.py``), and ``clone3`` is refused (``subagent/_seccomp.py``). The
+it; and it connected to a socket a tool of another run listened on in its run
+directory. Each run now has its own IPC namespace (freed with its last process) and
+devpts, the daemon's directories are covered in its view (``subagent/_isolate.py``), and
+``clone3`` is refused (``subagent/_seccomp.py``). The
 daemon runs in-process (``tests/e2e/test_sandbox.py``'s fixture); the runs are real
 runners whose commands try what a prompt-injected model would.
 """
@@ -180,3 +182,50 @@ async def test_a_run_starts_no_child_outside_its_cgroup(daemon: Daemon) -> None:
         for p in conftest.leftovers(os.environ[conftest.MARK_VAR], set()):
             if p.pid in escaped:
                 conftest.kill_exactly(p)
+
+
+# In one run: a unix socket in its run directory (a tool's server, Chromium's singleton
+# socket in its TMPDIR), waiting for one connection; what it gets is printed.
+LISTEN = r"""
+import socket
+s = socket.socket(socket.AF_UNIX)
+s.bind("listening.sock")
+s.listen(1)
+c, _ = s.accept()
+print("got=" + c.recv(100).decode(), flush=True)
+"""
+# In another: connect to that socket (argv[1]) and write to it.
+CONNECT = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+    s.sendall(b"from-another-run")
+    print("connect=0")
+except OSError as exc:
+    print("connect=%d" % exc.errno)
+"""
+
+
+async def test_a_run_cannot_connect_to_a_socket_in_another_runs_directory(daemon: Daemon) -> None:  # noqa: F811
+    # Landlock keeps a run from opening another run's files, not from connect() to a unix
+    # socket there: the daemon's directories are covered in the run's view.
+    d = daemon
+    with trio.fail_after(SCENARIO_S):
+        other = await d.m.spawn(scripted([command(f"{sys.executable} -c '{LISTEN}'")]))
+        st = await d.m.status(other["run_id"])
+        while not st.get("run_dir"):
+            await trio.sleep(0.02)
+            st = await d.m.status(other["run_id"])
+        sock = os.path.join(st["run_dir"], "listening.sock")
+        while not os.path.exists(sock):  # (the other run's command is starting)
+            await trio.sleep(0.02)
+        r = await d.m.spawn(scripted([command(f"{sys.executable} -c '{CONNECT}' {sock}")]))
+        st = await d.m.wait_terminal(r["run_id"])
+        own_namespace(st)
+        await d.m.cancel(other["run_id"])
+        other_st = await d.m.wait_terminal(other["run_id"])
+    (out,) = outputs(st)
+    assert "connect=0" not in out, out
+    assert "from-another-run" not in outputs(other_st)[0], outputs(other_st)
+    assert st["state"] == "completed", st
