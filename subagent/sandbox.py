@@ -708,15 +708,19 @@ def _cover_protected(ahead: Ahead, keep: list[str], keep_read_only: list[str]) -
             continue  # out of sight already
         if os.path.isdir(p) and not os.path.islink(p):
             tops.append(p)
-    fds = {p: os.open(p, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY) for p in tops}
-    try:
-        ahead.private += _isolate.cover(tops, keep=keep, keep_read_only=keep_read_only)
-    except OSError as exc:
-        for fd in fds.values():
-            os.close(fd)
-        ahead.problems.append(f"the daemon's directories are in the run's sight: {exc.strerror or exc}")
-        return
-    ahead.hidden.update(fds)
+    for p in tops:  # each on its own: one that cannot be covered leaves the others covered
+        fd = -1
+        try:
+            fd = os.open(p, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)  # the host's, for ``bind_hidden``
+            ahead.private += _isolate.cover([p], keep=keep, keep_read_only=keep_read_only)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            ahead.problems.append(
+                f"{p!r} is in the run's sight (a unix socket there is in reach): {exc.strerror or exc}"
+            )
+            continue
+        ahead.hidden[p] = fd
 
 
 def _private_terminals(ahead: Ahead) -> None:
