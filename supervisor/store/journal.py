@@ -256,6 +256,11 @@ class _Worker:
         # Write transactions of the stores the journal had before it was put back (``commit_counts``).
         self.carried_commits = (0, 0)
 
+    @property
+    def store(self) -> Store | None:
+        """The thread's store (its counters are read elsewhere); None while none is open."""
+        return self._store
+
     def start(self) -> None:
         self._thread.start()
 
@@ -541,7 +546,7 @@ class Journal:
         FULL (fsynced at the commit; the others are written to the WAL and fsynced at its
         checkpoints): what its writers cost it (``status``'s ``journal``)."""
         worker = self._worker
-        (c, d), store = worker.carried_commits, worker._store
+        (c, d), store = worker.carried_commits, worker.store
         return (c, d) if store is None else (c + store.commits, d + store.durable_commits)
 
     async def __aenter__(self) -> Journal:

@@ -83,6 +83,7 @@ async def test_a_journal_removed_or_replaced_under_it_is_put_back_with_everythin
     async with await Journal.open(db) as j:
         await new_run(j, "r1")
         await j.append_event("r1", "note", {"n": 1})
+        before = j.commit_counts()[0]
         remove(db, side_files=how != "main file removed")
         if how == "replaced by a journal":
             async with await Journal.open(db) as other:
@@ -96,6 +97,7 @@ async def test_a_journal_removed_or_replaced_under_it_is_put_back_with_everythin
         assert restored[0]["found"] == ("missing" if how in ("removed", "main file removed") else "another file")
         kept = restored[0]["kept_aside"]
         await j.append_event("r2", "note", {"n": 2})
+        assert j.commit_counts()[0] >= before + 2  # status's counts go on across the restore
     assert stored(db) == ["r1", "r2"]
     assert sorted(stored(db, "events", "run_id")) == ["r1", "r2"]
     if how == "replaced by a journal":
