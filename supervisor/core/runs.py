@@ -822,20 +822,7 @@ class RunManager:
                     acquired = True
             run.queue_scope = None
             if run.token.cancelled:
-                note = (
-                    "cancelled before its runner was let go: never started"
-                    if started
-                    else "cancelled while queued: never started"
-                )
-                await self.book.finish(
-                    run,
-                    RunState.CANCELLED,
-                    reason=run.token.reason,
-                    result=None,
-                    partial=False,
-                    error=None,
-                    receipt={"note": note, **self.lifecycle.receipt_head(run)},
-                )
+                await self._never_started(run, let_go=started)
                 return
             await self._execute(run, started=started)
         except Exception as exc:
@@ -850,6 +837,20 @@ class RunManager:
                 self._limiter.release_on_behalf_of(run)
             if not run.done.is_set():  # only on a bug: never leave waiters hanging
                 self.book.let_go(run)
+
+    async def _never_started(self, run: Run, *, let_go: bool) -> None:
+        """A run stopped before it started: ``cancelled``, its receipt says when (queued, or
+        before its runner was let go)."""
+        note = "cancelled before its runner was let go" if let_go else "cancelled while queued"
+        await self.book.finish(
+            run,
+            RunState.CANCELLED,
+            reason=run.token.reason,
+            result=None,
+            partial=False,
+            error=None,
+            receipt={"note": f"{note}: never started", **self.lifecycle.receipt_head(run)},
+        )
 
     async def _execute(self, run: Run, *, started: bool = False) -> None:
         """Start the run's runner (its session's turn prepared, its deadline journaled) and
@@ -953,18 +954,7 @@ class RunManager:
         if warm is None and run.token.cancelled:
             # Stopped before its runner was let go (or forked): none ever is; the spare
             # it had exits at its hang-up having done nothing of the run (``_execute``).
-            await self.book.finish(
-                run,
-                RunState.CANCELLED,
-                reason=run.token.reason,
-                result=None,
-                partial=False,
-                error=None,
-                receipt={
-                    "note": "cancelled before its runner was let go: never started",
-                    **self.lifecycle.receipt_head(run),
-                },
-            )
+            await self._never_started(run, let_go=True)
             return
         if warm is None:
             extra_env = {"AGENTD_RUN_ID": run.run_id}
