@@ -1017,6 +1017,74 @@ def test_approve_and_deny_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path
     ]
 
 
+# Where each character of an element's text is drawn, in reading order (line, then left to
+# right): the logical indices of the characters in the order a person reads them.
+READING_ORDER = """
+(el) => {
+  const node = el.firstChild;
+  const text = node.data;
+  const seen = [];
+  for (let i = 0; i < text.length; i++) {
+    if (/\\s/.test(text[i])) continue;
+    const r = document.createRange();
+    r.setStart(node, i);
+    r.setEnd(node, i + 1);
+    const b = r.getBoundingClientRect();
+    seen.push({ i, top: Math.round(b.top + b.height / 2), left: b.left, width: b.width });
+  }
+  seen.sort((a, b) => a.top - b.top || a.left - b.left);
+  return { order: seen.map((s) => s.i), zeroWidth: seen.filter((s) => s.width === 0).map((s) => s.i) };
+}
+"""
+
+
+def test_an_approval_shows_its_arguments_as_they_run_bidi_and_invisible_characters_marked(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    # The model's arguments, as raw JSON with literal characters: a right-to-left override
+    # (what follows is drawn reversed: "~ fr- mr ; #" read "# ; rm -rf ~"), an isolate, a
+    # zero-width space, a no-break space and Hebrew letters with digits (which the bidi
+    # algorithm reorders by themselves). The person must see them in the order they run.
+    command = "echo safe \u202e ~ fr- mr ; # \u2066hid\u2069\u200b x\u00a0y \u05e9\u05dc 1 2 /"
+    raw = json.dumps({"command": command}, ensure_ascii=False)
+    turns = [{"text": "asking", "tool_calls": [{"name": "run_command", "id": "call_bidi", "arguments": raw}]}]
+    spec = {
+        "task": "bidi",
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "{{last_output}}"}},
+        "approval": {"tools": ["run_command"]},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run_id = daemon.agentd("spawn", "--spec", str(tmp_path / "spec.json")).stdout.strip()
+    page = tab.page
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    box = page.get_by_role("region", name="Awaiting approval")
+    box.get_by_text("call call_bidi").wait_for()
+    args = box.locator("code.args")
+    shown = args.text_content()
+    assert shown == (
+        '{"command": "echo safe ⟦U+202E⟧ ~ fr- mr ; # ⟦U+2066⟧hid⟦U+2069⟧⟦U+200B⟧ x⟦U+00A0⟧y \u05e9\u05dc 1 2 /"}'
+    )
+    # Drawn in the order it is stored: the n-th character read is the n-th that runs.
+    where = args.evaluate(READING_ORDER)
+    assert where["order"] == sorted(where["order"]) and where["zeroWidth"] == []
+    # The call's line in the page's tool list shows it the same way.
+    tool = page.locator("#tools li[data-id=call_bidi] .reason .literal")
+    assert "⟦U+202E⟧ ~ fr- mr" in (tool.text_content() or "")
+    box.get_by_role("button", name="Deny").click()
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    # The page's helper, on what must stay as it is (plain text, a joined emoji) and what not.
+    marks = page.evaluate(
+        """async () => { const { reveal } = await import("/static/js/dom.js");
+        return [reveal("ls -la\\tx"), reveal("a\\u2028b\\u00adc\\ufeffd\\u{E0041}"), reveal("\\u{1F468}\\u200d\\u{1F469}"), reveal(null)]; }"""
+    )
+    assert marks == [
+        "ls -la⟦U+0009⟧x",
+        "a⟦U+2028⟧b⟦U+00AD⟧c⟦U+FEFF⟧d⟦U+E0041⟧",
+        "\U0001f468⟦U+200D⟧\U0001f469",
+        "",
+    ]
+
+
 def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
     script = gated_script(tmp_path, "gate1")

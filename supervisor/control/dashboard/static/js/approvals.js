@@ -7,7 +7,7 @@
 // box beside Deny); the page is authenticated by its session (session.js). Once a run is stopping
 // or has ended, nothing can be answered: the section goes.
 
-import { clear, h } from "./dom.js";
+import { clear, h, reveal } from "./dom.js";
 
 const ENDED = new Set(["completed", "failed", "cancelled", "lost"]);
 
@@ -76,7 +76,7 @@ export class Approvals {
         type: "text",
         class: "deny-reason",
         placeholder: "reason (optional)",
-        "aria-label": `Reason to deny ${it.name}`,
+        "aria-label": `Reason to deny ${reveal(it.name)}`,
         maxlength: "1000",
       });
       const busy = Boolean(it.sending || it.sent);
@@ -89,7 +89,8 @@ export class Approvals {
         h(
           "li",
           { dataset: { call: it.call_id } },
-          h("p", {}, h("strong", { text: it.name }), " ", h("code", { class: "args", text: it.arguments ?? "" })),
+          // As stored, hidden characters shown (reveal): what is approved is what is seen.
+          h("p", {}, h("strong", { class: "literal", text: reveal(it.name) }), " ", h("code", { class: "args literal", text: reveal(it.arguments) })),
           h("p", { class: "muted", text: `call ${it.call_id}` + (due ? ` · stops the run at ${due} unless answered` : "") }),
           h("div", { class: "row" }, approve, deny, reason),
           it.sent ? h("p", { class: "muted", role: "status", text: `${it.sent}: waiting for the runner` }) : null,

@@ -29,6 +29,25 @@ export function clear(el) {
   return el;
 }
 
+// Characters that change what is shown without showing themselves: bidi controls (they
+// reorder the text around them: an approval read "# ; rm -rf ~" for "~ fr- mr ; #"),
+// zero-width and other format characters, control characters, line and paragraph
+// separators, spaces other than U+0020, blank "filler" letters and variation selectors.
+const HIDDEN =
+  /[\p{Cf}\p{Cc}\p{Zl}\p{Zp}\p{Zs}\u034F\u115F\u1160\u17B4\u17B5\u180B-\u180F\u2800\u3164\uFE00-\uFE0F\uFFA0\u{E0100}-\u{E01EF}]/gu;
+
+/**
+ * `text` with each character that would not show itself (HIDDEN) written as a visible
+ * mark, e.g. "⟦U+202E⟧". For what a person judges a call by (a tool's name, its
+ * arguments, a command): shown with the class "literal" (app.css), which also lays the
+ * rest out in the order it is stored, so what is seen is what runs.
+ */
+export function reveal(text) {
+  return String(text ?? "").replace(HIDDEN, (c) =>
+    c === " " ? c : `⟦U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}⟧`,
+  );
+}
+
 /** "43 ms", "1.2 s", "2 min 5 s", "3 h 4 min". */
 export function fmtDuration(seconds) {
   if (typeof seconds !== "number" || !Number.isFinite(seconds)) return "?";

@@ -2,7 +2,7 @@
 // the page shows can be compared with the journal. Unknown kinds (added by later daemons)
 // are shown with their data, never dropped.
 
-import { fmtClock, fmtDuration, h, short } from "./dom.js";
+import { fmtClock, fmtDuration, h, reveal, short } from "./dom.js";
 
 const TOOL_MARK = {
   running: "▶",
@@ -15,9 +15,9 @@ const TOOL_MARK = {
 };
 
 export function toolLine(rec) {
-  const bits = [`${TOOL_MARK[rec.state] ?? "•"} ${rec.name}`];
+  const bits = [`${TOOL_MARK[rec.state] ?? "•"} ${reveal(rec.name)}`];
   if (rec.state === "running") {
-    bits.push(short(rec.arguments, 160));
+    bits.push(reveal(short(rec.arguments, 160)));
     // An MCP call's request was handed to its server (a stop now meets a sent call).
     if (rec.sent_at) bits.push("· sent");
   } else bits.push(rec.state.replace("_", " "));
@@ -69,11 +69,12 @@ export function describe(ev) {
       };
     case "tool_call": {
       const rec = d.record ?? {};
-      return { text: toolLine(rec), extra: toolBody(rec) };
+      return { text: toolLine(rec), extra: toolBody(rec), literal: true };
     }
     case "process_group":
       return {
-        text: `${d.kind ?? "process"} group ${d.pgid} ${d.alive === false ? "ended" : "started"}: ${short(d.name, 100)}`,
+        text: `${d.kind ?? "process"} group ${d.pgid} ${d.alive === false ? "ended" : "started"}: ${reveal(short(d.name, 100))}`,
+        literal: true,
       };
     case "step_snapshot":
       if (d.unfinished_text?.streaming) return { text: `Model text streaming, step ${d.step}` };
@@ -96,7 +97,7 @@ export function describe(ev) {
 }
 
 export function renderEvent(ev) {
-  const { text, extra } = describe(ev);
+  const { text, extra, literal } = describe(ev);
   const attrs = { dataset: { seq: String(ev.seq), kind: ev.kind } };
   if (ev.kind === "state") attrs.dataset.state = ev.data?.state ?? "";
   return h(
@@ -104,7 +105,7 @@ export function renderEvent(ev) {
     attrs,
     h("span", { class: "seq", text: `#${ev.seq}` }),
     h("time", { class: "time", text: fmtClock(ev.ts) }),
-    h("span", { class: "what", text }),
+    h("span", { class: literal ? "what literal" : "what", text }),
     extra ?? [],
   );
 }

@@ -6,7 +6,7 @@
 // live in the address (#/?state=running&session=s1), so a reload keeps them. Rows are
 // updated in place, so keyboard focus on a row's link survives a refresh.
 
-import { clear, fmtAge, h, short, stateBadge } from "./dom.js";
+import { clear, fmtAge, h, reveal, short, stateBadge } from "./dom.js";
 
 const POLL_MS = 500;
 const LIMIT = 100;
@@ -24,7 +24,7 @@ export function rowFacts(run, nowMs = Date.now()) {
     ...calls.map((c) => c.step ?? 0),
   );
   const running = calls.filter((c) => c.state === "running");
-  let tool = running.length ? running.map((c) => `${c.name} ${short(c.arguments, 40)}`).join(", ") : "";
+  let tool = running.length ? running.map((c) => reveal(`${c.name} ${short(c.arguments, 40)}`)).join(", ") : "";
   if (run.state === "awaiting_approval") tool = `awaiting approval${tool ? `: ${tool}` : ""}`;
   return {
     id: run.id ?? run.run_id,
@@ -131,7 +131,7 @@ export class RunsView {
           h("td", { class: "task", title: f.task }, short(f.task, 90)),
           h("td", {}, f.age),
           h("td", { class: "num" }, String(f.steps)),
-          h("td", { class: "mono" }, f.tool || h("span", { class: "muted", text: "—" })),
+          h("td", { class: "mono literal" }, f.tool || h("span", { class: "muted", text: "—" })),
           h("td", {}, f.containment || "—"),
         );
         if (focused) tr.querySelector("a.run-link").focus();

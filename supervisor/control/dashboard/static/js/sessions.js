@@ -8,7 +8,7 @@
 // live at a time: the daemon refuses a new one ("session_busy") unless asked to stop the
 // live one first (the "Stop the live turn first" box: spawn's "interrupt").
 
-import { clear, fmtClock, h } from "./dom.js";
+import { clear, fmtClock, h, reveal } from "./dom.js";
 
 function messageItem(m) {
   if (m.role === "tool") {
@@ -16,7 +16,7 @@ function messageItem(m) {
   }
   if (m.role === "system") return h("li", { class: "msg msg-note", text: m.content ?? "" });
   const calls = (m.tool_calls ?? []).map((c) =>
-    h("p", { class: "call" }, h("span", { class: "who", text: `call ${c.id}` }), " ", h("strong", { text: c.function?.name ?? "?" }), " ", h("code", { text: c.function?.arguments ?? "" })),
+    h("p", { class: "call" }, h("span", { class: "who", text: `call ${c.id}` }), " ", h("strong", { class: "literal", text: reveal(c.function?.name ?? "?") }), " ", h("code", { class: "literal", text: reveal(c.function?.arguments) })),
   );
   return h("li", { class: `msg msg-${m.role}` }, h("span", { class: "who", text: m.role }), m.content ? h("p", { text: m.content }) : null, calls);
 }

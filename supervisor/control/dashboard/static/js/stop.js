@@ -9,7 +9,7 @@
 // that has already ended says so. A dropped connection while the cancel is in flight
 // sends it again on the next connection (cancel is idempotent).
 
-import { clear, fmtDuration, h } from "./dom.js";
+import { clear, fmtDuration, h, reveal } from "./dom.js";
 import { stopSummary } from "./receipt.js";
 
 const LIVE = new Set(["queued", "starting", "running", "cancelling", "awaiting_approval"]);
@@ -36,7 +36,7 @@ export class StopModel {
   feed(ev) {
     const d = ev.data ?? {};
     if (ev.kind === "tool_call" && d.record) {
-      const rec = d.record;
+      const rec = { ...d.record, name: reveal(d.record.name) }; // a tool's name as stored (dom.js)
       if (rec.id && rec.name) this.names.set(rec.id, rec.name);
       if (rec.state === "running") this.running.set(rec.id, rec);
       else this.running.delete(rec.id);
