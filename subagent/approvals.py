@@ -31,7 +31,15 @@ import trio
 from subagent.spec import ApprovalSpec
 from subagent.stop import StopControl
 
-__all__ = ["ANSWERS_ENV", "Answer", "AnswerChannel", "ApprovalGate", "open_channel", "MAX_ANSWER_LINE_BYTES"]
+__all__ = [
+    "ANSWERS_ENV",
+    "Answer",
+    "AnswerChannel",
+    "ApprovalGate",
+    "open_channel",
+    "MAX_ANSWER_LINE_BYTES",
+    "MAX_APPROVAL_ARGUMENTS_CHARS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,13 @@ BACKSTOP_S: Final = 5.0
 # answer) before the answer is read. The daemon is the channel's only writer and writes
 # one answer at a time.
 MAX_ANSWER_LINE_BYTES: Final = 16 * 1024
+# The longest arguments a call that needs approval may have (characters): its
+# ``approval_requested`` event carries them whole. A longer event line is cut to fit
+# (``emit``: a string of 1 MB became its first 64 Ki characters and "...[cut]"), and a
+# person was asked about a command whose end they could not see (spaces, collapsed on a
+# page, then "; curl ... | sh"). A character is at most 12 bytes in an event line (two
+# \u escapes), so these fit ``MAX_EVENT_LINE_BYTES`` with room for the rest.
+MAX_APPROVAL_ARGUMENTS_CHARS: Final = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)

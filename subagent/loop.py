@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import trio
 
-from subagent.approvals import ApprovalGate
+from subagent.approvals import MAX_APPROVAL_ARGUMENTS_CHARS, ApprovalGate
 from subagent.emit import Emitter
 from subagent.events import (
     Approval,
@@ -423,6 +423,15 @@ class AgentLoop:
 
     async def _await_approval(self, call: DraftCall, rec: ToolCallRecord, gate: ApprovalGate) -> str | None:
         """Wait for a person's answer. None: approved, run it; else the call's history text."""
+        if len(rec.arguments) > MAX_APPROVAL_ARGUMENTS_CHARS:
+            # A person would be shown these cut (the event line's limit): never asked, never run.
+            rec.state, rec.finished_at = ToolCallState.FAILED, time.time()
+            rec.reason = (
+                f"invalid_arguments: {len(rec.arguments)} characters, too long to be shown whole to the "
+                f"person who must approve this call (at most {MAX_APPROVAL_ARGUMENTS_CHARS})"
+            )
+            self._emit_record(rec)
+            return f"not executed: {rec.reason}"
         timeout = gate.spec.timeout_s
         rec.approval, rec.approval_deadline = str(Approval.PENDING), time.time() + timeout
         self._emit_record(rec)

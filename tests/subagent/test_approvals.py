@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,9 +10,18 @@ import pytest
 import trio
 import trio.testing
 
-from subagent.approvals import BACKSTOP_S, Answer, AnswerChannel, ApprovalGate, open_channel
+from subagent.approvals import (
+    BACKSTOP_S,
+    MAX_APPROVAL_ARGUMENTS_CHARS,
+    Answer,
+    AnswerChannel,
+    ApprovalGate,
+    open_channel,
+)
+from subagent.events import EventKind
 from subagent.spec import ApprovalSpec, RunSpec, SpecError
 from subagent.stop import StopControl
+from tests.subagent.harness import spec, start_runner
 
 
 def gate(spec: ApprovalSpec, fd: int | None = None) -> ApprovalGate:
@@ -165,3 +175,27 @@ async def test_with_no_answer_the_runner_stops_itself_after_the_timeout_and_its_
     answer = await g.wait("c1", stop)
     assert answer == Answer("rejected", "approval_timeout")
     assert trio.current_time() - start == pytest.approx(2.0 + BACKSTOP_S)
+
+
+@pytest.mark.parametrize(("blank", "count"), [(" ", MAX_APPROVAL_ARGUMENTS_CHARS), ("\u00a0", 200_000)])
+async def test_a_call_whose_arguments_are_too_long_to_show_whole_is_never_asked_about_nor_run(
+    tmp_path: Path, blank: str, count: int
+) -> None:
+    # Blanks hide where the command goes on: with 200,000 no-break spaces (6 bytes each in
+    # an event line) its approval_requested event was cut to fit a line, and the person
+    # was asked about 'echo fine ...[cut]'. Just over the bound, it could be cut
+    # (characters that take 12 bytes each in a line).
+    command = "echo fine" + blank * count + f"; touch {tmp_path / 'ran'}"
+    # As a model sends it: raw JSON, its characters as they are (the script would escape them).
+    raw = json.dumps({"command": command}, ensure_ascii=False)
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "id": "long", "arguments": raw}]}]}
+    s = spec(script={**script, "chunk_size": 65536}, approval={"tools": ["run_command"], "timeout_s": 1})
+    s["sandbox"] = {"write": [str(tmp_path)]}
+    async with start_runner(s, tmp_path) as r:
+        code, result = await r.finish()
+    assert r.of(EventKind.APPROVAL_REQUESTED) == []
+    (rec,) = r.tool_records(result)
+    assert rec["state"] == "failed" and rec["reason"].startswith("invalid_arguments: ")
+    assert "too long to be shown whole" in rec["reason"]
+    assert not (tmp_path / "ran").exists()
+    assert result["status"] == "completed" and code == 0
