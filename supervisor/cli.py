@@ -982,8 +982,12 @@ def format_event(event: dict[str, Any]) -> str:
     elif kind == "approval_requested":
         # The person deciding sees what they would let run, and the commands that answer it.
         run, call = event.get("run_id") or "RUN", d.get("call_id")
+        args = str(d.get("arguments", ""))
+        shown = _short(args, APPROVAL_ARGS_WIDTH)
+        if shown.endswith("…") and len(" ".join(args.split())) > APPROVAL_ARGS_WIDTH:  # what is cut is said
+            shown += f" [cut: {len(args)} characters in all; `agentd status {run} --json` shows them whole]"
         text = (
-            f"awaiting approval: {d.get('name')} {_short(d.get('arguments', ''), APPROVAL_ARGS_WIDTH)} "
+            f"awaiting approval: {d.get('name')} {shown} "
             f"(call {call}; `agentd approve {run} {call}` or `agentd deny {run} {call} --reason TEXT`)"
         )
     elif kind == "approval_sent":

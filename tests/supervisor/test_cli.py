@@ -1528,3 +1528,16 @@ def test_an_argument_that_is_not_utf8_is_a_usage_error_naming_its_bytes(
     assert res.stderr.startswith(message) and res.stderr.count("\n") == 1, res.stderr
     res = run_bare("--state-dir", str(tmp_path), "spawn", "--spec", str(tmp_path / "s\udcff.json"))
     assert res.exit_code == ExitCode.USAGE and "cannot read spec file" in res.stderr
+
+
+def test_watch_says_when_a_pending_calls_arguments_are_cut_and_where_to_read_them_whole() -> None:
+    """The person deciding read the first 500 characters and a "…", and was not told the
+    rest exists, nor where to see it (the dashboard probe)."""
+    long_args = '{"command": "echo ' + "x" * 600 + '; touch /tmp/x"}'
+    event: dict[str, Any] = {"run_id": "r-1", "seq": 3, "ts": 0.0, "kind": "approval_requested"}
+    event["data"] = {"call_id": "c1", "name": "run_command"}
+    event["data"]["arguments"] = long_args
+    text = format_event(event)
+    assert f"[cut: {len(long_args)} characters in all; `agentd status r-1 --json` shows them whole]" in text
+    event["data"]["arguments"] = '{"command": "ls"}'
+    assert "[cut" not in format_event(event)
