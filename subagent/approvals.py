@@ -7,7 +7,9 @@ channel*, a FIFO the daemon made outside the run's sandbox (``AGENTD_ANSWERS``) 
 runner opened before it sandboxed itself (``open_channel``): its tools cannot open it, so a
 run cannot approve its own calls, and a daemon that restarts reaches a re-adopted runner
 through it as the first one did. One JSON line per answer:
-``{"call_id": ..., "decision": "approve"|"deny", "reason": ...}``.
+``{"call_id": ..., "decision": "approve"|"deny", "reason": ...}``. The first answer to a
+call is its answer; a later one, or one to a call not waiting, is ignored: a restarted
+daemon sends again an answer it journaled and may not have written.
 
 The wait ends with the first of: the answer, the run's stop (the call is then
 ``rejected``: it never ran; its reason is the stop's ``why``: the daemon's reason,

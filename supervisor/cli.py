@@ -994,6 +994,8 @@ def format_event(event: dict[str, Any]) -> str:
         text = f"approval answer sent: call {d.get('call_id')} {d.get('decision')}" + (
             f" ({_short(d['reason'], 60)})" if d.get("reason") else ""
         )
+    elif kind == "approval_unsent":
+        text = f"approval answer not sent: call {d.get('call_id')} ({_short(str(d.get('why', '')), 60)})"
     elif kind == "approval_answered":
         text = f"approval: call {d.get('call_id')} {d.get('decision')}" + (
             f" ({_short(d['reason'], 60)})" if d.get("reason") else ""

@@ -89,6 +89,28 @@ class RunBook:
             self._send(run, seq, kind, data, ts)
         return seq
 
+    async def record_durable(self, run: Run, kind: str, data: dict[str, Any]) -> int:
+        """Journal one event of the run's now, in a FULL (fsynced) commit, and send it to its
+        subscribers; its number. Never queued: a fact the daemon acts on only once it is on
+        disk (an approval's answer, before it goes to the runner).
+
+        Raises:
+            JournalUnavailable: the journal cannot be written, or this run's facts wait for
+                it already (this one would go after them); nothing of it is written.
+        """
+        async with run.lock:
+            if self.backlog.pending(run.run_id):
+                raise JournalUnavailable(f"run {run.run_id}'s earlier facts wait for the journal")
+            ts = max(time.time(), run.last_ts)
+            try:
+                (seq,) = await self.journal.append_events(run.run_id, [(kind, data, ts)], durable=True)
+            except JournalUnavailable as exc:
+                self.backlog.note_failure(exc, f"run {run.run_id}'s event {kind}")
+                raise
+            self.backlog.note_success()
+            self._send(run, seq, kind, data, ts)
+        return seq
+
     def stage(self, run: Run, staged: Staged) -> None:
         """Keep a runner's event for ``flush``: nothing of it is written or sent before."""
         run.staged.append(staged)

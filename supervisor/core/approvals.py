@@ -5,7 +5,13 @@ with its wall-clock deadline); the run goes to ``awaiting_approval`` and ``statu
 the call. ``approve``/``deny`` write one answer line into the run's *answer channel*, a
 FIFO next to its run directory (``answers_path``) that the runner opened before it
 sandboxed itself, so a restarted daemon answers a re-adopted runner the same way and the
-run's own tools cannot answer for it. The answer is journaled (``approval_sent``); the
+run's own tools cannot answer for it. The answer is journaled (``approval_sent``, an
+fsynced commit) *before* it is written: nothing reaches the runner that the journal does
+not hold, so a daemon killed between the two leaves a record, and the restarted daemon
+refuses a second answer and sends the journaled one again once it has read the runner's
+events file (``watch``; the runner takes the first answer to a call and ignores the
+rest). An answer that could not be journaled is not sent; one of which nothing went into
+the channel is journaled ``approval_unsent`` and the call can be answered again. The
 runner says what it did with it (``approval_answered``) and the run goes back to
 ``running``. At the earliest deadline still pending the run is cancelled with reason
 ``approval_timeout``, through the manager's normal cancel (both paths, journaled intent):
@@ -36,7 +42,7 @@ import trio
 
 from subagent.approvals import MAX_ANSWER_LINE_BYTES
 from subagent.events import Approval, EventKind, ToolCallState
-from supervisor.errors import ControlProtocolError
+from supervisor.errors import ControlProtocolError, JournalUnavailable
 from supervisor.protocol import ErrorCode
 from supervisor.states import RunState
 
@@ -99,6 +105,8 @@ class Pending:
     deadline: float | None  # wall clock
     due: float | None = None  # the deadline on Trio's clock, as it was when the call was added
     sent: str | None = None  # "approve" / "deny" once an answer went out
+    reason: str | None = None  # the sent answer's reason (a deny's)
+    resend: bool = False  # restored as sent by a restarted daemon: its runner may not have it
 
     def view(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -146,9 +154,14 @@ class RunApprovals:
         self._changed()
         return p
 
-    def mark_sent(self, p: Pending, decision: str) -> None:
+    def mark_sent(self, p: Pending, decision: str, reason: str | None = None) -> None:
         """An answer to ``p`` went out: its deadline no longer runs (the runner acts on it)."""
-        p.sent = decision
+        p.sent, p.reason = decision, reason
+        self._changed()
+
+    def unmark(self, p: Pending) -> None:
+        """The answer to ``p`` never went into the channel: it waits for one again."""
+        p.sent = p.reason = None
         self._changed()
 
     def drop(self, call_id: str) -> bool:
@@ -157,12 +170,16 @@ class RunApprovals:
             self._changed()
         return found
 
-    def restore(self, records: Iterable[Mapping[str, Any]], sent: Mapping[str, str] | None = None) -> None:
+    def restore(
+        self, records: Iterable[Mapping[str, Any]], sent: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
         """A re-adopted run's pending calls, from its journaled records; ``sent``: the
-        answers the dead daemon sent (``approval_sent``), by call id. A call answered
-        already, whose runner had not acted on the answer when that daemon died, is not
-        answered again (the runner takes the first answer: a second would be told as
-        what happens while the first one does) and its deadline no longer runs."""
+        answers the dead daemon journaled (``approval_sent``: ``{"decision", "reason"}``)
+        by call id. A call answered already, whose runner had not acted on the answer when
+        that daemon died, is not answered again (the runner takes the first answer: a
+        second would be told as what happens while the first one does), its deadline no
+        longer runs, and its answer is sent again (``resend``): that daemon may have died
+        after journaling it and before writing it."""
         for rec in records:
             if (
                 rec.get("approval") == Approval.PENDING
@@ -178,9 +195,11 @@ class RunApprovals:
                         "deadline": rec.get("approval_deadline"),
                     }
                 )
-                decision = (sent or {}).get(p.call_id) if p is not None else None
-                if p is not None and decision is not None:
-                    self.mark_sent(p, decision)
+                answer = (sent or {}).get(p.call_id) if p is not None else None
+                if p is not None and answer is not None:
+                    reason = answer.get("reason")
+                    self.mark_sent(p, str(answer.get("decision")), reason if isinstance(reason, str) else None)
+                    p.resend = True
 
     def view(self) -> list[dict[str, Any]]:
         return [p.view() for p in self.pending.values()]
@@ -205,6 +224,9 @@ class Hooks:
     record: Callable[[Any, str, dict[str, Any]], Awaitable[Any]]  # (run, kind, data): journal + fan out
     transition: Transition
     cancel: Callable[[str, str], Awaitable[Any]]  # (run_id, reason): the normal cancel
+    # (run, kind, data): journal now, fsynced, or raise ``JournalUnavailable`` (never
+    # queued); ``record`` if None (tests).
+    record_durable: Callable[[Any, str, dict[str, Any]], Awaitable[Any]] | None = None
 
 
 class ApprovalDesk:
@@ -234,11 +256,13 @@ class ApprovalDesk:
                 await self._hooks.transition(run, RunState.RUNNING, only_from=(RunState.AWAITING_APPROVAL,))
 
     async def answer(self, run: Any, call_id: str, *, approve: bool, reason: str | None = None) -> dict[str, Any]:
-        """Send a person's answer to a pending call.
+        """Send a person's answer to a pending call: journaled (fsynced) first, then written
+        into the run's channel; the reply says it was taken only once it is in the channel.
 
         Raises:
             ControlProtocolError: ``refused`` when the call is not waiting (never asked,
-                answered already, the run is stopping) or the runner does not listen.
+                answered already, the run is stopping), the runner does not listen (or
+                does not read it), or the answer cannot be journaled (it is not sent).
         """
         decision = "approve" if approve else "deny"
         approvals: RunApprovals = run.approvals
@@ -267,16 +291,80 @@ class ApprovalDesk:
                 )
             if run.run_dir is None:
                 raise ControlProtocolError(ErrorCode.REFUSED, f"run {run.run_id!r} has no runner to answer")
-            # Whole or not at all: what is journaled below is what the runner reads.
-            await _send(answers_path(run.run_dir), _line(call_id, decision, reason), run.run_id)
-            approvals.mark_sent(p, decision)
-        await self._hooks.record(run, "approval_sent", {"call_id": call_id, "decision": decision, "reason": reason})
+            line = _line(call_id, decision, reason)
+            fd = _open(answers_path(run.run_dir), run.run_id)  # nobody listening: refused, nothing journaled
+            try:
+                # On disk before it can reach the runner: a daemon killed between the two
+                # leaves a record, which its successor honours and sends again.
+                durable = self._hooks.record_durable or self._hooks.record
+                try:
+                    await durable(run, "approval_sent", {"call_id": call_id, "decision": decision, "reason": reason})
+                except JournalUnavailable as exc:
+                    raise ControlProtocolError(
+                        ErrorCode.REFUSED,
+                        f"run {run.run_id!r}: the answer to call {call_id!r} cannot be journaled ({exc}); "
+                        f"it was not sent",
+                    ) from exc
+                approvals.mark_sent(p, decision, reason)
+                written, why = await _write(fd, line)
+            finally:
+                os.close(fd)
+            if why is not None:
+                await self._unsent(run, p, line, written, why)
         return {
             "run_id": run.run_id,
             "call_id": call_id,
             "decision": "approved" if approve else "denied",
             "state": str(run.state),
         }
+
+    async def _unsent(self, run: Any, p: Pending, line: bytes, written: int, why: str) -> None:
+        """The answer to ``p`` (journaled) did not go into the channel whole: refused, and,
+        unless the runner can still read it, journaled ``approval_unsent`` (the call waits
+        for an answer again). A line cut before its closing brace is junk the runner drops
+        at the next line's leading newline; one cut only before its last newline is whole
+        JSON, which the runner takes at that newline: it stays the call's answer.
+
+        Raises:
+            ControlProtocolError: ``refused``, always.
+        """
+        msg = f"run {run.run_id!r}: cannot answer: {why}"
+        if written >= len(line) - 1:
+            raise ControlProtocolError(
+                ErrorCode.REFUSED,
+                f"{msg}; the answer ({p.sent}) is in the channel but for its last newline: it is the call's "
+                f"answer, and its runner takes it when the channel is next written",
+            )
+        approvals: RunApprovals = run.approvals
+        approvals.unmark(p)
+        await self._hooks.record(run, "approval_unsent", {"call_id": p.call_id, "why": why})
+        raise ControlProtocolError(ErrorCode.REFUSED, f"{msg}; the answer was not sent")
+
+    async def _resend(self, run: Any) -> None:
+        """Send again the answers a dead daemon journaled to calls its runner has not said
+        it acted on (restored ``resend``): that daemon may have died before writing them.
+        The runner takes the first answer to a call and ignores the rest, so one it had
+        read already changes nothing."""
+        approvals: RunApprovals = run.approvals
+        async with approvals.sending:
+            for p in list(approvals.pending.values()):
+                if not p.resend or p.sent is None or run.stopping or run.run_dir is None:
+                    continue
+                p.resend = False
+                line = _line(p.call_id, p.sent, p.reason)
+                try:
+                    fd = _open(answers_path(run.run_dir), run.run_id)
+                except ControlProtocolError as exc:
+                    logger.warning("run %s: cannot send the answer to call %s again: %s", run.run_id, p.call_id, exc)
+                    return
+                try:
+                    _written, why = await _write(fd, line)
+                finally:
+                    os.close(fd)
+                if why is not None:
+                    logger.warning("run %s: cannot send the answer to call %s again: %s", run.run_id, p.call_id, why)
+                else:
+                    logger.info("run %s: sent the journaled answer to call %s again", run.run_id, p.call_id)
 
     async def watch(self, run: Any) -> None:
         """Cancel the run (reason ``approval_timeout``) at the earliest deadline of a call
@@ -289,10 +377,14 @@ class ApprovalDesk:
         deadline that passed while no daemon ran would otherwise stop a run whose call was
         answered in time.
 
+        Once caught up (or ``CATCH_UP_WAIT_S`` later), it first sends again the answers the
+        dead daemon journaled to calls still pending (``_resend``).
+
         Runs beside the run's supervision until the run ends (its nursery cancels it).
         """
         approvals: RunApprovals = run.approvals
         await _caught_up(run)
+        await self._resend(run)
         while True:
             changed = approvals.changed
             due = approvals.next_due()
@@ -343,25 +435,30 @@ def _line(call_id: str, decision: str, reason: str | None) -> bytes:
     return data
 
 
-async def _send(path: Path, data: bytes, run_id: str) -> None:
-    """Write one answer line into the channel, whole; a runner that is not listening (or
-    does not read within ``SEND_TIMEOUT_S``) is a refusal."""
+def _open(path: Path, run_id: str) -> int:
+    """The channel's write end (non-blocking); a runner that is not listening is a refusal.
+
+    Raises:
+        ControlProtocolError: ``refused``.
+    """
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         why = "the runner is not listening (it has ended)" if exc.errno in (errno.ENXIO, errno.ENOENT) else str(exc)
         raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {why}") from exc
-    stream = trio.lowlevel.FdStream(fd)  # owns fd now
-    try:
-        with trio.move_on_after(SEND_TIMEOUT_S) as scope:
-            await stream.send_all(data)
-    except (OSError, trio.BrokenResourceError) as exc:
-        raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {exc}") from exc
-    finally:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
-    if scope.cancelled_caught:
-        raise ControlProtocolError(
-            ErrorCode.REFUSED,
-            f"run {run_id!r}: cannot answer: the runner has not read its answers for {SEND_TIMEOUT_S:g} s",
-        )
+
+
+async def _write(fd: int, data: bytes) -> tuple[int, str | None]:
+    """Write one answer line into the channel, whole (waiting for room, ``SEND_TIMEOUT_S``
+    at most: the runner reads at once); how many bytes went in, and why not all (None: all)."""
+    done = 0
+    with trio.move_on_after(SEND_TIMEOUT_S):
+        while done < len(data):
+            try:
+                done += os.write(fd, data[done:])
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(fd)
+            except OSError as exc:
+                return done, str(exc)
+        return done, None
+    return done, f"the runner has not read its answers for {SEND_TIMEOUT_S:g} s"

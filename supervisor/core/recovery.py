@@ -115,7 +115,8 @@ class Recovery:
         # dead daemon would have (its account was in its memory only).
         run.steers_sent, run.steers_read, run.steers_settled = await self.book.journal.steering_texts(run_id)
         # Calls that were awaiting approval still are: their records say so, deadlines
-        # included; one the dead daemon had answered (journaled) is not answered again.
+        # included; one the dead daemon had answered (journaled) is not answered again,
+        # and its answer is sent again once the run has caught up (``ApprovalDesk.watch``).
         run.approvals.restore(row["tool_calls"], sent=await self.book.journal.approvals_sent(run_id))
         if run.deadline is None and run.timeout_s is not None and row["started_at"] is not None:
             run.deadline = row["started_at"] + run.timeout_s  # a journal from before deadlines

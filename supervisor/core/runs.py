@@ -149,6 +149,7 @@ class RunManager:
                 record=self.book.record,
                 transition=lambda run, new, *, only_from: self.book.transition(run, new, only_from=only_from),
                 cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
+                record_durable=self.book.record_durable,
             )
         )
         self.lifecycle = Lifecycle(

@@ -588,8 +588,10 @@ class Store(SessionStoreMixin):
                 self._require_run(conn, run_id)
         return out, more
 
-    def append_events(self, run_id: str, items: Sequence[tuple[str, str, float]]) -> list[int]:
-        with self._tx(durable=False) as conn:
+    def append_events(
+        self, run_id: str, items: Sequence[tuple[str, str, float]], *, durable: bool = False
+    ) -> list[int]:
+        with self._tx(durable=durable) as conn:
             return self._append(conn, run_id, items)
 
     def events_after(self, run_id: str, after_seq: int, limit: int) -> list[EventRecord]:
@@ -629,21 +631,33 @@ class Store(SessionStoreMixin):
                 settled.append(obj["text"])
         return sent, read, settled
 
-    def approvals_sent(self, run_id: str) -> dict[str, str]:
+    def approvals_sent(self, run_id: str) -> dict[str, dict[str, Any]]:
         """The answers the daemon sent the run's runner (``approval_sent`` events): call id
-        -> decision (``approve``/``deny``), the first one per call (the one its runner takes)."""
-        out: dict[str, str] = {}
+        -> ``{"decision": "approve"|"deny", "reason": ...}``, the first one per call (the
+        one its runner takes), unless an ``approval_unsent`` after it says none of it went
+        into the channel (the call could be answered again)."""
+        out: dict[str, dict[str, Any]] = {}
         with self._read() as conn:
             rows = conn.execute(
-                "SELECT data FROM events WHERE run_id = ? AND kind = 'approval_sent' ORDER BY seq", (run_id,)
+                "SELECT kind, data FROM events WHERE run_id = ? AND kind IN ('approval_sent', 'approval_unsent') "
+                "ORDER BY seq",
+                (run_id,),
             ).fetchall()
-        for (data,) in rows:
+        for kind, data in rows:
             try:
                 obj = json.loads(data)
             except ValueError:
                 continue
-            if isinstance(obj, dict) and isinstance(obj.get("call_id"), str) and isinstance(obj.get("decision"), str):
-                out.setdefault(obj["call_id"], obj["decision"])
+            if not isinstance(obj, dict) or not isinstance(obj.get("call_id"), str):
+                continue
+            if kind == "approval_unsent":
+                out.pop(obj["call_id"], None)
+            elif isinstance(obj.get("decision"), str) and obj["call_id"] not in out:
+                reason = obj.get("reason")
+                out[obj["call_id"]] = {
+                    "decision": obj["decision"],
+                    "reason": reason if isinstance(reason, str) else None,
+                }
         return out
 
     # -- tool calls ------------------------------------------------------------------

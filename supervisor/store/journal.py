@@ -877,16 +877,17 @@ class Journal:
         return seq
 
     async def append_events(
-        self, run_id: str, events: Iterable[tuple[str, Mapping[str, Any], float | None]]
+        self, run_id: str, events: Iterable[tuple[str, Mapping[str, Any], float | None]], *, durable: bool = False
     ) -> list[int]:
         """Append ``(kind, data, ts)`` events in one transaction; returns their numbers.
+        Committed NORMAL, or FULL (fsynced) with ``durable``.
 
         Raises:
             RunNotFound: no run has this id.
         """
         now = time.time()
         items = [(_text(str(kind)), dumps(dict(data)), now if ts is None else float(ts)) for kind, data, ts in events]
-        return await self._call(lambda s: s.append_events(_text(run_id), items))
+        return await self._call(lambda s: s.append_events(_text(run_id), items, durable=durable))
 
     async def append_run_events(self, run_id: str, writes: Sequence[EventWrite]) -> list[int]:
         """``writes`` (a run's events with the facts that come with them: ``EventWrite``),
@@ -950,9 +951,10 @@ class Journal:
         what it never read, or read and never applied)."""
         return await self._call(lambda s: s.steering_texts(_text(run_id)))
 
-    async def approvals_sent(self, run_id: str) -> dict[str, str]:
-        """The answers sent to the run's runner, by call id (the first per call): a
-        restarted daemon's account of the calls answered already."""
+    async def approvals_sent(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """The answers sent to the run's runner, by call id (the first per call, unless
+        one journaled unsent after it): ``{"decision", "reason"}``; a restarted daemon's
+        account of the calls answered already, and what it sends again."""
         return await self._call(lambda s: s.approvals_sent(_text(run_id)))
 
     # -- tool calls ------------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 import trio
 
@@ -96,6 +97,48 @@ def _pause_before_recovery() -> None:
     recovery.Recovery.recover = pause  # type: ignore[assignment,method-assign]
 
 
+def _hold_between_approval_steps() -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT=approval_between``): an answer's two steps
+    are its journal write (the ``approval_sent`` event) and its write into the run's
+    channel, in whichever order the desk takes them; once the first is done, print ``at
+    approval_between`` on stdout and hold there for good (the test SIGKILLs the daemon)."""
+    from supervisor.core import _book, approvals
+
+    done: list[str] = []
+
+    async def hold() -> None:
+        print("at approval_between", flush=True)
+        await trio.sleep_forever()
+
+    def channel_write(write: Any) -> Any:
+        async def wrapped(*args: object, **kwargs: object) -> object:
+            if done:
+                await hold()
+            value = await write(*args, **kwargs)
+            done.append("channel")
+            return value
+
+        return wrapped
+
+    def journal_write(record: Any) -> Any:
+        async def wrapped(book: object, run: object, kind: str, *args: object, **kwargs: object) -> object:
+            if kind == "approval_sent" and done:
+                await hold()
+            value = await record(book, run, kind, *args, **kwargs)
+            if kind == "approval_sent":
+                done.append("journal")
+            return value
+
+        return wrapped
+
+    for name in ("_write", "_send"):  # the channel write (``_send``: before the record came first)
+        if hasattr(approvals, name):
+            setattr(approvals, name, channel_write(getattr(approvals, name)))
+    for name in ("record", "record_durable"):
+        if hasattr(_book.RunBook, name):
+            setattr(_book.RunBook, name, journal_write(getattr(_book.RunBook, name)))
+
+
 async def main(state_dir: str) -> None:
     if os.environ.get("AGENTD_TEST_FAIL_AT") == "after_recovery":
         _fail_after_recovery()
@@ -108,6 +151,8 @@ async def main(state_dir: str) -> None:
         _hold_after_spare_go()
     elif hold_at == "process_record":
         _hold_at_process_record()
+    elif hold_at == "approval_between":
+        _hold_between_approval_steps()
     config = Config.load(state_dir=state_dir)
     async with trio.open_nursery() as n:
         info = await n.start(serve, config)

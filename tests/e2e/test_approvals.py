@@ -425,3 +425,63 @@ async def test_an_answer_sent_before_a_daemon_kill_is_the_calls_answer_for_the_n
     (call,) = final["tool_calls"]
     assert (call["state"], call["approval"]) == ("succeeded", "approved")
     assert (shared / "side-effect").read_text() == "wrote\n"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["runner-reading", "runner-frozen"])
+async def test_an_answer_whose_daemon_died_between_journaling_and_sending_it_is_the_answer_and_is_sent(
+    tmp_path: Path, frozen: bool
+) -> None:
+    # The daemon dies (SIGKILL) between the two steps of an answer: its journal write and
+    # its write into the run's channel (``AGENTD_TEST_HOLD_AT=approval_between``); the
+    # client was told nothing. The channel first and the journal after: the next daemon
+    # had no record of the approve, took a deny (replied "denied") while the runner took
+    # the approve and ran the call. Now the journal first: the next daemon refuses a
+    # second answer, and sends the journaled one again, which the runner never had
+    # (reading) or may have had (frozen: it takes the first answer and ignores the rest).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = tmp_path / "state"
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0, test_hold_at="approval_between") as (d1, c):
+            rid = str((await c.call("spawn", spec=approval_spec(shared)))["run_id"])
+            await Session(c).wait(rid, awaiting)
+            st = await c.call("status", run_id=rid)
+            events_file = record_paths(Path(st["run_dir"]))[0]
+            pidfd = os.pidfd_open(st["pid"])  # the runner this test's daemon started, pinned
+            try:
+                if frozen:
+                    signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
+                c.n += 1
+                await c.ws.send_message(json.dumps({"id": c.n, "op": "approve", "run_id": rid, "call_id": "call_w"}))
+                assert d1.stdout is not None
+                out = b""
+                while b"at approval_between" not in out:
+                    chunk = await d1.stdout.receive_some()
+                    assert chunk, out
+                    out += chunk
+                await kill9(d1, c)
+                if not frozen:  # nothing reached the runner, which reads at once
+                    assert b'"approval_answered"' not in events_file.read_bytes()
+                    assert not (shared / "side-effect").exists()
+                async with daemon(state, grace_s=5.0) as (_d2, c):
+                    s = Session(c)
+                    waiting = await c.call("status", run_id=rid)
+                    deny = await s.reply("deny", run_id=rid, call_id="call_w", reason="changed my mind")
+                    if frozen:
+                        signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+                    final = await s.end(rid)
+                    events = (await c.call("events", run_id=rid))["events"]
+            finally:
+                os.close(pidfd)
+    assert deny["ok"] is False and deny["error"]["code"] == "refused", deny
+    if frozen:  # the runner cannot have acted on it yet: the journal's word holds the call
+        assert [(a["call_id"], a.get("answer_sent")) for a in waiting["approvals"]] == [("call_w", "approve")]
+        assert "answered already (approve)" in deny["error"]["message"], deny
+    else:  # held as answered, or acted on already (the answer sent again)
+        assert [(a["call_id"], a.get("answer_sent")) for a in waiting["approvals"]] in ([("call_w", "approve")], [])
+    assert final["state"] == "completed", final
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["approval"]) == ("succeeded", "approved")
+    assert (shared / "side-effect").read_text() == "wrote\n"
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("approval_sent") == 1 and kinds.count("approval_answered") == 1, kinds

@@ -1,0 +1,173 @@
+"""An approval's answer is journaled before it goes into the run's channel, never after.
+
+The desk (``supervisor.core.approvals``) with a real FIFO as the run's channel, the
+runner's own reader of it (``subagent.approvals.AnswerChannel``) where it matters, and a
+real journal for the account a restarted daemon reads. A daemon killed between the two
+steps, end to end: ``tests/e2e/test_approvals.py``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from subagent.approvals import Answer, AnswerChannel
+from supervisor.core.approvals import SEND_TIMEOUT_S, ApprovalDesk, Hooks, answers_path, make_channel
+from supervisor.errors import ControlProtocolError, JournalUnavailable
+from supervisor.store.journal import Journal
+from tests.supervisor.test_sessions import FakeRun
+
+Recorded = list[tuple[str, dict[str, Any]]]
+
+
+async def nothing(*a: Any, **kw: Any) -> None:
+    pass
+
+
+def channel(tmp_path: Path) -> tuple[FakeRun, int]:
+    """A run with its channel, and the runner's end of it (read-write, non-blocking)."""
+    run_dir = tmp_path / "t-1"
+    run_dir.mkdir(parents=True)
+    make_channel(run_dir)
+    return FakeRun(run_dir), os.open(answers_path(run_dir), os.O_RDWR | os.O_NONBLOCK)
+
+
+def unread(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return b""
+
+
+async def asked(d: ApprovalDesk, run: FakeRun, call_id: str = "c1") -> None:
+    await d.on_event(run, "approval_requested", {"call_id": call_id, "name": "x", "deadline": None})
+
+
+async def test_the_answer_is_journaled_before_anything_of_it_is_in_the_channel(tmp_path: Path) -> None:
+    # Written first and journaled after: a daemon killed between the two left nothing that
+    # said an answer had gone out, and its successor took a second, different one.
+    run, reader = channel(tmp_path)
+    seen_at_record: list[bytes] = []
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        seen_at_record.append(unread(reader))
+
+    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    await asked(d, run)
+    await d.answer(run, "c1", approve=True)
+    line = unread(reader)
+    os.close(reader)
+    assert seen_at_record == [b""]
+    assert line == b'\n{"call_id": "c1", "decision": "approve"}\n'
+
+
+async def test_an_answer_the_journal_cannot_hold_is_not_sent_and_the_call_still_waits(tmp_path: Path) -> None:
+    run, reader = channel(tmp_path)
+    recorded: Recorded = []
+    down = [True]
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        if down[0]:
+            raise JournalUnavailable("disk full")
+        recorded.append((kind, data))
+
+    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    await asked(d, run)
+    with pytest.raises(ControlProtocolError, match="cannot be journaled .*disk full.*not sent"):
+        await d.answer(run, "c1", approve=True)
+    assert unread(reader) == b""
+    assert run.approvals.pending["c1"].sent is None
+    down[0] = False
+    await d.answer(run, "c1", approve=False)  # the journal is back: the call is answered
+    assert unread(reader) == b'\n{"call_id": "c1", "decision": "deny"}\n'
+    os.close(reader)
+    assert recorded == [("approval_sent", {"call_id": "c1", "decision": "deny", "reason": None})]
+
+
+async def test_an_answer_that_went_into_the_channel_in_part_is_journaled_unsent_and_the_runner_drops_the_part(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A runner that does not read (frozen, stuck) with its channel nearly full: the line
+    # goes in in part, the send gives up. The runner never takes a cut line (the next
+    # line's leading newline ends it, and it is not JSON), so the call waits again, and
+    # the journal says so: a restarted daemon must not count it answered.
+    run, reader = channel(tmp_path)
+    recorded: Recorded = []
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        recorded.append((kind, data))
+
+    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4 * 4096)  # four page slots
+    for _ in range(3):
+        os.write(reader, b"x" * 4095 + b"\n")  # junk lines the runner drops, one slot each
+    await asked(d, run)
+    before = trio.current_time()
+    with pytest.raises(ControlProtocolError, match="has not read its answers.*not sent"):
+        await d.answer(run, "c1", approve=False, reason="n" * 5000)  # one slot's worth goes in
+    assert trio.current_time() - before == pytest.approx(SEND_TIMEOUT_S)
+    assert [k for k, _ in recorded] == ["approval_sent", "approval_unsent"]
+    assert recorded[1][1]["call_id"] == "c1" and run.approvals.pending["c1"].sent is None
+    runner = AnswerChannel(reader)
+    async with trio.open_nursery() as n:
+        await n.start(runner.run)
+        await trio.testing.wait_all_tasks_blocked()  # the runner has read all there was
+        await d.answer(run, "c1", approve=True)  # answered again: this one it takes
+        assert await runner.wait("c1") == Answer("approved")
+        n.cancel_scope.cancel()
+
+
+async def test_an_answer_a_dead_daemon_journaled_is_sent_again_once_the_run_has_caught_up(tmp_path: Path) -> None:
+    # Journaled, then the daemon died before (or after) writing it: the next daemon holds
+    # the call answered and writes the journaled answer again once it has read the
+    # runner's events file, unless that file says the runner acted on it.
+    run, reader = channel(tmp_path)
+    other, other_reader = channel(tmp_path / "o")
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=nothing))
+    records = [{"id": "c1", "name": "x", "approval": "pending", "state": "not_started"}]
+    sent = {"c1": {"decision": "deny", "reason": "not now"}}
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            for r in (run, other):
+                r.caught_up = trio.Event()
+                r.approvals.restore(records, sent=sent)
+                n.start_soon(d.watch, r)
+            await trio.testing.wait_all_tasks_blocked()
+            assert unread(reader) == b"" and unread(other_reader) == b""  # not before the catch-up
+            await d.on_event(other, "approval_answered", {"call_id": "c1", "decision": "denied"})  # read meanwhile
+            for r in (run, other):
+                assert r.caught_up is not None
+                r.caught_up.set()
+            await trio.lowlevel.wait_readable(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            n.cancel_scope.cancel()
+    assert unread(reader) == b'\n{"call_id": "c1", "decision": "deny", "reason": "not now"}\n'
+    assert unread(other_reader) == b""  # its runner acted on the answer: nothing again
+    assert run.approvals.pending["c1"].sent == "deny"  # and a second answer is refused
+    os.close(reader)
+    os.close(other_reader)
+
+
+async def test_the_journal_names_the_answer_sent_and_not_one_journaled_unsent(tmp_path: Path) -> None:
+    async with await Journal.open(tmp_path / "j.sqlite3") as j:
+        await j.create_run("r1", session_id=None, spec={"task": "t"}, created_at=1.0, timeout_s=None)
+        for kind, data in [
+            ("approval_sent", {"call_id": "a", "decision": "approve", "reason": None}),
+            ("approval_sent", {"call_id": "b", "decision": "approve", "reason": None}),
+            ("approval_unsent", {"call_id": "b", "why": "the runner has not read its answers for 10 s"}),
+            ("approval_sent", {"call_id": "b", "decision": "deny", "reason": "no"}),
+            ("approval_sent", {"call_id": "c", "decision": "deny", "reason": "x"}),
+            ("approval_unsent", {"call_id": "c", "why": "gone"}),
+            ("approval_sent", {"call_id": "a", "decision": "deny", "reason": "late"}),  # the first one counts
+        ]:
+            await j.append_event("r1", kind, data)
+        assert await j.approvals_sent("r1") == {
+            "a": {"decision": "approve", "reason": None},
+            "b": {"decision": "deny", "reason": "no"},
+        }
