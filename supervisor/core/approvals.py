@@ -306,11 +306,15 @@ class ApprovalDesk:
                         f"it was not sent",
                     ) from exc
                 approvals.mark_sent(p, decision, reason)
-                written, why = await _write(fd, line)
+                # Journaled: from here it is written, or said unsent, whatever else comes (a
+                # client gone cancels this request); bounded by SEND_TIMEOUT_S.
+                with trio.CancelScope(shield=True):
+                    written, why = await _write(fd, line)
             finally:
                 os.close(fd)
             if why is not None:
-                await self._unsent(run, p, line, written, why)
+                with trio.CancelScope(shield=True):
+                    await self._unsent(run, p, line, written, why)
         return {
             "run_id": run.run_id,
             "call_id": call_id,

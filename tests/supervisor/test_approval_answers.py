@@ -123,6 +123,37 @@ async def test_an_answer_that_went_into_the_channel_in_part_is_journaled_unsent_
         n.cancel_scope.cancel()
 
 
+async def test_a_request_cancelled_while_its_answer_waits_for_room_still_ends_written_or_journaled_unsent(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The answer is journaled and its channel is full (a runner not reading); the request
+    # is cancelled meanwhile (its client went away). Left there, the journal said sent
+    # while nothing went in, and the call was held answered with no answer on its way.
+    run, reader = channel(tmp_path)
+    recorded: Recorded = []
+    errors: list[str] = []
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        recorded.append((kind, data))
+
+    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    try:
+        while True:
+            os.write(reader, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    await asked(d, run)
+    with trio.move_on_after(1.0):
+        try:
+            await d.answer(run, "c1", approve=True)
+        except ControlProtocolError as exc:
+            errors.append(str(exc))
+    os.close(reader)
+    assert [k for k, _ in recorded] == ["approval_sent", "approval_unsent"]
+    assert run.approvals.pending["c1"].sent is None
+    assert len(errors) == 1 and "not sent" in errors[0]
+
+
 async def test_an_answer_a_dead_daemon_journaled_is_sent_again_once_the_run_has_caught_up(tmp_path: Path) -> None:
     # Journaled, then the daemon died before (or after) writing it: the next daemon holds
     # the call answered and writes the journaled answer again once it has read the
