@@ -29,7 +29,7 @@ from subagent.loop import AgentLoop, RunOutcome, stopped_outcome
 from subagent.model.provider import ModelError, Provider
 from subagent.spec import McpServerSpec, RunSpec
 from subagent.steering import SteeringQueue, read_steering
-from subagent.stop import StopControl
+from subagent.stop import StopControl, import_abortably
 from subagent.stopmark import SIGNALLED, read_marker
 from subagent.tools.background import BackgroundCommands
 from subagent.tools.toolbox import ToolBox
@@ -47,7 +47,20 @@ class SetupFailure(Exception):
         self.message = message
 
 
-def _make_provider(spec: RunSpec) -> Provider:
+OPENAI_PROVIDER_MODULE = "subagent.model.openai_provider"  # its import brings in openai
+
+
+class _StoppedInSetup(Exception):
+    """The stop came while the run was being set up, before it had a provider."""
+
+
+async def _make_provider(spec: RunSpec, stop: StopControl) -> Provider:
+    """The run's model. ``openai`` is imported (1.2 s in a cold runner) in a worker thread a
+    stop abandons (``import_abortably``): on the loop, it held the stop until it was done.
+
+    Raises:
+        _StoppedInSetup: the stop came first.
+    """
     m = spec.model
     if m.provider == "scripted":
         from subagent.model.script import Script, ScriptError
@@ -61,6 +74,8 @@ def _make_provider(spec: RunSpec) -> Provider:
         except ScriptError as exc:
             raise SetupFailure(ExitCode.BAD_SPEC, "bad_spec", f"error: bad model script: {exc}") from None
         return ScriptedProvider()
+    if not await import_abortably(OPENAI_PROVIDER_MODULE, stop.abortable):
+        raise _StoppedInSetup()
     from subagent.model.openai_provider import OpenAIProvider
 
     try:
@@ -375,9 +390,9 @@ async def run(
                     stop.request("signal")
                 async with AsyncExitStack() as stack:
                     try:
-                        provider = _make_provider(spec)
-                        stack.push_async_callback(provider.aclose)
                         stop.phase = "setup"
+                        provider = await _make_provider(spec, stop)
+                        stack.push_async_callback(provider.aclose)
                         servers = await _start_servers(
                             _server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter
                         )
@@ -431,6 +446,8 @@ async def run(
                         )
                         outcome = await loop.run()
                         before_stop = not stop.asked
+                    except _StoppedInSetup:
+                        outcome = stopped_outcome(stop.reason)
                     except SetupFailure as exc:
                         before_stop = not stop.asked
                         emitter.log("error", exc.message, code=exc.code)

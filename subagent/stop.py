@@ -33,6 +33,8 @@ the stop; the stop then reaches the running command through its policy.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -195,3 +197,28 @@ class StopControl:
         self._tool_scope = None
         self.running_tool = None
         self.on_stop_during_tool = None
+
+
+async def import_abortably(
+    module: str, abortable: Callable[[str], contextlib.AbstractContextManager[trio.CancelScope]]
+) -> bool:
+    """Import ``module`` (one that brings in ``openai`` or ``mcp``: 1.2-1.6 s in a cold
+    runner) in a worker thread while the loop watches the stop (``abortable("setup")``: a
+    scope the stop cancels, ``StopControl.abortable``); False when the stop came first.
+
+    On the loop, an import holds the stop until it is done (the SIGTERM's task cannot
+    run). A stop abandons the import (a setup has no side effect to wait for): its thread
+    goes on until the process exits, which it then does at once (``runner.start``:
+    ``os._exit``); nothing of the run uses the module after a stop in its setup. A forked
+    runner has it already (the zygote's ``preload``): no thread. With no thread to be had
+    (the run's pids limit) it is imported on the loop.
+    """
+    if module in sys.modules:
+        return True
+    with abortable("setup"):
+        try:
+            await trio.to_thread.run_sync(importlib.import_module, module, abandon_on_cancel=True)
+        except RuntimeError:  # no thread could be started
+            importlib.import_module(module)
+        return True
+    return False

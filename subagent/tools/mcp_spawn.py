@@ -14,11 +14,9 @@ plus the server's configured ``env``, never a secret of the runner's (``server_e
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -31,6 +29,7 @@ import trio
 
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
+from subagent.stop import import_abortably
 from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
 from subagent.tools.runfiles import open_regular
 
@@ -159,12 +158,4 @@ async def import_mcp_tools(abortable: Callable[[str], contextlib.AbstractContext
     in its setup. A forked runner has it already (the zygote's ``preload``): no thread.
     With no thread to be had (the run's pids limit) it is imported on the loop, as before.
     """
-    if MCP_TOOLS_MODULE in sys.modules:
-        return True
-    with abortable("setup"):
-        try:
-            await trio.to_thread.run_sync(importlib.import_module, MCP_TOOLS_MODULE, abandon_on_cancel=True)
-        except RuntimeError:  # no thread could be started
-            importlib.import_module(MCP_TOOLS_MODULE)
-        return True
-    return False
+    return await import_abortably(MCP_TOOLS_MODULE, abortable)
