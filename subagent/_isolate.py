@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -20,6 +21,7 @@ __all__ = [
     "enter_user_namespace",
     "private_mounts",
     "private_devpts",
+    "private_proc",
     "cover",
     "shared_tmpfs",
     "drop_capabilities",
@@ -246,6 +248,59 @@ def private_devpts(path: str = "/dev/pts") -> None:
     password). ``/dev/ptmx`` opens a terminal in the devpts mounted beside it (``pts``,
     Linux 4.7+), so the run's ``openpty`` still works, in this instance."""
     _mount("devpts", path, "devpts", _MS_NOSUID | _MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+
+
+def _proc_submounts() -> list[str]:
+    """What is mounted under /proc in this mount namespace (a container's masks over
+    ``/proc/kcore``, ``binfmt_misc``): the topmost of them (a bind of one brings the
+    mounts under it), parents first."""
+    points: list[str] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point.startswith("/proc/"):
+                points.append(point)
+    out: list[str] = []
+    for p in sorted(set(points), key=len):
+        if not any(p.startswith(q + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def private_proc() -> None:
+    """A mount namespace of this process's own (owned by its user namespace: call it as
+    the host's root, before ``enter_user_namespace``, which copies it, locked) with a new
+    procfs instance at /proc mounted ``hidepid=invisible`` (Linux 5.8: options per
+    instance): a process lists and opens only the ``/proc/<pid>`` of the processes it may
+    ptrace-read (its own uid and dumpable, and, under Landlock, inside its own domain),
+    never the command line, environment or status of the host's, the daemon's or another
+    run's. Only the host's root may mount one: a procfs belongs to the user namespace
+    owning the PID namespace. What the host has mounted under /proc (a container's masks,
+    read-only tunables) is bound back over the new instance, as it was. Undone if a step
+    fails (the host's /proc in sight again, in this new namespace)."""
+    _check(_c().unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing propagates back to the host
+    subs = _proc_submounts()
+    held: list[tuple[str, int]] = []
+    mounted = False
+    try:
+        for sub in subs:
+            held.append((sub, os.open(sub, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)))
+        # ``gid``: the group that sees every process (root's, 0, by default, which a root
+        # runner's processes hold): one no process of ours holds.
+        mine = {os.getegid(), os.getgid(), *os.getgroups()}
+        gid = next(g for g in range(65534, 0, -1) if g not in mine)
+        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, f"hidepid=invisible,gid={gid}")
+        mounted = True
+        for sub, fd in held:
+            _mount(f"/proc/self/fd/{fd}", sub, None, _MS_BIND | _MS_REC, None)
+    except BaseException:
+        if mounted:
+            _c().umount2(b"/proc", _MNT_DETACH)
+        raise
+    finally:
+        for _s, fd in held:
+            os.close(fd)
 
 
 # Files the private tmpfs may hold (``shared_tmpfs``): this many per MiB of its bound, at

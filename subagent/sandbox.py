@@ -11,7 +11,9 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
   out of reach), so are its terminals (``/dev/pts``: a devpts of its own) and its System V
   IPC (freed with its last process), the daemon's protected directories covered by an
   empty tmpfs (the run's own directory bound back: Landlock does not refuse a
-  ``connect()`` to another run's unix socket there), and the kernel's tunables read-only; where namespaces are refused
+  ``connect()`` to another run's unix socket there), and the kernel's tunables read-only;
+  a root runner's /proc is a procfs of its own, ``hidepid=invisible`` (``_private_proc``:
+  the host's, the daemon's and other runs' processes out of sight); where namespaces are refused
   (systemd's ``RestrictNamespaces=``) a uid 0 runner is uid 0 without any capability.
   The runner is not dumpable: its tools cannot read its memory or environment (the key).
 - Landlock: read the system, the interpreter and this checkout; write the run directory;
@@ -103,6 +105,17 @@ PRIVATE_DIRS: Final = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 # run dir; Chromium's shared memory is memfd); 1 GiB is what Chrome is given in a container
 # (``--shm-size=1g``, Docker's 64 MiB being what makes it crash).
 TMPFS_MAX_MIB: Final = 1024
+# What ``status`` says (``sandbox.proc``) the run sees of other processes under /proc.
+PROC_HIDDEN: Final = (
+    "own procfs, hidepid=invisible: only the processes the run may ptrace-read (its own, inside its "
+    "Landlock domain) are listed; the host's, the daemon's and other runs' (command lines, environments, "
+    "status) are not"
+)
+PROC_SHARED: Final = (
+    "the daemon's: the run lists what the daemon lists under /proc (the host's processes, the daemon's, "
+    "other runs'), their command lines and status readable (a procfs of the run's own needs a root daemon "
+    "and a mount namespace)"
+)
 # Never reachable, whatever is granted around them: this daemon's configuration and the
 # files a uid-0 run could otherwise read as their owner.
 DEFAULT_PROTECT: Final = (
@@ -210,6 +223,8 @@ class Report:
     workdir: str | None = None
     browser_sandbox: bool | None = None
     browser_sandbox_why: str | None = None
+    # What the run sees under /proc of the other processes (``PROC_HIDDEN`` or ``PROC_SHARED``).
+    proc: str | None = None
     problems: list[str] = field(default_factory=list)
     setup_ms: float | None = None  # how long ``enter`` took
 
@@ -226,7 +241,7 @@ class Report:
             "scopes": self.scopes,
             "network": "unrestricted",
         }
-        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why", "setup_ms", "private_max_mib"):
+        for k in ("why", "workdir", "browser_sandbox", "browser_sandbox_why", "setup_ms", "private_max_mib", "proc"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = v
@@ -457,6 +472,8 @@ class Ahead:
     host_uid: int
     inner: int
     userns: bool = False
+    # A procfs of the run's own at /proc, hidepid=invisible (``_isolate.private_proc``).
+    proc_hidden: bool = False
     private: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     proc_writable: bool = True
@@ -648,6 +665,8 @@ def prepare_ahead(
         # the user's sockets there (systemd --user, the session bus, ssh-agent) are out of reach.
         inner=SANDBOX_ID if root else os.getuid(),
     )
+    if root:
+        _private_proc(ahead)
     try:
         _isolate.enter_user_namespace(ahead.inner)
         ahead.userns = True
@@ -723,6 +742,24 @@ def _cover_protected(ahead: Ahead, keep: list[str], keep_read_only: list[str]) -
         ahead.hidden[p] = fd
 
 
+def _private_proc(ahead: Ahead) -> None:
+    """A root runner's own /proc, ``hidepid=invisible`` (``_isolate.private_proc``), made
+    while it is still the host's root (a procfs belongs to the host's user namespace,
+    which owns the PID namespace; a normal user's runner cannot mount one): the command
+    lines, environments and status of the host's processes, the daemon's and other runs'
+    (all uid 0 on the host, like the run, but outside its Landlock domain, which refuses
+    the run ptrace access to them) are out of its sight."""
+    try:
+        _isolate.private_proc()
+    except OSError as exc:
+        ahead.problems.append(
+            f"the daemon's /proc (its processes, the host's, other runs', their command lines) is in the run's "
+            f"sight: {exc.strerror or exc}"
+        )
+        return
+    ahead.proc_hidden = True
+
+
 def _private_terminals(ahead: Ahead) -> None:
     """The run's own devpts at ``DEVPTS`` (``_isolate.private_devpts``), before the
     Landlock rules name it (a rule holds the inode it was made on: the new instance's)."""
@@ -756,6 +793,7 @@ def _finish(
     read = list(dict.fromkeys([*ahead.read, *_exists(spec_read)]))
     write = list(dict.fromkeys([*ahead.write, *_exists(spec_write)]))
     report.private = ahead.private
+    report.proc = PROC_SHARED
     if any(p in PRIVATE_DIRS for p in ahead.private):
         report.private_max_mib = ahead.settings.tmpfs_max_mib
     report.problems.extend(ahead.problems)
@@ -794,6 +832,8 @@ def _finish(
         return ahead.proc_writable
     report.mode = "landlock"
     report.landlock_abi = ahead.abi
+    if ahead.proc_hidden:  # (without Landlock the host's uid-0 processes are the run's uid, in its sight)
+        report.proc = PROC_HIDDEN
     report.read, report.write, report.protected = read, write, ahead.protect
     report.scopes = ["signal", "abstract_unix_socket"] if ahead.abi >= 6 else []
     return ahead.proc_writable

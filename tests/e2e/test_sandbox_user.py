@@ -39,7 +39,7 @@ import pytest
 import trio
 
 from subagent import _landlock
-from subagent.sandbox import PRIVATE_DIRS
+from subagent.sandbox import PRIVATE_DIRS, PROC_SHARED
 from supervisor.control.client import Client
 from tests import conftest
 from tests.e2e.test_sandbox import (
@@ -296,6 +296,7 @@ async def test_a_users_daemon_runs_as_that_user_and_its_runs_are_sandboxed(user_
     sandbox = st["sandbox"]
     assert sandbox["mode"] == "landlock" and str(d.state) in sandbox["protected"], sandbox
     assert sandbox["identity"] == f"uid {d.uid} on the host, uid {d.uid} in its own user namespace, no capabilities"
+    assert sandbox["proc"] == PROC_SHARED, "a normal user cannot mount a procfs: the host's /proc, and said so"
     assert {p for p in PRIVATE_DIRS if os.path.isdir(p)} <= set(sandbox["private"]), sandbox
     if not any(d.home.is_relative_to(p) for p in PRIVATE_DIRS):
         assert "Permission denied" in out  # Landlock's word: no private dir hides the state here
