@@ -117,9 +117,9 @@ class GoClock:
         orig = zygote_mod.Spare.go
         calls = self.calls
 
-        async def timed(s: Any) -> Any:
+        async def timed(s: Any, *a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
-            tree = await orig(s)
+            tree = await orig(s, *a, **k)
             calls.append((t0, time.perf_counter(), tree is not None))
             return tree
 

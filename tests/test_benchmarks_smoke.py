@@ -1,7 +1,7 @@
 """The benchmark scripts still run: each in its tiny ``--quick`` mode, all at once.
 
 No figure is asserted (benchmarks print figures; they never fail on one). What must hold:
-each script exits 0, writes its JSON, and reports its cleanup (every process it started
+each script exits 0, writes its JSON, logs no traceback, and reports its cleanup (every process it started
 is gone; the suite's leftover guard checks that too, through AGENTD_TEST_MARK).
 """
 
@@ -53,6 +53,11 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
         data = json.loads(out.read_text())
         if not isinstance(data, dict) or "cleanup:" not in text:
             failures.append(f"bench_{name} wrote no figures or no cleanup line:\n{text[-3000:]}")
+        elif "Traceback" in text:
+            # A figure of runs that all failed is no figure (bench_zygote's spare runs once
+            # failed at a changed signature and it still exited 0).
+            at = text.index("Traceback")
+            failures.append(f"bench_{name} logged a traceback:\n{text[at : at + 3000]}")
     assert not failures, "\n\n".join(failures)
 
 
