@@ -604,6 +604,23 @@ class Store(SessionStoreMixin):
                 self._require_run(conn, run_id)
         return [EventRecord(seq=seq, ts=ts, kind=kind, data=json.loads(data)) for seq, ts, kind, data in rows]
 
+    def _events_of(self, run_id: str, kinds: tuple[str, ...], key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The run's events of these kinds, in order, as (kind, data): those whose data is
+        an object with a text at ``key`` (anything else is skipped)."""
+        marks = ", ".join("?" * len(kinds))
+        with self._read() as conn:
+            rows = conn.execute(
+                f"SELECT kind, data FROM events WHERE run_id = ? AND kind IN ({marks}) ORDER BY seq",  # noqa: S608
+                (run_id, *kinds),
+            ).fetchall()
+        for kind, data in rows:
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get(key), str):
+                yield kind, obj
+
     def steering_texts(self, run_id: str) -> tuple[list[str], list[str], list[str]]:
         """The steering texts the daemon sent the run's runner (``steer_sent`` events),
         those the runner said it read (``steering`` events, ``queued``), and those it said
@@ -611,18 +628,7 @@ class Store(SessionStoreMixin):
         sent: list[str] = []
         read: list[str] = []
         settled: list[str] = []
-        with self._read() as conn:
-            rows = conn.execute(
-                "SELECT kind, data FROM events WHERE run_id = ? AND kind IN ('steer_sent', 'steering') ORDER BY seq",
-                (run_id,),
-            ).fetchall()
-        for kind, data in rows:
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                continue
+        for kind, obj in self._events_of(run_id, ("steer_sent", "steering"), "text"):
             if kind == "steer_sent":
                 sent.append(obj["text"])
             elif obj.get("state") == "queued":
@@ -637,19 +643,7 @@ class Store(SessionStoreMixin):
         one its runner takes), unless an ``approval_unsent`` after it says none of it went
         into the channel (the call could be answered again)."""
         out: dict[str, dict[str, Any]] = {}
-        with self._read() as conn:
-            rows = conn.execute(
-                "SELECT kind, data FROM events WHERE run_id = ? AND kind IN ('approval_sent', 'approval_unsent') "
-                "ORDER BY seq",
-                (run_id,),
-            ).fetchall()
-        for kind, data in rows:
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("call_id"), str):
-                continue
+        for kind, obj in self._events_of(run_id, ("approval_sent", "approval_unsent"), "call_id"):
             if kind == "approval_unsent":
                 out.pop(obj["call_id"], None)
             elif isinstance(obj.get("decision"), str) and obj["call_id"] not in out:
