@@ -1064,8 +1064,14 @@ def test_an_approval_shows_its_arguments_as_they_run_bidi_and_invisible_characte
     assert shown == (
         '{"command": "echo safe ⟦U+202E⟧ ~ fr- mr ; # ⟦U+2066⟧hid⟦U+2069⟧⟦U+200B⟧ x⟦U+00A0⟧y \u05e9\u05dc 1 2 /"}'
     )
-    # Drawn in the order it is stored: the n-th character read is the n-th that runs.
-    where = args.evaluate(READING_ORDER)
+    # Drawn in the order it is stored: the n-th character read is the n-th that runs. Read
+    # once it is laid out (its characters have widths: the box may be drawn again, with
+    # the same text, as the run's state arrives), a frame at a time, bounded.
+    for _ in range(300):
+        where = args.evaluate(READING_ORDER)
+        if not where["zeroWidth"]:
+            break
+        page.evaluate("() => new Promise((done) => requestAnimationFrame(() => done(null)))")
     assert where["order"] == sorted(where["order"]) and where["zeroWidth"] == []
     # The call's line in the page's tool list shows it the same way.
     tool = page.locator("#tools li[data-id=call_bidi] .reason .literal")
