@@ -618,6 +618,8 @@ async def test_even_a_broken_install_reports_as_json_with_exit_internal(tmp_path
 
 
 async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tmp_path: Path) -> None:
+    log = tmp_path / "run" / "command-bg1.log"
+    wait_for_serving = f"for i in $(seq 1000); do grep -q serving '{log}' && exit 0; sleep 0.01; done; exit 1"
     script = {
         "turns": [
             {
@@ -630,6 +632,9 @@ async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tm
             },
             {
                 "tool_calls": [
+                    # The command writes when its shell gets to it: the run waits for that
+                    # (bounded), or it may end the command before a word is written.
+                    {"name": "run_command", "arguments": {"command": wait_for_serving}},
                     {"name": "command_output", "arguments": {"id": "bg1"}},
                     {"name": "command_output", "arguments": {"id": "bg9"}},
                 ]
@@ -640,11 +645,15 @@ async def test_a_background_command_runs_on_is_readable_and_ends_with_the_run(tm
     async with start_runner(spec(script=script), tmp_path) as r:
         rc, result = await r.finish()
     assert rc == ExitCode.COMPLETED
-    start, read, unknown = result["tool_calls"]
+    start, waited, read, unknown = result["tool_calls"]
     assert start["state"] == "succeeded" and start["output"].startswith("started in the background: id bg1")
+    assert waited["state"] == "succeeded", waited
     assert read["state"] == "succeeded" and read["output"].startswith("[running]")
+    assert read["output"].endswith("serving\n")
     assert unknown["state"] == "failed" and unknown["reason"] == "unknown_command_id"
-    groups = [(g.data["name"], g.data["alive"]) for g in r.of(EventKind.PROCESS_GROUP)]
+    groups = [
+        (g.data["name"], g.data["alive"]) for g in r.of(EventKind.PROCESS_GROUP) if "[background]" in g.data["name"]
+    ]
     assert groups == [
         ("[background] echo serving; exec sleep 300", True),
         ("[background] echo serving; exec sleep 300", False),
