@@ -1108,24 +1108,37 @@ def logs(obj: Obj, run_id: str, after_seq: int, follow: bool) -> None:
 @cli.command()
 @click.argument("run_id", metavar="RUN", required=False)
 @click.option("--session", "session_id", help="Cancel the live run(s) of this session instead.")
+@click.option(
+    "--turn",
+    metavar="RUN",
+    help="With --session: the turn meant (its run id); if it has ended, nothing is stopped.",
+)
 @click.option("--reason", default="user", show_default=True, help="Recorded with the stop.")
 @click.option("--no-wait", is_flag=True, help="Return once the stop is sent, without waiting for the end.")
 @pass_obj
-def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no_wait: bool) -> None:
+def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | None, reason: str, no_wait: bool) -> None:
     """Stop a run: print whether it was active and, once reached, its terminal state.
+
+    --session stops whichever turn of the session is live when the cancel arrives (a
+    stop meant for a turn that has ended meanwhile stops the next one); --turn names the
+    turn meant, and only that one is ever stopped.
 
     The exit code is the run's outcome, like watch: 0 completed (it ended before the stop
     reached it), 1 failed, 7 cancelled, 8 lost; for --session, the first of lost, failed,
     cancelled that one of its runs ended in (4: no run ever had that session). With
     --no-wait: 0 once the stop is sent.
     """
+    if turn is not None and session_id is None:
+        raise CliError(
+            "--turn names a turn of a --session (to stop a run by its id: agentd cancel RUN)", ExitCode.USAGE
+        )
     if (run_id is None) == (session_id is None):
         raise CliError("expected a RUN or --session, not both and not neither", ExitCode.USAGE)
     if not no_wait:
         _exit_is_the_outcome()
     client = obj.client()
     if session_id is not None:
-        result = client.cancel_session(session_id, reason=reason)
+        result = client.cancel_session(session_id, reason=reason, turn=turn)
         runs = [r for r in result.get("runs", []) if isinstance(r, dict)]
     else:
         assert run_id is not None
@@ -1178,6 +1191,10 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, reason: str, no
                 click.echo(f"{rid}: was not active (state: {final[rid]})")
         if not runs:
             click.echo(f"session {session_id}: no live run")
+        if turn is not None and not result.get("was_active"):
+            live = result.get("live_run")
+            now = f"its live turn is {live}, not stopped" if live is not None else "no turn of it is live"
+            click.echo(f"session {session_id}: turn {turn} had ended; {now}")
         # The journal could not take the stop: it goes on, but a daemon killed now would
         # not know it was asked (the --json reply carries the same "warning").
         for warning in dict.fromkeys(str(r["warning"]) for r in [result, *runs] if r.get("warning")):

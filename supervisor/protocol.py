@@ -108,7 +108,9 @@ MAX_TIMEOUT_S: Final = 1e9
 
 class Op(enum.StrEnum):
     SPAWN = "spawn"  # {spec: object, session_id?: str, timeout_s?: number, model_key?: str, key?: str}
-    CANCEL = "cancel"  # {run_id: str, reason?: str} | {session_id: str, reason?: str} | {run_ids: [str], reason?: str}
+    # {run_id: str, reason?: str} | {session_id: str, run_id?: str, reason?: str} | {run_ids: [str], reason?: str};
+    # session_id with run_id: that turn of the session only, never the one live instead
+    CANCEL = "cancel"
     STATUS = "status"  # {run_id?: str}; without run_id: the daemon and its live runs
     LIST = "list"  # {limit?: int, state?: RunState, session_id?: str, key?: str}
     EVENTS = "events"  # {run_id: str, after_seq?: int, limit?: int}: one page of the journal
@@ -154,7 +156,8 @@ class Backend(Protocol):
     drops a slow subscriber: the control socket then catches up from the journal and
     subscribes again); and ``subscribe`` on a run already terminal yields a closed channel.
 
-    Optional methods, used when present: ``cancel_session(session_id, *, reason)``,
+    Optional methods, used when present: ``cancel_session(session_id, *, reason)`` (a
+    cancel naming its turn passes ``turn=`` too: that run of the session, or nothing),
     ``cancel_many(run_ids, *, reason) -> [{"run_id", "was_active", "state"} | {"run_id",
     "error"}]`` (one per id, in order; without it each id is a ``cancel``, side by side),
     ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``approve(run_id,
@@ -252,8 +255,8 @@ class SpawnRequest(NamedTuple):
 
 class CancelRequest(NamedTuple):
     id: Any
-    run_id: str | None = None  # exactly one of run_id, session_id, run_ids
-    session_id: str | None = None
+    run_id: str | None = None  # exactly one of run_id, session_id, run_ids; or session_id and run_id:
+    session_id: str | None = None  # the session's turn run_id only (it was live or nothing is stopped)
     reason: str = "user"
     op: Op = Op.CANCEL
     run_ids: tuple[str, ...] | None = None  # many runs at once: every stop under way before any is journaled
@@ -674,8 +677,16 @@ def _cancel(rid: Any, obj: Mapping[str, Any]) -> CancelRequest:
     run_id = _ident(obj, "run_id", required=False)
     session_id = _ident(obj, "session_id", required=False)
     run_ids = _idents(obj, "run_ids", MAX_CANCEL_RUN_IDS)
-    if [run_id, session_id, run_ids].count(None) != 2:
-        raise _Bad(ErrorCode.BAD_ARGS, "expected exactly one of 'run_id', 'session_id' or 'run_ids'")
+    # A session's cancel may name its turn (run_id): the stop a person pressed on turn 1
+    # that arrives after turn 2 started stops nothing (DESIGN.md: a stop never leaks into
+    # the next turn). The pair, not a field of its own: a daemon older than it refuses the
+    # pair (bad_args) rather than ignore a field and stop the turn live now.
+    named = [run_id, None if run_id is not None else session_id, run_ids]
+    if named.count(None) != 2:
+        raise _Bad(
+            ErrorCode.BAD_ARGS,
+            "expected exactly one of 'run_id', 'session_id' or 'run_ids' (or 'session_id' with the 'run_id' of its turn)",
+        )
     reason = _ident(obj, "reason", required=False) or "user"
     if reason in RESERVED_CANCEL_REASONS:
         raise _Bad(

@@ -303,9 +303,31 @@ class Client:
     def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
         return self.request("cancel", run_id=run_id, reason=reason)
 
-    def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
-        """Cancel the session's live turn (a session has one at a time)."""
-        return self.request("cancel", session_id=session_id, reason=reason)
+    def cancel_session(self, session_id: str, *, reason: str = "user", turn: str | None = None) -> dict[str, Any]:
+        """Cancel the session's live turn (a session has one at a time).
+
+        Without ``turn``, the turn live when the cancel arrives is stopped, whichever it
+        is: a Stop meant for turn 1 that arrives after turn 2 started stops turn 2. Give
+        ``turn`` (the run id of the turn meant, as ``history`` and ``sessions`` name it)
+        and only that turn is ever stopped: once it has ended nothing is, and the reply
+        says so (``was_active`` false, ``runs`` that turn with its terminal state,
+        ``live_run`` the session's live turn now, or None).
+
+        Raises:
+            ControlProtocolError: ``unsupported``, the daemon is older than ``turn`` (it
+                refused the request: nothing was stopped); ``bad_args``, ``turn`` is not a
+                turn of this session.
+        """
+        try:
+            return self.request("cancel", session_id=session_id, run_id=turn, reason=reason)
+        except ControlProtocolError as exc:
+            if turn is None or exc.code != protocol.ErrorCode.BAD_ARGS or "exactly one of" not in str(exc):
+                raise
+            raise ControlProtocolError(
+                protocol.ErrorCode.UNSUPPORTED,
+                f"the daemon cannot cancel a session's turn by its id (it is older than that): nothing was stopped; "
+                f"cancel the run itself (agentd cancel {turn})",
+            ) from exc
 
     def cancel_many(self, run_ids: list[str], *, reason: str = "user") -> dict[str, Any]:
         """Cancel many runs at once: one ``cancel`` naming them all (``run_ids``; a very

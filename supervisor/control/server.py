@@ -665,7 +665,7 @@ class _Connection:
                 extra["key"] = req.key
             return await b.spawn(req.spec, session_id=req.session_id, timeout_s=req.timeout_s, **extra)
         if isinstance(req, protocol.CancelRequest):
-            if req.run_id is not None:
+            if req.run_id is not None and req.session_id is None:
                 return await b.cancel(req.run_id, reason=req.reason)
             if req.run_ids is not None:
                 runs = await self._cancel_many(list(req.run_ids), req.reason)
@@ -673,7 +673,10 @@ class _Connection:
             cancel_session = getattr(b, "cancel_session", None)
             if cancel_session is None:
                 raise _unsupported("cancel by session")
-            return await cancel_session(req.session_id, reason=req.reason)
+            # With its turn named (run_id), that turn only: passed only then, so a backend
+            # that cannot guard by turn fails loudly rather than stop the live one.
+            turn = {} if req.run_id is None else {"turn": req.run_id}
+            return await cancel_session(req.session_id, reason=req.reason, **turn)
         if isinstance(req, protocol.StatusRequest):
             if req.run_id is not None:
                 return await b.status(req.run_id)

@@ -649,17 +649,48 @@ class RunManager:
         commits, durable = self.book.journal.commit_counts()
         return {"commits": commits, "durable_commits": durable}
 
-    async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
-        """Stop every live turn of a session (none: an empty ``runs``).
+    async def cancel_session(self, session_id: str, *, reason: str = "user", turn: str | None = None) -> dict[str, Any]:
+        """Stop the session's live turn (none: an empty ``runs``); ``live_run`` is its live
+        turn once the stop is recorded (the stopped one until it ends), or None.
+
+        Without ``turn`` it stops whatever turn is live when the cancel arrives: a Stop
+        pressed on turn 1 that arrives after turn 2 started stops turn 2. ``turn`` (a run id
+        of the session) names the turn meant: that one is stopped if it is still live, and
+        nothing else ever is (``runs`` is that turn alone, ``was_active`` false once it
+        ended, with its terminal state).
 
         Raises:
             SessionNotFound: no run ever had this session (a mistyped id is not "no live run").
+            RunNotFound: ``turn`` names no run.
+            ControlProtocolError: ``bad_args``, ``turn`` is a run of another session or none.
         """
-        hits = [r.run_id for r in list(self._live.values()) if r.session_id == session_id]
-        if not hits:
-            await self.session_desk.known(session_id)
+        if turn is None:
+            hits = [r.run_id for r in list(self._live.values()) if r.session_id == session_id]
+            if not hits:
+                await self.session_desk.known(session_id)
+        else:
+            await self._check_turn(session_id, turn)
+            hits = [turn]
         out = await self._cancel_many(hits, reason)
-        return {"session_id": session_id, "was_active": any(o.get("was_active") for o in out), "runs": out}
+        live_run = next((r.run_id for r in self._live.values() if r.session_id == session_id), None)
+        was_active = any(o.get("was_active") for o in out)
+        return {"session_id": session_id, "was_active": was_active, "runs": out, "live_run": live_run}
+
+    async def _check_turn(self, session_id: str, turn: str) -> None:
+        """Raises unless run ``turn`` is (or was) a turn of ``session_id``."""
+        run = self._live.get(turn)
+        if run is not None:
+            of = run.session_id
+        else:
+            row = await self.journal.get_run(turn)
+            if row is None:
+                raise RunNotFound(turn)
+            of = row["session_id"]
+        if of != session_id:
+            whose = f"of session {of!r}" if of is not None else "of no session"
+            raise ControlProtocolError(
+                ErrorCode.BAD_ARGS, f"run {turn!r} is not a turn of session {session_id!r} ({whose})"
+            )
 
     async def cancel_many(self, run_ids: list[str], *, reason: str = "user") -> list[dict[str, Any]]:
         """Cancel many runs at once (``cancel`` with ``run_ids``): each one's result, in

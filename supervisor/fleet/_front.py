@@ -827,8 +827,25 @@ class FleetFront:
             ) from exc
         return {**reply, "run_id": run_id, "node": run.node_id, "node_run_id": run.node_run_id}
 
-    async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
-        hits = [r.id for r in list(self._live.values()) if r.session_id == session_id]
+    async def cancel_session(self, session_id: str, *, reason: str = "user", turn: str | None = None) -> dict[str, Any]:
+        """The session's live turn stopped; with ``turn`` (a fleet run id of the session),
+        that turn only, or nothing once it ended (as ``RunManager.cancel_session``)."""
+        if turn is None:
+            hits = [r.id for r in list(self._live.values()) if r.session_id == session_id]
+        else:
+            live = self._live.get(turn)
+            if live is not None:
+                of = live.session_id
+            else:
+                row = await self._db(self.index.get, turn)
+                if row is None:
+                    raise RunNotFound(turn)
+                of = row["session_id"]
+            if of != session_id:
+                raise ControlProtocolError(
+                    ErrorCode.BAD_ARGS, f"run {turn!r} is not a turn of session {session_id!r} (of session {of!r})"
+                )
+            hits = [turn]
         out: dict[str, dict[str, Any]] = {}
 
         async def one(rid: str) -> None:
@@ -838,7 +855,9 @@ class FleetFront:
             for rid in hits:
                 n.start_soon(one, rid)
         runs = [out[r] for r in hits]
-        return {"session_id": session_id, "was_active": any(r["was_active"] for r in runs), "runs": runs}
+        live_run = next((r.id for r in self._live.values() if r.session_id == session_id), None)
+        was_active = any(r["was_active"] for r in runs)
+        return {"session_id": session_id, "was_active": was_active, "runs": runs, "live_run": live_run}
 
     async def steer(self, run_id: str, text: str) -> dict[str, Any]:
         run = self._live.get(run_id)

@@ -201,6 +201,59 @@ async def test_the_front_routes_conversations_and_approvals_to_the_sessions_node
     assert row["session_id"] == "s" and row["turns"] == 2 and row["live_run"] == second["run_id"]
 
 
+async def test_the_fronts_session_cancel_naming_its_turn_stops_that_turn_or_nothing(tmp_path: Path) -> None:
+    import trio
+
+    from supervisor.config import Config
+    from supervisor.errors import ControlProtocolError, RunNotFound
+    from supervisor.fleet._front import FleetFront
+
+    index = Index(tmp_path / "index.sqlite3")
+    front = FleetFront(Config.load(state_dir=tmp_path / "front", environ={}, grace_s=1), index)
+    front._nodes = {"n1": {"ip": "10.0.0.7", "resources": {SLOTS: 4.0, "node:10.0.0.7": 1.0}}}
+    link = _FakeLink({"cancel": {"run_id": "r-node2", "was_active": True, "state": "cancelling"}})
+    placed: list[object] = []
+
+    async def drive(run: object) -> None:  # Ray's part: placed on n1 at once, runs until stopped
+        placed.append(run)
+        index.set_node(run.id, "n1")  # type: ignore[attr-defined]
+        index.set_node_run(run.id, f"r-node{len(placed)}")  # type: ignore[attr-defined]
+        run.node_id, run.node_run_id = "n1", f"r-node{len(placed)}"  # type: ignore[attr-defined]
+        await trio.sleep_forever()
+
+    async def get_link(node_id: str) -> _FakeLink:
+        return link
+
+    front._drive = drive  # type: ignore[method-assign]
+    front._link = get_link  # type: ignore[method-assign,assignment]
+    async with trio.open_nursery() as nursery:
+        front._nursery, front._accepting = nursery, True
+        first = (await front.spawn({"task": "one"}, session_id="s"))["run_id"]
+        await trio.testing.wait_all_tasks_blocked()
+        ended = front._live.pop(first)  # turn 1 completes (its fact mirrored from n1)
+        ended.token.retire()
+        index.finish(first, "completed", reason=None, ended_at=2.0, error=None, event={"kind": "state", "data": {}})
+        ended.done.set()
+        second = (await front.spawn({"task": "two"}, session_id="s"))["run_id"]
+        other = (await front.spawn({"task": "three"}, session_id="o"))["run_id"]
+        await trio.testing.wait_all_tasks_blocked()
+        late = await front.cancel_session("s", turn=first)
+        with pytest.raises(ControlProtocolError) as foreign:
+            await front.cancel_session("s", turn=other)
+        with pytest.raises(RunNotFound):
+            await front.cancel_session("s", turn="f-never")
+        sent_before = [r for r in link.requests if r[0] == "cancel"]
+        meant = await front.cancel_session("s", turn=second)
+        nursery.cancel_scope.cancel()
+    index.close()
+    turn1 = {"run_id": first, "was_active": False, "state": "completed", "node": "n1"}
+    assert late == {"session_id": "s", "was_active": False, "runs": [turn1], "live_run": second}, late
+    assert foreign.value.code == "bad_args" and "not a turn of session 's'" in str(foreign.value)
+    assert sent_before == []  # nothing reached a node: turn 2 and the other session's run go on
+    assert [r for r in link.requests if r[0] == "cancel"] == [("cancel", {"run_id": "r-node2", "reason": "user"})]
+    assert meant["was_active"] is True and [r["run_id"] for r in meant["runs"]] == [second], meant
+
+
 def _front_with_a_placed_run(tmp_path: Path, link_failure: type[Exception]) -> tuple[Any, Any, Index, list[float]]:
     """A front (grace 1 s) with run f-1 placed on n1 as r-1 (running, one snapshot mirrored);
     every attempt to reach n1 fails with ``link_failure`` (its time recorded), Ray still

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from supervisor.core.sessions import SessionNotFound
-from supervisor.errors import RunNotFound, SpawnError
+from supervisor.errors import ControlProtocolError, RunNotFound, SpawnError
 from supervisor.states import LIVE_STATES, TERMINAL_STATES, RunState
 
 
@@ -156,15 +156,25 @@ class FakeBackend:
         down = self.journal_down
         return {"journal": {"writable": down is None, "error": down, "pending_writes": 0 if down is None else 3}}
 
-    async def cancel_session(self, session_id: str, *, reason: str = "user") -> dict[str, Any]:
+    async def cancel_session(self, session_id: str, *, reason: str = "user", turn: str | None = None) -> dict[str, Any]:
         if not any(r.session_id == session_id for r in self.runs.values()):
             raise SessionNotFound(session_id)
+        if turn is not None and self._get(turn).session_id != session_id:
+            raise ControlProtocolError("bad_args", f"run {turn!r} is not a turn of session {session_id!r}")
         out = [
             await self.cancel(r.run_id, reason=reason)
             for r in list(self.runs.values())
-            if r.session_id == session_id and r.state in LIVE_STATES
+            if r.session_id == session_id and (r.state in LIVE_STATES if turn is None else r.run_id == turn)
         ]
-        return {"session_id": session_id, "was_active": bool(out), "runs": out}
+        live = next(
+            (r.run_id for r in self.runs.values() if r.session_id == session_id and r.state in LIVE_STATES), None
+        )
+        return {
+            "session_id": session_id,
+            "was_active": any(o["was_active"] for o in out),
+            "runs": out,
+            "live_run": live,
+        }
 
     async def status(self, run_id: str) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()

@@ -691,6 +691,34 @@ def test_cancel_no_wait_and_cancel_by_session(server: ServerThread) -> None:
     assert res.exit_code == 0 and res.stdout.strip() == f"{b}: stop sent (was active) (state: cancelled)"
 
 
+def test_cancel_by_session_with_turn_stops_that_turn_or_nothing(server: ServerThread) -> None:
+    b = server.backend
+    first = server.call(b.add_run, session_id="s9")
+    server.call(b.finish, first, "completed")
+    second = server.call(b.add_run, session_id="s9")
+    # The Stop meant for the first turn, arriving once the second is live: nothing stopped.
+    res = run(server, "cancel", "--session", "s9", "--turn", first)
+    assert res.exit_code == 0, res.output  # the turn meant completed
+    assert res.stdout.splitlines() == [
+        f"{first}: was not active (state: completed)",
+        f"session s9: turn {first} had ended; its live turn is {second}, not stopped",
+    ]
+    res = run(server, "--json", "cancel", "--session", "s9", "--turn", first)
+    out = json.loads(res.stdout)
+    assert (out["was_active"], out["live_run"], out["final"]) == (False, second, {first: "completed"}), out
+    assert server.call(lambda: b.runs[second].state) == "running"
+    res = run(server, "cancel", "--session", "s9", "--turn", second)
+    assert (
+        res.exit_code == ExitCode.RUN_CANCELLED and res.stdout.strip() == f"{second}: stop sent (was active); cancelled"
+    )
+    res = run(server, "cancel", "--turn", first)
+    assert res.exit_code == ExitCode.USAGE and "--turn names a turn of a --session" in res.stderr, res.output
+    other = server.call(b.add_run, session_id="s-other")
+    res = run(server, "cancel", "--session", "s9", "--turn", other)
+    assert res.exit_code == ExitCode.USAGE and "is not a turn of session 's9'" in res.stderr, res.output
+    assert server.call(lambda: b.runs[other].state) == "running"
+
+
 def test_status_of_a_run_and_of_the_daemon(server: ServerThread) -> None:
     run_id = server.call(server.backend.add_run, {"task": "summarise the logs"})
     res = run(server, "status", run_id)

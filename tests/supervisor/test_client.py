@@ -235,6 +235,28 @@ def test_cancel_many_falls_back_to_a_cancel_per_run_on_a_daemon_without_run_ids(
     assert sorted(server.backend.cancels) == sorted((r, "user") for r in ids)
 
 
+def test_a_session_cancel_naming_its_turn_on_a_daemon_from_before_turns_stops_nothing_and_says_so(
+    server: ServerThread, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor import protocol
+
+    def old_cancel(rid: Any, obj: Any) -> Any:  # a daemon from before a turn could be named
+        named = [obj.get("run_id"), obj.get("session_id"), obj.get("run_ids")]
+        if named.count(None) != 2:
+            raise protocol._Bad(
+                protocol.ErrorCode.BAD_ARGS, "expected exactly one of 'run_id', 'session_id' or 'run_ids'"
+            )
+        return protocol.CancelRequest(rid, obj.get("run_id"), obj.get("session_id"), obj.get("reason") or "user")
+
+    monkeypatch.setitem(protocol._PARSERS, protocol.Op.CANCEL, old_cancel)
+    live = server.call(server.backend.add_run, session_id="s1")
+    with pytest.raises(ControlProtocolError) as refused:
+        client.cancel_session("s1", turn="r-ended")
+    assert refused.value.code == "unsupported" and "nothing was stopped" in str(refused.value)
+    assert server.backend.cancels == []
+    assert client.cancel_session("s1")["runs"][0]["run_id"] == live  # without a turn, as before
+
+
 def test_errors_arrive_as_typed_exceptions(client: Client) -> None:
     with pytest.raises(RunNotFound) as nf:
         client.status("r-missing")

@@ -50,6 +50,8 @@ def test_defaults_fill_optional_arguments() -> None:
     assert dec({"op": "cancel", "run_ids": ["a", "b"], "reason": "x"}) == protocol.CancelRequest(
         None, None, None, "x", run_ids=("a", "b")
     )
+    # A session's cancel naming its turn: the pair (a daemon from before it refused the pair).
+    assert dec({"op": "cancel", "session_id": "s", "run_id": "r"}) == protocol.CancelRequest(None, "r", "s", "user")
     assert dec({"op": "status"}) == protocol.StatusRequest(None, None)
     assert dec({"id": 1, "op": "ping"}) == protocol.PingRequest(1)
 
@@ -72,7 +74,9 @@ def test_defaults_fill_optional_arguments() -> None:
         ('{"id": 1, "op": "spawn", "spec": {}, "timeout_s": NaN}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "ping", "x": -Infinity}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel"}', ErrorCode.BAD_ARGS),
-        ('{"id": 1, "op": "cancel", "run_id": "r", "session_id": "s"}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "session_id": "s", "run_ids": ["r"]}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "session_id": "s", "run_id": "r", "run_ids": ["r"]}', ErrorCode.BAD_ARGS),
+        ('{"id": 1, "op": "cancel", "session_id": "s", "run_id": ""}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_id": "r", "run_ids": ["r"]}', ErrorCode.BAD_ARGS),
         ('{"id": 1, "op": "cancel", "run_ids": []}', ErrorCode.BAD_ARGS),
         # A client's cancel may not claim a reason agentd gives its own stops.

@@ -446,7 +446,12 @@ async def test_cancelling_a_session_that_never_was_is_not_found_and_one_with_no_
         await daemon.m.cancel_session("never-was")
     r = await daemon.m.spawn(task(wait=False), session_id="real")
     await daemon.m.wait_terminal(r["run_id"])
-    assert await daemon.m.cancel_session("real") == {"session_id": "real", "was_active": False, "runs": []}
+    assert await daemon.m.cancel_session("real") == {
+        "session_id": "real",
+        "was_active": False,
+        "runs": [],
+        "live_run": None,
+    }
 
 
 async def test_a_state_dir_that_cannot_take_the_token_stops_the_start_before_any_run_is_touched(
