@@ -240,14 +240,17 @@ def cover(dirs: Iterable[str], *, keep: Iterable[str] = (), keep_read_only: Iter
     return done
 
 
-def private_devpts(path: str = "/dev/pts") -> None:
+def private_devpts(path: str = "/dev/pts", *, max_ptys: int = 0) -> None:
     """A new devpts instance at ``path``, in this (new) mount namespace: the terminals the
     run opens are its own, and the host's (a person's shell, a terminal of another run)
     are out of its sight. A process that may open one of those may write into it (text
     that person then sees as their own program's) and read what is typed there (a
     password). ``/dev/ptmx`` opens a terminal in the devpts mounted beside it (``pts``,
-    Linux 4.7+), so the run's ``openpty`` still works, in this instance."""
-    _mount("devpts", path, "devpts", _MS_NOSUID | _MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+    Linux 4.7+), so the run's ``openpty`` still works, in this instance. ``max_ptys``: at
+    most that many open at once (0: the kernel's ``kernel.pty.max``, less what it keeps
+    for the host's instance, shared by every other instance)."""
+    most = f",max={max_ptys}" if max_ptys > 0 else ""
+    _mount("devpts", path, "devpts", _MS_NOSUID | _MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620" + most)
 
 
 def _proc_submounts() -> list[str]:

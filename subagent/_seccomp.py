@@ -1,4 +1,4 @@
-"""The one system call a run may not make: ``clone3``, through a seccomp filter.
+"""The system calls a run may not make: ``clone3`` and the key calls, through a seccomp filter.
 
 ``clone3(CLONE_INTO_CGROUP)`` starts a child in any cgroup v2 whose directory the caller
 can open (``O_PATH``: reading ``/sys`` is enough) and whose ``cgroup.procs`` (and the
@@ -8,13 +8,21 @@ opened, never sees it: a process of a root daemon's run (uid 0 on the host, ever
 ``cgroup.procs`` its owner's) started a child in the hierarchy's root, outside its run's
 cgroup, its calls' and the per-run limits, and the child outlived the run and its stop.
 A normal user's run could do the same anywhere in the cgroups delegated to that user.
+Seccomp cannot read ``clone3``'s arguments (a pointer), so the call is refused whole.
 
-Seccomp cannot read ``clone3``'s arguments (a pointer), so the call is refused whole,
-with ``ENOSYS``: what a kernel without it says, to which the C library answers with
-``clone`` (glibc's ``pthread_create``, ``posix_spawn``; container runtimes refuse it the
-same way). ``fork``, ``vfork`` and ``clone`` are untouched; nothing of a run needs
-``clone3``. The filter is inherited by everything the process starts, and kept across
-``execve``; it needs ``no_new_privs`` (set here, as Landlock sets it).
+``add_key``, ``request_key``, ``keyctl``: the kernel's key quota is per uid on the host,
+whatever the user namespace (``kernel.keys.root_maxkeys``/``root_maxbytes`` for uid 0):
+a root daemon's run filled the host's root's, and reached the keyrings it inherits (the
+daemon's session keyring). Docker's default profile refuses them too. Nothing of a run
+needs them (Chromium, node, Python do not use keys).
+
+Refused with ``ENOSYS``: what a kernel without the call says (no clone3 before 5.3, no
+keys without ``CONFIG_KEYS``), which callers handle: the C library then uses ``clone``
+(glibc's ``pthread_create``, ``posix_spawn``; container runtimes refuse clone3 the same
+way), keyutils' users fall back (a Kerberos cache in a file). ``EPERM`` reads as "not
+allowed here" and makes some give up. ``fork``, ``vfork`` and ``clone`` are untouched.
+The filter is inherited by everything the process starts, and kept across ``execve``;
+it needs ``no_new_privs`` (set here, as Landlock sets it).
 
 Stdlib only (``ctypes``), Linux only. One thread: a filter applies to the calling thread
 (and what it starts), so install it before any other thread exists.
@@ -28,12 +36,26 @@ import os
 import struct
 from typing import Final
 
-__all__ = ["DENIED", "SYS_CLONE3", "deny_clone3"]
+__all__ = ["DENIED", "KEY_CALLS", "SYS_CLONE3", "deny_syscalls"]
 
 # The same number in every architecture's table, its compat ones included (added after
 # the tables were unified).
 SYS_CLONE3: Final = 435
-DENIED: Final = ("clone3",)
+KEY_CALLS: Final = ("add_key", "request_key", "keyctl")
+# Their numbers differ by architecture, keyed here by the AUDIT_ARCH_* value the kernel
+# gives the filter: a 32-bit process on a 64-bit kernel calls through its own table (x86's
+# ``int 0x80``: 288 is keyctl there, accept4 in x86-64's), so the filter checks it too.
+_KEY_NUMBERS: Final = {
+    0xC000003E: (248, 249, 250),  # x86-64 (and x32, its bit masked)
+    0x40000003: (286, 287, 288),  # i386
+    0xC00000B7: (217, 218, 219),  # aarch64
+    0x40000028: (309, 310, 311),  # arm (EABI)
+    0xC00000F3: (217, 218, 219),  # riscv64
+}
+# ``os.uname().machine`` of the kernels whose own table is above.
+_KEY_MACHINES: Final = ("x86_64", "i386", "i686", "aarch64", "arm64", "armv7l", "armv8l", "riscv64")
+# What the filter refuses on this machine (``status``'s ``sandbox.denied_syscalls``).
+DENIED: Final = ("clone3", *(KEY_CALLS if os.uname().machine in _KEY_MACHINES else ()))
 
 _PR_SET_NO_NEW_PRIVS: Final = 38
 _PR_SET_SECCOMP: Final = 22
@@ -49,6 +71,8 @@ _BPF_ALU_AND_K: Final = 0x54  # BPF_ALU | BPF_AND | BPF_K
 _BPF_JEQ_K: Final = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
 _BPF_RET_K: Final = 0x06  # BPF_RET | BPF_K
 _NR_OFFSET: Final = 0  # offsetof(struct seccomp_data, nr)
+_ARCH_OFFSET: Final = 4  # offsetof(struct seccomp_data, arch)
+_DENY: Final = -1  # a jump target in ``_program``: the ERRNO return
 
 
 class _SockFprog(ctypes.Structure):
@@ -56,20 +80,33 @@ class _SockFprog(ctypes.Structure):
 
 
 def _program() -> bytes:
-    """nr &= ~x32 bit; nr == clone3 ? ERRNO(ENOSYS) : ALLOW (struct sock_filter each)."""
-    insns = [
-        (_BPF_LD_W_ABS, 0, 0, _NR_OFFSET),
-        (_BPF_ALU_AND_K, 0, 0, ~_X32_SYSCALL_BIT & 0xFFFFFFFF),
-        (_BPF_JEQ_K, 0, 1, SYS_CLONE3),
-        (_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.ENOSYS),
-        (_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW),
-    ]
-    return b"".join(struct.pack("=HBBI", *insn) for insn in insns)
+    """The filter (struct sock_filter each)::
+
+    nr = nr & ~x32 bit; if nr == clone3: DENY
+    for each architecture in _KEY_NUMBERS:
+        if arch == it: (nr = nr & ~x32 bit; if nr in its key calls: DENY); ALLOW
+    ALLOW
+    DENY: ERRNO(ENOSYS)
+    """
+    load_nr = [(_BPF_LD_W_ABS, 0, 0, _NR_OFFSET), (_BPF_ALU_AND_K, 0, 0, ~_X32_SYSCALL_BIT & 0xFFFFFFFF)]
+    allow = (_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW)
+    # (code, jump-if-true, jump-if-false, k): a _DENY jump is resolved below.
+    insns: list[tuple[int, int, int, int]] = [*load_nr, (_BPF_JEQ_K, _DENY, 0, SYS_CLONE3)]
+    insns.append((_BPF_LD_W_ABS, 0, 0, _ARCH_OFFSET))
+    for arch, numbers in _KEY_NUMBERS.items():
+        block = [*load_nr, *((_BPF_JEQ_K, _DENY, 0, nr) for nr in numbers), allow]
+        insns.append((_BPF_JEQ_K, 0, len(block), arch))  # another architecture: its check next
+        insns += block
+    insns.append(allow)
+    deny = len(insns)
+    insns.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.ENOSYS))
+    resolved = [(c, deny - pc - 1 if jt == _DENY else jt, jf, k) for pc, (c, jt, jf, k) in enumerate(insns)]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in resolved)
 
 
-def deny_clone3() -> None:
-    """From now on ``clone3`` fails with ``ENOSYS`` in this process and everything it
-    starts. Sets ``no_new_privs``.
+def deny_syscalls() -> None:
+    """From now on ``clone3`` and the key calls fail with ``ENOSYS`` in this process and
+    everything it starts. Sets ``no_new_privs``.
 
     Raises:
         OSError: the kernel refused the filter (no seccomp in it, say).

@@ -21,7 +21,10 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
   token, journal, other runs, config). No ptrace of, signal to, or abstract socket of a
   process outside the run (ABI 6). The network is not restricted.
 - seccomp: ``clone3`` is refused (``_seccomp``: its ``CLONE_INTO_CGROUP`` starts a child
-  in any cgroup the uid may write by mode, which Landlock does not see).
+  in any cgroup the uid may write by mode, which Landlock does not see), and the key calls
+  (the key quota is the host uid's).
+- quotas: the run's share of its uid's per-user kernel counts (inotify, namespaces, message
+  queues, terminals: ``_quotas``), capped in its own user namespace and by rlimits.
 - environment: tools get ``tool_env()``: an allowlist, never a secret of the runner's.
 
 The daemon passes ``Settings`` in ``AGENTD_RUN_SANDBOX`` (JSON). Stdlib only (the daemon
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from subagent import _isolate, _landlock, _seccomp
+from subagent import _isolate, _landlock, _quotas, _seccomp
 from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
@@ -171,6 +174,9 @@ class Settings:
     tool_env: tuple[str, ...] = ()
     # The private dirs' one tmpfs: at most this many MiB (0: the kernel's default).
     tmpfs_max_mib: int = TMPFS_MAX_MIB
+    # The run's own inotify instances and watches (``_quotas``; 0: only the uid's, shared).
+    inotify_instances: int = _quotas.INOTIFY_INSTANCES
+    inotify_watches: int = _quotas.INOTIFY_WATCHES
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -187,6 +193,8 @@ class Settings:
                 protect=tuple(str(p) for p in d.get("protect", ())),
                 tool_env=tuple(str(n) for n in d.get("tool_env", ())),
                 tmpfs_max_mib=max(0, int(d.get("tmpfs_max_mib", TMPFS_MAX_MIB))),
+                inotify_instances=max(0, int(d.get("inotify_instances", _quotas.INOTIFY_INSTANCES))),
+                inotify_watches=max(0, int(d.get("inotify_watches", _quotas.INOTIFY_WATCHES))),
             )
         except (ValueError, AttributeError, TypeError):
             return cls(mode="required")
@@ -198,6 +206,8 @@ class Settings:
                 "protect": list(self.protect),
                 "tool_env": list(self.tool_env),
                 "tmpfs_max_mib": self.tmpfs_max_mib,
+                "inotify_instances": self.inotify_instances,
+                "inotify_watches": self.inotify_watches,
             }
         )
 
@@ -220,6 +230,9 @@ class Report:
     # System calls a seccomp filter refuses the run (``_seccomp``: clone3, which starts a
     # child outside the run's cgroup).
     denied_syscalls: list[str] = field(default_factory=list)
+    # The run's caps on its uid's per-user kernel counts (``_quotas``): /proc/sys/user
+    # names, RLIMIT_* names, "ptys".
+    quotas: dict[str, int] = field(default_factory=dict)
     workdir: str | None = None
     browser_sandbox: bool | None = None
     browser_sandbox_why: str | None = None
@@ -247,6 +260,8 @@ class Report:
                 out[k] = v
         if self.denied_syscalls:
             out["denied_syscalls"] = self.denied_syscalls
+        if self.quotas:
+            out["quotas"] = self.quotas
         if self.problems:
             out["problems"] = self.problems
         return out
@@ -474,6 +489,7 @@ class Ahead:
     userns: bool = False
     # A procfs of the run's own at /proc, hidepid=invisible (``_isolate.private_proc``).
     proc_hidden: bool = False
+    quotas: dict[str, int] = field(default_factory=dict)  # the caps set so far (``Report.quotas``)
     private: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     proc_writable: bool = True
@@ -670,6 +686,7 @@ def prepare_ahead(
     try:
         _isolate.enter_user_namespace(ahead.inner)
         ahead.userns = True
+        _limit_user_namespace(ahead)  # while /proc/sys is writable and the capabilities held
         # Opened in the new mount namespace (a bind from a mount of another one is refused).
         for d in PRIVATE_DIRS:
             if os.path.isdir(d) and not os.path.islink(d):
@@ -690,6 +707,8 @@ def prepare_ahead(
         os.chdir(base)
     except OSError as exc:
         ahead.problems.append(f"no private namespace for the run: {exc.strerror or exc}")
+    if not ahead.userns:
+        ahead.problems.append(f"{_quotas.UNCAPPED}: no user namespace of its own")
     tunables_ro = bool(os.statvfs("/proc/sys").f_flag & os.ST_RDONLY) if os.path.exists("/proc/sys") else True
     # Chromium's sandbox writes its namespaces' uid_map under /proc: allowed where /proc's
     # tunables cannot be written anyway (not uid 0, or mounted read-only).
@@ -742,6 +761,15 @@ def _cover_protected(ahead: Ahead, keep: list[str], keep_read_only: list[str]) -
         ahead.hidden[p] = fd
 
 
+def _limit_user_namespace(ahead: Ahead) -> None:
+    """The run's caps on its uid's per-user counts (``_quotas``), in its new namespace."""
+    s = ahead.settings
+    try:
+        ahead.quotas.update(_quotas.limit_user_namespace(_quotas.user_limits(s.inotify_instances, s.inotify_watches)))
+    except OSError as exc:
+        ahead.problems.append(f"{_quotas.UNCAPPED}: {exc.strerror or exc}")
+
+
 def _private_proc(ahead: Ahead) -> None:
     """A root runner's own /proc, ``hidepid=invisible`` (``_isolate.private_proc``), made
     while it is still the host's root (a procfs belongs to the host's user namespace,
@@ -766,11 +794,12 @@ def _private_terminals(ahead: Ahead) -> None:
     if not os.path.isdir(DEVPTS) or os.path.islink(DEVPTS):
         return
     try:
-        _isolate.private_devpts(DEVPTS)
+        _isolate.private_devpts(DEVPTS, max_ptys=_quotas.PTYS)
     except OSError as exc:
         ahead.problems.append(f"the host's terminals ({DEVPTS}) are in the run's reach: {exc.strerror or exc}")
         return
     ahead.private.append(DEVPTS)
+    ahead.quotas["ptys"] = _quotas.PTYS
 
 
 def _finish(
@@ -804,10 +833,17 @@ def _finish(
             report.problems.append(f"capabilities: {exc}")
     _isolate.set_dumpable(False)
     try:
-        _seccomp.deny_clone3()  # no child born outside the run's cgroup (``_seccomp``)
+        _seccomp.deny_syscalls()  # no child born outside the run's cgroup, no key (``_seccomp``)
         report.denied_syscalls = list(_seccomp.DENIED)
     except OSError as exc:
-        report.problems.append(f"clone3 is not refused (a child could start outside the run's cgroup): {exc}")
+        report.problems.append(
+            f"clone3 and the key calls are not refused (a child could start outside the run's cgroup): {exc}"
+        )
+    report.quotas = dict(ahead.quotas)
+    try:
+        report.quotas.update(_quotas.limit_rlimits())
+    except OSError as exc:
+        report.problems.append(f"the run's message queues and queued signals are not capped: {exc}")
     host = f"uid {ahead.host_uid}"
     if ahead.userns:
         report.identity = f"{host} on the host, uid {ahead.inner} in its own user namespace, no capabilities"

@@ -99,6 +99,11 @@ class Config:
     # (memory): at most this many MiB together; a run that fills it gets ENOSPC there, the
     # others and the daemon keep their memory. 0: the kernel's default (half the RAM).
     run_tmpfs_max_mib: int = 1024
+    # One run's own inotify instances and watches (``subagent/_quotas.py``): the kernel
+    # counts them per user (128 instances for all of root here: the daemon's, systemd's),
+    # a run's in its own user namespace too, capped there. 0: no cap of its own.
+    run_inotify_instances: int = 16
+    run_inotify_watches: int = 16384
     # Most tasks (processes and threads) one run's tree may have at once (``pids.max`` of
     # its pids group: ``supervisor/trees/_pidslimit.py``): a run that forks without end
     # gets EAGAIN at this many, and the other runs and the daemon can still fork. A browser
@@ -205,6 +210,8 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "zygote_spares_max",
                 "disk_min_free_mib",
                 "run_tmpfs_max_mib",
+                "run_inotify_instances",
+                "run_inotify_watches",
                 "run_pids_max",
                 "run_memory_max_mib",
             }:

@@ -94,6 +94,8 @@ def sandbox_settings(config: Config) -> Settings:
         protect=protected_paths(config),
         tool_env=config.tool_env,
         tmpfs_max_mib=config.run_tmpfs_max_mib,
+        inotify_instances=config.run_inotify_instances,
+        inotify_watches=config.run_inotify_watches,
     )
 
 

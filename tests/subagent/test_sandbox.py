@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from subagent import _isolate, _landlock
+from subagent import _isolate, _landlock, _quotas
 from subagent._landlock import FS_READ, FS_WRITE, Grant, plan_rules
 from subagent.sandbox import SANDBOX_ENV, TMPFS_MAX_MIB, Settings, check_grants, tool_env
 from subagent.spec import RunSpec, SpecError
@@ -100,8 +100,25 @@ def test_settings_from_the_environment_err_on_the_safe_side(raw: str | None, mod
 
 
 def test_settings_round_trip() -> None:
-    s = Settings(mode="required", protect=("/a", "/b"), tool_env=("X",), tmpfs_max_mib=64)
+    s = Settings(
+        mode="required", protect=("/a", "/b"), tool_env=("X",), tmpfs_max_mib=64, inotify_instances=3,
+        inotify_watches=5,
+    )  # fmt: skip
     assert Settings.from_env({SANDBOX_ENV: s.to_env()}) == s
+
+
+def test_a_runs_inotify_caps_are_the_daemons_settings_and_the_same_by_default(tmp_path: Path) -> None:
+    from supervisor.config import Config
+    from supervisor.trees.pool import sandbox_settings
+
+    assert Config().run_inotify_instances == Settings().inotify_instances == _quotas.INOTIFY_INSTANCES > 0
+    assert Config().run_inotify_watches == Settings().inotify_watches == _quotas.INOTIFY_WATCHES > 0
+    environ = {"AGENTD_RUN_INOTIFY_INSTANCES": "4", "AGENTD_RUN_INOTIFY_WATCHES": "0"}
+    settings = sandbox_settings(Config.load(state_dir=tmp_path, environ=environ))
+    assert (settings.inotify_instances, settings.inotify_watches) == (4, 0)
+    assert "max_inotify_watches" not in _quotas.user_limits(4, 0)  # 0: no cap of the run's own
+    # A runner told nothing of them (an older daemon's settings) keeps the caps.
+    assert Settings.from_env({SANDBOX_ENV: '{"mode": "auto"}'}).inotify_instances == _quotas.INOTIFY_INSTANCES
 
 
 def test_the_private_tmpfs_bound_is_the_daemons_setting_and_the_same_by_default(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""``subagent._seccomp``: clone3 refused with ENOSYS; threads, fork and subprocesses still work."""
+"""``subagent._seccomp``: clone3 and the key calls refused with ENOSYS; threads, fork,
+subprocesses and the calls sharing a key call's number in another table still work."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from subagent import _seccomp
 from tests import conftest
 
 # In a child of its own (the filter cannot be lifted): clone3 before and after the filter,
@@ -23,9 +25,28 @@ def clone3_errno():
     rc = libc.syscall(ctypes.c_long(_seccomp.SYS_CLONE3), buf, ctypes.c_size_t(1))
     return ctypes.get_errno() if rc < 0 else 0
 
-out = {"before": clone3_errno()}
-_seccomp.deny_clone3()
+# keyctl, add_key by this machine's table; then the number i386's keyctl has (accept4 on
+# x86-64): a bad descriptor, not refused.
+KEYS = {"x86_64": (250, 248, 288), "aarch64": (219, 217, None)}.get(os.uname().machine)
+
+def errno_of(nr, *args):
+    rc = libc.syscall(ctypes.c_long(nr), *(ctypes.c_long(a) for a in args))
+    return ctypes.get_errno() if rc < 0 else 0
+
+def keys():
+    if KEYS is None:
+        return None
+    keyctl, add_key, other = KEYS
+    got = {"keyctl": errno_of(keyctl, 0, -3, 0)}  # KEYCTL_GET_KEYRING_ID of the session keyring
+    got["add_key"] = errno_of(add_key, 0, 0, 0, 0, 0)  # no type: EFAULT, unless refused
+    if other is not None:
+        got["other"] = errno_of(other, -1, 0, 0, 0)
+    return got
+
+out = {"before": clone3_errno(), "keys_before": keys()}
+_seccomp.deny_syscalls()
 out["after"] = clone3_errno()
+out["keys_after"] = keys()
 box = []
 t = threading.Thread(target=lambda: box.append(1))
 t.start(); t.join()
@@ -46,6 +67,12 @@ def test_clone3_is_refused_and_the_rest_works() -> None:
     out = json.loads(proc.stdout)
     conftest.require(out["before"] != 38, "a kernel with clone3 (5.3+)")
     assert out["after"] == 38  # ENOSYS, as if the kernel had none: glibc then uses clone
+    conftest.require(out["keys_before"] is not None, "a machine whose key call numbers the test knows")
+    assert out["keys_before"]["keyctl"] != 38 and out["keys_before"]["add_key"] == 14  # EFAULT: the kernel's
+    assert out["keys_after"]["keyctl"] == out["keys_after"]["add_key"] == 38, out  # ENOSYS
+    if "other" in out["keys_after"]:
+        assert out["keys_after"]["other"] == out["keys_before"]["other"] == 9, out  # EBADF: accept4 runs
+    assert set(_seccomp.KEY_CALLS) <= set(_seccomp.DENIED)
     assert out["thread"] is True
     assert out["fork"] == 7
     assert out["subprocess"] == "ok\n"
