@@ -174,7 +174,7 @@ async def test_a_run_starts_no_child_outside_its_cgroup(daemon: Daemon) -> None:
         escaped = [int(p) for p in re.findall(r"escaped=(\d+)", out)]
         assert not escaped, f"a child of the run was born outside its cgroup and outlived it: {out}"
         assert "clone3=38" in out, out  # ENOSYS: what a kernel without clone3 says
-        assert st["sandbox"]["denied_syscalls"] == ["clone3"], st["sandbox"]
+        assert "clone3" in st["sandbox"]["denied_syscalls"], st["sandbox"]
         assert st["state"] == "completed", st
     finally:
         # The run's escaped child (it named itself, and carries this test's mark): end it,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from subagent import _quotas
 from tests.e2e.test_sandbox import (
     CONNECT,
     GRANDCHILD,
@@ -114,6 +115,12 @@ def test_a_run_command_under_the_unit_cannot_reach_the_daemons_state(agentd: Con
     assert MODEL_KEY in env_file  # (the file is there, for the daemon)
     sandbox = st["sandbox"]
     assert sandbox["mode"] == "landlock" and sandbox["identity"] == "uid 0 without capabilities", sandbox
+    # Namespaces refused: the key calls are refused and the rlimits lowered all the same;
+    # the user namespace's caps (inotify, namespaces) are not there, and status says so.
+    assert "keyctl" in sandbox["denied_syscalls"], sandbox
+    assert sandbox["quotas"]["RLIMIT_MSGQUEUE"] == _quotas.MSGQUEUE_BYTES, sandbox
+    assert "max_inotify_instances" not in sandbox["quotas"], sandbox
+    assert any(p.startswith(_quotas.UNCAPPED) for p in sandbox["problems"]), sandbox
     assert token(c) == secret and journal_ok(c) == "ok"
     assert other["state"] == "completed" and daemon_pid(c) == pid
 
