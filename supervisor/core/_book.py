@@ -31,7 +31,14 @@ from supervisor.store._ops import tool_call_rank
 from supervisor.store.backlog import Backlog
 from supervisor.store.journal import EventWrite, Journal, RunStart
 
-__all__ = ["RunBook", "SUBSCRIBER_BUFFER", "STAGED_MAX", "RESULT_RECORDS_PER_WRITE", "take_result_records"]
+__all__ = [
+    "RunBook",
+    "SUBSCRIBER_BUFFER",
+    "STAGED_MAX",
+    "RESULT_RECORDS_PER_WRITE",
+    "take_result_records",
+    "tree_dead_wall",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +371,7 @@ class RunBook:
         receipt: dict[str, Any] | None,
     ) -> bool:
         ended_at = time.time()
-        groups_ended_at = _groups_ended_at(receipt)
+        groups_ended_at = tree_dead_wall(receipt)
         predicted = run.state not in TERMINAL_STATES
         fact: dict[str, Any] = {
             "state": str(state),
@@ -437,7 +444,7 @@ class RunBook:
         run.done.set()
 
 
-def _groups_ended_at(receipt: dict[str, Any] | None) -> float | None:
+def tree_dead_wall(receipt: dict[str, Any] | None) -> float | None:
     """The wall time the stop receipt saw the whole tree dead, or None (survivors, unseen)."""
     if not receipt:
         return None

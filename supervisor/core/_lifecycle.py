@@ -28,7 +28,8 @@ import trio
 
 from subagent.events import BadLine, Event, EventKind, ExitCode, RunStatus, fold_snapshot
 from supervisor.config import Config
-from supervisor.core._book import STAGED_MAX, RunBook, take_result_records
+from supervisor.core._background import amend_background
+from supervisor.core._book import STAGED_MAX, RunBook, take_result_records, tree_dead_wall
 from supervisor.core._limits import add_memory, add_pids
 from supervisor.core._run import Run, Staged, mark_stop
 from supervisor.core._sources import EventSource
@@ -358,6 +359,10 @@ class Lifecycle:
         # a tool that was running has an unknown outcome, one only announced never ran.
         died = None if receipt.get("escalated") else runner_death(code, memory, gone=receipt.get("leader") == "gone")
         await self._settle_unreported(run, stopped, died)
+        # Its background commands' calls, which its runner never amended: the daemon's account.
+        grace = "the stop's grace" if stopped else "its grace"
+        how = f"the runner died ({died})" if died is not None else f"the runner was killed at the end of {grace}"
+        await amend_background(self.book, run, how=how, stopped=stopped, tree_dead_wall=tree_dead_wall(receipt))
         await self._add_tool_stops(run, full_receipt, None)
         if stopped:
             state, reason, error = RunState.CANCELLED, run.token.reason, None
