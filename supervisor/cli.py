@@ -979,6 +979,8 @@ def format_event(event: dict[str, Any]) -> str:
         text = f"facts may be missing: {_short(d.get('message', ''), 160)}"
     elif kind == "steer_sent":
         text = f"steering sent: {_short(d.get('text', ''), 80)}"
+    elif kind == "steer_unsent":
+        text = f"steering not sent ({_short(str(d.get('why', '')), 60)}): {_short(d.get('text', ''), 80)}"
     elif kind == "approval_requested":
         # The person deciding sees what they would let run, and the commands that answer it.
         run, call = event.get("run_id") or "RUN", d.get("call_id")

@@ -42,6 +42,7 @@ import trio
 
 from subagent.approvals import MAX_ANSWER_LINE_BYTES
 from subagent.events import Approval, EventKind, ToolCallState
+from supervisor.core._fdwrite import write_whole
 from supervisor.errors import ControlProtocolError, JournalUnavailable
 from supervisor.protocol import ErrorCode
 from supervisor.states import RunState
@@ -455,14 +456,6 @@ def _open(path: Path, run_id: str) -> int:
 async def _write(fd: int, data: bytes) -> tuple[int, str | None]:
     """Write one answer line into the channel, whole (waiting for room, ``SEND_TIMEOUT_S``
     at most: the runner reads at once); how many bytes went in, and why not all (None: all)."""
-    done = 0
-    with trio.move_on_after(SEND_TIMEOUT_S):
-        while done < len(data):
-            try:
-                done += os.write(fd, data[done:])
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(fd)
-            except OSError as exc:
-                return done, str(exc)
-        return done, None
-    return done, f"the runner has not read its answers for {SEND_TIMEOUT_S:g} s"
+    return await write_whole(
+        fd, data, timeout_s=SEND_TIMEOUT_S, late=f"the runner has not read its answers for {SEND_TIMEOUT_S:g} s"
+    )

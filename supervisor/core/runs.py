@@ -47,6 +47,7 @@ from supervisor.core._lifecycle import Lifecycle
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import PipeSource
 from supervisor.core._spec_check import spec_for_runner, validate_spec
+from supervisor.core._steers import send_steer
 from supervisor.core.approvals import ApprovalDesk, Hooks
 from supervisor.core.diskguard import DiskGuard
 from supervisor.core.recovery import Recovery
@@ -553,23 +554,12 @@ class RunManager:
                 raise RunNotFound(run_id)
             return {"run_id": run_id, "accepted": False, "state": row["state"], "why": "the run has ended"}
         async with run.stdin_lock:  # the feed's end (``PipeSource.feed``) changes run.stdin
-            stdin = run.stdin
-            if run.token.cancelled or stdin is None:
+            if run.token.cancelled or run.stdin is None:
                 return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": _no_input_why(run)}
-            # Before the send (the run's end may come during it), under the lock (no other
-            # steer's text is appended meanwhile: the last one is this one).
-            run.steers_sent.append(text)
-            try:
-                await stdin.send_all(line)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                run.steers_sent.pop()
-                return {
-                    "run_id": run_id,
-                    "accepted": False,
-                    "state": str(run.state),
-                    "why": "the runner closed its input (its run is ending)",
-                }
-        await self.book.record(run, "steer_sent", {"text": text})
+            # Journaled before it can reach the runner (``_steers.send_steer``).
+            why = await send_steer(self.book, run, text, line)
+        if why is not None:
+            return {"run_id": run_id, "accepted": False, "state": str(run.state), "why": why}
         return {"run_id": run_id, "accepted": True, "state": str(run.state)}
 
     async def approve(self, run_id: str, call_id: str) -> dict[str, Any]:

@@ -622,15 +622,19 @@ class Store(SessionStoreMixin):
                 yield kind, obj
 
     def steering_texts(self, run_id: str) -> tuple[list[str], list[str], list[str]]:
-        """The steering texts the daemon sent the run's runner (``steer_sent`` events),
-        those the runner said it read (``steering`` events, ``queued``), and those it said
-        became something (``applied``, ``unapplied``), in order."""
+        """The steering texts the daemon sent the run's runner (``steer_sent`` events, but
+        for one a ``steer_unsent`` after it says never went in), those the runner said it
+        read (``steering`` events, ``queued``), and those it said became something
+        (``applied``, ``unapplied``), in order."""
         sent: list[str] = []
         read: list[str] = []
         settled: list[str] = []
-        for kind, obj in self._events_of(run_id, ("steer_sent", "steering"), "text"):
+        for kind, obj in self._events_of(run_id, ("steer_sent", "steer_unsent", "steering"), "text"):
             if kind == "steer_sent":
                 sent.append(obj["text"])
+            elif kind == "steer_unsent":
+                if obj["text"] in sent:  # the last one sent with this text (one at a time per run)
+                    del sent[len(sent) - 1 - sent[::-1].index(obj["text"])]
             elif obj.get("state") == "queued":
                 read.append(obj["text"])
             elif obj.get("state") in ("applied", "unapplied"):

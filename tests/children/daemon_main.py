@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -97,21 +98,25 @@ def _pause_before_recovery() -> None:
     recovery.Recovery.recover = pause  # type: ignore[assignment,method-assign]
 
 
-def _hold_between_approval_steps() -> None:
-    """Fault injection (``AGENTD_TEST_HOLD_AT=approval_between``): an answer's two steps
-    are its journal write (the ``approval_sent`` event) and its write into the run's
-    channel, in whichever order the desk takes them; once the first is done, print ``at
-    approval_between`` on stdout and hold there for good (the test SIGKILLs the daemon)."""
-    from supervisor.core import _book, approvals
+def _hold_between_steps(
+    where: str, kind: str, channel: list[tuple[Any, str]], carries: Callable[[tuple[Any, ...]], bool]
+) -> None:
+    """Hold (for good: the test SIGKILLs the daemon) between the two steps of a fact sent
+    to a runner, its journal write (the ``kind`` event) and its write into the runner's
+    input (the ``channel`` functions, (owner, name), for the calls that ``carries``), in
+    whichever order the daemon takes them: once the first is done, print ``at WHERE``."""
+    from supervisor.core import _book
 
     done: list[str] = []
 
     async def hold() -> None:
-        print("at approval_between", flush=True)
+        print(f"at {where}", flush=True)
         await trio.sleep_forever()
 
     def channel_write(write: Any) -> Any:
-        async def wrapped(*args: object, **kwargs: object) -> object:
+        async def wrapped(*args: Any, **kwargs: Any) -> object:
+            if not carries(args):
+                return await write(*args, **kwargs)
             if done:
                 await hold()
             value = await write(*args, **kwargs)
@@ -121,22 +126,46 @@ def _hold_between_approval_steps() -> None:
         return wrapped
 
     def journal_write(record: Any) -> Any:
-        async def wrapped(book: object, run: object, kind: str, *args: object, **kwargs: object) -> object:
-            if kind == "approval_sent" and done:
+        async def wrapped(book: object, run: object, k: str, *args: object, **kwargs: object) -> object:
+            if k == kind and done:
                 await hold()
-            value = await record(book, run, kind, *args, **kwargs)
-            if kind == "approval_sent":
+            value = await record(book, run, k, *args, **kwargs)
+            if k == kind:
                 done.append("journal")
             return value
 
         return wrapped
 
-    for name in ("_write", "_send"):  # the channel write (``_send``: before the record came first)
-        if hasattr(approvals, name):
-            setattr(approvals, name, channel_write(getattr(approvals, name)))
+    for owner, name in channel:
+        if hasattr(owner, name):
+            setattr(owner, name, channel_write(getattr(owner, name)))
     for name in ("record", "record_durable"):
         if hasattr(_book.RunBook, name):
             setattr(_book.RunBook, name, journal_write(getattr(_book.RunBook, name)))
+
+
+def _hold_between_approval_steps() -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT=approval_between``): between an answer's
+    journal write (``approval_sent``) and its write into the run's channel."""
+    from supervisor.core import approvals
+
+    # The channel write (``_send``: before the record came first).
+    channel = [(approvals, "_write"), (approvals, "_send")]
+    _hold_between_steps("approval_between", "approval_sent", channel, lambda args: True)
+
+
+def _hold_between_steer_steps() -> None:
+    """Fault injection (``AGENTD_TEST_HOLD_AT=steer_between``): between a steer's journal
+    write (``steer_sent``) and its write into the runner's stdin (``write_whole`` from
+    ``_steers``; the stdin stream's ``send_all`` before the record came first)."""
+    from supervisor.core import _steers
+
+    def steer_line(args: tuple[Any, ...]) -> bool:
+        data = next((a for a in args if isinstance(a, (bytes, bytearray, memoryview))), b"")
+        return bytes(data).lstrip(b"\n").startswith(b'{"steer"')
+
+    channel = [(_steers, "write_whole"), (trio.lowlevel.FdStream, "send_all")]
+    _hold_between_steps("steer_between", "steer_sent", channel, steer_line)
 
 
 async def main(state_dir: str) -> None:
@@ -153,6 +182,8 @@ async def main(state_dir: str) -> None:
         _hold_at_process_record()
     elif hold_at == "approval_between":
         _hold_between_approval_steps()
+    elif hold_at == "steer_between":
+        _hold_between_steer_steps()
     config = Config.load(state_dir=state_dir)
     async with trio.open_nursery() as n:
         info = await n.start(serve, config)

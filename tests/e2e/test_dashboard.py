@@ -802,8 +802,9 @@ async () => {
   const s = new SteerModel();
   for (const [k, d] of [["steer_sent", { text: "a" }], ["steer_sent", { text: "a" }], ["steering", { state: "queued", text: "a", step: 1 }],
                         ["steering", { state: "applied", text: "a", step: 2 }], ["steering", { state: "queued", text: "a", step: 2 }],
-                        ["steering", { state: "unapplied", text: "a", step: 2 }]]) s.feed({ kind: k, data: d });
-  out.steer = s.items.map((i) => `${i.state}@${i.step}`);
+                        ["steering", { state: "unapplied", text: "a", step: 2 }],
+                        ["steer_sent", { text: "b" }], ["steer_unsent", { text: "b", why: "w" }]]) s.feed({ kind: k, data: d });
+  out.steer = s.items.map((i) => `${i.state}@${i.step}${i.why ? `:${i.why}` : ""}`);
   out.durations = [0.0434, 0.9996, 1.2, 2, 2.034, 12.34, 75, 4000].map(fmtDuration);
   return out;
 }
@@ -850,7 +851,8 @@ def test_the_pages_stop_logic_tells_the_truth_and_reads_fields_it_does_not_know_
         "Run cancelled (outcome recorded)",
     ]
     assert out["firstAt"] == 0
-    assert out["steer"] == ["applied@2", "unapplied@2"]
+    # A steer journaled, then not written into the runner's input: refused, and why.
+    assert out["steer"] == ["applied@2", "unapplied@2", "refused@null:w"]
     assert out["durations"] == ["43 ms", "1000 ms", "1.2 s", "2 s", "2.03 s", "12.3 s", "1 min 15 s", "1 h 6 min"]
     assert [fmt_duration(x) for x in (0.0434, 1.2, 2, 2.034, 12.34, 75)] == [
         out["durations"][i] for i in (0, 2, 3, 4, 5, 6)

@@ -87,6 +87,8 @@ export function describe(ev) {
       return { text: `Steering ${STEERING_TEXT[d.state] ?? d.state}${d.step ? ` at step ${d.step}` : ""}: ${short(d.text, 200)}` };
     case "steer_sent":
       return { text: `Steering sent: ${short(d.text, 200)}` };
+    case "steer_unsent":
+      return { text: `Steering not sent (${short(d.why, 120)}): ${short(d.text, 200)}` };
     case "log":
       return { text: `Log ${d.level ?? ""}: ${short(d.message, 300)}` };
     case "stderr":

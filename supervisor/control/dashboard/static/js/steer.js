@@ -4,7 +4,8 @@
 // "steer_sent" when it passed the text to the runner, then the runner's "steering" events
 // (queued, applied at step N, or never applied when the run ended first). Steering carries
 // no id, so events are matched to what was sent by text, first in first out. A refusal
-// (the run is stopping or ended) is not journaled: it is shown from the reply.
+// (the run is stopping or ended) is not journaled: it is shown from the reply; but one
+// journaled and then not written into the runner's input is ("steer_unsent").
 
 import { clear, h } from "./dom.js";
 
@@ -29,6 +30,12 @@ export class SteerModel {
     if (ev.kind === "steer_sent") {
       this.items.push({ text: d.text, state: "sent", step: null });
       return true;
+    }
+    if (ev.kind === "steer_unsent") {
+      // Journaled, then not written into the runner's input: it never reached it.
+      const item = [...this.items].reverse().find((it) => it.text === d.text && it.state === "sent");
+      if (item) Object.assign(item, { state: "refused", why: d.why });
+      return Boolean(item);
     }
     if (ev.kind !== "steering") return false;
     // Each text moves sent -> queued -> applied | unapplied; the oldest item that can take
@@ -108,7 +115,10 @@ export class SteerBox {
 
   render() {
     clear(this.list);
-    for (const it of [...this.model.items, ...this.local]) {
+    // A refusal the journal has (``steer_unsent``) is shown once, from the journal.
+    const journaled = new Set(this.model.items.filter((it) => it.state === "refused").map((it) => it.text));
+    const local = this.local.filter((it) => !(it.state === "refused" && journaled.has(it.text)));
+    for (const it of [...this.model.items, ...local]) {
       let label = LABEL[it.state] ?? it.state;
       if (it.state === "applied" && it.step) label += ` at step ${it.step}`;
       if (it.why) label += `: ${it.why}`;

@@ -129,6 +129,7 @@ export class StopModel {
       case "step_snapshot":
       case "runner_started":
       case "steer_sent":
+      case "steer_unsent":
         return false;
       default:
         // Kinds this page does not know yet (richer stop events from a later daemon).

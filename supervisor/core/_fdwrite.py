@@ -1,0 +1,35 @@
+"""One line into a runner's input, whole, bounded: ``write_whole``.
+
+A fact the daemon journals before it writes it to a runner (an approval's answer into
+its channel, a steer into its stdin) must then be written or said unsent, whatever else
+comes: the caller shields the write, so it is bounded here, and it says how many bytes
+went in (a line cut short is not the line; one cut only before its last newline is whole
+JSON, which its reader takes at the next newline or EOF).
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+__all__ = ["write_whole"]
+
+
+async def write_whole(fd: int, data: bytes, *, timeout_s: float, late: str) -> tuple[int, str | None]:
+    """Write ``data`` into the non-blocking ``fd``, waiting for room ``timeout_s`` at most
+    (its reader reads at once); how many bytes went in, and why not all (None: all; ``late``
+    when the time ran out; else the write's error, in words for a reader gone)."""
+    done = 0
+    with trio.move_on_after(timeout_s):
+        while done < len(data):
+            try:
+                done += os.write(fd, data[done:])
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(fd)
+            except BrokenPipeError:
+                return done, "the runner closed its end (its run is ending)"
+            except OSError as exc:
+                return done, str(exc)
+        return done, None
+    return done, late
