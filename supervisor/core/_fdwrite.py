@@ -4,11 +4,14 @@ A fact the daemon journals before it writes it to a runner (an approval's answer
 its channel, a steer into its stdin) must then be written or said unsent, whatever else
 comes: the caller shields the write, so it is bounded here, and it says how many bytes
 went in (a line cut short is not the line; one cut only before its last newline is whole
-JSON, which its reader takes at the next newline or EOF).
+JSON, which its reader takes at the next newline or EOF). Writers that share a channel
+share a lock, held only to write: a wait for room while none of the line is in is made
+without it, so one writer stuck behind a reader that does not read holds no other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import trio
@@ -16,20 +19,31 @@ import trio
 __all__ = ["write_whole"]
 
 
-async def write_whole(fd: int, data: bytes, *, timeout_s: float, late: str) -> tuple[int, str | None]:
+async def write_whole(
+    fd: int, data: bytes, *, timeout_s: float, late: str, lock: trio.Lock | None = None
+) -> tuple[int, str | None]:
     """Write ``data`` into the non-blocking ``fd``, waiting for room ``timeout_s`` at most
     (its reader reads at once); how many bytes went in, and why not all (None: all; ``late``
-    when the time ran out; else the write's error, in words for a reader gone)."""
+    when the time ran out; else the write's error, in words for a reader gone).
+
+    ``lock``: the channel's writers' (no other line between a line's parts): taken to
+    write, and let go while the channel has no room and none of ``data`` is in yet."""
     done = 0
     with trio.move_on_after(timeout_s):
-        while done < len(data):
-            try:
-                done += os.write(fd, data[done:])
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(fd)
-            except BrokenPipeError:
-                return done, "the runner closed its end (its run is ending)"
-            except OSError as exc:
-                return done, str(exc)
-        return done, None
+        while True:
+            async with lock if lock is not None else contextlib.nullcontext():
+                while done < len(data):
+                    try:
+                        done += os.write(fd, data[done:])
+                    except BlockingIOError:
+                        if lock is not None and done == 0:
+                            break  # no room, nothing of it in: wait without the lock
+                        await trio.lowlevel.wait_writable(fd)
+                    except BrokenPipeError:
+                        return done, "the runner closed its end (its run is ending)"
+                    except OSError as exc:
+                        return done, str(exc)
+                else:
+                    return done, None
+            await trio.lowlevel.wait_writable(fd)
     return done, late

@@ -128,8 +128,10 @@ class RunApprovals:
 
     pending: dict[str, Pending] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
-    # Held while an answer is decided and written: one answer at a time goes into the
-    # channel (a line may be longer than PIPE_BUF), and a call is answered once.
+    # Held while an answer is decided, and while a line is written: a call is answered
+    # once, and one line at a time goes into the channel (a line may be longer than
+    # PIPE_BUF). Not while a write waits for room with none of its line in (``_write``):
+    # a runner that does not read holds no other answer of its run for the wait.
     sending: trio.Lock = field(default_factory=trio.Lock)
 
     def _changed(self) -> None:
@@ -306,16 +308,21 @@ class ApprovalDesk:
                         f"run {run.run_id!r}: the answer to call {call_id!r} cannot be journaled ({exc}); "
                         f"it was not sent",
                     ) from exc
-                approvals.mark_sent(p, decision, reason)
-                # Journaled: from here it is written, or said unsent, whatever else comes (a
-                # client gone cancels this request); bounded by SEND_TIMEOUT_S.
-                with trio.CancelScope(shield=True):
-                    written, why = await _write(fd, line)
-            finally:
+                approvals.mark_sent(p, decision, reason)  # the call's answer: a second one is refused
+            except BaseException:
                 os.close(fd)
-            if why is not None:
-                with trio.CancelScope(shield=True):
-                    await self._unsent(run, p, line, written, why)
+                raise
+        try:
+            # Journaled: from here it is written, or said unsent, whatever else comes (a
+            # client gone cancels this request); bounded by SEND_TIMEOUT_S, the lock held
+            # only to write (a full channel holds no other answer of the run meanwhile).
+            with trio.CancelScope(shield=True):
+                written, why = await _write(fd, line, approvals.sending)
+        finally:
+            os.close(fd)
+        if why is not None:
+            with trio.CancelScope(shield=True):
+                await self._unsent(run, p, line, written, why)
         return {
             "run_id": run.run_id,
             "call_id": call_id,
@@ -349,9 +356,11 @@ class ApprovalDesk:
         """Send again the answers a dead daemon journaled to calls its runner has not said
         it acted on (restored ``resend``): that daemon may have died before writing them.
         The runner takes the first answer to a call and ignores the rest, so one it had
-        read already changes nothing."""
+        read already changes nothing. All of them within ``SEND_TIMEOUT_S``, the run's
+        ``sending`` held only to write (``_write``): a runner that does not read holds
+        no other answer of its run meanwhile."""
         approvals: RunApprovals = run.approvals
-        async with approvals.sending:
+        with trio.move_on_after(SEND_TIMEOUT_S) as bound:
             for p in list(approvals.pending.values()):
                 if not p.resend or p.sent is None or run.stopping or run.run_dir is None:
                     continue
@@ -363,13 +372,19 @@ class ApprovalDesk:
                     logger.warning("run %s: cannot send the answer to call %s again: %s", run.run_id, p.call_id, exc)
                     return
                 try:
-                    _written, why = await _write(fd, line)
+                    _written, why = await _write(fd, line, approvals.sending)
                 finally:
                     os.close(fd)
                 if why is not None:
                     logger.warning("run %s: cannot send the answer to call %s again: %s", run.run_id, p.call_id, why)
                 else:
                     logger.info("run %s: sent the journaled answer to call %s again", run.run_id, p.call_id)
+        if bound.cancelled_caught:
+            logger.warning(
+                "run %s: the runner has not read its answers for %g s: journaled answers not all sent again",
+                run.run_id,
+                SEND_TIMEOUT_S,
+            )
 
     async def watch(self, run: Any) -> None:
         """Cancel the run (reason ``approval_timeout``) at the earliest deadline of a call
@@ -382,14 +397,22 @@ class ApprovalDesk:
         deadline that passed while no daemon ran would otherwise stop a run whose call was
         answered in time.
 
-        Once caught up (or ``CATCH_UP_WAIT_S`` later), it first sends again the answers the
-        dead daemon journaled to calls still pending (``_resend``).
+        Once caught up (or ``CATCH_UP_WAIT_S`` later), it sends again the answers the dead
+        daemon journaled to calls still pending (``_resend``), beside the deadlines.
 
         Runs beside the run's supervision until the run ends (its nursery cancels it).
         """
-        approvals: RunApprovals = run.approvals
         await _caught_up(run)
-        await self._resend(run)
+        async with trio.open_nursery() as beside:
+            # Beside the deadlines: a re-send waiting on a runner that does not read
+            # delays no deadline's stop.
+            beside.start_soon(self._resend, run)
+            await self._deadlines(run)
+            beside.cancel_scope.cancel(reason="the run is being stopped for its approval's deadline")
+
+    async def _deadlines(self, run: Any) -> None:
+        """``watch``'s deadline loop: returns once it has cancelled the run."""
+        approvals: RunApprovals = run.approvals
         while True:
             changed = approvals.changed
             due = approvals.next_due()
@@ -453,9 +476,15 @@ def _open(path: Path, run_id: str) -> int:
         raise ControlProtocolError(ErrorCode.REFUSED, f"run {run_id!r}: cannot answer: {why}") from exc
 
 
-async def _write(fd: int, data: bytes) -> tuple[int, str | None]:
+async def _write(fd: int, data: bytes, sending: trio.Lock) -> tuple[int, str | None]:
     """Write one answer line into the channel, whole (waiting for room, ``SEND_TIMEOUT_S``
-    at most: the runner reads at once); how many bytes went in, and why not all (None: all)."""
+    at most: the runner reads at once); how many bytes went in, and why not all (None: all).
+    ``sending``: the run's (``RunApprovals.sending``), held only to write: a wait for room
+    in a full channel holds no other answer of the run (``write_whole``)."""
     return await write_whole(
-        fd, data, timeout_s=SEND_TIMEOUT_S, late=f"the runner has not read its answers for {SEND_TIMEOUT_S:g} s"
+        fd,
+        data,
+        timeout_s=SEND_TIMEOUT_S,
+        late=f"the runner has not read its answers for {SEND_TIMEOUT_S:g} s",
+        lock=sending,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,43 @@ async def test_the_journal_names_the_answer_sent_and_not_one_journaled_unsent(tm
             "a": {"decision": "approve", "reason": None},
             "b": {"decision": "deny", "reason": "no"},
         }
+
+
+async def test_answers_sent_again_into_a_full_channel_hold_no_other_answer_nor_a_deadline(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A restarted daemon sends again two journaled answers to a runner that does not read
+    # (frozen, stuck) and whose channel is full. The re-send held the run's answer lock
+    # for SEND_TIMEOUT_S per answer, and the deadline watch waited for it: a person's
+    # answer to a third call waited 20 s for the lock before its own 10 s, and the third
+    # call's deadline (1 s) was acted on 20 s late.
+    run, reader = channel(tmp_path)
+    cancels: list[tuple[str, float]] = []
+
+    async def cancel(run_id: str, reason: str) -> None:
+        cancels.append((reason, trio.current_time()))
+
+    d = ApprovalDesk(Hooks(record=nothing, transition=nothing, cancel=cancel))
+    records = [{"id": c, "name": "x", "approval": "pending", "state": "not_started"} for c in ("c1", "c2")]
+    run.approvals.restore(records, sent={c: {"decision": "approve", "reason": None} for c in ("c1", "c2")})
+    try:
+        while True:
+            os.write(reader, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    start = trio.current_time()
+    async with trio.open_nursery() as n:
+        n.start_soon(d.watch, run)
+        await trio.testing.wait_all_tasks_blocked()
+        due = trio.current_time() + 12.0  # its deadline, 2 s after the answer below gives up
+        await d.on_event(run, "approval_requested", {"call_id": "c3", "name": "x", "deadline": time.time() + 12.0})
+        with pytest.raises(ControlProtocolError, match="has not read its answers"):
+            await d.answer(run, "c3", approve=True)
+        answered_after = trio.current_time() - start
+        with trio.fail_after(60):
+            while not cancels:
+                await trio.sleep(0.1)
+        n.cancel_scope.cancel()
+    os.close(reader)
+    assert answered_after == pytest.approx(SEND_TIMEOUT_S)  # its own wait only
+    assert cancels == [("approval_timeout", pytest.approx(due, abs=0.2))]
