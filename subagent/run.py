@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -29,7 +28,7 @@ from subagent.loop import AgentLoop, RunOutcome, stopped_outcome
 from subagent.model.provider import ModelError, Provider
 from subagent.spec import McpServerSpec, RunSpec
 from subagent.steering import SteeringQueue, read_steering
-from subagent.stop import StopControl, import_abortably
+from subagent.stop import StopControl, import_abortably, imported_whole
 from subagent.stopmark import SIGNALLED, read_marker
 from subagent.tools.background import BackgroundCommands
 from subagent.tools.toolbox import ToolBox
@@ -311,7 +310,7 @@ async def _deadline(seconds: float, stop: StopControl) -> None:
 
 
 def _imported() -> dict[str, bool]:
-    return {"openai": "openai" in sys.modules, "mcp": "mcp" in sys.modules}
+    return {"openai": imported_whole("openai"), "mcp": imported_whole("mcp")}  # (not an abandoned import)
 
 
 async def run(

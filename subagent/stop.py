@@ -42,7 +42,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["StopControl"]
+__all__ = ["StopControl", "import_abortably", "imported_whole"]
 
 
 class StopControl:
@@ -222,3 +222,11 @@ async def import_abortably(
             importlib.import_module(module)
         return True
     return False
+
+
+def imported_whole(module: str) -> bool:
+    """``module`` is imported, whole. A module is in ``sys.modules`` from the start of its
+    import: one a stop abandoned (``import_abortably``: its thread still runs it) is there
+    half done, marked so as the import system marks it (``__spec__._initializing``)."""
+    found = sys.modules.get(module)
+    return found is not None and not getattr(getattr(found, "__spec__", None), "_initializing", False)

@@ -39,3 +39,4 @@ async def test_a_cold_runner_stopped_while_it_imports_openai_exits_at_once(tmp_p
     (stopped,) = r.of(EventKind.STOP_REQUESTED)
     assert stopped.data["during"] == "setup"
     assert took < 5.0, took  # not the import's 30 s
+    assert result["imported"]["openai"] is False, result["imported"]  # abandoned half done
