@@ -154,13 +154,15 @@ def format_outcome(o: CommandOutcome, *, foreign_signal: bool = False) -> str:
         head = f"[exit code {o.exit_code}]"
     if o.timed_out:
         head += " [timed out: the command was stopped]"
+    # What it wrote until then follows, if anything: never "below" with nothing there.
+    so_far = "output so far below" if o.output else "it had written no output"
     if o.by_stop and foreign_signal:
         head += (
-            " [interrupted as the run stopped on a SIGTERM not sent by agentd's stop: "
-            "the command was stopped; output so far below]"
+            f" [interrupted as the run stopped on a SIGTERM not sent by agentd's stop: "
+            f"the command was stopped; {so_far}]"
         )
     elif o.by_stop:
-        head += " [interrupted by the stop: the command was stopped; output so far below]"
+        head += f" [interrupted by the stop: the command was stopped; {so_far}]"
     elif o.interrupted:
         head += " [interrupted: the command was stopped]"
     if o.killed_after_grace and (o.interrupted or o.timed_out):

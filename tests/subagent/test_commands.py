@@ -145,9 +145,20 @@ async def test_a_stopped_command_whose_child_outlived_the_sigterm_says_it_was_si
         out = await _stopped_once_started(f"(trap '' TERM; touch {flag}; sleep 30) & wait", flag, kill_grace_s=0.3)
     assert out.by_stop and out.ended_by == "SIGTERM" and out.killed_after_grace
     assert format_outcome(out).startswith(
-        "[killed by SIGTERM] [interrupted by the stop: the command was stopped; output so far below] "
+        "[killed by SIGTERM] [interrupted by the stop: the command was stopped; it had written no output] "
         "[what it started did not end on SIGTERM: SIGKILLed at the end of the grace]"
     )
+
+
+async def test_a_stopped_command_that_wrote_nothing_says_so_not_output_below(tmp_path: Path) -> None:
+    # It read "output so far below" with nothing below it (to the model, and in its record).
+    flag = tmp_path / "flag"
+    with trio.fail_after(10):
+        out = await _stopped_once_started(f"touch {flag}; sleep 30", flag)
+    assert out.by_stop and out.output == ""
+    for foreign in (False, True):
+        text = format_outcome(out, foreign_signal=foreign)
+        assert "below" not in text and text.endswith("the command was stopped; it had written no output]\n"), text
 
 
 async def test_a_stop_kills_a_command_that_ignores_sigterm_after_the_short_command_grace(tmp_path: Path) -> None:
