@@ -14,6 +14,7 @@ The behaviour comes from the spec's ``task``, a JSON object:
   hold_stdout_scrubbed: bool  the same, with an empty environment (no marker) and
                       ignoring SIGTERM: only the pipe it holds ties it to the run
   echo_steer: bool    while it waits, log each steering line from stdin ("steered: <text>")
+  log_on_usr1: bool   emit a log event ("usr1") on each SIGUSR1: an event when a test asks
   failed_before_stop: bool  on SIGTERM, end as a runner whose own failure was decided just
                       before the stop reached it: result failed (model_error), flagged so
 """
@@ -60,6 +61,8 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, on_term)
+    if b.get("log_on_usr1"):
+        signal.signal(signal.SIGUSR1, lambda *_: emit(EventKind.LOG, level="info", message="usr1"))
     if b.get("garbage"):
         sys.stderr.write("Traceback (most recent call last):\n  garbage {{{\n")
         sys.stderr.flush()

@@ -177,8 +177,10 @@ async def test_a_run_that_fills_the_disk_is_stopped_and_the_others_go_on(
             filler_dir = Path((await m.status(filler))["run_dir"])
             if noticed_by == "journal_full":
                 await until(lambda: _full(disk))
-                # An event of another run's: its journal write fails (SQLITE_FULL).
-                assert (await m.steer(a, "go on"))["accepted"] is True
+                # A journal write for another run (a steer's, journaled before it is sent)
+                # fails (SQLITE_FULL): the steer is refused, and the disk guard looks.
+                refused = await m.steer(a, "go on")
+                assert refused["accepted"] is False and "cannot be journaled" in refused["why"], refused
 
             with trio.fail_after(30):
                 st = await m.wait_terminal(filler)

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def spec(**behaviour: Any) -> dict[str, Any]:
 async def running_pair(c: Client) -> tuple[str, str]:
     """Two runs that wait for a stop, both past their first snapshot."""
     a = (await c.ok("spawn", spec=spec(snapshots=1)))["run_id"]
-    b = (await c.ok("spawn", spec=spec(snapshots=1)))["run_id"]
+    b = (await c.ok("spawn", spec=spec(snapshots=1, log_on_usr1=True)))["run_id"]
     for run in (a, b):
         assert (await c.wait_kind(run, "step_snapshot"))["op"] == "event"
     return a, b
@@ -287,9 +288,17 @@ async def test_a_full_journal_degrades_the_daemon_keeps_every_fact_and_loses_no_
             assert (await c.ok("status"))["summary"]["accepting"] is False  # as the refusal says
             b_status = await c.ok("status", run_id=b)
             assert b_status["state"] == "running" and psutil.pid_exists(b_status["pid"])
+            # A steer is refused: it is journaled before it reaches the runner, as an answer is.
+            steer = await c.ok("steer", run_id=b, text="while degraded")
+            assert steer["accepted"] is False and "cannot be journaled" in steer["why"], steer
             # An event of the live run's, handed out and waiting for the journal: status and
             # list say its number (they said the journal's: behind what `events` gives).
-            assert (await c.ok("steer", run_id=b, text="while degraded"))["accepted"] is True
+            pidfd = os.pidfd_open(b_status["pid"])  # the runner this test's daemon started, pinned
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
+            finally:
+                os.close(pidfd)
+            await c.wait_for(b, lambda m: m.get("kind") == "log" and m["data"].get("message") == "usr1")
             b_last = (await c.ok("events", run_id=b))["events"][-1]["seq"]
             assert (await c.ok("status", run_id=b))["last_seq"] == b_last
             listed = {r["id"]: r for r in (await c.ok("list"))["runs"]}
