@@ -28,6 +28,7 @@ import trio
 
 from subagent.history import LOST_BEFORE_START
 from subagent.stopmark import clear_marker
+from supervisor.core._background import amend_background
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
 from supervisor.core._run import Run, mark_stop
@@ -227,6 +228,11 @@ class Recovery:
             else "the runner was gone when the daemon restarted, without a result"
         )
         book = self.book
+        # Its background commands' calls, which its runner never amended: the daemon's
+        # account (the sweep above ended what was left of its tree).
+        how = "the daemon, restarted, found its runner gone"
+        dead = None if stop.survivors else time.time()
+        await amend_background(book, run, how=how, stopped=False, tree_dead_wall=dead)
         await book.write(
             run,
             "lost",

@@ -10,6 +10,7 @@ real runners with the scripted model, real commands.
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import trio
 from subagent.events import StopEffect
 from subagent.history import HISTORY_BACKGROUND_ENDED_BY_STOP, HISTORY_BACKGROUND_ENDED_WITH_RUN, tool_result_text
 from supervisor.core._background import amendments
+from tests.supervisor.test_restart import daemon as restarted_daemon
 from tests.supervisor.test_stop_tools import cancel_and_time, start_daemon, wait_event
 
 SERVING = {"command": "echo serving; exec sleep 300", "background": True}
@@ -121,3 +123,36 @@ def test_a_background_command_that_ended_before_the_stop_or_was_amended_is_left_
     # Survivors: the daemon does not claim it saw it die.
     (unseen,) = amendments([started], [], how="h", stop_wall=150.0, tree_dead_wall=None)
     assert unseen["stop_to_end_s"] is None and "did not see all of it die" in unseen["reason"]
+
+
+async def test_a_runner_gone_while_no_daemon_ran_leaves_its_background_call_ended_with_the_run(tmp_path: Path) -> None:
+    # The daemon is killed -9, then its run's runner (no stop, no result); the next daemon
+    # finds the runner gone, sweeps what is left of its tree (the background command) and
+    # ends the run `lost`: the call's record says the command ended with it.
+    spec = turns(SERVING, {"command": "echo two; sleep 300"})
+    state = tmp_path / "state"
+    with trio.fail_after(60):
+        async with restarted_daemon(state, dict(os.environ)) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            # Its groups: the background command's, then the foreground one's (the turn after).
+            await c.wait_for(rid, kind="process_group", count=2)
+            st = await c.call("status", run_id=rid)
+            assert [t["name"] for t in st["tool_calls"]] == ["run_command", "run_command"], st["tool_calls"]
+            runner, bg_pid = st["pid"], started_pid(st["tool_calls"][0])
+            await c.ws.aclose()
+            d1.kill()
+            await d1.wait()
+        os.kill(runner, signal.SIGKILL)  # the run's runner (its pid, from its own status), no daemon watching
+        async with restarted_daemon(state, dict(os.environ)) as (d2, c):
+            st = await c.call("status", run_id=rid)
+            await c.ws.aclose()
+            d2.send_signal(signal.SIGTERM)
+            await d2.wait()
+    assert st["state"] == "lost", st
+    bg = st["tool_calls"][0]
+    assert bg["state"] == "succeeded" and bg["stop_effect"] is None and bg["amended_by"] == "daemon", bg
+    assert bg["reason"] == (
+        f"background_ended_with_run: its background command bg1 (process group {bg_pid}) was still running when "
+        "the daemon, restarted, found its runner gone; agentd ended it with the run's tree (agentd's account)"
+    ), bg
+    assert gone(bg_pid)

@@ -55,8 +55,9 @@ class Client:
 
 
 @asynccontextmanager
-async def daemon(state_dir: Path) -> AsyncIterator[tuple[trio.Process, Client]]:
-    env = dict(os.environ, AGENTD_RUNNER_COMMAND=FAKE, AGENTD_GRACE_S="1")
+async def daemon(state_dir: Path, env: dict[str, str] | None = None) -> AsyncIterator[tuple[trio.Process, Client]]:
+    """A daemon process on ``state_dir``; its runner is the fake one unless ``env`` is given."""
+    env = dict(os.environ, AGENTD_RUNNER_COMMAND=FAKE, AGENTD_GRACE_S="1") if env is None else env
     proc = await trio.lowlevel.open_process(
         [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)],
         stdout=-1,
