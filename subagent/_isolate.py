@@ -30,11 +30,16 @@ __all__ = [
     "set_dumpable",
     "can_nest_user_namespace",
     "thread_count",
+    "effective_capabilities",
+    "CAP_SYS_ADMIN",
+    "CAP_SETFCAP",
 ]
 
 _CLONE_NEWNS: Final = 0x00020000
 _CLONE_NEWIPC: Final = 0x08000000
 _CLONE_NEWUSER: Final = 0x10000000
+_CLONE_NEWPID: Final = 0x20000000
+_CLONE_NEWNET: Final = 0x40000000
 _MS_RDONLY: Final = 1
 _MS_NOSUID: Final = 2
 _MS_NODEV: Final = 4
@@ -49,6 +54,8 @@ _PR_CAPBSET_DROP: Final = 24
 _PR_CAP_AMBIENT: Final = 47
 _PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
 _LINUX_CAPABILITY_VERSION_3: Final = 0x20080522
+CAP_SYS_ADMIN: Final = 21
+CAP_SETFCAP: Final = 31
 
 # What systemd's ProtectKernelTunables= makes read-only under /proc: a process that is uid 0
 # on the host (even in a user namespace, even without capabilities) may write most of them.
@@ -90,6 +97,18 @@ def thread_count() -> int:
         return 1
 
 
+def effective_capabilities() -> int:
+    """This process's effective capability set (``CapEff``), a bit per capability; 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def enter_user_namespace(inner_id: int) -> None:
     """Move into a new user, mount and IPC namespace, as ``inner_id`` (uid and gid) there.
 
@@ -102,6 +121,10 @@ def enter_user_namespace(inner_id: int) -> None:
     alone: in the host's namespace a run could attach the segments of its uid (the
     host's, another run's) and leave its own behind, memory that outlived its stop. Its
     own namespace is freed, and everything in it, when the run's last process exits.
+
+    A uid 0 maps itself (writes ``0`` into ``uid_map``) only if it held CAP_SETFCAP when
+    it unshared (Linux 5.12+): a root without capabilities (the systemd unit's) gets EPERM
+    at that write, so the unit grants CAP_SETFCAP and nothing else.
     """
     uid, gid = os.geteuid(), os.getegid()
     flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWIPC
@@ -464,7 +487,10 @@ def can_nest_user_namespace() -> bool:
             # files belong to root, so a normal user could not write its own uid_map.
             _c().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
             uid = os.geteuid()
-            if _c().unshare(_CLONE_NEWUSER) == 0:
+            # The namespaces Chromium's zygote is cloned into (its namespace sandbox): a
+            # service that allows user namespaces but not these (systemd's
+            # RestrictNamespaces=) would start a Chromium that cannot sandbox itself.
+            if _c().unshare(_CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET) == 0:
                 # O_WRONLY without O_TRUNC, as Chromium does (Landlock handles truncation apart).
                 fd = os.open("/proc/self/uid_map", os.O_WRONLY)
                 try:

@@ -116,8 +116,8 @@ PROC_HIDDEN: Final = (
 )
 PROC_SHARED: Final = (
     "the daemon's: the run lists what the daemon lists under /proc (the host's processes, the daemon's, "
-    "other runs'), their command lines and status readable (a procfs of the run's own needs a root daemon "
-    "and a mount namespace)"
+    "other runs'), their command lines and status readable (a procfs of the run's own needs a daemon that is "
+    "the host's root with its capabilities: not a daemon run as a normal user, nor the systemd unit's)"
 )
 # Never reachable, whatever is granted around them: this daemon's configuration and the
 # files a uid-0 run could otherwise read as their owner.
@@ -428,6 +428,7 @@ def _enter(
         ahead.close()
     if settings.mode == "off":
         report.why = "turned off in the daemon's configuration (sandbox = off)"
+        _drop_unit_capability()
         _prepare(prepare, None)
         return True
     abi = _landlock.abi_version()
@@ -437,6 +438,7 @@ def _enter(
         if settings.mode == "required":
             raise SandboxError(f"the sandbox is required but {why}")
         report.why = why
+        _drop_unit_capability()
         _prepare(prepare, None)
         return True
     spec_read, spec_write = spec_paths(spec)
@@ -467,6 +469,17 @@ def _enter(
         return _finish(ahead, spec_read, spec_write, settings, prepare, report, checked)
     finally:
         ahead.close()
+
+
+def _drop_unit_capability() -> None:
+    """A runner whose one capability is CAP_SETFCAP (the systemd unit's, held for its user
+    namespace) drops it where it makes none: its tools never hold it (``NoNewPrivileges``
+    keeps it from coming back at an execve). Any other set (a root daemon's) is left as is."""
+    if _isolate.effective_capabilities() == 1 << _isolate.CAP_SETFCAP:
+        try:
+            _isolate.drop_capabilities()
+        except OSError as exc:
+            logger.warning("CAP_SETFCAP not dropped: %s", exc)
 
 
 @dataclass
@@ -780,9 +793,14 @@ def _private_proc(ahead: Ahead) -> None:
     try:
         _isolate.private_proc()
     except OSError as exc:
+        why = exc.strerror or str(exc)
+        if not _isolate.effective_capabilities() & (1 << _isolate.CAP_SYS_ADMIN):
+            # The systemd unit's root: a procfs belongs to the user namespace owning its PID
+            # namespace (the host's), and the run's own user namespace owns none.
+            why = f"{why} (uid 0 without CAP_SYS_ADMIN: the host's PID namespace is not the run's to mount)"
         ahead.problems.append(
             f"the daemon's /proc (its processes, the host's, other runs', their command lines) is in the run's "
-            f"sight: {exc.strerror or exc}"
+            f"sight: {why}"
         )
         return
     ahead.proc_hidden = True
@@ -896,7 +914,10 @@ def _browser_verdict(report: Report, proc_writable: bool) -> None:
     elif not proc_writable:
         report.browser_sandbox, report.browser_sandbox_why = False, "the kernel's tunables are writable by this uid"
     elif not _isolate.can_nest_user_namespace():
-        report.browser_sandbox, report.browser_sandbox_why = False, "this run cannot create a user namespace"
+        report.browser_sandbox, report.browser_sandbox_why = (
+            False,
+            "this run cannot create the user, PID and network namespaces Chromium's sandbox makes",
+        )
     else:
         report.browser_sandbox = True
 

@@ -90,11 +90,12 @@ def test_browser_run_completes_under_the_hardening(service: Container) -> None:
     assert "tangerine-42" in (status["result"] or {}).get("final_text", ""), status["result"]
     calls = [(t["name"], t["state"]) for t in status["tool_calls"]]
     assert calls == [("browser_navigate", "succeeded"), ("browser_snapshot", "succeeded")], calls
-    # Runs are uid 0 here and cannot have a user namespace (RestrictNamespaces=yes): the
-    # run is still Landlocked, and status says why Chromium's own sandbox is off.
+    # The run is uid 65000 in its own user namespace (the unit allows it, and the user, PID
+    # and network namespaces Chromium's sandbox makes inside it): Chromium ran with its own
+    # sandbox (--sandbox), inside the run's Landlock domain.
     sandbox = status["sandbox"]
-    assert sandbox["mode"] == "landlock" and sandbox["browser_sandbox"] is False, sandbox
-    assert "uid 0" in sandbox["browser_sandbox_why"], sandbox
+    assert sandbox["mode"] == "landlock" and sandbox["browser_sandbox"] is True, sandbox
+    assert "own user namespace" in sandbox["identity"], sandbox
     stop_and_check(c)
     assert container_processes(c, *BROWSER_PROCESSES) == []
 

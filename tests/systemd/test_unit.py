@@ -22,8 +22,9 @@ from tests.systemd.container import CHECKOUT, Container, venv_python
 INSTALL = CHECKOUT / "scripts" / "install-systemd"
 AGENTD = CHECKOUT / ".venv" / "bin" / "agentd"
 # `systemd-analyze security agentd.service` on the loaded unit in the test container
-# (systemd 252): 2.0 "OK". A change that loosens the hardening fails here.
-MAX_EXPOSURE = 2.0
+# (systemd 252): 3.0 "OK" (2.0 before runs got their own namespaces: docs/systemd.md,
+# "Hardening"). A change that loosens the hardening further fails here.
+MAX_EXPOSURE = 3.0
 
 
 def verify(unit: Path) -> tuple[int, str]:
