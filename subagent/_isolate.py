@@ -101,12 +101,9 @@ def effective_capabilities() -> int:
     """This process's effective capability set (``CapEff``), a bit per capability; 0 if unknown."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
+            return next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
 
 
 def enter_user_namespace(inner_id: int) -> None:

@@ -20,10 +20,10 @@ import pytest
 
 from subagent.sandbox import PROC_SHARED
 from tests.e2e.test_sandbox import command, scripted
-from tests.systemd.agentd_support import STATE_DIR, cli, poll
+from tests.systemd.agentd_support import STATE_DIR, UNIT, cli, poll
 from tests.systemd.container import Container, python_in_container
+from tests.systemd.test_sandbox import ENV_FILE, daemon_pid, outputs, spawn, wait_end
 from tests.systemd.test_sandbox import agentd as agentd  # noqa: F401 - the fixture
-from tests.systemd.test_sandbox import daemon_pid, outputs, spawn, wait_end
 
 pytestmark = pytest.mark.systemd
 
@@ -123,3 +123,23 @@ def test_status_says_the_runs_namespaces_are_in_place_and_proc_is_shared(pair: d
         assert sandbox["proc"] == PROC_SHARED
     # What status says of /proc is so: the other run's runner and the daemon are in sight.
     assert pair["lines"].get("other_cmdline") == pair["lines"].get("daemon_cmdline") == "0", pair["lines"]
+
+
+def test_with_the_sandbox_off_a_runs_tools_hold_no_capability(agentd: Container) -> None:  # noqa: F811
+    # The unit keeps CAP_SETFCAP for a runner's user namespace; a runner that makes none
+    # (sandbox = off) drops it too, so no tool holds it (NoNewPrivileges: not at an execve).
+    c = agentd
+    env = c.run(["cat", ENV_FILE]).stdout
+    c.write(ENV_FILE, env + "AGENTD_SANDBOX=off\n", mode="0600")
+    c.systemctl("restart", UNIT, timeout_s=60)
+    try:
+        assert c.run(["grep", "^CapEff", f"/proc/{daemon_pid(c)}/status"]).stdout.split()[1] == "0000000080000000"
+        st = wait_end(c, spawn(c, scripted([command("grep ^Cap /proc/self/status")])))
+    finally:
+        c.write(ENV_FILE, env, mode="0600")
+        c.systemctl("restart", UNIT, timeout_s=60)
+    assert st["sandbox"]["mode"] == "none" and "sandbox = off" in st["sandbox"]["why"], st["sandbox"]
+    caps = dict(line.split(":") for line in outputs(st)[0].splitlines() if line.startswith("Cap"))
+    assert {k: v.strip() for k, v in caps.items() if k in ("CapPrm", "CapEff", "CapAmb")} == dict.fromkeys(
+        ("CapPrm", "CapEff", "CapAmb"), "0000000000000000"
+    ), caps
