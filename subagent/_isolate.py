@@ -4,6 +4,10 @@ Kernel calls through ``ctypes``, stdlib only, Linux only. Each function does one
 raises ``OSError`` (errno set) when the kernel refuses; ``subagent.sandbox`` decides what
 to try and reports what held. Everything here must run while the process has one thread
 (``unshare(CLONE_NEWUSER)`` refuses a threaded process), before trio starts.
+
+Size: one ``ctypes`` binding to the kernel's namespace, mount and capability calls (the
+libc handle, the flags, ``_mount``), shared by every step of the run's isolation; each step
+is a small function, and a split would only move the shared binding into a third module.
 """
 
 from __future__ import annotations
