@@ -30,7 +30,9 @@ from subagent.tools.commands import (
     STOP_SETTLE_S,
     _child_env,
     end_group_and_escapers,
+    kill_unreaped_group,
     killed_by_signal,
+    own_leader_ticks,
     start_gated,
 )
 from subagent.tools.runfiles import open_regular
@@ -230,6 +232,7 @@ class BackgroundCommands:
             job.exited_at = trio.current_time()
         finally:
             with trio.CancelScope(shield=True):
+                job.leader_ticks = own_leader_ticks(job.proc, job.leader_ticks)
                 await end_group_and_escapers(
                     job.pgid,
                     job.leader_ticks,
@@ -241,6 +244,7 @@ class BackgroundCommands:
                 )
                 with trio.move_on_after(self._grace_s):
                     await job.proc.wait()
+                await kill_unreaped_group(job.proc, "background command group")
                 if job.exited_at is None and job.proc.returncode is not None:
                     job.exit_code, job.exited_at = job.proc.returncode, trio.current_time()
                 job.killed = any(escalated)

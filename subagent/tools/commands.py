@@ -44,6 +44,9 @@ __all__ = [
     "SUBTREE_VAR",
     "format_outcome",
     "killed_by_signal",
+    "kill_unreaped_group",
+    "leader_ticks",
+    "own_leader_ticks",
     "STOP_SETTLE_S",
 ]
 
@@ -265,6 +268,32 @@ def leader_ticks(pid: int) -> int | None:
     return p.start_ticks if p is not None else None
 
 
+def own_leader_ticks(proc: trio.Process, ticks: int | None) -> int | None:
+    """``ticks``, or, where they were not read at the start (the leader was out of the
+    runner's sight then: a child of a non-dumpable runner is invisible under a
+    ``hidepid`` /proc until its ``execve`` makes it dumpable, a moment after its parent
+    learned that the exec succeeded), read now while it is unreaped: its pid is its own."""
+    if ticks is None and proc.returncode is None:
+        return leader_ticks(proc.pid)
+    return ticks
+
+
+async def kill_unreaped_group(proc: trio.Process, what: str) -> None:
+    """The last resort when a group's leader outlived its escalation: it is this process's
+    child and not reaped, so its pid, and the group it leads, are still its own. SIGKILL
+    the group, then wait for the leader (bounded). Shielded."""
+    if proc.returncode is not None:
+        return
+    logger.warning("%s %d outlived its escalation: SIGKILL to its group", what, proc.pid)
+    with trio.CancelScope(shield=True):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        with trio.move_on_after(GROUP_KILL_REAP_S):
+            await proc.wait()
+
+
 def _child_env(marker: str) -> dict[str, str]:
     env = tool_env()
     env[SUBTREE_VAR] = marker
@@ -404,6 +433,7 @@ async def run_command(
                     by_path_a = stop.is_set()
                 if stop_at is not None or by_path_a:
                     grace = kill_grace_s
+                ticks = own_leader_ticks(proc, ticks)
                 if proc.returncode is None or by_path_a or stop_at is not None:
                     # (A stop's: its escapers get the stop's grace at once, no drain first.)
                     await end_group_and_escapers(
@@ -411,6 +441,7 @@ async def run_command(
                     )
                     with trio.move_on_after(grace):
                         await proc.wait()
+                    await kill_unreaped_group(proc, "command group")
                 else:
                     with trio.move_on_after(DRAIN_AFTER_EXIT_S) as draining:
                         await eof.wait()

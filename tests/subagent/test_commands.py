@@ -509,3 +509,40 @@ async def test_a_stop_while_what_a_finished_command_left_is_ended_cuts_its_grace
     assert seen[-1] == (seen[0][0], False)
     with pytest.raises(ProcessLookupError):  # nothing of its group is left
         os.killpg(seen[0][0], 0)
+
+
+async def test_a_command_whose_identity_was_out_of_sight_at_its_start_is_still_ended_by_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under a hidepid /proc, a child of the (non-dumpable) runner is out of sight until its
+    # execve makes it dumpable, a moment after the spawn returned: its start ticks could
+    # not be read then. The command also drops the environment its marker is in, so only
+    # its group can find it: the group must still be ended, with its SIGTERM.
+    real = commands.leader_ticks
+    reads: list[int | None] = []
+
+    def first_out_of_sight(pid: int) -> int | None:
+        ticks = None if not reads else real(pid)
+        reads.append(ticks)
+        return ticks
+
+    monkeypatch.setattr(commands, "leader_ticks", first_out_of_sight)
+    interrupt = trio.CancelScope()
+    flag = tmp_path / "flag"
+    result: list[tuple[CommandOutcome, list[tuple[int, bool]]]] = []
+
+    async def go() -> None:
+        result.append(await _run(f"touch {flag}; exec env -i sleep 30", interrupt=interrupt))
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            while not flag.exists():
+                await trio.sleep(0.01)
+            interrupt.cancel()
+    ((out, seen),) = result
+    assert reads[0] is None and reads[1] is not None, reads
+    assert out.interrupted and out.exit_code == -signal.SIGTERM, out  # its group's SIGTERM, not a last resort
+    pgid = seen[0][0]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)

@@ -371,10 +371,14 @@ async def test_repeated_sigterm_changes_nothing_the_command_still_finishes(tmp_p
 
 
 async def test_a_repeated_sigint_interrupts_the_running_command(tmp_path: Path) -> None:
-    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": "echo started; sleep 30"}}]}]}
+    flag = tmp_path / "run" / "started"
+    command = f"echo started; touch {flag}; sleep 30"
+    script = {"turns": [{"tool_calls": [{"name": "run_command", "arguments": {"command": command}}]}]}
     async with start_runner(spec(script=script), tmp_path) as r:
         with trio.fail_after(10):
             group = await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["alive"])
+            while not flag.exists():  # its shell has written its line (a SIGINT before would cut it)
+                await trio.sleep(0.01)
         r.signal(signal.SIGINT)
         with trio.fail_after(10):
             await r.wait_event(EventKind.STOP_REQUESTED)
