@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Final
 
 import trio
@@ -80,9 +80,12 @@ class RunBook:
             if live is not None:  # its events handed out, not yet written (`events` has them)
                 row["last_seq"] = max(row.get("last_seq") or 0, live.last_seq)
 
-    async def write(self, run: Run, what: str, direct: JournalOp, predicted: Any) -> Any:
-        """One journal write of the run's, or queued while the journal cannot be written."""
-        return await self.backlog.write(run.run_id, direct, predicted, what=what)
+    async def write(
+        self, run: Run, what: str, direct: JournalOp, predicted: Any, *, stop: Mapping[str, Any] | None = None
+    ) -> Any:
+        """One journal write of the run's, or queued while the journal cannot be written
+        (``stop``: it is a stop's intent, noted on disk while it waits: ``Backlog.write``)."""
+        return await self.backlog.write(run.run_id, direct, predicted, what=what, stop=stop)
 
     async def record(self, run: Run, kind: str, data: dict[str, Any], ts: float | None = None) -> int | None:
         """Journal one event of the run's and send it to its subscribers; its number."""

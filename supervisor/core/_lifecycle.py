@@ -462,6 +462,8 @@ class Lifecycle:
         }
         if run.stop_detail is not None:
             head["stop_detail"] = run.stop_detail
+        if run.stop_carried is not None:
+            head["stop_carried"] = run.stop_carried
         return head
 
 

@@ -101,6 +101,9 @@ class Run:
     # ``supervisor.core.diskguard``); in its receipt as ``stop_detail``. Journaled with the
     # stop's intent (``Journal.record_cancel``): a restarted daemon finds it again.
     stop_detail: dict[str, Any] | None = None
+    # A stop a daemon acknowledged while the journal could not be written, carried across
+    # its death by the journal-unwritten note (``supervisor.core.recovery``): in the receipt.
+    stop_carried: dict[str, Any] | None = None
     final: dict[str, Any] | None = None  # its terminal fact while it waits for the journal
     sandbox: dict[str, Any] | None = None  # the runner's report (runner_started)
     approvals: RunApprovals = field(default_factory=RunApprovals)  # calls awaiting a person's OK

@@ -10,7 +10,9 @@ once, without a second cancel: path A again, path B with what is left of the gra
 counted from the original cancel, the original reason kept; a timeout keeps its
 wall-clock deadline, and so does a call awaiting approval (still answerable through the
 run's answer channel; one its runner asked about while no daemon ran is known once the
-run's events file is read, which an answer to it waits for: ``Run.caught_up``). A run
+run's events file is read, which an answer to it waits for: ``Run.caught_up``). So is a
+stop acknowledged while the journal could not be written, which the dead daemon only
+noted (``supervisor.store._unwritten``): journaled now, its receipt says so. A run
 whose runner is gone is what its complete result file says it was (completed, failed,
 cancelled, with its tool records); only a run without a result is marked ``lost`` with
 its last partial result. Any leftovers are swept. Nothing terminal changes.
@@ -68,13 +70,18 @@ class Recovery:
                 continue
             if found is not None:
                 adopted.append(found)
+        self.book.backlog.carried_stops.clear()
         return adopted
 
     async def _recover_one(self, row: Any) -> tuple[Run, FileSource] | None:
         run_id = row["id"]
+        carried = self.book.backlog.carried_stops.get(run_id)
+        if carried is not None and row["cancel_reason"] is None:
+            # (The backlog could not journal it before recovery: the journal is down still.)
+            row = await self._journal_carried_stop(row, carried)
         pid, tree_id = row["pid"], row["tree_id"]
         if pid is None or tree_id is None:
-            await self._never_started(row)
+            await self._never_started(row, carried)
             return None
         groups = [g["pgid"] for g in row["groups"] if g["alive"]]
         found = await trio.to_thread.run_sync(
@@ -123,6 +130,7 @@ class Recovery:
             run.deadline = row["started_at"] + run.timeout_s  # a journal from before deadlines
         if row["cancel_reason"] is not None:
             _resume_stop_intent(run, row)
+            run.stop_carried = _carried(carried)
         source = FileSource(found.tree, run.run_dir, journaled=await self._journaled(run_id))
         run.caught_up = source.caught_up
         if found.leader_alive:
@@ -139,6 +147,8 @@ class Recovery:
                 mark_stop(run, run.token.reason)
                 run.path_a = process.soft_stop(found.tree)
                 note["resumed_stop"] = {"reason": run.token.reason, "grace_left_s": self.lifecycle.grace_left(run)}
+                if run.stop_carried is not None:
+                    note["resumed_stop"]["carried_by"] = run.stop_carried["by"]
             await self.book.record(run, "daemon", note)
             if run.token.cancelled:
                 await self.book.transition(
@@ -161,13 +171,44 @@ class Recovery:
         self.containment.remove(found.tree)
         return None
 
-    async def _never_started(self, row: Any) -> None:
+    async def _journal_carried_stop(self, row: Any, stop: dict[str, Any]) -> Any:
+        """The stop the dead daemon acknowledged and only noted, journaled now (noted again
+        if the journal still cannot be written); the row, as if it had been journaled."""
+        run_id = row["id"]
+        reason, at, until, detail = stop["reason"], stop["at"], stop["stop_deadline"], stop.get("detail")
+        intent = {"reason": reason, "at": at, "stop_deadline": until, "detail": detail}
+        await self.book.backlog.write(
+            run_id,
+            lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=detail),
+            True,
+            what="stop intent",
+            stop=intent,
+        )
+        logger.warning(
+            "run %s: its stop (%s), acknowledged by the previous daemon (pid %s) while the journal could not be "
+            "written and carried by its note, is resumed; its grace ends at %s",
+            run_id,
+            reason,
+            stop.get("daemon_pid"),
+            until,
+        )
+        return {
+            **row,
+            "cancel_reason": reason,
+            "cancel_requested_at": at,
+            "stop_deadline": until,
+            "stop_detail": detail,
+        }
+
+    async def _never_started(self, row: Any, carried: dict[str, Any] | None = None) -> None:
         run_id = row["id"]
         reason = row["cancel_reason"]
         backlog = self.book.backlog
         if reason is not None:
             # Its stop was acknowledged before it had a process: that stop is what happened.
-            receipt = {"note": "cancelled before its runner started; finished by the restarted daemon"}
+            receipt: dict[str, Any] = {"note": "cancelled before its runner started; finished by the restarted daemon"}
+            if carried is not None:
+                receipt["stop_carried"] = _carried(carried)
             await backlog.write(
                 run_id,
                 lambda j: j.finish(
@@ -254,6 +295,18 @@ class Recovery:
             keys.extend(event_key(e["kind"], e["ts"], e["data"]) for e in page)
             after = page[-1]["seq"]
         return keys
+
+
+def _carried(stop: dict[str, Any] | None) -> dict[str, Any] | None:
+    """For the receipt: the stop came across the restart in the journal-unwritten note."""
+    if stop is None:
+        return None
+    return {
+        "by": "journal-unwritten",
+        "daemon_pid": stop.get("daemon_pid"),
+        "message": "the stop was acknowledged while the journal could not be written and the daemon that took it "
+        "was killed before it could journal it: its journal-unwritten note carried it across the restart",
+    }
 
 
 def _resume_stop_intent(run: Run, row: Any) -> None:

@@ -521,6 +521,8 @@ class RunManager:
                         "stop intent",
                         lambda j: j.record_cancel(run_id, reason=why, at=at, stop_deadline=until, detail=detail),
                         True,
+                        # While it waits for the journal: in the note on disk before the reply.
+                        stop={"reason": why, "at": at, "stop_deadline": until, "detail": detail},
                     )
                     await self.book.transition(run, RunState.CANCELLING, reason=reason, only_from=_STOPPABLE)
                 finally:

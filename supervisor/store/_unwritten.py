@@ -4,16 +4,22 @@ What degraded mode keeps in memory (``supervisor.store.backlog``) dies with a da
 meanwhile (``kill -9``, the OOM killer, a power cut). The writes themselves cannot be
 kept here cheaply (they may be many, and the disk is often full), but which runs had some
 waiting can: ``journal-unwritten`` beside the journal holds, while the daemon is degraded,
-the daemon's pid, since when it is degraded, the ids of the runs whose writes wait and
-the ends (state, reason, when) of those whose end waits, as JSON ended by a NUL. The file is written whole with zeros (``SIZE``) at each start, so
-that rewriting it needs no new block on a full disk; it is rewritten in place (``pwrite``,
-``fdatasync``) when that set of runs changes, and emptied once nothing waits.
+the daemon's pid, since when it is degraded, the ids of the runs whose writes wait, the
+ends (state, reason, when) of those whose end waits and the stops acknowledged while
+their intent waits (``stops``: reason, wall time asked, wall end of the grace, the disk
+guard's detail), as JSON ended by a NUL. The file is written whole with zeros (``SIZE``)
+at each start, so that rewriting it needs no new block on a full disk; it is rewritten in
+place (``pwrite``, ``fdatasync``) when that set of runs changes (a stop: before the
+cancel's reply), and emptied once nothing waits. Past ``SIZE`` the run list is cut (runs
+with a stop kept first, then those with an end): ``more`` counts the runs cut,
+``more_stops`` the stops cut with them (``encode``).
 
 The next daemon reads it at its start (before it recovers runs), says in its log and in
 ``status`` (``summary.journal.unwritten_before_restart``) that the previous daemon ended
 with writes unwritten, gives each of those runs a ``journal_gap`` event (its last facts
 may be missing from the journal) and writes the ends the note has, the result being the
-run's last checkpoint, marked partial (``supervisor.store.backlog``).
+run's last checkpoint, marked partial (``supervisor.store.backlog``); the stops it has are
+resumed as journaled ones are (``supervisor.core.recovery``).
 """
 
 from __future__ import annotations
@@ -24,13 +30,50 @@ import os
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["NAME", "SIZE", "UnwrittenNote"]
+__all__ = ["NAME", "SIZE", "UnwrittenNote", "encode"]
 
 logger = logging.getLogger(__name__)
 
 NAME: Final = "journal-unwritten"
-# Room for a few thousand run ids; a longer list is cut (``more`` says how many were cut).
+# Room for a few thousand run ids, or some hundreds of stops; a longer note is cut
+# (``more`` and ``more_stops`` say how many were cut).
 SIZE: Final = 64 * 1024
+
+
+def encode(note: dict[str, Any]) -> bytes:
+    """The note as it is written: its JSON, shorter than ``SIZE`` (the NUL after it fits).
+
+    Runs with a stop waiting come first, then those with an end, then the rest (each in
+    the note's order): a note cut to fit drops a bare run id before an end, and an end
+    before an acknowledged stop. A cut sets ``more`` (runs cut) and ``more_stops`` (stops
+    cut with their runs).
+    """
+    stops: dict[str, Any] = note.get("stops") or {}
+    ends: dict[str, Any] = note.get("ends") or {}
+    named = list(note.get("runs", []))
+    runs = sorted(named, key=lambda r: 0 if r in stops else 1 if r in ends else 2)
+    data = json.dumps({**note, "runs": runs}).encode()
+    while len(data) >= SIZE and runs:
+        runs = runs[: len(runs) - max(1, len(runs) // 4)]
+        kept = set(runs)
+        cut = {
+            "runs": runs,
+            "ends": {r: e for r, e in ends.items() if r in kept},
+            "stops": {r: s for r, s in stops.items() if r in kept},
+            "more": len(named) - len(runs),
+            "more_stops": sum(1 for r in stops if r not in kept),
+        }
+        data = json.dumps({**note, **cut}).encode()
+    return data
+
+
+def _stop(value: Any) -> bool:
+    """A noted stop this daemon can resume: its reason and its two wall times."""
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("reason"), str)
+        and all(isinstance(value.get(k), (int, float)) for k in ("at", "stop_deadline"))
+    )
 
 
 class UnwrittenNote:
@@ -62,6 +105,8 @@ class UnwrittenNote:
             # Torn by the crash it tells of: something waited, what is not known.
             return {"runs": [], "unreadable": True}
         note["runs"] = [r for r in note["runs"] if isinstance(r, str)]
+        stops = note.get("stops")
+        note["stops"] = {r: v for r, v in stops.items() if _stop(v)} if isinstance(stops, dict) else {}
         return note
 
     def reset(self) -> None:
@@ -84,16 +129,7 @@ class UnwrittenNote:
         """Rewrite the note in place (None: nothing waits), fsynced."""
         if self._fd is None:
             return
-        data = b""
-        if note is not None:
-            runs = list(note.get("runs", []))
-            data = json.dumps(note).encode()
-            while len(data) >= SIZE and runs:
-                cut = max(1, len(runs) // 4)
-                runs = runs[: len(runs) - cut]
-                more = len(note["runs"]) - len(runs)
-                ends = {r: e for r, e in (note.get("ends") or {}).items() if r in set(runs)}
-                data = json.dumps({**note, "runs": runs, "ends": ends, "more": more}).encode()
+        data = b"" if note is None else encode(note)
         try:
             os.pwrite(self._fd, data + b"\0", 0)
             os.fdatasync(self._fd)

@@ -19,7 +19,10 @@ those that ended (``write(end=...)``: state, reason, when), is kept on disk mean
 says so at its start (its log, ``describe()['unwritten_before_restart']``), gives each of
 those runs a ``journal_gap`` event and writes the ends it finds there (the result is the
 run's last stored checkpoint, marked partial), before it recovers the runs: a run a client
-was told ended ``cancelled`` is not found ``lost``.
+was told ended ``cancelled`` is not found ``lost``. A stop acknowledged while its intent
+waits (``write(stop=...)``: reason, wall times) is in the note before the cancel's reply;
+the next daemon hands it to recovery (``carried_stops``), which resumes it as a journaled
+one: nothing keeps running past a Stop's grace because the daemon that took it died.
 
 ``on_written`` and ``on_unavailable`` tell the disk guard (``supervisor.core.diskguard``)
 of each write that went through and each that could not: a full disk is usually a run's
@@ -92,9 +95,13 @@ class Backlog:
         # daemon's note said (None: nothing waited when it ended).
         self._note = UnwrittenNote(Path(journal.path).parent / NOTE_NAME)
         self._ends: dict[str, dict[str, Any]] = {}  # queued runs' ends, for the note
-        self._noted: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._stops: dict[str, dict[str, Any]] = {}  # queued runs' acknowledged stops, too
+        self._noted: tuple[frozenset[str], ...] = (frozenset(), frozenset(), frozenset())
         self._noting = trio.Lock()
         self.unwritten_before_restart: dict[str, Any] | None = None
+        # Stops the previous daemon acknowledged and noted, never journaled, by run id:
+        # recovery resumes them (``supervisor.core.recovery``).
+        self.carried_stops: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -140,12 +147,16 @@ class Backlog:
         what: str,
         replay: Write | None = None,
         end: Mapping[str, Any] | None = None,
+        stop: Mapping[str, Any] | None = None,
     ) -> T:
         """Write now, or queue the write and return ``predicted`` (the journal is down).
 
         ``replay`` (default ``direct``) is what the flush runs; it must be safe to repeat.
         ``end``: the write is the run's end (``state``, ``reason``, ``ended_at``,
         ``groups_ended_at``), named in the note on disk while it waits (see the module).
+        ``stop``: the write is the intent of a stop about to be acknowledged (``reason``,
+        ``at``, ``stop_deadline``, ``detail``), in the note on disk, fsynced, before this
+        returns if it waits.
 
         Raises:
             Whatever ``direct`` raises except ``JournalUnavailable`` (a bug, or bad data:
@@ -162,6 +173,8 @@ class Backlog:
         self._enqueue(run_id, _Op(replay or direct, what))
         if end is not None:
             self._ends[run_id] = dict(end)
+        if stop is not None:
+            self._stops.setdefault(run_id, dict(stop))  # the first one: the one resumed
         await self._note_runs()
         return predicted
 
@@ -290,13 +303,48 @@ class Backlog:
             }
             noted = previous.get("ends")
             ends: dict[str, Any] = noted if isinstance(noted, dict) else {}
+            stops: dict[str, Any] = previous.get("stops") or {}
             for run_id in runs:
                 try:
                     await self.journal.append_event(run_id, "journal_gap", gap)
+                except (RunNotFound, JournalError) as exc:
+                    logger.warning("run %s: what its note says could not be written: %s", run_id, exc)
+                if run_id in stops:  # before its end: the ended run's record has its stop too
+                    await self._write_noted_stop(run_id, {**stops[run_id], "daemon_pid": previous.get("pid")})
+                try:
                     await self._write_noted_end(run_id, ends.get(run_id))
                 except (RunNotFound, JournalError) as exc:
                     logger.warning("run %s: what its note says could not be written: %s", run_id, exc)
+            if self.carried_stops or previous.get("more_stops"):
+                logger.error(
+                    "the previous daemon acknowledged %d stops it could not journal: journaled now (or noted "
+                    "again), resumed where their runs are live%s",
+                    len(self.carried_stops),
+                    f" ({previous['more_stops']} more did not fit its note and are not)"
+                    if previous.get("more_stops")
+                    else "",
+                )
         await trio.to_thread.run_sync(self._note.reset)
+
+    async def _write_noted_stop(self, run_id: str, stop: dict[str, Any]) -> None:
+        """The stop a dead daemon acknowledged and only noted, journaled before the runs are
+        recovered (before this daemon's note is reset: a second kill loses nothing), and
+        kept for recovery, which resumes it (``carried_stops``). One the journal had after
+        all (the dead daemon wrote it, or the run ended) is not this note's to carry."""
+        try:
+            if not await self.journal.record_cancel(
+                run_id,
+                reason=stop["reason"],
+                at=stop["at"],
+                stop_deadline=stop["stop_deadline"],
+                detail=stop.get("detail") if isinstance(stop.get("detail"), dict) else None,
+            ):
+                return
+        except RunNotFound:
+            return
+        except JournalError as exc:  # recovery tries again, through the backlog
+            logger.warning("run %s: its noted stop could not be journaled yet: %s", run_id, exc)
+        self.carried_stops[run_id] = stop
 
     async def _write_noted_end(self, run_id: str, end: Any) -> None:
         """The end a dead daemon decided for the run and noted, written if the run is live
@@ -333,12 +381,18 @@ class Backlog:
         """The note on disk names the runs that have writes waiting now (see the module)."""
         async with self._noting:
             runs = frozenset(self._queues)
-            noted = (runs, frozenset(self._ends))
+            noted = (runs, frozenset(self._ends), frozenset(self._stops))
             if noted == self._noted:
                 return
             note = None
             if runs:
-                note = {"pid": os.getpid(), "since": self.since, "runs": sorted(runs), "ends": dict(self._ends)}
+                note = {
+                    "pid": os.getpid(),
+                    "since": self.since,
+                    "runs": sorted(runs),
+                    "ends": dict(self._ends),
+                    "stops": dict(self._stops),
+                }
             await trio.to_thread.run_sync(self._note.save, note)
             self._noted = noted
 
@@ -388,6 +442,7 @@ class Backlog:
             return  # refilled while the last write was in flight
         self._queues.pop(run_id, None)
         self._ends.pop(run_id, None)
+        self._stops.pop(run_id, None)  # journaled now, with the rest of its writes
         self._event_bytes.pop(run_id, None)
         self._event_count.pop(run_id, None)
         dropped = self._dropped.pop(run_id, 0)

@@ -5,11 +5,17 @@
 from __future__ import annotations
 
 import json
+import random
+import time
 from pathlib import Path
 
-from supervisor.store._unwritten import SIZE, UnwrittenNote
+import psutil
+import trio
+
+from supervisor.store._unwritten import SIZE, UnwrittenNote, encode
 from tests.supervisor.real_daemon import Daemon, real_daemon
 from tests.supervisor.test_fault_isolation import fill, journal_state, running_pair, small_tmpfs, stop_and_check
+from tests.supervisor.test_restart_stop import command_spec, daemon, kill9
 
 __all__ = ["small_tmpfs"]  # a fixture, used by name
 
@@ -77,3 +83,89 @@ def test_a_torn_note_says_something_waited_and_a_long_one_is_cut(tmp_path: Path)
     (tmp_path / "note").write_bytes(json.dumps({"pid": 1, "runs": ["r"]}).encode()[:9] + b"\0")
     assert note.read() == {"runs": [], "unreadable": True}
     note.close()
+
+
+def test_a_note_cut_to_its_size_keeps_acknowledged_stops_first_and_counts_what_it_cut(tmp_path: Path) -> None:
+    note = UnwrittenNote(tmp_path / "note")
+    note.reset()
+    detail = {"reason": "disk_full", "message": "m" * 300, "held_bytes": 1 << 30}
+    for n_stops, n_ends, n_bare in ((40, 500, 5000), (2000, 10, 10)):
+        # Named in id order, as the backlog names them: stops and ends spread among the rest.
+        kinds = ["stop"] * n_stops + ["end"] * n_ends + ["bare"] * n_bare
+        random.Random(n_stops).shuffle(kinds)
+        runs = [f"r-{i:016x}" for i in range(len(kinds))]
+        stopped = [r for r, kind in zip(runs, kinds, strict=True) if kind == "stop"]
+        ended = [r for r, kind in zip(runs, kinds, strict=True) if kind == "end"]
+        stops = {r: {"reason": "user", "at": 1.5, "stop_deadline": 11.5, "detail": detail} for r in stopped}
+        ends = {r: {"state": "cancelled", "reason": "user", "ended_at": 3.0} for r in ended}
+        whole = {"pid": 1, "since": 2.0, "runs": runs, "ends": ends, "stops": stops}
+        assert len(json.dumps(whole)) > SIZE  # (a note that needs cutting)
+        assert len(encode(whole)) < SIZE  # its NUL fits too
+        note.save(whole)
+        got = note.read()
+        assert got is not None and (tmp_path / "note").stat().st_size == SIZE
+        kept = got["runs"]
+        assert got["more"] == len(runs) - len(kept) > 0
+        # Stops first, then ends, then bare ids, each in the order named.
+        order = [*stopped, *ended, *(r for r in runs if r not in stops and r not in ends)]
+        assert kept == order[: len(kept)]
+        assert got["stops"] == {r: stops[r] for r in kept if r in stops}
+        assert got["ends"] == {r: ends[r] for r in kept if r in ends}
+        assert got["more_stops"] == n_stops - len(got["stops"])
+        if n_stops == 40:  # room for every stop: only ends and bare ids were cut
+            assert got["more_stops"] == 0 and set(stopped) <= set(kept)
+        else:  # more stops than room: the first ones kept whole, the rest counted
+            assert 0 < len(got["stops"]) < n_stops and set(kept) == set(got["stops"])
+    # A stop this daemon could not resume (no reason, no wall times) is not handed on.
+    note.save({"pid": 1, "since": 2.0, "runs": ["a", "b"], "stops": {"a": {"at": 1.0}, "b": stops[stopped[0]]}})
+    got = note.read()
+    assert got is not None and got["stops"] == {"b": stops[stopped[0]]}
+    note.close()
+
+
+async def test_a_stop_acknowledged_while_the_journal_is_full_survives_a_daemon_kill(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    # The cancel's reply said "not durable yet" and the daemon was killed -9 while the run
+    # was still stopping: the next daemon re-adopted the run with no stop at all (nobody
+    # enforced the grace), and it ran on, `running`, until something else stopped it.
+    state = small_tmpfs / "state"
+    grace = 6.0
+    # Its runs dir off the full disk (the run is not what fills it), the disk guard off.
+    settings = {"runs_dir": str(tmp_path / "runs"), "disk_min_free_mib": "0", "disk_min_free_percent": "0"}
+    # The command may finish (spec policy): the stop lasts its whole grace.
+    spec = command_spec("sleep 300", stop_policy={"run_command": "finish"})
+    filler = small_tmpfs / "filler"
+    with trio.fail_after(90):
+        async with daemon(state, grace_s=grace, **settings) as (d1, c):
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await c.wait_for(rid, kind="process_group")  # the command runs
+            fill(filler)
+            asked = time.time()
+            reply = await c.call("cancel", run_id=rid)
+            replied = time.time()
+            assert reply["was_active"] is True and "not durable yet" in reply["warning"], reply
+            runner = (await c.call("status", run_id=rid))["pid"]
+            await kill9(d1, c)
+        assert psutil.pid_exists(runner)  # still stopping: its command may finish
+        filler.unlink()
+        async with daemon(state, grace_s=grace, **settings) as (d2, c):
+            with trio.move_on_after(grace + 10):
+                await c.wait_for(rid)
+            final = await c.call("status", run_id=rid)
+            events = (await c.call("events", run_id=rid))["events"]
+            # Journaled now: the new daemon's note names nothing.
+            assert UnwrittenNote(state / "journal-unwritten").read() is None
+    assert (final["state"], final["reason"], final["cancel_reason"]) == ("cancelled", "user", "user"), final
+    # The original stop: asked before the kill, its grace counted from then, not renewed.
+    assert asked <= final["cancel_requested_at"] <= replied
+    assert final["stop_deadline"] == final["cancel_requested_at"] + grace
+    # Killed at the end of that grace (its command was let finish until then).
+    assert final["stop_deadline"] - 0.5 <= final["ended_at"] <= final["stop_deadline"] + 2.0, final
+    assert final["receipt"]["path_b"]["escalated"] is True, final["receipt"]
+    carried = final["receipt"]["stop_carried"]
+    assert carried["by"] == "journal-unwritten" and carried["daemon_pid"] == d1.pid, carried
+    resumed = [e["data"]["resumed_stop"] for e in events if e["kind"] == "daemon" and "resumed_stop" in e["data"]]
+    assert resumed and resumed[0]["carried_by"] == "journal-unwritten" and resumed[0]["reason"] == "user"
+    assert "journal_gap" in [e["kind"] for e in events]
+    assert not psutil.pid_exists(runner) or psutil.Process(runner).status() == psutil.STATUS_ZOMBIE
