@@ -5,14 +5,22 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
+import pytest
 import trio
 
+from supervisor.config import Config
+from supervisor.daemon import serve
+from supervisor.errors import JournalUnavailable
+from supervisor.store._unwritten import NAME as NOTE_NAME
 from supervisor.store._unwritten import SIZE, UnwrittenNote, encode
+from supervisor.store.journal import Journal
 from tests.supervisor.real_daemon import Daemon, real_daemon
 from tests.supervisor.test_fault_isolation import fill, journal_state, running_pair, small_tmpfs, stop_and_check
 from tests.supervisor.test_restart_stop import command_spec, daemon, kill9
@@ -169,3 +177,45 @@ async def test_a_stop_acknowledged_while_the_journal_is_full_survives_a_daemon_k
     assert resumed and resumed[0]["carried_by"] == "journal-unwritten" and resumed[0]["reason"] == "user"
     assert "journal_gap" in [e["kind"] for e in events]
     assert not psutil.pid_exists(runner) or psutil.Process(runner).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_noted_stop_the_next_daemon_cannot_journal_either_is_noted_again_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The next daemon finds the journal still unwritable for the stop (a fault it cannot
+    # write past): the stop goes on from its note and into this daemon's own note (a
+    # second kill -9 would not lose it either), and is journaled once the journal takes it.
+    config = Config.load(state_dir=tmp_path / "state", environ={})
+    config.state_dir.mkdir(parents=True)
+    now = time.time()
+    async with await Journal.open(config.journal_path) as j:  # a run queued, its stop noted only
+        queued = [("state", {"state": "queued"}, now)]
+        await j.create_run("r-q", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued)
+    stop = {"reason": "user", "at": now, "stop_deadline": now + 10, "detail": None}
+    note = UnwrittenNote(config.state_dir / NOTE_NAME)
+    note.reset()
+    note.save({"pid": 4242, "since": now, "runs": ["r-q"], "ends": {}, "stops": {"r-q": stop}})
+    note.close()
+    record_cancel = Journal.record_cancel
+
+    async def unwritable(self: Journal, run_id: str, **kw: Any) -> bool:
+        raise JournalUnavailable("injected: the stop's intent cannot be written", path=self.path)
+
+    monkeypatch.setattr(Journal, "record_cancel", unwritable)
+    stopping = trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stopping, task_status=task_status))
+            m = info["manager"]
+            again = UnwrittenNote(config.state_dir / NOTE_NAME).read()
+            assert again is not None and again["runs"] == ["r-q"] and again["pid"] == os.getpid(), again
+            assert again["stops"] == {"r-q": stop}, again
+            monkeypatch.setattr(Journal, "record_cancel", record_cancel)
+            assert await m.backlog.flush() is True
+            assert UnwrittenNote(config.state_dir / NOTE_NAME).read() is None  # journaled: cleared
+            st = await m.status("r-q")
+            stopping.set()
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "user", "user"), st
+    assert (st["cancel_requested_at"], st["stop_deadline"]) == (now, now + 10), st
+    assert st["receipt"]["stop_carried"]["by"] == "journal-unwritten", st["receipt"]
+    assert st["receipt"]["stop_carried"]["daemon_pid"] == 4242, st["receipt"]
