@@ -175,7 +175,8 @@ class Recovery:
         """The stop the dead daemon acknowledged and only noted, journaled now (noted again
         if the journal still cannot be written); the row, as if it had been journaled."""
         run_id = row["id"]
-        reason, at, until, detail = stop["reason"], stop["at"], stop["stop_deadline"], stop.get("detail")
+        reason, at, until = stop["reason"], stop["at"], stop["stop_deadline"]
+        detail = stop.get("detail") if isinstance(stop.get("detail"), dict) else None
         intent = {"reason": reason, "at": at, "stop_deadline": until, "detail": detail}
         await self.book.backlog.write(
             run_id,
