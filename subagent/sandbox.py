@@ -24,7 +24,8 @@ first thing after its fork. Layers, each reported (``Report``, shown by ``status
   in any cgroup the uid may write by mode, which Landlock does not see), and the key calls
   (the key quota is the host uid's).
 - quotas: the run's share of its uid's per-user kernel counts (inotify, namespaces, message
-  queues, terminals: ``_quotas``), capped in its own user namespace and by rlimits.
+  queues, terminals: ``_quotas``), capped in its own user namespace and by rlimits; all
+  runs' together, in the daemon's nest, the parent of each run's namespace (``_nest``).
 - environment: tools get ``tool_env()``: an allowlist, never a secret of the runner's.
 
 The daemon passes ``Settings`` in ``AGENTD_RUN_SANDBOX`` (JSON). Stdlib only (the daemon
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from subagent import _isolate, _landlock, _quotas, _seccomp
+from subagent import _isolate, _landlock, _nest, _quotas, _seccomp
 from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
@@ -429,6 +430,7 @@ def _enter(
     if settings.mode == "off":
         report.why = "turned off in the daemon's configuration (sandbox = off)"
         _drop_unit_capability()
+        _nest.forget()
         _prepare(prepare, None)
         return True
     abi = _landlock.abi_version()
@@ -439,6 +441,7 @@ def _enter(
             raise SandboxError(f"the sandbox is required but {why}")
         report.why = why
         _drop_unit_capability()
+        _nest.forget()
         _prepare(prepare, None)
         return True
     spec_read, spec_write = spec_paths(spec)
@@ -696,6 +699,7 @@ def prepare_ahead(
     )
     if root:
         _private_proc(ahead)
+    _join_nest(ahead)  # after what needs the host's root, before its own namespace
     try:
         _isolate.enter_user_namespace(ahead.inner)
         ahead.userns = True
@@ -781,6 +785,15 @@ def _limit_user_namespace(ahead: Ahead) -> None:
         ahead.quotas.update(_quotas.limit_user_namespace(_quotas.user_limits(s.inotify_instances, s.inotify_watches)))
     except OSError as exc:
         ahead.problems.append(f"{_quotas.UNCAPPED}: {exc.strerror or exc}")
+
+
+def _join_nest(ahead: Ahead) -> None:
+    """All runs' counts bounded together: the daemon's nest joined (``_nest``), its
+    limits reported as ``total_*``; why not, in ``problems``."""
+    limits, why = _nest.join()
+    ahead.quotas.update({f"total_{name}": v for name, v in limits.items()})
+    if why is not None:
+        ahead.problems.append(f"{_nest.UNBOUNDED}: {why}")
 
 
 def _private_proc(ahead: Ahead) -> None:

@@ -76,6 +76,7 @@ import time
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+from subagent._nest import NEST_ENV
 from subagent.osedge import LINUX
 
 __all__ = [
@@ -321,6 +322,10 @@ class _Zygote:
         self.sys_path0 = sys.path[0] if sys.path else None
         self.start_cwd = os.getcwd()
         self.pid = os.getpid()
+        # The daemon's nest (``subagent._nest``), held, never joined here: each runner joins
+        # it as it sandboxes itself (a zygote in it could not mount a runner's /proc).
+        self.nest = os.environ.get(NEST_ENV)  # its descriptor's number, or why there is none
+        self.nest_fd = int(self.nest) if self.nest is not None and self.nest.isdigit() else None
         try:  # loaded here: a child must not dlopen between its fork and its first step
             self._prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
         except (OSError, AttributeError):
@@ -413,7 +418,7 @@ class _Zygote:
         """In the forked runner: become what a cold runner is, then run. Never returns."""
         self._reply(self._settle(req, born_in))
         try:
-            args = self._take(req, fds, keep=[])
+            args = self._take(req, fds, keep=[], nest=True)
             _reset_signals()
             self._reseed()
             from subagent import runner
@@ -439,11 +444,11 @@ class _Zygote:
         assigned = False
         try:
             self.sock.detach()  # its descriptor is closed with the others below
-            _close_all_but([chan_fd])
+            _close_all_but([chan_fd, *([self.nest_fd] if self.nest_fd is not None else [])])
             _reset_signals()
             self._reseed()
             chan = socket.socket(fileno=chan_fd)
-            from subagent import approvals, runner, sandbox
+            from subagent import _nest, approvals, runner, sandbox
             from subagent.emit import open_records
             from subagent.stopmark import open_marker
 
@@ -458,7 +463,8 @@ class _Zygote:
             if isinstance(req.get("sandbox"), str):
                 settings = sandbox.Settings.from_env({sandbox.SANDBOX_ENV: req["sandbox"]})
                 # The run directory as its AGENTD_RUN_DIR will name it (``Ahead.fits``).
-                ahead = sandbox.prepare_ahead(Path(str(req["cwd"])), settings)
+                ahead = sandbox.prepare_ahead(Path(str(req["cwd"])), settings)  # (joins the nest)
+            _nest.forget()  # (not joined: no sandbox half made ahead)
             # Its first writes to the zygote's pages, made now rather than after its `go`.
             runner.rehearse()
             data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, N_FDS)
@@ -523,9 +529,10 @@ class _Zygote:
             if sys.path and sys.path[0] == self.sys_path0:
                 sys.path[0] = os.getcwd()
 
-    def _take(self, req: dict[str, Any], fds: list[int], *, keep: list[int]) -> list[str]:
-        """Take the run's pipes as fds 0-2, close every other descriptor (but ``keep``),
-        take its environment, working directory and argv; returns its arguments."""
+    def _take(self, req: dict[str, Any], fds: list[int], *, keep: list[int], nest: bool = False) -> list[str]:
+        """Take the run's pipes as fds 0-2, close every other descriptor (but ``keep``,
+        and the nest's with ``nest``: a runner that has not joined it yet), take its
+        environment, working directory and argv; returns its arguments."""
         stdin, stdout, stderr, env_fd = fds
         env = _read_env(env_fd)
         os.dup2(stdin, 0)
@@ -533,9 +540,14 @@ class _Zygote:
         os.dup2(stderr, 2)
         if self.sock.fileno() >= 0:
             self.sock.detach()  # its descriptor goes with the others, never closed twice
-        _close_all_but(keep)
+        nest_fd = self.nest_fd if nest else None
+        _close_all_but([*keep, *([nest_fd] if nest_fd is not None else [])])
         os.environ.clear()
         os.environ.update(env)
+        # The nest as this process holds it (the daemon's number is the daemon's).
+        os.environ.pop(NEST_ENV, None)
+        if nest and self.nest is not None:
+            os.environ[NEST_ENV] = self.nest
         self.view.show_environ(env)
         self._chdir(req.get("cwd"))
         from subagent import runner

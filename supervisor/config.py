@@ -104,6 +104,11 @@ class Config:
     # a run's in its own user namespace too, capped there. 0: no cap of its own.
     run_inotify_instances: int = 16
     run_inotify_watches: int = 16384
+    # All runs together (``subagent/_nest.py``: one user namespace the daemon holds, every
+    # run's own made in it): at most this many inotify instances and watches, the rest of
+    # the uid's left to the host. 0: no total of their own (each run's cap still holds).
+    run_inotify_instances_total: int = 64
+    run_inotify_watches_total: int = 65536
     # Most tasks (processes and threads) one run's tree may have at once (``pids.max`` of
     # its pids group: ``supervisor/trees/_pidslimit.py``): a run that forks without end
     # gets EAGAIN at this many, and the other runs and the daemon can still fork. A browser
@@ -212,6 +217,8 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "run_tmpfs_max_mib",
                 "run_inotify_instances",
                 "run_inotify_watches",
+                "run_inotify_instances_total",
+                "run_inotify_watches_total",
                 "run_pids_max",
                 "run_memory_max_mib",
             }:

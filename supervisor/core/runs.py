@@ -58,6 +58,7 @@ from supervisor.protocol import MAX_ID_CHARS, ErrorCode, Secret
 from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store.journal import Journal
 from supervisor.trees import process
+from supervisor.trees._nest import Nest
 from supervisor.trees.containment import Containment
 from supervisor.trees.pool import Warm, WarmPool, new_tree, sweep_run_root
 from supervisor.trees.zygote import Spare, Zygote, usable
@@ -143,8 +144,10 @@ class RunManager:
         self._accepting = False
         self._stopping = False  # ``shutdown`` began: the daemon is stopping its runs
         # Runners are forked by the zygote when it is usable and ready, else started cold.
-        self._zygote = Zygote(config, containment) if usable(config, containment) else None
-        self._pool = WarmPool(config, containment, self._zygote) if config.pool_size > 0 else None
+        # The user namespace every run's own is made in: all runs' kernel counts bounded.
+        self.nest = Nest(config)
+        self._zygote = Zygote(config, containment, self.nest) if usable(config, containment) else None
+        self._pool = WarmPool(config, containment, self._zygote, self.nest) if config.pool_size > 0 else None
         self.approvals = ApprovalDesk(
             Hooks(
                 record=self.book.record,
@@ -181,30 +184,34 @@ class RunManager:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the runs nursery until cancelled. Call ``shutdown()`` first to stop runs."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self.backlog.run)
-            for run, source in await self._recovery.recover():
-                nursery.start_soon(self.lifecycle.supervise, run, source, name=f"run {run.run_id} (re-adopted)")
-            # What a previous daemon killed -9 left of trees no run holds (its spares, its
-            # warm runners): before this daemon makes trees of its own there.
-            try:
-                keep = {Path(row["run_dir"]).name for row in await self.journal.live_runs() if row["run_dir"]}
-                swept = await trio.to_thread.run_sync(sweep_run_root, self.config.run_root, keep)
-            except (JournalError, OSError) as exc:
-                logger.warning("could not look for run directories no run holds: %s", exc)
-            else:
-                if swept:
-                    logger.info("removed %d run directories no run holds (a previous daemon's spares)", swept)
-            if self._zygote is not None:
-                await nursery.start(self._zygote.run)
-            if self._pool is not None:
-                await nursery.start(self._pool.run)
-            await nursery.start(self.session_desk.run)
-            await nursery.start(self.disk.run)
-            self._accepting = True
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.backlog.run)
+                for run, source in await self._recovery.recover():
+                    nursery.start_soon(self.lifecycle.supervise, run, source, name=f"run {run.run_id} (re-adopted)")
+                # What a previous daemon killed -9 left of trees no run holds (its spares, its
+                # warm runners): before this daemon makes trees of its own there.
+                try:
+                    keep = {Path(row["run_dir"]).name for row in await self.journal.live_runs() if row["run_dir"]}
+                    swept = await trio.to_thread.run_sync(sweep_run_root, self.config.run_root, keep)
+                except (JournalError, OSError) as exc:
+                    logger.warning("could not look for run directories no run holds: %s", exc)
+                else:
+                    if swept:
+                        logger.info("removed %d run directories no run holds (a previous daemon's spares)", swept)
+                await self.nest.make()  # before any runner of this daemon starts
+                if self._zygote is not None:
+                    await nursery.start(self._zygote.run)
+                if self._pool is not None:
+                    await nursery.start(self._pool.run)
+                await nursery.start(self.session_desk.run)
+                await nursery.start(self.disk.run)
+                self._accepting = True
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.nest.close()  # (a run still in it keeps it alive: it is theirs)
 
     def _profile_of(self, run: Run) -> Path | None:
         """The browser profile a session's browser turn may write (its session's), or None."""
@@ -628,6 +635,8 @@ class RunManager:
             "sandbox": self.config.sandbox,
             "warm_runners": self._pool.ready if self._pool is not None else 0,
             "zygote": self._zygote.describe() if self._zygote is not None else {"state": "off"},
+            # The total all runs together may take of the uid's kernel counts (``trees/_nest.py``).
+            "nest": self.nest.describe(),
             # A spawn is refused while the journal cannot be written (``journal`` says why).
             "accepting": self._accepting and not self.backlog.degraded,
             # Shutting down (``systemctl stop``, SIGTERM): its runs are being stopped.
@@ -986,7 +995,7 @@ class RunManager:
                 extra_env["OPENAI_API_KEY"] = run.model_key.reveal()
             try:
                 warm = await new_tree(
-                    self.config, self.containment, warm=False, extra_env=extra_env, zygote=self._zygote
+                    self.config, self.containment, warm=False, extra_env=extra_env, zygote=self._zygote, nest=self.nest
                 )
             except (OSError, SpawnError) as exc:
                 logger.warning("run %s: could not start the runner: %s", run.run_id, exc)

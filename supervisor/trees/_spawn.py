@@ -40,11 +40,12 @@ async def spawn_tree(
     cwd: str | os.PathLike[str] | None,
     tree_id: str,
     containment: Containment | None,
+    pass_fds: Sequence[int] = (),
 ) -> Tree:
     """Start ``argv`` as the leader of a new tree: new session, pipes, marker, cgroup.
 
     The child gets stdin/stdout/stderr pipes, ``env`` (None: this process's environment)
-    plus ``AGENTD_TREE=<tree_id>``, and joins the tree's cgroup before it runs a single
+    plus ``AGENTD_TREE=<tree_id>``, ``pass_fds`` (at their numbers), and joins the tree's cgroup before it runs a single
     instruction of ``argv`` (so before it can fork). There is no checkpoint after the child
     exists: put its cleanup in place before your next ``await``.
 
@@ -65,7 +66,7 @@ async def spawn_tree(
     try:
         proc: trio.Process | None = None
         try:
-            proc = await _open_leader(argv, child_env, cwd, cgroup, v1_joins)
+            proc = await _open_leader(argv, child_env, cwd, cgroup, v1_joins, pass_fds)
         except subprocess.SubprocessError:
             # Only the preexec hook raises this: the child could not join its cgroup (or
             # its v1 pids or memory group) and never ran argv, so starting it again
@@ -80,13 +81,13 @@ async def spawn_tree(
                 if memory_join is not None:
                     memory_group = memory_join = None
                 with contextlib.suppress(subprocess.SubprocessError):
-                    proc = await _open_leader(argv, child_env, cwd, cgroup, [])
+                    proc = await _open_leader(argv, child_env, cwd, cgroup, [], pass_fds)
             if proc is None:
                 logger.warning("tree %s: could not join cgroup %s; continuing without it", tree_id, cgroup)
                 if containment is not None and cgroup is not None:
                     _rmdir_quietly(cgroup)
                 cgroup = pids_group = memory_group = None
-                proc = await _open_leader(argv, child_env, cwd, None, [])
+                proc = await _open_leader(argv, child_env, cwd, None, [], pass_fds)
     except BaseException as exc:  # OSError, or a cancel before the child existed
         for g in v1_joins:
             _rmdir_quietly(g)
@@ -132,8 +133,9 @@ async def _open_leader(
     cwd: str | os.PathLike[str] | None,
     cgroup: Path | None,
     v1_joins: Sequence[Path],
+    pass_fds: Sequence[int] = (),
 ) -> trio.Process:
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"pass_fds": tuple(pass_fds)} if pass_fds else {}
     if _POSIX:
         options["start_new_session"] = True
         joins = [os.fsencode(g / "cgroup.procs") for g in (cgroup, *v1_joins) if g is not None]

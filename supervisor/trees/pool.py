@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
+from subagent._nest import NEST_ENV
 from subagent.approvals import ANSWERS_ENV
 from subagent.sandbox import SANDBOX_ENV, Settings
 from subagent.stopmark import make_marker, marker_path
@@ -37,6 +38,7 @@ from supervisor.trees import process
 from supervisor.trees.containment import Containment
 
 if TYPE_CHECKING:
+    from supervisor.trees._nest import Nest
     from supervisor.trees.zygote import Zygote
 
 __all__ = [
@@ -75,6 +77,7 @@ def runner_env(run_dir: Path, base: Mapping[str, str] | None = None, config: Con
     """The runner's environment: the daemon's, its run dir, and its sandbox settings."""
     env = dict(os.environ if base is None else base)
     env.pop("AGENTD_RUN_ID", None)
+    env.pop(NEST_ENV, None)  # the daemon's own runners are told theirs (``new_tree``, the zygote)
     env.update(AGENTD_RUN_DIR=str(run_dir), TMPDIR=str(run_dir / "tmp"))
     if config is not None:
         env[SANDBOX_ENV] = sandbox_settings(config).to_env()
@@ -106,11 +109,12 @@ async def new_tree(
     warm: bool,
     extra_env: Mapping[str, str] | None = None,
     zygote: Zygote | None = None,
+    nest: Nest | None = None,
 ) -> Warm:
     """Make a run directory and start a runner tree in it (waiting warm or not).
 
     Forked by the ``zygote`` when one is given and ready (a few milliseconds, every import
-    done), else a cold ``python -m subagent.runner``.
+    done), else a cold ``python -m subagent.runner``, given the ``nest`` (the zygote has it).
     """
     tree_id = "t-" + uuid.uuid4().hex[:16]
     run_dir = config.run_root / tree_id
@@ -128,7 +132,13 @@ async def new_tree(
             tree = await zygote.spawn_tree(args, env=env, cwd=run_dir, tree_id=tree_id)
         if tree is None:
             argv = list(config.runner_argv) + args
-            tree = await process.spawn_tree(argv, env=env, cwd=run_dir, tree_id=tree_id, containment=containment)
+            fds: tuple[int, ...] = ()
+            if nest is not None:
+                env.update(nest.env())
+                fds = nest.pass_fds()
+            tree = await process.spawn_tree(
+                argv, env=env, cwd=run_dir, tree_id=tree_id, containment=containment, pass_fds=fds
+            )
     except BaseException:
         await trio.to_thread.run_sync(remove_dir, run_dir)
         raise
@@ -136,10 +146,13 @@ async def new_tree(
 
 
 class WarmPool:
-    def __init__(self, config: Config, containment: Containment, zygote: Zygote | None = None) -> None:
+    def __init__(
+        self, config: Config, containment: Containment, zygote: Zygote | None = None, nest: Nest | None = None
+    ) -> None:
         self.config = config
         self.containment = containment
         self.zygote = zygote  # refills fork from it when it is ready
+        self.nest = nest  # cold refills join it (``new_tree``)
         self.size = config.pool_size
         self._ready: collections.deque[Warm] = collections.deque()
         self._dead: list[Warm] = []
@@ -169,7 +182,9 @@ class WarmPool:
                     # One at a time, each only once ready: a burst that takes the whole
                     # pool must not be followed by as many cold imports at once.
                     try:
-                        warm = await new_tree(self.config, self.containment, warm=True, zygote=self.zygote)
+                        warm = await new_tree(
+                            self.config, self.containment, warm=True, zygote=self.zygote, nest=self.nest
+                        )
                     except (OSError, SpawnError) as exc:
                         logger.warning("warm pool: could not start a runner: %s", exc)
                         await trio.sleep(RESPAWN_BACKOFF_S)

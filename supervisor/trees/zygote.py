@@ -64,6 +64,7 @@ from subagent.sandbox import SANDBOX_ENV
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
 from supervisor.config import Config
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
+from supervisor.trees._nest import Nest
 from supervisor.trees.containment import Containment
 
 __all__ = ["ForkedProcess", "Spare", "SpareDemand", "Zygote", "usable"]
@@ -260,9 +261,10 @@ class _Unavailable(Exception):
 class Zygote:
     """The daemon's zygote service: ``nursery.start(z.run)``, then ``await z.spawn_tree(...)``."""
 
-    def __init__(self, config: Config, containment: Containment) -> None:
+    def __init__(self, config: Config, containment: Containment, nest: Nest | None = None) -> None:
         self.config = config
         self.containment = containment
+        self.nest = nest  # given to each zygote it starts: its runners and spares join it
         self.state = "starting"  # "starting", "ready", "restarting", "failed", "stopped"
         self.pid: int | None = None
         self.started = 0  # zygotes started so far (1 + restarts)
@@ -362,6 +364,8 @@ class Zygote:
             env.pop(name, None)
         env[MARKER_VAR] = PLACEHOLDER_MARKER
         env[ENV_ROOM_VAR] = "." * ENV_ROOM  # room for a runner's own environment in /proc
+        if self.nest is not None:
+            env.update(self.nest.env())  # (held by the zygote, never joined: its runners do)
         argv = [self.config.runner_python, "-m", "subagent.zygote"]
         try:
             try:
@@ -375,6 +379,7 @@ class Zygote:
                     # Its own group (a terminal's Ctrl-C is the daemon's to handle), in the
                     # daemon's session: never taken for a tree's member or an orphan.
                     process_group=0,
+                    pass_fds=self.nest.pass_fds() if self.nest is not None else (),
                 )
             finally:
                 theirs.close()

@@ -38,7 +38,7 @@ import psutil
 import pytest
 import trio
 
-from subagent import _landlock, _quotas
+from subagent import _landlock, _nest, _quotas
 from subagent.sandbox import PRIVATE_DIRS, PROC_SHARED
 from supervisor.control.client import Client
 from tests import conftest
@@ -301,6 +301,8 @@ async def test_a_users_daemon_runs_as_that_user_and_its_runs_are_sandboxed(user_
     # The user's per-user kernel counts: the run's share capped in its own namespace as a root run's is.
     assert sandbox["quotas"]["max_inotify_instances"] == _quotas.INOTIFY_INSTANCES, sandbox
     assert sandbox["quotas"]["ptys"] == _quotas.PTYS and "keyctl" in sandbox["denied_syscalls"], sandbox
+    # All runs together: in the daemon's nest, the user's own namespace (``subagent/_nest.py``).
+    assert sandbox["quotas"]["total_max_inotify_instances"] == _nest.INOTIFY_INSTANCES_TOTAL, sandbox
     if not any(d.home.is_relative_to(p) for p in PRIVATE_DIRS):
         assert "Permission denied" in out  # Landlock's word: no private dir hides the state here
     # Nothing was harmed: the token, the journal, the other run, the daemon.

@@ -45,6 +45,9 @@ PER_RUN = {
     "OLDPWD",
     "SHLVL",
     "_",
+    # How a runner is told of the daemon's nest (``subagent/_nest.py``): a cold one in the
+    # environment it was started with, a forked one by its zygote.
+    "AGENTD_RUN_NEST",
 }
 
 
