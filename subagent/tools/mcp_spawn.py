@@ -117,6 +117,9 @@ async def prespawn(
     async def end() -> None:
         if p.process is None:
             return
+        if p.leader_ticks is None and p.process.returncode is None:
+            # Out of sight at its start (``own_leader_ticks``); unreaped, its pid is its own.
+            p.leader_ticks = leader_ticks(p.process.pid)
         await end_group_and_escapers(
             p.process.pid, p.leader_ticks, p.marker, grace_s=MCP_KILL_GRACE_S, what=f"mcp server {name!r} group"
         )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from contextlib import AsyncExitStack
+from pathlib import Path
+
 import pytest
+import trio
 
 from subagent.spec import McpServerSpec
 from subagent.tools.commands import SUBTREE_VAR
@@ -34,3 +40,38 @@ def test_the_tool_env_allowlist_covers_what_the_sdk_would_pass() -> None:
     from subagent.sandbox import TOOL_ENV_NAMES
 
     assert set(SDK_INHERITED_ENV_VARS) <= set(TOOL_ENV_NAMES)
+
+
+async def test_a_server_whose_leader_was_out_of_sight_at_its_start_is_still_ended_by_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a command's (test_commands): its start ticks unread at the spawn (a hidepid /proc
+    # before its execve made it dumpable), a server that drops its environment (the marker)
+    # is found by its group alone, which its close must still end.
+    from subagent.tools import mcp_spawn
+
+    real = mcp_spawn.leader_ticks
+    reads: list[int | None] = []
+
+    def first_out_of_sight(pid: int) -> int | None:
+        ticks = None if not reads else real(pid)
+        reads.append(ticks)
+        return ticks
+
+    monkeypatch.setattr(mcp_spawn, "leader_ticks", first_out_of_sight)
+    flag = tmp_path / "started"
+    spec = McpServerSpec(command="/bin/sh", args=["-c", f"touch {flag}; exec env -i sleep 30"])
+    groups: list[tuple[int, bool]] = []
+    with trio.fail_after(20):
+        async with AsyncExitStack() as stack:
+            p = await mcp_spawn.prespawn(
+                "s", spec, stack, run_dir=tmp_path, on_group=lambda g, a: groups.append((g, a))
+            )
+            assert p.process is not None and p.error is None
+            while not flag.exists():
+                await trio.sleep(0.01)
+    assert reads[0] is None and reads[1] is not None, reads
+    assert groups == [(p.process.pid, True), (p.process.pid, False)]
+    assert p.process.returncode == -signal.SIGTERM  # its group's SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.killpg(p.process.pid, 0)
