@@ -163,7 +163,8 @@ def plan_rules(grants: Iterable[Grant], protect: Sequence[str]) -> list[Grant]:
 
 def _split(path: str, access: int, is_dir: bool, protect: list[str]) -> list[Grant]:
     if not is_dir:
-        return [Grant(path, access & FS_FILE_ONLY)]
+        # A protected file (``/etc/shadow`` in ``/etc``) is skipped as a directory is.
+        return [] if path in protect else [Grant(path, access & FS_FILE_ONLY)]
     inside = [p for p in protect if _under(p, path)]
     if not inside:
         return [Grant(path, access)]

@@ -43,6 +43,16 @@ def test_a_grant_around_a_protected_path_grants_its_siblings_instead(tmp_path: P
     assert not paths & {".", "state", "state/runs", "state/token", "state/runs/other", "link-to-state"}
 
 
+def test_a_protected_file_in_a_granted_directory_is_not_granted(tmp_path: Path) -> None:
+    """A protected path that is a file (``/etc/shadow``, a ``sandbox_protect`` file) is
+    skipped as a protected directory is: its directory's other entries are granted, it not."""
+    _tree(tmp_path)
+    rules = plan_rules([Grant(str(tmp_path), FS_READ)], [str(tmp_path / "lib" / "x"), str(tmp_path / "top")])
+    paths = {Path(g.path).relative_to(tmp_path).as_posix() for g in rules}
+    assert "state" in paths  # a directory without a protected path in it: whole
+    assert not paths & {".", "lib", "lib/x", "top"}
+
+
 def test_plan_rules_drops_missing_paths_and_keeps_unrelated_grants(tmp_path: Path) -> None:
     rules = plan_rules([Grant(str(tmp_path / "nope"), FS_READ), Grant(str(tmp_path), FS_READ)], ["/elsewhere"])
     assert rules == [Grant(str(tmp_path), FS_READ)]
@@ -163,12 +173,13 @@ import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from subagent import _landlock as L
 root, protect = sys.argv[2], sys.argv[3]
+target = sys.argv[5] if len(sys.argv) > 5 else os.path.join(protect, "token")
 grants = [L.Grant(p, L.FS_READ) for p in json.loads(sys.argv[4])] + [L.Grant(root, L.FS_READ)]
 L.restrict_self(L.plan_rules(grants, [protect]), abi=L.abi_version(), scoped=L.SCOPE_SIGNAL)
 out = {}
 for name, fn in [
     ("sibling", lambda: open(os.path.join(root, "lib", "x")).read()),
-    ("protected", lambda: open(os.path.join(protect, "token")).read()),
+    ("protected", lambda: open(target).read()),
     ("write", lambda: open(os.path.join(root, "lib", "new"), "w")),
     ("signal_parent", lambda: os.kill(os.getppid(), 0)),
 ]:
@@ -196,6 +207,21 @@ def test_landlock_on_a_real_process_denies_what_was_not_granted(tmp_path: Path) 
         "signal_parent": "Operation not permitted",
     }
     assert os.path.exists(tmp_path / "state" / "token")
+
+
+def test_landlock_denies_a_protected_file_in_a_granted_directory(tmp_path: Path) -> None:
+    """A protected file (``/etc/shadow`` in the granted ``/etc``) cannot be opened, its
+    siblings can: a run of a root daemon read the host's /etc/shadow."""
+    conftest.require(_landlock.abi_version() >= 6, "Landlock ABI 6 (signal scoping: kernel 6.12+)")
+    _tree(tmp_path)
+    secret = str(tmp_path / "state" / "token")
+    runtime = [sys.prefix, sys.base_prefix, str(REPO), "/usr", "/lib", "/lib64", "/etc"]
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(REPO), str(tmp_path), secret, json.dumps(runtime), secret],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert json.loads(out)["protected"] == "Permission denied", out
+    assert json.loads(out)["sibling"] == "ok", out
 
 
 def _as_nobody(fn: Callable[[], bool]) -> int:

@@ -1,0 +1,62 @@
+"""A protected path that is a file, in a directory a run reads: the run cannot read it.
+
+The default protected paths include files (``/etc/shadow``, ``/etc/gshadow``,
+``/etc/sudoers``, the SSH host keys), and ``sandbox_protect`` may name one (README: "add
+such paths to ``sandbox_protect``"). The Landlock rules skipped a protected directory in
+a granted tree but granted a protected file like any other: a root daemon's run read the
+host's ``/etc/shadow`` (uid 0 on the host, its owner). Here a ``sandbox_protect`` file
+beside a readable one, in a directory the spec grants; runners cold and forked from a
+zygote's spare (the rules are planned in the spare's half).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.daemon import serve
+from tests.e2e.test_sandbox import SCENARIO_S, Daemon, command, outputs, scripted
+from tests.e2e.test_sandbox import landlock as landlock  # noqa: F401 - the fixture
+from tests.supervisor.test_zygote_spare import spare_ready
+
+
+@pytest.fixture(params=["off", "auto"])
+async def daemon(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Daemon]:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "open.txt").write_text("open-content\n")
+    (data / "secret.txt").write_text("secret-content\n")
+    config = Config.load(
+        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, sandbox="required",
+        zygote=request.param, sandbox_protect=(str(data / "secret.txt"),),
+    )  # fmt: skip
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
+        d = Daemon(info["manager"], config, info)
+        if request.param == "auto":
+            await spare_ready(d.m)
+        yield d
+        stop.set()
+
+
+async def test_a_protected_file_in_a_granted_directory_cannot_be_read(daemon: Daemon, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cmd = f"cat {data}/open.txt; cat {data}/secret.txt || echo secret-refused"
+    with trio.fail_after(SCENARIO_S):
+        r = await daemon.m.spawn(scripted([command(cmd)], sandbox={"read": [str(data)]}))
+        st = await daemon.m.wait_terminal(r["run_id"])
+    (out,) = outputs(st)
+    assert st["sandbox"]["mode"] == "landlock", st["sandbox"]
+    assert str(data / "secret.txt") in st["sandbox"]["protected"], st["sandbox"]
+    assert "open-content" in out, out  # its sibling is granted
+    assert "secret-content" not in out and "secret-refused" in out and "Permission denied" in out, out
+    assert (data / "secret.txt").read_text() == "secret-content\n"
