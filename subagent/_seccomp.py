@@ -1,4 +1,4 @@
-"""The system calls a run may not make: ``clone3`` and the key calls, through a seccomp filter.
+"""The system calls a run may not make: ``clone3``, the new mount API and the key calls, through a seccomp filter.
 
 ``clone3(CLONE_INTO_CGROUP)`` starts a child in any cgroup v2 whose directory the caller
 can open (``O_PATH``: reading ``/sys`` is enough) and whose ``cgroup.procs`` (and the
@@ -36,11 +36,26 @@ import os
 import struct
 from typing import Final
 
-__all__ = ["DENIED", "KEY_CALLS", "SYS_CLONE3", "deny_syscalls"]
+__all__ = ["DENIED", "KEY_CALLS", "NEW_MOUNT_CALLS", "SYS_CLONE3", "deny_syscalls"]
 
 # The same number in every architecture's table, its compat ones included (added after
 # the tables were unified).
 SYS_CLONE3: Final = 435
+# The mount API of Linux 5.2+ (and ``mount_setattr``, 5.12): numbered alike in every table,
+# as ``clone3``. Landlock refuses a sandboxed process every mount, but not ``fsopen`` +
+# ``fsconfig(FSCONFIG_CMD_CREATE)``: a run inside a user and mount namespace of its own
+# made a new superblock per call (devpts, tmpfs), kept by a descriptor, 4-9 KiB of kernel
+# memory each mostly outside its memory limit, bounded only by its open files. Nothing of
+# a run mounts (the runner's own mounts are made before the filter).
+NEW_MOUNT_CALLS: Final = {
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "mount_setattr": 442,
+}
 KEY_CALLS: Final = ("add_key", "request_key", "keyctl")
 # Their numbers differ by architecture, keyed here by the AUDIT_ARCH_* value the kernel
 # gives the filter: a 32-bit process on a 64-bit kernel calls through its own table (x86's
@@ -55,7 +70,7 @@ _KEY_NUMBERS: Final = {
 # ``os.uname().machine`` of the kernels whose own table is above.
 _KEY_MACHINES: Final = ("x86_64", "i386", "i686", "aarch64", "arm64", "armv7l", "armv8l", "riscv64")
 # What the filter refuses on this machine (``status``'s ``sandbox.denied_syscalls``).
-DENIED: Final = ("clone3", *(KEY_CALLS if os.uname().machine in _KEY_MACHINES else ()))
+DENIED: Final = ("clone3", *NEW_MOUNT_CALLS, *(KEY_CALLS if os.uname().machine in _KEY_MACHINES else ()))
 
 _PR_SET_NO_NEW_PRIVS: Final = 38
 _PR_SET_SECCOMP: Final = 22
@@ -82,7 +97,7 @@ class _SockFprog(ctypes.Structure):
 def _program() -> bytes:
     """The filter (struct sock_filter each)::
 
-    nr = nr & ~x32 bit; if nr == clone3: DENY
+    nr = nr & ~x32 bit; if nr == clone3 or nr in the new mount calls: DENY
     for each architecture in _KEY_NUMBERS:
         if arch == it: (nr = nr & ~x32 bit; if nr in its key calls: DENY); ALLOW
     ALLOW
@@ -92,6 +107,7 @@ def _program() -> bytes:
     allow = (_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW)
     # (code, jump-if-true, jump-if-false, k): a _DENY jump is resolved below.
     insns: list[tuple[int, int, int, int]] = [*load_nr, (_BPF_JEQ_K, _DENY, 0, SYS_CLONE3)]
+    insns += [(_BPF_JEQ_K, _DENY, 0, nr) for nr in NEW_MOUNT_CALLS.values()]
     insns.append((_BPF_LD_W_ABS, 0, 0, _ARCH_OFFSET))
     for arch, numbers in _KEY_NUMBERS.items():
         block = [*load_nr, *((_BPF_JEQ_K, _DENY, 0, nr) for nr in numbers), allow]
@@ -105,7 +121,7 @@ def _program() -> bytes:
 
 
 def deny_syscalls() -> None:
-    """From now on ``clone3`` and the key calls fail with ``ENOSYS`` in this process and
+    """From now on ``clone3``, the new mount calls and the key calls fail with ``ENOSYS`` in this process and
     everything it starts. Sets ``no_new_privs``.
 
     Raises:

@@ -43,10 +43,16 @@ def keys():
         got["other"] = errno_of(other, -1, 0, 0, 0)
     return got
 
-out = {"before": clone3_errno(), "keys_before": keys()}
+def mounts():
+    # Each with arguments the kernel refuses (a bad descriptor or name): EBADF, EFAULT or
+    # EINVAL where it runs the call; ENOSYS where the filter refuses it.
+    return {name: errno_of(nr, -1, 0, 0, 0, 0) for name, nr in _seccomp.NEW_MOUNT_CALLS.items()}
+
+out = {"before": clone3_errno(), "keys_before": keys(), "mounts_before": mounts()}
 _seccomp.deny_syscalls()
 out["after"] = clone3_errno()
 out["keys_after"] = keys()
+out["mounts_after"] = mounts()
 box = []
 t = threading.Thread(target=lambda: box.append(1))
 t.start(); t.join()
@@ -73,6 +79,9 @@ def test_clone3_is_refused_and_the_rest_works() -> None:
     if "other" in out["keys_after"]:
         assert out["keys_after"]["other"] == out["keys_before"]["other"] == 9, out  # EBADF: accept4 runs
     assert set(_seccomp.KEY_CALLS) <= set(_seccomp.DENIED)
+    assert 38 not in out["mounts_before"].values(), out["mounts_before"]  # the kernel has them (5.12+)
+    assert set(out["mounts_after"].values()) == {38}, out["mounts_after"]
+    assert set(_seccomp.NEW_MOUNT_CALLS) <= set(_seccomp.DENIED)
     assert out["thread"] is True
     assert out["fork"] == 7
     assert out["subprocess"] == "ok\n"
