@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from subagent import _nest, _quotas
 from subagent.sandbox import PROC_SHARED
 from tests.e2e.test_sandbox import command, scripted
 from tests.systemd.agentd_support import STATE_DIR, UNIT, cli, poll
@@ -117,9 +118,16 @@ def test_status_says_the_runs_namespaces_are_in_place_and_proc_is_shared(pair: d
         assert sandbox["identity"] == "uid 0 on the host, uid 65000 in its own user namespace, no capabilities"
         for private in ("/tmp", "/var/tmp", "/dev/shm", "/run", "/dev/pts", STATE_DIR):
             assert private in sandbox["private"], sandbox
-        # The one thing missing, and why: the service's PID namespace is the host's.
-        (problem,) = sandbox["problems"]
-        assert problem.startswith("the daemon's /proc") and "CAP_SYS_ADMIN" in problem, problem
+        # What is missing, and why: a /proc of its own (the service's PID namespace is the
+        # host's), and the caps of its own user namespace and the daemon's nest (the unit's
+        # ProtectKernelTunables= keeps /proc/sys read-only in every namespace of the service).
+        problems = sandbox["problems"]
+        (problem,) = [p for p in problems if p.startswith("the daemon's /proc")]
+        assert "CAP_SYS_ADMIN" in problem, problem
+        rest = [p for p in problems if p != problem]
+        assert len(rest) == 2, problems
+        assert any(p.startswith(_quotas.UNCAPPED) for p in rest), problems
+        assert any(p.startswith(_nest.UNBOUNDED) for p in rest), problems
         assert sandbox["proc"] == PROC_SHARED
     # What status says of /proc is so: the other run's runner and the daemon are in sight.
     assert pair["lines"].get("other_cmdline") == pair["lines"].get("daemon_cmdline") == "0", pair["lines"]
