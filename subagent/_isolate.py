@@ -35,6 +35,7 @@ __all__ = [
     "can_nest_user_namespace",
     "thread_count",
     "effective_capabilities",
+    "libc",
     "CAP_SYS_ADMIN",
     "CAP_SETFCAP",
 ]
@@ -82,10 +83,14 @@ _libc: ctypes.CDLL | None = None
 
 
 def _c() -> ctypes.CDLL:
+    """The C library (``use_errno``), loaded once."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
     return _libc
+
+
+libc = _c
 
 
 def _check(res: int, what: str) -> None:

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Final
 
-from subagent import _quotas
+from subagent import _isolate, _quotas
 
 __all__ = [
     "NEST_ENV",
@@ -88,14 +88,7 @@ def totals(
     return {k: v for k, v in limits.items() if v > 0}
 
 
-_libc: ctypes.CDLL | None = None
-
-
-def _c() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
+_c = _isolate.libc  # the C library, loaded once
 
 
 def _fail(what: str) -> OSError:
