@@ -14,7 +14,7 @@ runner's stdin, as an approval's answer is (``supervisor.core.approvals``): a da
 between the two leaves a steer its journal holds and its runner never read (its end
 reports it unapplied, ``unread``), never one its runner applied that its journal lacks.
 Once journaled it is written whole (shielded, ``STEER_SEND_TIMEOUT_S`` at most) or
-journaled ``steer_unsent`` and refused.
+journaled ``steer_unsent`` and refused; so is one a stop overtook while it was journaled.
 """
 
 from __future__ import annotations
@@ -90,11 +90,17 @@ async def send_steer(book: RunBook, run: Run, text: str, line: bytes) -> str | N
         await book.record_durable(run, "steer_sent", {"text": text})
     except JournalUnavailable as exc:
         return f"it cannot be journaled ({exc}); it was not sent"
-    # Before the write (the run's end may come during it): its end reports it if unread.
-    run.steers_sent.append(text)
     # Journaled: from here it is written, or said unsent, whatever else comes (a client
     # gone cancels this request); bounded.
     with trio.CancelScope(shield=True):
+        if run.token.cancelled:
+            # A stop taken while it was journaled (an await): refused, as one asked after
+            # it is; the stopped runner's input never gets it.
+            stopping = "a stop is under way"
+            await book.record(run, "steer_unsent", {"text": text, "why": stopping})
+            return stopping
+        # Before the write (the run's end may come during it): its end reports it if unread.
+        run.steers_sent.append(text)
         late = f"the runner has not read its input for {STEER_SEND_TIMEOUT_S:g} s"
         written, why = await write_whole(stdin.fileno(), line, timeout_s=STEER_SEND_TIMEOUT_S, late=late)
         if why is None:

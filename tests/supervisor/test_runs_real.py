@@ -365,3 +365,39 @@ async def test_the_daemons_deadline_is_the_daemons_stop_in_the_runners_result(ma
     result = _result_file(st)
     assert (result["status"], result["reason"], result["stop_reason"]) == ("cancelled", "signal", "timeout"), result
     assert (stop["reason"], stop["stop_reason"]) == ("signal", "timeout"), stop
+
+
+async def test_a_steer_a_stop_overtakes_while_it_is_journaled_is_refused_not_written(
+    manager: RunManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A steer checked that no stop was under way, then journaled itself (an fsynced
+    # write, an await); a cancel taken meanwhile was acknowledged, and the steer was then
+    # written into the stopped runner's input and answered `accepted: true` (DESIGN:
+    # steering is refused once a stop is under way).
+    book = manager.book
+    real = book.record_durable
+    cancels: list[dict[str, Any]] = []
+
+    async def overtaken(run: Any, kind: str, data: dict[str, Any]) -> int:
+        seq = await real(run, kind, data)
+        if kind == "steer_sent":  # the cancel the daemon takes while the steer's write waited
+            cancels.append(await manager.cancel(run.run_id))
+        return seq
+
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_event(manager, rid, command_alive)
+        monkeypatch.setattr(book, "record_durable", overtaken)
+        reply = await manager.steer(rid, "after the stop")
+        st = await manager.wait_terminal(rid)
+    assert cancels and cancels[0]["was_active"] is True, cancels
+    assert reply == {"run_id": rid, "accepted": False, "state": "cancelling", "why": "a stop is under way"}, reply
+    assert st["state"] == "cancelled"
+    events = await manager.events_after(rid, 0)
+    steers = [(e["kind"], e["data"]) for e in events if e["kind"] in ("steer_sent", "steer_unsent", "steering")]
+    assert steers == [
+        ("steer_sent", {"text": "after the stop"}),
+        ("steer_unsent", {"text": "after the stop", "why": "a stop is under way"}),
+    ], steers
+    assert not (st["result"] or {}).get("unapplied_steering"), st["result"]
