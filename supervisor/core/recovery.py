@@ -71,6 +71,7 @@ class Recovery:
             if found is not None:
                 adopted.append(found)
         self.book.backlog.carried_stops.clear()
+        self.book.backlog.carried_ends.clear()
         return adopted
 
     async def _recover_one(self, row: Any) -> tuple[Run, FileSource] | None:
@@ -205,6 +206,8 @@ class Recovery:
         run_id = row["id"]
         reason = row["cancel_reason"]
         backlog = self.book.backlog
+        if await backlog.write_carried_end(run_id, row["last_seq"] + 1):
+            return  # the dead daemon's own end for it, noted (its process record was lost)
         if reason is not None:
             # Its stop was acknowledged before it had a process: that stop is what happened.
             receipt: dict[str, Any] = {"note": "cancelled before its runner started; finished by the restarted daemon"}
@@ -247,6 +250,12 @@ class Recovery:
             run.stop_receipt = stop.to_dict()
             receipt = {**run.stop_receipt, "note": "the run ended while the daemon was down", "swept": swept}
             await self.lifecycle.conclude(run, None, receipt, result)
+            return
+        if await self.book.backlog.write_carried_end(run_id, run.last_seq + 1):
+            # The dead daemon ended it (its tree, its directory and its result file) and
+            # noted the end it decided, which the journal could not take then nor at this
+            # start: that end is the run's (a completed run is not `cancelled` by a stop
+            # noted as it ended, nor `lost`).
             return
         if run.token.cancelled:
             # A stop the old daemon acknowledged, whose runner died without a result: what

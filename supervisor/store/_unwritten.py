@@ -30,7 +30,9 @@ import os
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["NAME", "SIZE", "UnwrittenNote", "encode"]
+from supervisor.states import TERMINAL_STATES, RunState
+
+__all__ = ["NAME", "SIZE", "UnwrittenNote", "encode", "noted_end", "noted_end_event", "noted_finish_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,3 +142,42 @@ class UnwrittenNote:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def noted_end(end: Any) -> tuple[RunState, str | None, float | None, float | None] | None:
+    """A noted end's state (terminal), reason, end time and its groups' end time; None if
+    it is not one."""
+    if not isinstance(end, dict):
+        return None
+    try:
+        state = RunState(str(end.get("state")))
+    except ValueError:
+        return None
+    if state not in TERMINAL_STATES:
+        return None
+    reason = end.get("reason") if isinstance(end.get("reason"), str) else None
+    ended_at = end.get("ended_at") if isinstance(end.get("ended_at"), (int, float)) else None
+    groups = end.get("groups_ended_at") if isinstance(end.get("groups_ended_at"), (int, float)) else None
+    return state, reason, ended_at, groups
+
+
+def noted_finish_args(noted: tuple[RunState, str | None, float | None, float | None]) -> dict[str, Any]:
+    """``Journal.finish``'s arguments for a noted end: no result of its own (its last
+    checkpoint, marked partial), from whatever live state the journal has."""
+    _state, reason, ended_at, groups = noted
+    return {
+        "reason": reason,
+        "result": None,
+        "partial": True,
+        "ended_at": ended_at,
+        "groups_ended_at": groups,
+        "from_any_live_state": True,
+    }
+
+
+def noted_end_event(state: RunState, reason: str | None) -> dict[str, Any]:
+    """The ``state`` event of a run whose noted end is written."""
+    data: dict[str, Any] = {"state": str(state), "partial": True}
+    if reason:
+        data["reason"] = reason
+    return data

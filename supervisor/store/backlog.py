@@ -19,7 +19,8 @@ those that ended (``write(end=...)``: state, reason, when), is kept on disk mean
 says so at its start (its log, ``describe()['unwritten_before_restart']``), gives each of
 those runs a ``journal_gap`` event and writes the ends it finds there (the result is the
 run's last stored checkpoint, marked partial), before it recovers the runs: a run a client
-was told ended ``cancelled`` is not found ``lost``. A stop acknowledged while its intent
+was told ended ``cancelled`` is not found ``lost``; an end the journal cannot take then
+either is recovery's to write (``carried_ends``), not to decide again. A stop acknowledged while its intent
 waits (``write(stop=...)``: reason, wall times) is in the note before the cancel's reply;
 the next daemon hands it to recovery (``carried_stops``), which resumes it as a journaled
 one: nothing keeps running past a Stop's grace because the daemon that took it died.
@@ -43,9 +44,8 @@ from typing import Any, Final, TypeVar
 import trio
 
 from supervisor.errors import JournalError, JournalUnavailable, RunNotFound
-from supervisor.states import TERMINAL_STATES, RunState
 from supervisor.store._unwritten import NAME as NOTE_NAME
-from supervisor.store._unwritten import UnwrittenNote
+from supervisor.store._unwritten import UnwrittenNote, noted_end, noted_end_event, noted_finish_args
 from supervisor.store.journal import EventRecord, Journal
 
 __all__ = ["Backlog"]
@@ -102,6 +102,9 @@ class Backlog:
         # Stops the previous daemon acknowledged and noted, never journaled, by run id:
         # recovery resumes them (``supervisor.core.recovery``).
         self.carried_stops: dict[str, dict[str, Any]] = {}
+        # Ends it noted that the journal could not take at this start either: recovery
+        # writes them (``write_carried_end``) rather than decide the run's end again.
+        self.carried_ends: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -348,34 +351,40 @@ class Backlog:
 
     async def _write_noted_end(self, run_id: str, end: Any) -> None:
         """The end a dead daemon decided for the run and noted, written if the run is live
-        in the journal: its result is its last checkpoint, marked partial."""
-        if not isinstance(end, dict):
+        in the journal: its result is its last checkpoint, marked partial. One the journal
+        cannot take now is kept for recovery (``carried_ends``)."""
+        noted = noted_end(end)
+        if noted is None:
             return
+        state, reason, ended_at, _groups = noted
         try:
-            state = RunState(str(end.get("state")))
-        except ValueError:
-            return
-        reason = end.get("reason") if isinstance(end.get("reason"), str) else None
-        ended_at = end.get("ended_at") if isinstance(end.get("ended_at"), (int, float)) else None
-        groups = end.get("groups_ended_at") if isinstance(end.get("groups_ended_at"), (int, float)) else None
-        if state not in TERMINAL_STATES:
-            return
-        finished = await self.journal.finish(
-            run_id,
-            state,
-            reason=reason,
-            result=None,
-            partial=True,
-            ended_at=ended_at,
-            groups_ended_at=groups,
-            from_any_live_state=True,
-        )
+            finished = await self.journal.finish(run_id, state, **noted_finish_args(noted))
+        except JournalError:
+            self.carried_ends[run_id] = dict(end)
+            raise
         if finished:
-            data: dict[str, Any] = {"state": str(state), "partial": True}
-            if reason:
-                data["reason"] = reason
-            await self.journal.append_event(run_id, "state", data, ended_at)
+            await self.journal.append_event(run_id, "state", noted_end_event(state, reason), ended_at)
             logger.warning("run %s: its end (%s) written from the previous daemon's note", run_id, state)
+
+    async def write_carried_end(self, run_id: str, seq: int) -> bool:
+        """The noted end of a run (``carried_ends``), through the queue (noted again while it
+        waits), with its ``state`` event numbered ``seq``; False if it has none: the dead
+        daemon had decided that end, which is the run's, whatever recovery finds now."""
+        end = self.carried_ends.get(run_id)
+        noted = noted_end(end)
+        if end is None or noted is None:
+            return False
+        state, reason, ended_at, groups = noted
+        await self.write(
+            run_id,
+            lambda j: j.finish(run_id, state, **noted_finish_args(noted)),
+            True,
+            what=f"noted end {state}",
+            end={"state": str(state), "reason": reason, "ended_at": ended_at, "groups_ended_at": groups},
+        )
+        await self.append(run_id, seq, "state", noted_end_event(state, reason), ended_at or time.time())
+        logger.warning("run %s: its end (%s) is the previous daemon's, from its note", run_id, state)
+        return True
 
     async def _note_runs(self) -> None:
         """The note on disk names the runs that have writes waiting now (see the module)."""

@@ -219,3 +219,50 @@ async def test_a_noted_stop_the_next_daemon_cannot_journal_either_is_noted_again
     assert (st["cancel_requested_at"], st["stop_deadline"]) == (now, now + 10), st
     assert st["receipt"]["stop_carried"]["by"] == "journal-unwritten", st["receipt"]
     assert st["receipt"]["stop_carried"]["daemon_pid"] == 4242, st["receipt"]
+
+
+async def test_a_noted_end_the_next_daemon_cannot_write_yet_is_still_the_runs_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run completed (its runner's result said so, its tree was ended, its directory and
+    # result file removed), its end waiting in memory and named in the note with the stop
+    # a client pressed as it ended; the daemon killed -9. The next one could not write
+    # that end either at its start: recovery then found the runner gone without a result,
+    # resumed the carried stop and recorded the completed run `cancelled` (without the
+    # stop: `lost`), which was written once the journal took writes again.
+    config = Config.load(state_dir=tmp_path / "state", environ={})
+    config.state_dir.mkdir(parents=True)
+    now = time.time()
+    child = await trio.lowlevel.open_process(["true"])  # a pid of ours, reaped: no runner has it now
+    await child.wait()
+    async with await Journal.open(config.journal_path) as j:
+        running = [("state", {"state": "running"}, now)]
+        await j.create_run("r-c", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=running)
+        await j.record_process(
+            "r-c", pid=child.pid, pid_start_time=1.0, pgid=child.pid, tree_id="t-gone", run_dir=str(tmp_path / "gone")
+        )
+    stop = {"reason": "user", "at": now, "stop_deadline": now + 10, "detail": None}
+    end = {"state": "completed", "reason": None, "ended_at": now + 1, "groups_ended_at": now + 1}
+    note = UnwrittenNote(config.state_dir / NOTE_NAME)
+    note.reset()
+    note.save({"pid": 4242, "since": now, "runs": ["r-c"], "ends": {"r-c": end}, "stops": {"r-c": stop}})
+    note.close()
+    finish = Journal.finish
+
+    async def unwritable(self: Journal, run_id: str, *args: Any, **kw: Any) -> bool:
+        raise JournalUnavailable("injected: a run's end cannot be written", path=self.path)
+
+    monkeypatch.setattr(Journal, "finish", unwritable)
+    stopping = trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stopping, task_status=task_status))
+            m = info["manager"]
+            monkeypatch.setattr(Journal, "finish", finish)
+            assert await m.backlog.flush() is True
+            st = await m.status("r-c")
+            events = await m.events_after("r-c", 0)
+            stopping.set()
+    assert (st["state"], st["reason"], st["ended_at"]) == ("completed", None, now + 1), st
+    assert st["cancel_reason"] == "user"  # the stop that came as it ended: recorded, not its outcome
+    assert events[-1]["kind"] == "state" and events[-1]["data"] == {"state": "completed", "partial": True}, events
