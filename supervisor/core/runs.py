@@ -975,6 +975,9 @@ class RunManager:
             spare_tree = None
             if not run.token.cancelled:
                 with trio.CancelScope() as run.queue_scope:
+                    # Its start (the spare's process record) in the journal, not only
+                    # queued, before the spare may run (as ``announce`` for a new tree).
+                    await self.backlog.wait_written(run.run_id)
                     spare_tree = await taken.go(stopped=lambda: run.token.cancelled)
                 run.queue_scope = None
             if spare_tree is not None:
@@ -1024,6 +1027,10 @@ class RunManager:
                 "run_dir": str(run_dir),
             }
             await self.book.write(run, "process record", lambda j: j.record_process(run.run_id, **fields), True)
+            # Its spec once the record is in the journal, not only queued (degraded): a
+            # daemon killed meanwhile leaves a runner that never had it (it exits at EOF),
+            # not one running its run that no restarted daemon can find. A stop ends the wait.
+            await self.backlog.wait_written(run.run_id)
 
         await self.lifecycle.supervise(
             run,

@@ -105,6 +105,7 @@ class Backlog:
         # Ends it noted that the journal could not take at this start either: recovery
         # writes them (``write_carried_end``) rather than decide the run's end again.
         self.carried_ends: dict[str, dict[str, Any]] = {}
+        self._waiters: dict[str, trio.Event] = {}  # ``wait_written``'s, by run id
 
     # ------------------------------------------------------------------ state
 
@@ -115,6 +116,11 @@ class Backlog:
     def pending(self, run_id: str) -> bool:
         """Does this run have writes that are not in the journal yet?"""
         return run_id in self._queues
+
+    async def wait_written(self, run_id: str) -> None:
+        """Until nothing of this run waits for the journal (at once if nothing does)."""
+        if run_id in self._queues:
+            await self._waiters.setdefault(run_id, trio.Event()).wait()
 
     def pending_events(self, run_id: str, after_seq: int) -> list[EventRecord]:
         """The run's queued events with ``seq > after_seq``, in order."""
@@ -459,6 +465,9 @@ class Backlog:
             logger.warning(
                 "run %s: %d of its events were dropped while the journal could not be written", run_id, dropped
             )
+        waiter = self._waiters.pop(run_id, None)
+        if waiter is not None:
+            waiter.set()
         if self._on_flushed is not None:
             self._on_flushed(run_id)
 

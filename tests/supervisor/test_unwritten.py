@@ -269,3 +269,41 @@ async def test_a_noted_end_the_next_daemon_cannot_write_yet_is_still_the_runs_en
     # The stop that came as it ended: recorded, not its outcome.
     assert st["cancel_reason"] == ("user" if stopped else None), st
     assert events[-1]["kind"] == "state" and events[-1]["data"] == {"state": "completed", "partial": True}, events
+
+
+async def test_a_run_started_while_the_journal_is_full_gets_its_spec_only_once_its_process_is_recorded(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    # A queued run started while the journal could not be written: its process record
+    # waited in memory and its runner got its spec and ran its command. The daemon killed
+    # -9, the next one found no process for it ("lost: the daemon restarted before the
+    # run's process started") while its runner and its command ran on, which no Stop
+    # could reach any more (the conftest found them left behind).
+    state = small_tmpfs / "state"
+    settings = {
+        "runs_dir": str(tmp_path / "runs"),
+        "disk_min_free_mib": "0",
+        "disk_min_free_percent": "0",
+        "max_concurrent": "1",
+        "zygote": "off",
+    }
+    filler = small_tmpfs / "filler"
+    with trio.fail_after(90):
+        async with daemon(state, grace_s=2.0, **settings) as (d1, c):
+            a = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
+            await c.wait_for(a, kind="process_group")
+            b = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
+            assert (await c.call("status", run_id=b))["state"] == "queued"
+            fill(filler)
+            assert (await c.call("cancel", run_id=a))["was_active"] is True
+            assert await c.wait_for(a) == "cancelled"  # b takes its place
+            await c.wait_for(b, kind="state", count=2)  # queued, starting
+            # Its runner is up, and gets its spec once its process is journaled: not now.
+            with trio.move_on_after(3) as waited:
+                await c.wait_for(b, kind="process_group")
+            assert waited.cancelled_caught, "its command ran while its process was recorded nowhere"
+            await kill9(d1, c)
+        filler.unlink()
+        async with daemon(state, grace_s=2.0, **settings) as (d2, c):
+            st = await c.call("status", run_id=b)
+    assert (st["state"], st["reason"]) == ("lost", "the daemon restarted before the run's process started"), st
