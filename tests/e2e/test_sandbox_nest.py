@@ -26,6 +26,7 @@ from subagent import _nest
 from supervisor.config import Config
 from supervisor.daemon import serve
 from supervisor.trees._nest import Nest
+from tests.e2e.sandbox_daemon import lines
 from tests.e2e.test_sandbox import CHILDREN, SCENARIO_S, Daemon, command, outputs, scripted
 from tests.e2e.test_sandbox import landlock as landlock  # noqa: F401 - the fixture
 from tests.supervisor.test_zygote import zygote_state
@@ -36,10 +37,6 @@ PER_RUN = 8
 TOTAL = 12
 # How the runners are made: cold, forked by the zygote, the zygote's spares.
 WAYS = {"cold": {"zygote": "off"}, "forked": {"zygote": "auto", "zygote_spares": 0}, "spare": {"zygote": "auto"}}
-
-
-def _lines(out: str) -> dict[str, str]:
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
 
 
 async def _daemon(tmp_path: Path, way: str) -> AsyncIterator[Daemon]:
@@ -130,7 +127,7 @@ async def test_all_runs_together_take_no_more_than_the_nests_total(daemon: Daemo
     st_a, st_b = await _two_at_once(d, tmp_path / "meet")
     (out_a,) = outputs(st_a)
     (out_b,) = outputs(st_b)
-    a, b = _lines(out_a), _lines(out_b)
+    a, b = lines(out_a), lines(out_b)
     # A: its own cap; B: what A left of the total, then EMFILE (8 of its own were 16 in all).
     assert a.get("opened") == str(PER_RUN) and a.get("released") == str(PER_RUN), out_a
     assert b.get("opened") == str(TOTAL - PER_RUN) and b.get("errno") == "EMFILE", out_b
@@ -150,7 +147,7 @@ async def test_without_a_nest_runs_go_on_and_say_so(refused: Daemon, tmp_path: P
     st_a, st_b = await _two_at_once(d, tmp_path / "meet")
     (out_b,) = outputs(st_b)
     # Each run's own cap still holds; their total is the host's: 16 held at once.
-    assert _lines(out_b).get("opened") == str(PER_RUN), out_b
+    assert lines(out_b).get("opened") == str(PER_RUN), out_b
     for st in (st_a, st_b):
         assert st["state"] == "completed", st
         sandbox = st["sandbox"]

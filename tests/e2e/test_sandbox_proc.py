@@ -26,9 +26,8 @@ import pytest
 import trio
 
 from subagent.sandbox import PROC_HIDDEN
-from supervisor.config import Config
-from supervisor.daemon import serve
 from tests import conftest
+from tests.e2e.sandbox_daemon import lines, sandboxed_daemon
 from tests.e2e.test_sandbox import SCENARIO_S, Daemon, command, finish_gated, gated_run, outputs, scripted
 from tests.e2e.test_sandbox import landlock as landlock  # noqa: F401 - the fixture
 from tests.supervisor.test_zygote_spare import spare_ready
@@ -53,29 +52,14 @@ grep -q "^Pid:	$$\$" /proc/$$/status && grep -q '^Name:	grep$' /proc/self/status
 """
 
 
-def _lines(out: str) -> dict[str, str]:
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
-
-
 @pytest.fixture(params=["off", "auto"])
 async def daemon(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Daemon]:
     """``tests/e2e/test_sandbox.py``'s daemon, its runners cold (``zygote = "off"``) and
     forked from a zygote's spare: both halves of the sandbox made at once, and ahead."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, sandbox="required",
-        zygote=request.param,
-    )  # fmt: skip
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        d = Daemon(info["manager"], config, info)
-        if request.param == "auto":
-            await spare_ready(d.m)
+    async with sandboxed_daemon(tmp_path, monkeypatch, request.param) as d:
         yield d
-        stop.set()
 
 
 async def test_a_run_does_not_see_the_host_the_daemon_or_another_run(daemon: Daemon) -> None:
@@ -100,7 +84,7 @@ async def test_a_run_does_not_see_the_host_the_daemon_or_another_run(daemon: Dae
         host.wait(timeout=10)
     (out,) = outputs(st)
     assert SECRET not in out, out
-    seen = _lines(out)
+    seen = lines(out)
     for name in ("host", "other", "daemon"):
         assert seen.get(f"{name}_listed") == "0", out
         assert seen.get(f"{name}_cmdline") == "denied", out

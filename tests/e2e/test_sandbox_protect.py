@@ -11,41 +11,27 @@ zygote's spare (the rules are planned in the spare's half).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 
-from supervisor.config import Config
-from supervisor.daemon import serve
+from tests.e2e.sandbox_daemon import sandboxed_daemon
 from tests.e2e.test_sandbox import SCENARIO_S, Daemon, command, outputs, scripted
 from tests.e2e.test_sandbox import landlock as landlock  # noqa: F401 - the fixture
-from tests.supervisor.test_zygote_spare import spare_ready
 
 
 @pytest.fixture(params=["off", "auto"])
 async def daemon(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Daemon]:
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
     data = tmp_path / "data"
     data.mkdir()
     (data / "open.txt").write_text("open-content\n")
     (data / "secret.txt").write_text("secret-content\n")
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, sandbox="required",
-        zygote=request.param, sandbox_protect=(str(data / "secret.txt"),),
-    )  # fmt: skip
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        d = Daemon(info["manager"], config, info)
-        if request.param == "auto":
-            await spare_ready(d.m)
+    async with sandboxed_daemon(tmp_path, monkeypatch, request.param, sandbox_protect=(str(data / "secret.txt"),)) as d:
         yield d
-        stop.set()
 
 
 async def test_a_protected_file_in_a_granted_directory_cannot_be_read(daemon: Daemon, tmp_path: Path) -> None:

@@ -25,9 +25,8 @@ import pytest
 import trio
 
 from subagent import _quotas
-from supervisor.config import Config
-from supervisor.daemon import serve
 from tests import conftest
+from tests.e2e.sandbox_daemon import lines, sandboxed_daemon
 from tests.e2e.test_sandbox import CHILDREN, SCENARIO_S, Daemon, command, outputs, scripted
 from tests.e2e.test_sandbox import landlock as landlock  # noqa: F401 - the fixture
 from tests.supervisor.test_zygote_spare import spare_ready
@@ -42,27 +41,12 @@ TRY_PTYS = _quotas.PTYS + 16
 TRY_UTS = _quotas.NAMESPACES + 8
 
 
-def _lines(out: str) -> dict[str, str]:
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
-
-
 @pytest.fixture(params=["off", "auto"])
 async def daemon(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Daemon]:
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
-    config = Config.load(
-        state_dir=tmp_path / "state", runner_python=sys.executable, grace_s=3, environ={}, sandbox="required",
-        zygote=request.param,
-    )  # fmt: skip
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        d = Daemon(info["manager"], config, info)
-        if request.param == "auto":
-            await spare_ready(d.m)
+    async with sandboxed_daemon(tmp_path, monkeypatch, request.param) as d:
         yield d
-        stop.set()
 
 
 async def _probe(daemon: Daemon) -> tuple[dict[str, str], str, dict[str, Any]]:
@@ -71,7 +55,7 @@ async def _probe(daemon: Daemon) -> tuple[dict[str, str], str, dict[str, Any]]:
         r = await daemon.m.spawn(scripted([command(argv)]))
         st = await daemon.m.wait_terminal(r["run_id"])
     (out,) = outputs(st)
-    return _lines(out), out, st
+    return lines(out), out, st
 
 
 async def test_a_run_takes_no_more_than_its_share_of_its_uids_kernel_quotas(daemon: Daemon) -> None:
