@@ -139,10 +139,17 @@ async def test_a_runner_gone_while_no_daemon_ran_leaves_its_background_call_ende
             st = await c.call("status", run_id=rid)
             assert [t["name"] for t in st["tool_calls"]] == ["run_command", "run_command"], st["tool_calls"]
             runner, bg_pid = st["pid"], started_pid(st["tool_calls"][0])
+            # Pinned while its own daemon (this test's child) is its parent: the pidfd is
+            # that process, whatever its pid becomes once it is orphaned.
+            assert psutil.Process(runner).ppid() == d1.pid
+            pin = os.pidfd_open(runner)
             await c.ws.aclose()
             d1.kill()
             await d1.wait()
-        os.kill(runner, signal.SIGKILL)  # the run's runner (its pid, from its own status), no daemon watching
+        try:
+            signal.pidfd_send_signal(pin, signal.SIGKILL)  # the run's runner, no daemon watching
+        finally:
+            os.close(pin)
         async with restarted_daemon(state, dict(os.environ)) as (d2, c):
             st = await c.call("status", run_id=rid)
             await c.ws.aclose()
