@@ -1139,6 +1139,9 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
     if not no_wait:
         _exit_is_the_outcome()
     client = obj.client()
+    # A daemon that is starting (finding its runs again) answers once it has: the stop
+    # waits for it (``Client.stop_delivery_s``), and the person is told why it takes time.
+    client.on_stop_wait = lambda why: click.echo(f"note: {why}", err=True)
     if session_id is not None:
         result = client.cancel_session(session_id, reason=reason, turn=turn)
         runs = [r for r in result.get("runs", []) if isinstance(r, dict)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,6 +36,12 @@ CONNECT_TIMEOUT_S: Final = 5.0
 REQUEST_TIMEOUT_S: Final = 30.0
 # How long follow() keeps trying to reconnect after the connection drops.
 RECONNECT_TIMEOUT_S: Final = 30.0
+# How long a stop (``cancel``, ``cancel_session``, ``cancel_many``) keeps trying to reach a
+# daemon that takes its connection but does not answer the handshake: one that is starting
+# (it holds connections in its listen backlog until it has found its runs again, which for
+# many runs takes seconds) or at its connection limit. Nothing was sent, so trying again
+# is safe; a person who pressed Stop should not have to press it again.
+STOP_DELIVERY_S: Final = 60.0
 # Requests that change nothing: safe to send again after a dropped connection.
 _READ_ONLY_OPS: Final = frozenset({"status", "list", "events", "ping", "history", "sessions"})
 # Backoff between reconnect attempts: first at once, then doubling up to the cap.
@@ -116,6 +122,9 @@ class Client:
         self._token = token
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
         self.timeout_s = timeout_s
+        self.stop_delivery_s = STOP_DELIVERY_S
+        # Called once when a stop has to wait for the daemon to answer (the CLI says so).
+        self.on_stop_wait: Callable[[str], None] | None = None
         self._ws: WebSocket | None = None
         self._ids = itertools.count(1)
 
@@ -159,6 +168,32 @@ class Client:
     def connect(self) -> None:
         if self._ws is None or self._ws.closed:
             self._ws = self._open()
+
+    def _connect_for_a_stop(self) -> None:
+        """Connect, trying again for up to ``stop_delivery_s`` while the daemon takes the
+        connection and leaves its handshake unanswered (``ConnectionLost`` from the
+        connect: nothing sent). No daemon at all (``DaemonNotRunning``) or a refused token
+        still fail at once."""
+        deadline = time.monotonic() + self.stop_delivery_s
+        waits = itertools.chain(RECONNECT_BACKOFF_S, itertools.repeat(RECONNECT_BACKOFF_S[-1]))
+        told = False
+        while True:
+            try:
+                self.connect()
+                return
+            except ConnectionLost as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConnectionLost(
+                        f"{exc} (tried for {self.stop_delivery_s:g} s: the stop was not delivered)"
+                    ) from exc
+                if not told and self.on_stop_wait is not None:
+                    told = True
+                    self.on_stop_wait(
+                        f"the daemon has not answered yet ({exc}); "
+                        f"still trying to deliver the stop, for up to {self.stop_delivery_s:g} s"
+                    )
+                time.sleep(min(next(waits), remaining))
 
     def request(self, op: str, **args: Any) -> dict[str, Any]:
         """Send one request and return its result.
@@ -301,6 +336,9 @@ class Client:
         return out
 
     def cancel(self, run_id: str, *, reason: str = "user") -> dict[str, Any]:
+        """Stop a run. A daemon that takes the connection but does not answer yet (starting,
+        finding its runs again) is waited for, up to ``stop_delivery_s``."""
+        self._connect_for_a_stop()
         return self.request("cancel", run_id=run_id, reason=reason)
 
     def cancel_session(self, session_id: str, *, reason: str = "user", turn: str | None = None) -> dict[str, Any]:
@@ -318,6 +356,7 @@ class Client:
                 refused the request: nothing was stopped); ``bad_args``, ``turn`` is not a
                 turn of this session.
         """
+        self._connect_for_a_stop()
         try:
             return self.request("cancel", session_id=session_id, run_id=turn, reason=reason)
         except ControlProtocolError as exc:
@@ -342,6 +381,7 @@ class Client:
         """
         if not run_ids:
             return {"was_active": False, "runs": []}
+        self._connect_for_a_stop()
         chunks = [run_ids[i : i + CANCEL_CHUNK] for i in range(0, len(run_ids), CANCEL_CHUNK)]
         replies = self._request_pipelined("cancel", [{"run_ids": chunk, "reason": reason} for chunk in chunks])
         runs: list[dict[str, Any]] = []

@@ -26,10 +26,20 @@ THREAD_TIMEOUT_S = 10.0
 
 class ServerThread:
     def __init__(
-        self, state_dir: Path, backend: FakeBackend | None = None, *, fixed_token: str | None = None, **cfg: Any
+        self,
+        state_dir: Path,
+        backend: FakeBackend | None = None,
+        *,
+        fixed_token: str | None = None,
+        held: bool = False,
+        **cfg: Any,
     ) -> None:
         self.backend = backend or FakeBackend()
         self.fixed_token = fixed_token
+        # held: the socket is bound and published, but served only after ``release``, as
+        # a daemon that is starting holds connections in its listen backlog.
+        self.held = held
+        self._release: trio.Event | None = None
         self.config = Config(state_dir=state_dir, port=0, **cfg)
         self.port = 0
         self.token = ""
@@ -87,7 +97,25 @@ class ServerThread:
             self._scope = nursery.cancel_scope
             self._trio_token = trio.lowlevel.current_trio_token()
             self.backend.nursery = nursery
+            listener = None
+            if self.held:
+                listener = await control.open_listener(self.config.host, 0)
+                self.port = listener.socket.getsockname()[1]
+                self._release = trio.Event()
+                self._started.set()
+                try:
+                    await self._release.wait()
+                except BaseException:
+                    listener.socket.close()  # stopped before it served
+                    raise
             self.port = await nursery.start(
-                functools.partial(control.serve_control, self.config, self.backend, token=self.fixed_token)
+                functools.partial(
+                    control.serve_control, self.config, self.backend, token=self.fixed_token, listener=listener
+                )
             )
             self._started.set()
+
+    def release(self) -> None:
+        """A held server starts serving (its backlog's connections are then answered)."""
+        assert self._release is not None, "not a held server"
+        trio.from_thread.run_sync(self._release.set, trio_token=self._trio_token)
