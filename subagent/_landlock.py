@@ -144,12 +144,15 @@ def plan_rules(grants: Iterable[Grant], protect: Sequence[str]) -> list[Grant]:
 
     A grant whose tree holds a protected path is replaced by grants on each entry of its
     directory (recursively along the way), skipping the protected one and symlinks (a rule
-    follows a link to its target, which could be the protected path). Entries created
+    follows a link to its target, which could be the protected path), and other hard links
+    to a protected file found in those directories (a rule follows the file, not its path:
+    links elsewhere in a granted tree are not looked for, ``_links``). Entries created
     later in such a directory are not covered, nor is listing the directory itself. A grant at or below a protected path is kept
     as it is: it is explicit (a run's own directory inside the state directory). Paths
     that do not exist are dropped. Pure apart from reading directories.
     """
     prot = [os.path.realpath(p) for p in protect]
+    linked = _linked(prot)
     out: list[Grant] = []
     for g in grants:
         try:
@@ -157,11 +160,31 @@ def plan_rules(grants: Iterable[Grant], protect: Sequence[str]) -> list[Grant]:
             st = os.stat(path)
         except OSError:
             continue
-        out.extend(_split(path, g.access, stat.S_ISDIR(st.st_mode), prot))
+        out.extend(_split(path, g.access, stat.S_ISDIR(st.st_mode), prot, linked))
     return out
 
 
-def _split(path: str, access: int, is_dir: bool, protect: list[str]) -> list[Grant]:
+def _linked(protect: list[str]) -> set[tuple[int, int]]:
+    """(device, inode) of each protected file that has other hard links."""
+    out = set()
+    for p in protect:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+            out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def _is_linked(entry: os.DirEntry[str], linked: set[tuple[int, int]]) -> bool:
+    if not any(ino == entry.inode() for _, ino in linked):  # (the entry's inode: no stat call)
+        return False
+    st = entry.stat(follow_symlinks=False)
+    return (st.st_dev, st.st_ino) in linked
+
+
+def _split(path: str, access: int, is_dir: bool, protect: list[str], linked: set[tuple[int, int]]) -> list[Grant]:
     if not is_dir:
         # A protected file (``/etc/shadow`` in ``/etc``) is skipped as a directory is.
         return [] if path in protect else [Grant(path, access & FS_FILE_ONLY)]
@@ -182,9 +205,11 @@ def _split(path: str, access: int, is_dir: bool, protect: list[str]) -> list[Gra
             if entry.is_symlink():
                 continue
             is_dir = entry.is_dir(follow_symlinks=False)  # the entry's type: no stat call
+            if not is_dir and _is_linked(entry, linked):
+                continue  # another hard link to a protected file, beside the way to it
         except OSError:
             continue
-        out.extend(_split(entry.path, access, is_dir, protect))
+        out.extend(_split(entry.path, access, is_dir, protect, linked))
     return out
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from subagent import _isolate, _landlock, _nest, _quotas, _seccomp
+from subagent import _isolate, _landlock, _links, _nest, _quotas, _seccomp
 from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
@@ -891,6 +891,7 @@ def _finish(
         # a bind brought back of a protected path is kept from them (``in_view``).
         private = [Grant(p, FS_WRITE) for p in ahead.private if p in PRIVATE_DIRS]
         ahead.ruleset.add(_landlock.plan_rules(private, ahead.in_view(ahead.protect)))
+        linked = _links.linked_protected(ahead.protect, [*read, *write])
         ahead.ruleset.restrict()
     except OSError as exc:
         if settings.mode == "required":
@@ -899,6 +900,7 @@ def _finish(
         return ahead.proc_writable
     report.mode = "landlock"
     report.landlock_abi = ahead.abi
+    report.problems.extend(linked)  # another hard link to a protected file may be in reach
     if ahead.proc_hidden:  # (without Landlock the host's uid-0 processes are the run's uid, in its sight)
         report.proc = PROC_HIDDEN
     report.read, report.write, report.protected = read, write, ahead.protect

@@ -11,6 +11,7 @@ zygote's spare (the rules are planned in the spare's half).
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -46,3 +47,26 @@ async def test_a_protected_file_in_a_granted_directory_cannot_be_read(daemon: Da
     assert "open-content" in out, out  # its sibling is granted
     assert "secret-content" not in out and "secret-refused" in out and "Permission denied" in out, out
     assert (data / "secret.txt").read_text() == "secret-content\n"
+
+
+async def test_another_hard_link_to_a_protected_file_is_refused_beside_it_and_reported_elsewhere(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """A rule follows the file, not its path: another hard link to a protected file in a
+    granted tree is readable through that link. One in a directory on the way to the
+    protected file is skipped as the file is; one elsewhere is not looked for (a walk of
+    every granted tree): ``status`` says so in ``sandbox.problems`` (before, it said nothing)."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir()
+    os.link(data / "secret.txt", data / "beside.txt")
+    os.link(data / "secret.txt", data / "sub" / "elsewhere.txt")
+    cmd = f"cat {data}/beside.txt || echo beside-refused; cat {data}/sub/elsewhere.txt; cat {data}/open.txt"
+    with trio.fail_after(SCENARIO_S):
+        r = await daemon.m.spawn(scripted([command(cmd)], sandbox={"read": [str(data)]}))
+        st = await daemon.m.wait_terminal(r["run_id"])
+    (out,) = outputs(st)
+    assert st["sandbox"]["mode"] == "landlock", st["sandbox"]
+    assert "beside-refused" in out and "open-content" in out, out
+    assert out.count("secret-content") == 1, out  # through the link elsewhere: the limit documented
+    problems = st["sandbox"].get("problems", [])
+    assert any(str(data / "secret.txt") in p and "3 hard links" in p and str(data) in p for p in problems), problems
