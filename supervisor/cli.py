@@ -1619,7 +1619,12 @@ def list_(obj: Obj, state: str | None, session_id: str | None, limit: int) -> No
 
 
 @cli.command()
-@click.option("--open", "open_browser", is_flag=True, help="Also open the link in a web browser ($BROWSER).")
+@click.option(
+    "--open",
+    "open_browser",
+    is_flag=True,
+    help="Also open the link in a web browser ($BROWSER), by way of a private page, not its command line.",
+)
 @pass_obj
 def dashboard(obj: Obj, open_browser: bool) -> None:
     """Print a one-time login link to the daemon's web dashboard."""
@@ -1639,9 +1644,11 @@ def dashboard(obj: Obj, open_browser: bool) -> None:
     url = _dashlink.login_url(dashboard_url, _dashlink.mint_login_token(token))
     opened: bool | None = None
     if open_browser:
-        import webbrowser
+        from supervisor.control import _dashopen
 
-        opened = webbrowser.open(url)
+        # The browser gets a private page that sends it on, not the link: its argv is in
+        # /proc/<pid>/cmdline for any process that sees it (``_dashopen``).
+        opened = _dashopen.open_link(url, state_dir)
 
     def human() -> None:
         click.echo(url)

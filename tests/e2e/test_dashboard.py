@@ -721,12 +721,36 @@ def test_a_foreign_origin_and_a_cross_site_post_are_refused(daemon: Daemon, tab:
 # ------------------------------------------------------------------------------ the CLI
 
 
+# A fake browser ($BROWSER): records its argv, what it was given to open, and what the
+# link in it does once and twice against the daemon. argv: the page's URL; OUT in the source.
+FAKE_BROWSER = r"""
+import html, json, os, re, sys, urllib.error, urllib.parse, urllib.request
+rec = {"argv": sys.argv, "cmdline": open(f"/proc/{os.getpid()}/cmdline").read()}
+json.dump(rec, open(OUT, "w"))
+path = urllib.parse.unquote(urllib.parse.urlparse(sys.argv[1]).path)
+st = os.stat(path)
+link = html.unescape(re.search(r'http-equiv="refresh" content="0;url=([^"]+)"', open(path).read()).group(1))
+get = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+def status(url):
+    try:
+        return get.open(url, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+rec.update(path=path, mode=st.st_mode & 0o777, dir_mode=os.stat(os.path.dirname(path)).st_mode & 0o777,
+           uid=st.st_uid, link=link, first=status(link), second=status(link))
+json.dump(rec, open(OUT, "w"))
+"""
+
+
 def test_agentd_dashboard_prints_a_one_time_link_and_opens_it_with_the_users_browser(
     daemon: Daemon, tmp_path: Path
 ) -> None:
-    opened = tmp_path / "opened.txt"
+    """The browser is given a private page that sends it on to the link, not the link: a
+    browser's argv is in /proc/<pid>/cmdline, where any process that sees it (a run without a
+    /proc of its own) read the link before the browser used it. The page is gone afterwards."""
+    record = tmp_path / "browser.json"
     fake = tmp_path / "fake-browser"
-    fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(opened)!r}, 'w').write(sys.argv[1])\n")
+    fake.write_text(f"#!{sys.executable}\nOUT = {str(record)!r}\n{FAKE_BROWSER}")
     fake.chmod(0o755)
     env = {**daemon.env, "BROWSER": str(fake)}
     r = subprocess.run(
@@ -734,8 +758,18 @@ def test_agentd_dashboard_prints_a_one_time_link_and_opens_it_with_the_users_bro
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["opened"] is True and opened.read_text() == out["url"]
     assert out["url"].startswith(f"{daemon.dashboard_url}login?t=v1.")
+    rec = json.loads(record.read_text())
+    secret = out["url"].split("?t=", 1)[1]
+    assert not any(secret in a or "login?t=" in a for a in rec["argv"]), rec["argv"]
+    assert secret not in rec["cmdline"] and "login?t=" not in rec["cmdline"], rec["cmdline"]
+    assert out["opened"] is True, (r.stderr, rec)
+    assert rec["link"] == out["url"], rec
+    assert (rec["mode"], rec["dir_mode"], rec["uid"]) == (0o600, 0o700, os.getuid()), rec
+    assert Path(rec["path"]).parent.parent == daemon.state_dir, rec  # as private as the token beside it
+    assert (rec["first"], rec["second"]) == (200, 401), rec  # the link works once
+    assert not os.path.exists(rec["path"]) and not os.path.exists(os.path.dirname(rec["path"]))
+    assert not [p for p in daemon.state_dir.iterdir() if p.name.startswith("dashboard-login-")]
     token = (daemon.state_dir / "token").read_text().strip()
     assert token not in out["url"]
     r = subprocess.run(
