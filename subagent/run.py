@@ -83,11 +83,9 @@ async def _make_provider(spec: RunSpec, stop: StopControl) -> Provider:
         raise SetupFailure(ExitCode.MODEL_ERROR, exc.kind, f"error: {exc.message}") from None
 
 
-# Bounds the last-resort sweep of a run's browser processes after its server closed (seconds).
-BROWSER_SWEEP_TIMEOUT_S = 10.0
-# Bounds closing a session's browser before its server goes (seconds): @playwright/mcp
-# ends Chromium abruptly when its stdin closes, losing cookies not yet written to the
-# profile; ``browser_close`` lets Chromium shut down and write them.
+BROWSER_SWEEP_TIMEOUT_S = 10.0  # bounds the last sweep of a run's browser, after its server closed (s)
+# Bounds closing a session's browser before its server goes (seconds): ``browser_close`` lets Chromium
+# shut down and write its cookies (@playwright/mcp ends it abruptly when its stdin closes: lost).
 BROWSER_CLOSE_TIMEOUT_S = 5.0
 
 
@@ -400,6 +398,10 @@ async def run(
                             session_browser = _SessionBrowser(servers["browser"])
                             stack.push_async_callback(session_browser.close)
                             nursery.start_soon(_save_session_browser_before_the_grace, stop, session_browser, emitter)
+                        if "browser" in servers:  # pushed last, run first: a stopped browser cannot close
+                            from subagent.tools.browser import resume_stopped_browser
+
+                            stack.callback(resume_stopped_browser, run_dir or Path.cwd(), spec.session.browser_profile)
                         stop.phase = "idle"
 
                         def on_group(pgid: int, alive: bool, kind: str, name: str, on_stop: str | None) -> None:

@@ -18,7 +18,7 @@ Where Chromium, node and ``@playwright/mcp`` are is ``browser_setup``'s (re-expo
 Invariants: stdlib only at import (the daemon checks a spec's browser at spawn time,
 through ``subagent.presets``, to reject a run whose browser cannot start); a missing piece is a ``BrowserSetupError`` naming what
 is missing and what to install; nothing here starts a process, and only
-``end_browser_processes`` sends signals.
+``end_browser_processes`` and ``resume_stopped_browser`` send signals.
 
 Size: everything this module knows is the one browser a run has (its command line, its
 files, its profile's preparation for a session, its teardown): the facts of
@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import re
 import shutil
+import signal
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from subagent.osedge import ProcessTable, Targets, escalate
+from subagent.osedge import ProcessTable, Targets, escalate, signal_process
 from subagent.tools.browser_setup import (
     BrowserSetupError as BrowserSetupError,
 )
@@ -52,6 +54,8 @@ from subagent.tools.browser_setup import (
     find_playwright_mcp as find_playwright_mcp,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "BROWSER_SERVER_NAME",
     "BrowserSetupError",
@@ -63,6 +67,7 @@ __all__ = [
     "check_browser",
     "prepare_session_profile",
     "end_browser_processes",
+    "resume_stopped_browser",
     "release_browser_dir",
     "find_chromium",
     "find_node",
@@ -524,3 +529,28 @@ async def end_browser_processes(
         _targets(run_dir, profile_dir), grace_s=0.0, kill_wait_s=wait_s, sigterm=False, label=f"browser of {run_dir}"
     )
     return sorted(p.pid for p in r.survivors)
+
+
+def resume_stopped_browser(run_dir: pathlib.Path, profile_dir: pathlib.Path | str | None = None) -> list[int]:
+    """SIGCONT this run's browser processes (node, Chromium, its helpers) that are stopped
+    (SIGSTOP, e.g. by the run's own command), right before the server is closed.
+
+    A stopped Chromium cannot close: node's close of it, then the SDK's SIGTERM to node, waited
+    their timeouts (a stop took 5-6 s, not milliseconds), and the browser was SIGKILLed at the
+    end, losing what it had not written (a session's login). Resumed, it closes as usual; the
+    kill that follows a close is unchanged. (As a SIGTERM of ours is followed by a SIGCONT.)
+    Linux (/proc) only. Blocking (a read of the process table).
+
+    Returns:
+        The pids resumed.
+    """
+    if not os.path.isdir("/proc"):
+        return []
+    table = ProcessTable()
+    members = table.members(_targets(run_dir, profile_dir)).values()
+    resumed = sorted(
+        p.pid for p in members if p.state in ("T", "t") and signal_process(table, p, signal.SIGCONT) == "sent"
+    )
+    if resumed:
+        logger.warning("the run's browser was stopped: resumed %s so that it can close", resumed)
+    return resumed

@@ -165,7 +165,7 @@ async def test_a_stop_during_parallel_browser_calls_starts_none_of_the_rest(
     manager: RunManager, silent: Silent
 ) -> None:
     with bs.LocalSite() as site:
-        batch = {
+        batch: dict[str, object] = {
             "tool_calls": [
                 _nav(silent.url),
                 {"name": "browser_snapshot", "arguments": {}},
@@ -183,7 +183,7 @@ async def test_a_stop_during_parallel_browser_calls_starts_none_of_the_rest(
     assert st["state"] == "cancelled", st
     calls = _calls(st)
     assert calls[:2] == [("browser_navigate", "succeeded", None), ("browser_snapshot", "succeeded", None)], calls
-    for name, state, effect in calls[3:]:
+    for _name, state, effect in calls[3:]:
         assert state in ("not_started", "cancelled"), calls
         if state == "not_started":
             assert effect == "stopped_before_start", calls
@@ -240,9 +240,10 @@ print(f"node={node} main={main} signalled {sys.argv[1]} to {len(hit)} of {len(tr
 """
 
 
+@pytest.mark.parametrize("session", [None, "probe-w"])
 @pytest.mark.parametrize("fault", ["SIGSTOP all", "SIGKILL --type=renderer"])
 async def test_a_stop_after_the_run_wedged_or_crashed_its_own_browser_leaves_nothing(
-    manager: RunManager, fault: str
+    manager: RunManager, fault: str, session: str | None
 ) -> None:
     sig, what = fault.split()
     with bs.LocalSite() as site:
@@ -253,17 +254,39 @@ async def test_a_stop_after_the_run_wedged_or_crashed_its_own_browser_leaves_not
         spec = bs.scripted_browser_spec(site.url + "/", then=[{"tool_calls": [own]}, {"hang": True}])
         spec["builtin_tools"] = ["run_command"]
         with trio.fail_after(SCENARIO_S):
-            rid = (await manager.spawn(spec))["run_id"]
+            rid = (await manager.spawn(spec, session_id=session))["run_id"]
             await wait_event(manager, rid, lambda e: e["kind"] == "step_started" and e["data"]["step"] == 4)
             await manager.cancel(rid)
             st = await manager.wait_terminal(rid)
             await assert_nothing_left(manager, rid)
-            await assert_daemon_serves(manager)
+            if session is None:
+                await assert_daemon_serves(manager)
+            else:  # the session's next turn, same profile, its lock left by a killed browser
+                nxt = bs.scripted_browser_spec(site.url + "/")
+                nxt["model"]["script"]["turns"] = [{}, {}, {}, *nxt["model"]["script"]["turns"]]  # type: ignore[index]
+                second = (await manager.spawn(nxt, session_id=session))["run_id"]
+                turn2 = await manager.wait_terminal(second)
+                profile = str(manager.session_desk.profile_path(session))
+                await manager.close_session(session)
+                await assert_nothing_left(manager, second, extra=(profile,))
+                assert turn2["state"] == "completed", (turn2["state"], turn2.get("reason"), turn2["tool_calls"])
+                assert "tangerine-42" in turn2["result"]["final_text"], turn2["tool_calls"]
     assert st["state"] == "cancelled", st
     cmd = [c for c in st["tool_calls"] if c["name"] == "run_command"][0]
     assert cmd["state"] == "succeeded" and "signalled" in cmd["output"], cmd
     assert "signalled " + sig + " to 0" not in cmd["output"], cmd["output"]
+    print(
+        "PROBE",
+        fault,
+        session,
+        st["receipt"]["cancel_to_tree_dead_s"],
+        st["receipt"]["path_b"]["escalated"],
+        st["duration_s"] if "duration_s" in st else "",
+    )
     assert st["receipt"]["path_b"]["survivors"] == [], st["receipt"]
+    # Not the SDK's and node's close timeouts waited out on a browser that cannot act (5-6 s).
+    dead = st["receipt"]["cancel_to_tree_dead_s"]
+    assert dead is not None and dead < TREE_DEAD_WITHIN_S, st["receipt"]["path_b"]
 
 
 @pytest.mark.parametrize("how", ["cancel", "interrupt"])
