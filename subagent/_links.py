@@ -17,7 +17,7 @@ import os
 import stat
 from collections.abc import Iterable
 
-__all__ = ["linked_protected"]
+__all__ = ["linked_protected", "protected_file_linked_as"]
 
 _MOUNTINFO = "/proc/self/mountinfo"
 
@@ -92,3 +92,23 @@ def linked_protected(protect: Iterable[str], granted: Iterable[str]) -> list[str
                 "its path; agentd does not search for it)"
             )
     return problems
+
+
+def protected_file_linked_as(path: str, protect: Iterable[str]) -> str | None:
+    """The protected file that ``path`` is another hard link to, or None: a grant naming
+    such a link is refused as one naming the protected path is (one stat, and the
+    protected paths' only when ``path`` is a file with other links)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISDIR(st.st_mode) or st.st_nlink < 2:
+        return None
+    for p in protect:
+        try:
+            pst = os.stat(p)
+        except OSError:
+            continue
+        if (pst.st_dev, pst.st_ino) == (st.st_dev, st.st_ino):
+            return p
+    return None

@@ -368,6 +368,8 @@ def check_grants(read: Iterable[str], write: Iterable[str], protect: Iterable[st
         for p in prot:
             if real == p or real.startswith(p.rstrip("/") + "/"):
                 return f"{g!r} is inside {p!r}, which no run may reach"
+        if (same := _links.protected_file_linked_as(real, prot)) is not None:
+            return f"{g!r} is another hard link to {same!r}, which no run may reach"
     for g in write:
         real = _realpath(g) or g
         for code in runner_code():

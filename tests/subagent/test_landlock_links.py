@@ -126,3 +126,24 @@ def test_plan_rules_skips_other_links_to_a_protected_file_on_the_way_to_it(tmp_p
     rules = plan_rules([Grant(str(tmp_path), FS_READ)], [str(secret)])
     paths = {Path(g.path).relative_to(tmp_path).as_posix() for g in rules}
     assert paths == {"t/w", "t/prot/other"}, paths
+
+
+def test_a_grant_that_names_another_link_to_a_protected_file_is_refused(tmp_path: Path) -> None:
+    from subagent.sandbox import check_grants
+
+    secret = tmp_path / "prot" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("secret-content")
+    (tmp_path / "data").mkdir()
+    copy = tmp_path / "data" / "copy"
+    os.link(secret, copy)
+    (tmp_path / "data" / "plain").write_text("open-content")
+    why = check_grants([str(copy)], [], [str(secret)])
+    assert why is not None and "another hard link to" in why and str(secret) in why
+    assert check_grants([], [str(copy)], [str(secret)]) is not None  # a write grant too
+    # A symlink to it resolves to the link: refused the same way.
+    (tmp_path / "sym").symlink_to(copy)
+    assert check_grants([str(tmp_path / "sym")], [], [str(secret)]) is not None
+    # Other files, and the directory holding the link (reported, not refused: _links), pass.
+    assert check_grants([str(tmp_path / "data" / "plain")], [], [str(secret)]) is None
+    assert check_grants([str(tmp_path / "data")], [], [str(secret)]) is None
