@@ -79,6 +79,7 @@ class Run:
     # (``Lifecycle.clean_up``, after ``done``): the disk guard waits for no more than that.
     removal_tried: trio.Event = field(default_factory=trio.Event)
     stop_recorded: trio.Event = field(default_factory=trio.Event)  # its stop's intent is journaled
+    stop_taken: trio.Event = field(default_factory=trio.Event)  # its token was cancelled (no await after)
     stdin: trio.abc.SendStream | None = None  # steering goes here while the runner reads it
     stdin_lock: trio.Lock = field(default_factory=trio.Lock)
     stdin_closed: bool = False  # its runner's input was closed (the run is ending)

@@ -14,7 +14,8 @@ runner's stdin, as an approval's answer is (``supervisor.core.approvals``): a da
 between the two leaves a steer its journal holds and its runner never read (its end
 reports it unapplied, ``unread``), never one its runner applied that its journal lacks.
 Once journaled it is written whole (shielded, ``STEER_SEND_TIMEOUT_S`` at most) or
-journaled ``steer_unsent`` and refused; so is one a stop overtook while it was journaled.
+journaled ``steer_unsent`` and refused; so is one a stop overtook while it was journaled,
+or while it waited for room in the runner's input with none of it written.
 """
 
 from __future__ import annotations
@@ -102,7 +103,15 @@ async def send_steer(book: RunBook, run: Run, text: str, line: bytes) -> str | N
         # Before the write (the run's end may come during it): its end reports it if unread.
         run.steers_sent.append(text)
         late = f"the runner has not read its input for {STEER_SEND_TIMEOUT_S:g} s"
-        written, why = await write_whole(stdin.fileno(), line, timeout_s=STEER_SEND_TIMEOUT_S, late=late)
+        # A stop taken while it waits for room, none of it in: refused, never written
+        # into the stopped runner's input (as one the stop overtook above).
+        written, why = await write_whole(
+            stdin.fileno(),
+            line,
+            timeout_s=STEER_SEND_TIMEOUT_S,
+            late=late,
+            give_up=(run.stop_taken, "a stop is under way"),
+        )
         if why is None:
             return None
         if written:

@@ -322,6 +322,7 @@ def _carried(stop: dict[str, Any] | None) -> dict[str, Any] | None:
 def _resume_stop_intent(run: Run, row: Any) -> None:
     """The stop the old daemon acknowledged, as it was: reason, time, end of its grace."""
     run.token.cancel(row["cancel_reason"])
+    run.stop_taken.set()
     run.stop_recorded.set()  # durable already: a cancel now is acknowledged at once
     run.stop_detail = row.get("stop_detail")  # what the daemon measured for it (a full disk)
     run.cancel_wall = row["cancel_requested_at"]

@@ -497,6 +497,7 @@ class RunManager:
         was_active = run.token.cancel(reason)
         first = was_active and run.token.first_cancel
         if first:
+            run.stop_taken.set()  # (a steer waiting for room in its input gives up: ``_steers``)
             run.cancel_at, run.cancel_wall = asked if asked is not None else (trio.current_time(), time.time())
             run.stop_deadline = run.cancel_wall + self.config.grace_s
             # Path A: fire and forget, whole-group soft stop; its marker first, so the

@@ -401,3 +401,42 @@ async def test_a_steer_a_stop_overtakes_while_it_is_journaled_is_refused_not_wri
         ("steer_unsent", {"text": "after the stop", "why": "a stop is under way"}),
     ], steers
     assert not (st["result"] or {}).get("unapplied_steering"), st["result"]
+
+
+async def test_a_steer_waiting_for_room_in_the_runners_input_is_refused_at_a_stop(manager: RunManager) -> None:
+    # A journaled steer waits for room in its runner's input (up to 10 s); a stop taken
+    # meanwhile let it be written once the stopped runner read again, after the stop was
+    # acknowledged (or refused only at its 10 s). Now it is refused at the stop, unwritten.
+    # Each line ~4,000 bytes: a pipe write that small is whole or nothing (PIPE_BUF), and
+    # each takes one of the pipe's 16 slots, so the 17th finds no room at all.
+    texts = [f"{i:02d}" + "s" * 3980 for i in range(17)]
+    with trio.fail_after(30):
+        r = await manager.spawn({"task": "t", "model": {"provider": "scripted", "script": gated_script([])}})
+        rid = r["run_id"]
+        await wait_event(manager, rid, command_alive)
+        pid = (await manager.status(rid))["pid"]
+        os.kill(pid, signal.SIGSTOP)  # the runner this test's daemon started: it reads no input
+        try:
+            for text in texts[:16]:
+                assert (await manager.steer(rid, text))["accepted"] is True
+            replies: list[dict[str, Any]] = []
+
+            async def last() -> None:
+                replies.append(await manager.steer(rid, texts[16]))
+
+            async with trio.open_nursery() as n:
+                n.start_soon(last)
+                await wait_event(manager, rid, lambda e: e["kind"] == "steer_sent" and e["data"]["text"] == texts[16])
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                run = manager._live[rid]
+                assert run.steers_sent[-1] == texts[16]  # in its write: waiting for room
+                cancel = await manager.cancel(rid)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        st = await manager.wait_terminal(rid)
+    assert cancel["was_active"] is True
+    assert replies == [{"run_id": rid, "accepted": False, "state": "cancelling", "why": "a stop is under way"}]
+    events = await manager.events_after(rid, 0)
+    unsent = [e["data"] for e in events if e["kind"] == "steer_unsent"]
+    assert unsent == [{"text": texts[16], "why": "a stop is under way"}], unsent
+    assert st["state"] == "cancelled"
