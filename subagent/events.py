@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
+from subagent._wirejson import MAX_WIRE_DEPTH, timestamp, wire_loads
+
 __all__ = [
     "WIRE_VERSION",
     "EventKind",
@@ -34,6 +36,7 @@ __all__ = [
     "StopEffect",
     "Approval",
     "MAX_EVENT_LINE_BYTES",
+    "MAX_WIRE_DEPTH",
     "CUT_MARK",
     "encode_event",
     "decode_event_line",
@@ -299,9 +302,9 @@ def decode_event_line(line: bytes | str) -> Event | BadLine:
         text = line
     text = text.rstrip("\r\n")
     try:
-        obj = json.loads(text)
-    except ValueError:
-        return BadLine(text=text, problem="not json")
+        obj = wire_loads(text)
+    except ValueError as exc:
+        return BadLine(text=text, problem=str(exc))
     if not isinstance(obj, dict):
         return BadLine(text=text, problem=f"expected a json object, got {type(obj).__name__}")
     kind = obj.pop("event", None)
@@ -309,10 +312,7 @@ def decode_event_line(line: bytes | str) -> Event | BadLine:
         ev_kind = EventKind(kind)
     except ValueError:
         return BadLine(text=text, problem=f"unknown event kind {kind!r}")
-    ts = obj.pop("ts", None)
-    if not isinstance(ts, (int, float)):
-        ts = time.time()
-    return Event(kind=ev_kind, ts=float(ts), data=obj)
+    return Event(kind=ev_kind, ts=timestamp(obj.pop("ts", None)), data=obj)
 
 
 def encode_result(result: dict[str, Any]) -> bytes:
@@ -336,8 +336,8 @@ def decode_result(data: bytes | str) -> dict[str, Any] | BadLine:
         if not line:
             continue
         try:
-            obj = json.loads(line)
-        except ValueError:
+            obj = wire_loads(line)
+        except ValueError:  # not json, or nested too deep: not a result
             continue
         if isinstance(obj, dict) and "status" in obj:
             try:

@@ -15,6 +15,10 @@ The behaviour comes from the spec's ``task``, a JSON object:
                       ignoring SIGTERM: only the pipe it holds ties it to the run
   echo_steer: bool    while it waits, log each steering line from stdin ("steered: <text>")
   log_on_usr1: bool   emit a log event ("usr1") on each SIGUSR1: an event when a test asks
+  stderr_raw: [str]   lines written as they are on stderr after runner_started (latin-1:
+                      "\xff" is the byte 0xff), then a log event ("after the raw lines")
+  result_fields: obj  fields to put in the result as they are (after its own)
+  stdout_raw: str     write this on stdout instead of a result (latin-1, as stderr_raw)
   failed_before_stop: bool  on SIGTERM, end as a runner whose own failure was decided just
                       before the stop reached it: result failed (model_error), flagged so
 """
@@ -67,6 +71,9 @@ def main() -> None:
         sys.stderr.write("Traceback (most recent call last):\n  garbage {{{\n")
         sys.stderr.flush()
     emit(EventKind.RUNNER_STARTED, pid=os.getpid(), pgid=os.getpgrp(), run_id=run_id, provider="fake")
+    if b.get("stderr_raw"):
+        sys.stderr.buffer.write(b"".join(line.encode("latin-1") + b"\n" for line in b["stderr_raw"]))
+        emit(EventKind.LOG, level="info", message="after the raw lines")
     if b.get("tree"):
         # a grandchild in our group, a setsid() one, a double-forked one
         code = (
@@ -134,6 +141,10 @@ def main() -> None:
         sys.stdout.buffer.write(encode_result({**result, "failed_before_stop": True}))
         sys.stdout.buffer.flush()
         sys.exit(5)
+    if "stdout_raw" in b:
+        sys.stdout.buffer.write(b["stdout_raw"].encode("latin-1"))
+        sys.stdout.flush()
+        sys.exit(int(b.get("exit_code", 0)))
     status = "cancelled" if stop else "completed"
     sys.stdout.buffer.write(
         encode_result(
@@ -146,6 +157,7 @@ def main() -> None:
                 "tool_calls": [],
                 "usage": {},
                 "error": None,
+                **b.get("result_fields", {}),
             }
         )
     )

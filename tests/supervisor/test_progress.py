@@ -34,3 +34,19 @@ def test_an_unterminated_last_line_is_decoded_at_close() -> None:
     assert s.feed(line) == []
     out = s.close()
     assert isinstance(out[0], Event) and out[0].data["step"] == 9
+
+
+def test_event_lines_python_reads_but_the_daemon_could_not_keep_are_decoded_totally() -> None:
+    s = LineSplitter()
+    out = s.feed(
+        b'{"event":"log","ts":1' + b"0" * 400 + b"}\n"  # no float holds it: OverflowError
+        b'{"event":"log","ts":NaN,"x":Infinity,"y":-1e400}\n'  # NaN: the journal's NOT NULL
+        b'{"event":"log","m":' + b"[" * 5000 + b"]" * 5000 + b"}\n"  # RecursionError
+        b'{"event":"log","m":' + b"[" * 65 + b"]" * 65 + b"}\n"  # decodable, too deep to keep
+        b'{"event":"log","m":' + b"[" * 63 + b"]" * 63 + b"}\n"  # deep enough, kept
+    )
+    assert [type(x) for x in out] == [Event, Event, BadLine, BadLine, Event]
+    assert isinstance(out[0], Event) and isinstance(out[0].ts, float) and out[0].ts > 1e9
+    assert isinstance(out[1], Event) and out[1].ts > 1e9 and out[1].data == {"x": None, "y": None}
+    assert isinstance(out[2], BadLine) and out[2].problem == "json nested too deep"
+    assert isinstance(out[3], BadLine) and out[3].problem == "json nested more than 64 deep"

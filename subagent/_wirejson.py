@@ -1,0 +1,79 @@
+"""Reading a runner's JSON lines (its events, its result) as data the daemon can keep.
+
+A stdlib-only leaf under ``subagent.events``. Decoding is total for what the daemon then
+does with the data: NaN, Infinity and out-of-range floats become null, a timestamp is a
+finite float, nesting is bounded (``MAX_WIRE_DEPTH``). Garbage raises ValueError, which
+``subagent.events`` turns into a ``BadLine`` value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Final
+
+__all__ = ["MAX_WIRE_DEPTH", "wire_loads", "timestamp"]
+
+# An event line or result nested deeper than this (objects and arrays) is garbage: a
+# runner's own are a few deep, and the daemon's encoders (the journal, the control
+# socket's replies and pages) must stay far from the recursion limit.
+MAX_WIRE_DEPTH: Final = 64
+
+
+def timestamp(ts: Any) -> float:
+    """An event's own time as a finite float, or now: an integer no float holds (1 and
+    400 zeros) raised OverflowError, and the journal refuses NaN (stored as NULL)."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return time.time()
+    try:
+        value = float(ts)
+    except OverflowError:
+        return time.time()
+    return value if math.isfinite(value) else time.time()
+
+
+def wire_loads(text: str) -> Any:
+    """A runner's line as JSON data the daemon can store and send on.
+
+    NaN, Infinity and floats out of range (1e400) become null: the wire is JSON, and a
+    Python runner's ``json.dumps`` writes them. Nesting deeper than ``MAX_WIRE_DEPTH``
+    is refused (deeper than the decoder's recursion limit it raised RecursionError, which
+    ended the run's supervision: the run was recorded failed, its result lost).
+
+    Raises:
+        ValueError: not JSON, or nested too deep (the message says which).
+    """
+    try:
+        obj = json.loads(text, parse_constant=_none, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("json nested too deep") from None
+    except ValueError:
+        raise ValueError("not json") from None
+    if text.count("[") + text.count("{") > MAX_WIRE_DEPTH and _deeper_than(obj, MAX_WIRE_DEPTH):
+        raise ValueError(f"json nested more than {MAX_WIRE_DEPTH} deep")
+    return obj
+
+
+def _none(name: str) -> None:
+    return None
+
+
+def _finite_float(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _deeper_than(obj: Any, most: int) -> bool:
+    """Are containers nested more than ``most`` deep in ``obj``? Iterative."""
+    todo: list[tuple[Any, int]] = [(obj, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, dict):
+            value = value.values()
+        elif not isinstance(value, list):
+            continue
+        if depth > most:
+            return True
+        todo.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+    return False

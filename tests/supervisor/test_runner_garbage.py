@@ -1,0 +1,81 @@
+"""A runner's garbage harms nothing: a real daemon, real runners writing hostile lines.
+
+JSON that Python's decoder reads but the daemon could not keep (a timestamp no float
+holds, NaN, nesting beyond the recursion limit) once ended its run's supervision: the run
+was recorded ``failed`` (``internal``) and the result its runner wrote was lost. Each such
+line is now a ``stderr`` note (or, for a timestamp, the event with the daemon's time);
+the run ends as its runner said, with its result, and the other runs never notice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from tests.supervisor.real_daemon import Client, real_daemon
+
+DEEP = "[" * 5000 + "]" * 5000  # beyond the decoder's recursion limit
+DEEP_NAN = "[" * 900 + "NaN" + "]" * 900  # decoded, then no reply could encode it
+HOSTILE_LINES = {
+    "a timestamp no float holds": '{"event":"log","level":"info","message":"t","ts":1' + "0" * 400 + "}",
+    "a NaN timestamp": '{"event":"log","level":"info","message":"t","ts":NaN}',
+    "nesting beyond the recursion limit": '{"event":"log","level":"info","message":' + DEEP + "}",
+    "nesting 900 deep holding a NaN": '{"event":"log","level":"info","message":' + DEEP_NAN + "}",
+}
+
+
+def task(**behaviour: Any) -> dict[str, Any]:
+    return {"task": json.dumps({"wait": False, **behaviour})}
+
+
+async def ended(c: Client, run_id: str) -> dict[str, Any]:
+    end = await c.wait_end(run_id)
+    status: dict[str, Any] = await c.ok("status", run_id=run_id)
+    assert status["state"] == end["state"]
+    return status
+
+
+@pytest.mark.parametrize("what", list(HOSTILE_LINES))
+async def test_a_runners_unkeepable_event_line_is_noted_and_its_run_ends_with_its_result(
+    tmp_path: Path, what: str
+) -> None:
+    async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+        bystander = (await c.ok("spawn", spec=task(wait=True)))["run_id"]
+        run_id = (await c.ok("spawn", spec=task(stderr_raw=[HOSTILE_LINES[what]])))["run_id"]
+        status = await ended(c, run_id)
+        assert status["state"] == "completed", status.get("error")
+        assert status["result"]["final_text"] == "done"
+        # Every event of the run can be read back (a page, a replay from the start).
+        events = (await c.ok("events", run_id=run_id))["events"]
+        kinds = [e["kind"] for e in events]
+        assert "runner_started" in kinds and kinds[-1] == "state", kinds
+        assert any(e["kind"] == "log" and e["data"].get("message") == "after the raw lines" for e in events)
+        assert all(isinstance(e["ts"], float) for e in events)
+        noted = [e["data"]["problem"] for e in events if e["kind"] == "stderr"]
+        if "nesting" in what:
+            assert noted and "nested" in noted[0], noted
+        else:
+            assert not noted, noted
+        assert (await c.ok("status", run_id=bystander))["state"] == "running"
+        await c.ok("cancel", run_id=bystander)
+        assert (await c.wait_end(bystander))["state"] == "cancelled"
+        assert d.alive()
+    assert "supervision failed" not in d.log_text()
+
+
+async def test_a_result_nested_beyond_the_recursion_limit_is_no_result_not_a_failed_supervision(
+    tmp_path: Path,
+) -> None:
+    async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+        run_id = (await c.ok("spawn", spec=task(stdout_raw='{"status":"completed","x":' + DEEP + "}\n")))["run_id"]
+        status = await ended(c, run_id)
+        assert status["state"] == "failed"
+        assert status["reason"] == "runner_died", status
+        assert "without a result" in status["error"]["message"]
+        with trio.fail_after(10):
+            assert (await c.ok("ping"))["pong"] is True
+    assert "supervision failed" not in d.log_text()
