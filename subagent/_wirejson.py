@@ -2,7 +2,8 @@
 
 A stdlib-only leaf under ``subagent.events``. Decoding is total for what the daemon then
 does with the data: NaN, Infinity and out-of-range floats become null, a timestamp is a
-finite float, nesting is bounded (``MAX_WIRE_DEPTH``). Garbage raises ValueError, which
+finite float, nesting is bounded (``MAX_WIRE_DEPTH``), and a result's fields the daemon
+acts on have their documented types (``result_fields``). Garbage raises ValueError, which
 ``subagent.events`` turns into a ``BadLine`` value.
 """
 
@@ -13,12 +14,14 @@ import math
 import time
 from typing import Any, Final
 
-__all__ = ["MAX_WIRE_DEPTH", "wire_loads", "timestamp"]
+__all__ = ["MAX_WIRE_DEPTH", "wire_loads", "timestamp", "result_fields"]
 
 # An event line or result nested deeper than this (objects and arrays) is garbage: a
 # runner's own are a few deep, and the daemon's encoders (the journal, the control
 # socket's replies and pages) must stay far from the recursion limit.
 MAX_WIRE_DEPTH: Final = 64
+# How much of a result field of the wrong type is kept as text in its place.
+BAD_FIELD_KEEP_CHARS: Final = 1000
 
 
 def timestamp(ts: Any) -> float:
@@ -77,3 +80,31 @@ def _deeper_than(obj: Any, most: int) -> bool:
             return True
         todo.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
     return False
+
+
+def result_fields(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with the fields the daemon acts on in their documented types: ``reason``
+    text or null, ``error`` an object or null, ``unapplied_steering`` a list of texts.
+
+    A field of another type (``"error": "text"``) failed the run's terminal write, and its
+    whole result was lost (``unapplied_steering: 5`` failed its supervision): it is kept,
+    as text, in that type, and ``malformed_fields`` names each field so changed.
+    """
+    fixed: dict[str, Any] = {}
+    reason = result.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        fixed["reason"] = _text(reason)
+    error = result.get("error")
+    if error is not None and not isinstance(error, dict):
+        fixed["error"] = {"code": "malformed_error", "message": _text(error)}
+    steering = result.get("unapplied_steering")
+    if steering is not None and not (isinstance(steering, list) and all(isinstance(t, str) for t in steering)):
+        items = steering if isinstance(steering, list) else [steering]
+        fixed["unapplied_steering"] = [t if isinstance(t, str) else _text(t) for t in items]
+    if not fixed:
+        return result
+    return {**result, **fixed, "malformed_fields": sorted(fixed)}
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value, default=str)[:BAD_FIELD_KEEP_CHARS]

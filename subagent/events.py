@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
-from subagent._wirejson import MAX_WIRE_DEPTH, timestamp, wire_loads
+from subagent._wirejson import MAX_WIRE_DEPTH, result_fields, timestamp, wire_loads
 
 __all__ = [
     "WIRE_VERSION",
@@ -344,7 +344,7 @@ def decode_result(data: bytes | str) -> dict[str, Any] | BadLine:
                 RunStatus(obj["status"])
             except ValueError:
                 return BadLine(text=line, problem=f"unknown status {obj['status']!r}")
-            return obj
+            return result_fields(obj)
     return BadLine(text=text[-500:], problem="no result object on stdout")
 
 

@@ -48,5 +48,6 @@ def test_event_lines_python_reads_but_the_daemon_could_not_keep_are_decoded_tota
     assert [type(x) for x in out] == [Event, Event, BadLine, BadLine, Event]
     assert isinstance(out[0], Event) and isinstance(out[0].ts, float) and out[0].ts > 1e9
     assert isinstance(out[1], Event) and out[1].ts > 1e9 and out[1].data == {"x": None, "y": None}
-    assert isinstance(out[2], BadLine) and out[2].problem == "json nested too deep"
+    # Too deep for the decoder (RecursionError), or for the bound (with a higher limit).
+    assert isinstance(out[2], BadLine) and out[2].problem.startswith("json nested ")
     assert isinstance(out[3], BadLine) and out[3].problem == "json nested more than 64 deep"

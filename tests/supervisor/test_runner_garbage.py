@@ -45,6 +45,7 @@ async def test_a_runners_unkeepable_event_line_is_noted_and_its_run_ends_with_it
 ) -> None:
     async with real_daemon(tmp_path / "state") as d, d.connect() as c:
         bystander = (await c.ok("spawn", spec=task(wait=True)))["run_id"]
+        await c.wait_kind(bystander, "step_snapshot")
         run_id = (await c.ok("spawn", spec=task(stderr_raw=[HOSTILE_LINES[what]])))["run_id"]
         status = await ended(c, run_id)
         assert status["state"] == "completed", status.get("error")
@@ -79,3 +80,41 @@ async def test_a_result_nested_beyond_the_recursion_limit_is_no_result_not_a_fai
         with trio.fail_after(10):
             assert (await c.ok("ping"))["pong"] is True
     assert "supervision failed" not in d.log_text()
+
+
+@pytest.mark.parametrize(
+    ("fields", "stopped"),
+    [({"error": "the model broke"}, True), ({"unapplied_steering": 5}, True), ({"reason": ["x"]}, False)],
+    ids=["error text", "unapplied_steering number", "reason list"],
+)
+async def test_a_result_field_of_the_wrong_type_is_kept_as_text_and_the_result_is_not_lost(
+    tmp_path: Path, fields: dict[str, Any], stopped: bool
+) -> None:
+    async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+        bystander = (await c.ok("spawn", spec=task(wait=True)))["run_id"]
+        await c.wait_kind(bystander, "step_snapshot")
+        run_id = (await c.ok("spawn", spec=task(wait=stopped, result_fields=fields)))["run_id"]
+        if stopped:
+            # A steer the runner never reads (it reads no input after its spec) is
+            # unapplied at its end: the daemon adds it to the result's unapplied_steering.
+            await c.wait_kind(run_id, "step_snapshot")
+            assert (await c.ok("steer", run_id=run_id, text="also this"))["accepted"] is True
+            await c.ok("cancel", run_id=run_id)
+        status = await ended(c, run_id)
+        assert status["state"] == ("cancelled" if stopped else "completed"), status.get("error")
+        result = status["result"]
+        # The runner's own result (a partial snapshot has no status), whole.
+        assert result is not None and result.get("status") == status["state"], status
+        assert result["progress"] == "step 1 done. "
+        if stopped:
+            assert "also this" in result["unapplied_steering"]
+        name = next(iter(fields))
+        assert result["malformed_fields"] == [name]
+        if name == "error":
+            assert result["error"] == {"code": "malformed_error", "message": '"the model broke"'}
+        if name == "reason":
+            assert status["reason"] == result["reason"] == '["x"]'
+        assert (await c.ok("status", run_id=bystander))["state"] == "running"
+        assert d.alive()
+    assert "supervision failed" not in d.log_text()
+    assert "cannot be stored as it is" not in d.log_text()
