@@ -1,7 +1,8 @@
 """Reading a runner's JSON lines (its events, its result) as data the daemon can keep.
 
 A stdlib-only leaf under ``subagent.events``. Decoding is total for what the daemon then
-does with the data: NaN, Infinity and out-of-range floats become null, a timestamp is a
+does with the data: NaN, Infinity, out-of-range floats and integers beyond 64 bits
+become null, a timestamp is a
 finite float, nesting is bounded (``MAX_WIRE_DEPTH``), and a result's fields the daemon
 acts on have their documented types (``result_fields``). Garbage raises ValueError, which
 ``subagent.events`` turns into a ``BadLine`` value.
@@ -20,6 +21,11 @@ __all__ = ["MAX_WIRE_DEPTH", "wire_loads", "timestamp", "result_fields"]
 # runner's own are a few deep, and the daemon's encoders (the journal, the control
 # socket's replies and pages) must stay far from the recursion limit.
 MAX_WIRE_DEPTH: Final = 64
+# Integers outside a signed 64-bit range become null: SQLite cannot bind them and no
+# float holds the largest (a runner's pgid or deadline of 1 and 30 zeros ended its
+# run's supervision with OverflowError).
+MIN_INT: Final = -(2**63)
+MAX_INT: Final = 2**63 - 1
 # How much of a result field of the wrong type is kept as text in its place.
 BAD_FIELD_KEEP_CHARS: Final = 1000
 
@@ -39,8 +45,8 @@ def timestamp(ts: Any) -> float:
 def wire_loads(text: str) -> Any:
     """A runner's line as JSON data the daemon can store and send on.
 
-    NaN, Infinity and floats out of range (1e400) become null: the wire is JSON, and a
-    Python runner's ``json.dumps`` writes them. Nesting deeper than ``MAX_WIRE_DEPTH``
+    NaN, Infinity, floats out of range (1e400) and integers beyond 64 bits become null:
+    the wire is JSON, and a Python runner's ``json.dumps`` writes them. Nesting deeper than ``MAX_WIRE_DEPTH``
     is refused (deeper than the decoder's recursion limit it raised RecursionError, which
     ended the run's supervision: the run was recorded failed, its result lost).
 
@@ -48,7 +54,7 @@ def wire_loads(text: str) -> Any:
         ValueError: not JSON, or nested too deep (the message says which).
     """
     try:
-        obj = json.loads(text, parse_constant=_none, parse_float=_finite_float)
+        obj = json.loads(text, parse_constant=_none, parse_float=_finite_float, parse_int=_int64)
     except RecursionError:
         raise ValueError("json nested too deep") from None
     except ValueError:
@@ -65,6 +71,14 @@ def _none(name: str) -> None:
 def _finite_float(text: str) -> float | None:
     value = float(text)
     return value if math.isfinite(value) else None
+
+
+def _int64(text: str) -> int | None:
+    # Longer than any 64-bit integer: not converted (int() of thousands of digits is slow).
+    if len(text) > 20:
+        return None
+    value = int(text)
+    return value if MIN_INT <= value <= MAX_INT else None
 
 
 def _deeper_than(obj: Any, most: int) -> bool:

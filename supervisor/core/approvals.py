@@ -144,7 +144,8 @@ class RunApprovals:
             return None
         deadline = data.get("deadline")
         step = data.get("step")
-        at = float(deadline) if isinstance(deadline, (int, float)) else None
+        # Not a boolean (true is 1: 1970, a deadline passed at once).
+        at = float(deadline) if isinstance(deadline, (int, float)) and not isinstance(deadline, bool) else None
         p = Pending(
             call_id=call_id,
             name=str(data.get("name") or ""),

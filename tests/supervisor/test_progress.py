@@ -51,3 +51,18 @@ def test_event_lines_python_reads_but_the_daemon_could_not_keep_are_decoded_tota
     # Too deep for the decoder (RecursionError), or for the bound (with a higher limit).
     assert isinstance(out[2], BadLine) and out[2].problem.startswith("json nested ")
     assert isinstance(out[3], BadLine) and out[3].problem == "json nested more than 64 deep"
+
+
+def test_integers_beyond_64_bits_in_an_event_line_become_null() -> None:
+    out = LineSplitter().feed(
+        b'{"event":"process_group","pgid":9223372036854775808,"pid":-9223372036854775808,"n":1' + b"0" * 5000 + b"}\n"
+    )
+    assert isinstance(out[0], Event)
+    assert out[0].data == {"pgid": None, "pid": -(2**63), "n": None}
+
+
+async def test_an_approval_deadline_of_true_is_no_deadline() -> None:
+    from supervisor.core.approvals import RunApprovals
+
+    p = RunApprovals().add({"call_id": "c1", "deadline": True})
+    assert p is not None and p.deadline is None and p.due is None

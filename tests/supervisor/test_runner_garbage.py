@@ -1,9 +1,10 @@
 """A runner's garbage harms nothing: a real daemon, real runners writing hostile lines.
 
-JSON that Python's decoder reads but the daemon could not keep (a timestamp no float
-holds, NaN, nesting beyond the recursion limit) once ended its run's supervision: the run
+JSON that Python's decoder reads but the daemon could not keep (a timestamp or deadline no
+float holds, NaN, an integer SQLite cannot bind, nesting beyond the recursion limit) ended its run's supervision: the run
 was recorded ``failed`` (``internal``) and the result its runner wrote was lost. Each such
-line is now a ``stderr`` note (or, for a timestamp, the event with the daemon's time);
+line is now a ``stderr`` note (or the event, the value it could not keep made null, a
+timestamp the daemon's time);
 the run ends as its runner said, with its result, and the other runs never notice.
 """
 
@@ -25,6 +26,12 @@ HOSTILE_LINES = {
     "a NaN timestamp": '{"event":"log","level":"info","message":"t","ts":NaN}',
     "nesting beyond the recursion limit": '{"event":"log","level":"info","message":' + DEEP + "}",
     "nesting 900 deep holding a NaN": '{"event":"log","level":"info","message":' + DEEP_NAN + "}",
+    # Integers beyond 64 bits: SQLite cannot bind them, no float holds 1 and 400 zeros.
+    "a process group beyond 64 bits": '{"event":"process_group","pgid":1' + "0" * 21 + ',"pid":5,"kind":"command",'
+    '"name":"x","alive":true}',
+    "an approval deadline no float holds": '{"event":"approval_requested","call_id":"c1","name":"t","arguments":"{}",'
+    '"step":1,"timeout_s":5,"deadline":1' + "0" * 400 + "}\n"
+    '{"event":"approval_answered","call_id":"c1","decision":"approved"}',
 }
 
 
@@ -59,6 +66,8 @@ async def test_a_runners_unkeepable_event_line_is_noted_and_its_run_ends_with_it
         noted = [e["data"]["problem"] for e in events if e["kind"] == "stderr"]
         if "nesting" in what:
             assert noted and "nested" in noted[0], noted
+        elif "process group" in what:  # its pgid null: no group
+            assert noted and noted[0].startswith("bad process_group event"), noted
         else:
             assert not noted, noted
         assert (await c.ok("status", run_id=bystander))["state"] == "running"
