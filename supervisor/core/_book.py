@@ -27,6 +27,7 @@ import trio
 from supervisor.core._run import Run, Staged
 from supervisor.errors import JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState, can_transition
+from supervisor.store._bounds import tool_call_step
 from supervisor.store._ops import tool_call_rank
 from supervisor.store.backlog import Backlog
 from supervisor.store.journal import EventWrite, Journal, RunStart
@@ -475,7 +476,7 @@ async def take_result_records(book: RunBook, run: Run, result: dict[str, Any]) -
     good = []
     for record in result.get("tool_calls") or []:
         try:
-            tool_call_rank(record), int(record.get("step", 0))
+            tool_call_rank(record), tool_call_step(record)
             good.append(record)
         except (AttributeError, TypeError, ValueError):
             logger.warning("run %s: bad tool-call record in the result: %r", run.run_id, record)

@@ -39,6 +39,7 @@ from supervisor.core.approvals import ApprovalDesk
 from supervisor.core.progress import checkpoint_due
 from supervisor.errors import JournalError
 from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.store._bounds import group_id, tool_call_step
 from supervisor.store._ops import tool_call_rank
 from supervisor.store.journal import Journal
 from supervisor.trees import process
@@ -250,7 +251,7 @@ class Lifecycle:
                     # went back in time from it).
                     await book.transition(run, RunState.RUNNING, ts=item.ts)
             elif kind == EventKind.PROCESS_GROUP:
-                pgid = int(data["pgid"])
+                pgid = group_id(data["pgid"])
                 on_stop = data.get("on_stop")
                 on_stop = str(on_stop) if on_stop is not None else None
                 if data.get("alive", True):
@@ -264,7 +265,7 @@ class Lifecycle:
             elif kind == EventKind.TOOL_CALL:
                 record = data.get("record")
                 if isinstance(record, dict) and "id" in record:
-                    tool_call_rank(record), int(record.get("step", 0))  # a bad one is a bad event
+                    tool_call_rank(record), tool_call_step(record)  # a bad one is a bad event
                     staged.tool_call = record
             elif kind == EventKind.STEERING:
                 text, how = data.get("text"), data.get("state")

@@ -38,6 +38,7 @@ import trio
 
 from supervisor.errors import AgentdError, JournalError, JournalUnavailable
 from supervisor.states import TERMINAL_STATES, RunState
+from supervisor.store._bounds import tool_call_step
 from supervisor.store._ops import (
     EventRecord,
     GroupRecord,
@@ -154,7 +155,7 @@ def _event_write_op(run_id: str, writes: Sequence[EventWrite], at: float) -> Cal
         if w.tool_call is not None:
             rec = dict(w.tool_call)
             rank = tool_call_rank(rec)
-            call = (_text(rec["id"]), int(rec.get("step", 0)), _text(str(rec.get("state", "not_started"))), rank)
+            call = (_text(rec["id"]), tool_call_step(rec), _text(str(rec.get("state", "not_started"))), rank)
             call_text = dumps(rec)
         group = None
         if w.group is not None:
@@ -975,7 +976,7 @@ class Journal:
         rec = dict(record)
         rank = tool_call_rank(rec)
         state = str(rec.get("state", "not_started"))
-        step = int(rec.get("step", 0))
+        step = tool_call_step(rec)
         data = dumps(rec)
         ts = time.time()
         return await self._call(
@@ -995,9 +996,7 @@ class Journal:
         for record in records:
             rec = dict(record)
             rank = tool_call_rank(rec)
-            rows.append(
-                (_text(rec["id"]), int(rec.get("step", 0)), _text(str(rec.get("state", "not_started"))), rank, rec)
-            )
+            rows.append((_text(rec["id"]), tool_call_step(rec), _text(str(rec.get("state", "not_started"))), rank, rec))
         rid = _text(run_id)
         ts = time.time()
 

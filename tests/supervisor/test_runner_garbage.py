@@ -21,17 +21,31 @@ from tests.supervisor.real_daemon import Client, real_daemon
 
 DEEP = "[" * 5000 + "]" * 5000  # beyond the decoder's recursion limit
 DEEP_NAN = "[" * 900 + "NaN" + "]" * 900  # decoded, then no reply could encode it
+# Each line, and the start of the ``stderr`` note it leaves (None: none, the event is kept).
 HOSTILE_LINES = {
-    "a timestamp no float holds": '{"event":"log","level":"info","message":"t","ts":1' + "0" * 400 + "}",
-    "a NaN timestamp": '{"event":"log","level":"info","message":"t","ts":NaN}',
-    "nesting beyond the recursion limit": '{"event":"log","level":"info","message":' + DEEP + "}",
-    "nesting 900 deep holding a NaN": '{"event":"log","level":"info","message":' + DEEP_NAN + "}",
-    # Integers beyond 64 bits: SQLite cannot bind them, no float holds 1 and 400 zeros.
-    "a process group beyond 64 bits": '{"event":"process_group","pgid":1' + "0" * 21 + ',"pid":5,"kind":"command",'
-    '"name":"x","alive":true}',
-    "an approval deadline no float holds": '{"event":"approval_requested","call_id":"c1","name":"t","arguments":"{}",'
-    '"step":1,"timeout_s":5,"deadline":1' + "0" * 400 + "}\n"
-    '{"event":"approval_answered","call_id":"c1","decision":"approved"}',
+    "a timestamp no float holds": ('{"event":"log","level":"info","message":"t","ts":1' + "0" * 400 + "}", None),
+    "a NaN timestamp": ('{"event":"log","level":"info","message":"t","ts":NaN}', None),
+    "nesting beyond the recursion limit": ('{"event":"log","level":"info","message":' + DEEP + "}", "json nested"),
+    "nesting 900 deep holding a NaN": ('{"event":"log","level":"info","message":' + DEEP_NAN + "}", "json nested"),
+    # Integers SQLite cannot bind (beyond 64 bits, or int() of a huge float), a deadline
+    # no float holds (1 and 400 zeros).
+    "a process group beyond 64 bits": (
+        '{"event":"process_group","pgid":1' + "0" * 21 + ',"pid":5,"kind":"command","name":"x","alive":true}',
+        "bad process_group event",
+    ),
+    "a process group of 1e300": (
+        '{"event":"process_group","pgid":1e300,"pid":5,"kind":"command","name":"x","alive":true}',
+        "bad process_group event",
+    ),
+    "a tool-call step of 1e300": (
+        '{"event":"tool_call","record":{"id":"t1","name":"n","state":"running","step":1e300}}',
+        "bad tool_call event",
+    ),
+    "an approval deadline no float holds": (
+        '{"event":"approval_requested","call_id":"c1","name":"t","arguments":"{}","step":1,"timeout_s":5,'
+        '"deadline":1' + "0" * 400 + '}\n{"event":"approval_answered","call_id":"c1","decision":"approved"}',
+        None,
+    ),
 }
 
 
@@ -53,7 +67,8 @@ async def test_a_runners_unkeepable_event_line_is_noted_and_its_run_ends_with_it
     async with real_daemon(tmp_path / "state") as d, d.connect() as c:
         bystander = (await c.ok("spawn", spec=task(wait=True)))["run_id"]
         await c.wait_kind(bystander, "step_snapshot")
-        run_id = (await c.ok("spawn", spec=task(stderr_raw=[HOSTILE_LINES[what]])))["run_id"]
+        line, note = HOSTILE_LINES[what]
+        run_id = (await c.ok("spawn", spec=task(stderr_raw=[line])))["run_id"]
         status = await ended(c, run_id)
         assert status["state"] == "completed", status.get("error")
         assert status["result"]["final_text"] == "done"
@@ -64,12 +79,7 @@ async def test_a_runners_unkeepable_event_line_is_noted_and_its_run_ends_with_it
         assert any(e["kind"] == "log" and e["data"].get("message") == "after the raw lines" for e in events)
         assert all(isinstance(e["ts"], float) for e in events)
         noted = [e["data"]["problem"] for e in events if e["kind"] == "stderr"]
-        if "nesting" in what:
-            assert noted and "nested" in noted[0], noted
-        elif "process group" in what:  # its pgid null: no group
-            assert noted and noted[0].startswith("bad process_group event"), noted
-        else:
-            assert not noted, noted
+        assert noted == [] if note is None else (len(noted) == 1 and noted[0].startswith(note)), noted
         assert (await c.ok("status", run_id=bystander))["state"] == "running"
         await c.ok("cancel", run_id=bystander)
         assert (await c.wait_end(bystander))["state"] == "cancelled"
@@ -127,3 +137,19 @@ async def test_a_result_field_of_the_wrong_type_is_kept_as_text_and_the_result_i
         assert d.alive()
     assert "supervision failed" not in d.log_text()
     assert "cannot be stored as it is" not in d.log_text()
+
+
+async def test_a_result_record_the_store_cannot_keep_is_left_out_and_the_result_kept(tmp_path: Path) -> None:
+    # int(1e300) is beyond what SQLite binds: its write failed, and the whole run with it.
+    records = [
+        {"id": "t1", "name": "n", "state": "succeeded", "step": 1e300},
+        {"id": "t2", "name": "n", "state": "succeeded", "step": 2},
+    ]
+    async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+        run_id = (await c.ok("spawn", spec=task(result_fields={"tool_calls": records})))["run_id"]
+        status = await ended(c, run_id)
+        assert status["state"] == "completed", status.get("error")
+        assert status["result"]["final_text"] == "done"
+        assert [t["id"] for t in status["tool_calls"]] == ["t2"]
+    assert "bad tool-call record in the result" in d.log_text()
+    assert "supervision failed" not in d.log_text()
