@@ -98,11 +98,13 @@ def _deeper_than(obj: Any, most: int) -> bool:
 
 def result_fields(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` with the fields the daemon acts on in their documented types: ``reason``
-    text or null, ``error`` an object or null, ``unapplied_steering`` a list of texts.
+    text or null, ``error`` an object or null, ``unapplied_steering`` a list of texts,
+    ``tool_calls`` a list.
 
     A field of another type (``"error": "text"``) failed the run's terminal write, and its
-    whole result was lost (``unapplied_steering: 5`` failed its supervision): it is kept,
-    as text, in that type, and ``malformed_fields`` names each field so changed.
+    whole result was lost (``unapplied_steering: 5`` or ``tool_calls: 5`` failed its
+    supervision): it is kept, as text, in that type (``tool_calls``: empty), and
+    ``malformed_fields`` names each field so changed.
     """
     fixed: dict[str, Any] = {}
     reason = result.get("reason")
@@ -111,6 +113,9 @@ def result_fields(result: dict[str, Any]) -> dict[str, Any]:
     error = result.get("error")
     if error is not None and not isinstance(error, dict):
         fixed["error"] = {"code": "malformed_error", "message": _text(error)}
+    calls = result.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        fixed["tool_calls"] = []  # records: nothing of another type is one
     steering = result.get("unapplied_steering")
     if steering is not None and not (isinstance(steering, list) and all(isinstance(t, str) for t in steering)):
         items = steering if isinstance(steering, list) else [steering]

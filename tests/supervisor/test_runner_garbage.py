@@ -103,8 +103,13 @@ async def test_a_result_nested_beyond_the_recursion_limit_is_no_result_not_a_fai
 
 @pytest.mark.parametrize(
     ("fields", "stopped"),
-    [({"error": "the model broke"}, True), ({"unapplied_steering": 5}, True), ({"reason": ["x"]}, False)],
-    ids=["error text", "unapplied_steering number", "reason list"],
+    [
+        ({"error": "the model broke"}, True),
+        ({"unapplied_steering": 5}, True),
+        ({"reason": ["x"]}, False),
+        ({"tool_calls": 5}, False),
+    ],
+    ids=["error text", "unapplied_steering number", "reason list", "tool_calls number"],
 )
 async def test_a_result_field_of_the_wrong_type_is_kept_as_text_and_the_result_is_not_lost(
     tmp_path: Path, fields: dict[str, Any], stopped: bool
