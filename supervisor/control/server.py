@@ -113,6 +113,12 @@ RECEIVE_BYTES: Final = 64 * 1024
 # ~0.1 s (a megabyte of nested brackets ~1 s, before the checks were made linear), and
 # four clients sending such messages made another's ``status`` take 6-14 s.
 DECODE_IN_THREAD_CHARS: Final = 64 * 1024
+# ``history`` replies being built or sent at once, daemon-wide (more wait their turn): one
+# holds its session's whole transcript about fourteen times over while it is built, encoded
+# and sent (its records, its messages, the reply's text, its frame). A session of 66 MB of
+# turns took the daemon to ~950 MB for one, 1.3 GB for two side by side, and a connection
+# may have 32 requests in flight: a client could take the daemon to the OOM killer.
+HISTORY_AT_ONCE: Final = 2
 # The subprotocol the dashboard's page offers (``dashboard._sessions.SUBPROTOCOL``).
 DASHBOARD_SUBPROTOCOL: Final = "agentd-dashboard"
 # The most a request that waits for a stop adds to the grace (the run manager's and the
@@ -344,6 +350,7 @@ class _Server:
         # Large messages are decoded in a thread, one at a time for all connections: the
         # decoder holds the GIL, and the event loop gets it back between two of them.
         self.decoding = trio.CapacityLimiter(1)
+        self.histories = trio.CapacityLimiter(HISTORY_AT_ONCE)
         self._refusals_unlogged = 0
         self._refusal_log = Throttled(logger)
 
@@ -612,6 +619,17 @@ class _Connection:
 
     async def _serve(self, req: protocol.Request) -> None:
         try:
+            if isinstance(req, protocol.HistoryRequest):
+                async with self.server.histories:  # built, encoded and sent: see HISTORY_AT_ONCE
+                    await self._answer(req)
+            else:
+                await self._answer(req)
+        finally:
+            self.busy -= 1
+            self.in_flight.release()
+
+    async def _answer(self, req: protocol.Request) -> None:
+        try:
             try:
                 result = await self._dispatch(req)
             except Exception as exc:
@@ -630,9 +648,6 @@ class _Connection:
             await self._send(reply)
         except _Gone:
             pass
-        finally:
-            self.busy -= 1
-            self.in_flight.release()
 
     async def _cancel_many(self, run_ids: list[str], reason: str) -> list[dict[str, Any]]:
         """Each run's cancel result, or ``{"run_id", "error"}``; in the order asked."""
