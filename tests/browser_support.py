@@ -10,6 +10,7 @@ chromium/node process whose command line names the test's directory.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import pathlib
@@ -19,7 +20,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, Self
 
 import psutil
 
@@ -156,21 +158,22 @@ def read_with_own_browser(url: str, selector: str) -> str:
             b.close()
 
 
-class TrapProxy:
-    """A listener posing as an HTTP proxy: it records the first line of every request a
-    browser sends it (``CONNECT update.googleapis.com:443 ...``) and answers nothing.
-    Chromium bypasses the proxy for loopback, so local test pages load directly."""
+class Listener:
+    """A listener on 127.0.0.1 served by a thread, each connection given to ``handle``
+    (default: closed at once). A context manager: the thread stops at the exit."""
 
     def __init__(self) -> None:
-        self.requests: list[str] = []
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.1)  # so the thread sees _stop: close() does not wake accept()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
     @property
-    def arg(self) -> str:
-        return f"--proxy-server=http://127.0.0.1:{self._sock.getsockname()[1]}"
+    def port(self) -> int:
+        return int(self._sock.getsockname()[1])
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.close()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -180,14 +183,9 @@ class TrapProxy:
                 continue
             except OSError:
                 return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    self.requests.append(conn.recv(1024).split(b"\r\n", 1)[0].decode(errors="replace"))
-                except OSError:
-                    pass
+            self.handle(conn)
 
-    def __enter__(self) -> TrapProxy:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -195,6 +193,28 @@ class TrapProxy:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close()
+
+
+class TrapProxy(Listener):
+    """A listener posing as an HTTP proxy: it records the first line of every request a
+    browser sends it (``CONNECT update.googleapis.com:443 ...``) and answers nothing.
+    Chromium bypasses the proxy for loopback, so local test pages load directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[str] = []
+
+    @property
+    def arg(self) -> str:
+        return f"--proxy-server=http://127.0.0.1:{self.port}"
+
+    def handle(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(2)
+            try:
+                self.requests.append(conn.recv(1024).split(b"\r\n", 1)[0].decode(errors="replace"))
+            except OSError:
+                pass
 
 
 def stop_sessions_of(find: Callable[[], list[int]], *, keep: Iterable[int] = (), deadline_s: float = 5.0) -> list[int]:
@@ -362,3 +382,25 @@ def status_field(pid: int, name: str) -> str:
         if line.startswith(name + ":"):
             return line.split(":", 1)[1].strip()
     return ""
+
+
+@contextlib.asynccontextmanager
+async def browser_daemon(tmp_path: pathlib.Path, monkeypatch: Any, **config: Any) -> AsyncIterator[Any]:
+    """An in-process daemon for browser runs (its ``RunManager``): skipped without a
+    browser or the runner; no model key; this checkout on the runners' ``PYTHONPATH``.
+    ``config``: more settings (``grace_s``, ``runner_python``)."""
+    import trio
+
+    from supervisor.config import Config
+    from supervisor.daemon import serve
+
+    require_browser()
+    conftest.require(runner_available(), "subagent.runner")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).resolve().parent.parent))
+    cfg = Config.load(state_dir=tmp_path / "state", environ={}, **config)
+    stop = trio.Event()
+    async with trio.open_nursery() as n:
+        info = await n.start(lambda task_status: serve(cfg, stop=stop, task_status=task_status))
+        yield info["manager"]
+        stop.set()

@@ -16,11 +16,8 @@ import pytest
 import trio
 
 from subagent.tools import browser
-from supervisor.config import Config
 from supervisor.core.runs import RunManager
-from supervisor.daemon import serve
 from tests import browser_support as bs
-from tests import conftest
 from tests.supervisor.test_stop_tools import sent, wait_event
 
 pytestmark = pytest.mark.chromium
@@ -31,16 +28,8 @@ TREE_DEAD_WITHIN_S = 1.0
 
 @pytest.fixture
 async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunManager]:
-    bs.require_browser()
-    conftest.require(bs.runner_available(), "subagent.runner")
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
-    config = Config.load(state_dir=tmp_path / "state", runner_python=sys.executable, environ={})
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        yield info["manager"]
-        stop.set()
+    async with bs.browser_daemon(tmp_path, monkeypatch, runner_python=sys.executable) as m:
+        yield m
 
 
 async def test_a_stop_during_a_long_browser_wait_for_ends_the_tree_within_a_second(manager: RunManager) -> None:

@@ -20,11 +20,8 @@ import pytest
 import trio
 
 from subagent.tools import browser
-from supervisor.config import Config
 from supervisor.core.runs import RunManager
-from supervisor.daemon import serve
 from tests import browser_support as bs
-from tests import conftest
 from tests.supervisor.test_stop_tools import wait_event
 
 pytestmark = pytest.mark.chromium
@@ -35,43 +32,27 @@ SCENARIO_S = 120.0
 TREE_DEAD_WITHIN_S = 3.0
 
 
-class Silent:
+class Silent(bs.Listener):
     """A listener on 127.0.0.1 that accepts connections and never answers: a page that never
     finishes loading. ``accepted`` is set once a browser connected."""
 
     def __init__(self) -> None:
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.1)
+        super().__init__()
         self._held: list[socket.socket] = []
-        self._stop = threading.Event()
         self.accepted = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}/never"
+        return f"http://127.0.0.1:{self.port}/never"
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._held.append(conn)
-            self.accepted.set()
-
-    def __enter__(self) -> Silent:
-        self._thread.start()
-        return self
+    def handle(self, conn: socket.socket) -> None:
+        self._held.append(conn)
+        self.accepted.set()
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        super().__exit__(*exc)
         for c in self._held:
             c.close()
-        self._sock.close()
 
 
 @pytest.fixture
@@ -82,16 +63,8 @@ def silent() -> Iterator[Silent]:
 
 @pytest.fixture
 async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunManager]:
-    bs.require_browser()
-    conftest.require(bs.runner_available(), "subagent.runner")
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
-    config = Config.load(state_dir=tmp_path / "state", runner_python=sys.executable, environ={})
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        yield info["manager"]
-        stop.set()
+    async with bs.browser_daemon(tmp_path, monkeypatch, runner_python=sys.executable) as m:
+        yield m
 
 
 def _nav(url: str) -> dict[str, Any]:

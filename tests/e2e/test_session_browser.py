@@ -20,11 +20,8 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.config import Config
 from supervisor.core.runs import RunManager
-from supervisor.daemon import serve
 from tests import browser_support as bs
-from tests import conftest
 
 pytestmark = pytest.mark.chromium
 
@@ -86,16 +83,8 @@ def site() -> Any:
 
 @pytest.fixture
 async def manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunManager]:
-    bs.require_browser()
-    conftest.require(bs.runner_available(), "subagent.runner")
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent.parent))
-    config = Config.load(state_dir=tmp_path / "state", grace_s=GRACE_S, environ={})
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
-        yield info["manager"]
-        stop.set()
+    async with bs.browser_daemon(tmp_path, monkeypatch, grace_s=GRACE_S) as m:
+        yield m
 
 
 def spec(turns: list[Any], *, extract: str | None = None, final: str = "done") -> dict[str, Any]:
