@@ -389,18 +389,10 @@ async def browser_daemon(tmp_path: pathlib.Path, monkeypatch: Any, **config: Any
     """An in-process daemon for browser runs (its ``RunManager``): skipped without a
     browser or the runner; no model key; this checkout on the runners' ``PYTHONPATH``.
     ``config``: more settings (``grace_s``, ``runner_python``)."""
-    import trio
-
-    from supervisor.config import Config
-    from supervisor.daemon import serve
+    from tests.supervisor.test_stop_tools import start_daemon
 
     require_browser()
     conftest.require(runner_available(), "subagent.runner")
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).resolve().parent.parent))
-    cfg = Config.load(state_dir=tmp_path / "state", environ={}, **config)
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
-        info = await n.start(lambda task_status: serve(cfg, stop=stop, task_status=task_status))
-        yield info["manager"]
-        stop.set()
+    async with start_daemon(tmp_path, monkeypatch, **config) as manager:
+        yield manager
