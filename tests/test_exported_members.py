@@ -58,6 +58,7 @@ def test_the_public_names_of_the_os_edge_are_pinned() -> None:
             "parse_var",
             "Delivery",
             "signal_process",
+            "resume_stopped",
             "signal_group",
             "group_exists",
             "kill_cgroup",

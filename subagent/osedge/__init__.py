@@ -9,7 +9,8 @@ They read the same kernel facts and send signals the same way, through this pack
 - ``ProcessTable``: the one reader of the table, and the cache its owner keeps.
 - ``Targets``: a set of processes (groups, exact processes, a marker, a cgroup, command
   lines, pipes), resolved by ``ProcessTable.members``.
-- ``signal_process`` / ``signal_group`` / ``kill_cgroup``: never a recycled pid.
+- ``signal_process`` / ``signal_group`` / ``kill_cgroup``: never a recycled pid;
+  ``resume_stopped``: SIGCONT to a set's stopped members, before others' code closes them.
 - ``escalate``: the one escalation routine every cancel ends in.
 - ``run_trio``: ``trio.run`` that releases the signal wake-up fd before Trio closes it.
 - ``Watch``: inotify on a file or directory (``cgroup.events``, a run's events file), for
@@ -36,6 +37,7 @@ from subagent.osedge._signal import Delivery as Delivery
 from subagent.osedge._signal import group_exists as group_exists
 from subagent.osedge._signal import kill_cgroup as kill_cgroup
 from subagent.osedge._signal import open_pidfd as open_pidfd
+from subagent.osedge._signal import resume_stopped as resume_stopped
 from subagent.osedge._signal import signal_group as signal_group
 from subagent.osedge._signal import signal_process as signal_process
 from subagent.osedge._table import ProcessTable as ProcessTable
@@ -63,6 +65,7 @@ __all__ = [
     "group_exists",
     "kill_cgroup",
     "open_pidfd",
+    "resume_stopped",
     "Runtime",
     "TrioRuntime",
     "Signalled",

@@ -6,7 +6,8 @@ for good, whoever takes the pid later. A group is signalled by number (``killpg`
 caller checks that the group is still the one it learned (``ProcessTable.live_groups``).
 Never signalled: group 0 or 1, the caller's own group or session, a cgroup holding the
 caller. Every outcome is a ``Delivery`` value, never an exception. A SIGTERM is followed
-by a SIGCONT (a stopped process acts on it).
+by a SIGCONT (a stopped process acts on it); ``resume_stopped`` sends the SIGCONT alone, to
+a set about to be closed by others' code (an SDK's bounded waits) that a stop would stall.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 from typing import Final
 
 from subagent.osedge._kernel import Proc, ProcessId
-from subagent.osedge._table import ProcessTable
+from subagent.osedge._table import ProcessTable, Targets
 
-__all__ = ["Delivery", "signal_process", "signal_group", "group_exists", "kill_cgroup", "open_pidfd"]
+__all__ = ["Delivery", "signal_process", "signal_group", "group_exists", "kill_cgroup", "open_pidfd", "resume_stopped"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,25 @@ def kill_cgroup(table: ProcessTable, path: Path, sig: int = 9, *, fd: int | None
         logger.warning("cgroup %s: cgroup.kill failed: %s", path, exc)
         return Delivery.ERROR
     return Delivery.SENT
+
+
+def resume_stopped(targets: Targets, table: ProcessTable | None = None) -> list[int]:
+    """SIGCONT every member of ``targets`` that is stopped (state ``T``: SIGSTOP, SIGTSTP),
+    each by pidfd; a running one is left alone (a SIGCONT would be harmless to it anyway).
+
+    For a set about to be closed by code that waits on it (the MCP SDK's close of a server:
+    stdin closed, 2 s for its exit, SIGTERM, 2 s more, then SIGKILL): a stopped process acts
+    on neither, and each wait ran out (a stop took 4 s more). Blocking (a read of the table).
+
+    Returns:
+        The pids resumed.
+    """
+    table = ProcessTable() if table is None else table
+    return sorted(
+        p.pid
+        for p in table.members(targets).values()
+        if p.state in ("T", "t") and signal_process(table, p, _SIGCONT) == Delivery.SENT
+    )
 
 
 def _quietly(send: Callable[[int, int], None], target: int, sig: int) -> None:

@@ -34,13 +34,12 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from subagent.osedge import ProcessTable, Targets, escalate, signal_process
+from subagent.osedge import ProcessTable, Targets, escalate, resume_stopped
 from subagent.tools.browser_setup import (
     BrowserSetupError as BrowserSetupError,
 )
@@ -539,18 +538,16 @@ def resume_stopped_browser(run_dir: pathlib.Path, profile_dir: pathlib.Path | st
     their timeouts (a stop took 5-6 s, not milliseconds), and the browser was SIGKILLed at the
     end, losing what it had not written (a session's login). Resumed, it closes as usual; the
     kill that follows a close is unchanged. (As a SIGTERM of ours is followed by a SIGCONT.)
-    Linux (/proc) only. Blocking (a read of the process table).
+    Chromium's helpers are in sessions of their own, without the server's marker: found by
+    their command lines, beside what ``subagent.tools.mcp_spawn.resume_stopped_server``
+    resumes of every server. Linux (/proc) only. Blocking (a read of the process table).
 
     Returns:
         The pids resumed.
     """
     if not os.path.isdir("/proc"):
         return []
-    table = ProcessTable()
-    members = table.members(_targets(run_dir, profile_dir)).values()
-    resumed = sorted(
-        p.pid for p in members if p.state in ("T", "t") and signal_process(table, p, signal.SIGCONT) == "sent"
-    )
+    resumed = resume_stopped(_targets(run_dir, profile_dir))
     if resumed:
         logger.warning("the run's browser was stopped: resumed %s so that it can close", resumed)
     return resumed

@@ -5,7 +5,8 @@ needs about as long to boot. So the runner spawns every server first, exactly as
 SDK's ``_create_platform_compatible_process`` would on POSIX (``anyio.open_process``,
 new session, stderr to a file), reports its group at once, then imports ``mcp`` while the
 servers boot (in a worker thread, so that a stop meanwhile is not held: ``import_mcp_tools``),
-and hands each process to the SDK through that seam (``subagent.tools.mcp_tools``).
+and hands each process to the SDK through that seam (``subagent.tools.mcp_tools``), which
+resumes what of its tree is stopped right before the SDK closes it (``resume_stopped_server``).
 Invariants: no ``mcp`` import at this module's import; the environment is the tool environment
 (``subagent.sandbox.tool_env``: an allowlist that covers the SDK's default inherited set)
 plus the server's configured ``env``, never a secret of the runner's (``server_env``).
@@ -27,13 +28,22 @@ from typing import IO, Any, Final
 import anyio
 import trio
 
+from subagent.osedge import Targets, resume_stopped
 from subagent.sandbox import AGENTD_TOOL_VARS, tool_env
 from subagent.spec import McpServerSpec
 from subagent.stop import import_abortably
-from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks
+from subagent.tools.commands import SUBTREE_VAR, end_group_and_escapers, leader_ticks, own_tree_cgroup
 from subagent.tools.runfiles import open_regular
 
-__all__ = ["Prespawned", "import_mcp_tools", "prespawn", "server_env", "SDK_INHERITED_ENV_VARS", "MCP_KILL_GRACE_S"]
+__all__ = [
+    "Prespawned",
+    "import_mcp_tools",
+    "prespawn",
+    "resume_stopped_server",
+    "server_env",
+    "SDK_INHERITED_ENV_VARS",
+    "MCP_KILL_GRACE_S",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +157,34 @@ async def prespawn(
     p.leader_ticks = leader_ticks(p.process.pid)
     on_group(p.process.pid, True)
     return p
+
+
+def resume_stopped_server(p: Prespawned) -> list[int]:
+    """SIGCONT what of a server's tree is stopped (its group while its leader is the one
+    spawned, and whatever carries its marker: a child that left the group), right before
+    the SDK closes it.
+
+    Seen: a run's own command SIGSTOPped its MCP server (or a process the server started),
+    and a stop then took ~4 s more: the SDK's close waited 2 s for the server to act on its
+    closed stdin, SIGTERMed its group, waited 2 s more, SIGKILLed it. Resumed, it exits
+    on the closed stdin as usual. Only the run's own processes: those the group or the
+    marker names, looked for in the run's tree cgroup when there is one. Linux (/proc)
+    only; never raises (a table that cannot be read: nothing resumed). Blocking.
+
+    Returns:
+        The pids resumed.
+    """
+    if p.process is None or not os.path.isdir("/proc"):
+        return []
+    targets = Targets(groups={p.process.pid: p.leader_ticks}, marker=(SUBTREE_VAR, p.marker), within=own_tree_cgroup())
+    try:
+        resumed = resume_stopped(targets)
+    except OSError as exc:
+        logger.warning("mcp server %r: its stopped processes could not be looked for: %s", p.name, exc)
+        return []
+    if resumed:
+        logger.warning("mcp server %r was stopped: resumed %s so that it can close", p.name, resumed)
+    return resumed
 
 
 async def import_mcp_tools(abortable: Callable[[str], contextlib.AbstractContextManager[trio.CancelScope]]) -> bool:

@@ -5,7 +5,8 @@ also owns ending its group); it is handed to the SDK through the SDK's seam
 ``mcp.client.stdio._create_platform_compatible_process``, so the SDK's transport and its
 own shutdown (stdin close, bounded wait, group kill: shielded, every wait bounded by the
 SDK, about 6 s at worst; no scope of ours may wrap it, as it exits a task group entered
-earlier) apply unchanged; only its stdout reaches the SDK a whole line at a time, with
+earlier) apply unchanged, right after what of the server's tree is stopped (SIGSTOP by the
+run's own command) is resumed (``resume_stopped_server``); only its stdout reaches the SDK a whole line at a time, with
 a bound on a line (``subagent.tools._mcp_lines``). A non-JSON line on a server's stdout is a protocol break: the
 SDK skips the line and hands it to the session's message handler; we record it on the
 server (``protocol_errors``, ``broken``): a call in flight ends at once (its answer may
@@ -38,7 +39,7 @@ from mcp import ClientSession, StdioServerParameters
 
 from subagent.spec import McpServerSpec
 from subagent.tools._mcp_lines import WholeLinesProcess
-from subagent.tools.mcp_spawn import Prespawned
+from subagent.tools.mcp_spawn import Prespawned, resume_stopped_server
 from subagent.tools.runfiles import NotRegularFile, open_regular
 
 __all__ = ["McpServer", "McpSetupError", "StoppedBeforeSend", "UnsendableArguments", "start_server", "tool_result_text"]
@@ -330,6 +331,8 @@ async def start_server(
         # is a file all the same; here the spawn is a hand-over and does not use it).
         errlog = spawned.errlog
         read, write = await stack.enter_async_context(_stdio.stdio_client(params, errlog=errlog))  # type: ignore[arg-type]
+        # Runs right before the SDK's close (LIFO): a server the run stopped acts on none of it.
+        stack.callback(resume_stopped_server, spawned)
         server.tap = _OutboundTap(write)
         session = await stack.enter_async_context(ClientSession(read, server.tap, message_handler=on_message))
         with abortable("setup") as abort, starting:
