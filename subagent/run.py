@@ -84,73 +84,6 @@ async def _make_provider(spec: RunSpec, stop: StopControl) -> Provider:
 
 
 BROWSER_SWEEP_TIMEOUT_S = 10.0  # bounds the last sweep of a run's browser, after its server closed (s)
-# Bounds closing a session's browser before its server goes (seconds): ``browser_close`` lets Chromium
-# shut down and write its cookies (@playwright/mcp ends it abruptly when its stdin closes: lost).
-BROWSER_CLOSE_TIMEOUT_S = 5.0
-
-
-class _SessionBrowser:
-    """Closing a session's browser (``browser_close``: Chromium shuts down and writes what
-    it holds, a login's cookie, to the session's profile), once: at the run's end, or
-    before a stop's grace runs out; whoever comes second waits for the first."""
-
-    def __init__(self, server: Any, name: str = "browser") -> None:
-        self.server = server
-        self.name = name  # the server's name in the run's toolbox
-        self._started = False
-        self._done = trio.Event()
-
-    async def close(self, timeout_s: float = BROWSER_CLOSE_TIMEOUT_S) -> None:
-        # Teardown, not a tool call of the model's: it runs after a stop too (a stop must
-        # not log the user out), bounded, and a browser that does not answer is ended as
-        # before (its server's close).
-        with trio.CancelScope(shield=True), trio.move_on_after(timeout_s):
-            if self._started:
-                await self._done.wait()
-                return
-            self._started = True
-            try:
-                await self.server.call("browser_close", {})
-            except Exception as exc:  # a dead or broken server: the normal close ends it
-                logger.warning("closing the session's browser failed: %s", exc)
-            finally:
-                self._done.set()
-
-
-# The daemon's grace (seconds), for the runner to see it coming: ``AGENTD_STOP_GRACE_S``.
-GRACE_ENV = "AGENTD_STOP_GRACE_S"
-# What a session's browser is given, before the grace runs out, to shut down and write
-# its state (seconds).
-BROWSER_SAVE_RESERVE_S = 2.0
-
-
-def _stop_grace_s() -> float | None:
-    try:
-        grace = float(os.environ.get(GRACE_ENV, ""))
-    except ValueError:
-        return None
-    return grace if grace >= 0 and grace != float("inf") else None
-
-
-async def _save_session_browser_before_the_grace(stop: StopControl, browser: _SessionBrowser, emitter: Emitter) -> None:
-    """A stop whose grace runs out while the run is still busy (a call its policy lets
-    finish) ends in SIGKILL, the browser with it: what it had not written (a login's
-    cookie) was lost to the session's next turn. Shortly before that, the browser is
-    closed as at the run's end (beside the call still running, which then ends with it)."""
-    grace = _stop_grace_s()
-    if grace is None:
-        return
-    await stop.stopped.wait()
-    assert stop.stopped_at is not None
-    # (A grace shorter than the reserve: half of it for the call, half for the browser.)
-    await trio.sleep_until(stop.stopped_at + max(grace - BROWSER_SAVE_RESERVE_S, grace / 2))
-    emitter.log(
-        "warning",
-        "the stop's grace is running out with the run still busy: the session's browser is closed now "
-        "so that what it holds (a login) is kept for the next turn",
-    )
-    stop.closed_servers.add(browser.name)
-    await browser.close(min(BROWSER_SAVE_RESERVE_S, grace / 2))
 
 
 async def _end_browser(base: Path, profile: str | None = None) -> None:
@@ -393,15 +326,11 @@ async def run(
                         servers = await _start_servers(
                             _server_specs(spec, run_dir, stack, sandbox), stack, run_dir, stop, emitter
                         )
-                        if spec.session.browser_profile is not None and "browser" in servers:
-                            # Pushed after the server: it runs before the server is closed.
-                            session_browser = _SessionBrowser(servers["browser"])
-                            stack.push_async_callback(session_browser.close)
-                            nursery.start_soon(_save_session_browser_before_the_grace, stop, session_browser, emitter)
-                        if "browser" in servers:  # pushed last, run first: a stopped browser cannot close
-                            from subagent.tools.browser import resume_stopped_browser
+                        if "browser" in servers:  # resumed if stopped, a session's closed: before its server
+                            from subagent.session_browser import before_the_close
 
-                            stack.callback(resume_stopped_browser, run_dir or Path.cwd(), spec.session.browser_profile)
+                            base, profile = run_dir or Path.cwd(), spec.session.browser_profile
+                            before_the_close(servers["browser"], base, profile, stack, nursery, stop, emitter)
                         stop.phase = "idle"
 
                         def on_group(pgid: int, alive: bool, kind: str, name: str, on_stop: str | None) -> None:

@@ -81,7 +81,7 @@ def runner_env(run_dir: Path, base: Mapping[str, str] | None = None, config: Con
     env.update(AGENTD_RUN_DIR=str(run_dir), TMPDIR=str(run_dir / "tmp"))
     if config is not None:
         env[SANDBOX_ENV] = sandbox_settings(config).to_env()
-        env["AGENTD_STOP_GRACE_S"] = repr(config.grace_s)  # (subagent.run.GRACE_ENV)
+        env["AGENTD_STOP_GRACE_S"] = repr(config.grace_s)  # (subagent.session_browser.GRACE_ENV)
     return env
 
 

@@ -22,6 +22,7 @@ import trio
 
 from supervisor.core.runs import RunManager
 from tests import browser_support as bs
+from tests.e2e.test_browser_stop_probes import _SIGNAL_OWN_BROWSER as SIGNAL_OWN_BROWSER
 
 pytestmark = pytest.mark.chromium
 
@@ -161,20 +162,28 @@ async def test_a_stopped_turn_keeps_the_sessions_login_for_the_next_turn_and_clo
     assert not profile.exists() and not profile.parent.exists()
 
 
+@pytest.mark.parametrize("stopped", [False, True])
 async def test_a_stop_whose_grace_runs_out_in_a_browser_call_still_keeps_the_login(
-    manager: RunManager, site: Any
+    manager: RunManager, site: Any, stopped: bool
 ) -> None:
     # A call the policy lets finish (evaluate) outlives the grace: the tree was SIGKILLed,
     # Chromium with it, and the cookie it had not written yet was gone for turn 2.
+    # ``stopped``: the run's own command SIGSTOPped its whole browser (node, Chromium, its
+    # helpers) before the call: resumed at the grace's reserve, it closes and writes all the
+    # same (it neither answered nor wrote: the runner was SIGKILLed at the grace, the cookie lost).
     url = f"http://127.0.0.1:{site.server_address[1]}"
     slow = "() => new Promise(r => setTimeout(() => r('late'), 60000))"
+    stop_it = {"name": "run_command", "arguments": {"command": f"python3 -c '{SIGNAL_OWN_BROWSER}' SIGSTOP all"}}
     sign_in = spec(
         [
             {"tool_calls": [{"name": "browser_navigate", "arguments": {"url": url + "/set"}}]},
+            *([{"tool_calls": [stop_it]}] if stopped else []),
             {"tool_calls": [{"name": "browser_evaluate", "arguments": {"function": slow}}]},
         ]
     )
-    read_back = reading_the_cookie(url, after=2)  # turn 1 said two things
+    if stopped:
+        sign_in["builtin_tools"] = ["run_command"]
+    read_back = reading_the_cookie(url, after=3 if stopped else 2)  # what turn 1 said
     with trio.fail_after(SCENARIO_S):
         first = await manager.spawn(sign_in, session_id="web-3")
         async with manager.subscribe(first["run_id"]) as live:
@@ -194,8 +203,10 @@ async def test_a_stop_whose_grace_runs_out_in_a_browser_call_still_keeps_the_log
         frags = [profile, *(f"{turn['run_dir']}/" for turn in (turn1, turn2))]
         await trio.to_thread.run_sync(lambda: bs.wait_no_browser_left(None, frags))
     assert turn1["state"] == "cancelled", turn1
-    nav, evaluate = turn1["tool_calls"]
+    nav, *own, evaluate = turn1["tool_calls"]
     assert nav["state"] == "succeeded" and evaluate["state"] == "failed", evaluate  # the browser closed under it
+    if stopped:
+        assert own[0]["state"] == "succeeded" and "signalled SIGSTOP to 0" not in own[0]["output"], own
     # Said as such: ended by the stop (it was said to have finished, allowed to, after it).
     assert evaluate["stop_effect"] == "interrupted", evaluate
     assert evaluate["reason"].startswith("interrupted: its server was closed before the stop's grace ran out")
