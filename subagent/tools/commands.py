@@ -284,7 +284,13 @@ async def kill_unreaped_group(proc: trio.Process, what: str) -> None:
     the group, then wait for the leader (bounded). Shielded."""
     if proc.returncode is not None:
         return
-    logger.warning("%s %d outlived its escalation: SIGKILL to its group", what, proc.pid)
+    leader = ProcessTable().read(proc.pid)  # (unreaped: the pid is still its own)
+    logger.warning(
+        "%s %d outlived its escalation (state %s): SIGKILL to its group",
+        what,
+        proc.pid,
+        leader.state if leader is not None else "unreadable",
+    )
     with trio.CancelScope(shield=True):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
