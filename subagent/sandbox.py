@@ -285,15 +285,12 @@ def runtime_paths() -> list[str]:
 
 def _browser_paths(options: Any) -> list[str]:
     try:
-        from subagent.tools import browser
+        from subagent.tools import browser, browser_setup
 
         setup = browser.check_browser(options)
     except Exception:  # the preset reports it properly when it starts
         return []
-    node = Path(os.path.realpath(setup.node))
-    cli = Path(os.path.realpath(setup.playwright_mcp))
-    chromium = Path(os.path.realpath(setup.chromium))
-    return _exists([str(node.parent.parent), str(cli.parent.parent.parent), str(chromium.parent)])
+    return _exists(browser_setup.read_paths(setup.node, setup.playwright_mcp, setup.chromium))
 
 
 def _server_paths(spec: Any) -> list[str]:

@@ -1,7 +1,8 @@
 """Where the browser preset's pieces are on this machine: Chromium, node, ``@playwright/mcp``.
 
 ``find_chromium``, ``find_node``, ``find_playwright_mcp``: each returns a path or raises
-``BrowserSetupError`` naming what is missing and what to install. Stdlib only, no files
+``BrowserSetupError`` naming what is missing and what to install; ``read_paths`` is what a
+sandboxed run must read to start them, and no more. Stdlib only, no files
 written, no process started (the daemon checks a spec's browser at spawn time through
 ``subagent.presets``). Module-level paths (``DEBIAN_CHROMIUM``, ``CHECKOUT_ROOT``) are the
 seams tests point elsewhere.
@@ -25,6 +26,7 @@ __all__ = [
     "find_chromium",
     "find_node",
     "find_playwright_mcp",
+    "read_paths",
 ]
 
 # Debian's package puts the real binary here; /usr/bin/chromium is a shell wrapper.
@@ -163,3 +165,26 @@ def find_playwright_mcp() -> pathlib.Path:
             f"run scripts/setup (or: cd {str(CHECKOUT_ROOT)!r} && npm ci)",
         )
     return path
+
+
+def read_paths(node: pathlib.Path, playwright_mcp: pathlib.Path, chromium: pathlib.Path) -> list[str]:
+    """What a sandboxed run must read to start these (their real paths): node's binary
+    (with a ``libnode`` beside it in its prefix's ``lib``, for a shared build), the
+    ``node_modules`` that holds ``@playwright/mcp`` (its dependencies are its siblings;
+    the package's own directory when it is in none), and Chromium's directory (its
+    resources are beside it).
+
+    Not node's prefix: a node kept at ``~/.local/bin/node`` (a tarball unpacked there,
+    ``mise``) or ``~/bin/node`` made the run able to read all of ``~/.local`` or the daemon
+    user's home, through its browser too (``file://``); nor three levels above ``cli.js``,
+    which is ``/`` for a package kept at ``/opt/pw``.
+    """
+    node = pathlib.Path(os.path.realpath(node))
+    out = [str(node)]
+    if node.parent.name == "bin":
+        out += sorted(glob.glob(glob.escape(str(node.parent.parent / "lib")) + "/libnode.so*"))
+    package = pathlib.Path(os.path.realpath(playwright_mcp)).parent
+    modules = next((p for p in package.parents if p.name == "node_modules"), package)
+    out.append(str(modules))
+    out.append(str(pathlib.Path(os.path.realpath(chromium)).parent))
+    return out

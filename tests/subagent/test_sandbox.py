@@ -340,3 +340,35 @@ def test_a_grant_that_cannot_be_resolved_is_refused_not_an_internal_error() -> N
     from subagent import sandbox
 
     assert sandbox.check_grants(["/tmp/a\x00b"], [], []) == "'/tmp/a\\x00b' cannot be resolved"
+
+
+def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["node_modules", "bare"])
+def test_a_browser_run_is_granted_nodes_binary_and_the_packages_not_the_dirs_around_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    # node unpacked into a home's ~/.local (its prefix, once granted whole: ~/.local/share
+    # and the rest of it); @playwright/mcp kept in node_modules, or bare in a directory of
+    # its own (three levels above cli.js, once granted, is then the home's parent).
+    home = tmp_path / "home" / "u"
+    node = _exe(home / ".local" / "bin" / "node")
+    (home / ".local" / "lib").mkdir()
+    (home / ".local" / "lib" / "libnode.so.115").write_text("")
+    chromium = _exe(home / "chromium" / "chrome")
+    package = home / "node_modules" / "@playwright" / "mcp" if layout == "node_modules" else home / "pw-mcp"
+    package.mkdir(parents=True)
+    (package / "cli.js").write_text("// fake\n")
+    monkeypatch.setenv("AGENTD_NODE", str(node))
+    monkeypatch.setenv("AGENTD_CHROMIUM", str(chromium))
+    monkeypatch.setenv("AGENTD_PLAYWRIGHT_MCP", str(package))
+    from subagent.sandbox import tool_paths
+
+    got = tool_paths(RunSpec.from_dict({"task": "t", "browser": True}))
+    modules = home / "node_modules" if layout == "node_modules" else package
+    assert got == [str(node), str(home / ".local" / "lib" / "libnode.so.115"), str(modules), str(chromium.parent)]
