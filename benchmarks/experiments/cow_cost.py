@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -272,8 +273,17 @@ def show(label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_config(name: str, prepare: str, n: int, k: int, phases: bool = False, alive: int = 0) -> dict[str, Any]:
-    os.environ[PREPARE_VAR] = prepare
     probe_out = tempfile.mkdtemp(prefix="agentd-cow-probe-") if phases else ""
+    try:
+        return await _run_config(name, prepare, n, k, probe_out, alive)
+    finally:
+        if probe_out:  # (it was left in /tmp)
+            shutil.rmtree(probe_out, ignore_errors=True)
+
+
+async def _run_config(name: str, prepare: str, n: int, k: int, probe_out: str, alive: int) -> dict[str, Any]:
+    phases = bool(probe_out)
+    os.environ[PREPARE_VAR] = prepare
     if phases:  # the daemon's zygote inherits our environment
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE_DIR), os.environ.get("PYTHONPATH")]))
         os.environ["COW_PROBE_DIR"] = probe_out
