@@ -34,7 +34,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any, Final, NoReturn  # noqa: E402
 
@@ -1277,22 +1277,39 @@ def _message_lines(m: dict[str, Any]) -> list[str]:
 @pass_obj
 def history(obj: Obj, session_id: str) -> None:
     """Print a session's transcript, turn by turn, as its next turn will see it."""
-    result = obj.client().history(session_id)
-
-    def human() -> None:
-        turns = result.get("turns") or []
-        if result.get("closed_at"):
-            click.echo(f"session {session_id} (closed {_when(result['closed_at'])})")
-        for n, t in enumerate(turns, 1):
+    pages = obj.client().history_pages(session_id)
+    if obj.as_json:
+        click.echo(json.dumps(_whole_history(pages), default=str))
+        return
+    n = 0
+    for page in pages:
+        turns = page.get("turns") or []
+        if n == 0 and page.get("closed_at"):
+            click.echo(f"session {session_id} (closed {_when(page['closed_at'])})")
+        for t in turns:
+            n += 1
             state = str(t.get("state")) + (f" ({t['reason']})" if t.get("reason") else "")
-            click.echo(f"turn {n}  {t.get('run_id')}  {state}  {_when(t.get('created_at'))}")
+            click.echo(f"turn {t.get('turn', n)}  {t.get('run_id')}  {state}  {_when(t.get('created_at'))}")
             for m in t.get("messages") or []:
                 for line in _message_lines(m):
                     click.echo(line)
-        if not turns:
-            click.echo(f"session {session_id}: no turns")
+    if n == 0:
+        click.echo(f"session {session_id}: no turns")
 
-    obj.emit(result, human)
+
+def _whole_history(pages: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """A paged history as one reply: every page's turns and messages, in order."""
+    whole: dict[str, Any] = {}
+    for page in pages:
+        if not whole:
+            whole = dict(page)
+            continue
+        whole["turns"] = [*whole.get("turns", []), *(page.get("turns") or [])]
+        whole["messages"] = [*whole.get("messages", []), *(page.get("messages") or [])]
+        whole.update({k: page.get(k) for k in ("closed_at", "live_run", "turn_count", "more")})
+    if whole.get("complete") is False:  # every page read
+        whole.update(first_turn=1, complete=not whole.get("more"))
+    return whole
 
 
 @cli.command()

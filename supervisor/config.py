@@ -55,6 +55,10 @@ class Config:
     pool_size: int = 0
     # Largest control message accepted, in bytes.
     max_message_bytes: int = 1024 * 1024
+    # Largest ``history`` reply, about (its turns measured as encoded): a longer session's
+    # history comes in pages (``supervisor/core/_history_page.py``); a page holds at least
+    # one turn. A reply costs the daemon several times its size while it is built and sent.
+    history_reply_bytes: int = 8 * 1024 * 1024
     # Where run directories live; default <state_dir>/runs.
     runs_dir: Path | None = None
     # Use a cgroup v2 per run where one can be created ("auto"), never ("off").
@@ -209,6 +213,7 @@ def _coerce(cls: type[Config], values: dict[str, Any]) -> dict[str, Any]:
                 "max_concurrent",
                 "pool_size",
                 "max_message_bytes",
+                "history_reply_bytes",
                 "dashboard_port",
                 "session_profiles_max",
                 "zygote_spares",

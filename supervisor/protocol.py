@@ -122,7 +122,9 @@ class Op(enum.StrEnum):
     APPROVE = "approve"  # {run_id: str, call_id: str}
     DENY = "deny"  # {run_id: str, call_id: str, reason?: str}
     # Sessions (a session is a conversation, each run one turn of it):
-    HISTORY = "history"  # {session_id: str}: the transcript, as the next turn would see it
+    # {session_id: str, before_turn?: int, after_turn?: int, max_bytes?: int}: the
+    # transcript, as the next turn would see it, one page of it (bounded in bytes)
+    HISTORY = "history"
     SESSIONS = "sessions"  # {limit?: int}: sessions, most recently active first
     SESSION_CLOSE = "session_close"  # {session_id: str}: stop its live turn, remove its browser profile
 
@@ -162,7 +164,8 @@ class Backend(Protocol):
     "error"}]`` (one per id, in order; without it each id is a ``cancel``, side by side),
     ``steer(run_id, text) -> {"run_id", "accepted", "state"}``, ``approve(run_id,
     call_id)`` and ``deny(run_id, call_id, *, reason)`` (``{"run_id", "call_id",
-    "decision", "state"}``), ``history(session_id)``, ``list_sessions(*, limit)``,
+    "decision", "state"}``), ``history(session_id)`` (a paged request passes
+    ``before_turn=``, ``after_turn=``, ``max_bytes=``, those given), ``list_sessions(*, limit)``,
     ``close_session(session_id)`` (see ``docs/control-protocol.md``), ``summary() -> dict``
     (shown by ``status`` without a run id) and ``events_page(run_id, after_seq, *, limit,
     max_bytes) -> (events, more)``: like ``events_after`` but also bounded in bytes (the
@@ -293,6 +296,10 @@ class HistoryRequest(NamedTuple):
     id: Any
     session_id: str
     op: Op = Op.HISTORY
+    # One page (``docs/control-protocol.md``, Sessions): at most one cursor; None: not given.
+    before_turn: int | None = None
+    after_turn: int | None = None
+    max_bytes: int | None = None
 
 
 class SessionsRequest(NamedTuple):
@@ -753,7 +760,13 @@ def _deny(rid: Any, obj: Mapping[str, Any]) -> DenyRequest:
 def _history(rid: Any, obj: Mapping[str, Any]) -> HistoryRequest:
     session_id = _ident(obj, "session_id", required=True)
     assert session_id is not None
-    return HistoryRequest(rid, session_id)
+    before, after, most = (
+        None if obj.get(key) is None else _int(obj, key, 0, lo, 2**62)
+        for key, lo in (("before_turn", 1), ("after_turn", 0), ("max_bytes", 1))
+    )
+    if before is not None and after is not None:
+        raise _Bad(ErrorCode.BAD_ARGS, "expected at most one of 'before_turn' and 'after_turn', got both")
+    return HistoryRequest(rid, session_id, before_turn=before, after_turn=after, max_bytes=most)
 
 
 def _sessions(rid: Any, obj: Mapping[str, Any]) -> SessionsRequest:

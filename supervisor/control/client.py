@@ -442,9 +442,36 @@ class Client:
         """Refuse a call awaiting approval; the model is told "denied by the user: REASON"."""
         return self.request("deny", run_id=run_id, call_id=call_id, reason=reason)
 
-    def history(self, session_id: str) -> dict[str, Any]:
-        """A session's transcript (its turns, and the history its next turn would get)."""
-        return self.request("history", session_id=session_id)
+    def history(
+        self,
+        session_id: str,
+        *,
+        before_turn: int | None = None,
+        after_turn: int | None = None,
+        max_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        """A session's transcript (its turns, and the history its next turn would get):
+        one page of it, the newest turns that fit unless a cursor says otherwise
+        (``docs/control-protocol.md``, Sessions)."""
+        return self.request(
+            "history", session_id=session_id, before_turn=before_turn, after_turn=after_turn, max_bytes=max_bytes
+        )
+
+    def history_pages(self, session_id: str, *, max_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+        """A session's whole transcript, page after page, oldest turns first: one reply if
+        it fits (a daemon that does not page says nothing of ``complete``: it did)."""
+        page = self.history(session_id, max_bytes=max_bytes)
+        if page.get("complete", True):
+            yield page
+            return
+        after = 0
+        while True:
+            page = self.history(session_id, after_turn=after, max_bytes=max_bytes)
+            yield page
+            turns = page.get("turns") or []
+            if not page.get("more") or not turns:
+                return
+            after = int(turns[-1]["turn"])
 
     def sessions(self, *, limit: int = protocol.DEFAULT_LIST_LIMIT) -> list[dict[str, Any]]:
         return _list_in(self.request("sessions", limit=limit), "sessions")

@@ -717,7 +717,8 @@ class _Connection:
         if isinstance(req, protocol.DenyRequest):
             return await _optional(b, "deny", "approvals")(req.run_id, req.call_id, reason=req.reason)
         if isinstance(req, protocol.HistoryRequest):
-            return await _optional(b, "history", "session history")(req.session_id)
+            page = {k: v for k in ("before_turn", "after_turn", "max_bytes") if (v := getattr(req, k)) is not None}
+            return await _optional(b, "history", "session history")(req.session_id, **page)
         if isinstance(req, protocol.SessionsRequest):
             return await _optional(b, "list_sessions", "sessions")(limit=req.limit)
         if isinstance(req, protocol.SessionCloseRequest):

@@ -591,10 +591,11 @@ class RunManager:
             ErrorCode.REFUSED, f"run {run_id!r} has ended ({row['state']}): nothing awaits approval"
         )
 
-    async def history(self, session_id: str) -> dict[str, Any]:
-        """A session's transcript, rebuilt from the journal (``supervisor.core.sessions``)."""
+    async def history(self, session_id: str, **page: int) -> dict[str, Any]:
+        """A session's transcript, one page of it, rebuilt from the journal
+        (``supervisor.core.sessions``; ``page``: ``before_turn``, ``after_turn``, ``max_bytes``)."""
         live = {r.run_id: str(r.state) for r in self._live.values() if r.session_id == session_id}
-        return await self.session_desk.history(session_id, live)
+        return await self.session_desk.history(session_id, live, **page)
 
     async def list_sessions(self, *, limit: int = 50) -> dict[str, Any]:
         live = {r.session_id: (r.run_id, str(r.state)) for r in self._live.values() if r.session_id}

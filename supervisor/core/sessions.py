@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins  # `list` below is a method's name in class scope
 import hashlib
+import json
 import logging
 import re
 import time
@@ -34,6 +35,7 @@ import trio
 
 from subagent.history import turn_messages, unfinished_text
 from supervisor.config import Config
+from supervisor.core._history_page import Built, walk
 from supervisor.errors import ControlProtocolError, JournalError
 from supervisor.protocol import ErrorCode
 from supervisor.states import TERMINAL_STATES
@@ -83,11 +85,6 @@ def _turn_reason(turn: TurnRecord) -> str | None:
     return turn["reason"]
 
 
-def _still_live(turns: Iterable[TurnRecord], run_id: str) -> bool:
-    """Whether the journal does not hold an end for this turn (one not in it: still live)."""
-    return all(t["run_id"] != run_id or t["state"] not in TERMINAL_STATES for t in turns)
-
-
 def _messages(turn: TurnRecord) -> list[dict[str, Any]]:
     task = turn["spec"].get("task") if isinstance(turn["spec"], dict) else None
     return turn_messages(
@@ -118,6 +115,11 @@ def history_messages(turns: Iterable[TurnRecord], *, before: str | None = None) 
         if turn["state"] in TERMINAL_STATES:
             out.extend(_messages(turn))
     return out
+
+
+def _dumps(obj: Any) -> str:
+    """As the reply encodes it (``protocol._dumps``), to measure a page."""
+    return json.dumps(obj, separators=(",", ":"), default=str)
 
 
 def _remove_tree(path: Path) -> None:
@@ -226,41 +228,71 @@ class SessionDesk:
 
     # ------------------------------------------------------------------ reading
 
-    async def history(self, session_id: str, live: Mapping[str, str]) -> dict[str, Any]:
-        """The transcript: every turn as recorded, and the history a next turn would get.
+    async def history(
+        self,
+        session_id: str,
+        live: Mapping[str, str],
+        *,
+        before_turn: int | None = None,
+        after_turn: int | None = None,
+        max_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        """The transcript: every turn as recorded, and the history a next turn would get;
+        one page of it, at most ``history_reply_bytes`` (``supervisor.core._history_page``).
 
-        ``live``: run id -> state, for runs of this daemon still live.
+        ``live``: run id -> state, for runs of this daemon still live. Without a cursor:
+        the newest turns that fit; ``before_turn``/``after_turn``: those numbered below /
+        above it. ``complete``: the page holds every turn (then ``messages`` is the whole
+        history; otherwise that of the page's turns). ``more``: turns beyond the page
+        (earlier; later with ``after_turn``).
 
         Raises:
             SessionNotFound: no run ever had this session.
         """
-        turns = await self.journal.session_turns(session_id)
+        ids = await self.journal.session_turn_ids(session_id)
         record = await self.journal.get_session(session_id)
-        if not turns and record is None:
+        if not ids and record is None:
             raise SessionNotFound(session_id)
         # A turn that ended while the journal was read is live in ``live`` (taken before):
         # its journaled end wins.
-        live = {run_id: state for run_id, state in live.items() if _still_live(turns, run_id)}
-        out_turns = []
-        for t in turns:
-            state = live.get(t["run_id"], t["state"])
-            out_turns.append(
-                {
-                    "run_id": t["run_id"],
-                    "state": state,
-                    "reason": _turn_reason(t),
-                    "task": t["spec"].get("task") if isinstance(t["spec"], dict) else None,
-                    "created_at": t["created_at"],
-                    "ended_at": t["ended_at"],
-                    "messages": _messages({**t, "state": state}),
-                }
-            )
+        ended = {run_id for run_id, state in ids if state in TERMINAL_STATES}
+        live = {run_id: state for run_id, state in live.items() if run_id not in ended}
+        bound = self.config.history_reply_bytes
+        bound = bound if max_bytes is None else min(bound, max_bytes)
+
+        async def build(n: int) -> Built | None:
+            t = await self.journal.session_turn(ids[n - 1][0])
+            if t is None:
+                return None
+            ended = t["state"] in TERMINAL_STATES
+            state = t["state"] if ended else live.get(t["run_id"], t["state"])
+            entry = {
+                "turn": n,
+                "run_id": t["run_id"],
+                "state": state,
+                "reason": _turn_reason(t),
+                "task": t["spec"].get("task") if isinstance(t["spec"], dict) else None,
+                "created_at": t["created_at"],
+                "ended_at": t["ended_at"],
+                "messages": _messages({**t, "state": state}),
+            }
+            # An ended turn's messages are in the reply twice: its own and the history's.
+            size = len(_dumps(entry)) + (len(_dumps(entry["messages"])) if ended else 0)
+            return Built({**entry, "ended": ended}, size)
+
+        page = await walk(len(ids), build, before=before_turn, after=after_turn, max_bytes=bound)
+        turns = [b.entry for b in page.turns]
+        messages = [m for t in turns if t.pop("ended") for m in t["messages"]]
         return {
             "session_id": session_id,
             "closed_at": record["closed_at"] if record else None,
-            "live_run": next((t["run_id"] for t in turns if t["run_id"] in live), None),
-            "turns": out_turns,
-            "messages": history_messages(turns),
+            "live_run": next((run_id for run_id, _ in ids if run_id in live), None),
+            "turns": turns,
+            "messages": messages,
+            "first_turn": page.first,
+            "turn_count": len(ids),
+            "more": page.more,
+            "complete": len(turns) == len(ids),
         }
 
     async def list(self, limit: int, live: Mapping[str, tuple[str, str]]) -> dict[str, Any]:

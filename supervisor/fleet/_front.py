@@ -897,7 +897,8 @@ class FleetFront:
             raise SessionNotFound(session_id)
         return rows
 
-    async def history(self, session_id: str) -> dict[str, Any]:
+    async def history(self, session_id: str, **page: int) -> dict[str, Any]:
+        """The node's page of the session's history (``page``: its cursor and bound, as given)."""
         rows = await self._session_rows(session_id)
         node_id = next((r["node_id"] for r in rows if r["node_id"]), None)
         if node_id is None or node_id in self._dead:
@@ -905,7 +906,7 @@ class FleetFront:
                 ErrorCode.REFUSED, f"session {session_id!r}: its node is gone, and its history with it"
             )
         link = await self._link(node_id)
-        result = await link.request("history", session_id=session_id)
+        result = await link.request("history", session_id=session_id, **page)
         return _fleet_ids(result, rows, node_id)
 
     async def list_sessions(self, *, limit: int = 50) -> dict[str, Any]:

@@ -160,6 +160,22 @@ class SessionStoreMixin:
             ).fetchall()
             return [_turn(conn, row) for row in runs]
 
+    def session_turn_ids(self, session_id: str) -> list[tuple[str, str]]:
+        """The session's runs (id, state), in ``session_turns``' order: none of their records."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT id, state FROM runs WHERE session_id = ? ORDER BY rowid", (session_id,))
+            return [(r[0], r[1]) for r in rows.fetchall()]
+
+    def session_turn(self, run_id: str) -> TurnRecord | None:
+        """One run as ``session_turns`` gives it (a history read a turn at a time)."""
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT id, state, reason, cancel_reason, created_at, ended_at, spec, result, error FROM runs "
+                "WHERE id = ?",
+                (run_id,),
+            ).fetchone()
+            return None if row is None else _turn(conn, row)
+
 
 def _session(row: tuple[Any, ...]) -> SessionRecord:
     return SessionRecord(

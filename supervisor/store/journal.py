@@ -1098,3 +1098,11 @@ class Journal:
         """A session's runs, oldest first, each with its tool-call records and the events
         its history is rebuilt from (``assistant_text``, ``steering``)."""
         return await self._call(lambda s: s.session_turns(_text(session_id)))
+
+    async def session_turn_ids(self, session_id: str) -> list[tuple[str, str]]:
+        """A session's runs as (id, state), oldest first (``session_turns`` without records)."""
+        return await self._call(lambda s: s.session_turn_ids(_text(session_id)))
+
+    async def session_turn(self, run_id: str) -> TurnRecord | None:
+        """One run of a session as ``session_turns`` gives it, or None."""
+        return await self._call(lambda s: s.session_turn(_text(run_id)))

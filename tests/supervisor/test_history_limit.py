@@ -47,7 +47,9 @@ async def histories(c: Client, n: int) -> list[int]:
 
 
 async def test_history_replies_side_by_side_are_built_and_sent_a_few_at_a_time(tmp_path: Path) -> None:
-    async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+    # Bound far above these replies: each is one page, the whole session.
+    env = {"AGENTD_HISTORY_REPLY_BYTES": str(64 * 1024 * 1024)}
+    async with real_daemon(tmp_path / "state", env=env) as d, d.connect() as c:
         for _ in range(TURNS):
             behaviour = {"wait": False, "pad": "t" * TEXT_CHARS, "result_fields": {"final_text": "a" * TEXT_CHARS}}
             run_id = (await c.ok("spawn", spec={"task": json.dumps(behaviour)}, session_id="big"))["run_id"]
@@ -62,4 +64,49 @@ async def test_history_replies_side_by_side_are_built_and_sent_a_few_at_a_time(t
         many = peak_kib(d.pid) - before
         # Eight at once took about eight times one (~8x); now about two at a time.
         assert many < (HISTORY_AT_ONCE + 1) * one, f"one: {one} KiB, {AT_ONCE} at once: {many} KiB"
+        assert (await c.ok("ping"))["pong"] is True
+
+
+LONG_TURNS = 30
+LONG_TEXT_CHARS = 100_000  # ~0.8 MB of reply a turn: ~24 MB for the whole session at once
+PAGE_BYTES = 2 * 1024 * 1024
+
+
+async def test_one_history_request_of_a_long_session_costs_the_daemon_a_page_not_the_session(
+    tmp_path: Path,
+) -> None:
+    """One reply held the whole transcript (and cost the daemon several times it): now one
+    request, or paging through the whole session, costs about a page."""
+    env = {"AGENTD_HISTORY_REPLY_BYTES": str(PAGE_BYTES)}
+    async with real_daemon(tmp_path / "state", env=env) as d, d.connect() as c:
+        for i in range(LONG_TURNS):
+            behaviour = {
+                "wait": False,
+                "pad": "t" * LONG_TEXT_CHARS,
+                "result_fields": {"final_text": f"{i} " + "a" * LONG_TEXT_CHARS},
+            }
+            run_id = (await c.ok("spawn", spec={"task": json.dumps(behaviour)}, session_id="long"))["run_id"]
+            assert (await c.wait_end(run_id))["state"] == "completed"
+        before = peak_kib(d.pid)
+        await c.send_raw(json.dumps({"id": "old", "op": "history", "session_id": "long"}))  # as an old client
+        with trio.fail_after(WAIT_S):
+            text = await c.ws.get_message()
+        one = peak_kib(d.pid) - before
+        seen = strict_loads(text)["result"]
+        assert len(text) <= PAGE_BYTES + 4096 and seen["more"] is True and seen["complete"] is False, len(text)
+        whole = len(text)  # what one reply of it all would be: every page's
+        while seen["more"]:
+            await c.send_raw(
+                json.dumps({"id": "p", "op": "history", "session_id": "long", "before_turn": seen["first_turn"]})
+            )
+            with trio.fail_after(WAIT_S):
+                text = await c.ws.get_message()
+            assert len(text) <= PAGE_BYTES + 4096
+            whole += len(text)
+            seen = strict_loads(text)["result"]
+        assert seen["first_turn"] == 1
+        every = peak_kib(d.pid) - before
+        whole_kib = whole // 1024
+        print(f"one: {one} KiB, every page: {every} KiB, the whole session at once: >= {whole_kib} KiB")
+        assert one < whole_kib // 2 and every < whole_kib // 2, (one, every, whole_kib)
         assert (await c.ok("ping"))["pong"] is True
