@@ -120,6 +120,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     state = tmp_path_factory.mktemp("dashboard") / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "AGENTD_TEST_MARK")}
     env.update(AGENTD_STATE_DIR=str(state), AGENTD_GRACE_S=str(GRACE_S))
+    # A session's history comes in pages of this much: a long session's costs few turns.
+    env.update(AGENTD_HISTORY_REPLY_BYTES=str(HISTORY_PAGE_BYTES))
     proc = subprocess.Popen([AGENTD, "serve"], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     log: list[str] = []
     ready = threading.Event()
@@ -1154,6 +1156,39 @@ def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab:
     assert "The user stopped this turn before it finished." in turns.nth(0).inner_text()
     assert "second task" in turns.nth(1).inner_text()
     assert daemon.status(first)["state"] == "cancelled"
+
+
+HISTORY_PAGE_BYTES = 64 * 1024
+LONG_ANSWER_CHARS = 40_000  # an answer's turn is over half a page: one turn a page
+
+
+def test_a_long_sessions_transcript_shows_its_newest_turns_and_loads_the_earlier_ones(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    runs = []
+    for i in range(3):
+        script = tmp_path / f"script{i}.json"
+        script.write_text(json.dumps({"turns": [], "final": f"answer {i} " + "a" * LONG_ANSWER_CHARS}))
+        run_id = daemon.agentd(
+            "spawn", f"long task {i}", "--script", str(script), "--session", "s-long", *granted(tmp_path)
+        ).stdout.strip()
+        daemon.wait_for(run_id, lambda e: e["kind"] == "state" and e["data"]["state"] == "completed")
+        runs.append(run_id)
+    page = tab.page
+    page.goto(f"{daemon.dashboard_url}#/run/{runs[-1]}")
+    transcript = page.get_by_role("region", name="Session transcript")
+    turns = transcript.locator("li.turn")
+    transcript.get_by_text("long task 2").wait_for()
+    assert turns.count() == 1 and "Turn 3" in turns.nth(0).inner_text()
+    more = transcript.get_by_role("button", name=re.compile(r"^Load earlier turns"))
+    assert more.inner_text() == "Load earlier turns (2 more)"
+    more.click()
+    transcript.get_by_text("long task 1").wait_for()
+    more.click()
+    transcript.get_by_text("long task 0").wait_for()
+    assert [turns.nth(i).get_attribute("data-run") for i in range(turns.count())] == runs
+    assert [f"Turn {n}" in turns.nth(n - 1).inner_text() for n in (1, 2, 3)] == [True] * 3
+    assert more.count() == 0
 
 
 def test_scripts_screenshot_writes_the_readme_image(tmp_path: Path) -> None:

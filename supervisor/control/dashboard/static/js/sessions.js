@@ -6,7 +6,9 @@
 // happened, a note after a turn that did not complete). "New turn" spawns the session's
 // next turn with the same spec and a new task, then goes to it. One turn of a session is
 // live at a time: the daemon refuses a new one ("session_busy") unless asked to stop the
-// live one first (the "Stop the live turn first" box: spawn's "interrupt").
+// live one first (the "Stop the live turn first" box: spawn's "interrupt"). A long
+// session's history comes in pages: the newest turns show, "Load earlier turns" asks for
+// the ones before them ("before_turn").
 
 import { clear, fmtClock, h, reveal } from "./dom.js";
 
@@ -31,6 +33,8 @@ export class SessionTranscript {
     this.sessionId = null;
     this.spec = null;
     this.destroyed = false;
+    this.known = new Map(); // turn number -> turn, of this.sessionId
+    this.newest = 0;
     this.section.hidden = true;
     this.button = form.querySelector("button[type=submit]");
     this.interrupt = form.querySelector("#new-turn-interrupt");
@@ -44,32 +48,73 @@ export class SessionTranscript {
 
   async onStatus(status) {
     if (!status || !status.session_id) return;
+    if (status.session_id !== this.sessionId) {
+      this.known = new Map();
+      this.newest = 0;
+    }
     this.sessionId = status.session_id;
     this.spec = status.spec ?? null;
+    this.currentRun = status.id ?? status.run_id;
+    const asked = (this.asked = (this.asked ?? 0) + 1);
     try {
+      // The newest turns that fit in one reply; earlier ones on "Load earlier turns".
       const history = await this.conn.request("history", { session_id: this.sessionId });
-      if (!this.destroyed) this.render(history, status.id ?? status.run_id);
+      if (!this.destroyed && asked === this.asked) this.render(history);
     } catch (err) {
       if (!this.destroyed) this.say(err.message, true);
     }
   }
 
-  render(history, currentRun) {
-    clear(this.list);
-    (history.turns ?? []).forEach((t, i) => {
-      const head = h(
-        "p",
-        { class: "turn-head" },
-        h("a", { href: `#/run/${encodeURIComponent(t.run_id)}`, text: `Turn ${i + 1}` }),
-        ` · ${t.state}${t.reason ? ` (${t.reason})` : ""} · ${fmtClock(t.created_at)}`,
-        t.run_id === currentRun ? " · this run" : "",
-      );
-      this.list.append(h("li", { class: "turn", dataset: { run: t.run_id, state: t.state } }, head, h("ol", { class: "msgs" }, (t.messages ?? []).map(messageItem))));
-    });
+  async loadEarlier(beforeTurn) {
+    const sessionId = this.sessionId;
+    try {
+      const page = await this.conn.request("history", { session_id: sessionId, before_turn: beforeTurn });
+      if (this.destroyed || sessionId !== this.sessionId) return;
+      for (const t of page.turns ?? []) this.known.set(t.turn, t);
+      this.draw();
+    } catch (err) {
+      if (!this.destroyed) this.say(err.message, true);
+    }
+  }
+
+  render(history) {
+    // Turns by number (a number names the same turn on every page); a daemon that does
+    // not page numbers none and sends them all.
+    this.known ??= new Map();
+    (history.turns ?? []).forEach((t, i) => this.known.set(t.turn ?? i + 1, t));
+    this.newest = (history.turns ?? []).length ? (history.first_turn ?? 1) + history.turns.length - 1 : 0;
+    this.draw();
     const closed = Boolean(history.closed_at);
     this.form.hidden = closed;
     if (closed) this.say("This session is closed: it takes no new turn.", false);
     this.section.hidden = false;
+  }
+
+  draw() {
+    // The turns known without a gap back from the newest page; a gap or turns before the
+    // first shown are offered by a button.
+    let first = this.newest + 1;
+    while (first > 1 && this.known.has(first - 1)) first -= 1;
+    clear(this.list);
+    if (first > 1) {
+      const more = h("button", { type: "button", text: `Load earlier turns (${first - 1} more)` });
+      more.onclick = () => {
+        more.disabled = true;
+        this.loadEarlier(first);
+      };
+      this.list.append(h("li", { class: "turn-more" }, more));
+    }
+    for (let n = first; n <= this.newest; n += 1) {
+      const t = this.known.get(n);
+      const head = h(
+        "p",
+        { class: "turn-head" },
+        h("a", { href: `#/run/${encodeURIComponent(t.run_id)}`, text: `Turn ${n}` }),
+        ` · ${t.state}${t.reason ? ` (${t.reason})` : ""} · ${fmtClock(t.created_at)}`,
+        t.run_id === this.currentRun ? " · this run" : "",
+      );
+      this.list.append(h("li", { class: "turn", dataset: { run: t.run_id, state: t.state } }, head, h("ol", { class: "msgs" }, (t.messages ?? []).map(messageItem))));
+    }
   }
 
   say(text, error) {
