@@ -6,6 +6,10 @@ real daemon, a session of a few megabytes, and eight ``history`` requests sent a
 one connection that reads none of the replies until all are sent: the daemon's peak
 resident memory (``VmHWM``) grows by about what ``HISTORY_AT_ONCE`` (2) replies take,
 not eight.
+
+And a reply is one page (``history_reply_bytes``): one request of a long session (~24 MB
+of history) cost the daemon ~96 MiB; now it, and paging through the whole session, cost
+a few pages at most.
 """
 
 from __future__ import annotations
