@@ -373,6 +373,9 @@ def test_the_conversation_and_approval_ops_decode_with_their_arguments() -> None
     )
     assert dec({"op": "deny", "run_id": "r", "call_id": "c"}) == protocol.DenyRequest(None, "r", "c", None)
     assert dec({"op": "history", "session_id": "s"}) == protocol.HistoryRequest(None, "s")
+    page = dec({"op": "history", "session_id": "s", "before_turn": 4, "max_bytes": 1000})
+    assert page == protocol.HistoryRequest(None, "s", before_turn=4, max_bytes=1000)
+    assert dec({"op": "history", "session_id": "s", "after_turn": 0}).after_turn == 0  # type: ignore[union-attr]
     assert dec({"op": "sessions"}) == protocol.SessionsRequest(None, 50)
     assert dec({"op": "session_close", "session_id": "s"}) == protocol.SessionCloseRequest(None, "s")
     req = dec({"op": "spawn", "spec": {"task": "x"}, "session_id": "s", "interrupt": True})
@@ -399,6 +402,11 @@ def test_a_spawn_and_a_list_carry_an_idempotency_key_validated_like_an_id() -> N
         {"op": "deny", "run_id": "r", "call_id": "c", "reason": 5},
         {"op": "deny", "run_id": "r", "call_id": "c", "reason": "x" * (protocol.MAX_DENY_REASON_CHARS + 1)},
         {"op": "history"},
+        {"op": "history", "session_id": "s", "before_turn": 2, "after_turn": 1},
+        {"op": "history", "session_id": "s", "before_turn": 0},
+        {"op": "history", "session_id": "s", "after_turn": -1},
+        {"op": "history", "session_id": "s", "after_turn": "3"},
+        {"op": "history", "session_id": "s", "max_bytes": 0},
         {"op": "sessions", "limit": 0},
         {"op": "session_close", "session_id": ""},
         {"op": "spawn", "spec": {"task": "x"}, "session_id": "s", "interrupt": "yes"},
