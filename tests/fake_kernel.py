@@ -207,5 +207,9 @@ class FakeKernel:
     def zombie_child_waiting(self) -> bool:
         return any(p.ppid == ME and p.dead for p in self.procs.values())
 
+    def child_exited(self, pid: int) -> bool | None:
+        p = self.procs.get(pid)
+        return None if p is None or p.ppid != ME else p.dead
+
     def set_child_subreaper(self, on: bool) -> bool:
         return True

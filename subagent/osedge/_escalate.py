@@ -12,8 +12,11 @@ the caller's ``settled`` awaitable returned: a leader's exit); then, unless the 
 already settled whole, SIGKILL: the cgroup (``cgroup.kill``), every live group, and every
 member by pidfd, re-resolving the set each round (new helpers may appear while the rest
 dies) until two reads in a row find no live member, or ``kill_wait_s`` passes. A zombie
-is dead. Nothing here shields a cancel: callers run it shielded, and its own waits are
-bounded by ``grace_s`` and ``kill_wait_s``.
+is dead. A group of the set whose leader is the caller's child and has not exited, though
+the table shows none of it (a ``hidepid`` /proc lists no process its reader may not
+ptrace-read: a non-dumpable one), is alive: signalled by ``killpg`` and waited for like
+any member (``unseen``). Nothing here shields a cancel: callers run it shielded, and its
+own waits are bounded by ``grace_s`` and ``kill_wait_s``.
 
 Waits, threads and the clock go through a ``Runtime`` (``TrioRuntime`` for both sides,
 which run on Trio; it imports trio only when made, so this package stays stdlib-only).
@@ -218,14 +221,38 @@ async def escalate(
             learn(found)
         return found
 
+    def unseen(t: Targets, found: Mapping[int, Proc]) -> list[int]:
+        # The set's live groups whose leader, a child of the caller that has not exited
+        # (``waitid`` peeks: no /proc needed), the table does not list, nor any process of
+        # its group. A process the caller may not ptrace-read is absent from a
+        # ``hidepid=invisible`` /proc (a runner's): a command that made itself non-dumpable
+        # (its zombie too), or a shell in the first instant of its exec from the
+        # non-dumpable runner. Only a child's: ``killpg(pgid, 0)`` counts zombies, which a
+        # set bound to its cgroup does not list.
+        _me, my_pgid, my_sid = table.kernel.own_ids()
+        shown = {p.pgid for p in found.values()}
+        return [
+            g
+            for g in table.live_groups(t.groups)
+            if g not in shown
+            and g not in (my_pgid, my_sid)
+            and table.read(g) is None
+            and table.kernel.child_exited(g) is False
+        ]
+
     async def alive(t: Targets) -> list[Proc] | None:
+        """The set's live members; None when unknown: the read failed, or a group of the
+        set is alive though the table shows none of it (``unseen``)."""
         # Groups alone: killpg(pgid, 0) answers without a walk of the table when gone.
         if not (t.pids or t.marker or t.cgroup or t.cmdline or t.pipes) and not any(
             group_exists(table, g) for g in t.groups
         ):
             return []
         found = await read(t)
-        return None if found is None else [p for p in found.values() if not p.dead]
+        if found is None:
+            return None
+        live = [p for p in found.values() if not p.dead]
+        return None if not live and unseen(t, found) else live
 
     # ---- SIGTERM and the grace
     if sigterm:
@@ -298,11 +325,13 @@ async def escalate(
     confirm = bool(targets.marker or targets.follow or targets.cmdline) and not table.cgroup_bound(targets)
     kill_deadline = rt.now() + max(0.0, kill_wait_s)
     last_alive: list[Proc] = []
+    hidden: list[int] = []  # groups of the set alive out of the table's sight (``unseen``)
     while True:
         found = await read(targets)
         if found is not None:
             last_alive = [p for p in found.values() if not p.dead]
-            if not last_alive:
+            hidden = [] if last_alive else unseen(targets, found)  # (SIGKILLed above, by group)
+            if not last_alive and not hidden:
                 if r.dead_at is None:
                     r.dead_at, r.dead_after_s = rt.now(), at()
                 if confirmed or not confirm:
@@ -341,6 +370,10 @@ async def escalate(
             "%s: still alive %.1f s after SIGKILL; abandoning: %s",
             label,
             kill_wait_s,
-            ", ".join(f"pid {p.pid} ({table.cmdline_text(p.pid)})" for p in last_alive[:5]) or "unknown",
+            ", ".join(
+                [f"pid {p.pid} ({table.cmdline_text(p.pid)})" for p in last_alive[:5]]
+                + [f"group {g} (its processes out of sight)" for g in hidden]
+            )
+            or "unknown",
         )
     return r

@@ -166,6 +166,12 @@ class Kernel(Protocol):
         """Is some child of ours a zombie? (a peek that reaps nothing)"""
         ...
 
+    def child_exited(self, pid: int) -> bool | None:
+        """Has this child of ours exited (a zombie, not reaped: a peek that reaps
+        nothing)? None: no child of ours. Needs no ``/proc`` entry (a zombie of a
+        non-dumpable process is not listed in a ``hidepid=invisible`` /proc)."""
+        ...
+
     def set_child_subreaper(self, on: bool) -> bool: ...
 
 
@@ -339,6 +345,12 @@ class LinuxKernel:
         except ChildProcessError:
             return False
         return got == pid
+
+    def child_exited(self, pid: int) -> bool | None:
+        try:
+            return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return None
 
     def zombie_child_waiting(self) -> bool:
         try:
