@@ -79,6 +79,8 @@ SUBTREE_VAR: Final = "AGENTD_SUBTREE"
 # After SIGKILL, how long a group and its escapers may take to be dead before the runner
 # gives up on them, loudly (seconds).
 GROUP_KILL_REAP_S: Final = 2.0
+# ``sighted_ticks``: how long a new shell may stay out of sight, and between looks (seconds).
+LEADER_SIGHT_S, LEADER_SIGHT_POLL_S = 1.0, 0.002
 
 _seq = itertools.count(1)
 
@@ -244,7 +246,7 @@ async def start_gated(command: str, marker: str, stopped: Callable[[], bool], **
         OSError, ValueError: it could not be started (a NUL in it, a lone surrogate).
     """
     proc, cgroup, gate = await open_gated(command, **options)
-    ticks = leader_ticks(proc.pid)
+    ticks = await sighted_ticks(proc)
     go = not stopped()
     open_gate(gate, go)
     if not go:
@@ -266,6 +268,18 @@ def leader_ticks(pid: int) -> int | None:
     """The start ticks of a child just started (unreaped, so its pid is still its own)."""
     p = ProcessTable().read(pid)
     return p.start_ticks if p is not None else None
+
+
+async def sighted_ticks(proc: trio.Process) -> int | None:
+    """The start ticks of a new shell at its gate, looked for until it shows (bounded; shielded).
+    A sandboxed runner's /proc lists it once its exec made it dumpable, after the spawn
+    returned (under load, after the run's end); a group whose leader's ticks are unknown is
+    no target once it shows (``ProcessTable.live_groups``): its escalation signalled nothing."""
+    with trio.CancelScope(shield=True):
+        deadline = trio.current_time() + LEADER_SIGHT_S
+        while (ticks := leader_ticks(proc.pid)) is None and proc.returncode is None and trio.current_time() < deadline:
+            await trio.sleep(LEADER_SIGHT_POLL_S)
+    return ticks
 
 
 def own_leader_ticks(proc: trio.Process, ticks: int | None) -> int | None:

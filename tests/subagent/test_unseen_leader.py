@@ -10,15 +10,23 @@ took it for ended: no signal, ``dead``, and the command ran on until the runner'
 resort SIGKILLed its group 2 s later ("outlived its escalation"). Its group, which exists
 (``killpg(pgid, 0)``), is a live member the table does not show.
 
-Real runners (the scripted model, real commands).
+Real runners (the scripted model, real commands), and one in-process, its /proc reads
+played as a loaded runner saw them.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
 
 from subagent.events import EventKind, ExitCode, ToolCallState
+from subagent.osedge._kernel import LinuxKernel, Proc
+from subagent.tools.background import BackgroundCommands
 from tests.subagent.harness import spec, start_runner
 
 # Makes itself non-dumpable (invisible in the runner's /proc), then says so by a file.
@@ -49,3 +57,48 @@ async def test_a_background_command_the_runner_cannot_see_is_ended_by_its_escala
     ), started
     logs = [e.data["message"] for e in r.of(EventKind.LOG)]
     assert not [m for m in logs if "outlived its escalation" in m], logs
+
+
+async def test_a_background_command_whose_shell_showed_late_is_ended_by_its_escalation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # In-process, the table's reads of the command's leader played as a loaded sandboxed
+    # runner saw them (1 run in 4 at load ~6): out of sight for its first two looks (its
+    # spawn's, and one as the run ended), then in sight mid-exec, no environment yet. Its
+    # start ticks were never learned, so its group was no target once its leader showed,
+    # and its marker was unread: the escalation found nothing, signalled nothing, and the
+    # last resort SIGKILLed it 2 s later ("outlived its escalation (state S)").
+    leaders: set[int] = set()  # the command's shell: its pid, from its spawn on
+    looks: dict[int, int] = {}
+    real_open, real_stat, real_environ = trio.lowlevel.open_process, LinuxKernel.stat, LinuxKernel.environ
+
+    async def open_process(*args: Any, **kwargs: Any) -> trio.Process:
+        proc = await real_open(*args, **kwargs)
+        leaders.add(proc.pid)
+        return proc
+
+    def stat(self: LinuxKernel, pid: int) -> Proc | None:
+        if pid in leaders:
+            looks[pid] = looks.get(pid, 0) + 1
+            if looks[pid] <= 2:
+                return None
+        return real_stat(self, pid)
+
+    def environ(self: LinuxKernel, pid: int) -> bytes | None:
+        return b"" if pid in leaders else real_environ(self, pid)
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+    monkeypatch.setattr(LinuxKernel, "stat", stat)
+    monkeypatch.setattr(LinuxKernel, "environ", environ)
+    async with trio.open_nursery() as n:
+        jobs = BackgroundCommands(tmp_path, lambda *_: None, 1000)
+        await n.start(jobs.run)
+        with trio.fail_after(10):
+            started = await jobs.start(f'exec {sys.executable} -c "import time; time.sleep(60)"')
+            assert started is not None and "id bg1" in started, started
+            await jobs.aclose()
+        n.cancel_scope.cancel()
+    assert len(leaders) == 1 and max(looks.values()) > 2, looks
+    (end,) = jobs.ends()
+    assert (end.exit_code, end.killed) == (-signal.SIGTERM, False), end
+    assert not [r.getMessage() for r in caplog.records if "outlived its escalation" in r.getMessage()]
