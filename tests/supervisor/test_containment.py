@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -505,11 +506,16 @@ def test_a_cgroup_turns_its_events_file_readable_when_its_last_process_exits(mad
     try:
         watch.drain()
         assert LINUX.cgroup_populated(leaf) is True
-        assert not select.select([watch.fd], [], [], 0)[0]
         assert child.stdin is not None
         child.stdin.close()
-        assert select.select([watch.fd], [], [], 10)[0], "no event when the cgroup emptied"
-        assert watch.drain() and LINUX.cgroup_populated(leaf) is False
+        # Woken by events until it reads empty. (The kernel may deliver the join's own
+        # notification late, up to its rate limit and later under load: it failed 2 runs
+        # in ~4 of a long suite when the test asserted no event before the close.)
+        deadline = time.monotonic() + 10
+        while LINUX.cgroup_populated(leaf):
+            remaining = deadline - time.monotonic()
+            assert remaining > 0 and select.select([watch.fd], [], [], remaining)[0], "no event when the cgroup emptied"
+            watch.drain()
     finally:
         watch.close()
         child.wait()
