@@ -415,7 +415,10 @@ async def test_a_steer_waiting_for_room_in_the_runners_input_is_refused_at_a_sto
         rid = r["run_id"]
         await wait_event(manager, rid, command_alive)
         pid = (await manager.status(rid))["pid"]
-        os.kill(pid, signal.SIGSTOP)  # the runner this test's daemon started: it reads no input
+        # The runner this test's daemon started, held by a pidfd (the stop ends it, and its
+        # pid could be reused before the SIGCONT below): it reads no input while stopped.
+        runner = os.pidfd_open(pid)
+        signal.pidfd_send_signal(runner, signal.SIGSTOP)
         try:
             for text in texts[:16]:
                 assert (await manager.steer(rid, text))["accepted"] is True
@@ -432,7 +435,11 @@ async def test_a_steer_waiting_for_room_in_the_runners_input_is_refused_at_a_sto
                 assert run.steers_sent[-1] == texts[16]  # in its write: waiting for room
                 cancel = await manager.cancel(rid)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            try:
+                signal.pidfd_send_signal(runner, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # the stop ended it already (its SIGTERM comes with a SIGCONT)
+            os.close(runner)
         st = await manager.wait_terminal(rid)
     assert cancel["was_active"] is True
     # (Its state is the run's when it was refused: the stop's `cancelling` is journaled
