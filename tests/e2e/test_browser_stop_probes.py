@@ -203,7 +203,11 @@ def stat(p):
     except OSError:
         return None
 pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-node = [p for p in pids if conf in cmd(p)]
+anc, p = set(), os.getpid()  # this command and its ancestors, its runner among them
+while p > 1 and p not in anc:
+    anc.add(p)
+    p = (stat(p) or (0, 0))[0]
+node = [p for p in pids if conf in cmd(p) and (stat(p) or (0, 0))[0] in anc]  # a child of its runner
 main = [p for p in pids if (stat(p) or (0, 0))[0] in node and "chrom" in cmd(p)]
 tree = [p for p in pids if (stat(p) or (0, 0))[1] in main]
 hit = [p for p in tree if what == "all" or what in cmd(p)]
