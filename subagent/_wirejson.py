@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from typing import Any, Final
 
-__all__ = ["MAX_WIRE_DEPTH", "wire_loads", "timestamp", "result_fields"]
+__all__ = ["MAX_WIRE_DEPTH", "wire_loads", "finite_timestamp", "result_fields"]
 
 # An event line or result nested deeper than this (objects and arrays) is garbage: a
 # runner's own are a few deep, and the daemon's encoders (the journal, the control
@@ -30,16 +29,15 @@ MAX_INT: Final = 2**63 - 1
 BAD_FIELD_KEEP_CHARS: Final = 1000
 
 
-def timestamp(ts: Any) -> float:
-    """An event's own time as a finite float, or now: an integer no float holds (1 and
-    400 zeros) raised OverflowError, and the journal refuses NaN (stored as NULL)."""
+def finite_timestamp(ts: Any) -> float | None:
+    """``ts`` as a finite float; None when it is none (absent, text, NaN, beyond a float)."""
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        return time.time()
+        return None
     try:
         value = float(ts)
     except OverflowError:
-        return time.time()
-    return value if math.isfinite(value) else time.time()
+        return None
+    return value if math.isfinite(value) else None
 
 
 def wire_loads(text: str) -> Any:

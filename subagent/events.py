@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
-from subagent._wirejson import MAX_WIRE_DEPTH, result_fields, timestamp, wire_loads
+from subagent._wirejson import MAX_WIRE_DEPTH, finite_timestamp, result_fields, wire_loads
 
 __all__ = [
     "WIRE_VERSION",
@@ -38,6 +38,7 @@ __all__ = [
     "MAX_EVENT_LINE_BYTES",
     "MAX_WIRE_DEPTH",
     "CUT_MARK",
+    "TS_REPLACED",
     "encode_event",
     "decode_event_line",
     "encode_result",
@@ -56,6 +57,9 @@ MAX_EVENT_LINE_BYTES: Final = 1024 * 1024
 # What a string the runner had to cut to bound a line or its result ends with (the part
 # before it is the string's start): a reader can tell a cut copy from another text.
 CUT_MARK: Final = "...[cut]"
+# Set (true) in an event's data by the reader when the runner's ``ts`` was not a finite
+# number and the daemon's time took its place.
+TS_REPLACED: Final = "ts_replaced"
 # While the model streams, the runner sends the text streamed so far as a ``step_snapshot``
 # delta at most this often (seconds), the first one this long after the request began: a
 # turn that streams faster sends none (no extra event on a fast step), a slow one shows its
@@ -312,7 +316,13 @@ def decode_event_line(line: bytes | str) -> Event | BadLine:
         ev_kind = EventKind(kind)
     except ValueError:
         return BadLine(text=text, problem=f"unknown event kind {kind!r}")
-    return Event(kind=ev_kind, ts=timestamp(obj.pop("ts", None)), data=obj)
+    ts = finite_timestamp(obj.pop("ts", None))
+    if ts is None:
+        # Replaced by the daemon's time, which differs at each read: flagged, so that a
+        # restarted daemon's read of the events file knows it journaled it already (its
+        # ``ts`` is not compared: ``supervisor.core._sources.event_key``).
+        obj[TS_REPLACED] = True
+    return Event(kind=ev_kind, ts=time.time() if ts is None else ts, data=obj)
 
 
 def encode_result(result: dict[str, Any]) -> bytes:

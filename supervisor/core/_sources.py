@@ -30,7 +30,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from subagent.emit import record_paths
-from subagent.events import BadLine, Event, decode_result
+from subagent.events import TS_REPLACED, BadLine, Event, decode_result
 from subagent.osedge import IN_MODIFY, Watch
 from supervisor.core._run import Run
 from supervisor.core._spec_check import spec_for_runner
@@ -87,7 +87,10 @@ class EventSource(Protocol):
 
 
 def event_key(kind: str, ts: float, data: Mapping[str, Any]) -> tuple[str, float, str]:
-    """What tells a runner's event from another: its kind, its own time and its data."""
+    """What tells a runner's event from another: its kind, its own time and its data (not
+    the time the reader gave one whose own was no number: a new one at each read)."""
+    if data.get(TS_REPLACED) is True:
+        ts = 0.0
     return kind, ts, json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
 
 

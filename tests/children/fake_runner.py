@@ -17,6 +17,8 @@ The behaviour comes from the spec's ``task``, a JSON object:
   log_on_usr1: bool   emit a log event ("usr1") on each SIGUSR1: an event when a test asks
   stderr_raw: [str]   lines written as they are on stderr after runner_started (latin-1:
                       "\xff" is the byte 0xff), then a log event ("after the raw lines")
+  events_file: bool   also append every stderr line to its events file (as a real runner
+                      does), for a restarted daemon to read
   result_fields: obj  fields to put in the result as they are (after its own)
   stdout_raw: str     write this on stdout instead of a result (latin-1, as stderr_raw)
   failed_before_stop: bool  on SIGTERM, end as a runner whose own failure was decided just
@@ -31,7 +33,9 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
+from subagent.emit import record_paths
 from subagent.events import EventKind, encode_event, encode_result, make_event
 
 stop = False
@@ -42,9 +46,19 @@ def on_term(signum, frame):  # noqa: ARG001
     stop = True
 
 
-def emit(kind, **data):
-    sys.stderr.buffer.write(encode_event(make_event(kind, **data)))
+events_file = None  # the events file, when the task says to write it too
+
+
+def write_err(data: bytes) -> None:
+    sys.stderr.buffer.write(data)
     sys.stderr.buffer.flush()
+    if events_file is not None:
+        events_file.write(data)
+        events_file.flush()
+
+
+def emit(kind, **data):
+    write_err(encode_event(make_event(kind, **data)))
 
 
 def echo_steering() -> None:
@@ -61,6 +75,9 @@ def main() -> None:
     spec = json.loads(line)
     b = json.loads(spec["task"]) if spec.get("task", "").startswith("{") else {}
     run_id = spec["run_id"]
+    if b.get("events_file"):
+        global events_file
+        events_file = record_paths(Path(os.environ["AGENTD_RUN_DIR"]))[0].open("ab")
     if b.get("ignore_term"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
@@ -72,7 +89,7 @@ def main() -> None:
         sys.stderr.flush()
     emit(EventKind.RUNNER_STARTED, pid=os.getpid(), pgid=os.getpgrp(), run_id=run_id, provider="fake")
     if b.get("stderr_raw"):
-        sys.stderr.buffer.write(b"".join(line.encode("latin-1") + b"\n" for line in b["stderr_raw"]))
+        write_err(b"".join(line.encode("latin-1") + b"\n" for line in b["stderr_raw"]))
         emit(EventKind.LOG, level="info", message="after the raw lines")
     if b.get("tree"):
         # a grandchild in our group, a setsid() one, a double-forked one

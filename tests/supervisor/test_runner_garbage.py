@@ -158,3 +158,30 @@ async def test_a_result_record_the_store_cannot_keep_is_left_out_and_the_result_
         assert [t["id"] for t in status["tool_calls"]] == ["t2"]
     assert "bad tool-call record in the result" in d.log_text()
     assert "supervision failed" not in d.log_text()
+
+
+async def test_an_event_whose_time_was_replaced_is_journaled_once_across_a_daemon_restart(tmp_path: Path) -> None:
+    # A restarted daemon journals from a re-adopted runner's events file what its journal
+    # lacks, telling events apart by kind, time and data: an event whose ``ts`` was no
+    # number got the daemon's time at each read, so the second daemon journaled it again.
+    lines = [
+        '{"event":"log","level":"info","message":"ts text","ts":"noon"}',
+        '{"event":"log","level":"info","message":"ts NaN","ts":NaN}',
+        '{"event":"log","level":"info","message":"no ts"}',
+    ]
+    state = tmp_path / "state"
+    async with real_daemon(state) as d1:
+        async with d1.connect() as c:
+            run_id = (await c.ok("spawn", spec=task(wait=True, events_file=True, stderr_raw=lines)))["run_id"]
+            await c.wait_kind(run_id, "step_snapshot")
+            first = [e for e in (await c.ok("events", run_id=run_id))["events"] if e["kind"] == "log"]
+            assert [e["data"].get("ts_replaced") for e in first] == [True, True, True, None], first
+        d1.proc.kill()  # SIGKILL: the runner goes on, its events file holds every line
+        await d1.proc.wait()
+    async with real_daemon(state) as d2, d2.connect() as c:
+        assert (await c.ok("status", run_id=run_id))["live"] is True
+        await c.ok("cancel", run_id=run_id)
+        await c.wait_end(run_id)
+        events = (await c.ok("events", run_id=run_id))["events"]
+        logged = [e["data"]["message"] for e in events if e["kind"] == "log"]
+        assert logged == ["ts text", "ts NaN", "no ts", "after the raw lines"], logged
