@@ -478,6 +478,8 @@ def _leaf_errors(exc: BaseException) -> str:
 def _exit_name(code: int | None) -> str:
     if code is None:
         return "unknown_exit"
+    if code == ExitCode.COMPLETED:  # not "completed": the run failed, with no result
+        return "no_result"
     if code < 0:
         return f"signal_{-code}"
     try:

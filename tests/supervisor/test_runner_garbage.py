@@ -96,6 +96,8 @@ async def test_a_result_nested_beyond_the_recursion_limit_is_no_result_not_a_fai
         assert status["state"] == "failed"
         assert status["reason"] == "runner_died", status
         assert "without a result" in status["error"]["message"]
+        # It exited 0: a failed run's error code said "completed" (exit code 0's name).
+        assert status["error"]["code"] == "no_result", status["error"]
         with trio.fail_after(10):
             assert (await c.ok("ping"))["pong"] is True
     assert "supervision failed" not in d.log_text()
