@@ -170,7 +170,7 @@ def format_outcome(o: CommandOutcome, *, foreign_signal: bool = False) -> str:
         head += f" [interrupted by the stop: the command was stopped; {so_far}]"
     elif o.interrupted:
         head += " [interrupted: the command was stopped]"
-    if o.killed_after_grace and (o.interrupted or o.timed_out):
+    if o.killed_after_grace and (o.interrupted or o.timed_out or o.by_stop):  # (by_stop: path A's)
         head += " [what it started did not end on SIGTERM: SIGKILLed at the end of the grace]"
     if o.truncated:
         head += " [output truncated]"
