@@ -15,7 +15,10 @@ dies) until two reads in a row find no live member, or ``kill_wait_s`` passes. A
 is dead. A group of the set whose leader is the caller's child and has not exited, though
 the table shows none of it (a ``hidepid`` /proc lists no process its reader may not
 ptrace-read: a non-dumpable one), is alive: signalled by ``killpg`` and waited for like
-any member (``unseen``). Nothing here shields a cancel: callers run it shielded, and its
+any member (``unseen``). So is a set bound to its cgroup whose ``cgroup.events`` says
+``populated`` while the table shows no live member of it (``in_cgroup_unseen``): such a
+process gets its SIGTERM by pidfd (``signal_unseen``), its SIGKILL by ``cgroup.kill``,
+and the set is dead once the cgroup is empty. Nothing here shields a cancel: callers run it shielded, and its
 own waits are bounded by ``grace_s`` and ``kill_wait_s``.
 
 Waits, threads and the clock go through a ``Runtime`` (``TrioRuntime`` for both sides,
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
 from subagent.osedge._kernel import Proc
-from subagent.osedge._signal import Delivery, group_exists, kill_cgroup, signal_group, signal_process
+from subagent.osedge._signal import Delivery, group_exists, kill_cgroup, signal_group, signal_process, signal_unseen
 from subagent.osedge._table import ProcessTable, Targets
 
 __all__ = ["Runtime", "TrioRuntime", "Signalled", "Escalation", "escalate", "POLL_S"]
@@ -240,9 +243,24 @@ async def escalate(
             and table.kernel.child_exited(g) is False
         ]
 
+    def in_cgroup_unseen(t: Targets) -> bool:
+        # The set's cgroup holds a process though the read found no live member: one the
+        # table cannot read (``cgroup.procs`` lists it; a ``hidepid`` /proc, a runner's,
+        # lists no non-dumpable process: a command's ssh-agent, in or out of its group,
+        # its leader gone). ``populated`` counts no zombie (v2: a process leaves the count
+        # as it exits, before it is reaped; measured on 6.18). Never a cgroup holding the
+        # caller (never a member, never killed: ``kill_cgroup``).
+        if t.cgroup is None or table.kernel.cgroup_populated(t.cgroup) is not True:
+            return False
+        try:
+            return table.kernel.own_ids()[0] not in table.kernel.cgroup_pids(t.cgroup)
+        except OSError:
+            return True
+
     async def alive(t: Targets) -> list[Proc] | None:
         """The set's live members; None when unknown: the read failed, or a group of the
-        set is alive though the table shows none of it (``unseen``)."""
+        set is alive though the table shows none of it (``unseen``), or its cgroup holds
+        a process the table shows not (``in_cgroup_unseen``)."""
         # Groups alone: killpg(pgid, 0) answers without a walk of the table when gone.
         if not (t.pids or t.marker or t.cgroup or t.cmdline or t.pipes) and not any(
             group_exists(table, g) for g in t.groups
@@ -252,7 +270,7 @@ async def escalate(
         if found is None:
             return None
         live = [p for p in found.values() if not p.dead]
-        return None if not live and unseen(t, found) else live
+        return None if not live and (unseen(t, found) or in_cgroup_unseen(t)) else live
 
     # ---- SIGTERM and the grace
     if sigterm:
@@ -274,6 +292,9 @@ async def escalate(
                 for p in live or ():
                     if p.pgid not in groups:
                         record("SIGTERM", "pid", p.pid, signal_process(table, p, SIGTERM), table.cmdline_text(p.pid))
+                if term_set.cgroup is not None:  # those it holds out of the table's sight
+                    for pid, result in signal_unseen(table, term_set.cgroup, SIGTERM).items():
+                        record("SIGTERM", "pid", pid, result, "(out of the table's sight)")
                 r.term_sent = True
         if r.term_sent:
             deadline = r.started_at + grace_s
@@ -326,12 +347,14 @@ async def escalate(
     kill_deadline = rt.now() + max(0.0, kill_wait_s)
     last_alive: list[Proc] = []
     hidden: list[int] = []  # groups of the set alive out of the table's sight (``unseen``)
+    hidden_in_cgroup = False  # its cgroup holds a process out of the table's sight
     while True:
         found = await read(targets)
         if found is not None:
             last_alive = [p for p in found.values() if not p.dead]
             hidden = [] if last_alive else unseen(targets, found)  # (SIGKILLed above, by group)
-            if not last_alive and not hidden:
+            hidden_in_cgroup = not last_alive and in_cgroup_unseen(targets)  # (by cgroup.kill)
+            if not last_alive and not hidden and not hidden_in_cgroup:
                 if r.dead_at is None:
                     r.dead_at, r.dead_after_s = rt.now(), at()
                 if confirmed or not confirm:
@@ -373,6 +396,7 @@ async def escalate(
             ", ".join(
                 [f"pid {p.pid} ({table.cmdline_text(p.pid)})" for p in last_alive[:5]]
                 + [f"group {g} (its processes out of sight)" for g in hidden]
+                + ([f"cgroup {targets.cgroup} (populated; its processes out of sight)"] if hidden_in_cgroup else [])
             )
             or "unknown",
         )

@@ -23,7 +23,16 @@ from typing import Final
 from subagent.osedge._kernel import Proc, ProcessId
 from subagent.osedge._table import ProcessTable, Targets
 
-__all__ = ["Delivery", "signal_process", "signal_group", "group_exists", "kill_cgroup", "open_pidfd", "resume_stopped"]
+__all__ = [
+    "Delivery",
+    "signal_process",
+    "signal_group",
+    "group_exists",
+    "kill_cgroup",
+    "signal_unseen",
+    "open_pidfd",
+    "resume_stopped",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +162,58 @@ def kill_cgroup(table: ProcessTable, path: Path, sig: int = 9, *, fd: int | None
         logger.warning("cgroup %s: cgroup.kill failed: %s", path, exc)
         return Delivery.ERROR
     return Delivery.SENT
+
+
+def signal_unseen(table: ProcessTable, path: Path, sig: int) -> dict[int, Delivery]:
+    """Signal each process of the cgroup ``path`` that the table cannot read, by pidfd.
+
+    ``cgroup.procs`` lists every process of a cgroup; a ``hidepid=invisible`` /proc (a
+    sandboxed runner's) lists none its reader may not ptrace-read (a non-dumpable one:
+    ssh-agent, gpg-agent), so no start time proves its pid. The pidfd, opened on the pid
+    first, is used only if the pid is still in the cgroup once it is open: the process it
+    names either is that one, or it is dead (a pid is reused only once its holder is
+    reaped) and the signal finds nothing. Never the caller or pid 1.
+
+    Returns:
+        What became of each signal, by pid (none: the table reads every process there).
+    """
+    kernel = table.kernel
+    me = kernel.own_ids()[0]
+    out: dict[int, Delivery] = {}
+    try:
+        listed = kernel.cgroup_pids(path)
+    except OSError:
+        return out
+    for pid in sorted(listed - {0, 1, me}):
+        if table.read(pid) is not None:  # in sight: a member, signalled as one
+            continue
+        try:
+            fd = kernel.pidfd_open(pid)
+        except ProcessLookupError:
+            out[pid] = Delivery.GONE
+            continue
+        except OSError as exc:  # no pidfds: no proof of identity, no signal
+            logger.debug("cgroup %s: pid %d out of sight, no pidfd: %s", path, pid, exc)
+            out[pid] = Delivery.ERROR
+            continue
+        try:
+            if pid not in kernel.cgroup_pids(path):
+                out[pid] = Delivery.GONE
+                continue
+            kernel.pidfd_send_signal(fd, sig)
+            if sig == _SIGTERM:
+                _quietly(kernel.pidfd_send_signal, fd, _SIGCONT)
+            out[pid] = Delivery.SENT
+        except ProcessLookupError:
+            out[pid] = Delivery.GONE
+        except PermissionError:
+            out[pid] = Delivery.EPERM
+        except OSError as exc:
+            logger.warning("pid %d: signal %d failed: %s", pid, sig, exc)
+            out[pid] = Delivery.ERROR
+        finally:
+            kernel.close(fd)
+    return out
 
 
 def resume_stopped(targets: Targets, table: ProcessTable | None = None) -> list[int]:
