@@ -26,6 +26,7 @@ import gc
 _GC_WAS_ENABLED = gc.isenabled()
 gc.disable()
 
+import contextlib  # noqa: E402
 import enum  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
@@ -68,6 +69,9 @@ class ExitCode(enum.IntEnum):
     RUN_CANCELLED = 7  # the run was cancelled (by a user or a timeout)
     RUN_LOST = 8  # the daemon restarted and found the run's process gone
     ALREADY_RUNNING = 9  # serve: another daemon holds this state dir
+    # cancel: no daemon runs; the stop was not delivered but recorded in the state dir
+    # (``pending-stops/``), and the daemon applies it when it starts, before the run goes on.
+    STOP_PENDING = 10
     INTERRUPTED = 130  # Ctrl-C: the CLI stopped watching; the run goes on
     # stdout closed (`agentd watch RUN | head -n1`) under a command whose exit code is the
     # run's outcome: 128 + SIGPIPE, as a shell shows a process SIGPIPE killed (0 said
@@ -1129,6 +1133,9 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
     reached it), 1 failed, 7 cancelled, 8 lost; for --session, the first of lost, failed,
     cancelled that one of its runs ended in (4: no run ever had that session). With
     --no-wait: 0 once the stop is sent.
+
+    No daemon running: the stop is recorded in the state dir and the daemon applies it
+    when it starts, before the run goes on (exit 10, said on stderr).
     """
     if turn is not None and session_id is None:
         raise CliError(
@@ -1142,13 +1149,29 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
     # A daemon that is starting (finding its runs again) answers once it has: the stop
     # waits for it (``Client.stop_delivery_s``), and the person is told why it takes time.
     client.on_stop_wait = lambda why: click.echo(f"note: {why}", err=True)
-    if session_id is not None:
-        result = client.cancel_session(session_id, reason=reason, turn=turn)
-        runs = [r for r in result.get("runs", []) if isinstance(r, dict)]
-    else:
+
+    def send() -> dict[str, Any]:
+        if session_id is not None:
+            return client.cancel_session(session_id, reason=reason, turn=turn)
         assert run_id is not None
-        result = client.cancel(run_id, reason=reason)
-        runs = [result]
+        return client.cancel(run_id, reason=reason)
+
+    try:
+        result = send()
+    except DaemonNotRunning as exc:
+        # No daemon: the runs go on (the next one re-adopts them), so the stop is recorded
+        # for it rather than lost. Then tried once more: a daemon that started meanwhile
+        # may have read the notes before this one was there.
+        note = _record_pending_stop(
+            client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
+        )
+        try:
+            result = send()
+        except DaemonNotRunning:
+            _report_pending_stop(obj, note, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason)
+        with contextlib.suppress(OSError):
+            note.unlink()  # delivered after all (a daemon that applied it too: a cancel is idempotent)
+    runs = [r for r in result.get("runs", []) if isinstance(r, dict)] if session_id is not None else [result]
     final: dict[str, str] = {str(r["run_id"]): str(r.get("state")) for r in runs}
     # Wait for every run not yet ended: the one this stop reached, and one an earlier
     # stop is still ending (was_active false, state cancelling).
@@ -1211,6 +1234,52 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
         for code in (ExitCode.RUN_LOST, ExitCode.RUN_FAILED, ExitCode.RUN_CANCELLED):
             if code in codes:
                 click.get_current_context().exit(code)
+
+
+def _record_pending_stop(
+    state_dir: Path, exc: DaemonNotRunning, *, run_id: str | None, session_id: str | None, turn: str | None, reason: str
+) -> Path:
+    """The stop, written for the next daemon on ``state_dir`` (``_pendingstops``): its note.
+    Not for a state dir no daemon ever used (no journal: no run to stop) nor the fleet's
+    front (its nodes' daemons are not here): the error stands then."""
+    from supervisor.config import JOURNAL_FILE
+    from supervisor.control import _pendingstops
+
+    ctx = click.get_current_context(silent=True)
+    if (ctx is not None and ctx.find_root().params.get("use_fleet")) or not (state_dir / JOURNAL_FILE).is_file():
+        raise _translate(exc) from None
+    try:
+        return _pendingstops.write(state_dir, reason=reason, run_id=run_id, session_id=session_id, turn=turn)
+    except ValueError as bad:
+        raise CliError(str(bad), ExitCode.USAGE) from None
+    except OSError as failed:
+        raise CliError(f"{exc}; the stop could not be recorded for it either: {failed}", ExitCode.NO_DAEMON) from None
+
+
+def _report_pending_stop(
+    obj: Obj,
+    note: Path,
+    exc: DaemonNotRunning,
+    *,
+    run_id: str | None,
+    session_id: str | None,
+    turn: str | None,
+    reason: str,
+) -> NoReturn:
+    """Say that the stop waits for a daemon (stderr; ``--json``: an object), exit 10."""
+    what = f"run {run_id}" if run_id is not None else f"session {session_id}" + (f" (turn {turn})" if turn else "")
+    message = (
+        f"the stop of {what} was not delivered now: {exc}; it is recorded in {str(note)!r} and the daemon "
+        "applies it when it starts, before the run goes on"
+    )
+    out: dict[str, Any] = {"delivered": False, "pending": True, "pending_stop": str(note), "reason": reason}
+    out.update({"run_id": run_id} if run_id is not None else {"session_id": session_id, "turn": turn})
+    obj.emit(
+        {**out, "message": message},
+        lambda: click.echo(f"{run_id or session_id}: stop recorded, not delivered (no daemon)"),
+    )
+    click.echo(f"warning: {message}", err=True)
+    click.get_current_context().exit(ExitCode.STOP_PENDING)
 
 
 @cli.command()

@@ -12,7 +12,10 @@ wall-clock deadline, and so does a call awaiting approval (still answerable thro
 run's answer channel; one its runner asked about while no daemon ran is known once the
 run's events file is read, which an answer to it waits for: ``Run.caught_up``). So is a
 stop acknowledged while the journal could not be written, which the dead daemon only
-noted (``supervisor.store._unwritten``): journaled now, its receipt says so. A run
+noted (``supervisor.store._unwritten``): journaled now, its receipt says so; and so is
+a stop pressed while no daemon ran (``agentd cancel``'s pending-stop note,
+``supervisor.core._pending``): applied as a user's cancel to a live runner (or one never
+started) before it goes on, the note removed, its receipt naming it. A run
 whose runner is gone is what its complete result file says it was (completed, failed,
 cancelled, with its tool records); only a run without a result is marked ``lost`` with
 its last partial result. Any leftovers are swept. Nothing terminal changes.
@@ -30,9 +33,11 @@ import trio
 
 from subagent.history import LOST_BEFORE_START
 from subagent.stopmark import clear_marker
+from supervisor.control import _pendingstops
 from supervisor.core._background import amend_background
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
+from supervisor.core._pending import PendingStops, pending_receipt
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import FileSource, event_key
 from supervisor.core._steers import unreported_steering
@@ -62,27 +67,39 @@ class Recovery:
         for the next start, and the others are recovered.
         """
         adopted: list[tuple[Run, FileSource]] = []
+        state_dir = self.lifecycle.config.state_dir
+        pending = PendingStops(await trio.to_thread.run_sync(_pendingstops.read_all, state_dir))
         for row in await self.book.journal.live_runs():
             try:
-                found = await self._recover_one(row)
+                found = await self._recover_one(row, pending)
             except Exception:
                 logger.exception("run %s: recovering it failed; left for the next start", row["id"])
+                pending.keep_for(row)
                 continue
             if found is not None:
                 adopted.append(found)
+        for note in pending.unmatched():
+            known = await self.book.journal.get_run(note.run_id) if note.run_id is not None else None
+            what = f"it has ended ({known['state']})" if known is not None else "no such run is live"
+            logger.warning("pending stop for %s, pressed while no daemon ran: ignored, %s", note.describe(), what)
+        await trio.to_thread.run_sync(pending.settle)
         self.book.backlog.carried_stops.clear()
         self.book.backlog.carried_ends.clear()
         return adopted
 
-    async def _recover_one(self, row: Any) -> tuple[Run, FileSource] | None:
+    async def _recover_one(self, row: Any, pending: PendingStops) -> tuple[Run, FileSource] | None:
         run_id = row["id"]
         carried = self.book.backlog.carried_stops.get(run_id)
         if carried is not None and row["cancel_reason"] is None:
             # (The backlog could not journal it before recovery: the journal is down still.)
             row = await self._journal_carried_stop(row, carried)
+        receipt_note = _carried(carried)
         pid, tree_id = row["pid"], row["tree_id"]
         if pid is None or tree_id is None:
-            await self._never_started(row, carried)
+            if (pstop := pending.stop_for(row)) is not None:
+                row = await self._journal_pending_stop(row, pstop.reason, pstop.describe())
+                receipt_note = pending_receipt(pstop)
+            await self._never_started(row, receipt_note)
             return None
         groups = [g["pgid"] for g in row["groups"] if g["alive"]]
         found = await trio.to_thread.run_sync(
@@ -101,6 +118,11 @@ class Recovery:
         # removed with the tree.
         found.tree.pids_group = self.containment.pids.group_of(tree_id, found.tree.cgroup)
         found.tree.memory_group = self.containment.memory.group_of(tree_id, found.tree.cgroup)
+        if found.leader_alive and (pstop := pending.stop_for(row)) is not None:
+            # Pressed while no daemon ran: the user's cancel, applied before the run goes
+            # on (a runner that ended meanwhile is what its result says, not stopped).
+            row = await self._journal_pending_stop(row, pstop.reason, pstop.describe())
+            receipt_note = pending_receipt(pstop)
         for g in row["groups"]:
             if g["alive"] and g["kind"] == "command":
                 found.tree.set_interruptible(g["pgid"], g.get("on_stop") == "interrupt")
@@ -131,7 +153,7 @@ class Recovery:
             run.deadline = row["started_at"] + run.timeout_s  # a journal from before deadlines
         if row["cancel_reason"] is not None:
             _resume_stop_intent(run, row)
-            run.stop_carried = _carried(carried)
+            run.stop_carried = receipt_note
         source = FileSource(found.tree, run.run_dir, journaled=await self._journaled(run_id))
         run.caught_up = source.caught_up
         if found.leader_alive:
@@ -202,6 +224,27 @@ class Recovery:
             "stop_detail": detail,
         }
 
+    async def _journal_pending_stop(self, row: Any, reason: str, named: str) -> Any:
+        """A stop pressed while no daemon ran, journaled now as a cancel asked now (its
+        grace counts from now: no signal reached the run before), the row as if it had been."""
+        run_id, at = row["id"], time.time()
+        until = at + self.lifecycle.config.grace_s
+        intent = {"reason": reason, "at": at, "stop_deadline": until, "detail": None}
+        await self.book.backlog.write(
+            run_id,
+            lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=None),
+            True,
+            what="stop intent",
+            stop=intent,
+        )
+        logger.warning(
+            "run %s: a stop (%s) pressed while no daemon ran (pending stop for %s) is applied before it goes on",
+            run_id,
+            reason,
+            named,
+        )
+        return {**row, "cancel_reason": reason, "cancel_requested_at": at, "stop_deadline": until, "stop_detail": None}
+
     async def _never_started(self, row: Any, carried: dict[str, Any] | None = None) -> None:
         run_id = row["id"]
         reason = row["cancel_reason"]
@@ -212,7 +255,7 @@ class Recovery:
             # Its stop was acknowledged before it had a process: that stop is what happened.
             receipt: dict[str, Any] = {"note": "cancelled before its runner started; finished by the restarted daemon"}
             if carried is not None:
-                receipt["stop_carried"] = _carried(carried)
+                receipt["stop_carried"] = carried
             await backlog.write(
                 run_id,
                 lambda j: j.finish(

@@ -1,0 +1,229 @@
+"""Stops pressed while no daemon ran: durable notes in the state dir, applied at its next start.
+
+``agentd cancel`` that finds no daemon (none started, killed -9, between a stop and a
+restart) cannot deliver its stop; the runs go on (runners outlive their daemon, the next
+one re-adopts them). So the CLI writes the stop here: one small JSON file per stop in
+``<state_dir>/pending-stops/`` (0700, the user's), written whole to a temp file, fsynced,
+renamed, the directory fsynced. The next daemon reads them while it recovers runs, before
+it lets any go on, applies each as a user's cancel and removes it. A note that is not one
+(too big, not JSON, not a regular file) is set aside (``*.bad``) with a log line, never
+fatal. Bounded: ``MAX_NOTE_BYTES`` a note, ``MAX_NOTES`` waiting. Stdlib only (the CLI).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = [
+    "DIR",
+    "MAX_NOTES",
+    "MAX_NOTE_BYTES",
+    "PendingStop",
+    "TooManyPendingStops",
+    "read_all",
+    "remove",
+    "set_aside",
+    "write",
+]
+
+logger = logging.getLogger(__name__)
+
+DIR: Final = "pending-stops"
+SUFFIX: Final = ".stop"
+SET_ASIDE_SUFFIX: Final = ".bad"
+# A note names one run or session (ids and reason at most 256 chars each: the protocol's
+# MAX_ID_CHARS, which the CLI's cancel checks the same way): well under this.
+MAX_NOTE_BYTES: Final = 4096
+# Stops waiting for a daemon at once; a CLI that finds this many refuses to write another.
+MAX_NOTES: Final = 256
+# A temp file a CLI left (killed between its write and its rename) older than this is
+# removed by the daemon; a younger one may be a CLI writing now.
+STALE_TEMP_S: Final = 600.0
+_MAX_TEXT: Final = 256
+
+
+class TooManyPendingStops(OSError):
+    """``MAX_NOTES`` stops already wait for a daemon: this one was not recorded."""
+
+
+@dataclass(frozen=True)
+class PendingStop:
+    """One stop a CLI recorded: a run's, or a session's (``turn``: the turn meant, if named)."""
+
+    path: Path
+    reason: str
+    at: float  # wall clock, when the stop was pressed
+    run_id: str | None = None
+    session_id: str | None = None
+    turn: str | None = None
+    cli_pid: int | None = None
+
+    def describe(self) -> str:
+        if self.run_id is not None:
+            return f"run {self.run_id}"
+        turn = f" (turn {self.turn})" if self.turn is not None else ""
+        return f"session {self.session_id}{turn}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(
+    state_dir: Path,
+    *,
+    reason: str,
+    run_id: str | None = None,
+    session_id: str | None = None,
+    turn: str | None = None,
+) -> Path:
+    """Record a stop for the next daemon on ``state_dir``; its note's path.
+
+    Raises:
+        TooManyPendingStops: ``MAX_NOTES`` wait already.
+        OSError: the note could not be written (nothing was recorded).
+    """
+    if (run_id is None) == (session_id is None):
+        raise ValueError("expected exactly one of run_id and session_id")
+    note = {"v": 1, "reason": reason, "at": time.time(), "cli_pid": os.getpid()}
+    note.update({k: v for k, v in (("run_id", run_id), ("session_id", session_id), ("turn", turn)) if v is not None})
+    data = json.dumps(note).encode()
+    if len(data) > MAX_NOTE_BYTES:
+        raise ValueError(f"expected a note of at most {MAX_NOTE_BYTES} bytes, got {len(data)}")
+    d = state_dir / DIR
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    if sum(1 for _ in os.scandir(d)) >= MAX_NOTES:
+        raise TooManyPendingStops(f"{MAX_NOTES} stops already wait in {str(d)!r} for a daemon")
+    name = f"{time.time_ns()}-{os.getpid()}{SUFFIX}"
+    temp = d / f".{name}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, d / name)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(d)
+    return d / name
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
+
+
+def _parse(path: Path, data: bytes) -> PendingStop:
+    """The note in ``data``; ValueError saying what is wrong with it."""
+    note = json.loads(data)
+    if not isinstance(note, dict):
+        raise ValueError(f"expected a JSON object, got {type(note).__name__}")
+    run_id, session_id, turn = note.get("run_id"), note.get("session_id"), note.get("turn")
+    if (run_id is None) == (session_id is None):
+        raise ValueError("expected exactly one of 'run_id' and 'session_id'")
+    for key, value in (("run_id", run_id), ("session_id", session_id), ("turn", turn), ("reason", note.get("reason"))):
+        if (value is not None or key == "reason") and not _text(value):
+            raise ValueError(f"expected {key!r} to be a string of 1 to {_MAX_TEXT} chars, got {value!r:.80}")
+    if turn is not None and session_id is None:
+        raise ValueError("expected 'turn' only with 'session_id'")
+    at = note.get("at")
+    if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 < at < 2**40:
+        raise ValueError(f"expected 'at' to be a wall-clock time, got {at!r:.80}")
+    cli_pid = note.get("cli_pid")
+    return PendingStop(
+        path=path,
+        reason=note["reason"],
+        at=float(at),
+        run_id=run_id,
+        session_id=session_id,
+        turn=turn,
+        cli_pid=cli_pid if isinstance(cli_pid, int) and not isinstance(cli_pid, bool) else None,
+    )
+
+
+def _read_one(path: Path) -> PendingStop:
+    """Raises OSError or ValueError: the note is not one (the caller sets it aside)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > MAX_NOTE_BYTES:
+            raise ValueError(f"expected at most {MAX_NOTE_BYTES} bytes, got {st.st_size}")
+        data = os.read(fd, MAX_NOTE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_NOTE_BYTES:
+        raise ValueError(f"expected at most {MAX_NOTE_BYTES} bytes, got more")
+    return _parse(path, data)
+
+
+def set_aside(path: Path, why: str) -> None:
+    """Keep a note that is not one out of the next start's way (renamed ``*.bad``)."""
+    logger.warning("pending stop %s is not one (%s): set aside, not applied", path, why)
+    try:
+        os.rename(path, path.with_name(path.name + SET_ASIDE_SUFFIX))
+    except OSError as exc:
+        logger.warning("cannot set %s aside (%s): removing it", path, exc)
+        try:
+            os.unlink(path)
+        except OSError as exc2:
+            logger.warning("cannot remove %s either: %s", path, exc2)
+
+
+def read_all(state_dir: Path) -> list[PendingStop]:
+    """Every pending stop on ``state_dir``, oldest first (at most ``MAX_NOTES``). Never
+    raises: a note that is not one is set aside, a directory that cannot be read logged."""
+    d = state_dir / DIR
+    try:
+        entries = sorted(os.scandir(d), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        logger.warning("cannot read the pending stops in %s: %s", d, exc)
+        return []
+    out: list[PendingStop] = []
+    now = time.time()
+    for entry in entries:
+        path = Path(entry.path)
+        if entry.name.endswith(".tmp"):
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S:
+                    os.unlink(path)  # a CLI killed before its rename: that stop was never recorded
+            except OSError:
+                pass
+            continue
+        if not entry.name.endswith(SUFFIX):
+            continue  # (set aside already, or not ours)
+        if len(out) >= MAX_NOTES:
+            logger.warning("more than %d pending stops in %s: the rest wait for the next start", MAX_NOTES, d)
+            break
+        try:
+            out.append(_read_one(path))
+        except (OSError, ValueError) as exc:
+            set_aside(path, str(exc))
+    return out
+
+
+def remove(stop: PendingStop) -> None:
+    """The note is applied (or found to name nothing live): gone, durably. Never raises."""
+    try:
+        os.unlink(stop.path)
+        _fsync_dir(stop.path.parent)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("cannot remove the pending stop %s (%s): it is applied again at the next start", stop.path, exc)

@@ -1,0 +1,175 @@
+"""Acceptance: a Stop pressed while no daemon runs is recorded and applied by the next one.
+
+Real daemon processes (``tests/children/daemon_main.py``) on one state dir, the real
+runner with the scripted model busy in a long command, a real SQLite file, a real
+websocket and the real CLI (a subprocess). The first daemon is SIGKILLed; its runner goes
+on; ``agentd cancel`` finds no daemon, records the stop (exit 10) and the next daemon
+applies it before the run goes on. A note that is not one never takes a daemon down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+from trio_websocket import open_websocket_url
+
+from supervisor.cli import ExitCode
+from supervisor.control._pendingstops import DIR
+from tests.supervisor.test_restart import CHILDREN, Client
+from tests.supervisor.test_restart_stop import command_spec, kill9, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@asynccontextmanager
+async def daemon(state_dir: Path, log: Path) -> AsyncIterator[tuple[trio.Process, Client]]:
+    """A real daemon with the real runner (as ``test_restart_stop.daemon``), its log in ``log``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
+    env["AGENTD_GRACE_S"] = "5"
+    with open(log, "ab") as log_file:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)],
+            stdout=-1,
+            stderr=log_file,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        buf = b""
+        assert proc.stdout is not None
+        while b"\n" not in buf:
+            chunk = await proc.stdout.receive_some()
+            assert chunk, f"daemon exited before it served: {log.read_text(errors='replace')[-3000:]}"
+            buf += chunk
+        info = json.loads(buf.split(b"\n")[0])
+        headers = [(b"authorization", f"Bearer {info['token']}".encode())]
+        async with open_websocket_url(info["url"], extra_headers=headers) as ws:
+            yield proc, Client(ws)
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                with trio.move_on_after(15):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            assert proc.stdout is not None
+            await proc.stdout.aclose()
+
+
+async def agentd(state: Path, *args: str) -> trio.CompletedProcess[bytes]:
+    """The real CLI, as a person runs it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return await trio.run_process(
+        [sys.executable, "-m", "supervisor", "--state-dir", str(state), *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env=env,
+    )
+
+
+def command_pid(status: dict[str, Any]) -> int:
+    (group,) = [g for g in status["groups"] if g["kind"] == "command" and g["alive"]]
+    return int(group["pgid"])  # the command's shell leads its own group
+
+
+async def test_a_stop_pressed_while_no_daemon_runs_is_applied_by_the_next_daemon_before_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    log = tmp_path / "daemon.log"
+    with trio.fail_after(90):
+        async with daemon(state, log) as (d1, c):
+            rid = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
+            await c.wait_for(rid, kind="process_group")  # the command runs
+            before = await c.call("status", run_id=rid)
+            runner, command = before["pid"], command_pid(before)
+            await kill9(d1, c)
+        assert psutil.pid_exists(runner) and psutil.pid_exists(command)  # the run goes on
+
+        pressed = await agentd(state, "cancel", rid)
+        stderr = pressed.stderr.decode()
+        assert pressed.returncode == ExitCode.STOP_PENDING, (pressed.returncode, stderr)
+        assert "not delivered now" in stderr and "applies it when it starts" in stderr, stderr
+        assert pressed.stdout.decode().strip() == f"{rid}: stop recorded, not delivered (no daemon)"
+        as_json = await agentd(state, "--json", "cancel", "--no-wait", rid)
+        assert as_json.returncode == ExitCode.STOP_PENDING, as_json.stderr
+        reply = json.loads(as_json.stdout)
+        assert (reply["run_id"], reply["delivered"], reply["pending"], reply["reason"]) == (rid, False, True, "user")
+        notes = sorted((state / DIR).iterdir())
+        assert len(notes) == 2 and str(notes[0]) in stderr and str(notes[1]) == reply["pending_stop"]
+        assert oct((state / DIR).stat().st_mode & 0o777) == oct(0o700)
+        assert all(n.stat().st_mode & 0o777 == 0o600 for n in notes)
+        assert psutil.pid_exists(command)  # recorded, not applied: no process was signalled
+
+        async with daemon(state, log) as (d2, c):
+            assert await c.wait_for(rid) == "cancelled"
+            final = await c.call("status", run_id=rid)
+        await wait_gone(runner, 10)
+        await wait_gone(command, 10)
+    assert (final["state"], final["reason"], final["cancel_reason"]) == ("cancelled", "user", "user"), final
+    carried = final["receipt"]["stop_carried"]
+    assert carried["by"] == "pending-stop" and carried["note"] == notes[0].name, carried
+    assert carried["pressed_at"] <= final["cancel_requested_at"]
+    (call,) = final["tool_calls"]
+    assert (call["state"], call["stop_effect"]) == ("cancelled", "interrupted"), call
+    assert list((state / DIR).iterdir()) == []  # applied, removed
+    text = log.read_text(errors="replace")
+    assert f"run {rid}: a stop (user) pressed while no daemon ran" in text, text[-3000:]
+
+
+async def test_a_note_that_is_not_one_is_set_aside_and_the_daemon_and_its_other_runs_go_on(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    log = tmp_path / "daemon.log"
+    with trio.fail_after(90):
+        async with daemon(state, log) as (d1, c):
+            rid = (await c.call("spawn", spec=command_spec("sleep 300"), session_id="s1"))["run_id"]
+            await c.wait_for(rid, kind="process_group")
+            before = await c.call("status", run_id=rid)
+            runner, command = before["pid"], command_pid(before)
+            await kill9(d1, c)
+        notes = state / DIR
+        notes.mkdir(mode=0o700)
+        (notes / "1-1.stop").write_bytes(b"\x00{not json")
+        (notes / "2-1.stop").write_text(json.dumps({"run_id": rid, "reason": "user", "at": "x" * 9000}))
+        (notes / "3-1.stop").symlink_to("/dev/zero")
+        (notes / "4-1.stop").write_text(json.dumps({"run_id": rid, "session_id": "s1", "reason": "u", "at": 1.0}))
+        # Valid, but naming nothing live: an unknown run, and a session's turn before this one.
+        unknown = {"run_id": "r-nobody", "reason": "user", "at": time.time(), "cli_pid": 1}
+        (notes / "5-1.stop").write_text(json.dumps(unknown))
+        earlier = {"session_id": "s1", "reason": "user", "at": before["created_at"] - 60}
+        (notes / "6-1.stop").write_text(json.dumps(earlier))
+
+        async with daemon(state, log) as (d2, c):
+            st = await c.call("status", run_id=rid)
+            assert st["state"] == "running" and st["cancel_reason"] is None, st  # not stopped
+            assert psutil.pid_exists(command)
+            assert sorted(p.name for p in notes.iterdir()) == [
+                "1-1.stop.bad",
+                "2-1.stop.bad",
+                "3-1.stop.bad",
+                "4-1.stop.bad",
+            ]
+            reply = await c.call("cancel", run_id=rid)  # the test's own end of it
+            assert reply["was_active"] is True
+            assert await c.wait_for(rid) == "cancelled"
+        await wait_gone(runner, 10)
+        await wait_gone(command, 10)
+    text = log.read_text(errors="replace")
+    for name in ("1-1.stop", "2-1.stop", "3-1.stop", "4-1.stop"):
+        assert f"{name} is not one" in text, text[-3000:]
+    assert "pending stop for run r-nobody, pressed while no daemon ran: ignored" in text
+    assert "pending stop for session s1, pressed while no daemon ran: ignored" in text
+    assert "Traceback" not in text
