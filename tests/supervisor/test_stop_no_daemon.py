@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -68,7 +69,7 @@ async def daemon(state_dir: Path, log: Path) -> AsyncIterator[tuple[trio.Process
             await proc.stdout.aclose()
 
 
-async def agentd(state: Path, *args: str) -> trio.CompletedProcess[bytes]:
+async def agentd(state: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     """The real CLI, as a person runs it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return await trio.run_process(

@@ -1,0 +1,95 @@
+"""Pending-stop notes: what the CLI writes with no daemon, what a starting daemon matches.
+
+The notes are real files in a temp state dir; the matching takes journal rows as values.
+The end-to-end case (a daemon SIGKILLed, the CLI, the next daemon) is
+``test_stop_no_daemon.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from supervisor.cli import ExitCode, cli
+from supervisor.config import JOURNAL_FILE
+from supervisor.control import _pendingstops
+from supervisor.control._pendingstops import DIR, TooManyPendingStops, read_all, write
+from supervisor.core._pending import PendingStops
+
+
+def row(
+    run_id: str, *, session: str | None = None, created: float = 100.0, cancel: str | None = None
+) -> dict[str, Any]:
+    return {"id": run_id, "session_id": session, "created_at": created, "cancel_reason": cancel}
+
+
+def test_a_note_is_written_whole_private_and_read_back(tmp_path: Path) -> None:
+    path = write(tmp_path, reason="user", session_id="s1", turn="r2")
+    assert path.parent == tmp_path / DIR and (tmp_path / DIR).stat().st_mode & 0o777 == 0o700
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in (tmp_path / DIR).iterdir()] == [path.name]  # no temp file left
+    (note,) = read_all(tmp_path)
+    assert (note.path, note.session_id, note.turn, note.run_id, note.reason) == (path, "s1", "r2", None, "user")
+
+
+def test_notes_are_bounded_in_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pendingstops, "MAX_NOTES", 2)
+    write(tmp_path, reason="user", run_id="r1")
+    write(tmp_path, reason="user", run_id="r2")
+    with pytest.raises(TooManyPendingStops):
+        write(tmp_path, reason="user", run_id="r3")
+    assert len(list((tmp_path / DIR).iterdir())) == 2
+
+
+def test_a_session_note_stops_only_the_turns_that_existed_when_it_was_pressed(tmp_path: Path) -> None:
+    session = write(tmp_path, reason="user", session_id="s1")
+    (note,) = read_all(tmp_path)
+    pending = PendingStops([note])
+    assert pending.stop_for(row("r-later", session="s1", created=note.at + 5)) is None
+    assert pending.stop_for(row("r-other", session="s2", created=note.at - 5)) is None
+    assert pending.stop_for(row("r-live", session="s1", created=note.at - 5)) == note
+    assert pending.applied[note] == ["r-live"] and pending.unmatched() == []
+    pending.settle()
+    assert not session.exists()
+
+
+def test_a_turn_note_stops_that_turn_only_and_a_stop_under_way_is_not_stopped_again(tmp_path: Path) -> None:
+    write(tmp_path, reason="user", session_id="s1", turn="r1")
+    write(tmp_path, reason="user", run_id="r2")
+    turn, run = read_all(tmp_path)
+    pending = PendingStops([turn, run])
+    assert pending.stop_for(row("r0", session="s1", created=0.0)) is None
+    assert pending.stop_for(row("r1", session="s1", created=0.0)) == turn
+    assert pending.stop_for(row("r2", cancel="timeout")) is None  # journaled already: resumed as it is
+    assert pending.applied == {turn: ["r1"], run: ["r2"]}
+
+
+def test_a_note_whose_run_failed_to_recover_is_kept_for_the_next_start(tmp_path: Path) -> None:
+    kept = write(tmp_path, reason="user", run_id="r1")
+    gone = write(tmp_path, reason="user", run_id="r-nobody")
+    pending = PendingStops(read_all(tmp_path))
+    pending.keep_for(row("r1"))
+    assert [n.run_id for n in pending.unmatched()] == ["r-nobody"]
+    pending.settle()
+    assert kept.exists() and not gone.exists()
+
+
+def test_cancel_with_no_daemon_records_the_stop_and_exits_10(tmp_path: Path) -> None:
+    (tmp_path / JOURNAL_FILE).touch()  # a state dir a daemon used
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "--json", "cancel", "--session", "s1"])
+    assert res.exit_code == ExitCode.STOP_PENDING, res.output
+    out = json.loads(res.stdout)
+    assert (out["session_id"], out["turn"], out["delivered"], out["pending"]) == ("s1", None, False, True)
+    assert "not delivered now: no agentd daemon is running" in res.stderr
+    (note,) = read_all(tmp_path)
+    assert (str(note.path), note.session_id) == (out["pending_stop"], "s1")
+
+
+def test_cancel_where_no_daemon_ever_ran_records_nothing(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "r1"])
+    assert res.exit_code == ExitCode.NO_DAEMON and res.stderr.startswith("error: no agentd daemon"), res.output
+    assert not (tmp_path / DIR).exists()
