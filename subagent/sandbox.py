@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from subagent import _isolate, _landlock, _links, _nest, _quotas, _seccomp
+from subagent import _isolate, _landlock, _links, _nest, _quotas, _seccomp, _wide
 from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
@@ -82,11 +82,8 @@ SANDBOX_ID: Final = 65000
 # The checkout this module lives in (the runner's code, node_modules).
 CHECKOUT: Final = str(Path(__file__).resolve().parent.parent)
 
-# Read (and execute) for every run. Missing ones are skipped.
-SYSTEM_READ: Final = (
-    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/var/lib",
-    "/var/cache", "/sys", "/nix/store",
-)  # fmt: skip
+# Read (and execute) for every run (``_wide``: what it holds is never too wide to grant).
+SYSTEM_READ: Final = _wide.SYSTEM_READ
 # Device files a tool may open for reading and writing.
 DEVICES_RW: Final = (
     "/dev/null",
@@ -102,7 +99,7 @@ DEVICES_RW: Final = (
 # (the host's, other people's and other runs' terminals out of sight); granted read-write.
 DEVPTS: Final = "/dev/pts"
 # Private (an empty tmpfs each) when the runner has its own mount namespace; writable then.
-PRIVATE_DIRS: Final = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+PRIVATE_DIRS: Final = _wide.SHARED_DIRS  # (the host's: every user's, never granted whole)
 # What the private dirs may hold together, in MiB (one tmpfs: memory), unless the daemon
 # says otherwise (its ``run_tmpfs_max_mib``); 0: the kernel's default (half the RAM).
 # Chromium and @playwright/mcp put next to nothing there (their files go to TMPDIR, in the
@@ -276,11 +273,18 @@ def _exists(paths: Iterable[str]) -> list[str]:
 
 
 def runtime_paths() -> list[str]:
-    """What the runner itself needs to keep running: interpreter, packages, this checkout."""
+    """What the runner itself needs to keep running: interpreter, packages, this checkout
+    (read whole; ``runtime_grants`` says what is narrowed)."""
+    return runtime_grants().read
+
+
+def runtime_grants() -> _wide.Narrowed:
+    """``runtime_paths`` and what was too wide among them (``_wide.narrow_runtime``): a
+    ``PYTHONPATH`` naming a home (or ``/``, ``/tmp``) gave every run all of it."""
+    imports = [p for p in sys.path if p and os.path.isabs(p)]
     paths = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, CHECKOUT]
-    paths += [str(Path(os.path.realpath(sys.executable)).parent.parent)]
-    paths += [p for p in sys.path if p and os.path.isabs(p)]
-    return _exists(paths)
+    paths += [os.path.realpath(sys.executable), str(Path(os.path.realpath(sys.executable)).parent.parent)]
+    return _wide.narrow_runtime(_exists([*paths, *imports]), imports, keep=[CHECKOUT])
 
 
 def _browser_paths(options: Any) -> list[str]:
@@ -501,6 +505,8 @@ class Ahead:
     root: bool
     host_uid: int
     inner: int
+    # Listed, not read: a sys.path entry too wide to grant whole (``runtime_grants``).
+    list_only: list[str] = field(default_factory=list)
     userns: bool = False
     # A procfs of the run's own at /proc, hidepid=invisible (``_isolate.private_proc``).
     proc_hidden: bool = False
@@ -681,11 +687,13 @@ def prepare_ahead(
     if abi <= 0 or _isolate.thread_count() > 1:
         return None
     root = os.geteuid() == 0
+    runtime = runtime_grants()
     ahead = Ahead(
         base=base,
         settings=settings,
         abi=abi,
-        read=_exists([*SYSTEM_READ, *runtime_paths()]),
+        read=_exists([*SYSTEM_READ, *runtime.read]),
+        list_only=runtime.list_only,
         write=_exists([str(base)]),
         protect=protected(settings),
         resolv=_resolv_target(),
@@ -695,6 +703,7 @@ def prepare_ahead(
         # runner becomes SANDBOX_ID. Either way /tmp, /run and the like are the run's own:
         # the user's sockets there (systemd --user, the session bus, ssh-agent) are out of reach.
         inner=SANDBOX_ID if root else os.getuid(),
+        problems=runtime.problems,
     )
     if root:
         _private_proc(ahead)
@@ -730,6 +739,7 @@ def prepare_ahead(
     # tunables cannot be written anyway (not uid 0, or mounted read-only).
     ahead.proc_writable = not root or tunables_ro
     grants = [Grant(p, FS_READ) for p in ahead.read] + [Grant(p, FS_WRITE) for p in ahead.write]
+    grants += [Grant(p, _landlock.READ_DIR) for p in ahead.list_only]  # a sys.path entry too wide to read
     grants += [
         Grant("/proc", FS_READ | (_landlock.WRITE_FILE if ahead.proc_writable else 0)),
         Grant("/dev", _landlock.READ_DIR),
