@@ -297,6 +297,22 @@ def _browser_paths(options: Any) -> list[str]:
     return _exists(browser_setup.read_paths(setup.node, setup.playwright_mcp, setup.chromium))
 
 
+def _browser_notes(browser: Any) -> list[str]:
+    """Why a browser run's Chromium directory was not granted whole (``read_paths``)."""
+    if browser is False:
+        return []
+    try:
+        from subagent.tools import browser as preset
+        from subagent.tools import browser_setup
+
+        chromium = preset.check_browser(True if browser is True else dict(browser)).chromium
+    except Exception:  # the preset reports it properly when it starts
+        return []
+    why = browser_setup.chromium_narrowed(chromium)
+    where = os.path.dirname(os.path.realpath(chromium))
+    return [] if why is None else [f"{where!r} (Chromium's) is {why}: only Chromium's binary and own files granted"]
+
+
 def _server_paths(spec: Any) -> list[str]:
     out: list[str] = []
     for server in spec.mcp_servers.values():
@@ -472,7 +488,7 @@ def _enter(
         if ahead is None:  # cannot happen: the checks above are the ones it makes
             raise SandboxError("the sandbox could not be prepared")
     try:
-        return _finish(ahead, spec_read, spec_write, settings, prepare, report, checked)
+        return _finish(ahead, spec_read, spec_write, settings, prepare, report, checked, spec.browser)
     finally:
         ahead.close()
 
@@ -850,9 +866,11 @@ def _finish(
     prepare: Callable[[], None] | None,
     report: Report,
     checked: tuple[list[str], list[str]],
+    browser: Any,
 ) -> bool:
     """The spec's half of ``_enter``: its paths, capabilities dropped, Landlock applied.
-    ``checked``: its paths less the daemon's own grant (see ``_enter``)."""
+    ``checked``: its paths less the daemon's own grant (see ``_enter``); ``browser``: the
+    spec's."""
     # Checked at the spawn, and again now (see ``_enter``); what a private tmpfs hides is
     # checked as it is bound back (``bind_hidden``).
     why = check_grants(*checked, ahead.protect)
@@ -866,6 +884,7 @@ def _finish(
     if any(p in PRIVATE_DIRS for p in ahead.private):
         report.private_max_mib = ahead.settings.tmpfs_max_mib
     report.problems.extend(ahead.problems)
+    report.problems.extend(_browser_notes(browser))  # (its binary in view now, $HOME still the daemon's)
     if ahead.root or ahead.userns:
         try:
             _isolate.drop_capabilities()

@@ -17,6 +17,8 @@ import re
 import shutil
 from typing import Final
 
+from subagent import _wide
+
 __all__ = [
     "BrowserSetupError",
     "DEBIAN_CHROMIUM",
@@ -27,6 +29,8 @@ __all__ = [
     "find_node",
     "find_playwright_mcp",
     "read_paths",
+    "CHROMIUM_FILES",
+    "chromium_narrowed",
 ]
 
 # Debian's package puts the real binary here; /usr/bin/chromium is a shell wrapper.
@@ -38,6 +42,20 @@ PLAYWRIGHT_BROWSERS_DEFAULT: Final = pathlib.Path("~/.cache/ms-playwright")
 # The checkout this module lives in: ``scripts/setup`` runs ``npm ci`` here.
 CHECKOUT_ROOT: Final = pathlib.Path(__file__).resolve().parents[2]
 PLAYWRIGHT_MCP_CLI: Final = pathlib.Path("node_modules/@playwright/mcp/cli.js")
+
+
+# What Chromium keeps beside its binary (Debian's /usr/lib/chromium, Chrome for Testing's
+# chrome-linux64 as Playwright installs it, its chrome-headless-shell): granted one by one,
+# with the binary, where its directory holds more than Chromium (``chromium_narrowed``).
+CHROMIUM_FILES: Final = (
+    "chrome_100_percent.pak", "chrome_200_percent.pak", "resources.pak", "headless_lib_data.pak",
+    "headless_lib_strings.pak", "headless_command_resources.pak", "icudtl.dat", "snapshot_blob.bin",
+    "v8_context_snapshot.bin", "chrome_crashpad_handler", "chrome_sandbox", "chrome-sandbox",
+    "vk_swiftshader_icd.json", "libEGL.so", "libGLESv2.so", "libvk_swiftshader.so", "libvulkan.so.1",
+    "libVkICD_mock_icd.so", "libVkLayer_khronos_validation.so", "libqt5_shim.so", "libqt6_shim.so",
+    "locales", "resources", "extensions", "MEIPreload", "PrivacySandboxAttestationsPreloaded",
+    "WidevineCdm", "swiftshader", "hyphen-data",
+)  # fmt: skip
 
 
 class BrowserSetupError(Exception):
@@ -167,17 +185,31 @@ def find_playwright_mcp() -> pathlib.Path:
     return path
 
 
+def chromium_narrowed(chromium: pathlib.Path) -> str | None:
+    """Why Chromium's directory (its binary's, real) is not granted whole, or None: it is
+    ``/``, a home, a directory holding one, a shared temporary directory
+    (``_wide.too_wide``), or a ``bin`` directory outside the system read set (a user's
+    ``~/bin``, ``~/.local/bin``: their other programs and scripts)."""
+    where = os.path.dirname(os.path.realpath(chromium))
+    why = _wide.too_wide(where)
+    if why is None and os.path.basename(where) == "bin" and not _wide.system_readable(where):
+        why = "a directory of programs ('bin')"
+    return why
+
+
 def read_paths(node: pathlib.Path, playwright_mcp: pathlib.Path, chromium: pathlib.Path) -> list[str]:
     """What a sandboxed run must read to start these (their real paths): node's binary
     (with a ``libnode`` beside it in its prefix's ``lib``, for a shared build), the
     ``node_modules`` that holds ``@playwright/mcp`` (its dependencies are its siblings;
     the package's own directory when it is in none), and Chromium's directory (its
-    resources are beside it).
+    resources are beside it), or, where that directory holds more than Chromium
+    (``chromium_narrowed``), Chromium's binary and its own files there (``CHROMIUM_FILES``).
 
     Not node's prefix: a node kept at ``~/.local/bin/node`` (a tarball unpacked there,
     ``mise``) or ``~/bin/node`` made the run able to read all of ``~/.local`` or the daemon
     user's home, through its browser too (``file://``); nor three levels above ``cli.js``,
-    which is ``/`` for a package kept at ``/opt/pw``.
+    which is ``/`` for a package kept at ``/opt/pw``; nor a Chromium's directory that is a
+    home (``executable_path`` or ``AGENTD_CHROMIUM`` naming ``~/chrome``: the whole home).
     """
     node = pathlib.Path(os.path.realpath(node))
     out = [str(node)]
@@ -186,5 +218,12 @@ def read_paths(node: pathlib.Path, playwright_mcp: pathlib.Path, chromium: pathl
     package = pathlib.Path(os.path.realpath(playwright_mcp)).parent
     modules = next((p for p in package.parents if p.name == "node_modules"), package)
     out.append(str(modules))
-    out.append(str(pathlib.Path(os.path.realpath(chromium)).parent))
+    binary = pathlib.Path(os.path.realpath(chromium))
+    if chromium_narrowed(binary) is None:
+        out.append(str(binary.parent))
+    else:
+        out.append(str(binary))
+        # (Not a link: a rule follows it to its target, anywhere.)
+        beside = [binary.parent / n for n in CHROMIUM_FILES]
+        out += [str(p) for p in beside if p.exists() and not p.is_symlink()]
     return out

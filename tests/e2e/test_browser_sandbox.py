@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 import trio
 
+from subagent.tools.browser_setup import DEBIAN_CHROMIUM
 from supervisor.config import Config
 from supervisor.core.runs import RunManager
 from supervisor.daemon import serve
@@ -255,3 +258,37 @@ async def test_a_browser_run_reads_no_more_of_nodes_home_than_node(
     assert found["node_note"].startswith("ERR:") and found["chromium_note"].startswith("NOPAGE:"), found
     read = st["sandbox"]["read"]
     assert str(node) in read and not any(Path(p) in (home, home / ".local", home / ".local" / "bin") for p in read)
+
+
+@pytest.mark.parametrize("state_dir", ["tmp"], indirect=True)
+async def test_a_browser_run_whose_chromium_is_kept_in_a_home_reads_chromium_not_the_home(
+    daemon: BrowserDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Chromium unpacked straight into the daemon user's home (``executable_path``
+    # naming ``~/chromium``): its directory, granted for its resources, was the whole home.
+    # A home of the test's own in the real one (out of the run's private /tmp: Landlock
+    # alone keeps it out), holding Debian's Chromium as hard links (its resources beside it).
+    conftest.require(os.access(DEBIAN_CHROMIUM.parent, os.R_OK), "Debian's Chromium in /usr/lib/chromium")
+    home = Path(tempfile.mkdtemp(prefix="agentd-test-home-", dir=Path.home()))
+    try:
+        subprocess.run(["cp", "-al", f"{DEBIAN_CHROMIUM.parent}/.", str(home)], check=True, timeout=60)
+        (home / ".bash_history").write_text(f"export TOKEN={SECRET}\n")
+        (home / "notes.txt").write_text(SECRET + "\n")
+        monkeypatch.setenv("HOME", str(home))
+        targets = {"files": {"history": str(home / ".bash_history"), "notes": str(home / "notes.txt")}}
+        code = PROBE_JS.split("  const sockets")[0].replace("%TARGETS%", json.dumps(targets)) + "  return out;\n}\n"
+        spec = {**browser_spec([run_code(code)]), "browser": {"executable_path": str(home / "chromium")}}
+        with trio.fail_after(SCENARIO_S):
+            r = await daemon.m.spawn(spec)
+            st = await daemon.m.wait_terminal(r["run_id"])
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert st["state"] == "completed", st  # Chromium started from its binary and files alone
+    found = code_result(st)
+    assert SECRET not in json.dumps(found), found
+    for key in ("history", "notes"):
+        assert found[f"node_{key}"].startswith("ERR:") and found[f"chromium_{key}"].startswith("NOPAGE:"), found
+    read = st["sandbox"]["read"]
+    assert str(home) not in read and str(home / "chromium") in read and str(home / "resources.pak") in read, read
+    notes = [p for p in st["sandbox"].get("problems", []) if str(home) in p]
+    assert notes and "home directory" in notes[0], st["sandbox"]
