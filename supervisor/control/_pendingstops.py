@@ -103,7 +103,10 @@ def write(
         raise ValueError(f"expected a note of at most {MAX_NOTE_BYTES} bytes, got {len(data)}")
     d = state_dir / DIR
     os.makedirs(d, mode=0o700, exist_ok=True)
-    if sum(1 for _ in os.scandir(d)) >= MAX_NOTES:
+    # Notes alone count: a set-aside ``*.bad`` (kept for a person to look at, never
+    # removed by a daemon) or a dead CLI's temp file is no stop waiting, and 256 of them
+    # refused every later stop for good.
+    if sum(1 for e in os.scandir(d) if e.name.endswith(SUFFIX)) >= MAX_NOTES:
         raise TooManyPendingStops(f"{MAX_NOTES} stops already wait in {str(d)!r} for a daemon")
     name = f"{time.time_ns()}-{os.getpid()}{SUFFIX}"
     temp = d / f".{name}.tmp"

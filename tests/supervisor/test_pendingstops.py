@@ -93,3 +93,18 @@ def test_cancel_where_no_daemon_ever_ran_records_nothing(tmp_path: Path) -> None
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "r1"])
     assert res.exit_code == ExitCode.NO_DAEMON and res.stderr.startswith("error: no agentd daemon"), res.output
     assert not (tmp_path / DIR).exists()
+
+
+def test_notes_set_aside_do_not_count_against_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A daemon sets aside a note that is not one (``*.bad``) and never removes it; a CLI
+    # killed before its rename leaves a temp file. Neither is a stop waiting: counted,
+    # enough of them refused every later stop ("256 stops already wait") though none did.
+    monkeypatch.setattr(_pendingstops, "MAX_NOTES", 2)
+    (tmp_path / DIR).mkdir(mode=0o700)
+    for name in ("1-1.stop.bad", "2-2.stop.bad", ".3-3.stop.tmp"):
+        (tmp_path / DIR / name).write_text("{")
+    write(tmp_path, reason="user", run_id="r1")
+    write(tmp_path, reason="user", run_id="r2")
+    with pytest.raises(TooManyPendingStops):
+        write(tmp_path, reason="user", run_id="r3")
+    assert [n.run_id for n in read_all(tmp_path)] == ["r1", "r2"]
