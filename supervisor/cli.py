@@ -1159,18 +1159,24 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
     try:
         result = send()
     except DaemonNotRunning as exc:
-        # No daemon: the runs go on (the next one re-adopts them), so the stop is recorded
-        # for it rather than lost. Then tried once more: a daemon that started meanwhile
-        # may have read the notes before this one was there.
-        note = _record_pending_stop(
-            client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
-        )
-        try:
-            result = send()
-        except DaemonNotRunning:
-            _report_pending_stop(obj, note, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason)
-        with contextlib.suppress(OSError):
-            note.unlink()  # delivered after all (a daemon that applied it too: a cancel is idempotent)
+        # A daemon that holds the state dir all the same (starting, or its endpoint or token
+        # file unreadable) would read no note before its next start: it is waited for.
+        reached = _reach_the_lock_holder(client, send, exc)
+        if reached is not None:
+            result = reached
+        else:
+            # No daemon: the runs go on (the next one re-adopts them), so the stop is
+            # recorded for it rather than lost. Then tried once more: a daemon that started
+            # meanwhile may have read the notes before this one was there.
+            note = _record_pending_stop(
+                client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
+            )
+            try:
+                result = send()
+            except DaemonNotRunning:
+                _report_pending_stop(obj, note, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason)
+            with contextlib.suppress(OSError):
+                note.unlink()  # delivered after all (a daemon that applied it too: a cancel is idempotent)
     runs = [r for r in result.get("runs", []) if isinstance(r, dict)] if session_id is not None else [result]
     final: dict[str, str] = {str(r["run_id"]): str(r.get("state")) for r in runs}
     # Wait for every run not yet ended: the one this stop reached, and one an earlier
@@ -1234,6 +1240,56 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
         for code in (ExitCode.RUN_LOST, ExitCode.RUN_FAILED, ExitCode.RUN_CANCELLED):
             if code in codes:
                 click.get_current_context().exit(code)
+
+
+def _reach_the_lock_holder(
+    client: Client, send: Callable[[], dict[str, Any]], exc: DaemonNotRunning
+) -> dict[str, Any] | None:
+    """The reply of the daemon that holds the state dir though it could not be reached;
+    None when no daemon holds it (the stop is to be recorded for the next one).
+
+    One that has not published its address yet (starting) is tried again for up to
+    ``stop_delivery_s``; one whose endpoint file names it (its token or its socket is what
+    fails) at once. A note would wait for that daemon's next start while the run goes on
+    (before: exit 10, "no daemon", and the run ran on), so none is written: the error
+    stands, saying which daemon holds the state dir (exit 3)."""
+    from supervisor.config import ENDPOINT_FILE, TOKEN_FILE
+    from supervisor.control import _pendingstops
+    from supervisor.control._statefiles import read_endpoint
+
+    state_dir = client.state_dir
+    holder = _pendingstops.lock_holder(state_dir)
+    if holder is None:
+        return None
+    deadline = time.monotonic() + client.stop_delivery_s
+    told = False
+    while True:
+        try:
+            published = read_endpoint(state_dir / ENDPOINT_FILE).get("pid")
+        except (OSError, ValueError):
+            published = None
+        if published == holder or time.monotonic() >= deadline:
+            break
+        if not told and client.on_stop_wait is not None:
+            told = True
+            client.on_stop_wait(
+                f"a daemon (pid {holder}) holds the state dir but has not published its address ({exc}); "
+                f"still trying to deliver the stop, for up to {client.stop_delivery_s:g} s"
+            )
+        time.sleep(0.1)
+        holder = _pendingstops.lock_holder(state_dir)
+        if holder is None:
+            return None  # it exited
+        try:
+            return send()
+        except DaemonNotRunning as again:
+            exc = again
+    raise CliError(
+        f"{exc}; yet a daemon (pid {holder}) holds the state dir and cannot be reached: the stop was not "
+        f"delivered, nor recorded (that daemon would apply a note only at its next start; check its "
+        f"{ENDPOINT_FILE!r} and {TOKEN_FILE!r} files, or restart it)",
+        ExitCode.NO_DAEMON,
+    )
 
 
 def _record_pending_stop(

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_NOTE_BYTES",
     "PendingStop",
     "TooManyPendingStops",
+    "lock_holder",
     "read_all",
     "remove",
     "set_aside",
@@ -47,6 +48,9 @@ MAX_NOTES: Final = 256
 # removed by the daemon; a younger one may be a CLI writing now.
 STALE_TEMP_S: Final = 600.0
 _MAX_TEXT: Final = 256
+# The file a live daemon holds an exclusive flock on for its life (``supervisor.daemon``'s
+# ``LOCK_FILE``; named here too: the CLI does not import the daemon).
+LOCK_FILE: Final = "daemon.lock"
 
 
 class TooManyPendingStops(OSError):
@@ -123,6 +127,33 @@ def write(
         raise
     _fsync_dir(d)
     return d / name
+
+
+def lock_holder(state_dir: Path) -> int | None:
+    """The pid of the daemon holding ``state_dir`` (its flock on ``LOCK_FILE``), read from
+    ``/proc/locks`` without taking the lock (a CLI that took it, even shared and for an
+    instant, could make a daemon starting then refuse to start); None when no process
+    holds it, or it cannot be told (no ``/proc/locks``: not Linux).
+
+    A daemon holds it while it runs, also when its endpoint or token file cannot be read
+    (removed, truncated) and the CLI cannot reach it: a note written then waits for that
+    daemon's next start while the run goes on."""
+    try:
+        st = os.stat(state_dir / LOCK_FILE)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <maj:min:ino> 0 EOF"; "1: -> ..." waits
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[3] == "WRITE" and fields[5] == ident:
+            try:
+                pid = int(fields[4])
+            except ValueError:
+                continue
+            return pid if pid > 0 else -1  # (-1: held, by a process of another pid namespace)
+    return None
 
 
 def _text(value: Any) -> bool:

@@ -7,7 +7,9 @@ The end-to-end case (a daemon SIGKILLed, the CLI, the next daemon) is
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from click.testing import CliRunner
 from supervisor.cli import ExitCode, cli
 from supervisor.config import JOURNAL_FILE
 from supervisor.control import _pendingstops
+from supervisor.control import client as client_module
 from supervisor.control._pendingstops import DIR, TooManyPendingStops, read_all, write
 from supervisor.core._pending import PendingStops
 
@@ -108,3 +111,34 @@ def test_notes_set_aside_do_not_count_against_the_bound(tmp_path: Path, monkeypa
     with pytest.raises(TooManyPendingStops):
         write(tmp_path, reason="user", run_id="r3")
     assert [n.run_id for n in read_all(tmp_path)] == ["r1", "r2"]
+
+
+def test_cancel_records_no_note_while_a_daemon_holds_the_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A daemon holds the state dir (its flock on daemon.lock: this test's, here) but its
+    # endpoint file is gone: it reads no note before its next start, so one written now
+    # left the run going on under "stop recorded" (exit 10). It is waited for (a starting
+    # daemon publishes its address), then the error stands: exit 3, nothing recorded.
+    monkeypatch.setattr(client_module, "STOP_DELIVERY_S", 0.3)
+    (tmp_path / JOURNAL_FILE).touch()
+    fd = os.open(tmp_path / _pendingstops.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert _pendingstops.lock_holder(tmp_path) == os.getpid()
+        res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "r1"])
+    finally:
+        os.close(fd)
+    assert res.exit_code == ExitCode.NO_DAEMON, res.output
+    assert f"a daemon (pid {os.getpid()}) holds the state dir and cannot be reached" in res.stderr, res.stderr
+    assert "has not published its address" in res.stderr, res.stderr
+    assert not (tmp_path / DIR).exists()
+    assert _pendingstops.lock_holder(tmp_path) is None  # released: the next cancel records it
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "--no-wait", "r1"])
+    assert res.exit_code == ExitCode.STOP_PENDING, res.output
+
+
+def test_the_lock_file_named_for_the_cli_is_the_daemons() -> None:
+    from supervisor.daemon import LOCK_FILE
+
+    assert _pendingstops.LOCK_FILE == LOCK_FILE

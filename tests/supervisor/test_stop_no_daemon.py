@@ -174,3 +174,28 @@ async def test_a_note_that_is_not_one_is_set_aside_and_the_daemon_and_its_other_
     assert "pending stop for run r-nobody, pressed while no daemon ran: ignored" in text
     assert "pending stop for session s1, pressed while no daemon ran: ignored" in text
     assert "Traceback" not in text
+
+
+async def test_a_daemon_that_runs_but_cannot_be_reached_gets_no_note_the_cli_says_so(tmp_path: Path) -> None:
+    # Its token file truncated (as a person or a tool may): the CLI cannot reach it. A note
+    # written then ("no daemon", exit 10) waited for that daemon's next start while the
+    # run went on; now the CLI sees the daemon's lock and says the stop was not delivered.
+    state = tmp_path / "state"
+    log = tmp_path / "daemon.log"
+    with trio.fail_after(90):
+        async with daemon(state, log) as (d, c):
+            rid = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
+            await c.wait_for(rid, kind="process_group")
+            token = (state / "token").read_bytes()
+            (state / "token").write_bytes(b"")
+            pressed = await agentd(state, "cancel", rid)
+            stderr = pressed.stderr.decode()
+            assert pressed.returncode == ExitCode.NO_DAEMON, (pressed.returncode, stderr)
+            assert f"a daemon (pid {d.pid}) holds the state dir and cannot be reached" in stderr, stderr
+            assert "not delivered, nor recorded" in stderr, stderr
+            assert not (state / DIR).exists()
+            assert (await c.call("status", run_id=rid))["state"] == "running"
+            (state / "token").write_bytes(token)
+            pressed = await agentd(state, "cancel", rid)
+            assert pressed.returncode == ExitCode.RUN_CANCELLED, pressed.stderr
+        assert not (state / DIR).exists()
