@@ -7,7 +7,9 @@ one re-adopts them). So the CLI writes the stop here: one small JSON file per st
 renamed, the directory fsynced. The next daemon reads them while it recovers runs, before
 it lets any go on, applies each as a user's cancel and removes it. A note that is not one
 (too big, not JSON, not a regular file) is set aside (``*.bad``) with a log line, never
-fatal. Bounded: ``MAX_NOTE_BYTES`` a note, ``MAX_NOTES`` waiting. Stdlib only (the CLI).
+fatal. Bounded: ``MAX_NOTE_BYTES`` a note, ``MAX_NOTES`` waiting. A reason agentd gives its
+own stops (``RESERVED_CANCEL_REASONS``) is refused as the daemon's ``cancel`` refuses it.
+Stdlib and ``supervisor.protocol`` only (the CLI).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from supervisor.protocol import RESERVED_CANCEL_REASONS
 
 __all__ = [
     "DIR",
@@ -100,6 +104,7 @@ def write(
     """
     if (run_id is None) == (session_id is None):
         raise ValueError("expected exactly one of run_id and session_id")
+    _check_reason(reason)
     note = {"v": 1, "reason": reason, "at": time.time(), "cli_pid": os.getpid()}
     note.update({k: v for k, v in (("run_id", run_id), ("session_id", session_id), ("turn", turn)) if v is not None})
     data = json.dumps(note).encode()
@@ -156,6 +161,14 @@ def lock_holder(state_dir: Path) -> int | None:
     return None
 
 
+def _check_reason(reason: str) -> None:
+    # A note is a user's stop: one claiming a reason of agentd's own stops (``timeout``,
+    # ``disk_full``...) made the run's record, its receipt and the session's next turn say
+    # agentd stopped it, which the daemon's ``cancel`` refuses (``bad_args``).
+    if reason in RESERVED_CANCEL_REASONS:
+        raise ValueError(f"reason {reason!r} is one agentd gives its own stops; a user's cancel may not claim it")
+
+
 def _text(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
 
@@ -173,6 +186,7 @@ def _parse(path: Path, data: bytes) -> PendingStop:
             raise ValueError(f"expected {key!r} to be a string of 1 to {_MAX_TEXT} chars, got {value!r:.80}")
     if turn is not None and session_id is None:
         raise ValueError("expected 'turn' only with 'session_id'")
+    _check_reason(note["reason"])
     at = note.get("at")
     if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 < at < 2**40:
         raise ValueError(f"expected 'at' to be a wall-clock time, got {at!r:.80}")

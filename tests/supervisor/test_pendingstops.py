@@ -142,3 +142,17 @@ def test_the_lock_file_named_for_the_cli_is_the_daemons() -> None:
     from supervisor.daemon import LOCK_FILE
 
     assert _pendingstops.LOCK_FILE == LOCK_FILE
+
+
+def test_a_reason_agentd_gives_its_own_stops_is_refused_as_the_daemon_refuses_it(tmp_path: Path) -> None:
+    # Live, `cancel --reason timeout` is bad_args; with no daemon it was recorded, and the
+    # next daemon stopped the run with reason "timeout": its record said agentd timed it out.
+    (tmp_path / JOURNAL_FILE).touch()
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "--reason", "timeout", "r1"])
+    assert res.exit_code == ExitCode.USAGE and "one agentd gives its own stops" in res.stderr, res.output
+    assert not (tmp_path / DIR).exists() or not list((tmp_path / DIR).iterdir())
+    # A note that claims one all the same (written by hand, or by another CLI) is no note.
+    (tmp_path / DIR).mkdir(mode=0o700, exist_ok=True)
+    (tmp_path / DIR / "1-1.stop").write_text(json.dumps({"run_id": "r1", "reason": "disk_full", "at": 1.0}))
+    assert read_all(tmp_path) == []
+    assert [p.name for p in (tmp_path / DIR).iterdir()] == ["1-1.stop.bad"]
