@@ -14,6 +14,7 @@ Stdlib and ``supervisor.protocol`` only (the CLI).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -261,7 +262,14 @@ def read_all(state_dir: Path) -> list[PendingStop]:
             break
         try:
             out.append(_read_one(path))
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # (ELOOP: a link, O_NOFOLLOW: not a note)
+                # EIO, EMFILE, ENOMEM: a note that may be good, kept for the next start
+                # (set aside, a stop pressed was never applied).
+                logger.warning("pending stop %s cannot be read now (%s): kept for the next start", path, exc)
+                continue
+            set_aside(path, str(exc))
+        except ValueError as exc:
             set_aside(path, str(exc))
     return out
 

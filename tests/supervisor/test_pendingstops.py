@@ -7,6 +7,7 @@ The end-to-end case (a daemon SIGKILLed, the CLI, the next daemon) is
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -156,3 +157,22 @@ def test_a_reason_agentd_gives_its_own_stops_is_refused_as_the_daemon_refuses_it
     (tmp_path / DIR / "1-1.stop").write_text(json.dumps({"run_id": "r1", "reason": "disk_full", "at": 1.0}))
     assert read_all(tmp_path) == []
     assert [p.name for p in (tmp_path / DIR).iterdir()] == ["1-1.stop.bad"]
+
+
+def test_a_note_that_cannot_be_read_now_is_kept_not_set_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # EIO or EMFILE at the daemon's start said nothing about the note: setting it aside
+    # (`*.bad`, never applied) lost a stop a person pressed.
+    path = write(tmp_path, reason="user", run_id="r1")
+    real_open = os.open
+
+    def failing_open(p: Any, *args: Any, **kwargs: Any) -> int:
+        if str(p) == str(path):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_open(p, *args, **kwargs)
+
+    monkeypatch.setattr(_pendingstops.os, "open", failing_open)
+    assert read_all(tmp_path) == []
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / DIR).iterdir()] == [path.name]
+    (note,) = read_all(tmp_path)  # the next start reads it
+    assert note.run_id == "r1"
