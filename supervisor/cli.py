@@ -921,6 +921,15 @@ def _short(text: Any, width: int = 100) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
+def _lookalikes(*texts: Any) -> str:
+    """A note naming the look-alike characters in what a person approves (a Cyrillic
+    ``а`` in ``pаypal``, fullwidth ``ｒｍ``: ``supervisor/_lookalikes.py``), or "". For
+    the human display only: ``--json`` keeps the raw text."""
+    from supervisor._lookalikes import lookalike_note
+
+    return lookalike_note(" ".join(str(t) for t in texts))
+
+
 def _tail(text: Any, width: int = 100) -> str:
     """The end of a text on one line: a live run's latest words."""
     s = " ".join(str(text).split())
@@ -993,7 +1002,7 @@ def format_event(event: dict[str, Any]) -> str:
         if shown.endswith("…") and len(" ".join(args.split())) > APPROVAL_ARGS_WIDTH:  # what is cut is said
             shown += f" [cut: {len(args)} characters in all; `agentd status {run} --json` shows them whole]"
         text = (
-            f"awaiting approval: {d.get('name')} {shown} "
+            f"awaiting approval: {d.get('name')} {shown}{_lookalikes(d.get('name'), args)} "
             f"(call {call}; `agentd approve {run} {call}` or `agentd deny {run} {call} --reason TEXT`)"
         )
     elif kind == "approval_sent":
@@ -1393,7 +1402,10 @@ def _message_lines(m: dict[str, Any]) -> list[str]:
     lines = [f"  {role}: {_short(content, 110)}"] if content else []
     for c in m.get("tool_calls") or []:
         fn = c.get("function") or {}
-        lines.append(f"  -> {c.get('id')}: {fn.get('name')} {_short(fn.get('arguments', ''), 90)}")
+        args = fn.get("arguments", "")
+        lines.append(
+            f"  -> {c.get('id')}: {fn.get('name')} {_short(args, 90)}{_lookalikes(fn.get('name'), args)}"
+        )
     return lines
 
 
@@ -1650,7 +1662,8 @@ def _print_run(run: dict[str, Any]) -> None:
             rows.append(
                 (
                     "awaiting",
-                    f"call {a.get('call_id')}: {a.get('name')} {_short(a.get('arguments', ''), 60)} (approve or deny)",
+                    f"call {a.get('call_id')}: {a.get('name')} {_short(a.get('arguments', ''), 60)}"
+                    f"{_lookalikes(a.get('name'), a.get('arguments', ''))} (approve or deny)",
                 )
             )
     detail = run.get("receipt", {}).get("stop_detail") if isinstance(run.get("receipt"), dict) else None
