@@ -6,7 +6,7 @@ run. A token (a run of letters, digits and marks, as a host label or a path segm
 is marked when it mixes scripts whose letters look like Latin ones (Latin, Greek,
 Cyrillic, Armenian, Cherokee, Coptic, Lisu: the IDN "mixed-script confusable" rule), or
 holds compatibility forms of ASCII (fullwidth, mathematical alphanumerics: NFKC maps
-them to ASCII). Text in one script (a Russian sentence, Chinese) is not marked.
+them to ASCII letters or digits). Text in one script (a Russian sentence, Chinese) is not marked.
 Human display only: the raw text is never changed. The dashboard's ``lookalike.js``
 applies the same rule.
 """
@@ -48,7 +48,7 @@ def _script(name: str) -> str | None:
 
 def _tokens(text: str) -> Iterator[str]:
     """Runs of letters, marks, digits, format characters (a zero-width joiner does not
-    split a token) and compatibility forms of ASCII (``／`` is part of ``／ｅｔｃ``)."""
+    split a token) and compatibility forms of ASCII letters and digits."""
     import unicodedata
 
     start = None
@@ -66,13 +66,14 @@ def _tokens(text: str) -> Iterator[str]:
 
 
 def _compat(c: str) -> str | None:
-    """What NFKC makes of a non-ASCII character when that is visible ASCII, else None."""
+    """What NFKC makes of a non-ASCII character when that is ASCII letters or digits,
+    else None: not punctuation (an ellipsis, the fullwidth comma of Chinese text)."""
     import unicodedata
 
     if c.isascii():
         return None
     n = unicodedata.normalize("NFKC", c)
-    return n if n != c and n.isascii() and n.strip() else None
+    return n if n != c and n.isascii() and n.isalnum() else None
 
 
 def _label(c: str) -> str:

@@ -1403,9 +1403,7 @@ def _message_lines(m: dict[str, Any]) -> list[str]:
     for c in m.get("tool_calls") or []:
         fn = c.get("function") or {}
         args = fn.get("arguments", "")
-        lines.append(
-            f"  -> {c.get('id')}: {fn.get('name')} {_short(args, 90)}{_lookalikes(fn.get('name'), args)}"
-        )
+        lines.append(f"  -> {c.get('id')}: {fn.get('name')} {_short(args, 90)}{_lookalikes(fn.get('name'), args)}")
     return lines
 
 
