@@ -1129,6 +1129,70 @@ def test_an_approval_shows_its_arguments_as_they_run_bidi_and_invisible_characte
     ]
 
 
+def test_an_approval_marks_look_alike_characters_and_names_them_but_not_plain_foreign_text(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    # A model driven by injected text asks to approve a host with a Cyrillic "а" (read
+    # "paypal", it is not) and a fullwidth "ｒｍ" (read "rm"). Then a call in plain Russian
+    # and Chinese: one script per word, nothing to mark. Raw JSON with literal characters.
+    spoofed = json.dumps({"command": "curl https://p\u0430ypal.com/login; \uff52\uff4d -rf /tmp/x"}, ensure_ascii=False)
+    plain = json.dumps({"command": "echo Привет, мир; echo 你好，世界"}, ensure_ascii=False)
+    turns = [
+        {"text": "asking", "tool_calls": [{"name": "run_command", "id": "call_spoof", "arguments": spoofed}]},
+        {"text": "again", "tool_calls": [{"name": "run_command", "id": "call_plain", "arguments": plain}]},
+    ]
+    spec = {
+        "task": "look-alikes",
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "{{last_output}}"}},
+        "approval": {"tools": ["run_command"]},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run_id = daemon.agentd("spawn", "--spec", str(tmp_path / "spec.json")).stdout.strip()
+    page = tab.page
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    box = page.get_by_role("region", name="Awaiting approval")
+    box.get_by_text("call call_spoof").wait_for()
+    args = box.locator("code.args")
+    assert args.text_content() == spoofed  # marked, not hidden nor changed
+    marks = args.locator("mark.lookalike")
+    assert marks.all_text_contents() == ["p\u0430ypal", "\uff52\uff4d"]
+    host, command = (m.get_attribute("title") or "" for m in marks.all())
+    assert "U+0430 Cyrillic" in host and "mixed scripts (Latin, Cyrillic)" in host, host
+    assert 'read "rm"' in command and 'U+FF52 fullwidth "r"' in command and 'U+FF4D fullwidth "m"' in command, command
+    assert marks.first.evaluate("(el) => getComputedStyle(el).backgroundColor") not in (
+        "rgba(0, 0, 0, 0)",
+        "transparent",
+    )
+    note = box.get_by_role("note").text_content() or ""
+    assert note.startswith("Look-alike characters: ") and "U+0430 Cyrillic" in note and "U+FF52" in note, note
+    box.get_by_role("button", name="Deny").click()
+    # The call's line in the page's tool list marks them too.
+    page.locator("#tools li[data-id=call_spoof][data-state=rejected]").wait_for()
+    assert page.locator("#tools li[data-id=call_spoof] .reason mark.lookalike").count() == 2
+    asked = box.locator("li[data-call=call_plain]")
+    asked.wait_for()
+    assert asked.locator("code.args").text_content() == plain
+    assert asked.locator("mark").count() == 0 and asked.get_by_role("note").count() == 0
+    asked.get_by_role("button", name="Deny").click()
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    # The page's rule on what else is (not) marked: mathematical letters, Greek mixed with
+    # Latin, Cyrillic in a path; a Russian file name, Latin with Han, an ellipsis, a lone
+    # Greek letter are not.
+    texts = [
+        "\U0001d42b\U0001d426 /",
+        "\u0391\u03b2c",
+        "rm -rf /srv/\u0440\u0433\u043eject",
+        "\u0444\u0430\u0439\u043b.txt",
+    ]
+    texts += ["tokyo\u6771\u4eac", "wait\u2026", "\u0394", ""]
+    found = page.evaluate(
+        """async (texts) => { const { lookalikes } = await import("/static/js/lookalike.js");
+        return texts.map((t) => lookalikes(t).map((f) => f.token)); }""",
+        texts,
+    )
+    assert found == [["\U0001d42b\U0001d426"], ["\u0391\u03b2c"], ["\u0440\u0433\u043eject"], [], [], [], [], []]
+
+
 def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:
     page = tab.page
     script = gated_script(tmp_path, "gate1")

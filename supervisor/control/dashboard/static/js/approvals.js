@@ -8,6 +8,7 @@
 // or has ended, nothing can be answered: the section goes.
 
 import { clear, h, reveal } from "./dom.js";
+import { literal, lookalikeNote } from "./lookalike.js";
 
 const ENDED = new Set(["completed", "failed", "cancelled", "lost"]);
 
@@ -89,8 +90,10 @@ export class Approvals {
         h(
           "li",
           { dataset: { call: it.call_id } },
-          // As stored, hidden characters shown (reveal): what is approved is what is seen.
-          h("p", {}, h("strong", { class: "literal", text: reveal(it.name) }), " ", h("code", { class: "args literal", text: reveal(it.arguments) })),
+          // As stored, hidden characters shown (reveal) and look-alike ones marked and named
+          // (lookalike.js): what is approved is what is seen.
+          h("p", {}, h("strong", { class: "literal" }, literal(it.name)), " ", h("code", { class: "args literal" }, literal(it.arguments))),
+          lookalikeNote(it.name, it.arguments),
           h("p", { class: "muted", text: `call ${it.call_id}` + (due ? ` · stops the run at ${due} unless answered` : "") }),
           h("div", { class: "row" }, approve, deny, reason),
           it.sent ? h("p", { class: "muted", role: "status", text: `${it.sent}: waiting for the runner` }) : null,

@@ -8,6 +8,7 @@
 import { Approvals } from "./approvals.js";
 import { clear, fmtAge, fmtClock, h, renderValue, reveal, stateBadge } from "./dom.js";
 import { foldSnapshot, laterSnapshot, renderEvent, toolLine } from "./events.js";
+import { literal } from "./lookalike.js";
 import { SessionTranscript } from "./sessions.js";
 import { SteerBox } from "./steer.js";
 import { StopControl } from "./stop.js";
@@ -225,7 +226,7 @@ class RunPage {
           { dataset: { state: rec.state, id: rec.id } },
           h("span", { class: "literal" }, toolLine(rec)),
           rec.reason ? h("span", { class: "reason", text: rec.reason }) : null,
-          rec.state !== "running" ? h("span", { class: "reason" }, "arguments: ", h("span", { class: "literal", text: reveal(rec.arguments) })) : null,
+          rec.state !== "running" ? h("span", { class: "reason" }, "arguments: ", h("span", { class: "literal" }, literal(rec.arguments))) : null,
         ),
       );
     }

@@ -10,7 +10,8 @@
 // session's history comes in pages: the newest turns show, "Load earlier turns" asks for
 // the ones before them ("before_turn").
 
-import { clear, fmtClock, h, reveal } from "./dom.js";
+import { clear, fmtClock, h } from "./dom.js";
+import { literal } from "./lookalike.js";
 
 function messageItem(m) {
   if (m.role === "tool") {
@@ -18,7 +19,7 @@ function messageItem(m) {
   }
   if (m.role === "system") return h("li", { class: "msg msg-note", text: m.content ?? "" });
   const calls = (m.tool_calls ?? []).map((c) =>
-    h("p", { class: "call" }, h("span", { class: "who", text: `call ${c.id}` }), " ", h("strong", { class: "literal", text: reveal(c.function?.name ?? "?") }), " ", h("code", { class: "literal", text: reveal(c.function?.arguments) })),
+    h("p", { class: "call" }, h("span", { class: "who", text: `call ${c.id}` }), " ", h("strong", { class: "literal" }, literal(c.function?.name ?? "?")), " ", h("code", { class: "literal" }, literal(c.function?.arguments))),
   );
   return h("li", { class: `msg msg-${m.role}` }, h("span", { class: "who", text: m.role }), m.content ? h("p", { text: m.content }) : null, calls);
 }
