@@ -306,6 +306,36 @@ async def test_watch_shows_the_call_awaiting_approval_with_its_arguments_and_how
     assert (shared / "side-effect").read_text() == "wrote\n"
 
 
+async def test_status_names_the_look_alike_characters_of_a_call_awaiting_approval_and_json_keeps_it_raw(
+    tmp_path: Path,
+) -> None:
+    # A prompt-injected model asks to approve a host with a Cyrillic "а" (read "paypal")
+    # and a fullwidth "ｒｍ" (read "rm"): the person sees them as they are, then named.
+    arguments = json.dumps({"command": "curl https://p\u0430ypal.com/x; \uff52\uff4d -rf /tmp/x"}, ensure_ascii=False)
+    call = {"name": "run_command", "id": "call_s", "arguments": arguments}
+    script = {"turns": [{"text": "asking", "tool_calls": [call]}], "final": "done"}
+    spec = {"task": "t", "model": {"provider": "scripted", "script": script}, "approval": {"tools": ["run_command"]}}
+    state = tmp_path / "state"
+    with trio.fail_after(SCENARIO_S):
+        async with daemon(state, grace_s=5.0) as (_d, c):
+            s = Session(c)
+            rid = (await c.call("spawn", spec=spec))["run_id"]
+            await s.wait(rid, awaiting)
+            agentd = [AGENTD, "--state-dir", str(state)]
+            human = await trio.run_process([*agentd, "status", rid], capture_stdout=True)
+            raw = await trio.run_process([*agentd, "--json", "status", rid], capture_stdout=True)
+            await c.call("deny", run_id=rid, call_id="call_s")
+            await s.end(rid)
+    (line,) = [ln for ln in human.stdout.decode().splitlines() if ln.startswith("awaiting")]
+    assert line.endswith(
+        f"call call_s: run_command {arguments} [look-alike characters: 'p\u0430ypal' mixes scripts: "
+        "U+0430 CYRILLIC SMALL LETTER A; '\uff52\uff4d' reads 'rm' in compatibility forms: "
+        "U+FF52 FULLWIDTH LATIN SMALL LETTER R, U+FF4D FULLWIDTH LATIN SMALL LETTER M] (approve or deny)"
+    ), line
+    (pending,) = json.loads(raw.stdout)["approvals"]
+    assert pending["arguments"] == arguments and b"look-alike" not in raw.stdout
+
+
 async def test_a_daemon_killed_before_the_run_moved_to_awaiting_approval_moves_it_at_its_restart(
     tmp_path: Path,
 ) -> None:

@@ -1,0 +1,90 @@
+"""Look-alike characters in what a person approves, as the CLI names them.
+
+A prompt-injected model can ask to approve ``curl https://pаypal.com`` (a Cyrillic ``а``)
+or ``ｒｍ -rf`` (fullwidth): the person reads one thing and lets another run. The rule
+(``supervisor/_lookalikes.py``) and the CLI lines that show a call to decide on; a real
+daemon's ``agentd status`` is in ``tests/e2e/test_approvals.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from supervisor._lookalikes import find_lookalikes, lookalike_note
+from supervisor.cli import _message_lines, format_event
+
+CYRILLIC_A = "\u0430"
+SPOOFED = f"curl https://p{CYRILLIC_A}ypal.com/login; \uff52\uff4d -rf /tmp/x"
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        (SPOOFED, [("p\u0430ypal", "mixed scripts"), ("\uff52\uff4d", "compatibility forms")]),
+        ("rm -rf /home/alice/\u0440\u0433\u043eject", [("\u0440\u0433\u043eject", "mixed scripts")]),
+        ("\U0001d42b\U0001d426 -rf /", [("\U0001d42b\U0001d426", "compatibility forms")]),
+        ("ssh \u0391\u03b2c.example", [("\u0391\u03b2c", "mixed scripts")]),  # Greek with Latin
+        ("p\u200d\u0430ypal", [("p\u200d\u0430ypal", "mixed scripts")]),  # a joiner does not split it
+        # One script per token: a Russian sentence and file name, Chinese with its own
+        # punctuation, Latin beside Han, an ellipsis, plain ASCII.
+        ("echo Привет, мир; cat файл.txt", []),
+        ("echo 你好，世界 tokyo東京", []),
+        ("wait\u2026 ok", []),
+        ("ls -la /tmp", []),
+    ],
+)
+def test_a_token_mixing_look_alike_scripts_or_holding_compatibility_forms_is_found_and_one_script_is_not(
+    text: str, tokens: list[tuple[str, str]]
+) -> None:
+    assert [(f.token, f.kind) for f in find_lookalikes(text)] == tokens
+
+
+def test_the_note_names_each_character_by_code_point_and_name_and_what_it_reads_as() -> None:
+    assert lookalike_note(SPOOFED) == (
+        " [look-alike characters: 'pаypal' mixes scripts: U+0430 CYRILLIC SMALL LETTER A; "
+        "'ｒｍ' reads 'rm' in compatibility forms: U+FF52 FULLWIDTH LATIN SMALL LETTER R, "
+        "U+FF4D FULLWIDTH LATIN SMALL LETTER M]"
+    )
+    assert lookalike_note("echo Привет, мир") == ""
+    many = " ".join(f"x{CYRILLIC_A}{i}" for i in range(8))
+    assert lookalike_note(many).endswith("; and 3 more]")
+
+
+def approval_event(arguments: str) -> dict[str, Any]:
+    data = {"call_id": "call_1", "name": "run_command", "arguments": arguments}
+    return {"kind": "approval_requested", "seq": 3, "ts": 0.0, "run_id": "r-1", "data": data}
+
+
+def test_watch_shows_the_arguments_as_they_are_then_names_their_look_alike_characters() -> None:
+    raw = json.dumps({"command": SPOOFED}, ensure_ascii=False)
+    line = format_event(approval_event(raw))
+    assert f"awaiting approval: run_command {raw} [look-alike characters: 'pаypal' mixes scripts: U+0430" in line
+    assert "U+FF52 FULLWIDTH LATIN SMALL LETTER R" in line and "(call call_1; `agentd approve r-1 call_1`" in line
+    plain = json.dumps({"command": "echo Привет, мир; echo 你好，世界"}, ensure_ascii=False)
+    assert "look-alike" not in format_event(approval_event(plain))
+
+
+def test_a_sessions_transcript_names_the_look_alike_characters_of_a_call() -> None:
+    call = {"id": "c1", "function": {"name": "run_command", "arguments": f"ping p{CYRILLIC_A}ypal.com"}}
+    (line,) = _message_lines({"role": "assistant", "tool_calls": [call]})
+    assert line.endswith("[look-alike characters: 'pаypal' mixes scripts: U+0430 CYRILLIC SMALL LETTER A]"), line
+
+
+def test_the_cli_imports_unicodedata_only_for_text_that_is_not_ascii() -> None:
+    code = (
+        "import sys\n"
+        "from supervisor.cli import format_event\n"
+        "ev = {'kind': 'approval_requested', 'seq': 1, 'ts': 0.0, 'data': {'name': 'x', 'arguments': 'ls'}}\n"
+        "format_event(ev)\n"
+        "print('unicodedata' in sys.modules)\n"
+        "ev['data']['arguments'] = 'p\\u0430ypal'\n"
+        "format_event(ev)\n"
+        "print('unicodedata' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
