@@ -1,14 +1,10 @@
-"""Look-alike characters in what a person approves: a note naming them, for the CLI.
+"""Look-alike characters in a call a person decides on: a note naming them, for the CLI.
 
-A model driven by injected text can ask to approve ``curl https://pаypal.com`` (a Cyrillic
-``а``) or ``ｒｍ -rf`` (fullwidth letters): the person reads one thing and lets another
-run. A token (a run of letters, digits and marks, as a host label or a path segment is)
-is marked when it mixes scripts whose letters look like Latin ones (Latin, Greek,
-Cyrillic, Armenian, Cherokee, Coptic, Lisu: the IDN "mixed-script confusable" rule), or
-holds compatibility forms of ASCII (fullwidth, mathematical alphanumerics: NFKC maps
-them to ASCII letters or digits). Text in one script (a Russian sentence, Chinese) is not marked.
-Human display only: the raw text is never changed. The dashboard's ``lookalike.js``
-applies the same rule.
+``curl https://pаypal.com`` (a Cyrillic ``а``) and ``ｒｍ`` (fullwidth) read as what they
+are not. A token (letters, marks, digits, as a host label is) is named when it mixes scripts
+with Latin look-alikes (the IDN mixed-script rule) or holds compatibility forms of ASCII
+letters or digits (NFKC reads them as ASCII); one script alone (Russian, Chinese) is not.
+Display only: the raw text is never changed. The dashboard's ``lookalike.js`` does the same.
 """
 
 from __future__ import annotations
