@@ -1,6 +1,6 @@
 // Look-alike characters in what a person approves (the rule of supervisor/_lookalikes.py,
 // which the CLI uses). A model driven by injected text can ask to approve
-// "curl https://pаypal.com" (a Cyrillic "а") or "ｒｍ -rf" (fullwidth letters): the person
+// "curl" of "pаypal.com" (a Cyrillic "а") or "ｒｍ -rf" (fullwidth letters): the person
 // reads one thing and lets another run. A token (a run of letters, marks, digits and
 // format characters, as a host label or a path segment is) is marked when it mixes
 // scripts whose letters look like Latin ones, or holds compatibility forms of ASCII
