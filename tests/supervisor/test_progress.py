@@ -47,7 +47,7 @@ def test_event_lines_python_reads_but_the_daemon_could_not_keep_are_decoded_tota
     )
     assert [type(x) for x in out] == [Event, Event, BadLine, BadLine, Event]
     assert isinstance(out[0], Event) and isinstance(out[0].ts, float) and out[0].ts > 1e9
-    assert isinstance(out[1], Event) and out[1].ts > 1e9 and out[1].data == {"x": None, "y": None}
+    assert isinstance(out[1], Event) and out[1].ts > 1e9 and out[1].data == {"x": None, "y": None, "ts_replaced": True}
     # Too deep for the decoder (RecursionError), or for the bound (with a higher limit).
     assert isinstance(out[2], BadLine) and out[2].problem.startswith("json nested ")
     assert isinstance(out[3], BadLine) and out[3].problem == "json nested more than 64 deep"
@@ -58,7 +58,7 @@ def test_integers_beyond_64_bits_in_an_event_line_become_null() -> None:
         b'{"event":"process_group","pgid":9223372036854775808,"pid":-9223372036854775808,"n":1' + b"0" * 5000 + b"}\n"
     )
     assert isinstance(out[0], Event)
-    assert out[0].data == {"pgid": None, "pid": -(2**63), "n": None}
+    assert out[0].data == {"pgid": None, "pid": -(2**63), "n": None, "ts_replaced": True}  # (no ts: now)
 
 
 async def test_an_approval_deadline_of_true_is_no_deadline() -> None:
