@@ -53,7 +53,7 @@ from supervisor.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from supervisor.control.client import Client
+    from supervisor.control.client import Client, ConnectionLost
 
 __all__ = ["main", "cli", "ExitCode", "build_spec"]
 
@@ -1180,10 +1180,18 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
             note = _record_pending_stop(
                 client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
             )
+            from supervisor.control.client import ConnectionLost
+
             try:
                 result = send()
             except DaemonNotRunning:
                 _report_pending_stop(obj, note, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason)
+            except ConnectionLost as lost:
+                # A daemon started meanwhile and did not answer (still finding its runs
+                # again): the note is on disk, read by it or not; a bare exit 6 hid both.
+                _report_pending_stop(
+                    obj, note, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason, unanswered=lost
+                )
             with contextlib.suppress(OSError):
                 note.unlink()  # delivered after all (a daemon that applied it too: a cancel is idempotent)
     runs = [r for r in result.get("runs", []) if isinstance(r, dict)] if session_id is not None else [result]
@@ -1330,19 +1338,40 @@ def _report_pending_stop(
     session_id: str | None,
     turn: str | None,
     reason: str,
+    unanswered: ConnectionLost | None = None,
 ) -> NoReturn:
-    """Say that the stop waits for a daemon (stderr; ``--json``: an object), exit 10."""
+    """Say that the stop waits for a daemon (stderr; ``--json``: an object), exit 10.
+
+    ``unanswered``: a daemon started after the note was written and did not answer the
+    stop tried again; whether it applies the note depends on whether it read it at its
+    start, which the CLI cannot tell unless the note is gone (read and settled)."""
     what = f"run {run_id}" if run_id is not None else f"session {session_id}" + (f" (turn {turn})" if turn else "")
-    message = (
-        f"the stop of {what} was not delivered now: {exc}; it is recorded in {str(note)!r} and the daemon "
-        "applies it when it starts, before the run goes on"
-    )
     out: dict[str, Any] = {"delivered": False, "pending": True, "pending_stop": str(note), "reason": reason}
     out.update({"run_id": run_id} if run_id is not None else {"session_id": session_id, "turn": turn})
-    obj.emit(
-        {**out, "message": message},
-        lambda: click.echo(f"{run_id or session_id}: stop recorded, not delivered (no daemon)"),
-    )
+    check = f"agentd status {run_id}" if run_id is not None else f"agentd history {session_id}"
+    if unanswered is None:
+        message = (
+            f"the stop of {what} was not delivered now: {exc}; it is recorded in {str(note)!r} and the daemon "
+            "applies it when it starts, before the run goes on"
+        )
+        line = "stop recorded, not delivered (no daemon)"
+    else:
+        taken = not note.exists()
+        sent = " (the stop was sent to it too: whether it took it is unknown)" if unanswered.sent else ""
+        message = (
+            f"the stop of {what} was not delivered: no daemon ran, so it was recorded in {str(note)!r}; "
+            f"then a daemon started meanwhile did not answer ({unanswered}){sent}; "
+            + (
+                "it has read the note and removed it (a daemon applies a note naming a live run before the run goes on)"
+                if taken
+                else "it applies the note only if it read it at its start (it reads the notes while it finds its "
+                "runs again), else the note waits for the next start while the run goes on"
+            )
+            + f": check `{check}` and press Stop again once the daemon answers"
+        )
+        out.update({"daemon_started": True, "note_taken": taken, "sent": unanswered.sent})
+        line = "stop recorded, not delivered (a daemon started meanwhile and did not answer)"
+    obj.emit({**out, "message": message}, lambda: click.echo(f"{run_id or session_id}: {line}"))
     click.echo(f"warning: {message}", err=True)
     click.get_current_context().exit(ExitCode.STOP_PENDING)
 

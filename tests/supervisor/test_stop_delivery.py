@@ -9,6 +9,7 @@ client; the server is held (``ServerThread(held=True)``) and released by the tes
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from supervisor.cli import cli
+from supervisor.cli import ExitCode, cli
+from supervisor.config import JOURNAL_FILE
+from supervisor.control import _pendingstops
 from supervisor.control import client as client_mod
 from supervisor.control.client import Client, ConnectionLost
 from tests.supervisor.control_thread import ServerThread
@@ -130,3 +133,43 @@ def test_the_cli_says_why_a_stop_takes_time_and_delivers_it(tmp_path: Path) -> N
         assert server.backend.cancels == [(run_id, "user")]
     finally:
         server.stop()
+
+
+def test_a_daemon_started_after_the_note_that_does_not_answer_leaves_an_honest_exit_10(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No daemon: the CLI records the note, then tries once more. A daemon that started in
+    # between and holds its connections (finding its runs again) made that retry raise
+    # ConnectionLost: a bare "error: the daemon ... did not answer" and exit 6, though the
+    # stop was on disk and that daemon may or may not have read it.
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / JOURNAL_FILE).touch()  # a state dir a daemon used
+    monkeypatch.setattr(client_mod, "STOP_DELIVERY_S", 1.0)
+    started: list[ServerThread] = []
+    real_write = _pendingstops.write
+
+    def write_then_a_daemon_starts(*args: Any, **kwargs: Any) -> Path:
+        note = real_write(*args, **kwargs)
+        started.append(ServerThread(state, held=True).start())
+        return note
+
+    monkeypatch.setattr(_pendingstops, "write", write_then_a_daemon_starts)
+    try:
+        res = CliRunner().invoke(cli, ["--state-dir", str(state), "--json", "cancel", "r1"], prog_name="agentd")
+        (server,) = started
+        assert server.backend.cancels == []  # it answered nothing
+    finally:
+        for s in started:
+            s.stop()
+    assert res.exit_code == ExitCode.STOP_PENDING, (res.exit_code, res.output)
+    out = json.loads(res.stdout)
+    note = Path(out["pending_stop"])
+    assert note.exists() and note.parent == state / _pendingstops.DIR
+    assert (out["run_id"], out["delivered"], out["pending"]) == ("r1", False, True), out
+    assert (out["daemon_started"], out["note_taken"], out["sent"]) == (True, False, False), out
+    assert f"recorded in {str(note)!r}" in res.stderr, res.stderr
+    assert "a daemon started meanwhile did not answer" in res.stderr, res.stderr
+    assert "only if it read it at its start" in res.stderr, res.stderr
+    assert "check `agentd status r1`" in res.stderr, res.stderr
+    assert "error:" not in res.stderr, res.stderr
