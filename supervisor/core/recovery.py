@@ -34,6 +34,7 @@ import trio
 from subagent.history import LOST_BEFORE_START
 from subagent.stopmark import clear_marker
 from supervisor.control import _pendingstops
+from supervisor.control._pendingstops import PendingStop
 from supervisor.core._background import amend_background
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
@@ -50,6 +51,9 @@ from supervisor.trees.pool import remove_dir
 __all__ = ["Recovery"]
 
 logger = logging.getLogger(__name__)
+
+# In a stop's intent noted while the journal is down: the pending-stop note it came from.
+PENDING_KEY = "pending_stop"
 
 
 class Recovery:
@@ -97,7 +101,7 @@ class Recovery:
         pid, tree_id = row["pid"], row["tree_id"]
         if pid is None or tree_id is None:
             if (pstop := pending.stop_for(row)) is not None:
-                row = await self._journal_pending_stop(row, pstop.reason, pstop.describe())
+                row = await self._journal_pending_stop(row, pstop)
                 receipt_note = pending_receipt(pstop)
             await self._never_started(row, receipt_note)
             return None
@@ -121,7 +125,7 @@ class Recovery:
         if found.leader_alive and (pstop := pending.stop_for(row)) is not None:
             # Pressed while no daemon ran: the user's cancel, applied before the run goes
             # on (a runner that ended meanwhile is what its result says, not stopped).
-            row = await self._journal_pending_stop(row, pstop.reason, pstop.describe())
+            row = await self._journal_pending_stop(row, pstop)
             receipt_note = pending_receipt(pstop)
         for g in row["groups"]:
             if g["alive"] and g["kind"] == "command":
@@ -201,6 +205,8 @@ class Recovery:
         reason, at, until = stop["reason"], stop["at"], stop["stop_deadline"]
         detail = stop.get("detail") if isinstance(stop.get("detail"), dict) else None
         intent = {"reason": reason, "at": at, "stop_deadline": until, "detail": detail}
+        if isinstance(stop.get(PENDING_KEY), dict):
+            intent[PENDING_KEY] = stop[PENDING_KEY]  # (noted again, its origin with it)
         await self.book.backlog.write(
             run_id,
             lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=detail),
@@ -224,12 +230,20 @@ class Recovery:
             "stop_detail": detail,
         }
 
-    async def _journal_pending_stop(self, row: Any, reason: str, named: str) -> Any:
+    async def _journal_pending_stop(self, row: Any, pstop: PendingStop) -> Any:
         """A stop pressed while no daemon ran, journaled now as a cancel asked now (its
-        grace counts from now: no signal reached the run before), the row as if it had been."""
-        run_id, at = row["id"], time.time()
+        grace counts from now: no signal reached the run before), the row as if it had been.
+        Noted with where it came from: a journal that cannot take it leaves it to the
+        journal-unwritten note, and the next daemon's receipt still names the pending stop."""
+        run_id, at, reason, named = row["id"], time.time(), pstop.reason, pstop.describe()
         until = at + self.lifecycle.config.grace_s
-        intent = {"reason": reason, "at": at, "stop_deadline": until, "detail": None}
+        intent = {
+            "reason": reason,
+            "at": at,
+            "stop_deadline": until,
+            "detail": None,
+            PENDING_KEY: {"note": pstop.path.name, "pressed_at": pstop.at, "cli_pid": pstop.cli_pid},
+        }
         await self.book.backlog.write(
             run_id,
             lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=None),
@@ -354,6 +368,21 @@ def _carried(stop: dict[str, Any] | None) -> dict[str, Any] | None:
     """For the receipt: the stop came across the restart in the journal-unwritten note."""
     if stop is None:
         return None
+    pressed = stop.get(PENDING_KEY)
+    if isinstance(pressed, dict):
+        # A stop pressed while no daemon ran, which the daemon that read its note could not
+        # journal: not one that daemon acknowledged to anyone.
+        return {
+            "by": "pending-stop",
+            "note": pressed.get("note"),
+            "pressed_at": pressed.get("pressed_at"),
+            "cli_pid": pressed.get("cli_pid"),
+            "then": "journal-unwritten",
+            "daemon_pid": stop.get("daemon_pid"),
+            "message": "the stop was pressed while no daemon ran and recorded in a pending-stop note; the daemon "
+            "that applied it could not journal it and ended before it could: its journal-unwritten note "
+            "carried it across the restart",
+        }
     return {
         "by": "journal-unwritten",
         "daemon_pid": stop.get("daemon_pid"),

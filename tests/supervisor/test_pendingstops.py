@@ -1,6 +1,7 @@
 """Pending-stop notes: what the CLI writes with no daemon, what a starting daemon matches.
 
-The notes are real files in a temp state dir; the matching takes journal rows as values.
+The notes are real files in a temp state dir; the matching takes journal rows as values;
+a daemon in-process on a real SQLite file for a journal that takes no writes.
 The end-to-end case (a daemon SIGKILLed, the CLI, the next daemon) is
 ``test_stop_no_daemon.py``.
 """
@@ -11,18 +12,24 @@ import errno
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from click.testing import CliRunner
 
 from supervisor.cli import ExitCode, cli
-from supervisor.config import JOURNAL_FILE
+from supervisor.config import JOURNAL_FILE, Config
 from supervisor.control import _pendingstops
 from supervisor.control import client as client_module
 from supervisor.control._pendingstops import DIR, TooManyPendingStops, read_all, write
 from supervisor.core._pending import PendingStops
+from supervisor.daemon import serve
+from supervisor.errors import JournalUnavailable
+from supervisor.store._unwritten import NAME, UnwrittenNote
+from supervisor.store.journal import Journal
 
 
 def row(
@@ -176,3 +183,45 @@ def test_a_note_that_cannot_be_read_now_is_kept_not_set_aside(tmp_path: Path, mo
     assert [p.name for p in (tmp_path / DIR).iterdir()] == [path.name]
     (note,) = read_all(tmp_path)  # the next start reads it
     assert note.run_id == "r1"
+
+
+async def test_a_pending_stop_the_journal_cannot_take_is_carried_and_still_named_as_pressed_with_no_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A queued run's note read at a start whose journal took no writes: its stop went into
+    # the journal-unwritten note (the pending note removed), and the next daemon's receipt
+    # said "acknowledged while the journal could not be written ... the daemon that took
+    # it was killed", by "journal-unwritten": no daemon acknowledged it, a CLI recorded it.
+    config = Config.load(state_dir=tmp_path / "state", environ={})
+    config.state_dir.mkdir(parents=True)
+    now = time.time()
+    async with await Journal.open(config.journal_path) as j:
+        queued = [("state", {"state": "queued"}, now)]
+        await j.create_run("r-q", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued)
+    note = write(config.state_dir, reason="user", run_id="r-q")
+
+    async def unwritable(self: Journal, run_id: str, *args: Any, **kw: Any) -> bool:
+        raise JournalUnavailable("injected: the journal takes no writes", path=self.path)
+
+    with pytest.MonkeyPatch.context() as down:
+        for name in ("record_cancel", "finish"):
+            down.setattr(Journal, name, unwritable)
+        stopping = trio.Event()
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                await n.start(lambda task_status: serve(config, stop=stopping, task_status=task_status))
+                noted = UnwrittenNote(config.state_dir / NAME).read()
+                stopping.set()
+    assert noted is not None and noted["stops"]["r-q"]["reason"] == "user", noted
+    assert not note.exists()  # its stop is in the journal-unwritten note now
+    stopping = trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            info = await n.start(lambda task_status: serve(config, stop=stopping, task_status=task_status))
+            st = await info["manager"].status("r-q")
+            stopping.set()
+    assert (st["state"], st["cancel_reason"]) == ("cancelled", "user"), st
+    carried = st["receipt"]["stop_carried"]
+    assert carried["by"] == "pending-stop", carried
+    assert (carried.get("then"), carried["note"]) == ("journal-unwritten", note.name), carried
+    assert "pressed while no daemon ran" in carried["message"], carried
