@@ -192,7 +192,7 @@ class Recovery:
                 await self.book.transition(run, RunState.RUNNING, only_from=(RunState.AWAITING_APPROVAL,))
             return run, source
         stop = await process.terminate_and_kill(found.tree, grace_s=0.0)
-        await self._ended_while_down(run, row, source, stop, found.members)
+        await self._ended_while_down(run, row, source, stop, found.members, pending)
         if run.run_dir is not None:
             await trio.to_thread.run_sync(remove_dir, run.run_dir)
         self.containment.remove(found.tree)
@@ -295,7 +295,7 @@ class Recovery:
         logger.warning("run %s: lost (never started before the daemon restarted)", run_id)
 
     async def _ended_while_down(
-        self, run: Run, row: Any, source: FileSource, stop: process.StopReceipt, swept: list[int]
+        self, run: Run, row: Any, source: FileSource, stop: process.StopReceipt, swept: list[int], pending: PendingStops
     ) -> None:
         """The runner ended while no daemon watched: its complete result says what the run was."""
         run_id = run.run_id
@@ -313,6 +313,15 @@ class Recovery:
             # noted the end it decided, which the journal could not take then nor at this
             # start: that end is the run's (a completed run is not `cancelled` by a stop
             # noted as it ended, nor `lost`).
+            return
+        if run.state == RunState.STARTING and not run.token.cancelled and (pstop := pending.stop_for(row)):
+            # Never let go (a spare at its gate exits at the hang-up, having done nothing of
+            # the run): a stop pressed while no daemon ran ends it `cancelled`, as it ends a
+            # queued run, not `lost` with the stop ignored.
+            row = await self._journal_pending_stop(row, pstop)
+            await self._never_started({**row, "last_seq": run.last_seq}, pending_receipt(pstop))
+            if not stop.survivors:
+                await self.book.write(run, "groups ended", lambda j: j.end_groups(run_id), 0)
             return
         if run.token.cancelled:
             # A stop the old daemon acknowledged, whose runner died without a result: what

@@ -21,12 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import trio
 from trio_websocket import open_websocket_url
 
 from supervisor.cli import ExitCode
 from supervisor.control._pendingstops import DIR
+from tests.supervisor.real_daemon import real_daemon
+from tests.supervisor.test_containment import exited
 from tests.supervisor.test_restart import CHILDREN, Client
+from tests.supervisor.test_restart_spawn import ENV as SPARE_ENV
+from tests.supervisor.test_restart_spawn import spare_ready, spawn_and_kill
 from tests.supervisor.test_restart_stop import command_spec, kill9, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -199,3 +204,34 @@ async def test_a_daemon_that_runs_but_cannot_be_reached_gets_no_note_the_cli_say
             pressed = await agentd(state, "cancel", rid)
             assert pressed.returncode == ExitCode.RUN_CANCELLED, pressed.stderr
         assert not (state / DIR).exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
+async def test_a_note_for_a_run_still_starting_at_the_kill_ends_it_cancelled_not_lost(tmp_path: Path) -> None:
+    # Its start journaled, its runner (the zygote's spare) never let go: the spare exits at
+    # the hang-up, having done nothing. A queued run with a note ended `cancelled`; this
+    # one ended `lost` and its note was logged "ignored, it has ended (lost)": the stop a
+    # person pressed left no trace on the run.
+    state, marker = tmp_path / "state", tmp_path / "ran"
+    with trio.fail_after(120):
+        async with real_daemon(state, env={**SPARE_ENV, "AGENTD_TEST_HOLD_AT": "spare_go"}) as d1:
+            async with d1.connect() as c:
+                spare = await spare_ready(c)
+                rid = await spawn_and_kill(c, d1, f"touch {marker}")
+        pressed = await agentd(state, "cancel", "--no-wait", rid)
+        assert pressed.returncode == ExitCode.STOP_PENDING, pressed.stderr
+        (note,) = (state / DIR).iterdir()
+        await exited(spare, timeout_s=10)
+        async with real_daemon(state, env=SPARE_ENV) as d2, d2.connect() as c:
+            st = await c.ok("status", run_id=rid)
+            events = (await c.ok("events", run_id=rid, after_seq=0))["events"]
+            assert (await c.ok("status"))["live_runs"] == []
+            log = d2.log_text()
+    assert (st["state"], st["reason"], st["cancel_reason"]) == ("cancelled", "user", "user"), st
+    carried = st["receipt"]["stop_carried"]
+    assert (carried["by"], carried["note"]) == ("pending-stop", note.name), carried
+    states = [e["data"]["state"] for e in events if e["kind"] == "state"]
+    assert states == ["queued", "starting", "cancelled"], states
+    assert not marker.exists()  # its command never ran
+    assert not (state / DIR).exists() or list((state / DIR).iterdir()) == []
+    assert "ignored" not in log, log[-3000:]
