@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from supervisor._lookalikes import find_lookalikes, lookalike_note
+from supervisor._lookalikes import TWINS, find_lookalikes, lookalike_note
 from supervisor.cli import _message_lines, format_event
 
 CYRILLIC_A = "\u0430"
@@ -44,6 +44,56 @@ def test_a_token_mixing_look_alike_scripts_or_holding_compatibility_forms_is_fou
     assert [(f.token, f.kind) for f in find_lookalikes(text)] == tokens
 
 
+# "apple", "paypal", "scope" in Cyrillic letters that each have a Latin twin; "opa" in Greek.
+APPLE, PAYPAL, SCOPE = (
+    "\u0430\u0440\u0440\u04cf\u0435",
+    "\u0440\u0430\u0443\u0440\u0430\u04cf",
+    "\u0455\u0441\u043e\u0440\u0435",
+)
+OPA = "\u03bf\u03c1\u03b1"
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        # Amid Latin text: a host label, a path segment, a JSON value beside its key, an
+        # argument among ASCII ones; beside Chinese; Greek too.
+        (f"curl https://{APPLE}.com/login", [(APPLE, "apple")]),
+        (f"cat /srv/{PAYPAL}/x", [(PAYPAL, "paypal")]),
+        (f'{{"host":"{APPLE}"}}', [(APPLE, "apple")]),
+        (f'{{"command": "ssh {SCOPE}"}}', [(SCOPE, "scope")]),
+        (f"curl https://{APPLE}.com -d Привет", [(APPLE, "apple")]),  # prose elsewhere: a host still
+        (f"你好 {APPLE}", [(APPLE, "apple")]),
+        (f"ping {OPA}.example", [(OPA, "opa")]),
+        # Prose: Russian words with letters that have no twin (привет, дом), and an all-twin
+        # word (ухо, "ear") among Russian ones, in JSON too; Greek prose; Chinese.
+        ("echo привет", []),
+        ("дом", []),
+        ("ухо болит", []),
+        ('{"text": "ухо болит"}', []),
+        ("Καλημέρα κόσμε", []),
+        ("ΤΟ ΚΑΙ ΤΟ", []),
+        ("echo 你好，世界", []),
+    ],
+)
+def test_a_token_all_in_cyrillic_or_greek_look_alikes_amid_latin_text_is_found_and_prose_is_not(
+    text: str, tokens: list[tuple[str, str]]
+) -> None:
+    found = [f for f in find_lookalikes(text) if f.kind == "look-alike script"]
+    assert [(f.token, f.ascii) for f in found] == tokens
+    assert len(find_lookalikes(text)) == len(tokens)
+
+
+def test_every_look_alike_letter_is_cyrillic_or_greek_and_reads_as_one_ascii_letter() -> None:
+    import unicodedata
+
+    assert len(TWINS) == 55
+    for c, latin in TWINS.items():
+        assert unicodedata.name(c).split()[0] in ("CYRILLIC", "GREEK") and latin.isascii() and latin.isalpha(), c
+    # Left out: letters Unicode maps to a small capital or a non-ASCII letter.
+    assert not set("вкмнтьгκτ") & set(TWINS)
+
+
 def test_the_note_names_each_character_by_code_point_and_name_and_what_it_reads_as() -> None:
     assert lookalike_note(SPOOFED) == (
         " [look-alike characters: 'pаypal' mixes scripts: U+0430 CYRILLIC SMALL LETTER A; "
@@ -51,6 +101,11 @@ def test_the_note_names_each_character_by_code_point_and_name_and_what_it_reads_
         "U+FF4D FULLWIDTH LATIN SMALL LETTER M]"
     )
     assert lookalike_note("echo Привет, мир") == ""
+    assert lookalike_note(f"ssh {SCOPE}") == (
+        " [look-alike characters: 'ѕсоре' reads 'scope' in Cyrillic letters: U+0455 CYRILLIC SMALL LETTER DZE, "
+        "U+0441 CYRILLIC SMALL LETTER ES, U+043E CYRILLIC SMALL LETTER O, U+0440 CYRILLIC SMALL LETTER ER, "
+        "U+0435 CYRILLIC SMALL LETTER IE]"
+    )
     many = " ".join(f"x{CYRILLIC_A}{i}" for i in range(8))
     assert lookalike_note(many).endswith("; and 3 more]")
 
