@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from subagent.events import fold_snapshot
+from supervisor._lookalikes import TWINS, find_lookalikes
 from supervisor.control.client import Client
 from tests import conftest
 from tests.browser_support import CHROMIUM, LocalSite
@@ -1191,6 +1192,100 @@ def test_an_approval_marks_look_alike_characters_and_names_them_but_not_plain_fo
         texts,
     )
     assert found == [["\U0001d42b\U0001d426"], ["\u0391\u03b2c"], ["\u0440\u0433\u043eject"], [], [], [], [], []]
+
+
+# "apple", "scope" written in Cyrillic letters that each have a Latin twin.
+APPLE, SCOPE = "\u0430\u0440\u0440\u04cf\u0435", "\u0455\u0441\u043e\u0440\u0435"
+
+
+def test_a_running_calls_line_in_the_runs_list_the_events_and_the_tool_list_marks_look_alikes_but_not_prose(
+    daemon: Daemon, tab: Tab, tmp_path: Path
+) -> None:
+    # A command with a host in Cyrillic look-alikes ("apple") and a word mixing scripts,
+    # held running by a gate; then one with Russian (an all-twin word among its words),
+    # Greek and Chinese prose. Raw JSON with literal characters, look-alikes first so
+    # that the runs list's 40 characters of arguments hold them.
+    def args(command: str) -> str:
+        return json.dumps({"command": command}, ensure_ascii=False, separators=(",", ":"))
+
+    wait = "while [ ! -f {} ]; do sleep 0.02; done"
+    spoof = args(f"echo {APPLE}.com p\u0430ypal; " + wait.format(tmp_path / "gate1"))
+    plain = args("echo 'Привет, ухо болит' 'Καλημέρα κόσμε' '你好，世界'; " + wait.format(tmp_path / "gate2"))
+    turns = [
+        {"text": "a", "tool_calls": [{"name": "run_command", "id": "call_spoof", "arguments": spoof}]},
+        {"text": "b", "tool_calls": [{"name": "run_command", "id": "call_plain", "arguments": plain}]},
+    ]
+    (tmp_path / "script.json").write_text(json.dumps({"turns": turns, "final": "done"}))
+    run_id = daemon.agentd(
+        "spawn", "look-alikes", "--script", str(tmp_path / "script.json"), *granted(tmp_path)
+    ).stdout.strip()
+    page = tab.page
+    daemon.wait_for(run_id, _tool_running("gate1"))
+    # The runs list: the running call's cell, as stored, its two tokens marked and named.
+    cell = page.locator(f"tr[data-run-id='{run_id}'] td").nth(6)
+    cell.locator("mark.lookalike").nth(1).wait_for()
+    assert cell.text_content() == f"run_command {spoof[:39]}…"
+    assert cell.locator("mark.lookalike").all_text_contents() == [APPLE, "p\u0430ypal"]
+    title = cell.locator("mark.lookalike").first.get_attribute("title") or ""
+    assert 'all Cyrillic, read "apple"' in title and 'U+04CF Cyrillic "l"' in title, title
+    # The run's page: the call's line in the events and in the tool list while it runs.
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    event = page.locator("#events li[data-kind=tool_call] .what", has_text="gate1").first
+    event.wait_for()
+    assert event.locator("mark.lookalike").all_text_contents() == [APPLE, "p\u0430ypal"]
+    running = page.locator("#tools li[data-id=call_spoof][data-state=running] .literal").first
+    running.wait_for()
+    assert running.locator("mark.lookalike").all_text_contents() == [APPLE, "p\u0430ypal"]
+    assert (running.text_content() or "").startswith(f"▶ run_command {spoof[:40]}")
+    # The command's process group, named by its command line (cut), in the events.
+    group = page.locator("#events li[data-kind=process_group] .what", has_text=".com").first
+    group.wait_for()
+    assert group.locator("mark.lookalike").all_text_contents() == [APPLE, "p\u0430ypal"]
+    open_gate(tmp_path, "gate1")
+    daemon.wait_for(run_id, _tool_running("gate2"))
+    page.locator("#tools li[data-id=call_plain][data-state=running]").wait_for()
+    page.locator("#events li[data-kind=tool_call] .what", has_text="gate2").first.wait_for()
+    page.goto(f"{daemon.dashboard_url}#/")
+    plain_cell = page.locator(f"tr[data-run-id='{run_id}'] td").nth(6)
+    plain_cell.get_by_text("Привет", exact=False).wait_for()
+    assert plain_cell.locator("mark").count() == 0
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    page.locator("#tools li[data-id=call_plain][data-state=running]").wait_for()
+    page.locator("#events li[data-kind=tool_call] .what", has_text="gate2").first.wait_for()
+    assert page.locator("#tools li[data-id=call_plain] mark").count() == 0
+    page.locator("#events li[data-kind=process_group] .what", has_text="Привет").first.wait_for()
+    lines = page.locator("#events li .what", has_text="Привет").all()
+    assert len(lines) >= 2  # the call's line and its process group's
+    for line in lines:
+        assert line.locator("mark").count() == 0, line.text_content()
+    open_gate(tmp_path, "gate2")
+    page.locator("#events li[data-kind=state][data-state=completed]").wait_for()
+    # The page's rule is the CLI's (supervisor/_lookalikes.py): the same table, the same
+    # tokens found in a host, a path, an argument among ASCII ones, and none in prose.
+    texts = [
+        f"curl https://{APPLE}.com/login",
+        f"cat /srv/{SCOPE}/x",
+        f'{{"host":"{APPLE}"}}',
+        f"ssh {SCOPE}",
+        "ping \u03bf\u03c1\u03b1.example",
+        f"curl https://{APPLE}.com -d Привет",
+        "echo привет",
+        "дом",
+        "ухо болит",
+        '{"text": "ухо болит"}',
+        "Καλημέρα κόσμε",
+        "ΤΟ ΚΑΙ ΤΟ",
+        "echo 你好，世界",
+    ]
+    found, twins = page.evaluate(
+        """async (texts) => { const { lookalikes, TWINS } = await import("/static/js/lookalike.js");
+        return [texts.map((t) => lookalikes(t).map((f) => f.token)), Object.fromEntries(TWINS)]; }""",
+        texts,
+    )
+    expected = [[f.token for f in find_lookalikes(t)] for t in texts]
+    assert expected[:6] == [[APPLE], [SCOPE], [APPLE], [SCOPE], ["\u03bf\u03c1\u03b1"], [APPLE]]
+    assert expected[6:] == [[]] * 7
+    assert found == expected and twins == TWINS
 
 
 def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:

@@ -1,8 +1,11 @@
 // One run's events as list items: one <li> per journal event, carrying its seq, so what
 // the page shows can be compared with the journal. Unknown kinds (added by later daemons)
-// are shown with their data, never dropped.
+// are shown with their data, never dropped. A call's name and arguments, and a process
+// group's command, are shown literally with their look-alike characters marked
+// (lookalike.js), as in the approval box.
 
 import { fmtClock, fmtDuration, h, reveal, short } from "./dom.js";
+import { literal } from "./lookalike.js";
 
 const TOOL_MARK = {
   running: "▶",
@@ -14,15 +17,27 @@ const TOOL_MARK = {
   rejected: "⊘", // denied, or a stop ended its wait for approval: it never ran
 };
 
-export function toolLine(rec) {
-  const bits = [`${TOOL_MARK[rec.state] ?? "•"} ${reveal(rec.name)}`];
+/** A call's one line, its name and (while it runs) its arguments as `show(text, max)`
+ * gives them. */
+function toolBits(rec, show) {
+  const bits = [[`${TOOL_MARK[rec.state] ?? "•"} `, show(rec.name)]];
   if (rec.state === "running") {
-    bits.push(reveal(short(rec.arguments, 160)));
+    bits.push(show(rec.arguments, 160));
     // An MCP call's request was handed to its server (a stop now meets a sent call).
     if (rec.sent_at) bits.push("· sent");
   } else bits.push(rec.state.replace("_", " "));
   if (rec.started_at && rec.finished_at) bits.push(`in ${fmtDuration(rec.finished_at - rec.started_at)}`);
-  return bits.join(" ");
+  return bits.flatMap((bit, i) => (i ? [" ", bit] : [bit]));
+}
+
+/** A call's one line as text. */
+export function toolLine(rec) {
+  return toolBits(rec, (text, max) => reveal(max ? short(text, max) : text)).flat().join("");
+}
+
+/** The same line as children of a ".literal" element, look-alike tokens marked. */
+export function toolLineNodes(rec) {
+  return toolBits(rec, literal);
 }
 
 function toolBody(rec) {
@@ -69,13 +84,12 @@ export function describe(ev) {
       };
     case "tool_call": {
       const rec = d.record ?? {};
-      return { text: toolLine(rec), extra: toolBody(rec), literal: true };
+      return { text: toolLine(rec), nodes: toolLineNodes(rec), extra: toolBody(rec), literal: true };
     }
-    case "process_group":
-      return {
-        text: `${d.kind ?? "process"} group ${d.pgid} ${d.alive === false ? "ended" : "started"}: ${reveal(short(d.name, 100))}`,
-        literal: true,
-      };
+    case "process_group": {
+      const head = `${d.kind ?? "process"} group ${d.pgid} ${d.alive === false ? "ended" : "started"}: `;
+      return { text: head + reveal(short(d.name, 100)), nodes: [head, literal(d.name, 100)], literal: true };
+    }
     case "step_snapshot":
       if (d.unfinished_text?.streaming) return { text: `Model text streaming, step ${d.step}` };
       return { text: `Partial result saved after step ${d.step}${d.unfinished_text ? " (its text cut short)" : ""}` };
@@ -99,7 +113,7 @@ export function describe(ev) {
 }
 
 export function renderEvent(ev) {
-  const { text, extra, literal } = describe(ev);
+  const { text, nodes, extra, literal } = describe(ev);
   const attrs = { dataset: { seq: String(ev.seq), kind: ev.kind } };
   if (ev.kind === "state") attrs.dataset.state = ev.data?.state ?? "";
   return h(
@@ -107,7 +121,7 @@ export function renderEvent(ev) {
     attrs,
     h("span", { class: "seq", text: `#${ev.seq}` }),
     h("time", { class: "time", text: fmtClock(ev.ts) }),
-    h("span", { class: literal ? "what literal" : "what", text }),
+    h("span", { class: literal ? "what literal" : "what" }, nodes ?? text),
     extra ?? [],
   );
 }

@@ -6,8 +6,8 @@
 // shown (conn.js). Leaving or closing the page unsubscribes; the run goes on.
 
 import { Approvals } from "./approvals.js";
-import { clear, fmtAge, fmtClock, h, renderValue, reveal, stateBadge } from "./dom.js";
-import { foldSnapshot, laterSnapshot, renderEvent, toolLine } from "./events.js";
+import { clear, fmtAge, fmtClock, h, renderValue, stateBadge } from "./dom.js";
+import { foldSnapshot, laterSnapshot, renderEvent, toolLineNodes } from "./events.js";
 import { literal } from "./lookalike.js";
 import { SessionTranscript } from "./sessions.js";
 import { SteerBox } from "./steer.js";
@@ -207,8 +207,8 @@ class RunPage {
     row("Created", s.created_at ? `${fmtClock(s.created_at)} (${fmtAge(s.created_at)} ago)` : "—");
     const steps = Math.max(this.steps, s.result?.steps ?? 0, s.result?.step ?? 0, this.snapshot?.step ?? 0);
     row("Steps", String(steps));
-    const running = [...this.tools.values()].filter((r) => r.state === "running").map((r) => reveal(r.name));
-    row("Current tool", running.length ? running.join(", ") : "—");
+    const running = [...this.tools.values()].filter((r) => r.state === "running").map((r) => literal(r.name));
+    row("Current tool", running.length ? h("span", { class: "literal" }, running.flatMap((n, i) => (i ? [", ", n] : [n]))) : "—");
     row("Containment", s.containment ?? "—");
     if (s.pid) row("Runner pid", String(s.pid));
   }
@@ -224,7 +224,7 @@ class RunPage {
         h(
           "li",
           { dataset: { state: rec.state, id: rec.id } },
-          h("span", { class: "literal" }, toolLine(rec)),
+          h("span", { class: "literal" }, toolLineNodes(rec)),
           rec.reason ? h("span", { class: "reason", text: rec.reason }) : null,
           rec.state !== "running" ? h("span", { class: "reason" }, "arguments: ", h("span", { class: "literal" }, literal(rec.arguments))) : null,
         ),

@@ -4,16 +4,19 @@
 // row's steps and current tool come from the journal's partial snapshot and tool-call
 // records, which the daemon writes as the runner reports them). Filters (state, session)
 // live in the address (#/?state=running&session=s1), so a reload keeps them. Rows are
-// updated in place, so keyboard focus on a row's link survives a refresh.
+// updated in place, so keyboard focus on a row's link survives a refresh. A running call's
+// name and arguments are shown literally, look-alike characters marked (lookalike.js).
 
-import { clear, fmtAge, h, reveal, short, stateBadge } from "./dom.js";
+import { clear, fmtAge, h, short, stateBadge } from "./dom.js";
+import { literal } from "./lookalike.js";
 
 const POLL_MS = 500;
 const LIMIT = 100;
 const LIVE = new Set(["queued", "starting", "running", "cancelling", "awaiting_approval"]);
 const $ = (id) => document.getElementById(id);
 
-/** The columns of one row, from a run record as `list` returns it. */
+/** The columns of one row, from a run record as `list` returns it (`tool`: the running
+ * calls' names and arguments as stored; the row shows them through lookalike.js). */
 export function rowFacts(run, nowMs = Date.now()) {
   const calls = Array.isArray(run.tool_calls) ? run.tool_calls : [];
   const steps = Math.max(
@@ -24,8 +27,8 @@ export function rowFacts(run, nowMs = Date.now()) {
     ...calls.map((c) => c.step ?? 0),
   );
   const running = calls.filter((c) => c.state === "running");
-  let tool = running.length ? running.map((c) => reveal(`${c.name} ${short(c.arguments, 40)}`)).join(", ") : "";
-  if (run.state === "awaiting_approval") tool = `awaiting approval${tool ? `: ${tool}` : ""}`;
+  const tool = running.map((c) => [String(c.name ?? ""), String(c.arguments ?? "")]);
+  const awaiting = run.state === "awaiting_approval";
   return {
     id: run.id ?? run.run_id,
     state: run.state,
@@ -34,8 +37,16 @@ export function rowFacts(run, nowMs = Date.now()) {
     age: fmtAge(run.created_at, nowMs),
     steps,
     tool,
+    awaiting,
     containment: run.containment ?? "",
   };
+}
+
+/** The running calls, `name arguments` (40 characters of them) each, look-alikes marked. */
+function toolCell(f) {
+  const calls = f.tool.map(([name, args], i) => [i ? ", " : "", literal(name), " ", literal(args, 40)]);
+  if (f.awaiting) return ["awaiting approval", calls.length ? ": " : "", calls];
+  return calls.length ? calls : h("span", { class: "muted", text: "—" });
 }
 
 export class RunsView {
@@ -131,7 +142,7 @@ export class RunsView {
           h("td", { class: "task", title: f.task }, short(f.task, 90)),
           h("td", {}, f.age),
           h("td", { class: "num" }, String(f.steps)),
-          h("td", { class: "mono literal" }, f.tool || h("span", { class: "muted", text: "—" })),
+          h("td", { class: "mono literal" }, toolCell(f)),
           h("td", {}, f.containment || "—"),
         );
         if (focused) tr.querySelector("a.run-link").focus();
