@@ -960,10 +960,12 @@ def format_event(event: dict[str, Any]) -> str:
                 detail = "a stop reached it"
             elif rec.get("sent_at") is not None:
                 detail = "sent to its server"
-        text = f"tool {rec.get('name')} {rec.get('state')}" + (f": {_short(detail, 80)}" if detail else "")
+        name = rec.get("name")
+        text = f"tool {name} {rec.get('state')}" + (f": {_short(detail, 80)}" if detail else "") + _lookalikes(name)
     elif kind == "process_group":
         alive = "" if d.get("alive", True) else " ended"
-        text = f"process group {d.get('pgid')} ({d.get('kind')} {d.get('name')}){alive}"
+        # Its name is a command's line: what runs, look-alikes named.
+        text = f"process group {d.get('pgid')} ({d.get('kind')} {d.get('name')}){alive}{_lookalikes(d.get('name'))}"
     elif kind == "step_snapshot" and "progress_at" in d:
         # A delta: what the model said since the last snapshot, and the calls that changed.
         calls = d.get("tool_calls_changed")
@@ -1594,7 +1596,8 @@ def _tool_summary(calls: Any) -> str:
             key = f"{c.get('name')} {c.get('state')}"
             counts[key] = counts.get(key, 0) + 1
     parts = [f"{n}x {k}" if n > 1 else k for k, n in counts.items()]
-    return f"{len(calls)}: " + _short(", ".join(parts), 120)
+    names = dict.fromkeys(str(c.get("name")) for c in calls if isinstance(c, dict))
+    return f"{len(calls)}: " + _short(", ".join(parts), 120) + _lookalikes(*names)
 
 
 def _receipt_summary(receipt: Any) -> str | None:

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from supervisor._lookalikes import TWINS, find_lookalikes, lookalike_note
-from supervisor.cli import _message_lines, format_event
+from supervisor.cli import _message_lines, _print_run, format_event
 
-CYRILLIC_A = "\u0430"
+CYRILLIC_A, CYRILLIC_O = "\u0430", "\u043e"
 SPOOFED = f"curl https://p{CYRILLIC_A}ypal.com/login; \uff52\uff4d -rf /tmp/x"
 
 
@@ -143,3 +143,38 @@ def test_the_cli_imports_unicodedata_only_for_text_that_is_not_ascii() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_watch_names_the_look_alikes_of_a_tools_name_and_of_a_process_groups_command_but_not_prose() -> None:
+    def event(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": kind, "seq": 4, "ts": 0.0, "run_id": "r-1", "data": data}
+
+    record = {"id": "c1", "name": f"run_c{CYRILLIC_O}mmand", "state": "running", "arguments": "{}"}
+    line = format_event(event("tool_call", {"record": record}))
+    assert line.endswith(
+        "tool run_cоmmand running [look-alike characters: 'cоmmand' mixes scripts: U+043E CYRILLIC SMALL LETTER O]"
+    ), line
+    group = {"pgid": 42, "kind": "command", "name": f"curl https://{APPLE}.com/login", "alive": True}
+    line = format_event(event("process_group", group))
+    assert line.endswith(
+        f"(command curl https://{APPLE}.com/login) [look-alike characters: 'аррӏе' reads 'apple'"
+        " in Cyrillic letters: U+0430 CYRILLIC SMALL LETTER A, U+0440 CYRILLIC SMALL LETTER ER, "
+        "U+04CF CYRILLIC SMALL LETTER PALOCHKA, U+0435 CYRILLIC SMALL LETTER IE]"
+    ), line
+    prose = {"pgid": 43, "kind": "command", "name": "echo 'Привет, ухо болит' 'Καλημέρα κόσμε' '你好，世界'"}
+    assert "look-alike" not in format_event(event("process_group", prose))
+    plain = {"id": "c2", "name": "run_command", "state": "succeeded", "arguments": "{}"}
+    assert "look-alike" not in format_event(event("tool_call", {"record": plain}))
+
+
+def test_status_names_the_look_alikes_of_its_tool_calls_names(capsys: pytest.CaptureFixture[str]) -> None:
+    calls = [{"id": "c1", "name": SCOPE, "state": "succeeded"}, {"id": "c2", "name": "run_command", "state": "failed"}]
+    _print_run({"run_id": "r-1", "state": "completed", "tool_calls": calls})
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tool calls")]
+    assert row.endswith(
+        f"2: {SCOPE} succeeded, run_command failed [look-alike characters: 'ѕсоре' reads 'scope'"
+        " in Cyrillic letters: U+0455 CYRILLIC SMALL LETTER DZE, U+0441 CYRILLIC SMALL LETTER ES, "
+        "U+043E CYRILLIC SMALL LETTER O, U+0440 CYRILLIC SMALL LETTER ER, U+0435 CYRILLIC SMALL LETTER IE]"
+    ), row
+    _print_run({"run_id": "r-1", "state": "completed", "tool_calls": [{"id": "c", "name": "поиск", "state": "failed"}]})
+    assert "look-alike" not in capsys.readouterr().out
