@@ -374,7 +374,8 @@ _EPILOG = """\b
 --json and --state-dir go before or after the command.
 Exit codes: 0 ok (run completed), 1 run failed, 2 usage or bad file,
 3 no daemon, 4 no such run, 5 refused by the daemon, 6 connection lost,
-7 run cancelled, 8 run lost, 9 daemon already running, 130 interrupted.
+7 run cancelled, 8 run lost, 9 daemon already running,
+10 cancel found no daemon: the stop recorded for the next one, 130 interrupted.
 spawn --wait, watch, cancel and logs -f exit with the run's outcome (0, 1, 7, 8),
 or 141 when their output is closed first (`watch RUN | head -n1`).
 Leaving `watch` or `spawn --wait` never stops a run: `cancel` does."""
