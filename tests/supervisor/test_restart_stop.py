@@ -7,6 +7,7 @@ is SIGKILLed (no cleanup at all); the second one finds the journal as the first 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,34 +27,47 @@ from tests.supervisor.test_restart import CHILDREN, Client
 
 
 @asynccontextmanager
-async def daemon(state_dir: Path, *, grace_s: float, **settings: str) -> AsyncIterator[tuple[trio.Process, Client]]:
+async def daemon(
+    state_dir: Path, *, grace_s: float, log: Path | None = None, **settings: str
+) -> AsyncIterator[tuple[trio.Process, Client]]:
     """A real daemon process (``tests/children/daemon_main.py``) with the real runner;
-    ``settings``: more of its settings, by name (``disk_min_free_mib="12"``)."""
+    ``log``: its stderr appended there; ``settings``: more of its settings, by name
+    (``disk_min_free_mib="12"``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
     env["AGENTD_GRACE_S"] = str(grace_s)
     env.update({f"AGENTD_{k.upper()}": v for k, v in settings.items()})
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)], stdout=-1, env=env, start_new_session=True
-    )
+    with open(log, "ab") if log is not None else contextlib.nullcontext() as log_file:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)],
+            stdout=-1,
+            stderr=log_file,
+            env=env,
+            start_new_session=True,
+        )
     try:
         buf = b""
         assert proc.stdout is not None
         while b"\n" not in buf:
             chunk = await proc.stdout.receive_some()
-            assert chunk, "daemon exited before it served"
+            assert chunk, "daemon exited before it served" + (
+                f": {log.read_text(errors='replace')[-3000:]}" if log else ""
+            )
             buf += chunk
         info = json.loads(buf.split(b"\n")[0])
         headers = [(b"authorization", f"Bearer {info['token']}".encode())]
         async with open_websocket_url(info["url"], extra_headers=headers) as ws:
             yield proc, Client(ws)
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            with trio.move_on_after(15):
-                await proc.wait()
+        with trio.CancelScope(shield=True):
             if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+                proc.send_signal(signal.SIGTERM)
+                with trio.move_on_after(15):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            assert proc.stdout is not None
+            await proc.stdout.aclose()
 
 
 def command_spec(command: str, **more: Any) -> dict[str, Any]:

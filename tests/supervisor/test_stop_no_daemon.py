@@ -11,67 +11,33 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import trio
-from trio_websocket import open_websocket_url
 
 from supervisor.cli import ExitCode
 from supervisor.control._pendingstops import DIR
 from tests.supervisor.real_daemon import real_daemon
 from tests.supervisor.test_containment import exited
-from tests.supervisor.test_restart import CHILDREN, Client
+from tests.supervisor.test_restart import Client
 from tests.supervisor.test_restart_spawn import ENV as SPARE_ENV
 from tests.supervisor.test_restart_spawn import spare_ready, spawn_and_kill
 from tests.supervisor.test_restart_stop import command_spec, kill9, wait_gone
+from tests.supervisor.test_restart_stop import daemon as restart_stop_daemon
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-@asynccontextmanager
-async def daemon(state_dir: Path, log: Path) -> AsyncIterator[tuple[trio.Process, Client]]:
-    """A real daemon with the real runner (as ``test_restart_stop.daemon``), its log in ``log``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGENTD_RUNNER"))}
-    env["AGENTD_GRACE_S"] = "5"
-    with open(log, "ab") as log_file:
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, str(CHILDREN / "daemon_main.py"), str(state_dir)],
-            stdout=-1,
-            stderr=log_file,
-            env=env,
-            start_new_session=True,
-        )
-    try:
-        buf = b""
-        assert proc.stdout is not None
-        while b"\n" not in buf:
-            chunk = await proc.stdout.receive_some()
-            assert chunk, f"daemon exited before it served: {log.read_text(errors='replace')[-3000:]}"
-            buf += chunk
-        info = json.loads(buf.split(b"\n")[0])
-        headers = [(b"authorization", f"Bearer {info['token']}".encode())]
-        async with open_websocket_url(info["url"], extra_headers=headers) as ws:
-            yield proc, Client(ws)
-    finally:
-        with trio.CancelScope(shield=True):
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-                with trio.move_on_after(15):
-                    await proc.wait()
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            assert proc.stdout is not None
-            await proc.stdout.aclose()
+def daemon(state_dir: Path, log: Path) -> AbstractAsyncContextManager[tuple[trio.Process, Client]]:
+    """A real daemon with the real runner (``test_restart_stop.daemon``), its log in ``log``."""
+    return restart_stop_daemon(state_dir, grace_s=5, log=log)
 
 
 async def agentd(state: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
