@@ -1077,6 +1077,23 @@ READING_ORDER = """
 """
 
 
+def open_approval(daemon: Daemon, tab: Tab, tmp_path: Path, task: str, turns: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """A scripted run of ``turns`` whose ``run_command`` needs approval, its page open at
+    the approval box of its first call: (the page, the box)."""
+    spec = {
+        "task": task,
+        "model": {"provider": "scripted", "script": {"turns": turns, "final": "{{last_output}}"}},
+        "approval": {"tools": ["run_command"]},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run_id = daemon.agentd("spawn", "--spec", str(tmp_path / "spec.json")).stdout.strip()
+    page = tab.page
+    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
+    box = page.get_by_role("region", name="Awaiting approval")
+    box.get_by_text(f"call {turns[0]['tool_calls'][0]['id']}").wait_for()
+    return page, box
+
+
 def test_an_approval_shows_its_arguments_as_they_run_bidi_and_invisible_characters_marked(
     daemon: Daemon, tab: Tab, tmp_path: Path
 ) -> None:
@@ -1087,17 +1104,7 @@ def test_an_approval_shows_its_arguments_as_they_run_bidi_and_invisible_characte
     command = "echo safe \u202e ~ fr- mr ; # \u2066hid\u2069\u200b x\u00a0y \u05e9\u05dc 1 2 /"
     raw = json.dumps({"command": command}, ensure_ascii=False)
     turns = [{"text": "asking", "tool_calls": [{"name": "run_command", "id": "call_bidi", "arguments": raw}]}]
-    spec = {
-        "task": "bidi",
-        "model": {"provider": "scripted", "script": {"turns": turns, "final": "{{last_output}}"}},
-        "approval": {"tools": ["run_command"]},
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    run_id = daemon.agentd("spawn", "--spec", str(tmp_path / "spec.json")).stdout.strip()
-    page = tab.page
-    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
-    box = page.get_by_role("region", name="Awaiting approval")
-    box.get_by_text("call call_bidi").wait_for()
+    page, box = open_approval(daemon, tab, tmp_path, "bidi", turns)
     args = box.locator("code.args")
     shown = args.text_content()
     assert shown == (
@@ -1142,17 +1149,7 @@ def test_an_approval_marks_look_alike_characters_and_names_them_but_not_plain_fo
         {"text": "asking", "tool_calls": [{"name": "run_command", "id": "call_spoof", "arguments": spoofed}]},
         {"text": "again", "tool_calls": [{"name": "run_command", "id": "call_plain", "arguments": plain}]},
     ]
-    spec = {
-        "task": "look-alikes",
-        "model": {"provider": "scripted", "script": {"turns": turns, "final": "{{last_output}}"}},
-        "approval": {"tools": ["run_command"]},
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    run_id = daemon.agentd("spawn", "--spec", str(tmp_path / "spec.json")).stdout.strip()
-    page = tab.page
-    page.goto(f"{daemon.dashboard_url}#/run/{run_id}")
-    box = page.get_by_role("region", name="Awaiting approval")
-    box.get_by_text("call call_spoof").wait_for()
+    page, box = open_approval(daemon, tab, tmp_path, "look-alikes", turns)
     args = box.locator("code.args")
     assert args.text_content() == spoofed  # marked, not hidden nor changed
     marks = args.locator("mark.lookalike")
