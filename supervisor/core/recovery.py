@@ -207,13 +207,7 @@ class Recovery:
         intent = {"reason": reason, "at": at, "stop_deadline": until, "detail": detail}
         if isinstance(stop.get(PENDING_KEY), dict):
             intent[PENDING_KEY] = stop[PENDING_KEY]  # (noted again, its origin with it)
-        await self.book.backlog.write(
-            run_id,
-            lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=detail),
-            True,
-            what="stop intent",
-            stop=intent,
-        )
+        await self._write_stop(run_id, intent)
         logger.warning(
             "run %s: its stop (%s), acknowledged by the previous daemon (pid %s) while the journal could not be "
             "written and carried by its note, is resumed; its grace ends at %s",
@@ -222,13 +216,7 @@ class Recovery:
             stop.get("daemon_pid"),
             until,
         )
-        return {
-            **row,
-            "cancel_reason": reason,
-            "cancel_requested_at": at,
-            "stop_deadline": until,
-            "stop_detail": detail,
-        }
+        return _stopped_row(row, intent)
 
     async def _journal_pending_stop(self, row: Any, pstop: PendingStop) -> Any:
         """A stop pressed while no daemon ran, journaled now as a cancel asked now (its
@@ -244,20 +232,26 @@ class Recovery:
             "detail": None,
             PENDING_KEY: {"note": pstop.path.name, "pressed_at": pstop.at, "cli_pid": pstop.cli_pid},
         }
-        await self.book.backlog.write(
-            run_id,
-            lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=None),
-            True,
-            what="stop intent",
-            stop=intent,
-        )
+        await self._write_stop(run_id, intent)
         logger.warning(
             "run %s: a stop (%s) pressed while no daemon ran (pending stop for %s) is applied before it goes on",
             run_id,
             reason,
             named,
         )
-        return {**row, "cancel_reason": reason, "cancel_requested_at": at, "stop_deadline": until, "stop_detail": None}
+        return _stopped_row(row, intent)
+
+    async def _write_stop(self, run_id: str, intent: dict[str, Any]) -> None:
+        """Journal a stop's intent (``reason``, ``at``, ``stop_deadline``, ``detail``), or
+        note it while the journal is down (its other keys travel in the note)."""
+        reason, at, until, detail = intent["reason"], intent["at"], intent["stop_deadline"], intent["detail"]
+        await self.book.backlog.write(
+            run_id,
+            lambda j: j.record_cancel(run_id, reason=reason, at=at, stop_deadline=until, detail=detail),
+            True,
+            what="stop intent",
+            stop=intent,
+        )
 
     async def _never_started(self, row: Any, carried: dict[str, Any] | None = None) -> None:
         run_id = row["id"]
@@ -371,6 +365,17 @@ class Recovery:
             keys.extend(event_key(e["kind"], e["ts"], e["data"]) for e in page)
             after = page[-1]["seq"]
         return keys
+
+
+def _stopped_row(row: Any, intent: dict[str, Any]) -> dict[str, Any]:
+    """The journal's row of a run as it reads once ``intent`` is journaled."""
+    return {
+        **row,
+        "cancel_reason": intent["reason"],
+        "cancel_requested_at": intent["at"],
+        "stop_deadline": intent["stop_deadline"],
+        "stop_detail": intent["detail"],
+    }
 
 
 def _carried(stop: dict[str, Any] | None) -> dict[str, Any] | None:
