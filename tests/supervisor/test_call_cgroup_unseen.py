@@ -87,6 +87,17 @@ async def hold_hidden(run_dir: Path, tree_id: str) -> int:
     return fd
 
 
+async def spawn_hidden(c: Client, spec: dict[str, Any]) -> tuple[str, Path, int]:
+    """Spawn ``spec``, whose first command leaves a hidden process: (the run, its run dir,
+    a pidfd on that process, shown to be the run's: ``hold_hidden``)."""
+    run_id: str = (await c.ok("spawn", spec=spec))["run_id"]
+    await c.wait_kind(run_id, "process_group", WAIT_S)
+    st = await c.ok("status", run_id=run_id)
+    require_cgroups(st)
+    run_dir = Path(st["run_dir"])
+    return run_id, run_dir, await hold_hidden(run_dir, st["tree_id"])
+
+
 def dead(pidfd: int) -> bool:
     return bool(select.select([pidfd], [], [], 0)[0])
 
@@ -97,12 +108,7 @@ async def test_a_hidden_process_a_command_leaves_in_its_group_ends_with_its_call
     spec = script(hidden(leave_group=False, ignore_term=False), {"command": hold, "timeout_s": 30})
     with trio.fail_after(90):
         async with real_daemon(tmp_path / "state", env=ENV) as d, d.connect() as c:
-            run_id = (await c.ok("spawn", spec=spec))["run_id"]
-            await c.wait_kind(run_id, "process_group", WAIT_S)
-            st = await c.ok("status", run_id=run_id)
-            require_cgroups(st)
-            run_dir = Path(st["run_dir"])
-            pidfd = await hold_hidden(run_dir, st["tree_id"])
+            run_id, run_dir, pidfd = await spawn_hidden(c, spec)
             try:
                 first = await first_call_ended(c, run_id)
                 # The run goes on (its next command waits): only the call's escalation
@@ -133,12 +139,7 @@ async def test_a_hidden_process_that_left_its_group_and_ignores_sigterm_ends_wit
     # The daemon's own grace outlasts the command's: its sweep of the tree comes after.
     with trio.fail_after(90):
         async with real_daemon(tmp_path / "state", env={**ENV, "AGENTD_GRACE_S": "10"}) as d, d.connect() as c:
-            run_id = (await c.ok("spawn", spec=spec))["run_id"]
-            await c.wait_kind(run_id, "process_group", WAIT_S)
-            st = await c.ok("status", run_id=run_id)
-            require_cgroups(st)
-            run_dir = Path(st["run_dir"])
-            pidfd = await hold_hidden(run_dir, st["tree_id"])
+            run_id, run_dir, pidfd = await spawn_hidden(c, spec)
             try:
                 await c.ok("cancel", run_id=run_id)
                 first = await first_call_ended(c, run_id)
