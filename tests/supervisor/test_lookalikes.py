@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from supervisor._lookalikes import TWINS, find_lookalikes, lookalike_note
+from supervisor._lookalikes import NOTE_BUDGET_CHARS, SCAN_MAX_CHARS, TWINS, find_lookalikes, lookalike_note
 from supervisor.cli import _message_lines, _print_run, format_event
 
 CYRILLIC_A, CYRILLIC_O = "\u0430", "\u043e"
@@ -110,6 +110,53 @@ def test_the_note_names_each_character_by_code_point_and_name_and_what_it_reads_
     assert lookalike_note(many).endswith("; and 3 more]")
 
 
+# A note is bounded whatever a run puts in its arguments (~1 MiB): a token is quoted cut with
+# its length, its characters named each once with a count, five at most, and the tokens stop
+# at NOTE_BUDGET_CHARS (the rest counted). Before, a 600,000-character token came back whole,
+# every code point named: a 2.4 MB note.
+def test_a_huge_token_is_quoted_cut_with_its_length_and_its_characters_named_once_with_their_counts() -> None:
+    note = lookalike_note("\uff52\uff4d" * 100_000)
+    assert len(note.encode()) < 600, len(note.encode())
+    assert note == (
+        f" [look-alike characters: {'ｒｍ' * 20 + '…'!r} (200,000 characters) reads {'rm' * 20 + '…'!r}"
+        " (200,000 characters) in compatibility forms: U+FF52 FULLWIDTH LATIN SMALL LETTER R ×100,000, "
+        "U+FF4D FULLWIDTH LATIN SMALL LETTER M ×100,000]"
+    )
+    # 600,000: checked up to the bound (the note says so), named as far as it was checked.
+    note = lookalike_note("\uff52\uff4d" * 300_000)
+    assert len(note.encode()) < 700, len(note.encode())
+    assert note.startswith(f" [look-alike characters: {'ｒｍ' * 20 + '…'!r} ({SCAN_MAX_CHARS:,} characters)")
+    assert "U+FF52 FULLWIDTH LATIN SMALL LETTER R ×131,072, U+FF4D FULLWIDTH LATIN SMALL LETTER M ×131,072]" in note
+    assert note.endswith(f"[look-alike check: first {SCAN_MAX_CHARS:,} of 600,000 characters only]")
+    cyrillic = "".join(chr(c) for c in range(0x430, 0x44E))  # 30 letters in one Latin token
+    assert lookalike_note(f"x{cyrillic}").endswith("U+0434 CYRILLIC SMALL LETTER DE, and 25 more]")
+
+
+def test_a_notes_tokens_stop_at_its_budget_and_the_rest_are_counted() -> None:
+    tags = "".join(chr(0xE0041 + i) for i in range(26)) * 2  # tag letters: each escaped in 10 characters
+    note = lookalike_note(" ".join(f"p{CYRILLIC_A}{i}{tags}" for i in range(6)))
+    assert len(note) < NOTE_BUDGET_CHARS + 100 and note.count("mixes scripts") == 4, note
+    assert note.endswith("; and 2 more]") and "(55 characters)" in note
+
+
+# The check reads SCAN_MAX_CHARS of a text with non-ASCII characters beyond, and says so: no
+# note must not read as "nothing suspicious" for text that was not checked. ASCII beyond the
+# bound holds no look-alike, so such a text is checked whole.
+def test_a_check_that_stops_at_its_bound_says_so_and_ascii_beyond_it_is_checked_whole() -> None:
+    prose = "Привет, мир; ухо болит. " * 12_000  # 288,000 characters of Russian prose
+    cut = f" [look-alike check: first {SCAN_MAX_CHARS:,} of {len(prose) + 7:,} characters only]"
+    assert lookalike_note(prose + f" p{CYRILLIC_A}ypal") == cut
+    assert lookalike_note(f"curl https://p{CYRILLIC_A}ypal.com " + prose) == (
+        " [look-alike characters: 'pаypal' mixes scripts: U+0430 CYRILLIC SMALL LETTER A]"
+        f" [look-alike check: first {SCAN_MAX_CHARS:,} of {len(prose) + 24:,} characters only]"
+    )
+    assert lookalike_note(prose[:96] + "x" * SCAN_MAX_CHARS) == ""
+    assert lookalike_note(f"p{CYRILLIC_A}ypal " + "x" * SCAN_MAX_CHARS) == (
+        " [look-alike characters: 'pаypal' mixes scripts: U+0430 CYRILLIC SMALL LETTER A]"
+    )
+    assert find_lookalikes("x" * SCAN_MAX_CHARS + f"{CYRILLIC_A}ypal") == []
+
+
 def approval_event(arguments: str) -> dict[str, Any]:
     data = {"call_id": "call_1", "name": "run_command", "arguments": arguments}
     return {"kind": "approval_requested", "seq": 3, "ts": 0.0, "run_id": "r-1", "data": data}
@@ -128,6 +175,26 @@ def test_a_sessions_transcript_names_the_look_alike_characters_of_a_call() -> No
     call = {"id": "c1", "function": {"name": "run_command", "arguments": f"ping p{CYRILLIC_A}ypal.com"}}
     (line,) = _message_lines({"role": "assistant", "tool_calls": [call]})
     assert line.endswith("[look-alike characters: 'pаypal' mixes scripts: U+0430 CYRILLIC SMALL LETTER A]"), line
+
+
+def test_a_calls_line_stays_short_whatever_its_arguments_hold_and_says_what_was_not_checked() -> None:
+    # ~1 MiB of arguments (an event line's bound): one fullwidth token, then Russian prose
+    # with a look-alike past the check's bound. Each line is the history's and watch's.
+    huge = json.dumps({"command": "\uff52\uff4d" * 300_000}, ensure_ascii=False)
+    call = {"id": "c1", "function": {"name": "run_command", "arguments": huge}}
+    (line,) = _message_lines({"role": "assistant", "tool_calls": [call]})
+    assert len(line.encode()) < 1200, len(line.encode())
+    checked = SCAN_MAX_CHARS - len('run_command {"command": "')  # the name and arguments are checked as one
+    assert f"[look-alike characters: {'ｒｍ' * 20 + '…'!r} ({checked:,} characters) reads" in line
+    assert "U+FF52 FULLWIDTH LATIN SMALL LETTER R ×131,060, U+FF4D FULLWIDTH LATIN SMALL LETTER M ×131,059]" in line
+    total = len("run_command " + huge)
+    assert line.endswith(f" [look-alike check: first {SCAN_MAX_CHARS:,} of {total:,} characters only]"), line
+    prose = json.dumps(
+        {"command": "echo '" + "Привет, мир. " * 80_000 + f"' > p{CYRILLIC_A}ypal.txt"}, ensure_ascii=False
+    )
+    line = format_event(approval_event(prose))
+    assert len(line) < 1000 and "look-alike characters" not in line, line
+    assert f"[look-alike check: first {SCAN_MAX_CHARS:,} of {len(prose) + 12:,} characters only] (call call_1;" in line
 
 
 def test_the_cli_imports_unicodedata_only_for_text_that_is_not_ascii() -> None:
@@ -158,7 +225,7 @@ def test_watch_names_the_look_alikes_of_a_tools_name_and_of_a_process_groups_com
     line = format_event(event("process_group", group))
     assert line.endswith(
         f"(command curl https://{APPLE}.com/login) [look-alike characters: 'аррӏе' reads 'apple'"
-        " in Cyrillic letters: U+0430 CYRILLIC SMALL LETTER A, U+0440 CYRILLIC SMALL LETTER ER, "
+        " in Cyrillic letters: U+0430 CYRILLIC SMALL LETTER A, U+0440 CYRILLIC SMALL LETTER ER ×2, "
         "U+04CF CYRILLIC SMALL LETTER PALOCHKA, U+0435 CYRILLIC SMALL LETTER IE]"
     ), line
     prose = {"pgid": 43, "kind": "command", "name": "echo 'Привет, ухо болит' 'Καλημέρα κόσμε' '你好，世界'"}
