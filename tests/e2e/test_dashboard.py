@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from subagent.events import fold_snapshot
-from supervisor._lookalikes import TWINS, find_lookalikes
+from supervisor._lookalikes import SCAN_MAX_CHARS, TWINS, find_lookalikes, scan_lookalikes
 from supervisor.control.client import Client
 from tests import conftest
 from tests.browser_support import CHROMIUM, LocalSite
@@ -1283,6 +1283,40 @@ def test_a_running_calls_line_in_the_runs_list_the_events_and_the_tool_list_mark
     assert expected[:6] == [[APPLE], [SCOPE], [APPLE], [SCOPE], ["\u03bf\u03c1\u03b1"], [APPLE]]
     assert expected[6:] == [[]] * 7
     assert found == expected and twins == TWINS
+
+
+def test_the_pages_look_alike_check_is_bounded_as_the_clis_and_says_what_it_did_not_check(tab: Tab) -> None:
+    # ~1 MiB of arguments a run can send: a 200,000-character fullwidth token is named cut
+    # with its length, its two code points once each with a count; Russian prose past the
+    # bound (a look-alike after it) is checked as far as the CLI checks, and the legend and
+    # the shown text say so. The same tokens and bound as supervisor/_lookalikes.py.
+    fullwidth = "\uff52\uff4d" * 100_000
+    prose = "curl https://p\u0430ypal.com " + "Привет, мир. " * 25_000 + "p\u0430ypal"
+    out = tab.page.evaluate(
+        """async ([fullwidth, prose]) => {
+          const { check, literal, lookalikeNote, SCAN_MAX } = await import("/static/js/lookalike.js");
+          const [f] = check(fullwidth).found;
+          const p = check(prose);
+          const shown = literal(prose).filter((n) => n instanceof Element && n.classList.contains("lookalike-unchecked"));
+          const note = lookalikeNote("run_command", prose).textContent;
+          return { notes: f.notes, title: literal(fullwidth, 40)[0].title, SCAN_MAX, checked: p.checked,
+                   length: p.length, tokens: p.found.map((x) => x.token), shown: shown.map((n) => n.textContent),
+                   cut: literal(prose, 80).some((n) => n instanceof Element && n.classList.contains("lookalike-unchecked")),
+                   note, again: check(prose) === p };
+        }""",
+        [fullwidth, prose],
+    )
+    (note,) = out["notes"]
+    assert len(note) < 400 and "(200,000 characters)" in note, note
+    assert 'U+FF52 fullwidth "r" ×100,000, U+FF4D fullwidth "m" ×100,000' in note
+    assert len(out["title"]) < 500 and out["title"].startswith('"' + "ｒｍ" * 20 + '…" (200,000 characters): ')
+    python = scan_lookalikes(prose)
+    assert out["SCAN_MAX"] == SCAN_MAX_CHARS == python.checked == out["checked"] < out["length"] == len(prose)
+    assert out["tokens"] == [f.token for f in python.found] == ["p\u0430ypal"]
+    said = f"look-alike check: first {SCAN_MAX_CHARS:,} of {len(prose):,} characters only"
+    assert out["shown"] == [f" [{said}]"] and not out["cut"]  # a cut view shows only checked text
+    assert out["note"].endswith(said) and len(out["note"]) < 500, out["note"]
+    assert out["again"]  # a re-render does not check the same text again
 
 
 def test_a_sessions_transcript_and_a_new_turn_from_the_page(daemon: Daemon, tab: Tab, tmp_path: Path) -> None:

@@ -34,21 +34,30 @@ const TWIN_PAIRS =
 export const TWINS = new Map(TWIN_PAIRS.split(" ").map((pair) => [pair[0], pair[1]]));
 // What ends the word a token is in, for the whole-script rule: white space, quotes and the
 // punctuation between arguments (JSON, shell). A host, a path, an address stay one word.
-const WORD_END = /[\s"'`,;:=(){}[\]<>|&]/u;
+const WORD_REST = /[^\s"'`,;:=(){}[\]<>|&]*/y;
+const NON_ASCII = /[^\x00-\x7f]/;
+const NON_ASCII_RUN = /[^\x00-\x7f]+/g;
+const ALNUM_RUN = /[A-Za-z0-9]*/y;
+const ALNUM_RUNS = /[A-Za-z0-9]+/g;
+const PIECE = /[A-Za-z0-9]+|[^\x00-\x7f]+/g;
+const ASCII_ALNUM = /^[A-Za-z0-9]+$/;
 const ASCII_DIGIT = /^[0-9]$/;
 const FORMAT = /^\p{Cf}$/u;
 const LETTER = /^\p{L}$/u;
 const TOKEN = /^[\p{L}\p{M}\p{N}\p{Cf}]$/u;
-const ASCII_ALNUM = /^[A-Za-z0-9]+$/;
-const NON_ASCII = /[^\x00-\x7f]/;
-
-/** What NFKC makes of a non-ASCII character when that is ASCII letters or digits, else
- * null: not punctuation (an ellipsis, the fullwidth comma of Chinese text). */
-function compat(c) {
-  if (c.codePointAt(0) < 0x80) return null;
-  const n = c.normalize("NFKC");
-  return n !== c && ASCII_ALNUM.test(n) ? n : null;
-}
+const isAlnum = (code) => (code >= 48 && code <= 57) || (code >= 65 && code <= 90) || (code >= 97 && code <= 122);
+// The bounds of supervisor/_lookalikes.py (its comments say why): a text is checked up to
+// SCAN_MAX characters (UTF-16 units here) when non-ASCII ones lie beyond, and says so; a
+// note quotes NOTE_QUOTE characters of a token and names NOTE_MAX_CHARS of its characters
+// (each once, with a count); a legend names NOTE_MAX_TOKENS tokens.
+export const SCAN_MAX = 256 * 1024;
+const NOTE_QUOTE = 40;
+const NOTE_MAX_CHARS = 5;
+const NOTE_MAX_TOKENS = 5;
+// Checks kept by text, so that a view re-rendered every 500 ms (the runs list) does not
+// check ~1 MiB of arguments again each time; the oldest is dropped past CACHE_MAX.
+const CACHE_MAX = 64;
+const cache = new Map();
 
 const hex = (c) => `U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}`;
 
@@ -59,104 +68,224 @@ function formOf(c) {
   return "compatibility form of";
 }
 
-function scriptOf(c) {
-  for (const [name, re] of SCRIPTS) if (re.test(c)) return name;
-  return null;
+/** What the check needs of a non-ASCII character: whether it is in a token (a letter, mark,
+ * digit, format character or compatibility form), a letter's script among SCRIPTS, what
+ * NFKC makes of it when that is ASCII letters or digits (not punctuation: an ellipsis). */
+function classify(c) {
+  const n = c.normalize("NFKC");
+  const compat = n !== c && ASCII_ALNUM.test(n) ? n : null;
+  let script = null;
+  if (compat === null && LETTER.test(c)) for (const [name, re] of SCRIPTS) if (re.test(c)) script = script ?? name;
+  const format = FORMAT.test(c);
+  return { inside: TOKEN.test(c) || compat !== null, script, compat, format };
 }
 
-function tokens(text) {
+/** A `quoted` text, cut to NOTE_QUOTE characters with its length when longer. */
+function quote(s) {
+  const head = Array.from(s.slice(0, 2 * NOTE_QUOTE)).slice(0, NOTE_QUOTE).join("");
+  return head.length < s.length ? `"${reveal(head)}…" (${s.length.toLocaleString("en")} characters)` : `"${reveal(s)}"`;
+}
+
+/** NOTE_MAX_CHARS of `chars` named by `name`, each with its count in `token`. */
+function named(chars, token, name) {
+  const out = chars.slice(0, NOTE_MAX_CHARS).map((c) => {
+    const n = token.split(c).length - 1;
+    return name(c) + (n > 1 ? ` ×${n.toLocaleString("en")}` : "");
+  });
+  if (chars.length > NOTE_MAX_CHARS) out.push(`and ${(chars.length - NOTE_MAX_CHARS).toLocaleString("en")} more`);
+  return out.join(", ");
+}
+
+/** Where the tokens holding a non-ASCII character are in `s`: runs of ASCII letters and
+ * digits and of non-ASCII characters that are inside (a zero-width joiner does not split a
+ * token). Only non-ASCII characters are looked at one by one. */
+function tokens(s, char) {
   const out = [];
   let start = -1;
-  let i = 0;
-  for (const c of text) {
-    const inside = TOKEN.test(c) || compat(c) !== null;
-    if (inside && start < 0) start = i;
-    else if (!inside && start >= 0) {
-      out.push([start, i]);
-      start = -1;
+  let pos = 0;
+  NON_ASCII_RUN.lastIndex = 0;
+  for (let m; (m = NON_ASCII_RUN.exec(s)); ) {
+    const a = m.index;
+    if (start >= 0) {
+      ALNUM_RUN.lastIndex = pos;
+      ALNUM_RUN.exec(s);
+      if (ALNUM_RUN.lastIndex < a) {
+        out.push([start, ALNUM_RUN.lastIndex]);
+        start = -1;
+      }
     }
-    i += c.length;
+    let i = a;
+    for (const c of m[0]) {
+      if (char(c).inside) {
+        if (start < 0) {
+          start = i;
+          if (i === a) while (start > pos && isAlnum(s.charCodeAt(start - 1))) start--;
+        }
+      } else if (start >= 0) {
+        out.push([start, i]);
+        start = -1;
+      }
+      i += c.length;
+    }
+    pos = NON_ASCII_RUN.lastIndex;
   }
-  if (start >= 0) out.push([start, text.length]);
+  if (start >= 0) {
+    ALNUM_RUN.lastIndex = pos;
+    ALNUM_RUN.exec(s);
+    out.push([start, ALNUM_RUN.lastIndex]);
+  }
   return out;
 }
 
-/** Its letters by script (those with Latin look-alikes), compatibility forms aside. */
-function scriptsOf(token) {
+/** Its letters by script (those with Latin look-alikes), compatibility forms aside; its
+ * ASCII letters only make "Latin" a key, in their place. */
+function scriptsOf(token, char) {
   const scripts = new Map();
-  for (const c of token) {
-    if (compat(c) !== null || !LETTER.test(c)) continue;
-    const script = scriptOf(c);
-    if (script) scripts.set(script, [...(scripts.get(script) ?? []), c]);
+  for (const piece of token.match(PIECE) ?? []) {
+    if (!NON_ASCII.test(piece)) {
+      if (!/^[0-9]+$/.test(piece) && !scripts.has("Latin")) scripts.set("Latin", []);
+      continue;
+    }
+    for (const c of piece) {
+      const { script } = char(c);
+      if (script === null) continue;
+      if (!scripts.has(script)) scripts.set(script, []);
+      scripts.get(script).push(c);
+    }
   }
   return scripts;
 }
 
-/** Whether the word around s[start, end) holds ASCII letters or digits beside it:
- * "аррӏе.com", "/srv/ѕсоре/x", '"host":"аррӏе"' (a word ends at WORD_END). */
-function wordHasAscii(s, start, end) {
-  let i = start;
-  while (i > 0 && !WORD_END.test(s[i - 1])) i--;
-  let j = end;
-  while (j < s.length && !WORD_END.test(s[j])) j++;
-  return /[A-Za-z0-9]/.test(s.slice(i, start) + s.slice(end, j));
+/** Whether the word around a token holds ASCII letters or digits beside it: "аррӏе.com",
+ * "/srv/ѕсоре/x", '"host":"аррӏе"' (a word ends at WORD_END). Tokens are asked in order
+ * and each word is read once (a word of 100,000 tokens is not read 100,000 times). */
+function words(s) {
+  let wordEnd = -1;
+  let alnum = 0;
+  const count = (from, to) => (s.slice(from, to).match(ALNUM_RUNS) ?? []).reduce((n, run) => n + run.length, 0);
+  return (start, end) => {
+    if (start >= wordEnd) {
+      let begin = start;
+      while (begin > 0 && !WORD_END.test(s[begin - 1])) begin--;
+      WORD_REST.lastIndex = end;
+      WORD_REST.exec(s);
+      wordEnd = WORD_REST.lastIndex;
+      alnum = count(begin, wordEnd);
+    }
+    return alnum > count(start, end);
+  };
 }
+const WORD_END = /[\s"'`,;:=(){}[\]<>|&]/u;
 
 /** The Latin a token reads as when it is all Cyrillic or all Greek letters with Latin
  * twins (ASCII digits and format characters may stand among them), else null. */
-function wholeScript(token, scripts) {
+function wholeScript(token, scripts, char) {
   if (scripts.size !== 1 || !["Cyrillic", "Greek"].includes([...scripts.keys()][0])) return null;
-  const chars = [...token];
-  if (!chars.every((c) => TWINS.has(c) || ASCII_DIGIT.test(c) || FORMAT.test(c))) return null;
-  return chars.filter((c) => TWINS.has(c) || ASCII_DIGIT.test(c)).map((c) => TWINS.get(c) ?? c).join("");
+  for (const c of new Set(token)) if (!TWINS.has(c) && !ASCII_DIGIT.test(c) && !(NON_ASCII.test(c) && char(c).format)) return null;
+  let read = "";
+  for (const c of token) if (TWINS.has(c) || ASCII_DIGIT.test(c)) read += TWINS.get(c) ?? c;
+  return read;
 }
 
 /**
- * The tokens of `text` to mark, in order: {start, end, token, notes}, each note naming
- * the characters as U+XXXX with their script, or the ASCII they stand for. A whole-script
- * look-alike ("аррӏе") is marked only amid Latin text: when its word holds ASCII letters
- * or digits beside it (a host, a path segment), or no other token of the text has a letter
- * of its script ("ssh ѕсоре"). In Russian or Greek prose it is a word.
+ * The look-alike check of `text`: {found, checked, length}. `found`: the tokens to mark, in
+ * order, {start, end, token, notes}, each note naming the characters as U+XXXX with their
+ * script, or the ASCII they stand for; `checked`: how much of the text was (all of it, or
+ * SCAN_MAX when non-ASCII characters lie beyond). A whole-script look-alike ("аррӏе") is
+ * marked only amid Latin text: when its word holds ASCII letters or digits beside it (a
+ * host, a path segment), or no other token of the text has a letter of its script ("ssh
+ * ѕсоре"). In Russian or Greek prose it is a word. Kept by text (CACHE_MAX).
  */
-export function lookalikes(text) {
+export function check(text) {
   const s = String(text ?? "");
-  if (!NON_ASCII.test(s)) return [];
-  const found = [];
-  const spans = tokens(s);
-  const perToken = spans.map(([start, end]) => scriptsOf(s.slice(start, end)));
-  spans.forEach(([start, end], n) => {
-    const token = s.slice(start, end);
-    if (!NON_ASCII.test(token)) return;
-    const chars = [...token];
-    const notes = [];
-    const forms = [...new Set(chars.filter((c) => compat(c) !== null))];
-    if (forms.length) {
-      const read = chars.map((c) => compat(c) ?? c).join("");
-      notes.push(`compatibility forms, read "${reveal(read)}": ${forms.map((c) => `${hex(c)} ${formOf(c)} "${compat(c)}"`).join(", ")}`);
-    }
-    const scripts = perToken[n];
-    if (scripts.size > 1) {
-      const names = [...scripts.keys()];
-      const main = scripts.has("Latin") ? "Latin" : names.reduce((a, b) => (scripts.get(b).length > scripts.get(a).length ? b : a));
-      const odd = new Set();
-      for (const [script, cs] of scripts) if (script !== main) for (const c of cs) odd.add(`${hex(c)} ${script}`);
-      notes.push(`mixed scripts (${names.join(", ")}): ${[...odd].join(", ")}`);
-    }
-    const read = forms.length ? null : wholeScript(token, scripts);
-    if (read !== null) {
-      const [script] = scripts.keys();
-      const alone = !perToken.some((other, m) => m !== n && other.has(script));
-      if (alone || wordHasAscii(s, start, end)) {
-        const letters = [...new Set(chars.filter((c) => TWINS.has(c)))];
-        notes.push(`all ${script}, read "${read}": ${letters.map((c) => `${hex(c)} ${script} "${TWINS.get(c)}"`).join(", ")}`);
-      }
-    }
-    if (notes.length) found.push({ start, end, token, notes });
-  });
-  return found;
+  const kept = cache.get(s);
+  if (kept) {
+    cache.delete(s);
+    cache.set(s, kept);
+    return kept;
+  }
+  const result = scan(s);
+  cache.set(s, result);
+  if (cache.size > CACHE_MAX) cache.delete(cache.keys().next().value);
+  return result;
 }
 
-const describe = (f) => `"${reveal(f.token)}": ${f.notes.join("; ")}`;
+function scan(s) {
+  if (!NON_ASCII.test(s)) return { found: [], checked: s.length, length: s.length };
+  let checked = s.length;
+  if (s.length > SCAN_MAX && NON_ASCII.test(s.slice(SCAN_MAX))) {
+    checked = SCAN_MAX - (s.charCodeAt(SCAN_MAX - 1) >= 0xd800 && s.charCodeAt(SCAN_MAX - 1) < 0xdc00 ? 1 : 0);
+  }
+  const known = new Map();
+  const char = (c) => {
+    let got = known.get(c);
+    if (got === undefined) known.set(c, (got = classify(c)));
+    return got;
+  };
+  const spans = tokens(checked < s.length ? s.slice(0, checked) : s, char);
+  const toks = spans.map(([start, end]) => s.slice(start, end));
+  const count = new Map();
+  for (const t of toks) count.set(t, (count.get(t) ?? 0) + 1);
+  const holders = new Map(); // how many tokens have a letter of each script
+  const scriptsOfToken = new Map();
+  for (const [t, n] of count) {
+    const scripts = scriptsOf(t, char);
+    scriptsOfToken.set(t, scripts);
+    for (const script of scripts.keys()) holders.set(script, (holders.get(script) ?? 0) + n);
+  }
+  const beside = words(s);
+  const notesOf = new Map(); // per token: its notes but the whole-script one, and that one
+  const found = [];
+  spans.forEach(([start, end], n) => {
+    const token = toks[n];
+    let kept = notesOf.get(token);
+    if (!kept) {
+      const scripts = scriptsOfToken.get(token);
+      const chars = [...new Set(token)];
+      const notes = [];
+      const forms = chars.filter((c) => NON_ASCII.test(c) && char(c).compat !== null);
+      if (forms.length) {
+        let read = "";
+        for (const c of token) read += (NON_ASCII.test(c) && char(c).compat) || c;
+        notes.push(`compatibility forms, read ${quote(read)}: ${named(forms, token, (c) => `${hex(c)} ${formOf(c)} "${char(c).compat}"`)}`);
+      }
+      if (scripts.size > 1) {
+        const names = [...scripts.keys()];
+        const main = scripts.has("Latin") ? "Latin" : names.reduce((a, b) => (scripts.get(b).length > scripts.get(a).length ? b : a));
+        const odd = [];
+        for (const [script, cs] of scripts) if (script !== main) odd.push(...new Set(cs));
+        notes.push(`mixed scripts (${names.join(", ")}): ${named([...new Set(odd)], token, (c) => `${hex(c)} ${char(c).script}`)}`);
+      }
+      const read = forms.length ? null : wholeScript(token, scripts, char);
+      let whole = null;
+      if (read !== null) {
+        const [script] = scripts.keys();
+        const letters = chars.filter((c) => TWINS.has(c));
+        whole = { script, note: `all ${script}, read ${quote(read)}: ${named(letters, token, (c) => `${hex(c)} ${script} "${TWINS.get(c)}"`)}` };
+      }
+      kept = { notes, whole };
+      notesOf.set(token, kept);
+    }
+    const notes = [...kept.notes];
+    if (kept.whole && (holders.get(kept.whole.script) === 1 || beside(start, end))) notes.push(kept.whole.note);
+    if (notes.length) found.push({ start, end, token, notes });
+  });
+  return { found, checked, length: s.length };
+}
+
+/** The tokens of `text` to mark, in order (`check`). */
+export function lookalikes(text) {
+  return check(text).found;
+}
+
+/** What a check that stopped at its bound says, or null. */
+function unchecked({ checked, length }) {
+  return checked < length
+    ? `look-alike check: first ${checked.toLocaleString("en")} of ${length.toLocaleString("en")} characters only`
+    : null;
+}
+
+const describe = (f) => `${quote(f.token)}: ${f.notes.join("; ")}`;
 
 /**
  * `text` as reveal (dom.js) shows it, each look-alike token in a <mark class="lookalike">
@@ -170,7 +299,8 @@ export function literal(text, max = Infinity) {
   const s = whole.slice(0, cut);
   const out = [];
   let at = 0;
-  for (const f of lookalikes(whole)) {
+  const result = check(whole);
+  for (const f of result.found) {
     if (f.start >= cut) break;
     if (f.start > at) out.push(reveal(s.slice(at, f.start)));
     at = Math.min(f.end, cut);
@@ -178,12 +308,24 @@ export function literal(text, max = Infinity) {
   }
   if (at < s.length || out.length === 0) out.push(reveal(s.slice(at)));
   if (cut < whole.length) out.push("…");
+  // What is shown past the check's bound was not checked: said, not left to look clean.
+  if (cut > result.checked) out.push(h("span", { class: "lookalike-unchecked", text: ` [${unchecked(result)}]` }));
   return out;
 }
 
 /** A visible legend naming the look-alike characters of `texts`, or null when none. */
 export function lookalikeNote(...texts) {
-  const lines = [...new Set(texts.flatMap((t) => lookalikes(t)).map(describe))];
+  const checks = texts.map((t) => check(t));
+  const seen = new Set();
+  const lines = [];
+  for (const f of checks.flatMap((c) => c.found)) {
+    const key = `${f.token}\n${f.notes.join("\n")}`;
+    if (seen.has(key)) continue;
+    seen.add(key);
+    if (lines.length < NOTE_MAX_TOKENS) lines.push(describe(f));
+  }
+  if (seen.size > NOTE_MAX_TOKENS) lines.push(`and ${seen.size - NOTE_MAX_TOKENS} more`);
+  for (const c of checks) if (unchecked(c)) lines.push(unchecked(c));
   if (lines.length === 0) return null;
   return h("p", { class: "lookalike-note", role: "note" }, "Look-alike characters: ", lines.join(" · "));
 }
