@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -74,9 +74,9 @@ _PIECE: Final = re.compile(r"[A-Za-z0-9]+|[^\x00-\x7f]+")
 _WORD_REST: Final = re.compile(r"[^\s\"'`,;:=(){}\[\]<>|&]*")
 
 
-@dataclass(frozen=True)
-class _Char:
-    """What the check needs of a non-ASCII character, worked out once per text."""
+class _Char(NamedTuple):
+    """What the check needs of a non-ASCII character, worked out once per text (a tuple:
+    built for each distinct character, a frozen dataclass costs twice as much)."""
 
     inside: bool  # in a token: a letter, mark, digit, format character or compatibility form
     script: str | None  # a letter's script among LATINLIKE (not a compatibility form's)
