@@ -37,6 +37,7 @@ import mcp.client.stdio as _stdio
 import trio
 from mcp import ClientSession, StdioServerParameters
 
+from subagent.osedge import LINUX
 from subagent.spec import McpServerSpec
 from subagent.tools._mcp_lines import WholeLinesProcess
 from subagent.tools.mcp_spawn import Prespawned, resume_stopped_server
@@ -194,6 +195,7 @@ class _OutboundTap:
 class McpServer:
     name: str
     pgid: int | None = None
+    leader_ticks: int | None = None  # the server's start time: ``pgid`` is still it while it matches
     session: ClientSession | None = None
     tools: list[Any] = field(default_factory=list)
     stderr_path: Path | None = None
@@ -246,6 +248,15 @@ class McpServer:
                 self.tap.stop = None
                 self.tap.on_sent = None
         return bool(getattr(result, "is_error", False)), tool_result_text(result)
+
+    def stopped(self) -> bool:
+        """Whether the server's own process is stopped (SIGSTOP, SIGTSTP: state ``T``), so
+        that it can answer nothing until resumed. Only the process spawned, known by its
+        start time (a reused pid is not it); False when it cannot be read. Linux only."""
+        if self.pgid is None or self.leader_ticks is None:
+            return False
+        proc = LINUX.stat(self.pgid)
+        return proc is not None and proc.start_ticks == self.leader_ticks and proc.state in ("T", "t")
 
     async def cancel_in_flight(self, reason: str) -> bool:
         """Send ``notifications/cancelled`` for the call in flight; keep waiting for it.
@@ -300,7 +311,7 @@ async def start_server(
         McpSetupError: it could not be spawned, broke the handshake, or died.
     """
     name = spawned.name
-    server = McpServer(name=name, pgid=spawned.pgid, stderr_path=spawned.stderr_path)
+    server = McpServer(name=name, pgid=spawned.pgid, leader_ticks=spawned.leader_ticks, stderr_path=spawned.stderr_path)
     if spawned.error is not None or spawned.process is None:
         exc = spawned.error
         why = (exc.strerror or str(exc)) if exc is not None else "no process"

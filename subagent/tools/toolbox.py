@@ -387,6 +387,7 @@ class ToolBox:
         call = trio.CancelScope()
         broke = trio.CancelScope()
         effect: list[StopEffect] = []
+        unanswerable: list[str] = []  # the server was stopped at the stop: no wait
         wait_s = self.stop_policy.cancel_wait_s
 
         async def apply_stop() -> None:
@@ -401,7 +402,12 @@ class ToolBox:
                 return
             with trio.move_on_after(wait_s):
                 await server.cancel_in_flight(f"the run was stopped ({stop.reason})")
-            await trio.sleep(wait_s)  # the answer may still come: then it is the real result
+            # A server stopped (SIGSTOP, by the run's own command) answers nothing until
+            # resumed, which only its close does: its wait would be the stop's time lost.
+            if not server.stopped():
+                await trio.sleep(wait_s)  # the answer may still come: then it is the real result
+            else:
+                unanswerable.append(server.name)
             effect.append(StopEffect.CANCEL_UNANSWERED)
             call.cancel(reason="no answer after notifications/cancelled")
 
@@ -420,6 +426,12 @@ class ToolBox:
         if call.cancelled_caught and effect:
             if effect[0] is StopEffect.ABANDONED:
                 reason = "abandoned: a read-only call abandoned at the stop; notifications/cancelled was sent"
+            elif unanswerable:
+                reason = (
+                    "interrupted: notifications/cancelled was sent at the stop, but the server's process was "
+                    "stopped (SIGSTOP) and could not answer; the call was abandoned at once and the server may "
+                    "have acted"
+                )
             else:
                 reason = (
                     f"interrupted: notifications/cancelled was sent at the stop and no answer came within "

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 
 from subagent.events import EventKind, ExitCode
@@ -129,6 +130,34 @@ async def test_a_cancellable_call_is_told_once_then_abandoned_after_a_short_wait
     lines = log.read_text().splitlines()
     assert [ln for ln in lines if ln.startswith("notifications/cancelled")] == [f"notifications/cancelled {request_id}"]
     assert call["stop_to_end_s"] >= 0.2
+
+
+async def test_a_cancellable_call_on_a_server_the_run_stopped_is_abandoned_without_its_wait(tmp_path: Path) -> None:
+    """Seen: a ``cancel``-policy call whose server the run's own command had SIGSTOPped held
+    the stop for its whole ``cancel_wait_s``, waiting for an answer a stopped process cannot
+    give. Now the wait is skipped and the record says why; the close then resumes the server."""
+    wait_s = 10.0  # far longer than the stop takes: a wait would show in the record's time
+    runner_spec, log = stop_spec(
+        tmp_path, [{"name": "tidy_up", "arguments": {}}], stop_policy={"cancel_wait_s": wait_s}
+    )
+    async with start_runner(runner_spec, tmp_path) as r:
+        group = await r.wait_event(EventKind.PROCESS_GROUP, lambda e: e.data["kind"] == "mcp_server")
+        await sent(r, "tidy_up")
+        await wait_log(log, "start tidy_up ")
+        server = psutil.Process(group.data["pgid"])
+        assert server.ppid() == r.proc.pid and STOP_SERVER in server.cmdline()  # the runner's own child
+        server.suspend()
+        with trio.fail_after(10):  # the signal is delivered, not yet acted on, at kill()'s return
+            while server.status() != psutil.STATUS_STOPPED:
+                await trio.sleep(0.01)
+        r.signal()
+        rc, result = await r.finish()
+    assert rc == ExitCode.CANCELLED
+    (call,) = result["tool_calls"]
+    assert call["on_stop"] == "cancel" and call["state"] == "cancelled" and call["stop_effect"] == "cancel_unanswered"
+    assert "stopped (SIGSTOP) and could not answer" in call["reason"], call["reason"]
+    assert call["stop_to_end_s"] < wait_s, call
+    assert not server.is_running()  # resumed and closed with the run
 
 
 async def test_the_spec_overrides_the_policy_per_server_and_per_tool(tmp_path: Path) -> None:
