@@ -131,11 +131,13 @@ def _namespaces_in(entry: str) -> list[str]:
 
 @dataclass
 class Narrowed:
-    """The runner's own grants, narrowed: ``read`` whole, ``list_only`` to list (Landlock's
-    ``READ_DIR`` alone), and a note for each narrowed path (the sandbox's ``problems``)."""
+    """The runner's own grants, narrowed: ``read`` whole; ``imports``, each ``sys.path``
+    directory too wide to grant (its real path) and the names Python imports from it,
+    which it may not list (``_importfinder``); a note for each narrowed path (the
+    sandbox's ``problems``)."""
 
     read: list[str] = field(default_factory=list)
-    list_only: list[str] = field(default_factory=list)
+    imports: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
@@ -143,9 +145,10 @@ def narrow_runtime(
     paths: Iterable[str], import_dirs: Iterable[str], keep: Iterable[str] = (), environ: Mapping[str, str] | None = None
 ) -> Narrowed:
     """``paths`` (what the runner reads to keep running) with those too wide narrowed:
-    a ``sys.path`` directory (in ``import_dirs``) to listing it, which Python's
-    ``FileFinder`` does to import from it (after the sandbox too: the runner imports
-    lazily), and reading what it imports from it (``importable``); any other (the
+    a ``sys.path`` directory (in ``import_dirs``) to reading what Python imports from it
+    (``importable``), whose names are kept (``imports``) for the runner's imports after
+    the sandbox (it imports lazily): Python's ``FileFinder`` would list the directory,
+    which the run may not (``_importfinder``); any other (the
     interpreter's prefix: its ``sys.path`` entries are among ``paths``) to nothing.
     ``keep``: granted whole whatever they are (agentd's own checkout)."""
     imports = {os.path.realpath(p) for p in import_dirs}
@@ -158,16 +161,15 @@ def narrow_runtime(
             out.read.append(p)
         elif real in imports:
             inside = importable(real, _namespaces_in(real))
-            out.list_only.append(p)
             out.read += inside
             names = [os.path.basename(i) for i in inside]
+            out.imports[real] = names
             shown = ", ".join(names[:_NAMES_SHOWN]) + (f", ... ({len(names)})" if len(names) > _NAMES_SHOWN else "")
             out.problems.append(
-                f"{p!r} (on the runner's sys.path) is {why}: not granted whole; the run may list the names "
-                f"beneath it and read only what Python imports from it ({shown or 'nothing'})"
+                f"{p!r} (on the runner's sys.path) is {why}: not granted whole; the run may not list it and "
+                f"reads only what Python imports from it ({shown or 'nothing'}), as it was when the run started"
             )
         else:
             out.problems.append(f"{p!r} (the interpreter's prefix) is {why}: not granted (its sys.path entries are)")
     out.read = list(dict.fromkeys(out.read))
-    out.list_only = list(dict.fromkeys(out.list_only))
     return out

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from subagent import _isolate, _landlock, _links, _nest, _quotas, _seccomp, _wide
+from subagent import _importfinder, _isolate, _landlock, _links, _nest, _quotas, _seccomp, _wide
 from subagent._landlock import FS_READ, FS_WRITE, Grant
 
 __all__ = [
@@ -521,8 +521,9 @@ class Ahead:
     root: bool
     host_uid: int
     inner: int
-    # Listed, not read: a sys.path entry too wide to grant whole (``runtime_grants``).
-    list_only: list[str] = field(default_factory=list)
+    # The sys.path directories too wide to grant whole (``runtime_grants``), neither read
+    # nor listed: the names Python imports from each (``_importfinder``).
+    imports: dict[str, list[str]] = field(default_factory=dict)
     userns: bool = False
     # A procfs of the run's own at /proc, hidepid=invisible (``_isolate.private_proc``).
     proc_hidden: bool = False
@@ -709,7 +710,7 @@ def prepare_ahead(
         settings=settings,
         abi=abi,
         read=_exists([*SYSTEM_READ, *runtime.read]),
-        list_only=runtime.list_only,
+        imports=runtime.imports,
         write=_exists([str(base)]),
         protect=protected(settings),
         resolv=_resolv_target(),
@@ -755,7 +756,6 @@ def prepare_ahead(
     # tunables cannot be written anyway (not uid 0, or mounted read-only).
     ahead.proc_writable = not root or tunables_ro
     grants = [Grant(p, FS_READ) for p in ahead.read] + [Grant(p, FS_WRITE) for p in ahead.write]
-    grants += [Grant(p, _landlock.READ_DIR) for p in ahead.list_only]  # a sys.path entry too wide to read
     grants += [
         Grant("/proc", FS_READ | (_landlock.WRITE_FILE if ahead.proc_writable else 0)),
         Grant("/dev", _landlock.READ_DIR),
@@ -920,6 +920,7 @@ def _finish(
         private = [Grant(p, FS_WRITE) for p in ahead.private if p in PRIVATE_DIRS]
         ahead.ruleset.add(_landlock.plan_rules(private, ahead.in_view(ahead.protect)))
         linked = _links.linked_protected(ahead.protect, [*read, *write])
+        _importfinder.install(ahead.imports)  # (a too wide sys.path entry: imported from, never listed)
         ahead.ruleset.restrict()
     except OSError as exc:
         if settings.mode == "required":

@@ -26,7 +26,7 @@ def test_a_home_what_holds_one_the_root_and_shared_tmp_are_too_wide_not_the_syst
     assert _wide.too_wide("/usr/bin") is None  # a home ('/bin' is 'sync''s), but every run reads it
 
 
-def test_a_sys_path_entry_too_wide_is_listed_and_its_modules_and_packages_read(
+def test_a_sys_path_entry_too_wide_is_not_granted_its_modules_and_packages_read_and_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     home = tmp_path / "u"
@@ -38,7 +38,8 @@ def test_a_sys_path_entry_too_wide_is_listed_and_its_modules_and_packages_read(
     (home / "linked.py").symlink_to(home / "notes.txt")
     monkeypatch.setenv("HOME", str(home))
     got = _wide.narrow_runtime([str(home), "/usr/lib"], [str(home)])
-    assert got.list_only == [str(home)]
+    assert set(got.imports) == {str(home)}
+    assert sorted(got.imports[str(home)]) == ["__pycache__", "ext.abi3.so", "mod.py", "pkg"]
     inside = {os.path.relpath(p, home) for p in got.read if p.startswith(str(home))}
     assert inside == {"mod.py", "ext.abi3.so", "pkg", "__pycache__"}
     assert "/usr/lib" in got.read
