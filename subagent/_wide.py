@@ -4,8 +4,9 @@ A grant derived from where something is kept (Chromium's directory, a ``sys.path
 the interpreter's prefix) can be a directory that holds people's files: a Chromium kept as
 ``~/chrome``, a ``PYTHONPATH`` naming ``~`` or ``/``. ``too_wide`` says why one is: ``/``,
 a home (any passwd entry's, the process's ``$HOME``), a directory holding one, a temporary
-directory every user shares. What the system read set (``SYSTEM_READ``) holds is readable
-anyway, so never too wide. ``narrow_runtime`` narrows the runner's own grants; Chromium's
+directory every user shares; ``within_home``, why one lies inside a home (a Chromium
+kept in ``~/Downloads`` is narrowed to its own files). What the system read set
+(``SYSTEM_READ``) holds is readable anyway, so never too wide. ``narrow_runtime`` narrows the runner's own grants; Chromium's
 is narrowed by ``browser_setup.read_paths``. Stdlib only (the daemon imports it).
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "homes",
     "system_readable",
     "too_wide",
+    "within_home",
     "importable",
     "narrow_runtime",
 ]
@@ -86,6 +88,20 @@ def too_wide(path: str, environ: Mapping[str, str] | None = None) -> str | None:
     for home, whose in sorted(found.items()):
         if _beneath(home, real):
             return f"a directory holding the home directory of {whose} ({home!r})"
+    return None
+
+
+def within_home(path: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the directory ``path`` holds what only a person keeps, or None: it lies beneath
+    a home (``~/Downloads``, ``~/.cache``), the home itself being ``too_wide``. A home
+    that is ``/`` (a system user's: ``systemd-network``'s) is not counted (it holds
+    everything); nor what the system read set holds (a run reads it anyway)."""
+    real = os.path.realpath(path)
+    if system_readable(real):
+        return None
+    for home, whose in sorted(homes(environ).items()):
+        if home != "/" and real != home and _beneath(real, home):
+            return f"inside the home directory of {whose} ({home!r})"
     return None
 
 

@@ -188,10 +188,11 @@ def find_playwright_mcp() -> pathlib.Path:
 def chromium_narrowed(chromium: pathlib.Path) -> str | None:
     """Why Chromium's directory (its binary's, real) is not granted whole, or None: it is
     ``/``, a home, a directory holding one, a shared temporary directory
-    (``_wide.too_wide``), or a ``bin`` directory outside the system read set (a user's
-    ``~/bin``, ``~/.local/bin``: their other programs and scripts)."""
+    (``_wide.too_wide``), a directory inside a home (``_wide.within_home``: a Chromium
+    unpacked in ``~/Downloads``, where anything else may lie beside it, or Playwright's
+    in ``~/.cache/ms-playwright``), or a ``bin`` directory outside the system read set."""
     where = os.path.dirname(os.path.realpath(chromium))
-    why = _wide.too_wide(where)
+    why = _wide.too_wide(where) or _wide.within_home(where)
     if why is None and os.path.basename(where) == "bin" and not _wide.system_readable(where):
         why = "a directory of programs ('bin')"
     return why
@@ -209,7 +210,8 @@ def read_paths(node: pathlib.Path, playwright_mcp: pathlib.Path, chromium: pathl
     ``mise``) or ``~/bin/node`` made the run able to read all of ``~/.local`` or the daemon
     user's home, through its browser too (``file://``); nor three levels above ``cli.js``,
     which is ``/`` for a package kept at ``/opt/pw``; nor a Chromium's directory that is a
-    home (``executable_path`` or ``AGENTD_CHROMIUM`` naming ``~/chrome``: the whole home).
+    home (``executable_path`` or ``AGENTD_CHROMIUM`` naming ``~/chrome``: the whole home)
+    or lies in one (``~/Downloads/chrome-linux``: whatever else was downloaded there).
     """
     node = pathlib.Path(os.path.realpath(node))
     out = [str(node)]

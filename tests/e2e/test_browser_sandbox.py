@@ -261,23 +261,30 @@ async def test_a_browser_run_reads_no_more_of_nodes_home_than_node(
 
 
 @pytest.mark.parametrize("state_dir", ["tmp"], indirect=True)
+@pytest.mark.parametrize("where", ["", "Downloads/chrome-linux"], ids=["home", "in_home"])
 async def test_a_browser_run_whose_chromium_is_kept_in_a_home_reads_chromium_not_the_home(
-    daemon: BrowserDaemon, monkeypatch: pytest.MonkeyPatch
+    daemon: BrowserDaemon, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     # A Chromium unpacked straight into the daemon user's home (``executable_path``
-    # naming ``~/chromium``): its directory, granted for its resources, was the whole home.
-    # A home of the test's own in the real one (out of the run's private /tmp: Landlock
-    # alone keeps it out), holding Debian's Chromium as hard links (its resources beside it).
+    # naming ``~/chromium``): its directory, granted for its resources, was the whole home;
+    # or into a directory in it (``~/Downloads/chrome-linux``): that directory was granted
+    # whole, with whatever else lies there. A home of the test's own in the real one (out
+    # of the run's private /tmp: Landlock alone keeps it out), holding Debian's Chromium as
+    # hard links (its resources beside it).
     conftest.require(os.access(DEBIAN_CHROMIUM.parent, os.R_OK), "Debian's Chromium in /usr/lib/chromium")
     home = Path(tempfile.mkdtemp(prefix="agentd-test-home-", dir=Path.home()))
+    chrome = home / where
     try:
-        subprocess.run(["cp", "-al", f"{DEBIAN_CHROMIUM.parent}/.", str(home)], check=True, timeout=60)
+        chrome.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-al", f"{DEBIAN_CHROMIUM.parent}/.", str(chrome)], check=True, timeout=60)
         (home / ".bash_history").write_text(f"export TOKEN={SECRET}\n")
         (home / "notes.txt").write_text(SECRET + "\n")
+        (chrome / "beside.txt").write_text(SECRET + "\n")  # downloaded with it, say
         monkeypatch.setenv("HOME", str(home))
-        targets = {"files": {"history": str(home / ".bash_history"), "notes": str(home / "notes.txt")}}
+        files = {"history": home / ".bash_history", "notes": home / "notes.txt", "beside": chrome / "beside.txt"}
+        targets = {"files": {k: str(p) for k, p in files.items()}}
         code = PROBE_JS.split("  const sockets")[0].replace("%TARGETS%", json.dumps(targets)) + "  return out;\n}\n"
-        spec = {**browser_spec([run_code(code)]), "browser": {"executable_path": str(home / "chromium")}}
+        spec = {**browser_spec([run_code(code)]), "browser": {"executable_path": str(chrome / "chromium")}}
         with trio.fail_after(SCENARIO_S):
             r = await daemon.m.spawn(spec)
             st = await daemon.m.wait_terminal(r["run_id"])
@@ -286,9 +293,10 @@ async def test_a_browser_run_whose_chromium_is_kept_in_a_home_reads_chromium_not
     assert st["state"] == "completed", st  # Chromium started from its binary and files alone
     found = code_result(st)
     assert SECRET not in json.dumps(found), found
-    for key in ("history", "notes"):
+    for key in files:
         assert found[f"node_{key}"].startswith("ERR:") and found[f"chromium_{key}"].startswith("NOPAGE:"), found
     read = st["sandbox"]["read"]
-    assert str(home) not in read and str(home / "chromium") in read and str(home / "resources.pak") in read, read
-    notes = [p for p in st["sandbox"].get("problems", []) if str(home) in p]
+    assert str(home) not in read and str(chrome) not in read, read
+    assert str(chrome / "chromium") in read and str(chrome / "resources.pak") in read, read
+    notes = [p for p in st["sandbox"].get("problems", []) if str(chrome) in p and "Chromium" in p]
     assert notes and "home directory" in notes[0], st["sandbox"]

@@ -5,6 +5,7 @@ tests/e2e/test_sandbox_homes.py and tests/e2e/test_browser_sandbox.py."""
 from __future__ import annotations
 
 import os
+import pwd
 from pathlib import Path
 
 import pytest
@@ -61,16 +62,16 @@ def _chromium(d: Path, *more: str) -> Path:
     return exe
 
 
-def test_chromium_in_its_own_directory_gets_it_whole_in_a_home_or_bin_only_its_files(
+def test_chromium_in_its_own_directory_gets_it_whole_in_or_as_a_home_or_bin_only_its_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     home = tmp_path / "u"
     monkeypatch.setenv("HOME", str(home))
     node, mcp = Path("/usr/bin/node"), tmp_path / "node_modules" / "@playwright" / "mcp" / "cli.js"
-    own = _chromium(home / "chrome-linux64", "resources.pak")
+    own = _chromium(tmp_path / "opt" / "chrome-linux64", "resources.pak")
     assert browser_setup.chromium_narrowed(own) is None
     assert str(own.parent) in browser_setup.read_paths(node, mcp, own)
-    for where in (home, home / "bin", home / ".local" / "bin"):
+    for where in (home, home / "bin", home / ".local" / "bin", home / "Downloads" / "chrome-linux"):
         exe = _chromium(where, "resources.pak", "icudtl.dat", "wallet.dat", "notes.txt")
         assert browser_setup.chromium_narrowed(exe) is not None, where
         got = browser_setup.read_paths(node, mcp, exe)
@@ -78,3 +79,22 @@ def test_chromium_in_its_own_directory_gets_it_whole_in_a_home_or_bin_only_its_f
         assert {p for p in got if p.startswith(str(where) + "/") and "/" not in p[len(str(where)) + 1 :]} == {
             str(where / n) for n in ("chrome", "resources.pak", "icudtl.dat")
         }, got
+    assert "inside the home directory" in str(
+        browser_setup.chromium_narrowed(home / "Downloads" / "chrome-linux" / "chrome")
+    )
+
+
+def test_inside_a_home_is_any_passwd_entrys_or_home_but_not_a_home_that_is_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    users = [pwd.struct_passwd(("svc", "x", 1, 1, "", "/", "/bin/false")),
+             pwd.struct_passwd(("ann", "x", 2, 2, "", str(tmp_path / "ann"), "/bin/sh"))]  # fmt: skip
+    monkeypatch.setattr(pwd, "getpwall", lambda: users)
+    monkeypatch.setenv("HOME", str(tmp_path / "daemon"))
+    assert _wide.within_home(str(tmp_path / "ann" / "Downloads" / "chrome-linux")) == (
+        f"inside the home directory of user 'ann' ({str(tmp_path / 'ann')!r})"
+    )
+    assert "($HOME)" in str(_wide.within_home(str(tmp_path / "daemon" / ".cache" / "ms-playwright")))
+    assert _wide.within_home(str(tmp_path / "ann")) is None  # the home itself: ``too_wide``'s
+    assert _wide.within_home(str(tmp_path / "opt" / "chromium")) is None  # '/' is svc's home: not counted
+    assert _wide.within_home("/usr/games/x") is None  # 'games''s home, but every run reads it
