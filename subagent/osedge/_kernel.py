@@ -111,9 +111,10 @@ class Kernel(Protocol):
         ...
 
     def deleted_files(self, pid: int) -> dict[tuple[int, int], int] | None:
-        """The regular files ``pid`` holds open that no path leads to any more (unlinked,
-        their last link gone: their space comes back only when they are closed), by
-        (``st_dev``, ``st_ino``): their allocated bytes. None when unreadable."""
+        """The regular files ``pid`` holds open or mapped that no path leads to any more
+        (unlinked, their last link gone: their space comes back only when they are closed
+        and unmapped), by (``st_dev``, ``st_ino``): their allocated bytes. None when
+        unreadable."""
         ...
 
     def children(self) -> list[int] | None:
@@ -181,6 +182,25 @@ def _read(path: str) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def _deleted_mapped(pid: int) -> dict[tuple[int, int], int]:
+    """The deleted files ``pid`` maps (``deleted_files``): a mapping holds its whole file
+    after its descriptor is closed, which ``/proc/PID/fd`` then no longer shows. Each is
+    stat'ed through ``/proc/PID/map_files`` (the kernel asks CAP_SYS_ADMIN or
+    CAP_CHECKPOINT_RESTORE for that: a normal user's daemon gets none of them)."""
+    found: dict[tuple[int, int], int] = {}
+    for line in _read(f"/proc/{pid}/maps").splitlines():
+        if not line.endswith(b" (deleted)"):
+            continue
+        start, _, end = line.split(b" ", 1)[0].partition(b"-")
+        try:
+            st = os.stat(f"/proc/{pid}/map_files/{int(start, 16):x}-{int(end, 16):x}")
+        except (OSError, ValueError):
+            continue
+        if stat_.S_ISREG(st.st_mode) and st.st_nlink == 0:
+            found[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return found
 
 
 @final
@@ -260,6 +280,7 @@ class LinuxKernel:
                 continue
             if stat_.S_ISREG(st.st_mode) and st.st_nlink == 0:
                 found[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+        found.update(_deleted_mapped(pid))
         return found
 
     def children(self) -> list[int] | None:

@@ -108,7 +108,7 @@ def usage_held(paths: Iterable[Path], dev: int) -> tuple[int, int]:
 
 def deleted_held(tree: AnyTree, dev: int, seen: set[tuple[int, int]]) -> int:
     """Bytes on device ``dev`` that the live processes of ``tree`` hold in files they
-    deleted but keep open (``Kernel.deleted_files``), each inode not in ``seen`` (then
+    deleted but keep open or mapped (``Kernel.deleted_files``), each inode not in ``seen`` (then
     added to it: how many were added is how many inodes they hold). Blocking (the tree's
     processes: its cgroup, or a scan of the table)."""
     table = tree.table

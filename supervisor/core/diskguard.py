@@ -18,9 +18,10 @@ room for their own files. ``DiskGuard`` stops that run instead:
   space, yet once the inodes are gone no run dir, no file of another run's can be made),
   each live run's space and inodes on it (``usage_held``: a walk of its files in a worker
   thread, links not followed, other filesystems not entered), and the files on it that
-  the run's processes deleted but keep open (``deleted_held``: ``dd of=f & rm f`` takes
-  the space from ``df`` and from any walk; it comes back only when the file is closed),
-  each inode once.
+  the run's processes deleted but keep open or mapped (``deleted_held``: ``dd of=f & rm
+  f`` takes the space from ``df`` and from any walk; it comes back only when the file is
+  closed; a one-page mapping of it, its descriptor closed, holds it whole), each inode
+  once.
 - *whom it stops*: ``choose_run``: the run holding the most (bytes, or inodes when the
   inodes ran low), if it holds at least ``1/BLAME_DIVISOR`` of the mark (and
   ``BLAME_MIN_BYTES``, ``BLAME_MIN_INODES``). Less, and the space went
@@ -41,7 +42,9 @@ room for their own files. ``DiskGuard`` stops that run instead:
   profile itself holds enough to be blamed (a stop never removes a profile otherwise:
   here the space would not come back).
 
-Not seen: space held open by a process whose descriptors are not the daemon's to read
+Not seen: a deleted file whose descriptor is in flight in a unix socket's queue (sent
+with ``SCM_RIGHTS``, never received: in no process's table); space held open by a
+process whose descriptors are not the daemon's to read
 (a normal user's daemon cannot read those of its runner itself, which is not dumpable;
 the commands and servers it starts are readable), and paths a spec's ``sandbox`` grants.
 """
