@@ -29,19 +29,19 @@ from tests.supervisor.test_disk_full import MiB, _gone, _journal_writable, scrip
 from tests.supervisor.test_disk_full import disk as disk  # noqa: F401 - the fixture
 from tests.supervisor.test_stop_tools import command_alive, wait_event
 
-# Fill the disk through a file, then keep only a one-page mapping of it: no descriptor
-# and no path lead to the file, yet all its blocks stay taken.
+# Fill the disk through a file deleted first, then keep only a one-page mapping of it: no
+# descriptor and no path lead to the file, yet all its blocks stay taken.
 FILL_MAPPED = (
     "python3 -c 'import ctypes, os, time\n"
     'p = os.environ["TMPDIR"] + "/fill"\n'
-    "fd = os.open(p, os.O_RDWR | os.O_CREAT)\n"
+    "fd = os.open(p, os.O_RDWR | os.O_CREAT); os.unlink(p)\n"  # (a look meanwhile sees it by its fd)
     "try:\n"
     '    while True: os.write(fd, b"x" * 65536)\n'
     "except OSError: pass\n"
     "libc = ctypes.CDLL(None, use_errno=True); libc.mmap.restype = ctypes.c_void_p\n"
     "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
     "assert libc.mmap(None, 4096, 1, 1, fd, 0) != ctypes.c_void_p(-1).value\n"  # PROT_READ, MAP_SHARED
-    "os.close(fd); os.unlink(p)\n"
+    "os.close(fd)\n"
     'print("filled", flush=True); time.sleep(600)\''
 )
 
