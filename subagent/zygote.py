@@ -319,7 +319,6 @@ class _Zygote:
         self.view = view
         self.generators = generators
         self.cloner = _Cloner()
-        self.sys_path0 = sys.path[0] if sys.path else None
         self.start_cwd = os.getcwd()
         self.pid = os.getpid()
         # The daemon's nest (``subagent._nest``), held, never joined here: each runner joins
@@ -452,7 +451,7 @@ class _Zygote:
             from subagent.emit import open_records
             from subagent.stopmark import open_marker
 
-            # Its run directory is known: be there, as a forked runner is (and so is sys.path[0]).
+            # Its run directory is known: be there, as a cold runner is.
             self._chdir(req.get("cwd"))
             # Before its private /tmp may hide it (a run directory under /tmp): as a cold
             # runner opens it before its sandbox.
@@ -523,11 +522,10 @@ class _Zygote:
             g.seed()
 
     def _chdir(self, cwd: str | None) -> None:
+        # (Started with ``-P`` as a cold runner is, neither has its working directory on
+        # ``sys.path``: a run's tools write their run directory.)
         if cwd:
             os.chdir(cwd)
-            # `python -m` puts the working directory first on sys.path.
-            if sys.path and sys.path[0] == self.sys_path0:
-                sys.path[0] = os.getcwd()
 
     def _take(self, req: dict[str, Any], fds: list[int], *, keep: list[int], nest: bool = False) -> list[str]:
         """Take the run's pipes as fds 0-2, close every other descriptor (but ``keep``,

@@ -23,7 +23,18 @@ from supervisor.control._statefiles import TOKEN_FILE as TOKEN_FILE
 from supervisor.control._statefiles import default_state_dir as default_state_dir
 from supervisor.errors import ConfigError
 
-__all__ = ["Config", "default_state_dir", "TOKEN_FILE", "ENDPOINT_FILE", "JOURNAL_FILE"]
+__all__ = ["Config", "default_state_dir", "module_argv", "TOKEN_FILE", "ENDPOINT_FILE", "JOURNAL_FILE"]
+
+
+def module_argv(python: str, module: str) -> tuple[str, ...]:
+    """``python -P -m module``: a process of ours that runs a module of ours (runner,
+    zygote, nest holder). ``-P``: no working directory first on ``sys.path``. Plain
+    ``-m`` put it there, and a runner's working directory is its run directory, which the
+    run's tools write: a module they left there under a name the runner imported later
+    (lazily, or a forked runner's ``sys.path[0]``) would have run inside the runner, with
+    its model key and its results (found by a probe; no such late import was seen)."""
+    return (python, "-P", "-m", module)
+
 
 JOURNAL_FILE = "agentd.sqlite3"
 # The most a ``*_mib`` setting may say (2**40 MiB = 2**60 bytes): a larger one wrapped in
@@ -139,7 +150,7 @@ class Config:
 
     @property
     def runner_argv(self) -> tuple[str, ...]:
-        return self.runner_command or (self.runner_python, "-m", "subagent.runner")
+        return self.runner_command or module_argv(self.runner_python, "subagent.runner")
 
     def min_free_bytes(self, total_bytes: int) -> int:
         """The disk guard's low-water mark for a filesystem of ``total_bytes``."""

@@ -21,7 +21,7 @@ from typing import Any, Final
 import trio
 
 from subagent._nest import NEST_ENV, totals
-from supervisor.config import Config
+from supervisor.config import Config, module_argv
 
 __all__ = ["Nest", "NEST_START_TIMEOUT_S"]
 
@@ -45,7 +45,7 @@ class Nest:
     def holder_argv(self) -> list[str]:
         """The holder's command line (a seam: a test replaces it to see a nest refused)."""
         limits = totals(self.config.run_inotify_instances_total, self.config.run_inotify_watches_total)
-        return [self.config.runner_python, "-m", "subagent._nest", json.dumps(limits)]
+        return [*module_argv(self.config.runner_python, "subagent._nest"), json.dumps(limits)]
 
     async def make(self) -> None:
         """Have the nest made (once); on failure ``why`` says why, and runs go without."""

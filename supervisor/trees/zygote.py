@@ -62,7 +62,7 @@ import trio
 from subagent.osedge import ProcessId, open_pidfd
 from subagent.sandbox import SANDBOX_ENV
 from subagent.zygote import ENV_ROOM, ENV_ROOM_VAR, MAX_MESSAGE, PLACEHOLDER_MARKER, decode, encode
-from supervisor.config import Config
+from supervisor.config import Config, module_argv
 from supervisor.trees._handles import HOST_VAR, MARKER_VAR, Tree
 from supervisor.trees._nest import Nest
 from supervisor.trees.containment import Containment
@@ -366,7 +366,7 @@ class Zygote:
         env[ENV_ROOM_VAR] = "." * ENV_ROOM  # room for a runner's own environment in /proc
         if self.nest is not None:
             env.update(self.nest.env())  # (held by the zygote, never joined: its runners do)
-        argv = [self.config.runner_python, "-m", "subagent.zygote"]
+        argv = module_argv(self.config.runner_python, "subagent.zygote")
         try:
             try:
                 proc = await trio.lowlevel.open_process(
@@ -742,7 +742,7 @@ class Zygote:
             pid,
             pidfd if pidfd is not None else -1,
             exit,
-            args=[self.config.runner_python, "-m", "subagent.runner", *args],
+            args=[*module_argv(self.config.runner_python, "subagent.runner"), *args],
             stdin=trio.lowlevel.FdStream(ours[0]),
             stdout=trio.lowlevel.FdStream(ours[1]),
             stderr=trio.lowlevel.FdStream(ours[2]),
@@ -836,7 +836,7 @@ class Spare:
         self.pids_group: Path | None = None  # its per-run pids limit (``_pidslimit``), joined
         self.memory_group: Path | None = None  # its per-run memory limit (``_memlimit``), joined
         self._ours: list[int] = []
-        argv = [zygote.config.runner_python, "-m", "subagent.runner"]
+        argv = module_argv(zygote.config.runner_python, "subagent.runner")
         self.process = ForkedProcess(pid, pidfd, exit, args=argv, stdin=None, stdout=None, stderr=None)
         self._discarded = False
 

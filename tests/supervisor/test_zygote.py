@@ -134,7 +134,7 @@ def runner_facts(row: dict[str, Any]) -> dict[str, Any]:
         "parent_is_daemon_or_zygote": p.ppid != 1,
         "cgroup_is_tree": cgroup.rsplit("/", 1)[-1] == row["tree_id"] if row["cgroup"] else None,
         "marker": parse_var(LINUX.environ(pid) or b"", "AGENTD_TREE") == row["tree_id"],
-        "cmdline": [a.decode() for a in cmdline[1:3]],
+        "cmdline": [a.decode() for a in cmdline[1:4]],
         "cwd": os.readlink(f"/proc/{pid}/cwd") == row["run_dir"],
         "masks": _status_masks(pid),
         "stdio": [fd_targets(pid).get(fd, "").split("[")[0] for fd in (0, 1, 2)],  # three pipes
@@ -212,7 +212,7 @@ async def test_a_forked_runner_is_what_a_cold_runner_is(tmp_path: Path) -> None:
             z = (await m.summary())["zygote"]
     assert z["spawned"] == 1 and z["cold_fallbacks"] == 0
     assert cold["leads_session"] and cold["leads_group"] and cold["marker"]
-    assert cold["cmdline"] == ["-m", "subagent.runner"] and cold["stdio"] == ["pipe:"] * 3
+    assert cold["cmdline"] == ["-P", "-m", "subagent.runner"] and cold["stdio"] == ["pipe:"] * 3
     if None in (forked["cgroup_is_tree"], cold["cgroup_is_tree"]):
         # A daemon degrades to sweeping when its cgroup subtree cannot be made or vanishes
         # (another daemon on a shared machine may take an unlocked one for stale): that
