@@ -215,6 +215,10 @@ class RunBook:
             JournalUnavailable, JournalError: from the journal (nothing was written).
         """
         queued: dict[str, Any] = {"state": str(RunState.QUEUED)}
+        if run.model_key is not None:
+            # Not the key (never journaled): that it had one, so a restarted daemon never
+            # queues it again to run on its own key (``_requeue``).
+            queued["own_model_key"] = True
         starting: dict[str, Any] = {"state": str(RunState.STARTING)}
         deadline = None if start is None else self._deadline(run, created_at)
         begun = [("state", starting, created_at), *_turn_events(run, created_at)]

@@ -39,6 +39,7 @@ from supervisor.core._background import amend_background
 from supervisor.core._book import RunBook
 from supervisor.core._lifecycle import STARTING_LOST, Lifecycle
 from supervisor.core._pending import PendingStops, pending_receipt
+from supervisor.core._requeue import requeue
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import FileSource, event_key
 from supervisor.core._steers import unreported_steering
@@ -63,6 +64,9 @@ class Recovery:
         self.book = book
         self.lifecycle = lifecycle
         self.containment = containment
+        # Runs left ``queued`` with no stop asked, queued again (``_requeue``), oldest first:
+        # filled by ``recover`` for the run manager's queue.
+        self.requeued: list[Run] = []
 
     async def recover(self) -> list[tuple[Run, FileSource]]:
         """Runs to supervise again (each with its events file); the others are ended.
@@ -71,6 +75,7 @@ class Recovery:
         for the next start, and the others are recovered.
         """
         adopted: list[tuple[Run, FileSource]] = []
+        self.requeued = []
         state_dir = self.lifecycle.config.state_dir
         pending = PendingStops(await trio.to_thread.run_sync(_pendingstops.read_all, state_dir))
         for row in await self.book.journal.live_runs():
@@ -276,6 +281,12 @@ class Recovery:
             end = {"state": str(RunState.CANCELLED), "partial": False, "reason": reason}
             await backlog.append(run_id, row["last_seq"] + 1, "state", end, time.time())
             logger.warning("run %s: cancelled (its stop was acknowledged before it started)", run_id)
+            return
+        if row["state"] == str(RunState.QUEUED):
+            # Acknowledged, journaled, never given to a runner: queued again, not dropped.
+            run = await requeue(self.book, self.lifecycle.config, row)
+            if run is not None:
+                self.requeued.append(run)
             return
         await backlog.write(
             run_id,

@@ -45,7 +45,7 @@ from supervisor.config import Config
 from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
 from supervisor.core._lifecycle import Lifecycle
 from supervisor.core._run import Run, mark_stop
-from supervisor.core._sources import PipeSource
+from supervisor.core._sources import FileSource, PipeSource
 from supervisor.core._spec_check import spec_for_runner, validate_spec
 from supervisor.core._steers import send_steer
 from supervisor.core.approvals import ApprovalDesk, Hooks
@@ -189,7 +189,7 @@ class RunManager:
                 self._nursery = nursery
                 await nursery.start(self.backlog.run)
                 for run, source in await self._recovery.recover():
-                    nursery.start_soon(self.lifecycle.supervise, run, source, name=f"run {run.run_id} (re-adopted)")
+                    nursery.start_soon(self._supervise_adopted, run, source, name=f"run {run.run_id} (re-adopted)")
                 # What a previous daemon killed -9 left of trees no run holds (its spares, its
                 # warm runners): before this daemon makes trees of its own there.
                 try:
@@ -207,6 +207,12 @@ class RunManager:
                     await nursery.start(self._pool.run)
                 await nursery.start(self.session_desk.run)
                 await nursery.start(self.disk.run)
+                # Runs left queued, queued again (``_requeue``): oldest first, ahead of any
+                # new spawn, once what starts a runner is there (the nest, the zygote).
+                for run in self._recovery.requeued:
+                    self._live[run.run_id] = run
+                    await nursery.start(self._start_requeued, run, name=f"run {run.run_id} (re-queued)")
+                self._recovery.requeued = []
                 self._accepting = True
                 task_status.started()
                 await trio.sleep_forever()
@@ -839,6 +845,35 @@ class RunManager:
             send.close()
 
     # ------------------------------------------------------------------ starting a run
+
+    async def _supervise_adopted(self, run: Run, source: FileSource) -> None:
+        """A run re-adopted at the restart holds its place under ``max_concurrent`` while it
+        lives, as it did under the old daemon: a run queued again waits behind it. (Beyond
+        a ``max_concurrent`` lowered meanwhile it runs on without one: it is running.)"""
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(run)
+        except trio.WouldBlock:
+            held = False
+            logger.warning("run %s: re-adopted beyond max_concurrent (%d)", run.run_id, self.config.max_concurrent)
+        else:
+            held = True
+        try:
+            await self.lifecycle.supervise(run, source)
+        finally:
+            if held:
+                self._limiter.release_on_behalf_of(run)
+
+    async def _start_requeued(self, run: Run, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A run queued again at the restart: in the queue before ``start`` returns, so the
+        runs take their places in the order they are started. (``task_status.started()``
+        then the limiter's wait, with no checkpoint between: ``acquire_on_behalf_of`` parks
+        at once when no place is free.) A session's turn goes after its session's live
+        turn (one turn of a session is live at a time): it queues once that one ended."""
+        before = [r for r in self._live.values() if r is not run and r.session_id and r.session_id == run.session_id]
+        task_status.started()
+        for turn in before:
+            await turn.done.wait()
+        await self._start(run)
 
     async def _start(self, run: Run) -> None:
         # A task root: nothing gets out of it (see the module docstring).
