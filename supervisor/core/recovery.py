@@ -18,7 +18,9 @@ a stop pressed while no daemon ran (``agentd cancel``'s pending-stop note,
 started) before it goes on, the note removed, its receipt naming it. A run
 whose runner is gone is what its complete result file says it was (completed, failed,
 cancelled, with its tool records); only a run without a result is marked ``lost`` with
-its last partial result. Any leftovers are swept. Nothing terminal changes.
+its last partial result. A run left ``queued`` (no runner ever had it) with no stop asked
+is queued again (``_requeue``: ``requeued`` for the run manager). Any leftovers are swept.
+Nothing terminal changes.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ import trio
 from supervisor.config import Config
 from supervisor.core._book import RunBook
 from supervisor.core._requeue import NOT_REQUEUED, OWN_MODEL_KEY, REQUEUED, requeue
+from supervisor.core._run import Run
+from supervisor.core.token import CancelToken
+from supervisor.protocol import Secret
 from supervisor.states import RunState
 from supervisor.store.journal import Journal
 from tests.supervisor.test_restart_stop import command_spec, daemon, kill9, wait_gone
@@ -49,9 +52,7 @@ async def test_runs_queued_at_a_sigkill_run_after_the_restart_in_their_order_not
             assert await c.wait_for(second["run_id"]) == "completed"
             assert await c.wait_for(third["run_id"]) == "completed"
             ends = [await c.call("status", run_id=r) for r in (busy, second["run_id"], third["run_id"])]
-            events = {
-                r: (await c.call("events", run_id=r))["events"] for r in (second["run_id"], third["run_id"])
-            }
+            events = {r: (await c.call("events", run_id=r))["events"] for r in (second["run_id"], third["run_id"])}
         await wait_gone(runner, 10)
     first, two, three = ends
     # One place: the re-adopted run kept it; the re-queued ones took it in their order.
@@ -107,11 +108,24 @@ async def test_a_queued_run_whose_spec_no_longer_validates_at_the_restart_ends_f
     assert good is not None and (good.run_id, good.state, good.spec["run_id"]) == ("r-good", RunState.QUEUED, "r-good")
     failed = rows["r-bad"]
     assert failed is not None and (failed["state"], failed["reason"]) == ("failed", NOT_REQUEUED), failed
-    assert failed["error"]["code"] == "bad_spec", failed["error"]
-    assert "no longer validates" in failed["error"]["message"] and "API key" in failed["error"]["message"]
+    error = failed["error"]
+    assert error is not None and error["code"] == "bad_spec", error
+    assert "no longer validates" in error["message"] and "API key" in error["message"], error
     keyless = rows["r-key"]
-    assert keyless is not None and keyless["state"] == "failed" and keyless["error"]["code"] == "model_key_gone"
+    assert keyless is not None and keyless["state"] == "failed", keyless
+    assert keyless["error"] is not None and keyless["error"]["code"] == "model_key_gone", keyless
     assert [e["data"]["state"] for e in events["r-bad"] if e["kind"] == "state"] == ["queued", "failed"]
     assert REQUEUED not in [e["kind"] for e in events["r-bad"]]
     assert [e["kind"] for e in events["r-good"]] == ["state", REQUEUED]
     assert rows["r-good"] is not None and rows["r-good"]["state"] == "queued"
+
+
+async def test_a_spawn_with_its_own_model_key_says_so_in_its_queued_event_never_the_key(tmp_path: Path) -> None:
+    async with await Journal.open(tmp_path / "j.sqlite3") as journal:
+        book = RunBook(journal)
+        for run_id, key in (("r-own", Secret("sk-never-journaled")), ("r-daemons", None)):
+            run = Run(run_id=run_id, session_id=None, spec={}, timeout_s=None, token=CancelToken(run_id), model_key=key)
+            await book.create(run, created_at=1.0)
+        own, daemons = [(await journal.events_after(r, 0))[0]["data"] for r in ("r-own", "r-daemons")]
+    assert own == {"state": "queued", OWN_MODEL_KEY: True} and daemons == {"state": "queued"}
+    assert "sk-never" not in (tmp_path / "j.sqlite3").read_bytes().decode(errors="replace")

@@ -305,5 +305,11 @@ async def test_a_run_started_while_the_journal_is_full_gets_its_spec_only_once_i
             await kill9(d1, c)
         filler.unlink()
         async with daemon(state, grace_s=2.0, **settings) as (d2, c):
+            # Still `queued` in the journal (its start waited in memory): it never ran,
+            # and is queued again by the next daemon (``_requeue``), which runs it.
+            await c.wait_for(b, kind="process_group")
             st = await c.call("status", run_id=b)
-    assert (st["state"], st["reason"]) == ("lost", "the daemon restarted before the run's process started"), st
+            kinds = [e["kind"] for e in (await c.call("events", run_id=b))["events"]]
+            assert (await c.call("cancel", run_id=b))["was_active"] is True
+            assert await c.wait_for(b) == "cancelled"
+    assert st["state"] == "running" and "requeued" in kinds, (st, kinds)
