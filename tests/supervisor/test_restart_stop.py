@@ -260,27 +260,28 @@ async def test_a_stop_acknowledged_before_the_runner_started_is_kept_by_the_next
             "r-queued", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued
         )
         assert await j.record_cancel("r-queued", reason="user", at=now, stop_deadline=now + 10)
-        await j.create_run(
-            "r-never", session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued
-        )
+        spec = {"task": "t", "model": {"provider": "scripted", "script": {"turns": [], "final": "done"}}}
+        await j.create_run("r-never", session_id=None, spec=spec, created_at=now, timeout_s=None, events=queued)
     stop = trio.Event()
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
             info = await n.start(lambda task_status: serve(config, stop=stop, task_status=task_status))
             cancelled = await info["manager"].status("r-queued")
-            lost = await info["manager"].status("r-never")
+            # No stop was asked of it: queued again (``_requeue``), it runs (it was `lost`).
+            ran = await info["manager"].wait_terminal("r-never")
             events = {r: await info["manager"].events_after(r, 0) for r in ("r-queued", "r-never")}
             stop.set()
     assert (cancelled["state"], cancelled["reason"]) == ("cancelled", "user")
-    assert lost["state"] == "lost"  # no stop was asked of it: its fate is unknown
+    assert ran["state"] == "completed", ran
     # Each end has its terminal event, as on every other path (`logs`, `watch`, a subscriber).
     states = {r: [(e["seq"], e["data"]) for e in es if e["kind"] == "state"] for r, es in events.items()}
     assert states["r-queued"] == [
         (1, {"state": "queued"}),
         (2, {"state": "cancelled", "partial": False, "reason": "user"}),
     ], states
-    assert states["r-never"] == [(1, {"state": "queued"}), (2, {"state": "lost", "partial": True})], states
-    assert cancelled["last_seq"] == lost["last_seq"] == 2
+    assert cancelled["last_seq"] == 2
+    assert [e["kind"] for e in events["r-never"]][:3] == ["state", "requeued", "state"], events["r-never"]
+    assert [d["state"] for _, d in states["r-never"]] == ["queued", "starting", "running", "completed"], states
 
 
 async def test_a_run_readopted_twice_has_each_of_its_events_journaled_once(tmp_path: Path) -> None:
