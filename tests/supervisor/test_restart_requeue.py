@@ -3,7 +3,7 @@
 Real daemon processes (``tests/children/daemon_main.py``) on one state dir with
 ``max_concurrent`` 1, the real runner with the scripted model busy in a long command, a
 real SQLite file and a real websocket. The first daemon is SIGKILLed with one run busy and
-two queued behind it (acknowledged, journaled, no runner); the next one re-adopts the busy
+two queued behind it (one a session's turn; acknowledged, journaled, no runner); the next one re-adopts the busy
 run, which keeps its place, and queues the two again, in their order, with their ids and
 specs: each ends ``completed`` (they were ended ``lost``, "never started"). Then, at the
 unit level (``supervisor.core._requeue``, a real journal): a queued run whose spec no
@@ -37,7 +37,7 @@ async def test_runs_queued_at_a_sigkill_run_after_the_restart_in_their_order_not
             busy = (await c.call("spawn", spec=command_spec("sleep 300")))["run_id"]
             await c.wait_for(busy, kind="process_group")  # its command runs: the one place taken
             second = await c.call("spawn", spec=command_spec("echo second"))
-            third = await c.call("spawn", spec=command_spec("echo third"))
+            third = await c.call("spawn", spec=command_spec("echo third"), session_id="s1")  # a session's turn
             assert (second["state"], third["state"]) == ("queued", "queued")  # acknowledged
             runner = (await c.call("status", run_id=busy))["pid"]
             await kill9(d1, c)
@@ -65,6 +65,7 @@ async def test_runs_queued_at_a_sigkill_run_after_the_restart_in_their_order_not
         states = [e["data"]["state"] for e in events[st["id"]] if e["kind"] == "state"]
         assert states == ["queued", "starting", "running", "completed"], states
         assert kinds.index(REQUEUED) < kinds.index("runner_started"), kinds  # said before it started
+        assert ("session" in kinds) is (st["session_id"] == "s1"), kinds  # its turn prepared at its start
         (requeued,) = [e["data"] for e in events[st["id"]] if e["kind"] == REQUEUED]
         assert requeued["created_at"] == st["created_at"] < requeued["requeued_at"] <= st["started_at"]
 
