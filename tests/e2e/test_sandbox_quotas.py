@@ -86,7 +86,15 @@ async def test_a_run_takes_no_more_than_its_share_of_its_uids_kernel_quotas(daem
     assert seen.get("uts_made") == str(_quotas.NAMESPACES), out
     assert seen.get("uts_errno") == "ENOSPC", out
     # What status says.
-    assert {"add_key", "request_key", "keyctl", "clone3"} <= set(sandbox["denied_syscalls"]), sandbox
+    assert {
+        "add_key",
+        "request_key",
+        "keyctl",
+        "clone3",
+        "io_uring_setup",
+        "io_uring_enter",
+        "io_uring_register",
+    } <= set(sandbox["denied_syscalls"]), sandbox
     quotas = sandbox["quotas"]
     assert quotas["max_inotify_instances"] == _quotas.INOTIFY_INSTANCES, quotas
     assert quotas["RLIMIT_MSGQUEUE"] == _quotas.MSGQUEUE_BYTES, quotas

@@ -1,4 +1,4 @@
-"""``subagent._seccomp``: clone3 and the key calls refused with ENOSYS; threads, fork,
+"""``subagent._seccomp``: clone3, the new mount calls, io_uring and the key calls refused with ENOSYS; threads, fork,
 subprocesses and the calls sharing a key call's number in another table still work."""
 
 from __future__ import annotations
@@ -48,11 +48,16 @@ def mounts():
     # EINVAL where it runs the call; ENOSYS where the filter refuses it.
     return {name: errno_of(nr, -1, 0, 0, 0, 0) for name, nr in _seccomp.NEW_MOUNT_CALLS.items()}
 
-out = {"before": clone3_errno(), "keys_before": keys(), "mounts_before": mounts()}
+def urings():
+    # A bad descriptor or size: EBADF, EFAULT or EINVAL where the kernel runs the call.
+    return {name: errno_of(nr, -1, 0, 0, 0, 0) for name, nr in _seccomp.IO_URING_CALLS.items()}
+
+out = {"before": clone3_errno(), "keys_before": keys(), "mounts_before": mounts(), "urings_before": urings()}
 _seccomp.deny_syscalls()
 out["after"] = clone3_errno()
 out["keys_after"] = keys()
 out["mounts_after"] = mounts()
+out["urings_after"] = urings()
 box = []
 t = threading.Thread(target=lambda: box.append(1))
 t.start(); t.join()
@@ -82,6 +87,9 @@ def test_clone3_is_refused_and_the_rest_works() -> None:
     assert 38 not in out["mounts_before"].values(), out["mounts_before"]  # the kernel has them (5.12+)
     assert set(out["mounts_after"].values()) == {38}, out["mounts_after"]
     assert set(_seccomp.NEW_MOUNT_CALLS) <= set(_seccomp.DENIED)
+    conftest.require(38 not in out["urings_before"].values(), "a kernel with io_uring on (5.1+)")
+    assert set(out["urings_after"].values()) == {38}, out["urings_after"]  # ENOSYS
+    assert set(_seccomp.IO_URING_CALLS) <= set(_seccomp.DENIED)
     assert out["thread"] is True
     assert out["fork"] == 7
     assert out["subprocess"] == "ok\n"
