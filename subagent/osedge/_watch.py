@@ -33,11 +33,13 @@ __all__ = [
     "IN_DELETE",
     "IN_ATTRIB",
     "IN_CLOSE_WRITE",
+    "IN_MOVED_TO",
 ]
 
 IN_MODIFY: Final = 0x00000002
 IN_ATTRIB: Final = 0x00000004
 IN_CLOSE_WRITE: Final = 0x00000008
+IN_MOVED_TO: Final = 0x00000080  # a file renamed into a watched directory
 IN_DELETE: Final = 0x00000200
 IN_DELETE_SELF: Final = 0x00000400
 IN_MOVE_SELF: Final = 0x00000800

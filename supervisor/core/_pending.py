@@ -72,16 +72,25 @@ class PendingStops:
             _pendingstops.remove(note)
 
 
-def pending_receipt(note: PendingStop) -> dict[str, Any]:
-    """For the run's receipt (``stop_carried``): where its stop came from."""
+def pending_receipt(note: PendingStop, *, running: bool = False) -> dict[str, Any]:
+    """For the run's receipt (``stop_carried``): where its stop came from. ``running``:
+    applied by a daemon that was running already (``_pendingwatch``), not at its start."""
+    message = (
+        "the stop was pressed while no daemon answered and recorded in a pending-stop note in the state dir; "
+        "the daemon, running already (it had found its runs again before the note was written), "
+        "applied it as the user's cancel as soon as the note appeared"
+        if running
+        else "the stop was pressed while no daemon ran and recorded in a pending-stop note in the state dir; "
+        "the restarted daemon applied it as the user's cancel before letting the run go on"
+    )
     out: dict[str, Any] = {
         "by": "pending-stop",
         "note": note.path.name,
         "pressed_at": note.at,
         "waited_s": round(max(0.0, time.time() - note.at), 3),
         "cli_pid": note.cli_pid,
-        "message": "the stop was pressed while no daemon ran and recorded in a pending-stop note in the state dir; "
-        "the restarted daemon applied it as the user's cancel before letting the run go on",
+        "applied": "while-running" if running else "at-start",
+        "message": message,
     }
     if note.session_id is not None:
         out["session_id"] = note.session_id

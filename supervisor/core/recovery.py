@@ -69,6 +69,8 @@ class Recovery:
         # Runs left ``queued`` with no stop asked, queued again (``_requeue``), oldest first:
         # filled by ``recover`` for the run manager's queue.
         self.requeued: list[Run] = []
+        # The pending-stop notes read at this start: the running daemon's watch skips them.
+        self.notes_read: set[str] = set()
 
     async def recover(self) -> list[tuple[Run, FileSource]]:
         """Runs to supervise again (each with its events file); the others are ended.
@@ -80,6 +82,7 @@ class Recovery:
         self.requeued = []
         state_dir = self.lifecycle.config.state_dir
         pending = PendingStops(await trio.to_thread.run_sync(_pendingstops.read_all, state_dir))
+        self.notes_read.update(note.path.name for note in pending.notes)  # (not the watch's: ``_pendingwatch``)
         for row in await self.book.journal.live_runs():
             try:
                 found = await self._recover_one(row, pending)

@@ -44,6 +44,7 @@ from subagent.steering import MAX_STEER_LINE_BYTES
 from supervisor.config import Config
 from supervisor.core._book import SUBSCRIBER_BUFFER, RunBook
 from supervisor.core._lifecycle import Lifecycle
+from supervisor.core._pendingwatch import PendingWatch
 from supervisor.core._run import Run, mark_stop
 from supervisor.core._sources import FileSource, PipeSource
 from supervisor.core._spec_check import spec_for_runner, validate_spec
@@ -164,6 +165,12 @@ class RunManager:
             cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
         )
         self._recovery = Recovery(self.book, self.lifecycle, containment)
+        self.pending_watch = PendingWatch(
+            config.state_dir,
+            live=self._live,
+            cancel=lambda run_id, reason: self.cancel(run_id, reason=reason),
+            get_run=journal.get_run,
+        )
         self.session_desk = SessionDesk(
             config, journal, live_sessions=lambda: {r.session_id for r in self._live.values() if r.session_id}
         )
@@ -213,6 +220,10 @@ class RunManager:
                     self._live[run.run_id] = run
                     await nursery.start(self._start_requeued, run, name=f"run {run.run_id} (re-queued)")
                 self._recovery.requeued = []
+                # A stop recorded after recovery read the notes is applied now, not at the
+                # next start (after the re-queued runs are live: a note may name one).
+                self.pending_watch.skip(self._recovery.notes_read)
+                await nursery.start(self.pending_watch.run)
                 self._accepting = True
                 task_status.started()
                 await trio.sleep_forever()
