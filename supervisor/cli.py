@@ -70,7 +70,8 @@ class ExitCode(enum.IntEnum):
     RUN_LOST = 8  # the daemon restarted and found the run's process gone
     ALREADY_RUNNING = 9  # serve: another daemon holds this state dir
     # cancel: no daemon runs; the stop was not delivered but recorded in the state dir
-    # (``pending-stops/``), and the daemon applies it when it starts, before the run goes on.
+    # (``pending-stops/``), and the daemon applies it when it starts, before the run goes on
+    # (one that started meanwhile and did not answer: as soon as it has found its runs again).
     STOP_PENDING = 10
     INTERRUPTED = 130  # Ctrl-C: the CLI stopped watching; the run goes on
     # stdout closed (`agentd watch RUN | head -n1`) under a command whose exit code is the
@@ -1172,7 +1173,7 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
         result = send()
     except DaemonNotRunning as exc:
         # A daemon that holds the state dir all the same (starting, or its endpoint or token
-        # file unreadable) would read no note before its next start: it is waited for.
+        # file unreadable): the stop is delivered to it, waited for, not noted.
         reached = _reach_the_lock_holder(client, send, exc)
         if reached is not None:
             result = reached
@@ -1270,9 +1271,9 @@ def _reach_the_lock_holder(
 
     One that has not published its address yet (starting) is tried again for up to
     ``stop_delivery_s``; one whose endpoint file names it (its token or its socket is what
-    fails) at once. A note would wait for that daemon's next start while the run goes on
-    (before: exit 10, "no daemon", and the run ran on), so none is written: the error
-    stands, saying which daemon holds the state dir (exit 3)."""
+    fails) at once. No note is written for it (before: exit 10, "no daemon", and a daemon
+    without a watch of ``pending-stops/`` read it only at its next start while the run
+    went on): the error stands, saying which daemon holds the state dir (exit 3)."""
     from supervisor.config import ENDPOINT_FILE, TOKEN_FILE
     from supervisor.control import _pendingstops
     from supervisor.control._statefiles import read_endpoint
@@ -1306,8 +1307,7 @@ def _reach_the_lock_holder(
             exc = again
     raise CliError(
         f"{exc}; yet a daemon (pid {holder}) holds the state dir and cannot be reached: the stop was not "
-        f"delivered, nor recorded (that daemon would apply a note only at its next start; check its "
-        f"{ENDPOINT_FILE!r} and {TOKEN_FILE!r} files, or restart it)",
+        f"delivered, nor recorded (check its {ENDPOINT_FILE!r} and {TOKEN_FILE!r} files, or restart it)",
         ExitCode.NO_DAEMON,
     )
 
@@ -1346,8 +1346,8 @@ def _report_pending_stop(
     """Say that the stop waits for a daemon (stderr; ``--json``: an object), exit 10.
 
     ``unanswered``: a daemon started after the note was written and did not answer the
-    stop tried again; whether it applies the note depends on whether it read it at its
-    start, which the CLI cannot tell unless the note is gone (read and settled)."""
+    stop tried again; it applies the note at its start if it read it then, else as soon as
+    it runs (``supervisor.core._pendingwatch``); the note gone says it was taken."""
     what = f"run {run_id}" if run_id is not None else f"session {session_id}" + (f" (turn {turn})" if turn else "")
     out: dict[str, Any] = {"delivered": False, "pending": True, "pending_stop": str(note), "reason": reason}
     out.update({"run_id": run_id} if run_id is not None else {"session_id": session_id, "turn": turn})
@@ -1367,8 +1367,8 @@ def _report_pending_stop(
             + (
                 "it has read the note and removed it (a daemon applies a note naming a live run before the run goes on)"
                 if taken
-                else "it applies the note only if it read it at its start (it reads the notes while it finds its "
-                "runs again), else the note waits for the next start while the run goes on"
+                else "it applies the note once it has found its runs again (it reads the notes then, and applies "
+                "one written later as soon as it appears), and removes it"
             )
             + f": check `{check}` and press Stop again once the daemon answers"
         )

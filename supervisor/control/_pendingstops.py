@@ -1,11 +1,13 @@
-"""Stops pressed while no daemon ran: durable notes in the state dir, applied at its next start.
+"""Stops pressed while no daemon answered: durable notes in the state dir, applied by a daemon.
 
 ``agentd cancel`` that finds no daemon (none started, killed -9, between a stop and a
 restart) cannot deliver its stop; the runs go on (runners outlive their daemon, the next
 one re-adopts them). So the CLI writes the stop here: one small JSON file per stop in
 ``<state_dir>/pending-stops/`` (0700, the user's), written whole to a temp file, fsynced,
 renamed, the directory fsynced. The next daemon reads them while it recovers runs, before
-it lets any go on, applies each as a user's cancel and removes it. A note that is not one
+it lets any go on, applies each as a user's cancel and removes it; a note written after
+that (a daemon started between the CLI's two tries and did not answer) is applied by the
+running daemon as soon as it appears (``supervisor.core._pendingwatch``). A note that is not one
 (too big, not JSON, not a regular file) is set aside (``*.bad``) with a log line, never
 fatal. Bounded: ``MAX_NOTE_BYTES`` a note, ``MAX_NOTES`` waiting. A reason agentd gives its
 own stops (``RESERVED_CANCEL_REASONS``) is refused as the daemon's ``cancel`` refuses it.
@@ -142,8 +144,8 @@ def lock_holder(state_dir: Path) -> int | None:
     holds it, or it cannot be told (no ``/proc/locks``: not Linux).
 
     A daemon holds it while it runs, also when its endpoint or token file cannot be read
-    (removed, truncated) and the CLI cannot reach it: a note written then waits for that
-    daemon's next start while the run goes on."""
+    (removed, truncated) and the CLI cannot reach it: the CLI writes no note then, and
+    says which daemon holds the state dir."""
     try:
         st = os.stat(state_dir / LOCK_FILE)
         with open("/proc/locks", encoding="ascii", errors="replace") as f:

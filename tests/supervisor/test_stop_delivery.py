@@ -170,6 +170,9 @@ def test_a_daemon_started_after_the_note_that_does_not_answer_leaves_an_honest_e
     assert (out["daemon_started"], out["note_taken"], out["sent"]) == (True, False, False), out
     assert f"recorded in {str(note)!r}" in res.stderr, res.stderr
     assert "a daemon started meanwhile did not answer" in res.stderr, res.stderr
-    assert "only if it read it at its start" in res.stderr, res.stderr
+    # That daemon applies the note at its start or, written after it read the notes, as soon
+    # as it runs (``_pendingwatch``): no longer "only if it read it at its start".
+    assert "it applies the note once it has found its runs again" in res.stderr, res.stderr
+    assert "next start" not in res.stderr, res.stderr
     assert "check `agentd status r1`" in res.stderr, res.stderr
     assert "error:" not in res.stderr, res.stderr
