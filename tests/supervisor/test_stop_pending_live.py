@@ -11,12 +11,18 @@ the CLI's own function (``_pendingstops.write``) or by hand, as a person might.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psutil
+import pytest
 import trio
 
 from supervisor.control import _pendingstops
 from supervisor.control._pendingstops import DIR
+from supervisor.core import _pendingwatch
+from supervisor.core._pendingwatch import PendingWatch
+from supervisor.core._run import Run
+from supervisor.core.token import CancelToken
 from tests.supervisor.test_restart_stop import command_spec, wait_gone
 from tests.supervisor.test_stop_no_daemon import command_pid, daemon
 
@@ -94,3 +100,90 @@ async def test_a_note_naming_no_live_run_is_logged_and_removed_not_kept_for_the_
     assert f"pending stop for run {first}, recorded while this daemon ran: ignored, it has ended (completed)" in text
     assert "pending stop for session s1, recorded while this daemon ran: ignored, no such run is live" in text
     assert "Traceback" not in text, text[-3000:]
+
+
+class Cancels:
+    """The live ``cancel`` op as the watch calls it: each call recorded, the token taken."""
+
+    def __init__(self, live: dict[str, Run], fail: set[str] | None = None) -> None:
+        self.live = live
+        self.fail = fail or set()
+        self.calls: list[tuple[str, str]] = []
+        self.send, self.receive = trio.open_memory_channel[tuple[str, str]](100)
+
+    async def __call__(self, run_id: str, reason: str) -> dict[str, Any]:
+        self.calls.append((run_id, reason))
+        self.send.send_nowait((run_id, reason))
+        if reason in self.fail:
+            raise RuntimeError(f"the cancel failed ({reason})")
+        self.live[run_id].token.cancel(reason)
+        return {"run_id": run_id, "was_active": True}
+
+
+def live_run(run_id: str, session_id: str | None = None) -> Run:
+    return Run(run_id=run_id, session_id=session_id, spec={}, timeout_s=None, token=CancelToken(run_id))
+
+
+async def no_row(run_id: str) -> None:
+    return None
+
+
+async def test_a_note_recovery_read_or_the_watch_took_is_never_applied_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = {"r1": live_run("r1")}
+    cancels = Cancels(live)
+    # A note recovery read and kept (its run failed to recover): it waits for the next start.
+    kept = _pendingstops.write(tmp_path, reason="kept", run_id="r1")
+    # Notes that cannot be removed stay on disk, read again at every event in the directory.
+    monkeypatch.setattr(_pendingstops, "remove", lambda note: None)
+    watch = PendingWatch(tmp_path, live=live, cancel=cancels, get_run=no_row)
+    watch.skip([kept.name])
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(watch.run)
+            first = _pendingstops.write(tmp_path, reason="first", run_id="r1")
+            assert await cancels.receive.receive() == ("r1", "first")
+            (tmp_path / DIR / "x").write_bytes(b"")  # (an event: the directory read again)
+            second = _pendingstops.write(tmp_path, reason="second", run_id="r1")
+            assert await cancels.receive.receive() == ("r1", "second")
+            n.cancel_scope.cancel()
+    assert watch.inotify
+    # Read at every event, each note applied once, oldest first; the kept one never here.
+    assert cancels.calls == [("r1", "first"), ("r1", "second")]
+    assert kept.exists() and first.exists() and second.exists()
+    carried = live["r1"].stop_carried
+    assert carried is not None and carried["note"] == first.name  # the stop's, not the later note's
+
+
+async def test_a_failure_of_the_watch_or_of_one_note_harms_that_note_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (Real time, not the autojump clock: the watch reads the directory in a thread.)
+    monkeypatch.setattr(_pendingwatch, "RETRY_S", 0.05)
+    live = {"r1": live_run("r1"), "r2": live_run("r2")}
+    cancels = Cancels(live, fail={"boom"})
+    real_read_all = _pendingstops.read_all
+    reads = 0
+
+    def read_all_failing_once(state_dir: Path) -> list[_pendingstops.PendingStop]:
+        nonlocal reads
+        reads += 1
+        if reads == 2:
+            raise OSError("the watch's read failed")
+        return real_read_all(state_dir)
+
+    monkeypatch.setattr(_pendingstops, "read_all", read_all_failing_once)
+    watch = PendingWatch(tmp_path, live=live, cancel=cancels, get_run=no_row)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(watch.run)
+            # Its cancel raises: logged, the note kept for the next start, the watch goes on.
+            bad = _pendingstops.write(tmp_path, reason="boom", run_id="r1")
+            # (The second read raised: the watch is opened again RETRY_S later and reads it.)
+            assert await cancels.receive.receive() == ("r1", "boom")
+            good = _pendingstops.write(tmp_path, reason="user", run_id="r2")
+            assert await cancels.receive.receive() == ("r2", "user")
+            n.cancel_scope.cancel()
+    assert reads >= 3 and bad.exists() and not good.exists()
+    assert live["r2"].token.reason == "user" and not live["r1"].token.cancelled
