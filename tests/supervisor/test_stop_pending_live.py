@@ -154,6 +154,7 @@ async def test_a_note_recovery_read_or_the_watch_took_is_never_applied_again(
     assert kept.exists() and first.exists() and second.exists()
     carried = live["r1"].stop_carried
     assert carried is not None and carried["note"] == first.name  # the stop's, not the later note's
+    assert live["r1"].token.reason == "first"  # the oldest note's reason, as the first of two cancels
 
 
 async def test_a_failure_of_the_watch_or_of_one_note_harms_that_note_alone(
