@@ -9,7 +9,7 @@ it lets any go on, applies each as a user's cancel and removes it; a note writte
 that (a daemon started between the CLI's two tries and did not answer) is applied by the
 running daemon as soon as it appears (``supervisor.core._pendingwatch``). A note that is not one
 (too big, not JSON, not a regular file) is set aside (``*.bad``) with a log line, never
-fatal. Bounded: ``MAX_NOTE_BYTES`` a note, ``MAX_NOTES`` waiting. A reason agentd gives its
+fatal; the daemon keeps the newest ``KEEP_SET_ASIDE`` of those and removes the older ones. Bounded: ``MAX_NOTE_BYTES`` a note, ``MAX_NOTES`` waiting. A reason agentd gives its
 own stops (``RESERVED_CANCEL_REASONS``) is refused as the daemon's ``cancel`` refuses it.
 Stdlib and ``supervisor.protocol`` only (the CLI).
 """
@@ -35,6 +35,7 @@ __all__ = [
     "PendingStop",
     "TooManyPendingStops",
     "lock_holder",
+    "prune_set_aside",
     "read_all",
     "remove",
     "set_aside",
@@ -54,6 +55,9 @@ MAX_NOTES: Final = 256
 # A temp file a CLI left (killed between its write and its rename) older than this is
 # removed by the daemon; a younger one may be a CLI writing now.
 STALE_TEMP_S: Final = 600.0
+# Notes set aside (``*.bad``) kept for a person to look at: the newest this many, the
+# older removed by the daemon (logged), so that a stream of them cannot fill the disk.
+KEEP_SET_ASIDE: Final = 16
 _MAX_TEXT: Final = 256
 # The file a live daemon holds an exclusive flock on for its life (``supervisor.daemon``'s
 # ``LOCK_FILE``; named here too: the CLI does not import the daemon).
@@ -115,8 +119,8 @@ def write(
         raise ValueError(f"expected a note of at most {MAX_NOTE_BYTES} bytes, got {len(data)}")
     d = state_dir / DIR
     os.makedirs(d, mode=0o700, exist_ok=True)
-    # Notes alone count: a set-aside ``*.bad`` (kept for a person to look at, never
-    # removed by a daemon) or a dead CLI's temp file is no stop waiting, and 256 of them
+    # Notes alone count: a set-aside ``*.bad`` (kept for a person to look at, the newest
+    # ``KEEP_SET_ASIDE``) or a dead CLI's temp file is no stop waiting, and 256 of them
     # refused every later stop for good.
     if sum(1 for e in os.scandir(d) if e.name.endswith(SUFFIX)) >= MAX_NOTES:
         raise TooManyPendingStops(f"{MAX_NOTES} stops already wait in {str(d)!r} for a daemon")
@@ -273,7 +277,43 @@ def read_all(state_dir: Path) -> list[PendingStop]:
             set_aside(path, str(exc))
         except ValueError as exc:
             set_aside(path, str(exc))
+    prune_set_aside(d)
     return out
+
+
+def prune_set_aside(d: Path, keep: int = KEEP_SET_ASIDE) -> list[str]:
+    """Remove all but the newest ``keep`` set-aside notes in ``d`` (newest: set aside
+    last, by ``st_ctime``, which the rename sets); the names removed, each logged. Never raises."""
+    try:
+        found = []
+        for entry in os.scandir(d):
+            if entry.name.endswith(SUFFIX + SET_ASIDE_SUFFIX):
+                try:
+                    found.append((entry.stat(follow_symlinks=False).st_ctime_ns, entry.name))
+                except OSError:
+                    continue
+    except OSError as exc:
+        logger.warning("cannot read the set-aside pending stops in %s: %s", d, exc)
+        return []
+    removed = []
+    for _, name in sorted(found, reverse=True)[keep:]:
+        try:
+            os.unlink(d / name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("cannot remove the set-aside pending stop %s: %s", d / name, exc)
+            continue
+        removed.append(name)
+    if removed:
+        logger.warning(
+            "removed %d set-aside pending stops in %s (the newest %d are kept): %s",
+            len(removed),
+            d,
+            keep,
+            ", ".join(sorted(removed)),
+        )
+    return removed
 
 
 def remove(stop: PendingStop) -> None:

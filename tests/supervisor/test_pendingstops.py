@@ -225,3 +225,26 @@ async def test_a_pending_stop_the_journal_cannot_take_is_carried_and_still_named
     assert carried["by"] == "pending-stop", carried
     assert (carried.get("then"), carried["note"]) == ("journal-unwritten", note.name), carried
     assert "pressed while no daemon ran" in carried["message"], carried
+
+
+def test_set_aside_notes_are_pruned_to_the_newest_few_by_the_daemons_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Set aside by earlier starts (never pruned before: a stream of bad notes filled the
+    # directory for good), then one more now; a good note waits beside them.
+    d = tmp_path / DIR
+    d.mkdir(mode=0o700)
+    old = [f"{i:02d}-1.stop.bad" for i in range(20)]
+    for name in old:
+        (d / name).write_bytes(b"{")
+    (d / "99-1.stop").write_bytes(b"{not json")
+    good = write(tmp_path, reason="user", run_id="r1")
+    with caplog.at_level("WARNING"):
+        (note,) = read_all(tmp_path)
+    assert note.path == good
+    kept = sorted(p.name for p in d.iterdir() if p.name.endswith(".bad"))
+    assert len(kept) == 16, kept
+    assert "99-1.stop.bad" in kept  # set aside just now: the newest, kept
+    assert kept == sorted([*old[5:], "99-1.stop.bad"])  # the 5 oldest removed
+    assert "removed 5 set-aside pending stops" in caplog.text and "00-1.stop.bad" in caplog.text
+    assert read_all(tmp_path) == [note] and len(list(d.glob("*.bad"))) == 16  # (nothing more)
