@@ -46,6 +46,7 @@ async def test_a_note_written_while_the_daemon_runs_stops_the_run_as_a_users_can
             runner, command = before["pid"], command_pid(before)
             # Written after this daemon read the notes at its start (none were there): a note
             # that is not one, one for a run that does not exist, then the stop of rid.
+            (state / DIR).mkdir(mode=0o700, exist_ok=True)  # (as the CLI's write makes it)
             (state / DIR / "1-1.stop").write_bytes(b"\x00{not json")
             unknown = _pendingstops.write(state, reason="user", run_id="r-nobody")
             note = _pendingstops.write(state, reason="user", run_id=rid)
