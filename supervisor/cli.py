@@ -1173,8 +1173,24 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
         result = send()
     except DaemonNotRunning as exc:
         # A daemon that holds the state dir all the same (starting, or its endpoint or token
-        # file unreadable): the stop is delivered to it, waited for, not noted.
-        reached = _reach_the_lock_holder(client, send, exc)
+        # file unreadable): the stop is delivered to it, waited for; one that cannot be
+        # reached at all is handed the stop as a note, which a running daemon watches for.
+        try:
+            reached = _reach_the_lock_holder(client, send, exc)
+        except _Unreachable as cut_off:
+            note = _record_pending_stop(
+                client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
+            )
+            _report_pending_stop(
+                obj,
+                note,
+                exc,
+                run_id=run_id,
+                session_id=session_id,
+                turn=turn,
+                reason=reason,
+                holder=(cut_off, _wait_taken(note, NOTE_TAKEN_WAIT_S)),
+            )
         if reached is not None:
             result = reached
         else:
@@ -1271,9 +1287,10 @@ def _reach_the_lock_holder(
 
     One that has not published its address yet (starting) is tried again for up to
     ``stop_delivery_s``; one whose endpoint file names it (its token or its socket is what
-    fails) at once. No note is written for it (before: exit 10, "no daemon", and a daemon
-    without a watch of ``pending-stops/`` read it only at its next start while the run
-    went on): the error stands, saying which daemon holds the state dir (exit 3)."""
+    fails) at once. Raises ``_Unreachable`` when it cannot be reached: the stop is then
+    handed to it as a note, which a running daemon watches for and applies at once
+    (``supervisor.core._pendingwatch``; before that watch, such a note waited for the
+    daemon's next start while the run went on, and the CLI said so, exit 3)."""
     from supervisor.config import ENDPOINT_FILE, TOKEN_FILE
     from supervisor.control import _pendingstops
     from supervisor.control._statefiles import read_endpoint
@@ -1305,11 +1322,34 @@ def _reach_the_lock_holder(
             return send()
         except DaemonNotRunning as again:
             exc = again
-    raise CliError(
-        f"{exc}; yet a daemon (pid {holder}) holds the state dir and cannot be reached: the stop was not "
-        f"delivered, nor recorded (check its {ENDPOINT_FILE!r} and {TOKEN_FILE!r} files, or restart it)",
-        ExitCode.NO_DAEMON,
+    raise _Unreachable(
+        holder,
+        f"{exc}; yet a daemon (pid {holder}) holds the state dir and cannot be reached (check its "
+        f"{ENDPOINT_FILE!r} and {TOKEN_FILE!r} files)",
     )
+
+
+# How long ``cancel`` waits for a running daemon it cannot reach to take the note it was
+# handed (its watch of ``pending-stops/`` applies one within milliseconds of its rename).
+NOTE_TAKEN_WAIT_S: Final = 5.0
+
+
+class _Unreachable(Exception):
+    """A daemon holds the state dir (``holder``: its pid) and cannot be reached."""
+
+    def __init__(self, holder: int, message: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+def _wait_taken(note: Path, within_s: float) -> bool:
+    """Whether ``note`` was taken (applied and removed by a daemon) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while note.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _record_pending_stop(
@@ -1342,17 +1382,35 @@ def _report_pending_stop(
     turn: str | None,
     reason: str,
     unanswered: ConnectionLost | None = None,
+    holder: tuple[_Unreachable, bool] | None = None,
 ) -> NoReturn:
     """Say that the stop waits for a daemon (stderr; ``--json``: an object), exit 10.
 
     ``unanswered``: a daemon started after the note was written and did not answer the
     stop tried again; it applies the note at its start if it read it then, else as soon as
-    it runs (``supervisor.core._pendingwatch``); the note gone says it was taken."""
+    it runs (``supervisor.core._pendingwatch``); the note gone says it was taken.
+    ``holder``: a daemon that runs and cannot be reached was handed the note (and whether
+    it took it within ``NOTE_TAKEN_WAIT_S``)."""
     what = f"run {run_id}" if run_id is not None else f"session {session_id}" + (f" (turn {turn})" if turn else "")
     out: dict[str, Any] = {"delivered": False, "pending": True, "pending_stop": str(note), "reason": reason}
     out.update({"run_id": run_id} if run_id is not None else {"session_id": session_id, "turn": turn})
     check = f"agentd status {run_id}" if run_id is not None else f"agentd history {session_id}"
-    if unanswered is None:
+    if holder is not None:
+        cut_off, taken = holder
+        message = (
+            f"the stop of {what} could not be sent: {cut_off}; it was handed to that daemon as a note, "
+            f"{str(note)!r}, "
+            + (
+                "which it took (applied and removed): the stop is under way"
+                if taken
+                else f"which it has not taken within {NOTE_TAKEN_WAIT_S:g} s (a daemon watching its "
+                "pending-stops/ applies one within a second; else it is applied at its next start)"
+            )
+            + f": check `{check}`"
+        )
+        out.update({"daemon_pid": cut_off.holder, "note_taken": taken})
+        line = "stop handed to the daemon as a note" + (" and taken" if taken else ", not taken yet")
+    elif unanswered is None:
         message = (
             f"the stop of {what} was not delivered now: {exc}; it is recorded in {str(note)!r} and the daemon "
             "applies it when it starts, before the run goes on"

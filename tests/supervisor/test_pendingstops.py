@@ -20,6 +20,7 @@ import pytest
 import trio
 from click.testing import CliRunner
 
+from supervisor import cli as cli_module
 from supervisor.cli import ExitCode, cli
 from supervisor.config import JOURNAL_FILE, Config
 from supervisor.control import _pendingstops
@@ -121,14 +122,15 @@ def test_notes_set_aside_do_not_count_against_the_bound(tmp_path: Path, monkeypa
     assert [n.run_id for n in read_all(tmp_path)] == ["r1", "r2"]
 
 
-def test_cancel_records_no_note_while_a_daemon_holds_the_state_dir(
+def test_cancel_hands_a_note_to_a_daemon_that_holds_the_state_dir_and_cannot_be_reached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A daemon holds the state dir (its flock on daemon.lock: this test's, here) but its
-    # endpoint file is gone: it reads no note before its next start, so one written now
-    # left the run going on under "stop recorded" (exit 10). It is waited for (a starting
-    # daemon publishes its address), then the error stands: exit 3, nothing recorded.
+    # endpoint file is gone. It is waited for (a starting daemon publishes its address),
+    # then handed the stop as a note (a running daemon watches for them); this one never
+    # takes it, and the CLI says so: exit 10, the note kept.
     monkeypatch.setattr(client_module, "STOP_DELIVERY_S", 0.3)
+    monkeypatch.setattr(cli_module, "NOTE_TAKEN_WAIT_S", 0.3)
     (tmp_path / JOURNAL_FILE).touch()
     fd = os.open(tmp_path / _pendingstops.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -137,10 +139,11 @@ def test_cancel_records_no_note_while_a_daemon_holds_the_state_dir(
         res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "r1"])
     finally:
         os.close(fd)
-    assert res.exit_code == ExitCode.NO_DAEMON, res.output
+    assert res.exit_code == ExitCode.STOP_PENDING, res.output
     assert f"a daemon (pid {os.getpid()}) holds the state dir and cannot be reached" in res.stderr, res.stderr
     assert "has not published its address" in res.stderr, res.stderr
-    assert not (tmp_path / DIR).exists()
+    assert "which it has not taken within 0.3 s" in res.stderr, res.stderr
+    assert [n.run_id for n in read_all(tmp_path)] == ["r1"]
     assert _pendingstops.lock_holder(tmp_path) is None  # released: the next cancel records it
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", "--no-wait", "r1"])
     assert res.exit_code == ExitCode.STOP_PENDING, res.output

@@ -147,10 +147,12 @@ async def test_a_note_that_is_not_one_is_set_aside_and_the_daemon_and_its_other_
     assert "Traceback" not in text
 
 
-async def test_a_daemon_that_runs_but_cannot_be_reached_gets_no_note_the_cli_says_so(tmp_path: Path) -> None:
+async def test_a_daemon_that_runs_but_cannot_be_reached_is_handed_the_stop_as_a_note(tmp_path: Path) -> None:
     # Its token file truncated (as a person or a tool may): the CLI cannot reach it. A note
     # written then ("no daemon", exit 10) waited for that daemon's next start while the
-    # run went on; now the CLI sees the daemon's lock and says the stop was not delivered.
+    # run went on; then the CLI refused (exit 3, "not delivered, nor recorded") and the run
+    # still went on. Now the CLI sees the daemon's lock and hands it the stop as a note,
+    # which the running daemon's watch applies: the run ends, the CLI says the note was taken.
     state = tmp_path / "state"
     log = tmp_path / "daemon.log"
     with trio.fail_after(90):
@@ -161,11 +163,14 @@ async def test_a_daemon_that_runs_but_cannot_be_reached_gets_no_note_the_cli_say
             (state / "token").write_bytes(b"")
             pressed = await agentd(state, "cancel", rid)
             stderr = pressed.stderr.decode()
-            assert pressed.returncode == ExitCode.NO_DAEMON, (pressed.returncode, stderr)
+            assert pressed.returncode == ExitCode.STOP_PENDING, (pressed.returncode, stderr)
             assert f"a daemon (pid {d.pid}) holds the state dir and cannot be reached" in stderr, stderr
-            assert "not delivered, nor recorded" in stderr, stderr
-            assert list((state / DIR).iterdir()) == []  # (the daemon made it, to watch it)
-            assert (await c.call("status", run_id=rid))["state"] == "running"
+            assert "which it took (applied and removed)" in stderr, stderr
+            assert list((state / DIR).iterdir()) == []  # taken
+            assert await c.wait_for(rid) == "cancelled"
+            st = await c.call("status", run_id=rid)
+            assert st["cancel_reason"] == "user", st
+            assert st["receipt"]["stop_carried"]["by"] == "pending-stop", st["receipt"]
             (state / "token").write_bytes(token)
             pressed = await agentd(state, "cancel", rid)
             assert pressed.returncode == ExitCode.RUN_CANCELLED, pressed.stderr
