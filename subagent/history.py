@@ -171,12 +171,14 @@ def is_cut(rec: Mapping[str, Any]) -> bool:
 
 def replay_arguments(text: Any) -> str:
     """A call's arguments as history may carry them: the text if it is a JSON object, else
-    ``{}`` (a call that never ran for bad arguments keeps its text in its record only)."""
+    ``{}`` (a call that never ran for bad arguments keeps its text in its record only).
+    Nesting too deep for the decoder is bad arguments too: the model's text (a RecursionError
+    here broke every later turn of its session, and its ``history``)."""
     if isinstance(text, str):
         try:
             if isinstance(json.loads(text), dict):
                 return text
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     return "{}"
 

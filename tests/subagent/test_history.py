@@ -12,6 +12,7 @@ from subagent.history import (
     HISTORY_NOT_STARTED_YET,
     STOP_NOTES,
     is_cut,
+    replay_arguments,
     stop_note,
     tool_result_text,
     turn_messages,
@@ -269,3 +270,17 @@ def test_a_turn_whose_step_had_calls_refused_tells_them_after_that_steps_results
     assert roles == ["user", "assistant", "tool", "tool", "user", "assistant"], roles
     assert out[4]["content"] == refused_calls_note(5, 2, 3, ["run_command"])
     assert "asked for 5 tool calls" in out[4]["content"] and "never ran" in out[4]["content"]
+
+
+@pytest.mark.parametrize(
+    ("text", "replayed"),
+    [
+        ('{"command": "ls"}', '{"command": "ls"}'),
+        ("[1]", "{}"),
+        ("not json", "{}"),
+        # Deeper than the decoder's recursion limit: RecursionError, not ValueError.
+        ('{"x": ' + "[" * 5000 + "]" * 5000 + "}", "{}"),
+    ],
+)
+def test_a_calls_arguments_are_replayed_only_as_a_json_object(text: str, replayed: str) -> None:
+    assert replay_arguments(text) == replayed
