@@ -40,13 +40,20 @@ def test_a_named_finder_imports_what_it_was_told_and_never_lists(entry: Path, mo
         listed.append(path)
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(_BOOTSTRAP_OS, "listdir", listdir)
-    importlib.invalidate_caches()  # dropped: filled again, from the names
-    os.utime(entry, (1, 1))  # a new mtime: the same
-    (entry / "nf_probe_late.py").write_text("VALUE = 'late'\n")  # not among the names
-    os.utime(entry, (2, 2))
-    assert importlib.import_module("nf_probe_mod").VALUE == "module"
-    assert importlib.import_module("nf_probe_pkg").VALUE == "package"
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("nf_probe_late")
+    # Every finder of the process lists through it: each one a failing listing left with an
+    # empty cache is filled again after the patch is undone (else later imports in this
+    # process, `pty` or `benchmarks`, were not found: seen in CI).
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(_BOOTSTRAP_OS, "listdir", listdir)
+            importlib.invalidate_caches()  # dropped: filled again, from the names
+            os.utime(entry, (1, 1))  # a new mtime: the same
+            (entry / "nf_probe_late.py").write_text("VALUE = 'late'\n")  # not among the names
+            os.utime(entry, (2, 2))
+            assert importlib.import_module("nf_probe_mod").VALUE == "module"
+            assert importlib.import_module("nf_probe_pkg").VALUE == "package"
+            with pytest.raises(ModuleNotFoundError):
+                importlib.import_module("nf_probe_late")
+    finally:
+        importlib.invalidate_caches()
     assert str(entry) not in listed, listed
