@@ -32,7 +32,7 @@ __all__ = ["Emitter", "install_stderr_guards", "bare_result", "record_paths", "o
 
 EVENTS_SUFFIX: Final = ".events.jsonl"
 RESULT_SUFFIX: Final = ".result.json"
-# The largest result we write (bytes); the daemon reads up to 16 MiB of stdout.
+# The largest result we write (bytes); the daemon keeps the last 16 MiB of stdout.
 MAX_RESULT_BYTES: Final = 8 * 1024 * 1024
 # A log message longer than this is cut (characters): one event stays one sane line.
 MAX_LOG_MESSAGE_CHARS: Final = 8192

@@ -42,7 +42,8 @@ __all__ = ["EventSource", "PipeSource", "FileSource", "event_key", "read_result_
 
 logger = logging.getLogger(__name__)
 
-# Largest final-result document read from a runner's stdout.
+# Most of a runner's stdout kept: its last bytes, where its result (the last JSON object
+# line) is; what came before them is dropped as it comes.
 MAX_RESULT_BYTES: Final = 16 * 1024 * 1024
 # A re-adopted run's events file is read again at least this often (seconds): where
 # inotify is missing this is the poll; with it, a bound on a missed event.
@@ -110,7 +111,10 @@ class PipeSource:
         self._run_dir = run_dir
         self._early = early_stderr  # what a warm runner wrote while it got ready
         self._spec_sent = spec_sent  # the spec went with a spare's run, before its start
-        self._stdout = bytearray()
+        # Its stdout's last chunks, at most MAX_RESULT_BYTES and one chunk: a result follows
+        # whatever a runner (or a descendant holding its stdout) wrote before it.
+        self._stdout: collections.deque[bytes] = collections.deque()
+        self._stdout_size = 0
         self.stdout_overflow = False
         self.pipes_held_open = False
 
@@ -147,10 +151,11 @@ class PipeSource:
             return
 
         async def sink(chunk: bytes) -> None:
-            if len(self._stdout) + len(chunk) > MAX_RESULT_BYTES:
+            self._stdout.append(chunk)
+            self._stdout_size += len(chunk)
+            while self._stdout_size - len(self._stdout[0]) >= MAX_RESULT_BYTES:
+                self._stdout_size -= len(self._stdout.popleft())
                 self.stdout_overflow = True
-            else:
-                self._stdout += chunk
 
         if not await process.drain_bounded(proc.stdout, sink, process=proc):
             self.pipes_held_open = True
@@ -175,8 +180,10 @@ class PipeSource:
             await on_items(last)
 
     def result(self) -> dict[str, Any] | BadLine:
-        result = decode_result(bytes(self._stdout))
-        self._stdout = bytearray()  # up to MAX_RESULT_BYTES, decoded now
+        data = b"".join(self._stdout)[-MAX_RESULT_BYTES:]
+        self._stdout.clear()  # decoded now
+        self._stdout_size = 0
+        result = decode_result(data)
         if isinstance(result, BadLine) and self._run_dir is not None:
             return read_result_file(record_paths(self._run_dir)[1])
         return result

@@ -21,6 +21,7 @@ The behaviour comes from the spec's ``task``, a JSON object:
                       does), for a restarted daemon to read
   result_fields: obj  fields to put in the result as they are (after its own)
   stdout_raw: str     write this on stdout instead of a result (latin-1, as stderr_raw)
+  stdout_junk_mib: int  a line of this many MiB of junk on stdout before the result
   failed_before_stop: bool  on SIGTERM, end as a runner whose own failure was decided just
                       before the stop reached it: result failed (model_error), flagged so
 """
@@ -162,6 +163,10 @@ def main() -> None:
         sys.stdout.buffer.write(b["stdout_raw"].encode("latin-1"))
         sys.stdout.flush()
         sys.exit(int(b.get("exit_code", 0)))
+    if b.get("stdout_junk_mib"):
+        for _ in range(int(b["stdout_junk_mib"])):
+            sys.stdout.buffer.write(b"\x00junk" * (1 << 18))
+        sys.stdout.buffer.write(b"\n")
     status = "cancelled" if stop else "completed"
     sys.stdout.buffer.write(
         encode_result(

@@ -103,6 +103,25 @@ async def test_a_result_nested_beyond_the_recursion_limit_is_no_result_not_a_fai
     assert "supervision failed" not in d.log_text()
 
 
+async def test_a_result_after_more_junk_on_stdout_than_the_daemon_keeps_is_still_the_runs_result(
+    tmp_path: Path,
+) -> None:
+    # The daemon kept the first 16 MiB of a runner's stdout and dropped the rest, though
+    # the result is the last JSON line: a runner that wrote 20 MiB of junk, then its
+    # result, ended ``failed`` (runner_died: "no result object on stdout").
+    async with real_daemon(tmp_path / "state") as d, d.connect() as c:
+        bystander = (await c.ok("spawn", spec=task(wait=True)))["run_id"]
+        await c.wait_kind(bystander, "step_snapshot")
+        run_id = (await c.ok("spawn", spec=task(stdout_junk_mib=20)))["run_id"]
+        status = await ended(c, run_id)
+        assert status["state"] == "completed", status.get("error")
+        assert status["result"]["final_text"] == "done"
+        assert status["partial"] is False
+        assert (await c.ok("status", run_id=bystander))["state"] == "running"
+        assert d.alive()
+    assert "supervision failed" not in d.log_text()
+
+
 @pytest.mark.parametrize(
     ("fields", "stopped"),
     [
