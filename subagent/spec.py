@@ -112,6 +112,14 @@ def _str(v: Any, where: str, *, empty: bool = False) -> str:
     return v
 
 
+def _env_name(k: str, where: str) -> str:
+    # What an environment can hold: execve takes "NAME=value" C strings (Popen refuses the
+    # rest with ValueError, which ended the run as a runner bug).
+    if not k or "=" in k or "\x00" in k:
+        raise SpecError(where, f"expected variable names that are non-empty, without '=' or NUL, got {k!r}")
+    return k
+
+
 def _opt_str(d: Mapping[str, Any], key: str, where: str) -> str | None:
     v = d.get(key)
     return None if v is None else _str(v, f"{where}{key}")
@@ -219,7 +227,7 @@ class McpServerSpec:
         return cls(
             command=_str(d["command"], f"{where}.command"),
             args=tuple(_str(a, f"{where}.args[{i}]", empty=True) for i, a in enumerate(args)),
-            env={k: _str(v, f"{where}.env.{k}", empty=True) for k, v in env.items()},
+            env={_env_name(k, f"{where}.env"): _str(v, f"{where}.env.{k}", empty=True) for k, v in env.items()},
             cwd=_opt_str(d, "cwd", f"{where}."),
         )
 
