@@ -49,7 +49,7 @@ from supervisor.store._ops import (
     tool_call_rank,
 )
 from supervisor.store._restore import CHECK_S, FileIds, Restored, file_id, file_ids, restore, take_interrupted
-from supervisor.store._schema import SCHEMA_VERSION, connect
+from supervisor.store._schema import BUSY_TIMEOUT_MS, SCHEMA_VERSION, connect
 from supervisor.store._sessions import SessionRecord, SessionSummary, TurnRecord
 
 __all__ = [
@@ -72,6 +72,13 @@ T = TypeVar("T")
 # Calls queued while the worker was busy run together: one transaction, one commit (one
 # fsync when any of them needs one), at most this many.
 GROUP_COMMIT_MAX: Final = 128
+
+# How long a call waits for a lock another process holds on the journal (ms), once a write
+# found it held and until a write goes through again (``BUSY_TIMEOUT_MS`` otherwise). The
+# one worker runs every call in order: while a lock was held for minutes, each of the
+# backlog's retries waited the whole 5 s for it, and every call queued behind them (any
+# run's ``status``) waited as long, each time.
+LOCKED_BUSY_TIMEOUT_MS: Final = 50
 
 # What a run's process record holds (``record_process``'s fields).
 _PROCESS_FIELDS: Final = frozenset({"pid", "pid_start_time", "pgid", "tree_id", "cgroup", "containment", "run_dir"})
@@ -252,6 +259,7 @@ class _Worker:
         self._broken: JournalError | None = None  # why it does not open, while it does not
         self._unrestored: JournalUnavailable | None = None  # why it is not back at its path
         self._retry_at = 0.0  # a restore that failed is not tried again before (monotonic)
+        self._locked = False  # a write found the journal locked by another process (``_note_lock``)
         # Each time the journal was put back at its path (read from other threads).
         self.restorations: list[Restored] = []
         # Write transactions of the stores the journal had before it was put back (``commit_counts``).
@@ -288,6 +296,7 @@ class _Worker:
         self._store = Store(self._conn, self.path)
         self._opened = file_ids(self.path)
         self._broken = None
+        self._locked = False  # a new connection waits BUSY_TIMEOUT_MS
 
     def _check(self) -> None:
         """Is the file at the path the journal that is open? If not, put it back there."""
@@ -333,6 +342,28 @@ class _Worker:
                 kept,
             )
 
+    def _note_lock(self, jobs: list[_Job[Any]], *, wrote: bool) -> None:
+        """After calls ran: a write that met another process's lock shortens the wait of
+        the calls after it (``LOCKED_BUSY_TIMEOUT_MS``); a write that went through restores it."""
+        met = any(
+            isinstance(j.error, JournalUnavailable) and getattr(j.error.__cause__, "sqlite_errorcode", 0) & 0xFF == 5
+            for j in jobs
+        )
+        if self._conn is None or met == self._locked or not (met or wrote):
+            return
+        try:
+            self._conn.execute(f"PRAGMA busy_timeout = {LOCKED_BUSY_TIMEOUT_MS if met else BUSY_TIMEOUT_MS}")
+        except sqlite3.Error:
+            logger.exception("journal %s: setting busy_timeout failed", self.path)
+            return
+        self._locked = met
+        if met:
+            logger.warning(
+                "journal %s: locked by another process; calls wait %d ms for it until a write goes through",
+                self.path,
+                LOCKED_BUSY_TIMEOUT_MS,
+            )
+
     def _query_only(self, on: bool) -> None:
         if self._conn is not None:
             try:
@@ -375,11 +406,13 @@ class _Worker:
                         self._run(store, job)
                     else:
                         self._run_group(store, jobs)
+                    wrote = store.changes() != before
+                    self._note_lock(jobs, wrote=wrote)  # (before a check that may replace the store)
                     # What was just written went to the file at the path: one removed or
                     # replaced meanwhile is put back before any caller hears of it, and
                     # if it cannot be, what was written is not said to be. (A group that
                     # only read leaves it to the next look.)
-                    if store.changes() != before:
+                    if wrote:
                         self._check()
                         if self._unrestored is not None and self._store is store:
                             self._fail(jobs, self._unrestored)
