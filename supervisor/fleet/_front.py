@@ -663,15 +663,20 @@ class FleetFront:
             await self._release(run)
 
     async def _release(self, run: _Run) -> None:
-        """The run is terminal: free its lease, end its subscribers, forget it."""
+        """The run is terminal: end its subscribers, forget it, free its lease.
+
+        In that order: freeing the lease is a call to Ray's GCS, which waits while the GCS
+        is down; the run's end (already in the index) must not wait with it. A front
+        killed before the lease is freed leaves it to the next front (``_free_ended_leases``).
+        """
         run.token.retire()
-        with trio.CancelScope(shield=True):
-            await self._free_lease(run)
         for send in list(run.subscribers):
             send.close()
         run.subscribers.clear()
         self._live.pop(run.id, None)
         run.done.set()
+        with trio.CancelScope(shield=True):
+            await self._free_lease(run)
 
     async def _free_lease(self, run: _Run) -> None:
         pg = run.pg

@@ -49,6 +49,7 @@ ENV = {
     "AGENTD_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}",
 }
 START_TIMEOUT_S = 120.0
+RAY_NODE_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 
 @dataclass
@@ -60,10 +61,12 @@ class FleetCluster:
     front: subprocess.Popen[bytes] | None = None
     saved_env: dict[str, str | None] = field(default_factory=dict)
     before: set[ProcId] = field(default_factory=set)
+    gcs_address: str | None = None  # as it was at the start (Ray forgets it while its GCS is down)
+    gcs_restarted: bool = False
 
     @property
     def address(self) -> str:
-        return str(self.cluster.address)
+        return self.gcs_address or str(self.cluster.address)
 
     @property
     def state_dir(self) -> Path:
@@ -80,7 +83,17 @@ class FleetCluster:
     # ---------------------------------------------------------------- setup
 
     @classmethod
-    def start(cls, *, nodes: int = 3, no_browser: int = 1, slots: int = SLOTS_PER_NODE) -> FleetCluster:
+    def start(
+        cls,
+        *,
+        nodes: int = 3,
+        no_browser: int = 1,
+        slots: int = SLOTS_PER_NODE,
+        system_config: dict[str, Any] | None = None,
+        gcs_on_disk: bool = False,
+    ) -> FleetCluster:
+        """``gcs_on_disk``: the head's GCS keeps its tables on disk (RocksDB, under the
+        cluster's root), so a test can kill it and start it again (``restart_gcs``)."""
         root = Path(tempfile.mkdtemp(prefix="agf-", dir="/tmp"))
         (root / "ray").mkdir()
         saved = {k: os.environ.get(k) for k in (*ENV, "RAY_TMPDIR")}
@@ -92,6 +105,9 @@ class FleetCluster:
         # machine has none, and a Cluster that cannot write it fails with its head up).
         os.environ["RAY_TMPDIR"] = str(root)
         fc = cls(root, None, {}, set(), saved_env=saved, before=before)
+        system_config = {**SYSTEM_CONFIG, **(system_config or {})}
+        if gcs_on_disk:
+            system_config.update(gcs_storage="rocksdb", gcs_storage_path=str(root / "gcs"))
         try:
             import ray
             from ray.cluster_utils import Cluster
@@ -106,7 +122,7 @@ class FleetCluster:
                     "include_dashboard": False,
                     "temp_dir": str(root / "ray"),
                     "resources": node_resources(slots, browser=True),
-                    "_system_config": SYSTEM_CONFIG,
+                    "_system_config": system_config,
                 },
             )
             fc.nodes[cluster.head_node.node_id] = cluster.head_node
@@ -118,6 +134,7 @@ class FleetCluster:
                 if browser:
                     fc.browser_nodes.add(node.node_id)
             cluster.wait_for_nodes()
+            fc.gcs_address = str(cluster.address)
             ray.init(address=cluster.address, namespace="agentd", log_to_driver=False)
             fc.cli("fleet", "up", "--address", fc.address, "--node-dir", str(fc.node_dir), timeout=START_TIMEOUT_S)
         except BaseException:
@@ -174,6 +191,15 @@ class FleetCluster:
         self.front.send_signal(signal.SIGKILL)
         self.front.wait(10)
 
+    def kill_gcs(self) -> None:
+        """The head's GCS dies (SIGKILL, through Ray's own record of the process)."""
+        self.cluster.head_node.kill_gcs_server()
+
+    def restart_gcs(self) -> None:
+        """The head's GCS starts again on its tables (``gcs_on_disk``)."""
+        self.gcs_restarted = True
+        self.cluster.head_node.start_gcs_server()
+
     # ---------------------------------------------------------------- use
 
     def cli(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -221,6 +247,14 @@ class FleetCluster:
             # Everything started since setup must be gone: by pid, bounded.
             deadline = time.monotonic() + 20
             left = self._leftovers()
+            if self.gcs_restarted:
+                # After a GCS restart each node's Ray agents (dashboard, runtime env) outlive
+                # their raylet by tens of seconds: ours (found by pid, started since setup),
+                # ended here, not counted.
+                for p in left:
+                    if _name(p.pid).split(" ", 1)[-1].startswith(RAY_NODE_AGENTS):
+                        kill_exactly(p)
+                left = self._leftovers()
             while left and time.monotonic() < deadline:
                 time.sleep(0.1)
                 left = self._leftovers()
