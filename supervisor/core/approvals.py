@@ -293,6 +293,14 @@ class ApprovalDesk:
                     ErrorCode.REFUSED,
                     f"run {run.run_id!r} is being stopped: call {call_id!r} will be rejected, not run",
                 )
+            if caught_up and p.due is not None and p.due <= trio.current_time():
+                # Its deadline is the run's stop (``_deadlines``, which may not have run yet
+                # at this instant): an answer now would let the call start after it.
+                raise ControlProtocolError(
+                    ErrorCode.REFUSED,
+                    f"call {call_id!r} of run {run.run_id!r}: its approval deadline has passed; the run is "
+                    f"being stopped ({APPROVAL_TIMEOUT_REASON}) and the call will not run",
+                )
             if run.run_dir is None:
                 raise ControlProtocolError(ErrorCode.REFUSED, f"run {run.run_id!r} has no runner to answer")
             line = _line(call_id, decision, reason)

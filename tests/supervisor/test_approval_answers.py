@@ -243,3 +243,25 @@ async def test_answers_sent_again_into_a_full_channel_hold_no_other_answer_nor_a
     os.close(reader)
     assert answered_after == pytest.approx(SEND_TIMEOUT_S)  # its own wait only
     assert cancels == [("approval_timeout", pytest.approx(due, abs=0.2))]
+
+
+async def test_an_answer_after_the_calls_deadline_is_refused_even_before_the_deadline_stops_the_run(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Only the deadline's watcher acted on it: an approve in the instant between the
+    # deadline and the watcher's cancel went into the channel, and the call could start
+    # after its deadline. (No watcher here: the desk alone.)
+    run, reader = channel(tmp_path)
+    recorded: Recorded = []
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        recorded.append((kind, data))
+
+    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    request = {"call_id": "c1", "name": "x", "deadline": time.time() + 5.0}
+    await d.on_event(run, "approval_requested", request)
+    await trio.sleep(6.0)
+    with pytest.raises(ControlProtocolError, match="its approval deadline has passed"):
+        await d.answer(run, "c1", approve=True)
+    assert unread(reader) == b"" and recorded == []
+    os.close(reader)
