@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import trio
 
@@ -158,18 +159,19 @@ async def test_a_run_whose_start_event_died_with_the_daemon_is_what_its_result_s
 NEVER_STARTED = "the daemon restarted before the run's process started"  # recovery.py
 
 
-def runner_of(run_id: str) -> int:
-    """The pid of the runner started for ``run_id`` (its ``AGENTD_RUN_ID``: this test's run)."""
-    needle = f"\0AGENTD_RUN_ID={run_id}\0".encode()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if needle in b"\0" + f.read():
-                        return int(name)
-            except OSError:
-                continue
-    raise AssertionError(f"no runner carries AGENTD_RUN_ID={run_id}")
+def runner_of(daemon_pid: int) -> tuple[int, str]:
+    """The pid of the runner the daemon ``daemon_pid`` started (its child carrying an
+    ``AGENTD_RUN_ID``: this test's one run) and that run id."""
+    for child in psutil.Process(daemon_pid).children():
+        try:
+            with open(f"/proc/{child.pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        for var in env:
+            if var.startswith(b"AGENTD_RUN_ID="):
+                return child.pid, var.split(b"=", 1)[1].decode()
+    raise AssertionError(f"no child of the daemon {daemon_pid} carries AGENTD_RUN_ID")
 
 
 async def test_a_runner_gets_its_spec_only_once_its_process_record_is_journaled(tmp_path: Path) -> None:
@@ -183,8 +185,18 @@ async def test_a_runner_gets_its_spec_only_once_its_process_record_is_journaled(
     with trio.fail_after(120):
         async with real_daemon(state, env={**cold, "AGENTD_TEST_HOLD_AT": "process_record"}) as d1:
             async with d1.connect() as c:
-                acknowledged = await spawn_and_kill(c, d1, f"touch {marker}; exec sleep 300", at=b"at process_record\n")
-                runner = runner_of(acknowledged)
+                found: list[tuple[int, str]] = []
+
+                async def find_runner() -> None:
+                    # Before the kill: at the hang-up it exits at once, having no spec
+                    # (looked for after the kill, it was gone: seen once in CI).
+                    found.append(runner_of(d1.proc.pid))
+
+                acknowledged = await spawn_and_kill(
+                    c, d1, f"touch {marker}; exec sleep 300", at=b"at process_record\n", before_kill=find_runner
+                )
+                ((runner, its_run),) = found
+                assert its_run == acknowledged
         await exited(runner, timeout_s=20)  # at the hang-up: it never had a run to run
         assert not marker.exists()
         async with real_daemon(state, env=cold) as d2, d2.connect() as c:
