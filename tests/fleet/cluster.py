@@ -274,3 +274,19 @@ def _name(pid: int) -> str:
         return f"{pid} {' '.join(psutil.Process(pid).cmdline())[:100]}"
     except psutil.Error:
         return f"{pid} (gone)"
+
+
+def wait_state(client: Client, run_id: str, wanted: str) -> dict[str, Any]:
+    """The run's status once its events reach the state ``wanted``."""
+    for ev in client.follow(run_id):
+        if ev["kind"] == "state" and ev["data"]["state"] == wanted:
+            return client.status(run_id)
+    raise AssertionError(f"run {run_id} ended without reaching {wanted!r}")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

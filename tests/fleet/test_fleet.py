@@ -22,7 +22,7 @@ import pytest
 from supervisor.config import JOURNAL_FILE
 from supervisor.control.client import Client, Unauthorized
 from tests.conftest import require
-from tests.fleet.cluster import SLOTS_PER_NODE, FleetCluster
+from tests.fleet.cluster import SLOTS_PER_NODE, FleetCluster, alive, wait_state
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +99,6 @@ def test_thirty_runs_land_by_resources_each_in_its_nodes_daemon(fleet: FleetClus
         assert st["pid"] == node_row["pid"]
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 FLEET_ONLY = {"id", "run_id", "node", "node_run_id", "node_alive", "lease", "demand", "live"}
 
 
@@ -125,13 +116,13 @@ def test_cancel_through_the_fleet_keeps_the_nodes_contract_and_every_view_matche
     assert running["state"] == "running" and running["node_alive"] is True
     node_id, node_run_id = running["node"], running["node_run_id"]
     tree_pid = next(int(e["data"]["message"].split()[-1]) for e in events if e["kind"] == "log")
-    assert _alive(running["pid"]) and _alive(tree_pid)
+    assert alive(running["pid"]) and alive(tree_pid)
 
     r = fleet.cli("--fleet", "--json", "cancel", run_id, check=False)
     assert r.returncode == 7, r.stderr  # the run's outcome: cancelled
     reply = json.loads(r.stdout.splitlines()[0])
     assert reply["was_active"] is True and reply["state"] == "cancelled"
-    assert not _alive(running["pid"]) and not _alive(tree_pid)
+    assert not alive(running["pid"]) and not alive(tree_pid)
 
     status = json.loads(fleet.cli("--fleet", "--json", "status", run_id).stdout)
     with fleet.node_client(node_id) as nc:
@@ -213,7 +204,7 @@ def test_the_front_refuses_a_missing_or_wrong_token_and_a_foreign_origin_and_clo
 def test_steering_through_the_front_reaches_the_runner_on_its_node(fleet: FleetCluster) -> None:
     with fleet.client() as c:
         run_id = c.spawn(spec({"echo_steer": True}))["run_id"]
-        _wait_state(c, run_id, "running")
+        wait_state(c, run_id, "running")
         for ev in c.follow(run_id):  # the runner reads its input from here on
             if ev["kind"] == "step_snapshot":
                 break
@@ -251,19 +242,12 @@ def _node_run_count(fleet: FleetCluster) -> int:
     return total
 
 
-def _wait_state(client: Any, run_id: str, wanted: str) -> dict[str, Any]:
-    for ev in client.follow(run_id):
-        if ev["kind"] == "state" and ev["data"]["state"] == wanted:
-            return client.status(run_id)
-    raise AssertionError(f"run {run_id} ended without reaching {wanted!r}")
-
-
 def test_a_full_fleet_queues_in_ray_and_a_run_cancelled_while_queued_never_starts(fleet: FleetCluster) -> None:
     slots = SLOTS_PER_NODE * len(fleet.agents())
     with fleet.client() as c:
         holding = [c.spawn(spec())["run_id"] for _ in range(slots)]
         for run_id in holding:
-            _wait_state(c, run_id, "running")
+            wait_state(c, run_id, "running")
         on_nodes = _node_run_count(fleet)
 
         queued = c.spawn(spec())["run_id"]
@@ -281,7 +265,7 @@ def test_a_full_fleet_queues_in_ray_and_a_run_cancelled_while_queued_never_start
         assert c.status(waiting)["state"] == "queued"
         freed = c.status(holding[0])["node"]
         assert c.cancel(holding[0])["was_active"] is True
-        started = _wait_state(c, waiting, "running")
+        started = wait_state(c, waiting, "running")
         assert started["node"] == freed  # the only node with a free slot
         out = c.cancel_many(holding + [waiting])  # (a session has one live turn: not a group)
         assert sorted(r["run_id"] for r in out["runs"] if r["was_active"]) == sorted(holding[1:] + [waiting])
@@ -299,7 +283,7 @@ def test_the_front_killed_and_restarted_loses_nothing_and_writes_no_second_termi
         assert wait_terminal(c, done) == "completed"
         live = [c.spawn(spec())["run_id"] for _ in range(slots)]
         for run_id in live:
-            _wait_state(c, run_id, "running")
+            wait_state(c, run_id, "running")
         queued = c.spawn(spec())["run_id"]
         placed = {r: c.status(r) for r in live}
     fleet.kill_front()
@@ -429,7 +413,7 @@ def test_a_node_lost_with_live_runs_turns_them_lost_with_partial_results_and_spa
             assert wait_terminal(c, run_id) == "cancelled"
         fresh = [c.spawn(spec())["run_id"] for _ in range(2)]
         for run_id in fresh:
-            assert _wait_state(c, run_id, "running")["node"] != victim
+            assert wait_state(c, run_id, "running")["node"] != victim
         c.cancel_many(spared + fresh)
         for run_id in spared + fresh:
             assert wait_terminal(c, run_id) == "cancelled"

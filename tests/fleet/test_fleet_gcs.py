@@ -15,12 +15,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
 import pytest
 
 from supervisor.control.client import Client
 from tests.conftest import require
-from tests.fleet.cluster import FleetCluster
+from tests.fleet.cluster import FleetCluster, alive, wait_state
 
 SLOTS = 2
 # Ray's own (60 s, its default): every Ray process exits after the GCS is away this long.
@@ -52,20 +51,6 @@ def wait_terminal(client: Client, run_id: str) -> str:
         pass
     assert follow.state is not None
     return follow.state
-
-
-def wait_state(client: Client, run_id: str, wanted: str) -> dict[str, Any]:
-    for ev in client.follow(run_id):
-        if ev["kind"] == "state" and ev["data"]["state"] == wanted:
-            return client.status(run_id)
-    raise AssertionError(f"run {run_id} ended without reaching {wanted!r}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class Follower:
