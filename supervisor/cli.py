@@ -1178,6 +1178,7 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
         try:
             reached = _reach_the_lock_holder(client, send, exc)
         except _Unreachable as cut_off:
+            _nothing_to_record(obj, client.state_dir, exc, run_id)
             note = _record_pending_stop(
                 client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
             )
@@ -1197,6 +1198,7 @@ def cancel(obj: Obj, run_id: str | None, session_id: str | None, turn: str | Non
             # No daemon: the runs go on (the next one re-adopts them), so the stop is
             # recorded for it rather than lost. Then tried once more: a daemon that started
             # meanwhile may have read the notes before this one was there.
+            _nothing_to_record(obj, client.state_dir, exc, run_id)
             note = _record_pending_stop(
                 client.state_dir, exc, run_id=run_id, session_id=session_id, turn=turn, reason=reason
             )
@@ -1350,6 +1352,35 @@ def _wait_taken(note: Path, within_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def _nothing_to_record(obj: Obj, state_dir: Path, exc: DaemonNotRunning, run_id: str | None) -> None:
+    """Before a run's stop is recorded for a daemon: the journal, read-only, says whether
+    there is such a run and whether it is still live. Unknown: exit 4, nothing recorded
+    (a typo was "stop recorded", exit 10). Ended: what ``cancel`` of an ended run says with
+    a daemon ("was not active", its outcome's exit code). Unreadable: recorded anyway (the
+    daemon decides). A session's note is not checked here."""
+    if run_id is None:
+        return
+    from supervisor.config import JOURNAL_FILE
+    from supervisor.errors import JournalError, RunNotFound
+    from supervisor.store._read import JournalReader
+
+    try:
+        with JournalReader(state_dir / JOURNAL_FILE) as journal:
+            state = journal.run_state(run_id)
+    except RunNotFound:
+        raise CliError(
+            f"{exc}; and the journal of {str(state_dir)!r} has no run {run_id!r}: nothing to stop, nothing recorded",
+            ExitCode.NOT_FOUND,
+        ) from None
+    except JournalError:
+        return
+    if state not in OUTCOME_EXIT:
+        return
+    out = {"run_id": run_id, "was_active": False, "state": state, "delivered": False, "pending": False}
+    obj.emit(out, lambda: click.echo(f"{run_id}: was not active (state: {state}; read from the journal, no daemon)"))
+    click.get_current_context().exit(OUTCOME_EXIT[state])
 
 
 def _record_pending_stop(

@@ -29,6 +29,7 @@ from supervisor.control._pendingstops import DIR, TooManyPendingStops, read_all,
 from supervisor.core._pending import PendingStops
 from supervisor.daemon import serve
 from supervisor.errors import JournalUnavailable
+from supervisor.states import RunState
 from supervisor.store._unwritten import NAME, UnwrittenNote
 from supervisor.store.journal import Journal
 
@@ -251,3 +252,39 @@ def test_set_aside_notes_are_pruned_to_the_newest_few_by_the_daemons_read(
     assert kept == sorted([*old[5:], "99-1.stop.bad"])  # the 5 oldest removed
     assert "removed 5 set-aside pending stops" in caplog.text and "00-1.stop.bad" in caplog.text
     assert read_all(tmp_path) == [note] and len(list(d.glob("*.bad"))) == 16  # (nothing more)
+
+
+async def test_cancel_with_no_daemon_reads_the_journal_an_unknown_or_ended_run_records_nothing(tmp_path: Path) -> None:
+    # A typo'd run id with no daemon was "stop recorded" (exit 10), and the next daemon
+    # logged and dropped the note; a run that had ended the same. The journal (read-only)
+    # says so at once now; a live run's stop is still recorded.
+    now = time.time()
+    async with await Journal.open(tmp_path / JOURNAL_FILE) as j:
+        for run_id in ("r-live", "r-done"):
+            queued = [("state", {"state": "queued"}, now)]
+            await j.create_run(
+                run_id, session_id=None, spec={"task": "t"}, created_at=now, timeout_s=None, events=queued
+            )
+        done = await j.finish(
+            "r-done",
+            RunState.COMPLETED,
+            reason=None,
+            result={"status": "completed"},
+            partial=False,
+            from_any_live_state=True,
+        )
+        assert done
+
+    def cancel(run_id: str) -> Any:
+        return CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "cancel", run_id])
+
+    res = cancel("r-typo")
+    assert res.exit_code == ExitCode.NOT_FOUND, res.output
+    assert "has no run 'r-typo': nothing to stop, nothing recorded" in res.stderr, res.stderr
+    res = cancel("r-done")
+    assert res.exit_code == ExitCode.OK, res.output
+    assert "r-done: was not active (state: completed" in res.stdout, res.stdout
+    assert read_all(tmp_path) == []
+    res = cancel("r-live")
+    assert res.exit_code == ExitCode.STOP_PENDING, res.output
+    assert [n.run_id for n in read_all(tmp_path)] == ["r-live"]
