@@ -290,3 +290,15 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def trees_of(client: Client, runs: list[str]) -> dict[str, int]:
+    """Each run's tree leader, once its runner (the stand-in, ``{"tree": true}``) says it
+    started it (its ``tree started PID`` log line)."""
+    trees: dict[str, int] = {}
+    for run_id in runs:
+        for ev in client.follow(run_id):
+            if ev["kind"] == "log" and ev["data"]["message"].startswith("tree started"):
+                trees[run_id] = int(ev["data"]["message"].split()[-1])
+                break
+    return trees

@@ -22,7 +22,7 @@ import pytest
 from supervisor.config import JOURNAL_FILE
 from supervisor.control.client import Client, Unauthorized
 from tests.conftest import require
-from tests.fleet.cluster import SLOTS_PER_NODE, FleetCluster, alive, wait_state
+from tests.fleet.cluster import SLOTS_PER_NODE, FleetCluster, alive, trees_of, wait_state
 
 
 @pytest.fixture(scope="module")
@@ -451,12 +451,7 @@ def test_fleet_down_cancels_every_live_run_with_its_receipt_and_leaves_nothing(f
     slots = SLOTS_PER_NODE * len(agents)
     with fleet.client() as c:
         runs = [c.spawn(spec({"tree": True}))["run_id"] for _ in range(slots)]
-        trees: dict[str, int] = {}
-        for run_id in runs:
-            for ev in c.follow(run_id):  # until its runner has started its tree
-                if ev["kind"] == "log" and ev["data"]["message"].startswith("tree started"):
-                    trees[run_id] = int(ev["data"]["message"].split()[-1])
-                    break
+        trees = trees_of(c, runs)  # once each runner has started its tree
         placed = {r: c.status(r) for r in runs}
     assert {st["node"] for st in placed.values()} == set(agents)  # every node has live runs
     # Every process of it: the daemons, the runners, their trees (setsid and double-forked).

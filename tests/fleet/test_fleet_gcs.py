@@ -19,7 +19,7 @@ import pytest
 
 from supervisor.control.client import Client
 from tests.conftest import require
-from tests.fleet.cluster import FleetCluster, alive, wait_state
+from tests.fleet.cluster import FleetCluster, alive, trees_of, wait_state
 
 SLOTS = 2
 # Ray's own (60 s, its default): every Ray process exits after the GCS is away this long.
@@ -82,12 +82,7 @@ def test_while_the_gcs_is_down_status_cancel_and_spawn_answer_and_a_cancelled_ru
     head = fleet.cluster.head_node.node_id
     with fleet.client() as c:
         runs = [c.spawn(spec({"tree": True}))["run_id"] for _ in range(SLOTS * len(fleet.nodes))]
-        trees: dict[str, int] = {}
-        for run_id in runs:
-            for ev in c.follow(run_id):  # until its runner has started its tree
-                if ev["kind"] == "log" and ev["data"]["message"].startswith("tree started"):
-                    trees[run_id] = int(ev["data"]["message"].split()[-1])
-                    break
+        trees = trees_of(c, runs)  # once each runner has started its tree
         placed = {r: c.status(r) for r in runs}
         queued = c.spawn(spec())["run_id"]
         assert c.status(queued)["state"] == "queued"

@@ -46,6 +46,16 @@ def unread(fd: int) -> bytes:
         return b""
 
 
+def recording_desk() -> tuple[ApprovalDesk, Recorded]:
+    """A desk whose journal is a list: what it recorded, in order."""
+    recorded: Recorded = []
+
+    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
+        recorded.append((kind, data))
+
+    return ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing)), recorded
+
+
 async def asked(d: ApprovalDesk, run: FakeRun, call_id: str = "c1") -> None:
     await d.on_event(run, "approval_requested", {"call_id": call_id, "name": "x", "deadline": None})
 
@@ -99,12 +109,7 @@ async def test_an_answer_that_went_into_the_channel_in_part_is_journaled_unsent_
     # line's leading newline ends it, and it is not JSON), so the call waits again, and
     # the journal says so: a restarted daemon must not count it answered.
     run, reader = channel(tmp_path)
-    recorded: Recorded = []
-
-    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
-        recorded.append((kind, data))
-
-    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    d, recorded = recording_desk()
     fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4 * 4096)  # four page slots
     for _ in range(3):
         os.write(reader, b"x" * 4095 + b"\n")  # junk lines the runner drops, one slot each
@@ -131,13 +136,8 @@ async def test_a_request_cancelled_while_its_answer_waits_for_room_still_ends_wr
     # is cancelled meanwhile (its client went away). Left there, the journal said sent
     # while nothing went in, and the call was held answered with no answer on its way.
     run, reader = channel(tmp_path)
-    recorded: Recorded = []
     errors: list[str] = []
-
-    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
-        recorded.append((kind, data))
-
-    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    d, recorded = recording_desk()
     try:
         while True:
             os.write(reader, b"x" * 4096)
@@ -252,12 +252,7 @@ async def test_an_answer_after_the_calls_deadline_is_refused_even_before_the_dea
     # deadline and the watcher's cancel went into the channel, and the call could start
     # after its deadline. (No watcher here: the desk alone.)
     run, reader = channel(tmp_path)
-    recorded: Recorded = []
-
-    async def record(r: Any, kind: str, data: dict[str, Any]) -> None:
-        recorded.append((kind, data))
-
-    d = ApprovalDesk(Hooks(record=record, transition=nothing, cancel=nothing))
+    d, recorded = recording_desk()
     request = {"call_id": "c1", "name": "x", "deadline": time.time() + 5.0}
     await d.on_event(run, "approval_requested", request)
     await trio.sleep(6.0)
